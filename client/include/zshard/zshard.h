@@ -1,0 +1,460 @@
+/*
+ * zshard — the trainer's client library (libzshard).
+ *
+ * This is the single public header. Every public symbol starts with zs_ / ZS_;
+ * everything else in the library is hidden. Functions return 0 (ZS_OK) or a
+ * negative zs_status; zs_strerror() turns one into a sentence.
+ */
+#ifndef ZSHARD_ZSHARD_H
+#define ZSHARD_ZSHARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(ZS_BUILDING_LIBRARY)
+#define ZS_EXTERN __attribute__((visibility("default")))
+#else
+#define ZS_EXTERN
+#endif
+
+#define ZS_VERSION_MAJOR 0
+#define ZS_VERSION_MINOR 1
+#define ZS_VERSION_PATCH 0
+
+/*
+ * The one list of status codes. Columns: name, value, gRPC status code the
+ * server answers with, and the sentence zs_strerror() returns. The list
+ * generates the enum, zs_strerror(), zs_err_name() and the gRPC mapping, so a
+ * new code is added here and nowhere else.
+ */
+#define ZS_STATUS_MAP(XX)                                                           \
+  XX(OK, 0, 0, "success")                                                           \
+  XX(EINVAL, -1, 3, "invalid argument")                                             \
+  XX(ENOMEM, -2, 8, "out of memory")                                                \
+  XX(ENOTFOUND, -3, 5, "no such tensor, slice or job")                              \
+  XX(EHASH, -4, 9, "model spec hash does not match the shard's job")                \
+  XX(ESTEP, -5, 11, "step is not the one the shard expects")                        \
+  XX(ESIZE, -6, 3, "payload length does not match the slice")                       \
+  XX(EDTYPE, -7, 3, "unsupported dtype")                                            \
+  XX(ETIMEDOUT, -8, 4, "timed out")                                                 \
+  XX(ECONN, -9, 14, "connection to a shard failed")                                 \
+  XX(EPROTO, -10, 3, "malformed message")                                           \
+  XX(ECRC, -11, 15, "checksum mismatch")                                            \
+  XX(ECLOSED, -12, 14, "closed or shutting down")                                   \
+  XX(EEXIST, -13, 6, "conflicting state already exists")                            \
+  XX(ENOTOPEN, -14, 9, "no job is open on this shard")                              \
+  XX(ENOTREADY, -15, 9, "not ready: contributions or initial weights missing")      \
+  XX(ENONFINITE, -16, 3, "non-finite gradient: the step must be skipped")           \
+  XX(EIO, -17, 13, "I/O error")                                                     \
+  XX(EINTERNAL, -18, 13, "internal error")                                          \
+  XX(EUNIMPL, -19, 12, "not implemented")                                           \
+  XX(EBEHIND, -20, 9, "shard is behind the cluster")                                \
+  XX(ECANCELED, -21, 1, "canceled")                                                 \
+  XX(ERANGE, -22, 11, "value out of range")
+
+typedef enum zs_status {
+#define ZS__STATUS_ENUM(name, value, grpc, msg) ZS_##name = value,
+  ZS_STATUS_MAP(ZS__STATUS_ENUM)
+#undef ZS__STATUS_ENUM
+} zs_status;
+
+/* Element types on the wire and in caller buffers. Values match the proto. */
+typedef enum zs_dtype {
+  ZS_DTYPE_FP32 = 1,
+  ZS_DTYPE_FP16 = 2,
+  ZS_DTYPE_BF16 = 3,
+} zs_dtype;
+
+/* Optimizers a param group can use. Values match the proto. */
+typedef enum zs_optimizer {
+  ZS_OPTIM_ADAMW = 0,
+  ZS_OPTIM_ADAM = 1,
+  ZS_OPTIM_SGD = 2,
+} zs_optimizer;
+
+/* The library's version as "major.minor.patch"; a static string. */
+ZS_EXTERN const char *zs_version(void);
+
+/* A sentence describing status `err`; a static string, never NULL. */
+ZS_EXTERN const char *zs_strerror(int err);
+
+/* The symbolic name of status `err` ("ZS_EINVAL"); a static string. */
+ZS_EXTERN const char *zs_err_name(int err);
+
+/* Bytes per element of `dtype`, or 0 for a value that is not a zs_dtype. */
+ZS_EXTERN size_t zs_dtype_size(int dtype);
+
+/* ======================================================================== */
+/* Conventions of the client API                                            */
+/* ======================================================================== */
+/*
+ * Return values: every function returning int returns 0 (ZS_OK) or a negative
+ * zs_status unless its comment says otherwise. When a function fails it also
+ * leaves a sentence with the details (which shard, which tensor, what the
+ * server said) for zs_last_error() on the calling thread.
+ *
+ * Option and result structs carry their own size in their first field
+ * (`struct_size`), so that a program built against an older header keeps
+ * working with a newer library: always fill them with the matching
+ * zs_*_init() function, which sets struct_size and every default, and then
+ * change the fields you need.
+ *
+ * Threads: unless a function says otherwise it may be called from any thread,
+ * concurrently with any other call on the same client. The library runs its
+ * own worker threads (see zs_client_options.threads); completion callbacks run
+ * on them.
+ *
+ * Steps are 1-based: step s turns parameter version s-1 into version s. A
+ * client starts at step version+1 of the job it opens (1 for a new job).
+ */
+
+/* The calling thread's description of the last failure of a zs_ call on this
+ * thread: a static-per-thread string, never NULL, overwritten by the next
+ * failure on the same thread (successful calls leave it alone). */
+ZS_EXTERN const char *zs_last_error(void);
+
+/* ======================================================================== */
+/* Dynamic loss scaling (DeepSpeed semantics)                               */
+/* ======================================================================== */
+/*
+ * A plain value type the trainer owns; zs_step uses one inside the client when
+ * zs_client_options.loss_scaling is ZS_LOSS_SCALE_DYNAMIC, and a trainer that
+ * manages scaling itself can use these functions directly.
+ *
+ * The rules are those of DeepSpeed's DynamicLossScaler: on an overflow the
+ * step is skipped and, once `hysteresis` overflows have been absorbed, the
+ * scale is divided by `factor` (never below `min_scale`); after `window`
+ * iterations without an overflow the scale is multiplied by `factor` and the
+ * hysteresis is restored.
+ */
+typedef struct zs_loss_scaler {
+  size_t struct_size;
+  double scale;        /* the current scale; initial 2^16 */
+  double min_scale;    /* 1 */
+  double factor;       /* 2 */
+  uint32_t window;     /* 1000 */
+  uint32_t hysteresis; /* 2 (DeepSpeed's delayed_shift) */
+  /* State: */
+  uint32_t cur_hysteresis;
+  int64_t iter;
+  int64_t last_overflow_iter;
+} zs_loss_scaler;
+
+/* Fills `s` with DeepSpeed's defaults (scale 2^16, window 1000, hysteresis 2,
+ * min 1, factor 2) and a fresh state. `s` is the caller's. */
+ZS_EXTERN void zs_loss_scaler_init(zs_loss_scaler *s);
+
+/* Records one iteration's outcome (overflow 1 or 0) and updates s->scale.
+ * Returns ZS_EINVAL for a NULL or uninitialised `s`. Not thread-safe for one
+ * `s`: the caller serialises calls on it. */
+ZS_EXTERN int zs_loss_scaler_update(zs_loss_scaler *s, int overflow);
+
+/* ======================================================================== */
+/* Client                                                                   */
+/* ======================================================================== */
+
+/* One trainer's connection to the N shards of one job. Opaque. */
+typedef struct zs_client zs_client;
+
+typedef enum zs_grad_reduce {
+  ZS_REDUCE_MEAN = 0, /* the gradient is the mean over the W trainers */
+  ZS_REDUCE_SUM = 1,  /* the gradient is their sum */
+} zs_grad_reduce;
+
+typedef enum zs_loss_scaling {
+  ZS_LOSS_SCALE_NONE = 0,    /* loss scale 1 unless zs_step is given one */
+  ZS_LOSS_SCALE_STATIC = 1,  /* static_loss_scale every step */
+  ZS_LOSS_SCALE_DYNAMIC = 2, /* the client's zs_loss_scaler */
+} zs_loss_scaling;
+
+typedef struct zs_client_options {
+  size_t struct_size;
+  /* Shard addresses in shard-id order, "host:port,host:port", or a pattern
+   * with "{i}" replaced by 0..num_shards-1, e.g. "zshard-{i}.zshard:7070".
+   * Required. Copied by zs_client_open. */
+  const char *addresses;
+  uint32_t num_shards; /* with a pattern: required; with a list: 0 or its length */
+  uint32_t rank;       /* this trainer, < world_size */
+  uint32_t world_size; /* W trainers; default 1 */
+  uint32_t grad_accum; /* M micro-batches per step and trainer; default 1 */
+  /* The job's name (copied). Default "zshard". */
+  const char *job;
+  zs_grad_reduce grad_reduce; /* default ZS_REDUCE_MEAN */
+  /* The shards' low-precision copy of the weights: ZS_DTYPE_BF16 (default) or
+   * ZS_DTYPE_FP16. */
+  zs_dtype param_dtype;
+  /* Tensors with at least this many elements are split over all shards;
+   * 0 means the default, 65536. */
+  uint64_t split_threshold;
+  /* Wire dtypes: gradients are converted to push_dtype before sending and
+   * parameters travel as pull_dtype; 0 means "the dtype of the caller's
+   * buffer" (no conversion). Default 0. */
+  zs_dtype push_dtype;
+  zs_dtype pull_dtype;
+  /* Worker threads issuing calls in parallel; 0: 2*N + 2, at most 32. */
+  uint32_t threads;
+  /* Coalescing: a worker that takes a piece smaller than the bucket size from
+   * a shard's queue also takes the small pieces queued behind it for that
+   * shard, up to this many bytes, and issues them back to back (one hand-off
+   * instead of one per piece; the calls themselves stay one per piece).
+   * 0 disables. Defaults 0 (see docs/CLIENT.md for measurements). */
+  size_t reduce_bucket_size;    /* pushes */
+  size_t allgather_bucket_size; /* pulls */
+  /* After a pull of tensor t, start pulls of tensors t+1 .. t+prefetch_depth
+   * (model order) for the same version into internal buffers; after a step,
+   * of tensors 0 .. prefetch_depth-1. A later zs_pull of a prefetched tensor
+   * takes the data from there. 0 (default) disables. */
+  uint32_t prefetch_depth;
+  /* Deadline of one call (push, pull transfer, open, init, apply), ms.
+   * Default 30000. */
+  uint32_t rpc_timeout_ms;
+  /* How long zs_step waits for every trainer's contributions and a pull
+   * waits for its parameter version, ms. Default 60000. */
+  uint32_t step_timeout_ms;
+  /* Retries of a call answered UNAVAILABLE (connection lost, shard
+   * restarting), with exponential backoff from retry_initial_ms doubling up
+   * to retry_max_ms. Defaults 8, 50, 2000. */
+  uint32_t max_retries;
+  uint32_t retry_initial_ms;
+  uint32_t retry_max_ms;
+  /* Loss scaling used by zs_step when it is given loss_scale 0. */
+  zs_loss_scaling loss_scaling; /* default ZS_LOSS_SCALE_NONE */
+  double static_loss_scale;     /* ZS_LOSS_SCALE_STATIC; default 1 */
+  /* ZS_LOSS_SCALE_DYNAMIC: the scaler's configuration (its state is reset). */
+  zs_loss_scaler dynamic_loss_scaler;
+} zs_client_options;
+
+/* Fills `o` with the defaults above. */
+ZS_EXTERN void zs_client_options_init(zs_client_options *o);
+
+/* Creates a client: checks the options, opens (lazy) channels to the shards
+ * and starts the worker threads. No network traffic happens yet. On success
+ * *out is a client owned by the caller, released with zs_client_close.
+ * `o` and the strings it points to are only read during the call. */
+ZS_EXTERN int zs_client_open(const zs_client_options *o, zs_client **out);
+
+/* Closes the client: queued transfers are cancelled (their requests complete
+ * with ZS_ECANCELED and their callbacks run), calls already on the wire are
+ * waited for (at most their deadlines), the threads stop and the client is
+ * freed. Requests still held by the caller stay valid until zs_wait. Any
+ * later use of `c` fails with ZS_ECLOSED (the library keeps a registry of live
+ * clients), although holding on to a closed handle is a bug. NULL is
+ * accepted. Must not be called from a completion callback. */
+ZS_EXTERN int zs_client_close(zs_client *c);
+
+/* ---- Describing the model (before zs_open_job) ------------------------- */
+
+typedef struct zs_group_options {
+  size_t struct_size;
+  zs_optimizer optimizer;
+  double lr_scale; /* this group's lr = the step's lr * lr_scale; default 1 */
+  double beta1, beta2, eps; /* adam/adamw; torch's 0.9, 0.999, 1e-8 */
+  double weight_decay;      /* adamw 0.01, adam 0, sgd 0 (torch's defaults) */
+  double momentum, dampening; /* sgd; 0, 0 */
+  int nesterov;               /* sgd; 0 */
+  int bias_correction;        /* adam/adamw; 1 */
+} zs_group_options;
+
+/* Fills `g` with torch's defaults for `optimizer`. */
+ZS_EXTERN void zs_group_options_init(zs_group_options *g, zs_optimizer optimizer);
+
+/* Adds a param group; *id (may be NULL) gets its index (0, 1, ...). If no
+ * group is added before zs_open_job, one AdamW group with torch's defaults is
+ * used. `g` is only read during the call. Returns ZS_EINVAL after
+ * zs_open_job. */
+ZS_EXTERN int zs_add_group(zs_client *c, const zs_group_options *g, uint32_t *id);
+
+/* Adds a tensor (the model's tensors in a fixed order, the same on every
+ * trainer); *id (may be NULL) gets its index, which the transfer functions
+ * take. `name` (unique, at most 256 bytes) and `shape` (ndim entries whose
+ * product is numel; NULL with ndim 0 for a flat tensor) are copied. */
+ZS_EXTERN int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint32_t group,
+                            const uint64_t *shape, uint32_t ndim, uint32_t *id);
+
+/* Registers the job on every shard (creating it or verifying that the shard's
+ * job has the same spec hash) and, on rank 0, writes the initial fp32 weights
+ * of every piece. init_weights has one pointer per tensor, in tensor order,
+ * each to numel floats; it is read only during the call, is required on rank
+ * 0 and ignored (may be NULL) elsewhere. Other ranks' first pulls wait until
+ * rank 0 has written the weights. Opening a job the shards have already
+ * trained resumes at its version (the initial weights are then ignored).
+ * Returns ZS_EHASH if a shard holds a different job, ZS_EINVAL if a shard's id
+ * or shard count does not match the address list. */
+ZS_EXTERN int zs_open_job(zs_client *c, const float *const *init_weights);
+
+/* ---- Inspecting the job -------------------------------------------------- */
+
+/* Number of tensors added so far. */
+ZS_EXTERN uint32_t zs_num_tensors(const zs_client *c);
+/* numel of tensor t, or 0 if there is no such tensor. */
+ZS_EXTERN uint64_t zs_tensor_numel(const zs_client *c, uint32_t t);
+/* Index of the tensor called `name`. ZS_ENOTFOUND if none. */
+ZS_EXTERN int zs_find_tensor(const zs_client *c, const char *name, uint32_t *id);
+/* The step the next zs_step will complete (version + 1), 0 before the job
+ * is open. */
+ZS_EXTERN uint64_t zs_current_step(const zs_client *c);
+/* The loss scale the trainer multiplies its loss by for the current step
+ * (1 without loss scaling). */
+ZS_EXTERN double zs_loss_scale(const zs_client *c);
+/* The spec hash of the open job (0 before zs_open_job). */
+ZS_EXTERN uint64_t zs_spec_hash(const zs_client *c);
+
+/* ======================================================================== */
+/* Transfers                                                                 */
+/* ======================================================================== */
+
+/* A pending push or pull. Created by zs_push / zs_pull, owned by the caller
+ * and released by zs_wait (and only by it). */
+typedef struct zs_request zs_request;
+
+/* Completion callback: runs once, on a library thread, with the request's
+ * status. It must not block (no zs_wait, no synchronous transfer, no
+ * zs_step, no zs_client_close) but may start new transfers. */
+typedef void (*zs_request_cb)(void *arg, int status);
+
+/* Pushes the gradient of tensor `tensor` for micro-batch `micro` (< M) of the
+ * current step: numel elements of `dtype` at `grad` (nbytes must be numel *
+ * zs_dtype_size(dtype)), sent to every owning shard in parallel (converted to
+ * push_dtype first if that differs). `grad` is the caller's and must stay
+ * valid and unchanged until the request completes. Each (tensor, micro) is
+ * pushed once per step (ZS_EEXIST otherwise). With `req` NULL the call waits
+ * for completion; otherwise *req is a request the caller must zs_wait.
+ * Must not be called while zs_step runs on the same client. */
+ZS_EXTERN int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
+                      zs_dtype dtype, size_t nbytes, zs_request **req);
+
+/* Pulls tensor `tensor`'s parameters of version current_step - 1 (waiting on
+ * the shards until they have it) into `dst`: numel elements of `dtype`
+ * (nbytes = numel * zs_dtype_size(dtype)). `dst` is the caller's and must
+ * stay valid and untouched until the request completes. With `req` NULL the
+ * call waits; otherwise *req is a request the caller must zs_wait. */
+ZS_EXTERN int zs_pull(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
+                      zs_request **req);
+
+/* The same with a completion callback instead of a request handle: on success
+ * cb(arg, status) is called exactly once, later, from a library thread; when
+ * the function returns an error the callback is never called. */
+ZS_EXTERN int zs_push_cb(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
+                         zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg);
+ZS_EXTERN int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype,
+                         size_t nbytes, zs_request_cb cb, void *arg);
+
+/* Waits for `req` to complete, returns its status and frees it: `req` is
+ * invalid afterwards. May be called from any one thread (not from a
+ * callback). Works after the client was closed. */
+ZS_EXTERN int zs_wait(zs_request *req);
+
+/* 1 if `req` has completed (zs_wait then returns at once), 0 if not,
+ * ZS_EINVAL for NULL. Does not free the request. */
+ZS_EXTERN int zs_test(const zs_request *req);
+
+/* Waits until every push of the current step issued so far by this client
+ * has completed; returns the first push failure of the step, if any. */
+ZS_EXTERN int zs_wait_pushes(zs_client *c);
+
+/* ======================================================================== */
+/* Step                                                                      */
+/* ======================================================================== */
+
+/* Where one step's wall time went, in milliseconds, measured on this client
+ * from the end of the previous zs_step (or zs_open_job) to the end of this
+ * one. push: time spent in zs_push / waiting for pushes (including zs_step's
+ * drain of outstanding pushes); pull_wait: time spent waiting for pulls;
+ * step: zs_step's statistics and apply; compute: the rest, i.e. the trainer's
+ * own work between calls. With several trainer threads the waits of different
+ * threads may overlap and compute is clamped at 0. */
+typedef struct zs_timing {
+  double total_ms, compute_ms, push_ms, pull_wait_ms, step_ms;
+  uint64_t bytes_pushed; /* wire bytes of gradients sent this step */
+  uint64_t bytes_pulled; /* wire bytes of parameters received this step */
+  uint32_t retries;      /* calls retried after UNAVAILABLE */
+} zs_timing;
+
+typedef struct zs_step_result {
+  size_t struct_size;
+  uint64_t step;          /* the step this call completed */
+  uint64_t version;       /* parameter version after it (== step) */
+  int applied;            /* 1: the optimizer ran; 0: skipped (overflow) */
+  int overflow;           /* an inf/NaN was in the gradient */
+  double grad_norm;       /* L2 norm of the reduced gradient divided by the
+                             loss scale, before clipping (inf on overflow) */
+  double clip_coef;       /* min(1, max_norm / (grad_norm + 1e-6)), or 1 */
+  float coef;             /* sent to the shards: clip_coef / loss_scale */
+  double loss_scale;      /* used for this step */
+  double next_loss_scale; /* to use for the next step */
+  zs_timing timing;
+} zs_step_result;
+
+/* Fills `r` with zeros and its struct_size. */
+ZS_EXTERN void zs_step_result_init(zs_step_result *r);
+
+/* Completes the current step s: waits for this client's pushes, collects the
+ * gradient statistics of step s from every shard (waiting up to
+ * step_timeout_ms for every trainer's contributions), computes the global
+ * gradient norm and overflow flag exactly as every other trainer does, and
+ * applies step s on every shard with learning rate `lr`, clipping to
+ * `max_grad_norm` (0: no clipping) and loss scale `loss_scale` (0: the
+ * client's loss scaling). On overflow the step is skipped on every shard. On
+ * success (applied or skipped) the client moves to step s+1 and `out` (may be
+ * NULL; else initialised with zs_step_result_init) says what happened. On
+ * ZS_ETIMEDOUT zs_last_error() names the ranks and tensors still missing.
+ * One zs_step at a time per client, with no zs_push running concurrently. */
+ZS_EXTERN int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale,
+                      zs_step_result *out);
+
+/* The timing of the last completed step (zeros before the first). */
+ZS_EXTERN int zs_last_timing(const zs_client *c, zs_timing *out);
+
+/* ======================================================================== */
+/* Memory and traffic estimates (`zshard estimate`)                          */
+/* ======================================================================== */
+
+typedef struct zs_estimate_input {
+  size_t struct_size;
+  uint64_t params;        /* Φ, total parameters */
+  uint64_t largest_layer; /* parameters of the largest layer (ZeRO-3 and zshard
+                             working set); 0: params */
+  uint32_t trainers;      /* W */
+  uint32_t shards;        /* N (zshard only) */
+  zs_dtype grad_dtype;    /* gradients on the wire; default BF16 */
+  zs_dtype param_dtype;   /* parameters on the wire and in trainer memory; BF16 */
+  double trainer_gbps;    /* trainer NIC, Gbit/s each way; default 100 */
+  double shard_gbps;      /* shard NIC, Gbit/s each way; 0: trainer_gbps */
+  int pull_in_backward;   /* zshard pulls parameters again in backward */
+} zs_estimate_input;
+
+/* Fills `in` with the defaults (params and largest_layer 0, W = N = 1). */
+ZS_EXTERN void zs_estimate_input_init(zs_estimate_input *in);
+
+typedef enum zs_strategy {
+  ZS_STRATEGY_DP = 0,
+  ZS_STRATEGY_ZERO1 = 1,
+  ZS_STRATEGY_ZERO2 = 2,
+  ZS_STRATEGY_ZERO3 = 3,
+  ZS_STRATEGY_ZSHARD = 4,
+  ZS_STRATEGY_COUNT = 5
+} zs_strategy;
+
+typedef struct zs_estimate_row {
+  zs_strategy strategy;
+  const char *name;          /* static string: "dp", "zero1", ... */
+  double device_bytes;       /* memory on each trainer (model states) */
+  double shard_bytes;        /* memory on each shard server; 0 if none */
+  double sent_bytes;         /* per trainer per step */
+  double received_bytes;     /* per trainer per step */
+  double shard_wire_bytes;   /* per shard per step, the busier direction */
+  double comm_seconds;       /* lower bound on communication time per step */
+} zs_estimate_row;
+
+/* Computes one row per strategy into rows[0 .. ZS_STRATEGY_COUNT) (formulas
+ * in docs/CLIENT.md). `in` is read, `rows` written; both the caller's. */
+ZS_EXTERN int zs_estimate(const zs_estimate_input *in, zs_estimate_row *rows, size_t nrows);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ZSHARD_ZSHARD_H */

@@ -1,0 +1,309 @@
+/*
+ * dtype — scalar reference conversions and the run-time dispatch to the vector
+ * kernels in dtype_avx2.c and dtype_avx512.c.
+ *
+ * The one rule set every path follows, bit for bit:
+ *
+ *  - fp32 -> bf16 and fp32 -> fp16 round to nearest, ties to even. A result too
+ *    large for fp16 becomes Inf of the same sign; a result below fp16's normal
+ *    range becomes the correctly rounded subnormal or a signed zero. fp32
+ *    subnormal inputs are honoured, never flushed: in fp16 they all round to
+ *    a signed zero, and bf16, which has fp32's exponent range, keeps their top
+ *    bits. The results do not depend on MXCSR (rounding mode, FTZ, DAZ): the
+ *    scalar code is integer arithmetic, F16C gets its rounding mode in the
+ *    instruction, and F16C ignores FTZ/DAZ (test_dtype checks this).
+ *  - NaN -> 16 bits keeps the sign and the top payload bits (bf16: mantissa bits
+ *    22..16, fp16: bits 22..13) and sets the quiet bit, so a NaN can never turn
+ *    into Inf by losing its payload. This is what F16C's VCVTPS2PH does, and
+ *    the bf16 kernels do the same with integer operations.
+ *  - bf16 -> fp32 is a 16-bit shift: exact for every pattern, NaN payloads
+ *    (signalling ones included) unchanged.
+ *  - fp16 -> fp32 is exact for every number; a NaN keeps sign and payload and
+ *    gets the quiet bit, as IEEE 754 conversion and F16C's VCVTPH2PS do.
+ *  - dtype_accumulate computes acc[i] + x with one fp32 addition, except that
+ *    an acc[i] that is already NaN stays that NaN (quiet bit set) whatever x
+ *    is. Without that rule the result of NaN + NaN would be whichever operand
+ *    the compiler happened to put first (C lets it commute the addition), and
+ *    the paths could differ in payload bits. With it, a NaN result has one
+ *    defined source: acc's NaN, else x's NaN, else the hardware's default NaN
+ *    for Inf - Inf; all three are quiet. The addition itself follows MXCSR
+ *    like any fp32 addition, the same way on every path.
+ *
+ * The vector files handle unaligned pointers and tails themselves (AVX2 by
+ * calling the scalar kernels below for the last n % 8 elements, AVX-512 with
+ * masked loads and stores); this file only chooses which one to call.
+ */
+#include "common/dtype.h"
+
+#include <string.h>
+
+/* The array kernels of each ISA: the scalar ones here, the others in
+ * dtype_avx2.c and dtype_avx512.c, compiled for their ISA and called only when
+ * cpu_clamp_isa() says the CPU has it. The same prototypes are repeated in
+ * those files, as there is no private header for them. Each takes the
+ * arguments of the public function of the same verb, with `src` / `dst`
+ * already checked by dtype_valid(). */
+void dtype_scalar_to_f32(zs_dtype src, const void *in, float *out, size_t n);
+void dtype_scalar_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
+void dtype_scalar_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
+void dtype_avx2_to_f32(zs_dtype src, const void *in, float *out, size_t n);
+void dtype_avx2_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
+void dtype_avx2_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
+void dtype_avx512_to_f32(zs_dtype src, const void *in, float *out, size_t n);
+void dtype_avx512_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
+void dtype_avx512_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "zshard's tensor bytes are little-endian and converted in place; port dtype.c first"
+#endif
+
+static uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+static float f32_from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Scalar references                                                         */
+/* ------------------------------------------------------------------------ */
+
+uint16_t dtype_f32_to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return (uint16_t)((u >> 16) | 0x0040u);
+  /* Adding 0x7fff plus the lowest kept bit rounds to nearest even: a tie
+   * carries into the kept bits only when they are odd. A carry out of the
+   * mantissa increments the exponent, which is the correct rounding, and the
+   * largest finite values carry into 0x7f80, which is Inf. */
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+float dtype_bf16_to_f32(uint16_t h) {
+  return f32_from_bits((uint32_t)h << 16);
+}
+
+uint16_t dtype_f32_to_f16(float f) {
+  uint32_t u = f32_bits(f);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+
+  if (a > 0x7f800000u)
+    return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x03ffu));
+  /* 65520 is the midpoint between fp16's largest finite value 65504 (odd
+   * mantissa) and 65536; the tie goes to the even side, which is Inf. */
+  if (a >= 0x477ff000u)
+    return (uint16_t)(sign | 0x7c00u);
+  if (a >= 0x38800000u) {
+    /* Normal fp16 result: rebias the exponent from 127 to 15 and round away
+     * 13 mantissa bits, ties to even. A carry into the exponent is correct;
+     * overflow to Inf was excluded above. */
+    uint32_t r = a - 0x38000000u;
+    r += 0x0fffu + ((r >> 13) & 1u);
+    return (uint16_t)(sign | (r >> 13));
+  }
+  /* Below 2^-14 the result is a subnormal m * 2^-24. Up to and including
+   * 2^-25 (half the smallest subnormal, a tie that goes to even zero) the
+   * result is zero; this covers fp32 zeros and subnormals too. */
+  if (a <= 0x33000000u)
+    return sign;
+  /* Here the fp32 exponent e is 102..112 and the value is m * 2^(e - 150)
+   * with the implicit bit in m, i.e. (m >> (126 - e)) units of 2^-24 plus a
+   * remainder to round. A round-up from 1023 to 1024 yields 0x0400, the
+   * smallest normal, which is the right encoding. */
+  uint32_t m = (a & 0x007fffffu) | 0x00800000u;
+  unsigned shift = 126u - (a >> 23);
+  uint32_t q = m >> shift;
+  uint32_t rem = m & ((1u << shift) - 1u);
+  uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u)))
+    q++;
+  return (uint16_t)(sign | q);
+}
+
+float dtype_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x03ffu;
+
+  if (exp == 0x1fu) {
+    if (mant == 0)
+      return f32_from_bits(sign | 0x7f800000u);
+    return f32_from_bits(sign | 0x7fc00000u | (mant << 13));
+  }
+  if (exp != 0)
+    return f32_from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
+  if (mant == 0)
+    return f32_from_bits(sign);
+  /* A subnormal fp16 is a normal fp32: shift the leading one into the
+   * implicit position and lower the exponent by the same amount. */
+  uint32_t e = 113u;
+  while (!(mant & 0x0400u)) {
+    mant <<= 1;
+    e--;
+  }
+  return f32_from_bits(sign | (e << 23) | ((mant & 0x03ffu) << 13));
+}
+
+int dtype_valid(int d) {
+  return d == ZS_DTYPE_FP32 || d == ZS_DTYPE_FP16 || d == ZS_DTYPE_BF16;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Scalar array kernels                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Elements are read and written with memcpy because `in` and the 16-bit `out`
+ * may sit at any byte address (a payload inside a network frame). */
+
+static uint16_t load_u16(const unsigned char *p) {
+  uint16_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static float load_f32(const unsigned char *p) {
+  float v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* acc + x under the accumulation's NaN rule (see the top of the file). */
+static float add_keep_nan(float acc, float x) {
+  uint32_t a = f32_bits(acc);
+  if ((a & 0x7fffffffu) > 0x7f800000u)
+    return f32_from_bits(a | 0x00400000u);
+  return acc + x;
+}
+
+void dtype_scalar_to_f32(zs_dtype src, const void *in, float *out, size_t n) {
+  const unsigned char *p = in;
+  switch (src) {
+  case ZS_DTYPE_FP32:
+    if (n)
+      memmove(out, in, n * sizeof(float));
+    break;
+  case ZS_DTYPE_FP16:
+    for (size_t i = 0; i < n; i++)
+      out[i] = dtype_f16_to_f32(load_u16(p + 2 * i));
+    break;
+  case ZS_DTYPE_BF16:
+    for (size_t i = 0; i < n; i++)
+      out[i] = dtype_bf16_to_f32(load_u16(p + 2 * i));
+    break;
+  }
+}
+
+void dtype_scalar_from_f32(zs_dtype dst, const float *in, void *out, size_t n) {
+  unsigned char *p = out;
+  switch (dst) {
+  case ZS_DTYPE_FP32:
+    if (n)
+      memmove(out, in, n * sizeof(float));
+    break;
+  case ZS_DTYPE_FP16:
+    for (size_t i = 0; i < n; i++) {
+      uint16_t h = dtype_f32_to_f16(in[i]);
+      memcpy(p + 2 * i, &h, sizeof h);
+    }
+    break;
+  case ZS_DTYPE_BF16:
+    for (size_t i = 0; i < n; i++) {
+      uint16_t h = dtype_f32_to_bf16(in[i]);
+      memcpy(p + 2 * i, &h, sizeof h);
+    }
+    break;
+  }
+}
+
+void dtype_scalar_accumulate(zs_dtype src, const void *in, float *acc, size_t n) {
+  const unsigned char *p = in;
+  switch (src) {
+  case ZS_DTYPE_FP32:
+    for (size_t i = 0; i < n; i++)
+      acc[i] = add_keep_nan(acc[i], load_f32(p + 4 * i));
+    break;
+  case ZS_DTYPE_FP16:
+    for (size_t i = 0; i < n; i++)
+      acc[i] = add_keep_nan(acc[i], dtype_f16_to_f32(load_u16(p + 2 * i)));
+    break;
+  case ZS_DTYPE_BF16:
+    for (size_t i = 0; i < n; i++)
+      acc[i] = add_keep_nan(acc[i], dtype_bf16_to_f32(load_u16(p + 2 * i)));
+    break;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Dispatch                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* A dtype that is not a zs_dtype converts nothing: callers validate dtypes
+ * from the network before they get here, and touching `out` with a guessed
+ * element size would be worse than leaving it alone. */
+
+void dtype_to_f32_isa(cpu_isa isa, zs_dtype src, const void *in, float *out, size_t n) {
+  if (!dtype_valid(src))
+    return;
+  switch (cpu_clamp_isa(isa)) {
+  case CPU_ISA_AVX512:
+    dtype_avx512_to_f32(src, in, out, n);
+    break;
+  case CPU_ISA_AVX2:
+    dtype_avx2_to_f32(src, in, out, n);
+    break;
+  default:
+    dtype_scalar_to_f32(src, in, out, n);
+    break;
+  }
+}
+
+void dtype_from_f32_isa(cpu_isa isa, zs_dtype dst, const float *in, void *out, size_t n) {
+  if (!dtype_valid(dst))
+    return;
+  switch (cpu_clamp_isa(isa)) {
+  case CPU_ISA_AVX512:
+    dtype_avx512_from_f32(dst, in, out, n);
+    break;
+  case CPU_ISA_AVX2:
+    dtype_avx2_from_f32(dst, in, out, n);
+    break;
+  default:
+    dtype_scalar_from_f32(dst, in, out, n);
+    break;
+  }
+}
+
+void dtype_accumulate_isa(cpu_isa isa, zs_dtype src, const void *in, float *acc, size_t n) {
+  if (!dtype_valid(src))
+    return;
+  switch (cpu_clamp_isa(isa)) {
+  case CPU_ISA_AVX512:
+    dtype_avx512_accumulate(src, in, acc, n);
+    break;
+  case CPU_ISA_AVX2:
+    dtype_avx2_accumulate(src, in, acc, n);
+    break;
+  default:
+    dtype_scalar_accumulate(src, in, acc, n);
+    break;
+  }
+}
+
+void dtype_to_f32(zs_dtype src, const void *in, float *out, size_t n) {
+  dtype_to_f32_isa(cpu_best_isa(), src, in, out, n);
+}
+
+void dtype_from_f32(zs_dtype dst, const float *in, void *out, size_t n) {
+  dtype_from_f32_isa(cpu_best_isa(), dst, in, out, n);
+}
+
+void dtype_accumulate(zs_dtype src, const void *in, float *acc, size_t n) {
+  dtype_accumulate_isa(cpu_best_isa(), src, in, acc, n);
+}

@@ -1,0 +1,137 @@
+/*
+ * dtype_avx2 — the conversion kernels for AVX2 + F16C, 8 floats per vector.
+ * Compiled with -mavx2 -mfma -mf16c and called only after cpu_clamp_isa() has
+ * seen those features. Every result is bit-identical to the scalar reference
+ * in dtype.c (whose comment states the rounding and NaN rules); the tail of an
+ * array that does not fill a vector goes through that reference.
+ *
+ * All loads and stores are unaligned ones: payloads sit at any byte offset of
+ * a network frame, and on current CPUs an unaligned access to aligned memory
+ * costs nothing extra.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common/dtype.h"
+
+/* Prototypes shared with dtype.c, which declares the same ones. */
+void dtype_scalar_to_f32(zs_dtype src, const void *in, float *out, size_t n);
+void dtype_scalar_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
+void dtype_scalar_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
+
+void dtype_avx2_to_f32(zs_dtype src, const void *in, float *out, size_t n);
+void dtype_avx2_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
+void dtype_avx2_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
+
+#define LANES 8
+
+static inline __m256 load_f16x8(const unsigned char *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+}
+
+static inline __m256 load_bf16x8(const unsigned char *p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* fp32 -> bf16 for 8 lanes, the scalar rule vectorised: the rounding bias for
+ * numbers and Inf, (bits >> 16) | quiet bit for NaN, chosen per lane. */
+static inline __m128i f32x8_to_bf16(__m256 v) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i bias = _mm256_set1_epi32(0x7fff);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i quiet = _mm256_set1_epi32(0x0040);
+  __m256i u = _mm256_castps_si256(v);
+  /* A signed compare is right here: both sides are below 2^31 once the sign
+   * bit is cleared. */
+  __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+  __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+  __m256i r = _mm256_blendv_epi8(rounded, nan, is_nan);
+  /* Every lane now holds a value below 2^16, so the unsigned saturating pack
+   * is a plain narrowing. It works per 128-bit half, giving 64-bit chunks
+   * [r0-3, r0-3, r4-7, r4-7]; the permute gathers chunks 0 and 2. */
+  __m256i packed = _mm256_packus_epi32(r, r);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+/* acc + x, keeping acc's NaN (quieted) where acc is NaN: the accumulation's
+ * NaN rule in dtype.c. The blend costs nothing measurable in a loop that is
+ * bound by memory bandwidth. */
+static inline __m256 add_keep_nan(__m256 acc, __m256 x) {
+  __m256 nan = _mm256_cmp_ps(acc, acc, _CMP_UNORD_Q);
+  __m256 quieted = _mm256_or_ps(acc, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000)));
+  return _mm256_blendv_ps(_mm256_add_ps(acc, x), quieted, nan);
+}
+
+void dtype_avx2_to_f32(zs_dtype src, const void *in, float *out, size_t n) {
+  const unsigned char *p = in;
+  size_t i = 0;
+  switch (src) {
+  case ZS_DTYPE_FP32:
+    break; /* a copy: the scalar path's memmove is as fast as it gets */
+  case ZS_DTYPE_FP16:
+    for (; i + LANES <= n; i += LANES)
+      _mm256_storeu_ps(out + i, load_f16x8(p + 2 * i));
+    p += 2 * i;
+    break;
+  case ZS_DTYPE_BF16:
+    for (; i + LANES <= n; i += LANES)
+      _mm256_storeu_ps(out + i, load_bf16x8(p + 2 * i));
+    p += 2 * i;
+    break;
+  }
+  dtype_scalar_to_f32(src, p, out + i, n - i);
+}
+
+void dtype_avx2_from_f32(zs_dtype dst, const float *in, void *out, size_t n) {
+  unsigned char *p = out;
+  size_t i = 0;
+  switch (dst) {
+  case ZS_DTYPE_FP32:
+    break;
+  case ZS_DTYPE_FP16:
+    for (; i + LANES <= n; i += LANES) {
+      __m128i h =
+          _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128((__m128i *)(void *)(p + 2 * i), h);
+    }
+    p += 2 * i;
+    break;
+  case ZS_DTYPE_BF16:
+    for (; i + LANES <= n; i += LANES)
+      _mm_storeu_si128((__m128i *)(void *)(p + 2 * i), f32x8_to_bf16(_mm256_loadu_ps(in + i)));
+    p += 2 * i;
+    break;
+  }
+  dtype_scalar_from_f32(dst, in + i, p, n - i);
+}
+
+void dtype_avx2_accumulate(zs_dtype src, const void *in, float *acc, size_t n) {
+  const unsigned char *p = in;
+  size_t i = 0;
+  switch (src) {
+  case ZS_DTYPE_FP32:
+    for (; i + LANES <= n; i += LANES) {
+      __m256 x = _mm256_loadu_ps((const float *)(const void *)(p + 4 * i));
+      _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), x));
+    }
+    p += 4 * i;
+    break;
+  case ZS_DTYPE_FP16:
+    for (; i + LANES <= n; i += LANES)
+      _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), load_f16x8(p + 2 * i)));
+    p += 2 * i;
+    break;
+  case ZS_DTYPE_BF16:
+    for (; i + LANES <= n; i += LANES)
+      _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), load_bf16x8(p + 2 * i)));
+    p += 2 * i;
+    break;
+  }
+  dtype_scalar_accumulate(src, p, acc + i, n - i);
+}

@@ -1,0 +1,256 @@
+/*
+ * rpc_client — blocking unary gRPC calls over the C core API.
+ *
+ * Each call gets its own completion queue and the calling thread drives it to
+ * completion, so the only state shared between threads is the grpc_channel,
+ * which gRPC makes thread-safe. Every rpc_channel holds one reference on the
+ * gRPC library (grpc_init in open, grpc_shutdown in close), so a process that
+ * closes its last channel releases gRPC's threads.
+ *
+ * Copies of a response's bytes: gRPC receives the message into its slices; a
+ * message that arrived in one slice is parsed in place, one that arrived in
+ * several is gathered into one buffer first (one copy); protobuf-c then copies
+ * `bytes` fields into the unpacked message (one more).
+ */
+#include "common/rpc_client.h"
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+
+/* Trailing metadata key carrying zshard's own status number. */
+#define RPC_ZS_STATUS_KEY "zs-status"
+
+struct rpc_channel {
+  grpc_channel *channel;
+  char *target; /* owned copy */
+};
+
+int rpc_channel_open(const char *target, rpc_channel **out) {
+  *out = NULL;
+  if (!target || !target[0])
+    return ZS_EINVAL;
+  rpc_channel *ch = calloc(1, sizeof *ch);
+  if (!ch)
+    return ZS_ENOMEM;
+  ch->target = strdup(target);
+  if (!ch->target) {
+    free(ch);
+    return ZS_ENOMEM;
+  }
+  grpc_init();
+
+  /* Bulk messages (a Pull of a large slice, an InitParams of a large piece)
+   * exceed gRPC's 4 MiB default receive limit; both ends agree on one bound. */
+  grpc_arg args[2];
+  args[0].type = GRPC_ARG_INTEGER;
+  args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+  args[0].value.integer = RPC_MAX_MESSAGE_BYTES;
+  args[1].type = GRPC_ARG_INTEGER;
+  args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+  args[1].value.integer = RPC_MAX_MESSAGE_BYTES;
+  grpc_channel_args chargs = {.num_args = 2, .args = args};
+
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  ch->channel = grpc_channel_create(target, creds, &chargs);
+  grpc_channel_credentials_release(creds);
+  if (!ch->channel) {
+    grpc_shutdown();
+    free(ch->target);
+    free(ch);
+    return ZS_ENOMEM;
+  }
+  *out = ch;
+  return 0;
+}
+
+void rpc_channel_close(rpc_channel *ch) {
+  if (!ch)
+    return;
+  grpc_channel_destroy(ch->channel);
+  grpc_shutdown();
+  free(ch->target);
+  free(ch);
+}
+
+const char *rpc_channel_target(const rpc_channel *ch) {
+  return ch->target;
+}
+
+static int set_status(rpc_status *st, int grpc_code, int zs, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int set_status(rpc_status *st, int grpc_code, int zs, const char *fmt, ...) {
+  if (st) {
+    st->grpc_code = grpc_code;
+    st->zs_status = zs;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(st->message, sizeof st->message, fmt, ap);
+    va_end(ap);
+  }
+  return zs;
+}
+
+/* The zshard status in the trailing metadata, or 1 when there is none (or it
+ * is not a valid zs_status, which a foreign server could send). */
+static int trailer_status(const grpc_metadata_array *md) {
+  for (size_t i = 0; i < md->count; i++) {
+    if (grpc_slice_str_cmp(md->metadata[i].key, RPC_ZS_STATUS_KEY) != 0)
+      continue;
+    char buf[16];
+    size_t n = GRPC_SLICE_LENGTH(md->metadata[i].value);
+    if (n == 0 || n >= sizeof buf)
+      return 1;
+    memcpy(buf, GRPC_SLICE_START_PTR(md->metadata[i].value), n);
+    buf[n] = '\0';
+    char *end;
+    long v = strtol(buf, &end, 10);
+    if (*end != '\0' || !status_valid((int)v) || v > 0)
+      return 1;
+    return (int)v;
+  }
+  return 1;
+}
+
+/* The received message as one contiguous slice (a new reference). A message
+ * that gRPC holds in one uncompressed slice is referenced, not copied. */
+static int message_slice(grpc_byte_buffer *bb, grpc_slice *out) {
+  if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE &&
+      bb->data.raw.slice_buffer.count == 1) {
+    *out = grpc_slice_ref(bb->data.raw.slice_buffer.slices[0]);
+    return 0;
+  }
+  grpc_byte_buffer_reader reader;
+  if (!grpc_byte_buffer_reader_init(&reader, bb))
+    return -1;
+  *out = grpc_byte_buffer_reader_readall(&reader);
+  grpc_byte_buffer_reader_destroy(&reader);
+  return 0;
+}
+
+int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+             uint64_t timeout_ms, rpc_status *st) {
+  *resp = NULL;
+  if (st) {
+    st->grpc_code = GRPC_STATUS_OK;
+    st->zs_status = ZS_OK;
+    st->message[0] = '\0';
+  }
+  size_t req_len = protobuf_c_message_get_packed_size(req);
+  if (req_len > RPC_MAX_MESSAGE_BYTES)
+    return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
+                      "request of %zu bytes exceeds the %d byte message limit", req_len,
+                      RPC_MAX_MESSAGE_BYTES);
+
+  /* A timeout beyond a year is no timeout; it also keeps the conversion to
+   * gpr_timespec far from overflow. */
+  gpr_timespec deadline = timeout_ms == 0 || timeout_ms > UINT64_C(365) * 86400 * 1000
+                              ? gpr_inf_future(GPR_CLOCK_MONOTONIC)
+                              : gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                             gpr_time_from_millis((int64_t)timeout_ms,
+                                                                  GPR_TIMESPAN));
+
+  int rc = 0;
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  /* The method slice need only live through grpc_channel_create_call. */
+  grpc_slice method_slice = grpc_slice_from_copied_string(method);
+  grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                             method_slice, NULL, deadline, NULL);
+  grpc_slice_unref(method_slice);
+  grpc_slice req_slice = grpc_slice_malloc(req_len);
+  protobuf_c_message_pack(req, GRPC_SLICE_START_PTR(req_slice));
+  grpc_byte_buffer *req_bb = grpc_raw_byte_buffer_create(&req_slice, 1);
+  grpc_slice_unref(req_slice);
+
+  grpc_metadata_array initial_md, trailing_md;
+  grpc_metadata_array_init(&initial_md);
+  grpc_metadata_array_init(&trailing_md);
+  grpc_byte_buffer *resp_bb = NULL;
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  grpc_slice details = grpc_empty_slice();
+
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = req_bb;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &initial_md;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &resp_bb;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &trailing_md;
+  ops[5].data.recv_status_on_client.status = &code;
+  ops[5].data.recv_status_on_client.status_details = &details;
+
+  /* The batch's tag only has to be unique on this call's private queue. */
+  void *tag = &ops[0];
+  grpc_call_error err = grpc_call_start_batch(call, ops, 6, tag, NULL);
+  if (err != GRPC_CALL_OK) {
+    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EINTERNAL, "grpc_call_start_batch: %s",
+                    grpc_call_error_to_string(err));
+    goto done;
+  }
+  /* RECV_STATUS_ON_CLIENT always completes (at the latest at the deadline), so
+   * waiting without a bound here cannot hang. */
+  grpc_event ev;
+  do {
+    ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+  } while (ev.type != GRPC_OP_COMPLETE || ev.tag != tag);
+
+  if (code != GRPC_STATUS_OK) {
+    int zs = trailer_status(&trailing_md);
+    if (zs > 0)
+      zs = status_from_grpc(code);
+    if (zs == ZS_OK) /* a non-OK gRPC code never means success */
+      zs = ZS_EINTERNAL;
+    char *msg = grpc_slice_to_c_string(details);
+    rc = set_status(st, code, zs, "%s: %s", method, msg && msg[0] ? msg : zs_strerror(zs));
+    gpr_free(msg);
+    goto done;
+  }
+  if (!resp_bb) {
+    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: OK status without a message",
+                    method);
+    goto done;
+  }
+  grpc_slice msg;
+  if (message_slice(resp_bb, &msg) != 0) {
+    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: unreadable response", method);
+    goto done;
+  }
+  *resp = protobuf_c_message_unpack(resp_desc, NULL, GRPC_SLICE_LENGTH(msg),
+                                    GRPC_SLICE_START_PTR(msg));
+  grpc_slice_unref(msg);
+  if (!*resp)
+    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO,
+                    "%s: response is not a valid %s message", method, resp_desc->name);
+
+done:
+  grpc_byte_buffer_destroy(req_bb);
+  if (resp_bb)
+    grpc_byte_buffer_destroy(resp_bb);
+  grpc_slice_unref(details);
+  grpc_metadata_array_destroy(&initial_md);
+  grpc_metadata_array_destroy(&trailing_md);
+  grpc_call_unref(call);
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+  return rc;
+}

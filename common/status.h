@@ -1,0 +1,20 @@
+/*
+ * status — the internal side of zs_status: mapping to and from gRPC codes.
+ * zs_strerror / zs_err_name are public (zshard.h) and generated from the same
+ * X-macro list in status.c.
+ */
+#ifndef ZSHARD_COMMON_STATUS_H
+#define ZSHARD_COMMON_STATUS_H
+
+#include "zshard/zshard.h"
+
+/* The grpc_status_code a server answers `err` with. */
+int status_to_grpc(int err);
+
+/* The zs_status for a gRPC code received without a "zs-status" trailer. */
+int status_from_grpc(int grpc_code);
+
+/* 1 if `err` is a value of zs_status. */
+int status_valid(int err);
+
+#endif

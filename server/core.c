@@ -1,0 +1,1320 @@
+/*
+ * core — one job's state on one shard (see core.h for the contract).
+ *
+ * Threads and what they own:
+ *  - Caller threads (the transports' threads) run core_push, core_read,
+ *    core_init_params and the registering halves of the waits and of
+ *    core_apply. They never run long work and never invoke callbacks, except
+ *    core_destroy, which fires the callbacks still pending with ZS_ECLOSED
+ *    after the worker has been joined.
+ *  - The worker thread (one per core) computes the gradient statistics, runs
+ *    the apply, fires every callback and every timeout: it sleeps on worker_cv
+ *    until the nearest waiter deadline. It is the only caller of pool_run.
+ *  - The pool's threads run chunks of the statistics and of the optimizer pass
+ *    for the worker, which takes part itself.
+ *
+ * Locks, always taken in this order (a lock may be skipped, never reversed):
+ *   1. state_rw (rwlock, writer-preferring): guards the contents of the arenas
+ *      (master, m, v, acc, low) as a whole, the job description set by
+ *      core_open, the version and the per-piece step state as a whole. Held
+ *      shared by core_push, core_read, core_missing, core_piece_bytes and the
+ *      statistics pass; exclusively by core_open, core_init_params and the
+ *      apply. Holding it shared is what makes a read consistent with one
+ *      version: the version and the master only change under the exclusive
+ *      lock.
+ *   2. piece_state.mu: one per piece; guards that piece's received bitmap,
+ *      next_k, held contributions and its range of acc, so that pushes to
+ *      different pieces run in parallel.
+ *   3. mu: guards the step state (initialized and complete piece counts,
+ *      statistics phase and results, apply state and record), the waiter
+ *      lists, and the counters that are not atomic. Writes of `open` and
+ *      `version` happen under both state_rw (exclusive) and mu, so either lock
+ *      is enough to read them.
+ * Callbacks are collected into a list under mu and invoked after every lock is
+ * released.
+ */
+#include "server/core.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/dtype.h"
+#include "common/log.h"
+#include "server/optim.h"
+#include "server/pool.h"
+
+#define CORE_DEFAULT_WAIT_MS 60000u
+/* Elements per chunk of the optimizer pass: a multiple of LAYOUT_ALIGN_ELEMS so
+ * that every chunk starts 64-byte aligned, and large enough that handing out a
+ * chunk costs nothing next to running it. */
+#define CORE_APPLY_CHUNK 65536u
+#define CORE_ARENA_ALIGN 64u
+
+/* A contribution that arrived before its turn: a raw copy of the payload. */
+typedef struct held_contrib {
+  zs_dtype dtype;
+  size_t nbytes;
+  unsigned char data[];
+} held_contrib;
+
+typedef struct piece_state {
+  pthread_mutex_t mu;
+  const layout_piece *lp; /* points into core.layout */
+  uint64_t *received;     /* bitmap of contribution indices k, into core.bitmaps */
+  uint32_t next_k;        /* every k < next_k has been added into acc */
+  uint32_t nheld;
+  /* W*M slots indexed by k, allocated while nheld > 0 and NULL otherwise, so
+   * that the table costs memory only while contributions are out of order. */
+  held_contrib **held;
+  int initialized;
+} piece_state;
+
+typedef enum stats_phase {
+  STATS_WAITING = 0, /* contributions of the pending step are missing */
+  STATS_COMPUTING,   /* all in; the worker is (about to be) computing */
+  STATS_READY,       /* core.stats holds the pending step's statistics */
+} stats_phase;
+
+typedef enum apply_state {
+  APPLY_NONE = 0,
+  APPLY_QUEUED,
+  APPLY_RUNNING,
+} apply_state;
+
+typedef enum waiter_kind {
+  WAITER_VERSION,
+  WAITER_STATS,
+  WAITER_APPLY,
+} waiter_kind;
+
+/* One pending callback. Lives on one of the core's lists until it fires, then
+ * on a local fire list until it has been invoked and freed. */
+typedef struct waiter {
+  struct waiter *next;
+  waiter_kind kind;
+  uint64_t key;      /* min_version (version), step (stats, apply) */
+  uint64_t deadline; /* absolute clock_now_ms(); apply waiters have none */
+  union {
+    core_version_cb version;
+    core_stats_cb stats;
+    core_apply_cb apply;
+  } cb;
+  void *arg;
+  /* The outcome, filled in when the waiter fires. */
+  int status;
+  uint64_t version;
+  core_stats_result stats;
+  core_apply_result apply;
+} waiter;
+
+/* One chunk of the optimizer pass: n elements from `begin` within range. */
+typedef struct apply_task {
+  uint32_t range;
+  uint64_t begin, n;
+} apply_task;
+
+struct core {
+  uint32_t shard_id, num_shards;
+  int nthreads;
+
+  pthread_mutex_t mu;
+  pthread_cond_t worker_cv;
+  pthread_rwlock_t state_rw;
+  int mu_inited, cv_inited, rw_inited;
+  pthread_t worker;
+  int worker_started;
+  pool *pool;
+
+  /* The job: written once by core_open under state_rw (exclusive) and mu. */
+  int open;
+  spec spec;
+  layout layout;
+  uint64_t hash;
+  uint32_t W, M, WM;
+  uint32_t npieces;       /* pieces owned by this shard */
+  piece_state *pieces;    /* npieces, in (tensor, slice) order */
+  uint32_t *local_of;     /* per layout piece: index into pieces, or UINT32_MAX */
+  uint64_t *bitmaps;      /* npieces * bitmap_words */
+  uint32_t bitmap_words;  /* ceil(W*M / 64) */
+  uint32_t pieces_inited; /* piece mutexes initialised, for unwinding */
+  uint64_t nelems;        /* arena length in elements */
+  float *master, *acc, *m, *v;
+  uint16_t *low;
+  uint64_t state_bytes;
+  const layout_range *ranges; /* this shard's ranges, into layout */
+  uint32_t nranges;
+  optim_plan *plans; /* per range, rebuilt by every apply */
+  float **range_m;   /* per range: m arena base or NULL when the group has no use */
+  float **range_v;
+  apply_task *tasks;
+  size_t ntasks;
+  double *block_sums; /* per statistics block, written by the pool */
+  int *block_nonfinite;
+  size_t nblocks;
+
+  /* Step state, under mu (version also under state_rw, see the top). */
+  uint64_t version;
+  uint32_t initialized_pieces;
+  uint32_t complete_pieces;
+  stats_phase stats_phase;
+  core_stats_result stats; /* of step version + 1 when STATS_READY */
+  int last_stats_valid;
+  core_stats_result last_stats; /* of step version, once applied */
+  apply_state apply_state;
+  double apply_lr;
+  float apply_coef;
+  int apply_skip;
+  int last_apply_valid;
+  double last_lr;
+  float last_coef;
+  int last_skip;
+  core_apply_result last_apply;
+  uint64_t optimizer_steps;
+  waiter *version_waiters, *stats_waiters, *apply_waiters;
+  uint64_t next_deadline; /* the worker's next wake-up; UINT64_MAX when none */
+  int version_event;      /* initialisation finished: version waiters may fire */
+  int stop;
+
+  /* Counters: the atomic ones are bumped on the push and read paths without
+   * taking mu; the others change only with an apply, under mu. */
+  atomic_uint_fast64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
+  atomic_uint_fast64_t held_bytes;
+  atomic_uint_fast64_t contributions; /* added or held in the pending step */
+  uint64_t applies, skipped_steps;
+  double apply_seconds_total;
+};
+
+/* ---------------------------------------------------------------- helpers */
+
+__attribute__((format(printf, 4, 5))) static int core_fail(char *err, size_t errlen, int status,
+                                                           const char *fmt, ...) {
+  if (err && errlen > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return status;
+}
+
+static uint64_t core_deadline(uint64_t deadline_ms) {
+  return deadline_ms ? deadline_ms : clock_now_ms() + CORE_DEFAULT_WAIT_MS;
+}
+
+static void *core_arena_alloc(uint64_t bytes) {
+  if (bytes == 0)
+    return NULL;
+  void *p = NULL;
+  size_t len = (size_t)((bytes + CORE_ARENA_ALIGN - 1) / CORE_ARENA_ALIGN * CORE_ARENA_ALIGN);
+  if (posix_memalign(&p, CORE_ARENA_ALIGN, len) != 0)
+    return NULL;
+  memset(p, 0, len);
+  return p;
+}
+
+static int bit_test(const uint64_t *bits, uint32_t k) {
+  return (int)((bits[k / 64] >> (k % 64)) & 1u);
+}
+
+static void bit_set(uint64_t *bits, uint32_t k) {
+  bits[k / 64] |= UINT64_C(1) << (k % 64);
+}
+
+/* Invokes and frees every waiter of a fire list. Called with no lock held. */
+static void core_fire(waiter *w) {
+  while (w) {
+    waiter *next = w->next;
+    switch (w->kind) {
+    case WAITER_VERSION:
+      if (w->cb.version)
+        w->cb.version(w->arg, w->status, w->version);
+      break;
+    case WAITER_STATS:
+      if (w->cb.stats)
+        w->cb.stats(w->arg, w->status, &w->stats);
+      break;
+    case WAITER_APPLY:
+      if (w->cb.apply)
+        w->cb.apply(w->arg, w->status, &w->apply);
+      break;
+    }
+    free(w);
+    w = next;
+  }
+}
+
+static void waiter_push(waiter **list, waiter *w) {
+  w->next = *list;
+  *list = w;
+}
+
+/* Registers a waiter with a deadline and wakes the worker if the deadline is
+ * earlier than the one it sleeps towards. Called with mu held. */
+static void core_add_timed(core *c, waiter **list, waiter *w) {
+  waiter_push(list, w);
+  if (w->deadline < c->next_deadline) {
+    c->next_deadline = w->deadline;
+    pthread_cond_signal(&c->worker_cv);
+  }
+}
+
+/* ---------------------------------------------------------------- job */
+
+static void core_job_free(core *c) {
+  for (uint32_t i = 0; i < c->pieces_inited; i++) {
+    piece_state *ps = &c->pieces[i];
+    if (ps->held) {
+      for (uint32_t k = 0; k < c->WM; k++)
+        free(ps->held[k]);
+      free(ps->held);
+    }
+    pthread_mutex_destroy(&ps->mu);
+  }
+  free(c->pieces);
+  free(c->local_of);
+  free(c->bitmaps);
+  free(c->master);
+  free(c->acc);
+  free(c->m);
+  free(c->v);
+  free(c->low);
+  free(c->plans);
+  free(c->range_m);
+  free(c->range_v);
+  free(c->tasks);
+  free(c->block_sums);
+  free(c->block_nonfinite);
+  layout_free(&c->layout);
+  spec_free(&c->spec);
+  c->pieces = NULL;
+  c->local_of = NULL;
+  c->bitmaps = NULL;
+  c->master = c->acc = c->m = c->v = NULL;
+  c->low = NULL;
+  c->plans = NULL;
+  c->range_m = c->range_v = NULL;
+  c->tasks = NULL;
+  c->block_sums = NULL;
+  c->block_nonfinite = NULL;
+  c->pieces_inited = 0;
+  c->npieces = 0;
+  c->nelems = 0;
+  c->nranges = 0;
+  c->ntasks = 0;
+  c->nblocks = 0;
+}
+
+/* The optimizer parameters of group g with everything that does not depend on
+ * the step filled in; enough for optim_uses_m / optim_uses_v. */
+static optim_params core_group_params(const core *c, uint32_t g) {
+  const spec_group *sg = &c->spec.groups[g];
+  optim_params p;
+  memset(&p, 0, sizeof p);
+  p.optimizer = sg->optimizer;
+  p.lr = sg->lr_scale;
+  p.beta1 = sg->beta1;
+  p.beta2 = sg->beta2;
+  p.eps = sg->eps;
+  p.weight_decay = sg->weight_decay;
+  p.momentum = sg->momentum;
+  p.dampening = sg->dampening;
+  p.nesterov = sg->nesterov;
+  p.bias_correction = sg->bias_correction;
+  p.step = 1;
+  p.grad_scale = 1.0f;
+  p.low_dtype = c->spec.param_dtype;
+  return p;
+}
+
+/* Builds everything the job needs on this shard from c->spec. Called under
+ * state_rw (exclusive) before `open` is published. */
+static int core_job_build(core *c) {
+  const layout *l = &c->layout;
+  if (layout_build(&c->spec, &c->layout) != 0)
+    return ZS_ENOMEM;
+  c->W = c->spec.world_size;
+  c->M = c->spec.grad_accum;
+  c->WM = c->W * c->M; /* spec_validate bounds it by SPEC_MAX_CONTRIB */
+  c->npieces = l->shard_pieces[c->shard_id];
+  c->nelems = l->shard_elems[c->shard_id];
+  c->bitmap_words = (c->WM + 63) / 64;
+
+  c->local_of = malloc(((size_t)l->num_pieces + 1) * sizeof *c->local_of);
+  c->pieces = calloc((size_t)c->npieces + 1, sizeof *c->pieces);
+  c->bitmaps = calloc((size_t)c->npieces * c->bitmap_words + 1, sizeof *c->bitmaps);
+  if (!c->local_of || !c->pieces || !c->bitmaps)
+    return ZS_ENOMEM;
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < l->num_pieces; i++) {
+    c->local_of[i] = UINT32_MAX;
+    if (l->pieces[i].shard != c->shard_id)
+      continue;
+    if (n == c->npieces)
+      return ZS_EINTERNAL; /* the layout contradicts its own counts */
+    piece_state *ps = &c->pieces[n];
+    if (pthread_mutex_init(&ps->mu, NULL) != 0)
+      return ZS_ENOMEM;
+    c->pieces_inited++;
+    ps->lp = &l->pieces[i];
+    ps->received = c->bitmaps + (size_t)n * c->bitmap_words;
+    c->local_of[i] = n++;
+  }
+  if (n != c->npieces)
+    return ZS_EINTERNAL;
+
+  c->ranges = l->ranges + l->range_first[c->shard_id];
+  c->nranges = l->range_first[c->shard_id + 1] - l->range_first[c->shard_id];
+  int need_m = 0, need_v = 0;
+  for (uint32_t r = 0; r < c->nranges; r++) {
+    optim_params p = core_group_params(c, c->ranges[r].group);
+    need_m |= optim_uses_m(&p);
+    need_v |= optim_uses_v(&p);
+  }
+
+  uint64_t b32 = c->nelems * sizeof(float);
+  c->master = core_arena_alloc(b32);
+  c->acc = core_arena_alloc(b32);
+  c->low = core_arena_alloc(c->nelems * sizeof(uint16_t));
+  if (need_m)
+    c->m = core_arena_alloc(b32);
+  if (need_v)
+    c->v = core_arena_alloc(b32);
+  if (c->nelems > 0 && (!c->master || !c->acc || !c->low || (need_m && !c->m) || (need_v && !c->v)))
+    return ZS_ENOMEM;
+  c->state_bytes = b32 * (2u + (uint64_t)need_m + (uint64_t)need_v) + c->nelems * 2u;
+
+  c->plans = calloc((size_t)c->nranges + 1, sizeof *c->plans);
+  c->range_m = calloc((size_t)c->nranges + 1, sizeof *c->range_m);
+  c->range_v = calloc((size_t)c->nranges + 1, sizeof *c->range_v);
+  if (!c->plans || !c->range_m || !c->range_v)
+    return ZS_ENOMEM;
+  size_t ntasks = 0;
+  for (uint32_t r = 0; r < c->nranges; r++) {
+    optim_params p = core_group_params(c, c->ranges[r].group);
+    c->range_m[r] = optim_uses_m(&p) ? c->m : NULL;
+    c->range_v[r] = optim_uses_v(&p) ? c->v : NULL;
+    uint64_t len = c->ranges[r].end - c->ranges[r].begin;
+    ntasks += (size_t)((len + CORE_APPLY_CHUNK - 1) / CORE_APPLY_CHUNK);
+  }
+  c->tasks = calloc(ntasks + 1, sizeof *c->tasks);
+  if (!c->tasks)
+    return ZS_ENOMEM;
+  for (uint32_t r = 0; r < c->nranges; r++) {
+    for (uint64_t b = c->ranges[r].begin; b < c->ranges[r].end; b += CORE_APPLY_CHUNK) {
+      uint64_t e =
+          c->ranges[r].end - b < CORE_APPLY_CHUNK ? c->ranges[r].end : b + CORE_APPLY_CHUNK;
+      c->tasks[c->ntasks++] = (apply_task){.range = r, .begin = b, .n = e - b};
+    }
+  }
+
+  c->nblocks = (size_t)((c->nelems + CORE_STATS_BLOCK - 1) / CORE_STATS_BLOCK);
+  c->block_sums = calloc(c->nblocks + 1, sizeof *c->block_sums);
+  c->block_nonfinite = calloc(c->nblocks + 1, sizeof *c->block_nonfinite);
+  if (!c->block_sums || !c->block_nonfinite)
+    return ZS_ENOMEM;
+  return 0;
+}
+
+/* Sets the statistics state of a fresh pending step (version + 1). A shard
+ * that owns no piece never receives a contribution, so its statistics are
+ * complete (and zero) from the start. Called with mu held. */
+static void core_begin_step(core *c) {
+  c->complete_pieces = 0;
+  memset(&c->stats, 0, sizeof c->stats);
+  c->stats.step = c->version + 1;
+  c->stats_phase = c->npieces == 0 ? STATS_READY : STATS_WAITING;
+}
+
+/* ---------------------------------------------------------------- lookups */
+
+/* The checks every job request starts with. Called with state_rw or mu held. */
+static int core_check_job(const core *c, uint64_t hash, char *err, size_t errlen) {
+  if (!c->open)
+    return core_fail(err, errlen, ZS_ENOTOPEN, "shard %u has no job open", c->shard_id);
+  if (hash != c->hash)
+    return core_fail(err, errlen, ZS_EHASH,
+                     "request spec hash %016" PRIx64 " does not match the job's %016" PRIx64, hash,
+                     c->hash);
+  return 0;
+}
+
+/* The state of piece (tensor, slice) if this shard owns it. Called with
+ * state_rw held. */
+static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state **out, char *err,
+                           size_t errlen) {
+  const layout *l = &c->layout;
+  if (tensor >= l->num_tensors)
+    return core_fail(err, errlen, ZS_ENOTFOUND, "tensor %u does not exist (the job has %u)", tensor,
+                     l->num_tensors);
+  const layout_piece *lp = layout_find(l, tensor, slice);
+  if (!lp)
+    return core_fail(err, errlen, ZS_ENOTFOUND, "tensor %u has no slice %u", tensor, slice);
+  if (lp->shard != c->shard_id)
+    return core_fail(err, errlen, ZS_ENOTFOUND,
+                     "slice %u of tensor %u is owned by shard %u, not by shard %u", slice, tensor,
+                     lp->shard, c->shard_id);
+  *out = &c->pieces[c->local_of[lp - l->pieces]];
+  return 0;
+}
+
+static int core_check_payload(const piece_state *ps, int dtype, size_t nbytes, const void *data,
+                              char *err, size_t errlen) {
+  if (!dtype_valid(dtype))
+    return core_fail(err, errlen, ZS_EDTYPE, "dtype %d is not fp32, fp16 or bf16", dtype);
+  uint64_t want = ps->lp->numel * zs_dtype_size(dtype);
+  if ((uint64_t)nbytes != want)
+    return core_fail(err, errlen, ZS_ESIZE,
+                     "payload of slice %u of tensor %u has %zu bytes, expected %" PRIu64,
+                     ps->lp->slice, ps->lp->tensor, nbytes, want);
+  if (!data)
+    return core_fail(err, errlen, ZS_EINVAL, "payload pointer is NULL");
+  return 0;
+}
+
+/* ---------------------------------------------------------------- worker */
+
+/* Moves every version waiter whose condition holds to the fire list. Called
+ * with mu held. */
+static void core_collect_versions(core *c, waiter **fire) {
+  if (!c->open || c->initialized_pieces < c->npieces)
+    return;
+  for (waiter **pw = &c->version_waiters; *pw;) {
+    waiter *w = *pw;
+    if (w->key <= c->version) {
+      *pw = w->next;
+      w->status = ZS_OK;
+      w->version = c->version;
+      waiter_push(fire, w);
+    } else {
+      pw = &w->next;
+    }
+  }
+}
+
+/* Moves every expired waiter to the fire list with ZS_ETIMEDOUT and returns
+ * the earliest deadline still pending. Called with mu held. */
+static uint64_t core_collect_expired(core *c, uint64_t now, waiter **fire) {
+  uint64_t next = UINT64_MAX;
+  waiter **lists[2] = {&c->version_waiters, &c->stats_waiters};
+  for (int i = 0; i < 2; i++) {
+    for (waiter **pw = lists[i]; *pw;) {
+      waiter *w = *pw;
+      if (w->deadline <= now) {
+        *pw = w->next;
+        w->status = ZS_ETIMEDOUT;
+        w->version = c->version;
+        w->stats.step = w->key;
+        waiter_push(fire, w);
+      } else {
+        if (w->deadline < next)
+          next = w->deadline;
+        pw = &w->next;
+      }
+    }
+  }
+  return next;
+}
+
+static void core_stats_block(void *arg, size_t b) {
+  core *c = arg;
+  uint64_t begin = (uint64_t)b * CORE_STATS_BLOCK;
+  uint64_t n = c->nelems - begin < CORE_STATS_BLOCK ? c->nelems - begin : CORE_STATS_BLOCK;
+  int nf = 0;
+  c->block_sums[b] = optim_sum_squares(c->acc + begin, (size_t)n, &nf);
+  c->block_nonfinite[b] = nf;
+}
+
+/* Computes the pending step's statistics and fires its stats waiters. The
+ * blocks may run on any thread; they are added in block order, so the sum
+ * does not depend on the thread count. Called on the worker, no lock held. */
+static void core_compute_stats(core *c) {
+  pthread_rwlock_rdlock(&c->state_rw);
+  pool_run(c->pool, c->nblocks, core_stats_block, c);
+  double sum = 0.0;
+  int nonfinite = 0;
+  for (size_t b = 0; b < c->nblocks; b++) {
+    sum += c->block_sums[b];
+    nonfinite |= c->block_nonfinite[b];
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+
+  waiter *fire = NULL;
+  pthread_mutex_lock(&c->mu);
+  c->stats.step = c->version + 1;
+  c->stats.sum_squares = sum;
+  c->stats.nonfinite = nonfinite;
+  c->stats_phase = STATS_READY;
+  while (c->stats_waiters) {
+    waiter *w = c->stats_waiters;
+    c->stats_waiters = w->next;
+    w->status = ZS_OK;
+    w->stats = c->stats;
+    waiter_push(&fire, w);
+  }
+  pthread_mutex_unlock(&c->mu);
+  core_fire(fire);
+}
+
+static void core_apply_chunk(void *arg, size_t i) {
+  core *c = arg;
+  const apply_task *t = &c->tasks[i];
+  float *m = c->range_m[t->range] ? c->range_m[t->range] + t->begin : NULL;
+  float *v = c->range_v[t->range] ? c->range_v[t->range] + t->begin : NULL;
+  optim_apply(&c->plans[t->range], c->master + t->begin, m, v, c->acc + t->begin, c->low + t->begin,
+              (size_t)t->n);
+}
+
+/* Runs the queued apply, advances the version and fires the apply and version
+ * waiters. Called on the worker, no lock held. */
+static void core_run_apply(core *c) {
+  pthread_mutex_lock(&c->mu);
+  uint64_t step = c->version + 1;
+  double lr = c->apply_lr;
+  float coef = c->apply_coef;
+  int skip = c->apply_skip;
+  uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u);
+  c->apply_state = APPLY_RUNNING;
+  pthread_mutex_unlock(&c->mu);
+
+  pthread_rwlock_wrlock(&c->state_rw);
+  uint64_t t0 = clock_now_ns();
+  if (skip) {
+    /* The weights, moments and low copy stay as they are; only this step's
+     * gradient is dropped. */
+    if (c->nelems > 0)
+      memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
+  } else {
+    float grad_scale =
+        c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+    for (uint32_t r = 0; r < c->nranges; r++) {
+      optim_params p = core_group_params(c, c->ranges[r].group);
+      p.lr = lr * c->spec.groups[c->ranges[r].group].lr_scale;
+      p.step = opt_steps;
+      p.grad_scale = grad_scale;
+      optim_plan_init(&c->plans[r], &p);
+    }
+    pool_run(c->pool, c->ntasks, core_apply_chunk, c);
+  }
+  double seconds = (double)(clock_now_ns() - t0) / 1e9;
+  /* Every piece completed the step, so nothing is held: only the bitmaps and
+   * next_k need resetting. No push runs while state_rw is held exclusively. */
+  for (uint32_t i = 0; i < c->npieces; i++)
+    c->pieces[i].next_k = 0;
+  if (c->npieces > 0)
+    memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);
+  atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
+
+  waiter *fire = NULL;
+  pthread_mutex_lock(&c->mu);
+  c->version = step;
+  c->optimizer_steps = opt_steps;
+  c->applies++;
+  if (skip)
+    c->skipped_steps++;
+  c->apply_seconds_total += seconds;
+  c->last_stats = c->stats;
+  c->last_stats_valid = 1;
+  c->last_apply_valid = 1;
+  c->last_lr = lr;
+  c->last_coef = coef;
+  c->last_skip = skip;
+  c->last_apply = (core_apply_result){
+      .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
+  c->apply_state = APPLY_NONE;
+  core_begin_step(c);
+  while (c->apply_waiters) {
+    waiter *w = c->apply_waiters;
+    c->apply_waiters = w->next;
+    w->status = ZS_OK;
+    w->apply = c->last_apply;
+    waiter_push(&fire, w);
+  }
+  core_collect_versions(c, &fire);
+  pthread_mutex_unlock(&c->mu);
+  pthread_rwlock_unlock(&c->state_rw);
+
+  LOG_INFO("apply", "shard=%u step=%" PRIu64 " skipped=%d seconds=%.6f", c->shard_id, step, skip,
+           seconds);
+  core_fire(fire);
+}
+
+static void *core_worker(void *arg) {
+  core *c = arg;
+  pthread_mutex_lock(&c->mu);
+  while (!c->stop) {
+    waiter *fire = NULL;
+    uint64_t next = core_collect_expired(c, clock_now_ms(), &fire);
+    if (c->version_event) {
+      c->version_event = 0;
+      core_collect_versions(c, &fire);
+    }
+    int do_stats = c->stats_phase == STATS_COMPUTING;
+    int do_apply = !do_stats && c->apply_state == APPLY_QUEUED;
+    if (fire || do_stats || do_apply) {
+      pthread_mutex_unlock(&c->mu);
+      core_fire(fire);
+      if (do_stats)
+        core_compute_stats(c);
+      else if (do_apply)
+        core_run_apply(c);
+      pthread_mutex_lock(&c->mu);
+      continue;
+    }
+    c->next_deadline = next;
+    if (next == UINT64_MAX) {
+      pthread_cond_wait(&c->worker_cv, &c->mu);
+    } else {
+      struct timespec ts = {.tv_sec = (time_t)(next / 1000u),
+                            .tv_nsec = (long)(next % 1000u) * 1000000L};
+      pthread_cond_timedwait(&c->worker_cv, &c->mu, &ts);
+    }
+    /* Whatever woke us, the next pass recomputes the deadline. */
+    c->next_deadline = 0;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return NULL;
+}
+
+/* ---------------------------------------------------------------- lifecycle */
+
+int core_create(const core_config *cfg, core **out) {
+  if (!cfg || !out || cfg->num_shards == 0 || cfg->num_shards > SPEC_MAX_SHARDS ||
+      cfg->shard_id >= cfg->num_shards)
+    return ZS_EINVAL;
+  core *c = calloc(1, sizeof *c);
+  if (!c)
+    return ZS_ENOMEM;
+  c->shard_id = cfg->shard_id;
+  c->num_shards = cfg->num_shards;
+  c->nthreads = cfg->threads;
+  if (c->nthreads <= 0) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    c->nthreads = n > 0 ? (int)(n < 256 ? n : 256) : 1;
+  }
+  c->next_deadline = UINT64_MAX;
+  atomic_init(&c->pushes, 0);
+  atomic_init(&c->duplicate_pushes, 0);
+  atomic_init(&c->rejected, 0);
+  atomic_init(&c->pulls, 0);
+  atomic_init(&c->bytes_in, 0);
+  atomic_init(&c->bytes_out, 0);
+  atomic_init(&c->held_bytes, 0);
+  atomic_init(&c->contributions, 0);
+
+  int rc = ZS_ENOMEM;
+  if (pthread_mutex_init(&c->mu, NULL) != 0)
+    goto fail;
+  c->mu_inited = 1;
+  /* Deadlines are CLOCK_MONOTONIC milliseconds, so the worker's timed wait
+   * must measure the same clock. */
+  pthread_condattr_t ca;
+  if (pthread_condattr_init(&ca) != 0)
+    goto fail;
+  int cerr = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  if (cerr == 0)
+    cerr = pthread_cond_init(&c->worker_cv, &ca);
+  pthread_condattr_destroy(&ca);
+  if (cerr != 0)
+    goto fail;
+  c->cv_inited = 1;
+  /* Writer preference: a steady stream of pulls must not starve the apply. */
+  pthread_rwlockattr_t ra;
+  if (pthread_rwlockattr_init(&ra) != 0)
+    goto fail;
+  int rerr = pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+  if (rerr == 0)
+    rerr = pthread_rwlock_init(&c->state_rw, &ra);
+  pthread_rwlockattr_destroy(&ra);
+  if (rerr != 0)
+    goto fail;
+  c->rw_inited = 1;
+  if ((rc = pool_create(c->nthreads, &c->pool)) != 0)
+    goto fail;
+  rc = ZS_ENOMEM;
+  if (pthread_create(&c->worker, NULL, core_worker, c) != 0)
+    goto fail;
+  c->worker_started = 1;
+  *out = c;
+  return 0;
+
+fail:
+  core_destroy(c);
+  return rc;
+}
+
+void core_destroy(core *c) {
+  if (!c)
+    return;
+  if (c->worker_started) {
+    pthread_mutex_lock(&c->mu);
+    c->stop = 1;
+    pthread_cond_signal(&c->worker_cv);
+    pthread_mutex_unlock(&c->mu);
+    /* The worker finishes the statistics or apply it is running (firing their
+     * callbacks) and starts nothing new. */
+    pthread_join(c->worker, NULL);
+  }
+  /* No core thread is left: whatever still waits fails with ZS_ECLOSED. */
+  waiter *fire = NULL;
+  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters};
+  for (int i = 0; i < 3; i++) {
+    while (*lists[i]) {
+      waiter *w = *lists[i];
+      *lists[i] = w->next;
+      w->status = ZS_ECLOSED;
+      w->version = c->version;
+      w->stats.step = w->key;
+      w->apply.step = w->key;
+      w->apply.version = c->version;
+      w->apply.optimizer_steps = c->optimizer_steps;
+      waiter_push(&fire, w);
+    }
+  }
+  core_fire(fire);
+  pool_destroy(c->pool);
+  core_job_free(c);
+  if (c->rw_inited)
+    pthread_rwlock_destroy(&c->state_rw);
+  if (c->cv_inited)
+    pthread_cond_destroy(&c->worker_cv);
+  if (c->mu_inited)
+    pthread_mutex_destroy(&c->mu);
+  free(c);
+}
+
+int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t errlen) {
+  if (!s)
+    return core_fail(err, errlen, ZS_EINVAL, "no spec given");
+  if (s->num_shards != c->num_shards)
+    return core_fail(err, errlen, ZS_EINVAL, "the spec is for %u shards but this is shard %u of %u",
+                     s->num_shards, c->shard_id, c->num_shards);
+  uint64_t hash = spec_hash(s);
+  int rc = 0, created = 0;
+  pthread_rwlock_wrlock(&c->state_rw);
+  if (c->open) {
+    if (hash != c->hash)
+      rc = core_fail(err, errlen, ZS_EHASH,
+                     "shard %u already has job '%s' with spec hash %016" PRIx64
+                     "; the request's spec hash is %016" PRIx64,
+                     c->shard_id, c->spec.job, c->hash, hash);
+    goto done;
+  }
+  if (spec_copy(&c->spec, s) != 0) {
+    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
+    goto done;
+  }
+  if ((rc = core_job_build(c)) != 0) {
+    core_job_free(c);
+    rc = core_fail(err, errlen, rc, "cannot build the job's state on shard %u: %s", c->shard_id,
+                   zs_strerror(rc));
+    goto done;
+  }
+  created = 1;
+  pthread_mutex_lock(&c->mu);
+  c->hash = hash;
+  c->version = 0;
+  c->open = 1;
+  core_begin_step(c);
+  if (c->npieces == 0)
+    c->version_event = 1; /* nothing to initialise: pulls may proceed */
+  pthread_cond_signal(&c->worker_cv);
+  pthread_mutex_unlock(&c->mu);
+  LOG_INFO("job_open",
+           "shard=%u job=%s hash=%016" PRIx64 " pieces=%u elements=%" PRIu64
+           " state_bytes=%" PRIu64,
+           c->shard_id, c->spec.job, hash, c->npieces, c->layout.shard_load[c->shard_id],
+           c->state_bytes);
+done:
+  if (rc == 0 && out) {
+    pthread_mutex_lock(&c->mu);
+    out->spec_hash = c->hash;
+    out->version = c->version;
+    out->created = created;
+    out->initialized = c->initialized_pieces == c->npieces;
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- data */
+
+int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, const float *data,
+                     size_t nbytes, int *written, uint64_t *version, char *err, size_t errlen) {
+  piece_state *ps = NULL;
+  int w = 0;
+  pthread_rwlock_wrlock(&c->state_rw);
+  int rc = core_check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc == 0)
+    rc = core_check_payload(ps, ZS_DTYPE_FP32, nbytes, data, err, errlen);
+  if (rc != 0)
+    goto done;
+  float *dst = c->master + ps->lp->arena_off;
+  if (c->version > 0) {
+    /* Training has moved on: the initial weights are history. */
+  } else if (ps->initialized) {
+    if (memcmp(dst, data, nbytes) != 0)
+      rc =
+          core_fail(err, errlen, ZS_EEXIST,
+                    "slice %u of tensor %u already holds different initial weights", slice, tensor);
+  } else {
+    memcpy(dst, data, nbytes);
+    dtype_from_f32(c->spec.param_dtype, dst, c->low + ps->lp->arena_off, (size_t)ps->lp->numel);
+    ps->initialized = 1;
+    w = 1;
+    pthread_mutex_lock(&c->mu);
+    if (++c->initialized_pieces == c->npieces) {
+      c->version_event = 1;
+      pthread_cond_signal(&c->worker_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+  }
+done:
+  if (rc == 0) {
+    if (written)
+      *written = w;
+    if (version)
+      *version = c->version;
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+/* Adds contribution data into the piece's accumulator range. */
+static void piece_add(core *c, piece_state *ps, zs_dtype dtype, const void *data) {
+  dtype_accumulate(dtype, data, c->acc + ps->lp->arena_off, (size_t)ps->lp->numel);
+}
+
+/* The push proper, with state_rw held shared. */
+static int core_push_locked(core *c, const core_push_args *a, int *duplicate, char *err,
+                            size_t errlen) {
+  int rc = core_check_job(c, a->hash, err, errlen);
+  if (rc != 0)
+    return rc;
+  if (a->step == 0 || a->step > c->version + 1)
+    return core_fail(err, errlen, ZS_ESTEP,
+                     "push for step %" PRIu64 " but shard %u expects step %" PRIu64, a->step,
+                     c->shard_id, c->version + 1);
+  if (a->rank >= c->W || a->micro >= c->M)
+    return core_fail(err, errlen, ZS_ERANGE,
+                     "rank %u / micro-batch %u out of range (world size %u, accumulation %u)",
+                     a->rank, a->micro, c->W, c->M);
+  piece_state *ps = NULL;
+  if ((rc = core_find_piece(c, a->tensor, a->slice, &ps, err, errlen)) != 0)
+    return rc;
+  if ((rc = core_check_payload(ps, (int)a->dtype, a->nbytes, a->data, err, errlen)) != 0)
+    return rc;
+  if (a->step <= c->version) {
+    /* A step is applied only after every contribution arrived, so a push for
+     * an applied step is a retry whose first copy got through (its answer was
+     * lost): acknowledge it as a duplicate, as the design's idempotent push
+     * promises, and add nothing. */
+    atomic_fetch_add_explicit(&c->pushes, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->duplicate_pushes, 1, memory_order_relaxed);
+    if (duplicate)
+      *duplicate = 1;
+    return 0;
+  }
+
+  /* Contribution order is (micro, rank), so the sum never depends on which
+   * push arrives first. */
+  uint32_t k = a->micro * c->W + a->rank;
+  int completed = 0;
+  pthread_mutex_lock(&ps->mu);
+  if (bit_test(ps->received, k)) {
+    pthread_mutex_unlock(&ps->mu);
+    atomic_fetch_add_explicit(&c->pushes, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->duplicate_pushes, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->bytes_in, a->nbytes, memory_order_relaxed);
+    if (duplicate)
+      *duplicate = 1;
+    return 0;
+  }
+  if (k == ps->next_k) {
+    /* In turn: added straight from the caller's buffer, no copy. */
+    piece_add(c, ps, a->dtype, a->data);
+    ps->next_k++;
+    while (ps->nheld > 0 && ps->next_k < c->WM && ps->held[ps->next_k]) {
+      held_contrib *h = ps->held[ps->next_k];
+      piece_add(c, ps, h->dtype, h->data);
+      ps->held[ps->next_k] = NULL;
+      atomic_fetch_sub_explicit(&c->held_bytes, h->nbytes, memory_order_relaxed);
+      free(h);
+      ps->nheld--;
+      ps->next_k++;
+    }
+    if (ps->nheld == 0) {
+      free(ps->held);
+      ps->held = NULL;
+    }
+  } else {
+    /* Early (k > next_k, since every k < next_k is marked received): one copy
+     * of the payload, kept until its turn. */
+    if (!ps->held) {
+      ps->held = calloc(c->WM, sizeof *ps->held);
+      if (!ps->held) {
+        pthread_mutex_unlock(&ps->mu);
+        return core_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
+      }
+    }
+    held_contrib *h = malloc(sizeof *h + a->nbytes);
+    if (!h) {
+      if (ps->nheld == 0) {
+        free(ps->held);
+        ps->held = NULL;
+      }
+      pthread_mutex_unlock(&ps->mu);
+      return core_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
+    }
+    h->dtype = a->dtype;
+    h->nbytes = a->nbytes;
+    memcpy(h->data, a->data, a->nbytes);
+    ps->held[k] = h;
+    ps->nheld++;
+    atomic_fetch_add_explicit(&c->held_bytes, a->nbytes, memory_order_relaxed);
+  }
+  bit_set(ps->received, k);
+  atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
+  completed = ps->next_k == c->WM;
+  if (completed) {
+    pthread_mutex_lock(&c->mu);
+    if (++c->complete_pieces == c->npieces) {
+      c->stats_phase = STATS_COMPUTING;
+      pthread_cond_signal(&c->worker_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&ps->mu);
+  atomic_fetch_add_explicit(&c->pushes, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&c->bytes_in, a->nbytes, memory_order_relaxed);
+  return 0;
+}
+
+int core_push(core *c, const core_push_args *a, int *duplicate, char *err, size_t errlen) {
+  if (duplicate)
+    *duplicate = 0;
+  if (!a) {
+    atomic_fetch_add_explicit(&c->rejected, 1, memory_order_relaxed);
+    return core_fail(err, errlen, ZS_EINVAL, "no push arguments given");
+  }
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_push_locked(c, a, duplicate, err, errlen);
+  pthread_rwlock_unlock(&c->state_rw);
+  if (rc != 0)
+    atomic_fetch_add_explicit(&c->rejected, 1, memory_order_relaxed);
+  return rc;
+}
+
+int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
+              size_t nbytes, uint64_t *version, char *err, size_t errlen) {
+  piece_state *ps = NULL;
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc == 0)
+    rc = core_check_payload(ps, (int)dtype, nbytes, dst, err, errlen);
+  if (rc == 0) {
+    uint64_t off = ps->lp->arena_off;
+    size_t n = (size_t)ps->lp->numel;
+    if (dtype == ZS_DTYPE_FP32)
+      memcpy(dst, c->master + off, nbytes);
+    else if (dtype == c->spec.param_dtype)
+      memcpy(dst, c->low + off, nbytes);
+    else
+      dtype_from_f32(dtype, c->master + off, dst, n);
+    if (version)
+      *version = c->version;
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  /* Pulls are counted by the transport (core_count_pull), which knows the
+   * bytes it really put on the wire. */
+  return rc;
+}
+
+int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype) {
+  piece_state *ps = NULL;
+  int64_t r;
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_check_job(c, hash, NULL, 0);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, &ps, NULL, 0);
+  if (rc == 0 && !dtype_valid((int)dtype))
+    rc = ZS_EDTYPE;
+  r = rc != 0 ? rc : (int64_t)(ps->lp->numel * zs_dtype_size((int)dtype));
+  pthread_rwlock_unlock(&c->state_rw);
+  return r;
+}
+
+/* ---------------------------------------------------------------- waits */
+
+int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
+                      core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen) {
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core_check_job(c, hash, err, errlen);
+  if (rc != 0)
+    goto done;
+  if (c->initialized_pieces == c->npieces && c->version >= min_version) {
+    if (version)
+      *version = c->version;
+    goto done;
+  }
+  uint64_t deadline = core_deadline(deadline_ms);
+  if (deadline <= clock_now_ms()) {
+    rc = core_fail(err, errlen, ZS_ETIMEDOUT,
+                   "deadline passed waiting for version %" PRIu64 " (shard %u is at %" PRIu64
+                   ", %u of %u pieces initialised)",
+                   min_version, c->shard_id, c->version, c->initialized_pieces, c->npieces);
+    goto done;
+  }
+  waiter *w = calloc(1, sizeof *w);
+  if (!w) {
+    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    goto done;
+  }
+  w->kind = WAITER_VERSION;
+  w->key = min_version;
+  w->deadline = deadline;
+  w->cb.version = cb;
+  w->arg = arg;
+  core_add_timed(c, &c->version_waiters, w);
+  rc = CORE_PENDING;
+done:
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
+                    void *arg, core_stats_result *out, char *err, size_t errlen) {
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core_check_job(c, hash, err, errlen);
+  if (rc != 0)
+    goto done;
+  if (c->last_stats_valid && step == c->version) {
+    if (out)
+      *out = c->last_stats;
+    goto done;
+  }
+  if (step != c->version + 1) {
+    rc = core_fail(err, errlen, ZS_ESTEP,
+                   "statistics asked for step %" PRIu64 " but shard %u is at version %" PRIu64
+                   " (pending step %" PRIu64 ")",
+                   step, c->shard_id, c->version, c->version + 1);
+    goto done;
+  }
+  if (c->stats_phase == STATS_READY) {
+    if (out)
+      *out = c->stats;
+    goto done;
+  }
+  uint64_t deadline = core_deadline(deadline_ms);
+  if (deadline <= clock_now_ms()) {
+    rc = core_fail(err, errlen, ZS_ETIMEDOUT,
+                   "deadline passed waiting for the contributions of step %" PRIu64, step);
+    goto done;
+  }
+  waiter *w = calloc(1, sizeof *w);
+  if (!w) {
+    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    goto done;
+  }
+  w->kind = WAITER_STATS;
+  w->key = step;
+  w->deadline = deadline;
+  w->cb.stats = cb;
+  w->arg = arg;
+  core_add_timed(c, &c->stats_waiters, w);
+  rc = CORE_PENDING;
+done:
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+uint32_t core_missing(core *c, uint64_t step, core_missing_entry *out, uint32_t max) {
+  uint64_t total = 0;
+  pthread_rwlock_rdlock(&c->state_rw);
+  if (!c->open || step != c->version + 1)
+    goto done;
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    piece_state *ps = &c->pieces[i];
+    pthread_mutex_lock(&ps->mu);
+    /* Every k below next_k has been received; the rest is read off the
+     * bitmap. k ascending is (micro, rank) ascending. */
+    for (uint32_t k = ps->next_k; k < c->WM; k++) {
+      if (bit_test(ps->received, k))
+        continue;
+      if (out && total < max)
+        out[total] = (core_missing_entry){
+            .rank = k % c->W, .micro = k / c->W, .tensor = ps->lp->tensor, .slice = ps->lp->slice};
+      total++;
+    }
+    pthread_mutex_unlock(&ps->mu);
+  }
+done:
+  pthread_rwlock_unlock(&c->state_rw);
+  return total > UINT32_MAX ? UINT32_MAX : (uint32_t)total;
+}
+
+/* ---------------------------------------------------------------- apply */
+
+static int core_same_apply(double lr, float coef, int skip, double lr2, float coef2, int skip2) {
+  return lr == lr2 && coef == coef2 && !skip == !skip2;
+}
+
+int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
+               core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
+  waiter *w = NULL;
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core_check_job(c, hash, err, errlen);
+  if (rc != 0)
+    goto done;
+  /* A learning rate or coefficient that is not finite would poison every
+   * weight of the shard. */
+  if (!isfinite(lr) || lr < 0.0 || !isfinite(coef)) {
+    rc = core_fail(err, errlen, ZS_EINVAL, "apply needs a finite lr >= 0 and a finite coef");
+    goto done;
+  }
+  if (c->last_apply_valid && step == c->version) {
+    if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip)) {
+      if (out)
+        *out = c->last_apply;
+    } else {
+      rc =
+          core_fail(err, errlen, ZS_EEXIST,
+                    "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d, not lr=%g "
+                    "coef=%g skip=%d",
+                    step, c->last_lr, (double)c->last_coef, c->last_skip, lr, (double)coef, !!skip);
+    }
+    goto done;
+  }
+  if (step != c->version + 1) {
+    rc = core_fail(err, errlen, ZS_ESTEP,
+                   "apply for step %" PRIu64 " but shard %u expects step %" PRIu64, step,
+                   c->shard_id, c->version + 1);
+    goto done;
+  }
+  if (c->apply_state != APPLY_NONE) {
+    if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip)) {
+      rc = core_fail(err, errlen, ZS_EEXIST,
+                     "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d, not lr=%g "
+                     "coef=%g skip=%d",
+                     step, c->apply_lr, (double)c->apply_coef, c->apply_skip, lr, (double)coef,
+                     !!skip);
+      goto done;
+    }
+  } else {
+    if (c->stats_phase != STATS_READY) {
+      uint64_t want = (uint64_t)c->npieces * c->WM;
+      uint64_t have = atomic_load_explicit(&c->contributions, memory_order_relaxed);
+      rc = core_fail(err, errlen, ZS_ENOTREADY,
+                     "step %" PRIu64 " still misses %" PRIu64 " of %" PRIu64
+                     " contributions on shard %u",
+                     step, want - (have < want ? have : want), want, c->shard_id);
+      goto done;
+    }
+    if (c->initialized_pieces < c->npieces) {
+      rc = core_fail(err, errlen, ZS_ENOTREADY,
+                     "%u of %u pieces of shard %u have no initial weights",
+                     c->npieces - c->initialized_pieces, c->npieces, c->shard_id);
+      goto done;
+    }
+    if (c->stats.nonfinite && !skip) {
+      rc = core_fail(err, errlen, ZS_ENONFINITE,
+                     "step %" PRIu64 " has non-finite gradients on shard %u: it must be skipped",
+                     step, c->shard_id);
+      goto done;
+    }
+  }
+  if (cb) {
+    w = calloc(1, sizeof *w);
+    if (!w) {
+      rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory registering an apply");
+      goto done;
+    }
+    w->kind = WAITER_APPLY;
+    w->key = step;
+    w->cb.apply = cb;
+    w->arg = arg;
+    waiter_push(&c->apply_waiters, w);
+  }
+  if (c->apply_state == APPLY_NONE) {
+    c->apply_state = APPLY_QUEUED;
+    c->apply_lr = lr;
+    c->apply_coef = coef;
+    c->apply_skip = !!skip;
+    pthread_cond_signal(&c->worker_cv);
+  }
+  rc = CORE_PENDING;
+done:
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- info */
+
+void core_get_info(core *c, core_info *out) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&c->mu);
+  out->shard_id = c->shard_id;
+  out->num_shards = c->num_shards;
+  out->has_job = c->open;
+  if (c->open) {
+    snprintf(out->job, sizeof out->job, "%s", c->spec.job ? c->spec.job : "");
+    out->spec_hash = c->hash;
+    out->version = c->version;
+    out->state_bytes = c->state_bytes;
+    out->pieces = c->npieces;
+    out->elements = c->layout.shard_load[c->shard_id];
+    out->initialized = c->initialized_pieces == c->npieces;
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+void core_get_counters(core *c, core_counters *out) {
+  memset(out, 0, sizeof *out);
+  out->pushes = atomic_load_explicit(&c->pushes, memory_order_relaxed);
+  out->duplicate_pushes = atomic_load_explicit(&c->duplicate_pushes, memory_order_relaxed);
+  out->rejected = atomic_load_explicit(&c->rejected, memory_order_relaxed);
+  out->pulls = atomic_load_explicit(&c->pulls, memory_order_relaxed);
+  out->bytes_in = atomic_load_explicit(&c->bytes_in, memory_order_relaxed);
+  out->bytes_out = atomic_load_explicit(&c->bytes_out, memory_order_relaxed);
+  out->held_bytes = atomic_load_explicit(&c->held_bytes, memory_order_relaxed);
+  pthread_mutex_lock(&c->mu);
+  out->applies = c->applies;
+  out->skipped_steps = c->skipped_steps;
+  out->version = c->version;
+  out->apply_seconds_total = c->apply_seconds_total;
+  pthread_mutex_unlock(&c->mu);
+}
+
+void core_count_pull(core *c, uint64_t bytes_out) {
+  atomic_fetch_add_explicit(&c->pulls, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&c->bytes_out, bytes_out, memory_order_relaxed);
+}
+
+const spec *core_spec(core *c) {
+  pthread_mutex_lock(&c->mu);
+  const spec *s = c->open ? &c->spec : NULL;
+  pthread_mutex_unlock(&c->mu);
+  return s;
+}
+
+const layout *core_layout(core *c) {
+  pthread_mutex_lock(&c->mu);
+  const layout *l = c->open ? &c->layout : NULL;
+  pthread_mutex_unlock(&c->mu);
+  return l;
+}

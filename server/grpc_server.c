@@ -1,0 +1,1621 @@
+/*
+ * grpc_server — the gRPC transport (see grpc_server.h).
+ *
+ * Threads and what they own:
+ *  - `threads` polling threads run grpc_completion_queue_next on the one server
+ *    completion queue and run every handler: they parse, validate, call the
+ *    core and start the answering batch. They never wait for the core: a core
+ *    call that returns CORE_PENDING leaves the call parked in the core.
+ *  - Core threads call our callbacks (on_core_*). A callback only records the
+ *    outcome, claims the call and starts an empty batch on it, whose
+ *    completion (on_hop) carries the rest of the work (core_read into the
+ *    response, core_missing, packing) back onto a polling thread. So no core
+ *    callback blocks, and none calls into the core.
+ *  - The thread calling gsrv_destroy runs the shutdown sequence.
+ *
+ * Lock order: gsrv.lock is the only lock here and a leaf: it is never held
+ * while calling into the core (so a core lock is never taken inside it), and
+ * a core callback takes it only on an error path, holding no lock of ours. It
+ * guards the list of calls in flight, the Watch streams, the serving status
+ * and the shutdown flags. gRPC functions called with it held never call back
+ * into this file (completions go through the queue).
+ *
+ * A call is answered exactly once: whoever flips gcall.claimed from 0 to 1 (a
+ * handler, a core callback, or the shutdown sweep) sends the final batch; the
+ * others drop what they prepared. A gcall is reference counted: the handler
+ * running it, each batch started on it and each core callback outstanding hold
+ * one reference. The grpc_call itself is released as soon as the final batch
+ * completes, so that server shutdown never waits for a core callback; a gcall
+ * kept alive only by the core afterwards touches nothing but itself.
+ *
+ * Copies of tensor bytes, beyond the kernel's socket copies:
+ *  - Push: gRPC hands over the message in slices; a message in one slice is
+ *    used in place, one in several is gathered into one buffer (1 copy). The
+ *    request is then decoded in place (data points into that buffer) and the
+ *    core adds it into its accumulator (or copies an early one to hold it).
+ *  - Pull: the response is one slice of exactly the message's size and
+ *    core_read converts the piece from the master arena straight into it
+ *    (1 copy, which is also the dtype conversion); gRPC sends that slice.
+ *  - InitParams (once per job): gather (0-1 copy) + protobuf-c unpack (1).
+ */
+#include "server/grpc_server.h"
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/time.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/dtype.h"
+#include "common/log.h"
+#include "common/rpc_client.h"
+#include "common/status.h"
+#include "grpc/health/v1/health.pb-c.h"
+#include "zshard/v1/zshard.pb-c.h"
+
+#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+
+/* Outstanding grpc_server_request_*_call per method: calls that arrive while
+ * all are taken wait in gRPC's queue until a handler re-posts its slot. */
+#define GSRV_SLOTS_PER_METHOD 4
+#define GSRV_GENERIC_SLOTS 2
+#define GSRV_ERRLEN 256
+
+#define ZS_STATUS_KEY "zs-status"
+#define SERVICE_NAME "zshard.v1.ZShard"
+
+/* ------------------------------------------------------------------------ */
+/* Types                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Every completion-queue tag is a gtag; the polling loop calls done(). */
+typedef struct gtag gtag;
+struct gtag {
+  void (*done)(gtag *t, int ok);
+};
+
+enum {
+  M_OPEN,
+  M_INIT_PARAMS,
+  M_PUSH,
+  M_PULL,
+  M_GRAD_STATS,
+  M_APPLY,
+  M_GET_INFO,
+  M_STATS,
+  M_HEALTH_CHECK,
+  M_HEALTH_WATCH,
+  M_COUNT,
+  M_GENERIC = M_COUNT, /* any method not registered */
+};
+
+typedef struct gcall gcall;
+
+struct gsrv {
+  grpc_server *server;
+  grpc_completion_queue *cq;
+  void *reg[M_COUNT];
+  core *core;
+  int port;
+  uint32_t data_port;
+  uint32_t grace_ms;
+  uint64_t start_ns;
+  int started; /* grpc_server_start was called */
+
+  pthread_t *threads;
+  int nthreads;
+
+  pthread_mutex_t lock;
+  pthread_cond_t cond; /* CLOCK_MONOTONIC; signalled when a call leaves the
+                          in-flight list and when shutdown completes */
+  gcall *inflight;     /* calls not yet answered and sent, except Watch */
+  gcall *watchers;     /* Watch streams */
+  int serving;
+  int stopping;        /* no more request slots are posted */
+  int closing;         /* every call not yet answered is answered ECLOSED */
+  int shutdown_done;   /* the grpc_server_shutdown_and_notify tag arrived */
+  gtag shutdown_tag;
+};
+
+struct gcall {
+  gtag req_tag;   /* the request slot was filled */
+  gtag io_tag;    /* the hop, the final batch, a Watch message */
+  gtag close_tag; /* Watch: RECV_CLOSE_ON_SERVER */
+  gsrv *s;        /* only used while the call is open */
+  int method;
+  atomic_int refs;
+  atomic_int claimed;
+
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *payload;
+  grpc_call_details details; /* M_GENERIC only */
+
+  gcall *prev, *next; /* in gsrv.inflight or gsrv.watchers, under gsrv.lock */
+  int listed;
+  int grpc_released; /* release_grpc() ran */
+  int waiting; /* parked in the core waiting for data (not counted as work) */
+
+  /* The final batch's resources, released when it completes. */
+  grpc_byte_buffer *reply;
+  grpc_slice status_details;
+  grpc_metadata trailer;
+  char zs_buf[16];
+  int cancelled;
+
+  /* Request fields used after the hop. */
+  uint64_t hash, step;
+  uint32_t tensor, slice;
+  zs_dtype dtype;
+  size_t nbytes;
+
+  /* Written by the core callback before the hop, read after it. */
+  int async_status;
+  uint64_t async_version;
+  core_stats_result stats;
+  core_apply_result apply;
+
+  /* Watch state, under gsrv.lock. */
+  int w_known;   /* the service is one we report on */
+  int w_sent;    /* last status sent, -1 before the first */
+  int w_sending; /* a message batch is in flight */
+  int w_ending;  /* the server shuts down: end the stream */
+  int w_final;   /* the status batch was started */
+  int w_closed;  /* RECV_CLOSE_ON_SERVER completed */
+};
+
+typedef void (*handler_fn)(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+
+static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_init_params(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+
+static const struct {
+  const char *path;
+  handler_fn fn;
+} methods[M_COUNT] = {
+    [M_OPEN] = {"/zshard.v1.ZShard/Open", h_open},
+    [M_INIT_PARAMS] = {"/zshard.v1.ZShard/InitParams", h_init_params},
+    [M_PUSH] = {"/zshard.v1.ZShard/Push", h_push},
+    [M_PULL] = {"/zshard.v1.ZShard/Pull", h_pull},
+    [M_GRAD_STATS] = {"/zshard.v1.ZShard/GradStats", h_grad_stats},
+    [M_APPLY] = {"/zshard.v1.ZShard/Apply", h_apply},
+    [M_GET_INFO] = {"/zshard.v1.ZShard/GetInfo", h_get_info},
+    [M_STATS] = {"/zshard.v1.ZShard/Stats", h_stats},
+    [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check},
+    [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch},
+};
+
+/* ------------------------------------------------------------------------ */
+/* Call lifetime                                                            */
+/* ------------------------------------------------------------------------ */
+
+static gcall *gcall_new(gsrv *s, int method) {
+  gcall *c = calloc(1, sizeof *c);
+  if (!c)
+    return NULL;
+  c->s = s;
+  c->method = method;
+  atomic_init(&c->refs, 1);
+  atomic_init(&c->claimed, 0);
+  grpc_metadata_array_init(&c->md);
+  if (method == M_GENERIC)
+    grpc_call_details_init(&c->details);
+  c->status_details = grpc_empty_slice();
+  c->w_sent = -1;
+  return c;
+}
+
+static void gcall_ref(gcall *c) {
+  atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
+}
+
+/* Releases everything of gRPC's that the call holds, the grpc_call last. Runs
+ * when the final batch completes, so that a gcall kept alive afterwards only by
+ * a core callback (possibly past grpc_shutdown) holds plain memory only. */
+static void release_grpc(gcall *c) {
+  if (c->grpc_released)
+    return;
+  c->grpc_released = 1;
+  if (c->payload)
+    grpc_byte_buffer_destroy(c->payload);
+  if (c->reply)
+    grpc_byte_buffer_destroy(c->reply);
+  c->payload = c->reply = NULL;
+  grpc_slice_unref(c->status_details);
+  grpc_slice_unref(c->trailer.value);
+  grpc_metadata_array_destroy(&c->md);
+  if (c->method == M_GENERIC)
+    grpc_call_details_destroy(&c->details);
+  if (c->call)
+    grpc_call_unref(c->call);
+  c->call = NULL;
+}
+
+static void gcall_unref(gcall *c) {
+  if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) != 1)
+    return;
+  release_grpc(c);
+  free(c);
+}
+
+static void list_add_locked(gcall **head, gcall *c) {
+  c->prev = NULL;
+  c->next = *head;
+  if (*head)
+    (*head)->prev = c;
+  *head = c;
+  c->listed = 1;
+}
+
+static void list_remove_locked(gcall **head, gcall *c) {
+  if (!c->listed)
+    return;
+  if (c->prev)
+    c->prev->next = c->next;
+  else
+    *head = c->next;
+  if (c->next)
+    c->next->prev = c->prev;
+  c->prev = c->next = NULL;
+  c->listed = 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Answering                                                                */
+/* ------------------------------------------------------------------------ */
+
+static void on_final(gtag *t, int ok);
+
+/* Everything after the final batch: the call leaves the in-flight list and
+ * its grpc_call is released. */
+static void final_done(gcall *c) {
+  gsrv *s = c->s;
+  pthread_mutex_lock(&s->lock);
+  list_remove_locked(c->method == M_HEALTH_WATCH ? &s->watchers : &s->inflight, c);
+  pthread_cond_broadcast(&s->cond);
+  pthread_mutex_unlock(&s->lock);
+  release_grpc(c);
+}
+
+static void on_final(gtag *t, int ok) {
+  (void)ok; /* a failed batch means the peer is gone; nothing more to do */
+  gcall *c = container_of(t, gcall, io_tag);
+  final_done(c);
+  gcall_unref(c);
+}
+
+/* Sends the answer: `reply` (owned from here on; NULL for an error), the gRPC
+ * code of `zs`, the detail sentence and the zs-status trailer. The caller must
+ * have claimed the call. `with_initial_md` is 0 only for a Watch stream, which
+ * sent its initial metadata with its first message. */
+static void send_final_ex(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail,
+                          int with_initial_md) {
+  c->reply = reply;
+  snprintf(c->zs_buf, sizeof c->zs_buf, "%d", zs);
+  grpc_slice_unref(c->trailer.value);
+  memset(&c->trailer, 0, sizeof c->trailer);
+  c->trailer.key = grpc_slice_from_static_string(ZS_STATUS_KEY);
+  c->trailer.value = grpc_slice_from_copied_string(c->zs_buf);
+  grpc_slice_unref(c->status_details);
+  c->status_details = grpc_slice_from_copied_string(
+      detail && detail[0] ? detail : (zs != ZS_OK ? zs_strerror(zs) : ""));
+  if (zs != ZS_OK)
+    LOG_DEBUG("rpc_error", "method=%s status=%s detail=\"%s\"",
+              c->method < M_COUNT ? methods[c->method].path : "unknown", zs_err_name(zs),
+              detail ? detail : "");
+
+  grpc_op ops[4];
+  memset(ops, 0, sizeof ops);
+  size_t n = 0;
+  if (with_initial_md)
+    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+  if (reply) {
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n++].data.send_message.send_message = reply;
+  }
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = (grpc_status_code)status_to_grpc(zs);
+  ops[n].data.send_status_from_server.trailing_metadata_count = 1;
+  ops[n].data.send_status_from_server.trailing_metadata = &c->trailer;
+  ops[n++].data.send_status_from_server.status_details =
+      zs != ZS_OK ? &c->status_details : NULL;
+  if (with_initial_md) { /* a Watch has its own RECV_CLOSE_ON_SERVER batch */
+    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
+  }
+  c->io_tag.done = on_final;
+  gcall_ref(c);
+  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->io_tag, NULL);
+  if (e != GRPC_CALL_OK) {
+    LOG_ERROR("grpc_batch_failed", "method=%s error=%s",
+              c->method < M_COUNT ? methods[c->method].path : "unknown",
+              grpc_call_error_to_string(e));
+    final_done(c);
+    gcall_unref(c);
+  }
+}
+
+static void send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail) {
+  send_final_ex(c, reply, zs, detail, 1);
+}
+
+/* Claims the call and answers it; if someone else answered first (the
+ * shutdown sweep), drops `reply`. */
+static void answer(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail) {
+  if (atomic_exchange(&c->claimed, 1)) {
+    if (reply)
+      grpc_byte_buffer_destroy(reply);
+    return;
+  }
+  send_final(c, reply, zs, detail);
+}
+
+/* Answers through answer() or, when the caller already holds the claim (after
+ * a hop), through send_final(). */
+static void finish(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const char *detail) {
+  if (claimed)
+    send_final(c, reply, zs, detail);
+  else
+    answer(c, reply, zs, detail);
+}
+
+static grpc_byte_buffer *pack_message(const ProtobufCMessage *m) {
+  size_t n = protobuf_c_message_get_packed_size(m);
+  grpc_slice sl = grpc_slice_malloc(n);
+  protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(sl));
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+  grpc_slice_unref(sl);
+  return bb;
+}
+
+static void finish_msg(gcall *c, int claimed, const ProtobufCMessage *m) {
+  finish(c, claimed, pack_message(m), ZS_OK, NULL);
+}
+
+static void finish_err(gcall *c, int claimed, int zs, const char *detail) {
+  finish(c, claimed, NULL, zs, detail);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Core callbacks and the hop back to a polling thread                      */
+/* ------------------------------------------------------------------------ */
+
+static void pull_finish(gcall *c, int claimed);
+static void stats_finish(gcall *c, int claimed);
+static void apply_finish(gcall *c, int claimed);
+
+static void on_hop(gtag *t, int ok) {
+  (void)ok; /* an empty batch always completes; a dead peer shows later */
+  gcall *c = container_of(t, gcall, io_tag);
+  gsrv *s = c->s;
+  pthread_mutex_lock(&s->lock);
+  c->waiting = 0;
+  pthread_mutex_unlock(&s->lock);
+  switch (c->method) {
+  case M_PULL:
+    pull_finish(c, 1);
+    break;
+  case M_GRAD_STATS:
+    stats_finish(c, 1);
+    break;
+  default:
+    apply_finish(c, 1);
+    break;
+  }
+  gcall_unref(c);
+}
+
+/* Runs on a core thread: claims the call and moves on to a polling thread by
+ * an empty batch, which gRPC completes at once on the call's queue. If the
+ * shutdown sweep answered the call already, only the core's reference is
+ * dropped. */
+static void resume_from_core(gcall *c) {
+  if (atomic_exchange(&c->claimed, 1) == 0) {
+    c->io_tag.done = on_hop;
+    gcall_ref(c);
+    grpc_call_error e = grpc_call_start_batch(c->call, NULL, 0, &c->io_tag, NULL);
+    if (e != GRPC_CALL_OK) {
+      gcall_unref(c);
+      send_final(c, NULL, ZS_EINTERNAL, "cannot resume the call after the core answered");
+    }
+  }
+  gcall_unref(c);
+}
+
+static void on_core_version(void *arg, int status, uint64_t version) {
+  gcall *c = arg;
+  c->async_status = status;
+  c->async_version = version;
+  resume_from_core(c);
+}
+
+static void on_core_stats(void *arg, int status, const core_stats_result *r) {
+  gcall *c = arg;
+  c->async_status = status;
+  if (r)
+    c->stats = *r;
+  resume_from_core(c);
+}
+
+static void on_core_apply(void *arg, int status, const core_apply_result *r) {
+  gcall *c = arg;
+  c->async_status = status;
+  if (r)
+    c->apply = *r;
+  resume_from_core(c);
+}
+
+/* Marks the call as parked in the core (or not), for the shutdown grace. */
+static void set_waiting(gcall *c, int waiting) {
+  pthread_mutex_lock(&c->s->lock);
+  c->waiting = waiting;
+  pthread_mutex_unlock(&c->s->lock);
+}
+
+/* The absolute clock_now_ms() deadline of a wait: the request's timeout, else
+ * the call's deadline (the earlier of both when both are set), never more
+ * than GSRV_MAX_WAIT_MS. */
+static uint64_t wait_deadline(const gcall *c, uint32_t timeout_ms) {
+  uint64_t rel = GSRV_MAX_WAIT_MS;
+  if (timeout_ms > 0 && timeout_ms < rel)
+    rel = timeout_ms;
+  gpr_timespec dl = gpr_convert_clock_type(c->deadline, GPR_CLOCK_MONOTONIC);
+  if (gpr_time_cmp(dl, gpr_inf_future(GPR_CLOCK_MONOTONIC)) < 0) {
+    gpr_timespec left = gpr_time_sub(dl, gpr_now(GPR_CLOCK_MONOTONIC));
+    if (left.tv_sec < 0) {
+      rel = 0;
+    } else if ((uint64_t)left.tv_sec < rel / 1000 + 1) {
+      uint64_t ms = (uint64_t)left.tv_sec * 1000 + (uint64_t)left.tv_nsec / 1000000;
+      if (ms < rel)
+        rel = ms;
+    }
+  }
+  return clock_now_ms() + rel;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Request decoding                                                         */
+/* ------------------------------------------------------------------------ */
+
+#define UNPACK(type, desc, msg, len) ((type *)protobuf_c_message_unpack(&(desc), NULL, len, msg))
+
+static int bad_message(gcall *c, const char *type) {
+  char err[GSRV_ERRLEN];
+  snprintf(err, sizeof err, "the request is not a valid %s message", type);
+  answer(c, NULL, ZS_EPROTO, err);
+  return ZS_EPROTO;
+}
+
+static int read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
+  uint64_t x = 0;
+  for (unsigned shift = 0; shift < 64; shift += 7) {
+    if (*p == end)
+      return -1;
+    uint8_t b = *(*p)++;
+    x |= (uint64_t)(b & 0x7f) << shift;
+    if (!(b & 0x80)) {
+      *v = x;
+      return 0;
+    }
+  }
+  return -1; /* more than 10 bytes */
+}
+
+static uint64_t load_le(const uint8_t *p, unsigned n) {
+  uint64_t v = 0;
+  for (unsigned i = 0; i < n; i++)
+    v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* A PushRequest decoded in place: data points into the message. */
+typedef struct push_req {
+  uint64_t hash, step;
+  uint32_t rank, micro, tensor, slice;
+  int dtype; /* 0 when absent or not a zs_dtype value */
+  const uint8_t *data;
+  size_t len;
+} push_req;
+
+/* Decodes zshard.v1.PushRequest by the protobuf wire rules (fields in any
+ * order, the last occurrence wins, unknown fields skipped) without copying
+ * the payload, which protobuf-c's unpack would. Stricter than protobuf in
+ * one way: a uint32 field whose value does not fit is malformed rather than
+ * truncated, since no honest encoder produces it. Returns 0 or -1. */
+static int push_decode(const uint8_t *p, size_t n, push_req *r) {
+  const uint8_t *end = p + n;
+  memset(r, 0, sizeof *r);
+  while (p < end) {
+    uint64_t key, v = 0;
+    const uint8_t *bytes = NULL;
+    if (read_varint(&p, end, &key))
+      return -1;
+    uint64_t field = key >> 3;
+    unsigned wire = (unsigned)(key & 7);
+    if (field == 0 || field > 536870911u)
+      return -1;
+    switch (wire) {
+    case 0:
+      if (read_varint(&p, end, &v))
+        return -1;
+      break;
+    case 1:
+      if (end - p < 8)
+        return -1;
+      v = load_le(p, 8);
+      p += 8;
+      break;
+    case 2:
+      if (read_varint(&p, end, &v) || v > (uint64_t)(end - p))
+        return -1;
+      bytes = p;
+      p += v;
+      break;
+    case 5:
+      if (end - p < 4)
+        return -1;
+      v = load_le(p, 4);
+      p += 4;
+      break;
+    default: /* groups (3, 4) are not proto3; 6 and 7 do not exist */
+      return -1;
+    }
+    switch (field) {
+    case 1:
+      if (wire != 1)
+        return -1;
+      r->hash = v;
+      break;
+    case 2:
+      if (wire != 0)
+        return -1;
+      r->step = v;
+      break;
+    case 3:
+    case 4:
+    case 5:
+    case 6:
+      if (wire != 0 || v > UINT32_MAX)
+        return -1;
+      if (field == 3)
+        r->rank = (uint32_t)v;
+      else if (field == 4)
+        r->micro = (uint32_t)v;
+      else if (field == 5)
+        r->tensor = (uint32_t)v;
+      else
+        r->slice = (uint32_t)v;
+      break;
+    case 7:
+      if (wire != 0)
+        return -1;
+      /* An enum is an int32 on the wire; anything outside our values is
+       * kept as 0 and rejected as an unknown dtype by the caller. */
+      r->dtype = dtype_valid((int)(v & 0xff)) && v <= 0xff ? (int)v : 0;
+      break;
+    case 8:
+      if (wire != 2)
+        return -1;
+      r->data = bytes;
+      r->len = (size_t)v;
+      break;
+    default:
+      break; /* unknown field: skipped */
+    }
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* ZShard methods                                                           */
+/* ------------------------------------------------------------------------ */
+
+/* A job name as it may appear in a log line: printable, no spaces or quotes
+ * (a name comes from the network). */
+static void log_safe(char *dst, size_t cap, const char *src) {
+  size_t i = 0;
+  for (; src && src[i] && i + 1 < cap; i++) {
+    unsigned char ch = (unsigned char)src[i];
+    dst[i] = ch > 0x20 && ch < 0x7f && ch != '"' && ch != '=' ? (char)ch : '_';
+  }
+  dst[i] = '\0';
+}
+
+static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__OpenRequest *r =
+      UNPACK(Zshard__V1__OpenRequest, zshard__v1__open_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.OpenRequest");
+    return;
+  }
+  spec sp;
+  memset(&sp, 0, sizeof sp);
+  int rc;
+  if (!r->spec) {
+    rc = ZS_EINVAL;
+    snprintf(err, sizeof err, "OpenRequest carries no spec");
+    goto fail;
+  }
+  rc = spec_from_proto(&sp, r->spec, err, sizeof err);
+  if (rc)
+    goto fail;
+  if (r->rank >= sp.world_size) {
+    rc = ZS_EINVAL;
+    snprintf(err, sizeof err, "rank %" PRIu32 " is not below the world size %" PRIu32, r->rank,
+             sp.world_size);
+    goto fail;
+  }
+  core_open_result res;
+  rc = core_open(s->core, &sp, &res, err, sizeof err);
+  if (rc)
+    goto fail;
+  if (res.created) {
+    char job[65];
+    log_safe(job, sizeof job, sp.job);
+    LOG_INFO("job_opened",
+             "job=%s spec_hash=%016" PRIx64 " tensors=%" PRIu32 " world_size=%" PRIu32
+             " grad_accum=%" PRIu32 " shards=%" PRIu32 " rank=%" PRIu32,
+             job, res.spec_hash, sp.num_tensors, sp.world_size, sp.grad_accum, sp.num_shards,
+             r->rank);
+  }
+  core_info info;
+  core_get_info(s->core, &info);
+  Zshard__V1__OpenResponse resp = ZSHARD__V1__OPEN_RESPONSE__INIT;
+  resp.spec_hash = res.spec_hash;
+  resp.version = res.version;
+  resp.shard_id = info.shard_id;
+  resp.num_shards = info.num_shards;
+  resp.created = res.created != 0;
+  resp.initialized = res.initialized != 0;
+  finish_msg(c, 0, &resp.base);
+  spec_free(&sp);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return;
+fail:
+  finish_err(c, 0, rc, err);
+  spec_free(&sp);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+static void h_init_params(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__InitParamsRequest *r = UNPACK(Zshard__V1__InitParamsRequest,
+                                            zshard__v1__init_params_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.InitParamsRequest");
+    return;
+  }
+  int written = 0;
+  uint64_t version = 0;
+  int rc;
+  if (r->data.len % sizeof(float) != 0) {
+    rc = ZS_ESIZE;
+    snprintf(err, sizeof err, "InitParams data of %zu bytes is not a whole number of float32",
+             r->data.len);
+  } else {
+    /* protobuf-c allocates the bytes with malloc, so they are float-aligned. */
+    rc = core_init_params(s->core, r->spec_hash, r->tensor, r->slice, (const float *)r->data.data,
+                          r->data.len, &written, &version, err, sizeof err);
+  }
+  if (rc) {
+    finish_err(c, 0, rc, err);
+  } else {
+    Zshard__V1__InitParamsResponse resp = ZSHARD__V1__INIT_PARAMS_RESPONSE__INIT;
+    resp.written = written != 0;
+    resp.version = version;
+    finish_msg(c, 0, &resp.base);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  push_req r;
+  if (push_decode(msg, len, &r)) {
+    bad_message(c, "zshard.v1.PushRequest");
+    return;
+  }
+  if (!r.dtype) {
+    finish_err(c, 0, ZS_EDTYPE, "Push needs dtype FP32, FP16 or BF16");
+    return;
+  }
+  core_push_args a = {
+      .hash = r.hash,
+      .step = r.step,
+      .rank = r.rank,
+      .micro = r.micro,
+      .tensor = r.tensor,
+      .slice = r.slice,
+      .dtype = (zs_dtype)r.dtype,
+      .data = r.data,
+      .nbytes = r.len,
+  };
+  int duplicate = 0;
+  int rc = core_push(s->core, &a, &duplicate, err, sizeof err);
+  if (rc) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  Zshard__V1__PushResponse resp = ZSHARD__V1__PUSH_RESPONSE__INIT;
+  resp.duplicate = duplicate != 0;
+  finish_msg(c, 0, &resp.base);
+}
+
+static size_t put_varint(uint8_t *p, uint64_t v) {
+  size_t n = 0;
+  while (v >= 0x80) {
+    p[n++] = (uint8_t)(v | 0x80);
+    v >>= 7;
+  }
+  p[n++] = (uint8_t)v;
+  return n;
+}
+
+static size_t varint_len(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    n++;
+  }
+  return n;
+}
+
+/* Builds the PullResponse by hand in one slice so that core_read writes the
+ * piece straight into the message: dtype (field 2), data (field 3) and then
+ * version (field 1), which is known only once the data is read. Protobuf
+ * parsers accept fields in any order. */
+static void pull_finish(gcall *c, int claimed) {
+  char err[GSRV_ERRLEN] = "";
+  gsrv *s = c->s;
+  if (c->async_status != ZS_OK) {
+    if (c->async_status == ZS_ETIMEDOUT)
+      snprintf(err, sizeof err,
+               "timed out waiting for version %" PRIu64 " of tensor %" PRIu32 " slice %" PRIu32,
+               c->step, c->tensor, c->slice);
+    finish_err(c, claimed, c->async_status, err);
+    return;
+  }
+  size_t cap = 2 + varint_len((uint64_t)c->dtype) + varint_len(c->nbytes) + c->nbytes + 1 + 10;
+  grpc_slice sl = grpc_slice_malloc(cap);
+  uint8_t *p = GRPC_SLICE_START_PTR(sl);
+  size_t off = 0;
+  p[off++] = (2 << 3) | 0;
+  off += put_varint(p + off, (uint64_t)c->dtype);
+  p[off++] = (3 << 3) | 2;
+  off += put_varint(p + off, c->nbytes);
+  uint64_t version = 0;
+  int rc = core_read(s->core, c->hash, c->tensor, c->slice, c->dtype, p + off, c->nbytes,
+                     &version, err, sizeof err);
+  if (rc) {
+    grpc_slice_unref(sl);
+    finish_err(c, claimed, rc, err);
+    return;
+  }
+  off += c->nbytes;
+  p[off++] = (1 << 3) | 0;
+  off += put_varint(p + off, version);
+  GRPC_SLICE_SET_LENGTH(sl, off);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+  grpc_slice_unref(sl);
+  core_count_pull(s->core, off);
+  finish(c, claimed, bb, ZS_OK, NULL);
+}
+
+static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__PullRequest *r =
+      UNPACK(Zshard__V1__PullRequest, zshard__v1__pull_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.PullRequest");
+    return;
+  }
+  c->hash = r->spec_hash;
+  c->tensor = r->tensor;
+  c->slice = r->slice;
+  c->step = r->min_version; /* reported in a timeout's detail */
+  int dtype = (int)r->dtype;
+  uint64_t min_version = r->min_version;
+  uint32_t timeout_ms = r->timeout_ms;
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+
+  if (!dtype_valid(dtype)) {
+    finish_err(c, 0, ZS_EDTYPE, "Pull needs dtype FP32, FP16 or BF16");
+    return;
+  }
+  c->dtype = (zs_dtype)dtype;
+  /* Size (and so tensor, slice and hash) are checked before waiting, so a bad
+   * request fails at once rather than at the end of its wait. */
+  int64_t nb = core_piece_bytes(s->core, c->hash, c->tensor, c->slice, c->dtype);
+  if (nb < 0) {
+    if (nb == ZS_EHASH)
+      snprintf(err, sizeof err, "spec_hash %016" PRIx64 " is not the hash of this shard's job",
+               c->hash);
+    else if (nb == ZS_ENOTFOUND)
+      snprintf(err, sizeof err, "no piece (tensor %" PRIu32 ", slice %" PRIu32 ") on this shard",
+               c->tensor, c->slice);
+    finish_err(c, 0, (int)nb, err);
+    return;
+  }
+  if ((uint64_t)nb > RPC_MAX_MESSAGE_BYTES - 64) {
+    snprintf(err, sizeof err,
+             "piece of %" PRId64 " bytes exceeds the %d byte gRPC message limit", nb,
+             RPC_MAX_MESSAGE_BYTES);
+    finish_err(c, 0, ZS_ERANGE, err);
+    return;
+  }
+  c->nbytes = (size_t)nb;
+
+  uint64_t version = 0;
+  set_waiting(c, 1);
+  gcall_ref(c); /* the core's, released by resume_from_core */
+  int rc = core_wait_version(s->core, c->hash, min_version, wait_deadline(c, timeout_ms),
+                             on_core_version, c, &version, err, sizeof err);
+  if (rc == CORE_PENDING)
+    return;
+  gcall_unref(c);
+  set_waiting(c, 0);
+  if (rc < 0) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  c->async_status = ZS_OK;
+  c->async_version = version;
+  pull_finish(c, 0);
+}
+
+static void stats_finish(gcall *c, int claimed) {
+  char err[GSRV_ERRLEN] = "";
+  gsrv *s = c->s;
+  Zshard__V1__GradStatsResponse resp = ZSHARD__V1__GRAD_STATS_RESPONSE__INIT;
+  Zshard__V1__MissingContribution miss[CORE_MAX_MISSING];
+  Zshard__V1__MissingContribution *missp[CORE_MAX_MISSING];
+  core_missing_entry ent[CORE_MAX_MISSING];
+  if (c->async_status == ZS_OK) {
+    resp.step = c->stats.step;
+    resp.complete = 1;
+    resp.sum_squares = c->stats.sum_squares;
+    resp.nonfinite = c->stats.nonfinite != 0;
+  } else if (c->async_status == ZS_ETIMEDOUT) {
+    /* A timeout is an answer, not an error: the caller learns who is late. */
+    resp.step = c->step;
+    resp.complete = 0;
+    uint32_t total = core_missing(s->core, c->step, ent, CORE_MAX_MISSING);
+    uint32_t n = total < CORE_MAX_MISSING ? total : CORE_MAX_MISSING;
+    const spec *sp = core_spec(s->core);
+    for (uint32_t i = 0; i < n; i++) {
+      zshard__v1__missing_contribution__init(&miss[i]);
+      miss[i].rank = ent[i].rank;
+      miss[i].micro = ent[i].micro;
+      miss[i].tensor = ent[i].tensor;
+      miss[i].slice = ent[i].slice;
+      miss[i].tensor_name = sp && ent[i].tensor < sp->num_tensors
+                                ? sp->tensors[ent[i].tensor].name
+                                : (char *)protobuf_c_empty_string;
+      missp[i] = &miss[i];
+    }
+    resp.n_missing = n;
+    resp.missing = missp;
+    resp.missing_total = total;
+  } else {
+    snprintf(err, sizeof err, "GradStats of step %" PRIu64 ": %s", c->step,
+             zs_strerror(c->async_status));
+    finish_err(c, claimed, c->async_status, err);
+    return;
+  }
+  finish_msg(c, claimed, &resp.base);
+}
+
+static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__GradStatsRequest *r =
+      UNPACK(Zshard__V1__GradStatsRequest, zshard__v1__grad_stats_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.GradStatsRequest");
+    return;
+  }
+  c->hash = r->spec_hash;
+  c->step = r->step;
+  uint32_t timeout_ms = r->timeout_ms;
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+
+  set_waiting(c, 1);
+  gcall_ref(c);
+  int rc = core_grad_stats(s->core, c->hash, c->step, wait_deadline(c, timeout_ms),
+                           on_core_stats, c, &c->stats, err, sizeof err);
+  if (rc == CORE_PENDING)
+    return;
+  gcall_unref(c);
+  set_waiting(c, 0);
+  if (rc < 0 && rc != ZS_ETIMEDOUT) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  c->async_status = rc;
+  stats_finish(c, 0);
+}
+
+static void apply_finish(gcall *c, int claimed) {
+  if (c->async_status != ZS_OK) {
+    char err[GSRV_ERRLEN];
+    snprintf(err, sizeof err, "Apply of step %" PRIu64 ": %s", c->step,
+             zs_strerror(c->async_status));
+    finish_err(c, claimed, c->async_status, err);
+    return;
+  }
+  Zshard__V1__ApplyResponse resp = ZSHARD__V1__APPLY_RESPONSE__INIT;
+  resp.step = c->apply.step;
+  resp.version = c->apply.version;
+  resp.skipped = c->apply.skipped != 0;
+  resp.optimizer_steps = c->apply.optimizer_steps;
+  finish_msg(c, claimed, &resp.base);
+}
+
+static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__ApplyRequest *r =
+      UNPACK(Zshard__V1__ApplyRequest, zshard__v1__apply_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.ApplyRequest");
+    return;
+  }
+  uint64_t hash = r->spec_hash, step = r->step;
+  c->step = step;
+  double lr = r->lr;
+  float coef = r->coef;
+  int skip = r->skip;
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (!isfinite(lr) || lr < 0 || !isfinite(coef)) {
+    snprintf(err, sizeof err, "Apply needs a finite lr >= 0 and a finite coef (lr=%g coef=%g)",
+             lr, (double)coef);
+    finish_err(c, 0, ZS_EINVAL, err);
+    return;
+  }
+  /* The apply runs on a core thread; this call is work in progress, not a
+   * wait, so shutdown gives it the grace period. */
+  gcall_ref(c);
+  int rc = core_apply(s->core, hash, step, lr, coef, skip, on_core_apply, c, &c->apply, err,
+                      sizeof err);
+  if (rc == CORE_PENDING)
+    return;
+  gcall_unref(c);
+  if (rc < 0) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  c->async_status = ZS_OK;
+  apply_finish(c, 0);
+}
+
+static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  Zshard__V1__GetInfoRequest *r =
+      UNPACK(Zshard__V1__GetInfoRequest, zshard__v1__get_info_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.GetInfoRequest");
+    return;
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  core_info info;
+  core_get_info(s->core, &info);
+  pthread_mutex_lock(&s->lock);
+  int serving = s->serving;
+  pthread_mutex_unlock(&s->lock);
+  Zshard__V1__GetInfoResponse resp = ZSHARD__V1__GET_INFO_RESPONSE__INIT;
+  resp.shard_id = info.shard_id;
+  resp.num_shards = info.num_shards;
+  resp.job = info.has_job ? info.job : (char *)protobuf_c_empty_string;
+  resp.spec_hash = info.spec_hash;
+  resp.version = info.version;
+  resp.state_bytes = info.state_bytes;
+  resp.pieces = info.pieces;
+  resp.elements = info.elements;
+  resp.initialized = info.initialized != 0;
+  resp.uptime_s = (double)(clock_now_ns() - s->start_ns) / 1e9;
+  resp.serving = serving != 0;
+  resp.data_port = s->data_port;
+  finish_msg(c, 0, &resp.base);
+}
+
+static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  Zshard__V1__StatsRequest *r =
+      UNPACK(Zshard__V1__StatsRequest, zshard__v1__stats_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.StatsRequest");
+    return;
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  core_counters k;
+  core_get_counters(s->core, &k);
+  Zshard__V1__StatsResponse resp = ZSHARD__V1__STATS_RESPONSE__INIT;
+  resp.pushes = k.pushes;
+  resp.duplicate_pushes = k.duplicate_pushes;
+  resp.rejected = k.rejected;
+  resp.pulls = k.pulls;
+  resp.bytes_in = k.bytes_in;
+  resp.bytes_out = k.bytes_out;
+  resp.applies = k.applies;
+  resp.skipped_steps = k.skipped_steps;
+  resp.version = k.version;
+  resp.apply_seconds_total = k.apply_seconds_total;
+  resp.held_bytes = k.held_bytes;
+  finish_msg(c, 0, &resp.base);
+}
+
+/* ------------------------------------------------------------------------ */
+/* grpc.health.v1.Health                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* The health protocol names the whole server "" and each service by its full
+ * name; this server has one service. */
+static int service_known(const char *name) {
+  return name[0] == '\0' || strcmp(name, SERVICE_NAME) == 0;
+}
+
+static int health_status_locked(const gsrv *s) {
+  return s->serving ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+                    : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+}
+
+static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  Grpc__Health__V1__HealthCheckRequest *r = UNPACK(
+      Grpc__Health__V1__HealthCheckRequest, grpc__health__v1__health_check_request__descriptor,
+      msg, len);
+  if (!r) {
+    bad_message(c, "grpc.health.v1.HealthCheckRequest");
+    return;
+  }
+  if (!service_known(r->service)) {
+    char err[GSRV_ERRLEN];
+    snprintf(err, sizeof err, "unknown service \"%.100s\"", r->service);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    finish_err(c, 0, ZS_ENOTFOUND, err);
+    return;
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+  pthread_mutex_lock(&s->lock);
+  resp.status = health_status_locked(s);
+  pthread_mutex_unlock(&s->lock);
+  finish_msg(c, 0, &resp.base);
+}
+
+static void on_watch_sent(gtag *t, int ok);
+static void on_watch_final(gtag *t, int ok);
+static void on_watch_close(gtag *t, int ok);
+
+/* Sends what a Watch stream owes: the status if it differs from the last one
+ * sent, else the end of the stream when the server shuts down. One batch at a
+ * time, so messages leave in order. */
+static void watch_kick_locked(gsrv *s, gcall *c) {
+  if (c->w_sending || c->w_final || c->w_closed)
+    return;
+  int st = c->w_known ? health_status_locked(s)
+                      : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  size_t n = 0;
+  if (st != c->w_sent) {
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    resp.status = st;
+    if (c->w_sent < 0)
+      ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    c->reply = pack_message(&resp.base);
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n++].data.send_message.send_message = c->reply;
+    c->w_sending = 1;
+    c->w_sent = st;
+    c->io_tag.done = on_watch_sent;
+    gcall_ref(c);
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->io_tag, NULL);
+    if (e != GRPC_CALL_OK) {
+      LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
+      grpc_byte_buffer_destroy(c->reply);
+      c->reply = NULL;
+      c->w_sending = 0;
+      c->w_closed = 1; /* give up on this stream */
+      gcall_unref(c);
+    }
+  } else if (c->w_ending) {
+    c->w_final = 1;
+    /* send_final_ex takes the lock only on failure, through final_done; a
+     * Watch's final batch is started here with the lock held, so its failure
+     * path is handled inline instead. */
+    atomic_store(&c->claimed, 1);
+    snprintf(c->zs_buf, sizeof c->zs_buf, "%d", ZS_ECLOSED);
+    grpc_slice_unref(c->trailer.value);
+    memset(&c->trailer, 0, sizeof c->trailer);
+    c->trailer.key = grpc_slice_from_static_string(ZS_STATUS_KEY);
+    c->trailer.value = grpc_slice_from_copied_string(c->zs_buf);
+    grpc_slice_unref(c->status_details);
+    c->status_details = grpc_slice_from_static_string("the server is shutting down");
+    ops[0].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[0].data.send_status_from_server.status =
+        (grpc_status_code)status_to_grpc(ZS_ECLOSED);
+    ops[0].data.send_status_from_server.trailing_metadata_count = 1;
+    ops[0].data.send_status_from_server.trailing_metadata = &c->trailer;
+    ops[0].data.send_status_from_server.status_details = &c->status_details;
+    c->io_tag.done = on_watch_final;
+    gcall_ref(c);
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, 1, &c->io_tag, NULL);
+    if (e != GRPC_CALL_OK) {
+      LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
+      list_remove_locked(&s->watchers, c);
+      pthread_cond_broadcast(&s->cond);
+      gcall_unref(c); /* cannot be the last: the caller holds one */
+    }
+  }
+}
+
+static void on_watch_sent(gtag *t, int ok) {
+  gcall *c = container_of(t, gcall, io_tag);
+  gsrv *s = c->s;
+  pthread_mutex_lock(&s->lock);
+  grpc_byte_buffer_destroy(c->reply);
+  c->reply = NULL;
+  c->w_sending = 0;
+  if (!ok)
+    c->w_closed = 1; /* the peer is gone; RECV_CLOSE_ON_SERVER will say so */
+  else
+    watch_kick_locked(s, c);
+  pthread_mutex_unlock(&s->lock);
+  gcall_unref(c);
+}
+
+static void on_watch_final(gtag *t, int ok) {
+  (void)ok;
+  gcall *c = container_of(t, gcall, io_tag);
+  gsrv *s = c->s;
+  grpc_slice_unref(c->trailer.value);
+  c->trailer.value = grpc_empty_slice();
+  pthread_mutex_lock(&s->lock);
+  list_remove_locked(&s->watchers, c);
+  pthread_cond_broadcast(&s->cond);
+  pthread_mutex_unlock(&s->lock);
+  gcall_unref(c);
+}
+
+static void on_watch_close(gtag *t, int ok) {
+  (void)ok;
+  gcall *c = container_of(t, gcall, close_tag);
+  gsrv *s = c->s;
+  pthread_mutex_lock(&s->lock);
+  c->w_closed = 1;
+  list_remove_locked(&s->watchers, c);
+  pthread_cond_broadcast(&s->cond);
+  pthread_mutex_unlock(&s->lock);
+  gcall_unref(c);
+}
+
+static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  Grpc__Health__V1__HealthCheckRequest *r = UNPACK(
+      Grpc__Health__V1__HealthCheckRequest, grpc__health__v1__health_check_request__descriptor,
+      msg, len);
+  if (!r) {
+    bad_message(c, "grpc.health.v1.HealthCheckRequest");
+    return;
+  }
+  /* An unknown service is not an error for Watch: the health protocol says
+   * to stream SERVICE_UNKNOWN, since the service may appear later. */
+  c->w_known = service_known(r->service);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+
+  pthread_mutex_lock(&s->lock);
+  if (s->closing) {
+    pthread_mutex_unlock(&s->lock);
+    answer(c, NULL, ZS_ECLOSED, "the server is shutting down");
+    return;
+  }
+  /* The stream is ours from here on: nobody else answers it. */
+  atomic_store(&c->claimed, 1);
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &c->cancelled;
+  c->close_tag.done = on_watch_close;
+  gcall_ref(c);
+  grpc_call_error e = grpc_call_start_batch(c->call, &op, 1, &c->close_tag, NULL);
+  if (e != GRPC_CALL_OK) {
+    pthread_mutex_unlock(&s->lock);
+    gcall_unref(c);
+    LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
+    return;
+  }
+  list_add_locked(&s->watchers, c);
+  watch_kick_locked(s, c);
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void set_serving(gsrv *s, int serving) {
+  pthread_mutex_lock(&s->lock);
+  s->serving = serving;
+  for (gcall *w = s->watchers; w; w = w->next)
+    watch_kick_locked(s, w);
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Request slots and dispatch                                               */
+/* ------------------------------------------------------------------------ */
+
+static void on_request(gtag *t, int ok);
+
+/* Offers gRPC one more slot for `method`. Called with s->lock held, checking
+ * s->stopping under it, so that no slot is posted once shutdown began (a slot
+ * posted later would complete on a queue that is already shut down). */
+static int post_slot_locked(gsrv *s, int method) {
+  gcall *c = gcall_new(s, method);
+  if (!c)
+    return ZS_ENOMEM;
+  c->req_tag.done = on_request;
+  grpc_call_error e;
+  if (method == M_GENERIC)
+    e = grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq, s->cq,
+                                 &c->req_tag);
+  else
+    e = grpc_server_request_registered_call(s->server, s->reg[method], &c->call, &c->deadline,
+                                            &c->md, &c->payload, s->cq, s->cq, &c->req_tag);
+  if (e != GRPC_CALL_OK) {
+    LOG_ERROR("grpc_request_failed", "error=%s", grpc_call_error_to_string(e));
+    gcall_unref(c);
+    return ZS_EINTERNAL;
+  }
+  return 0;
+}
+
+/* The request message as one contiguous slice (a new reference): a message in
+ * one uncompressed slice is referenced, otherwise gathered (one copy). */
+static int request_slice(grpc_byte_buffer *bb, grpc_slice *out) {
+  if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE &&
+      bb->data.raw.slice_buffer.count == 1) {
+    *out = grpc_slice_ref(bb->data.raw.slice_buffer.slices[0]);
+    return 0;
+  }
+  grpc_byte_buffer_reader reader;
+  if (!grpc_byte_buffer_reader_init(&reader, bb))
+    return -1;
+  *out = grpc_byte_buffer_reader_readall(&reader);
+  grpc_byte_buffer_reader_destroy(&reader);
+  return 0;
+}
+
+static void dispatch(gsrv *s, gcall *c) {
+  if (c->method == M_GENERIC) {
+    char err[GSRV_ERRLEN];
+    size_t n = GRPC_SLICE_LENGTH(c->details.method);
+    snprintf(err, sizeof err, "unknown method %.*s", (int)(n > 200 ? 200 : n),
+             (const char *)GRPC_SLICE_START_PTR(c->details.method));
+    answer(c, NULL, ZS_EUNIMPL, err);
+    return;
+  }
+  if (!c->payload) {
+    answer(c, NULL, ZS_EPROTO, "the call carries no request message");
+    return;
+  }
+  grpc_slice msg;
+  if (request_slice(c->payload, &msg) != 0) {
+    answer(c, NULL, ZS_EPROTO, "the request message cannot be read");
+    return;
+  }
+  /* The message is in msg now; the byte buffer is not needed any more. */
+  grpc_byte_buffer_destroy(c->payload);
+  c->payload = NULL;
+  methods[c->method].fn(s, c, GRPC_SLICE_START_PTR(msg), GRPC_SLICE_LENGTH(msg));
+  grpc_slice_unref(msg);
+}
+
+static void on_request(gtag *t, int ok) {
+  gcall *c = container_of(t, gcall, req_tag);
+  gsrv *s = c->s;
+  if (!ok) { /* the server shuts down: the slot is returned unfilled */
+    gcall_unref(c);
+    return;
+  }
+  pthread_mutex_lock(&s->lock);
+  if (!s->stopping)
+    post_slot_locked(s, c->method);
+  int closing = s->closing;
+  if (c->method != M_HEALTH_WATCH)
+    list_add_locked(&s->inflight, c);
+  pthread_mutex_unlock(&s->lock);
+  if (closing)
+    answer(c, NULL, ZS_ECLOSED, "the server is shutting down");
+  else
+    dispatch(s, c);
+  gcall_unref(c); /* the handler's reference */
+}
+
+static void on_shutdown(gtag *t, int ok) {
+  (void)ok;
+  gsrv *s = container_of(t, gsrv, shutdown_tag);
+  pthread_mutex_lock(&s->lock);
+  s->shutdown_done = 1;
+  pthread_cond_broadcast(&s->cond);
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void *poll_main(void *arg) {
+  gsrv *s = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN)
+      break;
+    if (ev.type == GRPC_OP_COMPLETE) {
+      gtag *t = ev.tag;
+      t->done(t, ev.success);
+    }
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Start and shutdown                                                       */
+/* ------------------------------------------------------------------------ */
+
+static void timespec_after_ms(struct timespec *ts, uint64_t ms) {
+  clock_gettime(CLOCK_MONOTONIC, ts);
+  ts->tv_sec += (time_t)(ms / 1000);
+  ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts->tv_nsec >= 1000000000L) {
+    ts->tv_sec++;
+    ts->tv_nsec -= 1000000000L;
+  }
+}
+
+/* Waits on s->cond until *flag is set or `until` passes; s->lock held. */
+static void wait_flag_locked(gsrv *s, const int *flag, const struct timespec *until) {
+  while (!*flag) {
+    if (until) {
+      if (pthread_cond_timedwait(&s->cond, &s->lock, until) != 0)
+        break;
+    } else {
+      pthread_cond_wait(&s->cond, &s->lock);
+    }
+  }
+}
+
+/* Shuts the grpc_server down and releases everything; works on a server that
+ * never started (a failed gsrv_start) and with no polling thread. */
+static void teardown(gsrv *s) {
+  if (s->server) {
+    if (!s->started)
+      grpc_server_start(s->server);
+    grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+    if (s->nthreads == 0) {
+      grpc_event ev;
+      do {
+        ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        if (ev.type == GRPC_OP_COMPLETE && ev.tag != &s->shutdown_tag)
+          ((gtag *)ev.tag)->done(ev.tag, ev.success);
+      } while (ev.type != GRPC_OP_COMPLETE || ev.tag != &s->shutdown_tag);
+    } else {
+      pthread_mutex_lock(&s->lock);
+      struct timespec until;
+      timespec_after_ms(&until, s->grace_ms);
+      wait_flag_locked(s, &s->shutdown_done, &until);
+      if (!s->shutdown_done) {
+        /* A peer that does not read its answer keeps its call (and the
+         * server) alive; cancelling ends it. */
+        pthread_mutex_unlock(&s->lock);
+        LOG_WARN("shutdown_cancel", "reason=calls_still_open_after_grace");
+        grpc_server_cancel_all_calls(s->server);
+        pthread_mutex_lock(&s->lock);
+        wait_flag_locked(s, &s->shutdown_done, NULL);
+      }
+      pthread_mutex_unlock(&s->lock);
+    }
+  }
+  if (s->cq) {
+    grpc_completion_queue_shutdown(s->cq);
+    if (s->nthreads == 0) {
+      while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+             GRPC_QUEUE_SHUTDOWN) {
+      }
+    }
+  }
+  for (int i = 0; i < s->nthreads; i++)
+    pthread_join(s->threads[i], NULL);
+  if (s->server)
+    grpc_server_destroy(s->server);
+  if (s->cq)
+    grpc_completion_queue_destroy(s->cq);
+  grpc_shutdown();
+  free(s->threads);
+  pthread_cond_destroy(&s->cond);
+  pthread_mutex_destroy(&s->lock);
+  free(s);
+}
+
+static int default_threads(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n < 2 ? 2 : n > 4 ? 4 : (int)n;
+}
+
+static int fail(char *err, size_t errlen, int rc, const char *fmt, const char *arg) {
+  if (err && errlen)
+    snprintf(err, errlen, fmt, arg);
+  return rc;
+}
+
+int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
+  *out = NULL;
+  if (!cfg || !cfg->core || !cfg->listen || !cfg->listen[0])
+    return fail(err, errlen, ZS_EINVAL, "%s", "gsrv_start needs a core and a listen address");
+  gsrv *s = calloc(1, sizeof *s);
+  if (!s)
+    return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+  s->core = cfg->core;
+  s->data_port = cfg->data_port;
+  s->grace_ms = cfg->grace_ms ? cfg->grace_ms : GSRV_DEFAULT_GRACE_MS;
+  s->start_ns = clock_now_ns();
+  s->shutdown_tag.done = on_shutdown;
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cond, &ca);
+  pthread_condattr_destroy(&ca);
+  grpc_init();
+
+  int rc = ZS_EINTERNAL;
+  grpc_arg args[3];
+  args[0].type = GRPC_ARG_INTEGER;
+  args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+  args[0].value.integer = RPC_MAX_MESSAGE_BYTES;
+  args[1].type = GRPC_ARG_INTEGER;
+  args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+  args[1].value.integer = RPC_MAX_MESSAGE_BYTES;
+  /* gRPC sets SO_REUSEPORT by default, which would let a second server bind
+   * a port already in use and silently share its connections. */
+  args[2].type = GRPC_ARG_INTEGER;
+  args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
+  args[2].value.integer = 1;
+  grpc_channel_args chargs = {.num_args = 3, .args = args};
+  s->server = grpc_server_create(&chargs, NULL);
+  s->cq = grpc_completion_queue_create_for_next(NULL);
+  if (!s->server || !s->cq) {
+    fail(err, errlen, ZS_EINTERNAL, "%s", "cannot create the gRPC server");
+    goto fail;
+  }
+  grpc_server_register_completion_queue(s->server, s->cq, NULL);
+  for (int m = 0; m < M_COUNT; m++) {
+    s->reg[m] = grpc_server_register_method(s->server, methods[m].path, NULL,
+                                            GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+    if (!s->reg[m]) {
+      fail(err, errlen, ZS_EINTERNAL, "cannot register method %s", methods[m].path);
+      goto fail;
+    }
+  }
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  s->port = grpc_server_add_http2_port(s->server, cfg->listen, creds);
+  grpc_server_credentials_release(creds);
+  if (s->port <= 0) {
+    rc = fail(err, errlen, ZS_EINVAL, "cannot listen on %s (address invalid or in use)",
+              cfg->listen);
+    goto fail;
+  }
+
+  int want = cfg->threads > 0 ? cfg->threads : default_threads();
+  s->threads = calloc((size_t)want, sizeof *s->threads);
+  if (!s->threads) {
+    rc = fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+    goto fail;
+  }
+  for (int i = 0; i < want; i++) {
+    if (pthread_create(&s->threads[i], NULL, poll_main, s) != 0)
+      break;
+    s->nthreads++;
+  }
+  if (s->nthreads == 0) {
+    fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the polling threads");
+    goto fail;
+  }
+
+  grpc_server_start(s->server);
+  s->started = 1;
+  pthread_mutex_lock(&s->lock);
+  rc = 0;
+  for (int m = 0; m <= M_COUNT && rc == 0; m++)
+    for (int k = 0; k < (m == M_GENERIC ? GSRV_GENERIC_SLOTS : GSRV_SLOTS_PER_METHOD) && rc == 0;
+         k++)
+      rc = post_slot_locked(s, m);
+  s->serving = rc == 0;
+  pthread_mutex_unlock(&s->lock);
+  if (rc) {
+    fail(err, errlen, rc, "%s", "cannot post request slots to gRPC");
+    gsrv_destroy(s);
+    return rc;
+  }
+  *out = s;
+  return 0;
+
+fail:
+  teardown(s);
+  return rc;
+}
+
+int gsrv_port(const gsrv *s) {
+  return s->port;
+}
+
+/* 1 while a call is being worked on (parsed, computed, answered), as opposed
+ * to parked in the core waiting for data that may never come. */
+static int has_work_locked(const gsrv *s) {
+  for (const gcall *c = s->inflight; c; c = c->next)
+    if (!c->waiting)
+      return 1;
+  return 0;
+}
+
+void gsrv_destroy(gsrv *s) {
+  if (!s)
+    return;
+  /* 1. Health first, so load balancers and Watch streams stop sending work. */
+  set_serving(s, 0);
+
+  /* 2. No new calls: gRPC refuses new streams, and no slot is re-posted. */
+  pthread_mutex_lock(&s->lock);
+  s->stopping = 1;
+  pthread_mutex_unlock(&s->lock);
+  grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+
+  /* 3. Calls being worked on (a Push being added, an Apply running) get the
+   * grace period. Calls waiting for data do not hold shutdown up: with no new
+   * Push admitted, what they wait for can only come from work already in
+   * progress, which this loop waits for. */
+  struct timespec until;
+  timespec_after_ms(&until, s->grace_ms);
+  pthread_mutex_lock(&s->lock);
+  while (has_work_locked(s))
+    if (pthread_cond_timedwait(&s->cond, &s->lock, &until) != 0)
+      break;
+  s->closing = 1;
+  for (gcall *w = s->watchers; w; w = w->next) {
+    w->w_ending = 1;
+    watch_kick_locked(s, w);
+  }
+  pthread_mutex_unlock(&s->lock);
+
+  /* 4. Every call still open is answered ECLOSED; a core callback that comes
+   * later finds it claimed. The list is walked afresh after each answer since
+   * the lock is dropped to answer. */
+  for (;;) {
+    gcall *c = NULL;
+    pthread_mutex_lock(&s->lock);
+    for (gcall *i = s->inflight; i; i = i->next) {
+      if (atomic_exchange(&i->claimed, 1) == 0) {
+        c = i;
+        gcall_ref(c);
+        break;
+      }
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (!c)
+      break;
+    send_final(c, NULL, ZS_ECLOSED, "the server is shutting down");
+    gcall_unref(c);
+  }
+
+  /* 5. gRPC reports shutdown once every call is released; then the queue is
+   * drained and the threads end. */
+  teardown(s);
+}

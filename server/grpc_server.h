@@ -1,0 +1,64 @@
+/*
+ * grpc_server — the gRPC transport of zshard-server: every method of
+ * zshard.v1.ZShard and grpc.health.v1.Health (Check and Watch) served with the
+ * gRPC C core API, parsing requests with protobuf-c and handing them to the
+ * shard core (core.h).
+ *
+ * Answers carry the gRPC code that the status X-macro maps zshard's status to
+ * (status_to_grpc), a detail sentence naming the problem, and the trailing
+ * metadata "zs-status: <int>" with zshard's own status number. A call to a
+ * method the server does not know is answered UNIMPLEMENTED at once.
+ */
+#ifndef ZSHARD_SERVER_GRPC_SERVER_H
+#define ZSHARD_SERVER_GRPC_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "server/core.h"
+
+/* Longest a Pull or GradStats waits for its version or its contributions,
+ * whatever the request's timeout or the call's deadline say. */
+#define GSRV_MAX_WAIT_MS (5u * 60u * 1000u)
+/* How long shutdown lets calls in progress finish before answering the rest
+ * with ZS_ECLOSED. */
+#define GSRV_DEFAULT_GRACE_MS 10000u
+
+typedef struct gsrv gsrv;
+
+typedef struct gsrv_config {
+  /* "host:port" to listen on; port 0 picks a free port (see gsrv_port). The
+   * string is only read during gsrv_start. */
+  const char *listen;
+  /* The shard core the methods drive. Borrowed: it must outlive the server,
+   * i.e. be destroyed only after gsrv_destroy returned. */
+  core *core;
+  /* Completion-queue polling threads; <= 0 means 2 to 4 depending on the
+   * number of CPUs. */
+  int threads;
+  /* Reported by GetInfo; 0 when the server has no data plane. */
+  uint32_t data_port;
+  /* Shutdown grace period in ms; 0 means GSRV_DEFAULT_GRACE_MS. */
+  uint32_t grace_ms;
+} gsrv_config;
+
+/* Binds, starts the polling threads and starts serving (health SERVING).
+ * Returns 0 and the server in *out (the caller's, released with
+ * gsrv_destroy), or ZS_EINVAL (cannot listen on the address) / ZS_ENOMEM /
+ * ZS_EINTERNAL with a sentence in err (which may be NULL). */
+int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen);
+
+/* The TCP port the server listens on. */
+int gsrv_port(const gsrv *s);
+
+/* Shuts the server down and frees it: health turns NOT_SERVING (Watch streams
+ * see it and then end), no new call is admitted, calls in progress get the
+ * grace period to finish, then every call still open (a Pull or GradStats
+ * still waiting, an Apply still running) is answered UNAVAILABLE (ZS_ECLOSED)
+ * and cancelled if its peer does not take the answer. Returns when every call
+ * is gone and the threads are joined. Core callbacks still outstanding may
+ * run later (at the latest in core_destroy); they only release memory. NULL is
+ * accepted. */
+void gsrv_destroy(gsrv *s);
+
+#endif

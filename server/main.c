@@ -1,0 +1,297 @@
+/*
+ * zshard-server — one shard server: the shard core behind the gRPC transport.
+ *
+ * Threads: main blocks SIGTERM and SIGINT before any other thread exists (so
+ * every thread inherits the mask), starts the core and the transport, and
+ * then waits in sigwait(); the signal is handled there, in ordinary code,
+ * never in a signal handler. The core and the transport own their threads
+ * (see server/core.h and server/grpc_server.c).
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/cpu.h"
+#include "common/log.h"
+#include "common/spec.h"
+#include "server/core.h"
+#include "server/grpc_server.h"
+#include "zshard/zshard.h"
+
+#define EXIT_USAGE 2
+#define DEFAULT_LISTEN "0.0.0.0:7070"
+#define MAX_THREADS 1024
+
+typedef struct options {
+  const char *listen;
+  const char *port_file;
+  const char *hostname; /* only for the shard ordinal; NULL: gethostname() */
+  long shard_id;        /* -1: from the hostname */
+  long shards;
+  long threads; /* 0: number of CPUs */
+  log_level level;
+} options;
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "Usage: zshard-server [OPTION]...\n"
+          "Serve one shard of a zshard job over gRPC.\n"
+          "\n"
+          "  --listen ADDR      address to listen on (ZSHARD_LISTEN, default %s);\n"
+          "                     port 0 picks a free port\n"
+          "  --shard-id I       this server's shard id (ZSHARD_SHARD_ID); by default the\n"
+          "                     ordinal at the end of the host name, as in a StatefulSet\n"
+          "                     pod \"zshard-2\"\n"
+          "  --shards N         number of shard servers in the job (ZSHARD_SHARDS,\n"
+          "                     default 1)\n"
+          "  --threads T        optimizer threads (ZSHARD_THREADS, default: CPUs)\n"
+          "  --log-level LEVEL  debug, info, warn, error or off (ZSHARD_LOG_LEVEL,\n"
+          "                     default info)\n"
+          "  --port-file PATH   once serving, write the bound port to PATH\n"
+          "                     (ZSHARD_PORT_FILE)\n"
+          "  --help             print this help and exit\n"
+          "  --version          print the version and exit\n"
+          "\n"
+          "A flag wins over its environment variable. SIGTERM or SIGINT stops the\n"
+          "server: health turns NOT_SERVING, calls in progress finish, exit status 0.\n",
+          DEFAULT_LISTEN);
+}
+
+static int bad_usage(const char *fmt, const char *arg) {
+  fputs("zshard-server: ", stderr);
+  fprintf(stderr, fmt, arg);
+  fputs("\nTry 'zshard-server --help' for more information.\n", stderr);
+  return EXIT_USAGE;
+}
+
+/* A decimal integer in [lo, hi] and nothing else, or -1. */
+static long parse_long(const char *s, long lo, long hi) {
+  if (!s || !*s)
+    return -1;
+  for (const char *p = s; *p; p++)
+    if (*p < '0' || *p > '9')
+      return -1;
+  errno = 0;
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (errno || *end || v < lo || v > hi)
+    return -1;
+  return v;
+}
+
+/* The ordinal a StatefulSet gives its pods: the digits after the last '-' of
+ * the host name's first label ("zshard-2", "zshard-2.zshard.ns.svc"). */
+static long hostname_ordinal(const char *host) {
+  char label[256];
+  size_t n = strcspn(host, ".");
+  if (n == 0 || n >= sizeof label)
+    return -1;
+  memcpy(label, host, n);
+  label[n] = '\0';
+  char *dash = strrchr(label, '-');
+  if (!dash || strlen(dash + 1) > 9)
+    return -1;
+  return parse_long(dash + 1, 0, LONG_MAX);
+}
+
+enum { OPT_LISTEN = 256, OPT_SHARD_ID, OPT_SHARDS, OPT_THREADS, OPT_LOG_LEVEL, OPT_PORT_FILE,
+       OPT_HOSTNAME, OPT_HELP, OPT_VERSION };
+
+/* Fills `o` from the flags and the environment. Returns -1 to go on, or the
+ * exit status (0 after --help/--version, EXIT_USAGE on a bad flag). */
+static int parse_options(int argc, char **argv, options *o) {
+  static const struct option longopts[] = {
+      {"listen", required_argument, NULL, OPT_LISTEN},
+      {"shard-id", required_argument, NULL, OPT_SHARD_ID},
+      {"shards", required_argument, NULL, OPT_SHARDS},
+      {"threads", required_argument, NULL, OPT_THREADS},
+      {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+      {"port-file", required_argument, NULL, OPT_PORT_FILE},
+      /* Hidden: the host name used for the shard ordinal, for tests. */
+      {"hostname", required_argument, NULL, OPT_HOSTNAME},
+      {"help", no_argument, NULL, OPT_HELP},
+      {"version", no_argument, NULL, OPT_VERSION},
+      {NULL, 0, NULL, 0},
+  };
+  const char *listen = getenv("ZSHARD_LISTEN");
+  const char *shard_id = getenv("ZSHARD_SHARD_ID");
+  const char *shards = getenv("ZSHARD_SHARDS");
+  const char *threads = getenv("ZSHARD_THREADS");
+  const char *level = getenv("ZSHARD_LOG_LEVEL");
+  const char *port_file = getenv("ZSHARD_PORT_FILE");
+  const char *hostname = getenv("ZSHARD_HOSTNAME");
+
+  opterr = 0; /* our own messages */
+  int ch;
+  while ((ch = getopt_long(argc, argv, ":", longopts, NULL)) != -1) {
+    switch (ch) {
+    case OPT_LISTEN:
+      listen = optarg;
+      break;
+    case OPT_SHARD_ID:
+      shard_id = optarg;
+      break;
+    case OPT_SHARDS:
+      shards = optarg;
+      break;
+    case OPT_THREADS:
+      threads = optarg;
+      break;
+    case OPT_LOG_LEVEL:
+      level = optarg;
+      break;
+    case OPT_PORT_FILE:
+      port_file = optarg;
+      break;
+    case OPT_HOSTNAME:
+      hostname = optarg;
+      break;
+    case OPT_HELP:
+      usage(stdout);
+      return 0;
+    case OPT_VERSION:
+      printf("zshard-server %s\n", zs_version());
+      return 0;
+    case ':':
+      return bad_usage("option '%s' needs a value", argv[optind - 1]);
+    default:
+      return bad_usage("unknown option '%s'", argv[optind - 1]);
+    }
+  }
+  if (optind < argc)
+    return bad_usage("unexpected argument '%s'", argv[optind]);
+
+  o->listen = listen && *listen ? listen : DEFAULT_LISTEN;
+  o->port_file = port_file && *port_file ? port_file : NULL;
+  o->hostname = hostname && *hostname ? hostname : NULL;
+
+  o->level = LOG_LEVEL_INFO;
+  if (level && *level && log_parse_level(level, &o->level) != 0)
+    return bad_usage("--log-level must be debug, info, warn, error or off, not '%s'", level);
+
+  o->shards = 1;
+  if (shards && *shards) {
+    o->shards = parse_long(shards, 1, SPEC_MAX_SHARDS);
+    if (o->shards < 0)
+      return bad_usage("--shards must be a whole number from 1 to 4096, not '%s'", shards);
+  }
+  o->threads = 0;
+  if (threads && *threads) {
+    o->threads = parse_long(threads, 1, MAX_THREADS);
+    if (o->threads < 0)
+      return bad_usage("--threads must be a whole number from 1 to 1024, not '%s'", threads);
+  }
+
+  if (shard_id && *shard_id) {
+    o->shard_id = parse_long(shard_id, 0, SPEC_MAX_SHARDS - 1);
+    if (o->shard_id < 0)
+      return bad_usage("--shard-id must be a whole number from 0, not '%s'", shard_id);
+  } else {
+    char host[256] = "";
+    if (o->hostname)
+      snprintf(host, sizeof host, "%s", o->hostname);
+    else if (gethostname(host, sizeof host - 1) != 0)
+      host[0] = '\0';
+    o->shard_id = hostname_ordinal(host);
+    /* A single shard needs no id; a host name without an ordinal is then
+     * just a name. */
+    if (o->shard_id < 0 && o->shards == 1)
+      o->shard_id = 0;
+    if (o->shard_id < 0)
+      return bad_usage("no --shard-id given and the host name '%s' does not end in "
+                       "-<ordinal>",
+                       host);
+  }
+  if (o->shard_id >= o->shards) {
+    char msg[96];
+    snprintf(msg, sizeof msg, "%ld is not below the shard count %ld", o->shard_id, o->shards);
+    return bad_usage("shard id %s", msg);
+  }
+  return -1;
+}
+
+/* Writes the port to `path` through a temporary file and rename(), so a reader
+ * polling for the file sees either nothing or the whole number. */
+static int write_port_file(const char *path, int port) {
+  char tmp[4096];
+  if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp)
+    return -1;
+  FILE *f = fopen(tmp, "w");
+  if (!f)
+    return -1;
+  int ok = fprintf(f, "%d\n", port) > 0;
+  ok = fflush(f) == 0 && ok;
+  ok = fsync(fileno(f)) == 0 && ok;
+  ok = fclose(f) == 0 && ok;
+  if (!ok || rename(tmp, path) != 0) {
+    unlink(tmp);
+    return -1;
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  /* Before any thread exists, so that all of them inherit the mask and the
+   * signals reach only sigwait() below. */
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+  signal(SIGPIPE, SIG_IGN);
+
+  options o;
+  memset(&o, 0, sizeof o);
+  int rc = parse_options(argc, argv, &o);
+  if (rc >= 0)
+    return rc;
+  log_set_level(o.level);
+
+  core_config cc = {
+      .shard_id = (uint32_t)o.shard_id,
+      .num_shards = (uint32_t)o.shards,
+      .threads = (int)o.threads,
+  };
+  core *c = NULL;
+  rc = core_create(&cc, &c);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=core error=%s", zs_err_name(rc));
+    return 1;
+  }
+
+  char err[256] = "";
+  gsrv_config gc = {.listen = o.listen, .core = c};
+  gsrv *srv = NULL;
+  rc = gsrv_start(&gc, &srv, err, sizeof err);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
+    core_destroy(c);
+    return 1;
+  }
+  long threads = o.threads > 0 ? o.threads : sysconf(_SC_NPROCESSORS_ONLN);
+  LOG_INFO("listening", "addr=%s port=%d shard=%ld shards=%ld threads=%ld isa=%s version=%s",
+           o.listen, gsrv_port(srv), o.shard_id, o.shards, threads,
+           cpu_isa_name(cpu_best_isa()), zs_version());
+  if (o.port_file && write_port_file(o.port_file, gsrv_port(srv)) != 0) {
+    LOG_ERROR("startup_failed", "stage=port_file path=%s error=\"%s\"", o.port_file,
+              strerror(errno));
+    gsrv_destroy(srv);
+    core_destroy(c);
+    return 1;
+  }
+
+  int sig = 0;
+  while (sigwait(&stop_signals, &sig) != 0) {
+  }
+  LOG_INFO("shutdown", "signal=%s", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  gsrv_destroy(srv);
+  core_destroy(c);
+  LOG_INFO("stopped", "shard=%ld", o.shard_id);
+  return 0;
+}

@@ -1,0 +1,88 @@
+/*
+ * optim — the fused optimizer pass over one contiguous range of a shard's
+ * arenas. One pass per element: scale the accumulated gradient, (weight decay),
+ * update the moments, update the fp32 master, write the low-precision copy and
+ * zero the accumulator.
+ *
+ * Numerics follow torch 1.13's single-tensor (foreach=False) implementations of
+ * torch.optim.AdamW, Adam and SGD on this machine's CPU build, operation for
+ * operation, so that with a grad_scale of 1 the result is bit-identical to torch.
+ * Scalars that torch computes in double (1 - lr*wd, bias corrections, step size)
+ * are computed in double here and rounded to float where torch rounds them.
+ * The scalar, AVX2 and AVX-512 paths give identical bits.
+ */
+#ifndef ZSHARD_SERVER_OPTIM_H
+#define ZSHARD_SERVER_OPTIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/cpu.h"
+#include "zshard/zshard.h"
+
+typedef struct optim_params {
+  zs_optimizer optimizer;
+  double lr;            /* this group's learning rate for this step */
+  double beta1, beta2, eps, weight_decay;
+  double momentum, dampening;
+  int nesterov;
+  int bias_correction;
+  uint64_t step;        /* 1-based count of applied steps, this one included */
+  float grad_scale;     /* gradient = acc * grad_scale (one rounding) */
+  zs_dtype low_dtype;   /* ZS_DTYPE_BF16 or ZS_DTYPE_FP16 */
+} optim_params;
+
+/* Per-call constants derived once from optim_params (step size, bias
+ * corrections...), so that a range split over threads computes them once.
+ * Opaque to callers: fill it with optim_plan_init only. The float fields are
+ * the scalars exactly as torch's kernels see them (Python doubles rounded to
+ * float), see the comment at the top of optim.c. */
+typedef struct optim_plan {
+  optim_params p;
+  /* The specialised loop the kernels run, chosen once per call so that no
+   * loop branches on the optimizer's kind. SGD's value is OPTIM_V_SGD or'ed
+   * with the OPTIM_V_SGD_* flags (FIRST and NESTEROV only with MOMENTUM). */
+  enum optim_variant {
+    OPTIM_V_NONE = 0, /* unknown optimizer: the pass changes nothing */
+    OPTIM_V_ADAMW = 1,
+    OPTIM_V_ADAM = 2,
+    OPTIM_V_ADAM_L2 = 3, /* Adam with weight_decay != 0 */
+    OPTIM_V_SGD = 16,
+    OPTIM_V_SGD_L2 = 1,       /* weight_decay != 0 */
+    OPTIM_V_SGD_MOMENTUM = 2, /* momentum != 0 */
+    OPTIM_V_SGD_FIRST = 4,    /* step 1: the buffer becomes the gradient */
+    OPTIM_V_SGD_NESTEROV = 8,
+  } variant;
+  int low_fp16; /* 1: the low copy is fp16, 0: bf16 */
+  float grad_scale;
+  float decay;          /* AdamW: 1 - lr * weight_decay */
+  float weight_decay;   /* Adam, SGD: the L2 coefficient */
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float bias_correction2_sqrt, eps;
+  float neg_step_size;  /* Adam(W): -lr / bias_correction1 */
+  float momentum, one_minus_dampening;
+  float neg_lr;         /* SGD */
+} optim_plan;
+
+void optim_plan_init(optim_plan *plan, const optim_params *p);
+
+/* Runs the pass over n elements. master, acc, low and (when the optimizer uses
+ * them) m and v point at the same element index of their arenas; m is Adam's
+ * exp_avg or SGD's momentum buffer, v Adam's exp_avg_sq; unused ones may be
+ * NULL. For SGD with momentum, step == 1 initialises the buffer as torch does.
+ * acc is zeroed. Any alignment works; 64-byte alignment is fastest. */
+void optim_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc,
+                 void *low, size_t n);
+void optim_apply_isa(cpu_isa isa, const optim_plan *plan, float *master, float *m, float *v,
+                     float *acc, void *low, size_t n);
+
+/* 1 if the optimizer needs the m (resp. v) arena. */
+int optim_uses_m(const optim_params *p);
+int optim_uses_v(const optim_params *p);
+
+/* Sum of squares (in double, a fixed order independent of thread count and
+ * ISA) and non-finite flag of n accumulated gradient elements. */
+double optim_sum_squares(const float *acc, size_t n, int *nonfinite);
+double optim_sum_squares_isa(cpu_isa isa, const float *acc, size_t n, int *nonfinite);
+
+#endif

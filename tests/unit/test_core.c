@@ -1,0 +1,1721 @@
+/*
+ * core: the shard core in process, without a transport. The reference for a
+ * step is computed here from the same kernels the core uses (dtype_accumulate
+ * in contribution order k = micro * W + rank into a zeroed buffer, then
+ * optim_apply on a copy of the state with the same plan), so these tests check
+ * the core's own work: ordering, holding, validation, statistics, apply
+ * arguments, versions, waits and ownership.
+ *
+ * cmocka's assertions only run on the test's thread; pushing threads and core
+ * callbacks record what they saw and the test thread checks it.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/clock.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/log.h"
+#include "common/spec.h"
+#include "server/core.h"
+#include "server/optim.h"
+
+/* Long enough never to fire on a healthy run, short enough that a lost
+ * wake-up shows up as ZS_ETIMEDOUT instead of a hang. */
+#define TEST_WAIT_MS 30000u
+
+/* ------------------------------------------------------------------ job */
+
+typedef struct tensor_def {
+  const char *name;
+  uint64_t numel;
+  uint32_t group;
+} tensor_def;
+
+/* With a split threshold of 64, the large ones are split over the shards and
+ * the small ones are placed whole; the groups interleave so that each group's
+ * range collects pieces of several tensors. */
+static const tensor_def k_tensors[] = {
+    {"w0", 1000, 0}, {"b0", 37, 0}, {"w1", 300, 1}, {"b1", 5, 1}, {"w2", 130, 0}, {"n2", 17, 1},
+};
+#define K_NT (sizeof k_tensors / sizeof k_tensors[0])
+
+typedef struct job {
+  spec spec;
+  layout layout;
+  uint64_t hash;
+  uint32_t W, M, WM, N;
+  zs_dtype gdt; /* gradient dtype pushed */
+  uint32_t nt;
+  float **init; /* [t]: initial weights */
+  /* [t * WM + k]: this step's gradient of tensor t from contribution k, in
+   * gdt, for the whole tensor. */
+  unsigned char **grad;
+  /* The reference state, whole tensors. */
+  float **ref_master, **ref_m, **ref_v;
+  uint16_t **ref_low;
+  uint64_t ref_opt_steps;
+  double ref_sumsq;
+  int ref_nonfinite;
+} job;
+
+static uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+  return z ^ (z >> 31);
+}
+
+/* Uniform in [-scale, scale). */
+static float rnd(uint64_t *s, float scale) {
+  return ((float)(splitmix(s) >> 40) / (float)(1u << 24) * 2.0f - 1.0f) * scale;
+}
+
+/* Fills the spec's fields; the caller may adjust groups before job_finish. */
+static void job_start(job *j, const tensor_def *defs, uint32_t nt, uint32_t W, uint32_t M,
+                      uint32_t N, zs_dtype param_dtype, spec_reduce reduce, zs_dtype gdt) {
+  memset(j, 0, sizeof *j);
+  spec *s = &j->spec;
+  s->job = strdup("core-test");
+  s->num_groups = 2;
+  s->groups = calloc(2, sizeof *s->groups);
+  assert_non_null(s->groups);
+  spec_group_defaults(&s->groups[0], ZS_OPTIM_ADAMW);
+  spec_group_defaults(&s->groups[1], ZS_OPTIM_SGD);
+  s->groups[1].momentum = 0.9;
+  s->groups[1].nesterov = 1;
+  s->groups[1].weight_decay = 1e-3;
+  s->groups[1].lr_scale = 0.5;
+  s->num_tensors = nt;
+  s->tensors = calloc(nt, sizeof *s->tensors);
+  assert_non_null(s->tensors);
+  for (uint32_t t = 0; t < nt; t++) {
+    s->tensors[t].name = strdup(defs[t].name);
+    s->tensors[t].numel = defs[t].numel;
+    s->tensors[t].group = defs[t].group;
+  }
+  s->world_size = W;
+  s->grad_accum = M;
+  s->num_shards = N;
+  s->split_threshold = 64;
+  s->reduce = reduce;
+  s->param_dtype = param_dtype;
+  j->W = W;
+  j->M = M;
+  j->WM = W * M;
+  j->N = N;
+  j->nt = nt;
+  j->gdt = gdt;
+}
+
+static void job_finish(job *j, uint64_t seed) {
+  char err[256] = "";
+  assert_int_equal(spec_validate(&j->spec, err, sizeof err), 0);
+  j->hash = spec_hash(&j->spec);
+  assert_int_equal(layout_build(&j->spec, &j->layout), 0);
+  j->init = calloc(j->nt, sizeof *j->init);
+  j->ref_master = calloc(j->nt, sizeof *j->ref_master);
+  j->ref_m = calloc(j->nt, sizeof *j->ref_m);
+  j->ref_v = calloc(j->nt, sizeof *j->ref_v);
+  j->ref_low = calloc(j->nt, sizeof *j->ref_low);
+  j->grad = calloc((size_t)j->nt * j->WM, sizeof *j->grad);
+  assert_true(j->init && j->ref_master && j->ref_m && j->ref_v && j->ref_low && j->grad);
+  for (uint32_t t = 0; t < j->nt; t++) {
+    size_t n = (size_t)j->spec.tensors[t].numel;
+    j->init[t] = malloc(n * sizeof(float));
+    j->ref_master[t] = malloc(n * sizeof(float));
+    j->ref_m[t] = calloc(n, sizeof(float));
+    j->ref_v[t] = calloc(n, sizeof(float));
+    j->ref_low[t] = malloc(n * sizeof(uint16_t));
+    assert_true(j->init[t] && j->ref_master[t] && j->ref_m[t] && j->ref_v[t] && j->ref_low[t]);
+    for (size_t i = 0; i < n; i++)
+      j->init[t][i] = rnd(&seed, 1.0f);
+    memcpy(j->ref_master[t], j->init[t], n * sizeof(float));
+    dtype_from_f32(j->spec.param_dtype, j->init[t], j->ref_low[t], n);
+    for (uint32_t k = 0; k < j->WM; k++) {
+      j->grad[t * j->WM + k] = malloc(n * zs_dtype_size(j->gdt));
+      assert_non_null(j->grad[t * j->WM + k]);
+    }
+  }
+}
+
+static void job_free(job *j) {
+  for (uint32_t t = 0; t < j->nt; t++) {
+    free(j->init[t]);
+    free(j->ref_master[t]);
+    free(j->ref_m[t]);
+    free(j->ref_v[t]);
+    free(j->ref_low[t]);
+    for (uint32_t k = 0; k < j->WM; k++)
+      free(j->grad[t * j->WM + k]);
+  }
+  free(j->init);
+  free(j->ref_master);
+  free(j->ref_m);
+  free(j->ref_v);
+  free(j->ref_low);
+  free(j->grad);
+  layout_free(&j->layout);
+  spec_free(&j->spec);
+}
+
+/* The gradients of one step: random values rounded to the pushed dtype. */
+static void job_make_grads(job *j, uint64_t seed) {
+  for (uint32_t t = 0; t < j->nt; t++) {
+    size_t n = (size_t)j->spec.tensors[t].numel;
+    float *tmp = malloc(n * sizeof(float));
+    assert_non_null(tmp);
+    for (uint32_t k = 0; k < j->WM; k++) {
+      for (size_t i = 0; i < n; i++)
+        tmp[i] = rnd(&seed, 2.0f);
+      dtype_from_f32(j->gdt, tmp, j->grad[t * j->WM + k], n);
+    }
+    free(tmp);
+  }
+}
+
+/* Overwrites element i of tensor t's gradient from contribution k. */
+static void job_poke_grad(job *j, uint32_t t, uint32_t k, size_t i, float value) {
+  dtype_from_f32(j->gdt, &value, j->grad[t * j->WM + k] + i * zs_dtype_size(j->gdt), 1);
+}
+
+static float **job_ref_sums(job *j) {
+  float **acc = calloc(j->nt, sizeof *acc);
+  assert_non_null(acc);
+  for (uint32_t t = 0; t < j->nt; t++) {
+    size_t n = (size_t)j->spec.tensors[t].numel;
+    acc[t] = calloc(n, sizeof(float));
+    assert_non_null(acc[t]);
+    for (uint32_t k = 0; k < j->WM; k++)
+      dtype_accumulate(j->gdt, j->grad[t * j->WM + k], acc[t], n);
+  }
+  return acc;
+}
+
+static void free_sums(job *j, float **acc) {
+  for (uint32_t t = 0; t < j->nt; t++)
+    free(acc[t]);
+  free(acc);
+}
+
+/* The reference step over whole tensors (the optimizer is elementwise, so
+ * whole tensors give the same bits as the shards' slices). */
+static void job_ref_step(job *j, double lr, float coef, int skip) {
+  float **acc = job_ref_sums(j);
+  if (!skip) {
+    j->ref_opt_steps++;
+    for (uint32_t t = 0; t < j->nt; t++) {
+      const spec_group *g = &j->spec.groups[j->spec.tensors[t].group];
+      optim_params p = {
+          .optimizer = g->optimizer,
+          .lr = lr * g->lr_scale,
+          .beta1 = g->beta1,
+          .beta2 = g->beta2,
+          .eps = g->eps,
+          .weight_decay = g->weight_decay,
+          .momentum = g->momentum,
+          .dampening = g->dampening,
+          .nesterov = g->nesterov,
+          .bias_correction = g->bias_correction,
+          .step = j->ref_opt_steps,
+          .grad_scale = j->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / j->W) : coef,
+          .low_dtype = j->spec.param_dtype,
+      };
+      optim_plan plan;
+      optim_plan_init(&plan, &p);
+      optim_apply(&plan, j->ref_master[t], j->ref_m[t], j->ref_v[t], acc[t], j->ref_low[t],
+                  (size_t)j->spec.tensors[t].numel);
+    }
+  }
+  free_sums(j, acc);
+}
+
+/* The statistics a shard must report: its accumulator laid out as in its
+ * arena, summed with optim_sum_squares over CORE_STATS_BLOCK blocks, added in
+ * block order (or, to show that the order matters, in reverse). */
+static void job_ref_stats_ordered(job *j, uint32_t shard, int reverse, double *sum,
+                                  int *nonfinite) {
+  const layout *l = &j->layout;
+  uint64_t n = l->shard_elems[shard];
+  float *arena = calloc(n + 1, sizeof(float));
+  assert_non_null(arena);
+  float **acc = job_ref_sums(j);
+  for (uint32_t i = 0; i < l->num_pieces; i++) {
+    const layout_piece *p = &l->pieces[i];
+    if (p->shard == shard)
+      memcpy(arena + p->arena_off, acc[p->tensor] + p->offset, p->numel * sizeof(float));
+  }
+  uint64_t nblocks = (n + CORE_STATS_BLOCK - 1) / CORE_STATS_BLOCK;
+  *sum = 0.0;
+  *nonfinite = 0;
+  for (uint64_t i = 0; i < nblocks; i++) {
+    uint64_t b = (reverse ? nblocks - 1 - i : i) * CORE_STATS_BLOCK;
+    int nf = 0;
+    *sum += optim_sum_squares(arena + b,
+                              (size_t)(n - b < CORE_STATS_BLOCK ? n - b : CORE_STATS_BLOCK), &nf);
+    *nonfinite |= nf;
+  }
+  free_sums(j, acc);
+  free(arena);
+}
+
+static void job_ref_stats(job *j, uint32_t shard, double *sum, int *nonfinite) {
+  job_ref_stats_ordered(j, shard, 0, sum, nonfinite);
+}
+
+/* ------------------------------------------------------------------ events */
+
+/* Records one core callback; optionally holds the calling (worker) thread at a
+ * gate until the test opens it. */
+typedef struct event {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int fired;
+  int status;
+  uint64_t version;
+  core_stats_result stats;
+  core_apply_result apply;
+  int gate_closed;
+  int at_gate;
+} event;
+
+static void event_init(event *e) {
+  memset(e, 0, sizeof *e);
+  pthread_mutex_init(&e->mu, NULL);
+  pthread_cond_init(&e->cv, NULL);
+}
+
+static void event_destroy(event *e) {
+  pthread_cond_destroy(&e->cv);
+  pthread_mutex_destroy(&e->mu);
+}
+
+static int event_fired(event *e) {
+  pthread_mutex_lock(&e->mu);
+  int f = e->fired;
+  pthread_mutex_unlock(&e->mu);
+  return f;
+}
+
+static void event_wait(event *e, int count) {
+  pthread_mutex_lock(&e->mu);
+  while (e->fired < count)
+    pthread_cond_wait(&e->cv, &e->mu);
+  pthread_mutex_unlock(&e->mu);
+}
+
+static void event_fire_locked(event *e, int status) {
+  e->fired++;
+  e->status = status;
+  pthread_cond_broadcast(&e->cv);
+  while (e->gate_closed) {
+    e->at_gate = 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_cond_wait(&e->cv, &e->mu);
+  }
+}
+
+static void on_version(void *arg, int status, uint64_t version) {
+  event *e = arg;
+  pthread_mutex_lock(&e->mu);
+  e->version = version;
+  event_fire_locked(e, status);
+  pthread_mutex_unlock(&e->mu);
+}
+
+static void on_stats(void *arg, int status, const core_stats_result *r) {
+  event *e = arg;
+  pthread_mutex_lock(&e->mu);
+  e->stats = *r;
+  event_fire_locked(e, status);
+  pthread_mutex_unlock(&e->mu);
+}
+
+static void on_apply(void *arg, int status, const core_apply_result *r) {
+  event *e = arg;
+  pthread_mutex_lock(&e->mu);
+  e->apply = *r;
+  event_fire_locked(e, status);
+  pthread_mutex_unlock(&e->mu);
+}
+
+static void event_wait_at_gate(event *e) {
+  pthread_mutex_lock(&e->mu);
+  while (!e->at_gate)
+    pthread_cond_wait(&e->cv, &e->mu);
+  pthread_mutex_unlock(&e->mu);
+}
+
+static void event_open_gate(event *e) {
+  pthread_mutex_lock(&e->mu);
+  e->gate_closed = 0;
+  pthread_cond_broadcast(&e->cv);
+  pthread_mutex_unlock(&e->mu);
+}
+
+/* ------------------------------------------------------------------ core helpers */
+
+static core *open_core(job *j, uint32_t shard, int threads) {
+  core_config cfg = {.shard_id = shard, .num_shards = j->N, .threads = threads};
+  core *c = NULL;
+  assert_int_equal(core_create(&cfg, &c), 0);
+  core_open_result r;
+  char err[256] = "";
+  assert_int_equal(core_open(c, &j->spec, &r, err, sizeof err), 0);
+  assert_int_equal(r.created, 1);
+  assert_int_equal(r.spec_hash, j->hash);
+  assert_int_equal(r.version, 0);
+  return c;
+}
+
+static void init_all(core *c, job *j, uint32_t shard) {
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *p = &j->layout.pieces[i];
+    if (p->shard != shard)
+      continue;
+    int written = -1;
+    uint64_t version = 99;
+    char err[256] = "";
+    assert_int_equal(core_init_params(c, j->hash, p->tensor, p->slice,
+                                      j->init[p->tensor] + p->offset, p->numel * sizeof(float),
+                                      &written, &version, err, sizeof err),
+                     0);
+    assert_int_equal(written, 1);
+  }
+}
+
+static core_push_args push_args(job *j, uint64_t step, const layout_piece *p, uint32_t k) {
+  size_t es = zs_dtype_size(j->gdt);
+  core_push_args a = {
+      .hash = j->hash,
+      .step = step,
+      .rank = k % j->W,
+      .micro = k / j->W,
+      .tensor = p->tensor,
+      .slice = p->slice,
+      .dtype = j->gdt,
+      .data = j->grad[p->tensor * j->WM + k] + p->offset * es,
+      .nbytes = p->numel * es,
+  };
+  return a;
+}
+
+typedef struct push_item {
+  uint32_t piece; /* index into the layout's pieces */
+  uint32_t k;
+} push_item;
+
+typedef struct pusher {
+  core *c;
+  job *j;
+  uint64_t step;
+  const push_item *items;
+  size_t begin, end;
+  int first_error;
+  uint64_t duplicates;
+} pusher;
+
+static void *push_thread(void *arg) {
+  pusher *p = arg;
+  for (size_t i = p->begin; i < p->end; i++) {
+    core_push_args a =
+        push_args(p->j, p->step, &p->j->layout.pieces[p->items[i].piece], p->items[i].k);
+    int dup = 0;
+    int rc = core_push(p->c, &a, &dup, NULL, 0);
+    if (rc != 0 && p->first_error == 0)
+      p->first_error = rc;
+    p->duplicates += (uint64_t)dup;
+  }
+  return NULL;
+}
+
+/* Every contribution of the shard's pieces, except those `exclude` names,
+ * plus `dups` repeats, in an order shuffled by `seed`. */
+static push_item *shard_items(job *j, uint32_t shard, uint64_t seed, size_t dups, size_t *count,
+                              int (*exclude)(const layout_piece *, uint32_t)) {
+  size_t n = 0, cap = (size_t)j->layout.num_pieces * j->WM + dups + 1;
+  push_item *items = calloc(cap, sizeof *items);
+  assert_non_null(items);
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    if (j->layout.pieces[i].shard != shard)
+      continue;
+    for (uint32_t k = 0; k < j->WM; k++)
+      if (!exclude || !exclude(&j->layout.pieces[i], k))
+        items[n++] = (push_item){i, k};
+  }
+  size_t distinct = n;
+  for (size_t d = 0; d < dups && distinct > 0; d++)
+    items[n++] = items[splitmix(&seed) % distinct];
+  for (size_t i = n; i > 1; i--) {
+    size_t r = (size_t)(splitmix(&seed) % i);
+    push_item t = items[i - 1];
+    items[i - 1] = items[r];
+    items[r] = t;
+  }
+  *count = n;
+  return items;
+}
+
+/* Pushes items over `nthreads` threads, each taking a contiguous share of the
+ * shuffled list. Returns the number of duplicate acknowledgements. */
+static uint64_t push_items(core *c, job *j, uint64_t step, const push_item *items, size_t n,
+                           int nthreads) {
+  pusher ps[8];
+  pthread_t tid[8];
+  assert_true(nthreads >= 1 && nthreads <= 8);
+  for (int t = 0; t < nthreads; t++) {
+    ps[t] = (pusher){.c = c,
+                     .j = j,
+                     .step = step,
+                     .items = items,
+                     .begin = n * (size_t)t / (size_t)nthreads,
+                     .end = n * (size_t)(t + 1) / (size_t)nthreads};
+    assert_int_equal(pthread_create(&tid[t], NULL, push_thread, &ps[t]), 0);
+  }
+  uint64_t dups = 0;
+  for (int t = 0; t < nthreads; t++) {
+    pthread_join(tid[t], NULL);
+    assert_int_equal(ps[t].first_error, 0);
+    dups += ps[t].duplicates;
+  }
+  return dups;
+}
+
+static int push_one(core *c, job *j, uint64_t step, uint32_t tensor, uint32_t slice, uint32_t k,
+                    int *dup) {
+  const layout_piece *p = layout_find(&j->layout, tensor, slice);
+  assert_non_null(p);
+  core_push_args a = push_args(j, step, p, k);
+  return core_push(c, &a, dup, NULL, 0);
+}
+
+static int stats_sync(core *c, job *j, uint64_t step, core_stats_result *out) {
+  event e;
+  event_init(&e);
+  char err[256] = "";
+  int rc = core_grad_stats(c, j->hash, step, clock_now_ms() + TEST_WAIT_MS, on_stats, &e, out, err,
+                           sizeof err);
+  if (rc == CORE_PENDING) {
+    event_wait(&e, 1);
+    rc = e.status;
+    *out = e.stats;
+  }
+  event_destroy(&e);
+  return rc;
+}
+
+static int apply_sync(core *c, job *j, uint64_t step, double lr, float coef, int skip,
+                      core_apply_result *out) {
+  event e;
+  event_init(&e);
+  char err[256] = "";
+  int rc = core_apply(c, j->hash, step, lr, coef, skip, on_apply, &e, out, err, sizeof err);
+  if (rc == CORE_PENDING) {
+    event_wait(&e, 1);
+    rc = e.status;
+    *out = e.apply;
+  }
+  event_destroy(&e);
+  return rc;
+}
+
+/* Reads every piece the shard owns in every dtype and compares the bits with
+ * the reference state. */
+static void check_shard_matches_reference(core *c, job *j, uint32_t shard, uint64_t want_version) {
+  zs_dtype pdt = j->spec.param_dtype;
+  zs_dtype other = pdt == ZS_DTYPE_BF16 ? ZS_DTYPE_FP16 : ZS_DTYPE_BF16;
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *p = &j->layout.pieces[i];
+    if (p->shard != shard)
+      continue;
+    size_t n = (size_t)p->numel;
+    float *f = malloc(n * sizeof(float));
+    uint16_t *h = malloc(n * sizeof(uint16_t));
+    uint16_t *want_other = malloc(n * sizeof(uint16_t));
+    assert_true(f && h && want_other);
+    uint64_t version = 999;
+    char err[256] = "";
+    assert_int_equal(core_read(c, j->hash, p->tensor, p->slice, ZS_DTYPE_FP32, f, n * sizeof(float),
+                               &version, err, sizeof err),
+                     0);
+    assert_int_equal(version, want_version);
+    assert_memory_equal(f, j->ref_master[p->tensor] + p->offset, n * sizeof(float));
+    assert_int_equal(
+        core_read(c, j->hash, p->tensor, p->slice, pdt, h, n * 2, &version, err, sizeof err), 0);
+    assert_memory_equal(h, j->ref_low[p->tensor] + p->offset, n * 2);
+    assert_int_equal(
+        core_read(c, j->hash, p->tensor, p->slice, other, h, n * 2, &version, err, sizeof err), 0);
+    dtype_from_f32(other, j->ref_master[p->tensor] + p->offset, want_other, n);
+    assert_memory_equal(h, want_other, n * 2);
+    free(f);
+    free(h);
+    free(want_other);
+  }
+}
+
+/* One full step on one shard: shuffled pushes with duplicates from several
+ * threads, statistics, apply; then the reference step and the comparison. */
+static void run_step(core *c, job *j, uint32_t shard, uint64_t step, uint64_t seed, int nthreads,
+                     double lr, float coef) {
+  size_t n = 0;
+  push_item *items = shard_items(j, shard, seed, 17, &n, NULL);
+  core_counters before, after;
+  core_get_counters(c, &before);
+  uint64_t dups = push_items(c, j, step, items, n, nthreads);
+  core_get_counters(c, &after);
+  assert_int_equal(dups, 17);
+  assert_int_equal(after.duplicate_pushes - before.duplicate_pushes, 17);
+  assert_int_equal(after.pushes - before.pushes, n);
+  assert_int_equal(after.held_bytes, 0);
+  free(items);
+
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, j, step, &st), 0);
+  double want_sum;
+  int want_nf;
+  job_ref_stats(j, shard, &want_sum, &want_nf);
+  assert_int_equal(st.step, step);
+  assert_true(st.sum_squares == want_sum);
+  assert_int_equal(st.nonfinite, want_nf);
+
+  core_apply_result ar;
+  assert_int_equal(apply_sync(c, j, step, lr, coef, 0, &ar), 0);
+  assert_int_equal(ar.step, step);
+  assert_int_equal(ar.version, step);
+  assert_int_equal(ar.skipped, 0);
+  job_ref_step(j, lr, coef, 0);
+  assert_int_equal(ar.optimizer_steps, j->ref_opt_steps);
+  check_shard_matches_reference(c, j, shard, step);
+}
+
+/* ------------------------------------------------------------------ tests */
+
+static void test_requests_without_a_job_are_refused_as_not_open(void **state) {
+  (void)state;
+  core_config cfg = {.shard_id = 0, .num_shards = 1, .threads = 1};
+  core *c = NULL;
+  assert_int_equal(core_create(&cfg, &c), 0);
+  assert_null(core_spec(c));
+  assert_null(core_layout(c));
+  char err[256] = "";
+  float x[4] = {0};
+  core_push_args a = {.hash = 1, .step = 1, .dtype = ZS_DTYPE_FP32, .data = x, .nbytes = 16};
+  assert_int_equal(core_push(c, &a, NULL, err, sizeof err), ZS_ENOTOPEN);
+  uint64_t v;
+  assert_int_equal(core_read(c, 1, 0, 0, ZS_DTYPE_FP32, x, 16, &v, err, sizeof err), ZS_ENOTOPEN);
+  assert_int_equal(core_wait_version(c, 1, 0, 0, on_version, NULL, &v, err, sizeof err),
+                   ZS_ENOTOPEN);
+  core_apply_result ar;
+  assert_int_equal(core_apply(c, 1, 1, 0.1, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                   ZS_ENOTOPEN);
+  core_info info;
+  core_get_info(c, &info);
+  assert_int_equal(info.has_job, 0);
+  core_counters cnt;
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.rejected, 1);
+  core_destroy(c);
+}
+
+static void test_create_rejects_a_shard_id_outside_the_shard_count(void **state) {
+  (void)state;
+  core *c = NULL;
+  core_config cfg = {.shard_id = 2, .num_shards = 2, .threads = 1};
+  assert_int_equal(core_create(&cfg, &c), ZS_EINVAL);
+  cfg.num_shards = 0;
+  cfg.shard_id = 0;
+  assert_int_equal(core_create(&cfg, &c), ZS_EINVAL);
+}
+
+static void test_open_creates_once_accepts_identical_and_rejects_other_specs(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 2, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 1);
+  core *c = open_core(&j, 1, 1);
+  core_open_result r;
+  char err[256] = "";
+  assert_int_equal(core_open(c, &j.spec, &r, err, sizeof err), 0);
+  assert_int_equal(r.created, 0);
+  assert_int_equal(r.spec_hash, j.hash);
+  assert_int_equal(r.initialized, 0);
+
+  /* Another spec (different world size) on the open job. */
+  job other;
+  job_start(&other, k_tensors, K_NT, 3, 2, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&other, 1);
+  assert_true(other.hash != j.hash);
+  assert_int_equal(core_open(c, &other.spec, &r, err, sizeof err), ZS_EHASH);
+  char hex[32];
+  snprintf(hex, sizeof hex, "%016" PRIx64, j.hash);
+  assert_non_null(strstr(err, hex));
+  snprintf(hex, sizeof hex, "%016" PRIx64, other.hash);
+  assert_non_null(strstr(err, hex));
+
+  /* A spec for another shard count. */
+  job three;
+  job_start(&three, k_tensors, K_NT, 2, 2, 3, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&three, 1);
+  err[0] = 0;
+  assert_int_equal(core_open(c, &three.spec, &r, err, sizeof err), ZS_EINVAL);
+  assert_true(strlen(err) > 0);
+
+  /* The info reflects the job and the arenas: master, acc, m, v (AdamW group,
+   * SGD with momentum) at 4 bytes and the low copy at 2 bytes per element. */
+  core_info info;
+  core_get_info(c, &info);
+  assert_int_equal(info.has_job, 1);
+  assert_string_equal(info.job, "core-test");
+  assert_int_equal(info.spec_hash, j.hash);
+  assert_int_equal(info.pieces, j.layout.shard_pieces[1]);
+  assert_int_equal(info.elements, j.layout.shard_load[1]);
+  assert_int_equal(info.state_bytes, j.layout.shard_elems[1] * 18u);
+  assert_non_null(core_spec(c));
+  assert_int_equal(spec_hash(core_spec(c)), j.hash);
+  assert_int_equal(core_layout(c)->num_pieces, j.layout.num_pieces);
+  core_destroy(c);
+  job_free(&three);
+  job_free(&other);
+  job_free(&j);
+}
+
+static void test_arenas_for_moments_exist_only_when_an_optimizer_needs_them(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_FP16, SPEC_REDUCE_SUM, ZS_DTYPE_FP32);
+  /* Plain SGD everywhere: no momentum buffer, no second moment. */
+  spec_group_defaults(&j.spec.groups[0], ZS_OPTIM_SGD);
+  spec_group_defaults(&j.spec.groups[1], ZS_OPTIM_SGD);
+  job_finish(&j, 2);
+  core *c = open_core(&j, 0, 1);
+  core_info info;
+  core_get_info(c, &info);
+  assert_int_equal(info.state_bytes, j.layout.shard_elems[0] * 10u);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 3);
+  run_step(c, &j, 0, 1, 4, 2, 0.1, 1.0f);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static void test_init_params_writes_once_while_the_version_is_zero(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 5);
+  core *c = open_core(&j, 0, 1);
+  const layout_piece *p = layout_find(&j.layout, 0, 0); /* slice 0 of w0 is shard 0's */
+  size_t nb = p->numel * sizeof(float);
+  const float *data = j.init[p->tensor] + p->offset;
+  int written = -1;
+  uint64_t version = 9;
+  char err[256] = "";
+
+  assert_int_equal(core_init_params(c, j.hash, p->tensor, p->slice, data, nb, &written, &version,
+                                    err, sizeof err),
+                   0);
+  assert_int_equal(written, 1);
+  assert_int_equal(version, 0);
+  assert_int_equal(core_init_params(c, j.hash, p->tensor, p->slice, data, nb, &written, &version,
+                                    err, sizeof err),
+                   0);
+  assert_int_equal(written, 0);
+
+  float *changed = malloc(nb);
+  assert_non_null(changed);
+  memcpy(changed, data, nb);
+  changed[0] += 1.0f;
+  assert_int_equal(core_init_params(c, j.hash, p->tensor, p->slice, changed, nb, &written, &version,
+                                    err, sizeof err),
+                   ZS_EEXIST);
+  assert_int_equal(core_init_params(c, j.hash, p->tensor, p->slice, data, nb - 4, &written,
+                                    &version, err, sizeof err),
+                   ZS_ESIZE);
+  assert_int_equal(core_init_params(c, j.hash + 1, p->tensor, p->slice, data, nb, &written,
+                                    &version, err, sizeof err),
+                   ZS_EHASH);
+  /* Slice 1 of the split tensor w0 belongs to shard 1. */
+  const layout_piece *q = layout_find(&j.layout, 0, 1);
+  assert_int_equal(q->shard, 1);
+  assert_int_equal(core_init_params(c, j.hash, 0, 1, j.init[0] + q->offset,
+                                    q->numel * sizeof(float), &written, &version, err, sizeof err),
+                   ZS_ENOTFOUND);
+  assert_non_null(strstr(err, "shard 1"));
+
+  /* The stored weights are the first ones, and the low copy is their
+   * rounding. */
+  float *got = malloc(nb);
+  uint16_t *low = malloc(p->numel * 2);
+  uint16_t *want_low = malloc(p->numel * 2);
+  assert_true(got && low && want_low);
+  assert_int_equal(
+      core_read(c, j.hash, p->tensor, p->slice, ZS_DTYPE_FP32, got, nb, &version, err, sizeof err),
+      0);
+  assert_memory_equal(got, data, nb);
+  assert_int_equal(core_read(c, j.hash, p->tensor, p->slice, ZS_DTYPE_BF16, low, p->numel * 2,
+                             &version, err, sizeof err),
+                   0);
+  dtype_from_f32(ZS_DTYPE_BF16, data, want_low, (size_t)p->numel);
+  assert_memory_equal(low, want_low, p->numel * 2);
+
+  free(got);
+  free(low);
+  free(want_low);
+  free(changed);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static void test_init_params_after_the_first_step_changes_nothing(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_BF16);
+  job_finish(&j, 6);
+  core *c = open_core(&j, 0, 1);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 7);
+  run_step(c, &j, 0, 1, 8, 2, 1e-2, 1.0f);
+  const layout_piece *p = layout_find(&j.layout, 0, 0);
+  size_t nb = p->numel * sizeof(float);
+  int written = -1;
+  uint64_t version = 0;
+  char err[256] = "";
+  /* Different data than what is stored: still accepted, still unchanged. */
+  assert_int_equal(
+      core_init_params(c, j.hash, 0, 0, j.init[0], nb, &written, &version, err, sizeof err), 0);
+  assert_int_equal(written, 0);
+  assert_int_equal(version, 1);
+  check_shard_matches_reference(c, &j, 0, 1);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static void test_identical_init_repeats_report_nothing_written(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 9);
+  core *c = open_core(&j, 0, 1);
+  init_all(c, &j, 0);
+  for (uint32_t i = 0; i < j.layout.num_pieces; i++) {
+    const layout_piece *p = &j.layout.pieces[i];
+    int written = -1;
+    uint64_t version = 5;
+    assert_int_equal(core_init_params(c, j.hash, p->tensor, p->slice, j.init[p->tensor] + p->offset,
+                                      p->numel * sizeof(float), &written, &version, NULL, 0),
+                     0);
+    assert_int_equal(written, 0);
+    assert_int_equal(version, 0);
+  }
+  core_open_result r;
+  assert_int_equal(core_open(c, &j.spec, &r, NULL, 0), 0);
+  assert_int_equal(r.initialized, 1);
+  core_destroy(c);
+  job_free(&j);
+}
+
+/* The main property: for each gradient dtype and world size, several shuffled
+ * arrival orders with duplicates, pushed from several threads, give the
+ * reference bits, over two steps (so the moments carry over). */
+static void
+test_shuffled_concurrent_pushes_with_duplicates_match_the_reference_bitwise(void **state) {
+  (void)state;
+  const zs_dtype gdts[] = {ZS_DTYPE_FP32, ZS_DTYPE_FP16, ZS_DTYPE_BF16};
+  for (size_t d = 0; d < 3; d++) {
+    for (uint32_t W = 2; W <= 4; W++) {
+      zs_dtype pdt = W == 3 ? ZS_DTYPE_FP16 : ZS_DTYPE_BF16;
+      spec_reduce red = W == 4 ? SPEC_REDUCE_SUM : SPEC_REDUCE_MEAN;
+      float *first_master = NULL;
+      for (int shuffle = 0; shuffle < 3; shuffle++) {
+        job j;
+        job_start(&j, k_tensors, K_NT, W, 2, 1, pdt, red, gdts[d]);
+        job_finish(&j, 100 + W);
+        core *c = open_core(&j, 0, 2);
+        init_all(c, &j, 0);
+        for (uint64_t step = 1; step <= 2; step++) {
+          job_make_grads(&j, 1000 * step + W);
+          run_step(c, &j, 0, step, 7919u * (uint64_t)(shuffle + 1) + step, 1 + shuffle % 3, 1e-3,
+                   red == SPEC_REDUCE_SUM ? 0.25f : 1.0f);
+        }
+        /* And across shuffles directly: the core's bits of w0. */
+        size_t nb = (size_t)j.spec.tensors[0].numel * sizeof(float);
+        float *got = malloc(nb);
+        assert_non_null(got);
+        assert_int_equal(core_read(c, j.hash, 0, 0, ZS_DTYPE_FP32, got, nb, NULL, NULL, 0), 0);
+        if (shuffle == 0)
+          first_master = got;
+        else {
+          assert_memory_equal(got, first_master, nb);
+          free(got);
+        }
+        core_destroy(c);
+        job_free(&j);
+      }
+      free(first_master);
+    }
+  }
+}
+
+static int skip_none(const layout_piece *p, uint32_t k) {
+  (void)p;
+  (void)k;
+  return 0;
+}
+
+static int skip_last_of_first_piece(const layout_piece *p, uint32_t k) {
+  return p->tensor == 0 && p->slice == 0 && k == 3;
+}
+
+/* Reads the whole fp32 master of shard 0's pieces into one buffer. */
+static float *read_all_master(core *c, job *j, uint32_t shard, size_t *len) {
+  size_t total = 0;
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++)
+    if (j->layout.pieces[i].shard == shard)
+      total += (size_t)j->layout.pieces[i].numel;
+  float *buf = malloc((total + 1) * sizeof(float));
+  assert_non_null(buf);
+  size_t at = 0;
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *p = &j->layout.pieces[i];
+    if (p->shard != shard)
+      continue;
+    assert_int_equal(core_read(c, j->hash, p->tensor, p->slice, ZS_DTYPE_FP32, buf + at,
+                               p->numel * sizeof(float), NULL, NULL, 0),
+                     0);
+    at += (size_t)p->numel;
+  }
+  *len = total * sizeof(float);
+  return buf;
+}
+
+static void test_invalid_pushes_get_their_status_and_change_nothing(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 2, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP16);
+  job_finish(&j, 11);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 12);
+
+  /* Half of the contributions first, so that some are held. */
+  size_t n = 0;
+  push_item *items = shard_items(&j, 0, 13, 0, &n, skip_none);
+  size_t half = n / 2;
+  assert_int_equal(push_items(c, &j, 1, items, half, 2), 0);
+  size_t before_len, after_len;
+  float *before = read_all_master(c, &j, 0, &before_len);
+  core_missing_entry miss_before[CORE_MAX_MISSING], miss_after[CORE_MAX_MISSING];
+  uint32_t nmiss = core_missing(c, 1, miss_before, CORE_MAX_MISSING);
+  assert_int_equal(nmiss, n - half);
+  core_counters cnt0;
+  core_get_counters(c, &cnt0);
+
+  const layout_piece *p = layout_find(&j.layout, 0, 0); /* shard 0's slice of w0 */
+  const layout_piece *foreign = layout_find(&j.layout, 0, 1);
+  assert_int_equal(foreign->shard, 1);
+  char err[256];
+  int dup = 0, rejected = 0;
+  core_push_args a;
+
+#define EXPECT_REJECT(status)                                                                      \
+  do {                                                                                             \
+    err[0] = 0;                                                                                    \
+    dup = 7;                                                                                       \
+    assert_int_equal(core_push(c, &a, &dup, err, sizeof err), (status));                           \
+    assert_int_equal(dup, 0);                                                                      \
+    assert_true(strlen(err) > 0);                                                                  \
+    rejected++;                                                                                    \
+  } while (0)
+
+  a = push_args(&j, 2, p, 0);
+  EXPECT_REJECT(ZS_ESTEP);
+  assert_non_null(strstr(err, "expects step 1"));
+  a = push_args(&j, 0, p, 0);
+  EXPECT_REJECT(ZS_ESTEP);
+  a = push_args(&j, 1, p, 0);
+  a.hash ^= 1;
+  EXPECT_REJECT(ZS_EHASH);
+  a = push_args(&j, 1, p, 0);
+  a.rank = j.W;
+  EXPECT_REJECT(ZS_ERANGE);
+  a = push_args(&j, 1, p, 0);
+  a.micro = j.M;
+  EXPECT_REJECT(ZS_ERANGE);
+  a = push_args(&j, 1, p, 0);
+  a.tensor = j.nt;
+  EXPECT_REJECT(ZS_ENOTFOUND);
+  a = push_args(&j, 1, p, 0);
+  a.slice = 7; /* w0 has two slices */
+  EXPECT_REJECT(ZS_ENOTFOUND);
+  a = push_args(&j, 1, foreign, 0);
+  EXPECT_REJECT(ZS_ENOTFOUND);
+  assert_non_null(strstr(err, "owned by shard 1"));
+  a = push_args(&j, 1, p, 0);
+  a.dtype = (zs_dtype)0;
+  EXPECT_REJECT(ZS_EDTYPE);
+  a = push_args(&j, 1, p, 0);
+  a.dtype = (zs_dtype)4;
+  EXPECT_REJECT(ZS_EDTYPE);
+  a = push_args(&j, 1, p, 0);
+  a.dtype = ZS_DTYPE_FP32; /* the fp16 payload is half the length fp32 needs */
+  EXPECT_REJECT(ZS_ESIZE);
+  a = push_args(&j, 1, p, 0);
+  a.nbytes -= 2;
+  EXPECT_REJECT(ZS_ESIZE);
+  char want[64];
+  snprintf(want, sizeof want, "%zu bytes, expected %zu", a.nbytes, a.nbytes + 2);
+  assert_non_null(strstr(err, want));
+  a = push_args(&j, 1, p, 0);
+  a.nbytes += 2;
+  EXPECT_REJECT(ZS_ESIZE);
+#undef EXPECT_REJECT
+
+  core_counters cnt1;
+  core_get_counters(c, &cnt1);
+  assert_int_equal(cnt1.rejected - cnt0.rejected, (uint64_t)rejected);
+  assert_int_equal(cnt1.pushes, cnt0.pushes);
+  assert_int_equal(cnt1.bytes_in, cnt0.bytes_in);
+  assert_int_equal(cnt1.held_bytes, cnt0.held_bytes);
+  float *after = read_all_master(c, &j, 0, &after_len);
+  assert_int_equal(before_len, after_len);
+  assert_memory_equal(before, after, before_len);
+  assert_int_equal(core_missing(c, 1, miss_after, CORE_MAX_MISSING), nmiss);
+  assert_memory_equal(miss_before, miss_after,
+                      (nmiss < CORE_MAX_MISSING ? nmiss : CORE_MAX_MISSING) * sizeof *miss_after);
+
+  /* The rest of the step still gives the reference. */
+  assert_int_equal(push_items(c, &j, 1, items + half, n - half, 3), 0);
+  free(items);
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  core_apply_result ar;
+  assert_int_equal(apply_sync(c, &j, 1, 1e-3, 0.5f, 0, &ar), 0);
+  job_ref_step(&j, 1e-3, 0.5f, 0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  free(before);
+  free(after);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static void test_an_early_contribution_is_held_until_its_turn(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 2, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP16);
+  job_finish(&j, 18);
+  core *c = open_core(&j, 0, 1);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 19);
+  const layout_piece *p = layout_find(&j.layout, 1, 0);
+  size_t nb = p->numel * 2;
+  core_counters cnt;
+  int dup = 9;
+  /* k = 3 and k = 1 arrive before k = 0: both are held. */
+  assert_int_equal(push_one(c, &j, 1, 1, 0, 3, &dup), 0);
+  assert_int_equal(dup, 0);
+  assert_int_equal(push_one(c, &j, 1, 1, 0, 1, &dup), 0);
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.held_bytes, 2 * nb);
+  /* A repeat of a held one is a duplicate and holds nothing more. */
+  assert_int_equal(push_one(c, &j, 1, 1, 0, 3, &dup), 0);
+  assert_int_equal(dup, 1);
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.held_bytes, 2 * nb);
+  assert_int_equal(cnt.duplicate_pushes, 1);
+  /* k = 0 adds itself and drains k = 1; k = 3 waits for k = 2. */
+  assert_int_equal(push_one(c, &j, 1, 1, 0, 0, &dup), 0);
+  assert_int_equal(dup, 0);
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.held_bytes, nb);
+  /* A repeat of one already added is a duplicate too. */
+  assert_int_equal(push_one(c, &j, 1, 1, 0, 0, &dup), 0);
+  assert_int_equal(dup, 1);
+  assert_int_equal(push_one(c, &j, 1, 1, 0, 2, &dup), 0);
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.held_bytes, 0);
+  core_missing_entry miss[CORE_MAX_MISSING];
+  uint32_t nmiss = core_missing(c, 1, miss, CORE_MAX_MISSING);
+  for (uint32_t i = 0; i < nmiss && i < CORE_MAX_MISSING; i++)
+    assert_true(miss[i].tensor != 1);
+
+  /* The other pieces in order; the result is the reference. */
+  for (uint32_t i = 0; i < j.layout.num_pieces; i++) {
+    const layout_piece *q = &j.layout.pieces[i];
+    for (uint32_t k = 0; k < j.WM && q->tensor != 1; k++)
+      assert_int_equal(push_one(c, &j, 1, q->tensor, q->slice, k, &dup), 0);
+  }
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  core_apply_result ar;
+  assert_int_equal(apply_sync(c, &j, 1, 1e-2, 1.0f, 0, &ar), 0);
+  job_ref_step(&j, 1e-2, 1.0f, 0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static void test_reads_validate_and_convert_to_every_dtype(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_FP16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 14);
+  core *c = open_core(&j, 0, 1);
+  init_all(c, &j, 0);
+  check_shard_matches_reference(c, &j, 0, 0);
+  /* Reads are not pulls: the transport counts what it sends. */
+  core_counters cnt;
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.pulls, 0);
+  assert_int_equal(cnt.bytes_out, 0);
+
+  float buf[8];
+  char err[256];
+  assert_int_equal(core_read(c, j.hash, 3, 0, ZS_DTYPE_FP32, buf, 4 * 4, NULL, err, sizeof err),
+                   ZS_ESIZE);
+  assert_int_equal(core_read(c, j.hash, 3, 0, (zs_dtype)9, buf, 5 * 4, NULL, err, sizeof err),
+                   ZS_EDTYPE);
+  assert_int_equal(core_read(c, j.hash, 3, 1, ZS_DTYPE_FP32, buf, 5 * 4, NULL, err, sizeof err),
+                   ZS_ENOTFOUND);
+  assert_int_equal(core_read(c, j.hash + 1, 3, 0, ZS_DTYPE_FP32, buf, 5 * 4, NULL, err, sizeof err),
+                   ZS_EHASH);
+  assert_int_equal(core_read(c, j.hash, 3, 0, ZS_DTYPE_FP32, buf, 5 * 4, NULL, err, sizeof err), 0);
+  assert_int_equal(core_piece_bytes(c, j.hash, 3, 0, ZS_DTYPE_BF16), 10);
+  assert_int_equal(core_piece_bytes(c, j.hash, 3, 0, ZS_DTYPE_FP32), 20);
+  assert_int_equal(core_piece_bytes(c, j.hash, 3, 1, ZS_DTYPE_FP32), ZS_ENOTFOUND);
+  assert_int_equal(core_piece_bytes(c, j.hash, 3, 0, (zs_dtype)0), ZS_EDTYPE);
+  assert_int_equal(core_piece_bytes(c, j.hash ^ 4, 3, 0, ZS_DTYPE_FP32), ZS_EHASH);
+  core_count_pull(c, 100);
+  core_count_pull(c, 20);
+  core_counters cnt2;
+  core_get_counters(c, &cnt2);
+  assert_int_equal(cnt2.pulls, 2);
+  assert_int_equal(cnt2.bytes_out, 100 + 20);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static const tensor_def k_big[] = {
+    {"big", 150000, 0},
+    {"bias", 33, 1},
+    {"mid", 70000, 1},
+};
+
+/* Sets element `a` of shard's arena in contribution k's gradient (fp32). */
+static void set_arena_grad(job *j, uint32_t shard, uint32_t k, uint64_t a, float value) {
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *p = &j->layout.pieces[i];
+    if (p->shard == shard && a >= p->arena_off && a < p->arena_off + p->numel) {
+      ((float *)j->grad[p->tensor * j->WM + k])[p->offset + (a - p->arena_off)] = value;
+      return;
+    }
+  }
+  fail_msg("arena element %" PRIu64 " is padding", a);
+}
+
+static void test_stats_sum_squares_in_block_order_and_match_the_reference(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_big, 3, 1, 2, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 15);
+  /* Four blocks on one shard, so the block order matters. */
+  assert_int_equal((j.layout.shard_elems[0] + CORE_STATS_BLOCK - 1) / CORE_STATS_BLOCK, 4);
+  core *c = open_core(&j, 0, 3);
+  init_all(c, &j, 0);
+
+  /* Step 1, random gradients: the reference in block order. */
+  job_make_grads(&j, 16);
+  size_t n = 0;
+  push_item *items = shard_items(&j, 0, 17, 0, &n, NULL);
+  push_items(c, &j, 1, items, n, 2);
+  free(items);
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  double want;
+  int nf;
+  job_ref_stats(&j, 0, &want, &nf);
+  assert_true(st.sum_squares == want);
+  assert_int_equal(st.nonfinite, 0);
+  /* And it is a sum of squares: a plain double sum agrees closely. */
+  float **acc = job_ref_sums(&j);
+  double plain = 0.0;
+  for (uint32_t t = 0; t < j.nt; t++)
+    for (uint64_t i = 0; i < j.spec.tensors[t].numel; i++)
+      plain += (double)acc[t][i] * (double)acc[t][i];
+  free_sums(&j, acc);
+  assert_true(fabs(st.sum_squares - plain) <= 1e-9 * plain);
+  assert_true(st.sum_squares > 0.0);
+  core_apply_result ar;
+  assert_int_equal(apply_sync(c, &j, 1, 1e-3, 1.0f, 1, &ar), 0);
+
+  /* Step 2: block 0 sums to 2^54 (whose ulp is 4) and blocks 1-3 to 1.25
+   * each. Added in block order, each 1.25 is rounded away; added in reverse,
+   * 3.75 survives as 4. */
+  for (uint32_t t = 0; t < j.nt; t++)
+    for (uint32_t k = 0; k < j.WM; k++)
+      memset(j.grad[t * j.WM + k], 0, j.spec.tensors[t].numel * sizeof(float));
+  set_arena_grad(&j, 0, 0, 0, 134217728.0f); /* 2^27 */
+  for (uint64_t b = 1; b < 4; b++) {
+    set_arena_grad(&j, 0, 0, b * CORE_STATS_BLOCK + 5, 1.0f);
+    set_arena_grad(&j, 0, 1, b * CORE_STATS_BLOCK + 6, 0.5f);
+  }
+  double forward, backward;
+  job_ref_stats_ordered(&j, 0, 0, &forward, &nf);
+  job_ref_stats_ordered(&j, 0, 1, &backward, &nf);
+  assert_true(forward == 18014398509481984.0);
+  assert_true(backward == 18014398509481988.0);
+  items = shard_items(&j, 0, 18, 0, &n, NULL);
+  push_items(c, &j, 2, items, n, 2);
+  free(items);
+  assert_int_equal(stats_sync(c, &j, 2, &st), 0);
+  assert_true(st.sum_squares == forward);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static void test_nonfinite_gradients_refuse_apply_and_skip_clears_the_accumulator(void **state) {
+  (void)state;
+  const float bad[2] = {INFINITY, NAN};
+  for (int b = 0; b < 2; b++) {
+    job j;
+    job_start(&j, k_tensors, K_NT, 2, 2, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN,
+              b ? ZS_DTYPE_BF16 : ZS_DTYPE_FP32);
+    job_finish(&j, 20);
+    core *c = open_core(&j, 0, 2);
+    init_all(c, &j, 0);
+    job_make_grads(&j, 21);
+    job_poke_grad(&j, 2, 3, 17, bad[b]);
+    size_t n = 0;
+    push_item *items = shard_items(&j, 0, 22, 5, &n, NULL);
+    push_items(c, &j, 1, items, n, 2);
+    free(items);
+    core_stats_result st;
+    assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+    assert_int_equal(st.nonfinite, 1);
+
+    char err[256];
+    core_apply_result ar;
+    assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                     ZS_ENONFINITE);
+    core_info info;
+    core_get_info(c, &info);
+    assert_int_equal(info.version, 0);
+
+    assert_int_equal(apply_sync(c, &j, 1, 1e-3, 1.0f, 1, &ar), 0);
+    assert_int_equal(ar.skipped, 1);
+    assert_int_equal(ar.version, 1);
+    assert_int_equal(ar.optimizer_steps, 0);
+    job_ref_step(&j, 1e-3, 1.0f, 1);
+    /* Weights and low copy as initialised. */
+    check_shard_matches_reference(c, &j, 0, 1);
+    core_counters cnt;
+    core_get_counters(c, &cnt);
+    assert_int_equal(cnt.skipped_steps, 1);
+    assert_int_equal(cnt.applies, 1);
+
+    /* The next step sees only its own gradients: the accumulator was
+     * cleared, and the optimizer counts its first real step as step 1. */
+    job_make_grads(&j, 23);
+    run_step(c, &j, 0, 2, 24, 2, 1e-3, 1.0f);
+    assert_int_equal(j.ref_opt_steps, 1);
+    core_destroy(c);
+    job_free(&j);
+  }
+}
+
+static void test_pull_waits_until_every_piece_is_initialised(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 30);
+  core *c = open_core(&j, 0, 1);
+  event e;
+  event_init(&e);
+  uint64_t version = 77;
+  char err[256];
+  assert_int_equal(core_wait_version(c, j.hash, 0, clock_now_ms() + TEST_WAIT_MS, on_version, &e,
+                                     &version, err, sizeof err),
+                   CORE_PENDING);
+  for (uint32_t i = 0; i + 1 < j.layout.num_pieces; i++) {
+    const layout_piece *p = &j.layout.pieces[i];
+    assert_int_equal(core_init_params(c, j.hash, p->tensor, p->slice, j.init[p->tensor] + p->offset,
+                                      p->numel * sizeof(float), NULL, NULL, NULL, 0),
+                     0);
+  }
+  /* One piece still lacks its weights: the wait cannot have completed. */
+  assert_int_equal(event_fired(&e), 0);
+  const layout_piece *last = &j.layout.pieces[j.layout.num_pieces - 1];
+  assert_int_equal(core_init_params(c, j.hash, last->tensor, last->slice,
+                                    j.init[last->tensor] + last->offset,
+                                    last->numel * sizeof(float), NULL, NULL, NULL, 0),
+                   0);
+  event_wait(&e, 1);
+  assert_int_equal(e.status, 0);
+  assert_int_equal(e.version, 0);
+  /* Now a pull of version 0 is answered at once. */
+  assert_int_equal(core_wait_version(c, j.hash, 0, 0, on_version, &e, &version, err, sizeof err),
+                   0);
+  assert_int_equal(version, 0);
+  assert_int_equal(event_fired(&e), 1);
+  core_destroy(c);
+  event_destroy(&e);
+  job_free(&j);
+}
+
+static void test_pull_waiter_fires_when_apply_advances_the_version(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 31);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  event e;
+  event_init(&e);
+  uint64_t version = 0;
+  char err[256];
+  assert_int_equal(core_wait_version(c, j.hash, 1, clock_now_ms() + TEST_WAIT_MS, on_version, &e,
+                                     &version, err, sizeof err),
+                   CORE_PENDING);
+  job_make_grads(&j, 32);
+  size_t n = 0;
+  push_item *items = shard_items(&j, 0, 33, 0, &n, NULL);
+  push_items(c, &j, 1, items, n, 2);
+  free(items);
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  assert_int_equal(event_fired(&e), 0);
+  core_apply_result ar;
+  assert_int_equal(apply_sync(c, &j, 1, 1e-3, 1.0f, 0, &ar), 0);
+  event_wait(&e, 1);
+  assert_int_equal(e.status, 0);
+  assert_int_equal(e.version, 1);
+  assert_int_equal(core_wait_version(c, j.hash, 1, 0, on_version, &e, &version, err, sizeof err),
+                   0);
+  assert_int_equal(version, 1);
+  core_destroy(c);
+  event_destroy(&e);
+  job_free(&j);
+}
+
+static void test_stats_waiter_fires_when_the_last_push_arrives(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 2, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 34);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 35);
+  event e;
+  event_init(&e);
+  core_stats_result st;
+  char err[256];
+  assert_int_equal(core_grad_stats(c, j.hash, 1, clock_now_ms() + TEST_WAIT_MS, on_stats, &e, &st,
+                                   err, sizeof err),
+                   CORE_PENDING);
+  size_t n = 0;
+  push_item *items = shard_items(&j, 0, 36, 0, &n, skip_last_of_first_piece);
+  push_items(c, &j, 1, items, n, 3);
+  free(items);
+  assert_int_equal(event_fired(&e), 0);
+  int dup = 1;
+  assert_int_equal(push_one(c, &j, 1, 0, 0, 3, &dup), 0);
+  assert_int_equal(dup, 0);
+  event_wait(&e, 1);
+  assert_int_equal(e.status, 0);
+  assert_int_equal(e.stats.step, 1);
+  double want;
+  int nf;
+  job_ref_stats(&j, 0, &want, &nf);
+  assert_true(e.stats.sum_squares == want);
+  core_destroy(c);
+  event_destroy(&e);
+  job_free(&j);
+}
+
+/* Misses (tensor 0 slice 0, micro 1, rank 0) and (tensor 2, micro 0, rank 1). */
+static int skip_two(const layout_piece *p, uint32_t k) {
+  return (p->tensor == 0 && k == 2) || (p->tensor == 2 && k == 1);
+}
+
+static void test_timeouts_fire_and_missing_names_the_contributions(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 2, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 40);
+  core *c = open_core(&j, 0, 1);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 41);
+  size_t n = 0;
+  push_item *items = shard_items(&j, 0, 42, 3, &n, skip_two);
+  push_items(c, &j, 1, items, n, 2);
+  free(items);
+
+  event es, ev;
+  event_init(&es);
+  event_init(&ev);
+  core_stats_result st;
+  uint64_t version;
+  char err[256];
+  assert_int_equal(
+      core_grad_stats(c, j.hash, 1, clock_now_ms() + 30, on_stats, &es, &st, err, sizeof err),
+      CORE_PENDING);
+  assert_int_equal(core_wait_version(c, j.hash, 1, clock_now_ms() + 20, on_version, &ev, &version,
+                                     err, sizeof err),
+                   CORE_PENDING);
+  event_wait(&es, 1);
+  event_wait(&ev, 1);
+  assert_int_equal(es.status, ZS_ETIMEDOUT);
+  assert_int_equal(es.stats.step, 1);
+  assert_int_equal(ev.status, ZS_ETIMEDOUT);
+
+  core_missing_entry miss[CORE_MAX_MISSING];
+  assert_int_equal(core_missing(c, 1, miss, CORE_MAX_MISSING), 2);
+  assert_int_equal(miss[0].tensor, 0);
+  assert_int_equal(miss[0].slice, 0);
+  assert_int_equal(miss[0].micro, 1);
+  assert_int_equal(miss[0].rank, 0);
+  assert_int_equal(miss[1].tensor, 2);
+  assert_int_equal(miss[1].slice, 0);
+  assert_int_equal(miss[1].micro, 0);
+  assert_int_equal(miss[1].rank, 1);
+  assert_int_equal(core_missing(c, 1, miss, 1), 2); /* total, even when cut short */
+  assert_int_equal(core_missing(c, 2, miss, CORE_MAX_MISSING), 0);
+
+  core_apply_result ar;
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                   ZS_ENOTREADY);
+  assert_non_null(strstr(err, "misses 2 of"));
+
+  /* A deadline already past answers at once. */
+  assert_int_equal(core_wait_version(c, j.hash, 1, clock_now_ms() - 1, on_version, &ev, &version,
+                                     err, sizeof err),
+                   ZS_ETIMEDOUT);
+
+  /* The step can still complete after the timeouts. */
+  int dup;
+  assert_int_equal(push_one(c, &j, 1, 0, 0, 2, &dup), 0);
+  assert_int_equal(push_one(c, &j, 1, 2, 0, 1, &dup), 0);
+  assert_int_equal(core_missing(c, 1, miss, CORE_MAX_MISSING), 0);
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  assert_int_equal(apply_sync(c, &j, 1, 1e-3, 1.0f, 0, &ar), 0);
+  job_ref_step(&j, 1e-3, 1.0f, 0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  core_destroy(c);
+  event_destroy(&es);
+  event_destroy(&ev);
+  job_free(&j);
+}
+
+static void test_destroy_fails_pending_waits_with_closed(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 50);
+  core *c = open_core(&j, 0, 2);
+  event ev0, ev1, es;
+  event_init(&ev0);
+  event_init(&ev1);
+  event_init(&es);
+  uint64_t version;
+  core_stats_result st;
+  char err[256];
+  /* Version 0 waits for the initial weights, version 1 for a step. */
+  assert_int_equal(core_wait_version(c, j.hash, 0, 0, on_version, &ev0, &version, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(core_wait_version(c, j.hash, 1, 0, on_version, &ev1, &version, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(core_grad_stats(c, j.hash, 1, 0, on_stats, &es, &st, err, sizeof err),
+                   CORE_PENDING);
+  core_destroy(c);
+  /* The callbacks ran before core_destroy returned. */
+  assert_int_equal(ev0.fired, 1);
+  assert_int_equal(ev0.status, ZS_ECLOSED);
+  assert_int_equal(ev1.fired, 1);
+  assert_int_equal(ev1.status, ZS_ECLOSED);
+  assert_int_equal(es.fired, 1);
+  assert_int_equal(es.status, ZS_ECLOSED);
+  event_destroy(&ev0);
+  event_destroy(&ev1);
+  event_destroy(&es);
+  job_free(&j);
+}
+
+static void test_apply_repeats_give_the_recorded_outcome_and_conflicts_are_refused(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 2, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 60);
+  core *c = open_core(&j, 0, 2);
+  char err[256];
+  core_apply_result ar;
+  /* Nothing pushed yet. */
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                   ZS_ENOTREADY);
+  /* All pushed but no initial weights. */
+  job_make_grads(&j, 61);
+  size_t n = 0;
+  push_item *items = shard_items(&j, 0, 62, 0, &n, NULL);
+  push_items(c, &j, 1, items, n, 2);
+  free(items);
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                   ZS_ENOTREADY);
+  assert_non_null(strstr(err, "initial weights"));
+  init_all(c, &j, 0);
+  assert_int_equal(core_apply(c, j.hash, 2, 1e-3, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                   ZS_ESTEP);
+  assert_int_equal(core_apply(c, j.hash, 0, 1e-3, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                   ZS_ESTEP);
+  assert_int_equal(core_apply(c, j.hash, 1, NAN, 1.0f, 0, on_apply, NULL, &ar, err, sizeof err),
+                   ZS_EINVAL);
+
+  core_apply_result first;
+  assert_int_equal(apply_sync(c, &j, 1, 1e-3, 1.0f, 0, &first), 0);
+  job_ref_step(&j, 1e-3, 1.0f, 0);
+
+  /* The identical repeat answers at once with the same outcome. */
+  event e;
+  event_init(&e);
+  memset(&ar, 0, sizeof ar);
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 0, on_apply, &e, &ar, err, sizeof err), 0);
+  assert_memory_equal(&ar, &first, sizeof ar);
+  assert_int_equal(core_apply(c, j.hash, 1, 2e-3, 1.0f, 0, on_apply, &e, &ar, err, sizeof err),
+                   ZS_EEXIST);
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 0.5f, 0, on_apply, &e, &ar, err, sizeof err),
+                   ZS_EEXIST);
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 1, on_apply, &e, &ar, err, sizeof err),
+                   ZS_EEXIST);
+  assert_int_equal(core_apply(c, j.hash, 3, 1e-3, 1.0f, 0, on_apply, &e, &ar, err, sizeof err),
+                   ZS_ESTEP);
+  assert_int_equal(event_fired(&e), 0);
+
+  /* A push retried after its step was applied is acknowledged as a duplicate
+   * and adds nothing; a malformed one is still refused. */
+  {
+    core_counters before, after;
+    core_get_counters(c, &before);
+    uint32_t missing = core_missing(c, 2, NULL, 0);
+    assert_true(missing > 0);
+    core_push_args retry = push_args(&j, 1, &j.layout.pieces[0], 0);
+    int dup = 0;
+    assert_int_equal(core_push(c, &retry, &dup, err, sizeof err), 0);
+    assert_int_equal(dup, 1);
+    retry.nbytes -= 1;
+    assert_int_equal(core_push(c, &retry, &dup, err, sizeof err), ZS_ESIZE);
+    core_get_counters(c, &after);
+    assert_int_equal(after.duplicate_pushes, before.duplicate_pushes + 1);
+    assert_int_equal(core_missing(c, 2, NULL, 0), missing);
+  }
+
+  /* The statistics of the applied step stay available; others are refused. */
+  core_stats_result again;
+  assert_int_equal(core_grad_stats(c, j.hash, 1, 0, on_stats, &e, &again, err, sizeof err), 0);
+  assert_memory_equal(&again, &st, sizeof st);
+  assert_int_equal(core_grad_stats(c, j.hash, 0, 0, on_stats, &e, &again, err, sizeof err),
+                   ZS_ESTEP);
+  assert_int_equal(core_grad_stats(c, j.hash, 3, 0, on_stats, &e, &again, err, sizeof err),
+                   ZS_ESTEP);
+  assert_int_equal(event_fired(&e), 0);
+
+  core_counters cnt;
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.applies, 1);
+  assert_int_equal(cnt.version, 1);
+  assert_true(cnt.apply_seconds_total >= 0.0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  core_destroy(c);
+  event_destroy(&e);
+  job_free(&j);
+}
+
+static void test_concurrent_identical_applies_share_one_run_and_outcome(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 70);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 71);
+
+  /* A stats callback that holds the worker at a gate keeps the apply queued
+   * (not yet run) while the test sends its applies, so the "already running"
+   * path is taken deterministically. Real callbacks must not block. */
+  event gate, a1, a2;
+  event_init(&gate);
+  event_init(&a1);
+  event_init(&a2);
+  gate.gate_closed = 1;
+  core_stats_result st;
+  char err[256];
+  assert_int_equal(core_grad_stats(c, j.hash, 1, clock_now_ms() + TEST_WAIT_MS, on_stats, &gate,
+                                   &st, err, sizeof err),
+                   CORE_PENDING);
+  size_t n = 0;
+  push_item *items = shard_items(&j, 0, 72, 0, &n, NULL);
+  push_items(c, &j, 1, items, n, 2);
+  free(items);
+  event_wait_at_gate(&gate);
+
+  core_apply_result ar;
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 0, on_apply, &a1, &ar, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 0, on_apply, &a2, &ar, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-3, 1.0f, 1, on_apply, &a2, &ar, err, sizeof err),
+                   ZS_EEXIST);
+  assert_int_equal(core_apply(c, j.hash, 1, 5e-3, 1.0f, 0, on_apply, &a2, &ar, err, sizeof err),
+                   ZS_EEXIST);
+  event_open_gate(&gate);
+  event_wait(&a1, 1);
+  event_wait(&a2, 1);
+  assert_int_equal(a1.status, 0);
+  assert_int_equal(a2.status, 0);
+  assert_memory_equal(&a1.apply, &a2.apply, sizeof a1.apply);
+  assert_int_equal(a1.apply.version, 1);
+  assert_int_equal(a1.apply.optimizer_steps, 1);
+  core_counters cnt;
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.applies, 1);
+  job_ref_step(&j, 1e-3, 1.0f, 0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  core_destroy(c);
+  assert_int_equal(a1.fired, 1);
+  assert_int_equal(a2.fired, 1);
+  event_destroy(&gate);
+  event_destroy(&a1);
+  event_destroy(&a2);
+  job_free(&j);
+}
+
+static void test_each_piece_is_owned_by_exactly_one_of_several_shards(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 3, 2, 3, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_BF16);
+  job_finish(&j, 80);
+  core *c[3];
+  for (uint32_t s = 0; s < 3; s++)
+    c[s] = open_core(&j, s, 1);
+  uint32_t pieces = 0;
+  uint64_t elements = 0;
+  for (uint32_t s = 0; s < 3; s++) {
+    core_info info;
+    core_get_info(c[s], &info);
+    assert_int_equal(info.shard_id, s);
+    assert_int_equal(info.num_shards, 3);
+    pieces += info.pieces;
+    elements += info.elements;
+  }
+  uint64_t total = 0;
+  for (uint32_t t = 0; t < j.nt; t++)
+    total += j.spec.tensors[t].numel;
+  assert_int_equal(pieces, j.layout.num_pieces);
+  assert_int_equal(elements, total);
+  for (uint32_t i = 0; i < j.layout.num_pieces; i++) {
+    const layout_piece *p = &j.layout.pieces[i];
+    for (uint32_t s = 0; s < 3; s++) {
+      int64_t b = core_piece_bytes(c[s], j.hash, p->tensor, p->slice, ZS_DTYPE_FP32);
+      if (s == p->shard)
+        assert_int_equal(b, (int64_t)(p->numel * 4u));
+      else
+        assert_int_equal(b, ZS_ENOTFOUND);
+    }
+  }
+  /* One full step on every shard reproduces the whole-tensor reference. */
+  for (uint32_t s = 0; s < 3; s++)
+    init_all(c[s], &j, s);
+  job_make_grads(&j, 81);
+  for (uint32_t s = 0; s < 3; s++) {
+    size_t n = 0;
+    push_item *items = shard_items(&j, s, 82 + s, 4, &n, NULL);
+    push_items(c[s], &j, 1, items, n, 2);
+    free(items);
+  }
+  for (uint32_t s = 0; s < 3; s++) {
+    core_stats_result st;
+    assert_int_equal(stats_sync(c[s], &j, 1, &st), 0);
+    double want;
+    int nf;
+    job_ref_stats(&j, s, &want, &nf);
+    assert_true(st.sum_squares == want);
+    core_apply_result ar;
+    assert_int_equal(apply_sync(c[s], &j, 1, 1e-3, 1.0f, 0, &ar), 0);
+  }
+  job_ref_step(&j, 1e-3, 1.0f, 0);
+  for (uint32_t s = 0; s < 3; s++) {
+    check_shard_matches_reference(c[s], &j, s, 1);
+    core_destroy(c[s]);
+  }
+  job_free(&j);
+}
+
+static const tensor_def k_tiny[] = {{"only", 5, 0}};
+
+static void test_a_shard_without_pieces_steps_trivially(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tiny, 1, 2, 2, 3, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 90);
+  assert_int_equal(j.layout.pieces[0].shard, 0);
+  core *c = open_core(&j, 2, 1);
+  core_info info;
+  core_get_info(c, &info);
+  assert_int_equal(info.pieces, 0);
+  assert_int_equal(info.state_bytes, 0);
+  assert_int_equal(info.initialized, 1);
+  uint64_t version = 9;
+  char err[256];
+  assert_int_equal(core_wait_version(c, j.hash, 0, 0, on_version, NULL, &version, err, sizeof err),
+                   0);
+  assert_int_equal(version, 0);
+  core_stats_result st;
+  assert_int_equal(core_grad_stats(c, j.hash, 1, 0, on_stats, NULL, &st, err, sizeof err), 0);
+  assert_true(st.sum_squares == 0.0);
+  core_apply_result ar;
+  assert_int_equal(apply_sync(c, &j, 1, 1e-3, 1.0f, 0, &ar), 0);
+  assert_int_equal(ar.version, 1);
+  assert_int_equal(core_wait_version(c, j.hash, 1, 0, on_version, NULL, &version, err, sizeof err),
+                   0);
+  assert_int_equal(version, 1);
+  core_destroy(c);
+  job_free(&j);
+}
+
+int main(void) {
+  /* One "apply" line per step on stderr would drown the test output. */
+  log_set_level(LOG_LEVEL_WARN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_requests_without_a_job_are_refused_as_not_open),
+      cmocka_unit_test(test_create_rejects_a_shard_id_outside_the_shard_count),
+      cmocka_unit_test(test_open_creates_once_accepts_identical_and_rejects_other_specs),
+      cmocka_unit_test(test_arenas_for_moments_exist_only_when_an_optimizer_needs_them),
+      cmocka_unit_test(test_init_params_writes_once_while_the_version_is_zero),
+      cmocka_unit_test(test_init_params_after_the_first_step_changes_nothing),
+      cmocka_unit_test(test_identical_init_repeats_report_nothing_written),
+      cmocka_unit_test(test_shuffled_concurrent_pushes_with_duplicates_match_the_reference_bitwise),
+      cmocka_unit_test(test_invalid_pushes_get_their_status_and_change_nothing),
+      cmocka_unit_test(test_an_early_contribution_is_held_until_its_turn),
+      cmocka_unit_test(test_reads_validate_and_convert_to_every_dtype),
+      cmocka_unit_test(test_stats_sum_squares_in_block_order_and_match_the_reference),
+      cmocka_unit_test(test_nonfinite_gradients_refuse_apply_and_skip_clears_the_accumulator),
+      cmocka_unit_test(test_pull_waits_until_every_piece_is_initialised),
+      cmocka_unit_test(test_pull_waiter_fires_when_apply_advances_the_version),
+      cmocka_unit_test(test_stats_waiter_fires_when_the_last_push_arrives),
+      cmocka_unit_test(test_timeouts_fire_and_missing_names_the_contributions),
+      cmocka_unit_test(test_destroy_fails_pending_waits_with_closed),
+      cmocka_unit_test(test_apply_repeats_give_the_recorded_outcome_and_conflicts_are_refused),
+      cmocka_unit_test(test_concurrent_identical_applies_share_one_run_and_outcome),
+      cmocka_unit_test(test_each_piece_is_owned_by_exactly_one_of_several_shards),
+      cmocka_unit_test(test_a_shard_without_pieces_steps_trivially),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
