@@ -8,4 +8,6 @@ uint64_t clock_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-uint64_t clock_now_ms(void) { return clock_now_ns() / 1000000u; }
+uint64_t clock_now_ms(void) {
+  return clock_now_ns() / 1000000u;
+}

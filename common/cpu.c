@@ -19,8 +19,8 @@ static int cpu_has_f16c(void) {
 static void cpu_detect(void) {
   __builtin_cpu_init();
   int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
-  int avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
   g_hw = avx512 ? CPU_ISA_AVX512 : avx2 ? CPU_ISA_AVX2 : CPU_ISA_SCALAR;
   g_best = g_hw;
   /* ZSHARD_ISA can only lower the choice: asking for more than the CPU has

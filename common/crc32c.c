@@ -7,8 +7,9 @@
  * 0xFFFFFFFF, and the inversion on return makes crc32c(crc32c(0, a), b) the CRC
  * of a followed by b.
  *
- * This file is compiled with -msse4.2 for the intrinsics; the hardware path
- * runs only after __builtin_cpu_supports("sse4.2") said yes.
+ * Only the hardware function is compiled for SSE4.2 (a target attribute), so
+ * the table fallback stays safe on a CPU without it; the hardware path runs
+ * only after __builtin_cpu_supports("sse4.2") said yes.
  */
 #include "common/crc32c.h"
 
@@ -48,7 +49,8 @@ uint32_t crc32c_sw(uint32_t crc, const void *buf, size_t len) {
 /* SSE4.2                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static uint32_t crc32c_hw(uint32_t crc, const void *buf, size_t len) {
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const void *buf,
+                                                            size_t len) {
   const unsigned char *p = buf;
   uint64_t c = ~crc;
   /* Single bytes until p is 8-byte aligned, so the 8-byte loads below never

@@ -37,21 +37,7 @@
 
 #include <string.h>
 
-/* The array kernels of each ISA: the scalar ones here, the others in
- * dtype_avx2.c and dtype_avx512.c, compiled for their ISA and called only when
- * cpu_clamp_isa() says the CPU has it. The same prototypes are repeated in
- * those files, as there is no private header for them. Each takes the
- * arguments of the public function of the same verb, with `src` / `dst`
- * already checked by dtype_valid(). */
-void dtype_scalar_to_f32(zs_dtype src, const void *in, float *out, size_t n);
-void dtype_scalar_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
-void dtype_scalar_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
-void dtype_avx2_to_f32(zs_dtype src, const void *in, float *out, size_t n);
-void dtype_avx2_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
-void dtype_avx2_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
-void dtype_avx512_to_f32(zs_dtype src, const void *in, float *out, size_t n);
-void dtype_avx512_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
-void dtype_avx512_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
+#include "common/dtype_isa.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "zshard's tensor bytes are little-endian and converted in place; port dtype.c first"

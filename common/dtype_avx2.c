@@ -16,14 +16,7 @@
 
 #include "common/dtype.h"
 
-/* Prototypes shared with dtype.c, which declares the same ones. */
-void dtype_scalar_to_f32(zs_dtype src, const void *in, float *out, size_t n);
-void dtype_scalar_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
-void dtype_scalar_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
-
-void dtype_avx2_to_f32(zs_dtype src, const void *in, float *out, size_t n);
-void dtype_avx2_from_f32(zs_dtype dst, const float *in, void *out, size_t n);
-void dtype_avx2_accumulate(zs_dtype src, const void *in, float *acc, size_t n);
+#include "common/dtype_isa.h"
 
 #define LANES 8
 

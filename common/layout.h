@@ -25,13 +25,13 @@
 #define LAYOUT_ALIGN_ELEMS 16u
 
 typedef struct layout_piece {
-  uint32_t tensor;     /* index into spec.tensors */
-  uint32_t slice;      /* 0 for a whole tensor */
-  uint32_t shard;      /* owner */
-  uint32_t group;      /* param group of the tensor */
-  uint64_t offset;     /* first element of the piece within the tensor */
-  uint64_t numel;      /* > 0 */
-  uint64_t arena_off;  /* first element within the owner's arenas, multiple of 16 */
+  uint32_t tensor;    /* index into spec.tensors */
+  uint32_t slice;     /* 0 for a whole tensor */
+  uint32_t shard;     /* owner */
+  uint32_t group;     /* param group of the tensor */
+  uint64_t offset;    /* first element of the piece within the tensor */
+  uint64_t numel;     /* > 0 */
+  uint64_t arena_off; /* first element within the owner's arenas, multiple of 16 */
 } layout_piece;
 
 /* A run of one param group inside one shard's arenas: [begin, end) elements. */
@@ -43,21 +43,22 @@ typedef struct layout_range {
 typedef struct layout {
   uint32_t num_shards, num_tensors, num_groups;
   uint32_t num_pieces;
-  layout_piece *pieces;         /* all pieces, sorted by (tensor, slice) */
-  uint32_t *tensor_first;       /* num_tensors + 1 entries: pieces of tensor t are
-                                   pieces[tensor_first[t] .. tensor_first[t+1]) */
-  uint64_t *shard_elems;        /* per shard: arena length in elements (padded) */
-  uint64_t *shard_load;         /* per shard: elements owned (unpadded) */
-  uint32_t *shard_pieces;       /* per shard: number of pieces owned */
+  layout_piece *pieces;   /* all pieces, sorted by (tensor, slice) */
+  uint32_t *tensor_first; /* num_tensors + 1 entries: pieces of tensor t are
+                             pieces[tensor_first[t] .. tensor_first[t+1]) */
+  uint64_t *shard_elems;  /* per shard: arena length in elements (padded) */
+  uint64_t *shard_load;   /* per shard: elements owned (unpadded) */
+  uint32_t *shard_pieces; /* per shard: number of pieces owned */
   /* Per shard, the group ranges of its arena in order: ranges of shard i are
    * ranges[range_first[i] .. range_first[i+1]); groups with no piece on a shard
    * have no range there. */
   layout_range *ranges;
-  uint32_t *range_first;        /* num_shards + 1 entries */
+  uint32_t *range_first; /* num_shards + 1 entries */
 } layout;
 
 /* Computes the layout of a validated spec into `out` (freed with layout_free).
- * Returns 0 or ZS_ENOMEM (out is then empty). */
+ * Returns 0, ZS_ENOMEM, or ZS_EINVAL for a spec spec_validate would refuse
+ * (out is then empty). */
 int layout_build(const spec *s, layout *out);
 
 /* Frees what `l` owns and zeroes it; tolerates a zeroed layout. */

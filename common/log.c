@@ -10,8 +10,12 @@
 static volatile log_level g_level = LOG_LEVEL_INFO;
 static const char *const level_names[] = {"debug", "info", "warn", "error", "off"};
 
-void log_set_level(log_level level) { g_level = level; }
-log_level log_get_level(void) { return g_level; }
+void log_set_level(log_level level) {
+  g_level = level;
+}
+log_level log_get_level(void) {
+  return g_level;
+}
 
 int log_parse_level(const char *s, log_level *out) {
   for (int i = 0; i <= LOG_LEVEL_OFF; i++) {
@@ -32,8 +36,8 @@ void log_write(log_level level, const char *event, const char *fmt, ...) {
   gettimeofday(&tv, NULL);
   gmtime_r(&tv.tv_sec, &tm);
   int n = snprintf(line, sizeof line, "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s event=%s",
-                   tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-                   tm.tm_sec, (long)(tv.tv_usec / 1000), level_names[level], event);
+                   tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+                   (long)(tv.tv_usec / 1000), level_names[level], event);
   if (fmt && fmt[0] && n > 0 && (size_t)n < sizeof line - 2) {
     line[n++] = ' ';
     va_list ap;

@@ -266,6 +266,32 @@ static int check_unique_names(const spec *s, char *err, size_t errlen) {
 _Static_assert((uint64_t)SPEC_MAX_TENSORS *SPEC_MAX_SHARDS <= UINT32_MAX,
                "the layout's 32-bit piece count could overflow");
 
+/* Bounds the whole model: the element total (arenas) and the piece count (the
+ * layout allocates per piece before any arena is sized), counted as the layout
+ * will split (each tensor was checked to be at most SPEC_MAX_NUMEL, so the sums
+ * cannot overflow before the comparison stops them). */
+static int check_totals(const spec *s, char *err, size_t errlen) {
+  uint64_t threshold = s->split_threshold ? s->split_threshold : SPEC_DEFAULT_SPLIT_THRESHOLD;
+  uint64_t total = 0, pieces = 0;
+  for (uint32_t i = 0; i < s->num_tensors; i++) {
+    uint64_t n = s->tensors[i].numel;
+    total += n;
+    if (n >= threshold) {
+      uint64_t chunks = (n + 15) / 16; /* slices are multiples of 16 elements */
+      pieces += chunks < s->num_shards ? chunks : s->num_shards;
+    } else {
+      pieces += 1;
+    }
+    if (total > SPEC_MAX_TOTAL_NUMEL)
+      return fail(err, errlen, "the model has more than %llu elements in all",
+                  (unsigned long long)SPEC_MAX_TOTAL_NUMEL);
+    if (pieces > SPEC_MAX_PIECES)
+      return fail(err, errlen, "the layout would have more than %llu pieces",
+                  (unsigned long long)SPEC_MAX_PIECES);
+  }
+  return 0;
+}
+
 int spec_validate(spec *s, char *err, size_t errlen) {
   if (err && errlen > 0)
     err[0] = '\0';
@@ -314,6 +340,8 @@ int spec_validate(spec *s, char *err, size_t errlen) {
   }
   int rc = check_unique_names(s, err, errlen);
   if (rc)
+    return rc;
+  if ((rc = check_totals(s, err, errlen)) != 0)
     return rc;
 
   /* Filled last, so that a rejected spec is left exactly as it came. */

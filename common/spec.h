@@ -15,15 +15,19 @@
 #include "zshard/zshard.h"
 
 #define SPEC_DEFAULT_SPLIT_THRESHOLD 65536u
-#define SPEC_MAX_NAME 256        /* bytes in a tensor or job name, without NUL */
+#define SPEC_MAX_NAME 256 /* bytes in a tensor or job name, without NUL */
 #define SPEC_MAX_TENSORS 1000000u
 #define SPEC_MAX_GROUPS 1024u
-#define SPEC_MAX_WORLD 65536u    /* W */
-#define SPEC_MAX_ACCUM 65536u    /* M; W*M must also fit SPEC_MAX_CONTRIB */
+#define SPEC_MAX_WORLD 65536u /* W */
+#define SPEC_MAX_ACCUM 65536u /* M; W*M must also fit SPEC_MAX_CONTRIB */
 #define SPEC_MAX_CONTRIB 1048576u
 #define SPEC_MAX_SHARDS 4096u
 #define SPEC_MAX_DIMS 8u
 #define SPEC_MAX_NUMEL (UINT64_C(1) << 40)
+/* Whole-model bounds: a spec arrives from the network, and the layout costs
+ * memory per piece before any arena is sized. */
+#define SPEC_MAX_TOTAL_NUMEL (UINT64_C(1) << 42)
+#define SPEC_MAX_PIECES (UINT64_C(1) << 24)
 
 typedef enum spec_reduce {
   SPEC_REDUCE_MEAN = 0,
@@ -40,25 +44,25 @@ typedef struct spec_group {
 } spec_group;
 
 typedef struct spec_tensor {
-  char *name;        /* owned by the spec */
+  char *name; /* owned by the spec */
   uint64_t numel;
-  uint32_t group;    /* index into spec.groups */
-  uint32_t ndim;     /* 0: shape is [numel] */
+  uint32_t group; /* index into spec.groups */
+  uint32_t ndim;  /* 0: shape is [numel] */
   uint64_t shape[SPEC_MAX_DIMS];
 } spec_tensor;
 
 typedef struct spec {
-  char *job;                /* owned by the spec */
-  spec_group *groups;       /* owned, num_groups entries */
+  char *job;          /* owned by the spec */
+  spec_group *groups; /* owned, num_groups entries */
   uint32_t num_groups;
-  spec_tensor *tensors;     /* owned, num_tensors entries */
+  spec_tensor *tensors; /* owned, num_tensors entries */
   uint32_t num_tensors;
   uint32_t world_size;      /* W */
   uint32_t grad_accum;      /* M */
   uint32_t num_shards;      /* N */
   uint64_t split_threshold; /* elements; never 0 after spec_validate */
   spec_reduce reduce;
-  zs_dtype param_dtype;     /* ZS_DTYPE_BF16 or ZS_DTYPE_FP16 */
+  zs_dtype param_dtype; /* ZS_DTYPE_BF16 or ZS_DTYPE_FP16 */
 } spec;
 
 /* Fills `g` with torch's defaults for `opt` (AdamW: betas 0.9/0.999, eps 1e-8,
@@ -67,8 +71,9 @@ void spec_group_defaults(spec_group *g, zs_optimizer opt);
 
 /* Checks every field for range and consistency (names non-empty and unique,
  * group indices valid, shape products equal numel, hyper-parameters finite and
- * in range). Fills a zero split_threshold with the default. Returns 0, or
- * ZS_EINVAL with a sentence in err (which may be NULL). */
+ * in range, the total element and piece counts within SPEC_MAX_TOTAL_NUMEL and
+ * SPEC_MAX_PIECES). Fills a zero split_threshold with the default. Returns 0,
+ * or ZS_EINVAL with a sentence in err (which may be NULL), or ZS_ENOMEM. */
 int spec_validate(spec *s, char *err, size_t errlen);
 
 /* The 64-bit hash of the canonical encoding of a validated spec. Equal specs
@@ -89,8 +94,7 @@ struct Zshard__V1__ModelSpec;
 /* Builds a spec from the message (copying everything; the message stays the
  * caller's) and validates it. Returns 0, or ZS_EINVAL / ZS_ENOMEM with a
  * sentence in err; on error `out` is left empty. */
-int spec_from_proto(spec *out, const struct Zshard__V1__ModelSpec *msg, char *err,
-                    size_t errlen);
+int spec_from_proto(spec *out, const struct Zshard__V1__ModelSpec *msg, char *err, size_t errlen);
 
 /* Fills `msg` (initialised by the caller with ZSHARD__V1__MODEL_SPEC__INIT)
  * from `s`. The message points into `s` and into arrays allocated here, freed

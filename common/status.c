@@ -4,8 +4,8 @@
 
 const char *zs_strerror(int err) {
   switch (err) {
-#define ZS__STATUS_STR(name, value, grpc, msg)                                                   \
-  case value:                                                                                     \
+#define ZS__STATUS_STR(name, value, grpc, msg)                                                     \
+  case value:                                                                                      \
     return msg;
     ZS_STATUS_MAP(ZS__STATUS_STR)
 #undef ZS__STATUS_STR
@@ -15,8 +15,8 @@ const char *zs_strerror(int err) {
 
 const char *zs_err_name(int err) {
   switch (err) {
-#define ZS__STATUS_NAME(name, value, grpc, msg)                                                  \
-  case value:                                                                                     \
+#define ZS__STATUS_NAME(name, value, grpc, msg)                                                    \
+  case value:                                                                                      \
     return "ZS_" #name;
     ZS_STATUS_MAP(ZS__STATUS_NAME)
 #undef ZS__STATUS_NAME
@@ -26,8 +26,8 @@ const char *zs_err_name(int err) {
 
 int status_valid(int err) {
   switch (err) {
-#define ZS__STATUS_VALID(name, value, grpc, msg)                                                 \
-  case value:                                                                                     \
+#define ZS__STATUS_VALID(name, value, grpc, msg)                                                   \
+  case value:                                                                                      \
     return 1;
     ZS_STATUS_MAP(ZS__STATUS_VALID)
 #undef ZS__STATUS_VALID
@@ -37,8 +37,8 @@ int status_valid(int err) {
 
 int status_to_grpc(int err) {
   switch (err) {
-#define ZS__STATUS_GRPC(name, value, grpc, msg)                                                  \
-  case value:                                                                                     \
+#define ZS__STATUS_GRPC(name, value, grpc, msg)                                                    \
+  case value:                                                                                      \
     return grpc;
     ZS_STATUS_MAP(ZS__STATUS_GRPC)
 #undef ZS__STATUS_GRPC

@@ -380,6 +380,16 @@ static int core_job_build(core *c) {
   }
 
   uint64_t b32 = c->nelems * sizeof(float);
+  /* The spec comes from the network: refuse state that cannot fit in this
+   * machine's memory instead of letting the kernel kill us while the arenas
+   * are zeroed. */
+  uint64_t need = b32 * (2u + (uint64_t)need_m + (uint64_t)need_v) + c->nelems * 2u;
+  long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page_size > 0 && need > (uint64_t)pages * (uint64_t)page_size) {
+    LOG_ERROR("job_too_large", "shard=%u state_bytes=%" PRIu64 " memory_bytes=%" PRIu64,
+              c->shard_id, need, (uint64_t)pages * (uint64_t)page_size);
+    return ZS_ENOMEM;
+  }
   c->master = core_arena_alloc(b32);
   c->acc = core_arena_alloc(b32);
   c->low = core_arena_alloc(c->nelems * sizeof(uint16_t));

@@ -63,9 +63,8 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
 /* Initial fp32 weights of one piece. Written once while the version is 0; an
  * identical repeat is accepted (written = 0); different data is ZS_EEXIST;
  * after the first applied step the call changes nothing (written = 0). */
-int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
-                     const float *data, size_t nbytes, int *written, uint64_t *version,
-                     char *err, size_t errlen);
+int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, const float *data,
+                     size_t nbytes, int *written, uint64_t *version, char *err, size_t errlen);
 
 /* One contribution. Only step == version + 1 is added; a well-formed push for
  * an already applied step is a retry and is acknowledged as a duplicate; any
@@ -88,18 +87,16 @@ int core_push(core *c, const core_push_args *a, int *duplicate, char *err, size_
  * least min_version. cb(arg, status, version). */
 typedef void (*core_version_cb)(void *arg, int status, uint64_t version);
 int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
-                      core_version_cb cb, void *arg, uint64_t *version, char *err,
-                      size_t errlen);
+                      core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen);
 
 /* Copies piece (tensor, slice) in `dtype` into dst (exactly numel * dtype size
  * bytes), consistent with one version, reported in *version. Never blocks on
  * the optimizer longer than one apply. */
-int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
-              void *dst, size_t nbytes, uint64_t *version, char *err, size_t errlen);
+int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
+              size_t nbytes, uint64_t *version, char *err, size_t errlen);
 
 /* Size in bytes of piece (tensor, slice) in dtype, or a negative status. */
-int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
-                         zs_dtype dtype);
+int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype);
 
 /* Gradient statistics of step `step` (== version + 1, or == version for a
  * step already applied, whose statistics are kept). Waits until all W*M
@@ -112,9 +109,8 @@ typedef struct core_stats_result {
   int nonfinite;
 } core_stats_result;
 typedef void (*core_stats_cb)(void *arg, int status, const core_stats_result *r);
-int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
-                    core_stats_cb cb, void *arg, core_stats_result *out, char *err,
-                    size_t errlen);
+int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
+                    void *arg, core_stats_result *out, char *err, size_t errlen);
 
 /* What step `step` still lacks: up to `max` entries in ascending (tensor,
  * slice, micro, rank) order; returns the total count missing (0 if complete or
@@ -138,8 +134,7 @@ typedef struct core_apply_result {
 } core_apply_result;
 typedef void (*core_apply_cb)(void *arg, int status, const core_apply_result *r);
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
-               core_apply_cb cb, void *arg, core_apply_result *out, char *err,
-               size_t errlen);
+               core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen);
 
 typedef struct core_info {
   uint32_t shard_id, num_shards;

@@ -57,20 +57,7 @@
 
 #include "common/dtype.h"
 
-/* The vector kernels (optim_avx2.c, optim_avx512.c), compiled for their ISA
- * and called only when cpu_clamp_isa() says the CPU has it. As in dtype.c the
- * prototypes are repeated in those files rather than kept in a private
- * header. */
-void optim_avx2_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc,
-                      void *low, size_t n);
-void optim_avx512_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc,
-                        void *low, size_t n);
-double optim_avx2_sum_squares(const float *acc, size_t n);
-double optim_avx512_sum_squares(const float *acc, size_t n);
-
-/* Not in optim.h (yet): the sum of squares with an explicit ISA, for tests
- * and benchmarks. Unsupported ISAs fall back to the best one the CPU has. */
-double optim_sum_squares_isa(cpu_isa isa, const float *acc, size_t n, int *nonfinite);
+#include "server/optim_isa.h"
 
 /* ------------------------------------------------------------------------ */
 /* Plan                                                                      */

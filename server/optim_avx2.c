@@ -13,11 +13,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "server/optim.h"
-
-void optim_avx2_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc,
-                      void *low, size_t n);
-double optim_avx2_sum_squares(const float *acc, size_t n);
+#include "server/optim_isa.h"
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 

@@ -12,11 +12,7 @@
  */
 #include <immintrin.h>
 
-#include "server/optim.h"
-
-void optim_avx512_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc,
-                        void *low, size_t n);
-double optim_avx512_sum_squares(const float *acc, size_t n);
+#include "server/optim_isa.h"
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 

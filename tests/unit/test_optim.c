@@ -26,7 +26,6 @@
 #include "server/optim.h"
 
 /* Defined in optim.c but not (yet) declared in optim.h. */
-double optim_sum_squares_isa(cpu_isa isa, const float *acc, size_t n, int *nonfinite);
 
 static const cpu_isa k_isas[] = {CPU_ISA_SCALAR, CPU_ISA_AVX2, CPU_ISA_AVX512};
 #define N_ISAS 3

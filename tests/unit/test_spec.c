@@ -270,6 +270,51 @@ static void validation_rejects_each_bad_field_with_a_sentence(void **state) {
   }
 }
 
+/* A spec of `nt` tensors of `numel` elements each over `shards` shards. */
+static void make_wide_spec(spec *s, uint32_t nt, uint64_t numel, uint32_t shards) {
+  memset(s, 0, sizeof *s);
+  s->job = strdup("wide");
+  s->world_size = 1;
+  s->grad_accum = 1;
+  s->num_shards = shards;
+  s->param_dtype = ZS_DTYPE_BF16;
+  s->num_groups = 1;
+  s->groups = calloc(1, sizeof *s->groups);
+  assert_non_null(s->groups);
+  spec_group_defaults(&s->groups[0], ZS_OPTIM_ADAMW);
+  s->num_tensors = nt;
+  s->tensors = calloc(nt, sizeof *s->tensors);
+  assert_non_null(s->tensors);
+  for (uint32_t i = 0; i < nt; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "t%u", i);
+    s->tensors[i].name = strdup(name);
+    s->tensors[i].numel = numel;
+  }
+}
+
+static void validation_bounds_the_whole_model_not_only_each_tensor(void **state) {
+  (void)state;
+  char err[256];
+  spec s;
+  /* Five tensors each at the per-tensor limit exceed the total. */
+  make_wide_spec(&s, 5, SPEC_MAX_NUMEL, 1);
+  assert_int_equal(spec_validate(&s, err, sizeof err), ZS_EINVAL);
+  assert_non_null(strstr(err, "elements in all"));
+  spec_free(&s);
+  make_wide_spec(&s, 4, SPEC_MAX_NUMEL, 1);
+  assert_int_equal(spec_validate(&s, err, sizeof err), 0);
+  spec_free(&s);
+  /* 4097 split tensors over 4096 shards make one piece too many. */
+  make_wide_spec(&s, 4097, SPEC_DEFAULT_SPLIT_THRESHOLD, SPEC_MAX_SHARDS);
+  assert_int_equal(spec_validate(&s, err, sizeof err), ZS_EINVAL);
+  assert_non_null(strstr(err, "pieces"));
+  spec_free(&s);
+  make_wide_spec(&s, 4096, SPEC_DEFAULT_SPLIT_THRESHOLD, SPEC_MAX_SHARDS);
+  assert_int_equal(spec_validate(&s, err, sizeof err), 0);
+  spec_free(&s);
+}
+
 static void validation_accepts_edge_values(void **state) {
   (void)state;
   spec s;
@@ -680,6 +725,7 @@ int main(void) {
       cmocka_unit_test(validation_fills_default_split_threshold),
       cmocka_unit_test(validation_rejects_each_bad_field_with_a_sentence),
       cmocka_unit_test(validation_accepts_edge_values),
+      cmocka_unit_test(validation_bounds_the_whole_model_not_only_each_tensor),
       cmocka_unit_test(validation_error_text_is_truncated_safely),
       cmocka_unit_test(hostile_name_is_escaped_and_shortened_in_the_error),
       cmocka_unit_test(hash_changes_when_any_single_field_changes),
