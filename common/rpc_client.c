@@ -156,11 +156,11 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
 
   /* A timeout beyond a year is no timeout; it also keeps the conversion to
    * gpr_timespec far from overflow. */
-  gpr_timespec deadline = timeout_ms == 0 || timeout_ms > UINT64_C(365) * 86400 * 1000
-                              ? gpr_inf_future(GPR_CLOCK_MONOTONIC)
-                              : gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                             gpr_time_from_millis((int64_t)timeout_ms,
-                                                                  GPR_TIMESPAN));
+  gpr_timespec deadline =
+      timeout_ms == 0 || timeout_ms > UINT64_C(365) * 86400 * 1000
+          ? gpr_inf_future(GPR_CLOCK_MONOTONIC)
+          : gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                         gpr_time_from_millis((int64_t)timeout_ms, GPR_TIMESPAN));
 
   int rc = 0;
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
@@ -223,8 +223,7 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
     goto done;
   }
   if (!resp_bb) {
-    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: OK status without a message",
-                    method);
+    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: OK status without a message", method);
     goto done;
   }
   grpc_slice msg;
@@ -232,12 +231,12 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
     rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: unreadable response", method);
     goto done;
   }
-  *resp = protobuf_c_message_unpack(resp_desc, NULL, GRPC_SLICE_LENGTH(msg),
-                                    GRPC_SLICE_START_PTR(msg));
+  *resp =
+      protobuf_c_message_unpack(resp_desc, NULL, GRPC_SLICE_LENGTH(msg), GRPC_SLICE_START_PTR(msg));
   grpc_slice_unref(msg);
   if (!*resp)
-    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO,
-                    "%s: response is not a valid %s message", method, resp_desc->name);
+    rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: response is not a valid %s message",
+                    method, resp_desc->name);
 
 done:
   grpc_byte_buffer_destroy(req_bb);

@@ -32,7 +32,7 @@ typedef struct rpc_status {
 } rpc_status;
 
 /* Calls `method` ("/zshard.v1.ZShard/Push") with `req` and waits at most
- * timeout_ms for the answer. On success returns 0 and *resp is a message of
+ * timeout_ms for the answer (0: no deadline). On success returns 0 and *resp is a message of
  * type resp_desc that the caller frees with protobuf_c_message_free_unpacked().
  * On failure returns a negative zs_status (also in st->zs_status, with
  * st->grpc_code and st->message filled) and *resp is NULL. `st` may be NULL. */

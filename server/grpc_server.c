@@ -64,7 +64,7 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "zshard/v1/zshard.pb-c.h"
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 /* Outstanding grpc_server_request_*_call per method: calls that arrive while
  * all are taken wait in gRPC's queue until a handler re-posts its slot. */
@@ -122,9 +122,9 @@ struct gsrv {
   gcall *inflight;     /* calls not yet answered and sent, except Watch */
   gcall *watchers;     /* Watch streams */
   int serving;
-  int stopping;        /* no more request slots are posted */
-  int closing;         /* every call not yet answered is answered ECLOSED */
-  int shutdown_done;   /* the grpc_server_shutdown_and_notify tag arrived */
+  int stopping;      /* no more request slots are posted */
+  int closing;       /* every call not yet answered is answered ECLOSED */
+  int shutdown_done; /* the grpc_server_shutdown_and_notify tag arrived */
   gtag shutdown_tag;
 };
 
@@ -146,7 +146,7 @@ struct gcall {
   gcall *prev, *next; /* in gsrv.inflight or gsrv.watchers, under gsrv.lock */
   int listed;
   int grpc_released; /* release_grpc() ran */
-  int waiting; /* parked in the core waiting for data (not counted as work) */
+  int waiting;       /* parked in the core waiting for data (not counted as work) */
 
   /* The final batch's resources, released when it completes. */
   grpc_byte_buffer *reply;
@@ -163,7 +163,6 @@ struct gcall {
 
   /* Written by the core callback before the hop, read after it. */
   int async_status;
-  uint64_t async_version;
   core_stats_result stats;
   core_apply_result apply;
 
@@ -304,13 +303,10 @@ static void on_final(gtag *t, int ok) {
   gcall_unref(c);
 }
 
-/* Sends the answer: `reply` (owned from here on; NULL for an error), the gRPC
- * code of `zs`, the detail sentence and the zs-status trailer. The caller must
- * have claimed the call. `with_initial_md` is 0 only for a Watch stream, which
- * sent its initial metadata with its first message. */
-static void send_final_ex(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail,
-                          int with_initial_md) {
-  c->reply = reply;
+/* Fills the status operation of a final batch: the gRPC code of `zs`, the
+ * detail sentence (zs_strerror's when none is given) and the zs-status
+ * trailer. The slices live in the call until the batch completes. */
+static void status_op(gcall *c, grpc_op *op, int zs, const char *detail) {
   snprintf(c->zs_buf, sizeof c->zs_buf, "%d", zs);
   grpc_slice_unref(c->trailer.value);
   memset(&c->trailer, 0, sizeof c->trailer);
@@ -323,26 +319,28 @@ static void send_final_ex(gcall *c, grpc_byte_buffer *reply, int zs, const char 
     LOG_DEBUG("rpc_error", "method=%s status=%s detail=\"%s\"",
               c->method < M_COUNT ? methods[c->method].path : "unknown", zs_err_name(zs),
               detail ? detail : "");
+  op->op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  op->data.send_status_from_server.status = (grpc_status_code)status_to_grpc(zs);
+  op->data.send_status_from_server.trailing_metadata_count = 1;
+  op->data.send_status_from_server.trailing_metadata = &c->trailer;
+  op->data.send_status_from_server.status_details = zs != ZS_OK ? &c->status_details : NULL;
+}
 
+/* Sends the answer: `reply` (owned from here on; NULL for an error) and the
+ * status of `zs`. The caller must have claimed the call. */
+static void send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail) {
+  c->reply = reply;
   grpc_op ops[4];
   memset(ops, 0, sizeof ops);
   size_t n = 0;
-  if (with_initial_md)
-    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
   if (reply) {
     ops[n].op = GRPC_OP_SEND_MESSAGE;
     ops[n++].data.send_message.send_message = reply;
   }
-  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-  ops[n].data.send_status_from_server.status = (grpc_status_code)status_to_grpc(zs);
-  ops[n].data.send_status_from_server.trailing_metadata_count = 1;
-  ops[n].data.send_status_from_server.trailing_metadata = &c->trailer;
-  ops[n++].data.send_status_from_server.status_details =
-      zs != ZS_OK ? &c->status_details : NULL;
-  if (with_initial_md) { /* a Watch has its own RECV_CLOSE_ON_SERVER batch */
-    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-    ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
-  }
+  status_op(c, &ops[n++], zs, detail);
+  ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
   c->io_tag.done = on_final;
   gcall_ref(c);
   grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->io_tag, NULL);
@@ -353,10 +351,6 @@ static void send_final_ex(gcall *c, grpc_byte_buffer *reply, int zs, const char 
     final_done(c);
     gcall_unref(c);
   }
-}
-
-static void send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail) {
-  send_final_ex(c, reply, zs, detail, 1);
 }
 
 /* Claims the call and answers it; if someone else answered first (the
@@ -444,8 +438,8 @@ static void resume_from_core(gcall *c) {
 
 static void on_core_version(void *arg, int status, uint64_t version) {
   gcall *c = arg;
+  (void)version; /* core_read reports the version it reads */
   c->async_status = status;
-  c->async_version = version;
   resume_from_core(c);
 }
 
@@ -499,11 +493,10 @@ static uint64_t wait_deadline(const gcall *c, uint32_t timeout_ms) {
 
 #define UNPACK(type, desc, msg, len) ((type *)protobuf_c_message_unpack(&(desc), NULL, len, msg))
 
-static int bad_message(gcall *c, const char *type) {
+static void bad_message(gcall *c, const char *type) {
   char err[GSRV_ERRLEN];
   snprintf(err, sizeof err, "the request is not a valid %s message", type);
   answer(c, NULL, ZS_EPROTO, err);
-  return ZS_EPROTO;
 }
 
 static int read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
@@ -611,7 +604,7 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
         return -1;
       /* An enum is an int32 on the wire; anything outside our values is
        * kept as 0 and rejected as an unknown dtype by the caller. */
-      r->dtype = dtype_valid((int)(v & 0xff)) && v <= 0xff ? (int)v : 0;
+      r->dtype = v <= ZS_DTYPE_BF16 && dtype_valid((int)v) ? (int)v : 0;
       break;
     case 8:
       if (wire != 2)
@@ -700,8 +693,8 @@ fail:
 
 static void h_init_params(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   char err[GSRV_ERRLEN] = "";
-  Zshard__V1__InitParamsRequest *r = UNPACK(Zshard__V1__InitParamsRequest,
-                                            zshard__v1__init_params_request__descriptor, msg, len);
+  Zshard__V1__InitParamsRequest *r =
+      UNPACK(Zshard__V1__InitParamsRequest, zshard__v1__init_params_request__descriptor, msg, len);
   if (!r) {
     bad_message(c, "zshard.v1.InitParamsRequest");
     return;
@@ -805,8 +798,8 @@ static void pull_finish(gcall *c, int claimed) {
   p[off++] = (3 << 3) | 2;
   off += put_varint(p + off, c->nbytes);
   uint64_t version = 0;
-  int rc = core_read(s->core, c->hash, c->tensor, c->slice, c->dtype, p + off, c->nbytes,
-                     &version, err, sizeof err);
+  int rc = core_read(s->core, c->hash, c->tensor, c->slice, c->dtype, p + off, c->nbytes, &version,
+                     err, sizeof err);
   if (rc) {
     grpc_slice_unref(sl);
     finish_err(c, claimed, rc, err);
@@ -858,9 +851,8 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   if ((uint64_t)nb > RPC_MAX_MESSAGE_BYTES - 64) {
-    snprintf(err, sizeof err,
-             "piece of %" PRId64 " bytes exceeds the %d byte gRPC message limit", nb,
-             RPC_MAX_MESSAGE_BYTES);
+    snprintf(err, sizeof err, "piece of %" PRId64 " bytes exceeds the %d byte gRPC message limit",
+             nb, RPC_MAX_MESSAGE_BYTES);
     finish_err(c, 0, ZS_ERANGE, err);
     return;
   }
@@ -880,7 +872,6 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   c->async_status = ZS_OK;
-  c->async_version = version;
   pull_finish(c, 0);
 }
 
@@ -909,9 +900,8 @@ static void stats_finish(gcall *c, int claimed) {
       miss[i].micro = ent[i].micro;
       miss[i].tensor = ent[i].tensor;
       miss[i].slice = ent[i].slice;
-      miss[i].tensor_name = sp && ent[i].tensor < sp->num_tensors
-                                ? sp->tensors[ent[i].tensor].name
-                                : (char *)protobuf_c_empty_string;
+      miss[i].tensor_name = sp && ent[i].tensor < sp->num_tensors ? sp->tensors[ent[i].tensor].name
+                                                                  : (char *)protobuf_c_empty_string;
       missp[i] = &miss[i];
     }
     resp.n_missing = n;
@@ -941,8 +931,8 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
 
   set_waiting(c, 1);
   gcall_ref(c);
-  int rc = core_grad_stats(s->core, c->hash, c->step, wait_deadline(c, timeout_ms),
-                           on_core_stats, c, &c->stats, err, sizeof err);
+  int rc = core_grad_stats(s->core, c->hash, c->step, wait_deadline(c, timeout_ms), on_core_stats,
+                           c, &c->stats, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
@@ -986,16 +976,16 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   int skip = r->skip;
   protobuf_c_message_free_unpacked(&r->base, NULL);
   if (!isfinite(lr) || lr < 0 || !isfinite(coef)) {
-    snprintf(err, sizeof err, "Apply needs a finite lr >= 0 and a finite coef (lr=%g coef=%g)",
-             lr, (double)coef);
+    snprintf(err, sizeof err, "Apply needs a finite lr >= 0 and a finite coef (lr=%g coef=%g)", lr,
+             (double)coef);
     finish_err(c, 0, ZS_EINVAL, err);
     return;
   }
   /* The apply runs on a core thread; this call is work in progress, not a
    * wait, so shutdown gives it the grace period. */
   gcall_ref(c);
-  int rc = core_apply(s->core, hash, step, lr, coef, skip, on_core_apply, c, &c->apply, err,
-                      sizeof err);
+  int rc =
+      core_apply(s->core, hash, step, lr, coef, skip, on_core_apply, c, &c->apply, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
@@ -1077,9 +1067,9 @@ static int health_status_locked(const gsrv *s) {
 }
 
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
-  Grpc__Health__V1__HealthCheckRequest *r = UNPACK(
-      Grpc__Health__V1__HealthCheckRequest, grpc__health__v1__health_check_request__descriptor,
-      msg, len);
+  Grpc__Health__V1__HealthCheckRequest *r =
+      UNPACK(Grpc__Health__V1__HealthCheckRequest,
+             grpc__health__v1__health_check_request__descriptor, msg, len);
   if (!r) {
     bad_message(c, "grpc.health.v1.HealthCheckRequest");
     return;
@@ -1136,24 +1126,10 @@ static void watch_kick_locked(gsrv *s, gcall *c) {
       gcall_unref(c);
     }
   } else if (c->w_ending) {
+    /* The stream ends with a status alone: its initial metadata went with
+     * the first message and its RECV_CLOSE_ON_SERVER has its own batch. */
     c->w_final = 1;
-    /* send_final_ex takes the lock only on failure, through final_done; a
-     * Watch's final batch is started here with the lock held, so its failure
-     * path is handled inline instead. */
-    atomic_store(&c->claimed, 1);
-    snprintf(c->zs_buf, sizeof c->zs_buf, "%d", ZS_ECLOSED);
-    grpc_slice_unref(c->trailer.value);
-    memset(&c->trailer, 0, sizeof c->trailer);
-    c->trailer.key = grpc_slice_from_static_string(ZS_STATUS_KEY);
-    c->trailer.value = grpc_slice_from_copied_string(c->zs_buf);
-    grpc_slice_unref(c->status_details);
-    c->status_details = grpc_slice_from_static_string("the server is shutting down");
-    ops[0].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-    ops[0].data.send_status_from_server.status =
-        (grpc_status_code)status_to_grpc(ZS_ECLOSED);
-    ops[0].data.send_status_from_server.trailing_metadata_count = 1;
-    ops[0].data.send_status_from_server.trailing_metadata = &c->trailer;
-    ops[0].data.send_status_from_server.status_details = &c->status_details;
+    status_op(c, &ops[0], ZS_ECLOSED, "the server is shutting down");
     c->io_tag.done = on_watch_final;
     gcall_ref(c);
     grpc_call_error e = grpc_call_start_batch(c->call, ops, 1, &c->io_tag, NULL);
@@ -1207,9 +1183,9 @@ static void on_watch_close(gtag *t, int ok) {
 }
 
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
-  Grpc__Health__V1__HealthCheckRequest *r = UNPACK(
-      Grpc__Health__V1__HealthCheckRequest, grpc__health__v1__health_check_request__descriptor,
-      msg, len);
+  Grpc__Health__V1__HealthCheckRequest *r =
+      UNPACK(Grpc__Health__V1__HealthCheckRequest,
+             grpc__health__v1__health_check_request__descriptor, msg, len);
   if (!r) {
     bad_message(c, "grpc.health.v1.HealthCheckRequest");
     return;
@@ -1488,7 +1464,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
    * a port already in use and silently share its connections. */
   args[2].type = GRPC_ARG_INTEGER;
   args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
-  args[2].value.integer = 1;
+  args[2].value.integer = 0;
   grpc_channel_args chargs = {.num_args = 3, .args = args};
   s->server = grpc_server_create(&chargs, NULL);
   s->cq = grpc_completion_queue_create_for_next(NULL);

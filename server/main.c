@@ -100,8 +100,17 @@ static long hostname_ordinal(const char *host) {
   return parse_long(dash + 1, 0, LONG_MAX);
 }
 
-enum { OPT_LISTEN = 256, OPT_SHARD_ID, OPT_SHARDS, OPT_THREADS, OPT_LOG_LEVEL, OPT_PORT_FILE,
-       OPT_HOSTNAME, OPT_HELP, OPT_VERSION };
+enum {
+  OPT_LISTEN = 256,
+  OPT_SHARD_ID,
+  OPT_SHARDS,
+  OPT_THREADS,
+  OPT_LOG_LEVEL,
+  OPT_PORT_FILE,
+  OPT_HOSTNAME,
+  OPT_HELP,
+  OPT_VERSION
+};
 
 /* Fills `o` from the flags and the environment. Returns -1 to go on, or the
  * exit status (0 after --help/--version, EXIT_USAGE on a bad flag). */
@@ -173,25 +182,29 @@ static int parse_options(int argc, char **argv, options *o) {
 
   o->level = LOG_LEVEL_INFO;
   if (level && *level && log_parse_level(level, &o->level) != 0)
-    return bad_usage("--log-level must be debug, info, warn, error or off, not '%s'", level);
+    return bad_usage(
+        "--log-level (ZSHARD_LOG_LEVEL) must be debug, info, warn, error or off, not '%s'", level);
 
   o->shards = 1;
   if (shards && *shards) {
     o->shards = parse_long(shards, 1, SPEC_MAX_SHARDS);
     if (o->shards < 0)
-      return bad_usage("--shards must be a whole number from 1 to 4096, not '%s'", shards);
+      return bad_usage("--shards (ZSHARD_SHARDS) must be a whole number from 1 to 4096, not '%s'",
+                       shards);
   }
   o->threads = 0;
   if (threads && *threads) {
     o->threads = parse_long(threads, 1, MAX_THREADS);
     if (o->threads < 0)
-      return bad_usage("--threads must be a whole number from 1 to 1024, not '%s'", threads);
+      return bad_usage("--threads (ZSHARD_THREADS) must be a whole number from 1 to 1024, not '%s'",
+                       threads);
   }
 
   if (shard_id && *shard_id) {
     o->shard_id = parse_long(shard_id, 0, SPEC_MAX_SHARDS - 1);
     if (o->shard_id < 0)
-      return bad_usage("--shard-id must be a whole number from 0, not '%s'", shard_id);
+      return bad_usage(
+          "--shard-id (ZSHARD_SHARD_ID) must be a whole number from 0 to 4095, not '%s'", shard_id);
   } else {
     char host[256] = "";
     if (o->hostname)
@@ -276,8 +289,8 @@ int main(int argc, char **argv) {
   }
   long threads = o.threads > 0 ? o.threads : sysconf(_SC_NPROCESSORS_ONLN);
   LOG_INFO("listening", "addr=%s port=%d shard=%ld shards=%ld threads=%ld isa=%s version=%s",
-           o.listen, gsrv_port(srv), o.shard_id, o.shards, threads,
-           cpu_isa_name(cpu_best_isa()), zs_version());
+           o.listen, gsrv_port(srv), o.shard_id, o.shards, threads, cpu_isa_name(cpu_best_isa()),
+           zs_version());
   if (o.port_file && write_port_file(o.port_file, gsrv_port(srv)) != 0) {
     LOG_ERROR("startup_failed", "stage=port_file path=%s error=\"%s\"", o.port_file,
               strerror(errno));
