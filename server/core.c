@@ -1307,6 +1307,12 @@ void core_get_counters(core *c, core_counters *out) {
   out->skipped_steps = c->skipped_steps;
   out->version = c->version;
   out->apply_seconds_total = c->apply_seconds_total;
+  /* The lists are short (one entry per waiting call), so counting them on
+   * demand is cheaper than keeping counts in step on every path. */
+  for (const waiter *w = c->version_waiters; w; w = w->next)
+    out->waiting_pulls++;
+  for (const waiter *w = c->stats_waiters; w; w = w->next)
+    out->waiting_stats++;
   pthread_mutex_unlock(&c->mu);
 }
 

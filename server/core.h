@@ -152,6 +152,8 @@ typedef struct core_counters {
   uint64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
   uint64_t applies, skipped_steps, version, held_bytes;
   double apply_seconds_total;
+  uint32_t waiting_pulls; /* core_wait_version calls not yet answered */
+  uint32_t waiting_stats; /* core_grad_stats calls not yet answered */
 } core_counters;
 void core_get_counters(core *c, core_counters *out);
 /* Counts one pull and the bytes the transport sent for it. core_read does not

@@ -1048,6 +1048,8 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.version = k.version;
   resp.apply_seconds_total = k.apply_seconds_total;
   resp.held_bytes = k.held_bytes;
+  resp.waiting_pulls = k.waiting_pulls;
+  resp.waiting_stats = k.waiting_stats;
   finish_msg(c, 0, &resp.base);
 }
 

@@ -22,14 +22,14 @@
 
 typedef struct optim_params {
   zs_optimizer optimizer;
-  double lr;            /* this group's learning rate for this step */
+  double lr; /* this group's learning rate for this step */
   double beta1, beta2, eps, weight_decay;
   double momentum, dampening;
   int nesterov;
   int bias_correction;
-  uint64_t step;        /* 1-based count of applied steps, this one included */
-  float grad_scale;     /* gradient = acc * grad_scale (one rounding) */
-  zs_dtype low_dtype;   /* ZS_DTYPE_BF16 or ZS_DTYPE_FP16 */
+  uint64_t step;      /* 1-based count of applied steps, this one included */
+  float grad_scale;   /* gradient = acc * grad_scale (one rounding) */
+  zs_dtype low_dtype; /* ZS_DTYPE_BF16 or ZS_DTYPE_FP16 */
 } optim_params;
 
 /* Per-call constants derived once from optim_params (step size, bias
@@ -55,13 +55,13 @@ typedef struct optim_plan {
   } variant;
   int low_fp16; /* 1: the low copy is fp16, 0: bf16 */
   float grad_scale;
-  float decay;          /* AdamW: 1 - lr * weight_decay */
-  float weight_decay;   /* Adam, SGD: the L2 coefficient */
+  float decay;        /* AdamW: 1 - lr * weight_decay */
+  float weight_decay; /* Adam, SGD: the L2 coefficient */
   float beta1, one_minus_beta1, beta2, one_minus_beta2;
   float bias_correction2_sqrt, eps;
-  float neg_step_size;  /* Adam(W): -lr / bias_correction1 */
+  float neg_step_size; /* Adam(W): -lr / bias_correction1 */
   float momentum, one_minus_dampening;
-  float neg_lr;         /* SGD */
+  float neg_lr; /* SGD */
 } optim_plan;
 
 void optim_plan_init(optim_plan *plan, const optim_params *p);
@@ -71,8 +71,8 @@ void optim_plan_init(optim_plan *plan, const optim_params *p);
  * exp_avg or SGD's momentum buffer, v Adam's exp_avg_sq; unused ones may be
  * NULL. For SGD with momentum, step == 1 initialises the buffer as torch does.
  * acc is zeroed. Any alignment works; 64-byte alignment is fastest. */
-void optim_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc,
-                 void *low, size_t n);
+void optim_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc, void *low,
+                 size_t n);
 void optim_apply_isa(cpu_isa isa, const optim_plan *plan, float *master, float *m, float *v,
                      float *acc, void *low, size_t n);
 

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -241,11 +242,22 @@ static void test_sigterm_during_a_pending_pull_ends_it_cleanly_and_exits_0(void 
   pending_pull pp = {.j = &j, .rc = 1};
   pthread_t th;
   assert_int_equal(pthread_create(&th, NULL, pull_main, &pp), 0);
-  /* A call issued after the Pull on the same connection: once it is
-   * answered, the server has received the Pull's stream too. */
-  Zshard__V1__GetInfoResponse *info = NULL;
-  assert_int_equal(hs_get_info(j.ch[0], &info, &st), 0);
-  protobuf_c_message_free_unpacked(&info->base, NULL);
+  /* SIGTERM only once the server holds the Pull waiting: its Stats count
+   * waiting pulls (bounded poll; the thread may not have sent it yet). */
+  uint32_t waiting = 0;
+  for (int i = 0; i < 2000 && waiting == 0; i++) {
+    Zshard__V1__StatsRequest sreq = ZSHARD__V1__STATS_REQUEST__INIT;
+    Zshard__V1__StatsResponse *sresp = NULL;
+    assert_int_equal(rpc_call(j.ch[0], "/zshard.v1.ZShard/Stats", &sreq.base,
+                              &zshard__v1__stats_response__descriptor, (ProtobufCMessage **)&sresp,
+                              5000, &st),
+                     0);
+    waiting = sresp->waiting_pulls;
+    protobuf_c_message_free_unpacked(&sresp->base, NULL);
+    if (waiting == 0)
+      nanosleep(&(struct timespec){.tv_nsec = 5000000}, NULL);
+  }
+  assert_int_equal(waiting, 1);
 
   assert_int_equal(hs_cluster_stop(&cl), 0); /* SIGTERM, then exit status 0 */
   pthread_join(th, NULL);
