@@ -651,7 +651,7 @@ static void core_run_apply(core *c) {
   pthread_mutex_unlock(&c->mu);
   pthread_rwlock_unlock(&c->state_rw);
 
-  LOG_INFO("apply", "shard=%u step=%" PRIu64 " skipped=%d seconds=%.6f", c->shard_id, step, skip,
+  LOG_DEBUG("apply", "shard=%u step=%" PRIu64 " skipped=%d seconds=%.6f", c->shard_id, step, skip,
            seconds);
   core_fire(fire);
 }

@@ -31,6 +31,7 @@ extern "C" {
  * generates the enum, zs_strerror(), zs_err_name() and the gRPC mapping, so a
  * new code is added here and nowhere else.
  */
+/* clang-format off */
 #define ZS_STATUS_MAP(XX)                                                           \
   XX(OK, 0, 0, "success")                                                           \
   XX(EINVAL, -1, 3, "invalid argument")                                             \
@@ -55,6 +56,7 @@ extern "C" {
   XX(EBEHIND, -20, 9, "shard is behind the cluster")                                \
   XX(ECANCELED, -21, 1, "canceled")                                                 \
   XX(ERANGE, -22, 11, "value out of range")
+/* clang-format on */
 
 typedef enum zs_status {
 #define ZS__STATUS_ENUM(name, value, grpc, msg) ZS_##name = value,
@@ -217,7 +219,8 @@ typedef struct zs_client_options {
   uint32_t step_timeout_ms;
   /* Retries of a call answered UNAVAILABLE (connection lost, shard
    * restarting), with exponential backoff from retry_initial_ms doubling up
-   * to retry_max_ms. Defaults 8, 50, 2000. */
+   * to retry_max_ms. Defaults 20, 50, 2000: about 30 s in all, above the
+   * ~10 s gRPC's channel takes to reconnect after a lost connection here. */
   uint32_t max_retries;
   uint32_t retry_initial_ms;
   uint32_t retry_max_ms;
@@ -251,9 +254,9 @@ ZS_EXTERN int zs_client_close(zs_client *c);
 typedef struct zs_group_options {
   size_t struct_size;
   zs_optimizer optimizer;
-  double lr_scale; /* this group's lr = the step's lr * lr_scale; default 1 */
-  double beta1, beta2, eps; /* adam/adamw; torch's 0.9, 0.999, 1e-8 */
-  double weight_decay;      /* adamw 0.01, adam 0, sgd 0 (torch's defaults) */
+  double lr_scale;            /* this group's lr = the step's lr * lr_scale; default 1 */
+  double beta1, beta2, eps;   /* adam/adamw; torch's 0.9, 0.999, 1e-8 */
+  double weight_decay;        /* adamw 0.01, adam 0, sgd 0 (torch's defaults) */
   double momentum, dampening; /* sgd; 0, 0 */
   int nesterov;               /* sgd; 0 */
   int bias_correction;        /* adam/adamw; 1 */
@@ -311,9 +314,10 @@ ZS_EXTERN uint64_t zs_spec_hash(const zs_client *c);
  * and released by zs_wait (and only by it). */
 typedef struct zs_request zs_request;
 
-/* Completion callback: runs once, on a library thread, with the request's
- * status. It must not block (no zs_wait, no synchronous transfer, no
- * zs_step, no zs_client_close) but may start new transfers. */
+/* Completion callback: runs once, with the request's status, on a library
+ * worker thread (or, for a transfer cancelled by zs_client_close, on the
+ * thread closing the client). It must not block (no zs_wait, no synchronous
+ * transfer, no zs_step, no zs_client_close) but may start new transfers. */
 typedef void (*zs_request_cb)(void *arg, int status);
 
 /* Pushes the gradient of tensor `tensor` for micro-batch `micro` (< M) of the
@@ -340,8 +344,8 @@ ZS_EXTERN int zs_pull(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
  * the function returns an error the callback is never called. */
 ZS_EXTERN int zs_push_cb(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                          zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg);
-ZS_EXTERN int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype,
-                         size_t nbytes, zs_request_cb cb, void *arg);
+ZS_EXTERN int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
+                         zs_request_cb cb, void *arg);
 
 /* Waits for `req` to complete, returns its status and frees it: `req` is
  * invalid afterwards. May be called from any one thread (not from a
@@ -402,7 +406,10 @@ ZS_EXTERN void zs_step_result_init(zs_step_result *r);
  * success (applied or skipped) the client moves to step s+1 and `out` (may be
  * NULL; else initialised with zs_step_result_init) says what happened. On
  * ZS_ETIMEDOUT zs_last_error() names the ranks and tensors still missing.
- * One zs_step at a time per client, with no zs_push running concurrently. */
+ * On any failure the client stays at step s and zs_step may be called again
+ * (after a timeout, once the missing trainer is back; after a failed push,
+ * once that tensor was pushed again). One zs_step at a time per client, with
+ * no zs_push running concurrently. */
 ZS_EXTERN int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale,
                       zs_step_result *out);
 
@@ -415,7 +422,7 @@ ZS_EXTERN int zs_last_timing(const zs_client *c, zs_timing *out);
 
 typedef struct zs_estimate_input {
   size_t struct_size;
-  uint64_t params;        /* Φ, total parameters */
+  uint64_t params;        /* P, total parameters */
   uint64_t largest_layer; /* parameters of the largest layer (ZeRO-3 and zshard
                              working set); 0: params */
   uint32_t trainers;      /* W */
@@ -441,13 +448,13 @@ typedef enum zs_strategy {
 
 typedef struct zs_estimate_row {
   zs_strategy strategy;
-  const char *name;          /* static string: "dp", "zero1", ... */
-  double device_bytes;       /* memory on each trainer (model states) */
-  double shard_bytes;        /* memory on each shard server; 0 if none */
-  double sent_bytes;         /* per trainer per step */
-  double received_bytes;     /* per trainer per step */
-  double shard_wire_bytes;   /* per shard per step, the busier direction */
-  double comm_seconds;       /* lower bound on communication time per step */
+  const char *name;        /* static string: "dp", "zero1", ... */
+  double device_bytes;     /* memory on each trainer (model states) */
+  double shard_bytes;      /* memory on each shard server; 0 if none */
+  double sent_bytes;       /* per trainer per step */
+  double received_bytes;   /* per trainer per step */
+  double shard_wire_bytes; /* per shard per step, the busier direction */
+  double comm_seconds;     /* lower bound on communication time per step */
 } zs_estimate_row;
 
 /* Computes one row per strategy into rows[0 .. ZS_STRATEGY_COUNT) (formulas

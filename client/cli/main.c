@@ -1,0 +1,104 @@
+/*
+ * zshard — the operator's command line tool.
+ *
+ *   zshard status   --shards LIST [--json]     one row per shard
+ *   zshard estimate --params P ... [--json]    memory and traffic, zshard vs
+ *                                              DP and ZeRO-1/2/3
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "zshard/zshard.h"
+
+const char *cli_bytes(double bytes, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (fabs(bytes) >= 1024.0 && u < 5) {
+    bytes /= 1024.0;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%.0f %s", bytes, units[u]);
+  else
+    snprintf(buf, len, "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+int cli_parse_count(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (end == s || errno != 0 || !isfinite(v) || v < 0)
+    return -1;
+  double mul = 1;
+  if (*end) {
+    switch (*end) {
+    case 'k':
+    case 'K':
+      mul = 1e3;
+      break;
+    case 'm':
+    case 'M':
+      mul = 1e6;
+      break;
+    case 'b':
+    case 'B':
+    case 'g':
+    case 'G':
+      mul = 1e9;
+      break;
+    case 't':
+    case 'T':
+      mul = 1e12;
+      break;
+    default:
+      return -1;
+    }
+    if (end[1] != '\0')
+      return -1;
+  }
+  v *= mul;
+  if (v >= 1.8e19)
+    return -1;
+  *out = (uint64_t)llround(v);
+  return 0;
+}
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: zshard <command> [options]\n"
+             "\n"
+             "commands:\n"
+             "  status     health, version, state size and uptime of every shard\n"
+             "  estimate   memory per device and per shard, bytes on the wire and the\n"
+             "             communication lower bound per step: zshard beside DP and ZeRO-1/2/3\n"
+             "  version    print the library version\n"
+             "\n"
+             "`zshard <command> --help` describes a command's options.\n");
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  const char *cmd = argv[1];
+  if (strcmp(cmd, "status") == 0)
+    return cli_status(argc - 1, argv + 1);
+  if (strcmp(cmd, "estimate") == 0)
+    return cli_estimate(argc - 1, argv + 1);
+  if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
+    printf("zshard %s\n", zs_version());
+    return 0;
+  }
+  if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) {
+    usage(stdout);
+    return 0;
+  }
+  fprintf(stderr, "zshard: unknown command '%s'\n", cmd);
+  usage(stderr);
+  return 2;
+}

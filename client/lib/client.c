@@ -1,0 +1,846 @@
+/*
+ * client — the zs_client handle: options, the registry of live clients, the
+ * model description and zs_open_job.
+ *
+ * The registry exists so that a call on a closed handle is an error, not a
+ * crash, and so that zs_client_close can wait for calls running on other
+ * threads: every public function enters the client (counted under
+ * zc_registry_mu) and leaves it; close marks the client closing, stops the
+ * pool (cancelling queued work), waits for the active calls and the in-flight
+ * ops, and only then frees it.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "internal.h"
+
+/* ---- registry ------------------------------------------------------------- */
+
+static pthread_mutex_t zc_registry_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t zc_registry_cv = PTHREAD_COND_INITIALIZER;
+static zs_client **zc_registry; /* (zc_registry_mu) live clients */
+static size_t zc_registry_n, zc_registry_cap;
+
+static int registry_find_locked(const zs_client *c) {
+  for (size_t i = 0; i < zc_registry_n; i++)
+    if (zc_registry[i] == c)
+      return (int)i;
+  return -1;
+}
+
+static int registry_add(zs_client *c) {
+  pthread_mutex_lock(&zc_registry_mu);
+  if (zc_registry_n == zc_registry_cap) {
+    size_t cap = zc_registry_cap ? 2 * zc_registry_cap : 8;
+    zs_client **r = realloc(zc_registry, cap * sizeof *r);
+    if (!r) {
+      pthread_mutex_unlock(&zc_registry_mu);
+      return ZS_ENOMEM;
+    }
+    zc_registry = r;
+    zc_registry_cap = cap;
+  }
+  zc_registry[zc_registry_n++] = c;
+  pthread_mutex_unlock(&zc_registry_mu);
+  return ZS_OK;
+}
+
+int zc_client_enter(const zs_client *c) {
+  if (!c)
+    return zc_fail(ZS_EINVAL, "the client handle is NULL");
+  pthread_mutex_lock(&zc_registry_mu);
+  if (registry_find_locked(c) < 0) {
+    pthread_mutex_unlock(&zc_registry_mu);
+    return zc_fail(ZS_ECLOSED, "the client handle is closed (or was never opened)");
+  }
+  zs_client *m = (zs_client *)(uintptr_t)c; /* the counters are not part of the value */
+  pthread_mutex_lock(&m->mu);
+  int closing = m->closing;
+  pthread_mutex_unlock(&m->mu);
+  if (!closing)
+    m->active++;
+  pthread_mutex_unlock(&zc_registry_mu);
+  if (closing)
+    return zc_fail(ZS_ECLOSED, "the client is closing");
+  return ZS_OK;
+}
+
+void zc_client_leave(const zs_client *c) {
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&zc_registry_mu);
+  if (--m->active == 0)
+    pthread_cond_broadcast(&zc_registry_cv);
+  pthread_mutex_unlock(&zc_registry_mu);
+}
+
+void zc_account_wait(zs_client *c, zc_op_kind kind, uint64_t ns) {
+  pthread_mutex_lock(&zc_registry_mu);
+  if (registry_find_locked(c) >= 0) {
+    pthread_mutex_lock(&c->mu);
+    if (kind == ZC_OP_PUSH)
+      c->push_ns += ns;
+    else
+      c->pull_ns += ns;
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&zc_registry_mu);
+}
+
+/* ---- options ---------------------------------------------------------------- */
+
+void zs_client_options_init(zs_client_options *o) {
+  if (!o)
+    return;
+  memset(o, 0, sizeof *o);
+  o->struct_size = sizeof *o;
+  o->world_size = 1;
+  o->grad_accum = 1;
+  o->job = "zshard";
+  o->grad_reduce = ZS_REDUCE_MEAN;
+  o->param_dtype = ZS_DTYPE_BF16;
+  o->rpc_timeout_ms = 30000;
+  o->step_timeout_ms = 60000;
+  o->max_retries = 20;
+  o->retry_initial_ms = 50;
+  o->retry_max_ms = 2000;
+  o->loss_scaling = ZS_LOSS_SCALE_NONE;
+  o->static_loss_scale = 1.0;
+  zs_loss_scaler_init(&o->dynamic_loss_scaler);
+}
+
+void zs_group_options_init(zs_group_options *g, zs_optimizer optimizer) {
+  if (!g)
+    return;
+  spec_group sg;
+  spec_group_defaults(&sg, optimizer);
+  memset(g, 0, sizeof *g);
+  g->struct_size = sizeof *g;
+  g->optimizer = optimizer;
+  g->lr_scale = sg.lr_scale;
+  g->beta1 = sg.beta1;
+  g->beta2 = sg.beta2;
+  g->eps = sg.eps;
+  g->weight_decay = sg.weight_decay;
+  g->momentum = sg.momentum;
+  g->dampening = sg.dampening;
+  g->nesterov = sg.nesterov;
+  g->bias_correction = sg.bias_correction;
+}
+
+int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count) {
+  *out = NULL;
+  *count = 0;
+  if (!spec || !*spec)
+    return zc_fail(ZS_EINVAL, "no shard addresses given");
+  const char *pat = strstr(spec, "{i}");
+  uint32_t n = 0;
+  if (pat) {
+    if (num_shards == 0)
+      return zc_fail(ZS_EINVAL, "the address pattern '%s' needs num_shards, the number of shards",
+                     spec);
+    n = num_shards;
+  } else {
+    n = 1;
+    for (const char *p = spec; *p; p++)
+      n += *p == ',';
+    if (num_shards != 0 && num_shards != n)
+      return zc_fail(ZS_EINVAL, "%" PRIu32 " addresses given but num_shards is %" PRIu32, n,
+                     num_shards);
+  }
+  if (n > SPEC_MAX_SHARDS)
+    return zc_fail(ZS_EINVAL, "%" PRIu32 " shards, at most %u are supported", n, SPEC_MAX_SHARDS);
+  char **addr = calloc(n, sizeof *addr);
+  if (!addr)
+    return zc_fail(ZS_ENOMEM, "out of memory");
+  int rc = ZS_OK;
+  const char *p = spec;
+  for (uint32_t i = 0; i < n && rc == ZS_OK; i++) {
+    char *a;
+    if (pat) {
+      size_t pre = (size_t)(pat - spec), post = strlen(pat + 3);
+      a = malloc(pre + 12 + post + 1);
+      if (a)
+        snprintf(a, pre + 12 + post + 1, "%.*s%" PRIu32 "%s", (int)pre, spec, i, pat + 3);
+    } else {
+      const char *end = strchr(p, ',');
+      size_t len = end ? (size_t)(end - p) : strlen(p);
+      while (len && (*p == ' ' || *p == '\t'))
+        p++, len--;
+      while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
+        len--;
+      a = strndup(p, len);
+      p = end ? end + 1 : p + len;
+    }
+    if (!a) {
+      rc = zc_fail(ZS_ENOMEM, "out of memory");
+      break;
+    }
+    addr[i] = a;
+    const char *colon = strrchr(a, ':');
+    if (!*a || !colon || colon == a || !colon[1])
+      rc = zc_fail(ZS_EINVAL, "address %" PRIu32 " ('%s') is not host:port", i, a);
+  }
+  if (rc != ZS_OK) {
+    zc_free_addresses(addr, n);
+    return rc;
+  }
+  *out = addr;
+  *count = n;
+  return ZS_OK;
+}
+
+void zc_free_addresses(char **addr, uint32_t n) {
+  if (!addr)
+    return;
+  for (uint32_t i = 0; i < n; i++)
+    free(addr[i]);
+  free(addr);
+}
+
+static int check_options(const zs_client_options *o) {
+  if (!o->addresses || !*o->addresses)
+    return zc_fail(ZS_EINVAL, "zs_client_open: addresses are required");
+  if (o->world_size == 0 || o->world_size > SPEC_MAX_WORLD)
+    return zc_fail(ZS_EINVAL, "zs_client_open: world_size must be in 1..%u", SPEC_MAX_WORLD);
+  if (o->rank >= o->world_size)
+    return zc_fail(ZS_EINVAL, "zs_client_open: rank %" PRIu32 " is not below world_size %" PRIu32,
+                   o->rank, o->world_size);
+  if (o->grad_accum == 0 || o->grad_accum > SPEC_MAX_ACCUM ||
+      (uint64_t)o->grad_accum * o->world_size > SPEC_MAX_CONTRIB)
+    return zc_fail(ZS_EINVAL,
+                   "zs_client_open: grad_accum must be in 1..%u and world_size * grad_accum at "
+                   "most %u",
+                   SPEC_MAX_ACCUM, SPEC_MAX_CONTRIB);
+  if (!o->job || !*o->job || strlen(o->job) > SPEC_MAX_NAME)
+    return zc_fail(ZS_EINVAL, "zs_client_open: the job name must have 1..%d bytes", SPEC_MAX_NAME);
+  if (o->grad_reduce != ZS_REDUCE_MEAN && o->grad_reduce != ZS_REDUCE_SUM)
+    return zc_fail(ZS_EINVAL, "zs_client_open: grad_reduce must be ZS_REDUCE_MEAN or SUM");
+  if (o->param_dtype != 0 && o->param_dtype != ZS_DTYPE_BF16 && o->param_dtype != ZS_DTYPE_FP16)
+    return zc_fail(ZS_EDTYPE, "zs_client_open: param_dtype must be ZS_DTYPE_BF16 or FP16");
+  if ((o->push_dtype != 0 && !zs_dtype_size(o->push_dtype)) ||
+      (o->pull_dtype != 0 && !zs_dtype_size(o->pull_dtype)))
+    return zc_fail(ZS_EDTYPE, "zs_client_open: push_dtype and pull_dtype must be 0 or a zs_dtype");
+  if (o->loss_scaling != ZS_LOSS_SCALE_NONE && o->loss_scaling != ZS_LOSS_SCALE_STATIC &&
+      o->loss_scaling != ZS_LOSS_SCALE_DYNAMIC)
+    return zc_fail(ZS_EINVAL, "zs_client_open: loss_scaling is not a zs_loss_scaling value");
+  if (o->loss_scaling == ZS_LOSS_SCALE_STATIC &&
+      !(o->static_loss_scale > 0 && isfinite(o->static_loss_scale)))
+    return zc_fail(ZS_EINVAL, "zs_client_open: static_loss_scale must be positive and finite");
+  if (o->loss_scaling == ZS_LOSS_SCALE_DYNAMIC) {
+    const zs_loss_scaler *s = &o->dynamic_loss_scaler;
+    if (s->struct_size != sizeof *s || !(s->scale > 0 && isfinite(s->scale)) ||
+        !(s->min_scale > 0) || !(s->factor >= 1) || s->window == 0 || s->hysteresis == 0)
+      return zc_fail(ZS_EINVAL, "zs_client_open: dynamic_loss_scaler must be initialised with "
+                                "zs_loss_scaler_init and have positive settings");
+  }
+  return ZS_OK;
+}
+
+static void client_free(zs_client *c) {
+  if (!c)
+    return;
+  zc_pool_stop(&c->pool);
+  zc_slots_free(c);
+  layout_free(&c->lay);
+  spec_free(&c->sp);
+  free(c->pushed);
+  if (c->chan)
+    for (uint32_t i = 0; i < c->nshards; i++)
+      if (c->chan[i])
+        rpc_channel_close(c->chan[i]);
+  free(c->chan);
+  zc_free_addresses(c->addr, c->nshards);
+  free(c->job);
+  pthread_mutex_destroy(&c->mu);
+  pthread_cond_destroy(&c->cv);
+  free(c);
+}
+
+int zs_client_open(const zs_client_options *o, zs_client **out) {
+  if (out)
+    *out = NULL;
+  if (!o || !out)
+    return zc_fail(ZS_EINVAL, "zs_client_open: options and out must not be NULL");
+  /* An older header's smaller struct is accepted: the fields it lacks keep
+   * their defaults. Anything else is not a zs_client_options. */
+  if (o->struct_size < offsetof(zs_client_options, dynamic_loss_scaler) ||
+      o->struct_size > sizeof *o)
+    return zc_fail(ZS_EINVAL, "zs_client_open: options not initialised with "
+                              "zs_client_options_init");
+  zs_client_options opt;
+  zs_client_options_init(&opt);
+  memcpy(&opt, o, o->struct_size);
+  int rc = check_options(&opt);
+  if (rc != ZS_OK)
+    return rc;
+
+  zs_client *c = calloc(1, sizeof *c);
+  if (!c)
+    return zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  /* Retry backoff waits on cv with a CLOCK_MONOTONIC deadline. */
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&c->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  c->opt = opt;
+  c->opt.addresses = NULL;
+  c->opt.job = NULL;
+  if (!c->opt.param_dtype)
+    c->opt.param_dtype = ZS_DTYPE_BF16;
+  if (!c->opt.rpc_timeout_ms)
+    c->opt.rpc_timeout_ms = 30000;
+  if (!c->opt.step_timeout_ms)
+    c->opt.step_timeout_ms = 60000;
+  if (!c->opt.retry_initial_ms)
+    c->opt.retry_initial_ms = 50;
+  if (c->opt.retry_max_ms < c->opt.retry_initial_ms)
+    c->opt.retry_max_ms = c->opt.retry_initial_ms;
+  c->scaler = opt.dynamic_loss_scaler;
+  atomic_init(&c->retries, 0);
+  c->job = strdup(opt.job);
+  if (!c->job) {
+    rc = zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
+    goto fail;
+  }
+  rc = zc_parse_addresses(opt.addresses, opt.num_shards, &c->addr, &c->nshards);
+  if (rc != ZS_OK) {
+    char why[ZC_ERR_LEN]; /* the last error is both source and destination */
+    snprintf(why, sizeof why, "%s", zs_last_error());
+    rc = zc_fail(rc, "zs_client_open: %.480s", why);
+    goto fail;
+  }
+  c->chan = calloc(c->nshards, sizeof *c->chan);
+  if (!c->chan) {
+    rc = zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
+    goto fail;
+  }
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    rc = rpc_channel_open(c->addr[i], &c->chan[i]);
+    if (rc != ZS_OK) {
+      rc = zc_fail(rc, "zs_client_open: cannot open a channel to shard %" PRIu32 " (%s): %s", i,
+                   c->addr[i], zs_strerror(rc));
+      goto fail;
+    }
+  }
+  uint32_t threads = opt.threads ? opt.threads : 2 * c->nshards + 2;
+  if (!opt.threads && threads > 32)
+    threads = 32;
+  if (threads > ZC_MAX_THREADS)
+    threads = ZC_MAX_THREADS;
+  c->opt.threads = threads;
+  rc = zc_pool_start(&c->pool, c->nshards, threads, opt.reduce_bucket_size,
+                     opt.allgather_bucket_size, zc_task_run, zc_task_cancel, c);
+  if (rc != ZS_OK) {
+    rc = zc_fail(rc, "zs_client_open: cannot start %" PRIu32 " worker threads", threads);
+    goto fail;
+  }
+  rc = registry_add(c);
+  if (rc != ZS_OK) {
+    rc = zc_fail(rc, "zs_client_open: out of memory");
+    goto fail;
+  }
+  *out = c;
+  return ZS_OK;
+fail:
+  client_free(c);
+  return rc;
+}
+
+int zs_client_close(zs_client *c) {
+  if (!c)
+    return ZS_OK;
+  pthread_mutex_lock(&zc_registry_mu);
+  if (registry_find_locked(c) < 0) {
+    pthread_mutex_unlock(&zc_registry_mu);
+    return zc_fail(ZS_ECLOSED, "zs_client_close: the client handle is already closed");
+  }
+  /* A worker cannot join itself: close from a callback is refused. */
+  for (uint32_t i = 0; i < c->pool.nthreads; i++) {
+    if (pthread_equal(pthread_self(), c->pool.threads[i])) {
+      pthread_mutex_unlock(&zc_registry_mu);
+      return zc_fail(ZS_EINVAL, "zs_client_close: called from a completion callback");
+    }
+  }
+  pthread_mutex_lock(&c->mu);
+  int already = c->closing;
+  c->closing = 1;
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+  pthread_mutex_unlock(&zc_registry_mu);
+  if (already)
+    return zc_fail(ZS_ECLOSED, "zs_client_close: the client is already closing");
+
+  /* Queued tasks are cancelled, running ones finish by their deadlines; then
+   * every op has finished, which lets the calls blocked on them return. */
+  zc_pool_stop(&c->pool);
+  pthread_mutex_lock(&zc_registry_mu);
+  while (c->active > 0)
+    pthread_cond_wait(&zc_registry_cv, &zc_registry_mu);
+  int i = registry_find_locked(c);
+  zc_registry[i] = zc_registry[--zc_registry_n];
+  pthread_mutex_unlock(&zc_registry_mu);
+  pthread_mutex_lock(&c->mu);
+  while (c->inflight > 0)
+    pthread_cond_wait(&c->cv, &c->mu);
+  pthread_mutex_unlock(&c->mu);
+  client_free(c);
+  return ZS_OK;
+}
+
+/* ---- model description -------------------------------------------------------- */
+
+/* Called with c->mu held. */
+static int check_describable_locked(const zs_client *c, const char *fn) {
+  if (c->opened || c->opening)
+    return zc_fail(ZS_EINVAL, "%s: the model cannot change once zs_open_job has been called", fn);
+  return ZS_OK;
+}
+
+static int add_group_locked(zs_client *c, const spec_group *g, uint32_t *id) {
+  if (c->sp.num_groups >= SPEC_MAX_GROUPS)
+    return zc_fail(ZS_ERANGE, "zs_add_group: at most %u param groups", SPEC_MAX_GROUPS);
+  if (c->sp.num_groups == c->group_cap) {
+    uint32_t cap = c->group_cap ? 2 * c->group_cap : 4;
+    spec_group *ng = realloc(c->sp.groups, cap * sizeof *ng);
+    if (!ng)
+      return zc_fail(ZS_ENOMEM, "zs_add_group: out of memory");
+    c->sp.groups = ng;
+    c->group_cap = cap;
+  }
+  c->sp.groups[c->sp.num_groups] = *g;
+  if (id)
+    *id = c->sp.num_groups;
+  c->sp.num_groups++;
+  return ZS_OK;
+}
+
+int zs_add_group(zs_client *c, const zs_group_options *g, uint32_t *id) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (!g || g->struct_size != sizeof *g) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_add_group: options NULL or not initialised with "
+                              "zs_group_options_init");
+  }
+  if (g->optimizer != ZS_OPTIM_ADAMW && g->optimizer != ZS_OPTIM_ADAM &&
+      g->optimizer != ZS_OPTIM_SGD) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_add_group: optimizer %d is not a zs_optimizer",
+                   (int)g->optimizer);
+  }
+  /* Ranges are checked by spec_validate at zs_open_job, with the same rules
+   * the shards apply. */
+  spec_group sg = {
+      .optimizer = g->optimizer,
+      .lr_scale = g->lr_scale,
+      .beta1 = g->beta1,
+      .beta2 = g->beta2,
+      .eps = g->eps,
+      .weight_decay = g->weight_decay,
+      .momentum = g->momentum,
+      .dampening = g->dampening,
+      .nesterov = g->nesterov != 0,
+      .bias_correction = g->bias_correction != 0,
+  };
+  pthread_mutex_lock(&c->mu);
+  rc = check_describable_locked(c, "zs_add_group");
+  if (rc == ZS_OK)
+    rc = add_group_locked(c, &sg, id);
+  pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return rc;
+}
+
+static int add_tensor_locked(zs_client *c, const char *name, uint64_t numel, uint32_t group,
+                             const uint64_t *shape, uint32_t ndim, uint32_t *id) {
+  int rc = check_describable_locked(c, "zs_add_tensor");
+  if (rc != ZS_OK)
+    return rc;
+  if (c->sp.num_tensors >= SPEC_MAX_TENSORS)
+    return zc_fail(ZS_ERANGE, "zs_add_tensor: at most %u tensors", SPEC_MAX_TENSORS);
+  for (uint32_t i = 0; i < c->sp.num_tensors; i++)
+    if (strcmp(c->sp.tensors[i].name, name) == 0)
+      return zc_fail(ZS_EEXIST, "zs_add_tensor: a tensor named '%s' exists already", name);
+  if (c->sp.num_tensors == c->tensor_cap) {
+    uint32_t cap = c->tensor_cap ? 2 * c->tensor_cap : 16;
+    spec_tensor *nt = realloc(c->sp.tensors, cap * sizeof *nt);
+    if (!nt)
+      return zc_fail(ZS_ENOMEM, "zs_add_tensor: out of memory");
+    c->sp.tensors = nt;
+    c->tensor_cap = cap;
+  }
+  spec_tensor *t = &c->sp.tensors[c->sp.num_tensors];
+  memset(t, 0, sizeof *t);
+  t->name = strdup(name);
+  if (!t->name)
+    return zc_fail(ZS_ENOMEM, "zs_add_tensor: out of memory");
+  t->numel = numel;
+  t->group = group;
+  t->ndim = ndim;
+  for (uint32_t d = 0; d < ndim; d++)
+    t->shape[d] = shape[d];
+  if (id)
+    *id = c->sp.num_tensors;
+  c->sp.num_tensors++;
+  return ZS_OK;
+}
+
+int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint32_t group,
+                  const uint64_t *shape, uint32_t ndim, uint32_t *id) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (!name || !*name || strlen(name) > SPEC_MAX_NAME)
+    rc = zc_fail(ZS_EINVAL, "zs_add_tensor: the name must have 1..%d bytes", SPEC_MAX_NAME);
+  else if (numel == 0 || numel > SPEC_MAX_NUMEL)
+    rc = zc_fail(ZS_EINVAL, "zs_add_tensor: tensor '%s' has %" PRIu64 " elements (1..2^40)", name,
+                 numel);
+  else if (ndim > SPEC_MAX_DIMS || (ndim > 0 && !shape))
+    rc = zc_fail(ZS_EINVAL, "zs_add_tensor: tensor '%s': ndim must be at most %u, with a shape",
+                 name, SPEC_MAX_DIMS);
+  if (rc == ZS_OK && ndim > 0) {
+    /* The product is checked here, with overflow in mind, for a clear message. */
+    uint64_t prod = 1;
+    for (uint32_t d = 0; d < ndim && rc == ZS_OK; d++) {
+      if (shape[d] == 0 || prod > SPEC_MAX_NUMEL / shape[d])
+        rc = ZS_EINVAL;
+      else
+        prod *= shape[d];
+    }
+    if (rc != ZS_OK || prod != numel)
+      rc = zc_fail(ZS_EINVAL,
+                   "zs_add_tensor: the shape of tensor '%s' does not multiply to %" PRIu64, name,
+                   numel);
+  }
+  if (rc == ZS_OK) {
+    pthread_mutex_lock(&c->mu);
+    rc = add_tensor_locked(c, name, numel, group, shape, ndim, id);
+    pthread_mutex_unlock(&c->mu);
+  }
+  zc_client_leave(c);
+  return rc;
+}
+
+/* ---- opening the job ------------------------------------------------------------ */
+
+static int open_on_shards(zs_client *c, uint64_t *version) {
+  Zshard__V1__ModelSpec ms = ZSHARD__V1__MODEL_SPEC__INIT;
+  Zshard__V1__OpenRequest *reqs = NULL;
+  zs_request *op = NULL;
+  int rc = spec_to_proto(&c->sp, &ms);
+  if (rc != ZS_OK)
+    return zc_fail(rc, "zs_open_job: out of memory encoding the spec");
+  reqs = calloc(c->nshards, sizeof *reqs);
+  op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  if (!reqs || !op) {
+    rc = zc_fail(ZS_ENOMEM, "zs_open_job: out of memory");
+    goto done;
+  }
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    Zshard__V1__OpenRequest init = ZSHARD__V1__OPEN_REQUEST__INIT;
+    reqs[i] = init;
+    reqs[i].spec = &ms; /* shared: packing only reads it */
+    reqs[i].rank = c->opt.rank;
+    zc_task *t = &op->tasks[i];
+    t->shard = i;
+    t->method = ZC_METHOD("Open");
+    t->msg = &reqs[i].base;
+    t->resp_desc = &zshard__v1__open_response__descriptor;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+  }
+  rc = zc_call_all(op);
+  if (rc == ZS_EHASH) {
+    char why[ZC_ERR_LEN]; /* the last error is both source and destination */
+    snprintf(why, sizeof why, "%s", zs_last_error());
+    rc =
+        zc_fail(rc, "zs_open_job: a shard holds a different job (spec hash mismatch): %.400s", why);
+  }
+  if (rc != ZS_OK)
+    goto done;
+  uint64_t vmin = UINT64_MAX, vmax = 0;
+  for (uint32_t i = 0; i < c->nshards && rc == ZS_OK; i++) {
+    const Zshard__V1__OpenResponse *r = (const Zshard__V1__OpenResponse *)op->tasks[i].resp;
+    if (r->spec_hash != c->hash)
+      rc = zc_fail(ZS_EHASH,
+                   "zs_open_job: shard %" PRIu32 " (%s) answered spec hash %016" PRIx64
+                   ", ours is %016" PRIx64,
+                   i, c->addr[i], r->spec_hash, c->hash);
+    else if (r->shard_id != i || r->num_shards != c->nshards)
+      rc = zc_fail(ZS_EINVAL,
+                   "zs_open_job: address %" PRIu32 " (%s) is shard %" PRIu32 " of %" PRIu32
+                   "; list the addresses in shard-id order, %" PRIu32 " of them",
+                   i, c->addr[i], r->shard_id, r->num_shards, c->nshards);
+    if (r->version < vmin)
+      vmin = r->version;
+    if (r->version > vmax)
+      vmax = r->version;
+  }
+  if (rc == ZS_OK && vmin != vmax)
+    rc = zc_fail(ZS_EBEHIND,
+                 "zs_open_job: the shards are at different versions (%" PRIu64 " to %" PRIu64
+                 "): a shard is behind the cluster and must be restored before training resumes",
+                 vmin, vmax);
+  *version = vmin;
+done:
+  if (op) {
+    for (uint32_t i = 0; i < op->ntasks; i++)
+      if (op->tasks[i].resp)
+        protobuf_c_message_free_unpacked(op->tasks[i].resp, NULL);
+    /* Ours: the caller's reference of zc_call_all, or the only one of an op
+     * that was never submitted. */
+    zc_op_release(op);
+  }
+  free(reqs);
+  spec_proto_release(&ms);
+  return rc;
+}
+
+static int init_params(zs_client *c, const float *const *init) {
+  Zshard__V1__InitParamsRequest *reqs = calloc(c->lay.num_pieces, sizeof *reqs);
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->lay.num_pieces);
+  int rc;
+  if (!reqs || !op) {
+    free(reqs);
+    if (op)
+      zc_op_release(op);
+    return zc_fail(ZS_ENOMEM, "zs_open_job: out of memory");
+  }
+  for (uint32_t i = 0; i < c->lay.num_pieces; i++) {
+    const layout_piece *pc = &c->lay.pieces[i];
+    Zshard__V1__InitParamsRequest r = ZSHARD__V1__INIT_PARAMS_REQUEST__INIT;
+    r.spec_hash = c->hash;
+    r.tensor = pc->tensor;
+    r.slice = pc->slice;
+    /* Little-endian float32 is the wire format, and the host's. */
+    r.data.data = (uint8_t *)(uintptr_t)(init[pc->tensor] + pc->offset);
+    r.data.len = pc->numel * sizeof(float);
+    reqs[i] = r;
+    zc_task *t = &op->tasks[i];
+    t->shard = pc->shard;
+    t->method = ZC_METHOD("InitParams");
+    t->msg = &reqs[i].base;
+    t->resp_desc = &zshard__v1__init_params_response__descriptor;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+    t->bytes = r.data.len;
+  }
+  rc = zc_call_all(op);
+  if (rc == ZS_EEXIST)
+    rc = zc_fail(rc,
+                 "zs_open_job: the shards already hold different initial weights for this "
+                 "job (%s)",
+                 op->err);
+  for (uint32_t i = 0; i < op->ntasks; i++)
+    if (op->tasks[i].resp)
+      protobuf_c_message_free_unpacked(op->tasks[i].resp, NULL);
+  zc_op_release(op);
+  free(reqs);
+  return rc;
+}
+
+int zs_open_job(zs_client *c, const float *const *init_weights) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  if (c->opened || c->opening) {
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_open_job: the job is already open (or being opened)");
+  }
+  c->opening = 1;
+  pthread_mutex_unlock(&c->mu);
+  /* From here on the model description is frozen (opening), so it is read
+   * without the lock. */
+  char err[ZC_ERR_LEN];
+  uint64_t version = 0;
+  if (c->sp.num_tensors == 0) {
+    rc = zc_fail(ZS_EINVAL, "zs_open_job: the model has no tensors (zs_add_tensor)");
+    goto fail;
+  }
+  if (c->opt.rank == 0) {
+    if (!init_weights) {
+      rc = zc_fail(ZS_EINVAL, "zs_open_job: rank 0 must pass the initial weights");
+      goto fail;
+    }
+    for (uint32_t t = 0; t < c->sp.num_tensors; t++)
+      if (!init_weights[t]) {
+        rc = zc_fail(ZS_EINVAL, "zs_open_job: the initial weights of tensor '%s' are NULL",
+                     c->sp.tensors[t].name);
+        goto fail;
+      }
+  }
+  if (c->sp.num_groups == 0) {
+    spec_group g;
+    spec_group_defaults(&g, ZS_OPTIM_ADAMW);
+    pthread_mutex_lock(&c->mu);
+    rc = add_group_locked(c, &g, NULL);
+    pthread_mutex_unlock(&c->mu);
+    if (rc != ZS_OK)
+      goto fail;
+  }
+  if (!c->sp.job) {
+    c->sp.job = strdup(c->job);
+    if (!c->sp.job) {
+      rc = zc_fail(ZS_ENOMEM, "zs_open_job: out of memory");
+      goto fail;
+    }
+  }
+  c->sp.world_size = c->opt.world_size;
+  c->sp.grad_accum = c->opt.grad_accum;
+  c->sp.num_shards = c->nshards;
+  c->sp.split_threshold = c->opt.split_threshold;
+  c->sp.reduce = c->opt.grad_reduce == ZS_REDUCE_SUM ? SPEC_REDUCE_SUM : SPEC_REDUCE_MEAN;
+  c->sp.param_dtype = c->opt.param_dtype;
+  rc = spec_validate(&c->sp, err, sizeof err);
+  if (rc != ZS_OK) {
+    rc = zc_fail(rc, "zs_open_job: invalid model: %s", err);
+    goto fail;
+  }
+  layout_free(&c->lay);
+  rc = layout_build(&c->sp, &c->lay);
+  if (rc != ZS_OK) {
+    rc = zc_fail(rc, "zs_open_job: out of memory computing the layout");
+    goto fail;
+  }
+  for (uint32_t i = 0; i < c->lay.num_pieces; i++) {
+    if (c->lay.pieces[i].numel * sizeof(float) > RPC_MAX_MESSAGE_BYTES - 4096) {
+      rc = zc_fail(ZS_ERANGE,
+                   "zs_open_job: a piece of tensor '%s' has %" PRIu64
+                   " elements, too many for one message; use more shards",
+                   c->sp.tensors[c->lay.pieces[i].tensor].name, c->lay.pieces[i].numel);
+      goto fail;
+    }
+  }
+  c->hash = spec_hash(&c->sp);
+  size_t nbits = (size_t)c->sp.num_tensors * c->sp.grad_accum;
+  free(c->pushed);
+  c->pushed = calloc((nbits + 7) / 8, 1);
+  if (!c->pushed) {
+    rc = zc_fail(ZS_ENOMEM, "zs_open_job: out of memory");
+    goto fail;
+  }
+  if (c->opt.prefetch_depth && !c->slots) {
+    c->slots = calloc(c->sp.num_tensors, sizeof *c->slots);
+    if (!c->slots) {
+      rc = zc_fail(ZS_ENOMEM, "zs_open_job: out of memory");
+      goto fail;
+    }
+  }
+  rc = open_on_shards(c, &version);
+  if (rc != ZS_OK)
+    goto fail;
+  if (c->opt.rank == 0 && version == 0) {
+    rc = init_params(c, init_weights);
+    if (rc != ZS_OK)
+      goto fail;
+  }
+  pthread_mutex_lock(&c->mu);
+  c->step = version + 1;
+  c->opened = 1;
+  c->opening = 0;
+  c->mark_ns = clock_now_ns();
+  c->push_ns = c->pull_ns = 0;
+  c->bytes_pushed = c->bytes_pulled = 0;
+  pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return ZS_OK;
+fail:
+  /* The description stays as it was, so the call can be repeated (for
+   * instance once the shards are up). */
+  pthread_mutex_lock(&c->mu);
+  c->opening = 0;
+  pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return rc;
+}
+
+/* ---- accessors -------------------------------------------------------------------- */
+
+uint32_t zs_num_tensors(const zs_client *c) {
+  if (zc_client_enter(c) != ZS_OK)
+    return 0;
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&m->mu);
+  uint32_t n = c->sp.num_tensors;
+  pthread_mutex_unlock(&m->mu);
+  zc_client_leave(c);
+  return n;
+}
+
+uint64_t zs_tensor_numel(const zs_client *c, uint32_t t) {
+  if (zc_client_enter(c) != ZS_OK)
+    return 0;
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&m->mu);
+  uint64_t n = t < c->sp.num_tensors ? c->sp.tensors[t].numel : 0;
+  pthread_mutex_unlock(&m->mu);
+  zc_client_leave(c);
+  return n;
+}
+
+int zs_find_tensor(const zs_client *c, const char *name, uint32_t *id) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (!name || !id) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_find_tensor: name and id must not be NULL");
+  }
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  rc = zc_fail(ZS_ENOTFOUND, "zs_find_tensor: no tensor named '%s'", name);
+  pthread_mutex_lock(&m->mu);
+  for (uint32_t i = 0; i < c->sp.num_tensors; i++) {
+    if (strcmp(c->sp.tensors[i].name, name) == 0) {
+      *id = i;
+      rc = ZS_OK;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&m->mu);
+  zc_client_leave(c);
+  return rc;
+}
+
+uint64_t zs_current_step(const zs_client *c) {
+  if (zc_client_enter(c) != ZS_OK)
+    return 0;
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&m->mu);
+  uint64_t s = c->opened ? c->step : 0;
+  pthread_mutex_unlock(&m->mu);
+  zc_client_leave(c);
+  return s;
+}
+
+double zs_loss_scale(const zs_client *c) {
+  if (zc_client_enter(c) != ZS_OK)
+    return 1.0;
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&m->mu);
+  double s = 1.0;
+  if (c->opt.loss_scaling == ZS_LOSS_SCALE_STATIC)
+    s = c->opt.static_loss_scale;
+  else if (c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC)
+    s = c->scaler.scale;
+  pthread_mutex_unlock(&m->mu);
+  zc_client_leave(c);
+  return s;
+}
+
+uint64_t zs_spec_hash(const zs_client *c) {
+  if (zc_client_enter(c) != ZS_OK)
+    return 0;
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&m->mu);
+  uint64_t h = c->opened ? c->hash : 0;
+  pthread_mutex_unlock(&m->mu);
+  zc_client_leave(c);
+  return h;
+}

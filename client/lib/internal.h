@@ -1,0 +1,289 @@
+/*
+ * internal — what the files of libzshard share and nothing outside the library
+ * sees. Internal non-static symbols start with zc_ (the public ones with zs_);
+ * the shared library exports only zs_* (client/lib/zshard.map).
+ *
+ * The pieces:
+ *   client.c    the client handle: options, registry, model description, open
+ *   pool.c      worker threads and per-shard task queues
+ *   transfer.c  requests: push, pull, prefetch, the generic "call every shard"
+ *   step.c      zs_step: gradient statistics, norm, clipping, apply, timing
+ *   scaler.c    the dynamic loss scaler
+ *   estimate.c  the memory and traffic model behind `zshard estimate`
+ *   error.c     the per-thread last-error sentence
+ *
+ * Threads and locks (one place for the whole library):
+ *   - The caller's threads run the zs_ functions; the pool's worker threads run
+ *     tasks (one blocking rpc_call each, plus data conversion) and completion
+ *     callbacks.
+ *   - Lock order: zc_registry_mu -> zs_client.mu -> zc_pool.mu -> zs_request.mu.
+ *     A thread holding a later lock never takes an earlier one, and no lock is
+ *     held across an rpc_call or a user callback.
+ *   - After zs_open_job succeeds the spec, the layout and the channels are
+ *     immutable and read without locks.
+ */
+#ifndef ZSHARD_CLIENT_INTERNAL_H
+#define ZSHARD_CLIENT_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/layout.h"
+#include "common/rpc_client.h"
+#include "common/spec.h"
+#include "zshard/v1/zshard.pb-c.h"
+#include "zshard/zshard.h"
+
+#define ZC_ERR_LEN 512
+
+/* The most worker threads a client starts. */
+#define ZC_MAX_THREADS 64u
+
+/* gRPC's UNAVAILABLE: the one status on which calls are retried. */
+#define ZC_GRPC_UNAVAILABLE 14
+
+#define ZC_METHOD(name) "/zshard.v1.ZShard/" name
+
+/* ---- error.c -------------------------------------------------------------- */
+
+/* Formats a sentence into the calling thread's last-error buffer and returns
+ * `err`, so that a failure path reads `return zc_fail(ZS_EINVAL, "...")`. */
+int zc_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Copies `msg` into the calling thread's last-error buffer and returns err. */
+int zc_fail_msg(int err, const char *msg);
+
+/* ---- pool.c --------------------------------------------------------------- */
+
+typedef struct zc_task zc_task;
+typedef struct zc_pool zc_pool;
+
+/* Runs one task on a worker thread; the task is finished (zc_task_done) by the
+ * time it returns. */
+typedef void (*zc_task_run_fn)(void *ctx, zc_task *t);
+/* Finishes a task that will never run (the pool is stopping). */
+typedef void (*zc_task_cancel_fn)(void *ctx, zc_task *t);
+
+struct zc_pool {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint32_t nqueues; /* one FIFO per shard */
+  zc_task **head;   /* (mu) */
+  zc_task **tail;   /* (mu) */
+  uint32_t cursor;  /* (mu) the next queue a worker looks at: round robin */
+  size_t queued;    /* (mu) */
+  int stop;         /* (mu) */
+  pthread_t *threads;
+  uint32_t nthreads;
+  size_t push_bucket; /* bytes; 0: no coalescing */
+  size_t pull_bucket;
+  zc_task_run_fn run;
+  zc_task_cancel_fn cancel;
+  void *ctx;
+};
+
+/* Starts nthreads workers over nqueues queues. Returns 0, ZS_ENOMEM or
+ * ZS_EINTERNAL (thread creation failed); on error the caller still calls
+ * zc_pool_stop, which joins the workers that did start. */
+int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_bucket,
+                  size_t pull_bucket, zc_task_run_fn run, zc_task_cancel_fn cancel, void *ctx);
+
+/* Queues the n tasks of an array (each on the queue of its shard) in one
+ * critical section; after stop they are cancelled at once instead. */
+void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n);
+
+/* Cancels every queued task (with the cancel function), waits for the running
+ * ones, joins the workers. Idempotent; tolerates a pool that never started. */
+void zc_pool_stop(zc_pool *p);
+
+/* ---- transfer.c ------------------------------------------------------------ */
+
+typedef enum zc_op_kind {
+  ZC_OP_PUSH = 1,
+  ZC_OP_PULL = 2,
+  ZC_OP_PREFETCH = 3, /* a pull into a prefetch slot */
+  ZC_OP_CALL = 4,     /* one control call per task: open, init, stats, apply */
+} zc_op_kind;
+
+struct zc_task {
+  zc_task *next; /* (pool.mu) queue link */
+  struct zs_request *op;
+  uint32_t shard;
+  uint32_t piece; /* push, pull: index into layout.pieces */
+  size_t bytes;   /* wire bytes, for coalescing */
+  /* ZC_OP_CALL: the request message (the op's owner keeps it alive until the
+   * op completes) and, after completion, the response (owned by the op's owner,
+   * freed with protobuf_c_message_free_unpacked) and the status. */
+  const char *method;
+  const ProtobufCMessage *msg;
+  const ProtobufCMessageDescriptor *resp_desc;
+  uint64_t timeout_ms;
+  ProtobufCMessage *resp;
+  int status;
+};
+
+struct zs_request {
+  /* The client, valid until the op is finished: zs_client_close waits for
+   * every op (inflight count) before freeing it. */
+  struct zs_client *c;
+  zc_op_kind kind;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  atomic_int refs;      /* the caller's handle (if any) + the in-flight op */
+  uint32_t pending;     /* (mu) tasks not finished */
+  int done;             /* (mu) */
+  int status;           /* (mu) first failure */
+  char err[ZC_ERR_LEN]; /* (mu) its sentence */
+  uint64_t bytes;       /* (mu) wire bytes moved */
+  zs_request_cb cb;
+  void *cb_arg;
+  uint32_t tensor, micro;
+  uint64_t step;      /* push: the step; pull, prefetch: min_version */
+  const void *src;    /* push: the caller's gradient */
+  void *dst;          /* pull: the caller's buffer; prefetch: the slot's */
+  zs_dtype buf_dtype; /* the caller's buffer (prefetch: = wire_dtype) */
+  zs_dtype wire_dtype;
+  uint32_t ntasks;
+  zc_task tasks[];
+};
+
+/* A prefetch slot: one per tensor, created lazily. */
+typedef enum zc_slot_state {
+  ZC_SLOT_EMPTY = 0,
+  ZC_SLOT_INFLIGHT = 1, /* a prefetch op is filling buf */
+  ZC_SLOT_READY = 2,    /* buf holds `version` in `wire` */
+  ZC_SLOT_BUSY = 3,     /* a pull is copying out of buf */
+} zc_slot_state;
+
+typedef struct zc_slot {
+  zc_slot_state state;
+  uint64_t version; /* the min_version it was pulled for */
+  zs_dtype wire;
+  void *buf; /* owned, cap bytes */
+  size_t cap;
+  struct zs_request *waiter; /* a pull waiting for this slot's op */
+} zc_slot;
+
+/* The pool's run and cancel functions. */
+void zc_task_run(void *ctx, zc_task *t);
+void zc_task_cancel(void *ctx, zc_task *t);
+
+/* Allocates an op with ntasks zeroed tasks (pending = ntasks) and refs = 1
+ * (the in-flight op). Returns NULL on ENOMEM (with the last error set). */
+struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntasks);
+
+/* Counts the op as in flight on its client (so that close waits for it).
+ * Called with c->mu held, once per op, before it is submitted. */
+void zc_op_register_locked(struct zs_request *op);
+
+/* Submits the op's tasks to the pool. */
+void zc_op_submit(struct zs_request *op);
+
+/* Finishes one part (task, or the prefetch a pull waits on) of an op with
+ * `status` (and sentence `msg` when failing) and `bytes` moved; the last part
+ * finishes the op. */
+void zc_op_part_done(struct zs_request *op, int status, const char *msg, uint64_t bytes);
+
+/* Waits until the op is done, returns its status and copies its sentence to
+ * the last error on failure. Does not drop a reference. */
+int zc_op_wait_done(struct zs_request *op);
+
+/* Drops one reference; the last one frees the op. */
+void zc_op_release(struct zs_request *op);
+
+/* Registers and submits a ZC_OP_CALL op (whose tasks the caller filled) and
+ * waits for it; per-task status and response are left in op->tasks for the
+ * caller, who then frees the responses and releases the op. Returns the first
+ * failure. */
+int zc_call_all(struct zs_request *op);
+
+/* Converts n elements from src (dtype sd) to dst (dtype dd); src may be
+ * unaligned, dst must be aligned to its element size. */
+void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n);
+
+/* Starts prefetches of tensors [first, first + count) for min_version in wire
+ * dtype `wire`, skipping those already in a slot. Called with c->mu held;
+ * the ops are returned in *ops (up to count) for the caller to submit after
+ * unlocking. Returns how many. */
+uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
+                            uint64_t min_version, zs_dtype wire, struct zs_request **ops);
+
+/* Frees the prefetch slots (client teardown). */
+void zc_slots_free(struct zs_client *c);
+
+/* A call with retries on UNAVAILABLE and backoff (interrupted by close).
+ * Same contract as rpc_call. */
+int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
+            const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+            uint64_t timeout_ms, rpc_status *st);
+
+/* ---- the client (client.c) ------------------------------------------------- */
+
+struct zs_client {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;     /* inflight reaches 0, a push op finishes, closing */
+  zs_client_options opt; /* a copy; its string pointers are not used */
+  char *job;             /* owned */
+  uint32_t nshards;
+  char **addr;        /* owned, nshards strings */
+  rpc_channel **chan; /* owned, nshards channels */
+
+  /* The model description, built under mu until zs_open_job; immutable after. */
+  spec sp;
+  uint32_t group_cap, tensor_cap;
+  int opened;  /* (mu) */
+  int opening; /* (mu) a zs_open_job is running */
+  layout lay;
+  uint64_t hash;
+
+  /* Step state (mu). */
+  uint64_t step;     /* the step being accumulated: version + 1 */
+  int stepping;      /* a zs_step is running */
+  uint8_t *pushed;   /* num_tensors * M flags: pushed in this step */
+  uint32_t inflight; /* ops not yet finished (all kinds) */
+  uint32_t inflight_push;
+  int step_error; /* first push failure of this step */
+  char step_err[ZC_ERR_LEN];
+  zs_loss_scaler scaler;
+
+  /* Timing of the step in progress (mu). */
+  uint64_t mark_ns; /* end of the previous step */
+  uint64_t push_ns, pull_ns;
+  uint64_t bytes_pushed, bytes_pulled;
+  atomic_uint retries;
+  zs_timing last_timing;
+
+  zc_slot *slots;          /* (mu) num_tensors slots once opened with prefetch */
+  zs_dtype last_pull_wire; /* (mu) wire dtype of the last pull, for prefetch */
+
+  zc_pool pool;
+  int closing;     /* (mu) */
+  uint32_t active; /* (zc_registry_mu) public calls running on this client */
+};
+
+/* Registry of live clients: zc_client_enter checks that `c` is a live, not
+ * closing client and counts the caller as active in it; it returns
+ * ZS_ECLOSED (ZS_EINVAL for NULL, with the last error set) otherwise. Every
+ * public function taking a client starts with it and ends with
+ * zc_client_leave; zs_client_close waits until no call is active. */
+int zc_client_enter(const zs_client *c);
+void zc_client_leave(const zs_client *c);
+
+/* Adds ns to the client's push or pull wait time if `c` is still live (the
+ * request may outlive its client). */
+void zc_account_wait(zs_client *c, zc_op_kind kind, uint64_t ns);
+
+/* Splits a shard address list ("h:p,h:p") or expands a pattern with "{i}"
+ * (num_shards required) into *out, an array of *count strings the caller
+ * frees with zc_free_addresses. num_shards 0 with a list means "as many as
+ * listed". Returns 0 or ZS_EINVAL / ZS_ENOMEM with the last error set. Also
+ * used by the CLI. */
+int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count);
+void zc_free_addresses(char **addr, uint32_t n);
+
+/* The wire dtype of a transfer whose caller buffer is `buf`. */
+zs_dtype zc_wire_dtype(zs_dtype configured, zs_dtype buf);
+
+#endif

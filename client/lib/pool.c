@@ -1,0 +1,187 @@
+/*
+ * pool — the client's worker threads and their task queues.
+ *
+ * A task is one call to one shard (one piece of a push or a pull, or one
+ * control call). There is one FIFO per shard and workers serve the shards
+ * round robin, so a burst of work for one shard does not starve the others:
+ * every shard's link stays busy, which is what makes a split tensor's
+ * transfer use all of them at once.
+ *
+ * Coalescing: when a worker takes a small piece (below the bucket size) it
+ * also takes the small pieces of the same direction queued right behind it
+ * for the same shard, up to the bucket size in bytes, and issues them back to
+ * back. This saves hand-offs between threads, not calls: the protocol carries
+ * one piece per call.
+ *
+ * Threads: the workers are created by zc_pool_start and joined by
+ * zc_pool_stop; everything in zc_pool marked (mu) is guarded by pool.mu,
+ * which is never held while a task runs.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static int task_is_push(const zc_task *t) {
+  return t->op->kind == ZC_OP_PUSH;
+}
+
+static int task_is_pull(const zc_task *t) {
+  return t->op->kind == ZC_OP_PULL || t->op->kind == ZC_OP_PREFETCH;
+}
+
+/* The bucket that applies to t, 0 when t is never coalesced. */
+static size_t bucket_of(const zc_pool *p, const zc_task *t) {
+  if (task_is_push(t))
+    return p->push_bucket;
+  if (task_is_pull(t))
+    return p->pull_bucket;
+  return 0;
+}
+
+static zc_task *pop_locked(zc_pool *p, uint32_t q) {
+  zc_task *t = p->head[q];
+  p->head[q] = t->next;
+  if (!p->head[q])
+    p->tail[q] = NULL;
+  t->next = NULL;
+  p->queued--;
+  return t;
+}
+
+/* Takes the next task, and the small ones that coalesce with it, as a list
+ * linked through next. Called with mu held and queued > 0. */
+static zc_task *take_locked(zc_pool *p) {
+  uint32_t q = p->cursor;
+  for (uint32_t k = 0; k < p->nqueues; k++) {
+    q = (p->cursor + k) % p->nqueues;
+    if (p->head[q])
+      break;
+  }
+  p->cursor = (q + 1) % p->nqueues;
+  zc_task *first = pop_locked(p, q), *last = first;
+  size_t bucket = bucket_of(p, first);
+  if (bucket == 0 || first->bytes >= bucket)
+    return first;
+  size_t total = first->bytes;
+  while (p->head[q] && bucket_of(p, p->head[q]) == bucket &&
+         task_is_push(p->head[q]) == task_is_push(first) && total + p->head[q]->bytes <= bucket) {
+    total += p->head[q]->bytes;
+    last->next = pop_locked(p, q);
+    last = last->next;
+  }
+  return first;
+}
+
+static void *worker_main(void *arg) {
+  zc_pool *p = arg;
+  pthread_mutex_lock(&p->mu);
+  for (;;) {
+    while (!p->stop && p->queued == 0)
+      pthread_cond_wait(&p->cv, &p->mu);
+    if (p->queued == 0)
+      break; /* stopping and nothing left */
+    zc_task *list = take_locked(p);
+    pthread_mutex_unlock(&p->mu);
+    while (list) {
+      /* run() may finish the op and free the task: read next first. */
+      zc_task *next = list->next;
+      list->next = NULL;
+      p->run(p->ctx, list);
+      list = next;
+    }
+    pthread_mutex_lock(&p->mu);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return NULL;
+}
+
+int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_bucket,
+                  size_t pull_bucket, zc_task_run_fn run, zc_task_cancel_fn cancel, void *ctx) {
+  memset(p, 0, sizeof *p);
+  if (nqueues == 0 || nthreads == 0)
+    return ZS_EINVAL;
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->cv, NULL);
+  p->nqueues = nqueues;
+  p->push_bucket = push_bucket;
+  p->pull_bucket = pull_bucket;
+  p->run = run;
+  p->cancel = cancel;
+  p->ctx = ctx;
+  p->head = calloc(nqueues, sizeof *p->head);
+  p->tail = calloc(nqueues, sizeof *p->tail);
+  p->threads = calloc(nthreads, sizeof *p->threads);
+  if (!p->head || !p->tail || !p->threads)
+    return ZS_ENOMEM;
+  for (uint32_t i = 0; i < nthreads; i++) {
+    if (pthread_create(&p->threads[i], NULL, worker_main, p) != 0)
+      return ZS_EINTERNAL;
+    p->nthreads++;
+  }
+  return ZS_OK;
+}
+
+void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n) {
+  pthread_mutex_lock(&p->mu);
+  if (p->stop) {
+    pthread_mutex_unlock(&p->mu);
+    /* The pool is stopping: the tasks will never run. */
+    for (uint32_t i = 0; i < n; i++)
+      p->cancel(p->ctx, &tasks[i]);
+    return;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    zc_task *t = &tasks[i];
+    uint32_t q = t->shard % p->nqueues;
+    t->next = NULL;
+    if (p->tail[q])
+      p->tail[q]->next = t;
+    else
+      p->head[q] = t;
+    p->tail[q] = t;
+    p->queued++;
+  }
+  if (n == 1)
+    pthread_cond_signal(&p->cv);
+  else if (n > 1)
+    pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+void zc_pool_stop(zc_pool *p) {
+  if (!p->head) {
+    free(p->tail);
+    free(p->threads);
+    memset(p, 0, sizeof *p);
+    return;
+  }
+  pthread_mutex_lock(&p->mu);
+  p->stop = 1;
+  /* Unhook everything still queued, then cancel it outside the lock: cancel
+   * finishes ops, which may run user callbacks. */
+  zc_task *cancelled = NULL;
+  for (uint32_t q = 0; q < p->nqueues; q++) {
+    while (p->head[q]) {
+      zc_task *t = pop_locked(p, q);
+      t->next = cancelled;
+      cancelled = t;
+    }
+  }
+  pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+  while (cancelled) {
+    zc_task *next = cancelled->next;
+    cancelled->next = NULL;
+    p->cancel(p->ctx, cancelled);
+    cancelled = next;
+  }
+  for (uint32_t i = 0; i < p->nthreads; i++)
+    pthread_join(p->threads[i], NULL);
+  pthread_mutex_destroy(&p->mu);
+  pthread_cond_destroy(&p->cv);
+  free(p->head);
+  free(p->tail);
+  free(p->threads);
+  memset(p, 0, sizeof *p);
+}

@@ -1,0 +1,356 @@
+/*
+ * step — zs_step: the trainer's optimizer.step().
+ *
+ *   1. Drain: wait for this client's pushes of the step; a failed push fails
+ *      the step, and so does a (tensor, micro) this rank never pushed.
+ *   2. GradStats on every shard in parallel: each answers once all W*M
+ *      contributions of its pieces are in, with the sum of squares of its
+ *      summed gradient and a non-finite flag, or, after step_timeout, with
+ *      what is missing.
+ *   3. The global norm and the overflow flag, from the shards' answers taken
+ *      in shard order, so that every trainer computes the same bits:
+ *        true gradient = summed * 1 / (loss_scale * D), D = W (mean) or 1 (sum)
+ *        grad_norm     = sqrt(sum of sum_squares) / (loss_scale * D)
+ *        clip_coef     = min(1, max_norm / (grad_norm + 1e-6))   (torch's
+ *                        clip_grad_norm_), 1 without clipping
+ *        coef          = (float)(clip_coef / loss_scale)
+ *      The shard multiplies the summed gradient by coef / D (rounded once to
+ *      float) before the optimizer.
+ *   4. Apply(step, lr, coef, skip) on every shard in parallel; skip on
+ *      overflow. Identical arguments from every trainer make the later Applies
+ *      repeats of the first, which the shards answer with the same outcome.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "internal.h"
+
+#define STEP_MAX_EXAMPLES 6 /* missing contributions quoted in an error */
+
+void zs_step_result_init(zs_step_result *r) {
+  if (!r)
+    return;
+  memset(r, 0, sizeof *r);
+  r->struct_size = sizeof *r;
+}
+
+int zs_last_timing(const zs_client *c, zs_timing *out) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (!out) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_last_timing: out is NULL");
+  }
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&m->mu);
+  *out = c->last_timing;
+  pthread_mutex_unlock(&m->mu);
+  zc_client_leave(c);
+  return ZS_OK;
+}
+
+/* The first (tensor, micro) this rank has not pushed in the step, as a
+ * sentence; 0 if all were pushed. Called with c->mu held. */
+static int find_unpushed_locked(const zs_client *c, char *msg, size_t len) {
+  uint32_t M = c->sp.grad_accum;
+  size_t n = (size_t)c->sp.num_tensors * M;
+  for (size_t bit = 0; bit < n; bit++) {
+    if (!(c->pushed[bit / 8] & (1u << (bit % 8)))) {
+      snprintf(msg, len,
+               "zs_step: rank %" PRIu32 " has not pushed tensor '%s' for micro %" PRIu32
+               " of step %" PRIu64 " (every tensor is pushed once per micro-batch)",
+               c->opt.rank, c->sp.tensors[bit / M].name, (uint32_t)(bit % M), c->step);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* Builds the "what is missing" sentence from the shards' GradStats answers. */
+static void describe_missing(const zs_client *c, uint64_t step, zs_request *op, char *msg,
+                             size_t len) {
+  uint64_t total = 0;
+  /* Ranks named in the answers, as a bitmap over W. */
+  uint8_t *ranks = calloc((c->sp.world_size + 7) / 8, 1);
+  char examples[ZC_ERR_LEN] = "";
+  size_t ex_len = 0;
+  int nex = 0;
+  for (uint32_t i = 0; i < op->ntasks; i++) {
+    const Zshard__V1__GradStatsResponse *r =
+        (const Zshard__V1__GradStatsResponse *)op->tasks[i].resp;
+    if (!r || r->complete)
+      continue;
+    total += r->missing_total;
+    for (size_t k = 0; k < r->n_missing; k++) {
+      const Zshard__V1__MissingContribution *mc = r->missing[k];
+      if (ranks && mc->rank < c->sp.world_size)
+        ranks[mc->rank / 8] |= (uint8_t)(1u << (mc->rank % 8));
+      if (nex < STEP_MAX_EXAMPLES && ex_len < sizeof examples - 1) {
+        /* The tensor name comes from our own spec when the index is valid:
+         * the shard's string is untrusted and only a fallback. */
+        const char *name = mc->tensor < c->sp.num_tensors
+                               ? c->sp.tensors[mc->tensor].name
+                               : (mc->tensor_name ? mc->tensor_name : "?");
+        int w = snprintf(examples + ex_len, sizeof examples - ex_len,
+                         "%srank %" PRIu32 " micro %" PRIu32 " tensor '%.64s' slice %" PRIu32
+                         " on shard %" PRIu32,
+                         nex ? "; " : "", mc->rank, mc->micro, name, mc->slice, i);
+        if (w > 0)
+          ex_len += (size_t)w < sizeof examples - ex_len ? (size_t)w : sizeof examples - ex_len - 1;
+        nex++;
+      }
+    }
+  }
+  char rank_list[128] = "";
+  size_t rl = 0;
+  for (uint32_t r = 0; ranks && r < c->sp.world_size && rl < sizeof rank_list - 16; r++) {
+    if (ranks[r / 8] & (1u << (r % 8))) {
+      int w = snprintf(rank_list + rl, sizeof rank_list - rl, "%s%" PRIu32, rl ? ", " : "", r);
+      if (w > 0)
+        rl += (size_t)w;
+    }
+  }
+  free(ranks);
+  snprintf(msg, len,
+           "step %" PRIu64 " incomplete after %" PRIu32 " ms: %" PRIu64
+           " contribution(s) missing, from rank(s) %s; e.g. %s",
+           step, c->opt.step_timeout_ms, total, rl ? rank_list : "?", examples);
+}
+
+static void free_responses(zs_request *op) {
+  for (uint32_t i = 0; i < op->ntasks; i++) {
+    if (op->tasks[i].resp) {
+      protobuf_c_message_free_unpacked(op->tasks[i].resp, NULL);
+      op->tasks[i].resp = NULL;
+    }
+  }
+}
+
+/* GradStats on every shard: sum of squares and overflow. */
+static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *nonfinite) {
+  Zshard__V1__GradStatsRequest req = ZSHARD__V1__GRAD_STATS_REQUEST__INIT;
+  req.spec_hash = c->hash;
+  req.step = step;
+  req.timeout_ms = c->opt.step_timeout_ms;
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  if (!op)
+    return ZS_ENOMEM;
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    zc_task *t = &op->tasks[i];
+    t->shard = i;
+    t->method = ZC_METHOD("GradStats");
+    t->msg = &req.base; /* shared: packing only reads it */
+    t->resp_desc = &zshard__v1__grad_stats_response__descriptor;
+    /* The shard answers by its own timeout; the deadline leaves it room. */
+    t->timeout_ms = (uint64_t)c->opt.step_timeout_ms + c->opt.rpc_timeout_ms;
+  }
+  int rc = zc_call_all(op);
+  int incomplete = 0;
+  double sum = 0.0;
+  int nf = 0;
+  for (uint32_t i = 0; rc == ZS_OK && i < c->nshards; i++) {
+    const Zshard__V1__GradStatsResponse *r =
+        (const Zshard__V1__GradStatsResponse *)op->tasks[i].resp;
+    if (!r->complete) {
+      incomplete = 1;
+      continue;
+    }
+    if (r->step != step) {
+      rc = zc_fail(ZS_EPROTO,
+                   "zs_step: shard %" PRIu32 " (%s) answered GradStats for step %" PRIu64
+                   " instead of %" PRIu64,
+                   i, c->addr[i], r->step, step);
+      break;
+    }
+    /* Summed in shard order: every trainer adds the same doubles in the same
+     * order and gets the same bits. */
+    sum += r->sum_squares;
+    nf |= r->nonfinite != 0;
+  }
+  if (rc == ZS_OK && incomplete) {
+    char msg[ZC_ERR_LEN];
+    describe_missing(c, step, op, msg, sizeof msg);
+    rc = zc_fail_msg(ZS_ETIMEDOUT, msg);
+  }
+  free_responses(op);
+  zc_op_release(op);
+  *sum_squares = sum;
+  *nonfinite = nf;
+  return rc;
+}
+
+static int apply_all(zs_client *c, uint64_t step, double lr, float coef, int skip) {
+  Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
+  req.spec_hash = c->hash;
+  req.step = step;
+  req.lr = lr;
+  req.coef = coef;
+  req.skip = skip != 0;
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  if (!op)
+    return ZS_ENOMEM;
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    zc_task *t = &op->tasks[i];
+    t->shard = i;
+    t->method = ZC_METHOD("Apply");
+    t->msg = &req.base;
+    t->resp_desc = &zshard__v1__apply_response__descriptor;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+  }
+  int rc = zc_call_all(op);
+  for (uint32_t i = 0; rc == ZS_OK && i < c->nshards; i++) {
+    const Zshard__V1__ApplyResponse *r = (const Zshard__V1__ApplyResponse *)op->tasks[i].resp;
+    if (r->step != step || r->version != step || (r->skipped != 0) != (skip != 0))
+      rc = zc_fail(ZS_EPROTO,
+                   "zs_step: shard %" PRIu32 " (%s) answered Apply of step %" PRIu64
+                   " with step %" PRIu64 ", version %" PRIu64 ", skipped %d",
+                   i, c->addr[i], step, r->step, r->version, (int)r->skipped);
+  }
+  free_responses(op);
+  zc_op_release(op);
+  return rc;
+}
+
+static double ms(uint64_t ns) {
+  return (double)ns / 1e6;
+}
+
+int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs_step_result *out) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (out && out->struct_size != sizeof *out) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_step: result not initialised with zs_step_result_init");
+  }
+  if (!isfinite(lr) || lr < 0 || !isfinite(max_grad_norm) || max_grad_norm < 0 ||
+      !isfinite(loss_scale) || loss_scale < 0) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_step: lr, max_grad_norm and loss_scale must be finite and >= 0");
+  }
+  pthread_mutex_lock(&c->mu);
+  if (!c->opened || c->stepping) {
+    int opened = c->opened;
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return opened ? zc_fail(ZS_EINVAL, "zs_step: another zs_step is running on this client")
+                  : zc_fail(ZS_ENOTOPEN, "zs_step: the job is not open");
+  }
+  c->stepping = 1;
+  const uint64_t step = c->step;
+  const int own_scaler = loss_scale == 0;
+  if (own_scaler) {
+    if (c->opt.loss_scaling == ZS_LOSS_SCALE_STATIC)
+      loss_scale = c->opt.static_loss_scale;
+    else if (c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC)
+      loss_scale = c->scaler.scale;
+    else
+      loss_scale = 1.0;
+  }
+
+  /* 1. Drain this client's pushes. */
+  const uint64_t t_begin = clock_now_ns();
+  while (c->inflight_push > 0)
+    pthread_cond_wait(&c->cv, &c->mu);
+  const uint64_t drain_ns = clock_now_ns() - t_begin;
+  c->push_ns += drain_ns;
+  char msg[ZC_ERR_LEN];
+  if (c->step_error != ZS_OK) {
+    rc = c->step_error;
+    snprintf(msg, sizeof msg, "zs_step: a push of step %" PRIu64 " failed: %.440s", step,
+             c->step_err);
+    c->step_error = ZS_OK;
+    c->step_err[0] = '\0';
+  } else if (find_unpushed_locked(c, msg, sizeof msg)) {
+    rc = ZS_ENOTREADY;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc != ZS_OK) {
+    zc_fail_msg(rc, msg);
+    goto done;
+  }
+
+  /* 2. and 3. Statistics, norm, clipping. */
+  double sum_squares = 0.0;
+  int nonfinite = 0;
+  rc = collect_stats(c, step, &sum_squares, &nonfinite);
+  if (rc != ZS_OK)
+    goto done;
+  const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)c->sp.world_size : 1.0;
+  const int overflow = nonfinite || !isfinite(sum_squares);
+  const double grad_norm = overflow ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);
+  double clip_coef = 1.0;
+  if (!overflow && max_grad_norm > 0) {
+    clip_coef = max_grad_norm / (grad_norm + 1e-6);
+    if (clip_coef > 1.0)
+      clip_coef = 1.0;
+  }
+  /* On overflow coef is not used by the shards, but it must be the same on
+   * every trainer (a repeated Apply must match the first), hence finite. */
+  const float coef = (float)(clip_coef / loss_scale);
+
+  /* 4. Apply everywhere. */
+  rc = apply_all(c, step, lr, coef, overflow);
+  if (rc != ZS_OK)
+    goto done;
+
+  /* The step is complete on every shard. */
+  zs_request *prefetch[64];
+  uint32_t nprefetch = 0;
+  const uint64_t now = clock_now_ns();
+  pthread_mutex_lock(&c->mu);
+  c->step = step + 1;
+  memset(c->pushed, 0, ((size_t)c->sp.num_tensors * c->sp.grad_accum + 7) / 8);
+  double next_scale = loss_scale;
+  if (own_scaler && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC) {
+    zs_loss_scaler_update(&c->scaler, overflow);
+    next_scale = c->scaler.scale;
+  }
+  zs_timing *tm = &c->last_timing;
+  memset(tm, 0, sizeof *tm);
+  tm->total_ms = ms(now - c->mark_ns);
+  tm->push_ms = ms(c->push_ns);
+  tm->pull_wait_ms = ms(c->pull_ns);
+  tm->step_ms = ms(now - t_begin - drain_ns);
+  tm->compute_ms = tm->total_ms - tm->push_ms - tm->pull_wait_ms - tm->step_ms;
+  if (tm->compute_ms < 0)
+    tm->compute_ms = 0;
+  tm->bytes_pushed = c->bytes_pushed;
+  tm->bytes_pulled = c->bytes_pulled;
+  tm->retries = atomic_exchange(&c->retries, 0);
+  c->mark_ns = now;
+  c->push_ns = c->pull_ns = 0;
+  c->bytes_pushed = c->bytes_pulled = 0;
+  if (c->slots && c->last_pull_wire) {
+    uint32_t depth = c->opt.prefetch_depth < 64 ? c->opt.prefetch_depth : 64;
+    nprefetch = zc_prefetch_locked(c, 0, depth, step, c->last_pull_wire, prefetch);
+  }
+  zs_timing timing = *tm;
+  pthread_mutex_unlock(&c->mu);
+  for (uint32_t i = 0; i < nprefetch; i++)
+    zc_op_submit(prefetch[i]);
+
+  if (out) {
+    out->step = step;
+    out->version = step;
+    out->applied = !overflow;
+    out->overflow = overflow;
+    out->grad_norm = grad_norm;
+    out->clip_coef = clip_coef;
+    out->coef = coef;
+    out->loss_scale = loss_scale;
+    out->next_loss_scale = next_scale;
+    out->timing = timing;
+  }
+done:
+  pthread_mutex_lock(&c->mu);
+  c->stepping = 0;
+  pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return rc;
+}

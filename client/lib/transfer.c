@@ -1,0 +1,707 @@
+/*
+ * transfer — requests (ops): pushes of gradients, pulls of parameters,
+ * prefetches, and the control calls made to every shard at once.
+ *
+ * An op is split into tasks, one per piece (or per shard for a control call),
+ * which the pool runs in parallel. Each task finishes one part of the op; the
+ * last part finishes the op: the client's bookkeeping is updated, the
+ * callback (if any) runs, waiters wake, and the op's in-flight reference is
+ * dropped. The caller's handle is the other reference, dropped by zs_wait.
+ *
+ * Copies: a push whose buffer dtype is the wire dtype is packed straight from
+ * the caller's buffer (protobuf-c's pack is the one copy; gRPC then holds the
+ * serialised bytes); with a conversion the piece is first converted into a
+ * temporary buffer. A pull converts (or copies) from the unpacked response
+ * into the caller's buffer at the piece's offset; a prefetched pull copies
+ * once more, from the prefetch buffer.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/clock.h"
+#include "common/dtype.h"
+#include "internal.h"
+
+/* ---- conversion ----------------------------------------------------------- */
+
+#define CONVERT_CHUNK 1024
+
+void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n) {
+  size_t ds = zs_dtype_size(dd), ss = zs_dtype_size(sd);
+  if (dd == sd) {
+    memcpy(dst, src, n * ds);
+    return;
+  }
+  if (dd == ZS_DTYPE_FP32) {
+    dtype_to_f32(sd, src, dst, n);
+    return;
+  }
+  if (sd == ZS_DTYPE_FP32 && ((uintptr_t)src % _Alignof(float)) == 0) {
+    dtype_from_f32(dd, src, dst, n);
+    return;
+  }
+  /* 16-bit to another 16-bit format, or unaligned fp32: through an aligned
+   * float chunk on the stack, so no allocation is needed. */
+  float tmp[CONVERT_CHUNK];
+  const unsigned char *s = src;
+  unsigned char *d = dst;
+  for (size_t i = 0; i < n; i += CONVERT_CHUNK) {
+    size_t k = n - i < CONVERT_CHUNK ? n - i : CONVERT_CHUNK;
+    if (sd == ZS_DTYPE_FP32)
+      memcpy(tmp, s + i * ss, k * sizeof(float));
+    else
+      dtype_to_f32(sd, s + i * ss, tmp, k);
+    dtype_from_f32(dd, tmp, d + i * ds, k);
+  }
+}
+
+/* ---- ops -------------------------------------------------------------------- */
+
+struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntasks) {
+  zs_request *op = calloc(1, sizeof *op + (size_t)ntasks * sizeof(zc_task));
+  if (!op) {
+    zc_fail(ZS_ENOMEM, "out of memory allocating a request of %" PRIu32 " tasks", ntasks);
+    return NULL;
+  }
+  pthread_mutex_init(&op->mu, NULL);
+  pthread_cond_init(&op->cv, NULL);
+  atomic_init(&op->refs, 1);
+  op->c = c;
+  op->kind = kind;
+  op->ntasks = ntasks;
+  op->pending = ntasks;
+  for (uint32_t i = 0; i < ntasks; i++)
+    op->tasks[i].op = op;
+  return op;
+}
+
+void zc_op_register_locked(struct zs_request *op) {
+  op->c->inflight++;
+  if (op->kind == ZC_OP_PUSH)
+    op->c->inflight_push++;
+}
+
+void zc_op_submit(struct zs_request *op) {
+  zc_pool_submit(&op->c->pool, op->tasks, op->ntasks);
+}
+
+void zc_op_release(struct zs_request *op) {
+  if (atomic_fetch_sub(&op->refs, 1) != 1)
+    return;
+  pthread_mutex_destroy(&op->mu);
+  pthread_cond_destroy(&op->cv);
+  free(op);
+}
+
+static void prefetch_finish(zs_client *c, zs_request *op, int status, const char *msg);
+
+/* The last part of `op` is done. */
+static void op_finish(zs_request *op) {
+  zs_client *c = op->c;
+  /* No task of op runs any more, so its fields are stable without op->mu. */
+  int status = op->status;
+  switch (op->kind) {
+  case ZC_OP_PUSH:
+    pthread_mutex_lock(&c->mu);
+    c->inflight_push--;
+    c->bytes_pushed += op->bytes;
+    if (status != ZS_OK && op->step == c->step) {
+      /* The step cannot complete without this contribution: zs_step reports
+       * it, and the trainer may push the tensor again. */
+      if (c->step_error == ZS_OK) {
+        c->step_error = status;
+        snprintf(c->step_err, sizeof c->step_err, "%s", op->err);
+      }
+      size_t bit = (size_t)op->tensor * c->sp.grad_accum + op->micro;
+      c->pushed[bit / 8] &= (uint8_t) ~(1u << (bit % 8));
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    break;
+  case ZC_OP_PULL:
+    pthread_mutex_lock(&c->mu);
+    c->bytes_pulled += op->bytes;
+    pthread_mutex_unlock(&c->mu);
+    break;
+  case ZC_OP_PREFETCH:
+    prefetch_finish(c, op, status, op->err);
+    break;
+  case ZC_OP_CALL:
+    break;
+  }
+  if (op->cb)
+    op->cb(op->cb_arg, status);
+  pthread_mutex_lock(&op->mu);
+  op->done = 1;
+  pthread_cond_broadcast(&op->cv);
+  pthread_mutex_unlock(&op->mu);
+  /* The last access to the client: zs_client_close frees it once its
+   * in-flight count is zero. */
+  pthread_mutex_lock(&c->mu);
+  if (--c->inflight == 0)
+    pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+  zc_op_release(op);
+}
+
+void zc_op_part_done(struct zs_request *op, int status, const char *msg, uint64_t bytes) {
+  pthread_mutex_lock(&op->mu);
+  if (status != ZS_OK && op->status == ZS_OK) {
+    op->status = status;
+    snprintf(op->err, sizeof op->err, "%s", msg && *msg ? msg : zs_strerror(status));
+  }
+  op->bytes += bytes;
+  int last = --op->pending == 0;
+  pthread_mutex_unlock(&op->mu);
+  if (last)
+    op_finish(op);
+}
+
+int zc_op_wait_done(struct zs_request *op) {
+  pthread_mutex_lock(&op->mu);
+  while (!op->done)
+    pthread_cond_wait(&op->cv, &op->mu);
+  int status = op->status;
+  if (status != ZS_OK)
+    zc_fail_msg(status, op->err);
+  pthread_mutex_unlock(&op->mu);
+  return status;
+}
+
+int zc_call_all(struct zs_request *op) {
+  zs_client *c = op->c;
+  /* One reference for the caller, who reads the responses after the wait. */
+  atomic_fetch_add(&op->refs, 1);
+  pthread_mutex_lock(&c->mu);
+  zc_op_register_locked(op);
+  pthread_mutex_unlock(&c->mu);
+  zc_op_submit(op);
+  return zc_op_wait_done(op);
+}
+
+/* ---- calls with retries ----------------------------------------------------- */
+
+int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
+            const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+            uint64_t timeout_ms, rpc_status *st) {
+  uint64_t backoff = c->opt.retry_initial_ms;
+  for (uint32_t attempt = 0;; attempt++) {
+    int rc = rpc_call(c->chan[shard], method, req, resp_desc, resp, timeout_ms, st);
+    /* Only UNAVAILABLE is retried: the call did not reach the shard's logic
+     * or the shard went away, and every zshard call is idempotent (a repeated
+     * push is acknowledged as a duplicate, a repeated apply returns the
+     * recorded outcome). */
+    if (rc == ZS_OK || st->grpc_code != ZC_GRPC_UNAVAILABLE || attempt >= c->opt.max_retries)
+      return rc;
+    atomic_fetch_add(&c->retries, 1);
+    uint64_t until = clock_now_ms() + backoff;
+    int closing;
+    pthread_mutex_lock(&c->mu);
+    while (!c->closing) {
+      uint64_t now = clock_now_ms();
+      if (now >= until)
+        break;
+      struct timespec ts;
+      clock_gettime(CLOCK_MONOTONIC, &ts);
+      uint64_t wait_ms = until - now;
+      ts.tv_sec += (time_t)(wait_ms / 1000);
+      ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+      if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+      }
+      pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    }
+    closing = c->closing;
+    pthread_mutex_unlock(&c->mu);
+    if (closing)
+      return rc;
+    backoff *= 2;
+    if (backoff > c->opt.retry_max_ms)
+      backoff = c->opt.retry_max_ms;
+  }
+}
+
+/* ---- tasks ------------------------------------------------------------------ */
+
+static const char *tensor_name(const zs_client *c, uint32_t t) {
+  return c->sp.tensors[t].name;
+}
+
+static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t *bytes) {
+  zs_request *op = t->op;
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  size_t bsize = zs_dtype_size(op->buf_dtype), wsize = zs_dtype_size(op->wire_dtype);
+  const unsigned char *src = (const unsigned char *)op->src + pc->offset * bsize;
+  void *tmp = NULL;
+  Zshard__V1__PushRequest req = ZSHARD__V1__PUSH_REQUEST__INIT;
+  Zshard__V1__PushResponse *resp = NULL;
+  rpc_status st = {0};
+  int rc;
+
+  if (op->wire_dtype == op->buf_dtype) {
+    /* protobuf-c only reads the bytes: the cast drops const for its field. */
+    req.data.data = (uint8_t *)(uintptr_t)src;
+  } else {
+    tmp = malloc(pc->numel * wsize);
+    if (!tmp) {
+      snprintf(err, errlen, "out of memory converting tensor '%s' for its push",
+               tensor_name(c, op->tensor));
+      return ZS_ENOMEM;
+    }
+    zc_convert(tmp, op->wire_dtype, src, op->buf_dtype, pc->numel);
+    req.data.data = tmp;
+  }
+  req.data.len = pc->numel * wsize;
+  req.spec_hash = c->hash;
+  req.step = op->step;
+  req.rank = c->opt.rank;
+  req.micro = op->micro;
+  req.tensor = pc->tensor;
+  req.slice = pc->slice;
+  req.dtype = (Zshard__V1__DType)op->wire_dtype;
+  rc = zc_call(c, t->shard, ZC_METHOD("Push"), &req.base, &zshard__v1__push_response__descriptor,
+               (ProtobufCMessage **)&resp, c->opt.rpc_timeout_ms, &st);
+  free(tmp);
+  if (rc != ZS_OK) {
+    snprintf(err, errlen,
+             "push of tensor '%s' slice %" PRIu32 " (step %" PRIu64 ", micro %" PRIu32
+             ") to shard %" PRIu32 " (%.64s) failed: %.300s",
+             tensor_name(c, op->tensor), pc->slice, op->step, op->micro, t->shard,
+             c->addr[t->shard], st.message[0] ? st.message : zs_strerror(rc));
+    return rc;
+  }
+  /* A duplicate means an earlier attempt of this very contribution arrived:
+   * the shard has it, which is what the push wanted. */
+  protobuf_c_message_free_unpacked(&resp->base, NULL);
+  *bytes = req.data.len;
+  return ZS_OK;
+}
+
+static int run_pull(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t *bytes) {
+  zs_request *op = t->op;
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  size_t bsize = zs_dtype_size(op->buf_dtype), wsize = zs_dtype_size(op->wire_dtype);
+  Zshard__V1__PullRequest req = ZSHARD__V1__PULL_REQUEST__INIT;
+  Zshard__V1__PullResponse *resp = NULL;
+  rpc_status st = {0};
+  req.spec_hash = c->hash;
+  req.tensor = pc->tensor;
+  req.slice = pc->slice;
+  req.min_version = op->step;
+  req.dtype = (Zshard__V1__DType)op->wire_dtype;
+  /* The shard may wait up to step_timeout for the version; the call's
+   * deadline leaves room for the transfer on top. */
+  req.timeout_ms = c->opt.step_timeout_ms;
+  int rc = zc_call(c, t->shard, ZC_METHOD("Pull"), &req.base,
+                   &zshard__v1__pull_response__descriptor, (ProtobufCMessage **)&resp,
+                   (uint64_t)c->opt.step_timeout_ms + c->opt.rpc_timeout_ms, &st);
+  if (rc != ZS_OK) {
+    snprintf(err, errlen,
+             "pull of tensor '%s' slice %" PRIu32 " (version >= %" PRIu64 ") from shard %" PRIu32
+             " (%.64s) failed: %.300s",
+             tensor_name(c, op->tensor), pc->slice, op->step, t->shard, c->addr[t->shard],
+             st.message[0] ? st.message : zs_strerror(rc));
+    return rc;
+  }
+  /* The response is untrusted: its dtype, length and version are checked
+   * before a byte reaches the caller's buffer. */
+  if ((int)resp->dtype != (int)op->wire_dtype || resp->data.len != pc->numel * wsize ||
+      resp->version < op->step) {
+    snprintf(err, errlen,
+             "shard %" PRIu32 " (%s) answered the pull of tensor '%s' slice %" PRIu32
+             " with dtype %d, %zu bytes, version %" PRIu64 " (expected dtype %d, %" PRIu64
+             " bytes, version >= %" PRIu64 ")",
+             t->shard, c->addr[t->shard], tensor_name(c, op->tensor), pc->slice, (int)resp->dtype,
+             resp->data.len, resp->version, (int)op->wire_dtype, pc->numel * wsize, op->step);
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+    return ZS_EPROTO;
+  }
+  zc_convert((unsigned char *)op->dst + pc->offset * bsize, op->buf_dtype, resp->data.data,
+             op->wire_dtype, pc->numel);
+  *bytes = resp->data.len;
+  protobuf_c_message_free_unpacked(&resp->base, NULL);
+  return ZS_OK;
+}
+
+static int run_call(zs_client *c, zc_task *t, char *err, size_t errlen) {
+  rpc_status st = {0};
+  int rc = zc_call(c, t->shard, t->method, t->msg, t->resp_desc, &t->resp, t->timeout_ms, &st);
+  if (rc != ZS_OK) {
+    const char *name = strrchr(t->method, '/');
+    snprintf(err, errlen, "%.32s on shard %" PRIu32 " (%.64s) failed: %.300s",
+             name ? name + 1 : t->method, t->shard, c->addr[t->shard],
+             st.message[0] ? st.message : zs_strerror(rc));
+  }
+  return rc;
+}
+
+void zc_task_run(void *ctx, zc_task *t) {
+  zs_client *c = ctx;
+  char err[ZC_ERR_LEN];
+  uint64_t bytes = 0;
+  int rc = ZS_EINTERNAL;
+  err[0] = '\0';
+  switch (t->op->kind) {
+  case ZC_OP_PUSH:
+    rc = run_push(c, t, err, sizeof err, &bytes);
+    break;
+  case ZC_OP_PULL:
+  case ZC_OP_PREFETCH:
+    rc = run_pull(c, t, err, sizeof err, &bytes);
+    break;
+  case ZC_OP_CALL:
+    rc = run_call(c, t, err, sizeof err);
+    break;
+  }
+  t->status = rc;
+  zc_op_part_done(t->op, rc, err, bytes);
+}
+
+void zc_task_cancel(void *ctx, zc_task *t) {
+  (void)ctx;
+  t->status = ZS_ECANCELED;
+  zc_op_part_done(t->op, ZS_ECANCELED, "cancelled: the client is closing", 0);
+}
+
+/* ---- prefetch ----------------------------------------------------------------- */
+
+uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
+                            uint64_t min_version, zs_dtype wire, struct zs_request **ops) {
+  uint32_t n = 0;
+  if (!c->slots || c->closing)
+    return 0;
+  for (uint32_t t = first; t < c->sp.num_tensors && t - first < count; t++) {
+    zc_slot *s = &c->slots[t];
+    if (s->state == ZC_SLOT_INFLIGHT || s->state == ZC_SLOT_BUSY)
+      continue;
+    if (s->state == ZC_SLOT_READY && s->version == min_version && s->wire == wire)
+      continue;
+    size_t need = c->sp.tensors[t].numel * zs_dtype_size(wire);
+    if (s->cap < need) {
+      void *buf = realloc(s->buf, need);
+      if (!buf)
+        break; /* prefetching is an optimisation: the pull will fetch it */
+      s->buf = buf;
+      s->cap = need;
+    }
+    uint32_t first_piece = c->lay.tensor_first[t], npieces = layout_tensor_pieces(&c->lay, t);
+    zs_request *op = zc_op_new(c, ZC_OP_PREFETCH, npieces);
+    if (!op)
+      break;
+    op->tensor = t;
+    op->step = min_version;
+    op->dst = s->buf;
+    op->buf_dtype = wire;
+    op->wire_dtype = wire;
+    for (uint32_t i = 0; i < npieces; i++) {
+      const layout_piece *pc = &c->lay.pieces[first_piece + i];
+      op->tasks[i].shard = pc->shard;
+      op->tasks[i].piece = first_piece + i;
+      op->tasks[i].bytes = pc->numel * zs_dtype_size(wire);
+    }
+    s->state = ZC_SLOT_INFLIGHT;
+    s->version = min_version;
+    s->wire = wire;
+    s->waiter = NULL;
+    zc_op_register_locked(op);
+    ops[n++] = op;
+  }
+  return n;
+}
+
+static void prefetch_finish(zs_client *c, zs_request *op, int status, const char *msg) {
+  zc_slot *s = &c->slots[op->tensor];
+  pthread_mutex_lock(&c->mu);
+  zs_request *waiter = s->waiter;
+  s->waiter = NULL;
+  c->bytes_pulled += op->bytes;
+  if (status != ZS_OK)
+    s->state = ZC_SLOT_EMPTY;
+  else
+    s->state = waiter ? ZC_SLOT_BUSY : ZC_SLOT_READY;
+  pthread_mutex_unlock(&c->mu);
+  if (!waiter)
+    return;
+  if (status == ZS_OK) {
+    /* BUSY keeps new prefetches away from buf while it is copied out. */
+    zc_convert(waiter->dst, waiter->buf_dtype, s->buf, s->wire, c->sp.tensors[op->tensor].numel);
+    pthread_mutex_lock(&c->mu);
+    s->state = ZC_SLOT_EMPTY;
+    pthread_mutex_unlock(&c->mu);
+  }
+  zc_op_part_done(waiter, status, msg, 0);
+}
+
+void zc_slots_free(struct zs_client *c) {
+  if (!c->slots)
+    return;
+  for (uint32_t t = 0; t < c->sp.num_tensors; t++)
+    free(c->slots[t].buf);
+  free(c->slots);
+  c->slots = NULL;
+}
+
+/* ---- the public transfer functions ------------------------------------------- */
+
+zs_dtype zc_wire_dtype(zs_dtype configured, zs_dtype buf) {
+  return configured ? configured : buf;
+}
+
+/* Checks the arguments shared by push and pull. */
+static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const void *buf,
+                        zs_dtype dtype, size_t nbytes) {
+  pthread_mutex_lock(&c->mu);
+  int opened = c->opened;
+  pthread_mutex_unlock(&c->mu);
+  /* Once opened, the spec and the layout never change: read without lock. */
+  if (!opened)
+    return zc_fail(ZS_ENOTOPEN, "%s: the job is not open (call zs_open_job first)", fn);
+  if (tensor >= c->sp.num_tensors)
+    return zc_fail(ZS_ENOTFOUND, "%s: no tensor %" PRIu32 " (the model has %" PRIu32 ")", fn,
+                   tensor, c->sp.num_tensors);
+  if (!dtype_valid((int)dtype))
+    return zc_fail(ZS_EDTYPE, "%s: dtype %d is not ZS_DTYPE_FP32, FP16 or BF16", fn, (int)dtype);
+  if (!buf)
+    return zc_fail(ZS_EINVAL, "%s: the buffer of tensor '%s' is NULL", fn, tensor_name(c, tensor));
+  size_t es = zs_dtype_size(dtype);
+  uint64_t numel = c->sp.tensors[tensor].numel;
+  if (nbytes / es != numel || nbytes % es != 0)
+    return zc_fail(ZS_ESIZE,
+                   "%s: tensor '%s' has %" PRIu64 " elements = %" PRIu64
+                   " bytes of this dtype, the buffer is %zu bytes",
+                   fn, tensor_name(c, tensor), numel, numel * es, nbytes);
+  if ((uintptr_t)buf % es != 0)
+    return zc_fail(ZS_EINVAL, "%s: the buffer of tensor '%s' is not aligned to %zu bytes", fn,
+                   tensor_name(c, tensor), es);
+  return ZS_OK;
+}
+
+/* Waits for a request the call itself made (req == NULL: synchronous). */
+static int wait_own(zs_request *op, zc_op_kind kind) {
+  uint64_t t0 = clock_now_ns();
+  int rc = zc_op_wait_done(op);
+  zc_account_wait(op->c, kind, clock_now_ns() - t0);
+  zc_op_release(op);
+  return rc;
+}
+
+static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
+                      zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg,
+                      zs_request **out) {
+  int rc = check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
+  if (rc != ZS_OK)
+    return rc;
+  if (micro >= c->sp.grad_accum)
+    return zc_fail(ZS_ERANGE, "zs_push: micro %" PRIu32 " out of range (grad_accum is %" PRIu32 ")",
+                   micro, c->sp.grad_accum);
+  uint64_t t0 = clock_now_ns();
+  uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
+  zs_request *op = zc_op_new(c, ZC_OP_PUSH, npieces);
+  if (!op)
+    return ZS_ENOMEM;
+  op->tensor = tensor;
+  op->micro = micro;
+  op->src = grad;
+  op->buf_dtype = dtype;
+  op->wire_dtype = zc_wire_dtype(c->opt.push_dtype, dtype);
+  op->cb = cb;
+  op->cb_arg = arg;
+  for (uint32_t i = 0; i < npieces; i++) {
+    const layout_piece *pc = &c->lay.pieces[first + i];
+    op->tasks[i].shard = pc->shard;
+    op->tasks[i].piece = first + i;
+    op->tasks[i].bytes = pc->numel * zs_dtype_size(op->wire_dtype);
+  }
+  size_t bit = (size_t)tensor * c->sp.grad_accum + micro;
+  pthread_mutex_lock(&c->mu);
+  if (c->stepping) {
+    pthread_mutex_unlock(&c->mu);
+    zc_op_release(op);
+    return zc_fail(ZS_EINVAL, "zs_push: called while zs_step runs on this client");
+  }
+  if (c->pushed[bit / 8] & (1u << (bit % 8))) {
+    uint64_t step = c->step;
+    pthread_mutex_unlock(&c->mu);
+    zc_op_release(op);
+    return zc_fail(ZS_EEXIST,
+                   "zs_push: tensor '%s' micro %" PRIu32 " was already pushed in step %" PRIu64,
+                   tensor_name(c, tensor), micro, step);
+  }
+  c->pushed[bit / 8] |= (uint8_t)(1u << (bit % 8));
+  op->step = c->step;
+  zc_op_register_locked(op);
+  pthread_mutex_unlock(&c->mu);
+  if (!cb)
+    atomic_fetch_add(&op->refs, 1); /* the handle, or our own wait */
+  zc_op_submit(op);
+  zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
+  if (cb)
+    return ZS_OK;
+  if (out) {
+    *out = op;
+    return ZS_OK;
+  }
+  return wait_own(op, ZC_OP_PUSH);
+}
+
+static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
+                      zs_request_cb cb, void *arg, zs_request **out) {
+  int rc = check_buffer(c, "zs_pull", tensor, dst, dtype, nbytes);
+  if (rc != ZS_OK)
+    return rc;
+  uint64_t t0 = clock_now_ns();
+  uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
+  zs_dtype wire = zc_wire_dtype(c->opt.pull_dtype, dtype);
+  zs_request *op = zc_op_new(c, ZC_OP_PULL, npieces);
+  if (!op)
+    return ZS_ENOMEM;
+  op->tensor = tensor;
+  op->dst = dst;
+  op->buf_dtype = dtype;
+  op->wire_dtype = wire;
+  op->cb = cb;
+  op->cb_arg = arg;
+  for (uint32_t i = 0; i < npieces; i++) {
+    const layout_piece *pc = &c->lay.pieces[first + i];
+    op->tasks[i].shard = pc->shard;
+    op->tasks[i].piece = first + i;
+    op->tasks[i].bytes = pc->numel * zs_dtype_size(wire);
+  }
+  if (!cb)
+    atomic_fetch_add(&op->refs, 1);
+
+  /* from_slot: 1 = the data is ready in the prefetch slot, 2 = the slot's
+   * prefetch is in flight and this pull waits for it. */
+  int from_slot = 0;
+  zs_request *prefetch[64];
+  uint32_t nprefetch = 0;
+  zc_slot *slot = NULL;
+  pthread_mutex_lock(&c->mu);
+  op->step = c->step - 1;
+  zc_op_register_locked(op);
+  if (c->slots) {
+    slot = &c->slots[tensor];
+    if (slot->version == op->step && slot->wire == wire) {
+      /* The op's own tasks are then not used: one part, the slot, finishes
+       * it. pending is set before the op is published to prefetch_finish. */
+      if (slot->state == ZC_SLOT_READY) {
+        slot->state = ZC_SLOT_BUSY;
+        op->pending = 1;
+        from_slot = 1;
+      } else if (slot->state == ZC_SLOT_INFLIGHT && !slot->waiter) {
+        op->pending = 1;
+        slot->waiter = op;
+        from_slot = 2;
+      }
+    }
+    c->last_pull_wire = wire;
+    uint32_t depth = c->opt.prefetch_depth < 64 ? c->opt.prefetch_depth : 64;
+    nprefetch = zc_prefetch_locked(c, tensor + 1, depth, op->step, wire, prefetch);
+  }
+  pthread_mutex_unlock(&c->mu);
+
+  if (from_slot == 0) {
+    zc_op_submit(op);
+  } else if (from_slot == 1) {
+    zc_convert(dst, dtype, slot->buf, wire, c->sp.tensors[tensor].numel);
+    pthread_mutex_lock(&c->mu);
+    slot->state = ZC_SLOT_EMPTY;
+    pthread_mutex_unlock(&c->mu);
+    zc_op_part_done(op, ZS_OK, NULL, 0);
+  }
+  for (uint32_t i = 0; i < nprefetch; i++)
+    zc_op_submit(prefetch[i]);
+  zc_account_wait(c, ZC_OP_PULL, clock_now_ns() - t0);
+  if (cb)
+    return ZS_OK;
+  if (out) {
+    *out = op;
+    return ZS_OK;
+  }
+  return wait_own(op, ZC_OP_PULL);
+}
+
+int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad, zs_dtype dtype,
+            size_t nbytes, zs_request **req) {
+  if (req)
+    *req = NULL;
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  rc = push_start(c, tensor, micro, grad, dtype, nbytes, NULL, NULL, req);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_pull(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
+            zs_request **req) {
+  if (req)
+    *req = NULL;
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  rc = pull_start(c, tensor, dst, dtype, nbytes, NULL, NULL, req);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_push_cb(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad, zs_dtype dtype,
+               size_t nbytes, zs_request_cb cb, void *arg) {
+  if (!cb)
+    return zc_fail(ZS_EINVAL, "zs_push_cb: the callback is NULL");
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  rc = push_start(c, tensor, micro, grad, dtype, nbytes, cb, arg, NULL);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
+               zs_request_cb cb, void *arg) {
+  if (!cb)
+    return zc_fail(ZS_EINVAL, "zs_pull_cb: the callback is NULL");
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  rc = pull_start(c, tensor, dst, dtype, nbytes, cb, arg, NULL);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_wait(zs_request *req) {
+  if (!req)
+    return zc_fail(ZS_EINVAL, "zs_wait: the request is NULL");
+  return wait_own(req, req->kind);
+}
+
+int zs_test(const zs_request *req) {
+  if (!req)
+    return zc_fail(ZS_EINVAL, "zs_test: the request is NULL");
+  zs_request *r = (zs_request *)(uintptr_t)req; /* the lock is not part of the value */
+  pthread_mutex_lock(&r->mu);
+  int done = r->done;
+  pthread_mutex_unlock(&r->mu);
+  return done;
+}
+
+int zs_wait_pushes(zs_client *c) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  uint64_t t0 = clock_now_ns();
+  pthread_mutex_lock(&c->mu);
+  while (c->inflight_push > 0)
+    pthread_cond_wait(&c->cv, &c->mu);
+  rc = c->step_error;
+  if (rc != ZS_OK)
+    zc_fail_msg(rc, c->step_err);
+  pthread_mutex_unlock(&c->mu);
+  zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
+  zc_client_leave(c);
+  return rc;
+}

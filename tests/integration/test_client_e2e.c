@@ -1,0 +1,916 @@
+/*
+ * test_client_e2e — libzshard against real zshard-server processes.
+ *
+ * The central check: W trainer threads, each with its own client (rank r),
+ * train a small model with M = 2 micro-batches per step for K steps on N
+ * shards, with fp32, bf16 and fp16 on the wire; the gradients depend on the
+ * parameters each trainer pulled, so pulls and pushes both matter. After the
+ * run every parameter, pulled back in fp32, is bit-identical to a
+ * single-process reference of the same training computed here: the wire
+ * rounding of every pull and push, contributions summed in (micro, rank)
+ * order, the shard's grad_scale = (float)(coef / W), and the optimizer kernel
+ * itself (optim_apply), with torch-default AdamW, a no-decay AdamW group with
+ * lr_scale 0.5 and a Nesterov SGD group. Some ranks use the library's
+ * prefetch and coalescing, so those paths are held to the same bits.
+ *
+ * Then: an injected inf skips the step on every shard and, per DeepSpeed's
+ * hysteresis, the second one halves the loss scale; clipping matches
+ * clip_grad_norm_'s formula on every rank; a trainer process killed in the
+ * middle of a step gives the others ZS_ETIMEDOUT naming its rank and the
+ * tensors it did not push; one client shared by several trainer threads
+ * gives the same bits; misuse against a live job returns errors.
+ *
+ * The killed trainer is this program re-executed (/proc/self/exe) with
+ * "--trainer-child", so that no process forks while gRPC threads run.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "common/dtype.h"
+#include "harness.h"
+#include "server/optim.h"
+#include "zshard/zshard.h"
+
+extern char **environ;
+
+/* ---- the model ------------------------------------------------------------------ */
+
+#define NT 6
+#define NG 3
+#define K_MAX 4
+#define W_MAX 3
+#define M_MAX 2
+#define SPLIT 64
+
+typedef struct tdesc {
+  const char *name;
+  uint64_t numel;
+  uint32_t group;
+} tdesc;
+
+/* Both sides of the split threshold: split tensors with short last slices,
+ * one exactly at the threshold, whole ones of odd sizes. */
+static const tdesc TENSORS[NT] = {
+    {"embed.weight", 200, 0}, {"embed.bias", 37, 1},  {"proj.weight", 130, 0},
+    {"proj.bias", 5, 2},      {"head.weight", 64, 0}, {"norm.weight", 1, 1},
+};
+
+static void group_options(uint32_t g, zs_group_options *o) {
+  switch (g) {
+  case 0:
+    zs_group_options_init(o, ZS_OPTIM_ADAMW); /* torch's defaults, weight decay 0.01 */
+    break;
+  case 1:
+    zs_group_options_init(o, ZS_OPTIM_ADAMW);
+    o->weight_decay = 0;
+    o->lr_scale = 0.5;
+    break;
+  default:
+    zs_group_options_init(o, ZS_OPTIM_SGD);
+    o->momentum = 0.9;
+    o->nesterov = 1;
+    o->weight_decay = 0.001;
+    break;
+  }
+}
+
+static float init_value(uint32_t t, uint64_t i) {
+  return (float)sin(0.37 * (double)(i + 1) + 1.3 * t) * 0.5f;
+}
+
+/* A deterministic value in [-1, 1) from the contribution's identity. */
+static float noise(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i) {
+  uint64_t z = s * 0x9e3779b97f4a7c15ull ^ ((uint64_t)r << 48) ^ ((uint64_t)m << 40) ^
+               ((uint64_t)t << 32) ^ i;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+/* The "backward": depends on the parameter the trainer pulled. */
+static float grad_value(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i, float pulled) {
+  return 0.5f * pulled + 0.01f * noise(s, r, m, t, i) + 0.001f;
+}
+
+static float wire_round(zs_dtype d, float x) {
+  switch (d) {
+  case ZS_DTYPE_BF16:
+    return dtype_bf16_to_f32(dtype_f32_to_bf16(x));
+  case ZS_DTYPE_FP16:
+    return dtype_f16_to_f32(dtype_f32_to_f16(x));
+  default:
+    return x;
+  }
+}
+
+/* ---- one run ----------------------------------------------------------------------- */
+
+typedef struct run_cfg {
+  uint32_t N, W, M, K;
+  zs_dtype wire;
+  double lr, clip;
+  zs_loss_scaling scaling;
+  uint32_t inject_steps;    /* bit s: rank W-1 pushes an inf at step s */
+  uint32_t step_timeout_ms; /* 0: 20 s */
+  char addrs[HS_MAX_SHARDS * 32];
+  char job[64];
+} run_cfg;
+
+typedef struct rank_out {
+  int rc;
+  char err[512];
+  zs_step_result res[K_MAX];
+  double scale_used[K_MAX];
+  float *final[NT]; /* the last version, pulled through the wire dtype */
+} rank_out;
+
+typedef struct trainer_arg {
+  const run_cfg *cfg;
+  uint32_t rank;
+  rank_out *out;
+} trainer_arg;
+
+static int injected(const run_cfg *cfg, uint64_t s, uint32_t r, uint32_t m, uint32_t t,
+                    uint64_t i) {
+  return (cfg->inject_steps >> s & 1u) && r == cfg->W - 1 && m == cfg->M - 1 && t == 0 && i == 3;
+}
+
+static int client_for(const run_cfg *cfg, uint32_t rank, zs_dtype pull_wire, zs_client **out) {
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = cfg->addrs;
+  o.rank = rank;
+  o.world_size = cfg->W;
+  o.grad_accum = cfg->M;
+  o.job = cfg->job;
+  o.push_dtype = cfg->wire;
+  o.pull_dtype = pull_wire;
+  o.split_threshold = SPLIT;
+  o.step_timeout_ms = cfg->step_timeout_ms ? cfg->step_timeout_ms : 20000;
+  o.loss_scaling = cfg->scaling;
+  /* Odd ranks prefetch, rank 2 coalesces small pieces: the same bits are
+   * expected whichever path a transfer takes. */
+  o.prefetch_depth = rank % 2 ? 2 : 0;
+  if (rank == 2)
+    o.reduce_bucket_size = o.allgather_bucket_size = 4096;
+  int rc = zs_client_open(&o, out);
+  for (uint32_t g = 0; rc == ZS_OK && g < NG; g++) {
+    zs_group_options go;
+    group_options(g, &go);
+    rc = zs_add_group(*out, &go, NULL);
+  }
+  for (uint32_t t = 0; rc == ZS_OK && t < NT; t++)
+    rc = zs_add_tensor(*out, TENSORS[t].name, TENSORS[t].numel, TENSORS[t].group, NULL, 0, NULL);
+  return rc;
+}
+
+static float *init_tensor(uint32_t t) {
+  float *p = malloc(TENSORS[t].numel * sizeof *p);
+  for (uint64_t i = 0; p && i < TENSORS[t].numel; i++)
+    p[i] = init_value(t, i);
+  return p;
+}
+
+static int trainer_fail(rank_out *out, int rc, const char *what) {
+  out->rc = rc;
+  snprintf(out->err, sizeof out->err, "%s: %s: %s", what, zs_err_name(rc), zs_last_error());
+  return rc;
+}
+
+static int trainer_body(const run_cfg *cfg, uint32_t rank, rank_out *out, zs_client *c) {
+  float *param[NT] = {0}, *grad[M_MAX][NT] = {{0}}, *init[NT] = {0};
+  int rc = ZS_OK;
+  for (uint32_t t = 0; t < NT; t++) {
+    param[t] = calloc(TENSORS[t].numel, sizeof(float));
+    out->final[t] = calloc(TENSORS[t].numel, sizeof(float));
+    init[t] = init_tensor(t);
+    for (uint32_t m = 0; m < cfg->M; m++)
+      grad[m][t] = calloc(TENSORS[t].numel, sizeof(float));
+  }
+  if ((rc = zs_open_job(c, (const float *const *)init)) != ZS_OK) {
+    trainer_fail(out, rc, "zs_open_job");
+    goto done;
+  }
+  for (uint64_t s = 1; s <= cfg->K; s++) {
+    zs_request *pulls[NT], *pushes[M_MAX][NT];
+    for (uint32_t t = 0; t < NT; t++)
+      if ((rc = zs_pull(c, t, param[t], ZS_DTYPE_FP32, TENSORS[t].numel * sizeof(float),
+                        &pulls[t])) != ZS_OK) {
+        trainer_fail(out, rc, "zs_pull");
+        goto done;
+      }
+    for (uint32_t t = 0; t < NT; t++)
+      if ((rc = zs_wait(pulls[t])) != ZS_OK) {
+        trainer_fail(out, rc, "pull");
+        goto done;
+      }
+    const float scale = (float)zs_loss_scale(c);
+    out->scale_used[s - 1] = scale;
+    for (uint32_t m = 0; m < cfg->M; m++) {
+      for (uint32_t t = NT; t-- > 0;) {
+        for (uint64_t i = 0; i < TENSORS[t].numel; i++)
+          grad[m][t][i] = injected(cfg, s, rank, m, t, i)
+                              ? INFINITY
+                              : grad_value(s, rank, m, t, i, param[t][i]) * scale;
+        if ((rc = zs_push(c, t, m, grad[m][t], ZS_DTYPE_FP32, TENSORS[t].numel * sizeof(float),
+                          &pushes[m][t])) != ZS_OK) {
+          trainer_fail(out, rc, "zs_push");
+          goto done;
+        }
+      }
+    }
+    for (uint32_t m = 0; m < cfg->M; m++)
+      for (uint32_t t = 0; t < NT; t++)
+        if ((rc = zs_wait(pushes[m][t])) != ZS_OK) {
+          trainer_fail(out, rc, "push");
+          goto done;
+        }
+    zs_step_result_init(&out->res[s - 1]);
+    if ((rc = zs_step(c, cfg->lr, cfg->clip, 0, &out->res[s - 1])) != ZS_OK) {
+      trainer_fail(out, rc, "zs_step");
+      goto done;
+    }
+  }
+  for (uint32_t t = 0; t < NT; t++)
+    if ((rc = zs_pull(c, t, out->final[t], ZS_DTYPE_FP32, TENSORS[t].numel * sizeof(float),
+                      NULL)) != ZS_OK) {
+      trainer_fail(out, rc, "final zs_pull");
+      goto done;
+    }
+done:
+  for (uint32_t t = 0; t < NT; t++) {
+    free(param[t]);
+    free(init[t]);
+    for (uint32_t m = 0; m < M_MAX; m++)
+      free(grad[m][t]);
+  }
+  return rc;
+}
+
+static void *trainer_main(void *arg) {
+  trainer_arg *a = arg;
+  zs_client *c = NULL;
+  int rc = client_for(a->cfg, a->rank, a->cfg->wire, &c);
+  if (rc != ZS_OK)
+    trainer_fail(a->out, rc, "client setup");
+  else
+    trainer_body(a->cfg, a->rank, a->out, c);
+  zs_client_close(c);
+  return NULL;
+}
+
+/* The single-process reference of the same training; fills master[t]. */
+static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
+  float *m1[NT], *m2[NT], *acc[NT];
+  uint16_t *low[NT];
+  uint64_t applied = 0;
+  for (uint32_t t = 0; t < NT; t++) {
+    uint64_t n = TENSORS[t].numel;
+    float *init = init_tensor(t);
+    memcpy(master[t], init, n * sizeof(float));
+    free(init);
+    m1[t] = calloc(n, sizeof(float));
+    m2[t] = calloc(n, sizeof(float));
+    acc[t] = calloc(n, sizeof(float));
+    low[t] = calloc(n, sizeof(uint16_t));
+  }
+  for (uint64_t s = 1; s <= cfg->K; s++) {
+    const zs_step_result *res = &r0->res[s - 1];
+    const float scale = (float)r0->scale_used[s - 1];
+    assert_true(res->loss_scale == scale);
+    int overflow = 0;
+    double sumsq = 0;
+    for (uint32_t t = 0; t < NT; t++) {
+      for (uint64_t i = 0; i < TENSORS[t].numel; i++) {
+        const float pulled = wire_round(cfg->wire, master[t][i]);
+        float a = 0.0f;
+        for (uint32_t m = 0; m < cfg->M; m++)
+          for (uint32_t r = 0; r < cfg->W; r++) {
+            float g =
+                injected(cfg, s, r, m, t, i) ? INFINITY : grad_value(s, r, m, t, i, pulled) * scale;
+            a += wire_round(cfg->wire, g);
+          }
+        acc[t][i] = a;
+        overflow |= !isfinite(a);
+        sumsq += (double)a * a;
+      }
+    }
+    assert_int_equal(res->overflow, overflow);
+    assert_int_equal(res->applied, !overflow);
+    assert_int_equal(res->step, s);
+    if (overflow) {
+      for (uint32_t t = 0; t < NT; t++)
+        memset(acc[t], 0, TENSORS[t].numel * sizeof(float));
+      continue;
+    }
+    /* The norm is the shards' sum in another order: equal to rounding. */
+    const double norm = sqrt(sumsq) / ((double)scale * cfg->W);
+    assert_true(fabs(res->grad_norm - norm) <= 1e-12 * norm);
+    double clip = 1.0;
+    if (cfg->clip > 0) {
+      clip = cfg->clip / (res->grad_norm + 1e-6);
+      clip = clip > 1.0 ? 1.0 : clip;
+    }
+    assert_true(res->clip_coef == clip);
+    assert_true(res->coef == (float)(clip / scale));
+    applied++;
+    for (uint32_t t = 0; t < NT; t++) {
+      zs_group_options go;
+      group_options(TENSORS[t].group, &go);
+      optim_params p = {
+          .optimizer = go.optimizer,
+          .lr = cfg->lr * go.lr_scale,
+          .beta1 = go.beta1,
+          .beta2 = go.beta2,
+          .eps = go.eps,
+          .weight_decay = go.weight_decay,
+          .momentum = go.momentum,
+          .dampening = go.dampening,
+          .nesterov = go.nesterov,
+          .bias_correction = go.bias_correction,
+          .step = applied,
+          .grad_scale = (float)((double)res->coef / (double)cfg->W),
+          .low_dtype = ZS_DTYPE_BF16,
+      };
+      optim_plan plan;
+      optim_plan_init(&plan, &p);
+      optim_apply(&plan, master[t], m1[t], m2[t], acc[t], low[t], TENSORS[t].numel);
+    }
+  }
+  for (uint32_t t = 0; t < NT; t++) {
+    free(m1[t]);
+    free(m2[t]);
+    free(acc[t]);
+    free(low[t]);
+  }
+}
+
+static void join_addresses(const hs_cluster *cl, char *buf, size_t len) {
+  buf[0] = '\0';
+  for (uint32_t i = 0; i < cl->n; i++) {
+    size_t used = strlen(buf);
+    snprintf(buf + used, len - used, "%s%s", i ? "," : "", cl->srv[i]->addr);
+  }
+}
+
+static int job_counter;
+
+/* Starts a cluster, trains with W trainer threads, checks everything against
+ * the reference, and returns the ranks' results through `outs` (freed here). */
+static void run_and_check(run_cfg *cfg, rank_out *outs) {
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, cfg->N, NULL), 0);
+  join_addresses(&cl, cfg->addrs, sizeof cfg->addrs);
+  snprintf(cfg->job, sizeof cfg->job, "e2e-%d", job_counter++);
+
+  pthread_t th[W_MAX];
+  trainer_arg args[W_MAX];
+  memset(outs, 0, W_MAX * sizeof *outs);
+  for (uint32_t r = 0; r < cfg->W; r++) {
+    args[r] = (trainer_arg){.cfg = cfg, .rank = r, .out = &outs[r]};
+    assert_int_equal(pthread_create(&th[r], NULL, trainer_main, &args[r]), 0);
+  }
+  for (uint32_t r = 0; r < cfg->W; r++)
+    pthread_join(th[r], NULL);
+  for (uint32_t r = 0; r < cfg->W; r++) {
+    if (outs[r].rc != ZS_OK)
+      fprintf(stderr, "rank %" PRIu32 " failed: %s\n", r, outs[r].err);
+    assert_int_equal(outs[r].rc, ZS_OK);
+  }
+  /* Every trainer computed the same step outcomes, to the bit. */
+  for (uint32_t r = 1; r < cfg->W; r++) {
+    for (uint32_t s = 0; s < cfg->K; s++) {
+      assert_int_equal(outs[r].res[s].applied, outs[0].res[s].applied);
+      assert_memory_equal(&outs[r].res[s].grad_norm, &outs[0].res[s].grad_norm, sizeof(double));
+      assert_memory_equal(&outs[r].res[s].coef, &outs[0].res[s].coef, sizeof(float));
+      assert_true(outs[r].res[s].next_loss_scale == outs[0].res[s].next_loss_scale);
+    }
+  }
+
+  float *master[NT], *exact[NT];
+  for (uint32_t t = 0; t < NT; t++) {
+    master[t] = calloc(TENSORS[t].numel, sizeof(float));
+    exact[t] = calloc(TENSORS[t].numel, sizeof(float));
+  }
+  reference(cfg, &outs[0], master);
+
+  /* The fp32 masters, through a client that pulls fp32 (a late joiner: it
+   * opens the trained job and does not write initial weights). */
+  zs_client *v = NULL;
+  assert_int_equal(client_for(cfg, 0, 0, &v), ZS_OK);
+  const float *unused[NT] = {0};
+  for (uint32_t t = 0; t < NT; t++)
+    unused[t] = master[t];
+  assert_int_equal(zs_open_job(v, unused), ZS_OK);
+  assert_int_equal(zs_current_step(v), cfg->K + 1);
+  for (uint32_t t = 0; t < NT; t++)
+    assert_int_equal(zs_pull(v, t, exact[t], ZS_DTYPE_FP32, TENSORS[t].numel * 4, NULL), ZS_OK);
+  assert_int_equal(zs_client_close(v), ZS_OK);
+
+  for (uint32_t t = 0; t < NT; t++) {
+    for (uint64_t i = 0; i < TENSORS[t].numel; i++) {
+      if (memcmp(&exact[t][i], &master[t][i], sizeof(float)) != 0)
+        fprintf(stderr, "%s[%" PRIu64 "]: shard %.9g, reference %.9g\n", TENSORS[t].name, i,
+                exact[t][i], master[t][i]);
+      assert_memory_equal(&exact[t][i], &master[t][i], sizeof(float));
+      for (uint32_t r = 0; r < cfg->W; r++) {
+        float want = wire_round(cfg->wire, master[t][i]);
+        assert_memory_equal(&outs[r].final[t][i], &want, sizeof(float));
+      }
+    }
+    free(master[t]);
+    free(exact[t]);
+  }
+  for (uint32_t r = 0; r < cfg->W; r++)
+    for (uint32_t t = 0; t < NT; t++)
+      free(outs[r].final[t]);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+/* ---- the N x W x dtype matrix ------------------------------------------------------ */
+
+static void train_matrix_cell(uint32_t N, uint32_t W) {
+  static const zs_dtype wires[] = {ZS_DTYPE_FP32, ZS_DTYPE_BF16, ZS_DTYPE_FP16};
+  for (size_t k = 0; k < 3; k++) {
+    run_cfg cfg = {.N = N, .W = W, .M = 2, .K = 3, .wire = wires[k], .lr = 0.01};
+    rank_out outs[W_MAX];
+    run_and_check(&cfg, outs);
+    /* Timing adds up and counts the bytes moved (ranks without prefetch pull
+     * each tensor exactly once per step). */
+    for (uint32_t r = 0; r < W; r++) {
+      const zs_timing *tm = &outs[r].res[cfg.K - 1].timing;
+      assert_true(tm->total_ms >= 0 && tm->compute_ms >= 0 && tm->push_ms >= 0 &&
+                  tm->pull_wait_ms >= 0 && tm->step_ms >= 0);
+      assert_true(tm->compute_ms <= tm->total_ms);
+      uint64_t elems = 0;
+      for (uint32_t t = 0; t < NT; t++)
+        elems += TENSORS[t].numel;
+      assert_int_equal(tm->bytes_pushed, elems * cfg.M * zs_dtype_size(cfg.wire));
+      if (r % 2 == 0)
+        assert_int_equal(tm->bytes_pulled, elems * zs_dtype_size(cfg.wire));
+    }
+  }
+}
+
+#define MATRIX_TEST(n, w)                                                                          \
+  static void training_matches_reference_bit_for_bit_n##n##_w##w(void **state) {                   \
+    (void)state;                                                                                   \
+    train_matrix_cell(n, w);                                                                       \
+  }
+MATRIX_TEST(1, 1)
+MATRIX_TEST(1, 2)
+MATRIX_TEST(1, 3)
+MATRIX_TEST(2, 1)
+MATRIX_TEST(2, 2)
+MATRIX_TEST(2, 3)
+MATRIX_TEST(3, 1)
+MATRIX_TEST(3, 2)
+MATRIX_TEST(3, 3)
+
+/* ---- loss scaling and clipping ------------------------------------------------------- */
+
+static void overflow_skips_the_step_everywhere_and_lowers_the_loss_scale(void **state) {
+  (void)state;
+  /* Steps 2 and 3 carry an inf from the last rank: the first overflow is
+   * absorbed by DeepSpeed's hysteresis, the second halves the scale. */
+  run_cfg cfg = {.N = 2,
+                 .W = 2,
+                 .M = 2,
+                 .K = 4,
+                 .wire = ZS_DTYPE_FP16,
+                 .lr = 0.01,
+                 .scaling = ZS_LOSS_SCALE_DYNAMIC,
+                 .inject_steps = (1u << 2) | (1u << 3)};
+  rank_out outs[W_MAX];
+  run_and_check(&cfg, outs);
+  for (uint32_t r = 0; r < cfg.W; r++) {
+    const zs_step_result *res = outs[r].res;
+    assert_int_equal(res[0].applied, 1);
+    assert_int_equal(res[1].applied, 0);
+    assert_int_equal(res[1].overflow, 1);
+    assert_true(isinf(res[1].grad_norm));
+    assert_int_equal(res[2].applied, 0);
+    assert_int_equal(res[3].applied, 1);
+    assert_true(res[0].loss_scale == 65536.0);
+    assert_true(res[1].next_loss_scale == 65536.0); /* hysteresis */
+    assert_true(res[2].loss_scale == 65536.0);
+    assert_true(res[2].next_loss_scale == 32768.0);
+    assert_true(res[3].loss_scale == 32768.0);
+    assert_true(outs[r].scale_used[3] == 32768.0);
+    assert_int_equal(res[3].version, 4); /* skipped steps still advance the version */
+  }
+}
+
+static void clipping_scales_by_max_norm_over_norm_on_every_rank(void **state) {
+  (void)state;
+  run_cfg cfg = {.N = 2, .W = 2, .M = 2, .K = 3, .wire = ZS_DTYPE_FP32, .lr = 0.01, .clip = 0.05};
+  rank_out outs[W_MAX];
+  run_and_check(&cfg, outs); /* checks clip_coef and coef against the formula */
+  for (uint32_t s = 0; s < cfg.K; s++) {
+    assert_true(outs[0].res[s].grad_norm > cfg.clip);
+    assert_true(outs[0].res[s].clip_coef < 1.0);
+  }
+  /* A max norm above the norm leaves the gradient alone. */
+  run_cfg loose = {.N = 1, .W = 2, .M = 2, .K = 2, .wire = ZS_DTYPE_FP32, .lr = 0.01, .clip = 1e6};
+  run_and_check(&loose, outs);
+  for (uint32_t s = 0; s < loose.K; s++)
+    assert_true(outs[0].res[s].clip_coef == 1.0 && outs[0].res[s].coef == 1.0f);
+}
+
+/* ---- a trainer dies in the middle of a step -------------------------------------------- */
+
+/* The child: rank 1 of 3; completes step 1, pushes only tensor 0 of step 2,
+ * says "ready" on stdout and waits to be killed. */
+static int trainer_child(const char *addrs, const char *job) {
+  run_cfg cfg = {.N = 0, .W = 3, .M = 1, .K = 1, .wire = ZS_DTYPE_BF16, .lr = 0.01};
+  snprintf(cfg.addrs, sizeof cfg.addrs, "%s", addrs);
+  snprintf(cfg.job, sizeof cfg.job, "%s", job);
+  zs_client *c = NULL;
+  rank_out out;
+  memset(&out, 0, sizeof out);
+  if (client_for(&cfg, 1, cfg.wire, &c) != ZS_OK || trainer_body(&cfg, 1, &out, c) != ZS_OK) {
+    fprintf(stderr, "child: %s\n", out.err[0] ? out.err : zs_last_error());
+    return 1;
+  }
+  float g[200];
+  for (int i = 0; i < 200; i++)
+    g[i] = 0.01f;
+  if (zs_push(c, 0, 0, g, ZS_DTYPE_FP32, sizeof g, NULL) != ZS_OK) {
+    fprintf(stderr, "child: push: %s\n", zs_last_error());
+    return 1;
+  }
+  printf("ready\n");
+  fflush(stdout);
+  char buf[8];
+  while (read(STDIN_FILENO, buf, sizeof buf) > 0) {
+  }
+  return 0;
+}
+
+/* Opened by the parent once rank 1 is dead, so that the survivors' step 2
+ * starts with rank 1's contributions settled. */
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+static int gate_open;
+
+typedef struct survivor {
+  const run_cfg *cfg;
+  uint32_t rank;
+  int step2_rc;
+  char step2_err[512];
+  rank_out out;
+} survivor;
+
+static void *survivor_main(void *arg) {
+  survivor *s = arg;
+  zs_client *c = NULL;
+  if (client_for(s->cfg, s->rank, s->cfg->wire, &c) != ZS_OK ||
+      trainer_body(s->cfg, s->rank, &s->out, c) != ZS_OK) {
+    s->step2_rc = ZS_EINTERNAL;
+    snprintf(s->step2_err, sizeof s->step2_err, "step 1 failed: %.480s", s->out.err);
+    zs_client_close(c);
+    return NULL;
+  }
+  pthread_mutex_lock(&gate_mu);
+  while (!gate_open)
+    pthread_cond_wait(&gate_cv, &gate_mu);
+  pthread_mutex_unlock(&gate_mu);
+  /* Step 2: everything this rank owes, then the step, which cannot complete. */
+  float g[200];
+  for (int i = 0; i < 200; i++)
+    g[i] = 0.01f;
+  for (uint32_t t = 0; t < NT; t++)
+    zs_push(c, t, 0, g, ZS_DTYPE_FP32, TENSORS[t].numel * sizeof(float), NULL);
+  s->step2_rc = zs_step(c, 0.01, 0, 0, NULL);
+  snprintf(s->step2_err, sizeof s->step2_err, "%s", zs_last_error());
+  zs_client_close(c);
+  return NULL;
+}
+
+static void killed_trainer_is_named_in_the_others_timeout_error(void **state) {
+  (void)state;
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  run_cfg cfg = {.N = 2, .W = 3, .M = 1, .K = 1, .wire = ZS_DTYPE_BF16, .lr = 0.01};
+  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  snprintf(cfg.job, sizeof cfg.job, "killed-%d", job_counter++);
+
+  int out_pipe[2], in_pipe[2];
+  assert_int_equal(pipe(out_pipe), 0);
+  assert_int_equal(pipe(in_pipe), 0);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out_pipe[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, in_pipe[0], STDIN_FILENO);
+  posix_spawn_file_actions_addclose(&fa, out_pipe[0]);
+  posix_spawn_file_actions_addclose(&fa, in_pipe[1]);
+  char *argv[] = {"test_client_e2e", "--trainer-child", cfg.addrs, cfg.job, NULL};
+  pid_t pid;
+  assert_int_equal(posix_spawn(&pid, "/proc/self/exe", &fa, NULL, argv, environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out_pipe[1]);
+  close(in_pipe[0]);
+
+  /* The short step timeout is what the survivors wait for rank 1. */
+  run_cfg short_cfg = cfg;
+  short_cfg.step_timeout_ms = 2000;
+  gate_open = 0;
+  survivor sv[2] = {{.cfg = &short_cfg, .rank = 0}, {.cfg = &short_cfg, .rank = 2}};
+  pthread_t th[2];
+  for (int k = 0; k < 2; k++)
+    assert_int_equal(pthread_create(&th[k], NULL, survivor_main, &sv[k]), 0);
+
+  /* Rank 1 is killed once it is in the middle of step 2. */
+  char line[16] = {0};
+  ssize_t got = read(out_pipe[0], line, sizeof line - 1);
+  assert_true(got > 0 && strncmp(line, "ready", 5) == 0);
+  kill(pid, SIGKILL);
+  int wst;
+  assert_int_equal(waitpid(pid, &wst, 0), pid);
+  assert_true(WIFSIGNALED(wst));
+  pthread_mutex_lock(&gate_mu);
+  gate_open = 1;
+  pthread_cond_broadcast(&gate_cv);
+  pthread_mutex_unlock(&gate_mu);
+  close(out_pipe[0]);
+  close(in_pipe[1]);
+
+  for (int k = 0; k < 2; k++) {
+    pthread_join(th[k], NULL);
+    fprintf(stderr, "rank %" PRIu32 ": %s: %s\n", sv[k].rank, zs_err_name(sv[k].step2_rc),
+            sv[k].step2_err);
+    assert_int_equal(sv[k].step2_rc, ZS_ETIMEDOUT);
+    assert_non_null(strstr(sv[k].step2_err, "step 2"));
+    assert_non_null(strstr(sv[k].step2_err, "from rank(s) 1;"));
+    /* Rank 1 pushed tensor 0 (two slices) before dying; the other five
+     * tensors' seven pieces are missing, and named. */
+    assert_non_null(strstr(sv[k].step2_err, ": 7 contribution(s) missing"));
+    assert_non_null(strstr(sv[k].step2_err, "rank 1 micro 0 tensor '"));
+    assert_null(strstr(sv[k].step2_err, "tensor 'embed.weight'"));
+    for (uint32_t t = 0; t < NT; t++)
+      free(sv[k].out.final[t]);
+  }
+  hs_cluster_stop(&cl);
+}
+
+/* ---- one client, several trainer threads ----------------------------------------------- */
+
+typedef struct shared_arg {
+  zs_client *c;
+  uint32_t first, count; /* this thread's tensors */
+  uint32_t M;
+  int rc;
+  char err[512];
+  float *param[NT], *grad[M_MAX][NT];
+} shared_arg;
+
+static void *shared_thread(void *arg) {
+  shared_arg *a = arg;
+  a->rc = ZS_OK;
+  for (uint32_t t = a->first; t < a->first + a->count && a->rc == ZS_OK; t++) {
+    uint64_t n = TENSORS[t].numel;
+    a->rc = zs_pull(a->c, t, a->param[t], ZS_DTYPE_FP32, n * 4, NULL);
+    for (uint32_t m = 0; m < a->M && a->rc == ZS_OK; m++) {
+      for (uint64_t i = 0; i < n; i++)
+        a->grad[m][t][i] = grad_value(1, 0, m, t, i, a->param[t][i]);
+      a->rc = zs_push(a->c, t, m, a->grad[m][t], ZS_DTYPE_FP32, n * 4, NULL);
+    }
+  }
+  if (a->rc != ZS_OK)
+    snprintf(a->err, sizeof a->err, "%s", zs_last_error());
+  return NULL;
+}
+
+static void one_client_serves_several_trainer_threads(void **state) {
+  (void)state;
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  run_cfg cfg = {.N = 2, .W = 1, .M = 2, .K = 1, .wire = ZS_DTYPE_FP32, .lr = 0.01};
+  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  snprintf(cfg.job, sizeof cfg.job, "shared-%d", job_counter++);
+  zs_client *c = NULL;
+  assert_int_equal(client_for(&cfg, 0, 0, &c), ZS_OK);
+  float *init[NT], *param[NT], *grad[M_MAX][NT], *master[NT], *got[NT];
+  for (uint32_t t = 0; t < NT; t++) {
+    init[t] = init_tensor(t);
+    param[t] = calloc(TENSORS[t].numel, sizeof(float));
+    master[t] = calloc(TENSORS[t].numel, sizeof(float));
+    got[t] = calloc(TENSORS[t].numel, sizeof(float));
+    for (uint32_t m = 0; m < M_MAX; m++)
+      grad[m][t] = calloc(TENSORS[t].numel, sizeof(float));
+  }
+  assert_int_equal(zs_open_job(c, (const float *const *)init), ZS_OK);
+  /* Three threads, two tensors each, pulling and pushing at the same time. */
+  shared_arg args[3];
+  pthread_t th[3];
+  for (uint32_t k = 0; k < 3; k++) {
+    args[k] = (shared_arg){.c = c, .first = 2 * k, .count = 2, .M = cfg.M};
+    memcpy(args[k].param, param, sizeof param);
+    memcpy(args[k].grad, grad, sizeof grad);
+    assert_int_equal(pthread_create(&th[k], NULL, shared_thread, &args[k]), 0);
+  }
+  for (uint32_t k = 0; k < 3; k++) {
+    pthread_join(th[k], NULL);
+    if (args[k].rc != ZS_OK)
+      fprintf(stderr, "thread %" PRIu32 ": %s\n", k, args[k].err);
+    assert_int_equal(args[k].rc, ZS_OK);
+  }
+  rank_out out;
+  memset(&out, 0, sizeof out);
+  out.scale_used[0] = 1.0;
+  zs_step_result_init(&out.res[0]);
+  assert_int_equal(zs_step(c, cfg.lr, 0, 0, &out.res[0]), ZS_OK);
+  reference(&cfg, &out, master);
+  for (uint32_t t = 0; t < NT; t++) {
+    assert_int_equal(zs_pull(c, t, got[t], ZS_DTYPE_FP32, TENSORS[t].numel * 4, NULL), ZS_OK);
+    assert_memory_equal(got[t], master[t], TENSORS[t].numel * sizeof(float));
+  }
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  for (uint32_t t = 0; t < NT; t++) {
+    free(init[t]);
+    free(param[t]);
+    free(master[t]);
+    free(got[t]);
+    for (uint32_t m = 0; m < M_MAX; m++)
+      free(grad[m][t]);
+  }
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+/* ---- misuse against a live job ------------------------------------------------------------ */
+
+static void misuse_on_an_open_job_returns_errors(void **state) {
+  (void)state;
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  run_cfg cfg = {.N = 2, .W = 1, .M = 2, .K = 1, .wire = ZS_DTYPE_BF16, .lr = 0.01};
+  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  snprintf(cfg.job, sizeof cfg.job, "misuse-%d", job_counter++);
+  zs_client *c = NULL;
+  assert_int_equal(client_for(&cfg, 0, cfg.wire, &c), ZS_OK);
+  float *init[NT];
+  for (uint32_t t = 0; t < NT; t++)
+    init[t] = init_tensor(t);
+  assert_int_equal(zs_open_job(c, (const float *const *)init), ZS_OK);
+  assert_int_equal(zs_open_job(c, (const float *const *)init), ZS_EINVAL);
+  assert_int_equal(zs_add_tensor(c, "late", 3, 0, NULL, 0, NULL), ZS_EINVAL);
+  assert_int_equal(zs_current_step(c), 1);
+  assert_true(zs_spec_hash(c) != 0);
+
+  float buf[201];
+  uint16_t half[200];
+  memset(buf, 0, sizeof buf);
+  assert_int_equal(zs_push(c, 0, 0, buf, ZS_DTYPE_FP32, 199 * 4, NULL), ZS_ESIZE);
+  assert_non_null(strstr(zs_last_error(), "'embed.weight' has 200 elements"));
+  assert_int_equal(zs_push(c, 0, 0, buf, ZS_DTYPE_FP32, 200 * 2, NULL), ZS_ESIZE);
+  assert_int_equal(zs_push(c, 0, 0, buf, (zs_dtype)0, 800, NULL), ZS_EDTYPE);
+  assert_int_equal(zs_push(c, 0, 2, buf, ZS_DTYPE_FP32, 800, NULL), ZS_ERANGE);
+  assert_int_equal(zs_push(c, NT, 0, buf, ZS_DTYPE_FP32, 800, NULL), ZS_ENOTFOUND);
+  assert_int_equal(zs_push(c, 0, 0, NULL, ZS_DTYPE_FP32, 800, NULL), ZS_EINVAL);
+  assert_int_equal(zs_pull(c, 0, (char *)buf + 1, ZS_DTYPE_FP32, 800, NULL), ZS_EINVAL);
+  assert_int_equal(zs_pull(c, 0, half, ZS_DTYPE_FP16, sizeof half, NULL), ZS_OK);
+
+  /* A step with a contribution missing fails fast and names it. */
+  assert_int_equal(zs_push(c, 0, 0, buf, ZS_DTYPE_FP32, 800, NULL), ZS_OK);
+  assert_int_equal(zs_push(c, 0, 0, buf, ZS_DTYPE_FP32, 800, NULL), ZS_EEXIST);
+  assert_int_equal(zs_step(c, 0.01, 0, 0, NULL), ZS_ENOTREADY);
+  assert_non_null(strstr(zs_last_error(), "tensor 'embed.weight' for micro 1"));
+
+  /* A different model on the same shards is refused by the spec hash. */
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = cfg.addrs;
+  o.job = cfg.job;
+  zs_client *other = NULL;
+  assert_int_equal(zs_client_open(&o, &other), ZS_OK);
+  assert_int_equal(zs_add_tensor(other, "w", 4, 0, NULL, 0, NULL), ZS_OK);
+  float w4[4] = {0};
+  const float *i4[1] = {w4};
+  assert_int_equal(zs_open_job(other, i4), ZS_EHASH);
+  assert_non_null(strstr(zs_last_error(), "spec hash"));
+  assert_int_equal(zs_client_close(other), ZS_OK);
+
+  /* The addresses must be in shard-id order. */
+  char swapped[128];
+  snprintf(swapped, sizeof swapped, "%s,%s", cl.srv[1]->addr, cl.srv[0]->addr);
+  run_cfg sw = cfg;
+  snprintf(sw.addrs, sizeof sw.addrs, "%s", swapped);
+  assert_int_equal(client_for(&sw, 0, sw.wire, &other), ZS_OK);
+  assert_int_equal(zs_open_job(other, (const float *const *)init), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "shard-id order"));
+  assert_int_equal(zs_client_close(other), ZS_OK);
+
+  /* A request outlives its client's close and still reports. */
+  zs_request *req = NULL;
+  assert_int_equal(zs_pull(c, 1, buf, ZS_DTYPE_FP32, 37 * 4, &req), ZS_OK);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  int rc = zs_wait(req);
+  assert_true(rc == ZS_OK || rc == ZS_ECANCELED);
+  for (uint32_t t = 0; t < NT; t++)
+    free(init[t]);
+  hs_cluster_stop(&cl);
+}
+
+typedef struct cb_state {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int calls, last_status;
+} cb_state;
+
+static void on_done(void *arg, int status) {
+  cb_state *s = arg;
+  pthread_mutex_lock(&s->mu);
+  s->calls++;
+  s->last_status = status;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void callbacks_run_once_per_transfer(void **state) {
+  (void)state;
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 3, NULL), 0);
+  run_cfg cfg = {.N = 3, .W = 1, .M = 1, .K = 1, .wire = ZS_DTYPE_FP32, .lr = 0.01};
+  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  snprintf(cfg.job, sizeof cfg.job, "cb-%d", job_counter++);
+  zs_client *c = NULL;
+  assert_int_equal(client_for(&cfg, 0, 0, &c), ZS_OK);
+  float *init[NT], *got[NT];
+  for (uint32_t t = 0; t < NT; t++) {
+    init[t] = init_tensor(t);
+    got[t] = calloc(TENSORS[t].numel, sizeof(float));
+  }
+  assert_int_equal(zs_open_job(c, (const float *const *)init), ZS_OK);
+  cb_state s = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+  for (uint32_t t = 0; t < NT; t++)
+    assert_int_equal(zs_pull_cb(c, t, got[t], ZS_DTYPE_FP32, TENSORS[t].numel * 4, on_done, &s),
+                     ZS_OK);
+  for (uint32_t t = 0; t < NT; t++)
+    assert_int_equal(zs_push_cb(c, t, 0, init[t], ZS_DTYPE_FP32, TENSORS[t].numel * 4, on_done, &s),
+                     ZS_OK);
+  pthread_mutex_lock(&s.mu);
+  while (s.calls < 2 * NT)
+    pthread_cond_wait(&s.cv, &s.mu);
+  pthread_mutex_unlock(&s.mu);
+  assert_int_equal(s.last_status, ZS_OK);
+  for (uint32_t t = 0; t < NT; t++)
+    assert_memory_equal(got[t], init[t], TENSORS[t].numel * sizeof(float));
+  assert_int_equal(zs_wait_pushes(c), ZS_OK);
+  zs_step_result r;
+  zs_step_result_init(&r);
+  assert_int_equal(zs_step(c, 0.01, 0, 0, &r), ZS_OK);
+  assert_int_equal(r.applied, 1);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  assert_int_equal(s.calls, 2 * NT); /* and never again */
+  for (uint32_t t = 0; t < NT; t++) {
+    free(init[t]);
+    free(got[t]);
+  }
+  hs_cluster_stop(&cl);
+}
+
+static int group_setup(void **state) {
+  (void)state;
+  return hs_init();
+}
+
+int main(int argc, char **argv) {
+  if (argc == 4 && strcmp(argv[1], "--trainer-child") == 0)
+    return trainer_child(argv[2], argv[3]);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n1_w1),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n1_w2),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n1_w3),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n2_w1),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n2_w2),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n2_w3),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w1),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w2),
+      cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w3),
+      cmocka_unit_test(overflow_skips_the_step_everywhere_and_lowers_the_loss_scale),
+      cmocka_unit_test(clipping_scales_by_max_norm_over_norm_on_every_rank),
+      cmocka_unit_test(killed_trainer_is_named_in_the_others_timeout_error),
+      cmocka_unit_test(one_client_serves_several_trainer_threads),
+      cmocka_unit_test(misuse_on_an_open_job_returns_errors),
+      cmocka_unit_test(callbacks_run_once_per_transfer),
+  };
+  int failures = cmocka_run_group_tests(tests, group_setup, NULL);
+  hs_finish(failures);
+  return failures;
+}

@@ -1,0 +1,194 @@
+/*
+ * test_client_example — the example trainer (client/examples, zshard-mlp)
+ * trains for real: two trainer processes on two shard servers, 40 steps; the
+ * loss they print falls and the held-out accuracy beats chance by far. Then
+ * `zshard status` reports both shards SERVING at the version the training
+ * reached, as a table and as JSON.
+ *
+ * The binaries come from the build (ZSHARD_EXAMPLE_BIN, ZSHARD_CLI_BIN, set
+ * by client/CMakeLists.txt).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <setjmp.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "harness.h"
+
+extern char **environ;
+
+#define STEPS 40
+
+/* Runs argv with stdout and stderr into `out_path`; returns the pid. */
+static pid_t spawn_to(char *const argv[], const char *out_path) {
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, out_path, O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
+  pid_t pid = -1;
+  int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  return rc == 0 ? pid : -1;
+}
+
+static int wait_exit(pid_t pid) {
+  int st;
+  while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return NULL;
+  static char buf[1 << 16];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  buf[n] = '\0';
+  fclose(f);
+  return strdup(buf);
+}
+
+/* The losses printed on "step S loss L ..." lines, by step. */
+static int parse_losses(const char *text, double *loss, int max) {
+  int found = 0;
+  for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+    unsigned s;
+    double l;
+    if (sscanf(p, "step %u loss %lf", &s, &l) == 2 && s >= 1 && (int)s <= max) {
+      loss[s - 1] = l;
+      found++;
+    }
+  }
+  return found;
+}
+
+static void example_trainer_loss_falls_on_two_shards_two_trainers(void **state) {
+  (void)state;
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  char addrs[128];
+  snprintf(addrs, sizeof addrs, "%s,%s", cl.srv[0]->addr, cl.srv[1]->addr);
+
+  char out[2][600];
+  pid_t pid[2];
+  for (int r = 0; r < 2; r++) {
+    char rank[8], steps[8];
+    snprintf(rank, sizeof rank, "%d", r);
+    snprintf(steps, sizeof steps, "%d", STEPS);
+    snprintf(out[r], sizeof out[r], "%s/mlp-%d.out", hs_tmpdir(), r);
+    char *argv[] = {ZSHARD_EXAMPLE_BIN,
+                    "--shards",
+                    addrs,
+                    "--rank",
+                    rank,
+                    "--world",
+                    "2",
+                    "--steps",
+                    steps,
+                    "--accum",
+                    "2",
+                    "--batch",
+                    "16",
+                    "--timeout-ms",
+                    "30000",
+                    NULL};
+    pid[r] = spawn_to(argv, out[r]);
+    assert_true(pid[r] > 0);
+  }
+  int status[2];
+  for (int r = 0; r < 2; r++)
+    status[r] = wait_exit(pid[r]);
+  for (int r = 0; r < 2; r++) {
+    char *text = slurp(out[r]);
+    assert_non_null(text);
+    if (status[r] != 0)
+      fprintf(stderr, "rank %d exited %d:\n%s\n", r, status[r], text);
+    assert_int_equal(status[r], 0);
+    double loss[STEPS];
+    assert_int_equal(parse_losses(text, loss, STEPS), STEPS);
+    double first = 0, last = 0;
+    for (int k = 0; k < 5; k++) {
+      first += loss[k] / 5;
+      last += loss[STEPS - 1 - k] / 5;
+    }
+    fprintf(stderr, "rank %d: mean loss of steps 1-5 %.4f, of steps %d-%d %.4f\n", r, first,
+            STEPS - 4, STEPS, last);
+    assert_true(last < 0.75 * first);
+    /* Ten classes: chance is 0.1. */
+    double acc = 0;
+    const char *fin = strstr(text, "final: held-out loss");
+    assert_non_null(fin);
+    assert_int_equal(sscanf(fin, "final: held-out loss %*f accuracy %lf", &acc), 1);
+    assert_true(acc > 0.3);
+    /* The timing breakdown is printed on every step line. */
+    assert_non_null(strstr(text, "compute"));
+    assert_non_null(strstr(text, "pull_wait"));
+    free(text);
+  }
+
+  /* zshard status sees both shards serving the trained version. */
+  char status_out[600];
+  snprintf(status_out, sizeof status_out, "%s/status.out", hs_tmpdir());
+  char *sargv[] = {ZSHARD_CLI_BIN, "status", "--shards", addrs, NULL};
+  pid_t sp = spawn_to(sargv, status_out);
+  assert_true(sp > 0);
+  assert_int_equal(wait_exit(sp), 0);
+  char *table = slurp(status_out);
+  fprintf(stderr, "%s", table);
+  assert_non_null(strstr(table, cl.srv[0]->addr));
+  assert_non_null(strstr(table, cl.srv[1]->addr));
+  assert_non_null(strstr(table, "SERVING"));
+  assert_non_null(strstr(table, "zshard-mlp"));
+  free(table);
+  char *jargv[] = {ZSHARD_CLI_BIN, "status", "--json", "--shards", addrs, NULL};
+  sp = spawn_to(jargv, status_out);
+  assert_true(sp > 0);
+  assert_int_equal(wait_exit(sp), 0);
+  char *json = slurp(status_out);
+  assert_non_null(strstr(json, "\"health\":\"SERVING\",\"shard_id\":0"));
+  assert_non_null(strstr(json, "\"health\":\"SERVING\",\"shard_id\":1"));
+  char want[64];
+  snprintf(want, sizeof want, "\"version\":%d", STEPS);
+  assert_non_null(strstr(json, want));
+  assert_non_null(strstr(json, "\"all_serving\":true"));
+  free(json);
+
+  /* With a shard gone, status says so and exits 1. */
+  assert_int_equal(hs_stop(cl.srv[1]), 0);
+  cl.srv[1] = NULL;
+  cl.n = 1;
+  sp = spawn_to(sargv, status_out);
+  assert_true(sp > 0);
+  assert_int_equal(wait_exit(sp), 1);
+  table = slurp(status_out);
+  assert_non_null(strstr(table, "UNREACHABLE"));
+  free(table);
+  hs_cluster_stop(&cl);
+}
+
+static int group_setup(void **state) {
+  (void)state;
+  return hs_init();
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(example_trainer_loss_falls_on_two_shards_two_trainers),
+  };
+  int failures = cmocka_run_group_tests(tests, group_setup, NULL);
+  hs_finish(failures);
+  return failures;
+}
