@@ -1,0 +1,340 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// The tests start from the repository's own manifests and compose file, break
+// one thing the way a person editing them might, and require the checker to
+// name it. The unbroken files must pass, so a test that expects a failure
+// fails for the reason it names and not for another.
+
+const (
+	repoK8s     = "../../../deploy/k8s"
+	repoCompose = "../../../deploy/docker-compose.yml"
+	trainerProg = "zshard-mlp"
+)
+
+// serverHelp is the shape of zshard-server --help; run-k8s-check uses the
+// real binary's output, these tests only need a fixed flag list.
+const serverHelp = `Usage: zshard-server [OPTION]...
+  --listen ADDR      address to listen on (ZSHARD_LISTEN, default 0.0.0.0:7070)
+                     or with --shard-list (a sentence, not an option)
+  --shard-id I       shard id; by default the ordinal of the host name "zshard-2"
+  --shards N         number of shard servers (ZSHARD_SHARDS, default 1)
+  --threads T        optimizer threads (ZSHARD_THREADS)
+  --log-level LEVEL  debug, info, warn, error or off (ZSHARD_LOG_LEVEL)
+  --port-file PATH   write the bound port to PATH
+  --help, -h         print this help and exit
+`
+
+func testPrograms(t *testing.T, trainerFlags string) *programs {
+	t.Helper()
+	p := &programs{
+		flags:       map[string]flagSet{"zshard-server": parseFlags(serverHelp)},
+		entrypoints: map[string]string{"zshard": "zshard-server"},
+		server:      "zshard-server",
+		trainer:     trainerProg,
+	}
+	if trainerFlags != "" {
+		p.flags[trainerProg] = parseFlags(trainerFlags)
+	}
+	return p
+}
+
+// copyK8s copies the repository's deploy/k8s into a temporary directory.
+func copyK8s(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	entries, err := os.ReadDir(repoK8s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if e.IsDir() {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(repoK8s, e.Name()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, e.Name()), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
+}
+
+// edit replaces old by new in file, which must contain old exactly once: if
+// the manifests change so that the edit no longer applies, the test says so
+// instead of passing for the wrong reason.
+func edit(t *testing.T, file, old, new string) {
+	t.Helper()
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(string(b), old); n != 1 {
+		t.Fatalf("%s contains %q %d times, want once", file, old, n)
+	}
+	if err := os.WriteFile(file, []byte(strings.Replace(string(b), old, new, 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// mustFail runs every check and requires a problem whose text contains want.
+func mustFail(t *testing.T, dir string, p *programs, compose, want string) {
+	t.Helper()
+	problems, _ := run(dir, p, compose, trainerProg)
+	for _, e := range problems {
+		if strings.Contains(e.Error(), want) {
+			return
+		}
+	}
+	t.Fatalf("want a problem containing %q, got %d: %v", want, len(problems), problems)
+}
+
+func mustPass(t *testing.T, dir string, p *programs, compose string) {
+	t.Helper()
+	problems, ok := run(dir, p, compose, trainerProg)
+	if len(problems) > 0 || len(ok) == 0 {
+		t.Fatalf("want no problems, got %d valid objects and %v", len(ok), problems)
+	}
+}
+
+func TestRepositoryManifestsAndComposeFilePass(t *testing.T) {
+	mustPass(t, repoK8s, testPrograms(t, ""), repoCompose)
+}
+
+func TestAllRequiredKindsAreRendered(t *testing.T) {
+	rs, err := render(repoK8s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]bool{}
+	for _, r := range rs {
+		kinds[strings.SplitN(r.id, "/", 2)[0]] = true
+	}
+	for _, k := range []string{"StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget",
+		"NetworkPolicy", "Job"} {
+		if !kinds[k] {
+			t.Errorf("no %s rendered from %s", k, repoK8s)
+		}
+	}
+}
+
+func TestUnknownFieldFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"),
+		"terminationGracePeriodSeconds: 60", "terminationGracePeriod: 60")
+	mustFail(t, dir, testPrograms(t, ""), "", `unknown field "spec.template.spec.terminationGracePeriod"`)
+}
+
+func TestUnknownFieldFailsTheSchemaCheckToo(t *testing.T) {
+	// The structural schema is an independent second opinion on the same
+	// mistake.
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"),
+		"terminationGracePeriodSeconds: 60", "terminationGracePeriod: 60")
+	mustFail(t, dir, testPrograms(t, ""), "", "field not declared in schema")
+}
+
+func TestFieldWithWrongCaseFails(t *testing.T) {
+	// encoding/json would accept "clusterIp" for clusterIP; the API server
+	// does not, and neither does the checker.
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "service.yaml"), "clusterIP: None", "clusterIp: None")
+	mustFail(t, dir, testPrograms(t, ""), "", `unknown field "spec.clusterIp"`)
+}
+
+func TestWrongTypeFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"), "containerPort: 7070", `containerPort: "7070"`)
+	mustFail(t, dir, testPrograms(t, ""), "", "containerPort")
+}
+
+func TestUnparsableQuantityFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"), "storage: 10Gi", "storage: 10GB-ish")
+	mustFail(t, dir, testPrograms(t, ""), "", "quantities must match")
+}
+
+func TestDuplicateMountPathFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"), "mountPath: /tmp", "mountPath: /var/lib/zshard")
+	mustFail(t, dir, testPrograms(t, ""), "", "duplicate entries for key")
+}
+
+func TestUnknownKindFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "poddisruptionbudget.yaml"), "apiVersion: policy/v1", "apiVersion: policy/v2")
+	mustFail(t, dir, testPrograms(t, ""), "", "is not a kind this checker knows")
+}
+
+func TestMissingResourceFileFails(t *testing.T) {
+	dir := copyK8s(t)
+	if err := os.Remove(filepath.Join(dir, "service.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	mustFail(t, dir, testPrograms(t, ""), "", "kustomize")
+}
+
+func TestShardCountDifferentFromReplicasFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "ZSHARD_SHARDS=4", "ZSHARD_SHARDS=3")
+	mustFail(t, dir, testPrograms(t, ""), "", "ZSHARD_SHARDS=3 but replicas=4")
+}
+
+func TestServiceThatIsNotHeadlessFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "service.yaml"), "clusterIP: None", "type: ClusterIP")
+	mustFail(t, dir, testPrograms(t, ""), "", "must be headless")
+}
+
+func TestOrderedPodManagementFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"), "podManagementPolicy: Parallel",
+		"podManagementPolicy: OrderedReady")
+	mustFail(t, dir, testPrograms(t, ""), "", "podManagementPolicy must be Parallel")
+}
+
+func TestProbeOnUndeclaredPortFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"),
+		"livenessProbe:\n            grpc:\n              port: 7070",
+		"livenessProbe:\n            grpc:\n              port: 7071")
+	mustFail(t, dir, testPrograms(t, ""), "", "asks port 7071")
+}
+
+func TestNetworkPolicyThatAdmitsNoTrainerFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "trainer-job.yaml"), "zshard.io/role: trainer", "zshard.io/role: trainers")
+	mustFail(t, dir, testPrograms(t, ""), "", "admits no pod template rendered here")
+}
+
+func TestServiceTargetingAnUnknownPortNameFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "service.yaml"), "targetPort: grpc", "targetPort: rpc")
+	mustFail(t, dir, testPrograms(t, ""), "", "target rpc is not a port")
+}
+
+func TestServerArgumentItDoesNotAcceptFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"), "          envFrom:",
+		"          args: [\"--state-directory=/var/lib/zshard\"]\n          envFrom:")
+	mustFail(t, dir, testPrograms(t, ""), "", "zshard-server does not accept --state-directory")
+}
+
+func TestServerArgumentItAcceptsPasses(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"), "          envFrom:",
+		"          args: [\"--log-level=debug\", \"--threads\", \"2\"]\n          envFrom:")
+	mustPass(t, dir, testPrograms(t, ""), "")
+}
+
+func TestServerVariableForNoFlagFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "ZSHARD_THREADS=1", "ZSHARD_THREAD=1")
+	mustFail(t, dir, testPrograms(t, ""), "", "ZSHARD_THREAD=... would set --thread")
+}
+
+func TestTrainerArgumentItDoesNotAcceptFails(t *testing.T) {
+	// Only the flags' names matter here; the help text is made up.
+	help := "  --shards LIST\n  --rank R\n  --world W\n  --steps S\n"
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "trainer-job.yaml"), "--world=2", "--world-size=2")
+	mustFail(t, dir, testPrograms(t, help), "", "zshard-mlp does not accept --world-size")
+}
+
+func TestTrainerShardListInTheWrongOrderFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "trainer-job.yaml"), "zshard-0.zshard:7070,zshard-1.zshard:7070",
+		"zshard-1.zshard:7070,zshard-0.zshard:7070")
+	mustFail(t, dir, testPrograms(t, ""), "", `--shards entry 0 is "zshard-1.zshard:7070"`)
+}
+
+func TestTrainerShardListMissingAShardFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "trainer-job.yaml"), ",zshard-3.zshard:7070", "")
+	mustFail(t, dir, testPrograms(t, ""), "", "--shards lists 3 addresses, but there are 4 shards")
+}
+
+func TestComposeTrainerShardListMissingAShardFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, ",zshard-3:7070", "")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "--shards lists 3 addresses, but there are 4 shards")
+}
+
+// copyCompose copies the repository's compose file to a temporary file.
+func copyCompose(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile(repoCompose)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := filepath.Join(t.TempDir(), "docker-compose.yml")
+	if err := os.WriteFile(f, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+func TestComposeTrainerNotWaitingForHealthyShardFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, "      zshard-3:\n        condition: service_healthy",
+		"      zshard-3:\n        condition: service_started")
+	mustFail(t, repoK8s, testPrograms(t, ""), f,
+		"service trainer must depend on zshard-3 with condition: service_healthy")
+}
+
+func TestComposeShardWithoutOrdinalHostnameFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, "hostname: zshard-2", "hostname: shard-two")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "no service is shard 2 of 4")
+}
+
+func TestComposeShardWithoutNamedVolumeFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, "      - zshard-1-state:/var/lib/zshard\n", "")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "service zshard-1: no named volume")
+}
+
+func TestComposeShardCountMismatchFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, `ZSHARD_SHARDS: "4"`, `ZSHARD_SHARDS: "5"`)
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "ZSHARD_SHARDS=5 but there are 4 shard services")
+}
+
+func TestComposeServerVariableForNoFlagFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, "ZSHARD_LOG_LEVEL: info", "ZSHARD_LOGLEVEL: info")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "would set --loglevel")
+}
+
+func TestFlagsAreReadFromHelpText(t *testing.T) {
+	fs := parseFlags(serverHelp)
+	for _, want := range []string{"--listen", "--shard-id", "--shards", "--port-file", "--help", "-h"} {
+		if !fs[want] {
+			t.Errorf("%s not found in the help text", want)
+		}
+	}
+	// "zshard-2" and "0.0.0.0:7070" are not options, nor is an option the
+	// text only mentions in a sentence.
+	for _, not := range []string{"-2", "-0", "--shard-list"} {
+		if fs[not] {
+			t.Errorf("%s taken for an option", not)
+		}
+	}
+}
+
+func TestEnvironmentNamesMapToFlags(t *testing.T) {
+	for env, flag := range map[string]string{"ZSHARD_SHARD_ID": "--shard-id",
+		"ZSHARD_LOG_LEVEL": "--log-level", "ZSHARD_SHARDS": "--shards"} {
+		if got := envToFlag(env); got != flag {
+			t.Errorf("envToFlag(%s) = %s, want %s", env, got, flag)
+		}
+	}
+}
