@@ -652,7 +652,7 @@ static void core_run_apply(core *c) {
   pthread_rwlock_unlock(&c->state_rw);
 
   LOG_DEBUG("apply", "shard=%u step=%" PRIu64 " skipped=%d seconds=%.6f", c->shard_id, step, skip,
-           seconds);
+            seconds);
   core_fire(fire);
 }
 
