@@ -1,0 +1,1022 @@
+/*
+ * dp_client — the data plane's client (see dp_client.h).
+ *
+ * Threads and what they own:
+ *  - Submitting threads (any, including the loop thread from a callback)
+ *    build a request, compute its payload CRC on their own time, and append
+ *    it to the submission queue under `mu`, waking the loop with
+ *    uv_async_send while still holding `mu` (so that the async handle cannot
+ *    be closed between the check of `closing` and the send).
+ *  - The loop thread owns everything else: the connections, the requests
+ *    taken from the queue (the pending list, the in-flight table), the
+ *    reader state and every callback invocation.
+ *  - dp_client_open / dp_client_close run on the caller's thread: open
+ *    creates the handles and starts the connects before the loop thread runs,
+ *    then waits on `cv` until every connect has settled; close sets `closing`
+ *    and joins the loop thread, after which it frees what is left.
+ *
+ * Lock order: `mu` is the only lock and a leaf; no callback runs under it.
+ *
+ * A request's memory lives until both its callback has run and libuv is done
+ * with its write (the uv_write_t and header live inside it). A Push whose
+ * bytes are still being written when it must fail (timeout) takes its
+ * connection down with it: libuv cannot withdraw half a write, and closing the
+ * socket is what guarantees that the caller's buffer is not read after the
+ * callback.
+ *
+ * Copies of tensor bytes: none. Push payloads go from the caller's buffer to
+ * the socket by writev; Pull payloads come from the socket into the caller's
+ * destination, except the bytes that arrive in the same read as their header
+ * (at most DPC_STAGING, copied once from the staging buffer).
+ */
+#include "common/dp_client.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "common/clock.h"
+#include "common/crc32c.h"
+#include "common/dtype.h"
+#include "common/wire.h"
+
+#define DPC_DEFAULT_CONNECT_MS 10000u
+#define DPC_DEFAULT_MAX_INFLIGHT 1024u
+/* A Pull's answer may take this long beyond the server's own wait. */
+#define DPC_PULL_GRACE_MS 10000u
+#define DPC_TICK_MS 50u
+#define DPC_BUCKETS 1024u
+#define DPC_STAGING (64u << 10)
+#define DPC_DIRECT_MIN (16u << 10)
+#define DPC_READ_CHUNK (512u << 10)
+
+#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
+
+/* snprintf for messages that may be cut: a sentence too long for its buffer
+ * is shortened, which is what we want, so the compiler need not warn. */
+static void say(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void say(char *buf, size_t len, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, len, fmt, ap);
+  va_end(ap);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Address resolution                                                       */
+/* ------------------------------------------------------------------------ */
+
+static int fail(char *err, size_t errlen, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int fail(char *err, size_t errlen, int status, const char *fmt, ...) {
+  if (err && errlen > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return status;
+}
+
+int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, char *err,
+               size_t errlen) {
+  if (!hostport)
+    return fail(err, errlen, ZS_EINVAL, "no address given");
+  char host[256];
+  const char *port;
+  size_t hlen;
+  if (hostport[0] == '[') {
+    const char *close = strchr(hostport, ']');
+    if (!close || close[1] != ':')
+      return fail(err, errlen, ZS_EINVAL, "address \"%s\" is not [IPv6]:port", hostport);
+    hlen = (size_t)(close - hostport - 1);
+    if (hlen >= sizeof host)
+      return fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
+    memcpy(host, hostport + 1, hlen);
+    port = close + 2;
+  } else {
+    const char *colon = strrchr(hostport, ':');
+    if (!colon)
+      return fail(err, errlen, ZS_EINVAL, "address \"%s\" has no :port", hostport);
+    hlen = (size_t)(colon - hostport);
+    if (memchr(hostport, ':', hlen))
+      return fail(err, errlen, ZS_EINVAL, "IPv6 address \"%s\" must be written [address]:port",
+                  hostport);
+    if (hlen >= sizeof host)
+      return fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
+    memcpy(host, hostport, hlen);
+    port = colon + 1;
+  }
+  host[hlen] = '\0';
+  char *end = NULL;
+  errno = 0;
+  unsigned long p = strtoul(port, &end, 10);
+  if (!*port || *end || errno || p > 65535 || port[0] == '-' || port[0] == '+')
+    return fail(err, errlen, ZS_EINVAL, "port \"%s\" of \"%s\" is not a number 0..65535", port,
+                hostport);
+  if (!host[0]) {
+    if (!passive)
+      return fail(err, errlen, ZS_EINVAL, "address \"%s\" has no host", hostport);
+    say(host, sizeof host, "0.0.0.0");
+  }
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  int rc = getaddrinfo(host, NULL, &hints, &res);
+  if (rc != 0 || !res)
+    return fail(err, errlen, ZS_EINVAL, "cannot resolve \"%s\": %s", host, gai_strerror(rc));
+  memset(out, 0, sizeof *out);
+  memcpy(out, res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  if (out->ss_family == AF_INET)
+    ((struct sockaddr_in *)out)->sin_port = htons((uint16_t)p);
+  else if (out->ss_family == AF_INET6)
+    ((struct sockaddr_in6 *)out)->sin6_port = htons((uint16_t)p);
+  else
+    return fail(err, errlen, ZS_EINVAL, "\"%s\" is not an IPv4 or IPv6 address", host);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Types                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef struct dp_link {
+  struct dp_link *prev, *next;
+} dp_link;
+
+static void link_init(dp_link *l) {
+  l->prev = l->next = l;
+}
+
+static int link_empty(const dp_link *l) {
+  return l->next == l;
+}
+
+static void link_push(dp_link *list, dp_link *n) {
+  n->prev = list->prev;
+  n->next = list;
+  list->prev->next = n;
+  list->prev = n;
+}
+
+static void link_remove(dp_link *n) {
+  if (!n->next)
+    return;
+  n->prev->next = n->next;
+  n->next->prev = n->prev;
+  n->prev = n->next = NULL;
+}
+
+enum { C_IDLE = 0, C_CONNECTING, C_READY, C_CLOSING };
+
+typedef struct dp_cconn dp_cconn;
+
+typedef struct dp_req {
+  dp_link node;         /* on the pending list, or on its connection's in-flight list */
+  struct dp_req *qnext; /* submission queue */
+  struct dp_req *hnext; /* id table bucket */
+  wire_msg msg;         /* type, meta, payload length and CRC; id set at write */
+  dp_done_cb cb;
+  void *arg;
+  const void *data; /* Push payload, the caller's */
+  void *dst;        /* Pull destination, the caller's */
+  size_t nbytes;
+  uint32_t timeout_ms;
+  uint64_t deadline_ms; /* set when the loop takes the request */
+  dp_cconn *conn;
+  int in_table;
+  int writing;   /* libuv still holds wreq */
+  int completed; /* the callback ran */
+  uv_write_t wreq;
+  uint8_t head[WIRE_MAX_ENCODED];
+} dp_req;
+
+struct dp_cconn {
+  dp_client *c;
+  uv_tcp_t tcp;
+  uv_connect_t creq;
+  int state;
+  int index;
+  uint64_t connect_deadline_ms;
+  wire_reader rd;
+  dp_link inflight;
+  uint32_t ninflight;
+  uint64_t bytes_inflight;
+  dp_req *rx; /* the Pull whose payload is arriving */
+};
+
+struct dp_client {
+  uv_loop_t loop;
+  uv_async_t async;
+  uv_timer_t timer;
+  pthread_t thread;
+  int thread_started, loop_inited, timer_on;
+  char addr_text[128];
+  struct sockaddr_storage addr;
+  uint32_t connect_ms, max_inflight;
+  uint64_t max_payload;
+  /* Guarded by mu. */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  dp_req *q_head, *q_tail;
+  int closing;
+  uint32_t settled; /* connects finished (either way) during open */
+  char connect_err[DP_ERRLEN];
+  /* Loop thread only. */
+  int shut;
+  dp_link pending;
+  dp_req *table[DPC_BUCKETS];
+  uint64_t next_id;
+  uint32_t nconns;
+  dp_cconn conns[DP_MAX_CONNECTIONS];
+  unsigned char *staging;
+};
+
+/* ------------------------------------------------------------------------ */
+/* Requests (loop thread)                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void table_put(dp_client *c, dp_req *r) {
+  dp_req **b = &c->table[r->msg.request_id % DPC_BUCKETS];
+  r->hnext = *b;
+  *b = r;
+  r->in_table = 1;
+}
+
+static dp_req *table_find(dp_client *c, uint64_t id) {
+  for (dp_req *r = c->table[id % DPC_BUCKETS]; r; r = r->hnext)
+    if (r->msg.request_id == id)
+      return r;
+  return NULL;
+}
+
+static void table_remove(dp_client *c, dp_req *r) {
+  if (!r->in_table)
+    return;
+  for (dp_req **p = &c->table[r->msg.request_id % DPC_BUCKETS]; *p; p = &(*p)->hnext) {
+    if (*p == r) {
+      *p = r->hnext;
+      break;
+    }
+  }
+  r->in_table = 0;
+}
+
+/* Detaches a request from wherever it is (pending list, or its connection's
+ * in-flight list and the id table). */
+static void req_detach(dp_client *c, dp_req *r) {
+  link_remove(&r->node);
+  table_remove(c, r);
+  if (r->conn) {
+    r->conn->ninflight--;
+    r->conn->bytes_inflight -= r->nbytes;
+    if (r->conn->rx == r)
+      r->conn->rx = NULL;
+    r->conn = NULL;
+  }
+}
+
+/* Runs the callback once; frees the request unless libuv still holds its
+ * write. The request must be detached. */
+static void req_complete(dp_req *r, int status, int duplicate, uint64_t version, const char *msg) {
+  dp_result res = {.status = status,
+                   .duplicate = duplicate,
+                   .version = version,
+                   .message = status == 0 ? "" : (msg && *msg ? msg : zs_strerror(status))};
+  r->completed = 1;
+  r->cb(r->arg, &res);
+  if (!r->writing)
+    free(r);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Connections (loop thread)                                                */
+/* ------------------------------------------------------------------------ */
+
+static void dispatch(dp_client *c);
+static void timer_update(dp_client *c);
+
+static void settle(dp_client *c) {
+  pthread_mutex_lock(&c->mu);
+  c->settled++;
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void on_conn_closed(uv_handle_t *h) {
+  dp_cconn *k = h->data;
+  dp_client *c = k->c;
+  wire_reader_free(&k->rd);
+  k->state = C_IDLE;
+  /* Requests that waited for a connection get another try. */
+  if (!c->shut)
+    dispatch(c);
+}
+
+/* Takes connection k down: the socket is closed first, so that no caller
+ * buffer is read or written once callbacks start running; then every request
+ * on it fails with `status` (`victim`, if any, with `victim_status`). */
+static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, int victim_status) {
+  dp_client *c = k->c;
+  if (k->state == C_CLOSING || k->state == C_IDLE)
+    return;
+  int was_connecting = k->state == C_CONNECTING;
+  k->state = C_CLOSING;
+  uv_close((uv_handle_t *)&k->tcp, on_conn_closed);
+  if (was_connecting) {
+    pthread_mutex_lock(&c->mu);
+    say(c->connect_err, sizeof c->connect_err, "%s", msg);
+    pthread_mutex_unlock(&c->mu);
+    settle(c);
+  }
+  while (!link_empty(&k->inflight)) {
+    dp_req *r = container_of(k->inflight.next, dp_req, node);
+    req_detach(c, r);
+    req_complete(r, r == victim ? victim_status : status, 0, 0, msg);
+  }
+  /* If no connection is left to carry them, waiting requests fail too. */
+  int viable = 0;
+  for (uint32_t i = 0; i < c->nconns; i++)
+    if (c->conns[i].state == C_READY || c->conns[i].state == C_CONNECTING)
+      viable = 1;
+  if (!viable && was_connecting) {
+    while (!link_empty(&c->pending)) {
+      dp_req *r = container_of(c->pending.next, dp_req, node);
+      req_detach(c, r);
+      req_complete(r, ZS_ECONN, 0, 0, msg);
+    }
+  }
+  timer_update(c);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
+
+static void on_connect(uv_connect_t *req, int status) {
+  dp_cconn *k = req->data;
+  dp_client *c = k->c;
+  if (k->state != C_CONNECTING)
+    return; /* failed meanwhile (timeout, shutdown): conn_fail settled it */
+  char msg[DP_ERRLEN];
+  if (status == 0) {
+    uv_tcp_nodelay(&k->tcp, 1);
+    status = uv_read_start((uv_stream_t *)&k->tcp, on_alloc, on_read);
+  }
+  if (status != 0) {
+    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text, uv_strerror(status));
+    conn_fail(k, ZS_ECONN, msg, NULL, 0);
+    return;
+  }
+  k->state = C_READY;
+  settle(c);
+  dispatch(c);
+}
+
+static void conn_start(dp_cconn *k) {
+  dp_client *c = k->c;
+  char msg[DP_ERRLEN];
+  uv_tcp_init(&c->loop, &k->tcp);
+  k->tcp.data = k;
+  k->creq.data = k;
+  wire_reader_init(&k->rd, c->max_payload);
+  k->rx = NULL;
+  k->state = C_CONNECTING;
+  k->connect_deadline_ms = clock_now_ms() + c->connect_ms;
+  int rc = uv_tcp_connect(&k->creq, &k->tcp, (const struct sockaddr *)&c->addr, on_connect);
+  if (rc != 0) {
+    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text, uv_strerror(rc));
+    conn_fail(k, ZS_ECONN, msg, NULL, 0);
+  }
+  timer_update(c);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Writing (loop thread)                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void on_written(uv_write_t *w, int status) {
+  dp_req *r = container_of(w, dp_req, wreq);
+  r->writing = 0;
+  if (r->completed) {
+    free(r);
+    return;
+  }
+  if (status < 0 && r->conn) {
+    char msg[DP_ERRLEN];
+    say(msg, sizeof msg, "writing to %s failed: %s", r->conn->c->addr_text, uv_strerror(status));
+    conn_fail(r->conn, ZS_ECONN, msg, NULL, 0);
+  }
+}
+
+static void conn_write(dp_cconn *k, dp_req *r) {
+  dp_client *c = k->c;
+  r->msg.request_id = ++c->next_id;
+  size_t hlen = 0;
+  if (wire_encode(&r->msg, r->head, sizeof r->head, &hlen) != 0) {
+    req_complete(r, ZS_EINTERNAL, 0, 0, "cannot encode the request");
+    return;
+  }
+  r->conn = k;
+  k->ninflight++;
+  k->bytes_inflight += r->nbytes;
+  link_push(&k->inflight, &r->node);
+  table_put(c, r);
+  uv_buf_t bufs[2];
+  bufs[0] = uv_buf_init((char *)r->head, (unsigned)hlen);
+  unsigned n = 1;
+  if (r->msg.type == WIRE_PUSH && r->nbytes) {
+    /* Set directly: uv_buf_init takes an unsigned int length. */
+    bufs[1].base = (char *)r->data;
+    bufs[1].len = r->nbytes;
+    n = 2;
+  }
+  r->writing = 1;
+  int rc = uv_write(&r->wreq, (uv_stream_t *)&k->tcp, bufs, n, on_written);
+  if (rc != 0) {
+    r->writing = 0;
+    char msg[DP_ERRLEN];
+    say(msg, sizeof msg, "writing to %s failed: %s", c->addr_text, uv_strerror(rc));
+    conn_fail(k, ZS_ECONN, msg, NULL, 0);
+  }
+}
+
+/* The ready connection with the fewest bytes in flight and room for one more
+ * request, or NULL. */
+static dp_cconn *pick(dp_client *c) {
+  dp_cconn *best = NULL;
+  for (uint32_t i = 0; i < c->nconns; i++) {
+    dp_cconn *k = &c->conns[i];
+    if (k->state != C_READY || k->ninflight >= c->max_inflight)
+      continue;
+    if (!best || k->bytes_inflight < best->bytes_inflight)
+      best = k;
+  }
+  return best;
+}
+
+/* Writes waiting requests to connections with room; reconnects idle
+ * connections when requests wait. */
+static void dispatch(dp_client *c) {
+  while (!link_empty(&c->pending)) {
+    dp_cconn *k = pick(c);
+    if (!k)
+      break;
+    dp_req *r = container_of(c->pending.next, dp_req, node);
+    link_remove(&r->node);
+    conn_write(k, r);
+  }
+  if (!link_empty(&c->pending)) {
+    for (uint32_t i = 0; i < c->nconns; i++)
+      if (c->conns[i].state == C_IDLE)
+        conn_start(&c->conns[i]);
+  }
+  timer_update(c);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Reading (loop thread)                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  (void)suggested;
+  dp_cconn *k = h->data;
+  size_t space = 0;
+  void *p = wire_reader_space(&k->rd, &space);
+  if (p && space >= DPC_DIRECT_MIN) {
+    *buf = uv_buf_init(p, (unsigned)(space < DPC_READ_CHUNK ? space : DPC_READ_CHUNK));
+    return;
+  }
+  *buf = uv_buf_init((char *)k->c->staging, DPC_STAGING);
+}
+
+/* The server broke the protocol: nothing on this connection can be trusted. */
+static void conn_protocol_error(dp_cconn *k, const char *what) {
+  char msg[DP_ERRLEN];
+  say(msg, sizeof msg, "protocol error from %s: %s", k->c->addr_text, what);
+  conn_fail(k, ZS_EPROTO, msg, NULL, 0);
+}
+
+/* Header and meta of an answer are in. Returns 0 to go on, -1 if the
+ * connection failed. */
+static int on_meta(dp_cconn *k) {
+  dp_client *c = k->c;
+  wire_reader *rd = &k->rd;
+  const wire_msg *m = &rd->msg;
+  char msg[DP_ERRLEN];
+  void *dst = NULL;
+  if (m->type != WIRE_PUSH_ACK && m->type != WIRE_PULL_DATA && m->type != WIRE_ERROR &&
+      m->type != WIRE_PONG) {
+    say(msg, sizeof msg, "the server sent a %s frame", wire_type_name(m->type));
+    conn_protocol_error(k, msg);
+    return -1;
+  }
+  if (m->type == WIRE_ERROR && m->request_id == 0 && rd->meta_status == 0) {
+    /* The server gave up on the connection and says why. */
+    say(msg, sizeof msg, "%s closed the connection: %s", c->addr_text, m->u.error.message);
+    conn_fail(k, m->u.error.status, msg, NULL, 0);
+    return -1;
+  }
+  dp_req *r = table_find(c, m->request_id);
+  if (r && r->conn != k)
+    r = NULL; /* an id this connection never carried */
+  if (!r) {
+    /* An answer to a request that timed out meanwhile: skipped. */
+  } else if (rd->meta_status != 0) {
+    req_detach(c, r);
+    req_complete(r, rd->meta_status, 0, 0, rd->err);
+  } else if ((m->type == WIRE_PUSH_ACK && r->msg.type != WIRE_PUSH) ||
+             (m->type == WIRE_PULL_DATA && r->msg.type != WIRE_PULL) ||
+             (m->type == WIRE_PONG && r->msg.type != WIRE_PING)) {
+    say(msg, sizeof msg, "request %" PRIu64 " (%s) answered with %s", m->request_id,
+        wire_type_name(r->msg.type), wire_type_name(m->type));
+    conn_protocol_error(k, msg);
+    return -1;
+  } else if (m->type == WIRE_ERROR) {
+    req_detach(c, r);
+    req_complete(r, m->u.error.status, 0, 0, m->u.error.message);
+  } else if (m->type == WIRE_PUSH_ACK || m->type == WIRE_PONG) {
+    req_detach(c, r);
+    req_complete(r, 0, m->u.push_ack.duplicate && m->type == WIRE_PUSH_ACK, 0, NULL);
+  } else if (m->u.pull_data.dtype != (int)r->msg.u.pull.dtype) {
+    say(msg, sizeof msg, "pull %" PRIu64 " answered in dtype %d, asked for %d", m->request_id,
+        m->u.pull_data.dtype, r->msg.u.pull.dtype);
+    req_detach(c, r);
+    req_complete(r, ZS_EPROTO, 0, 0, msg);
+  } else if (m->payload_len != r->nbytes) {
+    say(msg, sizeof msg,
+        "the piece (tensor %" PRIu32 ", slice %" PRIu32 ") has %" PRIu64
+        " bytes, the destination %zu",
+        r->msg.u.pull.tensor, r->msg.u.pull.slice, m->payload_len, r->nbytes);
+    req_detach(c, r);
+    req_complete(r, ZS_ESIZE, 0, 0, msg);
+  } else {
+    k->rx = r;
+    dst = r->dst;
+  }
+  if (k->state != C_READY)
+    return -1; /* a callback closed the client's connection */
+  wire_reader_set_payload(rd, dst);
+  return 0;
+}
+
+static void on_done(dp_cconn *k) {
+  dp_client *c = k->c;
+  dp_req *r = k->rx;
+  if (!r)
+    return;
+  k->rx = NULL;
+  req_detach(c, r);
+  req_complete(r, k->rd.payload_status, 0, k->rd.msg.u.pull_data.version, k->rd.err);
+}
+
+static void feed(dp_cconn *k, const unsigned char *p, size_t len) {
+  for (;;) {
+    wire_event ev;
+    size_t n = wire_reader_feed(&k->rd, p, len, &ev);
+    p += n;
+    len -= n;
+    if (ev == WIRE_EV_NONE)
+      return;
+    if (ev == WIRE_EV_FATAL) {
+      conn_protocol_error(k, k->rd.err);
+      return;
+    }
+    if (ev == WIRE_EV_META && on_meta(k) != 0)
+      return;
+    if (ev == WIRE_EV_DONE)
+      on_done(k);
+    if (k->state != C_READY)
+      return;
+  }
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
+  dp_cconn *k = st->data;
+  dp_client *c = k->c;
+  if (nread == 0 || k->state != C_READY)
+    return;
+  if (nread < 0) {
+    char msg[DP_ERRLEN];
+    if (nread == UV_EOF && wire_reader_eof(&k->rd) != 0)
+      say(msg, sizeof msg, "%s closed the connection: %s", c->addr_text, k->rd.err);
+    else
+      say(msg, sizeof msg, "connection to %s lost: %s", c->addr_text, uv_strerror((int)nread));
+    conn_fail(k, ZS_ECONN, msg, NULL, 0);
+    return;
+  }
+  if (buf->base == (char *)c->staging)
+    feed(k, c->staging, (size_t)nread);
+  else if (wire_reader_commit(&k->rd, (size_t)nread) == WIRE_EV_DONE)
+    on_done(k);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Timeouts, submission, shutdown (loop thread)                             */
+/* ------------------------------------------------------------------------ */
+
+static void on_tick(uv_timer_t *t) {
+  dp_client *c = t->data;
+  uint64_t now = clock_now_ms();
+  char msg[DP_ERRLEN];
+  for (uint32_t i = 0; i < c->nconns; i++) {
+    dp_cconn *k = &c->conns[i];
+    if (k->state == C_CONNECTING && now >= k->connect_deadline_ms) {
+      say(msg, sizeof msg, "cannot connect to %s: no answer within %u ms", c->addr_text,
+          c->connect_ms);
+      conn_fail(k, ZS_ECONN, msg, NULL, 0);
+      continue;
+    }
+    if (k->state != C_READY)
+      continue;
+    for (dp_link *l = k->inflight.next; l != &k->inflight;) {
+      dp_req *r = container_of(l, dp_req, node);
+      l = l->next;
+      if (now < r->deadline_ms)
+        continue;
+      say(msg, sizeof msg, "%s request to %s timed out after %u ms", wire_type_name(r->msg.type),
+          c->addr_text, r->timeout_ms);
+      if (r->writing && r->msg.type == WIRE_PUSH) {
+        /* The socket still reads the caller's buffer: only closing it stops
+         * that. The other requests on it fail as a lost connection. */
+        conn_fail(k, ZS_ECONN, msg, r, ZS_ETIMEDOUT);
+        break;
+      }
+      if (k->rx == r)
+        wire_reader_skip_rest(&k->rd);
+      req_detach(c, r);
+      req_complete(r, ZS_ETIMEDOUT, 0, 0, msg);
+      if (k->state != C_READY)
+        break;
+    }
+  }
+  for (dp_link *l = c->pending.next; l != &c->pending;) {
+    dp_req *r = container_of(l, dp_req, node);
+    l = l->next;
+    if (now < r->deadline_ms)
+      continue;
+    say(msg, sizeof msg, "%s request to %s timed out after %u ms waiting for a connection",
+        wire_type_name(r->msg.type), c->addr_text, r->timeout_ms);
+    req_detach(c, r);
+    req_complete(r, ZS_ETIMEDOUT, 0, 0, msg);
+  }
+  timer_update(c);
+}
+
+/* The timer runs only while something can time out. */
+static void timer_update(dp_client *c) {
+  if (c->shut)
+    return;
+  int busy = !link_empty(&c->pending);
+  for (uint32_t i = 0; i < c->nconns && !busy; i++)
+    busy = c->conns[i].ninflight > 0 || c->conns[i].state == C_CONNECTING;
+  if (busy && !c->timer_on) {
+    uv_timer_start(&c->timer, on_tick, DPC_TICK_MS, DPC_TICK_MS);
+    c->timer_on = 1;
+  } else if (!busy && c->timer_on) {
+    uv_timer_stop(&c->timer);
+    c->timer_on = 0;
+  }
+}
+
+static void shutdown_loop(dp_client *c) {
+  c->shut = 1;
+  const char *msg = "the data-plane client was closed";
+  for (uint32_t i = 0; i < c->nconns; i++) {
+    dp_cconn *k = &c->conns[i];
+    if (k->state == C_IDLE || k->state == C_CLOSING)
+      continue;
+    if (k->state == C_CONNECTING)
+      settle(c);
+    k->state = C_CLOSING;
+    uv_close((uv_handle_t *)&k->tcp, on_conn_closed);
+    while (!link_empty(&k->inflight)) {
+      dp_req *r = container_of(k->inflight.next, dp_req, node);
+      req_detach(c, r);
+      req_complete(r, ZS_ECANCELED, 0, 0, msg);
+    }
+  }
+  while (!link_empty(&c->pending)) {
+    dp_req *r = container_of(c->pending.next, dp_req, node);
+    req_detach(c, r);
+    req_complete(r, ZS_ECANCELED, 0, 0, msg);
+  }
+  uv_close((uv_handle_t *)&c->timer, NULL);
+  uv_close((uv_handle_t *)&c->async, NULL);
+}
+
+static void on_async(uv_async_t *h) {
+  dp_client *c = h->data;
+  if (c->shut)
+    return;
+  pthread_mutex_lock(&c->mu);
+  dp_req *q = c->q_head;
+  c->q_head = c->q_tail = NULL;
+  int closing = c->closing;
+  pthread_mutex_unlock(&c->mu);
+  uint64_t now = clock_now_ms();
+  while (q) {
+    dp_req *r = q;
+    q = r->qnext;
+    uint64_t t = r->timeout_ms;
+    if (r->msg.type == WIRE_PULL)
+      t += DPC_PULL_GRACE_MS;
+    r->deadline_ms = now + t;
+    link_push(&c->pending, &r->node);
+  }
+  if (closing)
+    shutdown_loop(c);
+  else
+    dispatch(c);
+}
+
+static void *loop_main(void *arg) {
+  dp_client *c = arg;
+  uv_run(&c->loop, UV_RUN_DEFAULT);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Public                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void close_walk(uv_handle_t *h, void *arg) {
+  (void)arg;
+  if (!uv_is_closing(h))
+    uv_close(h, NULL);
+}
+
+static void client_free(dp_client *c) {
+  if (c->loop_inited) {
+    uv_walk(&c->loop, close_walk, NULL);
+    uv_run(&c->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&c->loop);
+  }
+  for (uint32_t i = 0; i < c->nconns; i++)
+    wire_reader_free(&c->conns[i].rd);
+  /* Requests submitted after the loop's last look were refused (closing),
+   * so the queue is empty here. */
+  free(c->staging);
+  pthread_cond_destroy(&c->cv);
+  pthread_mutex_destroy(&c->mu);
+  free(c);
+}
+
+int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size_t errlen) {
+  if (err && errlen)
+    err[0] = '\0';
+  if (!cfg || !cfg->addr || !out)
+    return fail(err, errlen, ZS_EINVAL, "dp_client_open needs an address");
+  if (cfg->connections > DP_MAX_CONNECTIONS)
+    return fail(err, errlen, ZS_EINVAL, "%u connections asked, at most %u", cfg->connections,
+                DP_MAX_CONNECTIONS);
+  dp_client *c = calloc(1, sizeof *c);
+  if (!c)
+    return fail(err, errlen, ZS_ENOMEM, "out of memory");
+  int rc = dp_resolve(cfg->addr, 0, &c->addr, err, errlen);
+  if (rc) {
+    free(c);
+    return rc;
+  }
+  if (pthread_mutex_init(&c->mu, NULL) != 0) {
+    free(c);
+    return fail(err, errlen, ZS_ENOMEM, "cannot create a mutex");
+  }
+  if (pthread_cond_init(&c->cv, NULL) != 0) {
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+    return fail(err, errlen, ZS_ENOMEM, "cannot create a condition variable");
+  }
+  say(c->addr_text, sizeof c->addr_text, "%s", cfg->addr);
+  c->nconns = cfg->connections ? cfg->connections : 1;
+  c->connect_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DPC_DEFAULT_CONNECT_MS;
+  c->max_inflight = cfg->max_inflight ? cfg->max_inflight : DPC_DEFAULT_MAX_INFLIGHT;
+  c->max_payload = cfg->max_payload ? cfg->max_payload : WIRE_DEFAULT_MAX_PAYLOAD;
+  link_init(&c->pending);
+  for (uint32_t i = 0; i < c->nconns; i++) {
+    c->conns[i].c = c;
+    c->conns[i].index = (int)i;
+    link_init(&c->conns[i].inflight);
+  }
+  rc = ZS_ENOMEM;
+  c->staging = malloc(DPC_STAGING);
+  if (!c->staging)
+    goto fail;
+  rc = ZS_EINTERNAL;
+  if (uv_loop_init(&c->loop) != 0)
+    goto fail;
+  c->loop_inited = 1;
+  if (uv_async_init(&c->loop, &c->async, on_async) != 0)
+    goto fail;
+  c->async.data = c;
+  uv_timer_init(&c->loop, &c->timer);
+  c->timer.data = c;
+  /* The connects start here, before the loop thread exists, so that nothing
+   * runs concurrently with these calls. */
+  for (uint32_t i = 0; i < c->nconns; i++)
+    conn_start(&c->conns[i]);
+  if (pthread_create(&c->thread, NULL, loop_main, c) != 0)
+    goto fail;
+  c->thread_started = 1;
+  pthread_mutex_lock(&c->mu);
+  while (c->settled < c->nconns)
+    pthread_cond_wait(&c->cv, &c->mu);
+  char cerr[DP_ERRLEN];
+  say(cerr, sizeof cerr, "%s", c->connect_err);
+  pthread_mutex_unlock(&c->mu);
+  /* The loop thread owns the connection states now; a connection counts as
+   * made if any is ready, which the loop reports through a ping. */
+  rc = dp_client_ping_sync(c, c->connect_ms, err, errlen);
+  if (rc != 0) {
+    if (cerr[0])
+      fail(err, errlen, ZS_ECONN, "%s", cerr);
+    dp_client_close(c);
+    return ZS_ECONN;
+  }
+  *out = c;
+  return 0;
+
+fail:
+  fail(err, errlen, rc, "cannot start the data-plane client: %s", zs_strerror(rc));
+  if (c->thread_started)
+    dp_client_close(c);
+  else
+    client_free(c);
+  return rc;
+}
+
+void dp_client_close(dp_client *c) {
+  if (!c)
+    return;
+  if (c->thread_started) {
+    pthread_mutex_lock(&c->mu);
+    c->closing = 1;
+    uv_async_send(&c->async);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->thread, NULL);
+  }
+  client_free(c);
+}
+
+static int submit(dp_client *c, dp_req *r) {
+  pthread_mutex_lock(&c->mu);
+  if (c->closing) {
+    pthread_mutex_unlock(&c->mu);
+    free(r);
+    return ZS_ECLOSED;
+  }
+  if (c->q_tail)
+    c->q_tail->qnext = r;
+  else
+    c->q_head = r;
+  c->q_tail = r;
+  uv_async_send(&c->async);
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+static dp_req *req_new(dp_done_cb cb, void *arg, uint32_t timeout_ms) {
+  dp_req *r = calloc(1, sizeof *r);
+  if (!r)
+    return NULL;
+  r->cb = cb;
+  r->arg = arg;
+  r->timeout_ms = timeout_ms ? timeout_ms : DP_DEFAULT_TIMEOUT_MS;
+  return r;
+}
+
+int dp_client_push(dp_client *c, const dp_push_args *a, dp_done_cb cb, void *arg) {
+  if (!c || !a || !cb || (!a->data && a->nbytes) || !dtype_valid((int)a->dtype) ||
+      a->nbytes > c->max_payload)
+    return ZS_EINVAL;
+  dp_req *r = req_new(cb, arg, a->timeout_ms);
+  if (!r)
+    return ZS_ENOMEM;
+  r->msg.type = WIRE_PUSH;
+  r->msg.u.push = (wire_push){.spec_hash = a->spec_hash,
+                              .step = a->step,
+                              .rank = a->rank,
+                              .micro = a->micro,
+                              .tensor = a->tensor,
+                              .slice = a->slice,
+                              .dtype = (int)a->dtype};
+  r->msg.payload_len = a->nbytes;
+  /* On the submitting thread: the loop thread has the socket to serve. */
+  r->msg.payload_crc = a->nbytes ? crc32c(0, a->data, a->nbytes) : 0;
+  r->data = a->data;
+  r->nbytes = a->nbytes;
+  return submit(c, r);
+}
+
+int dp_client_pull(dp_client *c, const dp_pull_args *a, dp_done_cb cb, void *arg) {
+  if (!c || !a || !cb || !a->dst || a->nbytes == 0 || !dtype_valid((int)a->dtype) ||
+      a->nbytes > c->max_payload)
+    return ZS_EINVAL;
+  dp_req *r = req_new(cb, arg, a->timeout_ms);
+  if (!r)
+    return ZS_ENOMEM;
+  r->msg.type = WIRE_PULL;
+  r->msg.u.pull = (wire_pull){.spec_hash = a->spec_hash,
+                              .min_version = a->min_version,
+                              .tensor = a->tensor,
+                              .slice = a->slice,
+                              .timeout_ms = r->timeout_ms,
+                              .dtype = (int)a->dtype};
+  r->dst = a->dst;
+  r->nbytes = a->nbytes;
+  return submit(c, r);
+}
+
+int dp_client_ping(dp_client *c, uint32_t timeout_ms, dp_done_cb cb, void *arg) {
+  if (!c || !cb)
+    return ZS_EINVAL;
+  dp_req *r = req_new(cb, arg, timeout_ms);
+  if (!r)
+    return ZS_ENOMEM;
+  r->msg.type = WIRE_PING;
+  return submit(c, r);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Blocking wrappers                                                        */
+/* ------------------------------------------------------------------------ */
+
+typedef struct waiter {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done;
+  dp_result res;
+  char msg[DP_ERRLEN];
+} waiter;
+
+static void waiter_init(waiter *w) {
+  memset(w, 0, sizeof *w);
+  pthread_mutex_init(&w->mu, NULL);
+  pthread_cond_init(&w->cv, NULL);
+}
+
+static void on_sync_done(void *arg, const dp_result *r) {
+  waiter *w = arg;
+  pthread_mutex_lock(&w->mu);
+  w->res = *r;
+  say(w->msg, sizeof w->msg, "%s", r->message);
+  w->res.message = w->msg;
+  w->done = 1;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* Waits for the callback of a submitted request (rc 0), or passes the
+ * submission error through. */
+static int waiter_finish(waiter *w, int rc, char *err, size_t errlen) {
+  if (rc == 0) {
+    pthread_mutex_lock(&w->mu);
+    while (!w->done)
+      pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+    rc = w->res.status;
+    if (err && errlen)
+      say(err, errlen, "%s", w->msg);
+  } else if (err && errlen) {
+    say(err, errlen, "%s", zs_strerror(rc));
+  }
+  pthread_cond_destroy(&w->cv);
+  pthread_mutex_destroy(&w->mu);
+  return rc;
+}
+
+int dp_client_push_sync(dp_client *c, const dp_push_args *a, int *duplicate, char *err,
+                        size_t errlen) {
+  waiter w;
+  waiter_init(&w);
+  int rc = waiter_finish(&w, dp_client_push(c, a, on_sync_done, &w), err, errlen);
+  if (duplicate)
+    *duplicate = rc == 0 && w.res.duplicate;
+  return rc;
+}
+
+int dp_client_pull_sync(dp_client *c, const dp_pull_args *a, uint64_t *version, char *err,
+                        size_t errlen) {
+  waiter w;
+  waiter_init(&w);
+  int rc = waiter_finish(&w, dp_client_pull(c, a, on_sync_done, &w), err, errlen);
+  if (version)
+    *version = rc == 0 ? w.res.version : 0;
+  return rc;
+}
+
+int dp_client_ping_sync(dp_client *c, uint32_t timeout_ms, char *err, size_t errlen) {
+  waiter w;
+  waiter_init(&w);
+  return waiter_finish(&w, dp_client_ping(c, timeout_ms, on_sync_done, &w), err, errlen);
+}

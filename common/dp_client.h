@@ -1,0 +1,130 @@
+/*
+ * dp_client — a client of one shard's data plane (server/dp_server.h,
+ * docs/PROTOCOL.md): pipelined Push and Pull over one or more TCP
+ * connections, driven by a libuv loop on the client's own thread.
+ *
+ * Any thread may submit requests at any time; they are queued under a lock
+ * and handed to the loop with uv_async_send. Every request completes exactly
+ * once through its callback, which runs on the loop thread: with the
+ * server's answer, ZS_ETIMEDOUT when its timeout passed, ZS_ECONN when its
+ * connection failed, or ZS_ECANCELED when the client was closed first. When a
+ * submitting function returns an error, the callback is never called.
+ *
+ * Tensor bytes are never copied by the client: a Push is written to the
+ * socket straight from the caller's buffer (scatter/gather with the frame
+ * header), and a Pull's payload is read from the socket straight into the
+ * caller's destination, its CRC32C computed as it arrives.
+ *
+ * A connection that fails is reopened for the next request that needs it;
+ * requests are never resent by the client (the caller decides, and Push is
+ * idempotent on the server).
+ */
+#ifndef ZSHARD_COMMON_DP_CLIENT_H
+#define ZSHARD_COMMON_DP_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#include "zshard/zshard.h"
+
+/* Timeout of a request whose timeout_ms is 0. */
+#define DP_DEFAULT_TIMEOUT_MS 60000u
+#define DP_MAX_CONNECTIONS 64u
+#define DP_ERRLEN 256u
+
+typedef struct dp_client dp_client;
+
+typedef struct dp_client_config {
+  /* "host:port" or "[v6-address]:port" of the shard's data port. Only read
+   * during dp_client_open. */
+  const char *addr;
+  /* Connections to open; requests go to the one with the fewest bytes in
+   * flight. 0 means 1, at most DP_MAX_CONNECTIONS. */
+  uint32_t connections;
+  /* Longest wait for a connection to be established; 0 means 10 s. */
+  uint32_t connect_timeout_ms;
+  /* Largest payload accepted in an answer; 0 means WIRE_DEFAULT_MAX_PAYLOAD. */
+  uint64_t max_payload;
+  /* Requests written to one connection and not yet answered, beyond which
+   * new requests wait in the client's queue; 0 means 1024. */
+  uint32_t max_inflight;
+} dp_client_config;
+
+/* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with
+ * `passive`, an empty host means every local address) into *out. Returns 0 or
+ * ZS_EINVAL with a sentence in err (may be NULL). Blocks on name resolution. */
+int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, char *err,
+               size_t errlen);
+
+/* Starts the loop thread and connects every connection, waiting up to the
+ * connect timeout. Returns 0 and the client in *out (the caller's, released
+ * with dp_client_close), or ZS_EINVAL (bad address) / ZS_ECONN (no connection
+ * could be made) / ZS_ENOMEM with a sentence in err (may be NULL). */
+int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size_t errlen);
+
+/* Fails every request not yet completed with ZS_ECANCELED (their callbacks
+ * run before this returns), closes the connections and joins the loop
+ * thread. Afterwards no buffer given to the client is touched any more. Must
+ * not be called from a completion callback. NULL is accepted. */
+void dp_client_close(dp_client *c);
+
+/* The outcome of a request, valid only during the callback. */
+typedef struct dp_result {
+  int status;          /* 0 or a negative zs_status */
+  int duplicate;       /* Push: already received by the shard, not added again */
+  uint64_t version;    /* Pull: the version the piece belongs to */
+  const char *message; /* a sentence when status != 0 ("" otherwise), never NULL */
+} dp_result;
+
+/* Runs on the client's loop thread; must not block and must not call
+ * dp_client_close, may submit new requests. */
+typedef void (*dp_done_cb)(void *arg, const dp_result *r);
+
+typedef struct dp_push_args {
+  uint64_t spec_hash, step;
+  uint32_t rank, micro, tensor, slice;
+  zs_dtype dtype;
+  /* The gradient: nbytes little-endian elements of dtype. Borrowed: it must
+   * stay valid and unchanged until the callback ran. */
+  const void *data;
+  size_t nbytes;
+  uint32_t timeout_ms; /* 0: DP_DEFAULT_TIMEOUT_MS */
+} dp_push_args;
+
+/* Submits a Push. The CRC of the payload is computed on the calling thread.
+ * Returns 0 (the callback will run), or ZS_EINVAL (bad arguments, payload
+ * over the limit) / ZS_ECLOSED (the client is closing) / ZS_ENOMEM. `a` is
+ * only read during the call (a->data: see above); `arg` is passed to cb. */
+int dp_client_push(dp_client *c, const dp_push_args *a, dp_done_cb cb, void *arg);
+
+typedef struct dp_pull_args {
+  uint64_t spec_hash, min_version;
+  uint32_t tensor, slice;
+  zs_dtype dtype;
+  /* Receives the piece: exactly nbytes bytes, the piece's size in dtype.
+   * Borrowed: it must stay valid until the callback ran, and its contents
+   * are unspecified if the status is not 0. */
+  void *dst;
+  size_t nbytes;
+  /* The server waits up to this long for min_version, and the client as long
+   * plus the time the answer takes; 0: DP_DEFAULT_TIMEOUT_MS. */
+  uint32_t timeout_ms;
+} dp_pull_args;
+
+/* Submits a Pull; returns as dp_client_push does. */
+int dp_client_pull(dp_client *c, const dp_pull_args *a, dp_done_cb cb, void *arg);
+
+/* Submits a PING (a round trip through the server's loop, nothing else). */
+int dp_client_ping(dp_client *c, uint32_t timeout_ms, dp_done_cb cb, void *arg);
+
+/* Blocking conveniences: submit and wait for the callback. They return the
+ * request's status; err (may be NULL) gets its message. Must not be called
+ * from a completion callback. */
+int dp_client_push_sync(dp_client *c, const dp_push_args *a, int *duplicate, char *err,
+                        size_t errlen);
+int dp_client_pull_sync(dp_client *c, const dp_pull_args *a, uint64_t *version, char *err,
+                        size_t errlen);
+int dp_client_ping_sync(dp_client *c, uint32_t timeout_ms, char *err, size_t errlen);
+
+#endif

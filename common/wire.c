@@ -1,0 +1,649 @@
+/*
+ * wire — frame encoding and decoding (see wire.h for the format).
+ *
+ * Everything here works on memory the caller hands in; the only allocations
+ * are the reader's meta buffer and protobuf-c's unpacked message, freed before
+ * each function returns.
+ */
+#include "common/wire.h"
+
+#include <inttypes.h>
+#include <protobuf-c/protobuf-c.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/crc32c.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "zshard/v1/data.pb-c.h"
+
+enum {
+  R_HEAD = 0, /* collecting the 40 header bytes */
+  R_META,     /* collecting meta_len bytes */
+  R_WAIT_DST, /* META reported; waiting for wire_reader_set_payload */
+  R_PAYLOAD,  /* receiving (or skipping) the payload */
+  R_FATAL,
+};
+
+/* Header field offsets. */
+#define OFF_MAGIC 0
+#define OFF_VERSION 4
+#define OFF_TYPE 5
+#define OFF_FLAGS 6
+#define OFF_REQUEST_ID 8
+#define OFF_PAYLOAD_LEN 16
+#define OFF_META_LEN 24
+#define OFF_PAYLOAD_CRC 28
+#define OFF_RESERVED 32
+#define OFF_HEADER_CRC 36
+
+/* No receiver bound may exceed this, so that 40 + meta + payload never
+ * overflows a 64-bit size. */
+#define WIRE_PAYLOAD_CEILING (UINT64_C(1) << 62)
+
+static int fail(char *err, size_t errlen, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int fail(char *err, size_t errlen, int status, const char *fmt, ...) {
+  if (err && errlen > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return status;
+}
+
+/* Little-endian stores and loads, byte by byte so that neither the host's
+ * byte order nor alignment matters. */
+static void put16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+
+static void put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint16_t get16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static uint32_t get32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; i--)
+    v = (v << 8) | p[i];
+  return v;
+}
+
+static uint64_t get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = (v << 8) | p[i];
+  return v;
+}
+
+const char *wire_type_name(int type) {
+  switch (type) {
+  case WIRE_PUSH:
+    return "PUSH";
+  case WIRE_PUSH_ACK:
+    return "PUSH_ACK";
+  case WIRE_PULL:
+    return "PULL";
+  case WIRE_PULL_DATA:
+    return "PULL_DATA";
+  case WIRE_ERROR:
+    return "ERROR";
+  case WIRE_PING:
+    return "PING";
+  case WIRE_PONG:
+    return "PONG";
+  }
+  return "UNKNOWN";
+}
+
+static int type_known(int type) {
+  return type >= WIRE_PUSH && type <= WIRE_PONG;
+}
+
+static int type_has_payload(int type) {
+  return type == WIRE_PUSH || type == WIRE_PULL_DATA;
+}
+
+static int type_has_meta(int type) {
+  return type != WIRE_PING && type != WIRE_PONG;
+}
+
+static uint32_t header_crc(const uint8_t *head, const uint8_t *meta, size_t meta_len) {
+  uint32_t c = crc32c(0, head, OFF_HEADER_CRC);
+  return meta_len ? crc32c(c, meta, meta_len) : c;
+}
+
+/* ------------------------------------------------------------------ encode */
+
+/* The length of the longest prefix of s[0 .. n), at most max bytes, that does
+ * not end inside a UTF-8 sequence (proto3 strings must be valid UTF-8 for
+ * other implementations, Python's among them): a cut before a continuation
+ * byte moves back to the start of its character. */
+static size_t utf8_cut(const char *s, size_t n, size_t max) {
+  if (n <= max)
+    return n;
+  n = max;
+  while (n > 0 && ((unsigned char)s[n] & 0xC0u) == 0x80u)
+    n--;
+  return n;
+}
+
+int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
+  if (!m || !out || !len || !type_known((int)m->type))
+    return ZS_EINVAL;
+  if (!type_has_payload((int)m->type) && m->payload_len != 0)
+    return ZS_EINVAL;
+  char msgbuf[WIRE_MAX_MESSAGE + 1];
+  Zshard__V1__DataPush push = ZSHARD__V1__DATA_PUSH__INIT;
+  Zshard__V1__DataPushAck ack = ZSHARD__V1__DATA_PUSH_ACK__INIT;
+  Zshard__V1__DataPull pull = ZSHARD__V1__DATA_PULL__INIT;
+  Zshard__V1__DataPullData pd = ZSHARD__V1__DATA_PULL_DATA__INIT;
+  Zshard__V1__DataError er = ZSHARD__V1__DATA_ERROR__INIT;
+  const ProtobufCMessage *meta = NULL;
+  switch (m->type) {
+  case WIRE_PUSH:
+    push.spec_hash = m->u.push.spec_hash;
+    push.step = m->u.push.step;
+    push.rank = m->u.push.rank;
+    push.micro = m->u.push.micro;
+    push.tensor = m->u.push.tensor;
+    push.slice = m->u.push.slice;
+    push.dtype = (Zshard__V1__DType)m->u.push.dtype;
+    meta = &push.base;
+    break;
+  case WIRE_PUSH_ACK:
+    ack.duplicate = m->u.push_ack.duplicate != 0;
+    meta = &ack.base;
+    break;
+  case WIRE_PULL:
+    pull.spec_hash = m->u.pull.spec_hash;
+    pull.tensor = m->u.pull.tensor;
+    pull.slice = m->u.pull.slice;
+    pull.min_version = m->u.pull.min_version;
+    pull.dtype = (Zshard__V1__DType)m->u.pull.dtype;
+    pull.timeout_ms = m->u.pull.timeout_ms;
+    meta = &pull.base;
+    break;
+  case WIRE_PULL_DATA:
+    pd.version = m->u.pull_data.version;
+    pd.dtype = (Zshard__V1__DType)m->u.pull_data.dtype;
+    meta = &pd.base;
+    break;
+  case WIRE_ERROR: {
+    /* The message field is a fixed array, but a caller may not have
+     * terminated it: never read past its end. */
+    size_t n = strnlen(m->u.error.message, sizeof m->u.error.message);
+    n = utf8_cut(m->u.error.message, n, WIRE_MAX_MESSAGE);
+    memcpy(msgbuf, m->u.error.message, n);
+    msgbuf[n] = '\0';
+    er.status = m->u.error.status;
+    er.message = msgbuf;
+    meta = &er.base;
+    break;
+  }
+  case WIRE_PING:
+  case WIRE_PONG:
+    break;
+  }
+  size_t mlen = meta ? protobuf_c_message_get_packed_size(meta) : 0;
+  if (mlen > WIRE_MAX_META || cap < WIRE_HEADER_SIZE + mlen)
+    return ZS_EINVAL;
+  if (meta && protobuf_c_message_pack(meta, out + WIRE_HEADER_SIZE) != mlen)
+    return ZS_EINVAL;
+  put32(out + OFF_MAGIC, WIRE_MAGIC);
+  out[OFF_VERSION] = (uint8_t)WIRE_VERSION;
+  out[OFF_TYPE] = (uint8_t)m->type;
+  put16(out + OFF_FLAGS, 0);
+  put64(out + OFF_REQUEST_ID, m->request_id);
+  put64(out + OFF_PAYLOAD_LEN, m->payload_len);
+  put32(out + OFF_META_LEN, (uint32_t)mlen);
+  put32(out + OFF_PAYLOAD_CRC, m->payload_len ? m->payload_crc : 0);
+  put32(out + OFF_RESERVED, 0);
+  put32(out + OFF_HEADER_CRC, header_crc(out, out + WIRE_HEADER_SIZE, mlen));
+  *len = WIRE_HEADER_SIZE + mlen;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ decode */
+
+int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload, wire_header *h,
+                       char *err, size_t errlen) {
+  if (max_payload == 0)
+    max_payload = WIRE_DEFAULT_MAX_PAYLOAD;
+  if (max_payload > WIRE_PAYLOAD_CEILING)
+    max_payload = WIRE_PAYLOAD_CEILING;
+  uint32_t magic = get32(in + OFF_MAGIC);
+  if (magic != WIRE_MAGIC)
+    return fail(err, errlen, ZS_EPROTO,
+                "bad frame magic 0x%08" PRIx32 " (expected 0x%08" PRIx32
+                ", \"ZSDP\"): not a zshard data-plane stream",
+                magic, (uint32_t)WIRE_MAGIC);
+  memset(h, 0, sizeof *h);
+  h->version = in[OFF_VERSION];
+  h->type = in[OFF_TYPE];
+  h->flags = get16(in + OFF_FLAGS);
+  h->request_id = get64(in + OFF_REQUEST_ID);
+  h->payload_len = get64(in + OFF_PAYLOAD_LEN);
+  h->meta_len = get32(in + OFF_META_LEN);
+  h->payload_crc = get32(in + OFF_PAYLOAD_CRC);
+  h->header_crc = get32(in + OFF_HEADER_CRC);
+  uint32_t reserved = get32(in + OFF_RESERVED);
+  if (h->version != WIRE_VERSION)
+    return fail(err, errlen, ZS_EPROTO, "unsupported frame version %u (this side speaks %u)",
+                h->version, WIRE_VERSION);
+  if (!type_known(h->type))
+    return fail(err, errlen, ZS_EPROTO, "unknown frame type %u (request id %" PRIu64 ")", h->type,
+                h->request_id);
+  if (h->flags != 0)
+    return fail(err, errlen, ZS_EPROTO, "%s frame has flags 0x%04x set; version 1 defines no flag",
+                wire_type_name(h->type), h->flags);
+  if (reserved != 0)
+    return fail(err, errlen, ZS_EPROTO, "%s frame has reserved field 0x%08" PRIx32 ", not 0",
+                wire_type_name(h->type), reserved);
+  if (h->meta_len > WIRE_MAX_META)
+    return fail(err, errlen, ZS_ERANGE, "%s frame meta of %" PRIu32 " bytes exceeds the %u limit",
+                wire_type_name(h->type), h->meta_len, WIRE_MAX_META);
+  if (h->payload_len > max_payload)
+    return fail(err, errlen, ZS_ERANGE,
+                "%s frame payload of %" PRIu64 " bytes exceeds this side's limit of %" PRIu64,
+                wire_type_name(h->type), h->payload_len, max_payload);
+  if (!type_has_payload(h->type) && h->payload_len != 0)
+    return fail(err, errlen, ZS_EPROTO,
+                "%s frame carries a payload of %" PRIu64 " bytes; it has none",
+                wire_type_name(h->type), h->payload_len);
+  if (!type_has_meta(h->type) && h->meta_len != 0)
+    return fail(err, errlen, ZS_EPROTO, "%s frame carries a meta of %" PRIu32 " bytes; it has none",
+                wire_type_name(h->type), h->meta_len);
+  if (h->payload_len == 0 && h->payload_crc != 0)
+    return fail(err, errlen, ZS_EPROTO,
+                "%s frame without payload has payload CRC 0x%08" PRIx32 ", not 0",
+                wire_type_name(h->type), h->payload_crc);
+  return 0;
+}
+
+int wire_check_header_crc(const wire_header *h, const uint8_t head[WIRE_HEADER_SIZE],
+                          const uint8_t *meta, char *err, size_t errlen) {
+  uint32_t c = header_crc(head, meta, h->meta_len);
+  if (c != h->header_crc)
+    return fail(err, errlen, ZS_ECRC,
+                "%s frame header CRC 0x%08" PRIx32 " does not match its bytes (0x%08" PRIx32
+                "): the header or meta is corrupt",
+                wire_type_name(h->type), h->header_crc, c);
+  return 0;
+}
+
+/* Copies an untrusted string for logging and display: cut to the buffer,
+ * control bytes shown as '?'. */
+static void copy_message(char *dst, size_t cap, const char *src) {
+  size_t n = 0;
+  if (src)
+    for (; src[n] && n + 1 < cap; n++)
+      dst[n] = ((unsigned char)src[n] < 0x20u || src[n] == 0x7f) ? '?' : src[n];
+  dst[n] = '\0';
+}
+
+#define UNPACK(type, desc, h, meta)                                                                \
+  ((type *)protobuf_c_message_unpack(&(desc), NULL, (h)->meta_len, (meta)))
+
+int wire_decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, char *err,
+                     size_t errlen) {
+  memset(out, 0, sizeof *out);
+  out->type = (wire_type)h->type;
+  out->request_id = h->request_id;
+  out->payload_len = h->payload_len;
+  out->payload_crc = h->payload_crc;
+  const char *what = NULL;
+  int dtype = ZS_DTYPE_FP32;
+  int rc = 0;
+  switch (h->type) {
+  case WIRE_PUSH: {
+    Zshard__V1__DataPush *p =
+        UNPACK(Zshard__V1__DataPush, zshard__v1__data_push__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPush";
+      break;
+    }
+    out->u.push = (wire_push){.spec_hash = p->spec_hash,
+                              .step = p->step,
+                              .rank = p->rank,
+                              .micro = p->micro,
+                              .tensor = p->tensor,
+                              .slice = p->slice,
+                              .dtype = (int)p->dtype};
+    dtype = out->u.push.dtype;
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
+  case WIRE_PUSH_ACK: {
+    Zshard__V1__DataPushAck *p =
+        UNPACK(Zshard__V1__DataPushAck, zshard__v1__data_push_ack__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPushAck";
+      break;
+    }
+    out->u.push_ack.duplicate = p->duplicate != 0;
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
+  case WIRE_PULL: {
+    Zshard__V1__DataPull *p =
+        UNPACK(Zshard__V1__DataPull, zshard__v1__data_pull__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPull";
+      break;
+    }
+    out->u.pull = (wire_pull){.spec_hash = p->spec_hash,
+                              .min_version = p->min_version,
+                              .tensor = p->tensor,
+                              .slice = p->slice,
+                              .timeout_ms = p->timeout_ms,
+                              .dtype = (int)p->dtype};
+    dtype = out->u.pull.dtype;
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
+  case WIRE_PULL_DATA: {
+    Zshard__V1__DataPullData *p =
+        UNPACK(Zshard__V1__DataPullData, zshard__v1__data_pull_data__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPullData";
+      break;
+    }
+    out->u.pull_data.version = p->version;
+    out->u.pull_data.dtype = (int)p->dtype;
+    dtype = out->u.pull_data.dtype;
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
+  case WIRE_ERROR: {
+    Zshard__V1__DataError *p =
+        UNPACK(Zshard__V1__DataError, zshard__v1__data_error__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataError";
+      break;
+    }
+    out->u.error.status = p->status;
+    copy_message(out->u.error.message, sizeof out->u.error.message, p->message);
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    if (out->u.error.status >= 0 || !status_valid(out->u.error.status))
+      rc = fail(err, errlen, ZS_EPROTO,
+                "ERROR frame (request id %" PRIu64 ") carries status %d, not a zshard error",
+                h->request_id, out->u.error.status);
+    break;
+  }
+  default: /* PING, PONG: nothing to decode */
+    break;
+  }
+  if (what)
+    return fail(err, errlen, ZS_EPROTO,
+                "%s frame (request id %" PRIu64 ") meta of %" PRIu32 " bytes is not a valid %s",
+                wire_type_name(h->type), h->request_id, h->meta_len, what);
+  if (rc == 0 && !dtype_valid(dtype))
+    rc = fail(err, errlen, ZS_EDTYPE,
+              "%s frame (request id %" PRIu64 ") has dtype %d, not FP32, FP16 or BF16",
+              wire_type_name(h->type), h->request_id, dtype);
+  return rc;
+}
+
+int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_msg *out,
+                      const uint8_t **payload, size_t *frame_len, char *err, size_t errlen) {
+  const uint8_t *p = buf;
+  *frame_len = 0;
+  *payload = NULL;
+  if (len < WIRE_HEADER_SIZE)
+    return fail(err, errlen, ZS_EPROTO, "truncated frame: %zu of the %u header bytes", len,
+                WIRE_HEADER_SIZE);
+  wire_header h;
+  int rc = wire_decode_header(p, max_payload, &h, err, errlen);
+  if (rc)
+    return rc;
+  uint64_t total = WIRE_HEADER_SIZE + (uint64_t)h.meta_len + h.payload_len;
+  *frame_len = (size_t)total;
+  if (len < WIRE_HEADER_SIZE + (size_t)h.meta_len)
+    return fail(err, errlen, ZS_EPROTO, "truncated %s frame: %zu of the %u meta bytes",
+                wire_type_name(h.type), len - WIRE_HEADER_SIZE, (unsigned)h.meta_len);
+  const uint8_t *meta = p + WIRE_HEADER_SIZE;
+  if ((rc = wire_check_header_crc(&h, p, meta, err, errlen)) != 0)
+    return rc;
+  if ((rc = wire_decode_meta(&h, meta, out, err, errlen)) != 0)
+    return rc;
+  if ((uint64_t)len < total)
+    return fail(
+        err, errlen, ZS_EPROTO, "truncated %s frame: %" PRIu64 " of the %" PRIu64 " payload bytes",
+        wire_type_name(h.type), (uint64_t)len - WIRE_HEADER_SIZE - h.meta_len, h.payload_len);
+  const uint8_t *pl = meta + h.meta_len;
+  if (h.payload_len) {
+    uint32_t c = crc32c(0, pl, (size_t)h.payload_len);
+    if (c != h.payload_crc)
+      return fail(err, errlen, ZS_ECRC,
+                  "%s frame (request id %" PRIu64 ") payload CRC 0x%08" PRIx32
+                  " does not match its %" PRIu64 " bytes (0x%08" PRIx32 ")",
+                  wire_type_name(h.type), h.request_id, h.payload_crc, h.payload_len, c);
+  }
+  *payload = pl;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ reader */
+
+void wire_reader_init(wire_reader *r, uint64_t max_payload) {
+  memset(r, 0, sizeof *r);
+  r->max_payload = max_payload ? max_payload : WIRE_DEFAULT_MAX_PAYLOAD;
+  r->state = R_HEAD;
+}
+
+void wire_reader_free(wire_reader *r) {
+  free(r->meta);
+  r->meta = NULL;
+  r->meta_cap = 0;
+  r->dst = NULL;
+}
+
+static wire_event reader_fatal(wire_reader *r, int status) {
+  r->state = R_FATAL;
+  r->status = status;
+  return WIRE_EV_FATAL;
+}
+
+/* The payload is complete: check its CRC and go back to the next header. */
+static wire_event reader_finish(wire_reader *r) {
+  r->payload_status = 0;
+  if (r->dst && r->crc != r->h.payload_crc)
+    r->payload_status = fail(r->err, sizeof r->err, ZS_ECRC,
+                             "%s frame (request id %" PRIu64 ") payload CRC 0x%08" PRIx32
+                             " does not match its %" PRIu64 " bytes (0x%08" PRIx32 ")",
+                             wire_type_name(r->h.type), r->h.request_id, r->h.payload_crc,
+                             r->h.payload_len, r->crc);
+  r->dst = NULL;
+  r->state = R_HEAD;
+  r->head_have = 0;
+  return WIRE_EV_DONE;
+}
+
+/* The meta is complete: check the header CRC and decode it. */
+static wire_event reader_meta(wire_reader *r) {
+  int rc = wire_check_header_crc(&r->h, r->head, r->meta, r->err, sizeof r->err);
+  if (rc)
+    return reader_fatal(r, rc);
+  r->meta_status = wire_decode_meta(&r->h, r->meta, &r->msg, r->err, sizeof r->err);
+  r->payload_status = 0;
+  r->have = 0;
+  r->crc = 0;
+  r->dst = NULL;
+  r->state = R_WAIT_DST;
+  return WIRE_EV_META;
+}
+
+size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *ev) {
+  /* An empty feed may come as NULL; offsets are never applied to NULL. */
+  const uint8_t *p = in ? in : (const uint8_t *)"";
+  if (!in)
+    len = 0;
+  size_t used = 0;
+  for (;;) {
+    switch (r->state) {
+    case R_HEAD: {
+      size_t take = WIRE_HEADER_SIZE - r->head_have;
+      if (take > len - used)
+        take = len - used;
+      if (take)
+        memcpy(r->head + r->head_have, p + used, take);
+      r->head_have += take;
+      used += take;
+      if (r->head_have < WIRE_HEADER_SIZE) {
+        *ev = WIRE_EV_NONE;
+        return used;
+      }
+      int rc = wire_decode_header(r->head, r->max_payload, &r->h, r->err, sizeof r->err);
+      if (rc) {
+        *ev = reader_fatal(r, rc);
+        return used;
+      }
+      if (r->h.meta_len > r->meta_cap) {
+        /* Grow to a power of two so that a stream of slightly growing metas
+         * does not reallocate every frame. */
+        size_t cap = 256;
+        while (cap < r->h.meta_len)
+          cap *= 2;
+        uint8_t *m = realloc(r->meta, cap);
+        if (!m) {
+          fail(r->err, sizeof r->err, ZS_ENOMEM, "out of memory for a %" PRIu32 "-byte meta",
+               r->h.meta_len);
+          *ev = reader_fatal(r, ZS_ENOMEM);
+          return used;
+        }
+        r->meta = m;
+        r->meta_cap = cap;
+      }
+      r->meta_have = 0;
+      r->state = R_META;
+      break;
+    }
+    case R_META: {
+      size_t take = r->h.meta_len - r->meta_have;
+      if (take > len - used)
+        take = len - used;
+      if (take)
+        memcpy(r->meta + r->meta_have, p + used, take);
+      r->meta_have += take;
+      used += take;
+      if (r->meta_have < r->h.meta_len) {
+        *ev = WIRE_EV_NONE;
+        return used;
+      }
+      *ev = reader_meta(r);
+      return used;
+    }
+    case R_WAIT_DST:
+      /* Feeding on without saying where the payload goes is a caller bug;
+       * refusing it loudly beats guessing. */
+      fail(r->err, sizeof r->err, ZS_EINVAL,
+           "wire_reader_set_payload was not called after a META event");
+      *ev = reader_fatal(r, ZS_EINVAL);
+      return used;
+    case R_PAYLOAD: {
+      uint64_t left = r->h.payload_len - r->have;
+      if (left == 0) {
+        *ev = reader_finish(r);
+        return used;
+      }
+      size_t take = len - used;
+      if ((uint64_t)take > left)
+        take = (size_t)left;
+      if (take == 0) {
+        *ev = WIRE_EV_NONE;
+        return used;
+      }
+      if (r->dst) {
+        /* The only copy of payload bytes made here: those that came in the
+         * same read as their header. */
+        memcpy(r->dst + r->have, p + used, take);
+        r->crc = crc32c(r->crc, p + used, take);
+      }
+      r->have += take;
+      used += take;
+      break;
+    }
+    default:
+      *ev = WIRE_EV_FATAL;
+      return used;
+    }
+  }
+}
+
+int wire_reader_set_payload(wire_reader *r, void *dst) {
+  if (r->state != R_WAIT_DST || (dst && r->meta_status != 0))
+    return ZS_EINVAL;
+  r->dst = r->h.payload_len ? dst : NULL;
+  r->have = 0;
+  r->crc = 0;
+  r->state = R_PAYLOAD;
+  return 0;
+}
+
+void *wire_reader_space(wire_reader *r, size_t *len) {
+  *len = 0;
+  if (r->state != R_PAYLOAD || !r->dst || r->have >= r->h.payload_len)
+    return NULL;
+  uint64_t left = r->h.payload_len - r->have;
+  *len = left > SIZE_MAX ? SIZE_MAX : (size_t)left;
+  return r->dst + r->have;
+}
+
+wire_event wire_reader_commit(wire_reader *r, size_t n) {
+  if (r->state != R_PAYLOAD || !r->dst || (uint64_t)n > r->h.payload_len - r->have) {
+    fail(r->err, sizeof r->err, ZS_EINVAL, "wire_reader_commit of %zu bytes out of range", n);
+    return reader_fatal(r, ZS_EINVAL);
+  }
+  r->crc = crc32c(r->crc, r->dst + r->have, n);
+  r->have += n;
+  return r->have == r->h.payload_len ? reader_finish(r) : WIRE_EV_NONE;
+}
+
+void wire_reader_skip_rest(wire_reader *r) {
+  if (r->state == R_PAYLOAD)
+    r->dst = NULL;
+}
+
+int wire_reader_mid_frame(const wire_reader *r) {
+  return r->state != R_HEAD || r->head_have > 0;
+}
+
+int wire_reader_eof(wire_reader *r) {
+  switch (r->state) {
+  case R_HEAD:
+    if (r->head_have == 0)
+      return 0;
+    return fail(r->err, sizeof r->err, ZS_EPROTO,
+                "stream ended inside a frame header (%zu of %u bytes)", r->head_have,
+                WIRE_HEADER_SIZE);
+  case R_META:
+    return fail(r->err, sizeof r->err, ZS_EPROTO,
+                "stream ended inside the meta of a %s frame (request id %" PRIu64
+                ", %zu of %" PRIu32 " bytes)",
+                wire_type_name(r->h.type), r->h.request_id, r->meta_have, r->h.meta_len);
+  case R_WAIT_DST:
+  case R_PAYLOAD:
+    return fail(r->err, sizeof r->err, ZS_EPROTO,
+                "stream ended inside the payload of a %s frame (request id %" PRIu64 ", %" PRIu64
+                " of %" PRIu64 " bytes)",
+                wire_type_name(r->h.type), r->h.request_id, r->have, r->h.payload_len);
+  default:
+    return r->status ? r->status : ZS_EPROTO;
+  }
+}

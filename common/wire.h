@@ -1,0 +1,257 @@
+/*
+ * wire — the frames of the data plane (docs/PROTOCOL.md): encoding and
+ * decoding, pure functions on memory, no I/O.
+ *
+ * A frame is a fixed 40-byte little-endian header, a protobuf-c meta message
+ * (proto/zshard/v1/data.proto) and the raw tensor bytes (the payload):
+ *
+ *   offset size field
+ *        0    4 magic        the bytes "ZSDP" (0x5A 0x53 0x44 0x50)
+ *        4    1 version      1
+ *        5    1 type         WIRE_PUSH .. WIRE_PONG
+ *        6    2 flags        0: version 1 defines no flag; a set bit is refused
+ *        8    8 request_id   chosen by the client, echoed by the answer
+ *       16    8 payload_len  bytes after the meta, <= the receiver's maximum
+ *       24    4 meta_len     bytes of the meta message, <= WIRE_MAX_META
+ *       28    4 payload_crc  CRC32C of the payload (0 for no payload)
+ *       32    4 reserved     0
+ *       36    4 header_crc   CRC32C of bytes 0..35 followed by the meta
+ *
+ * The header CRC is checked before the payload length is trusted, so one
+ * flipped bit in a length is a clear error rather than a 1 GiB allocation or a
+ * desynchronised stream. Only PUSH and PULL_DATA carry a payload; PING and
+ * PONG carry neither meta nor payload.
+ *
+ * Errors come in two kinds:
+ *  - fatal: the stream can no longer be framed (bad magic, version, type,
+ *    flags or reserved field; a length over its bound; a payload on a type
+ *    that has none; a header CRC mismatch; the stream ending inside a frame).
+ *    The receiver answers ERROR with request id 0 if it can and closes.
+ *  - per request: the framing is intact but the frame is refused (the meta
+ *    does not parse, a dtype or status is not one of ours, the payload CRC
+ *    does not match). The receiver skips the frame, answers an ERROR with the
+ *    frame's request id, and the connection lives on.
+ * Every error carries a zs_status (ZS_EPROTO, ZS_ERANGE, ZS_ECRC, ZS_EDTYPE)
+ * and a sentence naming the field and the values.
+ */
+#ifndef ZSHARD_COMMON_WIRE_H
+#define ZSHARD_COMMON_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define WIRE_MAGIC 0x5044535Au /* "ZSDP" read as a little-endian u32 */
+#define WIRE_VERSION 1u
+#define WIRE_HEADER_SIZE 40u
+#define WIRE_MAX_META 65536u
+/* The payload bound a receiver uses unless configured otherwise. */
+#define WIRE_DEFAULT_MAX_PAYLOAD (UINT64_C(1) << 30)
+/* Longest ERROR message kept, in bytes (longer ones are cut). */
+#define WIRE_MAX_MESSAGE 400u
+/* Room for any header + meta wire_encode writes (the longest is an ERROR
+ * with a message of WIRE_MAX_MESSAGE bytes). */
+#define WIRE_MAX_ENCODED (WIRE_HEADER_SIZE + 512u)
+#define WIRE_ERRLEN 192u
+
+typedef enum wire_type {
+  WIRE_PUSH = 1,      /* meta DataPush, payload: the gradient */
+  WIRE_PUSH_ACK = 2,  /* meta DataPushAck */
+  WIRE_PULL = 3,      /* meta DataPull */
+  WIRE_PULL_DATA = 4, /* meta DataPullData, payload: the piece */
+  WIRE_ERROR = 5,     /* meta DataError */
+  WIRE_PING = 6,      /* nothing: asks for a PONG with the same request id */
+  WIRE_PONG = 7,
+} wire_type;
+
+/* A header as decoded (every field host-endian). */
+typedef struct wire_header {
+  uint8_t version, type;
+  uint16_t flags;
+  uint64_t request_id;
+  uint64_t payload_len;
+  uint32_t meta_len;
+  uint32_t payload_crc;
+  uint32_t header_crc;
+} wire_header;
+
+/* The meta messages as plain C. dtype fields hold the wire value, which the
+ * decoder has checked to be a zs_dtype. */
+typedef struct wire_push {
+  uint64_t spec_hash, step;
+  uint32_t rank, micro, tensor, slice;
+  int dtype;
+} wire_push;
+
+typedef struct wire_push_ack {
+  int duplicate;
+} wire_push_ack;
+
+typedef struct wire_pull {
+  uint64_t spec_hash, min_version;
+  uint32_t tensor, slice, timeout_ms;
+  int dtype;
+} wire_pull;
+
+typedef struct wire_pull_data {
+  uint64_t version;
+  int dtype;
+} wire_pull_data;
+
+typedef struct wire_error {
+  int status;                         /* a negative zs_status */
+  char message[WIRE_MAX_MESSAGE + 1]; /* NUL-terminated, control bytes shown as '?' */
+} wire_error;
+
+/* One frame without its payload. */
+typedef struct wire_msg {
+  wire_type type;
+  uint64_t request_id;
+  uint64_t payload_len;
+  uint32_t payload_crc;
+  union {
+    wire_push push;
+    wire_push_ack push_ack;
+    wire_pull pull;
+    wire_pull_data pull_data;
+    wire_error error;
+  } u;
+} wire_msg;
+
+/* "PUSH", "PULL_DATA" ...; "UNKNOWN" for anything else. A static string. */
+const char *wire_type_name(int type);
+
+/* ------------------------------------------------------------------ encode */
+
+/* Writes the header and meta of `m` into out[0 .. *len). The caller fills
+ * m->payload_len and m->payload_crc (crc32c(0, payload, len)) and sends the
+ * payload right after. An ERROR message longer than WIRE_MAX_MESSAGE is cut.
+ * Returns 0, or ZS_EINVAL for an unknown type, a payload on a type that has
+ * none, or cap < the encoded size (WIRE_MAX_ENCODED always suffices). `m` is
+ * only read; `out` is the caller's. */
+int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len);
+
+/* ------------------------------------------------------------------ decode */
+
+/* Decodes and checks a header: magic, version, type, flags, reserved field,
+ * meta_len <= WIRE_MAX_META, payload_len <= max_payload, no payload (and for
+ * PING/PONG no meta) on types that carry none. Every failure is fatal for a
+ * stream: ZS_EPROTO, or ZS_ERANGE for a length over its bound, with a sentence
+ * in err (may be NULL). The header CRC is not checked here: it also covers the
+ * meta (wire_check_header_crc). */
+int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload, wire_header *h,
+                       char *err, size_t errlen);
+
+/* ZS_ECRC (fatal) unless h->header_crc is the CRC32C of the 36 header bytes in
+ * `head` followed by the h->meta_len bytes of `meta`. */
+int wire_check_header_crc(const wire_header *h, const uint8_t head[WIRE_HEADER_SIZE],
+                          const uint8_t *meta, char *err, size_t errlen);
+
+/* Decodes the meta of a frame whose header CRC holds into *out (type,
+ * request id and lengths copied from h). Returns 0, or a per-request error:
+ * ZS_EPROTO (the meta does not parse, an ERROR status is not a negative
+ * zs_status), ZS_EDTYPE (a dtype that is not fp32, fp16 or bf16), ZS_ENOMEM.
+ * On error *out still holds type and request id, so that the receiver can
+ * answer the request. */
+int wire_decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, char *err,
+                     size_t errlen);
+
+/* Decodes one whole frame at the start of buf[0 .. len): header, header CRC,
+ * meta and payload CRC. On success returns 0, *out is the frame, *payload
+ * points into buf at its payload and *frame_len is the frame's size. Returns
+ * ZS_EPROTO if buf ends before the frame does ("truncated"), or the error of
+ * the failing step above (*frame_len is set once the header decoded, 0
+ * before). For tests and the fuzzer; a stream uses wire_reader. */
+int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_msg *out,
+                      const uint8_t **payload, size_t *frame_len, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------ reader */
+
+/*
+ * A reader cuts a byte stream into frames incrementally, whatever the sizes of
+ * the pieces it is fed. The caller owns the payload memory: at each frame's
+ * META event it says where the payload goes (wire_reader_set_payload), and
+ * may then let the socket write the payload there directly
+ * (wire_reader_space / wire_reader_commit), so that the payload bytes are
+ * copied only by the kernel. Bytes of a payload that arrive through
+ * wire_reader_feed (in the same read as the header) are copied once into the
+ * destination. The payload CRC is computed as the bytes arrive, while they are
+ * still in cache.
+ *
+ * Events (wire_reader_feed stops at each one):
+ *   WIRE_EV_NONE   all input was consumed and no frame boundary was reached.
+ *   WIRE_EV_META   a frame's header and meta are in and the header CRC holds:
+ *                  r->msg is the frame; r->meta_status is 0 or a per-request
+ *                  error (sentence in r->err). The caller must now call
+ *                  wire_reader_set_payload (NULL to skip the payload; it must
+ *                  skip when meta_status is not 0).
+ *   WIRE_EV_DONE   the payload is complete (or skipped): r->payload_status is
+ *                  0 or ZS_ECRC. r->msg stays valid until the next feed.
+ *   WIRE_EV_FATAL  the stream is broken: r->status and r->err say why; every
+ *                  later call returns WIRE_EV_FATAL again.
+ */
+typedef enum wire_event {
+  WIRE_EV_NONE = 0,
+  WIRE_EV_META,
+  WIRE_EV_DONE,
+  WIRE_EV_FATAL,
+} wire_event;
+
+typedef struct wire_reader {
+  /* Results, read-only for the caller (see the events above). */
+  wire_msg msg;
+  int meta_status;
+  int payload_status;
+  int status;
+  char err[WIRE_ERRLEN];
+  /* Private. */
+  uint64_t max_payload;
+  int state;
+  uint8_t head[WIRE_HEADER_SIZE];
+  size_t head_have;
+  wire_header h;
+  uint8_t *meta; /* owned, meta_cap bytes */
+  size_t meta_cap, meta_have;
+  uint8_t *dst; /* the caller's, or NULL when skipping */
+  uint64_t have;
+  uint32_t crc;
+} wire_reader;
+
+/* Initialises `r` for payloads of at most max_payload bytes (0 means
+ * WIRE_DEFAULT_MAX_PAYLOAD). The reader is the caller's; wire_reader_free
+ * releases what it allocates. */
+void wire_reader_init(wire_reader *r, uint64_t max_payload);
+void wire_reader_free(wire_reader *r);
+
+/* Consumes bytes from in[0 .. len) up to the next event; returns how many.
+ * `in` is only read during the call; NULL is an empty input. */
+size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *ev);
+
+/* After WIRE_EV_META: the payload (r->msg.payload_len bytes) goes to dst, or
+ * is skipped if dst is NULL. dst is the caller's and must stay valid until
+ * WIRE_EV_DONE or wire_reader_free. Returns 0, or ZS_EINVAL if the reader is
+ * not waiting for a destination or dst is given for a refused frame. */
+int wire_reader_set_payload(wire_reader *r, void *dst);
+
+/* Where the next payload bytes may be written directly, and how many are
+ * still missing (*len); NULL (and *len 0) unless a kept payload is being
+ * received. */
+void *wire_reader_space(wire_reader *r, size_t *len);
+
+/* Accounts n bytes written at wire_reader_space() (n <= *len given there).
+ * Returns WIRE_EV_DONE when that completed the payload, else WIRE_EV_NONE
+ * (WIRE_EV_FATAL if n is out of range, which is a caller bug). */
+wire_event wire_reader_commit(wire_reader *r, size_t n);
+
+/* The payload being received is no longer wanted (its request was given
+ * up): the rest of it is skipped, the destination is released at once and no
+ * CRC is checked. Does nothing outside a payload. */
+void wire_reader_skip_rest(wire_reader *r);
+
+/* 1 while part of a frame has been received, 0 at a frame boundary. */
+int wire_reader_mid_frame(const wire_reader *r);
+
+/* The stream ended. Returns 0 at a frame boundary, else ZS_EPROTO with a
+ * sentence in r->err saying how much of which frame was missing. */
+int wire_reader_eof(wire_reader *r);
+
+#endif

@@ -1,0 +1,1314 @@
+/*
+ * dp_server — the data plane's libuv server (see dp_server.h).
+ *
+ * Threads and what they own:
+ *  - The loop thread runs uv_run and owns every handle, every connection,
+ *    the buffer pool and every counter it writes: it accepts, reads and
+ *    decodes frames, calls the core for small requests, and writes answers.
+ *  - libuv's thread pool runs the work of large requests (core_push of a
+ *    received gradient; core_read of a piece into its answer buffer, and the
+ *    answer's CRC), so that the loop keeps serving other peers meanwhile. A
+ *    work item touches only its own dp_work and the buffer it carries; libuv
+ *    hands it back to the loop thread for the answer.
+ *  - Core threads call on_core_version when a Pull's version arrives (or its
+ *    wait ends). The callback touches only its dp_pull record and the
+ *    mailbox: it queues the record there and wakes the loop with
+ *    uv_async_send, the one door into the loop from other threads.
+ *  - The thread calling dp_server_start / dp_server_stop creates the handles
+ *    before the loop thread runs, and after joining it frees what is left;
+ *    in between it only sets `stop` and wakes the loop through the same door.
+ *
+ * Lock order: mailbox.mu is the only lock here and a leaf. It is never held
+ * while calling into the core, and the core calls on_core_version holding no
+ * lock of its own that we could wait for.
+ *
+ * Lifetimes: a connection is reference counted (loop thread only): its
+ * handle, each thread-pool work, each answer being written and each Pull
+ * waiting in the core hold one reference. After uv_close the connection is a
+ * "zombie" until its last reference goes; a Pull record outstanding in the
+ * core when the server stops is then owned by the mailbox and never touches
+ * its connection again, and the server frees the zombies itself.
+ *
+ * Copies of tensor bytes, beyond the kernel's socket copies:
+ *  - Push: the payload is read from the socket straight into a buffer sized
+ *    from the header (taken from a small pool, so that large buffers are not
+ *    faulted in afresh for every frame), except for the bytes that arrived in
+ *    the same read as the header (at most DP_STAGING bytes, copied once). The
+ *    CRC is computed on each read's bytes while they are in cache. core_push
+ *    then adds the buffer into the accumulator (or copies an early
+ *    contribution to hold it, the core's own rule). 0 extra copies for large
+ *    payloads.
+ *  - Pull: core_read converts the piece from the master arena into the
+ *    answer buffer (1 pass, which is the dtype conversion), the CRC reads it
+ *    once more, and uv_write sends header+meta and that buffer with one
+ *    writev. 0 extra copies.
+ */
+#include "server/dp_server.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <uv.h>
+
+#include "common/clock.h"
+#include "common/crc32c.h"
+#include "common/dp_client.h"
+#include "common/dtype.h"
+#include "common/log.h"
+#include "common/wire.h"
+
+#define DP_DEFAULT_MAX_PENDING 256u
+#define DP_DEFAULT_MAX_QUEUED (UINT64_C(64) << 20)
+#define DP_DEFAULT_STALL_MS 60000u
+#define DP_DEFAULT_MAX_CONNS 1024u
+#define DP_DEFAULT_INLINE (UINT64_C(64) << 10)
+/* Pulls of one connection parked in the core. They hold no buffer, so they
+ * are not part of the backpressure bound (a client may prefetch the next
+ * version's pieces while still pushing this step's gradients, and pausing its
+ * reads then would hold back the very pushes the version waits for); past
+ * this many the next one is refused. */
+#define DP_MAX_WAITING_PULLS 4096u
+/* Reads into the shared staging buffer (headers, metas, small payloads). */
+#define DP_STAGING (64u << 10)
+/* A payload with at least this much still missing is read straight into its
+ * buffer; less, and it comes through the staging buffer with what follows. */
+#define DP_DIRECT_MIN (16u << 10)
+/* Largest single direct read: small enough that its CRC runs on bytes still
+ * in cache. */
+#define DP_READ_CHUNK (512u << 10)
+/* Bytes read from one connection in one loop iteration before it yields to
+ * the others until the next iteration. */
+#define DP_READ_BUDGET (4u << 20)
+/* Pull answers of one connection being produced (core_read) or waiting to
+ * be sent, in bytes, before the next ready Pull waits its turn: answers are
+ * made just in time for the socket, which bounds the memory a connection
+ * holds and lets the pool hand the same few buffers round. One answer is
+ * always allowed, however large. */
+#define DP_PRODUCE_WINDOW (UINT64_C(32) << 20)
+/* Idle buffers kept for reuse; one buffer is kept whatever its size when the
+ * pool is otherwise empty. */
+#define DP_POOL_BYTES (UINT64_C(64) << 20)
+/* Buffers from this size up are 2 MiB aligned and asked to be backed by huge
+ * pages, so that a fresh one costs 512 times fewer page faults. */
+#define DP_HUGE_MIN (UINT64_C(2) << 20)
+#define DP_POOL_PER_CLASS 4
+#define DP_POOL_IDLE_MS 10000u
+#define DP_SWEEP_MS 1000u
+#define DP_POOL_CLASSES 64
+
+#define PAUSE_FAIR 1u
+#define PAUSE_BACKPRESSURE 2u
+
+#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
+
+/* snprintf for messages that may be cut: a sentence too long for its buffer
+ * is shortened, which is what we want, so the compiler need not warn. */
+static void say(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void say(char *buf, size_t len, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, len, fmt, ap);
+  va_end(ap);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Types                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* An intrusive doubly linked list node; a list is a sentinel node. */
+typedef struct dp_link {
+  struct dp_link *prev, *next;
+} dp_link;
+
+static void link_init(dp_link *l) {
+  l->prev = l->next = l;
+}
+
+static int link_empty(const dp_link *l) {
+  return l->next == l;
+}
+
+static void link_push(dp_link *list, dp_link *n) {
+  n->prev = list->prev;
+  n->next = list;
+  list->prev->next = n;
+  list->prev = n;
+}
+
+static void link_remove(dp_link *n) {
+  if (!n->next)
+    return;
+  n->prev->next = n->next;
+  n->next->prev = n->prev;
+  n->prev = n->next = NULL;
+}
+
+/* A payload buffer: capacity is a power of two (its pool class). */
+typedef struct dp_buf {
+  struct dp_buf *next; /* in the pool */
+  size_t cap;
+  int cls;
+  unsigned char *data; /* 64-byte aligned, cap bytes */
+} dp_buf;
+
+typedef struct dp_server dp_server;
+
+typedef struct dp_conn {
+  uv_tcp_t tcp;
+  dp_server *s;
+  dp_link node; /* on s->live, then on s->zombies after close */
+  dp_link fair; /* on s->fair while paused for the read budget */
+  uint32_t refs;
+  int closing;
+  int eof;   /* the peer shut its side: answer what is pending, then close */
+  int fatal; /* the stream broke: the ERROR frame is on its way, then close */
+  unsigned pause;
+  int reading;
+  int mid; /* counted in stats.mid_frame */
+  int bp;  /* counted in stats.paused */
+  wire_reader rd;
+  dp_buf *rx;                              /* payload buffer of the PUSH being received */
+  uint32_t pending;                        /* requests read whose answer is not yet written */
+  uint32_t waiting;                        /* Pulls parked in the core */
+  uint64_t queued;                         /* answer bytes handed to uv_write, not yet completed */
+  uint64_t producing;                      /* Pull answer bytes being read from the core */
+  struct dp_pull *ready_head, *ready_tail; /* Pulls whose version is there, FIFO */
+  uint64_t iter, iter_bytes;
+  uint64_t last_progress_ms;
+  size_t wq_seen;
+  uint64_t wq_since_ms;
+  char peer[64];
+} dp_conn;
+
+/* Where core threads leave finished Pull waits for the loop. Reference
+ * counted: the server holds one reference, every Pull outstanding in the core
+ * (or queued in `done`) one more, so that a callback arriving after the
+ * server stopped still finds it. */
+typedef struct dp_mailbox {
+  pthread_mutex_t mu;
+  int closed;
+  uint64_t refs;
+  struct dp_pull *done; /* LIFO */
+  uv_async_t *async;    /* valid while !closed */
+} dp_mailbox;
+
+typedef struct dp_pull {
+  struct dp_pull *next;
+  dp_mailbox *mb;
+  dp_conn *conn;
+  uint64_t request_id, hash, min_version;
+  uint32_t tensor, slice;
+  zs_dtype dtype;
+  size_t nbytes;
+  /* Written by the core callback. */
+  int status;
+  uint64_t version;
+} dp_pull;
+
+/* Work of one large request on the thread pool (or inline for a small one). */
+typedef struct dp_work {
+  uv_work_t req;
+  dp_conn *conn;
+  core *core; /* what the pool thread may use: never the connection */
+  int type;   /* WIRE_PUSH or WIRE_PULL */
+  uint64_t request_id;
+  dp_buf *buf;
+  size_t nbytes;
+  core_push_args push;
+  uint64_t hash;
+  uint32_t tensor, slice;
+  zs_dtype dtype;
+  /* Results. */
+  int status, duplicate;
+  uint64_t version;
+  uint32_t crc;
+  char err[DP_ERRLEN];
+} dp_work;
+
+/* One answer being written. */
+typedef struct dp_out {
+  uv_write_t req;
+  dp_conn *conn;
+  dp_buf *payload; /* returned to the pool after the write, or NULL */
+  uint64_t bytes;
+  int is_answer; /* counts against conn->pending */
+  int close_after;
+  uint8_t head[WIRE_MAX_ENCODED];
+} dp_out;
+
+struct dp_server {
+  uv_loop_t loop;
+  uv_tcp_t listener;
+  uv_async_t async;
+  uv_timer_t sweep;
+  uv_check_t check;
+  pthread_t thread;
+  int thread_started;
+  int loop_inited;
+  int port;
+  core *core;
+  uint64_t max_payload, max_queued, inline_bytes;
+  uint32_t max_pending, stall_ms, max_conns;
+  atomic_int stop;
+  dp_mailbox *mb;
+  dp_link live, zombies, fair;
+  uint64_t nconns;
+  uint64_t iter;
+  unsigned char *staging;
+  dp_buf *pool[DP_POOL_CLASSES];
+  int pool_count[DP_POOL_CLASSES];
+  uint64_t pool_bytes, pool_last_use_ms;
+  /* Counters (written by the loop thread, read by anyone). */
+  _Atomic uint64_t st_conns, st_accepted, st_frames_in, st_frames_out, st_bytes_in, st_bytes_out,
+      st_req_errors, st_proto_errors, st_crc_errors, st_stalled, st_mid, st_paused, st_waiting;
+};
+
+static void count(_Atomic uint64_t *c, int64_t d) {
+  atomic_fetch_add_explicit(c, (uint64_t)d, memory_order_relaxed);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Buffer pool (loop thread)                                                */
+/* ------------------------------------------------------------------------ */
+
+static int size_class(size_t n) {
+  int c = 12; /* 4 KiB at least */
+  while (c < DP_POOL_CLASSES - 1 && ((size_t)1 << c) < n)
+    c++;
+  return c;
+}
+
+static void buf_free(dp_buf *b) {
+  if (b) {
+    free(b->data);
+    free(b);
+  }
+}
+
+static dp_buf *pool_get(dp_server *s, size_t n) {
+  int c = size_class(n);
+  if (((size_t)1 << c) < n)
+    return NULL;
+  s->pool_last_use_ms = clock_now_ms();
+  dp_buf *b = s->pool[c];
+  if (b) {
+    s->pool[c] = b->next;
+    s->pool_count[c]--;
+    s->pool_bytes -= b->cap;
+    b->next = NULL;
+    return b;
+  }
+  b = calloc(1, sizeof *b);
+  if (!b)
+    return NULL;
+  b->cls = c;
+  b->cap = (size_t)1 << c;
+  void *p = NULL;
+  if (posix_memalign(&p, b->cap >= DP_HUGE_MIN ? DP_HUGE_MIN : 64, b->cap) != 0) {
+    free(b);
+    return NULL;
+  }
+  if (b->cap >= DP_HUGE_MIN)
+    madvise(p, b->cap, MADV_HUGEPAGE); /* a hint: failure changes nothing */
+  b->data = p;
+  return b;
+}
+
+static void pool_put(dp_server *s, dp_buf *b) {
+  if (!b)
+    return;
+  if (s->pool_count[b->cls] < DP_POOL_PER_CLASS &&
+      (s->pool_bytes + b->cap <= DP_POOL_BYTES || s->pool_bytes == 0)) {
+    b->next = s->pool[b->cls];
+    s->pool[b->cls] = b;
+    s->pool_count[b->cls]++;
+    s->pool_bytes += b->cap;
+    return;
+  }
+  buf_free(b);
+}
+
+static void pool_drain(dp_server *s) {
+  for (int c = 0; c < DP_POOL_CLASSES; c++) {
+    while (s->pool[c]) {
+      dp_buf *b = s->pool[c];
+      s->pool[c] = b->next;
+      buf_free(b);
+    }
+    s->pool_count[c] = 0;
+  }
+  s->pool_bytes = 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Mailbox                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void mailbox_unref(dp_mailbox *mb, uint64_t n) {
+  pthread_mutex_lock(&mb->mu);
+  mb->refs -= n;
+  int last = mb->refs == 0;
+  pthread_mutex_unlock(&mb->mu);
+  if (last) {
+    pthread_mutex_destroy(&mb->mu);
+    free(mb);
+  }
+}
+
+/* Core thread: the wait of a Pull ended. */
+static void on_core_version(void *arg, int status, uint64_t version) {
+  dp_pull *p = arg;
+  dp_mailbox *mb = p->mb;
+  int orphan = 0;
+  pthread_mutex_lock(&mb->mu);
+  p->status = status;
+  p->version = version;
+  if (mb->closed) {
+    orphan = 1;
+  } else {
+    p->next = mb->done;
+    mb->done = p;
+    uv_async_send(mb->async);
+  }
+  pthread_mutex_unlock(&mb->mu);
+  if (orphan) {
+    /* The server is gone; its connections with it. */
+    free(p);
+    mailbox_unref(mb, 1);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Connections                                                              */
+/* ------------------------------------------------------------------------ */
+
+static void conn_free(dp_conn *c) {
+  link_remove(&c->node);
+  wire_reader_free(&c->rd);
+  buf_free(c->rx);
+  free(c);
+}
+
+static void conn_ref(dp_conn *c) {
+  c->refs++;
+}
+
+static void conn_unref(dp_conn *c) {
+  if (--c->refs == 0)
+    conn_free(c);
+}
+
+static void on_conn_closed(uv_handle_t *h) {
+  dp_conn *c = h->data;
+  conn_unref(c);
+}
+
+static void conn_set_mid(dp_conn *c, int mid) {
+  if (mid != c->mid) {
+    c->mid = mid;
+    count(&c->s->st_mid, mid ? 1 : -1);
+  }
+}
+
+static void conn_close(dp_conn *c) {
+  if (c->closing)
+    return;
+  dp_server *s = c->s;
+  c->closing = 1;
+  link_remove(&c->fair);
+  link_remove(&c->node);
+  link_push(&s->zombies, &c->node);
+  s->nconns--;
+  count(&s->st_conns, -1);
+  conn_set_mid(c, 0);
+  if (c->bp) {
+    c->bp = 0;
+    count(&s->st_paused, -1);
+  }
+  /* The receive buffer of an unfinished PUSH and the Pulls not yet answered
+   * go with the stream (the handle's reference keeps c alive meanwhile). */
+  pool_put(s, c->rx);
+  c->rx = NULL;
+  while (c->ready_head) {
+    dp_pull *p = c->ready_head;
+    c->ready_head = p->next;
+    c->pending--;
+    free(p);
+    conn_unref(c);
+  }
+  c->ready_tail = NULL;
+  /* Writes still queued complete with UV_ECANCELED in on_written. */
+  uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
+static void conn_produce(dp_conn *c);
+
+static void conn_update_reading(dp_conn *c) {
+  int want = !c->closing && !c->eof && !c->fatal && c->pause == 0;
+  if (want && !c->reading) {
+    if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) {
+      c->reading = 1;
+      /* Time spent paused by us is not the peer's stall. */
+      c->last_progress_ms = clock_now_ms();
+    } else {
+      conn_close(c);
+    }
+  } else if (!want && c->reading) {
+    uv_read_stop((uv_stream_t *)&c->tcp);
+    c->reading = 0;
+  }
+}
+
+/* Re-evaluates the backpressure bound after pending or queued changed, and
+ * closes a half-closed connection once everything is answered. */
+static void conn_check(dp_conn *c) {
+  if (c->closing)
+    return;
+  dp_server *s = c->s;
+  if (c->eof && c->pending == 0 && c->waiting == 0) {
+    conn_close(c);
+    return;
+  }
+  int over = c->pending >= s->max_pending || c->queued >= s->max_queued;
+  if (over != c->bp) {
+    c->bp = over;
+    count(&s->st_paused, over ? 1 : -1);
+    if (over)
+      c->pause |= PAUSE_BACKPRESSURE;
+    else
+      c->pause &= ~PAUSE_BACKPRESSURE;
+    conn_update_reading(c);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Answers                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void on_written(uv_write_t *req, int status) {
+  dp_out *o = container_of(req, dp_out, req);
+  dp_conn *c = o->conn;
+  dp_server *s = c->s;
+  c->queued -= o->bytes;
+  if (o->is_answer)
+    c->pending--;
+  pool_put(s, o->payload);
+  int close_after = o->close_after;
+  free(o);
+  if (status < 0 || close_after) {
+    conn_close(c);
+  } else {
+    conn_check(c);
+    conn_produce(c);
+  }
+  conn_unref(c);
+}
+
+/* Queues frame `m` (header + meta) and `payload` (may be NULL; ownership
+ * passes here) for writing with one writev. `is_answer` says whether it
+ * answers a request counted in conn->pending. */
+static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, int close_after) {
+  dp_server *s = c->s;
+  if (c->closing) {
+    pool_put(s, payload);
+    if (is_answer)
+      c->pending--;
+    return;
+  }
+  dp_out *o = malloc(sizeof *o);
+  size_t hlen = 0;
+  if (!o || wire_encode(m, o->head, sizeof o->head, &hlen) != 0) {
+    /* Neither can happen with our own frames short of memory running out;
+     * the peer's requests cannot be answered, so the connection goes. */
+    LOG_ERROR("dp_send", "peer=%s type=%s detail=\"cannot build an answer\"", c->peer,
+              wire_type_name(m->type));
+    free(o);
+    pool_put(s, payload);
+    if (is_answer)
+      c->pending--;
+    conn_close(c);
+    return;
+  }
+  o->conn = c;
+  o->payload = payload;
+  o->is_answer = is_answer;
+  o->close_after = close_after;
+  o->bytes = hlen + m->payload_len;
+  uv_buf_t bufs[2];
+  bufs[0] = uv_buf_init((char *)o->head, (unsigned)hlen);
+  unsigned nbufs = 1;
+  if (m->payload_len) {
+    /* Set directly: uv_buf_init takes an unsigned int length. */
+    bufs[1].base = (char *)payload->data;
+    bufs[1].len = (size_t)m->payload_len;
+    nbufs = 2;
+  }
+  conn_ref(c);
+  c->queued += o->bytes;
+  int rc = uv_write(&o->req, (uv_stream_t *)&c->tcp, bufs, nbufs, on_written);
+  if (rc < 0) {
+    c->queued -= o->bytes;
+    if (is_answer)
+      c->pending--;
+    pool_put(s, payload);
+    free(o);
+    conn_close(c);
+    conn_unref(c);
+    return;
+  }
+  count(&s->st_frames_out, 1);
+  count(&s->st_bytes_out, (int64_t)o->bytes);
+  conn_check(c);
+}
+
+static void answer_error(dp_conn *c, uint64_t id, int status, const char *msg) {
+  wire_msg m = {.type = WIRE_ERROR, .request_id = id};
+  m.u.error.status = status;
+  say(m.u.error.message, sizeof m.u.error.message, "%s", msg && *msg ? msg : zs_strerror(status));
+  count(&c->s->st_req_errors, 1);
+  conn_send(c, &m, NULL, 1, 0);
+}
+
+/* The stream broke: say why (request id 0), stop reading, close once the
+ * frame is out. */
+static void conn_fatal(dp_conn *c, int status, const char *msg) {
+  dp_server *s = c->s;
+  count(&s->st_proto_errors, 1);
+  if (status == ZS_ECRC)
+    count(&s->st_crc_errors, 1);
+  LOG_WARN("dp_protocol_error", "peer=%s status=%s detail=\"%s\"", c->peer, zs_err_name(status),
+           msg);
+  c->fatal = 1;
+  conn_set_mid(c, 0);
+  conn_update_reading(c);
+  wire_msg m = {.type = WIRE_ERROR, .request_id = 0};
+  m.u.error.status = status;
+  say(m.u.error.message, sizeof m.u.error.message, "%s", msg);
+  conn_send(c, &m, NULL, 0, 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Push and Pull work                                                       */
+/* ------------------------------------------------------------------------ */
+
+static void work_run(dp_work *w, core *co) {
+  if (w->type == WIRE_PUSH) {
+    w->push.data = w->buf->data;
+    w->status = core_push(co, &w->push, &w->duplicate, w->err, sizeof w->err);
+  } else {
+    w->status = core_read(co, w->hash, w->tensor, w->slice, w->dtype, w->buf->data, w->nbytes,
+                          &w->version, w->err, sizeof w->err);
+    if (w->status == 0)
+      w->crc = crc32c(0, w->buf->data, w->nbytes);
+  }
+}
+
+/* Loop thread: answers a finished work and releases it. */
+static void work_finish(dp_work *w) {
+  dp_conn *c = w->conn;
+  dp_server *s = c->s;
+  if (w->type == WIRE_PULL)
+    c->producing -= w->nbytes;
+  if (w->status != 0) {
+    pool_put(s, w->buf);
+    answer_error(c, w->request_id, w->status, w->err);
+  } else if (w->type == WIRE_PUSH) {
+    pool_put(s, w->buf);
+    wire_msg m = {.type = WIRE_PUSH_ACK, .request_id = w->request_id};
+    m.u.push_ack.duplicate = w->duplicate;
+    conn_send(c, &m, NULL, 1, 0);
+  } else {
+    wire_msg m = {.type = WIRE_PULL_DATA,
+                  .request_id = w->request_id,
+                  .payload_len = w->nbytes,
+                  .payload_crc = w->crc};
+    m.u.pull_data.version = w->version;
+    m.u.pull_data.dtype = (int)w->dtype;
+    core_count_pull(s->core, WIRE_HEADER_SIZE + w->nbytes);
+    conn_send(c, &m, w->buf, 1, 0);
+  }
+  if (w->type == WIRE_PULL)
+    conn_produce(c);
+  free(w);
+  conn_unref(c);
+}
+
+static void on_work(uv_work_t *req) {
+  dp_work *w = container_of(req, dp_work, req);
+  work_run(w, w->core);
+}
+
+static void on_work_done(uv_work_t *req, int status) {
+  dp_work *w = container_of(req, dp_work, req);
+  if (status < 0 && w->status == 0) {
+    w->status = ZS_ECANCELED;
+    say(w->err, sizeof w->err, "the server is shutting down");
+  }
+  work_finish(w);
+}
+
+/* Runs a work inline when it is small, else on the thread pool. Takes
+ * ownership of w. */
+static void work_start(dp_work *w) {
+  dp_conn *c = w->conn;
+  dp_server *s = c->s;
+  conn_ref(c);
+  w->core = s->core;
+  if (w->nbytes <= s->inline_bytes) {
+    work_run(w, s->core);
+    work_finish(w);
+    return;
+  }
+  int rc = uv_queue_work(&s->loop, &w->req, on_work, on_work_done);
+  if (rc < 0) {
+    w->status = ZS_EINTERNAL;
+    say(w->err, sizeof w->err, "cannot queue work: %s", uv_strerror(rc));
+    work_finish(w);
+  }
+}
+
+/* Starts reading the piece of a ready Pull into an answer buffer. */
+static void pull_read(dp_conn *c, const dp_pull *p) {
+  dp_work *w = calloc(1, sizeof *w);
+  dp_buf *b = w ? pool_get(c->s, p->nbytes) : NULL;
+  if (!b) {
+    free(w);
+    answer_error(c, p->request_id, ZS_ENOMEM, "out of memory for the answer buffer");
+    return;
+  }
+  w->conn = c;
+  w->type = WIRE_PULL;
+  w->request_id = p->request_id;
+  w->buf = b;
+  w->nbytes = p->nbytes;
+  w->hash = p->hash;
+  w->tensor = p->tensor;
+  w->slice = p->slice;
+  w->dtype = p->dtype;
+  c->producing += p->nbytes;
+  work_start(w);
+}
+
+/* Produces answers for ready Pulls while the connection's window has room.
+ * Called whenever a Pull becomes ready or answer bytes leave the window. */
+static void conn_produce(dp_conn *c) {
+  while (c->ready_head && !c->closing) {
+    uint64_t busy = c->producing + c->queued;
+    if (busy > 0 && busy >= DP_PRODUCE_WINDOW)
+      return;
+    dp_pull *p = c->ready_head;
+    c->ready_head = p->next;
+    if (!c->ready_head)
+      c->ready_tail = NULL;
+    pull_read(c, p);
+    free(p);
+    conn_unref(c); /* the record's reference; the work holds its own */
+  }
+}
+
+/* A Pull whose version is there joins its connection's queue of answers to
+ * make; the record keeps its reference to the connection. */
+static void pull_ready(dp_conn *c, dp_pull *p) {
+  p->next = NULL;
+  if (c->ready_tail)
+    c->ready_tail->next = p;
+  else
+    c->ready_head = p;
+  c->ready_tail = p;
+  conn_produce(c);
+}
+
+/* Loop thread: handles the Pulls whose wait ended. */
+static void drain_mailbox(dp_server *s) {
+  dp_mailbox *mb = s->mb;
+  pthread_mutex_lock(&mb->mu);
+  dp_pull *list = mb->done;
+  mb->done = NULL;
+  pthread_mutex_unlock(&mb->mu);
+  /* Oldest first, as the core fired them. */
+  dp_pull *rev = NULL;
+  uint64_t n = 0;
+  while (list) {
+    dp_pull *next = list->next;
+    list->next = rev;
+    rev = list;
+    list = next;
+    n++;
+  }
+  while (rev) {
+    dp_pull *p = rev;
+    rev = p->next;
+    dp_conn *c = p->conn;
+    c->waiting--;
+    count(&s->st_waiting, -1);
+    if (c->closing) {
+      c->pending--;
+    } else if (p->status != 0) {
+      char err[DP_ERRLEN];
+      if (p->status == ZS_ETIMEDOUT)
+        say(err, sizeof err,
+            "timed out waiting for version %" PRIu64 " of tensor %" PRIu32 " slice %" PRIu32,
+            p->min_version, p->tensor, p->slice);
+      else
+        say(err, sizeof err, "%s", zs_strerror(p->status));
+      answer_error(c, p->request_id, p->status, err);
+    } else {
+      pull_ready(c, p);
+      conn_check(c);
+      continue;
+    }
+    conn_check(c);
+    conn_unref(c);
+    free(p);
+  }
+  if (n)
+    mailbox_unref(mb, n);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Requests                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static uint64_t pull_deadline(uint32_t timeout_ms) {
+  uint32_t rel = timeout_ms && timeout_ms < DP_MAX_WAIT_MS ? timeout_ms : DP_MAX_WAIT_MS;
+  return clock_now_ms() + rel;
+}
+
+static void handle_pull(dp_conn *c, const wire_msg *m) {
+  dp_server *s = c->s;
+  const wire_pull *q = &m->u.pull;
+  char err[DP_ERRLEN] = "";
+  zs_dtype dtype = (zs_dtype)q->dtype;
+  /* Size (and so hash, tensor and slice) are checked before waiting, so a
+   * bad request fails at once rather than at the end of its wait. */
+  int64_t nb = core_piece_bytes(s->core, q->spec_hash, q->tensor, q->slice, dtype);
+  if (nb < 0) {
+    if (nb == ZS_EHASH)
+      say(err, sizeof err, "spec_hash %016" PRIx64 " is not the hash of this shard's job",
+          q->spec_hash);
+    else if (nb == ZS_ENOTFOUND)
+      say(err, sizeof err, "no piece (tensor %" PRIu32 ", slice %" PRIu32 ") on this shard",
+          q->tensor, q->slice);
+    answer_error(c, m->request_id, (int)nb, err);
+    return;
+  }
+  if ((uint64_t)nb > s->max_payload) {
+    say(err, sizeof err, "piece of %" PRId64 " bytes exceeds the %" PRIu64 "-byte frame limit", nb,
+        s->max_payload);
+    answer_error(c, m->request_id, ZS_ERANGE, err);
+    return;
+  }
+  if (c->waiting >= DP_MAX_WAITING_PULLS) {
+    say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
+    answer_error(c, m->request_id, ZS_ERANGE, err);
+    return;
+  }
+  dp_pull *p = calloc(1, sizeof *p);
+  if (!p) {
+    answer_error(c, m->request_id, ZS_ENOMEM, "out of memory registering a pull");
+    return;
+  }
+  p->mb = s->mb;
+  p->conn = c;
+  p->request_id = m->request_id;
+  p->hash = q->spec_hash;
+  p->min_version = q->min_version;
+  p->tensor = q->tensor;
+  p->slice = q->slice;
+  p->dtype = dtype;
+  p->nbytes = (size_t)nb;
+  /* The callback may run on a core thread before core_wait_version even
+   * returns, so everything it needs is counted first. */
+  pthread_mutex_lock(&s->mb->mu);
+  s->mb->refs++;
+  pthread_mutex_unlock(&s->mb->mu);
+  conn_ref(c);
+  c->waiting++;
+  count(&s->st_waiting, 1);
+  uint64_t version = 0;
+  int rc = core_wait_version(s->core, q->spec_hash, q->min_version, pull_deadline(q->timeout_ms),
+                             on_core_version, p, &version, err, sizeof err);
+  if (rc == CORE_PENDING)
+    return;
+  c->waiting--;
+  count(&s->st_waiting, -1);
+  mailbox_unref(s->mb, 1);
+  if (rc < 0) {
+    answer_error(c, m->request_id, rc, err);
+    conn_unref(c); /* cannot be the last: the handle holds one */
+    free(p);
+    return;
+  }
+  pull_ready(c, p);
+}
+
+/* Header and meta of a frame are in: decide where its payload goes. */
+static void on_meta(dp_conn *c) {
+  dp_server *s = c->s;
+  wire_reader *rd = &c->rd;
+  const wire_msg *m = &rd->msg;
+  void *dst = NULL;
+  if (m->type != WIRE_PUSH && m->type != WIRE_PULL && m->type != WIRE_PING) {
+    char err[DP_ERRLEN];
+    say(err, sizeof err, "a client may send PUSH, PULL or PING, not %s (request id %" PRIu64 ")",
+        wire_type_name(m->type), m->request_id);
+    conn_fatal(c, ZS_EPROTO, err);
+    return;
+  }
+  c->pending++;
+  if (rd->meta_status != 0) {
+    answer_error(c, m->request_id, rd->meta_status, rd->err);
+  } else if (m->type == WIRE_PING) {
+    wire_msg pong = {.type = WIRE_PONG, .request_id = m->request_id};
+    conn_send(c, &pong, NULL, 1, 0);
+  } else if (m->type == WIRE_PULL) {
+    handle_pull(c, m);
+  } else {
+    const wire_push *q = &m->u.push;
+    core_push_args a = {.hash = q->spec_hash,
+                        .step = q->step,
+                        .rank = q->rank,
+                        .micro = q->micro,
+                        .tensor = q->tensor,
+                        .slice = q->slice,
+                        .dtype = (zs_dtype)q->dtype,
+                        .data = NULL,
+                        .nbytes = (size_t)m->payload_len};
+    int64_t nb = core_piece_bytes(s->core, a.hash, a.tensor, a.slice, a.dtype);
+    if (nb < 0 || (uint64_t)nb != m->payload_len) {
+      /* The core would refuse this push whatever the payload says, so the
+       * payload is skipped unread into memory, and the answer is the core's
+       * own verdict: core_push checks in its order (job, step, ranges,
+       * piece, dtype, size) and fails before looking at the missing data. */
+      char err[DP_ERRLEN] = "";
+      int dup = 0;
+      int rc = core_push(s->core, &a, &dup, err, sizeof err);
+      answer_error(c, m->request_id, rc ? rc : ZS_EINTERNAL, err);
+    } else {
+      c->rx = pool_get(s, (size_t)m->payload_len);
+      if (!c->rx)
+        answer_error(c, m->request_id, ZS_ENOMEM, "out of memory for the push payload");
+      else
+        dst = c->rx->data;
+    }
+  }
+  if (c->closing || c->fatal)
+    return;
+  wire_reader_set_payload(rd, dst);
+}
+
+/* A frame is complete. */
+static void on_done(dp_conn *c) {
+  dp_server *s = c->s;
+  wire_reader *rd = &c->rd;
+  count(&s->st_frames_in, 1);
+  if (rd->msg.type != WIRE_PUSH || !c->rx)
+    return;
+  dp_buf *b = c->rx;
+  c->rx = NULL;
+  if (rd->payload_status != 0) {
+    count(&s->st_crc_errors, 1);
+    pool_put(s, b);
+    answer_error(c, rd->msg.request_id, rd->payload_status, rd->err);
+    return;
+  }
+  dp_work *w = calloc(1, sizeof *w);
+  if (!w) {
+    pool_put(s, b);
+    answer_error(c, rd->msg.request_id, ZS_ENOMEM, "out of memory");
+    return;
+  }
+  const wire_push *q = &rd->msg.u.push;
+  w->conn = c;
+  w->type = WIRE_PUSH;
+  w->request_id = rd->msg.request_id;
+  w->buf = b;
+  w->nbytes = (size_t)rd->msg.payload_len;
+  w->push = (core_push_args){.hash = q->spec_hash,
+                             .step = q->step,
+                             .rank = q->rank,
+                             .micro = q->micro,
+                             .tensor = q->tensor,
+                             .slice = q->slice,
+                             .dtype = (zs_dtype)q->dtype,
+                             .nbytes = w->nbytes};
+  work_start(w);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Reading                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  (void)suggested;
+  dp_conn *c = h->data;
+  size_t space = 0;
+  void *p = wire_reader_space(&c->rd, &space);
+  if (p && space >= DP_DIRECT_MIN) {
+    *buf = uv_buf_init(p, (unsigned)(space < DP_READ_CHUNK ? space : DP_READ_CHUNK));
+    return;
+  }
+  *buf = uv_buf_init((char *)c->s->staging, DP_STAGING);
+}
+
+/* Runs the reader over bytes that came through the staging buffer. */
+static void feed(dp_conn *c, const unsigned char *p, size_t len) {
+  for (;;) {
+    wire_event ev;
+    size_t n = wire_reader_feed(&c->rd, p, len, &ev);
+    p += n;
+    len -= n;
+    switch (ev) {
+    case WIRE_EV_NONE:
+      return;
+    case WIRE_EV_META:
+      on_meta(c);
+      break;
+    case WIRE_EV_DONE:
+      on_done(c);
+      break;
+    case WIRE_EV_FATAL:
+      if (!c->fatal)
+        conn_fatal(c, c->rd.status, c->rd.err);
+      return;
+    }
+    if (c->closing || c->fatal)
+      return;
+  }
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
+  dp_conn *c = st->data;
+  dp_server *s = c->s;
+  if (nread == 0 || c->closing)
+    return;
+  if (nread < 0) {
+    if (nread == UV_EOF && !wire_reader_mid_frame(&c->rd)) {
+      /* The peer is done sending; it still gets its answers. */
+      c->eof = 1;
+      conn_update_reading(c);
+      conn_check(c);
+      return;
+    }
+    if (nread == UV_EOF) {
+      wire_reader_eof(&c->rd);
+      count(&s->st_proto_errors, 1);
+      LOG_INFO("dp_disconnect", "peer=%s detail=\"%s\"", c->peer, c->rd.err);
+    } else {
+      LOG_INFO("dp_disconnect", "peer=%s detail=\"%s\"", c->peer, uv_strerror((int)nread));
+    }
+    conn_close(c);
+    return;
+  }
+  count(&s->st_bytes_in, nread);
+  c->last_progress_ms = clock_now_ms();
+  if (buf->base == (char *)s->staging) {
+    feed(c, s->staging, (size_t)nread);
+  } else if (wire_reader_commit(&c->rd, (size_t)nread) == WIRE_EV_DONE) {
+    on_done(c);
+  }
+  if (c->closing)
+    return;
+  conn_set_mid(c, wire_reader_mid_frame(&c->rd) && !c->fatal);
+  /* Fairness: past its budget for this iteration, the connection waits for
+   * the next one (the check handle resumes it), so the loop serves the
+   * other ready peers first. */
+  if (c->iter != s->iter) {
+    c->iter = s->iter;
+    c->iter_bytes = 0;
+  }
+  c->iter_bytes += (uint64_t)nread;
+  if (c->iter_bytes >= DP_READ_BUDGET && !(c->pause & PAUSE_FAIR)) {
+    c->pause |= PAUSE_FAIR;
+    link_push(&s->fair, &c->fair);
+    conn_update_reading(c);
+  }
+}
+
+static void on_check(uv_check_t *h) {
+  dp_server *s = h->data;
+  s->iter++;
+  while (!link_empty(&s->fair)) {
+    dp_conn *c = container_of(s->fair.next, dp_conn, fair);
+    link_remove(&c->fair);
+    c->pause &= ~PAUSE_FAIR;
+    conn_update_reading(c);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Accepting, sweeping, stopping                                            */
+/* ------------------------------------------------------------------------ */
+
+static void peer_name(dp_conn *c) {
+  struct sockaddr_storage ss;
+  int len = sizeof ss;
+  say(c->peer, sizeof c->peer, "?");
+  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) != 0)
+    return;
+  char host[48] = "";
+  int port = 0;
+  if (ss.ss_family == AF_INET) {
+    const struct sockaddr_in *a = (const struct sockaddr_in *)&ss;
+    uv_ip4_name(a, host, sizeof host);
+    port = ntohs(a->sin_port);
+    say(c->peer, sizeof c->peer, "%s:%d", host, port);
+  } else if (ss.ss_family == AF_INET6) {
+    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&ss;
+    uv_ip6_name(a, host, sizeof host);
+    port = ntohs(a->sin6_port);
+    say(c->peer, sizeof c->peer, "[%s]:%d", host, port);
+  }
+}
+
+static void on_connection(uv_stream_t *ls, int status) {
+  dp_server *s = ls->data;
+  if (status < 0) {
+    LOG_WARN("dp_accept", "detail=\"%s\"", uv_strerror(status));
+    return;
+  }
+  dp_conn *c = calloc(1, sizeof *c);
+  if (!c) {
+    LOG_ERROR("dp_accept", "detail=\"out of memory\"");
+    return;
+  }
+  c->s = s;
+  c->refs = 1; /* the handle's, dropped in on_conn_closed */
+  wire_reader_init(&c->rd, s->max_payload);
+  /* c->fair stays zeroed (unlinked) until the read budget parks it. */
+  uv_tcp_init(&s->loop, &c->tcp);
+  c->tcp.data = c;
+  link_push(&s->live, &c->node);
+  s->nconns++;
+  count(&s->st_conns, 1);
+  if (uv_accept(ls, (uv_stream_t *)&c->tcp) != 0) {
+    conn_close(c);
+    return;
+  }
+  count(&s->st_accepted, 1);
+  peer_name(c);
+  if (s->nconns > s->max_conns) {
+    LOG_WARN("dp_accept", "peer=%s detail=\"connection limit %u reached\"", c->peer, s->max_conns);
+    conn_close(c);
+    return;
+  }
+  /* Small answers (acks, errors, latency probes) must not wait for Nagle. */
+  uv_tcp_nodelay(&c->tcp, 1);
+  c->last_progress_ms = clock_now_ms();
+  conn_update_reading(c);
+}
+
+static void on_sweep(uv_timer_t *t) {
+  dp_server *s = t->data;
+  uint64_t now = clock_now_ms();
+  for (dp_link *l = s->live.next; l != &s->live;) {
+    dp_conn *c = container_of(l, dp_conn, node);
+    l = l->next; /* conn_close moves c to the zombies */
+    if (c->reading && wire_reader_mid_frame(&c->rd) && now - c->last_progress_ms >= s->stall_ms) {
+      count(&s->st_stalled, 1);
+      LOG_WARN("dp_stalled", "peer=%s detail=\"no byte for %" PRIu64 " ms inside a frame\"",
+               c->peer, now - c->last_progress_ms);
+      conn_close(c);
+      continue;
+    }
+    size_t wq = uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp);
+    if (wq == 0 || wq != c->wq_seen) {
+      c->wq_seen = wq;
+      c->wq_since_ms = now;
+    } else if (now - c->wq_since_ms >= s->stall_ms) {
+      count(&s->st_stalled, 1);
+      LOG_WARN("dp_stalled", "peer=%s detail=\"%zu answer bytes not taken for %" PRIu64 " ms\"",
+               c->peer, wq, now - c->wq_since_ms);
+      conn_close(c);
+    }
+  }
+  if (s->pool_bytes && now - s->pool_last_use_ms >= DP_POOL_IDLE_MS)
+    pool_drain(s);
+}
+
+static void on_async(uv_async_t *h) {
+  dp_server *s = h->data;
+  drain_mailbox(s);
+  if (!atomic_load(&s->stop))
+    return;
+  /* Stop: from here on core callbacks free their records themselves. */
+  pthread_mutex_lock(&s->mb->mu);
+  s->mb->closed = 1;
+  pthread_mutex_unlock(&s->mb->mu);
+  drain_mailbox(s);
+  uv_close((uv_handle_t *)&s->listener, NULL);
+  uv_close((uv_handle_t *)&s->sweep, NULL);
+  uv_close((uv_handle_t *)&s->check, NULL);
+  uv_close((uv_handle_t *)&s->async, NULL);
+  while (!link_empty(&s->live))
+    conn_close(container_of(s->live.next, dp_conn, node));
+}
+
+static void *loop_main(void *arg) {
+  dp_server *s = arg;
+  uv_run(&s->loop, UV_RUN_DEFAULT);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Public                                                                   */
+/* ------------------------------------------------------------------------ */
+
+void dp_server_config_init(dp_server_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+}
+
+static void close_walk(uv_handle_t *h, void *arg) {
+  (void)arg;
+  if (!uv_is_closing(h))
+    uv_close(h, NULL);
+}
+
+/* Frees a server whose loop thread is not running (never started, or
+ * joined). */
+static void server_free(dp_server *s) {
+  if (s->loop_inited) {
+    /* After a normal stop every handle is closed already; after a failed
+     * start some were never run. Either way the loop finishes the closes. */
+    uv_walk(&s->loop, close_walk, NULL);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    int rc = uv_loop_close(&s->loop);
+    if (rc != 0)
+      LOG_ERROR("dp_stop", "detail=\"loop not closed: %s\"", uv_strerror(rc));
+  }
+  /* What is left are connections kept only by Pulls still parked in the
+   * core; their records belong to the mailbox now and never look at them. */
+  while (!link_empty(&s->zombies))
+    conn_free(container_of(s->zombies.next, dp_conn, node));
+  pool_drain(s);
+  free(s->staging);
+  if (s->mb) {
+    pthread_mutex_lock(&s->mb->mu);
+    s->mb->closed = 1;
+    pthread_mutex_unlock(&s->mb->mu);
+    mailbox_unref(s->mb, 1);
+  }
+  free(s);
+}
+
+int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, size_t errlen) {
+  if (err && errlen)
+    err[0] = '\0';
+  if (!cfg || !cfg->core || !cfg->listen || !out) {
+    if (err && errlen)
+      say(err, errlen, "dp_server_start needs a listen address and a core");
+    return ZS_EINVAL;
+  }
+  struct sockaddr_storage addr;
+  int rc = dp_resolve(cfg->listen, 1, &addr, err, errlen);
+  if (rc)
+    return rc;
+  dp_server *s = calloc(1, sizeof *s);
+  if (!s)
+    return ZS_ENOMEM;
+  s->core = cfg->core;
+  s->max_payload = cfg->max_payload ? cfg->max_payload : WIRE_DEFAULT_MAX_PAYLOAD;
+  s->max_pending = cfg->max_pending ? cfg->max_pending : DP_DEFAULT_MAX_PENDING;
+  s->max_queued = cfg->max_queued_bytes ? cfg->max_queued_bytes : DP_DEFAULT_MAX_QUEUED;
+  s->stall_ms = cfg->stall_timeout_ms ? cfg->stall_timeout_ms : DP_DEFAULT_STALL_MS;
+  s->max_conns = cfg->max_connections ? cfg->max_connections : DP_DEFAULT_MAX_CONNS;
+  s->inline_bytes = cfg->inline_bytes ? cfg->inline_bytes : DP_DEFAULT_INLINE;
+  atomic_init(&s->stop, 0);
+  link_init(&s->live);
+  link_init(&s->zombies);
+  link_init(&s->fair);
+  rc = ZS_ENOMEM;
+  s->staging = malloc(DP_STAGING);
+  s->mb = calloc(1, sizeof *s->mb);
+  if (!s->staging || !s->mb)
+    goto fail;
+  if (pthread_mutex_init(&s->mb->mu, NULL) != 0) {
+    free(s->mb);
+    s->mb = NULL;
+    goto fail;
+  }
+  s->mb->refs = 1;
+  rc = ZS_EINTERNAL;
+  if (uv_loop_init(&s->loop) != 0)
+    goto fail;
+  s->loop_inited = 1;
+  uv_tcp_init(&s->loop, &s->listener);
+  s->listener.data = s;
+  int urc = uv_tcp_bind(&s->listener, (const struct sockaddr *)&addr, 0);
+  if (urc == 0)
+    urc = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection);
+  if (urc != 0) {
+    rc = ZS_EINVAL;
+    if (err && errlen)
+      say(err, errlen, "cannot listen on %s: %s", cfg->listen, uv_strerror(urc));
+    goto fail;
+  }
+  struct sockaddr_storage bound;
+  int blen = sizeof bound;
+  if (uv_tcp_getsockname(&s->listener, (struct sockaddr *)&bound, &blen) != 0)
+    goto fail;
+  s->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                              : ((struct sockaddr_in *)&bound)->sin_port);
+  if (uv_async_init(&s->loop, &s->async, on_async) != 0)
+    goto fail;
+  s->async.data = s;
+  s->mb->async = &s->async;
+  uv_timer_init(&s->loop, &s->sweep);
+  s->sweep.data = s;
+  uv_timer_start(&s->sweep, on_sweep, DP_SWEEP_MS, DP_SWEEP_MS);
+  uv_check_init(&s->loop, &s->check);
+  s->check.data = s;
+  uv_check_start(&s->check, on_check);
+  if (pthread_create(&s->thread, NULL, loop_main, s) != 0)
+    goto fail;
+  s->thread_started = 1;
+  LOG_INFO("dp_listening", "addr=%s port=%d", cfg->listen, s->port);
+  *out = s;
+  return 0;
+
+fail:
+  if (err && errlen && !err[0])
+    say(err, errlen, "cannot start the data plane on %s: %s", cfg->listen, zs_strerror(rc));
+  server_free(s);
+  return rc;
+}
+
+int dp_server_port(const dp_server *s) {
+  return s->port;
+}
+
+void dp_server_get_stats(const dp_server *s, dp_server_stats *o) {
+  dp_server *m = (dp_server *)s; /* atomics are read through a non-const pointer */
+  o->connections = atomic_load_explicit(&m->st_conns, memory_order_relaxed);
+  o->accepted = atomic_load_explicit(&m->st_accepted, memory_order_relaxed);
+  o->frames_in = atomic_load_explicit(&m->st_frames_in, memory_order_relaxed);
+  o->frames_out = atomic_load_explicit(&m->st_frames_out, memory_order_relaxed);
+  o->bytes_in = atomic_load_explicit(&m->st_bytes_in, memory_order_relaxed);
+  o->bytes_out = atomic_load_explicit(&m->st_bytes_out, memory_order_relaxed);
+  o->request_errors = atomic_load_explicit(&m->st_req_errors, memory_order_relaxed);
+  o->protocol_errors = atomic_load_explicit(&m->st_proto_errors, memory_order_relaxed);
+  o->crc_errors = atomic_load_explicit(&m->st_crc_errors, memory_order_relaxed);
+  o->stalled_closed = atomic_load_explicit(&m->st_stalled, memory_order_relaxed);
+  o->mid_frame = atomic_load_explicit(&m->st_mid, memory_order_relaxed);
+  o->paused = atomic_load_explicit(&m->st_paused, memory_order_relaxed);
+  o->pulls_waiting = atomic_load_explicit(&m->st_waiting, memory_order_relaxed);
+}
+
+void dp_server_stop(dp_server *s) {
+  if (!s)
+    return;
+  if (s->thread_started) {
+    atomic_store(&s->stop, 1);
+    uv_async_send(&s->async);
+    pthread_join(s->thread, NULL);
+  }
+  server_free(s);
+}

@@ -1,0 +1,106 @@
+/*
+ * dp_server — the data plane of zshard-server: Push and Pull over the framed
+ * binary protocol of common/wire.h (docs/PROTOCOL.md) on TCP, served by a
+ * libuv loop on its own thread and handed to the same shard core (core.h) as
+ * the gRPC transport, with the same statuses and messages from the core.
+ *
+ * Requests on a connection are pipelined: a client may send any number of
+ * frames without waiting, and answers come back tagged with the request id,
+ * in the order they complete (a Pull waiting for its version does not hold
+ * back the Push answers behind it). A PING is answered with a PONG.
+ *
+ * Errors: a request the core refuses, a payload CRC mismatch or a meta that
+ * does not parse is answered with an ERROR frame carrying the request id, and
+ * the connection lives on. A stream that can no longer be framed (bad magic,
+ * version or type, a length over its bound, a header CRC mismatch) is answered
+ * with one ERROR frame with request id 0 and closed.
+ *
+ * Fairness and backpressure: reads are bounded per loop iteration and per
+ * connection, so that one fast peer cannot starve the others; a connection
+ * whose answers are not being taken (pending requests or unsent bytes over
+ * their bounds) is no longer read until they drain; a peer that stops in the
+ * middle of a frame, or stops taking its answers, for longer than the stall
+ * timeout is disconnected. None of this affects other connections.
+ */
+#ifndef ZSHARD_SERVER_DP_SERVER_H
+#define ZSHARD_SERVER_DP_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "server/core.h"
+
+/* Longest a Pull waits for its version, whatever its timeout says (the same
+ * bound as the gRPC transport's). */
+#define DP_MAX_WAIT_MS (5u * 60u * 1000u)
+
+typedef struct dp_server dp_server;
+
+typedef struct dp_server_config {
+  /* "host:port" (IPv4, or [IPv6]:port) to listen on; port 0 picks a free
+   * port (see dp_server_port). Only read during dp_server_start. */
+  const char *listen;
+  /* The shard core. Borrowed: it must outlive the server, i.e. be destroyed
+   * only after dp_server_stop returned. */
+  core *core;
+  /* Largest payload accepted; 0 means WIRE_DEFAULT_MAX_PAYLOAD (1 GiB). A
+   * Pull of a larger piece is answered ZS_ERANGE. */
+  uint64_t max_payload;
+  /* Requests of one connection in progress (read but not yet answered)
+   * before the server stops reading from it; 0 means 256. */
+  uint32_t max_pending;
+  /* Answer bytes of one connection queued but not yet sent before the server
+   * stops reading from it; 0 means 64 MiB. */
+  uint64_t max_queued_bytes;
+  /* A connection stalled this long inside a frame, or with answers it does
+   * not take, is closed; 0 means 60 s. */
+  uint32_t stall_timeout_ms;
+  /* Connections served at once; more are accepted and closed at once. 0
+   * means 1024. */
+  uint32_t max_connections;
+  /* Pushes and Pulls of at most this many payload bytes run on the loop
+   * thread; larger ones run on libuv's thread pool, so that the loop keeps
+   * reading and writing for the other peers meanwhile. 0 means 64 KiB. */
+  uint64_t inline_bytes;
+} dp_server_config;
+
+/* Fills `cfg` with the defaults (every field 0 / NULL, which means the
+ * defaults above); the caller then sets listen and core. */
+void dp_server_config_init(dp_server_config *cfg);
+
+/* Binds, starts the loop thread and starts serving. Returns 0 and the server
+ * in *out (the caller's, released with dp_server_stop), or ZS_EINVAL (bad
+ * address, cannot listen) / ZS_ENOMEM / ZS_EINTERNAL with a sentence in err
+ * (which may be NULL). */
+int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, size_t errlen);
+
+/* The TCP port the server listens on. */
+int dp_server_port(const dp_server *s);
+
+/* Counters, for tests and metrics; each is read atomically, the set is not a
+ * snapshot. */
+typedef struct dp_server_stats {
+  uint64_t connections; /* open now */
+  uint64_t accepted;    /* since start */
+  uint64_t frames_in;   /* complete frames received */
+  uint64_t frames_out;  /* answers queued */
+  uint64_t bytes_in, bytes_out;
+  uint64_t request_errors;  /* ERROR answers with a request id */
+  uint64_t protocol_errors; /* connections closed for a broken stream */
+  uint64_t crc_errors;      /* payload or header CRC mismatches */
+  uint64_t stalled_closed;  /* connections closed by the stall timeout */
+  uint64_t mid_frame;       /* connections now inside a partly received frame */
+  uint64_t paused;          /* connections now not read for backpressure */
+  uint64_t pulls_waiting;   /* Pulls now waiting in the core for their version */
+} dp_server_stats;
+void dp_server_get_stats(const dp_server *s, dp_server_stats *out);
+
+/* Stops serving and frees the server: the listener closes, every connection
+ * is closed (answers not yet sent are dropped), thread-pool work in progress
+ * finishes, the loop thread is joined. Pulls still waiting in the core stay
+ * registered there; their callbacks, which may run later (at the latest in
+ * core_destroy), then only release memory. Must not be called from the loop
+ * thread. NULL is accepted. */
+void dp_server_stop(dp_server *s);
+
+#endif

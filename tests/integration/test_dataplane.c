@@ -1,0 +1,1250 @@
+/*
+ * test_dataplane — the data plane end to end, in one process: shard cores
+ * created here, each served by a dp_server on 127.0.0.1 port 0, driven by
+ * dp_client (and by raw sockets where a test needs a misbehaving peer).
+ *
+ * The reference for every answer is a second core per shard, driven directly
+ * with the same calls: a push or pull over the wire must get the status (and
+ * the core's own message) that the core gives, and after every step the
+ * pieces pulled over the wire must be bit-identical to core_read on the
+ * reference.
+ *
+ * cmocka's assertions run on the test thread only: client callbacks record
+ * what they saw under a lock and the test thread checks it. Waits for an
+ * event poll its condition with a bound of WAIT_MS; nothing sleeps in the
+ * hope that something happened.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "common/clock.h"
+#include "common/crc32c.h"
+#include "common/dp_client.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/log.h"
+#include "common/spec.h"
+#include "common/wire.h"
+#include "server/core.h"
+#include "server/dp_server.h"
+
+#define NSHARDS 2u
+#define W 2u
+#define M 2u
+#define WAIT_MS 20000u
+
+/* ------------------------------------------------------------------ fixture */
+
+typedef struct tensor_def {
+  const char *name;
+  uint64_t numel;
+  uint32_t group;
+} tensor_def;
+
+/* Split threshold 1024: w0, w1 and big are split over both shards, the small
+ * ones placed whole. big's slices are 64 Ki fp32 elements (256 KiB). */
+static const tensor_def k_tensors[] = {
+    {"w0", 5000, 0}, {"b0", 37, 1}, {"w1", 3000, 0}, {"n1", 17, 1}, {"big", 131072, 0},
+};
+#define NT (sizeof k_tensors / sizeof k_tensors[0])
+#define BIG_TENSOR 4u
+
+typedef struct fixture {
+  spec sp;
+  layout lay;
+  uint64_t hash;
+  core *dpc[NSHARDS]; /* served by the data plane */
+  core *ref[NSHARDS]; /* driven directly */
+  dp_server *srv[NSHARDS];
+  dp_client *cli[NSHARDS];
+  int port[NSHARDS];
+} fixture;
+
+static fixture fx;
+
+/* Server settings of the next setup; tests that need others change them
+ * through their own setup function. */
+static dp_server_config g_srv_cfg;
+
+static uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+  return z ^ (z >> 31);
+}
+
+static float rnd(uint64_t *s) {
+  return ((float)(splitmix(s) >> 40) / (float)(1u << 24) * 2.0f - 1.0f);
+}
+
+static void build_spec(spec *s) {
+  memset(s, 0, sizeof *s);
+  s->job = strdup("dataplane-test");
+  s->num_groups = 2;
+  s->groups = calloc(2, sizeof *s->groups);
+  assert_non_null(s->groups);
+  spec_group_defaults(&s->groups[0], ZS_OPTIM_ADAMW);
+  spec_group_defaults(&s->groups[1], ZS_OPTIM_SGD);
+  s->groups[1].momentum = 0.9;
+  s->num_tensors = NT;
+  s->tensors = calloc(NT, sizeof *s->tensors);
+  assert_non_null(s->tensors);
+  for (uint32_t t = 0; t < NT; t++) {
+    s->tensors[t].name = strdup(k_tensors[t].name);
+    s->tensors[t].numel = k_tensors[t].numel;
+    s->tensors[t].group = k_tensors[t].group;
+  }
+  s->world_size = W;
+  s->grad_accum = M;
+  s->num_shards = NSHARDS;
+  s->split_threshold = 1024;
+  s->reduce = SPEC_REDUCE_MEAN;
+  s->param_dtype = ZS_DTYPE_BF16;
+  char err[256] = "";
+  assert_int_equal(spec_validate(s, err, sizeof err), 0);
+}
+
+static void open_core(core **c, uint32_t shard) {
+  core_config cc = {.shard_id = shard, .num_shards = NSHARDS, .threads = 1};
+  assert_int_equal(core_create(&cc, c), 0);
+  core_open_result r;
+  char err[256] = "";
+  assert_int_equal(core_open(*c, &fx.sp, &r, err, sizeof err), 0);
+}
+
+static int setup_with(void **state) {
+  (void)state;
+  memset(&fx, 0, sizeof fx);
+  build_spec(&fx.sp);
+  fx.hash = spec_hash(&fx.sp);
+  assert_int_equal(layout_build(&fx.sp, &fx.lay), 0);
+  uint64_t seed = 12345;
+  for (uint32_t i = 0; i < NSHARDS; i++) {
+    open_core(&fx.dpc[i], i);
+    open_core(&fx.ref[i], i);
+  }
+  /* Identical initial weights on both cores of each shard. */
+  for (uint32_t p = 0; p < fx.lay.num_pieces; p++) {
+    const layout_piece *lp = &fx.lay.pieces[p];
+    float *w = malloc(lp->numel * sizeof(float));
+    assert_non_null(w);
+    for (uint64_t e = 0; e < lp->numel; e++)
+      w[e] = rnd(&seed) * 0.1f;
+    int written = 0;
+    uint64_t version = 0;
+    char err[256] = "";
+    size_t nb = lp->numel * sizeof(float);
+    assert_int_equal(core_init_params(fx.dpc[lp->shard], fx.hash, lp->tensor, lp->slice, w, nb,
+                                      &written, &version, err, sizeof err),
+                     0);
+    assert_int_equal(core_init_params(fx.ref[lp->shard], fx.hash, lp->tensor, lp->slice, w, nb,
+                                      &written, &version, err, sizeof err),
+                     0);
+    free(w);
+  }
+  for (uint32_t i = 0; i < NSHARDS; i++) {
+    dp_server_config sc = g_srv_cfg;
+    sc.listen = "127.0.0.1:0";
+    sc.core = fx.dpc[i];
+    char err[256] = "";
+    int rc = dp_server_start(&sc, &fx.srv[i], err, sizeof err);
+    if (rc)
+      fail_msg("dp_server_start: %s", err);
+    fx.port[i] = dp_server_port(fx.srv[i]);
+    assert_true(fx.port[i] > 0);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", fx.port[i]);
+    dp_client_config cc = {.addr = addr, .connections = 1 + i};
+    rc = dp_client_open(&cc, &fx.cli[i], err, sizeof err);
+    if (rc)
+      fail_msg("dp_client_open: %s", err);
+  }
+  return 0;
+}
+
+static int setup_default(void **state) {
+  dp_server_config_init(&g_srv_cfg);
+  return setup_with(state);
+}
+
+static int teardown(void **state) {
+  (void)state;
+  for (uint32_t i = 0; i < NSHARDS; i++) {
+    dp_client_close(fx.cli[i]);
+    dp_server_stop(fx.srv[i]);
+    core_destroy(fx.dpc[i]);
+    core_destroy(fx.ref[i]);
+  }
+  layout_free(&fx.lay);
+  spec_free(&fx.sp);
+  return 0;
+}
+
+/* ------------------------------------------------------------------ helpers */
+
+static const layout_piece *piece(uint32_t tensor, uint32_t slice) {
+  const layout_piece *p = layout_find(&fx.lay, tensor, slice);
+  assert_non_null(p);
+  return p;
+}
+
+/* Polls cond(arg) until it holds or WAIT_MS pass; returns whether it held. */
+static int wait_until(int (*cond)(void *), void *arg) {
+  uint64_t end = clock_now_ms() + WAIT_MS;
+  while (!cond(arg)) {
+    if (clock_now_ms() > end)
+      return 0;
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  return 1;
+}
+
+/* The gradient of contribution (step, rank, micro) for a piece, in dtype:
+ * deterministic, so that both cores get the same bytes. Caller frees. */
+static void *gradient(const layout_piece *p, uint64_t step, uint32_t rank, uint32_t micro,
+                      zs_dtype dtype, size_t *nbytes) {
+  uint64_t seed = step * 1000003u + rank * 7919u + micro * 104729u + p->tensor * 31u + p->slice;
+  float *f = malloc(p->numel * sizeof(float));
+  assert_non_null(f);
+  for (uint64_t e = 0; e < p->numel; e++)
+    f[e] = rnd(&seed);
+  *nbytes = p->numel * zs_dtype_size(dtype);
+  void *out = malloc(*nbytes);
+  assert_non_null(out);
+  dtype_from_f32(dtype, f, out, p->numel);
+  free(f);
+  return out;
+}
+
+static core_push_args push_args(const layout_piece *p, uint64_t step, uint32_t rank, uint32_t micro,
+                                zs_dtype dtype, const void *data, size_t nb) {
+  return (core_push_args){.hash = fx.hash,
+                          .step = step,
+                          .rank = rank,
+                          .micro = micro,
+                          .tensor = p->tensor,
+                          .slice = p->slice,
+                          .dtype = dtype,
+                          .data = data,
+                          .nbytes = nb};
+}
+
+static dp_push_args dp_push_of(const core_push_args *a) {
+  return (dp_push_args){.spec_hash = a->hash,
+                        .step = a->step,
+                        .rank = a->rank,
+                        .micro = a->micro,
+                        .tensor = a->tensor,
+                        .slice = a->slice,
+                        .dtype = a->dtype,
+                        .data = a->data,
+                        .nbytes = a->nbytes,
+                        .timeout_ms = WAIT_MS};
+}
+
+/* Pushes `a` to shard `shard` over the wire and to the reference core, and
+ * checks that both give the same status, duplicate flag and (when
+ * same_message) message. Returns the status. */
+static int push_both(uint32_t shard, const core_push_args *a, int same_message) {
+  char e1[DP_ERRLEN] = "", e2[256] = "";
+  int d1 = 0, d2 = 0;
+  dp_push_args da = dp_push_of(a);
+  int r1 = dp_client_push_sync(fx.cli[shard], &da, &d1, e1, sizeof e1);
+  int r2 = core_push(fx.ref[shard], a, &d2, e2, sizeof e2);
+  if (r1 != r2 || d1 != d2 || (same_message && r1 != 0 && strcmp(e1, e2) != 0))
+    fail_msg("push (step %" PRIu64 " rank %u micro %u tensor %u slice %u): wire %s dup %d \"%s\", "
+             "core %s dup %d \"%s\"",
+             a->step, a->rank, a->micro, a->tensor, a->slice, zs_err_name(r1), d1, e1,
+             zs_err_name(r2), d2, e2);
+  return r1;
+}
+
+/* Every contribution of step `step` to every piece, in reverse contribution
+ * order (so that the core holds early ones), with gradient dtypes varying by
+ * rank, over the wire and directly. */
+static void push_step(uint64_t step) {
+  static const zs_dtype dts[] = {ZS_DTYPE_BF16, ZS_DTYPE_FP32, ZS_DTYPE_FP16};
+  for (uint32_t i = 0; i < fx.lay.num_pieces; i++) {
+    const layout_piece *p = &fx.lay.pieces[i];
+    for (int k = (int)(W * M) - 1; k >= 0; k--) {
+      uint32_t micro = (uint32_t)k / W, rank = (uint32_t)k % W;
+      zs_dtype dt = dts[(rank + step) % 3];
+      size_t nb = 0;
+      void *g = gradient(p, step, rank, micro, dt, &nb);
+      core_push_args a = push_args(p, step, rank, micro, dt, g, nb);
+      assert_int_equal(push_both(p->shard, &a, 1), 0);
+      free(g);
+    }
+  }
+}
+
+typedef struct event {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int fired, status;
+  core_stats_result stats;
+  core_apply_result apply;
+} event;
+
+static void on_stats(void *arg, int status, const core_stats_result *r) {
+  event *e = arg;
+  pthread_mutex_lock(&e->mu);
+  e->stats = *r;
+  e->status = status;
+  e->fired = 1;
+  pthread_cond_broadcast(&e->cv);
+  pthread_mutex_unlock(&e->mu);
+}
+
+static void on_apply(void *arg, int status, const core_apply_result *r) {
+  event *e = arg;
+  pthread_mutex_lock(&e->mu);
+  e->apply = *r;
+  e->status = status;
+  e->fired = 1;
+  pthread_cond_broadcast(&e->cv);
+  pthread_mutex_unlock(&e->mu);
+}
+
+static int event_wait(event *e) {
+  pthread_mutex_lock(&e->mu);
+  while (!e->fired)
+    pthread_cond_wait(&e->cv, &e->mu);
+  int s = e->status;
+  pthread_mutex_unlock(&e->mu);
+  return s;
+}
+
+/* Statistics then apply of `step` on one core, as a trainer would. */
+static void apply_core(core *c, uint64_t step) {
+  char err[256] = "";
+  event e = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+  core_stats_result st;
+  int rc = core_grad_stats(c, fx.hash, step, clock_now_ms() + WAIT_MS, on_stats, &e, &st, err,
+                           sizeof err);
+  if (rc == CORE_PENDING)
+    rc = event_wait(&e);
+  assert_int_equal(rc, 0);
+  event e2 = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+  core_apply_result ar;
+  rc = core_apply(c, fx.hash, step, 1e-2, 0.5f, 0, on_apply, &e2, &ar, err, sizeof err);
+  if (rc == CORE_PENDING)
+    rc = event_wait(&e2);
+  assert_int_equal(rc, 0);
+}
+
+static void apply_all(uint64_t step) {
+  for (uint32_t i = 0; i < NSHARDS; i++) {
+    apply_core(fx.dpc[i], step);
+    apply_core(fx.ref[i], step);
+  }
+}
+
+/* Pulls every piece in every dtype over the wire and compares the bits and
+ * the version with core_read on the reference. */
+static void check_pulls_match_reference(uint64_t version) {
+  static const zs_dtype dts[] = {ZS_DTYPE_FP32, ZS_DTYPE_FP16, ZS_DTYPE_BF16};
+  for (uint32_t i = 0; i < fx.lay.num_pieces; i++) {
+    const layout_piece *p = &fx.lay.pieces[i];
+    for (int d = 0; d < 3; d++) {
+      size_t nb = p->numel * zs_dtype_size(dts[d]);
+      void *a = malloc(nb), *b = malloc(nb);
+      assert_true(a && b);
+      memset(a, 0xEE, nb);
+      dp_pull_args pa = {.spec_hash = fx.hash,
+                         .min_version = version,
+                         .tensor = p->tensor,
+                         .slice = p->slice,
+                         .dtype = dts[d],
+                         .dst = a,
+                         .nbytes = nb,
+                         .timeout_ms = WAIT_MS};
+      char err[DP_ERRLEN] = "";
+      uint64_t v1 = 0, v2 = 0;
+      int rc = dp_client_pull_sync(fx.cli[p->shard], &pa, &v1, err, sizeof err);
+      if (rc)
+        fail_msg("pull tensor %u slice %u: %s %s", p->tensor, p->slice, zs_err_name(rc), err);
+      assert_int_equal(core_read(fx.ref[p->shard], fx.hash, p->tensor, p->slice, dts[d], b, nb, &v2,
+                                 err, sizeof err),
+                       0);
+      assert_int_equal(v1, version);
+      assert_int_equal(v2, version);
+      if (memcmp(a, b, nb) != 0)
+        fail_msg("tensor %u slice %u dtype %d differs from the core's", p->tensor, p->slice,
+                 dts[d]);
+      free(a);
+      free(b);
+    }
+  }
+}
+
+/* -------------------------------------------------------------- raw peers */
+
+static int raw_connect(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+  /* Every blocking read is bounded. */
+  struct timeval tv = {.tv_sec = WAIT_MS / 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+static void raw_send(int fd, const void *p, size_t n) {
+  const unsigned char *b = p;
+  while (n) {
+    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+    assert_true(w > 0);
+    b += w;
+    n -= (size_t)w;
+  }
+}
+
+/* A raw peer's side of a connection: a socket, a reader and what was
+ * received but not yet decoded. */
+typedef struct raw_conn {
+  int fd;
+  wire_reader r;
+  size_t off, len;
+  unsigned char buf[64 << 10];
+} raw_conn;
+
+static raw_conn *raw_open(int port) {
+  raw_conn *c = calloc(1, sizeof *c);
+  assert_non_null(c);
+  c->fd = raw_connect(port);
+  wire_reader_init(&c->r, 0);
+  return c;
+}
+
+static void raw_close(raw_conn *c) {
+  close(c->fd);
+  wire_reader_free(&c->r);
+  free(c);
+}
+
+/* Reads one frame into *m (its payload into `payload` if it fits in cap,
+ * else skipped). Returns 0, 1 on a clean end of stream, -1 on a broken
+ * stream, a receive error or a payload CRC mismatch. */
+static int raw_read_frame(raw_conn *c, wire_msg *m, void *payload, size_t cap) {
+  wire_event ev = WIRE_EV_NONE;
+  for (;;) {
+    if (ev == WIRE_EV_NONE && c->off == c->len) {
+      ssize_t n = recv(c->fd, c->buf, sizeof c->buf, 0);
+      if (n == 0)
+        return wire_reader_mid_frame(&c->r) ? -1 : 1;
+      if (n < 0)
+        return -1;
+      c->off = 0;
+      c->len = (size_t)n;
+    }
+    c->off += wire_reader_feed(&c->r, c->buf + c->off, c->len - c->off, &ev);
+    if (ev == WIRE_EV_FATAL)
+      return -1;
+    if (ev == WIRE_EV_META) {
+      int keep = payload && c->r.meta_status == 0 && c->r.msg.payload_len <= cap;
+      wire_reader_set_payload(&c->r, keep ? payload : NULL);
+    } else if (ev == WIRE_EV_DONE) {
+      *m = c->r.msg;
+      return c->r.payload_status == 0 ? 0 : -1;
+    }
+  }
+}
+
+/* Encodes a frame into out (header + meta + payload); returns its length. */
+static size_t raw_frame(unsigned char *out, size_t cap, wire_msg *m, const void *payload,
+                        size_t plen) {
+  m->payload_len = plen;
+  m->payload_crc = plen ? crc32c(0, payload, plen) : 0;
+  size_t len = 0;
+  assert_int_equal(wire_encode(m, out, cap, &len), 0);
+  assert_true(len + plen <= cap);
+  if (plen)
+    memcpy(out + len, payload, plen);
+  return len + plen;
+}
+
+static dp_server_stats stats_of(uint32_t shard) {
+  dp_server_stats s;
+  dp_server_get_stats(fx.srv[shard], &s);
+  return s;
+}
+
+static int mid_frame_is_2(void *arg) {
+  (void)arg;
+  return stats_of(0).mid_frame == 2;
+}
+
+static int stalled_closed_is_2(void *arg) {
+  (void)arg;
+  return stats_of(0).stalled_closed == 2;
+}
+
+static int a_pull_waits(void *arg) {
+  (void)arg;
+  return stats_of(0).pulls_waiting == 1;
+}
+
+static int paused_is_1(void *arg) {
+  (void)arg;
+  return stats_of(0).paused == 1;
+}
+
+static int paused_is_0(void *arg) {
+  (void)arg;
+  return stats_of(0).paused == 0;
+}
+
+/* A first piece owned by shard 0 and one owned by shard 1. */
+static const layout_piece *piece_on(uint32_t shard) {
+  for (uint32_t i = 0; i < fx.lay.num_pieces; i++)
+    if (fx.lay.pieces[i].shard == shard)
+      return &fx.lay.pieces[i];
+  fail_msg("no piece on shard %u", shard);
+  return NULL;
+}
+
+/* ------------------------------------------------------------ semantics */
+
+static void pushes_and_pulls_over_the_wire_match_the_core_driven_directly(void **state) {
+  (void)state;
+  check_pulls_match_reference(0);
+  for (uint64_t step = 1; step <= 2; step++) {
+    push_step(step);
+    apply_all(step);
+    check_pulls_match_reference(step);
+  }
+  /* Every push and pull went through the servers. */
+  core_counters k;
+  core_get_counters(fx.dpc[0], &k);
+  assert_true(k.pushes > 0 && k.pulls > 0);
+}
+
+static void refused_pushes_get_the_cores_status_and_message_and_change_nothing(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0), *other = piece_on(1);
+  size_t nb = 0;
+  void *g = gradient(p, 1, 0, 0, ZS_DTYPE_FP32, &nb);
+  uint32_t missing = core_missing(fx.dpc[0], 1, NULL, 0);
+  assert_true(missing > 0);
+  struct {
+    const char *what;
+    core_push_args a;
+    int status;
+  } cases[] = {
+      {"wrong spec hash", push_args(p, 1, 0, 0, ZS_DTYPE_FP32, g, nb), ZS_EHASH},
+      {"step beyond the next", push_args(p, 3, 0, 0, ZS_DTYPE_FP32, g, nb), ZS_ESTEP},
+      {"step 0", push_args(p, 0, 0, 0, ZS_DTYPE_FP32, g, nb), ZS_ESTEP},
+      {"rank out of range", push_args(p, 1, W, 0, ZS_DTYPE_FP32, g, nb), ZS_ERANGE},
+      {"micro out of range", push_args(p, 1, 0, M, ZS_DTYPE_FP32, g, nb), ZS_ERANGE},
+      {"no such tensor", push_args(p, 1, 0, 0, ZS_DTYPE_FP32, g, nb), ZS_ENOTFOUND},
+      {"piece of another shard", push_args(other, 1, 0, 0, ZS_DTYPE_FP32, g, nb), ZS_ENOTFOUND},
+      {"payload too short", push_args(p, 1, 0, 0, ZS_DTYPE_FP32, g, nb - 4), ZS_ESIZE},
+      {"payload in another dtype's size", push_args(p, 1, 0, 0, ZS_DTYPE_BF16, g, nb), ZS_ESIZE},
+  };
+  cases[0].a.hash ^= 1;
+  cases[5].a.tensor = NT + 3;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int rc = push_both(0, &cases[i].a, 1);
+    if (rc != cases[i].status)
+      fail_msg("%s: %s, expected %s", cases[i].what, zs_err_name(rc), zs_err_name(cases[i].status));
+    assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), missing);
+  }
+  /* A longer payload than the piece is refused without being stored. */
+  void *longer = calloc(1, nb + 64);
+  assert_non_null(longer);
+  memcpy(longer, g, nb);
+  core_push_args a = push_args(p, 1, 0, 0, ZS_DTYPE_FP32, longer, nb + 64);
+  assert_int_equal(push_both(0, &a, 1), ZS_ESIZE);
+  free(longer);
+  /* A dtype that is not ours is refused by the client before sending. */
+  dp_push_args bad = dp_push_of(&cases[1].a);
+  bad.dtype = (zs_dtype)0;
+  assert_int_equal(dp_client_push_sync(fx.cli[0], &bad, NULL, NULL, 0), ZS_EINVAL);
+  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), missing);
+  core_counters k1, k2;
+  core_get_counters(fx.dpc[0], &k1);
+  core_get_counters(fx.ref[0], &k2);
+  assert_int_equal(k1.rejected, k2.rejected);
+  assert_int_equal(k1.pushes, 0);
+  free(g);
+  /* The step still completes and matches the reference. */
+  push_step(1);
+  apply_all(1);
+  check_pulls_match_reference(1);
+}
+
+static void a_dtype_that_is_not_ours_is_refused_by_the_server_with_edtype(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0);
+  raw_conn *rc = raw_open(fx.port[0]);
+  int fd = rc->fd;
+  unsigned char f[WIRE_MAX_ENCODED + 64];
+  wire_msg m = {.type = WIRE_PUSH, .request_id = 5};
+  m.u.push = (wire_push){
+      .spec_hash = fx.hash, .step = 1, .tensor = p->tensor, .slice = p->slice, .dtype = 0};
+  raw_send(fd, f, raw_frame(f, sizeof f, &m, "abcdefgh", 8));
+  m = (wire_msg){.type = WIRE_PULL, .request_id = 6};
+  m.u.pull = (wire_pull){.spec_hash = fx.hash, .tensor = p->tensor, .slice = p->slice, .dtype = 9};
+  raw_send(fd, f, raw_frame(f, sizeof f, &m, NULL, 0));
+  for (uint64_t id = 5; id <= 6; id++) {
+    wire_msg ans;
+    assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+    assert_int_equal(ans.type, WIRE_ERROR);
+    assert_int_equal(ans.request_id, id);
+    assert_int_equal(ans.u.error.status, ZS_EDTYPE);
+    assert_non_null(strstr(ans.u.error.message, "not FP32, FP16 or BF16"));
+  }
+  raw_close(rc);
+  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), core_missing(fx.ref[0], 1, NULL, 0));
+}
+
+static void a_repeated_push_is_acknowledged_as_a_duplicate_and_added_once(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0);
+  size_t nb = 0;
+  void *g = gradient(p, 1, 1, 1, ZS_DTYPE_BF16, &nb);
+  core_push_args a = push_args(p, 1, 1, 1, ZS_DTYPE_BF16, g, nb);
+  dp_push_args da = dp_push_of(&a);
+  int dup = -1;
+  assert_int_equal(dp_client_push_sync(fx.cli[0], &da, &dup, NULL, 0), 0);
+  assert_int_equal(dup, 0);
+  assert_int_equal(dp_client_push_sync(fx.cli[0], &da, &dup, NULL, 0), 0);
+  assert_int_equal(dup, 1);
+  /* The reference gets it once; push_step then repeats it on both. */
+  assert_int_equal(core_push(fx.ref[0], &a, &dup, NULL, 0), 0);
+  push_step(1);
+  apply_all(1);
+  check_pulls_match_reference(1);
+  /* A push for a step already applied is a late retry: a duplicate. */
+  assert_int_equal(push_both(0, &a, 1), 0);
+  assert_int_equal(dp_client_push_sync(fx.cli[0], &da, &dup, NULL, 0), 0);
+  assert_int_equal(dup, 1);
+  core_counters k;
+  core_get_counters(fx.dpc[0], &k);
+  assert_int_equal(k.duplicate_pushes, 4);
+  free(g);
+  check_pulls_match_reference(1);
+}
+
+static void refused_pulls_get_clear_statuses(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0), *other = piece_on(1);
+  size_t nb = p->numel * sizeof(float);
+  float *dst = malloc(nb + 16);
+  assert_non_null(dst);
+  dp_pull_args base = {.spec_hash = fx.hash,
+                       .tensor = p->tensor,
+                       .slice = p->slice,
+                       .dtype = ZS_DTYPE_FP32,
+                       .dst = dst,
+                       .nbytes = nb,
+                       .timeout_ms = WAIT_MS};
+  char err[DP_ERRLEN] = "";
+  dp_pull_args a = base;
+  a.spec_hash ^= 0x10;
+  assert_int_equal(dp_client_pull_sync(fx.cli[0], &a, NULL, err, sizeof err), ZS_EHASH);
+  assert_non_null(strstr(err, "is not the hash of this shard's job"));
+  a = base;
+  a.tensor = other->tensor;
+  a.slice = other->slice;
+  assert_int_equal(dp_client_pull_sync(fx.cli[0], &a, NULL, err, sizeof err), ZS_ENOTFOUND);
+  assert_non_null(strstr(err, "on this shard"));
+  a = base;
+  a.nbytes = nb + 16;
+  assert_int_equal(dp_client_pull_sync(fx.cli[0], &a, NULL, err, sizeof err), ZS_ESIZE);
+  assert_non_null(strstr(err, "the destination"));
+  /* A version that does not come within the timeout. */
+  a = base;
+  a.min_version = 5;
+  a.timeout_ms = 50;
+  assert_int_equal(dp_client_pull_sync(fx.cli[0], &a, NULL, err, sizeof err), ZS_ETIMEDOUT);
+  assert_non_null(strstr(err, "timed out waiting for version 5"));
+  /* And the connection is still good. */
+  uint64_t v = 99;
+  assert_int_equal(dp_client_pull_sync(fx.cli[0], &base, &v, err, sizeof err), 0);
+  assert_int_equal(v, 0);
+  free(dst);
+}
+
+typedef struct pull_rec {
+  pthread_mutex_t mu;
+  int done, status;
+  uint64_t version;
+} pull_rec;
+
+static void on_pull_done(void *arg, const dp_result *r) {
+  pull_rec *p = arg;
+  pthread_mutex_lock(&p->mu);
+  p->done = 1;
+  p->status = r->status;
+  p->version = r->version;
+  pthread_mutex_unlock(&p->mu);
+}
+
+static int rec_done(void *arg) {
+  pull_rec *p = arg;
+  pthread_mutex_lock(&p->mu);
+  int d = p->done;
+  pthread_mutex_unlock(&p->mu);
+  return d;
+}
+
+static void a_pull_waits_for_its_version_and_then_returns_it(void **state) {
+  (void)state;
+  const layout_piece *p = piece(BIG_TENSOR, 0);
+  size_t nb = p->numel * sizeof(uint16_t);
+  void *dst = malloc(nb), *want = malloc(nb);
+  assert_true(dst && want);
+  pull_rec rec = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  dp_pull_args a = {.spec_hash = fx.hash,
+                    .min_version = 1,
+                    .tensor = p->tensor,
+                    .slice = p->slice,
+                    .dtype = ZS_DTYPE_BF16,
+                    .dst = dst,
+                    .nbytes = nb,
+                    .timeout_ms = WAIT_MS};
+  assert_int_equal(dp_client_pull(fx.cli[p->shard], &a, on_pull_done, &rec), 0);
+  assert_true(wait_until(a_pull_waits, NULL));
+  /* Version 1 cannot exist before the apply below. */
+  assert_false(rec_done(&rec));
+  push_step(1);
+  apply_all(1);
+  assert_true(wait_until(rec_done, &rec));
+  assert_int_equal(rec.status, 0);
+  assert_int_equal(rec.version, 1);
+  uint64_t v = 0;
+  assert_int_equal(core_read(fx.ref[p->shard], fx.hash, p->tensor, p->slice, ZS_DTYPE_BF16, want,
+                             nb, &v, NULL, 0),
+                   0);
+  assert_memory_equal(dst, want, nb);
+  assert_int_equal(stats_of(0).pulls_waiting, 0);
+  free(dst);
+  free(want);
+}
+
+/* -------------------------------------------------------------- pipelining */
+
+typedef struct batch {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int outstanding, failures;
+  char first_error[DP_ERRLEN];
+} batch;
+
+static void on_batch_done(void *arg, const dp_result *r) {
+  batch *b = arg;
+  pthread_mutex_lock(&b->mu);
+  if (r->status != 0 && b->failures++ == 0)
+    snprintf(b->first_error, sizeof b->first_error, "%s: %s", zs_err_name(r->status), r->message);
+  if (--b->outstanding == 0)
+    pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
+typedef struct submitter {
+  batch *b;
+  uint32_t rank;              /* this thread pushes the contributions of one rank */
+  void **bufs;                /* [piece * M + micro], owned by the test */
+  void *pull_dst[NSHARDS];    /* one per shard: each client has its own loop thread */
+  size_t pull_bytes[NSHARDS]; /* big's slice on each shard, in fp32 */
+} submitter;
+
+/* A trainer thread: every contribution of its rank, each followed by a pull
+ * of version 0, all without waiting. */
+static void *submit_thread(void *arg) {
+  submitter *s = arg;
+  for (uint32_t i = 0; i < fx.lay.num_pieces; i++) {
+    const layout_piece *p = &fx.lay.pieces[i];
+    for (uint32_t micro = 0; micro < M; micro++) {
+      dp_push_args a = {.spec_hash = fx.hash,
+                        .step = 1,
+                        .rank = s->rank,
+                        .micro = micro,
+                        .tensor = p->tensor,
+                        .slice = p->slice,
+                        .dtype = ZS_DTYPE_FP16,
+                        .data = s->bufs[i * M + micro],
+                        .nbytes = p->numel * 2,
+                        .timeout_ms = WAIT_MS};
+      pthread_mutex_lock(&s->b->mu);
+      s->b->outstanding += 2;
+      pthread_mutex_unlock(&s->b->mu);
+      if (dp_client_push(fx.cli[p->shard], &a, on_batch_done, s->b) != 0)
+        on_batch_done(s->b, &(dp_result){.status = ZS_EINTERNAL, .message = "submit"});
+      dp_pull_args q = {.spec_hash = fx.hash,
+                        .tensor = BIG_TENSOR,
+                        .slice = p->shard,
+                        .dtype = ZS_DTYPE_FP32,
+                        .dst = s->pull_dst[p->shard],
+                        .nbytes = s->pull_bytes[p->shard],
+                        .timeout_ms = WAIT_MS};
+      if (dp_client_pull(fx.cli[p->shard], &q, on_batch_done, s->b) != 0)
+        on_batch_done(s->b, &(dp_result){.status = ZS_EINTERNAL, .message = "submit"});
+    }
+  }
+  return NULL;
+}
+
+static void pipelined_requests_from_several_threads_complete_with_their_own_answers(void **state) {
+  (void)state;
+  batch b = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+  submitter subs[W];
+  pthread_t th[W];
+  for (uint32_t r = 0; r < W; r++) {
+    subs[r].b = &b;
+    subs[r].rank = r;
+    subs[r].bufs = calloc(fx.lay.num_pieces * M, sizeof(void *));
+    assert_non_null(subs[r].bufs);
+    for (uint32_t i = 0; i < NSHARDS; i++) {
+      subs[r].pull_bytes[i] = piece(BIG_TENSOR, i)->numel * 4;
+      subs[r].pull_dst[i] = malloc(subs[r].pull_bytes[i]);
+      assert_non_null(subs[r].pull_dst[i]);
+    }
+    for (uint32_t i = 0; i < fx.lay.num_pieces; i++)
+      for (uint32_t micro = 0; micro < M; micro++) {
+        size_t nb;
+        subs[r].bufs[i * M + micro] = gradient(&fx.lay.pieces[i], 1, r, micro, ZS_DTYPE_FP16, &nb);
+      }
+  }
+  /* The outstanding count starts above zero so that it cannot reach zero
+   * before every thread has submitted. */
+  b.outstanding = 1;
+  for (uint32_t r = 0; r < W; r++)
+    assert_int_equal(pthread_create(&th[r], NULL, submit_thread, &subs[r]), 0);
+  for (uint32_t r = 0; r < W; r++)
+    pthread_join(th[r], NULL);
+  on_batch_done(&b, &(dp_result){.status = 0, .message = ""});
+  pthread_mutex_lock(&b.mu);
+  while (b.outstanding > 0)
+    pthread_cond_wait(&b.cv, &b.mu);
+  pthread_mutex_unlock(&b.mu);
+  if (b.failures)
+    fail_msg("%d requests failed, first: %s", b.failures, b.first_error);
+  /* The same contributions, directly into the reference. */
+  for (uint32_t r = 0; r < W; r++)
+    for (uint32_t i = 0; i < fx.lay.num_pieces; i++)
+      for (uint32_t micro = 0; micro < M; micro++) {
+        const layout_piece *p = &fx.lay.pieces[i];
+        core_push_args a =
+            push_args(p, 1, r, micro, ZS_DTYPE_FP16, subs[r].bufs[i * M + micro], p->numel * 2);
+        assert_int_equal(core_push(fx.ref[p->shard], &a, NULL, NULL, 0), 0);
+      }
+  apply_all(1);
+  check_pulls_match_reference(1);
+  for (uint32_t r = 0; r < W; r++) {
+    for (uint32_t i = 0; i < fx.lay.num_pieces * M; i++)
+      free(subs[r].bufs[i]);
+    free(subs[r].bufs);
+    for (uint32_t i = 0; i < NSHARDS; i++)
+      free(subs[r].pull_dst[i]);
+  }
+}
+
+/* ---------------------------------------------------------- bad peers */
+
+static void a_stalled_peer_does_not_block_other_clients(void **state) {
+  (void)state;
+  const layout_piece *p = piece(BIG_TENSOR, 0);
+  unsigned char *f = malloc(WIRE_MAX_ENCODED + p->numel * 4);
+  assert_non_null(f);
+  /* Peer A stops inside a header; peer B inside a 256 KiB payload. */
+  int a = raw_connect(fx.port[0]);
+  int bfd = raw_connect(fx.port[0]);
+  wire_msg m = {.type = WIRE_PING, .request_id = 1};
+  size_t len = raw_frame(f, WIRE_MAX_ENCODED, &m, NULL, 0);
+  raw_send(a, f, len / 2);
+  size_t nb = 0;
+  void *g = gradient(p, 1, 0, 0, ZS_DTYPE_FP32, &nb);
+  m = (wire_msg){.type = WIRE_PUSH, .request_id = 2};
+  m.u.push = (wire_push){.spec_hash = fx.hash,
+                         .step = 1,
+                         .tensor = p->tensor,
+                         .slice = p->slice,
+                         .dtype = ZS_DTYPE_FP32};
+  len = raw_frame(f, WIRE_MAX_ENCODED + nb, &m, g, nb);
+  raw_send(bfd, f, len / 2);
+  assert_true(wait_until(mid_frame_is_2, NULL));
+  /* Meanwhile a whole step goes through for everyone else. */
+  push_step(1);
+  apply_all(1);
+  check_pulls_match_reference(1);
+  assert_int_equal(stats_of(0).mid_frame, 2);
+  close(a);
+  close(bfd);
+  free(g);
+  free(f);
+}
+
+static int setup_short_stall(void **state) {
+  dp_server_config_init(&g_srv_cfg);
+  g_srv_cfg.stall_timeout_ms = 200;
+  return setup_with(state);
+}
+
+static void a_peer_stalled_inside_a_frame_is_disconnected_after_the_stall_timeout(void **state) {
+  (void)state;
+  int a = raw_connect(fx.port[0]);
+  int b = raw_connect(fx.port[0]);
+  unsigned char f[WIRE_MAX_ENCODED];
+  wire_msg m = {.type = WIRE_PING, .request_id = 1};
+  size_t len = raw_frame(f, sizeof f, &m, NULL, 0);
+  raw_send(a, f, 10);
+  raw_send(b, f, len - 1);
+  assert_true(wait_until(stalled_closed_is_2, NULL));
+  /* Each sees its connection closed, without an answer. */
+  char c;
+  assert_int_equal(recv(a, &c, 1, 0), 0);
+  assert_int_equal(recv(b, &c, 1, 0), 0);
+  close(a);
+  close(b);
+  /* An idle connection at a frame boundary is not a stall. */
+  assert_int_equal(dp_client_ping_sync(fx.cli[0], WAIT_MS, NULL, 0), 0);
+}
+
+static void a_corrupt_payload_crc_is_refused_and_the_connection_survives(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0);
+  size_t nb = 0;
+  void *g = gradient(p, 1, 0, 0, ZS_DTYPE_FP32, &nb);
+  unsigned char *f = malloc(WIRE_MAX_ENCODED + nb);
+  assert_non_null(f);
+  raw_conn *rc = raw_open(fx.port[0]);
+  int fd = rc->fd;
+  wire_msg m = {.type = WIRE_PUSH, .request_id = 41};
+  m.u.push = (wire_push){.spec_hash = fx.hash,
+                         .step = 1,
+                         .rank = 0,
+                         .micro = 0,
+                         .tensor = p->tensor,
+                         .slice = p->slice,
+                         .dtype = ZS_DTYPE_FP32};
+  size_t len = raw_frame(f, WIRE_MAX_ENCODED + nb, &m, g, nb);
+  f[len - 3] ^= 0x04; /* corrupted in flight */
+  raw_send(fd, f, len);
+  wire_msg ans;
+  assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+  assert_int_equal(ans.type, WIRE_ERROR);
+  assert_int_equal(ans.request_id, 41);
+  assert_int_equal(ans.u.error.status, ZS_ECRC);
+  assert_non_null(strstr(ans.u.error.message, "payload CRC"));
+  /* Same connection: a PING, then the intact push, which is new (the corrupt
+   * one added nothing). */
+  wire_msg ping = {.type = WIRE_PING, .request_id = 42};
+  unsigned char pf[WIRE_MAX_ENCODED];
+  raw_send(fd, pf, raw_frame(pf, sizeof pf, &ping, NULL, 0));
+  assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+  assert_int_equal(ans.type, WIRE_PONG);
+  assert_int_equal(ans.request_id, 42);
+  m.request_id = 43;
+  len = raw_frame(f, WIRE_MAX_ENCODED + nb, &m, g, nb);
+  raw_send(fd, f, len);
+  assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+  assert_int_equal(ans.type, WIRE_PUSH_ACK);
+  assert_int_equal(ans.request_id, 43);
+  assert_int_equal(ans.u.push_ack.duplicate, 0);
+  assert_int_equal(stats_of(0).crc_errors, 1);
+  raw_close(rc);
+  free(f);
+  free(g);
+}
+
+static void a_broken_stream_is_answered_with_request_id_0_and_closed(void **state) {
+  (void)state;
+  struct {
+    const char *what;
+    int status;
+    const char *needle;
+  } cases[] = {
+      {"corrupt meta", ZS_ECRC, "header CRC"},
+      {"http", ZS_EPROTO, "bad frame magic"},
+      {"answer type from a client", ZS_EPROTO, "may send PUSH, PULL or PING"},
+      {"oversized payload", ZS_ERANGE, "exceeds this side's limit"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    raw_conn *rc = raw_open(fx.port[0]);
+    unsigned char f[WIRE_MAX_ENCODED];
+    wire_msg m = {.type = WIRE_PULL, .request_id = 7};
+    m.u.pull = (wire_pull){.spec_hash = fx.hash, .dtype = ZS_DTYPE_FP32};
+    size_t len = raw_frame(f, sizeof f, &m, NULL, 0);
+    if (i == 0) {
+      f[WIRE_HEADER_SIZE + 1] ^= 0x20;
+    } else if (i == 1) {
+      len = (size_t)snprintf((char *)f, sizeof f, "GET / HTTP/1.1\r\nHost: x\r\n\r\n%*s", 20, "");
+    } else if (i == 2) {
+      m = (wire_msg){.type = WIRE_PUSH_ACK, .request_id = 8};
+      len = raw_frame(f, sizeof f, &m, NULL, 0);
+    } else {
+      /* A 2 GiB payload announced in a well-formed header. */
+      m = (wire_msg){.type = WIRE_PUSH, .request_id = 9, .payload_len = UINT64_C(2) << 30};
+      m.u.push.dtype = ZS_DTYPE_FP32;
+      m.payload_crc = 1;
+      assert_int_equal(wire_encode(&m, f, sizeof f, &len), 0);
+    }
+    raw_send(rc->fd, f, len);
+    wire_msg ans;
+    assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+    assert_int_equal(ans.type, WIRE_ERROR);
+    assert_int_equal(ans.request_id, 0);
+    if (ans.u.error.status != cases[i].status || !strstr(ans.u.error.message, cases[i].needle))
+      fail_msg("%s: %s \"%s\"", cases[i].what, zs_err_name(ans.u.error.status),
+               ans.u.error.message);
+    /* Then the server closes. */
+    assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 1);
+    raw_close(rc);
+  }
+  assert_int_equal(stats_of(0).protocol_errors, 4);
+  /* Other clients never noticed. */
+  assert_int_equal(dp_client_ping_sync(fx.cli[0], WAIT_MS, NULL, 0), 0);
+}
+
+static int setup_backpressure(void **state) {
+  dp_server_config_init(&g_srv_cfg);
+  g_srv_cfg.max_pending = 8;
+  g_srv_cfg.max_queued_bytes = 256u << 10;
+  return setup_with(state);
+}
+
+static void a_peer_that_does_not_take_its_answers_is_paused_and_others_are_served(void **state) {
+  (void)state;
+  enum { NPULLS = 200 };
+  const layout_piece *p = piece(BIG_TENSOR, 0); /* 256 KiB in fp32 */
+  size_t nb = p->numel * 4;
+  raw_conn *rc = raw_open(fx.port[0]);
+  unsigned char f[WIRE_MAX_ENCODED];
+  /* 50 MiB of answers asked for, none read: more than the socket buffers
+   * hold, so the server's queue grows past its bound. */
+  for (uint64_t id = 1; id <= NPULLS; id++) {
+    wire_msg m = {.type = WIRE_PULL, .request_id = id};
+    m.u.pull = (wire_pull){
+        .spec_hash = fx.hash, .tensor = p->tensor, .slice = p->slice, .dtype = ZS_DTYPE_FP32};
+    raw_send(rc->fd, f, raw_frame(f, sizeof f, &m, NULL, 0));
+  }
+  assert_true(wait_until(paused_is_1, NULL));
+  /* Everyone else is served meanwhile. */
+  push_step(1);
+  apply_all(1);
+  check_pulls_match_reference(1);
+  /* Once the peer reads, every answer arrives, whole and intact. */
+  void *buf = malloc(nb);
+  assert_non_null(buf);
+  int seen[NPULLS + 1] = {0};
+  for (int i = 0; i < NPULLS; i++) {
+    wire_msg ans;
+    assert_int_equal(raw_read_frame(rc, &ans, buf, nb), 0);
+    assert_int_equal(ans.type, WIRE_PULL_DATA);
+    assert_true(ans.request_id >= 1 && ans.request_id <= NPULLS);
+    assert_int_equal(seen[ans.request_id]++, 0);
+    assert_int_equal(ans.payload_len, nb);
+  }
+  /* The server resumes reading once it has seen its last write complete,
+   * which may be after the peer read the bytes. */
+  assert_true(wait_until(paused_is_0, NULL));
+  free(buf);
+  raw_close(rc);
+}
+
+/* ------------------------------------------------------------ lifecycle */
+
+static void closing_the_client_cancels_its_requests_in_flight(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0);
+  size_t nb = p->numel * 4;
+  void *dst = malloc(nb);
+  assert_non_null(dst);
+  pull_rec rec = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  dp_pull_args a = {.spec_hash = fx.hash,
+                    .min_version = 100,
+                    .tensor = p->tensor,
+                    .slice = p->slice,
+                    .dtype = ZS_DTYPE_FP32,
+                    .dst = dst,
+                    .nbytes = nb,
+                    .timeout_ms = WAIT_MS};
+  assert_int_equal(dp_client_pull(fx.cli[0], &a, on_pull_done, &rec), 0);
+  assert_true(wait_until(a_pull_waits, NULL));
+  dp_client_close(fx.cli[0]);
+  fx.cli[0] = NULL;
+  /* The callback ran before close returned. */
+  assert_int_equal(rec.done, 1);
+  assert_int_equal(rec.status, ZS_ECANCELED);
+  free(dst);
+}
+
+static void stopping_the_server_fails_its_connections_and_leaves_waits_to_the_core(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0);
+  size_t nb = p->numel * 4;
+  void *dst = malloc(nb);
+  assert_non_null(dst);
+  pull_rec rec = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  dp_pull_args a = {.spec_hash = fx.hash,
+                    .min_version = 100,
+                    .tensor = p->tensor,
+                    .slice = p->slice,
+                    .dtype = ZS_DTYPE_FP32,
+                    .dst = dst,
+                    .nbytes = nb,
+                    .timeout_ms = WAIT_MS};
+  assert_int_equal(dp_client_pull(fx.cli[0], &a, on_pull_done, &rec), 0);
+  assert_true(wait_until(a_pull_waits, NULL));
+  dp_server_stop(fx.srv[0]);
+  fx.srv[0] = NULL;
+  assert_true(wait_until(rec_done, &rec));
+  assert_int_equal(rec.status, ZS_ECONN);
+  /* The wait still registered in the core ends with core_destroy (in the
+   * teardown), after the server is gone: it must only free its record. */
+  free(dst);
+}
+
+/* A server that answers the first PING (so that dp_client_open succeeds) and
+ * then reads and answers nothing until its peer leaves. No cmocka assertion
+ * here: this is not the test's thread. */
+static void *silent_server(void *arg) {
+  int *fds = arg;
+  int c = accept(fds[0], NULL, NULL);
+  unsigned char h[WIRE_HEADER_SIZE];
+  size_t got = 0;
+  while (c >= 0 && got < sizeof h) {
+    ssize_t n = recv(c, h + got, sizeof h - got, 0);
+    if (n <= 0)
+      break;
+    got += (size_t)n;
+  }
+  wire_header hd;
+  if (got == sizeof h && wire_decode_header(h, 0, &hd, NULL, 0) == 0 && hd.type == WIRE_PING) {
+    wire_msg pong = {.type = WIRE_PONG, .request_id = hd.request_id};
+    unsigned char f[WIRE_MAX_ENCODED];
+    size_t len = 0;
+    if (wire_encode(&pong, f, sizeof f, &len) == 0)
+      send(c, f, len, MSG_NOSIGNAL);
+  }
+  /* Swallow whatever comes, answering nothing, until the client leaves. */
+  char sink[4096];
+  while (c >= 0 && recv(c, sink, sizeof sink, 0) > 0)
+    continue;
+  fds[1] = c;
+  return NULL;
+}
+
+static void a_server_that_does_not_answer_times_requests_out(void **state) {
+  (void)state;
+  int ls = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(bind(ls, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(ls, 4), 0);
+  socklen_t al = sizeof a;
+  getsockname(ls, (struct sockaddr *)&a, &al);
+  int fds[2] = {ls, -1};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, silent_server, fds), 0);
+  char addr[64], err[DP_ERRLEN] = "";
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", ntohs(a.sin_port));
+  dp_client_config cc = {.addr = addr};
+  dp_client *c = NULL;
+  int rc = dp_client_open(&cc, &c, err, sizeof err);
+  if (rc)
+    fail_msg("open: %s", err);
+  assert_int_equal(dp_client_ping_sync(c, 100, err, sizeof err), ZS_ETIMEDOUT);
+  assert_non_null(strstr(err, "PING request to"));
+  assert_non_null(strstr(err, "timed out after 100 ms"));
+  /* A push small enough to be written at once times out without taking the
+   * connection down. */
+  float g[16] = {0};
+  dp_push_args pa = {.spec_hash = 1,
+                     .step = 1,
+                     .dtype = ZS_DTYPE_FP32,
+                     .data = g,
+                     .nbytes = sizeof g,
+                     .timeout_ms = 100};
+  assert_int_equal(dp_client_push_sync(c, &pa, NULL, err, sizeof err), ZS_ETIMEDOUT);
+  assert_non_null(strstr(err, "PUSH request to"));
+  dp_client_close(c);
+  pthread_join(th, NULL);
+  if (fds[1] >= 0)
+    close(fds[1]);
+  close(ls);
+}
+
+static void connecting_to_a_closed_port_fails_with_econn(void **state) {
+  (void)state;
+  int ls = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(bind(ls, (struct sockaddr *)&a, sizeof a), 0);
+  socklen_t al = sizeof a;
+  getsockname(ls, (struct sockaddr *)&a, &al);
+  char addr[64], err[DP_ERRLEN] = "";
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", ntohs(a.sin_port));
+  close(ls); /* bound, never listened: nothing accepts on that port */
+  dp_client_config cc = {.addr = addr, .connections = 2};
+  dp_client *c = NULL;
+  assert_int_equal(dp_client_open(&cc, &c, err, sizeof err), ZS_ECONN);
+  assert_non_null(strstr(err, "cannot connect"));
+  assert_null(c);
+  cc.addr = "no-port-here";
+  assert_int_equal(dp_client_open(&cc, &c, err, sizeof err), ZS_EINVAL);
+  assert_non_null(strstr(err, "has no :port"));
+}
+
+int main(void) {
+  log_set_level(LOG_LEVEL_ERROR);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(pushes_and_pulls_over_the_wire_match_the_core_driven_directly,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(
+          refused_pushes_get_the_cores_status_and_message_and_change_nothing, setup_default,
+          teardown),
+      cmocka_unit_test_setup_teardown(a_dtype_that_is_not_ours_is_refused_by_the_server_with_edtype,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(a_repeated_push_is_acknowledged_as_a_duplicate_and_added_once,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(refused_pulls_get_clear_statuses, setup_default, teardown),
+      cmocka_unit_test_setup_teardown(a_pull_waits_for_its_version_and_then_returns_it,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(
+          pipelined_requests_from_several_threads_complete_with_their_own_answers, setup_default,
+          teardown),
+      cmocka_unit_test_setup_teardown(a_stalled_peer_does_not_block_other_clients, setup_default,
+                                      teardown),
+      cmocka_unit_test_setup_teardown(
+          a_peer_stalled_inside_a_frame_is_disconnected_after_the_stall_timeout, setup_short_stall,
+          teardown),
+      cmocka_unit_test_setup_teardown(a_corrupt_payload_crc_is_refused_and_the_connection_survives,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(a_broken_stream_is_answered_with_request_id_0_and_closed,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(
+          a_peer_that_does_not_take_its_answers_is_paused_and_others_are_served, setup_backpressure,
+          teardown),
+      cmocka_unit_test_setup_teardown(closing_the_client_cancels_its_requests_in_flight,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(
+          stopping_the_server_fails_its_connections_and_leaves_waits_to_the_core, setup_default,
+          teardown),
+      cmocka_unit_test(a_server_that_does_not_answer_times_requests_out),
+      cmocka_unit_test(connecting_to_a_closed_port_fails_with_econn),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

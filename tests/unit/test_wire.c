@@ -1,0 +1,692 @@
+/*
+ * test_wire — the data-plane frame format (common/wire.h): the header layout
+ * byte by byte, encode/decode round trips of every frame type (whole, and
+ * through the incremental reader in pieces of every size and with direct
+ * payload writes), and every malformed input: bad magic, version, type, flags
+ * and reserved field, oversized lengths, payloads where none belong,
+ * truncation, header and payload CRC mismatches, metas that do not parse and
+ * values that are not ours, each with its status and a sentence naming it.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/crc32c.h"
+#include "common/wire.h"
+#include "zshard/zshard.h"
+
+#define BIG (WIRE_MAX_ENCODED + 4096)
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rng32(void) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (uint32_t)(rng_state >> 16);
+}
+
+/* A whole frame in one buffer: header + meta from wire_encode, then the
+ * payload. Returns its length. */
+static size_t frame(uint8_t *out, size_t cap, wire_msg *m, const void *payload, size_t plen) {
+  m->payload_len = plen;
+  m->payload_crc = plen ? crc32c(0, payload, plen) : 0;
+  size_t len = 0;
+  assert_int_equal(wire_encode(m, out, cap, &len), 0);
+  assert_true(len + plen <= cap);
+  if (plen)
+    memcpy(out + len, payload, plen);
+  return len + plen;
+}
+
+static wire_msg push_msg(uint64_t id) {
+  wire_msg m = {.type = WIRE_PUSH, .request_id = id};
+  m.u.push = (wire_push){.spec_hash = 0x0123456789abcdefull,
+                         .step = 7,
+                         .rank = 3,
+                         .micro = 1,
+                         .tensor = 42,
+                         .slice = 5,
+                         .dtype = ZS_DTYPE_BF16};
+  return m;
+}
+
+/* A header with arbitrary field values and a correct header CRC over it and
+ * `meta`, so that a test reaches exactly the check it is about. */
+static void raw_header(uint8_t h[WIRE_HEADER_SIZE], uint32_t magic, uint8_t version, uint8_t type,
+                       uint16_t flags, uint64_t id, uint64_t payload_len, uint32_t meta_len,
+                       uint32_t payload_crc, uint32_t reserved, const uint8_t *meta) {
+  for (int i = 0; i < 4; i++)
+    h[i] = (uint8_t)(magic >> (8 * i));
+  h[4] = version;
+  h[5] = type;
+  h[6] = (uint8_t)flags;
+  h[7] = (uint8_t)(flags >> 8);
+  for (int i = 0; i < 8; i++) {
+    h[8 + i] = (uint8_t)(id >> (8 * i));
+    h[16 + i] = (uint8_t)(payload_len >> (8 * i));
+  }
+  for (int i = 0; i < 4; i++) {
+    h[24 + i] = (uint8_t)(meta_len >> (8 * i));
+    h[28 + i] = (uint8_t)(payload_crc >> (8 * i));
+    h[32 + i] = (uint8_t)(reserved >> (8 * i));
+  }
+  uint32_t c = crc32c(0, h, 36);
+  if (meta && meta_len)
+    c = crc32c(c, meta, meta_len);
+  for (int i = 0; i < 4; i++)
+    h[36 + i] = (uint8_t)(c >> (8 * i));
+}
+
+/* Recomputes the header CRC of an encoded frame after a test edited it. */
+static void reseal(uint8_t *f) {
+  uint32_t meta_len =
+      (uint32_t)f[24] | (uint32_t)f[25] << 8 | (uint32_t)f[26] << 16 | (uint32_t)f[27] << 24;
+  uint32_t c = crc32c(crc32c(0, f, 36), f + WIRE_HEADER_SIZE, meta_len);
+  for (int i = 0; i < 4; i++)
+    f[36 + i] = (uint8_t)(c >> (8 * i));
+}
+
+/* Decodes a whole frame and checks the status and that the sentence names
+ * `needle`. */
+static void expect_decode_error(const uint8_t *f, size_t len, uint64_t max_payload, int status,
+                                const char *needle) {
+  wire_msg m;
+  const uint8_t *pl = NULL;
+  size_t flen = 0;
+  char err[WIRE_ERRLEN] = "";
+  int rc = wire_decode_frame(f, len, max_payload, &m, &pl, &flen, err, sizeof err);
+  if (rc != status || !strstr(err, needle))
+    fail_msg("expected %s containing \"%s\", got %s: \"%s\"", zs_err_name(status), needle,
+             zs_err_name(rc), err);
+}
+
+/* Feeds `len` bytes to a fresh reader in one piece and returns the first
+ * event that is not WIRE_EV_NONE (keeping payloads in `dst`). */
+static wire_event reader_first_event(wire_reader *r, const uint8_t *f, size_t len, void *dst) {
+  size_t off = 0;
+  for (;;) {
+    wire_event ev;
+    off += wire_reader_feed(r, f + off, len - off, &ev);
+    if (ev == WIRE_EV_META) {
+      if (r->meta_status != 0)
+        return ev;
+      assert_int_equal(wire_reader_set_payload(r, dst), 0);
+      continue;
+    }
+    if (ev != WIRE_EV_NONE || off == len)
+      return ev;
+  }
+}
+
+/* ------------------------------------------------------------ layout */
+
+static void header_fields_sit_at_their_documented_little_endian_offsets(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  uint8_t payload[3] = {1, 2, 3};
+  wire_msg m = push_msg(0x1122334455667788ull);
+  size_t len = frame(f, sizeof f, &m, payload, sizeof payload);
+  assert_memory_equal(f, "ZSDP", 4);
+  assert_int_equal(f[4], 1);
+  assert_int_equal(f[5], WIRE_PUSH);
+  assert_int_equal(f[6] | f[7], 0);
+  static const uint8_t id_le[8] = {0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11};
+  assert_memory_equal(f + 8, id_le, 8);
+  static const uint8_t plen_le[8] = {3, 0, 0, 0, 0, 0, 0, 0};
+  assert_memory_equal(f + 16, plen_le, 8);
+  uint32_t meta_len = f[24] | f[25] << 8 | f[26] << 16 | (uint32_t)f[27] << 24;
+  assert_int_equal(len, WIRE_HEADER_SIZE + meta_len + sizeof payload);
+  uint32_t pcrc = crc32c(0, payload, 3);
+  uint8_t pcrc_le[4] = {(uint8_t)pcrc, (uint8_t)(pcrc >> 8), (uint8_t)(pcrc >> 16),
+                        (uint8_t)(pcrc >> 24)};
+  assert_memory_equal(f + 28, pcrc_le, 4);
+  static const uint8_t zero4[4] = {0};
+  assert_memory_equal(f + 32, zero4, 4);
+  uint32_t hcrc = crc32c(crc32c(0, f, 36), f + 40, meta_len);
+  assert_int_equal(f[36] | f[37] << 8 | f[38] << 16 | (uint32_t)f[39] << 24, hcrc);
+  /* The payload follows the meta unchanged. */
+  assert_memory_equal(f + 40 + meta_len, payload, 3);
+}
+
+/* ------------------------------------------------------------ round trips */
+
+static void every_frame_type_round_trips_through_encode_and_decode(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  uint8_t payload[1000];
+  for (size_t i = 0; i < sizeof payload; i++)
+    payload[i] = (uint8_t)rng32();
+  wire_msg in[7];
+  memset(in, 0, sizeof in);
+  in[0] = push_msg(1);
+  in[1] = (wire_msg){.type = WIRE_PUSH_ACK, .request_id = 2};
+  in[1].u.push_ack.duplicate = 1;
+  in[2] = (wire_msg){.type = WIRE_PULL, .request_id = 3};
+  in[2].u.pull = (wire_pull){.spec_hash = ~0ull,
+                             .min_version = 1ull << 40,
+                             .tensor = 999999,
+                             .slice = 4095,
+                             .timeout_ms = 12345,
+                             .dtype = ZS_DTYPE_FP16};
+  in[3] = (wire_msg){.type = WIRE_PULL_DATA, .request_id = ~0ull};
+  in[3].u.pull_data = (wire_pull_data){.version = 17, .dtype = ZS_DTYPE_FP32};
+  in[4] = (wire_msg){.type = WIRE_ERROR, .request_id = 5};
+  in[4].u.error.status = ZS_ESTEP;
+  strcpy(in[4].u.error.message, "push for step 9 but shard 0 expects step 8");
+  in[5] = (wire_msg){.type = WIRE_PING, .request_id = 6};
+  in[6] = (wire_msg){.type = WIRE_PONG, .request_id = 0};
+  for (int i = 0; i < 7; i++) {
+    int has_payload = in[i].type == WIRE_PUSH || in[i].type == WIRE_PULL_DATA;
+    size_t plen = has_payload ? sizeof payload : 0;
+    size_t len = frame(f, sizeof f, &in[i], payload, plen);
+    wire_msg out;
+    const uint8_t *pl = NULL;
+    size_t flen = 0;
+    char err[WIRE_ERRLEN] = "";
+    int rc = wire_decode_frame(f, len, 0, &out, &pl, &flen, err, sizeof err);
+    if (rc)
+      fail_msg("%s: %s", wire_type_name(in[i].type), err);
+    assert_int_equal(flen, len);
+    assert_int_equal(out.type, in[i].type);
+    assert_int_equal(out.request_id, in[i].request_id);
+    assert_int_equal(out.payload_len, plen);
+    if (plen)
+      assert_memory_equal(pl, payload, plen);
+    /* The union holds exactly what went in (both were zeroed first). */
+    assert_memory_equal(&out.u, &in[i].u, sizeof out.u);
+  }
+}
+
+/* Feeds a stream of several frames in pieces of `chunk` bytes (0: random
+ * sizes) and checks that each frame comes out whole and in order. */
+static void feed_stream_in_chunks(size_t chunk, int direct) {
+  enum { NF = 5, PL = 3000 };
+  uint8_t *stream = malloc(NF * (WIRE_MAX_ENCODED + PL));
+  uint8_t payloads[NF][PL];
+  size_t plen[NF];
+  assert_non_null(stream);
+  size_t total = 0;
+  for (int i = 0; i < NF; i++) {
+    plen[i] = (i % 2 == 0) ? (size_t)(i * 700) : 0;
+    for (size_t k = 0; k < plen[i]; k++)
+      payloads[i][k] = (uint8_t)rng32();
+    wire_msg m = i % 2 == 0 ? push_msg((uint64_t)i + 100)
+                            : (wire_msg){.type = WIRE_PULL, .request_id = (uint64_t)i + 100};
+    if (m.type == WIRE_PULL)
+      m.u.pull.dtype = ZS_DTYPE_BF16;
+    total += frame(stream + total, WIRE_MAX_ENCODED + PL, &m, payloads[i], plen[i]);
+  }
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  uint8_t dst[PL];
+  int next = 0;
+  size_t off = 0;
+  while (off < total) {
+    size_t n = chunk ? chunk : 1 + rng32() % 97;
+    if (n > total - off)
+      n = total - off;
+    size_t used = 0;
+    while (used < n) {
+      /* With direct writes, payload bytes go straight to the reader's
+       * destination, the way a socket read would put them there. */
+      size_t space = 0;
+      uint8_t *sp = direct ? wire_reader_space(&r, &space) : NULL;
+      wire_event ev;
+      if (sp) {
+        size_t k = space < n - used ? space : n - used;
+        memcpy(sp, stream + off + used, k);
+        used += k;
+        ev = wire_reader_commit(&r, k);
+      } else {
+        used += wire_reader_feed(&r, stream + off + used, n - used, &ev);
+      }
+      if (ev == WIRE_EV_META) {
+        assert_int_equal(r.meta_status, 0);
+        assert_int_equal(r.msg.request_id, (uint64_t)next + 100);
+        assert_int_equal(r.msg.payload_len, plen[next]);
+        assert_int_equal(wire_reader_set_payload(&r, dst), 0);
+        assert_true(wire_reader_mid_frame(&r));
+      } else if (ev == WIRE_EV_DONE) {
+        assert_int_equal(r.payload_status, 0);
+        assert_int_equal(r.msg.request_id, (uint64_t)next + 100);
+        if (plen[next])
+          assert_memory_equal(dst, payloads[next], plen[next]);
+        next++;
+      } else {
+        assert_int_equal(ev, WIRE_EV_NONE);
+      }
+    }
+    off += n;
+  }
+  /* A frame without payload completes on the next feed, even an empty one. */
+  wire_event ev;
+  assert_int_equal(wire_reader_feed(&r, NULL, 0, &ev), 0);
+  if (ev == WIRE_EV_DONE)
+    next++;
+  assert_int_equal(next, NF);
+  assert_false(wire_reader_mid_frame(&r));
+  assert_int_equal(wire_reader_eof(&r), 0);
+  wire_reader_free(&r);
+  free(stream);
+}
+
+static void reader_reassembles_frames_fed_one_byte_at_a_time(void **state) {
+  (void)state;
+  feed_stream_in_chunks(1, 0);
+}
+
+static void reader_reassembles_frames_fed_in_random_pieces(void **state) {
+  (void)state;
+  for (int i = 0; i < 20; i++)
+    feed_stream_in_chunks(0, 0);
+}
+
+static void reader_accepts_payload_bytes_written_directly_into_the_destination(void **state) {
+  (void)state;
+  feed_stream_in_chunks(4096, 1);
+  for (int i = 0; i < 10; i++)
+    feed_stream_in_chunks(0, 1);
+}
+
+static void reader_skips_a_payload_when_told_to_and_stays_in_step(void **state) {
+  (void)state;
+  uint8_t f[2 * BIG];
+  uint8_t payload[2000];
+  memset(payload, 0x5a, sizeof payload);
+  wire_msg a = push_msg(1), b = push_msg(2);
+  size_t la = frame(f, sizeof f, &a, payload, sizeof payload);
+  size_t lb = frame(f + la, sizeof f - la, &b, payload, 10);
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  wire_event ev;
+  size_t off = wire_reader_feed(&r, f, la + lb, &ev);
+  assert_int_equal(ev, WIRE_EV_META);
+  assert_int_equal(wire_reader_set_payload(&r, NULL), 0);
+  size_t space = 1;
+  assert_null(wire_reader_space(&r, &space));
+  assert_int_equal(space, 0);
+  off += wire_reader_feed(&r, f + off, la + lb - off, &ev);
+  assert_int_equal(ev, WIRE_EV_DONE);
+  assert_int_equal(off, la);
+  uint8_t dst[10];
+  assert_int_equal(reader_first_event(&r, f + off, lb, dst), WIRE_EV_DONE);
+  assert_int_equal(r.msg.request_id, 2);
+  assert_memory_equal(dst, payload, 10);
+  wire_reader_free(&r);
+}
+
+/* ------------------------------------------------------------ malformed */
+
+static void bad_magic_is_refused_as_not_our_protocol(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  wire_msg m = {.type = WIRE_PING, .request_id = 1};
+  size_t len = frame(f, sizeof f, &m, NULL, 0);
+  memcpy(f, "GET ", 4); /* an HTTP client on the data port */
+  expect_decode_error(f, len, 0, ZS_EPROTO, "bad frame magic");
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  assert_int_equal(reader_first_event(&r, f, len, NULL), WIRE_EV_FATAL);
+  assert_int_equal(r.status, ZS_EPROTO);
+  assert_non_null(strstr(r.err, "not a zshard data-plane stream"));
+  wire_reader_free(&r);
+}
+
+static void unsupported_version_is_refused(void **state) {
+  (void)state;
+  uint8_t h[WIRE_HEADER_SIZE];
+  raw_header(h, WIRE_MAGIC, 2, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "unsupported frame version 2");
+  raw_header(h, WIRE_MAGIC, 0, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "unsupported frame version 0");
+}
+
+static void unknown_frame_type_is_refused(void **state) {
+  (void)state;
+  uint8_t h[WIRE_HEADER_SIZE];
+  const uint8_t bad[] = {0, 8, 99, 255};
+  for (size_t i = 0; i < sizeof bad; i++) {
+    raw_header(h, WIRE_MAGIC, 1, bad[i], 0, 77, 0, 0, 0, 0, NULL);
+    char needle[64];
+    snprintf(needle, sizeof needle, "unknown frame type %u (request id 77)", bad[i]);
+    expect_decode_error(h, sizeof h, 0, ZS_EPROTO, needle);
+  }
+}
+
+static void flags_and_reserved_bits_must_be_zero(void **state) {
+  (void)state;
+  uint8_t h[WIRE_HEADER_SIZE];
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PING, 0x0100, 1, 0, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "flags 0x0100");
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PING, 0, 1, 0, 0, 0, 0xdead, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "reserved field");
+}
+
+static void oversized_meta_length_is_refused_before_reading_it(void **state) {
+  (void)state;
+  uint8_t h[WIRE_HEADER_SIZE];
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PULL, 0, 1, 0, WIRE_MAX_META + 1, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_ERANGE, "meta of 65537 bytes exceeds the 65536 limit");
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PULL, 0, 1, 0, 0xffffffffu, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_ERANGE, "exceeds the 65536 limit");
+  /* The reader refuses it from the header alone: no meta buffer is grown. */
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  assert_int_equal(reader_first_event(&r, h, sizeof h, NULL), WIRE_EV_FATAL);
+  assert_int_equal(r.status, ZS_ERANGE);
+  assert_int_equal(r.meta_cap, 0);
+  wire_reader_free(&r);
+}
+
+static void oversized_payload_length_is_refused_against_the_receivers_limit(void **state) {
+  (void)state;
+  uint8_t h[WIRE_HEADER_SIZE];
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PUSH, 0, 1, WIRE_DEFAULT_MAX_PAYLOAD + 1, 0, 1, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_ERANGE, "payload of 1073741825 bytes exceeds");
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PUSH, 0, 1, UINT64_MAX, 0, 1, 0, NULL);
+  expect_decode_error(h, sizeof h, UINT64_MAX, ZS_ERANGE, "exceeds this side's limit");
+  /* A configured limit applies exactly: 1000 passes, 1001 does not. */
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PUSH, 0, 1, 1001, 0, 1, 0, NULL);
+  wire_reader r;
+  wire_reader_init(&r, 1000);
+  assert_int_equal(reader_first_event(&r, h, sizeof h, NULL), WIRE_EV_FATAL);
+  assert_int_equal(r.status, ZS_ERANGE);
+  assert_non_null(strstr(r.err, "limit of 1000"));
+  wire_reader_free(&r);
+  wire_header hd;
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PUSH, 0, 1, 1000, 0, 1, 0, NULL);
+  assert_int_equal(wire_decode_header(h, 1000, &hd, NULL, 0), 0);
+}
+
+static void payload_or_meta_on_a_type_without_them_is_refused(void **state) {
+  (void)state;
+  uint8_t h[WIRE_HEADER_SIZE];
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PULL, 0, 1, 16, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "PULL frame carries a payload of 16 bytes");
+  raw_header(h, WIRE_MAGIC, 1, WIRE_ERROR, 0, 1, 1, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "ERROR frame carries a payload");
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PING, 0, 1, 0, 4, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "PING frame carries a meta of 4 bytes");
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PULL, 0, 1, 0, 0, 0x1234, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "without payload has payload CRC");
+}
+
+static void truncated_frames_are_refused_at_every_length(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  uint8_t payload[64];
+  memset(payload, 7, sizeof payload);
+  wire_msg m = push_msg(9);
+  size_t len = frame(f, sizeof f, &m, payload, sizeof payload);
+  for (size_t cut = 0; cut < len; cut++) {
+    wire_msg out;
+    const uint8_t *pl = NULL;
+    size_t flen = 0;
+    char err[WIRE_ERRLEN] = "";
+    int rc = wire_decode_frame(f, cut, 0, &out, &pl, &flen, err, sizeof err);
+    if (rc != ZS_EPROTO || !strstr(err, "truncated"))
+      fail_msg("cut at %zu: %s \"%s\"", cut, zs_err_name(rc), err);
+    /* A stream that ends there is mid-frame, and says so. */
+    wire_reader r;
+    wire_reader_init(&r, 0);
+    uint8_t dst[64];
+    wire_event ev = reader_first_event(&r, f, cut, dst);
+    assert_int_equal(ev, WIRE_EV_NONE);
+    assert_int_equal(wire_reader_mid_frame(&r), cut > 0);
+    int eof = wire_reader_eof(&r);
+    if (cut == 0)
+      assert_int_equal(eof, 0);
+    else if (eof != ZS_EPROTO || !strstr(r.err, "stream ended inside"))
+      fail_msg("eof at %zu: %s \"%s\"", cut, zs_err_name(eof), r.err);
+    wire_reader_free(&r);
+  }
+}
+
+static void header_crc_mismatch_is_fatal(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  wire_msg m = push_msg(9);
+  size_t len = frame(f, sizeof f, &m, NULL, 0);
+  /* A corrupted payload length: plausible on its own, caught by the CRC. */
+  f[17] ^= 0x01;
+  expect_decode_error(f, len, 0, ZS_ECRC, "header CRC");
+  f[17] ^= 0x01;
+  /* A corrupted meta byte is covered by the same CRC. */
+  f[WIRE_HEADER_SIZE + 2] ^= 0x40;
+  expect_decode_error(f, len, 0, ZS_ECRC, "the header or meta is corrupt");
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  assert_int_equal(reader_first_event(&r, f, len, NULL), WIRE_EV_FATAL);
+  assert_int_equal(r.status, ZS_ECRC);
+  /* Fatal is final: nothing more is consumed. */
+  wire_event ev;
+  assert_int_equal(wire_reader_feed(&r, f, len, &ev), 0);
+  assert_int_equal(ev, WIRE_EV_FATAL);
+  wire_reader_free(&r);
+}
+
+static void payload_crc_mismatch_refuses_that_frame_and_the_next_one_decodes(void **state) {
+  (void)state;
+  uint8_t f[2 * BIG];
+  uint8_t payload[256];
+  for (size_t i = 0; i < sizeof payload; i++)
+    payload[i] = (uint8_t)i;
+  wire_msg a = push_msg(1), b = push_msg(2);
+  size_t la = frame(f, sizeof f, &a, payload, sizeof payload);
+  size_t lb = frame(f + la, sizeof f - la, &b, payload, sizeof payload);
+  f[la - 1] ^= 0x80; /* last payload byte of the first frame */
+  expect_decode_error(f, la, 0, ZS_ECRC, "payload CRC");
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  uint8_t dst[256];
+  size_t off = 0;
+  wire_event ev;
+  off += wire_reader_feed(&r, f, la + lb, &ev);
+  assert_int_equal(ev, WIRE_EV_META);
+  assert_int_equal(wire_reader_set_payload(&r, dst), 0);
+  off += wire_reader_feed(&r, f + off, la + lb - off, &ev);
+  assert_int_equal(ev, WIRE_EV_DONE);
+  assert_int_equal(r.payload_status, ZS_ECRC);
+  assert_non_null(strstr(r.err, "request id 1"));
+  assert_int_equal(off, la);
+  assert_int_equal(reader_first_event(&r, f + off, lb, dst), WIRE_EV_DONE);
+  assert_int_equal(r.payload_status, 0);
+  assert_int_equal(r.msg.request_id, 2);
+  wire_reader_free(&r);
+}
+
+static void meta_that_does_not_parse_is_a_per_request_error(void **state) {
+  (void)state;
+  /* A varint that never ends, behind a header whose CRC holds: the framing
+   * is sound, the message is not. */
+  uint8_t f[WIRE_HEADER_SIZE + 4 + WIRE_HEADER_SIZE];
+  const uint8_t garbage[4] = {0x10, 0xff, 0xff, 0xff};
+  raw_header(f, WIRE_MAGIC, 1, WIRE_PULL, 0, 31, 0, 4, 0, 0, garbage);
+  memcpy(f + WIRE_HEADER_SIZE, garbage, 4);
+  expect_decode_error(f, WIRE_HEADER_SIZE + 4, 0, ZS_EPROTO, "is not a valid zshard.v1.DataPull");
+  /* The reader reports it with the request id and carries on. */
+  wire_msg ping = {.type = WIRE_PING, .request_id = 32};
+  size_t lp = 0;
+  assert_int_equal(wire_encode(&ping, f + WIRE_HEADER_SIZE + 4, WIRE_HEADER_SIZE, &lp), 0);
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  wire_event ev;
+  size_t off = wire_reader_feed(&r, f, sizeof f, &ev);
+  assert_int_equal(ev, WIRE_EV_META);
+  assert_int_equal(r.meta_status, ZS_EPROTO);
+  assert_int_equal(r.msg.request_id, 31);
+  assert_int_equal(r.msg.type, WIRE_PULL);
+  /* A refused frame's payload can only be skipped. */
+  uint8_t dst[1];
+  assert_int_equal(wire_reader_set_payload(&r, dst), ZS_EINVAL);
+  assert_int_equal(wire_reader_set_payload(&r, NULL), 0);
+  off += wire_reader_feed(&r, f + off, sizeof f - off, &ev);
+  assert_int_equal(ev, WIRE_EV_DONE);
+  assert_int_equal(reader_first_event(&r, f + off, sizeof f - off, NULL), WIRE_EV_DONE);
+  assert_int_equal(r.msg.type, WIRE_PING);
+  assert_int_equal(r.msg.request_id, 32);
+  wire_reader_free(&r);
+}
+
+static void a_dtype_that_is_not_ours_is_refused_with_edtype(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  wire_msg m = push_msg(4);
+  m.u.push.dtype = 0;
+  size_t len = frame(f, sizeof f, &m, "ab", 2);
+  expect_decode_error(f, len, 0, ZS_EDTYPE, "PUSH frame (request id 4) has dtype 0");
+  m = (wire_msg){.type = WIRE_PULL, .request_id = 5};
+  m.u.pull.dtype = 77;
+  len = frame(f, sizeof f, &m, NULL, 0);
+  expect_decode_error(f, len, 0, ZS_EDTYPE, "has dtype 77");
+  m = (wire_msg){.type = WIRE_PULL_DATA, .request_id = 6};
+  m.u.pull_data.dtype = -3;
+  len = frame(f, sizeof f, &m, "abcd", 4);
+  expect_decode_error(f, len, 0, ZS_EDTYPE, "has dtype -3");
+}
+
+static void an_error_frame_must_carry_a_zshard_error_status(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  const int bad[] = {0, 1, -1000};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    wire_msg m = {.type = WIRE_ERROR, .request_id = 8};
+    m.u.error.status = bad[i];
+    size_t len = frame(f, sizeof f, &m, NULL, 0);
+    expect_decode_error(f, len, 0, ZS_EPROTO, "not a zshard error");
+  }
+}
+
+static void error_messages_are_cut_and_cleaned_of_control_bytes(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  wire_msg m = {.type = WIRE_ERROR, .request_id = 8};
+  m.u.error.status = ZS_EINVAL;
+  memset(m.u.error.message, 'x', sizeof m.u.error.message); /* not even terminated */
+  m.u.error.message[3] = '\n';
+  m.u.error.message[4] = '\033';
+  size_t len = frame(f, sizeof f, &m, NULL, 0);
+  wire_msg out;
+  const uint8_t *pl;
+  size_t flen;
+  assert_int_equal(wire_decode_frame(f, len, 0, &out, &pl, &flen, NULL, 0), 0);
+  assert_int_equal(strlen(out.u.error.message), WIRE_MAX_MESSAGE);
+  assert_memory_equal(out.u.error.message, "xxx??xx", 7);
+  /* A multi-byte character is never cut in half (proto3 strings are UTF-8). */
+  memset(m.u.error.message, 0, sizeof m.u.error.message);
+  memset(m.u.error.message, 'y', WIRE_MAX_MESSAGE - 1);
+  memcpy(m.u.error.message + WIRE_MAX_MESSAGE - 1, "\xc3\xa9", 2); /* é straddles the cut */
+  len = frame(f, sizeof f, &m, NULL, 0);
+  assert_int_equal(wire_decode_frame(f, len, 0, &out, &pl, &flen, NULL, 0), 0);
+  assert_int_equal(strlen(out.u.error.message), WIRE_MAX_MESSAGE - 1);
+}
+
+static void every_single_bit_flip_of_a_frame_is_detected(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  uint8_t payload[48];
+  for (size_t i = 0; i < sizeof payload; i++)
+    payload[i] = (uint8_t)rng32();
+  wire_msg m = push_msg(0xabcdef);
+  size_t len = frame(f, sizeof f, &m, payload, sizeof payload);
+  for (size_t bit = 0; bit < 8 * len; bit++) {
+    f[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+    wire_msg out;
+    const uint8_t *pl;
+    size_t flen;
+    int rc = wire_decode_frame(f, len, 0, &out, &pl, &flen, NULL, 0);
+    if (rc == 0)
+      fail_msg("flipping bit %zu (byte %zu) went unnoticed", bit, bit / 8);
+    f[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+  }
+  wire_msg out;
+  const uint8_t *pl;
+  size_t flen;
+  assert_int_equal(wire_decode_frame(f, len, 0, &out, &pl, &flen, NULL, 0), 0);
+}
+
+static void resealed_edits_reach_the_field_checks(void **state) {
+  (void)state;
+  /* With the header CRC recomputed, an edited field is judged on its own. */
+  uint8_t f[BIG];
+  wire_msg m = {.type = WIRE_PULL, .request_id = 1};
+  m.u.pull.dtype = ZS_DTYPE_FP32;
+  size_t len = frame(f, sizeof f, &m, NULL, 0);
+  f[5] = WIRE_PING; /* a PULL meta on a PING */
+  reseal(f);
+  expect_decode_error(f, len, 0, ZS_EPROTO, "PING frame carries a meta");
+}
+
+/* ------------------------------------------------------------ misuse */
+
+static void encoder_refuses_what_it_cannot_frame(void **state) {
+  (void)state;
+  uint8_t f[BIG];
+  size_t len = 0;
+  wire_msg m = {.type = (wire_type)9};
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  m = (wire_msg){.type = WIRE_PULL, .payload_len = 1};
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  m = push_msg(1);
+  assert_int_equal(wire_encode(&m, f, WIRE_HEADER_SIZE, &len), ZS_EINVAL);
+  m = (wire_msg){.type = WIRE_ERROR};
+  m.u.error.status = ZS_EINVAL;
+  memset(m.u.error.message, 'z', WIRE_MAX_MESSAGE);
+  assert_int_equal(wire_encode(&m, f, WIRE_MAX_ENCODED, &len), 0);
+  assert_true(len <= WIRE_MAX_ENCODED);
+}
+
+static void reader_refuses_feeding_on_without_a_payload_destination(void **state) {
+  (void)state;
+  uint8_t f[2 * BIG];
+  wire_msg a = push_msg(1);
+  size_t la = frame(f, sizeof f, &a, "abcd", 4);
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  wire_event ev;
+  size_t off = wire_reader_feed(&r, f, la, &ev);
+  assert_int_equal(ev, WIRE_EV_META);
+  assert_int_equal(wire_reader_feed(&r, f + off, la - off, &ev), 0);
+  assert_int_equal(ev, WIRE_EV_FATAL);
+  assert_int_equal(r.status, ZS_EINVAL);
+  assert_int_equal(wire_reader_set_payload(&r, NULL), ZS_EINVAL);
+  assert_int_equal(wire_reader_commit(&r, 1), WIRE_EV_FATAL);
+  wire_reader_free(&r);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(header_fields_sit_at_their_documented_little_endian_offsets),
+      cmocka_unit_test(every_frame_type_round_trips_through_encode_and_decode),
+      cmocka_unit_test(reader_reassembles_frames_fed_one_byte_at_a_time),
+      cmocka_unit_test(reader_reassembles_frames_fed_in_random_pieces),
+      cmocka_unit_test(reader_accepts_payload_bytes_written_directly_into_the_destination),
+      cmocka_unit_test(reader_skips_a_payload_when_told_to_and_stays_in_step),
+      cmocka_unit_test(bad_magic_is_refused_as_not_our_protocol),
+      cmocka_unit_test(unsupported_version_is_refused),
+      cmocka_unit_test(unknown_frame_type_is_refused),
+      cmocka_unit_test(flags_and_reserved_bits_must_be_zero),
+      cmocka_unit_test(oversized_meta_length_is_refused_before_reading_it),
+      cmocka_unit_test(oversized_payload_length_is_refused_against_the_receivers_limit),
+      cmocka_unit_test(payload_or_meta_on_a_type_without_them_is_refused),
+      cmocka_unit_test(truncated_frames_are_refused_at_every_length),
+      cmocka_unit_test(header_crc_mismatch_is_fatal),
+      cmocka_unit_test(payload_crc_mismatch_refuses_that_frame_and_the_next_one_decodes),
+      cmocka_unit_test(meta_that_does_not_parse_is_a_per_request_error),
+      cmocka_unit_test(a_dtype_that_is_not_ours_is_refused_with_edtype),
+      cmocka_unit_test(an_error_frame_must_carry_a_zshard_error_status),
+      cmocka_unit_test(error_messages_are_cut_and_cleaned_of_control_bytes),
+      cmocka_unit_test(every_single_bit_flip_of_a_frame_is_detected),
+      cmocka_unit_test(resealed_edits_reach_the_field_checks),
+      cmocka_unit_test(encoder_refuses_what_it_cannot_frame),
+      cmocka_unit_test(reader_refuses_feeding_on_without_a_payload_destination),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
