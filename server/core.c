@@ -10,6 +10,9 @@
  *  - The worker thread (one per core) computes the gradient statistics, runs
  *    the apply, fires every callback and every timeout: it sleeps on worker_cv
  *    until the nearest waiter deadline. It is the only caller of pool_run.
+ *    It also runs the copy of a core_snapshot (state_rw shared) and the swap
+ *    of a core_restore (state_rw exclusive, then mu), so that both are ordered
+ *    with the applies; their callers block on their own ckpt_call.
  *  - The pool's threads run chunks of the statistics and of the optimizer pass
  *    for the worker, which takes part itself.
  *
@@ -48,6 +51,7 @@
 #include "common/clock.h"
 #include "common/dtype.h"
 #include "common/log.h"
+#include "server/histogram.h"
 #include "server/optim.h"
 #include "server/pool.h"
 
@@ -93,6 +97,7 @@ typedef enum waiter_kind {
   WAITER_VERSION,
   WAITER_STATS,
   WAITER_APPLY,
+  WAITER_SNAPSHOT, /* a blocked core_snapshot; arg is its ckpt_call */
 } waiter_kind;
 
 /* One pending callback. Lives on one of the core's lists until it fires, then
@@ -106,7 +111,7 @@ typedef struct waiter {
     core_version_cb version;
     core_stats_cb stats;
     core_apply_cb apply;
-  } cb;
+  } cb; /* WAITER_SNAPSHOT: none, see ckpt_call */
   void *arg;
   /* The outcome, filled in when the waiter fires. */
   int status;
@@ -114,6 +119,21 @@ typedef struct waiter {
   core_stats_result stats;
   core_apply_result apply;
 } waiter;
+
+/* A core_snapshot or core_restore call, on its caller's stack: the worker does
+ * the work and sets done under mu; the caller waits on cv and owns the struct
+ * again once done is set. */
+typedef struct ckpt_call {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done;
+  int status;
+  core_view_fn fn; /* snapshot */
+  void *fn_arg;
+  double seconds;
+  core_state *st; /* restore */
+  uint64_t ckpt_step;
+} ckpt_call;
 
 /* One chunk of the optimizer pass: n elements from `begin` within range. */
 typedef struct apply_task {
@@ -179,6 +199,13 @@ struct core {
   core_apply_result last_apply;
   uint64_t optimizer_steps;
   waiter *version_waiters, *stats_waiters, *apply_waiters;
+  waiter *snapshot_waiters; /* core_snapshot calls, keyed by step */
+  ckpt_call *restore_call;  /* the core_restore call the worker is to run */
+  /* Where the state came from: core_restore sets these (under state_rw
+   * exclusive and mu), an apply clears ckpt_untouched. */
+  int ckpt_loaded;
+  uint64_t ckpt_step;
+  int ckpt_untouched;
   uint64_t next_deadline; /* the worker's next wake-up; UINT64_MAX when none */
   int version_event;      /* initialisation finished: version waiters may fire */
   int stop;
@@ -190,6 +217,7 @@ struct core {
   atomic_uint_fast64_t contributions; /* added or held in the pending step */
   uint64_t applies, skipped_steps;
   double apply_seconds_total;
+  histogram *apply_hist; /* borrowed, may be NULL; recorded lock-free */
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -245,6 +273,15 @@ static void core_fire(waiter *w) {
       if (w->cb.apply)
         w->cb.apply(w->arg, w->status, &w->apply);
       break;
+    case WAITER_SNAPSHOT: {
+      ckpt_call *call = w->arg;
+      pthread_mutex_lock(&call->mu);
+      call->status = w->status;
+      call->done = 1;
+      pthread_cond_signal(&call->cv);
+      pthread_mutex_unlock(&call->mu);
+      break;
+    }
     }
     free(w);
     w = next;
@@ -456,6 +493,19 @@ static int core_check_job(const core *c, uint64_t hash, char *err, size_t errlen
   return 0;
 }
 
+/* The answer to a request for `step` when the shard's state came from a
+ * checkpoint and step is beyond version + 1: the requester trained past the
+ * checkpoint this shard was restored to, and must restore the job to a common
+ * checkpoint before going on. Called with state_rw or mu held. */
+static int core_behind(const core *c, const char *what, uint64_t step, char *err, size_t errlen) {
+  return core_fail(err, errlen, ZS_EBEHIND,
+                   "%s for step %" PRIu64 " but shard %u holds checkpoint step %" PRIu64
+                   " (version %" PRIu64
+                   "): it restarted or was restored behind the cluster; restore the job to a "
+                   "checkpoint (zs_restore, zshard restore) to resume",
+                   what, step, c->shard_id, c->ckpt_step, c->version);
+}
+
 /* The state of piece (tensor, slice) if this shard owns it. Called with
  * state_rw held. */
 static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state **out, char *err,
@@ -513,8 +563,8 @@ static void core_collect_versions(core *c, waiter **fire) {
  * the earliest deadline still pending. Called with mu held. */
 static uint64_t core_collect_expired(core *c, uint64_t now, waiter **fire) {
   uint64_t next = UINT64_MAX;
-  waiter **lists[2] = {&c->version_waiters, &c->stats_waiters};
-  for (int i = 0; i < 2; i++) {
+  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->snapshot_waiters};
+  for (int i = 0; i < 3; i++) {
     for (waiter **pw = lists[i]; *pw;) {
       waiter *w = *pw;
       if (w->deadline <= now) {
@@ -614,6 +664,7 @@ static void core_run_apply(core *c) {
     pool_run(c->pool, c->ntasks, core_apply_chunk, c);
   }
   double seconds = (double)(clock_now_ns() - t0) / 1e9;
+  histogram_observe_seconds(c->apply_hist, seconds);
   /* Every piece completed the step, so nothing is held: only the bitmaps and
    * next_k need resetting. No push runs while state_rw is held exclusively. */
   for (uint32_t i = 0; i < c->npieces; i++)
@@ -626,6 +677,7 @@ static void core_run_apply(core *c) {
   pthread_mutex_lock(&c->mu);
   c->version = step;
   c->optimizer_steps = opt_steps;
+  c->ckpt_untouched = 0;
   c->applies++;
   if (skip)
     c->skipped_steps++;
@@ -656,6 +708,10 @@ static void core_run_apply(core *c) {
   core_fire(fire);
 }
 
+static waiter *core_take_snapshot(core *c, waiter **fire);
+static void core_run_snapshot(core *c, waiter *w);
+static void core_run_restore(core *c, ckpt_call *call);
+
 static void *core_worker(void *arg) {
   core *c = arg;
   pthread_mutex_lock(&c->mu);
@@ -667,12 +723,22 @@ static void *core_worker(void *arg) {
       core_collect_versions(c, &fire);
     }
     int do_stats = c->stats_phase == STATS_COMPUTING;
-    int do_apply = !do_stats && c->apply_state == APPLY_QUEUED;
-    if (fire || do_stats || do_apply) {
+    /* A restore, then snapshots of the current version, go before the next
+     * apply: a snapshot asked for version v must see v, not v + 1. */
+    ckpt_call *restore = do_stats ? NULL : c->restore_call;
+    if (restore)
+      c->restore_call = NULL;
+    waiter *snap = do_stats || restore ? NULL : core_take_snapshot(c, &fire);
+    int do_apply = !do_stats && !restore && !snap && c->apply_state == APPLY_QUEUED;
+    if (fire || do_stats || restore || snap || do_apply) {
       pthread_mutex_unlock(&c->mu);
       core_fire(fire);
       if (do_stats)
         core_compute_stats(c);
+      else if (restore)
+        core_run_restore(c, restore);
+      else if (snap)
+        core_run_snapshot(c, snap);
       else if (do_apply)
         core_run_apply(c);
       pthread_mutex_lock(&c->mu);
@@ -705,6 +771,7 @@ int core_create(const core_config *cfg, core **out) {
   c->shard_id = cfg->shard_id;
   c->num_shards = cfg->num_shards;
   c->nthreads = cfg->threads;
+  c->apply_hist = cfg->apply_hist;
   if (c->nthreads <= 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     c->nthreads = n > 0 ? (int)(n < 256 ? n : 256) : 1;
@@ -774,8 +841,9 @@ void core_destroy(core *c) {
   }
   /* No core thread is left: whatever still waits fails with ZS_ECLOSED. */
   waiter *fire = NULL;
-  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters};
-  for (int i = 0; i < 3; i++) {
+  waiter **lists[4] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters,
+                       &c->snapshot_waiters};
+  for (int i = 0; i < 4; i++) {
     while (*lists[i]) {
       waiter *w = *lists[i];
       *lists[i] = w->next;
@@ -789,6 +857,15 @@ void core_destroy(core *c) {
     }
   }
   core_fire(fire);
+  if (c->restore_call) {
+    ckpt_call *call = c->restore_call;
+    c->restore_call = NULL;
+    pthread_mutex_lock(&call->mu);
+    call->status = ZS_ECLOSED;
+    call->done = 1;
+    pthread_cond_signal(&call->cv);
+    pthread_mutex_unlock(&call->mu);
+  }
   pool_destroy(c->pool);
   core_job_free(c);
   if (c->rw_inited)
@@ -911,6 +988,8 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   int rc = core_check_job(c, a->hash, err, errlen);
   if (rc != 0)
     return rc;
+  if (a->step > c->version + 1 && c->ckpt_loaded)
+    return core_behind(c, "push", a->step, err, errlen);
   if (a->step == 0 || a->step > c->version + 1)
     return core_fail(err, errlen, ZS_ESTEP,
                      "push for step %" PRIu64 " but shard %u expects step %" PRIu64, a->step,
@@ -1080,6 +1159,10 @@ int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t dea
       *version = c->version;
     goto done;
   }
+  if (c->ckpt_loaded && min_version > c->version + 1) {
+    rc = core_behind(c, "wait", min_version, err, errlen);
+    goto done;
+  }
   uint64_t deadline = core_deadline(deadline_ms);
   if (deadline <= clock_now_ms()) {
     rc = core_fail(err, errlen, ZS_ETIMEDOUT,
@@ -1115,6 +1198,10 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
   if (c->last_stats_valid && step == c->version) {
     if (out)
       *out = c->last_stats;
+    goto done;
+  }
+  if (c->ckpt_loaded && step > c->version + 1) {
+    rc = core_behind(c, "statistics", step, err, errlen);
     goto done;
   }
   if (step != c->version + 1) {
@@ -1208,6 +1295,10 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
                     "coef=%g skip=%d",
                     step, c->last_lr, (double)c->last_coef, c->last_skip, lr, (double)coef, !!skip);
     }
+    goto done;
+  }
+  if (c->ckpt_loaded && step > c->version + 1) {
+    rc = core_behind(c, "apply", step, err, errlen);
     goto done;
   }
   if (step != c->version + 1) {
@@ -1333,4 +1424,355 @@ const layout *core_layout(core *c) {
   const layout *l = c->open ? &c->layout : NULL;
   pthread_mutex_unlock(&c->mu);
   return l;
+}
+
+/* ---------------------------------------------------------------- checkpoints */
+
+static void ckpt_call_init(ckpt_call *call) {
+  memset(call, 0, sizeof *call);
+  pthread_mutex_init(&call->mu, NULL);
+  pthread_cond_init(&call->cv, NULL);
+}
+
+static void ckpt_call_destroy(ckpt_call *call) {
+  pthread_cond_destroy(&call->cv);
+  pthread_mutex_destroy(&call->mu);
+}
+
+/* Waits until the worker (or core_destroy) finished the call. */
+static int ckpt_call_wait(ckpt_call *call) {
+  pthread_mutex_lock(&call->mu);
+  while (!call->done)
+    pthread_cond_wait(&call->cv, &call->mu);
+  int status = call->status;
+  pthread_mutex_unlock(&call->mu);
+  return status;
+}
+
+static void ckpt_call_finish(ckpt_call *call, int status) {
+  pthread_mutex_lock(&call->mu);
+  call->status = status;
+  call->done = 1;
+  pthread_cond_signal(&call->cv);
+  pthread_mutex_unlock(&call->mu);
+}
+
+/* Takes the first snapshot waiter whose version is the current one (and whose
+ * pieces are all initialised) off the list, and moves those whose version is
+ * gone to the fire list with ZS_ESTEP. Called on the worker with mu held. */
+static waiter *core_take_snapshot(core *c, waiter **fire) {
+  waiter *ready = NULL;
+  for (waiter **pw = &c->snapshot_waiters; *pw;) {
+    waiter *w = *pw;
+    if (w->key < c->version) {
+      *pw = w->next;
+      w->status = ZS_ESTEP;
+      waiter_push(fire, w);
+    } else if (!ready && w->key == c->version && c->open && c->initialized_pieces == c->npieces) {
+      *pw = w->next;
+      w->next = NULL;
+      ready = w;
+    } else {
+      pw = &w->next;
+    }
+  }
+  return ready;
+}
+
+/* Shows the state to the snapshot's function with state_rw shared: the
+ * version and the arenas only change under the exclusive lock, so the view is
+ * one version; pushes (which only touch acc) and pulls go on. Called on the
+ * worker, no lock held. */
+static void core_run_snapshot(core *c, waiter *w) {
+  ckpt_call *call = w->arg;
+  pthread_rwlock_rdlock(&c->state_rw);
+  core_view view = {
+      .spec = &c->spec,
+      .shard_id = c->shard_id,
+      .num_shards = c->num_shards,
+      .hash = c->hash,
+      .version = c->version,
+      .optimizer_steps = c->optimizer_steps,
+      .nelems = c->nelems,
+      .master = c->master,
+      .m = c->m,
+      .v = c->v,
+  };
+  uint64_t t0 = clock_now_ns();
+  int rc = call->fn(call->fn_arg, &view);
+  call->seconds = (double)(clock_now_ns() - t0) / 1e9;
+  pthread_rwlock_unlock(&c->state_rw);
+  LOG_DEBUG("snapshot", "shard=%u version=%" PRIu64 " seconds=%.6f status=%d", c->shard_id,
+            view.version, call->seconds, rc);
+  w->status = rc;
+  w->next = NULL;
+  core_fire(w);
+}
+
+/* Exchanges the arenas with the call's state and resets everything the
+ * pending step had gathered. Called on the worker, no lock held. */
+static void core_run_restore(core *c, ckpt_call *call) {
+  core_state *st = call->st;
+  pthread_rwlock_wrlock(&c->state_rw);
+  float *t = c->master;
+  c->master = st->master;
+  st->master = t;
+  t = c->m;
+  c->m = st->m;
+  st->m = t;
+  t = c->v;
+  c->v = st->v;
+  st->v = t;
+  /* The range plans point at the arenas through range_m / range_v. */
+  for (uint32_t r = 0; r < c->nranges; r++) {
+    c->range_m[r] = c->range_m[r] ? c->m : NULL;
+    c->range_v[r] = c->range_v[r] ? c->v : NULL;
+  }
+  if (c->nelems > 0) {
+    dtype_from_f32(c->spec.param_dtype, c->master, c->low, (size_t)c->nelems);
+    memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
+  }
+  /* No push runs while state_rw is held exclusively, so the pieces' own
+   * locks are not needed. */
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    piece_state *ps = &c->pieces[i];
+    if (ps->held) {
+      for (uint32_t k = 0; k < c->WM; k++)
+        free(ps->held[k]);
+      free(ps->held);
+      ps->held = NULL;
+    }
+    ps->nheld = 0;
+    ps->next_k = 0;
+    ps->initialized = 1;
+  }
+  if (c->npieces > 0)
+    memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);
+  atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
+  atomic_store_explicit(&c->held_bytes, 0, memory_order_relaxed);
+
+  waiter *fire = NULL;
+  pthread_mutex_lock(&c->mu);
+  c->version = st->version;
+  c->optimizer_steps = st->optimizer_steps;
+  c->initialized_pieces = c->npieces;
+  c->apply_state = APPLY_NONE;
+  c->last_apply_valid = 0;
+  c->last_stats_valid = 0;
+  c->ckpt_loaded = 1;
+  c->ckpt_step = call->ckpt_step;
+  c->ckpt_untouched = 1;
+  core_begin_step(c);
+  /* Statistics and applies in progress belong to a step that no longer
+   * exists here, and so do waits for a version beyond the restored one:
+   * their trainers must restore too. */
+  waiter **lists[2] = {&c->stats_waiters, &c->apply_waiters};
+  for (int i = 0; i < 2; i++) {
+    while (*lists[i]) {
+      waiter *w = *lists[i];
+      *lists[i] = w->next;
+      w->status = ZS_EBEHIND;
+      w->stats.step = w->key;
+      w->apply = (core_apply_result){.step = w->key, .version = c->version};
+      waiter_push(&fire, w);
+    }
+  }
+  for (waiter **pw = &c->version_waiters; *pw;) {
+    waiter *w = *pw;
+    if (w->key > c->version) {
+      *pw = w->next;
+      w->status = ZS_EBEHIND;
+      w->version = c->version;
+      waiter_push(&fire, w);
+    } else {
+      pw = &w->next;
+    }
+  }
+  core_collect_versions(c, &fire);
+  uint64_t version = c->version;
+  pthread_mutex_unlock(&c->mu);
+  pthread_rwlock_unlock(&c->state_rw);
+  LOG_DEBUG("restore", "shard=%u checkpoint_step=%" PRIu64 " version=%" PRIu64, c->shard_id,
+            call->ckpt_step, version);
+  core_fire(fire);
+  ckpt_call_finish(call, ZS_OK);
+}
+
+int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_view_fn fn,
+                  void *arg, double *fn_seconds, char *err, size_t errlen) {
+  if (fn_seconds)
+    *fn_seconds = 0;
+  if (!fn)
+    return core_fail(err, errlen, ZS_EINVAL, "no snapshot function given");
+  waiter *w = calloc(1, sizeof *w);
+  if (!w)
+    return core_fail(err, errlen, ZS_ENOMEM, "out of memory registering a snapshot");
+  ckpt_call call;
+  ckpt_call_init(&call);
+  call.fn = fn;
+  call.fn_arg = arg;
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core_check_job(c, hash, err, errlen);
+  if (rc == 0 && step < c->version)
+    rc = core_fail(err, errlen, ZS_ESTEP,
+                   "version %" PRIu64 " cannot be checkpointed: shard %u is at version %" PRIu64,
+                   step, c->shard_id, c->version);
+  if (rc == 0) {
+    w->kind = WAITER_SNAPSHOT;
+    w->key = step;
+    w->deadline = core_deadline(deadline_ms);
+    w->arg = &call;
+    core_add_timed(c, &c->snapshot_waiters, w);
+    w = NULL;
+    pthread_cond_signal(&c->worker_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc == 0) {
+    rc = ckpt_call_wait(&call);
+    if (rc == 0 && fn_seconds)
+      *fn_seconds = call.seconds;
+    if (rc == ZS_ETIMEDOUT || rc == ZS_ESTEP || rc == ZS_ECANCELED || rc == ZS_ECLOSED) {
+      pthread_mutex_lock(&c->mu);
+      uint64_t version = c->version;
+      pthread_mutex_unlock(&c->mu);
+      core_fail(err, errlen, rc,
+                "snapshot of version %" PRIu64 " on shard %u: %s (the shard is at version %" PRIu64
+                ")",
+                step, c->shard_id,
+                rc == ZS_ETIMEDOUT ? "deadline passed before the version was reached"
+                : rc == ZS_ESTEP   ? "the shard moved past that version"
+                : rc == ZS_ECLOSED ? "the shard is shutting down"
+                                   : "cancelled",
+                version);
+    }
+  }
+  free(w);
+  ckpt_call_destroy(&call);
+  return rc;
+}
+
+void core_cancel_snapshots(core *c) {
+  waiter *fire = NULL;
+  pthread_mutex_lock(&c->mu);
+  while (c->snapshot_waiters) {
+    waiter *w = c->snapshot_waiters;
+    c->snapshot_waiters = w->next;
+    w->status = ZS_ECANCELED;
+    waiter_push(&fire, w);
+  }
+  pthread_mutex_unlock(&c->mu);
+  core_fire(fire);
+}
+
+int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err, size_t errlen) {
+  layout l;
+  memset(&l, 0, sizeof l);
+  memset(st, 0, sizeof *st);
+  int rc;
+  if (!s)
+    return core_fail(err, errlen, ZS_EINVAL, "no spec given");
+  if (shard_id >= s->num_shards)
+    return core_fail(err, errlen, ZS_EINVAL, "shard %u is not below the spec's shard count %u",
+                     shard_id, s->num_shards);
+  if (spec_copy(&st->spec, s) != 0) {
+    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
+    goto fail;
+  }
+  if ((rc = spec_validate(&st->spec, err, errlen)) != 0)
+    goto fail;
+  if (layout_build(&st->spec, &l) != 0) {
+    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout");
+    goto fail;
+  }
+  st->shard_id = shard_id;
+  st->nelems = l.shard_elems[shard_id];
+  /* The same rule as core_job_build: an arena exists when a param group with
+   * a range on this shard uses it. */
+  int need_m = 0, need_v = 0;
+  for (uint32_t r = l.range_first[shard_id]; r < l.range_first[shard_id + 1]; r++) {
+    const spec_group *g = &st->spec.groups[l.ranges[r].group];
+    optim_params p;
+    memset(&p, 0, sizeof p);
+    p.optimizer = g->optimizer;
+    p.momentum = g->momentum;
+    need_m |= optim_uses_m(&p);
+    need_v |= optim_uses_v(&p);
+  }
+  uint64_t b32 = st->nelems * sizeof(float);
+  st->master = core_arena_alloc(b32);
+  if (need_m)
+    st->m = core_arena_alloc(b32);
+  if (need_v)
+    st->v = core_arena_alloc(b32);
+  if (st->nelems > 0 && (!st->master || (need_m && !st->m) || (need_v && !st->v))) {
+    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory allocating %" PRIu64 " bytes of state",
+                   b32 * (1u + (uint64_t)need_m + (uint64_t)need_v));
+    goto fail;
+  }
+  layout_free(&l);
+  return 0;
+fail:
+  layout_free(&l);
+  core_state_free(st);
+  return rc;
+}
+
+void core_state_free(core_state *st) {
+  if (!st)
+    return;
+  spec_free(&st->spec);
+  free(st->master);
+  free(st->m);
+  free(st->v);
+  memset(st, 0, sizeof *st);
+}
+
+int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t errlen) {
+  if (!st || (st->nelems > 0 && !st->master))
+    return core_fail(err, errlen, ZS_EINVAL, "no state given");
+  if (st->shard_id != c->shard_id || st->spec.num_shards != c->num_shards)
+    return core_fail(err, errlen, ZS_EINVAL,
+                     "the state is laid out for shard %u of %u, this is shard %u of %u",
+                     st->shard_id, st->spec.num_shards, c->shard_id, c->num_shards);
+  /* Creates the job when there is none, and refuses another job's state. */
+  int rc = core_open(c, &st->spec, NULL, err, errlen);
+  if (rc != 0)
+    return rc;
+  ckpt_call call;
+  ckpt_call_init(&call);
+  call.st = st;
+  call.ckpt_step = ckpt_step;
+  pthread_mutex_lock(&c->mu);
+  if (c->stop)
+    rc = core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down");
+  else if (c->nelems != st->nelems || !c->m != !st->m || !c->v != !st->v)
+    rc = core_fail(err, errlen, ZS_EINTERNAL,
+                   "the state's arenas do not match the job's layout on shard %u", c->shard_id);
+  else if (c->restore_call)
+    rc = core_fail(err, errlen, ZS_ENOTREADY, "another restore is in progress on shard %u",
+                   c->shard_id);
+  if (rc == 0) {
+    c->restore_call = &call;
+    pthread_cond_signal(&c->worker_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc == 0) {
+    rc = ckpt_call_wait(&call);
+    if (rc != 0)
+      core_fail(err, errlen, rc, "restore on shard %u: %s", c->shard_id, zs_strerror(rc));
+  }
+  ckpt_call_destroy(&call);
+  return rc;
+}
+
+int core_checkpoint_origin(core *c, uint64_t *step, int *untouched) {
+  pthread_mutex_lock(&c->mu);
+  int loaded = c->ckpt_loaded;
+  if (step)
+    *step = c->ckpt_step;
+  if (untouched)
+    *untouched = c->ckpt_untouched;
+  pthread_mutex_unlock(&c->mu);
+  return loaded;
 }

@@ -40,6 +40,9 @@ typedef struct core_config {
   uint32_t shard_id;
   uint32_t num_shards;
   int threads; /* optimizer threads; <= 0 means the number of CPUs */
+  /* Each apply's duration is recorded here (server/histogram.h) when not
+   * NULL. Borrowed: it must outlive the core. */
+  struct histogram *apply_hist;
 } core_config;
 
 /* Creates an empty shard (no job). Returns 0 or ZS_ENOMEM / ZS_EINVAL. */
@@ -163,5 +166,82 @@ void core_count_pull(core *c, uint64_t bytes_out);
 /* The spec of the open job (NULL without one); valid until core_destroy. */
 const spec *core_spec(core *c);
 const layout *core_layout(core *c);
+
+/* ---------------------------------------------------------------- checkpoints
+ *
+ * The two calls below block their caller until the core's worker thread has
+ * done the work, so that they are ordered with every apply: call them from a
+ * thread of your own (the checkpoint service's), never from a transport
+ * thread or a core callback.
+ *
+ * After a core_restore, a request for a step beyond version + 1 (a push,
+ * statistics, an apply, or a wait for a version above version + 1) comes from
+ * a trainer that is ahead of the restored shard and gets ZS_EBEHIND naming the
+ * checkpoint, as do the waits that were pending when the state was replaced.
+ */
+
+/* The shard's state at exactly one version, as core_snapshot shows it. Every
+ * pointer is borrowed from the core and valid only during the call that
+ * received the view; m and v are NULL when no param group on this shard uses
+ * them. Padding between pieces is part of the arenas (zeros). */
+typedef struct core_view {
+  const spec *spec;
+  uint32_t shard_id, num_shards;
+  uint64_t hash, version, optimizer_steps, nelems;
+  const float *master, *m, *v;
+} core_view;
+
+typedef int (*core_view_fn)(void *arg, const core_view *view);
+
+/* Waits until the shard is at version `step` with every piece initialised and
+ * calls fn(arg, view) once, on the core's worker thread, with the state lock
+ * held shared: pushes and pulls go on meanwhile and only the next apply waits
+ * until fn returns, so fn should copy and return. A step above the version
+ * waits for the applies that reach it (until deadline_ms, as in core.h's
+ * deadlines: ZS_ETIMEDOUT); a step below it is ZS_ESTEP. Returns what fn
+ * returned, or a negative status when fn was not called. *fn_seconds (may be
+ * NULL) gets how long fn ran, i.e. how long it held an apply back. */
+int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_view_fn fn,
+                  void *arg, double *fn_seconds, char *err, size_t errlen);
+
+/* Fails every core_snapshot still waiting for its version with ZS_ECANCELED
+ * (for a checkpoint service that stops). */
+void core_cancel_snapshots(core *c);
+
+/* A complete replacement state for one shard: what a checkpoint holds. */
+typedef struct core_state {
+  spec spec; /* owned; num_shards is the shard count the state is laid out for */
+  uint32_t shard_id;
+  uint64_t version, optimizer_steps;
+  uint64_t nelems; /* arena length in elements of shard_id under spec's layout */
+  /* Owned, 64-byte aligned, nelems elements each and zeroed by
+   * core_state_init; m (exp_avg, SGD's momentum) and v (exp_avg_sq) are NULL
+   * when no param group with a piece on the shard uses them. */
+  float *master, *m, *v;
+} core_state;
+
+/* Copies and validates `s` into st and allocates its arenas for shard
+ * `shard_id` (version and optimizer_steps 0). Returns 0, or ZS_EINVAL /
+ * ZS_ENOMEM with a sentence in err (st is then empty). */
+int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err, size_t errlen);
+
+/* Frees what st owns and zeroes it; tolerates a zeroed state. */
+void core_state_free(core_state *st);
+
+/* Replaces the shard's state by st: version, optimizer step count, master, m
+ * and v; the low-precision copy is recomputed from the master, the
+ * accumulator and every contribution of the pending step are dropped. With no
+ * job open, st->spec's job is opened first; otherwise st->spec must have the
+ * job's hash (ZS_EHASH). st->spec.num_shards and st->shard_id must be the
+ * shard's own (ZS_EINVAL). On success the arenas are exchanged, so st holds
+ * the shard's previous ones, for the caller to free with core_state_free; on
+ * failure the shard is unchanged. The shard then reports (core_checkpoint_origin)
+ * that its state is checkpoint `ckpt_step`. */
+int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t errlen);
+
+/* 1 if the shard's state was last replaced by core_restore, with *step (may
+ * be NULL) the checkpoint's step and *untouched (may be NULL) 1 while no step
+ * has been applied since; 0 otherwise. */
+int core_checkpoint_origin(core *c, uint64_t *step, int *untouched);
 
 #endif

@@ -112,6 +112,8 @@ struct gsrv {
   uint32_t grace_ms;
   uint64_t start_ns;
   int started; /* grpc_server_start was called */
+  /* Per method, where answered calls are recorded (NULL: not recorded). */
+  metrics_rpc *rpc_metric[M_COUNT];
 
   pthread_t *threads;
   int nthreads;
@@ -136,6 +138,7 @@ struct gcall {
   int method;
   atomic_int refs;
   atomic_int claimed;
+  uint64_t start_ns; /* clock_now_ns() when the request arrived */
 
   grpc_call *call;
   gpr_timespec deadline;
@@ -330,6 +333,8 @@ static void status_op(gcall *c, grpc_op *op, int zs, const char *detail) {
  * status of `zs`. The caller must have claimed the call. */
 static void send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail) {
   c->reply = reply;
+  if (c->method < M_COUNT && c->start_ns)
+    metrics_rpc_observe(c->s->rpc_metric[c->method], clock_now_ns() - c->start_ns, zs != ZS_OK);
   grpc_op ops[4];
   memset(ops, 0, sizeof ops);
   size_t n = 0;
@@ -1050,6 +1055,7 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.held_bytes = k.held_bytes;
   resp.waiting_pulls = k.waiting_pulls;
   resp.waiting_stats = k.waiting_stats;
+  resp.rss_bytes = metrics_process_rss();
   finish_msg(c, 0, &resp.base);
 }
 
@@ -1308,6 +1314,7 @@ static void on_request(gtag *t, int ok) {
     gcall_unref(c);
     return;
   }
+  c->start_ns = clock_now_ns();
   pthread_mutex_lock(&s->lock);
   if (!s->stopping)
     post_slot_locked(s, c->method);
@@ -1443,6 +1450,12 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   s->core = cfg->core;
   s->data_port = cfg->data_port;
+  /* A Watch stream lives as long as its client wants: its duration is no
+   * latency, so it is not recorded. */
+  for (int m = 0; m < M_COUNT; m++)
+    if (m != M_HEALTH_WATCH)
+      s->rpc_metric[m] =
+          metrics_rpc_register(cfg->metrics, "grpc", strrchr(methods[m].path, '/') + 1);
   s->grace_ms = cfg->grace_ms ? cfg->grace_ms : GSRV_DEFAULT_GRACE_MS;
   s->start_ns = clock_now_ns();
   s->shutdown_tag.done = on_shutdown;

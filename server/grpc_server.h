@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "server/core.h"
+#include "server/metrics.h"
 
 /* Longest a Pull or GradStats waits for its version or its contributions,
  * whatever the request's timeout or the call's deadline say. */
@@ -40,6 +41,10 @@ typedef struct gsrv_config {
   uint32_t data_port;
   /* Shutdown grace period in ms; 0 means GSRV_DEFAULT_GRACE_MS. */
   uint32_t grace_ms;
+  /* Where each answered call's duration and outcome is recorded, per method
+   * (transport "grpc"); NULL records nothing. Borrowed: it must outlive the
+   * server. */
+  metrics *metrics;
 } gsrv_config;
 
 /* Binds, starts the polling threads and starts serving (health SERVING).

@@ -4,8 +4,9 @@
  * Threads: main blocks SIGTERM and SIGINT before any other thread exists (so
  * every thread inherits the mask), starts the core and the transport, and
  * then waits in sigwait(); the signal is handled there, in ordinary code,
- * never in a signal handler. The core and the transport own their threads
- * (see server/core.h and server/grpc_server.c).
+ * never in a signal handler. The core, the transport and the metrics endpoint
+ * own their threads (see server/core.h, server/grpc_server.c and
+ * server/metrics.c).
  */
 #include <errno.h>
 #include <getopt.h>
@@ -22,6 +23,7 @@
 #include "common/spec.h"
 #include "server/core.h"
 #include "server/grpc_server.h"
+#include "server/metrics.h"
 #include "zshard/zshard.h"
 
 #define EXIT_USAGE 2
@@ -36,6 +38,8 @@ typedef struct options {
   long shards;
   long threads; /* 0: number of CPUs */
   log_level level;
+  const char *metrics_listen; /* NULL: no metrics endpoint */
+  const char *metrics_port_file;
 } options;
 
 static void usage(FILE *f) {
@@ -55,6 +59,13 @@ static void usage(FILE *f) {
           "                     default info)\n"
           "  --port-file PATH   once serving, write the bound port to PATH\n"
           "                     (ZSHARD_PORT_FILE)\n"
+          "  --metrics-listen ADDR\n"
+          "                     serve Prometheus metrics at http://ADDR/metrics\n"
+          "                     (ZSHARD_METRICS_LISTEN, default off; the container\n"
+          "                     image sets 0.0.0.0:7090); port 0 picks a free port\n"
+          "  --metrics-port-file PATH\n"
+          "                     write the metrics port to PATH before the\n"
+          "                     --port-file is written (ZSHARD_METRICS_PORT_FILE)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
@@ -108,6 +119,8 @@ enum {
   OPT_LOG_LEVEL,
   OPT_PORT_FILE,
   OPT_HOSTNAME,
+  OPT_METRICS_LISTEN,
+  OPT_METRICS_PORT_FILE,
   OPT_HELP,
   OPT_VERSION
 };
@@ -122,6 +135,8 @@ static int parse_options(int argc, char **argv, options *o) {
       {"threads", required_argument, NULL, OPT_THREADS},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
       {"port-file", required_argument, NULL, OPT_PORT_FILE},
+      {"metrics-listen", required_argument, NULL, OPT_METRICS_LISTEN},
+      {"metrics-port-file", required_argument, NULL, OPT_METRICS_PORT_FILE},
       /* Hidden: the host name used for the shard ordinal, for tests. */
       {"hostname", required_argument, NULL, OPT_HOSTNAME},
       {"help", no_argument, NULL, OPT_HELP},
@@ -135,6 +150,8 @@ static int parse_options(int argc, char **argv, options *o) {
   const char *level = getenv("ZSHARD_LOG_LEVEL");
   const char *port_file = getenv("ZSHARD_PORT_FILE");
   const char *hostname = getenv("ZSHARD_HOSTNAME");
+  const char *metrics_listen = getenv("ZSHARD_METRICS_LISTEN");
+  const char *metrics_port_file = getenv("ZSHARD_METRICS_PORT_FILE");
 
   opterr = 0; /* our own messages */
   int ch;
@@ -161,6 +178,12 @@ static int parse_options(int argc, char **argv, options *o) {
     case OPT_HOSTNAME:
       hostname = optarg;
       break;
+    case OPT_METRICS_LISTEN:
+      metrics_listen = optarg;
+      break;
+    case OPT_METRICS_PORT_FILE:
+      metrics_port_file = optarg;
+      break;
     case OPT_HELP:
       usage(stdout);
       return 0;
@@ -179,6 +202,14 @@ static int parse_options(int argc, char **argv, options *o) {
   o->listen = listen && *listen ? listen : DEFAULT_LISTEN;
   o->port_file = port_file && *port_file ? port_file : NULL;
   o->hostname = hostname && *hostname ? hostname : NULL;
+  /* "off" (or nothing) turns the endpoint off, so a deployment can switch it
+   * off over a variable set by the image. */
+  o->metrics_listen = metrics_listen && *metrics_listen && strcmp(metrics_listen, "off") != 0
+                          ? metrics_listen
+                          : NULL;
+  o->metrics_port_file = metrics_port_file && *metrics_port_file ? metrics_port_file : NULL;
+  if (o->metrics_port_file && !o->metrics_listen)
+    return bad_usage("%s", "--metrics-port-file (ZSHARD_METRICS_PORT_FILE) needs --metrics-listen");
 
   o->level = LOG_LEVEL_INFO;
   if (level && *level && log_parse_level(level, &o->level) != 0)
@@ -266,36 +297,69 @@ int main(int argc, char **argv) {
     return rc;
   log_set_level(o.level);
 
+  /* The registry outlives everything that records into it: the core records
+   * applies until core_destroy returns (see server/metrics.h). */
+  metrics *mx = NULL;
+  rc = metrics_create((uint32_t)o.shard_id, &mx);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=metrics error=%s", zs_err_name(rc));
+    return 1;
+  }
   core_config cc = {
       .shard_id = (uint32_t)o.shard_id,
       .num_shards = (uint32_t)o.shards,
       .threads = (int)o.threads,
+      .apply_hist = metrics_apply_histogram(mx),
   };
   core *c = NULL;
   rc = core_create(&cc, &c);
   if (rc) {
     LOG_ERROR("startup_failed", "stage=core error=%s", zs_err_name(rc));
+    metrics_destroy(mx);
     return 1;
   }
 
   char err[256] = "";
-  gsrv_config gc = {.listen = o.listen, .core = c};
+  gsrv_config gc = {.listen = o.listen, .core = c, .metrics = mx};
   gsrv *srv = NULL;
   rc = gsrv_start(&gc, &srv, err, sizeof err);
   if (rc) {
     LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
     core_destroy(c);
+    metrics_destroy(mx);
     return 1;
+  }
+  metrics_server *msrv = NULL;
+  if (o.metrics_listen) {
+    metrics_server_config mc = {.listen = o.metrics_listen, .metrics = mx, .core = c};
+    rc = metrics_server_start(&mc, &msrv, err, sizeof err);
+    if (rc) {
+      LOG_ERROR("startup_failed", "stage=metrics error=%s detail=\"%s\"", zs_err_name(rc), err);
+      gsrv_destroy(srv);
+      core_destroy(c);
+      metrics_destroy(mx);
+      return 1;
+    }
+    LOG_INFO("metrics_listening", "addr=%s port=%d path=/metrics", o.metrics_listen,
+             metrics_server_port(msrv));
   }
   long threads = o.threads > 0 ? o.threads : sysconf(_SC_NPROCESSORS_ONLN);
   LOG_INFO("listening", "addr=%s port=%d shard=%ld shards=%ld threads=%ld isa=%s version=%s",
            o.listen, gsrv_port(srv), o.shard_id, o.shards, threads, cpu_isa_name(cpu_best_isa()),
            zs_version());
-  if (o.port_file && write_port_file(o.port_file, gsrv_port(srv)) != 0) {
-    LOG_ERROR("startup_failed", "stage=port_file path=%s error=\"%s\"", o.port_file,
-              strerror(errno));
+  /* The metrics port first: a reader that waits for --port-file then finds
+   * both. */
+  const char *bad_file = NULL;
+  if (o.metrics_port_file && write_port_file(o.metrics_port_file, metrics_server_port(msrv)) != 0)
+    bad_file = o.metrics_port_file;
+  else if (o.port_file && write_port_file(o.port_file, gsrv_port(srv)) != 0)
+    bad_file = o.port_file;
+  if (bad_file) {
+    LOG_ERROR("startup_failed", "stage=port_file path=%s error=\"%s\"", bad_file, strerror(errno));
     gsrv_destroy(srv);
+    metrics_server_stop(msrv);
     core_destroy(c);
+    metrics_destroy(mx);
     return 1;
   }
 
@@ -304,7 +368,11 @@ int main(int argc, char **argv) {
   }
   LOG_INFO("shutdown", "signal=%s", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   gsrv_destroy(srv);
+  /* Scrapes are answered while the gRPC calls drain, then stop before the
+   * core they read goes away. */
+  metrics_server_stop(msrv);
   core_destroy(c);
+  metrics_destroy(mx);
   LOG_INFO("stopped", "shard=%ld", o.shard_id);
   return 0;
 }

@@ -1,26 +1,37 @@
 /*
  * status — `zshard status`: one row per shard with its id, address, health
  * (grpc.health.v1 Check), job, parameter version, state bytes and uptime
- * (zshard.v1 GetInfo). The shards are asked in parallel, one thread each,
- * so a cluster with dead shards answers within one timeout.
+ * (zshard.v1 GetInfo), throughput and resident memory (zshard.v1 Stats). The
+ * shards are asked in parallel, one thread each, so a cluster with dead
+ * shards answers within one timeout.
  *
- * Exit status: 0 when every shard is SERVING, 1 otherwise, 2 on bad usage.
+ * Throughput is the difference of two Stats samples of the same shard over
+ * the time between them: --sample-ms apart for the first table, the period
+ * of --watch for the next ones.
+ *
+ * Exit status: 0 when every shard is SERVING (in the last table, with
+ * --watch), 1 otherwise, 2 on bad usage. The container health check relies
+ * on it.
  */
+#include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
+#include "common/clock.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "internal.h"
 
 typedef struct shard_row {
   const char *addr;
   uint32_t timeout_ms;
-  int health_rc, info_rc;
+  int health_rc, info_rc, stats_rc;
   int serving; /* the health answer: 1 SERVING, 2 NOT_SERVING, ... */
   char health_err[512], info_err[512];
   uint32_t shard_id, num_shards;
@@ -28,12 +39,21 @@ typedef struct shard_row {
   uint64_t version, state_bytes;
   double uptime_s;
   int has_info;
+  /* From Stats, when has_stats: counters since the server started. */
+  int has_stats;
+  uint64_t pushes, pulls, bytes_in, bytes_out, rss_bytes;
+  uint32_t waiting_pulls, waiting_stats;
+  uint64_t sampled_ns; /* clock_now_ns() when the Stats answer arrived */
+  /* Per second since the previous sample of the same shard, when
+   * has_rates. */
+  int has_rates;
+  double push_rate, in_rate, out_rate;
 } shard_row;
 
 static void *ask_shard(void *arg) {
   shard_row *r = arg;
   rpc_channel *ch = NULL;
-  r->health_rc = r->info_rc = rpc_channel_open(r->addr, &ch);
+  r->health_rc = r->info_rc = r->stats_rc = rpc_channel_open(r->addr, &ch);
   if (!ch) {
     snprintf(r->health_err, sizeof r->health_err, "%s", zs_strerror(r->health_rc));
     return NULL;
@@ -69,8 +89,46 @@ static void *ask_shard(void *arg) {
   } else {
     snprintf(r->info_err, sizeof r->info_err, "%s", st.message);
   }
+  /* A shard that could not say GetInfo will not say Stats either: one
+   * timeout per dead shard is enough. */
+  r->stats_rc = r->info_rc;
+  if (r->info_rc == ZS_OK) {
+    Zshard__V1__StatsRequest sreq = ZSHARD__V1__STATS_REQUEST__INIT;
+    Zshard__V1__StatsResponse *stats = NULL;
+    r->stats_rc =
+        rpc_call(ch, "/zshard.v1.ZShard/Stats", &sreq.base, &zshard__v1__stats_response__descriptor,
+                 (ProtobufCMessage **)&stats, r->timeout_ms, &st);
+    if (r->stats_rc == ZS_OK) {
+      r->sampled_ns = clock_now_ns();
+      r->has_stats = 1;
+      r->pushes = stats->pushes;
+      r->pulls = stats->pulls;
+      r->bytes_in = stats->bytes_in;
+      r->bytes_out = stats->bytes_out;
+      r->rss_bytes = stats->rss_bytes;
+      r->waiting_pulls = stats->waiting_pulls;
+      r->waiting_stats = stats->waiting_stats;
+      protobuf_c_message_free_unpacked(&stats->base, NULL);
+    }
+  }
   rpc_channel_close(ch);
   return NULL;
+}
+
+/* Rates of `cur` over the time since `prev`, a sample of the same shard.
+ * None across a restart of the server (its counters start again from 0). */
+static void compute_rates(shard_row *cur, const shard_row *prev) {
+  cur->has_rates = 0;
+  if (!prev || !cur->has_stats || !prev->has_stats || cur->sampled_ns <= prev->sampled_ns)
+    return;
+  if (cur->pushes < prev->pushes || cur->bytes_in < prev->bytes_in ||
+      cur->bytes_out < prev->bytes_out || cur->uptime_s < prev->uptime_s)
+    return;
+  double dt = (double)(cur->sampled_ns - prev->sampled_ns) / 1e9;
+  cur->push_rate = (double)(cur->pushes - prev->pushes) / dt;
+  cur->in_rate = (double)(cur->bytes_in - prev->bytes_in) / dt;
+  cur->out_rate = (double)(cur->bytes_out - prev->bytes_out) / dt;
+  cur->has_rates = 1;
 }
 
 static const char *health_name(const shard_row *r) {
@@ -122,24 +180,142 @@ static void sanitize(char *s) {
 }
 
 static void status_usage(FILE *f) {
-  fprintf(f, "usage: zshard status --shards ADDR[,ADDR...] [--num-shards N] [--timeout-ms T] "
-             "[--json]\n"
+  fprintf(f, "usage: zshard status --shards ADDR[,ADDR...] [--num-shards N] [--timeout-ms T]\n"
+             "                     [--sample-ms MS] [--watch [SECONDS]] [--count N] [--json]\n"
              "  --shards      shard addresses in shard-id order, or a pattern with {i}\n"
              "  --num-shards  the number of shards, with a pattern\n"
              "  --timeout-ms  per call (default 2000)\n"
-             "  --json        one JSON document instead of the table\n");
+             "  --sample-ms   measure the throughput columns over this long: every shard's\n"
+             "                counters are read twice, MS apart (default 1000; 0: read once,\n"
+             "                no throughput in the first table)\n"
+             "  --watch [S]   print the table again every S seconds (default 2), with the\n"
+             "                throughput since the previous one; on a terminal the screen\n"
+             "                is cleared first, otherwise the tables follow one another\n"
+             "  --count N     stop after N tables (implies --watch)\n"
+             "  --json        a JSON document instead of the table (one per line with\n"
+             "                --watch)\n"
+             "\n"
+             "Exit status: 0 when every shard answered SERVING (in the last table, with\n"
+             "--watch), 1 otherwise, 2 on bad usage.\n");
+}
+
+/* Asks every shard in parallel, one thread each, so that a cluster with dead
+ * shards answers within one timeout. Fills rows[i] (addr and timeout_ms set,
+ * the rest zero). */
+static void ask_all(shard_row *rows, uint32_t n, pthread_t *th, int *started) {
+  for (uint32_t i = 0; i < n; i++) {
+    started[i] = pthread_create(&th[i], NULL, ask_shard, &rows[i]) == 0;
+    if (!started[i])
+      ask_shard(&rows[i]); /* no thread: ask from here */
+  }
+  for (uint32_t i = 0; i < n; i++)
+    if (started[i])
+      pthread_join(th[i], NULL);
+}
+
+static void sleep_ms(uint64_t ms) {
+  struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+/* "1.2 MiB/s", or "-" without a rate. */
+static void rate_bytes(const shard_row *r, double v, char *buf, size_t len) {
+  if (!r->has_rates) {
+    snprintf(buf, len, "-");
+    return;
+  }
+  char b[32];
+  snprintf(buf, len, "%s/s", cli_bytes(v, b, sizeof b));
+}
+
+static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
+  printf("{\"shards\":[");
+  for (uint32_t i = 0; i < n; i++) {
+    const shard_row *r = &rows[i];
+    printf("%s{\"index\":%" PRIu32 ",\"address\":", i ? "," : "", i);
+    json_str(stdout, r->addr);
+    printf(",\"health\":\"%s\"", health_name(r));
+    if (r->has_info) {
+      printf(",\"shard_id\":%" PRIu32 ",\"num_shards\":%" PRIu32 ",\"job\":", r->shard_id,
+             r->num_shards);
+      json_str(stdout, r->job);
+      printf(",\"version\":%" PRIu64 ",\"state_bytes\":%" PRIu64 ",\"uptime_s\":%.3f", r->version,
+             r->state_bytes, r->uptime_s);
+      if (r->has_stats)
+        printf(",\"pushes\":%" PRIu64 ",\"pulls\":%" PRIu64 ",\"bytes_in\":%" PRIu64
+               ",\"bytes_out\":%" PRIu64 ",\"rss_bytes\":%" PRIu64 ",\"waiting_pulls\":%" PRIu32
+               ",\"waiting_stats\":%" PRIu32,
+               r->pushes, r->pulls, r->bytes_in, r->bytes_out, r->rss_bytes, r->waiting_pulls,
+               r->waiting_stats);
+      if (r->has_rates)
+        printf(",\"pushes_per_s\":%.9g,\"bytes_in_per_s\":%.9g,\"bytes_out_per_s\":%.9g",
+               r->push_rate, r->in_rate, r->out_rate);
+    } else {
+      printf(",\"error\":");
+      json_str(stdout, r->info_err[0] ? r->info_err : r->health_err);
+    }
+    printf("}");
+  }
+  printf("],\"all_serving\":%s}\n", all_serving ? "true" : "false");
+}
+
+static void print_table(const shard_row *rows, uint32_t n) {
+  printf("%-5s %-24s %-12s %-16s %8s %8s %11s %11s %10s %10s %8s\n", "ID", "ADDRESS", "HEALTH",
+         "JOB", "VERSION", "PUSHES/S", "IN/S", "OUT/S", "STATE", "RSS", "UPTIME");
+  for (uint32_t i = 0; i < n; i++) {
+    const shard_row *r = &rows[i];
+    char id[16] = "?", ver[24] = "-", state[32] = "-", up[32] = "-", rss[32] = "-";
+    char pushes[32] = "-", in[40], out[40];
+    if (r->has_info) {
+      snprintf(id, sizeof id, "%" PRIu32, r->shard_id);
+      snprintf(ver, sizeof ver, "%" PRIu64, r->version);
+      cli_bytes((double)r->state_bytes, state, sizeof state);
+      uptime(r->uptime_s, up, sizeof up);
+    }
+    if (r->has_stats && r->rss_bytes > 0)
+      cli_bytes((double)r->rss_bytes, rss, sizeof rss);
+    if (r->has_rates)
+      snprintf(pushes, sizeof pushes, "%.1f", r->push_rate);
+    rate_bytes(r, r->in_rate, in, sizeof in);
+    rate_bytes(r, r->out_rate, out, sizeof out);
+    printf("%-5s %-24.24s %-12s %-16.16s %8s %8s %11s %11s %10s %10s %8s", id, r->addr,
+           health_name(r), r->has_info && r->job[0] ? r->job : "-", ver, pushes, in, out, state,
+           rss, up);
+    if (!r->has_info)
+      printf("  (%s)", r->info_err[0] ? r->info_err : r->health_err);
+    else if (r->shard_id != i)
+      printf("  (listed at position %" PRIu32 ")", i);
+    printf("\n");
+  }
+}
+
+/* --watch's period: a number of seconds from 0.1 to one day. */
+static int parse_seconds(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (end == s || *end || errno || !(v >= 0.1 && v <= 86400))
+    return -1;
+  *out = v;
+  return 0;
 }
 
 int cli_status(int argc, char **argv) {
   static const struct option opts[] = {{"shards", required_argument, NULL, 's'},
                                        {"num-shards", required_argument, NULL, 'n'},
                                        {"timeout-ms", required_argument, NULL, 't'},
+                                       {"sample-ms", required_argument, NULL, 'm'},
+                                       {"watch", optional_argument, NULL, 'w'},
+                                       {"count", required_argument, NULL, 'c'},
                                        {"json", no_argument, NULL, 'j'},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
   const char *shards = NULL;
   uint32_t num_shards = 0, timeout_ms = 2000;
-  int json = 0, c;
+  uint64_t sample_ms = 1000, count = 0;
+  double interval_s = 2.0;
+  int json = 0, watch = 0, c;
   optind = 1;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     uint64_t v;
@@ -149,14 +325,31 @@ int cli_status(int argc, char **argv) {
       break;
     case 'n':
     case 't':
-      if (cli_parse_count(optarg, &v) != 0 || v > UINT32_MAX) {
+    case 'm':
+    case 'c':
+      if (cli_parse_count(optarg, &v) != 0 || v > UINT32_MAX || (c == 'c' && v == 0)) {
         status_usage(stderr);
         return 2;
       }
       if (c == 'n')
         num_shards = (uint32_t)v;
-      else
+      else if (c == 't')
         timeout_ms = (uint32_t)v;
+      else if (c == 'm')
+        sample_ms = v;
+      else
+        count = v, watch = 1;
+      break;
+    case 'w':
+      watch = 1;
+      /* "--watch=5" and "--watch 5" both give the period: status takes no
+       * other operand, so a number after --watch can only be that. */
+      if (!optarg && optind < argc && parse_seconds(argv[optind], &interval_s) == 0)
+        optind++;
+      else if (optarg && parse_seconds(optarg, &interval_s) != 0) {
+        status_usage(stderr);
+        return 2;
+      }
       break;
     case 'j':
       json = 1;
@@ -179,71 +372,67 @@ int cli_status(int argc, char **argv) {
     fprintf(stderr, "zshard status: %s\n", zs_last_error());
     return 2;
   }
-  shard_row *rows = calloc(n, sizeof *rows);
+  shard_row *cur = calloc(n, sizeof *cur);
+  shard_row *prev = calloc(n, sizeof *prev);
   pthread_t *th = calloc(n, sizeof *th);
   int *started = calloc(n, sizeof *started);
-  if (!rows || !th || !started) {
+  if (!cur || !prev || !th || !started) {
     fprintf(stderr, "zshard status: out of memory\n");
+    free(cur);
+    free(prev);
+    free(th);
+    free(started);
+    zc_free_addresses(addr, n);
     return 1;
   }
-  for (uint32_t i = 0; i < n; i++) {
-    rows[i].addr = addr[i];
-    rows[i].timeout_ms = timeout_ms;
-    started[i] = pthread_create(&th[i], NULL, ask_shard, &rows[i]) == 0;
-    if (!started[i])
-      ask_shard(&rows[i]); /* no thread: ask from here */
-  }
   for (uint32_t i = 0; i < n; i++)
-    if (started[i])
-      pthread_join(th[i], NULL);
-
-  int all_serving = 1;
-  for (uint32_t i = 0; i < n; i++) {
-    sanitize(rows[i].job);
-    all_serving &= rows[i].health_rc == ZS_OK && rows[i].serving == 1;
+    prev[i] = (shard_row){.addr = addr[i], .timeout_ms = timeout_ms};
+  /* The first table's throughput comes from a sample taken sample_ms before
+   * it; every later table's from the table before. */
+  if (sample_ms > 0) {
+    ask_all(prev, n, th, started);
+    sleep_ms(sample_ms);
   }
-  if (json) {
-    printf("{\"shards\":[");
+  int tty = isatty(STDOUT_FILENO);
+  int all_serving = 0;
+  for (uint64_t frame = 1;; frame++) {
+    for (uint32_t i = 0; i < n; i++)
+      cur[i] = (shard_row){.addr = addr[i], .timeout_ms = timeout_ms};
+    ask_all(cur, n, th, started);
+    all_serving = 1;
     for (uint32_t i = 0; i < n; i++) {
-      const shard_row *r = &rows[i];
-      printf("%s{\"index\":%" PRIu32 ",\"address\":", i ? "," : "", i);
-      json_str(stdout, r->addr);
-      printf(",\"health\":\"%s\"", health_name(r));
-      if (r->has_info) {
-        printf(",\"shard_id\":%" PRIu32 ",\"num_shards\":%" PRIu32 ",\"job\":", r->shard_id,
-               r->num_shards);
-        json_str(stdout, r->job);
-        printf(",\"version\":%" PRIu64 ",\"state_bytes\":%" PRIu64 ",\"uptime_s\":%.3f", r->version,
-               r->state_bytes, r->uptime_s);
-      } else {
-        printf(",\"error\":");
-        json_str(stdout, r->info_err[0] ? r->info_err : r->health_err);
-      }
-      printf("}");
+      sanitize(cur[i].job);
+      compute_rates(&cur[i], &prev[i]);
+      all_serving &= cur[i].health_rc == ZS_OK && cur[i].serving == 1;
     }
-    printf("],\"all_serving\":%s}\n", all_serving ? "true" : "false");
-  } else {
-    printf("%-5s %-24s %-12s %-16s %10s %12s %9s\n", "ID", "ADDRESS", "HEALTH", "JOB", "VERSION",
-           "STATE", "UPTIME");
-    for (uint32_t i = 0; i < n; i++) {
-      const shard_row *r = &rows[i];
-      char id[16] = "?", ver[24] = "-", state[32] = "-", up[32] = "-";
-      if (r->has_info) {
-        snprintf(id, sizeof id, "%" PRIu32, r->shard_id);
-        snprintf(ver, sizeof ver, "%" PRIu64, r->version);
-        cli_bytes((double)r->state_bytes, state, sizeof state);
-        uptime(r->uptime_s, up, sizeof up);
+    if (json) {
+      print_json(cur, n, all_serving);
+    } else {
+      if (watch) {
+        char when[64];
+        time_t now = time(NULL);
+        struct tm tm;
+        strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", localtime_r(&now, &tm));
+        /* On a terminal the table replaces the previous one; in a file or
+         * a pipe the tables follow one another. */
+        if (tty)
+          fputs("\033[H\033[2J", stdout);
+        else if (frame > 1)
+          fputs("\n", stdout);
+        printf("Every %gs: zshard status    %s\n\n", interval_s, when);
       }
-      printf("%-5s %-24.24s %-12s %-16.16s %10s %12s %9s", id, r->addr, health_name(r),
-             r->has_info && r->job[0] ? r->job : "-", ver, state, up);
-      if (!r->has_info)
-        printf("  (%s)", r->info_err[0] ? r->info_err : r->health_err);
-      else if (r->shard_id != i)
-        printf("  (listed at position %" PRIu32 ")", i);
-      printf("\n");
+      print_table(cur, n);
     }
+    fflush(stdout);
+    if (!watch || (count && frame >= count))
+      break;
+    shard_row *t = prev;
+    prev = cur;
+    cur = t;
+    sleep_ms((uint64_t)(interval_s * 1000.0 + 0.5));
   }
-  free(rows);
+  free(cur);
+  free(prev);
   free(th);
   free(started);
   zc_free_addresses(addr, n);

@@ -28,6 +28,8 @@ const serverHelp = `Usage: zshard-server [OPTION]...
   --threads T        optimizer threads (ZSHARD_THREADS)
   --log-level LEVEL  debug, info, warn, error or off (ZSHARD_LOG_LEVEL)
   --port-file PATH   write the bound port to PATH
+  --metrics-listen ADDR
+                     serve Prometheus metrics (ZSHARD_METRICS_LISTEN)
   --help, -h         print this help and exit
 `
 

@@ -1,0 +1,126 @@
+/*
+ * metrics — what zshard-server tells Prometheus: a registry of the numbers
+ * only the transports and the core know the moment they happen (request and
+ * apply latency histograms, failed requests per method), the rendering of
+ * those and of the core's counters in the Prometheus text exposition format
+ * (version 0.0.4), and a small HTTP/1.1 server that answers GET /metrics on
+ * its own port and thread.
+ *
+ * Two objects with separate lifetimes, because the core records into the
+ * registry from its worker thread until core_destroy returns, while the HTTP
+ * server reads the core and must stop before it is destroyed:
+ *
+ *   metrics_create -> core_create (apply_hist) -> transports -> server start
+ *   ... server stop -> transports stop -> core_destroy -> metrics_destroy
+ *
+ * Every metric carries the label shard="<id>". The names, their units and
+ * what to alert on are listed in docs/OPERATIONS.md.
+ */
+#ifndef ZSHARD_SERVER_METRICS_H
+#define ZSHARD_SERVER_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "server/core.h"
+#include "server/histogram.h"
+
+/* Distinct (transport, method) pairs a registry holds. */
+#define METRICS_MAX_RPCS 32
+/* Longest transport or method name; longer ones are refused. */
+#define METRICS_MAX_NAME 31
+
+typedef struct metrics metrics;
+/* One (transport, method) pair's request histogram and failure count. */
+typedef struct metrics_rpc metrics_rpc;
+
+/* Creates an empty registry for shard `shard_id`; the uptime it reports
+ * starts now. Returns 0 and the registry in *out (the caller's, freed with
+ * metrics_destroy), or ZS_ENOMEM. */
+int metrics_create(uint32_t shard_id, metrics **out);
+
+/* Frees the registry. Every pointer it handed out (metrics_apply_histogram,
+ * metrics_rpc_register) dies with it, so it must come after everything that
+ * records (the core, the transports) and after metrics_server_stop. NULL is
+ * accepted. */
+void metrics_destroy(metrics *m);
+
+/* The histogram the core records each apply's duration into (core_config's
+ * apply_hist). Owned by the registry. NULL when m is NULL. */
+histogram *metrics_apply_histogram(metrics *m);
+
+/* Returns the series of requests to `method` over `transport` ("grpc",
+ * "data"), creating it on the first call: the same pair always gives the same
+ * pointer. Both strings are copied; they must be 1 to METRICS_MAX_NAME
+ * characters of [A-Za-z0-9_.] (they become label values). The result is owned
+ * by the registry. Returns NULL when m is NULL, a name is not acceptable or
+ * the registry is full; metrics_rpc_observe accepts that NULL, so a transport
+ * need not care. Thread-safe. */
+metrics_rpc *metrics_rpc_register(metrics *m, const char *transport, const char *method);
+
+/* Records one answered request: how long it took from its arrival to its
+ * answer, and whether the answer was an error. Lock-free. `r` may be NULL. */
+void metrics_rpc_observe(metrics_rpc *r, uint64_t ns, int failed);
+
+/* The resident set size of this process in bytes (from /proc/self/statm), or
+ * 0 when it cannot be read. */
+uint64_t metrics_process_rss(void);
+
+/* Renders every metric of `m` and of the core `c` (borrowed, read through
+ * core_get_info and core_get_counters, which never wait for an apply) in the
+ * Prometheus text format. Returns 0 with a malloc'd, NUL-terminated text in
+ * *out (the caller frees it) and its length in *len, or ZS_ENOMEM. */
+int metrics_render(metrics *m, core *c, char **out, size_t *len);
+
+/* ------------------------------------------------------------------------ */
+/* The HTTP endpoint                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* A request line and headers longer than this are answered 431. */
+#define METRICS_MAX_REQUEST 8192
+/* A connection that has not sent its whole request, or not taken its whole
+ * answer, this long after it was accepted is closed. */
+#define METRICS_DEFAULT_TIMEOUT_MS 10000u
+/* Connections served at once; more are answered 503 and closed. */
+#define METRICS_DEFAULT_MAX_CONNECTIONS 16u
+
+typedef struct metrics_server metrics_server;
+
+typedef struct metrics_server_config {
+  /* "host:port" or "[v6]:port" to listen on; port 0 picks a free port (see
+   * metrics_server_port). Only read during metrics_server_start. */
+  const char *listen;
+  /* Borrowed; both must outlive the server (metrics_server_stop first). */
+  metrics *metrics;
+  core *core;
+  /* 0 means METRICS_DEFAULT_TIMEOUT_MS. */
+  uint32_t timeout_ms;
+  /* 0 means METRICS_DEFAULT_MAX_CONNECTIONS. */
+  uint32_t max_connections;
+} metrics_server_config;
+
+/* Binds and starts the server thread. Returns 0 and the server in *out (the
+ * caller's, released with metrics_server_stop), or ZS_EINVAL (the address is
+ * not host:port, or cannot be bound) / ZS_ENOMEM / ZS_EINTERNAL with a
+ * sentence in err (which may be NULL).
+ *
+ * What it answers, one request per connection (Connection: close):
+ *  - GET or HEAD /metrics (any query string): 200, the text of
+ *    metrics_render;
+ *  - another path: 404; another method: 405 with Allow: GET, HEAD;
+ *  - a request line or header block that does not parse: 400; one longer
+ *    than METRICS_MAX_REQUEST: 431;
+ *  - a connection over the limit: 503.
+ * A client that sends nothing, or does not read, is closed at its timeout;
+ * no client can hold up another or the shard. */
+int metrics_server_start(const metrics_server_config *cfg, metrics_server **out, char *err,
+                         size_t errlen);
+
+/* The TCP port the server listens on. */
+int metrics_server_port(const metrics_server *s);
+
+/* Closes every connection and the listener, joins the thread and frees the
+ * server. NULL is accepted. */
+void metrics_server_stop(metrics_server *s);
+
+#endif
