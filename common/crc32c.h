@@ -1,7 +1,10 @@
 /*
  * crc32c — CRC-32C (Castagnoli), as used by iSCSI, ext4 and the frame and
  * checkpoint formats: reflected polynomial 0x82F63B78, initial value and final
- * xor 0xFFFFFFFF. SSE4.2 instructions when the CPU has them, a table otherwise.
+ * xor 0xFFFFFFFF. The fastest implementation the CPU supports is chosen on
+ * first use (AVX-512 VPCLMULQDQ folding, three interleaved SSE4.2 CRC32 chains
+ * joined with PCLMULQDQ, one CRC32 chain, or a table); all give the same
+ * result. Both functions are thread-safe and keep no state between calls.
  */
 #ifndef ZSHARD_COMMON_CRC32C_H
 #define ZSHARD_COMMON_CRC32C_H
@@ -10,8 +13,12 @@
 #include <stdint.h>
 
 /* Extends `crc` (0 to start) over len bytes: crc32c(crc32c(0, a), b) equals the
- * CRC of a followed by b. crc32c(0, "123456789", 9) == 0xE3069283. */
+ * CRC of a followed by b. crc32c(0, "123456789", 9) == 0xE3069283. buf is only
+ * read, and only during the call; it may be NULL when len is 0. */
 uint32_t crc32c(uint32_t crc, const void *buf, size_t len);
-uint32_t crc32c_sw(uint32_t crc, const void *buf, size_t len); /* table reference */
+
+/* The same with a byte-at-a-time table, on any CPU: the reference the fast
+ * paths are tested against. Same contract as crc32c(). */
+uint32_t crc32c_sw(uint32_t crc, const void *buf, size_t len);
 
 #endif
