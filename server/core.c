@@ -914,11 +914,11 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
     c->version_event = 1; /* nothing to initialise: pulls may proceed */
   pthread_cond_signal(&c->worker_cv);
   pthread_mutex_unlock(&c->mu);
-  LOG_INFO("job_open",
-           "shard=%u job=%s hash=%016" PRIx64 " pieces=%u elements=%" PRIu64
-           " state_bytes=%" PRIu64,
-           c->shard_id, c->spec.job, hash, c->npieces, c->layout.shard_load[c->shard_id],
-           c->state_bytes);
+  /* The transport logs the job's (sanitised) name; this line says what the
+   * job costs this shard. */
+  LOG_INFO("job_state",
+           "shard=%u hash=%016" PRIx64 " pieces=%u elements=%" PRIu64 " state_bytes=%" PRIu64,
+           c->shard_id, hash, c->npieces, c->layout.shard_load[c->shard_id], c->state_bytes);
 done:
   if (rc == 0 && out) {
     pthread_mutex_lock(&c->mu);

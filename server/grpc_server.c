@@ -94,6 +94,10 @@ enum {
   M_APPLY,
   M_GET_INFO,
   M_STATS,
+  M_CHECKPOINT,
+  M_COMMIT_CHECKPOINT,
+  M_RESTORE,
+  M_LIST_CHECKPOINTS,
   M_HEALTH_CHECK,
   M_HEALTH_WATCH,
   M_COUNT,
@@ -107,6 +111,7 @@ struct gsrv {
   grpc_completion_queue *cq;
   void *reg[M_COUNT];
   core *core;
+  ckpt_svc *ckpt; /* NULL without a state directory */
   int port;
   uint32_t data_port;
   uint32_t grace_ms;
@@ -168,6 +173,7 @@ struct gcall {
   int async_status;
   core_stats_result stats;
   core_apply_result apply;
+  ckpt_svc_result *ckpt; /* owned; checkpoint methods only */
 
   /* Watch state, under gsrv.lock. */
   int w_known;   /* the service is one we report on */
@@ -188,6 +194,10 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_checkpoint(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_commit_checkpoint(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_restore(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_list_checkpoints(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 
@@ -203,6 +213,10 @@ static const struct {
     [M_APPLY] = {"/zshard.v1.ZShard/Apply", h_apply},
     [M_GET_INFO] = {"/zshard.v1.ZShard/GetInfo", h_get_info},
     [M_STATS] = {"/zshard.v1.ZShard/Stats", h_stats},
+    [M_CHECKPOINT] = {"/zshard.v1.ZShard/Checkpoint", h_checkpoint},
+    [M_COMMIT_CHECKPOINT] = {"/zshard.v1.ZShard/CommitCheckpoint", h_commit_checkpoint},
+    [M_RESTORE] = {"/zshard.v1.ZShard/Restore", h_restore},
+    [M_LIST_CHECKPOINTS] = {"/zshard.v1.ZShard/ListCheckpoints", h_list_checkpoints},
     [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check},
     [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch},
 };
@@ -257,6 +271,7 @@ static void gcall_unref(gcall *c) {
   if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) != 1)
     return;
   release_grpc(c);
+  free(c->ckpt);
   free(c);
 }
 
@@ -402,6 +417,7 @@ static void finish_err(gcall *c, int claimed, int zs, const char *detail) {
 static void pull_finish(gcall *c, int claimed);
 static void stats_finish(gcall *c, int claimed);
 static void apply_finish(gcall *c, int claimed);
+static void ckpt_finish(gcall *c, int claimed);
 
 static void on_hop(gtag *t, int ok) {
   (void)ok; /* an empty batch always completes; a dead peer shows later */
@@ -416,6 +432,11 @@ static void on_hop(gtag *t, int ok) {
     break;
   case M_GRAD_STATS:
     stats_finish(c, 1);
+    break;
+  case M_CHECKPOINT:
+  case M_COMMIT_CHECKPOINT:
+  case M_RESTORE:
+    ckpt_finish(c, 1);
     break;
   default:
     apply_finish(c, 1);
@@ -1060,6 +1081,223 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Checkpoints                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* Runs on the checkpoint service's thread: keeps the outcome and hops back to
+ * a polling thread like a core callback. */
+static void on_ckpt_done(void *arg, const ckpt_svc_result *r) {
+  gcall *c = arg;
+  *c->ckpt = *r;
+  c->async_status = r->status;
+  resume_from_core(c);
+}
+
+/* What every checkpoint method checks first; answers the call and returns -1
+ * when it cannot go on. */
+static int ckpt_prepare(gsrv *s, gcall *c) {
+  if (!s->ckpt) {
+    finish_err(c, 0, ZS_EUNIMPL,
+               "checkpoints are off on this shard: start zshard-server with --state-dir DIR");
+    return -1;
+  }
+  c->ckpt = calloc(1, sizeof *c->ckpt);
+  if (!c->ckpt) {
+    finish_err(c, 0, ZS_ENOMEM, "out of memory");
+    return -1;
+  }
+  return 0;
+}
+
+/* Queues the work started by `rc` (the service's answer): a pending job
+ * answers from on_ckpt_done, anything else at once. */
+static void ckpt_started(gcall *c, int rc, const char *err) {
+  if (rc == CORE_PENDING)
+    return;
+  gcall_unref(c); /* the reference meant for the callback */
+  finish_err(c, 0, rc, err);
+}
+
+static void ckpt_finish(gcall *c, int claimed) {
+  const ckpt_svc_result *r = c->ckpt;
+  if (r->status != ZS_OK) {
+    finish_err(c, claimed, r->status, r->err);
+    return;
+  }
+  core_info info;
+  core_get_info(c->s->core, &info);
+  if (c->method == M_CHECKPOINT) {
+    Zshard__V1__CheckpointFile file = ZSHARD__V1__CHECKPOINT_FILE__INIT;
+    file.shard_id = r->file.shard_id;
+    file.name = (char *)r->file.name;
+    file.bytes = r->file.bytes;
+    file.crc32c = r->file.crc32c;
+    Zshard__V1__CheckpointResponse resp = ZSHARD__V1__CHECKPOINT_RESPONSE__INIT;
+    resp.step = r->step;
+    resp.shard_id = info.shard_id;
+    resp.num_shards = info.num_shards;
+    resp.file = &file;
+    resp.optimizer_steps = r->optimizer_steps;
+    resp.snapshot_seconds = r->snapshot_seconds;
+    resp.write_seconds = r->write_seconds;
+    finish_msg(c, claimed, &resp.base);
+  } else if (c->method == M_COMMIT_CHECKPOINT) {
+    Zshard__V1__CommitCheckpointResponse resp = ZSHARD__V1__COMMIT_CHECKPOINT_RESPONSE__INIT;
+    resp.step = r->step;
+    finish_msg(c, claimed, &resp.base);
+  } else {
+    Zshard__V1__RestoreResponse resp = ZSHARD__V1__RESTORE_RESPONSE__INIT;
+    resp.step = r->step;
+    resp.version = info.version;
+    resp.changed = r->changed != 0;
+    resp.source_shards = r->source_shards;
+    resp.spec_hash = info.spec_hash;
+    finish_msg(c, claimed, &resp.base);
+  }
+}
+
+static void h_checkpoint(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__CheckpointRequest *r =
+      UNPACK(Zshard__V1__CheckpointRequest, zshard__v1__checkpoint_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.CheckpointRequest");
+    return;
+  }
+  if (ckpt_prepare(s, c) == 0) {
+    c->step = r->step;
+    gcall_ref(c); /* the callback's */
+    int rc = ckpt_svc_checkpoint(s->ckpt, r->spec_hash, r->step, r->dir,
+                                 wait_deadline(c, r->timeout_ms), on_ckpt_done, c, err, sizeof err);
+    ckpt_started(c, rc, err);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+static void h_commit_checkpoint(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__CommitCheckpointRequest *r =
+      UNPACK(Zshard__V1__CommitCheckpointRequest, zshard__v1__commit_checkpoint_request__descriptor,
+             msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.CommitCheckpointRequest");
+    return;
+  }
+  ckpt_manifest m = {.step = r->step,
+                     .version = r->step,
+                     .optimizer_steps = r->optimizer_steps,
+                     .spec_hash = r->spec_hash,
+                     .num_shards = (uint32_t)r->n_files};
+  int rc = 0;
+  if (r->n_files == 0 || r->n_files > SPEC_MAX_SHARDS) {
+    rc = ZS_EINVAL;
+    snprintf(err, sizeof err, "a commit lists 1..%u shard files, not %zu", SPEC_MAX_SHARDS,
+             r->n_files);
+  } else if (!(m.files = calloc(r->n_files, sizeof *m.files))) {
+    rc = ZS_ENOMEM;
+    snprintf(err, sizeof err, "out of memory");
+  }
+  for (size_t i = 0; rc == 0 && i < r->n_files; i++) {
+    const Zshard__V1__CheckpointFile *f = r->files[i];
+    /* Names come from the network: bounded here, checked to be the
+     * canonical "shard-<i>-of-<N>.zsc" by the manifest writer. */
+    if (f->shard_id != i || strlen(f->name) >= CKPT_NAME_MAX) {
+      rc = ZS_EINVAL;
+      snprintf(err, sizeof err, "commit entry %zu is not shard %zu's file", i, i);
+      break;
+    }
+    m.files[i].shard_id = f->shard_id;
+    snprintf(m.files[i].name, sizeof m.files[i].name, "%s", f->name);
+    m.files[i].bytes = f->bytes;
+    m.files[i].crc32c = f->crc32c;
+  }
+  if (rc != 0) {
+    finish_err(c, 0, rc, err);
+  } else if (ckpt_prepare(s, c) == 0) {
+    c->step = r->step;
+    gcall_ref(c);
+    rc = ckpt_svc_commit(s->ckpt, r->spec_hash, &m, r->dir, on_ckpt_done, c, err, sizeof err);
+    ckpt_started(c, rc, err);
+  }
+  ckpt_manifest_free(&m);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+static void h_restore(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__RestoreRequest *r =
+      UNPACK(Zshard__V1__RestoreRequest, zshard__v1__restore_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.RestoreRequest");
+    return;
+  }
+  if (ckpt_prepare(s, c) == 0) {
+    c->step = r->step;
+    gcall_ref(c);
+    int rc =
+        ckpt_svc_restore(s->ckpt, r->spec_hash, r->step, r->dir, on_ckpt_done, c, err, sizeof err);
+    ckpt_started(c, rc, err);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+}
+
+/* Answered on the polling thread: it reads directory entries and manifests
+ * only, no shard file. */
+static void h_list_checkpoints(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__ListCheckpointsRequest *r =
+      UNPACK(Zshard__V1__ListCheckpointsRequest, zshard__v1__list_checkpoints_request__descriptor,
+             msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.ListCheckpointsRequest");
+    return;
+  }
+  if (!s->ckpt) {
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    finish_err(c, 0, ZS_EUNIMPL,
+               "checkpoints are off on this shard: start zshard-server with --state-dir DIR");
+    return;
+  }
+  ckpt_svc_entry *e = NULL;
+  size_t n = 0;
+  int rc = ckpt_svc_list(s->ckpt, r->dir, &e, &n, err, sizeof err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  Zshard__V1__CheckpointInfo *infos = rc == 0 ? calloc(n + 1, sizeof *infos) : NULL;
+  Zshard__V1__CheckpointInfo **ptrs = rc == 0 ? calloc(n + 1, sizeof *ptrs) : NULL;
+  if (rc == 0 && (!infos || !ptrs)) {
+    rc = ZS_ENOMEM;
+    snprintf(err, sizeof err, "out of memory");
+  }
+  if (rc != 0) {
+    finish_err(c, 0, rc, err);
+  } else {
+    for (size_t i = 0; i < n; i++) {
+      zshard__v1__checkpoint_info__init(&infos[i]);
+      infos[i].step = e[i].step;
+      infos[i].complete = e[i].complete != 0;
+      infos[i].num_shards = e[i].num_shards;
+      infos[i].spec_hash = e[i].spec_hash;
+      infos[i].loadable = e[i].loadable != 0;
+      ptrs[i] = &infos[i];
+    }
+    Zshard__V1__ListCheckpointsResponse resp = ZSHARD__V1__LIST_CHECKPOINTS_RESPONSE__INIT;
+    resp.n_checkpoints = n;
+    resp.checkpoints = ptrs;
+    uint64_t step = 0;
+    resp.from_checkpoint = core_checkpoint_origin(s->core, &step, NULL) != 0;
+    resp.checkpoint_step = step;
+    core_info info;
+    core_get_info(s->core, &info);
+    resp.version = info.version;
+    resp.state_dir = (char *)ckpt_svc_state_dir(s->ckpt);
+    finish_msg(c, 0, &resp.base);
+  }
+  free(e);
+  free(infos);
+  free(ptrs);
+}
+
+/* ------------------------------------------------------------------------ */
 /* grpc.health.v1.Health                                                    */
 /* ------------------------------------------------------------------------ */
 
@@ -1449,6 +1687,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   if (!s)
     return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   s->core = cfg->core;
+  s->ckpt = cfg->ckpt;
   s->data_port = cfg->data_port;
   /* A Watch stream lives as long as its client wants: its duration is no
    * latency, so it is not recorded. */

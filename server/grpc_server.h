@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "server/ckpt_svc.h"
 #include "server/core.h"
 #include "server/metrics.h"
 
@@ -45,6 +46,10 @@ typedef struct gsrv_config {
    * (transport "grpc"); NULL records nothing. Borrowed: it must outlive the
    * server. */
   metrics *metrics;
+  /* Serves Checkpoint, CommitCheckpoint, Restore and ListCheckpoints; NULL
+   * (no --state-dir) answers them UNIMPLEMENTED. Borrowed: it must outlive
+   * the server. */
+  ckpt_svc *ckpt;
 } gsrv_config;
 
 /* Binds, starts the polling threads and starts serving (health SERVING).

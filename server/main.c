@@ -4,9 +4,12 @@
  * Threads: main blocks SIGTERM and SIGINT before any other thread exists (so
  * every thread inherits the mask), starts the core and the transport, and
  * then waits in sigwait(); the signal is handled there, in ordinary code,
- * never in a signal handler. The core, the transport and the metrics endpoint
- * own their threads (see server/core.h, server/grpc_server.c and
- * server/metrics.c).
+ * never in a signal handler. The core, the transports and the metrics endpoint
+ * own their threads (see server/core.h, server/grpc_server.c,
+ * server/dp_server.c and server/metrics.c).
+ *
+ * Start order: core, data plane, gRPC (which advertises the data port in
+ * GetInfo); stop order: gRPC (its calls drain), data plane, core.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -21,7 +24,9 @@
 #include "common/cpu.h"
 #include "common/log.h"
 #include "common/spec.h"
+#include "server/ckpt_svc.h"
 #include "server/core.h"
+#include "server/dp_server.h"
 #include "server/grpc_server.h"
 #include "server/metrics.h"
 #include "zshard/zshard.h"
@@ -40,12 +45,16 @@ typedef struct options {
   log_level level;
   const char *metrics_listen; /* NULL: no metrics endpoint */
   const char *metrics_port_file;
+  const char *state_dir;   /* NULL: no checkpoints */
+  long keep_checkpoints;   /* 0: keep all */
+  const char *data_listen; /* NULL: no data plane */
+  char data_listen_buf[300];
 } options;
 
 static void usage(FILE *f) {
   fprintf(f,
           "Usage: zshard-server [OPTION]...\n"
-          "Serve one shard of a zshard job over gRPC.\n"
+          "Serve one shard of a zshard job over gRPC and the data plane.\n"
           "\n"
           "  --listen ADDR      address to listen on (ZSHARD_LISTEN, default %s);\n"
           "                     port 0 picks a free port\n"
@@ -59,6 +68,12 @@ static void usage(FILE *f) {
           "                     default info)\n"
           "  --port-file PATH   once serving, write the bound port to PATH\n"
           "                     (ZSHARD_PORT_FILE)\n"
+          "  --data-listen ADDR\n"
+          "                     serve Push and Pull on the data plane (framed TCP) at\n"
+          "                     ADDR (ZSHARD_DATA_LISTEN; default the --listen host\n"
+          "                     with port 0, a free port; the container image sets\n"
+          "                     0.0.0.0:7071); \"off\" turns it off. GetInfo tells\n"
+          "                     clients the port\n"
           "  --metrics-listen ADDR\n"
           "                     serve Prometheus metrics at http://ADDR/metrics\n"
           "                     (ZSHARD_METRICS_LISTEN, default off; the container\n"
@@ -66,6 +81,13 @@ static void usage(FILE *f) {
           "  --metrics-port-file PATH\n"
           "                     write the metrics port to PATH before the\n"
           "                     --port-file is written (ZSHARD_METRICS_PORT_FILE)\n"
+          "  --state-dir DIR    load the newest complete checkpoint in DIR on start and\n"
+          "                     write checkpoints there (ZSHARD_STATE_DIR, default\n"
+          "                     none: no checkpoints); see docs/CHECKPOINTS.md\n"
+          "  --keep-checkpoints K\n"
+          "                     after each checkpoint, remove all but the K newest\n"
+          "                     complete ones (ZSHARD_KEEP_CHECKPOINTS, default 0:\n"
+          "                     keep all)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
@@ -121,6 +143,9 @@ enum {
   OPT_HOSTNAME,
   OPT_METRICS_LISTEN,
   OPT_METRICS_PORT_FILE,
+  OPT_DATA_LISTEN,
+  OPT_STATE_DIR,
+  OPT_KEEP_CHECKPOINTS,
   OPT_HELP,
   OPT_VERSION
 };
@@ -137,8 +162,11 @@ static int parse_options(int argc, char **argv, options *o) {
       {"port-file", required_argument, NULL, OPT_PORT_FILE},
       {"metrics-listen", required_argument, NULL, OPT_METRICS_LISTEN},
       {"metrics-port-file", required_argument, NULL, OPT_METRICS_PORT_FILE},
+      {"data-listen", required_argument, NULL, OPT_DATA_LISTEN},
       /* Hidden: the host name used for the shard ordinal, for tests. */
       {"hostname", required_argument, NULL, OPT_HOSTNAME},
+      {"state-dir", required_argument, NULL, OPT_STATE_DIR},
+      {"keep-checkpoints", required_argument, NULL, OPT_KEEP_CHECKPOINTS},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
@@ -152,6 +180,9 @@ static int parse_options(int argc, char **argv, options *o) {
   const char *hostname = getenv("ZSHARD_HOSTNAME");
   const char *metrics_listen = getenv("ZSHARD_METRICS_LISTEN");
   const char *metrics_port_file = getenv("ZSHARD_METRICS_PORT_FILE");
+  const char *state_dir = getenv("ZSHARD_STATE_DIR");
+  const char *keep = getenv("ZSHARD_KEEP_CHECKPOINTS");
+  const char *data_listen = getenv("ZSHARD_DATA_LISTEN");
 
   opterr = 0; /* our own messages */
   int ch;
@@ -184,6 +215,15 @@ static int parse_options(int argc, char **argv, options *o) {
     case OPT_METRICS_PORT_FILE:
       metrics_port_file = optarg;
       break;
+    case OPT_DATA_LISTEN:
+      data_listen = optarg;
+      break;
+    case OPT_STATE_DIR:
+      state_dir = optarg;
+      break;
+    case OPT_KEEP_CHECKPOINTS:
+      keep = optarg;
+      break;
     case OPT_HELP:
       usage(stdout);
       return 0;
@@ -200,6 +240,16 @@ static int parse_options(int argc, char **argv, options *o) {
     return bad_usage("unexpected argument '%s'", argv[optind]);
 
   o->listen = listen && *listen ? listen : DEFAULT_LISTEN;
+  /* By default the data plane listens where gRPC does, on a free port: two
+   * servers on one host never collide, and clients read the port from
+   * GetInfo. */
+  if (!data_listen || !*data_listen) {
+    const char *colon = strrchr(o->listen, ':');
+    int host_len = colon ? (int)(colon - o->listen) : 0;
+    snprintf(o->data_listen_buf, sizeof o->data_listen_buf, "%.*s:0", host_len, o->listen);
+    data_listen = o->data_listen_buf;
+  }
+  o->data_listen = strcmp(data_listen, "off") != 0 ? data_listen : NULL;
   o->port_file = port_file && *port_file ? port_file : NULL;
   o->hostname = hostname && *hostname ? hostname : NULL;
   /* "off" (or nothing) turns the endpoint off, so a deployment can switch it
@@ -210,6 +260,15 @@ static int parse_options(int argc, char **argv, options *o) {
   o->metrics_port_file = metrics_port_file && *metrics_port_file ? metrics_port_file : NULL;
   if (o->metrics_port_file && !o->metrics_listen)
     return bad_usage("%s", "--metrics-port-file (ZSHARD_METRICS_PORT_FILE) needs --metrics-listen");
+  o->state_dir = state_dir && *state_dir ? state_dir : NULL;
+  o->keep_checkpoints = 0;
+  if (keep && *keep) {
+    o->keep_checkpoints = parse_long(keep, 0, 1000000);
+    if (o->keep_checkpoints < 0)
+      return bad_usage("--keep-checkpoints (ZSHARD_KEEP_CHECKPOINTS) must be a whole number from "
+                       "0 to 1000000, not '%s'",
+                       keep);
+  }
 
   o->level = LOG_LEVEL_INFO;
   if (level && *level && log_parse_level(level, &o->level) != 0)
@@ -320,11 +379,56 @@ int main(int argc, char **argv) {
   }
 
   char err[256] = "";
-  gsrv_config gc = {.listen = o.listen, .core = c, .metrics = mx};
+  /* The checkpoint is loaded before any transport starts, so that no
+   * trainer ever sees this shard empty when its state directory is not. */
+  ckpt_svc *svc = NULL;
+  if (o.state_dir) {
+    ckpt_svc_config kc = {
+        .state_dir = o.state_dir, .core = c, .keep = (uint32_t)o.keep_checkpoints};
+    char kerr[700] = "";
+    int loaded = 0;
+    uint64_t step = 0;
+    rc = ckpt_svc_create(&kc, &svc, kerr, sizeof kerr);
+    if (rc == 0)
+      rc = ckpt_svc_load_latest(svc, &loaded, &step, kerr, sizeof kerr);
+    if (rc) {
+      LOG_ERROR("startup_failed", "stage=checkpoint dir=%s error=%s detail=\"%s\"", o.state_dir,
+                zs_err_name(rc), kerr);
+      ckpt_svc_destroy(svc);
+      core_destroy(c);
+      metrics_destroy(mx);
+      return 1;
+    }
+  }
+  /* Before gRPC, whose GetInfo advertises the data port from its first
+   * answer on. */
+  dp_server *dp = NULL;
+  if (o.data_listen) {
+    dp_server_config dc;
+    dp_server_config_init(&dc);
+    dc.listen = o.data_listen;
+    dc.core = c;
+    rc = dp_server_start(&dc, &dp, err, sizeof err);
+    if (rc) {
+      LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o.data_listen,
+                zs_err_name(rc), err);
+      ckpt_svc_destroy(svc);
+      core_destroy(c);
+      metrics_destroy(mx);
+      return 1;
+    }
+  }
+  gsrv_config gc = {.listen = o.listen,
+                    .core = c,
+                    .ckpt = svc,
+                    .metrics = mx,
+                    .data_port = dp ? (uint32_t)dp_server_port(dp) : 0};
   gsrv *srv = NULL;
   rc = gsrv_start(&gc, &srv, err, sizeof err);
   if (rc) {
     LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
+    dp_server_stop(dp);
+    ckpt_svc_destroy(svc);
     core_destroy(c);
     metrics_destroy(mx);
     return 1;
@@ -336,6 +440,8 @@ int main(int argc, char **argv) {
     if (rc) {
       LOG_ERROR("startup_failed", "stage=metrics error=%s detail=\"%s\"", zs_err_name(rc), err);
       gsrv_destroy(srv);
+      dp_server_stop(dp);
+      ckpt_svc_destroy(svc);
       core_destroy(c);
       metrics_destroy(mx);
       return 1;
@@ -344,8 +450,11 @@ int main(int argc, char **argv) {
              metrics_server_port(msrv));
   }
   long threads = o.threads > 0 ? o.threads : sysconf(_SC_NPROCESSORS_ONLN);
-  LOG_INFO("listening", "addr=%s port=%d shard=%ld shards=%ld threads=%ld isa=%s version=%s",
-           o.listen, gsrv_port(srv), o.shard_id, o.shards, threads, cpu_isa_name(cpu_best_isa()),
+  LOG_INFO("listening",
+           "addr=%s port=%d data_addr=%s data_port=%d shard=%ld shards=%ld threads=%ld isa=%s "
+           "version=%s",
+           o.listen, gsrv_port(srv), o.data_listen ? o.data_listen : "off",
+           dp ? dp_server_port(dp) : 0, o.shard_id, o.shards, threads, cpu_isa_name(cpu_best_isa()),
            zs_version());
   /* The metrics port first: a reader that waits for --port-file then finds
    * both. */
@@ -357,7 +466,9 @@ int main(int argc, char **argv) {
   if (bad_file) {
     LOG_ERROR("startup_failed", "stage=port_file path=%s error=\"%s\"", bad_file, strerror(errno));
     gsrv_destroy(srv);
+    dp_server_stop(dp);
     metrics_server_stop(msrv);
+    ckpt_svc_destroy(svc);
     core_destroy(c);
     metrics_destroy(mx);
     return 1;
@@ -368,9 +479,14 @@ int main(int argc, char **argv) {
   }
   LOG_INFO("shutdown", "signal=%s", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   gsrv_destroy(srv);
+  /* The data plane serves until the gRPC calls drained; its own connections
+   * are then closed (clients retry elsewhere or after the restart), and
+   * Pulls it left waiting in the core are released by core_destroy. */
+  dp_server_stop(dp);
   /* Scrapes are answered while the gRPC calls drain, then stop before the
    * core they read goes away. */
   metrics_server_stop(msrv);
+  ckpt_svc_destroy(svc);
   core_destroy(c);
   metrics_destroy(mx);
   LOG_INFO("stopped", "shard=%ld", o.shard_id);

@@ -11,6 +11,12 @@
 
 int cli_status(int argc, char **argv);
 int cli_estimate(int argc, char **argv);
+/* ckpt.c */
+int cli_checkpoint(int argc, char **argv);
+int cli_restore(int argc, char **argv);
+int cli_checkpoints(int argc, char **argv);
+int cli_reshard(int argc, char **argv);
+int cli_export(int argc, char **argv);
 
 /* "12.3 GiB" style, into buf. */
 const char *cli_bytes(double bytes, char *buf, size_t len);

@@ -4,6 +4,8 @@
  *   zshard status   --shards LIST [--json]     one row per shard
  *   zshard estimate --params P ... [--json]    memory and traffic, zshard vs
  *                                              DP and ZeRO-1/2/3
+ *   zshard checkpoint | restore | checkpoints   checkpoints of a running job
+ *   zshard reshard | export                     checkpoint files, offline
  */
 #include <errno.h>
 #include <math.h>
@@ -75,10 +77,19 @@ static void usage(FILE *f) {
              "  status     health, version, state size and uptime of every shard\n"
              "  estimate   memory per device and per shard, bytes on the wire and the\n"
              "             communication lower bound per step: zshard beside DP and ZeRO-1/2/3\n"
+             "  checkpoint checkpoint the running job on every shard\n"
+             "  restore    roll every shard back to a checkpoint\n"
+             "  checkpoints list the checkpoints every shard holds\n"
+             "  reshard    rewrite a checkpoint for another shard count (offline)\n"
+             "  export     write a checkpoint as one safetensors file (offline)\n"
+             "  bench      load-test a running cluster: push/pull throughput and latency\n"
              "  version    print the library version\n"
              "\n"
              "`zshard <command> --help` describes a command's options.\n");
 }
+
+/* bench.c (declared here rather than in cli.h, which belongs to others). */
+int cli_bench(int argc, char **argv);
 
 int main(int argc, char **argv) {
   if (argc < 2) {
@@ -90,6 +101,18 @@ int main(int argc, char **argv) {
     return cli_status(argc - 1, argv + 1);
   if (strcmp(cmd, "estimate") == 0)
     return cli_estimate(argc - 1, argv + 1);
+  if (strcmp(cmd, "checkpoint") == 0)
+    return cli_checkpoint(argc - 1, argv + 1);
+  if (strcmp(cmd, "restore") == 0)
+    return cli_restore(argc - 1, argv + 1);
+  if (strcmp(cmd, "checkpoints") == 0)
+    return cli_checkpoints(argc - 1, argv + 1);
+  if (strcmp(cmd, "reshard") == 0)
+    return cli_reshard(argc - 1, argv + 1);
+  if (strcmp(cmd, "export") == 0)
+    return cli_export(argc - 1, argv + 1);
+  if (strcmp(cmd, "bench") == 0)
+    return cli_bench(argc - 1, argv + 1);
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
     printf("zshard %s\n", zs_version());
     return 0;

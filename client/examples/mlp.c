@@ -19,6 +19,13 @@
  * and prints its loss and where the time went. Only the public header
  * <zshard/zshard.h> is used, and the program links the shared library.
  *
+ * Recovery: with shards started with --state-dir, --checkpoint-every K makes
+ * rank 0 checkpoint the job every K steps. When a step fails because a shard
+ * restarted behind the cluster (or is gone for a while), every trainer
+ * restores the newest checkpoint common to all shards (zs_restore) and goes
+ * on from there. The samples of step s depend on s alone, so a recovered run
+ * trains on exactly the data of an uninterrupted one.
+ *
  *   zshard-mlp --shards 127.0.0.1:7070,127.0.0.1:7071 --rank 0 --world 2
  */
 #include <getopt.h>
@@ -45,6 +52,8 @@ typedef struct config {
   zs_dtype wire;
   uint32_t timeout_ms;
   const char *job;
+  uint32_t checkpoint_every, max_recoveries;
+  uint64_t until_step; /* 0: --steps more steps from where the job is */
 } config;
 
 typedef struct model {
@@ -67,6 +76,8 @@ static void usage(FILE *f) {
           "  --world W          number of trainers (default 1)\n"
           "  --accum M          micro-batches per step (default 1)\n"
           "  --steps S          optimizer steps (default 100)\n"
+          "  --until-step S     train until the job's version is S instead (the same\n"
+          "                     target for every trainer, however often it restarts)\n"
           "  --batch B          samples per micro-batch (default 32)\n"
           "  --hidden H1,H2     hidden widths (default 64,32)\n"
           "  --lr LR            AdamW learning rate (default 0.01)\n"
@@ -78,7 +89,11 @@ static void usage(FILE *f) {
           "  --seed N           initialisation and shuffling seed (default 1)\n"
           "  --timeout-ms T     how long a step waits for the other trainers (default 60000)\n"
           "  --job NAME         job name (default zshard-mlp)\n"
-          "  --log-every K      print every K steps (default 1)\n");
+          "  --log-every K      print every K steps (default 1)\n"
+          "  --checkpoint-every K  checkpoint the job every K steps (rank 0; the shards\n"
+          "                     need --state-dir; default 0: never)\n"
+          "  --max-recoveries N restore the newest checkpoint at most N times when a\n"
+          "                     shard restarted or was lost (default 5)\n");
 }
 
 static int parse_u32(const char *s, uint32_t *out) {
@@ -108,6 +123,9 @@ static int parse_args(int argc, char **argv, config *cfg) {
                                        {"timeout-ms", required_argument, NULL, 't'},
                                        {"job", required_argument, NULL, 'j'},
                                        {"log-every", required_argument, NULL, 'L'},
+                                       {"checkpoint-every", required_argument, NULL, 'C'},
+                                       {"max-recoveries", required_argument, NULL, 'R'},
+                                       {"until-step", required_argument, NULL, 'U'},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
   *cfg = (config){.rank = 0,
@@ -123,7 +141,8 @@ static int parse_args(int argc, char **argv, config *cfg) {
                   .wire = ZS_DTYPE_BF16,
                   .timeout_ms = 60000,
                   .job = "zshard-mlp",
-                  .log_every = 1};
+                  .log_every = 1,
+                  .max_recoveries = 5};
   int c;
   while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     int bad = 0;
@@ -187,6 +206,18 @@ static int parse_args(int argc, char **argv, config *cfg) {
     case 'L':
       bad = parse_u32(optarg, &cfg->log_every);
       break;
+    case 'C':
+      bad = parse_u32(optarg, &cfg->checkpoint_every);
+      break;
+    case 'R':
+      bad = parse_u32(optarg, &cfg->max_recoveries);
+      break;
+    case 'U': {
+      char *end;
+      cfg->until_step = strtoull(optarg, &end, 10);
+      bad = *optarg == '\0' || *end != '\0' || cfg->until_step == 0;
+      break;
+    }
     case 'h':
       usage(stdout);
       exit(0);
@@ -329,30 +360,40 @@ static double softmax_xent(const float *logits, const uint8_t *y, float *dlogits
   return loss / batch;
 }
 
-/* Gathers a micro-batch from this rank's share of the training set. */
+/* Gathers a micro-batch from this rank's share of the training set. Sample k
+ * of the run (k counts over steps, micro-batches and batch rows) is element
+ * k mod n of epoch k / n's shuffle, whose seed depends on the epoch only: the
+ * data of a step is a function of the step, so a run resumed from a
+ * checkpoint sees what an uninterrupted one saw. */
 typedef struct sampler {
   const digits *d;
-  size_t *idx; /* indices of this rank's samples */
-  size_t n, pos;
-  uint64_t rs;
+  size_t *base; /* indices of this rank's samples */
+  size_t *idx;  /* their shuffle for epoch `epoch` */
+  size_t n;
+  uint64_t seed, epoch;
 } sampler;
 
-static void shuffle(sampler *s) {
+static void shuffle(sampler *s, uint64_t epoch) {
+  uint64_t rs = s->seed + epoch * 7919u;
+  memcpy(s->idx, s->base, s->n * sizeof *s->idx);
   for (size_t i = s->n; i > 1; i--) {
-    size_t j = (size_t)(digits_rand(&s->rs) % i);
+    size_t j = (size_t)(digits_rand(&rs) % i);
     size_t t = s->idx[i - 1];
     s->idx[i - 1] = s->idx[j];
     s->idx[j] = t;
   }
+  s->epoch = epoch;
 }
 
-static void sample(sampler *s, uint32_t batch, float *x, uint8_t *y) {
+/* Micro-batch `micro` of step `step` (1-based) with `accum` per step. */
+static void sample(sampler *s, uint64_t step, uint32_t micro, uint32_t accum, uint32_t batch,
+                   float *x, uint8_t *y) {
+  uint64_t first = ((step - 1) * accum + micro) * batch;
   for (uint32_t b = 0; b < batch; b++) {
-    if (s->pos == s->n) {
-      shuffle(s);
-      s->pos = 0;
-    }
-    size_t i = s->idx[s->pos++];
+    uint64_t k = first + b;
+    if (k / s->n != s->epoch)
+      shuffle(s, k / s->n);
+    size_t i = s->idx[k % s->n];
     memcpy(&x[(size_t)b * DIGITS_FEATURES], &s->d->x[i * DIGITS_FEATURES],
            DIGITS_FEATURES * sizeof(float));
     y[b] = s->d->y[i];
@@ -418,22 +459,23 @@ int main(int argc, char **argv) {
   }
   /* The last 297 samples are held out; the rest is dealt round robin. */
   size_t n_eval = data.n > 600 ? 297 : data.n / 5, n_train = data.n - n_eval;
-  sampler smp = {.d = &data, .rs = cfg.seed * 1000003u + cfg.rank};
+  sampler smp = {.d = &data, .seed = cfg.seed * 1000003u + cfg.rank};
+  smp.base = malloc(n_train * sizeof *smp.base);
   smp.idx = malloc(n_train * sizeof *smp.idx);
   model m;
   float *xb = malloc((size_t)cfg.batch * DIGITS_FEATURES * sizeof(float));
   uint8_t *yb = malloc(cfg.batch);
-  if (!smp.idx || !xb || !yb || model_alloc(&m, &cfg) != 0) {
+  if (!smp.base || !smp.idx || !xb || !yb || model_alloc(&m, &cfg) != 0) {
     fprintf(stderr, "zshard-mlp: out of memory\n");
     return 1;
   }
   for (size_t i = cfg.rank; i < n_train; i += cfg.world)
-    smp.idx[smp.n++] = i;
+    smp.base[smp.n++] = i;
   if (smp.n == 0) {
     fprintf(stderr, "zshard-mlp: rank %" PRIu32 " has no training data\n", cfg.rank);
     return 1;
   }
-  shuffle(&smp);
+  shuffle(&smp, 0);
 
   /* ---- connect and describe the model ---- */
   zs_client_options o;
@@ -447,6 +489,7 @@ int main(int argc, char **argv) {
   o.pull_dtype = cfg.wire;
   o.step_timeout_ms = cfg.timeout_ms;
   o.prefetch_depth = cfg.prefetch;
+  o.checkpoint_every = cfg.checkpoint_every;
   /* Small tensors: split anything of at least 1024 elements over the shards
    * so that the example exercises split and whole pieces alike. */
   o.split_threshold = 1024;
@@ -474,7 +517,16 @@ int main(int argc, char **argv) {
   const float *init[NT];
   for (int t = 0; t < NT; t++)
     init[t] = m.param[t];
-  if ((rc = zs_open_job(c, init)) != ZS_OK)
+  rc = zs_open_job(c, init);
+  if (rc == ZS_EBEHIND) {
+    /* A shard restarted behind the others: the message names the
+     * checkpoint to resume from, which zs_restore(c, 0) picks. */
+    fprintf(stderr, "zshard-mlp: %s\n", zs_last_error());
+    if ((rc = zs_restore(c, 0)) != ZS_OK)
+      return fail("zs_restore", rc);
+    rc = zs_open_job(c, init);
+  }
+  if (rc != ZS_OK)
     return fail("zs_open_job", rc);
   printf("rank %" PRIu32 "/%" PRIu32 ": %s data (%zu train samples here, %zu held out), "
          "MLP 64-%" PRIu32 "-%" PRIu32 "-10, %" PRIu32 " micro-batch(es) of %" PRIu32
@@ -483,28 +535,43 @@ int main(int argc, char **argv) {
          cfg.h2, cfg.accum, cfg.batch, zs_current_step(c));
 
   /* ---- train ---- */
+  /* Requests not yet waited for are kept here, so that a failed step can
+   * wait for all of them before the job is restored. */
   zs_request *pulls[NT], *pushes[MAX_ACCUM][NT];
   const size_t fb = sizeof(float);
-  for (uint32_t it = 0; it < cfg.steps; it++) {
+  const uint64_t first = zs_current_step(c);
+  const uint64_t target = cfg.until_step ? cfg.until_step : first - 1 + cfg.steps;
+  uint32_t recoveries = 0;
+  while (zs_current_step(c) <= target) {
+    const uint64_t step = zs_current_step(c);
+    const char *what = NULL;
+    memset(pulls, 0, sizeof pulls);
+    memset(pushes, 0, sizeof pushes);
     /* All pulls at once; each layer waits for its own tensors only. */
-    for (int t = 0; t < NT; t++)
+    for (int t = 0; t < NT && !what; t++)
       if ((rc = zs_pull(c, (uint32_t)t, m.param[t], ZS_DTYPE_FP32, m.numel[t] * fb, &pulls[t])) !=
           ZS_OK)
-        return fail("zs_pull", rc);
+        what = "zs_pull";
     double loss = 0;
-    for (uint32_t mb = 0; mb < cfg.accum; mb++) {
-      sample(&smp, cfg.batch, xb, yb);
-      for (int l = 0; l < 3; l++) {
+    for (uint32_t mb = 0; mb < cfg.accum && !what; mb++) {
+      sample(&smp, step, mb, cfg.accum, cfg.batch, xb, yb);
+      for (int l = 0; l < 3 && !what; l++) {
         if (mb == 0) {
-          for (int t = 2 * l; t <= 2 * l + 1; t++)
-            if ((rc = zs_wait(pulls[t])) != ZS_OK)
-              return fail("pull", rc);
+          for (int t = 2 * l; t <= 2 * l + 1 && !what; t++) {
+            rc = zs_wait(pulls[t]);
+            pulls[t] = NULL;
+            if (rc != ZS_OK)
+              what = "pull";
+          }
         }
-        linear_forward(l == 0 ? xb : m.act[l - 1], m.param[2 * l], m.param[2 * l + 1], m.act[l],
-                       cfg.batch, m.dims[l], m.dims[l + 1], l < 2);
+        if (!what)
+          linear_forward(l == 0 ? xb : m.act[l - 1], m.param[2 * l], m.param[2 * l + 1], m.act[l],
+                         cfg.batch, m.dims[l], m.dims[l + 1], l < 2);
       }
+      if (what)
+        break;
       loss += softmax_xent(m.act[2], yb, m.dact[2], cfg.batch, 1.0f / (float)cfg.accum);
-      for (int l = 2; l >= 0; l--) {
+      for (int l = 2; l >= 0 && !what; l--) {
         float *din = l > 0 ? m.dact[l - 1] : NULL;
         linear_backward(l == 0 ? xb : m.act[l - 1], m.param[2 * l], m.dact[l], m.grad[mb][2 * l],
                         m.grad[mb][2 * l + 1], din, cfg.batch, m.dims[l], m.dims[l + 1]);
@@ -513,26 +580,66 @@ int main(int argc, char **argv) {
             if (m.act[l - 1][i] <= 0)
               din[i] = 0;
         /* This layer's gradients are final: send them while backward goes on. */
-        for (int t = 2 * l; t <= 2 * l + 1; t++)
+        for (int t = 2 * l; t <= 2 * l + 1 && !what; t++)
           if ((rc = zs_push(c, (uint32_t)t, mb, m.grad[mb][t], ZS_DTYPE_FP32, m.numel[t] * fb,
                             &pushes[mb][t])) != ZS_OK)
-            return fail("zs_push", rc);
+            what = "zs_push";
       }
     }
-    for (uint32_t mb = 0; mb < cfg.accum; mb++)
-      for (int t = 0; t < NT; t++)
-        if ((rc = zs_wait(pushes[mb][t])) != ZS_OK)
-          return fail("push", rc);
+    /* Every request of the step is waited for, failed step or not. */
+    for (int t = 0; t < NT; t++)
+      if (pulls[t])
+        zs_wait(pulls[t]);
+    for (uint32_t mb = 0; mb < cfg.accum; mb++) {
+      for (int t = 0; t < NT; t++) {
+        if (!pushes[mb][t])
+          continue;
+        int prc = zs_wait(pushes[mb][t]);
+        if (prc != ZS_OK && !what) {
+          rc = prc;
+          what = "push";
+        }
+      }
+    }
     zs_step_result r;
     zs_step_result_init(&r);
-    if ((rc = zs_step(c, cfg.lr, cfg.clip, 0, &r)) != ZS_OK)
-      return fail("zs_step", rc);
-    if ((it + 1) % cfg.log_every == 0 || it == 0 || it + 1 == cfg.steps)
+    if (!what && (rc = zs_step(c, cfg.lr, cfg.clip, 0, &r)) != ZS_OK)
+      what = "zs_step";
+    if (what) {
+      /* The recovery loop: a shard that restarted behind the cluster
+       * answers ZS_EBEHIND; a lost one, connection errors and timeouts. The
+       * job goes back to the newest checkpoint every shard holds (the other
+       * trainers do the same, and find it done). */
+      int lost = rc == ZS_EBEHIND || rc == ZS_ESTEP || rc == ZS_ECONN || rc == ZS_ETIMEDOUT ||
+                 rc == ZS_ECLOSED;
+      if (!lost || recoveries >= cfg.max_recoveries)
+        return fail(what, rc);
+      fprintf(stderr,
+              "zshard-mlp: step %" PRIu64 " failed (%s: %s); restoring the newest checkpoint\n",
+              step, what, zs_last_error());
+      recoveries++;
+      if ((rc = zs_restore(c, 0)) != ZS_OK) {
+        fprintf(stderr, "zshard-mlp: zs_restore: %s (%s)\n", zs_strerror(rc), zs_last_error());
+        continue; /* the next attempt may find the shard back */
+      }
+      printf("recovered: restored checkpoint step %" PRIu64 ", resuming at step %" PRIu64 "\n",
+             zs_current_step(c) - 1, zs_current_step(c));
+      continue;
+    }
+    if (step % cfg.log_every == 0 || step == first || step == target)
       printf("step %" PRIu64 " loss %.4f grad_norm %.4f %s | ms: total %.2f compute %.2f push "
              "%.2f pull_wait %.2f step %.2f | KiB pushed %.1f pulled %.1f\n",
              r.step, loss / cfg.accum, r.grad_norm, r.applied ? "applied" : "skipped",
              r.timing.total_ms, r.timing.compute_ms, r.timing.push_ms, r.timing.pull_wait_ms,
              r.timing.step_ms, r.timing.bytes_pushed / 1024.0, r.timing.bytes_pulled / 1024.0);
+    if (cfg.checkpoint_every && cfg.rank == 0 && step % cfg.checkpoint_every == 0) {
+      uint64_t saved = 0;
+      if ((rc = zs_last_checkpoint(c, &saved)) != ZS_OK)
+        fprintf(stderr, "zshard-mlp: the checkpoint of step %" PRIu64 " failed: %s\n", step,
+                zs_last_error());
+      else
+        printf("checkpoint step %" PRIu64 "\n", saved);
+    }
   }
 
   /* The final parameters, for the held-out score. */
@@ -545,6 +652,7 @@ int main(int argc, char **argv) {
          zs_current_step(c) - 1);
   zs_client_close(c);
   model_free(&m);
+  free(smp.base);
   free(smp.idx);
   free(xb);
   free(yb);

@@ -15,7 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckpt_client.h"
 #include "common/clock.h"
+#include "common/dp_client.h"
 #include "internal.h"
 
 /* ---- registry ------------------------------------------------------------- */
@@ -107,6 +109,7 @@ void zs_client_options_init(zs_client_options *o) {
   o->max_retries = 20;
   o->retry_initial_ms = 50;
   o->retry_max_ms = 2000;
+  o->checkpoint_timeout_ms = 600000;
   o->loss_scaling = ZS_LOSS_SCALE_NONE;
   o->static_loss_scale = 1.0;
   zs_loss_scaler_init(&o->dynamic_loss_scaler);
@@ -237,6 +240,13 @@ static int check_options(const zs_client_options *o) {
       return zc_fail(ZS_EINVAL, "zs_client_open: dynamic_loss_scaler must be initialised with "
                                 "zs_loss_scaler_init and have positive settings");
   }
+  if (o->transport != ZS_TRANSPORT_DEFAULT && o->transport != ZS_TRANSPORT_DATA &&
+      o->transport != ZS_TRANSPORT_GRPC)
+    return zc_fail(ZS_EINVAL, "zs_client_open: transport %d is not a zs_transport value",
+                   (int)o->transport);
+  if (o->data_connections > DP_MAX_CONNECTIONS)
+    return zc_fail(ZS_EINVAL, "zs_client_open: data_connections must be at most %u",
+                   DP_MAX_CONNECTIONS);
   return ZS_OK;
 }
 
@@ -244,6 +254,7 @@ static void client_free(zs_client *c) {
   if (!c)
     return;
   zc_pool_stop(&c->pool);
+  zc_dp_close(c);
   zc_slots_free(c);
   layout_free(&c->lay);
   spec_free(&c->sp);
@@ -301,8 +312,13 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     c->opt.retry_initial_ms = 50;
   if (c->opt.retry_max_ms < c->opt.retry_initial_ms)
     c->opt.retry_max_ms = c->opt.retry_initial_ms;
+  if (!c->opt.checkpoint_timeout_ms)
+    c->opt.checkpoint_timeout_ms = 600000;
   c->scaler = opt.dynamic_loss_scaler;
   atomic_init(&c->retries, 0);
+  rc = zc_transport_resolve(opt.transport, &c->opt.transport);
+  if (rc != ZS_OK)
+    goto fail;
   c->job = strdup(opt.job);
   if (!c->job) {
     rc = zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
@@ -360,7 +376,12 @@ int zs_client_close(zs_client *c) {
     pthread_mutex_unlock(&zc_registry_mu);
     return zc_fail(ZS_ECLOSED, "zs_client_close: the client handle is already closed");
   }
-  /* A worker cannot join itself: close from a callback is refused. */
+  /* A worker cannot join itself, nor a data client's loop thread: close from
+   * a callback is refused. */
+  if (zc_dp_in_callback()) {
+    pthread_mutex_unlock(&zc_registry_mu);
+    return zc_fail(ZS_EINVAL, "zs_client_close: called from a completion callback");
+  }
   for (uint32_t i = 0; i < c->pool.nthreads; i++) {
     if (pthread_equal(pthread_self(), c->pool.threads[i])) {
       pthread_mutex_unlock(&zc_registry_mu);
@@ -376,9 +397,12 @@ int zs_client_close(zs_client *c) {
   if (already)
     return zc_fail(ZS_ECLOSED, "zs_client_close: the client is already closing");
 
-  /* Queued tasks are cancelled, running ones finish by their deadlines; then
-   * every op has finished, which lets the calls blocked on them return. */
+  /* Queued tasks are cancelled, running ones finish by their deadlines, and
+   * data-plane transfers in flight are cancelled (no worker is left to submit
+   * or retry one); then every op has finished, which lets the calls blocked
+   * on them return. */
   zc_pool_stop(&c->pool);
+  zc_dp_close(c);
   pthread_mutex_lock(&zc_registry_mu);
   while (c->active > 0)
     pthread_cond_wait(&zc_registry_cv, &zc_registry_mu);
@@ -582,11 +606,15 @@ static int open_on_shards(zs_client *c, uint64_t *version) {
     if (r->version > vmax)
       vmax = r->version;
   }
-  if (rc == ZS_OK && vmin != vmax)
+  if (rc == ZS_OK && vmin != vmax) {
+    char hint[ZC_ERR_LEN / 2];
+    zc_resume_hint(c, c->hash, hint, sizeof hint);
     rc = zc_fail(ZS_EBEHIND,
                  "zs_open_job: the shards are at different versions (%" PRIu64 " to %" PRIu64
-                 "): a shard is behind the cluster and must be restored before training resumes",
-                 vmin, vmax);
+                 "): a shard is behind the cluster and must be restored before training "
+                 "resumes; %s",
+                 vmin, vmax, hint);
+  }
   *version = vmin;
 done:
   if (op) {
@@ -738,6 +766,11 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
     goto fail;
   if (c->opt.rank == 0 && version == 0) {
     rc = init_params(c, init_weights);
+    if (rc != ZS_OK)
+      goto fail;
+  }
+  if (c->opt.transport == ZS_TRANSPORT_DATA) {
+    rc = zc_dp_open(c);
     if (rc != ZS_OK)
       goto fail;
   }

@@ -8,17 +8,22 @@
  *   pool.c      worker threads and per-shard task queues
  *   transfer.c  requests: push, pull, prefetch, the generic "call every shard"
  *   step.c      zs_step: gradient statistics, norm, clipping, apply, timing
+ *   dataplane.c pushes and pulls over the data plane (data port discovery,
+ *               per-shard data clients, retries)
  *   scaler.c    the dynamic loss scaler
  *   estimate.c  the memory and traffic model behind `zshard estimate`
  *   error.c     the per-thread last-error sentence
  *
  * Threads and locks (one place for the whole library):
  *   - The caller's threads run the zs_ functions; the pool's worker threads run
- *     tasks (one blocking rpc_call each, plus data conversion) and completion
- *     callbacks.
+ *     tasks (one blocking rpc_call each, or one data-plane submission, plus
+ *     data conversion) and completion callbacks; each shard's data client has
+ *     a loop thread that finishes data-plane tasks and may run completion
+ *     callbacks too (dataplane.c).
  *   - Lock order: zc_registry_mu -> zs_client.mu -> zc_pool.mu -> zs_request.mu.
  *     A thread holding a later lock never takes an earlier one, and no lock is
- *     held across an rpc_call or a user callback.
+ *     held across an rpc_call or a user callback. zc_dp.mu (dataplane.c) is a
+ *     leaf: nothing is locked, and nothing blocks, while it is held.
  *   - After zs_open_job succeeds the spec, the layout and the channels are
  *     immutable and read without locks.
  */
@@ -122,6 +127,15 @@ struct zc_task {
   uint64_t timeout_ms;
   ProtobufCMessage *resp;
   int status;
+  /* Push and pull over the data plane (dataplane.c): what the next run of
+   * the task does (a zc_dp_phase), the piece in the wire dtype when that
+   * differs from the caller's buffer (owned by the task until it finishes),
+   * the retries made, and the generation of the shard's data client that the
+   * last attempt went to. */
+  int dp_phase;
+  void *dp_buf;
+  uint32_t dp_attempt;
+  uint64_t dp_gen;
 };
 
 struct zs_request {
@@ -213,6 +227,10 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
 /* Frees the prefetch slots (client teardown). */
 void zc_slots_free(struct zs_client *c);
 
+/* Waits ms milliseconds, or less if the client starts closing; returns 1 if
+ * it is closing. The retries' backoff. */
+int zc_backoff_wait(struct zs_client *c, uint64_t ms);
+
 /* A call with retries on UNAVAILABLE and backoff (interrupted by close).
  * Same contract as rpc_call. */
 int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
@@ -258,9 +276,18 @@ struct zs_client {
   zc_slot *slots;          /* (mu) num_tensors slots once opened with prefetch */
   zs_dtype last_pull_wire; /* (mu) wire dtype of the last pull, for prefetch */
 
+  /* The last checkpoint attempt of this client (checkpoint.c; mu). */
+  uint64_t ckpt_step; /* last committed */
+  int ckpt_status;
+  char ckpt_err[ZC_ERR_LEN];
+
   zc_pool pool;
   int closing;     /* (mu) */
   uint32_t active; /* (zc_registry_mu) public calls running on this client */
+
+  /* The data plane: set by zs_open_job (NULL with ZS_TRANSPORT_GRPC), freed
+   * by zs_client_close after the pool stopped (dataplane.c). */
+  struct zc_dp *dp;
 };
 
 /* Registry of live clients: zc_client_enter checks that `c` is a live, not
@@ -285,5 +312,44 @@ void zc_free_addresses(char **addr, uint32_t n);
 
 /* The wire dtype of a transfer whose caller buffer is `buf`. */
 zs_dtype zc_wire_dtype(zs_dtype configured, zs_dtype buf);
+
+/* ---- dataplane.c ------------------------------------------------------------ */
+
+/* Phases of a data-plane task (zc_task.dp_phase). */
+typedef enum zc_dp_phase {
+  ZC_DP_SEND = 0,   /* prepare the piece and submit it */
+  ZC_DP_RETRY = 1,  /* back off, find the shard's data port again, resubmit */
+  ZC_DP_FINISH = 2, /* the answer is in: convert a pulled piece, finish */
+} zc_dp_phase;
+
+/* Resolves options.transport against ZSHARD_TRANSPORT into ZS_TRANSPORT_DATA
+ * or ZS_TRANSPORT_GRPC in *out. Returns 0, or ZS_EINVAL (last error set) for
+ * a value that is not one of ours. */
+int zc_transport_resolve(zs_transport requested, zs_transport *out);
+
+/* With the data transport: asks every shard for its data port (GetInfo) and
+ * opens a data client to each one that has one, into c->dp. Called by
+ * zs_open_job once the shards know the job; does nothing if c->dp exists.
+ * Returns 0, or ZS_ECONN / ZS_EPROTO / ZS_ENOMEM / the GetInfo failure with
+ * the last error set (nothing is left open then). */
+int zc_dp_open(struct zs_client *c);
+
+/* Closes every data client (their transfers in flight complete with
+ * ZS_ECANCELED) and frees c->dp. Called with no lock held, after the pool
+ * stopped; idempotent. */
+void zc_dp_close(struct zs_client *c);
+
+/* Runs task t if it goes over the data plane: returns 1 when the task was
+ * taken (it finishes later, on its own), 0 when its shard has no data client
+ * and the caller runs it over gRPC. Called by zc_task_run. */
+int zc_dp_run(struct zs_client *c, zc_task *t);
+
+/* 1 on a thread that is running a data-plane completion (where
+ * zs_client_close must be refused), else 0. */
+int zc_dp_in_callback(void);
+
+/* ZS_TRANSPORT_DATA if pushes and pulls to `shard` go over the data plane
+ * right now, else ZS_TRANSPORT_GRPC. For tests. */
+zs_transport zc_shard_transport(const struct zs_client *c, uint32_t shard);
 
 #endif

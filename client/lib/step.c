@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckpt_client.h"
 #include "common/clock.h"
 #include "internal.h"
 
@@ -347,6 +348,7 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
     out->next_loss_scale = next_scale;
     out->timing = timing;
   }
+  zc_checkpoint_after_step(c, step);
 done:
   pthread_mutex_lock(&c->mu);
   c->stepping = 0;

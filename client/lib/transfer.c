@@ -8,12 +8,13 @@
  * callback (if any) runs, waiters wake, and the op's in-flight reference is
  * dropped. The caller's handle is the other reference, dropped by zs_wait.
  *
- * Copies: a push whose buffer dtype is the wire dtype is packed straight from
- * the caller's buffer (protobuf-c's pack is the one copy; gRPC then holds the
- * serialised bytes); with a conversion the piece is first converted into a
- * temporary buffer. A pull converts (or copies) from the unpacked response
- * into the caller's buffer at the piece's offset; a prefetched pull copies
- * once more, from the prefetch buffer.
+ * Copies over gRPC: a push whose buffer dtype is the wire dtype is packed
+ * straight from the caller's buffer (protobuf-c's pack is the one copy; gRPC
+ * then holds the serialised bytes); with a conversion the piece is first
+ * converted into a temporary buffer. A pull converts (or copies) from the
+ * unpacked response into the caller's buffer at the piece's offset; a
+ * prefetched pull copies once more, from the prefetch buffer. The data plane
+ * copies less (dataplane.c).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -184,6 +185,29 @@ int zc_call_all(struct zs_request *op) {
 
 /* ---- calls with retries ----------------------------------------------------- */
 
+int zc_backoff_wait(struct zs_client *c, uint64_t ms) {
+  uint64_t until = clock_now_ms() + ms;
+  pthread_mutex_lock(&c->mu);
+  while (!c->closing) {
+    uint64_t now = clock_now_ms();
+    if (now >= until)
+      break;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t wait_ms = until - now;
+    ts.tv_sec += (time_t)(wait_ms / 1000);
+    ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+  }
+  int closing = c->closing;
+  pthread_mutex_unlock(&c->mu);
+  return closing;
+}
+
 int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st) {
@@ -197,27 +221,7 @@ int zc_call(struct zs_client *c, uint32_t shard, const char *method, const Proto
     if (rc == ZS_OK || st->grpc_code != ZC_GRPC_UNAVAILABLE || attempt >= c->opt.max_retries)
       return rc;
     atomic_fetch_add(&c->retries, 1);
-    uint64_t until = clock_now_ms() + backoff;
-    int closing;
-    pthread_mutex_lock(&c->mu);
-    while (!c->closing) {
-      uint64_t now = clock_now_ms();
-      if (now >= until)
-        break;
-      struct timespec ts;
-      clock_gettime(CLOCK_MONOTONIC, &ts);
-      uint64_t wait_ms = until - now;
-      ts.tv_sec += (time_t)(wait_ms / 1000);
-      ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-      if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-      }
-      pthread_cond_timedwait(&c->cv, &c->mu, &ts);
-    }
-    closing = c->closing;
-    pthread_mutex_unlock(&c->mu);
-    if (closing)
+    if (zc_backoff_wait(c, backoff))
       return rc;
     backoff *= 2;
     if (backoff > c->opt.retry_max_ms)
@@ -341,6 +345,10 @@ static int run_call(zs_client *c, zc_task *t, char *err, size_t errlen) {
 
 void zc_task_run(void *ctx, zc_task *t) {
   zs_client *c = ctx;
+  /* A push or pull to a shard with a data client goes over the data plane
+   * and finishes later, from its answer (dataplane.c). */
+  if (zc_dp_run(c, t))
+    return;
   char err[ZC_ERR_LEN];
   uint64_t bytes = 0;
   int rc = ZS_EINTERNAL;
@@ -363,6 +371,9 @@ void zc_task_run(void *ctx, zc_task *t) {
 
 void zc_task_cancel(void *ctx, zc_task *t) {
   (void)ctx;
+  /* A data-plane task waiting for its retry or its conversion. */
+  free(t->dp_buf);
+  t->dp_buf = NULL;
   t->status = ZS_ECANCELED;
   zc_op_part_done(t->op, ZS_ECANCELED, "cancelled: the client is closing", 0);
 }

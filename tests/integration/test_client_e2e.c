@@ -22,6 +22,10 @@
  *
  * The killed trainer is this program re-executed (/proc/self/exe) with
  * "--trainer-child", so that no process forks while gRPC threads run.
+ *
+ * CTest runs the program twice: on the default transport, the data plane,
+ * and with ZSHARD_TRANSPORT=grpc; every trainer checks that its pushes and
+ * pulls really take the transport of the run.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -43,6 +47,7 @@
 
 #include "common/dtype.h"
 #include "harness.h"
+#include "internal.h"
 #include "server/optim.h"
 #include "zshard/zshard.h"
 
@@ -193,6 +198,25 @@ static int trainer_fail(rank_out *out, int rc, const char *what) {
   return rc;
 }
 
+/* The transport this run exercises (see the top of the file). */
+static zs_transport run_transport(void) {
+  const char *env = getenv("ZSHARD_TRANSPORT");
+  return env && strcmp(env, "grpc") == 0 ? ZS_TRANSPORT_GRPC : ZS_TRANSPORT_DATA;
+}
+
+/* Every shard of an open client is reached over the run's transport. */
+static int check_transport(zs_client *c, uint32_t nshards, rank_out *out) {
+  for (uint32_t i = 0; i < nshards; i++) {
+    if (zc_shard_transport(c, i) != run_transport()) {
+      out->rc = ZS_EINTERNAL;
+      snprintf(out->err, sizeof out->err, "shard %" PRIu32 " is not reached over %s", i,
+               run_transport() == ZS_TRANSPORT_GRPC ? "gRPC" : "the data plane");
+      return ZS_EINTERNAL;
+    }
+  }
+  return ZS_OK;
+}
+
 static int trainer_body(const run_cfg *cfg, uint32_t rank, rank_out *out, zs_client *c) {
   float *param[NT] = {0}, *grad[M_MAX][NT] = {{0}}, *init[NT] = {0};
   int rc = ZS_OK;
@@ -207,6 +231,8 @@ static int trainer_body(const run_cfg *cfg, uint32_t rank, rank_out *out, zs_cli
     trainer_fail(out, rc, "zs_open_job");
     goto done;
   }
+  if ((rc = check_transport(c, cfg->N, out)) != ZS_OK)
+    goto done;
   for (uint64_t s = 1; s <= cfg->K; s++) {
     zs_request *pulls[NT], *pushes[M_MAX][NT];
     for (uint32_t t = 0; t < NT; t++)
@@ -885,6 +911,83 @@ static void callbacks_run_once_per_transfer(void **state) {
   hs_cluster_stop(&cl);
 }
 
+/* A callback that tries to close its client and starts the next pull. */
+typedef struct chain_state {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  zs_client *c;
+  float *second;
+  size_t second_bytes;
+  int first_status, close_rc, start_rc, second_status, done;
+} chain_state;
+
+static void on_second(void *arg, int status) {
+  chain_state *s = arg;
+  pthread_mutex_lock(&s->mu);
+  s->second_status = status;
+  s->done = 1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void on_first(void *arg, int status) {
+  chain_state *s = arg;
+  int close_rc = zs_client_close(s->c);
+  int start_rc = zs_pull_cb(s->c, 1, s->second, ZS_DTYPE_FP32, s->second_bytes, on_second, s);
+  pthread_mutex_lock(&s->mu);
+  s->first_status = status;
+  s->close_rc = close_rc;
+  s->start_rc = start_rc;
+  if (start_rc != ZS_OK)
+    s->done = 1; /* on_second will not run */
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void a_callback_may_start_a_transfer_but_not_close_its_client(void **state) {
+  (void)state;
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  run_cfg cfg = {.N = 2, .W = 1, .M = 1, .K = 1, .wire = ZS_DTYPE_FP32, .lr = 0.01};
+  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  snprintf(cfg.job, sizeof cfg.job, "chain-%d", job_counter++);
+  zs_client *c = NULL;
+  assert_int_equal(client_for(&cfg, 0, 0, &c), ZS_OK);
+  float *init[NT];
+  for (uint32_t t = 0; t < NT; t++)
+    init[t] = init_tensor(t);
+  assert_int_equal(zs_open_job(c, (const float *const *)init), ZS_OK);
+  rank_out out = {0};
+  assert_int_equal(check_transport(c, cfg.N, &out), ZS_OK);
+  float *first = calloc(TENSORS[0].numel, sizeof(float));
+  chain_state s = {.mu = PTHREAD_MUTEX_INITIALIZER,
+                   .cv = PTHREAD_COND_INITIALIZER,
+                   .c = c,
+                   .second = calloc(TENSORS[1].numel, sizeof(float)),
+                   .second_bytes = TENSORS[1].numel * sizeof(float)};
+  /* On the data plane this callback runs on a data client's loop thread,
+   * over gRPC on a worker: either way closing from it would wait for itself. */
+  assert_int_equal(
+      zs_pull_cb(c, 0, first, ZS_DTYPE_FP32, TENSORS[0].numel * sizeof(float), on_first, &s),
+      ZS_OK);
+  pthread_mutex_lock(&s.mu);
+  while (!s.done)
+    pthread_cond_wait(&s.cv, &s.mu);
+  pthread_mutex_unlock(&s.mu);
+  assert_int_equal(s.first_status, ZS_OK);
+  assert_int_equal(s.close_rc, ZS_EINVAL);
+  assert_int_equal(s.start_rc, ZS_OK);
+  assert_int_equal(s.second_status, ZS_OK);
+  assert_memory_equal(first, init[0], TENSORS[0].numel * sizeof(float));
+  assert_memory_equal(s.second, init[1], TENSORS[1].numel * sizeof(float));
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  for (uint32_t t = 0; t < NT; t++)
+    free(init[t]);
+  free(first);
+  free(s.second);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
 static int group_setup(void **state) {
   (void)state;
   return hs_init();
@@ -909,6 +1012,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(one_client_serves_several_trainer_threads),
       cmocka_unit_test(misuse_on_an_open_job_returns_errors),
       cmocka_unit_test(callbacks_run_once_per_transfer),
+      cmocka_unit_test(a_callback_may_start_a_transfer_but_not_close_its_client),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);
   hs_finish(failures);

@@ -3,10 +3,20 @@
  * servers reached through a small TCP proxy in this test. The proxy forwards
  * connections to one shard and, on the test's command, refuses the next
  * connection attempts or cuts every open connection, which the client sees as
- * gRPC UNAVAILABLE. (gRPC's channel then fails calls fast for its own
- * reconnect backoff, about 1 to 10 s, which is what the retries bridge.) The client must retry with
- * backoff and carry on, counting the retries in the step's timing, or give up after max_retries
- * with ZS_ECONN naming the shard.
+ * gRPC UNAVAILABLE or, on the data plane, as a failed connection. (gRPC's
+ * channel then fails calls fast for its own reconnect backoff, about 1 to
+ * 10 s, which is what the retries bridge.) The client must retry with backoff
+ * and carry on, counting the retries in the step's timing, or give up after
+ * max_retries with ZS_ECONN naming the shard.
+ *
+ * The client reaches a shard's data plane at the host of its gRPC address and
+ * the port the shard advertises. So the proxy stands on another loopback
+ * address, 127.0.0.2, with one listener for gRPC and one on the shard's own
+ * data port, and forwards both to the shard on 127.0.0.1.
+ *
+ * CTest runs the program on the default transport, the data plane, and with
+ * ZSHARD_TRANSPORT=grpc; the tests of the data plane alone are skipped on
+ * the latter.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -27,25 +37,39 @@
 #include <cmocka.h>
 
 #include "harness.h"
+#include "internal.h"
 #include "zshard/zshard.h"
+
+/* 1 when this run exercises the data plane (see the top of the file). */
+static int data_run(void) {
+  const char *env = getenv("ZSHARD_TRANSPORT");
+  return !(env && strcmp(env, "grpc") == 0);
+}
 
 /* ---- the proxy ----------------------------------------------------------------- */
 
 #define PROXY_MAX_PAIRS 32
+#define PROXY_HOST "127.0.0.2"
+
+/* The proxy's two listeners. */
+enum { L_GRPC = 0, L_DATA = 1, L_COUNT = 2 };
 
 typedef struct proxy {
-  int lfd, port;
-  int wake[2]; /* self-pipe: commands for the proxy thread */
-  struct sockaddr_in up;
+  int lfd[L_COUNT];  /* -1: no such listener */
+  int port[L_COUNT]; /* on PROXY_HOST */
+  int wake[2];       /* self-pipe: commands for the proxy thread */
+  struct sockaddr_in up[L_COUNT];
   pthread_t th;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int refuse;                   /* (mu) connection attempts still to refuse */
-  int cut_req;                  /* (mu) close every forwarded connection */
+  int refuse[L_COUNT];          /* (mu) connection attempts still to refuse */
+  int cut_req;                  /* (mu) close forwarded connections of the listeners in mask */
+  int cut_mask;                 /* (mu) bit l: listener l */
   int cuts_done;                /* (mu) */
   int stop;                     /* (mu) */
-  int refused;                  /* (mu) attempts refused so far */
+  int refused[L_COUNT];         /* (mu) attempts refused so far */
   int pair[PROXY_MAX_PAIRS][2]; /* proxy thread only: client fd, upstream fd */
+  int pair_l[PROXY_MAX_PAIRS];  /* proxy thread only: the listener of each pair */
   int npairs;
 } proxy;
 
@@ -55,6 +79,7 @@ static void close_pair(proxy *p, int i) {
   /* The last pair takes the freed place. */
   p->pair[i][0] = p->pair[p->npairs - 1][0];
   p->pair[i][1] = p->pair[p->npairs - 1][1];
+  p->pair_l[i] = p->pair_l[p->npairs - 1];
   p->npairs--;
 }
 
@@ -73,12 +98,14 @@ static int write_all(int fd, const char *buf, ssize_t n) {
 
 static void *proxy_main(void *arg) {
   proxy *p = arg;
-  struct pollfd fds[2 + 2 * PROXY_MAX_PAIRS];
+  struct pollfd fds[1 + L_COUNT + 2 * PROXY_MAX_PAIRS];
   char buf[65536];
   for (;;) {
     nfds_t n = 0;
     fds[n++] = (struct pollfd){.fd = p->wake[0], .events = POLLIN};
-    fds[n++] = (struct pollfd){.fd = p->lfd, .events = POLLIN};
+    /* A missing listener (fd -1) is ignored by poll. */
+    for (int l = 0; l < L_COUNT; l++)
+      fds[n++] = (struct pollfd){.fd = p->lfd[l], .events = POLLIN};
     for (int i = 0; i < p->npairs; i++) {
       fds[n++] = (struct pollfd){.fd = p->pair[i][0], .events = POLLIN};
       fds[n++] = (struct pollfd){.fd = p->pair[i][1], .events = POLLIN};
@@ -96,8 +123,9 @@ static void *proxy_main(void *arg) {
       pthread_mutex_lock(&p->mu);
       int stop = p->stop;
       if (p->cut_req) {
-        while (p->npairs > 0)
-          close_pair(p, p->npairs - 1);
+        for (int i = p->npairs; i-- > 0;)
+          if (p->cut_mask & (1 << p->pair_l[i]))
+            close_pair(p, i);
         p->cut_req = 0;
         p->cuts_done++;
         pthread_cond_broadcast(&p->cv);
@@ -107,38 +135,44 @@ static void *proxy_main(void *arg) {
         break;
       continue; /* the pair list changed: rebuild the poll set */
     }
-    if (fds[1].revents & POLLIN) {
-      int cfd = accept(p->lfd, NULL, NULL);
-      if (cfd >= 0) {
-        pthread_mutex_lock(&p->mu);
-        int refuse = p->refuse > 0;
-        if (refuse) {
-          p->refuse--;
-          p->refused++;
-        }
-        pthread_mutex_unlock(&p->mu);
-        int ufd = -1;
-        if (!refuse && p->npairs < PROXY_MAX_PAIRS) {
-          ufd = socket(AF_INET, SOCK_STREAM, 0);
-          if (ufd >= 0 && connect(ufd, (struct sockaddr *)&p->up, sizeof p->up) != 0) {
-            close(ufd);
-            ufd = -1;
-          }
-        }
-        if (ufd < 0) {
-          close(cfd);
-        } else {
-          p->pair[p->npairs][0] = cfd;
-          p->pair[p->npairs][1] = ufd;
-          p->npairs++;
+    int accepted = 0;
+    for (int l = 0; l < L_COUNT; l++) {
+      if (!(fds[1 + l].revents & POLLIN))
+        continue;
+      accepted = 1;
+      int cfd = accept(p->lfd[l], NULL, NULL);
+      if (cfd < 0)
+        continue;
+      pthread_mutex_lock(&p->mu);
+      int refuse = p->refuse[l] > 0;
+      if (refuse) {
+        p->refuse[l]--;
+        p->refused[l]++;
+      }
+      pthread_mutex_unlock(&p->mu);
+      int ufd = -1;
+      if (!refuse && p->npairs < PROXY_MAX_PAIRS) {
+        ufd = socket(AF_INET, SOCK_STREAM, 0);
+        if (ufd >= 0 && connect(ufd, (struct sockaddr *)&p->up[l], sizeof p->up[l]) != 0) {
+          close(ufd);
+          ufd = -1;
         }
       }
-      continue;
+      if (ufd < 0) {
+        close(cfd);
+      } else {
+        p->pair[p->npairs][0] = cfd;
+        p->pair[p->npairs][1] = ufd;
+        p->pair_l[p->npairs] = l;
+        p->npairs++;
+      }
     }
-    for (nfds_t k = 2; k < n; k++) {
+    if (accepted)
+      continue;
+    for (nfds_t k = 1 + L_COUNT; k < n; k++) {
       if (!fds[k].revents)
         continue;
-      int i = (int)(k - 2) / 2, from = (int)(k - 2) % 2;
+      int i = (int)(k - 1 - L_COUNT) / 2, from = (int)(k - 1 - L_COUNT) % 2;
       ssize_t r = read(p->pair[i][from], buf, sizeof buf);
       if (r <= 0 || write_all(p->pair[i][1 - from], buf, r) != 0)
         close_pair(p, i);
@@ -157,34 +191,56 @@ static void poke(proxy *p) {
   }
 }
 
-static int proxy_start(proxy *p, const char *upstream_addr, int refuse) {
+/* A listener on PROXY_HOST:port (0: any free port) forwarding to
+ * 127.0.0.1:up_port. Returns 0 or -1. */
+static int proxy_listen(proxy *p, int l, int port, int up_port) {
+  p->up[l].sin_family = AF_INET;
+  p->up[l].sin_port = htons((uint16_t)up_port);
+  inet_pton(AF_INET, "127.0.0.1", &p->up[l].sin_addr);
+  p->lfd[l] = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  inet_pton(AF_INET, PROXY_HOST, &a.sin_addr);
+  socklen_t len = sizeof a;
+  if (p->lfd[l] < 0 || bind(p->lfd[l], (struct sockaddr *)&a, sizeof a) != 0 ||
+      listen(p->lfd[l], 16) != 0 || getsockname(p->lfd[l], (struct sockaddr *)&a, &len) != 0)
+    return -1;
+  p->port[l] = ntohs(a.sin_port);
+  return 0;
+}
+
+/* Starts a proxy for server s: gRPC on a free port, and, with `data`, the
+ * data plane (if the server has one) on the server's own data port, both on
+ * PROXY_HOST. The first `refuse` gRPC connection attempts are refused. */
+static int proxy_start(proxy *p, const hs_server *s, int refuse, int data) {
   memset(p, 0, sizeof *p);
+  p->lfd[L_GRPC] = p->lfd[L_DATA] = -1;
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv, NULL);
-  p->refuse = refuse;
-  const char *colon = strrchr(upstream_addr, ':');
-  if (!colon || pipe(p->wake) != 0)
+  p->refuse[L_GRPC] = refuse;
+  rpc_channel *ch = NULL;
+  Zshard__V1__GetInfoResponse *info = NULL;
+  if (rpc_channel_open(s->addr, &ch) != 0 || hs_get_info(ch, &info, NULL) != 0) {
+    rpc_channel_close(ch);
     return -1;
-  p->up.sin_family = AF_INET;
-  p->up.sin_port = htons((uint16_t)atoi(colon + 1));
-  inet_pton(AF_INET, "127.0.0.1", &p->up.sin_addr);
-  p->lfd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {.sin_family = AF_INET};
-  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  socklen_t len = sizeof a;
-  if (p->lfd < 0 || bind(p->lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(p->lfd, 16) != 0 ||
-      getsockname(p->lfd, (struct sockaddr *)&a, &len) != 0)
+  }
+  int data_port = (int)info->data_port;
+  protobuf_c_message_free_unpacked(&info->base, NULL);
+  rpc_channel_close(ch);
+  if (pipe(p->wake) != 0 || proxy_listen(p, L_GRPC, 0, s->port) != 0 ||
+      (data && data_port && proxy_listen(p, L_DATA, data_port, data_port) != 0))
     return -1;
-  p->port = ntohs(a.sin_port);
   return pthread_create(&p->th, NULL, proxy_main, p) == 0 ? 0 : -1;
 }
 
-/* Closes every forwarded connection and refuses the next `refuse` attempts;
- * returns once the connections are closed. */
-static void proxy_cut(proxy *p, int refuse) {
+/* Closes the forwarded connections of the listeners in `mask` and refuses
+ * the next `refuse` attempts on each of them; returns once they are closed. */
+static void proxy_cut(proxy *p, int mask, int refuse) {
   pthread_mutex_lock(&p->mu);
   int before = p->cuts_done;
-  p->refuse += refuse;
+  for (int l = 0; l < L_COUNT; l++)
+    if (mask & (1 << l))
+      p->refuse[l] += refuse;
+  p->cut_mask = mask;
   p->cut_req = 1;
   poke(p);
   while (p->cuts_done == before)
@@ -192,9 +248,9 @@ static void proxy_cut(proxy *p, int refuse) {
   pthread_mutex_unlock(&p->mu);
 }
 
-static int proxy_refused(proxy *p) {
+static int proxy_refused(proxy *p, int l) {
   pthread_mutex_lock(&p->mu);
-  int n = p->refused;
+  int n = p->refused[l];
   pthread_mutex_unlock(&p->mu);
   return n;
 }
@@ -205,7 +261,9 @@ static void proxy_stop(proxy *p) {
   poke(p);
   pthread_mutex_unlock(&p->mu);
   pthread_join(p->th, NULL);
-  close(p->lfd);
+  for (int l = 0; l < L_COUNT; l++)
+    if (p->lfd[l] >= 0)
+      close(p->lfd[l]);
   close(p->wake[0]);
   close(p->wake[1]);
 }
@@ -246,43 +304,195 @@ static void one_step(zs_client *c, float **buf, zs_step_result *r) {
   assert_int_equal(rc, ZS_OK);
 }
 
-static void a_lost_connection_is_retried_and_counted_in_the_timing(void **state) {
-  (void)state;
-  hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
-  proxy px;
-  assert_int_equal(proxy_start(&px, cl.srv[1]->addr, 0), 0);
-  char addrs[128];
-  snprintf(addrs, sizeof addrs, "%s,127.0.0.1:%d", cl.srv[0]->addr, px.port);
-  /* After a failed connection gRPC's channel keeps failing fast for its own
-   * reconnect backoff (seconds); the budget here is far above that. */
-  zs_client *c = client_through(addrs, 200);
-  float *buf[NT];
+static float **alloc_weights(void) {
+  float **buf = calloc(NT, sizeof *buf);
   for (uint32_t t = 0; t < NT; t++) {
     buf[t] = calloc(NUMEL[t], sizeof(float));
     for (uint64_t i = 0; i < NUMEL[t]; i++)
       buf[t][i] = 0.001f * (float)(i + 1);
   }
+  return buf;
+}
+
+static void free_weights(float **buf) {
+  for (uint32_t t = 0; t < NT; t++)
+    free(buf[t]);
+  free(buf);
+}
+
+/* The address list of a 2-shard cluster whose shard 1 is behind the proxy. */
+static void addresses_through(const hs_cluster *cl, const proxy *px, char *buf, size_t len) {
+  snprintf(buf, len, "%s,%s:%d", cl->srv[0]->addr, PROXY_HOST, px->port[L_GRPC]);
+}
+
+static void a_lost_connection_is_retried_and_counted_in_the_timing(void **state) {
+  (void)state;
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  proxy px;
+  assert_int_equal(proxy_start(&px, cl.srv[1], 0, 1), 0);
+  char addrs[128];
+  addresses_through(&cl, &px, addrs, sizeof addrs);
+  /* After a failed connection gRPC's channel keeps failing fast for its own
+   * reconnect backoff (seconds); the budget here is far above that. */
+  zs_client *c = client_through(addrs, 200);
+  float **buf = alloc_weights();
   assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_OK);
   zs_step_result r;
   one_step(c, buf, &r);
   assert_int_equal(r.timing.retries, 0);
   assert_int_equal(r.applied, 1);
 
-  /* The connection to shard 1 is lost between steps and the reconnection is
-   * refused once: step 2's calls to shard 1 fail with UNAVAILABLE until the
-   * channel reconnects, and are retried. */
-  proxy_cut(&px, 1);
+  /* Every connection to shard 1 is lost between steps and the gRPC
+   * reconnection is refused once: step 2's calls to shard 1 fail with
+   * UNAVAILABLE until the channel reconnects, and are retried. */
+  proxy_cut(&px, 1 << L_GRPC | 1 << L_DATA, 1);
   one_step(c, buf, &r);
-  assert_int_equal(proxy_refused(&px), 1);
+  assert_int_equal(proxy_refused(&px, L_GRPC), 1);
   assert_true(r.timing.retries >= 1);
   assert_int_equal(r.applied, 1);
   assert_int_equal(r.version, 2);
   assert_int_equal(zs_current_step(c), 3);
 
   assert_int_equal(zs_client_close(c), ZS_OK);
-  for (uint32_t t = 0; t < NT; t++)
-    free(buf[t]);
+  free_weights(buf);
+  proxy_stop(&px);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+static void a_lost_data_connection_is_retried_on_the_data_plane(void **state) {
+  (void)state;
+  if (!data_run())
+    skip();
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  proxy px;
+  assert_int_equal(proxy_start(&px, cl.srv[1], 0, 1), 0);
+  assert_true(px.lfd[L_DATA] >= 0);
+  char addrs[128];
+  addresses_through(&cl, &px, addrs, sizeof addrs);
+  zs_client *c = client_through(addrs, 200);
+  float **buf = alloc_weights();
+  assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_OK);
+  assert_int_equal(zc_shard_transport(c, 1), ZS_TRANSPORT_DATA);
+  zs_step_result r;
+  one_step(c, buf, &r);
+  assert_int_equal(r.timing.retries, 0);
+
+  /* Only the data connection is cut, and its next two reconnections are
+   * refused: step 2's pulls and pushes to shard 1 fail twice with a lost
+   * connection and go through on the third attempt, still on the data plane
+   * (gRPC, which carries the rest of the step, is untouched). */
+  proxy_cut(&px, 1 << L_DATA, 2);
+  one_step(c, buf, &r);
+  assert_int_equal(proxy_refused(&px, L_DATA), 2);
+  assert_int_equal(proxy_refused(&px, L_GRPC), 0);
+  assert_true(r.timing.retries >= 2);
+  assert_int_equal(r.applied, 1);
+  assert_int_equal(r.version, 2);
+  assert_int_equal(zc_shard_transport(c, 1), ZS_TRANSPORT_DATA);
+
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  free_weights(buf);
+  proxy_stop(&px);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+static void a_restarted_shard_is_found_at_its_new_data_port(void **state) {
+  (void)state;
+  if (!data_run())
+    skip();
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  char addrs[128];
+  snprintf(addrs, sizeof addrs, "%s,%s", cl.srv[0]->addr, cl.srv[1]->addr);
+  zs_client *c = client_through(addrs, 100);
+  float **buf = alloc_weights();
+  assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_OK);
+  zs_step_result r;
+  one_step(c, buf, &r);
+
+  /* Shard 1 restarts on the same gRPC address; its data plane gets another
+   * free port. (It comes back empty: there are no checkpoints here.) */
+  char listen[64];
+  snprintf(listen, sizeof listen, "%s", cl.srv[1]->addr);
+  assert_int_equal(hs_stop(cl.srv[1]), 0);
+  const char *args[] = {"--listen", listen,      "--shard-id", "1", "--shards",
+                        "2",        "--threads", "1",          NULL};
+  cl.srv[1] = hs_start(args, NULL);
+  assert_non_null(cl.srv[1]);
+
+  /* The client's data connection to the old port fails; its retries ask the
+   * shard for its data port again and reach the new process there, which
+   * answers for itself: it has no job. Without that lookup the retries would
+   * end in ZS_ECONN. Tensor 0 is split, so it has a piece on shard 1. */
+  int rc = zs_pull(c, 0, buf[0], ZS_DTYPE_FP32, NUMEL[0] * 4, NULL);
+  if (rc != ZS_ENOTOPEN)
+    fprintf(stderr, "zs_pull: %s: %s\n", zs_err_name(rc), zs_last_error());
+  assert_int_equal(rc, ZS_ENOTOPEN);
+  assert_non_null(strstr(zs_last_error(), "no job is open"));
+  assert_int_equal(zc_shard_transport(c, 1), ZS_TRANSPORT_DATA);
+
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  free_weights(buf);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+static void a_shard_without_a_data_port_is_served_over_grpc(void **state) {
+  (void)state;
+  hs_server *srv[2];
+  const char *shard0[] = {"--shard-id", "0", "--shards", "2", "--threads", "1", NULL};
+  const char *shard1[] = {"--shard-id",    "1",   "--shards", "2", "--threads", "1",
+                          "--data-listen", "off", NULL};
+  srv[0] = hs_start(shard0, NULL);
+  srv[1] = hs_start(shard1, NULL);
+  assert_non_null(srv[0]);
+  assert_non_null(srv[1]);
+  char addrs[128];
+  snprintf(addrs, sizeof addrs, "%s,%s", srv[0]->addr, srv[1]->addr);
+  zs_client *c = client_through(addrs, 2);
+  float **buf = alloc_weights();
+  assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_OK);
+  assert_int_equal(zc_shard_transport(c, 0), data_run() ? ZS_TRANSPORT_DATA : ZS_TRANSPORT_GRPC);
+  assert_int_equal(zc_shard_transport(c, 1), ZS_TRANSPORT_GRPC);
+  zs_step_result r;
+  one_step(c, buf, &r);
+  assert_int_equal(r.applied, 1);
+  one_step(c, buf, &r);
+  assert_int_equal(r.version, 2);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  free_weights(buf);
+  assert_int_equal(hs_stop(srv[0]), 0);
+  assert_int_equal(hs_stop(srv[1]), 0);
+}
+
+static void an_unreachable_data_port_fails_open_with_econn_naming_it(void **state) {
+  (void)state;
+  if (!data_run())
+    skip();
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  /* gRPC reaches shard 1 through the proxy; its data port, on the proxy's
+   * address, has no listener. */
+  proxy px;
+  assert_int_equal(proxy_start(&px, cl.srv[1], 0, 0), 0);
+  char addrs[128], want[160];
+  addresses_through(&cl, &px, addrs, sizeof addrs);
+  zs_client *c = client_through(addrs, 2);
+  float **buf = alloc_weights();
+  assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_ECONN);
+  rpc_channel *ch = NULL;
+  Zshard__V1__GetInfoResponse *info = NULL;
+  assert_int_equal(rpc_channel_open(cl.srv[1]->addr, &ch), 0);
+  assert_int_equal(hs_get_info(ch, &info, NULL), 0);
+  snprintf(want, sizeof want, "shard 1 (%s:%d) advertises data port %u", PROXY_HOST,
+           px.port[L_GRPC], info->data_port);
+  protobuf_c_message_free_unpacked(&info->base, NULL);
+  rpc_channel_close(ch);
+  if (!strstr(zs_last_error(), want))
+    fail_msg("\"%s\" does not say \"%s\"", zs_last_error(), want);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  free_weights(buf);
   proxy_stop(&px);
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
@@ -292,20 +502,17 @@ static void retries_give_up_with_econn_naming_the_shard(void **state) {
   hs_cluster cl;
   assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   proxy px;
-  assert_int_equal(proxy_start(&px, cl.srv[1]->addr, 1000000), 0); /* never forwards */
+  assert_int_equal(proxy_start(&px, cl.srv[1], 1000000, 1), 0); /* never forwards gRPC */
   char addrs[128], want[64];
-  snprintf(addrs, sizeof addrs, "%s,127.0.0.1:%d", cl.srv[0]->addr, px.port);
-  snprintf(want, sizeof want, "shard 1 (127.0.0.1:%d)", px.port);
+  addresses_through(&cl, &px, addrs, sizeof addrs);
+  snprintf(want, sizeof want, "shard 1 (%s:%d)", PROXY_HOST, px.port[L_GRPC]);
   zs_client *c = client_through(addrs, 2);
-  float *buf[NT];
-  for (uint32_t t = 0; t < NT; t++)
-    buf[t] = calloc(NUMEL[t], sizeof(float));
+  float **buf = alloc_weights();
   assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_ECONN);
   assert_non_null(strstr(zs_last_error(), want));
-  assert_true(proxy_refused(&px) >= 1);
+  assert_true(proxy_refused(&px, L_GRPC) >= 1);
   assert_int_equal(zs_client_close(c), ZS_OK);
-  for (uint32_t t = 0; t < NT; t++)
-    free(buf[t]);
+  free_weights(buf);
   proxy_stop(&px);
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
@@ -318,6 +525,10 @@ static int group_setup(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(a_lost_connection_is_retried_and_counted_in_the_timing),
+      cmocka_unit_test(a_lost_data_connection_is_retried_on_the_data_plane),
+      cmocka_unit_test(a_restarted_shard_is_found_at_its_new_data_port),
+      cmocka_unit_test(a_shard_without_a_data_port_is_served_over_grpc),
+      cmocka_unit_test(an_unreachable_data_port_fails_open_with_econn_naming_it),
       cmocka_unit_test(retries_give_up_with_econn_naming_the_shard),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);

@@ -53,6 +53,8 @@ static void options_init_fills_documented_defaults(void **state) {
   assert_int_equal(o.max_retries, 20);
   assert_int_equal(o.loss_scaling, ZS_LOSS_SCALE_NONE);
   assert_true(o.dynamic_loss_scaler.scale == 65536.0);
+  assert_int_equal(o.transport, ZS_TRANSPORT_DEFAULT);
+  assert_int_equal(o.data_connections, 0);
 }
 
 static void group_options_init_uses_torch_defaults(void **state) {
@@ -144,6 +146,44 @@ static void open_rejects_bad_dtypes_and_scaling(void **state) {
   o.dynamic_loss_scaler.window = 0;
   assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
   assert_null(c);
+}
+
+static void open_checks_the_transport_and_zshard_transport(void **state) {
+  (void)state;
+  zs_client_options o;
+  zs_client *c = NULL;
+  zs_client_options_init(&o);
+  o.addresses = "127.0.0.1:1";
+  o.transport = (zs_transport)3;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  o.transport = ZS_TRANSPORT_DATA;
+  o.data_connections = 65;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_null(c);
+  o.data_connections = 64;
+
+  /* The variable decides only when the options leave it to it. */
+  assert_int_equal(setenv("ZSHARD_TRANSPORT", "pigeon", 1), 0);
+  o.transport = ZS_TRANSPORT_DEFAULT;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "ZSHARD_TRANSPORT"));
+  assert_null(c);
+  o.transport = ZS_TRANSPORT_GRPC;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  assert_int_equal(setenv("ZSHARD_TRANSPORT", "grpc", 1), 0);
+  o.transport = ZS_TRANSPORT_DEFAULT;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  assert_int_equal(unsetenv("ZSHARD_TRANSPORT"), 0);
+
+  /* A program built before the transport fields existed passes a shorter
+   * struct; it gets the defaults. */
+  zs_client_options_init(&o);
+  o.addresses = "127.0.0.1:1";
+  o.struct_size = offsetof(zs_client_options, transport);
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  assert_int_equal(zs_client_close(c), ZS_OK);
 }
 
 static void open_accepts_an_address_pattern_and_a_list(void **state) {
@@ -510,6 +550,7 @@ int main(void) {
       cmocka_unit_test(open_rejects_missing_or_uninitialised_options),
       cmocka_unit_test(open_rejects_inconsistent_topology),
       cmocka_unit_test(open_rejects_bad_dtypes_and_scaling),
+      cmocka_unit_test(open_checks_the_transport_and_zshard_transport),
       cmocka_unit_test(open_accepts_an_address_pattern_and_a_list),
       cmocka_unit_test(add_tensor_checks_name_numel_shape_and_duplicates),
       cmocka_unit_test(add_group_checks_options),

@@ -173,6 +173,18 @@ typedef enum zs_loss_scaling {
   ZS_LOSS_SCALE_DYNAMIC = 2, /* the client's zs_loss_scaler */
 } zs_loss_scaling;
 
+/* How pushes and pulls travel (every other call uses gRPC). */
+typedef enum zs_transport {
+  /* The ZSHARD_TRANSPORT environment variable ("data" or "grpc") if it is
+   * set, else ZS_TRANSPORT_DATA. */
+  ZS_TRANSPORT_DEFAULT = 0,
+  /* The framed TCP data plane (docs/PROTOCOL.md) to every shard that
+   * advertises a data port in GetInfo; gRPC to a shard that advertises none. */
+  ZS_TRANSPORT_DATA = 1,
+  /* gRPC unary calls only. */
+  ZS_TRANSPORT_GRPC = 2,
+} zs_transport;
+
 typedef struct zs_client_options {
   size_t struct_size;
   /* Shard addresses in shard-id order, "host:port,host:port", or a pattern
@@ -217,10 +229,11 @@ typedef struct zs_client_options {
   /* How long zs_step waits for every trainer's contributions and a pull
    * waits for its parameter version, ms. Default 60000. */
   uint32_t step_timeout_ms;
-  /* Retries of a call answered UNAVAILABLE (connection lost, shard
-   * restarting), with exponential backoff from retry_initial_ms doubling up
-   * to retry_max_ms. Defaults 20, 50, 2000: about 30 s in all, above the
-   * ~10 s gRPC's channel takes to reconnect after a lost connection here. */
+  /* Retries of a call answered UNAVAILABLE, or of a data-plane transfer
+   * whose connection failed (connection lost, shard restarting), with
+   * exponential backoff from retry_initial_ms doubling up to retry_max_ms.
+   * Defaults 20, 50, 2000: about 30 s in all, above the ~10 s gRPC's channel
+   * takes to reconnect after a lost connection here. */
   uint32_t max_retries;
   uint32_t retry_initial_ms;
   uint32_t retry_max_ms;
@@ -229,24 +242,42 @@ typedef struct zs_client_options {
   double static_loss_scale;     /* ZS_LOSS_SCALE_STATIC; default 1 */
   /* ZS_LOSS_SCALE_DYNAMIC: the scaler's configuration (its state is reset). */
   zs_loss_scaler dynamic_loss_scaler;
+  /* Added later: a program built against a header whose struct ends above
+   * gets the defaults of these fields. */
+  /* The transport of pushes and pulls; default ZS_TRANSPORT_DEFAULT. An
+   * explicit ZS_TRANSPORT_DATA or ZS_TRANSPORT_GRPC wins over the
+   * environment. */
+  zs_transport transport;
+  /* Data plane: TCP connections per shard; 0 means 1, at most 64. */
+  uint32_t data_connections;
+  /* Checkpoints (see zs_checkpoint): on rank 0, zs_step checkpoints the job
+   * after every checkpoint_every-th step (0, the default: never); a failed
+   * periodic checkpoint does not fail the step (zs_last_checkpoint tells). */
+  uint32_t checkpoint_every;
+  /* Deadline of one shard's checkpoint write or restore, ms; default
+   * 600000. */
+  uint32_t checkpoint_timeout_ms;
 } zs_client_options;
 
 /* Fills `o` with the defaults above. */
 ZS_EXTERN void zs_client_options_init(zs_client_options *o);
 
-/* Creates a client: checks the options, opens (lazy) channels to the shards
- * and starts the worker threads. No network traffic happens yet. On success
- * *out is a client owned by the caller, released with zs_client_close.
- * `o` and the strings it points to are only read during the call. */
+/* Creates a client: checks the options (ZS_EINVAL also for a
+ * ZSHARD_TRANSPORT that is neither "data" nor "grpc" when it applies), opens
+ * (lazy) channels to the shards and starts the worker threads. No network
+ * traffic happens yet. On success *out is a client owned by the caller,
+ * released with zs_client_close. `o` and the strings it points to are only
+ * read during the call. */
 ZS_EXTERN int zs_client_open(const zs_client_options *o, zs_client **out);
 
 /* Closes the client: queued transfers are cancelled (their requests complete
- * with ZS_ECANCELED and their callbacks run), calls already on the wire are
- * waited for (at most their deadlines), the threads stop and the client is
- * freed. Requests still held by the caller stay valid until zs_wait. Any
- * later use of `c` fails with ZS_ECLOSED (the library keeps a registry of live
- * clients), although holding on to a closed handle is a bug. NULL is
- * accepted. Must not be called from a completion callback. */
+ * with ZS_ECANCELED and their callbacks run), gRPC calls already on the wire
+ * are waited for (at most their deadlines), data-plane transfers in flight
+ * are cancelled, the threads stop and the client is freed. Requests still
+ * held by the caller stay valid until zs_wait. Any later use of `c` fails
+ * with ZS_ECLOSED (the library keeps a registry of live clients), although
+ * holding on to a closed handle is a bug. NULL is accepted. Must not be
+ * called from a completion callback. */
 ZS_EXTERN int zs_client_close(zs_client *c);
 
 /* ---- Describing the model (before zs_open_job) ------------------------- */
@@ -285,8 +316,11 @@ ZS_EXTERN int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint
  * 0 and ignored (may be NULL) elsewhere. Other ranks' first pulls wait until
  * rank 0 has written the weights. Opening a job the shards have already
  * trained resumes at its version (the initial weights are then ignored).
- * Returns ZS_EHASH if a shard holds a different job, ZS_EINVAL if a shard's id
- * or shard count does not match the address list. */
+ * With the data plane (zs_client_options.transport) it then asks every shard
+ * for its data port (GetInfo) and connects to it, at the host of the shard's
+ * address. Returns ZS_EHASH if a shard holds a different job, ZS_EINVAL if a
+ * shard's id or shard count does not match the address list, ZS_ECONN if a
+ * shard's advertised data port cannot be reached. */
 ZS_EXTERN int zs_open_job(zs_client *c, const float *const *init_weights);
 
 /* ---- Inspecting the job -------------------------------------------------- */
@@ -315,9 +349,10 @@ ZS_EXTERN uint64_t zs_spec_hash(const zs_client *c);
 typedef struct zs_request zs_request;
 
 /* Completion callback: runs once, with the request's status, on a library
- * worker thread (or, for a transfer cancelled by zs_client_close, on the
- * thread closing the client). It must not block (no zs_wait, no synchronous
- * transfer, no zs_step, no zs_client_close) but may start new transfers. */
+ * thread: a worker, a data-plane I/O thread, or, for a transfer cancelled by
+ * zs_client_close, the thread closing the client. It must not block (no
+ * zs_wait, no synchronous transfer, no zs_step, no zs_client_close) but may
+ * start new transfers. */
 typedef void (*zs_request_cb)(void *arg, int status);
 
 /* Pushes the gradient of tensor `tensor` for micro-batch `micro` (< M) of the
@@ -334,8 +369,10 @@ ZS_EXTERN int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void 
 /* Pulls tensor `tensor`'s parameters of version current_step - 1 (waiting on
  * the shards until they have it) into `dst`: numel elements of `dtype`
  * (nbytes = numel * zs_dtype_size(dtype)). `dst` is the caller's and must
- * stay valid and untouched until the request completes. With `req` NULL the
- * call waits; otherwise *req is a request the caller must zs_wait. */
+ * stay valid and untouched until the request completes; if the request fails
+ * its contents are unspecified (the data plane writes pieces into it as they
+ * arrive). With `req` NULL the call waits; otherwise *req is a request the
+ * caller must zs_wait. */
 ZS_EXTERN int zs_pull(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
                       zs_request **req);
 
@@ -415,6 +452,50 @@ ZS_EXTERN int zs_step(zs_client *c, double lr, double max_grad_norm, double loss
 
 /* The timing of the last completed step (zeros before the first). */
 ZS_EXTERN int zs_last_timing(const zs_client *c, zs_timing *out);
+
+/* ======================================================================== */
+/* Checkpoints (docs/CHECKPOINTS.md)                                         */
+/* ======================================================================== */
+/*
+ * Shards started with --state-dir write checkpoints there. The checkpoint of
+ * step s is the job's state at parameter version s: every shard's master
+ * weights, optimizer moments and step count. A shard that restarts loads the
+ * newest complete checkpoint of its state directory; a trainer that then
+ * finds it behind the cluster (ZS_EBEHIND, whose message names the
+ * checkpoint) restores the whole job to a checkpoint every shard has and
+ * continues from there.
+ */
+
+/* Checkpoints the job at step `step` (0: the version this client is at,
+ * zs_current_step() - 1): every shard writes and fsyncs its file (a shard
+ * below that version waits for it, up to checkpoint_timeout_ms), and once all
+ * have, every shard commits the checkpoint. On failure nothing is committed,
+ * the previous checkpoints stay as they were, and zs_last_error() names the
+ * shard and the reason (a full disk, an unwritable directory...). Call it
+ * from one trainer (rank 0). Needs an open job; blocks. */
+ZS_EXTERN int zs_checkpoint(zs_client *c, uint64_t step);
+
+/* Replaces the state of every shard by complete checkpoint `step`, or, with
+ * step 0, by the newest checkpoint complete on every shard (falling back to
+ * older ones when a shard cannot load it). On success the client continues
+ * at the step after the checkpoint: zs_current_step() says which, and the
+ * trainer resumes its data from there. Every trainer of the job calls it
+ * (after the first, the shards already hold the checkpoint and nothing
+ * changes). Also works after zs_open_job failed with ZS_EBEHIND: call
+ * zs_open_job again afterwards. Waits for this client's pushes first; must
+ * not run concurrently with zs_step or transfers on the same client. */
+ZS_EXTERN int zs_restore(zs_client *c, uint64_t step);
+
+/* The newest step that every shard holds a complete checkpoint of (and can
+ * load); ZS_ENOTFOUND when there is none. Needs zs_open_job to have been
+ * called (it may have failed with ZS_EBEHIND). */
+ZS_EXTERN int zs_latest_checkpoint(zs_client *c, uint64_t *step);
+
+/* The outcome of this client's last checkpoint attempt (zs_checkpoint or
+ * periodic): ZS_OK when it succeeded or none was made, else its failure,
+ * described by zs_last_error(). *step (may be NULL) gets the step of the
+ * last checkpoint committed by this client, 0 if none. */
+ZS_EXTERN int zs_last_checkpoint(const zs_client *c, uint64_t *step);
 
 /* ======================================================================== */
 /* Memory and traffic estimates (`zshard estimate`)                          */

@@ -30,6 +30,8 @@ const serverHelp = `Usage: zshard-server [OPTION]...
   --port-file PATH   write the bound port to PATH
   --metrics-listen ADDR
                      serve Prometheus metrics (ZSHARD_METRICS_LISTEN)
+  --data-listen ADDR
+                     serve the data plane (ZSHARD_DATA_LISTEN)
   --help, -h         print this help and exit
 `
 
@@ -207,8 +209,8 @@ func TestProbeOnUndeclaredPortFails(t *testing.T) {
 	dir := copyK8s(t)
 	edit(t, filepath.Join(dir, "statefulset.yaml"),
 		"livenessProbe:\n            grpc:\n              port: 7070",
-		"livenessProbe:\n            grpc:\n              port: 7071")
-	mustFail(t, dir, testPrograms(t, ""), "", "asks port 7071")
+		"livenessProbe:\n            grpc:\n              port: 7079")
+	mustFail(t, dir, testPrograms(t, ""), "", "asks port 7079")
 }
 
 func TestNetworkPolicyThatAdmitsNoTrainerFails(t *testing.T) {

@@ -1,0 +1,562 @@
+/*
+ * dataplane — pushes and pulls over the data plane (common/dp_client.h,
+ * docs/PROTOCOL.md): finding each shard's data port, one data client per
+ * shard, and the tasks that run on them.
+ *
+ * Discovery: zs_open_job asks every shard for GetInfo.data_port and connects
+ * to that port at the host of the shard's gRPC address. A shard that
+ * advertises no data port is served over gRPC (its tasks run the blocking
+ * path of transfer.c).
+ *
+ * A task in three phases. A push or pull task does not hold its worker while
+ * the bytes travel:
+ *   SEND    the worker prepares the piece (a conversion into the task's own
+ *           buffer when the wire dtype differs from the caller's), submits it
+ *           to the shard's data client (which computes the payload CRC on
+ *           this thread) and returns;
+ *   FINISH  the answer arrives on the data client's loop thread, which must
+ *           not block: a plain push or pull finishes there; a pull that needs
+ *           a conversion, and any prefetch (whose last piece copies the whole
+ *           tensor into a waiting pull), go back to the pool and finish on a
+ *           worker;
+ *   RETRY   a transfer whose connection failed (ZS_ECONN), or that a closing
+ *           shard refused (ZS_ECLOSED: gRPC's UNAVAILABLE on the other
+ *           transport), goes back to the pool too: the worker backs off as
+ *           zc_call does, asks the shard for its data port again and, if the
+ *           shard now lives elsewhere (a restarted server on a new port, a
+ *           rescheduled pod with a new address), opens a data client there
+ *           and swaps it in; then it submits the piece again. Pushes are
+ *           idempotent on the shard, so a push that did arrive before the
+ *           connection failed is acknowledged as a duplicate.
+ * When the client is closing, nothing goes back to the pool: a retry fails
+ * with ZS_ECANCELED and a conversion runs on the loop thread.
+ *
+ * Copies of tensor bytes on the client: a push in the caller's dtype none (the
+ * socket reads the caller's buffer), with a conversion one (into the task's
+ * buffer); a pull in the caller's dtype none (the socket writes into the
+ * caller's buffer at the piece's offset), with a conversion one; a prefetch
+ * none into its slot, and the pull served from the slot one more.
+ *
+ * Threads and locks: zc_dp.mu guards each shard's current data client, the
+ * number of workers submitting to it and its generation. It is a leaf: no
+ * other lock is taken and no blocking call is made while it is held, so the
+ * loop threads may take it. A data client is closed only once no worker
+ * submits to it (users == 0) and never under a lock; its loop thread then
+ * fails the requests still on it with ZS_ECANCELED, which are retried when
+ * the client was replaced (the task's generation is then not the shard's).
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "common/dp_client.h"
+#include "internal.h"
+
+#define DP_HOST_MAX 256
+/* Room for "host:port" with any host that fits DP_HOST_MAX and any uint32. */
+#define DP_HOSTPORT_MAX (DP_HOST_MAX + 16)
+/* Longest wait for a data connection when (re)opening a shard's client. */
+#define DP_CONNECT_MS 10000u
+
+/* ---- state ------------------------------------------------------------------ */
+
+/* One data client and the workers submitting to it right now. */
+typedef struct zc_dpconn {
+  dp_client *cli; /* owned */
+  uint32_t users; /* (zc_dp.mu) */
+} zc_dpconn;
+
+typedef struct zc_dp_shard {
+  zc_dpconn *cur; /* (mu) owned; NULL: this shard is served over gRPC */
+  uint64_t gen;   /* (mu) changes whenever cur is replaced */
+  int refreshing; /* (mu) a worker is looking the shard up again */
+  /* (mu) the port and address cur connects to. */
+  uint32_t port;
+  struct sockaddr_storage addr;
+  char host[DP_HOST_MAX]; /* immutable: the host of the shard's gRPC address */
+} zc_dp_shard;
+
+typedef struct zc_dp {
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* (mu) users dropped to 0, a refresh ended */
+  uint64_t next_gen; /* (mu) */
+  uint32_t n;
+  zc_dp_shard shard[];
+} zc_dp;
+
+/* Set on a loop thread while it runs a completion, see zc_dp_in_callback. */
+static _Thread_local int tls_in_callback;
+
+int zc_dp_in_callback(void) {
+  return tls_in_callback;
+}
+
+/* ---- transport choice ----------------------------------------------------------- */
+
+int zc_transport_resolve(zs_transport requested, zs_transport *out) {
+  if (requested == ZS_TRANSPORT_DATA || requested == ZS_TRANSPORT_GRPC) {
+    *out = requested;
+    return ZS_OK;
+  }
+  const char *env = getenv("ZSHARD_TRANSPORT");
+  if (!env || !*env || strcmp(env, "data") == 0) {
+    *out = ZS_TRANSPORT_DATA;
+    return ZS_OK;
+  }
+  if (strcmp(env, "grpc") == 0) {
+    *out = ZS_TRANSPORT_GRPC;
+    return ZS_OK;
+  }
+  return zc_fail(ZS_EINVAL, "zs_client_open: ZSHARD_TRANSPORT is '%.64s'; it must be data or grpc",
+                 env);
+}
+
+zs_transport zc_shard_transport(const struct zs_client *c, uint32_t shard) {
+  zc_dp *dp = c->dp;
+  if (!dp || shard >= dp->n)
+    return ZS_TRANSPORT_GRPC;
+  pthread_mutex_lock(&dp->mu);
+  int data = dp->shard[shard].cur != NULL;
+  pthread_mutex_unlock(&dp->mu);
+  return data ? ZS_TRANSPORT_DATA : ZS_TRANSPORT_GRPC;
+}
+
+/* ---- addresses ------------------------------------------------------------------ */
+
+/* The host part of a gRPC address: "h:7070" -> "h", "[::1]:7070" -> "[::1]",
+ * with a "dns:", "ipv4:" or "ipv6:" scheme (and a dns authority) removed.
+ * Returns 0 or ZS_EINVAL. */
+static int host_of(const char *addr, char *host, size_t cap) {
+  static const char *const schemes[] = {"dns:", "ipv4:", "ipv6:"};
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
+    size_t n = strlen(schemes[i]);
+    if (strncmp(addr, schemes[i], n) == 0) {
+      addr += n;
+      break;
+    }
+  }
+  const char *slash = strrchr(addr, '/');
+  if (slash)
+    addr = slash + 1;
+  const char *colon = strrchr(addr, ':');
+  if (!colon || colon == addr || (size_t)(colon - addr) >= cap || strchr(addr, ','))
+    return ZS_EINVAL;
+  memcpy(host, addr, (size_t)(colon - addr));
+  host[colon - addr] = '\0';
+  return ZS_OK;
+}
+
+/* ---- opening and closing ----------------------------------------------------------- */
+
+/* Opens a data client to host:port. Returns 0, or the dp_client_open failure
+ * with its sentence in err. */
+static int open_client(const zs_client *c, const char *host, uint32_t port, zc_dpconn **out,
+                       struct sockaddr_storage *resolved, char *err, size_t errlen) {
+  char hp[DP_HOSTPORT_MAX];
+  snprintf(hp, sizeof hp, "%s:%" PRIu32, host, port);
+  int rc = dp_resolve(hp, 0, resolved, err, errlen);
+  if (rc != ZS_OK)
+    return rc;
+  zc_dpconn *k = calloc(1, sizeof *k);
+  if (!k) {
+    snprintf(err, errlen, "out of memory");
+    return ZS_ENOMEM;
+  }
+  dp_client_config cfg = {
+      .addr = hp,
+      .connections = c->opt.data_connections,
+      .connect_timeout_ms =
+          c->opt.rpc_timeout_ms < DP_CONNECT_MS ? c->opt.rpc_timeout_ms : DP_CONNECT_MS,
+  };
+  rc = dp_client_open(&cfg, &k->cli, err, errlen);
+  if (rc != ZS_OK) {
+    free(k);
+    return rc;
+  }
+  *out = k;
+  return ZS_OK;
+}
+
+static void conn_free(zc_dpconn *k) {
+  if (!k)
+    return;
+  dp_client_close(k->cli);
+  free(k);
+}
+
+void zc_dp_close(struct zs_client *c) {
+  zc_dp *dp = c->dp;
+  if (!dp)
+    return;
+  /* No worker runs any more (the pool stopped first), so no data client is
+   * in use or being replaced: each is closed, cancelling what it carries.
+   * Those completions find the client closing and retry nothing. */
+  for (uint32_t i = 0; i < dp->n; i++) {
+    conn_free(dp->shard[i].cur);
+    dp->shard[i].cur = NULL;
+  }
+  c->dp = NULL;
+  pthread_mutex_destroy(&dp->mu);
+  pthread_cond_destroy(&dp->cv);
+  free(dp);
+}
+
+/* GetInfo of one shard: its data port in *port. The answer is untrusted. */
+static int check_info(const zs_client *c, uint32_t shard, const Zshard__V1__GetInfoResponse *r,
+                      uint32_t *port) {
+  if (r->data_port > 65535)
+    return zc_fail(ZS_EPROTO,
+                   "zs_open_job: shard %" PRIu32 " (%s) advertises data port %" PRIu32
+                   ", which is not a TCP port",
+                   shard, c->addr[shard], r->data_port);
+  *port = r->data_port;
+  return ZS_OK;
+}
+
+int zc_dp_open(struct zs_client *c) {
+  if (c->dp)
+    return ZS_OK;
+  zc_dp *dp = calloc(1, sizeof *dp + (size_t)c->nshards * sizeof dp->shard[0]);
+  Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  int rc;
+  if (!dp || !op) {
+    free(dp);
+    if (op)
+      zc_op_release(op);
+    return zc_fail(ZS_ENOMEM, "zs_open_job: out of memory");
+  }
+  pthread_mutex_init(&dp->mu, NULL);
+  pthread_cond_init(&dp->cv, NULL);
+  dp->n = c->nshards;
+  dp->next_gen = 1;
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    zc_task *t = &op->tasks[i];
+    t->shard = i;
+    t->method = ZC_METHOD("GetInfo");
+    t->msg = &req.base; /* shared: packing only reads it */
+    t->resp_desc = &zshard__v1__get_info_response__descriptor;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+  }
+  rc = zc_call_all(op);
+  for (uint32_t i = 0; i < c->nshards && rc == ZS_OK; i++) {
+    zc_dp_shard *s = &dp->shard[i];
+    s->gen = dp->next_gen++;
+    rc = check_info(c, i, (const Zshard__V1__GetInfoResponse *)op->tasks[i].resp, &s->port);
+    if (rc != ZS_OK)
+      break;
+    if (s->port == 0)
+      continue; /* served over gRPC */
+    if (host_of(c->addr[i], s->host, sizeof s->host) != ZS_OK) {
+      rc = zc_fail(ZS_EINVAL,
+                   "zs_open_job: no data-plane host can be taken from the address of shard "
+                   "%" PRIu32 " (%s); use transport ZS_TRANSPORT_GRPC (ZSHARD_TRANSPORT=grpc)",
+                   i, c->addr[i]);
+      break;
+    }
+    char err[DP_ERRLEN];
+    rc = open_client(c, s->host, s->port, &s->cur, &s->addr, err, sizeof err);
+    if (rc != ZS_OK)
+      rc = zc_fail(rc,
+                   "zs_open_job: shard %" PRIu32 " (%s) advertises data port %" PRIu32
+                   " but its data plane cannot be reached: %s (ZSHARD_TRANSPORT=grpc uses "
+                   "gRPC only)",
+                   i, c->addr[i], s->port, err);
+  }
+  for (uint32_t i = 0; i < op->ntasks; i++)
+    if (op->tasks[i].resp)
+      protobuf_c_message_free_unpacked(op->tasks[i].resp, NULL);
+  zc_op_release(op);
+  c->dp = dp;
+  if (rc != ZS_OK)
+    zc_dp_close(c); /* nothing has used it yet */
+  return rc;
+}
+
+/* ---- refreshing a shard's data client --------------------------------------------- */
+
+/* Before a retry on shard i, whose data client of generation `seen` failed:
+ * asks the shard for its data port again and, when it moved (another port,
+ * or its host now resolves to another address), opens a client there and
+ * swaps it in. When nothing moved the old client stays: it reconnects by
+ * itself for the next request. Failures leave everything as it was (the
+ * retry then fails again and backs off further). Runs on a worker. */
+static void refresh(zs_client *c, uint32_t i, uint64_t seen) {
+  zc_dp *dp = c->dp;
+  zc_dp_shard *s = &dp->shard[i];
+  pthread_mutex_lock(&dp->mu);
+  while (s->refreshing)
+    pthread_cond_wait(&dp->cv, &dp->mu);
+  if (s->gen != seen) {
+    /* Another worker replaced the client meanwhile. */
+    pthread_mutex_unlock(&dp->mu);
+    return;
+  }
+  s->refreshing = 1;
+  uint32_t old_port = s->port;
+  struct sockaddr_storage old_addr = s->addr;
+  pthread_mutex_unlock(&dp->mu);
+
+  /* One attempt, no retries of its own: this runs inside a retry loop. */
+  Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
+  Zshard__V1__GetInfoResponse *info = NULL;
+  rpc_status st = {0};
+  int moved = 0, ok = 0;
+  zc_dpconn *fresh = NULL;
+  uint32_t port = 0;
+  struct sockaddr_storage addr;
+  memset(&addr, 0, sizeof addr);
+  if (rpc_call(c->chan[i], ZC_METHOD("GetInfo"), &req.base,
+               &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)&info,
+               c->opt.rpc_timeout_ms, &st) == ZS_OK) {
+    if (info->data_port <= 65535 && info->shard_id == i) {
+      port = info->data_port;
+      char err[DP_ERRLEN];
+      if (port == 0) {
+        moved = ok = old_port != 0;
+      } else {
+        char hp[DP_HOSTPORT_MAX];
+        snprintf(hp, sizeof hp, "%s:%" PRIu32, s->host, port);
+        if (dp_resolve(hp, 0, &addr, err, sizeof err) == ZS_OK) {
+          moved = port != old_port || memcmp(&addr, &old_addr, sizeof addr) != 0;
+          ok = !moved || open_client(c, s->host, port, &fresh, &addr, err, sizeof err) == ZS_OK;
+        }
+      }
+    }
+    protobuf_c_message_free_unpacked(&info->base, NULL);
+  }
+
+  zc_dpconn *old = NULL;
+  pthread_mutex_lock(&dp->mu);
+  if (ok && moved) {
+    old = s->cur;
+    s->cur = fresh;
+    s->port = port;
+    s->addr = addr;
+    s->gen = dp->next_gen++;
+    /* Submissions to the old client finish before it is closed. */
+    while (old && old->users > 0)
+      pthread_cond_wait(&dp->cv, &dp->mu);
+  }
+  s->refreshing = 0;
+  pthread_cond_broadcast(&dp->cv);
+  pthread_mutex_unlock(&dp->mu);
+  /* Its requests in flight complete with ZS_ECANCELED and, their generation
+   * being stale, are retried on the new client. */
+  conn_free(old);
+}
+
+/* ---- tasks ------------------------------------------------------------------------ */
+
+static void on_answer(void *arg, const dp_result *r);
+
+/* Finishes the task's part of its op; t may be freed by the time it returns. */
+static void task_finish(zc_task *t, int status, const char *msg, uint64_t bytes) {
+  free(t->dp_buf);
+  t->dp_buf = NULL;
+  t->status = status;
+  zc_op_part_done(t->op, status, msg, bytes);
+}
+
+/* Formats the failure of a push or pull task as transfer.c does for gRPC. */
+static void describe_failure(const zs_client *c, const zc_task *t, const char *why, char *err,
+                             size_t errlen) {
+  const zs_request *op = t->op;
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  const char *name = c->sp.tensors[op->tensor].name;
+  if (op->kind == ZC_OP_PUSH)
+    snprintf(err, errlen,
+             "push of tensor '%s' slice %" PRIu32 " (step %" PRIu64 ", micro %" PRIu32
+             ") to shard %" PRIu32 " (%.64s) failed: %.300s",
+             name, pc->slice, op->step, op->micro, t->shard, c->addr[t->shard], why);
+  else
+    snprintf(err, errlen,
+             "pull of tensor '%s' slice %" PRIu32 " (version >= %" PRIu64 ") from shard %" PRIu32
+             " (%.64s) failed: %.300s",
+             name, pc->slice, op->step, t->shard, c->addr[t->shard], why);
+}
+
+static void task_fail(zs_client *c, zc_task *t, int status, const char *why) {
+  char err[ZC_ERR_LEN];
+  describe_failure(c, t, why, err, sizeof err);
+  task_finish(t, status, err, 0);
+}
+
+/* Puts the task back on the pool for its next phase. Returns 0 when the
+ * client is closing (the pool may be stopping: nothing may be queued). */
+static int requeue(zs_client *c, zc_task *t, int phase) {
+  t->dp_phase = phase;
+  /* closing is set under c->mu before the pool stops, so a task queued while
+   * it is 0 is either run or cancelled by zc_pool_stop. */
+  pthread_mutex_lock(&c->mu);
+  int ok = !c->closing;
+  if (ok)
+    zc_pool_submit(&c->pool, t, 1);
+  pthread_mutex_unlock(&c->mu);
+  return ok;
+}
+
+/* The FINISH phase of a pull: the piece is in, in the wire dtype. */
+static void pull_finish(zs_client *c, zc_task *t) {
+  zs_request *op = t->op;
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  size_t wsize = zs_dtype_size(op->wire_dtype);
+  if (t->dp_buf)
+    zc_convert((unsigned char *)op->dst + pc->offset * zs_dtype_size(op->buf_dtype), op->buf_dtype,
+               t->dp_buf, op->wire_dtype, pc->numel);
+  task_finish(t, ZS_OK, NULL, pc->numel * wsize);
+}
+
+/* Submits the task's piece to the shard's current data client. Returns 0
+ * when the shard has none (the caller falls back to gRPC). */
+static int submit(zs_client *c, zc_task *t) {
+  zc_dp *dp = c->dp;
+  zs_request *op = t->op;
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  size_t bsize = zs_dtype_size(op->buf_dtype), wsize = zs_dtype_size(op->wire_dtype);
+  size_t nbytes = pc->numel * wsize;
+  const int push = op->kind == ZC_OP_PUSH;
+  const int convert = op->buf_dtype != op->wire_dtype;
+
+  /* The conversion runs before the client is taken, so that a refresh never
+   * waits for it; a retry reuses the converted push. */
+  if (convert && !t->dp_buf) {
+    t->dp_buf = malloc(nbytes);
+    if (!t->dp_buf) {
+      task_fail(c, t, ZS_ENOMEM, "out of memory for the piece in its wire dtype");
+      return 1;
+    }
+    if (push)
+      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + pc->offset * bsize,
+                 op->buf_dtype, pc->numel);
+  }
+
+  pthread_mutex_lock(&dp->mu);
+  zc_dpconn *k = dp->shard[t->shard].cur;
+  if (k) {
+    k->users++;
+    t->dp_gen = dp->shard[t->shard].gen;
+  }
+  pthread_mutex_unlock(&dp->mu);
+  if (!k) {
+    free(t->dp_buf);
+    t->dp_buf = NULL;
+    return 0;
+  }
+
+  int rc;
+  if (push) {
+    dp_push_args a = {
+        .spec_hash = c->hash,
+        .step = op->step,
+        .rank = c->opt.rank,
+        .micro = op->micro,
+        .tensor = pc->tensor,
+        .slice = pc->slice,
+        .dtype = op->wire_dtype,
+        .data = convert ? t->dp_buf : (const unsigned char *)op->src + pc->offset * bsize,
+        .nbytes = nbytes,
+        .timeout_ms = c->opt.rpc_timeout_ms,
+    };
+    rc = dp_client_push(k->cli, &a, on_answer, t);
+  } else {
+    dp_pull_args a = {
+        .spec_hash = c->hash,
+        .min_version = op->step,
+        .tensor = pc->tensor,
+        .slice = pc->slice,
+        .dtype = op->wire_dtype,
+        .dst = convert ? t->dp_buf : (unsigned char *)op->dst + pc->offset * bsize,
+        .nbytes = nbytes,
+        /* The shard waits up to step_timeout for the version. */
+        .timeout_ms = c->opt.step_timeout_ms,
+    };
+    rc = dp_client_pull(k->cli, &a, on_answer, t);
+  }
+  /* From here on t belongs to the answer (when rc is 0), which may already
+   * have finished it: only k is touched. */
+  pthread_mutex_lock(&dp->mu);
+  if (--k->users == 0)
+    pthread_cond_broadcast(&dp->cv);
+  pthread_mutex_unlock(&dp->mu);
+  if (rc != ZS_OK)
+    task_fail(c, t, rc, "the data-plane client refused the request");
+  return 1;
+}
+
+/* 1 if a failed attempt should be made again. */
+static int retryable(zs_client *c, const zc_task *t, int status) {
+  if (status == ZS_ECONN || status == ZS_ECLOSED)
+    return 1;
+  if (status != ZS_ECANCELED)
+    return 0;
+  /* Cancelled because its client was replaced (not because we are closing):
+   * the new client carries it. */
+  zc_dp *dp = c->dp;
+  pthread_mutex_lock(&dp->mu);
+  int stale = dp->shard[t->shard].gen != t->dp_gen;
+  pthread_mutex_unlock(&dp->mu);
+  return stale;
+}
+
+/* The answer of a data-plane request, on the data client's loop thread. */
+static void on_answer(void *arg, const dp_result *r) {
+  zc_task *t = arg;
+  zs_request *op = t->op;
+  zs_client *c = op->c;
+  tls_in_callback = 1;
+  if (r->status == ZS_OK) {
+    if (op->kind == ZC_OP_PUSH) {
+      /* A duplicate means an earlier attempt of this very contribution
+       * arrived: the shard has it, which is what the push wanted. */
+      task_finish(t, ZS_OK, NULL, c->lay.pieces[t->piece].numel * zs_dtype_size(op->wire_dtype));
+    } else if (r->version < op->step) {
+      char why[160];
+      snprintf(why, sizeof why, "the shard answered with version %" PRIu64, r->version);
+      task_fail(c, t, ZS_EPROTO, why);
+    } else if (!t->dp_buf && op->kind == ZC_OP_PULL) {
+      pull_finish(c, t);
+    } else if (!requeue(c, t, ZC_DP_FINISH)) {
+      /* Closing: no worker is left to do it. */
+      pull_finish(c, t);
+    }
+  } else if (retryable(c, t, r->status) && t->dp_attempt < c->opt.max_retries) {
+    t->dp_attempt++;
+    atomic_fetch_add(&c->retries, 1);
+    if (!requeue(c, t, ZC_DP_RETRY))
+      task_fail(c, t, ZS_ECANCELED, "cancelled: the client is closing");
+  } else {
+    task_fail(c, t, r->status, r->message);
+  }
+  tls_in_callback = 0;
+}
+
+int zc_dp_run(struct zs_client *c, zc_task *t) {
+  zc_op_kind kind = t->op->kind;
+  if ((kind != ZC_OP_PUSH && kind != ZC_OP_PULL && kind != ZC_OP_PREFETCH) || !c->dp)
+    return 0;
+  switch (t->dp_phase) {
+  case ZC_DP_FINISH:
+    pull_finish(c, t);
+    return 1;
+  case ZC_DP_RETRY: {
+    uint64_t backoff = c->opt.retry_initial_ms;
+    for (uint32_t i = 1; i < t->dp_attempt && backoff < c->opt.retry_max_ms; i++)
+      backoff *= 2;
+    if (backoff > c->opt.retry_max_ms)
+      backoff = c->opt.retry_max_ms;
+    if (zc_backoff_wait(c, backoff)) {
+      task_fail(c, t, ZS_ECANCELED, "cancelled: the client is closing");
+      return 1;
+    }
+    refresh(c, t->shard, t->dp_gen);
+    break;
+  }
+  default:
+    break;
+  }
+  t->dp_phase = ZC_DP_SEND;
+  return submit(c, t);
+}

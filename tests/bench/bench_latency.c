@@ -1,0 +1,301 @@
+/*
+ * bench_latency — round trips of 4 KiB pushes and pulls against one real
+ * zshard-server on loopback, for both transports, through libzshard (what a
+ * trainer sees) and through the bare transport clients (rpc_call for gRPC,
+ * dp_client for the data plane), against a raw TCP ping-pong in the same run.
+ *
+ * The job has one tensor of 2048 parameters (4 KiB of bf16, below the split
+ * threshold, so one piece on one shard) and M = samples micro-batches, so that
+ * every push of a step is a new contribution that the shard adds. Each pushing
+ * contender is a rank of the job: libzshard over gRPC, libzshard over the data
+ * plane, dp_client, rpc_call. Each sample runs one synchronous push of every
+ * contender and one raw round trip (4 KiB + an 8-byte header out, 64 bytes
+ * back) over a kept-open TCP connection with TCP_NODELAY to a forked peer, in
+ * an order that rotates, so all of them see the same moments of this shared
+ * machine. After the step, the pulls run the same way (the raw round trip is
+ * then 64 bytes out, 4 KiB back). The first tenth of the samples warm up and
+ * are not counted.
+ *
+ * Usage: bench_latency [--json] [--quick] [--samples K] [--bytes B]
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "common/dp_client.h"
+#include "common/rpc_client.h"
+#include "zshard/v1/zshard.pb-c.h"
+
+#define SMALL_BYTES 64u
+#define CALL_TIMEOUT_MS 30000u
+#define MAX_CONTENDERS 5
+
+typedef enum kind { K_LIB, K_DPC, K_RPC, K_RAW } kind;
+
+typedef struct contender {
+  kind k;
+  const char *name; /* in the metric: push_<name>_p50 */
+  const char *transport;
+  uint32_t rank;
+  zs_client *lib;
+  dp_client *dpc;
+  rpc_channel *rpc;
+  double *t; /* samples */
+} contender;
+
+typedef struct ctx {
+  uint64_t hash;
+  size_t bytes;
+  uint16_t *buf;
+  bench_pingpong *pp;
+} ctx;
+
+static void usage(void) {
+  fprintf(stderr, "usage: bench_latency [--json] [--quick] [--samples K] [--bytes B]\n");
+  exit(2);
+}
+
+/* One synchronous push of micro-batch `micro`; returns its seconds. */
+static double push_once(const ctx *x, contender *c, uint32_t micro) {
+  char err[600] = "";
+  double t0 = bench_now();
+  int rc = 0;
+  switch (c->k) {
+  case K_LIB:
+    rc = zs_push(c->lib, 0, micro, x->buf, ZS_DTYPE_BF16, x->bytes, NULL);
+    if (rc)
+      snprintf(err, sizeof err, "%s", zs_last_error());
+    break;
+  case K_DPC: {
+    dp_push_args a = {.spec_hash = x->hash,
+                      .step = 1,
+                      .rank = c->rank,
+                      .micro = micro,
+                      .dtype = ZS_DTYPE_BF16,
+                      .data = x->buf,
+                      .nbytes = x->bytes};
+    int dup = 0;
+    rc = dp_client_push_sync(c->dpc, &a, &dup, err, sizeof err);
+    break;
+  }
+  case K_RPC: {
+    Zshard__V1__PushRequest req = ZSHARD__V1__PUSH_REQUEST__INIT;
+    req.spec_hash = x->hash;
+    req.step = 1;
+    req.rank = c->rank;
+    req.micro = micro;
+    req.dtype = ZSHARD__V1__DTYPE__DTYPE_BF16;
+    req.data.data = (uint8_t *)x->buf;
+    req.data.len = x->bytes;
+    Zshard__V1__PushResponse *resp = NULL;
+    rpc_status st;
+    rc = rpc_call(c->rpc, "/zshard.v1.ZShard/Push", &req.base,
+                  &zshard__v1__push_response__descriptor, (ProtobufCMessage **)&resp,
+                  CALL_TIMEOUT_MS, &st);
+    if (rc)
+      snprintf(err, sizeof err, "%s", st.message);
+    else
+      protobuf_c_message_free_unpacked(&resp->base, NULL);
+    break;
+  }
+  case K_RAW:
+    return bench_pingpong_once(x->pp, x->bytes, SMALL_BYTES);
+  }
+  if (rc)
+    bench_die("push (%s): %s", c->name, err);
+  return bench_now() - t0;
+}
+
+/* One synchronous pull of version 1; returns its seconds. */
+static double pull_once(const ctx *x, contender *c) {
+  char err[600] = "";
+  double t0 = bench_now();
+  int rc = 0;
+  switch (c->k) {
+  case K_LIB:
+    rc = zs_pull(c->lib, 0, x->buf, ZS_DTYPE_BF16, x->bytes, NULL);
+    if (rc)
+      snprintf(err, sizeof err, "%s", zs_last_error());
+    break;
+  case K_DPC: {
+    dp_pull_args a = {.spec_hash = x->hash,
+                      .min_version = 1,
+                      .dtype = ZS_DTYPE_BF16,
+                      .dst = x->buf,
+                      .nbytes = x->bytes};
+    uint64_t version = 0;
+    rc = dp_client_pull_sync(c->dpc, &a, &version, err, sizeof err);
+    break;
+  }
+  case K_RPC: {
+    Zshard__V1__PullRequest req = ZSHARD__V1__PULL_REQUEST__INIT;
+    req.spec_hash = x->hash;
+    req.min_version = 1;
+    req.dtype = ZSHARD__V1__DTYPE__DTYPE_BF16;
+    Zshard__V1__PullResponse *resp = NULL;
+    rpc_status st;
+    rc = rpc_call(c->rpc, "/zshard.v1.ZShard/Pull", &req.base,
+                  &zshard__v1__pull_response__descriptor, (ProtobufCMessage **)&resp,
+                  CALL_TIMEOUT_MS, &st);
+    if (rc) {
+      snprintf(err, sizeof err, "%s", st.message);
+    } else {
+      /* What a client does with the answer: copy it out. */
+      if (resp->data.len == x->bytes) {
+        memcpy(x->buf, resp->data.data, x->bytes);
+      } else {
+        snprintf(err, sizeof err, "%zu bytes, not %zu", resp->data.len, x->bytes);
+        rc = ZS_ESIZE;
+      }
+      protobuf_c_message_free_unpacked(&resp->base, NULL);
+    }
+    break;
+  }
+  case K_RAW:
+    return bench_pingpong_once(x->pp, SMALL_BYTES, x->bytes);
+  }
+  if (rc)
+    bench_die("pull (%s): %s", c->name, err);
+  return bench_now() - t0;
+}
+
+static void report(const bench_opts *o, const char *op, contender *c, contender *raw, size_t n,
+                   uint64_t bytes) {
+  static const struct {
+    const char *name;
+    double q;
+  } qs[] = {{"p50", 0.5}, {"p99", 0.99}};
+  for (size_t i = 0; i < 2; i++) {
+    double val = bench_quantile(c->t, n, qs[i].q) * 1e6;
+    double lim = bench_quantile(raw->t, n, qs[i].q) * 1e6;
+    char metric[64];
+    snprintf(metric, sizeof metric, "%s_%s_%s", op, c->name, qs[i].name);
+    bench_kv kv[] = {BENCH_S("transport", c->transport),
+                     BENCH_S("client", c->k == K_LIB ? "libzshard" : "transport"),
+                     BENCH_S("op", op),
+                     BENCH_S("quantile", qs[i].name),
+                     BENCH_N("bytes", bytes),
+                     BENCH_N("samples", n)};
+    bench_report(o, "latency", metric, val, "us", c->k == K_RAW ? 0 : lim, kv, 6);
+  }
+}
+
+int main(int argc, char **argv) {
+  bench_opts o;
+  bench_parse_common(&argc, argv, &o);
+  uint64_t samples = 0, bytes = 4096;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--samples") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &samples, 1) != 1 || samples > 60000)
+        usage();
+    } else if (strcmp(argv[i], "--bytes") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &bytes, 1) != 1 || bytes % 2 || bytes > (1u << 20))
+        usage();
+    } else {
+      usage();
+    }
+  }
+  if (!samples)
+    samples = o.quick ? 500 : 3000;
+  size_t warm = (size_t)samples / 10;
+  size_t total = (size_t)samples + warm;
+
+  bench_server srv[1];
+  bench_servers_start(srv, 1, 0);
+  int have_data = srv[0].data_port > 0;
+  if (!have_data)
+    bench_note("the server advertises no data port: data plane skipped");
+
+  contender cs[MAX_CONTENDERS];
+  int nc = 0;
+  cs[nc++] = (contender){.k = K_LIB, .name = "grpc_lib", .transport = "grpc"};
+  if (have_data)
+    cs[nc++] = (contender){.k = K_LIB, .name = "data_lib", .transport = "data"};
+  cs[nc++] = (contender){.k = K_RPC, .name = "grpc_rpc_call", .transport = "grpc"};
+  if (have_data)
+    cs[nc++] = (contender){.k = K_DPC, .name = "data_dp_client", .transport = "data"};
+  cs[nc++] = (contender){.k = K_RAW, .name = "raw_tcp", .transport = "tcp"};
+  uint32_t W = (uint32_t)nc - 1; /* every contender but the raw one is a rank */
+  for (int k = 0; k < nc; k++)
+    cs[k].rank = (uint32_t)k;
+
+  bench_model m = {.job = "bench-latency",
+                   .ntensors = 1,
+                   .numel = bytes / 2,
+                   .optimizer = ZS_OPTIM_ADAMW,
+                   .world_size = W,
+                   .grad_accum = (uint32_t)total};
+  float *init = bench_alloc((size_t)m.numel * sizeof(float));
+  bench_fill_f32(init, (size_t)m.numel, 0.1f, 3);
+  ctx x = {.bytes = (size_t)bytes};
+  zs_client *first_lib = NULL;
+  for (int k = 0; k < nc; k++) {
+    contender *c = &cs[k];
+    char err[256] = "";
+    if (c->k == K_LIB) {
+      int tr = strcmp(c->transport, "data") == 0 ? ZS_TRANSPORT_DATA : ZS_TRANSPORT_GRPC;
+      c->lib = bench_client_open(&m, srv[0].addr, 1, c->rank, tr, 0, c->rank == 0 ? init : NULL);
+      if (!first_lib)
+        first_lib = c->lib;
+    } else if (c->k == K_DPC) {
+      dp_client_config cc = {.addr = srv[0].data_addr};
+      if (dp_client_open(&cc, &c->dpc, err, sizeof err) != 0)
+        bench_die("dp_client_open: %s", err);
+    } else if (c->k == K_RPC) {
+      if (rpc_channel_open(srv[0].addr, &c->rpc) != 0)
+        bench_die("rpc_channel_open failed");
+    }
+    if (!(c->t = calloc(total, sizeof(double))))
+      bench_die("out of memory");
+  }
+  free(init);
+  x.hash = zs_spec_hash(first_lib);
+  x.buf = bench_alloc((size_t)bytes);
+  bench_fill_bf16(x.buf, (size_t)m.numel, 9);
+  x.pp = bench_pingpong_open();
+  char sz[32];
+  bench_note("latency: %s pushes and pulls, %" PRIu64 " samples (+%zu warm-up) per figure",
+             bench_bytes_str((double)bytes, sz, sizeof sz), samples, warm);
+
+  /* Pushes: contribution i of each rank is micro-batch i of step 1. */
+  for (size_t i = 0; i < total; i++)
+    for (int j = 0; j < nc; j++) {
+      contender *c = &cs[(i + (size_t)j) % (size_t)nc];
+      c->t[i] = push_once(&x, c, (uint32_t)i);
+    }
+  contender *raw = &cs[nc - 1];
+  for (int k = 0; k < nc; k++) {
+    memmove(cs[k].t, cs[k].t + warm, (size_t)samples * sizeof(double));
+    report(&o, "push", &cs[k], raw, (size_t)samples, bytes);
+  }
+  /* Every rank's contributions are in: the step runs on the shard once a
+   * trainer asks (the others' zs_step returns the recorded outcome). */
+  for (int k = 0; k < nc; k++)
+    if (cs[k].k == K_LIB)
+      bench_step(cs[k].lib, NULL);
+
+  for (size_t i = 0; i < total; i++)
+    for (int j = 0; j < nc; j++) {
+      contender *c = &cs[(i + (size_t)j) % (size_t)nc];
+      c->t[i] = pull_once(&x, c);
+    }
+  for (int k = 0; k < nc; k++) {
+    memmove(cs[k].t, cs[k].t + warm, (size_t)samples * sizeof(double));
+    report(&o, "pull", &cs[k], raw, (size_t)samples, bytes);
+  }
+
+  bench_pingpong_close(x.pp);
+  for (int k = 0; k < nc; k++) {
+    if (cs[k].lib)
+      zs_client_close(cs[k].lib);
+    dp_client_close(cs[k].dpc);
+    if (cs[k].rpc)
+      rpc_channel_close(cs[k].rpc);
+    free(cs[k].t);
+  }
+  bench_servers_stop(srv, 1);
+  free(x.buf);
+  return 0;
+}

@@ -1,0 +1,503 @@
+/*
+ * bench_optim — the shard's fused optimizer pass (AdamW, bf16 low copy)
+ * against the memory roofline measured in the same run.
+ *
+ * The pass must move 34 bytes per parameter: it reads the accumulated
+ * gradient, the fp32 master, exp_avg and exp_avg_sq (16 bytes) and writes the
+ * master, both moments, the zeroed accumulator (16 bytes) and the bf16 copy
+ * (2 bytes). The limit is a STREAM-like kernel with exactly that mix of
+ * streams (stream.h), run on the same arrays with the same thread split;
+ * limit in parameters per second = its bandwidth / 34 bytes.
+ *
+ * Figures (median of the repetitions, each a whole pass over all parameters,
+ * with the accumulator refilled before each one, untimed, for both the pass
+ * and the stream kernel):
+ *   - optim_apply directly, 1 thread, for each ISA the CPU has (scalar is
+ *     the plain-loop baseline), and split over all threads;
+ *   - the shard core's apply (core_apply, its thread pool and chunking
+ *     included), 1 thread and all threads, timed from the call to the
+ *     callback;
+ *   - torch.optim.AdamW (Debian's python3-torch) on a tensor of the same
+ *     size, timed by /usr/bin/python3 in the same run with
+ *     torch.set_num_threads matching.
+ *
+ * Usage: bench_optim [--json] [--quick] [--reps R] [--params N] [--threads T]
+ *                    [--no-torch]
+ *
+ * Threads: the main thread, plus T - 1 helper threads created per timed
+ * pass; the core's own threads (server/core.h) for the core figures.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "common/cpu.h"
+#include "common/dtype.h"
+#include "common/spec.h"
+#include "server/core.h"
+#include "server/optim.h"
+#include "stream.h"
+
+#ifndef ZS_SOURCE_DIR
+#define ZS_SOURCE_DIR "."
+#endif
+
+#define MAX_THREADS 64
+
+typedef struct arrays {
+  size_t n;
+  float *master, *m, *v, *acc;
+  uint16_t *low;
+} arrays;
+
+/* The gradient the accumulator is refilled with: cheap to generate, not
+ * constant, small enough that nothing overflows over many passes. */
+static void refill_acc(arrays *a) {
+  for (size_t i = 0; i < a->n; i++)
+    a->acc[i] = (float)((int)(i & 1023u) - 512) * 1e-5f;
+}
+
+static void adamw_params(optim_params *p, uint64_t step) {
+  memset(p, 0, sizeof *p);
+  p->optimizer = ZS_OPTIM_ADAMW;
+  p->lr = 1e-3;
+  p->beta1 = 0.9;
+  p->beta2 = 0.999;
+  p->eps = 1e-8;
+  p->weight_decay = 0.01;
+  p->bias_correction = 1;
+  p->step = step;
+  p->grad_scale = 1.0f;
+  p->low_dtype = ZS_DTYPE_BF16;
+}
+
+/* ------------------------------------------------------------ the kernels */
+
+typedef enum kernel_kind { K_STREAM, K_OPTIM } kernel_kind;
+
+typedef struct job {
+  kernel_kind kind;
+  cpu_isa isa;
+  const optim_plan *plan;
+  arrays *a;
+  int threads;
+  pthread_barrier_t start;
+} job;
+
+typedef struct worker {
+  pthread_t th;
+  job *j;
+  int index;
+} worker;
+
+/* Runs worker `index`'s share: contiguous ranges whose boundaries are
+ * multiples of 16 elements (64 bytes), as the core splits its arenas. */
+static void run_share(job *j, int index) {
+  size_t n = j->a->n;
+  size_t per = (n / (size_t)j->threads + 15) & ~(size_t)15;
+  size_t b = per * (size_t)index;
+  size_t e = b + per < n ? b + per : n;
+  if (b >= e)
+    return;
+  arrays *a = j->a;
+  if (j->kind == K_STREAM)
+    stream_mix(a->master + b, a->m + b, a->v + b, a->acc + b, a->low + b, e - b);
+  else
+    optim_apply_isa(j->isa, j->plan, a->master + b, a->m + b, a->v + b, a->acc + b, a->low + b,
+                    e - b);
+}
+
+static void *worker_main(void *arg) {
+  worker *w = arg;
+  pthread_barrier_wait(&w->j->start);
+  run_share(w->j, w->index);
+  return NULL;
+}
+
+/* One timed pass over all elements with `threads` threads. */
+static double timed_pass(kernel_kind kind, cpu_isa isa, const optim_plan *plan, arrays *a,
+                         int threads) {
+  job j = {.kind = kind, .isa = isa, .plan = plan, .a = a, .threads = threads};
+  worker w[MAX_THREADS];
+  pthread_barrier_init(&j.start, NULL, (unsigned)threads);
+  for (int i = 1; i < threads; i++) {
+    w[i].j = &j;
+    w[i].index = i;
+    if (pthread_create(&w[i].th, NULL, worker_main, &w[i]) != 0)
+      bench_die("pthread_create failed");
+  }
+  pthread_barrier_wait(&j.start);
+  double t0 = bench_now();
+  run_share(&j, 0);
+  for (int i = 1; i < threads; i++)
+    pthread_join(w[i].th, NULL);
+  double t = bench_now() - t0;
+  pthread_barrier_destroy(&j.start);
+  return t;
+}
+
+/* One pass with the accumulator refilled first (untimed). */
+static double pass(kernel_kind kind, cpu_isa isa, arrays *a, int threads, uint64_t step) {
+  optim_params p;
+  optim_plan plan;
+  adamw_params(&p, step);
+  optim_plan_init(&plan, &p);
+  refill_acc(a);
+  return timed_pass(kind, isa, &plan, a, threads);
+}
+
+/* ------------------------------------------------------------ the core */
+
+typedef struct waitbox {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done, status;
+} waitbox;
+
+static void waitbox_init(waitbox *w) {
+  pthread_mutex_init(&w->mu, NULL);
+  pthread_cond_init(&w->cv, NULL);
+  w->done = 0;
+  w->status = 0;
+}
+
+static void waitbox_fire(waitbox *w, int status) {
+  pthread_mutex_lock(&w->mu);
+  w->done = 1;
+  w->status = status;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static int waitbox_wait(waitbox *w) {
+  pthread_mutex_lock(&w->mu);
+  while (!w->done)
+    pthread_cond_wait(&w->cv, &w->mu);
+  int st = w->status;
+  w->done = 0;
+  pthread_mutex_unlock(&w->mu);
+  return st;
+}
+
+static void on_stats(void *arg, int status, const core_stats_result *r) {
+  (void)r;
+  waitbox_fire(arg, status);
+}
+
+static void on_apply(void *arg, int status, const core_apply_result *r) {
+  (void)r;
+  waitbox_fire(arg, status);
+}
+
+/* A shard core holding n parameters in one tensor, stepped one apply at a
+ * time. */
+typedef struct core_bench {
+  core *c;
+  spec s;
+  uint64_t hash, step;
+  size_t n;
+  uint16_t *grad; /* owned: the bf16 gradient pushed before each apply */
+  waitbox wb;
+} core_bench;
+
+static void core_bench_open(core_bench *cb, size_t n, int threads) {
+  char err[256] = "";
+  memset(cb, 0, sizeof *cb);
+  cb->n = n;
+  spec *s = &cb->s;
+  s->job = strdup("bench-optim");
+  s->num_groups = 1;
+  s->groups = calloc(1, sizeof *s->groups);
+  s->num_tensors = 1;
+  s->tensors = calloc(1, sizeof *s->tensors);
+  if (!s->job || !s->groups || !s->tensors)
+    bench_die("out of memory");
+  spec_group_defaults(&s->groups[0], ZS_OPTIM_ADAMW);
+  s->tensors[0].name = strdup("w");
+  s->tensors[0].numel = n;
+  s->world_size = 1;
+  s->grad_accum = 1;
+  s->num_shards = 1;
+  s->reduce = SPEC_REDUCE_MEAN;
+  s->param_dtype = ZS_DTYPE_BF16;
+  if (!s->tensors[0].name || spec_validate(s, err, sizeof err) != 0)
+    bench_die("spec: %s", err);
+  cb->hash = spec_hash(s);
+  core_config cc = {.shard_id = 0, .num_shards = 1, .threads = threads};
+  if (core_create(&cc, &cb->c) != 0)
+    bench_die("core_create failed");
+  core_open_result orr;
+  if (core_open(cb->c, s, &orr, err, sizeof err) != 0)
+    bench_die("core_open: %s", err);
+  float *w = bench_alloc(n * sizeof(float));
+  bench_fill_f32(w, n, 0.1f, 7);
+  int written = 0;
+  uint64_t version = 0;
+  if (core_init_params(cb->c, cb->hash, 0, 0, w, n * sizeof(float), &written, &version, err,
+                       sizeof err))
+    bench_die("core_init_params: %s", err);
+  free(w);
+  cb->grad = bench_alloc(n * sizeof(uint16_t));
+  bench_fill_bf16(cb->grad, n, 11);
+  waitbox_init(&cb->wb);
+}
+
+static void core_bench_close(core_bench *cb) {
+  core_destroy(cb->c);
+  free(cb->grad);
+  spec_free(&cb->s);
+}
+
+/* One step: the push and the statistics untimed, then the apply, timed from
+ * the call to its callback (what a transport waits). *pass_s gets the core's
+ * own timing of the pass (apply_seconds_total), which leaves out the hand-off
+ * to its worker thread. */
+static double core_bench_step(core_bench *cb, double *pass_s) {
+  char err[256] = "";
+  uint64_t step = ++cb->step;
+  int dup = 0;
+  core_push_args pa = {.hash = cb->hash,
+                       .step = step,
+                       .dtype = ZS_DTYPE_BF16,
+                       .data = cb->grad,
+                       .nbytes = cb->n * sizeof(uint16_t)};
+  if (core_push(cb->c, &pa, &dup, err, sizeof err) != 0)
+    bench_die("core_push: %s", err);
+  core_stats_result sr;
+  int rc = core_grad_stats(cb->c, cb->hash, step, 0, on_stats, &cb->wb, &sr, err, sizeof err);
+  if (rc == CORE_PENDING)
+    rc = waitbox_wait(&cb->wb);
+  if (rc != 0)
+    bench_die("core_grad_stats: %s %s", zs_err_name(rc), err);
+  core_counters before, after;
+  core_get_counters(cb->c, &before);
+  core_apply_result ar;
+  double t0 = bench_now();
+  rc = core_apply(cb->c, cb->hash, step, 1e-3, 1.0f, 0, on_apply, &cb->wb, &ar, err, sizeof err);
+  if (rc == CORE_PENDING)
+    rc = waitbox_wait(&cb->wb);
+  double dt = bench_now() - t0;
+  if (rc != 0)
+    bench_die("core_apply: %s %s", zs_err_name(rc), err);
+  core_get_counters(cb->c, &after);
+  *pass_s = after.apply_seconds_total - before.apply_seconds_total;
+  return dt;
+}
+
+/* ------------------------------------------------------------ torch */
+
+/* torch_adamw.py as a co-process: commands on `to`, answers on `from`. */
+typedef struct torch_proc {
+  pid_t pid;
+  FILE *to, *from;
+} torch_proc;
+
+/* Starts the co-process and waits for "ready"; returns 0, or -1 (with a note)
+ * if torch is not available. */
+static int torch_start(torch_proc *tp, size_t n, int threads) {
+  int in[2], out[2];
+  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0)
+    bench_die("pipe: %s", strerror(errno));
+  char script[1024], params[32], thr[16];
+  snprintf(script, sizeof script, "%s/tests/bench/torch_adamw.py", ZS_SOURCE_DIR);
+  snprintf(params, sizeof params, "%zu", n);
+  snprintf(thr, sizeof thr, "%d", threads);
+  char *const argv[] = {"/usr/bin/python3", script, "--params", params, "--threads", thr, NULL};
+  pid_t pid = fork();
+  if (pid < 0)
+    bench_die("fork: %s", strerror(errno));
+  if (pid == 0) {
+    /* Only async-signal-safe calls: the parent has threads. */
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  tp->pid = pid;
+  tp->to = fdopen(in[1], "w");
+  tp->from = fdopen(out[0], "r");
+  if (!tp->to || !tp->from)
+    bench_die("fdopen failed");
+  char line[256];
+  if (!fgets(line, sizeof line, tp->from) || strncmp(line, "ready", 5) != 0) {
+    bench_note("torch.optim.AdamW could not be timed (/usr/bin/python3 with torch is needed)");
+    fclose(tp->to);
+    fclose(tp->from);
+    waitpid(pid, NULL, 0);
+    return -1;
+  }
+  return 0;
+}
+
+static double torch_step(torch_proc *tp) {
+  char line[256];
+  fputs("step\n", tp->to);
+  fflush(tp->to);
+  if (!fgets(line, sizeof line, tp->from))
+    bench_die("torch_adamw.py stopped answering");
+  return strtod(line, NULL);
+}
+
+static void torch_stop(torch_proc *tp) {
+  fputs("quit\n", tp->to);
+  fclose(tp->to);
+  fclose(tp->from);
+  waitpid(tp->pid, NULL, 0);
+}
+
+/* ------------------------------------------------------------ main */
+
+static void usage(void) {
+  fprintf(stderr, "usage: bench_optim [--json] [--quick] [--reps R] [--params N] [--threads T] "
+                  "[--no-torch]\n");
+  exit(2);
+}
+
+/* The contenders of one round, in the order they run. */
+enum {
+  C_STREAM,
+  C_DIRECT, /* optim_apply, best ISA, split over the threads */
+  C_SCALAR, /* 1 thread only */
+  C_AVX2,   /* 1 thread only, when the best ISA is AVX-512 */
+  C_CORE,   /* core_apply, call to callback */
+  C_CORE_PASS /* the core's own timing of the same applies */,
+  C_TORCH,
+  C_COUNT
+};
+
+#define MAX_REPS 1000
+
+int main(int argc, char **argv) {
+  bench_opts o;
+  bench_parse_common(&argc, argv, &o);
+  uint64_t n = 64ull << 20;
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  int all = ncpu > 0 ? (int)(ncpu < MAX_THREADS ? ncpu : MAX_THREADS) : 1;
+  int want_torch = 1;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--params") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &n, 1) != 1)
+        usage();
+    } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+      all = atoi(argv[++i]);
+      if (all < 1 || all > MAX_THREADS)
+        usage();
+    } else if (strcmp(argv[i], "--no-torch") == 0) {
+      want_torch = 0;
+    } else {
+      usage();
+    }
+  }
+  int reps = o.reps ? o.reps : (o.quick ? 3 : 7);
+  if (reps > MAX_REPS)
+    reps = MAX_REPS;
+  int thread_counts[2] = {1, all};
+  int nthreads = all > 1 ? 2 : 1;
+  cpu_isa best = cpu_best_isa();
+  char buf[32];
+  bench_note("optimizer pass: AdamW, %" PRIu64 " parameters (%s of shard state), %d rounds, "
+             "ISA %s; every round runs each contender once, interleaved",
+             n, bench_bytes_str((double)n * 18, buf, sizeof buf), reps, cpu_isa_name(best));
+  bench_note("bytes the fused pass must move per parameter: reads acc, master, m, v (16 B); "
+             "writes master, m, v, acc (16 B) and the bf16 copy (2 B): %u B",
+             STREAM_BYTES_PER_ELEM);
+
+  arrays a = {.n = (size_t)n};
+  a.master = bench_alloc(a.n * sizeof(float));
+  a.m = bench_alloc(a.n * sizeof(float));
+  a.v = bench_alloc(a.n * sizeof(float));
+  a.acc = bench_alloc(a.n * sizeof(float));
+  a.low = bench_alloc(a.n * sizeof(uint16_t));
+  bench_fill_f32(a.master, a.n, 0.1f, 1);
+
+  static double t[C_COUNT][MAX_REPS];
+  double core_rate[2] = {0, 0}, torch_rate[2] = {0, 0};
+  for (int k = 0; k < nthreads; k++) {
+    int T = thread_counts[k];
+    core_bench cb;
+    core_bench_open(&cb, (size_t)n, T);
+    torch_proc tp;
+    int have_torch = want_torch && torch_start(&tp, (size_t)n, T) == 0;
+    int single = T == 1;
+    int have_avx2 = single && best == CPU_ISA_AVX512 && cpu_supports(CPU_ISA_AVX2);
+    uint64_t step = 0;
+    /* Round 0 warms every path up (page faults, thread start-up, caches) and
+     * is not counted. */
+    for (int r = 0; r <= reps; r++) {
+      double v[C_COUNT] = {0};
+      v[C_STREAM] = pass(K_STREAM, CPU_ISA_SCALAR, &a, T, ++step);
+      v[C_DIRECT] = pass(K_OPTIM, best, &a, T, ++step);
+      if (single)
+        v[C_SCALAR] = pass(K_OPTIM, CPU_ISA_SCALAR, &a, 1, ++step);
+      if (have_avx2)
+        v[C_AVX2] = pass(K_OPTIM, CPU_ISA_AVX2, &a, 1, ++step);
+      v[C_CORE] = core_bench_step(&cb, &v[C_CORE_PASS]);
+      if (have_torch)
+        v[C_TORCH] = torch_step(&tp);
+      if (r > 0)
+        for (int c = 0; c < C_COUNT; c++)
+          t[c][r - 1] = v[c];
+    }
+    core_bench_close(&cb);
+    if (have_torch)
+      torch_stop(&tp);
+
+    double med[C_COUNT];
+    for (int c = 0; c < C_COUNT; c++)
+      med[c] = bench_quantile(t[c], (size_t)reps, 0.5);
+    double limit = (double)n / med[C_STREAM]; /* parameters per second */
+    char metric[64];
+    bench_kv kv[] = {BENCH_N("threads", T), BENCH_N("params", n), BENCH_S("isa", ""),
+                     BENCH_N("bytes_per_param", STREAM_BYTES_PER_ELEM)};
+    snprintf(metric, sizeof metric, "stream_mix_%dt", T);
+    kv[2].s = cpu_isa_name(best);
+    bench_report(&o, "optim", metric, limit * STREAM_BYTES_PER_ELEM / 1e9, "GB/s", 0, kv, 4);
+    snprintf(metric, sizeof metric, "apply_direct_%s_%dt", cpu_isa_name(best), T);
+    bench_report(&o, "optim", metric, (double)n / med[C_DIRECT] / 1e9, "Gparam/s", limit / 1e9, kv,
+                 3);
+    if (have_avx2) {
+      snprintf(metric, sizeof metric, "apply_direct_avx2_%dt", T);
+      kv[2].s = "avx2";
+      bench_report(&o, "optim", metric, (double)n / med[C_AVX2] / 1e9, "Gparam/s", limit / 1e9, kv,
+                   3);
+    }
+    if (single) {
+      snprintf(metric, sizeof metric, "apply_direct_scalar_%dt", T);
+      kv[2].s = "scalar";
+      bench_report(&o, "optim", metric, (double)n / med[C_SCALAR] / 1e9, "Gparam/s", limit / 1e9,
+                   kv, 3);
+      kv[2].s = cpu_isa_name(best);
+      bench_report(&o, "optim", "speedup_direct_vs_scalar_1t", med[C_SCALAR] / med[C_DIRECT], "x",
+                   0, kv, 3);
+    }
+    kv[2].s = cpu_isa_name(best);
+    core_rate[k] = (double)n / med[C_CORE];
+    snprintf(metric, sizeof metric, "apply_core_%dt", T);
+    bench_report(&o, "optim", metric, core_rate[k] / 1e9, "Gparam/s", limit / 1e9, kv, 3);
+    snprintf(metric, sizeof metric, "apply_core_pass_%dt", T);
+    bench_report(&o, "optim", metric, (double)n / med[C_CORE_PASS] / 1e9, "Gparam/s", limit / 1e9,
+                 kv, 3);
+    if (have_torch) {
+      torch_rate[k] = (double)n / med[C_TORCH];
+      snprintf(metric, sizeof metric, "torch_adamw_%dt", T);
+      bench_report(&o, "optim", metric, torch_rate[k] / 1e9, "Gparam/s", limit / 1e9, kv, 2);
+      snprintf(metric, sizeof metric, "speedup_core_vs_torch_%dt", T);
+      bench_report(&o, "optim", metric, core_rate[k] / torch_rate[k], "x", 0, kv, 2);
+    }
+  }
+  free(a.master);
+  free(a.m);
+  free(a.v);
+  free(a.acc);
+  free(a.low);
+  return 0;
+}

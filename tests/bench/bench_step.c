@@ -1,0 +1,348 @@
+/*
+ * bench_step — a whole training step without compute, W trainers against N
+ * real zshard-server processes on loopback, against the bound set by the
+ * bytes the step moves; also each shard's peak memory and the scaling of the
+ * step with model size and shard count.
+ *
+ * A step, on each of the W trainer threads (each its own libzshard client,
+ * started together): push every tensor's bf16 gradient at once and wait,
+ * zs_step (gradient statistics and the AdamW apply on every shard), pull
+ * every tensor's bf16 parameters at once and wait. The step time is from the
+ * common start until the last trainer is done.
+ *
+ * The bound: the step moves W * (2Φ + 2Φ) bytes over loopback (each trainer
+ * pushes 2Φ bytes of bf16 gradients and pulls 2Φ bytes of bf16 parameters;
+ * the control calls are a few hundred bytes), and the fastest loopback can
+ * move them is at the aggregate raw TCP bandwidth with as many concurrent
+ * connections as the step uses (W * N for gRPC, W * N * data_connections for
+ * the data plane), measured by a pump of the same number of bytes (at least
+ * 512 MiB) right after each timed step. bound = bytes / bandwidth; the figure is step time / bound
+ * (goal <= 1.3). The bound leaves out the optimizer pass, which the step must
+ * also wait for: its time on the shards (Stats.apply_seconds_total) is
+ * printed as a note beside.
+ *
+ * Memory: after the steps, each shard's peak resident set (VmHWM from
+ * /proc) against 18Φ/N bytes (4 master + 4 exp_avg + 4 exp_avg_sq + 4
+ * accumulator + 2 bf16 copy per parameter); goal <= 1.1 * 18Φ/N + 64 MiB.
+ *
+ * Scaling: for every (N, Φ) the step cost in nanoseconds per parameter,
+ * against the bound's: constant across sizes means cost linear in size.
+ *
+ * Rounds: one untimed warm-up step (it also faults in the shards' arenas),
+ * then `reps` rounds, each one timed step per transport (the transports
+ * alternate: a round re-opens that transport's trainers, which resume at the
+ * job's version) and its pump. Figures are medians over the rounds.
+ *
+ * Usage: bench_step [--json] [--quick] [--reps R] [--params 64M,256M]
+ *          [--shards 2] [--trainers 2] [--transports grpc,data]
+ *          [--tensor 8M] [--conns C]
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "common/rpc_client.h"
+#include "zshard/v1/zshard.pb-c.h"
+
+#define MAX_REPS 100
+#define MAX_TRAINERS 8
+#define MAX_TRANSPORTS 2
+#define MIB (1024.0 * 1024.0)
+#define PUMP_MIN_BYTES (512u << 20)
+
+static void usage(void) {
+  fprintf(stderr, "usage: bench_step [--json] [--quick] [--reps R] [--params 64M,256M] "
+                  "[--shards 2] [--trainers 2] [--transports grpc,data] [--tensor 8M] "
+                  "[--conns C]\n");
+  exit(2);
+}
+
+/* ------------------------------------------------------------ trainers */
+
+typedef struct trainer {
+  pthread_t th;
+  zs_client *c;
+  const bench_model *m;
+  const uint16_t *grad; /* shared, read only */
+  uint16_t *params;     /* this trainer's pull destination */
+  pthread_barrier_t *start;
+  double done_at;
+  double push_s, step_s, pull_s; /* the phases as this trainer saw them */
+} trainer;
+
+static void *trainer_main(void *arg) {
+  trainer *t = arg;
+  pthread_barrier_wait(t->start);
+  double t0 = bench_now();
+  bench_push_all(t->c, t->m, 0, t->grad);
+  double t1 = bench_now();
+  bench_step(t->c, NULL);
+  double t2 = bench_now();
+  bench_pull_all(t->c, t->m, t->params);
+  t->done_at = bench_now();
+  t->push_s = t1 - t0;
+  t->step_s = t2 - t1;
+  t->pull_s = t->done_at - t2;
+  return NULL;
+}
+
+typedef struct step_result {
+  double seconds;
+  double push_s, step_s, pull_s; /* the slowest trainer's phases */
+} step_result;
+
+/* One step by W trainers; returns its wall time. */
+static step_result run_step(trainer *tr, uint32_t W) {
+  pthread_barrier_t start;
+  pthread_barrier_init(&start, NULL, W + 1);
+  for (uint32_t i = 0; i < W; i++) {
+    tr[i].start = &start;
+    if (pthread_create(&tr[i].th, NULL, trainer_main, &tr[i]) != 0)
+      bench_die("pthread_create failed");
+  }
+  pthread_barrier_wait(&start);
+  double t0 = bench_now();
+  step_result r = {0};
+  for (uint32_t i = 0; i < W; i++) {
+    pthread_join(tr[i].th, NULL);
+    if (tr[i].done_at - t0 > r.seconds)
+      r.seconds = tr[i].done_at - t0;
+    if (tr[i].push_s > r.push_s)
+      r.push_s = tr[i].push_s;
+    if (tr[i].step_s > r.step_s)
+      r.step_s = tr[i].step_s;
+    if (tr[i].pull_s > r.pull_s)
+      r.pull_s = tr[i].pull_s;
+  }
+  pthread_barrier_destroy(&start);
+  return r;
+}
+
+/* The sum of apply_seconds_total over the shards (Stats). */
+static double apply_seconds(const bench_server *srv, uint32_t n) {
+  double sum = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    rpc_channel *ch = NULL;
+    if (rpc_channel_open(srv[i].addr, &ch) != 0)
+      continue;
+    Zshard__V1__StatsRequest req = ZSHARD__V1__STATS_REQUEST__INIT;
+    Zshard__V1__StatsResponse *resp = NULL;
+    rpc_status st;
+    if (rpc_call(ch, "/zshard.v1.ZShard/Stats", &req.base, &zshard__v1__stats_response__descriptor,
+                 (ProtobufCMessage **)&resp, 10000, &st) == 0) {
+      sum += resp->apply_seconds_total;
+      protobuf_c_message_free_unpacked(&resp->base, NULL);
+    }
+    rpc_channel_close(ch);
+  }
+  return sum;
+}
+
+static uint32_t transport_conns(int transport, uint32_t W, uint32_t N, uint32_t data_conns) {
+  if (transport == ZS_TRANSPORT_DATA)
+    return W * N * (data_conns ? data_conns : 1);
+  return W * N;
+}
+
+/* ------------------------------------------------------------ main */
+
+int main(int argc, char **argv) {
+  bench_opts o;
+  bench_parse_common(&argc, argv, &o);
+  uint64_t params[BENCH_MAX_LIST], shards[BENCH_MAX_LIST];
+  int nparams = -1, nshards = -1;
+  uint64_t W = 2, tensor = 8u << 20, data_conns = 0;
+  int transports[MAX_TRANSPORTS] = {ZS_TRANSPORT_GRPC, ZS_TRANSPORT_DATA};
+  int ntransports = 2;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--params") == 0 && i + 1 < argc) {
+      if ((nparams = bench_parse_list(argv[++i], params, BENCH_MAX_LIST)) < 1)
+        usage();
+    } else if (strcmp(argv[i], "--shards") == 0 && i + 1 < argc) {
+      if ((nshards = bench_parse_list(argv[++i], shards, BENCH_MAX_LIST)) < 1)
+        usage();
+    } else if (strcmp(argv[i], "--trainers") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &W, 1) != 1 || W > MAX_TRAINERS)
+        usage();
+    } else if (strcmp(argv[i], "--tensor") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &tensor, 1) != 1)
+        usage();
+    } else if (strcmp(argv[i], "--conns") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &data_conns, 1) != 1 || data_conns > 64)
+        usage();
+    } else if (strcmp(argv[i], "--transports") == 0 && i + 1 < argc) {
+      ntransports = 0;
+      for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(NULL, ",")) {
+        int t = bench_transport_parse(tok);
+        if (t < 0 || ntransports == MAX_TRANSPORTS)
+          usage();
+        transports[ntransports++] = t;
+      }
+      if (ntransports == 0)
+        usage();
+    } else {
+      usage();
+    }
+  }
+  if (nparams < 0) {
+    nparams = o.quick ? 1 : 2;
+    params[0] = 64u << 20;
+    params[1] = 256u << 20;
+  }
+  if (nshards < 0) {
+    nshards = 1;
+    shards[0] = 2;
+  }
+  int reps = o.reps ? o.reps : (o.quick ? 2 : 3);
+  if (reps > MAX_REPS)
+    reps = MAX_REPS;
+
+  for (int si = 0; si < nshards; si++) {
+    uint32_t N = (uint32_t)shards[si];
+    if (N < 1 || N > BENCH_MAX_SERVERS)
+      bench_die("--shards: 1 to %d", BENCH_MAX_SERVERS);
+    for (int pi = 0; pi < nparams; pi++) {
+      bench_model m = {.job = "bench-step",
+                       .numel = tensor,
+                       .optimizer = ZS_OPTIM_ADAMW,
+                       .world_size = (uint32_t)W,
+                       .grad_accum = 1};
+      m.ntensors = (uint32_t)((params[pi] + tensor - 1) / tensor);
+      uint64_t phi = (uint64_t)m.ntensors * m.numel;
+      uint64_t step_bytes = W * 4u * phi;
+      char pl[32];
+      snprintf(pl, sizeof pl, "%" PRIu64 "M", phi >> 20);
+      bench_note("step: W=%" PRIu64 " trainers, N=%u shards, %s parameters in %u tensors, %.0f "
+                 "MiB over loopback per step",
+                 W, N, pl, m.ntensors, (double)step_bytes / MIB);
+
+      bench_server srv[BENCH_MAX_SERVERS];
+      bench_servers_start(srv, N, 0);
+      char addrs[512];
+      bench_server_list(srv, N, addrs, sizeof addrs);
+      int have_data = 1;
+      for (uint32_t i = 0; i < N; i++)
+        have_data &= srv[i].data_port > 0;
+      int tr_list[MAX_TRANSPORTS];
+      int ntr = 0;
+      for (int k = 0; k < ntransports; k++) {
+        if (transports[k] == ZS_TRANSPORT_DATA && !have_data) {
+          bench_note("the servers advertise no data port: data plane skipped");
+          continue;
+        }
+        tr_list[ntr++] = transports[k];
+      }
+
+      float *init = bench_alloc((size_t)m.numel * sizeof(float));
+      bench_fill_f32(init, (size_t)m.numel, 0.1f, 3);
+      uint16_t *grad = bench_alloc((size_t)m.numel * sizeof(uint16_t));
+      bench_fill_bf16(grad, (size_t)m.numel, 5);
+      trainer tr[MAX_TRAINERS];
+      memset(tr, 0, sizeof tr);
+      for (uint32_t w = 0; w < W; w++) {
+        tr[w].m = &m;
+        tr[w].grad = grad;
+        tr[w].params = bench_alloc((size_t)phi * sizeof(uint16_t));
+      }
+
+      static step_result res[MAX_TRANSPORTS][MAX_REPS];
+      static double bound[MAX_TRANSPORTS][MAX_REPS];
+      double apply_before = 0, apply_total[MAX_TRANSPORTS] = {0, 0};
+      uint64_t hwm_init = 0; /* the largest shard peak once the job is open */
+      for (int r = 0; r <= reps; r++) {
+        for (int j = 0; j < ntr; j++) {
+          int k = (r + j) % ntr;
+          if (r == 0 && j > 0)
+            break; /* one warm-up step is enough for the shards */
+          /* Rank 0 writes the initial weights on the first open only; later
+           * opens resume at the job's version (libzshard then sends none). */
+          for (uint32_t w = 0; w < W; w++)
+            tr[w].c = bench_client_open(&m, addrs, N, w, tr_list[k], (uint32_t)data_conns,
+                                        w == 0 ? init : NULL);
+          if (r > 0)
+            apply_before = apply_seconds(srv, N);
+          else
+            for (uint32_t i = 0; i < N; i++) {
+              uint64_t h = bench_vmhwm(srv[i].pid);
+              hwm_init = h > hwm_init ? h : hwm_init;
+            }
+          step_result s = run_step(tr, (uint32_t)W);
+          for (uint32_t w = 0; w < W; w++)
+            zs_client_close(tr[w].c);
+          if (r == 0)
+            continue;
+          apply_total[k] += apply_seconds(srv, N) - apply_before;
+          uint32_t conns = transport_conns(tr_list[k], (uint32_t)W, N, (uint32_t)data_conns);
+          /* At least 512 MiB, so that start-up does not lower the bandwidth
+           * (and so loosen the bound) of the small models. */
+          uint64_t pump = step_bytes > PUMP_MIN_BYTES ? step_bytes : PUMP_MIN_BYTES;
+          double bw = bench_tcp_pump(conns, (pump + conns - 1) / conns, 4u << 20);
+          res[k][r - 1] = s;
+          bound[k][r - 1] = (double)step_bytes / bw;
+        }
+      }
+      free(init);
+
+      /* Peak memory of each shard over the whole run, and what stays. */
+      uint64_t hwm = 0, rss = 0;
+      for (uint32_t i = 0; i < N; i++) {
+        uint64_t h = bench_vmhwm(srv[i].pid), r = bench_vmrss(srv[i].pid);
+        hwm = h > hwm ? h : hwm;
+        rss = r > rss ? r : rss;
+      }
+      bench_servers_stop(srv, N);
+      free(grad);
+      for (uint32_t w = 0; w < W; w++)
+        free(tr[w].params);
+
+      for (int k = 0; k < ntr; k++) {
+        const char *tn = bench_transport_name(tr_list[k]);
+        double secs[MAX_REPS], push[MAX_REPS], stp[MAX_REPS], pull[MAX_REPS];
+        for (int r = 0; r < reps; r++) {
+          secs[r] = res[k][r].seconds;
+          push[r] = res[k][r].push_s * 1e3;
+          stp[r] = res[k][r].step_s * 1e3;
+          pull[r] = res[k][r].pull_s * 1e3;
+        }
+        double t_med = bench_quantile(secs, (size_t)reps, 0.5);
+        double b_med = bench_quantile(bound[k], (size_t)reps, 0.5);
+        double push_ms = bench_quantile(push, (size_t)reps, 0.5);
+        double step_ms = bench_quantile(stp, (size_t)reps, 0.5);
+        double pull_ms = bench_quantile(pull, (size_t)reps, 0.5);
+        double apply_ms = apply_total[k] / reps * 1e3;
+        uint32_t conns = transport_conns(tr_list[k], (uint32_t)W, N, (uint32_t)data_conns);
+        char metric[96];
+        bench_kv kv[] = {BENCH_S("transport", tn),     BENCH_N("shards", N),
+                         BENCH_N("trainers", W),       BENCH_N("params", phi),
+                         BENCH_N("bytes", step_bytes), BENCH_N("conns", conns),
+                         BENCH_N("push_ms", push_ms),  BENCH_N("zs_step_ms", step_ms),
+                         BENCH_N("pull_ms", pull_ms),  BENCH_N("apply_ms_sum", apply_ms)};
+        snprintf(metric, sizeof metric, "step_time_%s_W%" PRIu64 "_N%u_%s", tn, W, N, pl);
+        bench_report(&o, "step", metric, t_med, "s", b_med, kv, 10);
+        snprintf(metric, sizeof metric, "ns_per_param_%s_W%" PRIu64 "_N%u_%s", tn, W, N, pl);
+        bench_report(&o, "scaling", metric, t_med / (double)phi * 1e9, "ns/param",
+                     b_med / (double)phi * 1e9, kv, 6);
+        bench_note("  %s: step %.3f s (slowest trainer: push %.0f ms, zs_step %.0f ms, pull %.0f "
+                   "ms); optimizer pass %.0f ms per step (summed over the shards); bound %.3f s",
+                   tn, t_med, push_ms, step_ms, pull_ms, apply_ms, b_med);
+      }
+      double need = 18.0 * (double)phi / N;
+      char metric[96];
+      snprintf(metric, sizeof metric, "shard_peak_rss_N%u_%s", N, pl);
+      bench_kv kv[] = {BENCH_N("shards", N), BENCH_N("params", phi),
+                       BENCH_N("goal_mib", (1.1 * need + 64 * MIB) / MIB),
+                       BENCH_N("peak_after_open_mib", (double)hwm_init / MIB),
+                       BENCH_N("rss_at_end_mib", (double)rss / MIB)};
+      bench_report(&o, "memory", metric, (double)hwm / MIB, "MiB", need / MIB, kv, 5);
+      bench_note("  shard peak RSS %.0f MiB (%.0f MiB once the job was open and initialised, "
+                 "%.0f MiB resident at the end) vs 18Φ/N = %.0f MiB: goal <= %.0f MiB (%s)",
+                 (double)hwm / MIB, (double)hwm_init / MIB, (double)rss / MIB, need / MIB,
+                 (1.1 * need + 64 * MIB) / MIB,
+                 (double)hwm <= 1.1 * need + 64 * MIB ? "met" : "missed");
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,230 @@
+/*
+ * bench_transfer — push and pull throughput through libzshard against real
+ * zshard-server processes on loopback, for both transports, against raw TCP
+ * measured in the same run.
+ *
+ * For each shard count N and size S (bytes of bf16 on the wire): N servers
+ * hold a model of S/2 parameters in tensors of --tensor bytes (16 MiB by
+ * default, split over the N shards), with plain SGD (no momentum), so that a
+ * shard holds 10 bytes per parameter and the largest case fits in memory. One
+ * trainer per transport (rank 0: gRPC, rank 1: data plane, W = 2) pushes
+ * every tensor at once and waits (the push phase), both call zs_step
+ * (untimed), and each pulls every tensor at once (the pull phase). Every
+ * round runs each transport's push, then pull, back to back, alternating
+ * which goes first, and a raw TCP pump of S bytes (at least 256 MiB; 4 MiB
+ * per write) over as many concurrent
+ * connections as the transport uses (gRPC: one per shard; data plane:
+ * data_connections per shard), so that all of them see the same state of this
+ * shared machine. Figures are medians over the rounds (after one warm-up
+ * round); the limit of a transport's figure is the median of its pump.
+ *
+ * Usage: bench_transfer [--json] [--quick] [--reps R] [--sizes 64M,256M,1G]
+ *          [--shards 1,2,4] [--transports grpc,data] [--tensor 16M]
+ *          [--conns C]
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+
+#define MAX_REPS 100
+#define MAX_TRANSPORTS 2
+#define PUMP_MIN_BYTES (256u << 20)
+#define PUMP_WRITE (4u << 20) /* bytes per write() of the raw pump */
+
+static void usage(void) {
+  fprintf(stderr, "usage: bench_transfer [--json] [--quick] [--reps R] [--sizes 64M,256M,1G] "
+                  "[--shards 1,2,4] [--transports grpc,data] [--tensor 16M] [--conns C]\n");
+  exit(2);
+}
+
+/* Connections a transport opens from one trainer to N shards. */
+static uint32_t transport_conns(int transport, uint32_t nshards, uint32_t data_conns) {
+  if (transport == ZS_TRANSPORT_DATA)
+    return nshards * (data_conns ? data_conns : 1);
+  return nshards; /* one HTTP/2 connection per channel */
+}
+
+int main(int argc, char **argv) {
+  bench_opts o;
+  bench_parse_common(&argc, argv, &o);
+  uint64_t sizes[BENCH_MAX_LIST], shards[BENCH_MAX_LIST];
+  int nsizes = -1, nshards = -1;
+  uint64_t tensor_bytes = 16u << 20;
+  uint64_t data_conns = 0;
+  int transports[MAX_TRANSPORTS] = {ZS_TRANSPORT_GRPC, ZS_TRANSPORT_DATA};
+  int ntransports = 2;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--sizes") == 0 && i + 1 < argc) {
+      if ((nsizes = bench_parse_list(argv[++i], sizes, BENCH_MAX_LIST)) < 1)
+        usage();
+    } else if (strcmp(argv[i], "--shards") == 0 && i + 1 < argc) {
+      if ((nshards = bench_parse_list(argv[++i], shards, BENCH_MAX_LIST)) < 1)
+        usage();
+    } else if (strcmp(argv[i], "--tensor") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &tensor_bytes, 1) != 1 || tensor_bytes % 2)
+        usage();
+    } else if (strcmp(argv[i], "--conns") == 0 && i + 1 < argc) {
+      if (bench_parse_list(argv[++i], &data_conns, 1) != 1 || data_conns > 64)
+        usage();
+    } else if (strcmp(argv[i], "--transports") == 0 && i + 1 < argc) {
+      char *list = argv[++i];
+      ntransports = 0;
+      for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
+        int t = bench_transport_parse(tok);
+        if (t < 0 || ntransports == MAX_TRANSPORTS)
+          usage();
+        transports[ntransports++] = t;
+      }
+      if (ntransports == 0)
+        usage();
+    } else {
+      usage();
+    }
+  }
+  if (nsizes < 0) {
+    nsizes = o.quick ? 2 : 3;
+    sizes[0] = 64u << 20;
+    sizes[1] = 256u << 20;
+    sizes[2] = 1u << 30;
+  }
+  if (nshards < 0) {
+    nshards = o.quick ? 2 : 3;
+    shards[0] = 1;
+    shards[1] = 2;
+    shards[2] = 4;
+  }
+  int reps = o.reps ? o.reps : (o.quick ? 2 : 3);
+  if (reps > MAX_REPS)
+    reps = MAX_REPS;
+
+  for (int si = 0; si < nshards; si++) {
+    uint32_t N = (uint32_t)shards[si];
+    if (N < 1 || N > BENCH_MAX_SERVERS)
+      bench_die("--shards: 1 to %d", BENCH_MAX_SERVERS);
+    for (int zi = 0; zi < nsizes; zi++) {
+      uint64_t S = sizes[zi];
+      bench_model m = {.job = "bench-transfer",
+                       .numel = tensor_bytes / 2,
+                       .optimizer = ZS_OPTIM_SGD,
+                       .world_size = 2,
+                       .grad_accum = 1};
+      m.ntensors = (uint32_t)((S + tensor_bytes - 1) / tensor_bytes);
+      uint64_t wire = (uint64_t)m.ntensors * m.numel * 2; /* S rounded up to whole tensors */
+      char sz[32], label[32];
+      bench_bytes_str((double)wire, sz, sizeof sz);
+      bench_label(sz, label, sizeof label);
+      bench_note("transfer: %u shard(s), %s of bf16 in %u tensors", N, sz, m.ntensors);
+
+      bench_server srv[BENCH_MAX_SERVERS];
+      bench_servers_start(srv, N, 0);
+      char addrs[512];
+      bench_server_list(srv, N, addrs, sizeof addrs);
+      /* The data plane is measured only when every server offers it; the
+       * library would otherwise quietly use gRPC for the others. */
+      int have_data = 1;
+      for (uint32_t i = 0; i < N; i++)
+        have_data &= srv[i].data_port > 0;
+
+      int tr[MAX_TRANSPORTS] = {ZS_TRANSPORT_GRPC, ZS_TRANSPORT_GRPC};
+      int ntr = 0;
+      for (int k = 0; k < ntransports; k++) {
+        if (transports[k] == ZS_TRANSPORT_DATA && !have_data) {
+          bench_note("the servers advertise no data port: data plane skipped");
+          continue;
+        }
+        tr[ntr++] = transports[k];
+      }
+      if (ntr == 0) {
+        bench_servers_stop(srv, N);
+        continue;
+      }
+      float *init = bench_alloc((size_t)m.numel * sizeof(float));
+      bench_fill_f32(init, (size_t)m.numel, 0.1f, 3);
+      uint16_t *grad = bench_alloc((size_t)m.numel * sizeof(uint16_t));
+      bench_fill_bf16(grad, (size_t)m.numel, 5);
+      /* The pulls of one transport finish before the other's start, so they
+       * share the destination. */
+      uint16_t *dst = bench_alloc((size_t)wire);
+
+      /* Rank r of the job is transport tr[r]; with one transport, rank 1
+       * pushes over it too (untimed) so that steps complete. */
+      zs_client *cl[2];
+      int rank_tr[2] = {tr[0], ntr > 1 ? tr[1] : tr[0]};
+      double t_open = bench_now();
+      cl[0] = bench_client_open(&m, addrs, N, 0, rank_tr[0], (uint32_t)data_conns, init);
+      cl[1] = bench_client_open(&m, addrs, N, 1, rank_tr[1], (uint32_t)data_conns, NULL);
+      free(init);
+      bench_note("open and initial weights (fp32, over gRPC): %.2f s", bench_now() - t_open);
+
+      static double push_s[MAX_TRANSPORTS][MAX_REPS], pull_s[MAX_TRANSPORTS][MAX_REPS];
+      static double pump_s[MAX_TRANSPORTS][MAX_REPS];
+      for (int r = 0; r <= reps; r++) {
+        /* Alternate the order so neither transport always runs first. */
+        for (int j = 0; j < 2; j++) {
+          int k = (r + j) % 2;
+          double t0 = bench_now();
+          bench_push_all(cl[k], &m, 0, grad);
+          if (r > 0 && k < ntr)
+            push_s[k][r - 1] = bench_now() - t0;
+        }
+        bench_step(cl[0], NULL);
+        bench_step(cl[1], NULL);
+        for (int j = 0; j < 2; j++) {
+          int k = (r + j) % 2;
+          if (k >= ntr)
+            continue;
+          double t0 = bench_now();
+          bench_pull_all(cl[k], &m, dst);
+          if (r > 0)
+            pull_s[k][r - 1] = bench_now() - t0;
+        }
+        for (int k = 0; k < ntr; k++) {
+          uint32_t conns = transport_conns(tr[k], N, (uint32_t)data_conns);
+          /* At least 256 MiB, so that connection start-up and TCP's ramp-up
+           * do not lower the limit of the small sizes. */
+          uint64_t bytes = wire > PUMP_MIN_BYTES ? wire : PUMP_MIN_BYTES;
+          double bw = bench_tcp_pump(conns, (bytes + conns - 1) / conns, PUMP_WRITE);
+          if (r > 0)
+            pump_s[k][r - 1] = bw;
+        }
+      }
+      zs_client_close(cl[0]);
+      zs_client_close(cl[1]);
+      bench_servers_stop(srv, N);
+      free(grad);
+      free(dst);
+
+      for (int k = 0; k < ntr; k++) {
+        const char *tn = bench_transport_name(tr[k]);
+        uint32_t conns = transport_conns(tr[k], N, (uint32_t)data_conns);
+        double tcp = bench_quantile(pump_s[k], (size_t)reps, 0.5);
+        double push = (double)wire / bench_quantile(push_s[k], (size_t)reps, 0.5);
+        double pull = (double)wire / bench_quantile(pull_s[k], (size_t)reps, 0.5);
+        char metric[96];
+        bench_kv kv[] = {BENCH_S("transport", tn), BENCH_S("op", "push"),
+                         BENCH_N("shards", N),     BENCH_N("bytes", wire),
+                         BENCH_N("conns", conns),  BENCH_N("tensor_bytes", tensor_bytes)};
+        snprintf(metric, sizeof metric, "push_%s_N%u_%s", tn, N, label);
+        bench_report(&o, "transfer", metric, push / 1e9, "GB/s", tcp / 1e9, kv, 6);
+        kv[1].s = "pull";
+        snprintf(metric, sizeof metric, "pull_%s_N%u_%s", tn, N, label);
+        bench_report(&o, "transfer", metric, pull / 1e9, "GB/s", tcp / 1e9, kv, 6);
+        /* Both transports may use the same number of connections: one raw
+         * figure per count. */
+        int seen = 0;
+        for (int e = 0; e < k; e++)
+          seen |= transport_conns(tr[e], N, (uint32_t)data_conns) == conns;
+        if (seen)
+          continue;
+        kv[0].s = "tcp";
+        kv[1].s = "pump";
+        snprintf(metric, sizeof metric, "raw_tcp_%uconn_%s", conns, label);
+        bench_report(&o, "transfer", metric, tcp / 1e9, "GB/s", 0, kv, 6);
+      }
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,638 @@
+/*
+ * test_server_dataplane — the data plane of real zshard-server processes:
+ * its port is advertised in GetInfo (and can be turned off), a port that
+ * cannot be bound stops the start, pushes and pulls over it train exactly as
+ * over gRPC, a refused request gets the status and the message gRPC gives
+ * for it and changes nothing, and a stopping server closes its data
+ * connections and still exits 0.
+ *
+ * The servers are started by the harness (port 0, a temporary directory); the
+ * data plane is driven with dp_client, and with a raw socket where a test
+ * needs a broken stream. test_dataplane covers the protocol in depth in one
+ * process; this program checks the wiring through the real binary.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "common/clock.h"
+#include "common/crc32c.h"
+#include "common/dp_client.h"
+#include "common/dtype.h"
+#include "common/wire.h"
+#include "tests/integration/harness.h"
+
+#define N 2u
+#define W 2u
+#define LR 1e-2
+#define WAIT_MS 20000u
+
+/* ------------------------------------------------------------ fixture */
+
+/* One cluster of N shards with the harness's test job open (W ranks, one
+ * micro-batch each), rank 0's initial weights written, and a data client to
+ * every shard. */
+typedef struct cluster {
+  hs_cluster cl;
+  hs_job j;
+  dp_client *dp[N];
+} cluster;
+
+static int data_port_of(const hs_server *s) {
+  rpc_channel *ch = NULL;
+  Zshard__V1__GetInfoResponse *info = NULL;
+  assert_int_equal(rpc_channel_open(s->addr, &ch), 0);
+  rpc_status st;
+  if (hs_get_info(ch, &info, &st) != 0)
+    fail_msg("GetInfo: %s", st.message);
+  int port = (int)info->data_port;
+  protobuf_c_message_free_unpacked(&info->base, NULL);
+  rpc_channel_close(ch);
+  return port;
+}
+
+static dp_client *dp_connect(int port) {
+  char addr[64], err[DP_ERRLEN];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  dp_client_config cfg = {.addr = addr};
+  dp_client *c = NULL;
+  if (dp_client_open(&cfg, &c, err, sizeof err) != 0)
+    fail_msg("dp_client_open %s: %s", addr, err);
+  return c;
+}
+
+static float init_value(uint32_t t, uint64_t i) {
+  return 0.25f * (float)((t * 7919u + i * 104729u) % 2001u) / 1000.0f - 0.25f;
+}
+
+static void cluster_up(cluster *c, const char *job) {
+  memset(c, 0, sizeof *c);
+  assert_int_equal(hs_cluster_start(&c->cl, N, NULL), 0);
+  spec sp;
+  assert_int_equal(hs_spec_build(&sp, job, W, 1, N), 0);
+  assert_int_equal(hs_job_init_cluster(&c->j, &sp, &c->cl), 0);
+  rpc_status st;
+  for (uint32_t r = 0; r < W; r++)
+    if (hs_job_open(&c->j, r, &st) != 0)
+      fail_msg("Open: %s", st.message);
+  float **w = calloc(c->j.sp.num_tensors, sizeof *w);
+  assert_non_null(w);
+  for (uint32_t t = 0; t < c->j.sp.num_tensors; t++) {
+    w[t] = malloc(c->j.sp.tensors[t].numel * sizeof(float));
+    assert_non_null(w[t]);
+    for (uint64_t i = 0; i < c->j.sp.tensors[t].numel; i++)
+      w[t][i] = init_value(t, i);
+  }
+  if (hs_job_init_params(&c->j, w, &st) != 0)
+    fail_msg("InitParams: %s", st.message);
+  for (uint32_t t = 0; t < c->j.sp.num_tensors; t++)
+    free(w[t]);
+  free(w);
+  for (uint32_t i = 0; i < N; i++)
+    c->dp[i] = dp_connect(data_port_of(c->cl.srv[i]));
+}
+
+static void cluster_down(cluster *c) {
+  for (uint32_t i = 0; i < N; i++)
+    dp_client_close(c->dp[i]);
+  hs_job_free(&c->j);
+  assert_int_equal(hs_cluster_stop(&c->cl), 0);
+}
+
+/* ------------------------------------------------------------ data */
+
+/* Rank r pushes in this dtype, so that a step mixes all three. */
+static zs_dtype rank_dtype(uint32_t rank) {
+  return rank == 0 ? ZS_DTYPE_FP32 : ZS_DTYPE_BF16;
+}
+
+/* The gradient of piece p for (step, rank) in the rank's dtype; the caller
+ * frees it. */
+static void *piece_grad(const layout_piece *p, uint64_t step, uint32_t rank, size_t *nbytes) {
+  zs_dtype d = rank_dtype(rank);
+  float *f = malloc(p->numel * sizeof *f);
+  void *out = malloc(p->numel * zs_dtype_size(d));
+  assert_non_null(f);
+  assert_non_null(out);
+  for (uint64_t i = 0; i < p->numel; i++) {
+    uint64_t x = (step * 1000003u + rank * 10007u + p->tensor * 101u + p->offset + i) * 2654435761u;
+    f[i] = (float)(x % 20001u) / 10000.0f - 1.0f;
+  }
+  dtype_from_f32(d, f, out, p->numel);
+  free(f);
+  *nbytes = p->numel * zs_dtype_size(d);
+  return out;
+}
+
+/* ------------------------------------------------------------ transports */
+
+/* Every push and pull of these tests goes through one of these, so that a
+ * test can run the same request over either transport. */
+typedef enum { OVER_GRPC, OVER_DATA } transport;
+
+typedef struct outcome {
+  int status;
+  int duplicate;
+  uint64_t version;
+  char message[512];
+} outcome;
+
+/* The shard's own sentence of a failed gRPC call: rpc_call puts the method in
+ * front of it ("/zshard.v1.ZShard/Push: ..."), the data plane does not. */
+static void grpc_message(outcome *o, const char *method, const rpc_status *st) {
+  size_t n = strlen(method);
+  const char *msg = st->message;
+  if (strncmp(msg, method, n) == 0 && strncmp(msg + n, ": ", 2) == 0)
+    msg += n + 2;
+  snprintf(o->message, sizeof o->message, "%s", o->status ? msg : "");
+}
+
+static outcome push(cluster *c, transport how, uint32_t shard, uint64_t hash, uint64_t step,
+                    uint32_t rank, uint32_t micro, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                    const void *data, size_t nbytes) {
+  outcome o = {0};
+  if (how == OVER_GRPC) {
+    rpc_status st = {0};
+    o.status = hs_push(c->j.ch[shard], hash, step, rank, micro, tensor, slice, (int)dtype, data,
+                       nbytes, &o.duplicate, &st);
+    grpc_message(&o, "/zshard.v1.ZShard/Push", &st);
+  } else {
+    dp_push_args a = {.spec_hash = hash,
+                      .step = step,
+                      .rank = rank,
+                      .micro = micro,
+                      .tensor = tensor,
+                      .slice = slice,
+                      .dtype = dtype,
+                      .data = data,
+                      .nbytes = nbytes};
+    o.status = dp_client_push_sync(c->dp[shard], &a, &o.duplicate, o.message, sizeof o.message);
+  }
+  return o;
+}
+
+static outcome pull(cluster *c, transport how, uint32_t shard, uint64_t hash, uint32_t tensor,
+                    uint32_t slice, uint64_t min_version, zs_dtype dtype, uint32_t timeout_ms,
+                    void *dst, size_t nbytes) {
+  outcome o = {0};
+  if (how == OVER_GRPC) {
+    rpc_status st = {0};
+    o.status = hs_pull(c->j.ch[shard], hash, tensor, slice, min_version, (int)dtype, timeout_ms,
+                       dst, nbytes, &o.version, &st);
+    grpc_message(&o, "/zshard.v1.ZShard/Pull", &st);
+  } else {
+    dp_pull_args a = {.spec_hash = hash,
+                      .min_version = min_version,
+                      .tensor = tensor,
+                      .slice = slice,
+                      .dtype = dtype,
+                      .dst = dst,
+                      .nbytes = nbytes,
+                      .timeout_ms = timeout_ms};
+    o.status = dp_client_pull_sync(c->dp[shard], &a, &o.version, o.message, sizeof o.message);
+  }
+  return o;
+}
+
+/* Every (rank, piece) contribution of a step, over `how`. */
+static void push_step(cluster *c, transport how, uint64_t step) {
+  const layout *lay = &c->j.lay;
+  for (uint32_t r = 0; r < W; r++) {
+    for (uint32_t k = 0; k < lay->num_pieces; k++) {
+      const layout_piece *p = &lay->pieces[k];
+      size_t nb;
+      void *g = piece_grad(p, step, r, &nb);
+      outcome o =
+          push(c, how, p->shard, c->j.hash, step, r, 0, p->tensor, p->slice, rank_dtype(r), g, nb);
+      if (o.status)
+        fail_msg("push of piece %u: %s: %s", k, zs_err_name(o.status), o.message);
+      assert_false(o.duplicate);
+      /* A repeat of the first piece is acknowledged and not added. */
+      if (k == 0) {
+        o = push(c, how, p->shard, c->j.hash, step, r, 0, p->tensor, p->slice, rank_dtype(r), g,
+                 nb);
+        assert_int_equal(o.status, 0);
+        assert_true(o.duplicate);
+      }
+      free(g);
+    }
+  }
+}
+
+/* GradStats then Apply on every shard; the shards' sums of squares go to
+ * sums[] so that clusters can be compared bit for bit. */
+static void finish_step(cluster *c, uint64_t step, double *sums) {
+  for (uint32_t i = 0; i < N; i++) {
+    Zshard__V1__GradStatsResponse *gs = NULL;
+    rpc_status st;
+    if (hs_grad_stats(c->j.ch[i], c->j.hash, step, WAIT_MS, &gs, &st) != 0)
+      fail_msg("GradStats: %s", st.message);
+    assert_true(gs->complete);
+    assert_false(gs->nonfinite);
+    sums[i] = gs->sum_squares;
+    protobuf_c_message_free_unpacked(&gs->base, NULL);
+    Zshard__V1__ApplyResponse *ar = NULL;
+    if (hs_apply(c->j.ch[i], c->j.hash, step, LR, 0.5f, 0, &ar, &st) != 0)
+      fail_msg("Apply: %s", st.message);
+    assert_int_equal(ar->version, step);
+    protobuf_c_message_free_unpacked(&ar->base, NULL);
+  }
+}
+
+/* Piece k of `version` in `dtype`, pulled over `how`; the caller frees it. */
+static void *pull_piece(cluster *c, transport how, uint32_t k, uint64_t version, zs_dtype dtype) {
+  const layout_piece *p = &c->j.lay.pieces[k];
+  size_t nb = p->numel * zs_dtype_size(dtype);
+  void *buf = malloc(nb);
+  assert_non_null(buf);
+  outcome o = pull(c, how, p->shard, c->j.hash, p->tensor, p->slice, version, dtype, 0, buf, nb);
+  if (o.status)
+    fail_msg("pull of piece %u: %s: %s", k, zs_err_name(o.status), o.message);
+  assert_int_equal(o.version, version);
+  return buf;
+}
+
+/* ------------------------------------------------------------ raw frames */
+
+/* A blocking socket to the data port whose reads give up after 10 s (a
+ * bound, not an expectation: every answer here comes at once). */
+static int raw_connect(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+  struct timeval tv = {.tv_sec = 10};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+static void raw_send(int fd, const void *p, size_t n) {
+  const char *b = p;
+  while (n > 0) {
+    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+    assert_true(w > 0);
+    b += w;
+    n -= (size_t)w;
+  }
+}
+
+/* Reads exactly n bytes; returns 0, or -1 at the end of the stream. */
+static int raw_read(int fd, void *p, size_t n) {
+  char *b = p;
+  while (n > 0) {
+    ssize_t r = recv(fd, b, n, 0);
+    if (r < 0 && errno == EINTR)
+      continue;
+    assert_true(r >= 0); /* a timeout fails the test */
+    if (r == 0)
+      return -1;
+    b += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+/* Reads one answer frame without payload into *m. */
+static void raw_read_frame(int fd, wire_msg *m) {
+  uint8_t buf[WIRE_MAX_ENCODED + WIRE_MAX_META];
+  wire_header h;
+  char err[WIRE_ERRLEN];
+  assert_int_equal(raw_read(fd, buf, WIRE_HEADER_SIZE), 0);
+  if (wire_decode_header(buf, 0, &h, err, sizeof err) != 0)
+    fail_msg("answer header: %s", err);
+  assert_true(h.meta_len <= sizeof buf - WIRE_HEADER_SIZE);
+  assert_int_equal(h.payload_len, 0);
+  assert_int_equal(raw_read(fd, buf + WIRE_HEADER_SIZE, h.meta_len), 0);
+  const uint8_t *payload;
+  size_t len;
+  if (wire_decode_frame(buf, WIRE_HEADER_SIZE + h.meta_len, 0, m, &payload, &len, err,
+                        sizeof err) != 0)
+    fail_msg("answer frame: %s", err);
+}
+
+/* ------------------------------------------------------------ tests */
+
+static void the_data_port_is_advertised_in_getinfo_and_off_turns_it_off(void **state) {
+  (void)state;
+  hs_server *dflt = hs_start(NULL, NULL);
+  assert_non_null(dflt);
+  int port = data_port_of(dflt);
+  assert_true(port > 0);
+  assert_int_not_equal(port, dflt->port);
+  /* The port answers the protocol. */
+  dp_client *dc = dp_connect(port);
+  char err[DP_ERRLEN];
+  assert_int_equal(dp_client_ping_sync(dc, 5000, err, sizeof err), 0);
+  dp_client_close(dc);
+
+  const char *off_flag[] = {"--data-listen", "off", NULL};
+  const char *off_env[] = {"ZSHARD_DATA_LISTEN=off", NULL};
+  const char *explicit_flag[] = {"--data-listen", "127.0.0.1:0", NULL};
+  hs_server *by_flag = hs_start(off_flag, NULL);
+  hs_server *by_env = hs_start(NULL, off_env);
+  hs_server *flag_wins = hs_start(explicit_flag, off_env);
+  assert_non_null(by_flag);
+  assert_non_null(by_env);
+  assert_non_null(flag_wins);
+  assert_int_equal(data_port_of(by_flag), 0);
+  assert_int_equal(data_port_of(by_env), 0);
+  assert_true(data_port_of(flag_wins) > 0);
+
+  assert_int_equal(hs_stop(dflt), 0);
+  assert_int_equal(hs_stop(by_flag), 0);
+  assert_int_equal(hs_stop(by_env), 0);
+  assert_int_equal(hs_stop(flag_wins), 0);
+}
+
+static void a_data_address_that_cannot_be_bound_stops_the_start(void **state) {
+  (void)state;
+  /* A port this test holds. */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  socklen_t len = sizeof a;
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(fd, 1), 0);
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  char taken[64];
+  snprintf(taken, sizeof taken, "127.0.0.1:%d", ntohs(a.sin_port));
+
+  char out[4096];
+  const char *busy[] = {"--listen", "127.0.0.1:0", "--data-listen", taken, NULL};
+  assert_int_equal(hs_run(busy, NULL, out, sizeof out), 1);
+  assert_non_null(strstr(out, "stage=data_plane"));
+  assert_non_null(strstr(out, taken));
+  const char *bad[] = {"--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:http", NULL};
+  assert_int_equal(hs_run(bad, NULL, out, sizeof out), 1);
+  assert_non_null(strstr(out, "stage=data_plane"));
+  close(fd);
+}
+
+static void pushes_and_pulls_over_the_data_plane_train_bit_identically_to_grpc(void **state) {
+  (void)state;
+  cluster g, d;
+  cluster_up(&g, "dp-vs-grpc");
+  cluster_up(&d, "dp-vs-grpc");
+  static const zs_dtype dtypes[] = {ZS_DTYPE_FP32, ZS_DTYPE_BF16, ZS_DTYPE_FP16};
+  for (uint64_t step = 1; step <= 2; step++) {
+    push_step(&g, OVER_GRPC, step);
+    push_step(&d, OVER_DATA, step);
+    double sg[N], sd[N];
+    finish_step(&g, step, sg);
+    finish_step(&d, step, sd);
+    assert_memory_equal(sg, sd, sizeof sg);
+    /* Every piece, in every dtype: over gRPC from the gRPC-trained cluster,
+     * and over both transports from the data-trained one, all the same bits. */
+    for (uint32_t k = 0; k < g.j.lay.num_pieces; k++) {
+      const layout_piece *p = &g.j.lay.pieces[k];
+      for (size_t x = 0; x < sizeof dtypes / sizeof dtypes[0]; x++) {
+        void *a = pull_piece(&g, OVER_GRPC, k, step, dtypes[x]);
+        void *b = pull_piece(&d, OVER_DATA, k, step, dtypes[x]);
+        void *e = pull_piece(&d, OVER_GRPC, k, step, dtypes[x]);
+        assert_memory_equal(a, b, p->numel * zs_dtype_size(dtypes[x]));
+        assert_memory_equal(a, e, p->numel * zs_dtype_size(dtypes[x]));
+        free(a);
+        free(b);
+        free(e);
+      }
+    }
+  }
+  cluster_down(&g);
+  cluster_down(&d);
+}
+
+/* Sends the same push over both transports: both are refused with `want`
+ * and the same message. */
+static void same_push_refusal(cluster *c, int want, uint32_t shard, uint64_t hash, uint64_t step,
+                              uint32_t rank, uint32_t micro, uint32_t tensor, uint32_t slice,
+                              zs_dtype dtype, const void *data, size_t nbytes) {
+  outcome og =
+      push(c, OVER_GRPC, shard, hash, step, rank, micro, tensor, slice, dtype, data, nbytes);
+  outcome od =
+      push(c, OVER_DATA, shard, hash, step, rank, micro, tensor, slice, dtype, data, nbytes);
+  if (og.status != want || od.status != want || strcmp(og.message, od.message) != 0)
+    fail_msg("expected %s on both transports; gRPC: %s \"%s\", data plane: %s \"%s\"",
+             zs_err_name(want), zs_err_name(og.status), og.message, zs_err_name(od.status),
+             od.message);
+}
+
+static void same_pull_refusal(cluster *c, int want, uint32_t shard, uint64_t hash, uint32_t tensor,
+                              uint32_t slice, uint64_t min_version, uint32_t timeout_ms,
+                              size_t nbytes) {
+  void *buf = malloc(nbytes);
+  assert_non_null(buf);
+  outcome og = pull(c, OVER_GRPC, shard, hash, tensor, slice, min_version, ZS_DTYPE_FP32,
+                    timeout_ms, buf, nbytes);
+  outcome od = pull(c, OVER_DATA, shard, hash, tensor, slice, min_version, ZS_DTYPE_FP32,
+                    timeout_ms, buf, nbytes);
+  free(buf);
+  if (og.status != want || od.status != want || strcmp(og.message, od.message) != 0)
+    fail_msg("expected %s on both transports; gRPC: %s \"%s\", data plane: %s \"%s\"",
+             zs_err_name(want), zs_err_name(og.status), og.message, zs_err_name(od.status),
+             od.message);
+}
+
+static void refused_requests_get_grpcs_status_and_message_and_change_nothing(void **state) {
+  (void)state;
+  cluster bad, clean;
+  cluster_up(&bad, "refusals");
+  cluster_up(&clean, "refusals");
+  const hs_job *j = &bad.j;
+  const layout_piece *p = &j->lay.pieces[0];
+  uint32_t owner = p->shard, other = (p->shard + 1) % N;
+  size_t nb;
+  void *g = piece_grad(p, 1, 0, &nb); /* fp32 */
+
+  same_push_refusal(&bad, ZS_ESTEP, owner, j->hash, 2, 0, 0, p->tensor, p->slice, ZS_DTYPE_FP32, g,
+                    nb);
+  same_push_refusal(&bad, ZS_ENOTFOUND, owner, j->hash, 1, 0, 0, j->sp.num_tensors, 0,
+                    ZS_DTYPE_FP32, g, nb);
+  same_push_refusal(&bad, ZS_ENOTFOUND, other, j->hash, 1, 0, 0, p->tensor, p->slice, ZS_DTYPE_FP32,
+                    g, nb);
+  same_push_refusal(&bad, ZS_ESIZE, owner, j->hash, 1, 0, 0, p->tensor, p->slice, ZS_DTYPE_FP32, g,
+                    nb - 4);
+  same_push_refusal(&bad, ZS_ESIZE, owner, j->hash, 1, 0, 0, p->tensor, p->slice, ZS_DTYPE_FP16, g,
+                    nb);
+  same_push_refusal(&bad, ZS_EHASH, owner, j->hash ^ 1, 1, 0, 0, p->tensor, p->slice, ZS_DTYPE_FP32,
+                    g, nb);
+  same_push_refusal(&bad, ZS_ERANGE, owner, j->hash, 1, W, 0, p->tensor, p->slice, ZS_DTYPE_FP32, g,
+                    nb);
+  same_push_refusal(&bad, ZS_ERANGE, owner, j->hash, 1, 0, 1, p->tensor, p->slice, ZS_DTYPE_FP32, g,
+                    nb);
+
+  size_t piece_bytes = p->numel * 4;
+  same_pull_refusal(&bad, ZS_EHASH, owner, j->hash ^ 1, p->tensor, p->slice, 0, 0, piece_bytes);
+  same_pull_refusal(&bad, ZS_ENOTFOUND, other, j->hash, p->tensor, p->slice, 0, 0, piece_bytes);
+  same_pull_refusal(&bad, ZS_ENOTFOUND, owner, j->hash, j->sp.num_tensors, 0, 0, 0, piece_bytes);
+  /* Version 1 does not exist before step 1 is applied. */
+  same_pull_refusal(&bad, ZS_ETIMEDOUT, owner, j->hash, p->tensor, p->slice, 1, 50, piece_bytes);
+
+  /* Broken frames through the real process: a payload CRC mismatch is
+   * refused for that request and the connection lives on; bytes that are no
+   * frame at all end it with an ERROR for request 0. */
+  int port = data_port_of(bad.cl.srv[owner]);
+  int fd = raw_connect(port);
+  wire_msg m = {.type = WIRE_PUSH,
+                .request_id = 41,
+                .payload_len = nb,
+                .payload_crc = crc32c(0, g, nb) ^ 1u,
+                .u.push = {.spec_hash = j->hash,
+                           .step = 1,
+                           .rank = 0,
+                           .micro = 0,
+                           .tensor = p->tensor,
+                           .slice = p->slice,
+                           .dtype = ZS_DTYPE_FP32}};
+  uint8_t head[WIRE_MAX_ENCODED];
+  size_t hlen;
+  assert_int_equal(wire_encode(&m, head, sizeof head, &hlen), 0);
+  raw_send(fd, head, hlen);
+  raw_send(fd, g, nb);
+  wire_msg ans;
+  raw_read_frame(fd, &ans);
+  assert_int_equal(ans.type, WIRE_ERROR);
+  assert_int_equal(ans.request_id, 41);
+  assert_int_equal(ans.u.error.status, ZS_ECRC);
+  wire_msg ping = {.type = WIRE_PING, .request_id = 42};
+  assert_int_equal(wire_encode(&ping, head, sizeof head, &hlen), 0);
+  raw_send(fd, head, hlen);
+  raw_read_frame(fd, &ans);
+  assert_int_equal(ans.type, WIRE_PONG);
+  assert_int_equal(ans.request_id, 42);
+  static const char garbage[] = "GET / HTTP/1.1\r\nHost: zshard\r\n\r\n.......";
+  raw_send(fd, garbage, WIRE_HEADER_SIZE);
+  raw_read_frame(fd, &ans);
+  assert_int_equal(ans.type, WIRE_ERROR);
+  assert_int_equal(ans.request_id, 0);
+  assert_int_equal(ans.u.error.status, ZS_EPROTO);
+  char byte;
+  assert_int_equal(raw_read(fd, &byte, 1), -1); /* closed */
+  close(fd);
+  free(g);
+
+  /* None of it counted: the same valid step on both clusters gives the same
+   * statistics and the same weights. */
+  push_step(&bad, OVER_DATA, 1);
+  push_step(&clean, OVER_DATA, 1);
+  double sb[N], sc[N];
+  finish_step(&bad, 1, sb);
+  finish_step(&clean, 1, sc);
+  assert_memory_equal(sb, sc, sizeof sb);
+  for (uint32_t k = 0; k < j->lay.num_pieces; k++) {
+    void *a = pull_piece(&bad, OVER_DATA, k, 1, ZS_DTYPE_FP32);
+    void *b = pull_piece(&clean, OVER_DATA, k, 1, ZS_DTYPE_FP32);
+    assert_memory_equal(a, b, j->lay.pieces[k].numel * 4);
+    free(a);
+    free(b);
+  }
+  cluster_down(&bad);
+  cluster_down(&clean);
+}
+
+typedef struct waited {
+  pthread_mutex_t mu;
+  int done, status;
+} waited;
+
+static void on_waited(void *arg, const dp_result *r) {
+  waited *w = arg;
+  pthread_mutex_lock(&w->mu);
+  w->done = 1;
+  w->status = r->status;
+  pthread_mutex_unlock(&w->mu);
+}
+
+static void a_stopping_server_closes_its_data_connections_and_exits_0(void **state) {
+  (void)state;
+  cluster c;
+  cluster_up(&c, "stop");
+  const layout_piece *p = &c.j.lay.pieces[0];
+  size_t nb = p->numel * 4;
+  void *buf = malloc(nb);
+  assert_non_null(buf);
+  /* A Pull of a version that never comes waits in the shard... */
+  waited w = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  dp_pull_args a = {.spec_hash = c.j.hash,
+                    .min_version = 5,
+                    .tensor = p->tensor,
+                    .slice = p->slice,
+                    .dtype = ZS_DTYPE_FP32,
+                    .dst = buf,
+                    .nbytes = nb,
+                    .timeout_ms = 60000};
+  assert_int_equal(dp_client_pull(c.dp[p->shard], &a, on_waited, &w), 0);
+  /* ...which is seen in its Stats before it is stopped. */
+  uint64_t end = clock_now_ms() + WAIT_MS;
+  for (;;) {
+    Zshard__V1__StatsRequest sreq = ZSHARD__V1__STATS_REQUEST__INIT;
+    Zshard__V1__StatsResponse *st = NULL;
+    rpc_status rs;
+    assert_int_equal(rpc_call(c.j.ch[p->shard], "/zshard.v1.ZShard/Stats", &sreq.base,
+                              &zshard__v1__stats_response__descriptor, (ProtobufCMessage **)&st,
+                              HS_CALL_TIMEOUT_MS, &rs),
+                     0);
+    uint32_t waiting = st->waiting_pulls;
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    if (waiting > 0)
+      break;
+    assert_true(clock_now_ms() < end);
+    usleep(10000); /* polling a condition, bounded above */
+  }
+  /* SIGTERM: the server exits 0 and the waiting Pull fails as a lost
+   * connection, long before its own timeout. */
+  assert_int_equal(hs_stop(c.cl.srv[p->shard]), 0);
+  c.cl.srv[p->shard] = NULL;
+  end = clock_now_ms() + WAIT_MS;
+  for (;;) {
+    pthread_mutex_lock(&w.mu);
+    int done = w.done, status = w.status;
+    pthread_mutex_unlock(&w.mu);
+    if (done) {
+      assert_int_equal(status, ZS_ECONN);
+      break;
+    }
+    assert_true(clock_now_ms() < end);
+    usleep(10000);
+  }
+  free(buf);
+  for (uint32_t i = 0; i < N; i++)
+    dp_client_close(c.dp[i]);
+  hs_job_free(&c.j);
+  for (uint32_t i = 0; i < N; i++)
+    if (c.cl.srv[i])
+      assert_int_equal(hs_stop(c.cl.srv[i]), 0);
+}
+
+static int group_setup(void **state) {
+  (void)state;
+  return hs_init();
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(the_data_port_is_advertised_in_getinfo_and_off_turns_it_off),
+      cmocka_unit_test(a_data_address_that_cannot_be_bound_stops_the_start),
+      cmocka_unit_test(pushes_and_pulls_over_the_data_plane_train_bit_identically_to_grpc),
+      cmocka_unit_test(refused_requests_get_grpcs_status_and_message_and_change_nothing),
+      cmocka_unit_test(a_stopping_server_closes_its_data_connections_and_exits_0),
+  };
+  int failures = cmocka_run_group_tests(tests, group_setup, NULL);
+  hs_finish(failures);
+  return failures;
+}

@@ -1,0 +1,1186 @@
+/*
+ * ckpt: the checkpoint files (server/ckpt.c) and the core's snapshot and
+ * restore (server/core.c), in process.
+ *
+ * The files are written from states filled with random bits (every element
+ * distinct), so that an element landing in the wrong place, a wrong section or
+ * a lost byte cannot go unnoticed. The fault tests damage real files on disk:
+ * one flipped byte anywhere, a truncation at any length, a foreign file, a
+ * full file system and a read-only one (tmpfs mounts, which need root; they
+ * are skipped, and say so, without it).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "common/clock.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/spec.h"
+#include "server/ckpt.h"
+#include "server/core.h"
+
+#define WAIT_MS 30000u
+
+static char g_root[256];
+
+/* ------------------------------------------------------------------ helpers */
+
+static uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+  return z ^ (z >> 31);
+}
+
+static float rnd(uint64_t *s) {
+  return ((float)(splitmix(s) >> 40) / (float)(1u << 24) * 2.0f - 1.0f);
+}
+
+/* Tensors on both sides of split threshold 256, in three groups: AdamW (m
+ * and v), SGD with momentum (m only) and plain SGD (neither). */
+static const struct {
+  const char *name;
+  uint64_t numel;
+  uint32_t group, ndim;
+  uint64_t shape[2];
+} k_tensors[] = {
+    {"embed.weight", 1300, 0, 2, {100, 13}},      {"embed.bias", 13, 2, 0, {0, 0}},
+    {"mid.weight", 517, 1, 2, {11, 47}},          {"mid.bias", 47, 1, 1, {47, 0}},
+    {"norm.weight", 256, 0, 1, {256, 0}},         {"head.weight", 250, 0, 2, {10, 25}},
+    {"head \"quoted\" \\ name", 9, 2, 0, {0, 0}},
+};
+#define K_NT (sizeof k_tensors / sizeof k_tensors[0])
+
+static void build_spec(spec *s, const char *job, uint32_t N) {
+  memset(s, 0, sizeof *s);
+  s->job = strdup(job);
+  s->num_groups = 3;
+  s->groups = calloc(3, sizeof *s->groups);
+  assert_non_null(s->groups);
+  spec_group_defaults(&s->groups[0], ZS_OPTIM_ADAMW);
+  spec_group_defaults(&s->groups[1], ZS_OPTIM_SGD);
+  s->groups[1].momentum = 0.9;
+  spec_group_defaults(&s->groups[2], ZS_OPTIM_SGD);
+  s->num_tensors = K_NT;
+  s->tensors = calloc(K_NT, sizeof *s->tensors);
+  assert_non_null(s->tensors);
+  for (uint32_t t = 0; t < K_NT; t++) {
+    s->tensors[t].name = strdup(k_tensors[t].name);
+    s->tensors[t].numel = k_tensors[t].numel;
+    s->tensors[t].group = k_tensors[t].group;
+    s->tensors[t].ndim = k_tensors[t].ndim;
+    s->tensors[t].shape[0] = k_tensors[t].shape[0];
+    s->tensors[t].shape[1] = k_tensors[t].shape[1];
+  }
+  s->world_size = 1;
+  s->grad_accum = 1;
+  s->num_shards = N;
+  s->split_threshold = 256;
+  s->reduce = SPEC_REDUCE_MEAN;
+  s->param_dtype = ZS_DTYPE_BF16;
+  char err[256];
+  assert_int_equal(spec_validate(s, err, sizeof err), 0);
+}
+
+/* Whole tensors: values[a][t] for arrays master, m, v (m, v NULL for the
+ * tensors whose group does not use them). */
+typedef struct model {
+  float *values[3][K_NT];
+} model;
+
+static void model_random(model *md, uint64_t seed) {
+  memset(md, 0, sizeof *md);
+  for (int a = 0; a < 3; a++) {
+    for (uint32_t t = 0; t < K_NT; t++) {
+      uint32_t g = k_tensors[t].group;
+      if ((a == 1 && g == 2) || (a == 2 && g != 0))
+        continue;
+      md->values[a][t] = malloc(k_tensors[t].numel * sizeof(float));
+      for (uint64_t i = 0; i < k_tensors[t].numel; i++)
+        md->values[a][t][i] = rnd(&seed);
+    }
+  }
+}
+
+static void model_free(model *md) {
+  for (int a = 0; a < 3; a++)
+    for (uint32_t t = 0; t < K_NT; t++)
+      free(md->values[a][t]);
+}
+
+/* The state of shard i of spec s holding md (padding left zero). */
+static void state_from_model(core_state *st, const spec *s, uint32_t shard, const model *md,
+                             uint64_t version, uint64_t opt_steps) {
+  char err[256];
+  assert_int_equal(core_state_init(st, s, shard, err, sizeof err), 0);
+  layout l;
+  assert_int_equal(layout_build(s, &l), 0);
+  float *dst[3] = {st->master, st->m, st->v};
+  for (uint32_t i = 0; i < l.num_pieces; i++) {
+    const layout_piece *p = &l.pieces[i];
+    if (p->shard != shard)
+      continue;
+    for (int a = 0; a < 3; a++)
+      if (dst[a] && md->values[a][p->tensor])
+        memcpy(dst[a] + p->arena_off, md->values[a][p->tensor] + p->offset,
+               p->numel * sizeof(float));
+  }
+  layout_free(&l);
+  st->version = version;
+  st->optimizer_steps = opt_steps;
+}
+
+/* Checks that the states of all shards of spec s, put together, are md. */
+static void assert_states_hold(core_state *sts, const spec *s, const model *md) {
+  layout l;
+  assert_int_equal(layout_build(s, &l), 0);
+  for (uint32_t i = 0; i < l.num_pieces; i++) {
+    const layout_piece *p = &l.pieces[i];
+    const core_state *st = &sts[p->shard];
+    const float *src[3] = {st->master, st->m, st->v};
+    for (int a = 0; a < 3; a++) {
+      if (!md->values[a][p->tensor])
+        continue;
+      assert_non_null(src[a]);
+      assert_memory_equal(src[a] + p->arena_off, md->values[a][p->tensor] + p->offset,
+                          p->numel * sizeof(float));
+    }
+  }
+  layout_free(&l);
+}
+
+/* Writes every shard of md at `step` under root and commits the manifest. */
+static void write_checkpoint(const char *root, const spec *s, const model *md, uint64_t step,
+                             int commit) {
+  char err[512];
+  ckpt_manifest m = {.step = step,
+                     .version = step,
+                     .optimizer_steps = step - 1,
+                     .spec_hash = spec_hash(s),
+                     .num_shards = s->num_shards};
+  m.files = calloc(s->num_shards, sizeof *m.files);
+  for (uint32_t i = 0; i < s->num_shards; i++) {
+    core_state st;
+    state_from_model(&st, s, i, md, step, step - 1);
+    int rc = ckpt_write_shard(root, &st, NULL, &m.files[i], err, sizeof err);
+    if (rc)
+      fprintf(stderr, "write: %s\n", err);
+    assert_int_equal(rc, 0);
+    core_state_free(&st);
+  }
+  if (commit) {
+    int rc = ckpt_manifest_write(root, &m, 0, err, sizeof err);
+    if (rc)
+      fprintf(stderr, "manifest: %s\n", err);
+    assert_int_equal(rc, 0);
+  }
+  ckpt_manifest_free(&m);
+}
+
+static void load_all(const char *root, uint64_t step, uint32_t N, core_state *sts) {
+  char err[512];
+  for (uint32_t i = 0; i < N; i++) {
+    int rc = ckpt_load(root, step, i, N, &sts[i], err, sizeof err);
+    if (rc)
+      fprintf(stderr, "load shard %u of %u: %s\n", i, N, err);
+    assert_int_equal(rc, 0);
+  }
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+  (void)sb;
+  (void)flag;
+  (void)ftw;
+  remove(path);
+  return 0;
+}
+
+/* A fresh directory under the test's root for one test. */
+static void fresh_dir(char *buf, size_t len, const char *name) {
+  snprintf(buf, len, "%s/%s", g_root, name);
+  nftw(buf, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+  assert_int_equal(mkdir(buf, 0755), 0);
+}
+
+static void shard_path(char *buf, size_t len, const char *root, uint64_t step, uint32_t i,
+                       uint32_t n) {
+  char name[CKPT_NAME_MAX];
+  ckpt_file_name(i, n, name, sizeof name);
+  snprintf(buf, len, "%s/step-%" PRIu64 "/%s", root, step, name);
+}
+
+static uint64_t file_size(const char *path) {
+  struct stat sb;
+  assert_int_equal(stat(path, &sb), 0);
+  return (uint64_t)sb.st_size;
+}
+
+static void copy_file(const char *from, const char *to) {
+  FILE *a = fopen(from, "rb"), *b = fopen(to, "wb");
+  assert_non_null(a);
+  assert_non_null(b);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, a)) > 0)
+    assert_int_equal(fwrite(buf, 1, n, b), n);
+  fclose(a);
+  fclose(b);
+}
+
+static void flip_byte(const char *path, uint64_t off) {
+  int fd = open(path, O_RDWR);
+  assert_true(fd >= 0);
+  uint8_t b;
+  assert_int_equal(pread(fd, &b, 1, (off_t)off), 1);
+  b ^= 0x20;
+  assert_int_equal(pwrite(fd, &b, 1, (off_t)off), 1);
+  close(fd);
+}
+
+/* ------------------------------------------------------------------ files */
+
+static void written_checkpoint_loads_back_bit_for_bit(void **state) {
+  (void)state;
+  char root[512];
+  fresh_dir(root, sizeof root, "roundtrip");
+  spec s;
+  build_spec(&s, "roundtrip", 2);
+  model md;
+  model_random(&md, 1);
+  write_checkpoint(root, &s, &md, 7, 1);
+  core_state sts[2];
+  load_all(root, 7, 2, sts);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(sts[i].version, 7);
+    assert_int_equal(sts[i].optimizer_steps, 6);
+    assert_int_equal(spec_hash(&sts[i].spec), spec_hash(&s));
+    /* Padding and all: the arenas equal the written ones. */
+    core_state orig;
+    state_from_model(&orig, &s, i, &md, 7, 6);
+    assert_int_equal(sts[i].nelems, orig.nelems);
+    assert_memory_equal(sts[i].master, orig.master, orig.nelems * sizeof(float));
+    assert_memory_equal(sts[i].m, orig.m, orig.nelems * sizeof(float));
+    if (orig.v)
+      assert_memory_equal(sts[i].v, orig.v, orig.nelems * sizeof(float));
+    core_state_free(&orig);
+  }
+  assert_states_hold(sts, &s, &md);
+  for (uint32_t i = 0; i < 2; i++)
+    core_state_free(&sts[i]);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void checkpoint_without_manifest_is_never_loaded(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "nomanifest");
+  spec s;
+  build_spec(&s, "nomanifest", 2);
+  model md;
+  model_random(&md, 2);
+  write_checkpoint(root, &s, &md, 3, 1);
+  write_checkpoint(root, &s, &md, 4, 0);
+  core_state st;
+  assert_int_equal(ckpt_load(root, 4, 0, 2, &st, err, sizeof err), ZS_ENOTFOUND);
+  assert_non_null(strstr(err, "not complete"));
+  ckpt_entry *e;
+  size_t n;
+  assert_int_equal(ckpt_list(root, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 2);
+  assert_int_equal(e[0].step, 3);
+  assert_true(e[0].complete);
+  assert_int_equal(e[0].num_shards, 2);
+  assert_int_equal(e[0].spec_hash, spec_hash(&s));
+  assert_int_equal(e[1].step, 4);
+  assert_false(e[1].complete);
+  free(e);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void listing_orders_steps_numerically_and_ignores_other_names(void **state) {
+  (void)state;
+  char root[512], path[600], err[512];
+  fresh_dir(root, sizeof root, "listing");
+  spec s;
+  build_spec(&s, "listing", 1);
+  model md;
+  model_random(&md, 3);
+  write_checkpoint(root, &s, &md, 10, 1);
+  write_checkpoint(root, &s, &md, 9, 1);
+  const char *junk[] = {"step-010", "step-", "step-x", "steps-3", "step-99999999999999999999"};
+  for (size_t i = 0; i < sizeof junk / sizeof junk[0]; i++) {
+    snprintf(path, sizeof path, "%s/%s", root, junk[i]);
+    assert_int_equal(mkdir(path, 0755), 0);
+  }
+  snprintf(path, sizeof path, "%s/step-11", root); /* a file, not a directory */
+  FILE *f = fopen(path, "w");
+  fclose(f);
+  ckpt_entry *e;
+  size_t n;
+  assert_int_equal(ckpt_list(root, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 2);
+  assert_int_equal(e[0].step, 9);
+  assert_int_equal(e[1].step, 10);
+  free(e);
+  /* A missing root is an empty list, not an error. */
+  snprintf(path, sizeof path, "%s/absent", root);
+  assert_int_equal(ckpt_list(path, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 0);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void reshard_two_to_three_and_back_keeps_every_element(void **state) {
+  (void)state;
+  char a[512], b[512], c[512], err[512];
+  fresh_dir(a, sizeof a, "reshard-a");
+  fresh_dir(b, sizeof b, "reshard-b");
+  fresh_dir(c, sizeof c, "reshard-c");
+  spec s2, s3;
+  build_spec(&s2, "reshard", 2);
+  build_spec(&s3, "reshard", 3);
+  model md;
+  model_random(&md, 4);
+  write_checkpoint(a, &s2, &md, 12, 1);
+
+  /* 2 -> 3: each new shard reads the old files' overlapping pieces. */
+  core_state st3[3];
+  load_all(a, 12, 3, st3);
+  assert_states_hold(st3, &s3, &md);
+  ckpt_manifest m = {.step = 12, .version = 12, .spec_hash = spec_hash(&s3), .num_shards = 3};
+  m.optimizer_steps = st3[0].optimizer_steps;
+  m.files = calloc(3, sizeof *m.files);
+  for (uint32_t i = 0; i < 3; i++) {
+    assert_int_equal(st3[i].version, 12);
+    assert_int_equal(spec_hash(&st3[i].spec), spec_hash(&s3));
+    assert_int_equal(ckpt_write_shard(b, &st3[i], NULL, &m.files[i], err, sizeof err), 0);
+  }
+  assert_int_equal(ckpt_manifest_write(b, &m, 0, err, sizeof err), 0);
+  ckpt_manifest_free(&m);
+
+  /* 3 -> 2: the result equals the original 2-shard states bit for bit. */
+  core_state st2[2];
+  load_all(b, 12, 2, st2);
+  for (uint32_t i = 0; i < 2; i++) {
+    core_state orig;
+    state_from_model(&orig, &s2, i, &md, 12, 11);
+    assert_int_equal(st2[i].nelems, orig.nelems);
+    assert_memory_equal(st2[i].master, orig.master, orig.nelems * sizeof(float));
+    assert_memory_equal(st2[i].m, orig.m, orig.nelems * sizeof(float));
+    assert_int_equal(st2[i].optimizer_steps, 11);
+    core_state_free(&orig);
+    core_state_free(&st2[i]);
+  }
+  /* 2 -> 1 and 2 -> 5 as well: any N' works. */
+  core_state st1;
+  assert_int_equal(ckpt_load(a, 12, 0, 1, &st1, err, sizeof err), 0);
+  spec s1;
+  build_spec(&s1, "reshard", 1);
+  assert_states_hold(&st1, &s1, &md);
+  core_state_free(&st1);
+  spec_free(&s1);
+  core_state st5[5];
+  load_all(a, 12, 5, st5);
+  spec s5;
+  build_spec(&s5, "reshard", 5);
+  assert_states_hold(st5, &s5, &md);
+  for (uint32_t i = 0; i < 5; i++)
+    core_state_free(&st5[i]);
+  spec_free(&s5);
+
+  /* A file the new shard needs is missing: named, nothing loaded. */
+  char path[600];
+  shard_path(path, sizeof path, a, 12, 1, 2);
+  assert_int_equal(unlink(path), 0);
+  core_state st;
+  int rc = ckpt_load(a, 12, 2, 3, &st, err, sizeof err);
+  assert_int_equal(rc, ZS_ENOTFOUND);
+  assert_non_null(strstr(err, "shard-1-of-2.zsc"));
+  (void)c;
+  for (uint32_t i = 0; i < 3; i++)
+    core_state_free(&st3[i]);
+  model_free(&md);
+  spec_free(&s2);
+  spec_free(&s3);
+}
+
+/* Every damaged copy of `good` at `path` must be refused, with the path in
+ * the message, by ckpt_load (manifest bound) and by a reader without the
+ * manifest's size and CRC. */
+static void expect_refused(const char *root, uint64_t step, const char *path, const char *what) {
+  char err[512] = "";
+  core_state st;
+  int rc = ckpt_load(root, step, 0, 1, &st, err, sizeof err);
+  if (rc == 0)
+    fprintf(stderr, "%s was loaded\n", what);
+  assert_int_not_equal(rc, 0);
+  if (!strstr(err, path))
+    fprintf(stderr, "%s: message does not name the file: %s\n", what, err);
+  assert_non_null(strstr(err, path));
+  ckpt_reader *r = NULL;
+  rc = ckpt_reader_open(path, NULL, &r, err, sizeof err);
+  if (rc == 0)
+    fprintf(stderr, "%s was accepted by a reader without the manifest\n", what);
+  assert_int_not_equal(rc, 0);
+  assert_null(r);
+  assert_non_null(strstr(err, path));
+}
+
+static void one_flipped_byte_anywhere_is_refused_naming_the_file(void **state) {
+  (void)state;
+  char root[512], path[600], good[600];
+  fresh_dir(root, sizeof root, "corrupt");
+  spec s;
+  build_spec(&s, "corrupt", 1);
+  model md;
+  model_random(&md, 5);
+  write_checkpoint(root, &s, &md, 2, 1);
+  shard_path(path, sizeof path, root, 2, 0, 1);
+  snprintf(good, sizeof good, "%s/good.zsc", root);
+  copy_file(path, good);
+  uint64_t size = file_size(path);
+  /* Every byte of the header and the table, then a stride through the rest
+   * that visits every section and padding run, then the last byte. */
+  int tried = 0;
+  for (uint64_t off = 0; off < size; off += off < 512 ? 1 : 61) {
+    flip_byte(path, off);
+    char what[64];
+    snprintf(what, sizeof what, "byte %" PRIu64 " flipped", off);
+    expect_refused(root, 2, path, what);
+    copy_file(good, path);
+    tried++;
+  }
+  flip_byte(path, size - 1);
+  expect_refused(root, 2, path, "last byte flipped");
+  copy_file(good, path);
+  assert_true(tried > 600);
+  /* The intact file still loads. */
+  core_state st;
+  char err[512];
+  assert_int_equal(ckpt_load(root, 2, 0, 1, &st, err, sizeof err), 0);
+  core_state_free(&st);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void truncated_file_is_refused_at_any_length(void **state) {
+  (void)state;
+  char root[512], path[600], good[600];
+  fresh_dir(root, sizeof root, "truncated");
+  spec s;
+  build_spec(&s, "truncated", 1);
+  model md;
+  model_random(&md, 6);
+  write_checkpoint(root, &s, &md, 2, 1);
+  shard_path(path, sizeof path, root, 2, 0, 1);
+  snprintf(good, sizeof good, "%s/good.zsc", root);
+  copy_file(path, good);
+  uint64_t size = file_size(path);
+  uint64_t lens[] = {0, 1, 64, 127, 128, 129, 200, 400, size / 2, size - 4, size - 1};
+  for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+    assert_int_equal(truncate(path, (off_t)lens[i]), 0);
+    char what[64];
+    snprintf(what, sizeof what, "truncated to %" PRIu64, lens[i]);
+    expect_refused(root, 2, path, what);
+    copy_file(good, path);
+  }
+  /* And a file that grew: trailing bytes are refused too. */
+  FILE *f = fopen(path, "ab");
+  fputs("junk", f);
+  fclose(f);
+  expect_refused(root, 2, path, "4 bytes appended");
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void file_of_another_job_or_step_is_refused(void **state) {
+  (void)state;
+  char a[512], b[512], path_a[600], path_b[600], err[512];
+  fresh_dir(a, sizeof a, "foreign-a");
+  fresh_dir(b, sizeof b, "foreign-b");
+  spec sa, sb;
+  build_spec(&sa, "job-a", 1);
+  build_spec(&sb, "job-b", 1);
+  model md;
+  model_random(&md, 7);
+  write_checkpoint(a, &sa, &md, 5, 1);
+  write_checkpoint(b, &sb, &md, 5, 1);
+  shard_path(path_a, sizeof path_a, a, 5, 0, 1);
+  shard_path(path_b, sizeof path_b, b, 5, 0, 1);
+  /* Job b's file in job a's checkpoint: the manifest does not vouch for it. */
+  copy_file(path_b, path_a);
+  core_state st;
+  assert_int_not_equal(ckpt_load(a, 5, 0, 1, &st, err, sizeof err), 0);
+  assert_non_null(strstr(err, path_a));
+  /* A manifest edited to match the foreign file still fails on the header. */
+  ckpt_manifest m;
+  assert_int_equal(ckpt_manifest_read(a, 5, &m, err, sizeof err), 0);
+  ckpt_reader *r;
+  assert_int_equal(ckpt_reader_open(path_a, NULL, &r, err, sizeof err), 0);
+  assert_string_equal(ckpt_reader_spec(r)->job, "job-b");
+  ckpt_reader_close(r);
+  m.files[0].bytes = file_size(path_a);
+  ckpt_manifest mb;
+  assert_int_equal(ckpt_manifest_read(b, 5, &mb, err, sizeof err), 0);
+  m.files[0].crc32c = mb.files[0].crc32c;
+  ckpt_manifest_free(&mb);
+  assert_int_equal(ckpt_manifest_write(a, &m, 0, err, sizeof err), 0);
+  ckpt_manifest_free(&m);
+  assert_int_equal(ckpt_load(a, 5, 0, 1, &st, err, sizeof err), ZS_EPROTO);
+  assert_non_null(strstr(err, "disagrees with the manifest"));
+  assert_non_null(strstr(err, path_a));
+  model_free(&md);
+  spec_free(&sa);
+  spec_free(&sb);
+}
+
+static void damaged_manifest_makes_the_checkpoint_incomplete(void **state) {
+  (void)state;
+  char root[512], path[600], err[512];
+  fresh_dir(root, sizeof root, "badmanifest");
+  spec s;
+  build_spec(&s, "badmanifest", 2);
+  model md;
+  model_random(&md, 8);
+  write_checkpoint(root, &s, &md, 1, 1);
+  snprintf(path, sizeof path, "%s/step-1/MANIFEST", root);
+  flip_byte(path, 40);
+  ckpt_manifest m;
+  int rc = ckpt_manifest_read(root, 1, &m, err, sizeof err);
+  assert_true(rc == ZS_ECRC || rc == ZS_EPROTO);
+  assert_non_null(strstr(err, path));
+  ckpt_entry *e;
+  size_t n;
+  assert_int_equal(ckpt_list(root, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 1);
+  assert_false(e[0].complete);
+  free(e);
+  core_state st;
+  assert_int_not_equal(ckpt_load(root, 1, 0, 2, &st, err, sizeof err), 0);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void rewriting_a_step_uncommits_it_first(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "rewrite");
+  spec s;
+  build_spec(&s, "rewrite", 2);
+  model md;
+  model_random(&md, 9);
+  write_checkpoint(root, &s, &md, 6, 1);
+  core_state st;
+  state_from_model(&st, &s, 1, &md, 6, 5);
+  ckpt_file_info fi;
+  assert_int_equal(ckpt_write_shard(root, &st, NULL, &fi, err, sizeof err), 0);
+  core_state_free(&st);
+  ckpt_manifest m;
+  assert_int_equal(ckpt_manifest_read(root, 6, &m, err, sizeof err), ZS_ENOTFOUND);
+  /* Removal takes the whole step. */
+  assert_int_equal(ckpt_remove(root, 6, err, sizeof err), 0);
+  ckpt_entry *e;
+  size_t n;
+  assert_int_equal(ckpt_list(root, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 0);
+  free(e);
+  model_free(&md);
+  spec_free(&s);
+}
+
+/* Mounts a tmpfs of `kb` KiB at dir; 0, or -1 when this process may not. */
+static int mount_tmpfs(const char *dir, unsigned kb) {
+  char opts[64];
+  snprintf(opts, sizeof opts, "size=%uk", kb);
+  return mount("tmpfs", dir, "tmpfs", 0, opts);
+}
+
+static void full_disk_fails_clearly_and_keeps_the_previous_checkpoint(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "full");
+  spec s;
+  build_spec(&s, "full", 1);
+  core_state probe;
+  assert_int_equal(core_state_init(&probe, &s, 0, err, sizeof err), 0);
+  uint64_t one = probe.nelems * 12u + 8192u;
+  core_state_free(&probe);
+  /* Room for one checkpoint and a half. */
+  if (mount_tmpfs(root, (unsigned)((one * 3 / 2) / 1024 + 8)) != 0) {
+    fprintf(stderr, "cannot mount a tmpfs (%s): skipped\n", strerror(errno));
+    spec_free(&s);
+    skip();
+  }
+  model md;
+  model_random(&md, 10);
+  write_checkpoint(root, &s, &md, 1, 1);
+  core_state st;
+  state_from_model(&st, &s, 0, &md, 2, 1);
+  ckpt_file_info fi;
+  int rc = ckpt_write_shard(root, &st, NULL, &fi, err, sizeof err);
+  core_state_free(&st);
+  assert_int_equal(rc, ZS_EIO);
+  assert_non_null(strstr(err, "No space left on device"));
+  assert_non_null(strstr(err, "step-2"));
+  /* Nothing of the failed write is left; the previous one loads. */
+  char tmp[600];
+  snprintf(tmp, sizeof tmp, "%s/step-2/.shard-0-of-1.zsc.tmp", root);
+  assert_int_equal(access(tmp, F_OK), -1);
+  core_state back;
+  assert_int_equal(ckpt_load(root, 1, 0, 1, &back, err, sizeof err), 0);
+  assert_states_hold(&back, &s, &md);
+  core_state_free(&back);
+  assert_int_equal(umount2(root, MNT_DETACH), 0);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void read_only_directory_fails_clearly_and_keeps_the_previous_checkpoint(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "readonly");
+  if (mount_tmpfs(root, 1024) != 0) {
+    fprintf(stderr, "cannot mount a tmpfs (%s): skipped\n", strerror(errno));
+    skip();
+  }
+  spec s;
+  build_spec(&s, "readonly", 1);
+  model md;
+  model_random(&md, 11);
+  write_checkpoint(root, &s, &md, 1, 1);
+  assert_int_equal(mount("tmpfs", root, "tmpfs", MS_REMOUNT | MS_RDONLY, NULL), 0);
+  core_state st;
+  state_from_model(&st, &s, 0, &md, 2, 1);
+  ckpt_file_info fi;
+  int rc = ckpt_write_shard(root, &st, NULL, &fi, err, sizeof err);
+  assert_int_equal(rc, ZS_EIO);
+  assert_non_null(strstr(err, "Read-only file system"));
+  assert_non_null(strstr(err, root));
+  /* Rewriting the committed step fails before it touches the manifest. */
+  st.version = 1;
+  rc = ckpt_write_shard(root, &st, NULL, &fi, err, sizeof err);
+  assert_int_equal(rc, ZS_EIO);
+  core_state_free(&st);
+  core_state back;
+  assert_int_equal(ckpt_load(root, 1, 0, 1, &back, err, sizeof err), 0);
+  assert_states_hold(&back, &s, &md);
+  core_state_free(&back);
+  assert_int_equal(umount2(root, MNT_DETACH), 0);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void subdirectory_names_from_the_network_are_checked(void **state) {
+  (void)state;
+  assert_true(ckpt_valid_subdir("best"));
+  assert_true(ckpt_valid_subdir("runs/2024-01_a.b"));
+  assert_false(ckpt_valid_subdir(""));
+  assert_false(ckpt_valid_subdir(NULL));
+  assert_false(ckpt_valid_subdir("/etc"));
+  assert_false(ckpt_valid_subdir(".."));
+  assert_false(ckpt_valid_subdir("a/../b"));
+  assert_false(ckpt_valid_subdir("a/./b"));
+  assert_false(ckpt_valid_subdir("a//b"));
+  assert_false(ckpt_valid_subdir("a/"));
+  assert_false(ckpt_valid_subdir("a b"));
+  assert_false(ckpt_valid_subdir("a\\b"));
+  assert_false(ckpt_valid_subdir("1/2/3/4/5/6/7/8/9"));
+}
+
+/* Reads a u64 little-endian. */
+static uint64_t le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++)
+    v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* The data_offsets of `key` in the header JSON (a plain search: keys are
+ * unique and each is followed by its object). */
+static void find_offsets(const char *json, const char *key, uint64_t *b, uint64_t *e) {
+  const char *k = strstr(json, key);
+  assert_non_null(k);
+  const char *d = strstr(k, "\"data_offsets\":[");
+  assert_non_null(d);
+  assert_int_equal(sscanf(d, "\"data_offsets\":[%" SCNu64 ",%" SCNu64 "]", b, e), 2);
+}
+
+static void export_holds_every_tensor_whole(void **state) {
+  (void)state;
+  char root[512], out[600], err[512];
+  fresh_dir(root, sizeof root, "export");
+  spec s;
+  build_spec(&s, "export", 3);
+  model md;
+  model_random(&md, 12);
+  write_checkpoint(root, &s, &md, 4, 1);
+  snprintf(out, sizeof out, "%s/model.safetensors", root);
+  ckpt_export_opts o = {.dtype = ZS_DTYPE_FP32, .moments = 1};
+  int rc = ckpt_export_safetensors(root, 4, out, &o, err, sizeof err);
+  if (rc)
+    fprintf(stderr, "%s\n", err);
+  assert_int_equal(rc, 0);
+  FILE *f = fopen(out, "rb");
+  assert_non_null(f);
+  uint8_t len8[8];
+  assert_int_equal(fread(len8, 1, 8, f), 8);
+  uint64_t hl = le64(len8);
+  assert_int_equal(hl % 8, 0);
+  char *json = calloc(hl + 1, 1);
+  assert_int_equal(fread(json, 1, hl, f), hl);
+  assert_non_null(strstr(json, "\"zshard.step\":\"4\""));
+  assert_non_null(strstr(json, "\"head \\\"quoted\\\" \\\\ name\""));
+  assert_null(strstr(json, "\"mid.weight.exp_avg\""));
+  assert_null(strstr(json, "\"embed.bias.momentum_buffer\""));
+  const struct {
+    const char *key;
+    uint32_t t;
+    int a;
+  } probes[] = {
+      {"\"embed.weight\":", 0, 0},
+      {"\"embed.weight.exp_avg\":", 0, 1},
+      {"\"embed.weight.exp_avg_sq\":", 0, 2},
+      {"\"mid.weight.momentum_buffer\":", 2, 1},
+      {"\"head.weight\":", 5, 0},
+      {"\"embed.bias\":", 1, 0},
+  };
+  for (size_t i = 0; i < sizeof probes / sizeof probes[0]; i++) {
+    uint64_t b, e;
+    find_offsets(json, probes[i].key, &b, &e);
+    uint64_t n = k_tensors[probes[i].t].numel;
+    assert_int_equal(e - b, n * 4);
+    float *buf = malloc(n * 4);
+    assert_int_equal(fseek(f, (long)(8 + hl + b), SEEK_SET), 0);
+    assert_int_equal(fread(buf, 4, n, f), n);
+    assert_memory_equal(buf, md.values[probes[i].a][probes[i].t], n * 4);
+    free(buf);
+  }
+  fclose(f);
+  free(json);
+  /* bf16: round to nearest even of the masters. */
+  o.dtype = ZS_DTYPE_BF16;
+  o.moments = 0;
+  assert_int_equal(ckpt_export_safetensors(root, 4, out, &o, err, sizeof err), 0);
+  f = fopen(out, "rb");
+  assert_int_equal(fread(len8, 1, 8, f), 8);
+  hl = le64(len8);
+  json = calloc(hl + 1, 1);
+  assert_int_equal(fread(json, 1, hl, f), hl);
+  assert_non_null(strstr(json, "\"dtype\":\"BF16\""));
+  assert_null(strstr(json, "exp_avg"));
+  uint64_t b, e;
+  find_offsets(json, "\"mid.weight\":", &b, &e);
+  uint16_t *h = malloc(517 * 2);
+  uint16_t *want = malloc(517 * 2);
+  dtype_from_f32(ZS_DTYPE_BF16, md.values[0][2], want, 517);
+  assert_int_equal(fseek(f, (long)(8 + hl + b), SEEK_SET), 0);
+  assert_int_equal(fread(h, 2, 517, f), 517);
+  assert_memory_equal(h, want, 517 * 2);
+  free(h);
+  free(want);
+  free(json);
+  fclose(f);
+  model_free(&md);
+  spec_free(&s);
+}
+
+/* ------------------------------------------------------------------ core */
+
+typedef struct waitbox {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done, status;
+} waitbox;
+
+static void box_init(waitbox *b) {
+  pthread_mutex_init(&b->mu, NULL);
+  pthread_cond_init(&b->cv, NULL);
+  b->done = 0;
+  b->status = 0;
+}
+
+static void box_set(waitbox *b, int status) {
+  pthread_mutex_lock(&b->mu);
+  b->status = status;
+  b->done = 1;
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
+static int box_wait(waitbox *b) {
+  pthread_mutex_lock(&b->mu);
+  while (!b->done)
+    pthread_cond_wait(&b->cv, &b->mu);
+  int s = b->status;
+  b->done = 0;
+  pthread_mutex_unlock(&b->mu);
+  return s;
+}
+
+static void on_stats(void *arg, int status, const core_stats_result *r) {
+  (void)r;
+  box_set(arg, status);
+}
+
+static void on_apply(void *arg, int status, const core_apply_result *r) {
+  (void)r;
+  box_set(arg, status);
+}
+
+static void on_version(void *arg, int status, uint64_t v) {
+  (void)v;
+  box_set(arg, status);
+}
+
+/* A one-shard core with the test spec's job, initialised from md. */
+static core *core_with_job(const spec *s, const model *md) {
+  core_config cfg = {.shard_id = 0, .num_shards = 1, .threads = 2};
+  core *c = NULL;
+  assert_int_equal(core_create(&cfg, &c), 0);
+  char err[256];
+  assert_int_equal(core_open(c, s, NULL, err, sizeof err), 0);
+  uint64_t h = spec_hash(s);
+  for (uint32_t t = 0; t < K_NT; t++)
+    assert_int_equal(core_init_params(c, h, t, 0, md->values[0][t],
+                                      k_tensors[t].numel * sizeof(float), NULL, NULL, err,
+                                      sizeof err),
+                     0);
+  return c;
+}
+
+/* Pushes a gradient for every tensor and applies step `step`. */
+static void train_step(core *c, const spec *s, uint64_t step, uint64_t seed) {
+  uint64_t h = spec_hash(s);
+  char err[256];
+  for (uint32_t t = 0; t < K_NT; t++) {
+    float *g = malloc(k_tensors[t].numel * sizeof(float));
+    for (uint64_t i = 0; i < k_tensors[t].numel; i++)
+      g[i] = rnd(&seed) * 0.1f;
+    core_push_args a = {.hash = h,
+                        .step = step,
+                        .tensor = t,
+                        .dtype = ZS_DTYPE_FP32,
+                        .data = g,
+                        .nbytes = k_tensors[t].numel * sizeof(float)};
+    assert_int_equal(core_push(c, &a, NULL, err, sizeof err), 0);
+    free(g);
+  }
+  waitbox b;
+  box_init(&b);
+  core_stats_result sr;
+  int rc =
+      core_grad_stats(c, h, step, clock_now_ms() + WAIT_MS, on_stats, &b, &sr, err, sizeof err);
+  if (rc == CORE_PENDING)
+    rc = box_wait(&b);
+  assert_int_equal(rc, 0);
+  core_apply_result ar;
+  rc = core_apply(c, h, step, 1e-2, 1.0f, 0, on_apply, &b, &ar, err, sizeof err);
+  if (rc == CORE_PENDING)
+    rc = box_wait(&b);
+  assert_int_equal(rc, 0);
+}
+
+/* The whole model as the core holds it now (fp32 reads). */
+static void read_model(core *c, const spec *s, model *out) {
+  memset(out, 0, sizeof *out);
+  char err[256];
+  for (uint32_t t = 0; t < K_NT; t++) {
+    out->values[0][t] = malloc(k_tensors[t].numel * sizeof(float));
+    assert_int_equal(core_read(c, spec_hash(s), t, 0, ZS_DTYPE_FP32, out->values[0][t],
+                               k_tensors[t].numel * sizeof(float), NULL, err, sizeof err),
+                     0);
+  }
+}
+
+typedef struct copy_ctx {
+  core_state st;
+  uint64_t seen_version;
+} copy_ctx;
+
+static int copy_view(void *arg, const core_view *v) {
+  copy_ctx *x = arg;
+  x->seen_version = v->version;
+  if (x->st.nelems != v->nelems)
+    return ZS_EINTERNAL;
+  memcpy(x->st.master, v->master, v->nelems * sizeof(float));
+  if (x->st.m)
+    memcpy(x->st.m, v->m, v->nelems * sizeof(float));
+  if (x->st.v)
+    memcpy(x->st.v, v->v, v->nelems * sizeof(float));
+  x->st.version = v->version;
+  x->st.optimizer_steps = v->optimizer_steps;
+  return 0;
+}
+
+static void snapshot_then_restore_gives_an_identical_shard(void **state) {
+  (void)state;
+  spec s;
+  build_spec(&s, "core-ckpt", 1);
+  model md;
+  model_random(&md, 20);
+  core *a = core_with_job(&s, &md);
+  uint64_t h = spec_hash(&s);
+  char err[256];
+  for (uint64_t step = 1; step <= 3; step++)
+    train_step(a, &s, step, 100 + step);
+  copy_ctx x;
+  assert_int_equal(core_state_init(&x.st, &s, 0, err, sizeof err), 0);
+  double secs = -1;
+  assert_int_equal(core_snapshot(a, h, 3, 0, copy_view, &x, &secs, err, sizeof err), 0);
+  assert_true(secs >= 0);
+  assert_int_equal(x.st.version, 3);
+  assert_int_equal(x.st.optimizer_steps, 3);
+  /* An old version is gone. */
+  assert_int_equal(core_snapshot(a, h, 2, 0, copy_view, &x, NULL, err, sizeof err), ZS_ESTEP);
+
+  /* A second shard restored from the snapshot trains on like the first. */
+  core_config cfg = {.shard_id = 0, .num_shards = 1, .threads = 1};
+  core *b = NULL;
+  assert_int_equal(core_create(&cfg, &b), 0);
+  assert_int_equal(core_checkpoint_origin(b, NULL, NULL), 0);
+  assert_int_equal(core_restore(b, &x.st, 3, err, sizeof err), 0);
+  core_state_free(&x.st); /* b's previous (empty) arenas */
+  uint64_t ck;
+  int untouched;
+  assert_int_equal(core_checkpoint_origin(b, &ck, &untouched), 1);
+  assert_int_equal(ck, 3);
+  assert_true(untouched);
+  core_info info;
+  core_get_info(b, &info);
+  assert_int_equal(info.version, 3);
+  assert_true(info.initialized);
+  train_step(a, &s, 4, 777);
+  train_step(b, &s, 4, 777);
+  assert_int_equal(core_checkpoint_origin(b, NULL, &untouched), 1);
+  assert_false(untouched);
+  model ma, mb;
+  read_model(a, &s, &ma);
+  read_model(b, &s, &mb);
+  for (uint32_t t = 0; t < K_NT; t++)
+    assert_memory_equal(ma.values[0][t], mb.values[0][t], k_tensors[t].numel * sizeof(float));
+  /* The low copy was recomputed: bf16 reads agree too. */
+  uint16_t la[1300], lb[1300];
+  assert_int_equal(core_read(a, h, 0, 0, ZS_DTYPE_BF16, la, sizeof la, NULL, err, sizeof err), 0);
+  assert_int_equal(core_read(b, h, 0, 0, ZS_DTYPE_BF16, lb, sizeof lb, NULL, err, sizeof err), 0);
+  assert_memory_equal(la, lb, sizeof la);
+  model_free(&ma);
+  model_free(&mb);
+  core_destroy(a);
+  core_destroy(b);
+  model_free(&md);
+  spec_free(&s);
+}
+
+typedef struct snap_thread {
+  core *c;
+  uint64_t hash, step;
+  copy_ctx *x;
+  int rc;
+  atomic_int finished;
+  char err[256];
+} snap_thread;
+
+static void *run_snapshot(void *arg) {
+  snap_thread *t = arg;
+  t->rc = core_snapshot(t->c, t->hash, t->step, clock_now_ms() + WAIT_MS, copy_view, t->x, NULL,
+                        t->err, sizeof t->err);
+  atomic_store(&t->finished, 1);
+  return NULL;
+}
+
+static void snapshot_of_a_future_step_sees_exactly_that_version(void **state) {
+  (void)state;
+  spec s;
+  build_spec(&s, "core-future", 1);
+  model md;
+  model_random(&md, 21);
+  core *c = core_with_job(&s, &md);
+  uint64_t h = spec_hash(&s);
+  char err[256];
+  copy_ctx x;
+  assert_int_equal(core_state_init(&x.st, &s, 0, err, sizeof err), 0);
+  /* Asked at version 0 (or, if the thread is slow, at 1 or 2): the copy is
+   * made when the applies reach version 2, and the version stays there until
+   * the thread is joined. */
+  snap_thread t = {.c = c, .hash = h, .step = 2, .x = &x};
+  atomic_init(&t.finished, 0);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, run_snapshot, &t), 0);
+  train_step(c, &s, 1, 1);
+  train_step(c, &s, 2, 2);
+  pthread_join(th, NULL);
+  assert_int_equal(t.rc, 0);
+  assert_int_equal(x.seen_version, 2);
+  train_step(c, &s, 3, 3);
+  /* Replaying steps 1..2 on a fresh core gives the snapshot's masters. */
+  core *ref = core_with_job(&s, &md);
+  train_step(ref, &s, 1, 1);
+  train_step(ref, &s, 2, 2);
+  copy_ctx y;
+  assert_int_equal(core_state_init(&y.st, &s, 0, err, sizeof err), 0);
+  assert_int_equal(core_snapshot(ref, h, 2, 0, copy_view, &y, NULL, err, sizeof err), 0);
+  assert_memory_equal(x.st.master, y.st.master, x.st.nelems * sizeof(float));
+  assert_memory_equal(x.st.m, y.st.m, x.st.nelems * sizeof(float));
+  core_state_free(&x.st);
+  core_state_free(&y.st);
+  core_destroy(ref);
+  core_destroy(c);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void snapshot_wait_ends_by_deadline_or_cancel(void **state) {
+  (void)state;
+  spec s;
+  build_spec(&s, "core-cancel", 1);
+  model md;
+  model_random(&md, 22);
+  core *c = core_with_job(&s, &md);
+  uint64_t h = spec_hash(&s);
+  char err[256];
+  copy_ctx x;
+  assert_int_equal(core_state_init(&x.st, &s, 0, err, sizeof err), 0);
+  /* A deadline already past: the worker expires it. */
+  assert_int_equal(core_snapshot(c, h, 5, clock_now_ms() - 1, copy_view, &x, NULL, err, sizeof err),
+                   ZS_ETIMEDOUT);
+  assert_non_null(strstr(err, "version 5"));
+  snap_thread t = {.c = c, .hash = h, .step = 9, .x = &x};
+  atomic_init(&t.finished, 0);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, run_snapshot, &t), 0);
+  /* Cancel until the thread has returned: the snapshot may not be registered
+   * yet when the first cancel runs. */
+  while (!atomic_load(&t.finished)) {
+    core_cancel_snapshots(c);
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  pthread_join(th, NULL);
+  assert_int_equal(t.rc, ZS_ECANCELED);
+  assert_int_equal(core_snapshot(c, h ^ 1, 0, 0, copy_view, &x, NULL, err, sizeof err), ZS_EHASH);
+  core_state_free(&x.st);
+  core_destroy(c);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static void restore_drops_the_pending_step_and_answers_later_steps_behind(void **state) {
+  (void)state;
+  spec s;
+  build_spec(&s, "core-behind", 1);
+  model md;
+  model_random(&md, 23);
+  core *c = core_with_job(&s, &md);
+  uint64_t h = spec_hash(&s);
+  char err[512];
+  train_step(c, &s, 1, 1);
+  copy_ctx x;
+  assert_int_equal(core_state_init(&x.st, &s, 0, err, sizeof err), 0);
+  assert_int_equal(core_snapshot(c, h, 1, 0, copy_view, &x, NULL, err, sizeof err), 0);
+  train_step(c, &s, 2, 2);
+  train_step(c, &s, 3, 3);
+  /* A push of step 4 and a wait for version 5 are in flight. */
+  float g[13] = {1};
+  core_push_args a = {
+      .hash = h, .step = 4, .tensor = 1, .dtype = ZS_DTYPE_FP32, .data = g, .nbytes = sizeof g};
+  assert_int_equal(core_push(c, &a, NULL, err, sizeof err), 0);
+  waitbox wb;
+  box_init(&wb);
+  uint64_t v;
+  assert_int_equal(
+      core_wait_version(c, h, 5, clock_now_ms() + WAIT_MS, on_version, &wb, &v, err, sizeof err),
+      CORE_PENDING);
+  assert_int_equal(core_restore(c, &x.st, 1, err, sizeof err), 0);
+  /* The waiter learns that the shard went back. */
+  assert_int_equal(box_wait(&wb), ZS_EBEHIND);
+  core_info info;
+  core_get_info(c, &info);
+  assert_int_equal(info.version, 1);
+  /* Step 4 belongs to a trainer that is ahead: EBEHIND naming the step. */
+  a.step = 4;
+  assert_int_equal(core_push(c, &a, NULL, err, sizeof err), ZS_EBEHIND);
+  assert_non_null(strstr(err, "checkpoint step 1"));
+  assert_int_equal(core_wait_version(c, h, 3, 0, on_version, &wb, &v, err, sizeof err), ZS_EBEHIND);
+  /* Step 2 starts from nothing: only the new contributions count. */
+  assert_int_equal(core_missing(c, 2, NULL, 0), K_NT);
+  train_step(c, &s, 2, 2);
+  core *ref = core_with_job(&s, &md);
+  train_step(ref, &s, 1, 1);
+  train_step(ref, &s, 2, 2);
+  model mc, mr;
+  read_model(c, &s, &mc);
+  read_model(ref, &s, &mr);
+  for (uint32_t t = 0; t < K_NT; t++)
+    assert_memory_equal(mc.values[0][t], mr.values[0][t], k_tensors[t].numel * sizeof(float));
+  model_free(&mc);
+  model_free(&mr);
+  /* Another job's state is refused and changes nothing. */
+  spec other;
+  build_spec(&other, "another-job", 1);
+  core_state os;
+  assert_int_equal(core_state_init(&os, &other, 0, err, sizeof err), 0);
+  assert_int_equal(core_restore(c, &os, 9, err, sizeof err), ZS_EHASH);
+  core_get_info(c, &info);
+  assert_int_equal(info.version, 2);
+  core_state_free(&os);
+  spec_free(&other);
+  core_state_free(&x.st);
+  core_destroy(ref);
+  core_destroy(c);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static int group_setup(void **state) {
+  (void)state;
+  const char *tmp = getenv("TMPDIR");
+  snprintf(g_root, sizeof g_root, "%s/zshard-ckpt-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+  return mkdtemp(g_root) ? 0 : -1;
+}
+
+static int group_teardown(void **state) {
+  (void)state;
+  nftw(g_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+  return 0;
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(written_checkpoint_loads_back_bit_for_bit),
+      cmocka_unit_test(checkpoint_without_manifest_is_never_loaded),
+      cmocka_unit_test(listing_orders_steps_numerically_and_ignores_other_names),
+      cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),
+      cmocka_unit_test(one_flipped_byte_anywhere_is_refused_naming_the_file),
+      cmocka_unit_test(truncated_file_is_refused_at_any_length),
+      cmocka_unit_test(file_of_another_job_or_step_is_refused),
+      cmocka_unit_test(damaged_manifest_makes_the_checkpoint_incomplete),
+      cmocka_unit_test(rewriting_a_step_uncommits_it_first),
+      cmocka_unit_test(full_disk_fails_clearly_and_keeps_the_previous_checkpoint),
+      cmocka_unit_test(read_only_directory_fails_clearly_and_keeps_the_previous_checkpoint),
+      cmocka_unit_test(subdirectory_names_from_the_network_are_checked),
+      cmocka_unit_test(export_holds_every_tensor_whole),
+      cmocka_unit_test(snapshot_then_restore_gives_an_identical_shard),
+      cmocka_unit_test(snapshot_of_a_future_step_sees_exactly_that_version),
+      cmocka_unit_test(snapshot_wait_ends_by_deadline_or_cancel),
+      cmocka_unit_test(restore_drops_the_pending_step_and_answers_later_steps_behind),
+  };
+  return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}
