@@ -648,6 +648,13 @@ static void accept_all(metrics_server *s, uint64_t now, uint64_t *paused_until) 
                                  "Connection: close\r\n\r\n";
       ssize_t w = send(fd, busy, sizeof busy - 1, MSG_NOSIGNAL);
       (void)w;
+      /* Closing with unread request bytes would answer the client with a
+       * reset that can destroy the 503 before it is read: half-close, then
+       * drop what already arrived (bounded, non-blocking). */
+      shutdown(fd, SHUT_WR);
+      char sink[4096];
+      for (int i = 0; i < 4 && recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0; i++) {
+      }
       close(fd);
       continue;
     }

@@ -150,6 +150,14 @@ static void read_answer(int fd, http_resp *out) {
     ssize_t r = recv(fd, buf + len, cap - len - 1, 0);
     if (r < 0 && errno == EINTR)
       continue;
+    if (r < 0 && errno == ECONNRESET && len == 0) {
+      /* Refused before anything was read: status -1, for the callers that
+       * accept a refusal; every other caller's status check fails on it. */
+      free(buf);
+      out->status = -1;
+      out->text = strdup("(connection reset)");
+      return;
+    }
     if (r < 0)
       fail_msg("recv: %s (no answer from the metrics server)", strerror(errno));
     if (r == 0)
@@ -717,7 +725,9 @@ static void bad_http_requests_get_their_4xx_and_the_shard_serves_on(void **state
     int code = status_of(port, "GET /metrics HTTP/1.1\r\n\r\n");
     if (code == 200)
       break;
-    assert_int_equal(code, 503);
+    /* Still full: told 503, or reset when the refusal raced the request. */
+    if (code != 503 && code != -1)
+      fail_msg("expected 200 or 503 once the clients left, got %d", code);
     if (clock_now_ms() > end)
       fail_msg("the metrics server kept answering 503 after its clients left");
     pause_10ms();
