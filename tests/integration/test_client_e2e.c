@@ -918,18 +918,21 @@ typedef struct chain_state {
   zs_client *c;
   float *second;
   size_t second_bytes;
-  int first_status, close_rc, start_rc, second_status, done;
+  int first_status, close_rc, start_rc, second_status;
+  int first_done, second_done;
 } chain_state;
 
 static void on_second(void *arg, int status) {
   chain_state *s = arg;
   pthread_mutex_lock(&s->mu);
   s->second_status = status;
-  s->done = 1;
+  s->second_done = 1;
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
 
+/* The second pull may complete (on another thread) before this returns:
+ * each callback reports on its own, and the test waits for both. */
 static void on_first(void *arg, int status) {
   chain_state *s = arg;
   int close_rc = zs_client_close(s->c);
@@ -939,7 +942,8 @@ static void on_first(void *arg, int status) {
   s->close_rc = close_rc;
   s->start_rc = start_rc;
   if (start_rc != ZS_OK)
-    s->done = 1; /* on_second will not run */
+    s->second_done = 1; /* on_second will not run */
+  s->first_done = 1;
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
@@ -971,7 +975,7 @@ static void a_callback_may_start_a_transfer_but_not_close_its_client(void **stat
       zs_pull_cb(c, 0, first, ZS_DTYPE_FP32, TENSORS[0].numel * sizeof(float), on_first, &s),
       ZS_OK);
   pthread_mutex_lock(&s.mu);
-  while (!s.done)
+  while (!s.first_done || !s.second_done)
     pthread_cond_wait(&s.cv, &s.mu);
   pthread_mutex_unlock(&s.mu);
   assert_int_equal(s.first_status, ZS_OK);
