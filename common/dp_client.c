@@ -198,9 +198,23 @@ typedef struct dp_req {
   int in_table;
   int writing;   /* libuv still holds wreq */
   int completed; /* the callback ran */
+  /* A batch: its pieces, which msg points at (owned), and for a push batch
+   * each piece's bytes (owned array, borrowed bytes), in the same order. */
+  wire_piece *pieces;
+  const void **piece_data;
+  /* Where the header is encoded: `head`, or for a batch an owned buffer of
+   * WIRE_MAX_BATCH_ENCODED bytes. */
+  uint8_t *big_head;
   uv_write_t wreq;
   uint8_t head[WIRE_MAX_ENCODED];
 } dp_req;
+
+static void req_free(dp_req *r) {
+  free(r->pieces);
+  free(r->piece_data);
+  free(r->big_head);
+  free(r);
+}
 
 struct dp_cconn {
   dp_client *c;
@@ -289,15 +303,19 @@ static void req_detach(dp_client *c, dp_req *r) {
 
 /* Runs the callback once; frees the request unless libuv still holds its
  * write. The request must be detached. */
+static void req_complete_res(dp_req *r, const dp_result *res) {
+  r->completed = 1;
+  r->cb(r->arg, res);
+  if (!r->writing)
+    req_free(r);
+}
+
 static void req_complete(dp_req *r, int status, int duplicate, uint64_t version, const char *msg) {
   dp_result res = {.status = status,
                    .duplicate = duplicate,
                    .version = version,
                    .message = status == 0 ? "" : (msg && *msg ? msg : zs_strerror(status))};
-  r->completed = 1;
-  r->cb(r->arg, &res);
-  if (!r->writing)
-    free(r);
+  req_complete_res(r, &res);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -409,7 +427,7 @@ static void on_written(uv_write_t *w, int status) {
   dp_req *r = container_of(w, dp_req, wreq);
   r->writing = 0;
   if (r->completed) {
-    free(r);
+    req_free(r);
     return;
   }
   if (status < 0 && r->conn) {
@@ -423,7 +441,9 @@ static void conn_write(dp_cconn *k, dp_req *r) {
   dp_client *c = k->c;
   r->msg.request_id = ++c->next_id;
   size_t hlen = 0;
-  if (wire_encode(&r->msg, r->head, sizeof r->head, &hlen) != 0) {
+  uint8_t *head = r->big_head ? r->big_head : r->head;
+  size_t cap = r->big_head ? WIRE_MAX_BATCH_ENCODED : sizeof r->head;
+  if (wire_encode(&r->msg, head, cap, &hlen) != 0) {
     req_complete(r, ZS_EINTERNAL, 0, 0, "cannot encode the request");
     return;
   }
@@ -432,14 +452,22 @@ static void conn_write(dp_cconn *k, dp_req *r) {
   k->bytes_inflight += r->nbytes;
   link_push(&k->inflight, &r->node);
   table_put(c, r);
-  uv_buf_t bufs[2];
-  bufs[0] = uv_buf_init((char *)r->head, (unsigned)hlen);
+  /* One writev: the header, then each payload straight from the caller's
+   * memory (libuv copies this array, so it may live on the stack). */
+  uv_buf_t bufs[WIRE_MAX_BATCH + 1];
+  bufs[0] = uv_buf_init((char *)head, (unsigned)hlen);
   unsigned n = 1;
   if (r->msg.type == WIRE_PUSH && r->nbytes) {
     /* Set directly: uv_buf_init takes an unsigned int length. */
     bufs[1].base = (char *)r->data;
     bufs[1].len = r->nbytes;
     n = 2;
+  } else if (r->msg.type == WIRE_PUSH_BATCH) {
+    for (uint32_t i = 0; i < r->msg.u.push_batch.npieces; i++) {
+      bufs[n].base = (char *)r->piece_data[i];
+      bufs[n].len = (size_t)r->msg.u.push_batch.pieces[i].length;
+      n++;
+    }
   }
   r->writing = 1;
   int rc = uv_write(&r->wreq, (uv_stream_t *)&k->tcp, bufs, n, on_written);
@@ -507,6 +535,51 @@ static void conn_protocol_error(dp_cconn *k, const char *what) {
   conn_fail(k, ZS_EPROTO, msg, NULL, 0);
 }
 
+/* The answer to a batch request r of its own type: a push batch completes
+ * with each piece's outcome; a pull batch whose pieces are the ones asked
+ * for has its payload go to r->dst (*dst). The answer is untrusted: its
+ * piece count and lengths must be the request's. Returns 0, or -1 if the
+ * connection failed. */
+static int batch_answer(dp_cconn *k, dp_req *r, void **dst) {
+  dp_client *c = k->c;
+  const wire_msg *m = &k->rd.msg;
+  char msg[DP_ERRLEN];
+  if (m->type == WIRE_PUSH_BATCH_ACK) {
+    const wire_push_batch_ack *a = &m->u.push_batch_ack;
+    req_detach(c, r);
+    if (a->npieces != r->msg.u.push_batch.npieces) {
+      say(msg, sizeof msg, "push batch %" PRIu64 " of %" PRIu32 " pieces answered for %" PRIu32,
+          m->request_id, r->msg.u.push_batch.npieces, a->npieces);
+      req_complete(r, ZS_EPROTO, 0, 0, msg);
+    } else {
+      dp_result res = {.status = 0,
+                       .message = a->message,
+                       .npieces = a->npieces,
+                       .piece_status = a->status,
+                       .piece_duplicate = a->duplicate};
+      req_complete_res(r, &res);
+    }
+    return k->state == C_READY ? 0 : -1;
+  }
+  const wire_pull_batch_data *d = &m->u.pull_batch_data;
+  const wire_pull_batch *q = &r->msg.u.pull_batch;
+  int ok = d->npieces == q->npieces;
+  for (uint32_t i = 0; ok && i < q->npieces; i++)
+    ok = d->length[i] == q->pieces[i].length;
+  if (!ok) {
+    say(msg, sizeof msg,
+        "pull batch %" PRIu64 " of %" PRIu32 " pieces answered with %" PRIu32
+        " pieces or other sizes",
+        m->request_id, q->npieces, d->npieces);
+    req_detach(c, r);
+    req_complete(r, ZS_EPROTO, 0, 0, msg);
+    return k->state == C_READY ? 0 : -1;
+  }
+  k->rx = r;
+  *dst = r->dst;
+  return 0;
+}
+
 /* Header and meta of an answer are in. Returns 0 to go on, -1 if the
  * connection failed. */
 static int on_meta(dp_cconn *k) {
@@ -516,7 +589,7 @@ static int on_meta(dp_cconn *k) {
   char msg[DP_ERRLEN];
   void *dst = NULL;
   if (m->type != WIRE_PUSH_ACK && m->type != WIRE_PULL_DATA && m->type != WIRE_ERROR &&
-      m->type != WIRE_PONG) {
+      m->type != WIRE_PONG && m->type != WIRE_PUSH_BATCH_ACK && m->type != WIRE_PULL_BATCH_DATA) {
     say(msg, sizeof msg, "the server sent a %s frame", wire_type_name(m->type));
     conn_protocol_error(k, msg);
     return -1;
@@ -537,7 +610,9 @@ static int on_meta(dp_cconn *k) {
     req_complete(r, rd->meta_status, 0, 0, rd->err);
   } else if ((m->type == WIRE_PUSH_ACK && r->msg.type != WIRE_PUSH) ||
              (m->type == WIRE_PULL_DATA && r->msg.type != WIRE_PULL) ||
-             (m->type == WIRE_PONG && r->msg.type != WIRE_PING)) {
+             (m->type == WIRE_PONG && r->msg.type != WIRE_PING) ||
+             (m->type == WIRE_PUSH_BATCH_ACK && r->msg.type != WIRE_PUSH_BATCH) ||
+             (m->type == WIRE_PULL_BATCH_DATA && r->msg.type != WIRE_PULL_BATCH)) {
     say(msg, sizeof msg, "request %" PRIu64 " (%s) answered with %s", m->request_id,
         wire_type_name(r->msg.type), wire_type_name(m->type));
     conn_protocol_error(k, msg);
@@ -545,6 +620,9 @@ static int on_meta(dp_cconn *k) {
   } else if (m->type == WIRE_ERROR) {
     req_detach(c, r);
     req_complete(r, m->u.error.status, 0, 0, m->u.error.message);
+  } else if (m->type == WIRE_PUSH_BATCH_ACK || m->type == WIRE_PULL_BATCH_DATA) {
+    if (batch_answer(k, r, &dst) != 0)
+      return -1;
   } else if (m->type == WIRE_PUSH_ACK || m->type == WIRE_PONG) {
     req_detach(c, r);
     req_complete(r, 0, m->u.push_ack.duplicate && m->type == WIRE_PUSH_ACK, 0, NULL);
@@ -577,7 +655,9 @@ static void on_done(dp_cconn *k) {
     return;
   k->rx = NULL;
   req_detach(c, r);
-  req_complete(r, k->rd.payload_status, 0, k->rd.msg.u.pull_data.version, k->rd.err);
+  uint64_t version = k->rd.msg.type == WIRE_PULL_BATCH_DATA ? k->rd.msg.u.pull_batch_data.version
+                                                            : k->rd.msg.u.pull_data.version;
+  req_complete(r, k->rd.payload_status, 0, version, k->rd.err);
 }
 
 static void feed(dp_cconn *k, const unsigned char *p, size_t len) {
@@ -646,7 +726,7 @@ static void on_tick(uv_timer_t *t) {
         continue;
       say(msg, sizeof msg, "%s request to %s timed out after %u ms", wire_type_name(r->msg.type),
           c->addr_text, r->timeout_ms);
-      if (r->writing && r->msg.type == WIRE_PUSH) {
+      if (r->writing && (r->msg.type == WIRE_PUSH || r->msg.type == WIRE_PUSH_BATCH)) {
         /* The socket still reads the caller's buffer: only closing it stops
          * that. The other requests on it fail as a lost connection. */
         conn_fail(k, ZS_ECONN, msg, r, ZS_ETIMEDOUT);
@@ -872,7 +952,7 @@ static int submit(dp_client *c, dp_req *r) {
   pthread_mutex_lock(&c->mu);
   if (c->closing) {
     pthread_mutex_unlock(&c->mu);
-    free(r);
+    req_free(r);
     return ZS_ECLOSED;
   }
   if (c->q_tail)
@@ -934,6 +1014,86 @@ int dp_client_pull(dp_client *c, const dp_pull_args *a, dp_done_cb cb, void *arg
                               .dtype = (int)a->dtype};
   r->dst = a->dst;
   r->nbytes = a->nbytes;
+  return submit(c, r);
+}
+
+/* Checks a batch's pieces and copies them into r (type, pieces, total
+ * size). Returns 0 or ZS_EINVAL / ZS_ENOMEM (r is then still the caller's). */
+static int batch_prepare(dp_client *c, dp_req *r, wire_type type, const dp_batch_piece *pieces,
+                         uint32_t n) {
+  if (!pieces || n == 0 || n > WIRE_MAX_BATCH)
+    return ZS_EINVAL;
+  r->big_head = malloc(WIRE_MAX_BATCH_ENCODED);
+  r->pieces = calloc(n, sizeof *r->pieces);
+  if (!r->big_head || !r->pieces)
+    return ZS_ENOMEM;
+  wire_piece *out = r->pieces;
+  size_t total = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const dp_batch_piece *p = &pieces[i];
+    if (!dtype_valid((int)p->dtype) || p->nbytes == 0 || p->nbytes > c->max_payload - total ||
+        (type == WIRE_PUSH_BATCH && !p->data))
+      return ZS_EINVAL;
+    total += p->nbytes;
+    out[i].tensor = p->tensor;
+    out[i].slice = p->slice;
+    out[i].dtype = (int)p->dtype;
+    out[i].length = p->nbytes;
+  }
+  r->msg.type = type;
+  r->nbytes = total;
+  return 0;
+}
+
+int dp_client_push_batch(dp_client *c, const dp_push_batch_args *a, dp_done_cb cb, void *arg) {
+  if (!c || !a || !cb)
+    return ZS_EINVAL;
+  dp_req *r = req_new(cb, arg, a->timeout_ms);
+  if (!r)
+    return ZS_ENOMEM;
+  int rc = batch_prepare(c, r, WIRE_PUSH_BATCH, a->pieces, a->npieces);
+  if (rc == 0 && !(r->piece_data = malloc(a->npieces * sizeof *r->piece_data)))
+    rc = ZS_ENOMEM;
+  if (rc != 0) {
+    req_free(r);
+    return rc;
+  }
+  wire_push_batch *b = &r->msg.u.push_batch;
+  b->spec_hash = a->spec_hash;
+  b->step = a->step;
+  b->rank = a->rank;
+  b->micro = a->micro;
+  b->npieces = a->npieces;
+  b->pieces = r->pieces;
+  /* On the submitting thread, over the pieces in payload order. */
+  uint32_t crc = 0;
+  for (uint32_t i = 0; i < a->npieces; i++) {
+    r->piece_data[i] = a->pieces[i].data;
+    crc = crc32c(crc, a->pieces[i].data, a->pieces[i].nbytes);
+  }
+  r->msg.payload_len = r->nbytes;
+  r->msg.payload_crc = crc;
+  return submit(c, r);
+}
+
+int dp_client_pull_batch(dp_client *c, const dp_pull_batch_args *a, dp_done_cb cb, void *arg) {
+  if (!c || !a || !cb || !a->dst)
+    return ZS_EINVAL;
+  dp_req *r = req_new(cb, arg, a->timeout_ms);
+  if (!r)
+    return ZS_ENOMEM;
+  int rc = batch_prepare(c, r, WIRE_PULL_BATCH, a->pieces, a->npieces);
+  if (rc != 0) {
+    req_free(r);
+    return rc;
+  }
+  wire_pull_batch *b = &r->msg.u.pull_batch;
+  b->spec_hash = a->spec_hash;
+  b->min_version = a->min_version;
+  b->timeout_ms = r->timeout_ms;
+  b->npieces = a->npieces;
+  b->pieces = r->pieces;
+  r->dst = a->dst;
   return submit(c, r);
 }
 

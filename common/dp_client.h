@@ -73,8 +73,15 @@ void dp_client_close(dp_client *c);
 typedef struct dp_result {
   int status;          /* 0 or a negative zs_status */
   int duplicate;       /* Push: already received by the shard, not added again */
-  uint64_t version;    /* Pull: the version the piece belongs to */
-  const char *message; /* a sentence when status != 0 ("" otherwise), never NULL */
+  uint64_t version;    /* Pull, pull batch: the version the piece(s) belong to */
+  const char *message; /* a sentence when status != 0 ("" otherwise), never NULL;
+                        * a push batch: the first refused piece's, or "" */
+  /* A push batch answered by the shard (status 0): each piece's own status
+   * (0 or a negative zs_status) and duplicate flag, npieces entries in the
+   * order submitted; NULL and 0 otherwise. */
+  uint32_t npieces;
+  const int32_t *piece_status;
+  const uint8_t *piece_duplicate;
 } dp_result;
 
 /* Runs on the client's loop thread; must not block and must not call
@@ -114,6 +121,54 @@ typedef struct dp_pull_args {
 
 /* Submits a Pull; returns as dp_client_push does. */
 int dp_client_pull(dp_client *c, const dp_pull_args *a, dp_done_cb cb, void *arg);
+
+/* One piece of a batch. Push: `data` holds its nbytes little-endian elements
+ * of dtype, borrowed as dp_push_args.data is. Pull: nbytes is the piece's
+ * size in dtype (the shard checks it) and data is not used. */
+typedef struct dp_batch_piece {
+  uint32_t tensor, slice;
+  zs_dtype dtype;
+  const void *data;
+  size_t nbytes;
+} dp_batch_piece;
+
+/* Several contributions of one (step, rank, micro) to this shard in one
+ * PUSH_BATCH frame (docs/PROTOCOL.md). The shard applies or refuses each
+ * piece on its own, as separate pushes would be. */
+typedef struct dp_push_batch_args {
+  uint64_t spec_hash, step;
+  uint32_t rank, micro;
+  /* 1 .. WIRE_MAX_BATCH pieces; the array is only read during the call, each
+   * piece's data is borrowed until the callback ran. */
+  const dp_batch_piece *pieces;
+  uint32_t npieces;
+  uint32_t timeout_ms; /* 0: DP_DEFAULT_TIMEOUT_MS */
+} dp_push_batch_args;
+
+/* Submits a push batch; its payload CRC is computed on the calling thread.
+ * The callback's status is the batch's (0 when the shard answered; then
+ * piece_status says what became of each piece), otherwise as
+ * dp_client_push. Returns 0, or ZS_EINVAL (no pieces or more than
+ * WIRE_MAX_BATCH, a bad dtype, a total over the payload limit) /
+ * ZS_ECLOSED / ZS_ENOMEM. */
+int dp_client_push_batch(dp_client *c, const dp_push_batch_args *a, dp_done_cb cb, void *arg);
+
+/* Several pieces of this shard in one PULL_BATCH frame: one wait for
+ * min_version, one answer with every piece of one version, or an error for
+ * the whole batch. */
+typedef struct dp_pull_batch_args {
+  uint64_t spec_hash, min_version;
+  /* 1 .. WIRE_MAX_BATCH pieces, only read during the call. */
+  const dp_batch_piece *pieces;
+  uint32_t npieces;
+  /* Receives the pieces concatenated in order (the sum of their nbytes).
+   * Borrowed as dp_pull_args.dst is. */
+  void *dst;
+  uint32_t timeout_ms; /* as dp_pull_args.timeout_ms */
+} dp_pull_batch_args;
+
+/* Submits a pull batch; returns as dp_client_push_batch does. */
+int dp_client_pull_batch(dp_client *c, const dp_pull_batch_args *a, dp_done_cb cb, void *arg);
 
 /* Submits a PING (a round trip through the server's loop, nothing else). */
 int dp_client_ping(dp_client *c, uint32_t timeout_ms, dp_done_cb cb, void *arg);

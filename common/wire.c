@@ -107,16 +107,50 @@ const char *wire_type_name(int type) {
     return "PING";
   case WIRE_PONG:
     return "PONG";
+  case WIRE_PUSH_BATCH:
+    return "PUSH_BATCH";
+  case WIRE_PUSH_BATCH_ACK:
+    return "PUSH_BATCH_ACK";
+  case WIRE_PULL_BATCH:
+    return "PULL_BATCH";
+  case WIRE_PULL_BATCH_DATA:
+    return "PULL_BATCH_DATA";
   }
   return "UNKNOWN";
 }
 
 static int type_known(int type) {
-  return type >= WIRE_PUSH && type <= WIRE_PONG;
+  return type >= WIRE_PUSH && type <= WIRE_PULL_BATCH_DATA;
 }
 
 static int type_has_payload(int type) {
-  return type == WIRE_PUSH || type == WIRE_PULL_DATA;
+  return type == WIRE_PUSH || type == WIRE_PULL_DATA || type == WIRE_PUSH_BATCH ||
+         type == WIRE_PULL_BATCH_DATA;
+}
+
+static int type_is_batch(int type) {
+  return type >= WIRE_PUSH_BATCH && type <= WIRE_PULL_BATCH_DATA;
+}
+
+/* The version that defines a type, which its frames carry. */
+static unsigned type_version(int type) {
+  return type_is_batch(type) ? 2u : 1u;
+}
+
+/* The piece count of a batch message (0 for the other types). */
+static uint32_t batch_count(const wire_msg *m) {
+  switch (m->type) {
+  case WIRE_PUSH_BATCH:
+    return m->u.push_batch.npieces;
+  case WIRE_PUSH_BATCH_ACK:
+    return m->u.push_batch_ack.npieces;
+  case WIRE_PULL_BATCH:
+    return m->u.pull_batch.npieces;
+  case WIRE_PULL_BATCH_DATA:
+    return m->u.pull_batch_data.npieces;
+  default:
+    return 0;
+  }
 }
 
 static int type_has_meta(int type) {
@@ -148,7 +182,39 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
     return ZS_EINVAL;
   if (!type_has_payload((int)m->type) && m->payload_len != 0)
     return ZS_EINVAL;
+  if (type_is_batch((int)m->type) && (batch_count(m) == 0 || batch_count(m) > WIRE_MAX_BATCH))
+    return ZS_EINVAL;
   char msgbuf[WIRE_MAX_MESSAGE + 1];
+  /* Batch metas point into these (on the stack: a few KiB, no allocation). */
+  Zshard__V1__DataPiece pc[WIRE_MAX_BATCH];
+  Zshard__V1__DataPiece *pcp[WIRE_MAX_BATCH];
+  int32_t st[WIRE_MAX_BATCH];
+  protobuf_c_boolean dup[WIRE_MAX_BATCH];
+  uint64_t lens[WIRE_MAX_BATCH];
+  const wire_piece *src = NULL;
+  if ((m->type == WIRE_PUSH_BATCH && !m->u.push_batch.pieces) ||
+      (m->type == WIRE_PULL_BATCH && !m->u.pull_batch.pieces) ||
+      (m->type == WIRE_PUSH_BATCH_ACK &&
+       (!m->u.push_batch_ack.status || !m->u.push_batch_ack.duplicate)) ||
+      (m->type == WIRE_PULL_BATCH_DATA && !m->u.pull_batch_data.length))
+    return ZS_EINVAL;
+  Zshard__V1__DataPushBatch pb = ZSHARD__V1__DATA_PUSH_BATCH__INIT;
+  Zshard__V1__DataPushBatchAck pba = ZSHARD__V1__DATA_PUSH_BATCH_ACK__INIT;
+  Zshard__V1__DataPullBatch qb = ZSHARD__V1__DATA_PULL_BATCH__INIT;
+  Zshard__V1__DataPullBatchData qbd = ZSHARD__V1__DATA_PULL_BATCH_DATA__INIT;
+  uint32_t n = batch_count(m);
+  if (m->type == WIRE_PUSH_BATCH)
+    src = m->u.push_batch.pieces;
+  else if (m->type == WIRE_PULL_BATCH)
+    src = m->u.pull_batch.pieces;
+  for (uint32_t i = 0; src && i < n; i++) {
+    pc[i] = (Zshard__V1__DataPiece)ZSHARD__V1__DATA_PIECE__INIT;
+    pc[i].tensor = src[i].tensor;
+    pc[i].slice = src[i].slice;
+    pc[i].dtype = (Zshard__V1__DType)src[i].dtype;
+    pc[i].length = src[i].length;
+    pcp[i] = &pc[i];
+  }
   Zshard__V1__DataPush push = ZSHARD__V1__DATA_PUSH__INIT;
   Zshard__V1__DataPushAck ack = ZSHARD__V1__DATA_PUSH_ACK__INIT;
   Zshard__V1__DataPull pull = ZSHARD__V1__DATA_PULL__INIT;
@@ -196,6 +262,48 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
     meta = &er.base;
     break;
   }
+  case WIRE_PUSH_BATCH:
+    pb.spec_hash = m->u.push_batch.spec_hash;
+    pb.step = m->u.push_batch.step;
+    pb.rank = m->u.push_batch.rank;
+    pb.micro = m->u.push_batch.micro;
+    pb.n_pieces = n;
+    pb.pieces = pcp;
+    meta = &pb.base;
+    break;
+  case WIRE_PUSH_BATCH_ACK: {
+    for (uint32_t i = 0; i < n; i++) {
+      st[i] = m->u.push_batch_ack.status[i];
+      dup[i] = m->u.push_batch_ack.duplicate[i] != 0;
+    }
+    size_t k = strnlen(m->u.push_batch_ack.message, sizeof m->u.push_batch_ack.message);
+    k = utf8_cut(m->u.push_batch_ack.message, k, WIRE_MAX_MESSAGE);
+    memcpy(msgbuf, m->u.push_batch_ack.message, k);
+    msgbuf[k] = '\0';
+    pba.n_status = n;
+    pba.status = st;
+    pba.n_duplicate = n;
+    pba.duplicate = dup;
+    pba.message = msgbuf;
+    meta = &pba.base;
+    break;
+  }
+  case WIRE_PULL_BATCH:
+    qb.spec_hash = m->u.pull_batch.spec_hash;
+    qb.min_version = m->u.pull_batch.min_version;
+    qb.timeout_ms = m->u.pull_batch.timeout_ms;
+    qb.n_pieces = n;
+    qb.pieces = pcp;
+    meta = &qb.base;
+    break;
+  case WIRE_PULL_BATCH_DATA:
+    for (uint32_t i = 0; i < n; i++)
+      lens[i] = m->u.pull_batch_data.length[i];
+    qbd.version = m->u.pull_batch_data.version;
+    qbd.n_length = n;
+    qbd.length = lens;
+    meta = &qbd.base;
+    break;
   case WIRE_PING:
   case WIRE_PONG:
     break;
@@ -206,7 +314,7 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
   if (meta && protobuf_c_message_pack(meta, out + WIRE_HEADER_SIZE) != mlen)
     return ZS_EINVAL;
   put32(out + OFF_MAGIC, WIRE_MAGIC);
-  out[OFF_VERSION] = (uint8_t)WIRE_VERSION;
+  out[OFF_VERSION] = (uint8_t)type_version((int)m->type);
   out[OFF_TYPE] = (uint8_t)m->type;
   put16(out + OFF_FLAGS, 0);
   put64(out + OFF_REQUEST_ID, m->request_id);
@@ -243,12 +351,16 @@ int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload,
   h->payload_crc = get32(in + OFF_PAYLOAD_CRC);
   h->header_crc = get32(in + OFF_HEADER_CRC);
   uint32_t reserved = get32(in + OFF_RESERVED);
-  if (h->version != WIRE_VERSION)
-    return fail(err, errlen, ZS_EPROTO, "unsupported frame version %u (this side speaks %u)",
-                h->version, WIRE_VERSION);
+  if (h->version < WIRE_VERSION_MIN || h->version > WIRE_VERSION)
+    return fail(err, errlen, ZS_EPROTO, "unsupported frame version %u (this side speaks %u to %u)",
+                h->version, WIRE_VERSION_MIN, WIRE_VERSION);
   if (!type_known(h->type))
     return fail(err, errlen, ZS_EPROTO, "unknown frame type %u (request id %" PRIu64 ")", h->type,
                 h->request_id);
+  if (h->version < type_version(h->type))
+    return fail(err, errlen, ZS_EPROTO,
+                "%s frame (request id %" PRIu64 ") says version %u; the type needs version %u",
+                wire_type_name(h->type), h->request_id, h->version, type_version(h->type));
   if (h->flags != 0)
     return fail(err, errlen, ZS_EPROTO, "%s frame has flags 0x%04x set; version 1 defines no flag",
                 wire_type_name(h->type), h->flags);
@@ -297,11 +409,54 @@ static void copy_message(char *dst, size_t cap, const char *src) {
   dst[n] = '\0';
 }
 
+/* Copies and checks the piece list of a batch request: a count within
+ * 1 .. WIRE_MAX_BATCH, every dtype ours and, when `payload_len` is given, the
+ * lengths adding up to it exactly (summed so that no overflow can hide a
+ * mismatch). Returns 0 or the per-request error. */
+static int take_pieces(const wire_header *h, size_t n, Zshard__V1__DataPiece *const *in,
+                       wire_piece *out, uint32_t *nout, const uint64_t *payload_len, char *err,
+                       size_t errlen) {
+  if (!out)
+    return fail(err, errlen, ZS_ENOMEM, "%s frame (request id %" PRIu64 "): out of memory",
+                wire_type_name(h->type), h->request_id);
+  if (n == 0 || n > WIRE_MAX_BATCH)
+    return fail(err, errlen, ZS_ERANGE,
+                "%s frame (request id %" PRIu64 ") has %zu pieces; a batch holds 1 to %u",
+                wire_type_name(h->type), h->request_id, n, WIRE_MAX_BATCH);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < n; i++) {
+    out[i].tensor = in[i]->tensor;
+    out[i].slice = in[i]->slice;
+    out[i].dtype = (int)in[i]->dtype;
+    out[i].length = in[i]->length;
+    if (!dtype_valid(out[i].dtype))
+      return fail(err, errlen, ZS_EDTYPE,
+                  "%s frame (request id %" PRIu64 ") piece %zu has dtype %d, not FP32, FP16 or "
+                  "BF16",
+                  wire_type_name(h->type), h->request_id, i, out[i].dtype);
+    if (payload_len && out[i].length > *payload_len - sum)
+      return fail(err, errlen, ZS_ERANGE,
+                  "%s frame (request id %" PRIu64 ") piece %zu of %" PRIu64
+                  " bytes runs past the %" PRIu64 "-byte payload",
+                  wire_type_name(h->type), h->request_id, i, out[i].length, *payload_len);
+    if (payload_len)
+      sum += out[i].length;
+  }
+  if (payload_len && sum != *payload_len)
+    return fail(err, errlen, ZS_ERANGE,
+                "%s frame (request id %" PRIu64 ") pieces add up to %" PRIu64
+                " bytes but the payload has %" PRIu64,
+                wire_type_name(h->type), h->request_id, sum, *payload_len);
+  *nout = (uint32_t)n;
+  return 0;
+}
+
 #define UNPACK(type, desc, h, meta)                                                                \
   ((type *)protobuf_c_message_unpack(&(desc), NULL, (h)->meta_len, (meta)))
 
-int wire_decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, char *err,
-                     size_t errlen) {
+/* Decodes into *out, a batch's arrays into *store (NULL: out of memory). */
+static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, wire_batch *store,
+                       char *err, size_t errlen) {
   memset(out, 0, sizeof *out);
   out->type = (wire_type)h->type;
   out->request_id = h->request_id;
@@ -386,6 +541,115 @@ int wire_decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, c
                 h->request_id, out->u.error.status);
     break;
   }
+  case WIRE_PUSH_BATCH: {
+    Zshard__V1__DataPushBatch *p =
+        UNPACK(Zshard__V1__DataPushBatch, zshard__v1__data_push_batch__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPushBatch";
+      break;
+    }
+    wire_push_batch *b = &out->u.push_batch;
+    b->spec_hash = p->spec_hash;
+    b->step = p->step;
+    b->rank = p->rank;
+    b->micro = p->micro;
+    rc = take_pieces(h, p->n_pieces, p->pieces, store ? store->pieces : NULL, &b->npieces,
+                     &h->payload_len, err, errlen);
+    b->pieces = store ? store->pieces : NULL;
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
+  case WIRE_PUSH_BATCH_ACK: {
+    Zshard__V1__DataPushBatchAck *p =
+        UNPACK(Zshard__V1__DataPushBatchAck, zshard__v1__data_push_batch_ack__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPushBatchAck";
+      break;
+    }
+    wire_push_batch_ack *a = &out->u.push_batch_ack;
+    copy_message(a->message, sizeof a->message, p->message);
+    if (!store) {
+      rc = fail(err, errlen, ZS_ENOMEM,
+                "PUSH_BATCH_ACK frame (request id %" PRIu64 "): out of memory", h->request_id);
+    } else if (p->n_status == 0 || p->n_status > WIRE_MAX_BATCH || p->n_duplicate != p->n_status) {
+      rc = fail(err, errlen, ZS_ERANGE,
+                "PUSH_BATCH_ACK frame (request id %" PRIu64 ") has %zu statuses and %zu duplicate "
+                "flags; it needs one of each per piece, 1 to %u",
+                h->request_id, p->n_status, p->n_duplicate, WIRE_MAX_BATCH);
+    } else {
+      a->npieces = (uint32_t)p->n_status;
+      a->status = store->status;
+      a->duplicate = store->duplicate;
+      for (size_t i = 0; i < p->n_status && rc == 0; i++) {
+        store->status[i] = p->status[i];
+        store->duplicate[i] = p->duplicate[i] != 0;
+        if (p->status[i] > 0 || (p->status[i] < 0 && !status_valid(p->status[i])))
+          rc = fail(err, errlen, ZS_EPROTO,
+                    "PUSH_BATCH_ACK frame (request id %" PRIu64 ") piece %zu has status %d, not 0 "
+                    "or a zshard error",
+                    h->request_id, i, (int)p->status[i]);
+      }
+    }
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
+  case WIRE_PULL_BATCH: {
+    Zshard__V1__DataPullBatch *p =
+        UNPACK(Zshard__V1__DataPullBatch, zshard__v1__data_pull_batch__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPullBatch";
+      break;
+    }
+    wire_pull_batch *b = &out->u.pull_batch;
+    b->spec_hash = p->spec_hash;
+    b->min_version = p->min_version;
+    b->timeout_ms = p->timeout_ms;
+    rc = take_pieces(h, p->n_pieces, p->pieces, store ? store->pieces : NULL, &b->npieces, NULL,
+                     err, errlen);
+    b->pieces = store ? store->pieces : NULL;
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
+  case WIRE_PULL_BATCH_DATA: {
+    Zshard__V1__DataPullBatchData *p = UNPACK(
+        Zshard__V1__DataPullBatchData, zshard__v1__data_pull_batch_data__descriptor, h, meta);
+    if (!p) {
+      what = "zshard.v1.DataPullBatchData";
+      break;
+    }
+    wire_pull_batch_data *d = &out->u.pull_batch_data;
+    d->version = p->version;
+    if (!store) {
+      rc = fail(err, errlen, ZS_ENOMEM,
+                "PULL_BATCH_DATA frame (request id %" PRIu64 "): out of memory", h->request_id);
+    } else if (p->n_length == 0 || p->n_length > WIRE_MAX_BATCH) {
+      rc = fail(err, errlen, ZS_ERANGE,
+                "PULL_BATCH_DATA frame (request id %" PRIu64 ") has %zu pieces; a batch holds 1 "
+                "to %u",
+                h->request_id, p->n_length, WIRE_MAX_BATCH);
+    } else {
+      uint64_t sum = 0;
+      d->npieces = (uint32_t)p->n_length;
+      d->length = store->length;
+      for (size_t i = 0; i < p->n_length && rc == 0; i++) {
+        store->length[i] = p->length[i];
+        if (p->length[i] > h->payload_len - sum)
+          rc = fail(err, errlen, ZS_ERANGE,
+                    "PULL_BATCH_DATA frame (request id %" PRIu64 ") piece %zu of %" PRIu64
+                    " bytes runs past the %" PRIu64 "-byte payload",
+                    h->request_id, i, p->length[i], h->payload_len);
+        else
+          sum += p->length[i];
+      }
+      if (rc == 0 && sum != h->payload_len)
+        rc = fail(err, errlen, ZS_ERANGE,
+                  "PULL_BATCH_DATA frame (request id %" PRIu64 ") pieces add up to %" PRIu64
+                  " bytes but the payload has %" PRIu64,
+                  h->request_id, sum, h->payload_len);
+    }
+    protobuf_c_message_free_unpacked(&p->base, NULL);
+    break;
+  }
   default: /* PING, PONG: nothing to decode */
     break;
   }
@@ -398,6 +662,14 @@ int wire_decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, c
               "%s frame (request id %" PRIu64 ") has dtype %d, not FP32, FP16 or BF16",
               wire_type_name(h->type), h->request_id, dtype);
   return rc;
+}
+
+/* The arrays of batches decoded outside a reader: one set per thread. */
+static _Thread_local wire_batch tls_batch;
+
+int wire_decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, char *err,
+                     size_t errlen) {
+  return decode_meta(h, meta, out, &tls_batch, err, errlen);
 }
 
 int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_msg *out,
@@ -450,6 +722,8 @@ void wire_reader_init(wire_reader *r, uint64_t max_payload) {
 void wire_reader_free(wire_reader *r) {
   free(r->meta);
   r->meta = NULL;
+  free(r->batch);
+  r->batch = NULL;
   r->meta_cap = 0;
   r->dst = NULL;
 }
@@ -480,7 +754,9 @@ static wire_event reader_meta(wire_reader *r) {
   int rc = wire_check_header_crc(&r->h, r->head, r->meta, r->err, sizeof r->err);
   if (rc)
     return reader_fatal(r, rc);
-  r->meta_status = wire_decode_meta(&r->h, r->meta, &r->msg, r->err, sizeof r->err);
+  if (type_is_batch(r->h.type) && !r->batch)
+    r->batch = malloc(sizeof *r->batch); /* NULL: decode_meta says out of memory */
+  r->meta_status = decode_meta(&r->h, r->meta, &r->msg, r->batch, r->err, sizeof r->err);
   r->payload_status = 0;
   r->have = 0;
   r->crc = 0;

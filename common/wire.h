@@ -7,8 +7,8 @@
  *
  *   offset size field
  *        0    4 magic        the bytes "ZSDP" (0x5A 0x53 0x44 0x50)
- *        4    1 version      1
- *        5    1 type         WIRE_PUSH .. WIRE_PONG
+ *        4    1 version      1, or 2 for the batch types
+ *        5    1 type         WIRE_PUSH .. WIRE_PULL_BATCH_DATA
  *        6    2 flags        0: version 1 defines no flag; a set bit is refused
  *        8    8 request_id   chosen by the client, echoed by the answer
  *       16    8 payload_len  bytes after the meta, <= the receiver's maximum
@@ -19,8 +19,10 @@
  *
  * The header CRC is checked before the payload length is trusted, so one
  * flipped bit in a length is a clear error rather than a 1 GiB allocation or a
- * desynchronised stream. Only PUSH and PULL_DATA carry a payload; PING and
- * PONG carry neither meta nor payload.
+ * desynchronised stream. Only PUSH, PULL_DATA, PUSH_BATCH and
+ * PULL_BATCH_DATA carry a payload; PING and PONG carry neither meta nor
+ * payload. A batch frame carries up to WIRE_MAX_BATCH pieces of one shard
+ * with their bytes concatenated in list order.
  *
  * Errors come in two kinds:
  *  - fatal: the stream can no longer be framed (bad magic, version, type,
@@ -41,7 +43,11 @@
 #include <stdint.h>
 
 #define WIRE_MAGIC 0x5044535Au /* "ZSDP" read as a little-endian u32 */
-#define WIRE_VERSION 1u
+/* Versions this side speaks: 1 defines types 1..7, 2 adds the batch types
+ * 8..11. A frame carries the lowest version that defines its type, so that
+ * single-piece frames stay readable by version-1 peers. */
+#define WIRE_VERSION_MIN 1u
+#define WIRE_VERSION 2u
 #define WIRE_HEADER_SIZE 40u
 #define WIRE_MAX_META 65536u
 /* The payload bound a receiver uses unless configured otherwise. */
@@ -51,6 +57,11 @@
 /* Room for any header + meta wire_encode writes (the longest is an ERROR
  * with a message of WIRE_MAX_MESSAGE bytes). */
 #define WIRE_MAX_ENCODED (WIRE_HEADER_SIZE + 512u)
+/* Most pieces in one PUSH_BATCH or PULL_BATCH (and its answer). */
+#define WIRE_MAX_BATCH 256u
+/* Room for any batch frame's header + meta: a piece costs at most 30 meta
+ * bytes, an acknowledgement entry 7, plus the fixed fields and a message. */
+#define WIRE_MAX_BATCH_ENCODED (WIRE_HEADER_SIZE + 512u + 32u * WIRE_MAX_BATCH)
 #define WIRE_ERRLEN 192u
 
 typedef enum wire_type {
@@ -61,6 +72,10 @@ typedef enum wire_type {
   WIRE_ERROR = 5,     /* meta DataError */
   WIRE_PING = 6,      /* nothing: asks for a PONG with the same request id */
   WIRE_PONG = 7,
+  WIRE_PUSH_BATCH = 8,      /* meta DataPushBatch, payload: the gradients */
+  WIRE_PUSH_BATCH_ACK = 9,  /* meta DataPushBatchAck */
+  WIRE_PULL_BATCH = 10,     /* meta DataPullBatch */
+  WIRE_PULL_BATCH_DATA = 11 /* meta DataPullBatchData, payload: the pieces */
 } wire_type;
 
 /* A header as decoded (every field host-endian). */
@@ -102,6 +117,67 @@ typedef struct wire_error {
   char message[WIRE_MAX_MESSAGE + 1]; /* NUL-terminated, control bytes shown as '?' */
 } wire_error;
 
+/* One piece of a batch. length: bytes of the batch payload (PUSH_BATCH) or
+ * the size the client expects (PULL_BATCH). */
+typedef struct wire_piece {
+  uint32_t tensor, slice;
+  int dtype;
+  uint64_t length;
+} wire_piece;
+
+/*
+ * The batch messages keep their per-piece arrays out of line, so that a
+ * wire_msg stays small for the single-piece frames that make up most of the
+ * traffic. To encode, the caller points them at its own arrays (npieces
+ * entries, only read during wire_encode). A decoded message points into a
+ * wire_batch: the reader's own (valid until its next frame's META event, or
+ * wire_reader_free), or for wire_decode_meta / wire_decode_frame one per
+ * calling thread (valid until that thread's next call of either).
+ */
+
+/* The decoder has checked: 1 <= npieces <= WIRE_MAX_BATCH, every dtype, and
+ * that the lengths add up to the payload length exactly. */
+typedef struct wire_push_batch {
+  uint64_t spec_hash, step;
+  uint32_t rank, micro;
+  uint32_t npieces;
+  const wire_piece *pieces;
+} wire_push_batch;
+
+/* One entry per piece; the decoder has checked that there are as many
+ * statuses as duplicate flags (1 .. WIRE_MAX_BATCH) and that each status is
+ * 0 or a negative zs_status. */
+typedef struct wire_push_batch_ack {
+  uint32_t npieces;
+  const int32_t *status;
+  const uint8_t *duplicate;
+  char message[WIRE_MAX_MESSAGE + 1]; /* as wire_error.message */
+} wire_push_batch_ack;
+
+/* The decoder has checked the piece count and every dtype. */
+typedef struct wire_pull_batch {
+  uint64_t spec_hash, min_version;
+  uint32_t timeout_ms;
+  uint32_t npieces;
+  const wire_piece *pieces;
+} wire_pull_batch;
+
+/* The decoder has checked 1 <= npieces <= WIRE_MAX_BATCH and that the
+ * lengths add up to the payload length exactly. */
+typedef struct wire_pull_batch_data {
+  uint64_t version;
+  uint32_t npieces;
+  const uint64_t *length;
+} wire_pull_batch_data;
+
+/* Room for the arrays of any decoded batch message. */
+typedef struct wire_batch {
+  wire_piece pieces[WIRE_MAX_BATCH];
+  int32_t status[WIRE_MAX_BATCH];
+  uint8_t duplicate[WIRE_MAX_BATCH];
+  uint64_t length[WIRE_MAX_BATCH];
+} wire_batch;
+
 /* One frame without its payload. */
 typedef struct wire_msg {
   wire_type type;
@@ -114,6 +190,10 @@ typedef struct wire_msg {
     wire_pull pull;
     wire_pull_data pull_data;
     wire_error error;
+    wire_push_batch push_batch;
+    wire_push_batch_ack push_batch_ack;
+    wire_pull_batch pull_batch;
+    wire_pull_batch_data pull_batch_data;
   } u;
 } wire_msg;
 
@@ -132,7 +212,8 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len);
 
 /* ------------------------------------------------------------------ decode */
 
-/* Decodes and checks a header: magic, version, type, flags, reserved field,
+/* Decodes and checks a header: magic, version (1 or 2, and at least the
+ * version that defines the type), type, flags, reserved field,
  * meta_len <= WIRE_MAX_META, payload_len <= max_payload, no payload (and for
  * PING/PONG no meta) on types that carry none. Every failure is fatal for a
  * stream: ZS_EPROTO, or ZS_ERANGE for a length over its bound, with a sentence
@@ -149,7 +230,10 @@ int wire_check_header_crc(const wire_header *h, const uint8_t head[WIRE_HEADER_S
 /* Decodes the meta of a frame whose header CRC holds into *out (type,
  * request id and lengths copied from h). Returns 0, or a per-request error:
  * ZS_EPROTO (the meta does not parse, an ERROR status is not a negative
- * zs_status), ZS_EDTYPE (a dtype that is not fp32, fp16 or bf16), ZS_ENOMEM.
+ * zs_status), ZS_EDTYPE (a dtype that is not fp32, fp16 or bf16), ZS_ERANGE
+ * (a batch with no piece or more than WIRE_MAX_BATCH, piece lengths that do
+ * not add up to the payload length, an acknowledgement whose lists differ in
+ * length), ZS_ENOMEM.
  * On error *out still holds type and request id, so that the receiver can
  * answer the request. */
 int wire_decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, char *err,
@@ -209,7 +293,8 @@ typedef struct wire_reader {
   uint8_t head[WIRE_HEADER_SIZE];
   size_t head_have;
   wire_header h;
-  uint8_t *meta; /* owned, meta_cap bytes */
+  uint8_t *meta;     /* owned, meta_cap bytes */
+  wire_batch *batch; /* owned, allocated at the first batch frame */
   size_t meta_cap, meta_have;
   uint8_t *dst; /* the caller's, or NULL when skipping */
   uint64_t have;

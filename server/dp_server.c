@@ -42,6 +42,9 @@
  *    answer buffer (1 pass, which is the dtype conversion), the CRC reads it
  *    once more, and uv_write sends header+meta and that buffer with one
  *    writev. 0 extra copies.
+ *  - PUSH_BATCH and PULL_BATCH: as Push and Pull, with one buffer for all
+ *    the pieces of the batch; each piece goes through core_push or core_read
+ *    at its place in it. 0 extra copies.
  */
 #include "server/dp_server.h"
 
@@ -205,7 +208,10 @@ typedef struct dp_pull {
   uint64_t request_id, hash, min_version;
   uint32_t tensor, slice;
   zs_dtype dtype;
-  size_t nbytes;
+  size_t nbytes; /* a batch: the sum of its pieces */
+  /* A PULL_BATCH: its pieces (owned, or NULL for a single Pull), in order. */
+  wire_piece *pieces;
+  uint32_t npieces;
   /* Written by the core callback. */
   int status;
   uint64_t version;
@@ -216,7 +222,7 @@ typedef struct dp_work {
   uv_work_t req;
   dp_conn *conn;
   core *core; /* what the pool thread may use: never the connection */
-  int type;   /* WIRE_PUSH or WIRE_PULL */
+  int type;   /* WIRE_PUSH, WIRE_PULL, WIRE_PUSH_BATCH or WIRE_PULL_BATCH */
   uint64_t request_id;
   dp_buf *buf;
   size_t nbytes;
@@ -224,7 +230,13 @@ typedef struct dp_work {
   uint64_t hash;
   uint32_t tensor, slice;
   zs_dtype dtype;
-  /* Results. */
+  /* A batch: its pieces, owned, in payload order. */
+  wire_piece *pieces;
+  uint32_t npieces;
+  /* Results. A push batch: each piece's status and duplicate flag (owned),
+   * and err holds the sentence of the first refused piece. */
+  int32_t *piece_status;
+  uint8_t *piece_dup;
   int status, duplicate;
   uint64_t version;
   uint32_t crc;
@@ -239,7 +251,7 @@ typedef struct dp_out {
   uint64_t bytes;
   int is_answer; /* counts against conn->pending */
   int close_after;
-  uint8_t head[WIRE_MAX_ENCODED];
+  uint8_t head[]; /* WIRE_MAX_ENCODED bytes, WIRE_MAX_BATCH_ENCODED for a batch answer */
 } dp_out;
 
 struct dp_server {
@@ -361,6 +373,13 @@ static void mailbox_unref(dp_mailbox *mb, uint64_t n) {
   }
 }
 
+static void pull_free(dp_pull *p) {
+  if (!p)
+    return;
+  free(p->pieces);
+  free(p);
+}
+
 /* Core thread: the wait of a Pull ended. */
 static void on_core_version(void *arg, int status, uint64_t version) {
   dp_pull *p = arg;
@@ -379,7 +398,7 @@ static void on_core_version(void *arg, int status, uint64_t version) {
   pthread_mutex_unlock(&mb->mu);
   if (orphan) {
     /* The server is gone; its connections with it. */
-    free(p);
+    pull_free(p);
     mailbox_unref(mb, 1);
   }
 }
@@ -439,7 +458,7 @@ static void conn_close(dp_conn *c) {
     dp_pull *p = c->ready_head;
     c->ready_head = p->next;
     c->pending--;
-    free(p);
+    pull_free(p);
     conn_unref(c);
   }
   c->ready_tail = NULL;
@@ -523,9 +542,12 @@ static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, i
       c->pending--;
     return;
   }
-  dp_out *o = malloc(sizeof *o);
+  size_t cap = m->type == WIRE_PUSH_BATCH_ACK || m->type == WIRE_PULL_BATCH_DATA
+                   ? WIRE_MAX_BATCH_ENCODED
+                   : WIRE_MAX_ENCODED;
+  dp_out *o = malloc(sizeof *o + cap);
   size_t hlen = 0;
-  if (!o || wire_encode(m, o->head, sizeof o->head, &hlen) != 0) {
+  if (!o || wire_encode(m, o->head, cap, &hlen) != 0) {
     /* Neither can happen with our own frames short of memory running out;
      * the peer's requests cannot be answered, so the connection goes. */
     LOG_ERROR("dp_send", "peer=%s type=%s detail=\"cannot build an answer\"", c->peer,
@@ -599,8 +621,78 @@ static void conn_fatal(dp_conn *c, int status, const char *msg) {
 /* Push and Pull work                                                       */
 /* ------------------------------------------------------------------------ */
 
+/* Reads pulls of an apply that lands between two pieces of a batch give
+ * pieces of two versions; the batch is read again, this many times at most
+ * (an apply is short, and the next one needs every trainer's pushes). */
+#define DP_BATCH_READ_TRIES 4
+
+static void work_free(dp_work *w) {
+  free(w->pieces);
+  free(w->piece_status);
+  free(w->piece_dup);
+  free(w);
+}
+
+/* Each piece of a push batch goes through core_push on its own, in order:
+ * a refused piece (its status kept) leaves the others alone, exactly as
+ * separate PUSH frames would. */
+static void work_run_push_batch(dp_work *w, core *co) {
+  size_t off = 0;
+  w->err[0] = '\0';
+  for (uint32_t i = 0; i < w->npieces; i++) {
+    const wire_piece *pc = &w->pieces[i];
+    core_push_args a = w->push;
+    a.tensor = pc->tensor;
+    a.slice = pc->slice;
+    a.dtype = (zs_dtype)pc->dtype;
+    a.data = w->buf->data + off;
+    a.nbytes = (size_t)pc->length;
+    char err[DP_ERRLEN] = "";
+    int dup = 0;
+    int rc = core_push(co, &a, &dup, err, sizeof err);
+    w->piece_status[i] = rc;
+    w->piece_dup[i] = rc == 0 && dup;
+    if (rc != 0 && w->err[0] == '\0')
+      say(w->err, sizeof w->err, "piece %" PRIu32 " (tensor %" PRIu32 ", slice %" PRIu32 "): %s", i,
+          pc->tensor, pc->slice, err[0] ? err : zs_strerror(rc));
+    off += (size_t)pc->length;
+  }
+}
+
+/* All pieces of a pull batch into one answer buffer, of one version. */
+static void work_run_pull_batch(dp_work *w, core *co) {
+  for (int attempt = 0; attempt < DP_BATCH_READ_TRIES; attempt++) {
+    size_t off = 0;
+    int mixed = 0;
+    for (uint32_t i = 0; i < w->npieces; i++) {
+      const wire_piece *pc = &w->pieces[i];
+      uint64_t v = 0;
+      w->status = core_read(co, w->hash, pc->tensor, pc->slice, (zs_dtype)pc->dtype,
+                            w->buf->data + off, (size_t)pc->length, &v, w->err, sizeof w->err);
+      if (w->status != 0)
+        return;
+      if (i == 0)
+        w->version = v;
+      else if (v != w->version)
+        mixed = 1;
+      off += (size_t)pc->length;
+    }
+    if (!mixed) {
+      w->crc = crc32c(0, w->buf->data, w->nbytes);
+      return;
+    }
+  }
+  w->status = ZS_EINTERNAL;
+  say(w->err, sizeof w->err,
+      "the %" PRIu32 " pieces of the batch kept changing version while being read", w->npieces);
+}
+
 static void work_run(dp_work *w, core *co) {
-  if (w->type == WIRE_PUSH) {
+  if (w->type == WIRE_PUSH_BATCH) {
+    work_run_push_batch(w, co);
+  } else if (w->type == WIRE_PULL_BATCH) {
+    work_run_pull_batch(w, co);
+  } else if (w->type == WIRE_PUSH) {
     w->push.data = w->buf->data;
     w->status = core_push(co, &w->push, &w->duplicate, w->err, sizeof w->err);
   } else {
@@ -615,9 +707,32 @@ static void work_run(dp_work *w, core *co) {
 static void work_finish(dp_work *w) {
   dp_conn *c = w->conn;
   dp_server *s = c->s;
-  if (w->type == WIRE_PULL)
+  int pull = w->type == WIRE_PULL || w->type == WIRE_PULL_BATCH;
+  if (pull)
     c->producing -= w->nbytes;
-  if (w->status != 0) {
+  if (w->type == WIRE_PUSH_BATCH && w->status == 0) {
+    pool_put(s, w->buf);
+    wire_msg m = {.type = WIRE_PUSH_BATCH_ACK, .request_id = w->request_id};
+    m.u.push_batch_ack.npieces = w->npieces;
+    m.u.push_batch_ack.status = w->piece_status;
+    m.u.push_batch_ack.duplicate = w->piece_dup;
+    say(m.u.push_batch_ack.message, sizeof m.u.push_batch_ack.message, "%s", w->err);
+    conn_send(c, &m, NULL, 1, 0);
+  } else if (w->type == WIRE_PULL_BATCH && w->status == 0) {
+    uint64_t lengths[WIRE_MAX_BATCH];
+    wire_msg m = {.type = WIRE_PULL_BATCH_DATA,
+                  .request_id = w->request_id,
+                  .payload_len = w->nbytes,
+                  .payload_crc = w->crc};
+    m.u.pull_batch_data.version = w->version;
+    m.u.pull_batch_data.npieces = w->npieces;
+    m.u.pull_batch_data.length = lengths;
+    for (uint32_t i = 0; i < w->npieces; i++) {
+      lengths[i] = w->pieces[i].length;
+      core_count_pull(s->core, w->pieces[i].length + (i == 0 ? WIRE_HEADER_SIZE : 0));
+    }
+    conn_send(c, &m, w->buf, 1, 0);
+  } else if (w->status != 0) {
     pool_put(s, w->buf);
     answer_error(c, w->request_id, w->status, w->err);
   } else if (w->type == WIRE_PUSH) {
@@ -635,9 +750,9 @@ static void work_finish(dp_work *w) {
     core_count_pull(s->core, WIRE_HEADER_SIZE + w->nbytes);
     conn_send(c, &m, w->buf, 1, 0);
   }
-  if (w->type == WIRE_PULL)
+  if (pull)
     conn_produce(c);
-  free(w);
+  work_free(w);
   conn_unref(c);
 }
 
@@ -676,7 +791,7 @@ static void work_start(dp_work *w) {
 }
 
 /* Starts reading the piece of a ready Pull into an answer buffer. */
-static void pull_read(dp_conn *c, const dp_pull *p) {
+static void pull_read(dp_conn *c, dp_pull *p) {
   dp_work *w = calloc(1, sizeof *w);
   dp_buf *b = w ? pool_get(c->s, p->nbytes) : NULL;
   if (!b) {
@@ -685,7 +800,10 @@ static void pull_read(dp_conn *c, const dp_pull *p) {
     return;
   }
   w->conn = c;
-  w->type = WIRE_PULL;
+  w->type = p->pieces ? WIRE_PULL_BATCH : WIRE_PULL;
+  w->pieces = p->pieces; /* the work owns them now */
+  w->npieces = p->npieces;
+  p->pieces = NULL;
   w->request_id = p->request_id;
   w->buf = b;
   w->nbytes = p->nbytes;
@@ -709,7 +827,7 @@ static void conn_produce(dp_conn *c) {
     if (!c->ready_head)
       c->ready_tail = NULL;
     pull_read(c, p);
-    free(p);
+    pull_free(p);
     conn_unref(c); /* the record's reference; the work holds its own */
   }
 }
@@ -767,7 +885,7 @@ static void drain_mailbox(dp_server *s) {
     }
     conn_check(c);
     conn_unref(c);
-    free(p);
+    pull_free(p);
   }
   if (n)
     mailbox_unref(mb, n);
@@ -781,6 +899,8 @@ static uint64_t pull_deadline(uint32_t timeout_ms) {
   uint32_t rel = timeout_ms && timeout_ms < DP_MAX_WAIT_MS ? timeout_ms : DP_MAX_WAIT_MS;
   return clock_now_ms() + rel;
 }
+
+static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms);
 
 static void handle_pull(dp_conn *c, const wire_msg *m) {
   dp_server *s = c->s;
@@ -825,6 +945,84 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
   p->slice = q->slice;
   p->dtype = dtype;
   p->nbytes = (size_t)nb;
+  pull_wait(c, p, q->timeout_ms);
+}
+
+/* A PULL_BATCH: every piece is checked (and sized) before the one wait for
+ * the version; one bad piece refuses the whole batch, so that the answer is
+ * either every piece, of one version, or an ERROR. */
+static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
+  dp_server *s = c->s;
+  const wire_pull_batch *q = &m->u.pull_batch;
+  char err[DP_ERRLEN] = "";
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < q->npieces; i++) {
+    const wire_piece *pc = &q->pieces[i];
+    int64_t nb =
+        core_piece_bytes(s->core, q->spec_hash, pc->tensor, pc->slice, (zs_dtype)pc->dtype);
+    if (nb < 0) {
+      if (nb == ZS_EHASH)
+        say(err, sizeof err, "spec_hash %016" PRIx64 " is not the hash of this shard's job",
+            q->spec_hash);
+      else if (nb == ZS_ENOTFOUND)
+        say(err, sizeof err,
+            "piece %" PRIu32 " of the batch: no piece (tensor %" PRIu32 ", slice %" PRIu32
+            ") on this shard",
+            i, pc->tensor, pc->slice);
+      else
+        say(err, sizeof err, "piece %" PRIu32 " of the batch: %s", i, zs_strerror((int)nb));
+      answer_error(c, m->request_id, (int)nb, err);
+      return;
+    }
+    if ((uint64_t)nb != pc->length) {
+      say(err, sizeof err,
+          "piece %" PRIu32 " of the batch (tensor %" PRIu32 ", slice %" PRIu32 ") has %" PRId64
+          " bytes in dtype %d, not the %" PRIu64 " asked for",
+          i, pc->tensor, pc->slice, nb, pc->dtype, pc->length);
+      answer_error(c, m->request_id, ZS_EINVAL, err);
+      return;
+    }
+    total += (uint64_t)nb; /* at most WIRE_MAX_BATCH pieces below 2^62 bytes: no overflow */
+  }
+  if (total > s->max_payload) {
+    say(err, sizeof err, "batch of %" PRIu64 " bytes exceeds the %" PRIu64 "-byte frame limit",
+        total, s->max_payload);
+    answer_error(c, m->request_id, ZS_ERANGE, err);
+    return;
+  }
+  if (c->waiting >= DP_MAX_WAITING_PULLS) {
+    say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
+    answer_error(c, m->request_id, ZS_ERANGE, err);
+    return;
+  }
+  dp_pull *p = calloc(1, sizeof *p);
+  wire_piece *pcs = calloc(q->npieces, sizeof *pcs);
+  if (!p || !pcs) {
+    free(p);
+    free(pcs);
+    answer_error(c, m->request_id, ZS_ENOMEM, "out of memory registering a pull batch");
+    return;
+  }
+  memcpy(pcs, q->pieces, q->npieces * sizeof *pcs);
+  p->mb = s->mb;
+  p->conn = c;
+  p->request_id = m->request_id;
+  p->hash = q->spec_hash;
+  p->min_version = q->min_version;
+  p->tensor = pcs[0].tensor;
+  p->slice = pcs[0].slice;
+  p->dtype = (zs_dtype)pcs[0].dtype;
+  p->nbytes = (size_t)total;
+  p->pieces = pcs;
+  p->npieces = q->npieces;
+  pull_wait(c, p, q->timeout_ms);
+}
+
+/* Parks a Pull (or a batch) until its version is there, or answers it at
+ * once when it already is. Takes ownership of p. */
+static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
+  dp_server *s = c->s;
+  char err[DP_ERRLEN] = "";
   /* The callback may run on a core thread before core_wait_version even
    * returns, so everything it needs is counted first. */
   pthread_mutex_lock(&s->mb->mu);
@@ -834,7 +1032,8 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
   c->waiting++;
   count(&s->st_waiting, 1);
   uint64_t version = 0;
-  int rc = core_wait_version(s->core, q->spec_hash, q->min_version, pull_deadline(q->timeout_ms),
+  uint64_t id = p->request_id;
+  int rc = core_wait_version(s->core, p->hash, p->min_version, pull_deadline(timeout_ms),
                              on_core_version, p, &version, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
@@ -842,9 +1041,9 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
   count(&s->st_waiting, -1);
   mailbox_unref(s->mb, 1);
   if (rc < 0) {
-    answer_error(c, m->request_id, rc, err);
+    answer_error(c, id, rc, err);
     conn_unref(c); /* cannot be the last: the handle holds one */
-    free(p);
+    pull_free(p);
     return;
   }
   pull_ready(c, p);
@@ -856,9 +1055,12 @@ static void on_meta(dp_conn *c) {
   wire_reader *rd = &c->rd;
   const wire_msg *m = &rd->msg;
   void *dst = NULL;
-  if (m->type != WIRE_PUSH && m->type != WIRE_PULL && m->type != WIRE_PING) {
+  if (m->type != WIRE_PUSH && m->type != WIRE_PULL && m->type != WIRE_PING &&
+      m->type != WIRE_PUSH_BATCH && m->type != WIRE_PULL_BATCH) {
     char err[DP_ERRLEN];
-    say(err, sizeof err, "a client may send PUSH, PULL or PING, not %s (request id %" PRIu64 ")",
+    say(err, sizeof err,
+        "a client may send PUSH, PULL or PING (or PUSH_BATCH, PULL_BATCH), not %s (request id "
+        "%" PRIu64 ")",
         wire_type_name(m->type), m->request_id);
     conn_fatal(c, ZS_EPROTO, err);
     return;
@@ -871,6 +1073,20 @@ static void on_meta(dp_conn *c) {
     conn_send(c, &pong, NULL, 1, 0);
   } else if (m->type == WIRE_PULL) {
     handle_pull(c, m);
+  } else if (m->type == WIRE_PULL_BATCH) {
+    handle_pull_batch(c, m);
+  } else if (m->type == WIRE_PUSH_BATCH) {
+    /* The decoder checked that the pieces tile the payload exactly; the core
+     * judges each piece once the bytes are in (on_done). */
+    if (m->payload_len == 0) {
+      answer_error(c, m->request_id, ZS_EINVAL, "a PUSH_BATCH must carry its pieces' bytes");
+    } else {
+      c->rx = pool_get(s, (size_t)m->payload_len);
+      if (!c->rx)
+        answer_error(c, m->request_id, ZS_ENOMEM, "out of memory for the push batch payload");
+      else
+        dst = c->rx->data;
+    }
   } else {
     const wire_push *q = &m->u.push;
     core_push_args a = {.hash = q->spec_hash,
@@ -910,7 +1126,7 @@ static void on_done(dp_conn *c) {
   dp_server *s = c->s;
   wire_reader *rd = &c->rd;
   count(&s->st_frames_in, 1);
-  if (rd->msg.type != WIRE_PUSH || !c->rx)
+  if ((rd->msg.type != WIRE_PUSH && rd->msg.type != WIRE_PUSH_BATCH) || !c->rx)
     return;
   dp_buf *b = c->rx;
   c->rx = NULL;
@@ -924,6 +1140,29 @@ static void on_done(dp_conn *c) {
   if (!w) {
     pool_put(s, b);
     answer_error(c, rd->msg.request_id, ZS_ENOMEM, "out of memory");
+    return;
+  }
+  if (rd->msg.type == WIRE_PUSH_BATCH) {
+    const wire_push_batch *q = &rd->msg.u.push_batch;
+    w->pieces = calloc(q->npieces, sizeof *w->pieces);
+    w->piece_status = calloc(q->npieces, sizeof *w->piece_status);
+    w->piece_dup = calloc(q->npieces, 1);
+    if (!w->pieces || !w->piece_status || !w->piece_dup) {
+      work_free(w);
+      pool_put(s, b);
+      answer_error(c, rd->msg.request_id, ZS_ENOMEM, "out of memory");
+      return;
+    }
+    memcpy(w->pieces, q->pieces, q->npieces * sizeof *w->pieces);
+    w->npieces = q->npieces;
+    w->conn = c;
+    w->type = WIRE_PUSH_BATCH;
+    w->request_id = rd->msg.request_id;
+    w->buf = b;
+    w->nbytes = (size_t)rd->msg.payload_len;
+    w->push =
+        (core_push_args){.hash = q->spec_hash, .step = q->step, .rank = q->rank, .micro = q->micro};
+    work_start(w);
     return;
   }
   const wire_push *q = &rd->msg.u.push;

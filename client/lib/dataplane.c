@@ -35,7 +35,9 @@
  * socket reads the caller's buffer), with a conversion one (into the task's
  * buffer); a pull in the caller's dtype none (the socket writes into the
  * caller's buffer at the piece's offset), with a conversion one; a prefetch
- * none into its slot, and the pull served from the slot one more.
+ * none into its slot, and the pull served from the slot one more. Pieces sent
+ * as a batch (see "batches" below) copy as single ones, except a pulled
+ * piece: one more, out of the batch's buffer.
  *
  * Threads and locks: zc_dp.mu guards each shard's current data client, the
  * number of workers submitting to it and its generation. It is a leaf: no
@@ -52,6 +54,7 @@
 #include <sys/socket.h>
 
 #include "common/dp_client.h"
+#include "common/wire.h"
 #include "internal.h"
 
 #define DP_HOST_MAX 256
@@ -79,6 +82,7 @@ typedef struct zc_dp_shard {
 } zc_dp_shard;
 
 typedef struct zc_dp {
+  atomic_uint_least64_t batches; /* batch requests submitted */
   pthread_mutex_t mu;
   pthread_cond_t cv; /* (mu) users dropped to 0, a refresh ended */
   uint64_t next_gen; /* (mu) */
@@ -531,6 +535,249 @@ static void on_answer(void *arg, const dp_result *r) {
     task_fail(c, t, r->status, r->message);
   }
   tls_in_callback = 0;
+}
+
+/* ---- batches ------------------------------------------------------------------------ */
+
+/* Small pieces the pool coalesced for one shard travel as one PUSH_BATCH or
+ * PULL_BATCH (docs/PROTOCOL.md). A batch holds tasks of one direction and,
+ * for pushes, one (step, micro); for pulls, one min_version. Each task still
+ * finishes on its own: a push piece the shard refuses fails only its task,
+ * and a batch that fails as a whole (connection lost, shard closing) sends
+ * each task back to the pool for the single-piece retry path.
+ *
+ * Copies: a push batch as single pushes (none, or one conversion into the
+ * task's buffer); a pull batch is read into one buffer of the batch and each
+ * piece copied out of it once (converted, or copied into the task's buffer
+ * first when it finishes on a worker as a single pull would). */
+typedef struct zc_dpbatch {
+  zs_client *c;
+  int push;
+  uint32_t n;
+  unsigned char *buf; /* pull: the pieces in the wire dtype, concatenated; owned */
+  zc_task *t[WIRE_MAX_BATCH];
+} zc_dpbatch;
+
+static void on_batch_answer(void *arg, const dp_result *r);
+
+/* 1 if t may join a batch whose first task is `first`. */
+static int batchable(const zc_task *first, const zc_task *t) {
+  const zs_request *a = first->op, *b = t->op;
+  if (t->dp_phase != ZC_DP_SEND || t->shard != first->shard)
+    return 0;
+  if (a->kind == ZC_OP_PUSH)
+    return b->kind == ZC_OP_PUSH && b->step == a->step && b->micro == a->micro;
+  return (b->kind == ZC_OP_PULL || b->kind == ZC_OP_PREFETCH) && b->step == a->step;
+}
+
+/* Submits one batch of tasks b->t[0 .. n). Returns 0 when the shard has no
+ * data client (the tasks are untouched, for gRPC), 1 when every task was
+ * taken (each finishes later, or already failed). */
+static int batch_submit(zc_dpbatch *b) {
+  zs_client *c = b->c;
+  zc_dp *dp = c->dp;
+  const uint32_t shard = b->t[0]->shard;
+  dp_batch_piece pieces[WIRE_MAX_BATCH];
+  size_t total = 0;
+  int rc = ZS_OK;
+  for (uint32_t i = 0; i < b->n; i++) {
+    zc_task *t = b->t[i];
+    zs_request *op = t->op;
+    const layout_piece *pc = &c->lay.pieces[t->piece];
+    size_t bsize = zs_dtype_size(op->buf_dtype), nbytes = pc->numel * zs_dtype_size(op->wire_dtype);
+    pieces[i] = (dp_batch_piece){
+        .tensor = pc->tensor, .slice = pc->slice, .dtype = op->wire_dtype, .nbytes = nbytes};
+    total += nbytes;
+    if (!b->push)
+      continue;
+    /* As submit(): the conversion happens before the client is taken. */
+    if (op->buf_dtype != op->wire_dtype) {
+      if (!t->dp_buf && !(t->dp_buf = malloc(nbytes))) {
+        rc = ZS_ENOMEM;
+        break;
+      }
+      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + pc->offset * bsize,
+                 op->buf_dtype, pc->numel);
+      pieces[i].data = t->dp_buf;
+    } else {
+      pieces[i].data = (const unsigned char *)op->src + pc->offset * bsize;
+    }
+  }
+  if (rc == ZS_OK && !b->push && !(b->buf = malloc(total)))
+    rc = ZS_ENOMEM;
+  if (rc != ZS_OK) {
+    for (uint32_t i = 0; i < b->n; i++)
+      task_fail(c, b->t[i], rc, "out of memory for a batch");
+    free(b->buf);
+    free(b);
+    return 1;
+  }
+
+  pthread_mutex_lock(&dp->mu);
+  zc_dpconn *k = dp->shard[shard].cur;
+  if (k) {
+    k->users++;
+    for (uint32_t i = 0; i < b->n; i++)
+      b->t[i]->dp_gen = dp->shard[shard].gen;
+  }
+  pthread_mutex_unlock(&dp->mu);
+  if (!k) {
+    for (uint32_t i = 0; i < b->n; i++) {
+      free(b->t[i]->dp_buf);
+      b->t[i]->dp_buf = NULL;
+    }
+    free(b->buf);
+    free(b);
+    return 0;
+  }
+  const zs_request *op0 = b->t[0]->op;
+  uint32_t n = b->n;
+  zc_task *tasks[WIRE_MAX_BATCH];
+  memcpy(tasks, b->t, n * sizeof tasks[0]);
+  if (b->push) {
+    dp_push_batch_args a = {.spec_hash = c->hash,
+                            .step = op0->step,
+                            .rank = c->opt.rank,
+                            .micro = op0->micro,
+                            .pieces = pieces,
+                            .npieces = n,
+                            .timeout_ms = c->opt.rpc_timeout_ms};
+    rc = dp_client_push_batch(k->cli, &a, on_batch_answer, b);
+  } else {
+    dp_pull_batch_args a = {.spec_hash = c->hash,
+                            .min_version = op0->step,
+                            .pieces = pieces,
+                            .npieces = n,
+                            .dst = b->buf,
+                            .timeout_ms = c->opt.step_timeout_ms};
+    rc = dp_client_pull_batch(k->cli, &a, on_batch_answer, b);
+  }
+  /* From here on b belongs to the answer (when rc is 0). */
+  if (rc == ZS_OK)
+    atomic_fetch_add(&dp->batches, 1);
+  pthread_mutex_lock(&dp->mu);
+  if (--k->users == 0)
+    pthread_cond_broadcast(&dp->cv);
+  pthread_mutex_unlock(&dp->mu);
+  if (rc != ZS_OK) {
+    for (uint32_t i = 0; i < n; i++)
+      task_fail(c, tasks[i], rc, "the data-plane client refused the batch");
+    free(b->buf);
+    free(b);
+  }
+  return 1;
+}
+
+/* The answer of a batch, on the data client's loop thread: each task
+ * finishes (or is retried) as its single request would have. */
+static void on_batch_answer(void *arg, const dp_result *r) {
+  zc_dpbatch *b = arg;
+  zs_client *c = b->c;
+  tls_in_callback = 1;
+  size_t off = 0;
+  int first_refusal = 1;
+  for (uint32_t i = 0; i < b->n; i++) {
+    zc_task *t = b->t[i];
+    zs_request *op = t->op;
+    const layout_piece *pc = &c->lay.pieces[t->piece];
+    size_t nbytes = pc->numel * zs_dtype_size(op->wire_dtype);
+    const unsigned char *src = b->buf ? b->buf + off : NULL;
+    off += nbytes;
+    if (r->status != ZS_OK) {
+      if (retryable(c, t, r->status) && t->dp_attempt < c->opt.max_retries) {
+        t->dp_attempt++;
+        atomic_fetch_add(&c->retries, 1);
+        if (!requeue(c, t, ZC_DP_RETRY))
+          task_fail(c, t, ZS_ECANCELED, "cancelled: the client is closing");
+      } else {
+        task_fail(c, t, r->status, r->message);
+      }
+    } else if (b->push) {
+      int st = i < r->npieces ? r->piece_status[i] : ZS_EPROTO;
+      if (st == ZS_OK) {
+        task_finish(t, ZS_OK, NULL, nbytes);
+      } else {
+        /* The sentence names the first refused piece; the others get their
+         * status's own. */
+        task_fail(c, t, st, first_refusal ? r->message : zs_strerror(st));
+        first_refusal = 0;
+      }
+    } else if (r->version < op->step) {
+      char why[160];
+      snprintf(why, sizeof why, "the shard answered with version %" PRIu64, r->version);
+      task_fail(c, t, ZS_EPROTO, why);
+    } else if (op->buf_dtype == op->wire_dtype) {
+      memcpy((unsigned char *)op->dst + pc->offset * zs_dtype_size(op->buf_dtype), src, nbytes);
+      if (op->kind == ZC_OP_PULL || !requeue(c, t, ZC_DP_FINISH))
+        pull_finish(c, t);
+    } else if (!(t->dp_buf = malloc(nbytes))) {
+      task_fail(c, t, ZS_ENOMEM, "out of memory for the piece in its wire dtype");
+    } else {
+      /* The conversion runs on a worker, as for a single pull. */
+      memcpy(t->dp_buf, src, nbytes);
+      if (!requeue(c, t, ZC_DP_FINISH))
+        pull_finish(c, t);
+    }
+  }
+  free(b->buf);
+  free(b);
+  tls_in_callback = 0;
+}
+
+uint64_t zc_dp_batches(const struct zs_client *c) {
+  return c->dp ? atomic_load(&c->dp->batches) : 0;
+}
+
+zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list) {
+  if (!c->dp)
+    return list;
+  zc_task *rest = NULL, **rest_tail = &rest;
+  while (list) {
+    zc_task *first = list;
+    zc_op_kind kind = first->op->kind;
+    if (first->dp_phase != ZC_DP_SEND ||
+        (kind != ZC_OP_PUSH && kind != ZC_OP_PULL && kind != ZC_OP_PREFETCH)) {
+      list = first->next;
+      first->next = NULL;
+      *rest_tail = first;
+      rest_tail = &first->next;
+      continue;
+    }
+    /* The longest run of tasks behind `first` that can share its batch. */
+    zc_dpbatch *b = calloc(1, sizeof *b);
+    if (!b) {
+      /* Without memory for a batch the tasks go one by one. */
+      *rest_tail = list;
+      break;
+    }
+    b->c = c;
+    b->push = kind == ZC_OP_PUSH;
+    zc_task *t = list;
+    while (t && b->n < WIRE_MAX_BATCH && batchable(first, t)) {
+      b->t[b->n++] = t;
+      t = t->next;
+    }
+    list = t;
+    for (uint32_t i = 0; i < b->n; i++)
+      b->t[i]->next = NULL;
+    if (b->n == 1) {
+      *rest_tail = first;
+      rest_tail = &first->next;
+      free(b);
+      continue;
+    }
+    zc_task *taken[WIRE_MAX_BATCH];
+    uint32_t n = b->n;
+    memcpy(taken, b->t, n * sizeof taken[0]);
+    if (!batch_submit(b)) {
+      /* A shard without a data client: its tasks run over gRPC. */
+      for (uint32_t i = 0; i < n; i++) {
+        *rest_tail = taken[i];
+        rest_tail = &taken[i]->next;
+      }
+    }
+  }
+  return rest;
 }
 
 int zc_dp_run(struct zs_client *c, zc_task *t) {

@@ -65,8 +65,9 @@ int zc_fail_msg(int err, const char *msg);
 typedef struct zc_task zc_task;
 typedef struct zc_pool zc_pool;
 
-/* Runs one task on a worker thread; the task is finished (zc_task_done) by the
- * time it returns. */
+/* Runs a task on a worker thread, or the tasks the pool coalesced with it
+ * (linked through next, all of one shard and direction); each is finished,
+ * or handed on to finish later, by the time it returns. */
 typedef void (*zc_task_run_fn)(void *ctx, zc_task *t);
 /* Finishes a task that will never run (the pool is stopping). */
 typedef void (*zc_task_cancel_fn)(void *ctx, zc_task *t);
@@ -84,6 +85,7 @@ struct zc_pool {
   uint32_t nthreads;
   size_t push_bucket; /* bytes; 0: no coalescing */
   size_t pull_bucket;
+  int held; /* (mu) zc_pool_hold: workers take nothing */
   zc_task_run_fn run;
   zc_task_cancel_fn cancel;
   void *ctx;
@@ -98,6 +100,10 @@ int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_b
 /* Queues the n tasks of an array (each on the queue of its shard) in one
  * critical section; after stop they are cancelled at once instead. */
 void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n);
+
+/* For tests: while held, workers take no task, so that everything submitted
+ * meanwhile is queued (and coalesced) as if it had all arrived at once. */
+void zc_pool_hold(zc_pool *p, int hold);
 
 /* Cancels every queued task (with the cancel function), waits for the running
  * ones, joins the workers. Idempotent; tolerates a pool that never started. */
@@ -343,6 +349,18 @@ void zc_dp_close(struct zs_client *c);
  * taken (it finishes later, on its own), 0 when its shard has no data client
  * and the caller runs it over gRPC. Called by zc_task_run. */
 int zc_dp_run(struct zs_client *c, zc_task *t);
+
+/* Sends the tasks of a list the pool coalesced (one shard, linked through
+ * next) that go over the data plane as PUSH_BATCH / PULL_BATCH requests, in
+ * runs of one direction and one (step, micro) or min_version, at most
+ * WIRE_MAX_BATCH each; every task taken finishes later, on its own. Returns
+ * the tasks not taken (a run of one, a retry or finish phase, a shard served
+ * over gRPC), still linked through next, for zc_task_run to run one by one.
+ * Called by zc_task_run. */
+zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list);
+
+/* Batch requests this client has submitted. For tests. */
+uint64_t zc_dp_batches(const struct zs_client *c);
 
 /* 1 on a thread that is running a data-plane completion (where
  * zs_client_close must be refused), else 0. */

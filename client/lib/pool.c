@@ -9,9 +9,9 @@
  *
  * Coalescing: when a worker takes a small piece (below the bucket size) it
  * also takes the small pieces of the same direction queued right behind it
- * for the same shard, up to the bucket size in bytes, and issues them back to
- * back. This saves hand-offs between threads, not calls: the protocol carries
- * one piece per call.
+ * for the same shard, up to the bucket size in bytes, and runs them as one
+ * list: over the data plane they travel as one batch request
+ * (dataplane.c); over gRPC they are issued back to back, one call each.
  *
  * Threads: the workers are created by zc_pool_start and joined by
  * zc_pool_stop; everything in zc_pool marked (mu) is guarded by pool.mu,
@@ -77,19 +77,14 @@ static void *worker_main(void *arg) {
   zc_pool *p = arg;
   pthread_mutex_lock(&p->mu);
   for (;;) {
-    while (!p->stop && p->queued == 0)
+    while (!p->stop && (p->queued == 0 || p->held))
       pthread_cond_wait(&p->cv, &p->mu);
     if (p->queued == 0)
       break; /* stopping and nothing left */
     zc_task *list = take_locked(p);
     pthread_mutex_unlock(&p->mu);
-    while (list) {
-      /* run() may finish the op and free the task: read next first. */
-      zc_task *next = list->next;
-      list->next = NULL;
-      p->run(p->ctx, list);
-      list = next;
-    }
+    /* The whole list at once, so that its pieces can travel as one batch. */
+    p->run(p->ctx, list);
     pthread_mutex_lock(&p->mu);
   }
   pthread_mutex_unlock(&p->mu);
@@ -120,6 +115,13 @@ int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_b
     p->nthreads++;
   }
   return ZS_OK;
+}
+
+void zc_pool_hold(zc_pool *p, int hold) {
+  pthread_mutex_lock(&p->mu);
+  p->held = hold;
+  pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
 }
 
 void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n) {

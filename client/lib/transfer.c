@@ -343,8 +343,23 @@ static int run_call(zs_client *c, zc_task *t, char *err, size_t errlen) {
   return rc;
 }
 
-void zc_task_run(void *ctx, zc_task *t) {
+static void task_run_one(zs_client *c, zc_task *t);
+
+void zc_task_run(void *ctx, zc_task *list) {
   zs_client *c = ctx;
+  /* Coalesced pieces go over the data plane as batches where they can. */
+  if (list->next)
+    list = zc_dp_run_batch(c, list);
+  while (list) {
+    /* Running a task may finish its op and free it: read next first. */
+    zc_task *next = list->next;
+    list->next = NULL;
+    task_run_one(c, list);
+    list = next;
+  }
+}
+
+static void task_run_one(zs_client *c, zc_task *t) {
   /* A push or pull to a shard with a data client goes over the data plane
    * and finishes later, from its answer (dataplane.c). */
   if (zc_dp_run(c, t))

@@ -12,7 +12,8 @@
  * meta and payload that wire_decode_frame finds at the same offset, and be
  * refused exactly when wire_decode_frame refuses it; where the reader stops
  * (fatal error, or input ended mid-frame) wire_decode_frame must fail too.
- * Frames that decode are encoded again and must decode to the same message.
+ * Frames that decode are encoded again and must decode to the same message
+ * (batch arrays compared element by element).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -35,6 +36,7 @@
 typedef struct seen {
   size_t start, end; /* offsets of the frame in the input */
   wire_msg msg;
+  wire_batch arrays; /* msg's batch arrays, copied out of the reader */
   int meta_status, payload_status;
   int kept; /* the payload was received into a buffer */
 } seen;
@@ -46,12 +48,109 @@ static uint64_t rng_next(uint64_t *s) {
   return *s;
 }
 
+/* 1 if m is a batch message whose arrays are there to copy. */
+static int has_arrays(const wire_msg *m) {
+  switch (m->type) {
+  case WIRE_PUSH_BATCH:
+    return m->u.push_batch.pieces && m->u.push_batch.npieces;
+  case WIRE_PULL_BATCH:
+    return m->u.pull_batch.pieces && m->u.pull_batch.npieces;
+  case WIRE_PUSH_BATCH_ACK:
+    return m->u.push_batch_ack.status && m->u.push_batch_ack.duplicate &&
+           m->u.push_batch_ack.npieces;
+  case WIRE_PULL_BATCH_DATA:
+    return m->u.pull_batch_data.length && m->u.pull_batch_data.npieces;
+  default:
+    return 0;
+  }
+}
+
+/* Copies the batch arrays m points at (a decoder's storage, reused by its
+ * next frame) into *to and points m there. */
+static void keep_arrays(wire_msg *m, wire_batch *to) {
+  /* A refused frame may have no arrays at all. */
+  if (!has_arrays(m))
+    return;
+  switch (m->type) {
+  case WIRE_PUSH_BATCH:
+    memcpy(to->pieces, m->u.push_batch.pieces, m->u.push_batch.npieces * sizeof to->pieces[0]);
+    m->u.push_batch.pieces = to->pieces;
+    break;
+  case WIRE_PULL_BATCH:
+    memcpy(to->pieces, m->u.pull_batch.pieces, m->u.pull_batch.npieces * sizeof to->pieces[0]);
+    m->u.pull_batch.pieces = to->pieces;
+    break;
+  case WIRE_PUSH_BATCH_ACK:
+    memcpy(to->status, m->u.push_batch_ack.status,
+           m->u.push_batch_ack.npieces * sizeof to->status[0]);
+    memcpy(to->duplicate, m->u.push_batch_ack.duplicate, m->u.push_batch_ack.npieces);
+    m->u.push_batch_ack.status = to->status;
+    m->u.push_batch_ack.duplicate = to->duplicate;
+    break;
+  case WIRE_PULL_BATCH_DATA:
+    memcpy(to->length, m->u.pull_batch_data.length,
+           m->u.pull_batch_data.npieces * sizeof to->length[0]);
+    m->u.pull_batch_data.length = to->length;
+    break;
+  default:
+    break;
+  }
+}
+
+static int pieces_equal(const wire_piece *a, const wire_piece *b, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++)
+    if (a[i].tensor != b[i].tensor || a[i].slice != b[i].slice || a[i].dtype != b[i].dtype ||
+        a[i].length != b[i].length)
+      return 0;
+  return 1;
+}
+
+/* The two messages say the same: the fields, and a batch's arrays element by
+ * element (their pointers differ). */
+static int msg_equal(const wire_msg *a, const wire_msg *b) {
+  if (a->type != b->type)
+    return 0;
+  switch (a->type) {
+  case WIRE_PUSH_BATCH: {
+    const wire_push_batch *x = &a->u.push_batch, *y = &b->u.push_batch;
+    return x->spec_hash == y->spec_hash && x->step == y->step && x->rank == y->rank &&
+           x->micro == y->micro && x->npieces == y->npieces &&
+           pieces_equal(x->pieces, y->pieces, x->npieces);
+  }
+  case WIRE_PULL_BATCH: {
+    const wire_pull_batch *x = &a->u.pull_batch, *y = &b->u.pull_batch;
+    return x->spec_hash == y->spec_hash && x->min_version == y->min_version &&
+           x->timeout_ms == y->timeout_ms && x->npieces == y->npieces &&
+           pieces_equal(x->pieces, y->pieces, x->npieces);
+  }
+  case WIRE_PUSH_BATCH_ACK: {
+    const wire_push_batch_ack *x = &a->u.push_batch_ack, *y = &b->u.push_batch_ack;
+    return x->npieces == y->npieces &&
+           memcmp(x->status, y->status, x->npieces * sizeof x->status[0]) == 0 &&
+           memcmp(x->duplicate, y->duplicate, x->npieces) == 0 &&
+           strcmp(x->message, y->message) == 0;
+  }
+  case WIRE_PULL_BATCH_DATA: {
+    const wire_pull_batch_data *x = &a->u.pull_batch_data, *y = &b->u.pull_batch_data;
+    return x->version == y->version && x->npieces == y->npieces &&
+           memcmp(x->length, y->length, x->npieces * sizeof x->length[0]) == 0;
+  }
+  default:
+    return memcmp(&a->u, &b->u, sizeof a->u) == 0;
+  }
+}
+
 /* decode(encode(m)) == m for a frame that decoded. */
-static void check_round_trip(const wire_msg *m, const uint8_t *payload) {
-  uint8_t *f = malloc(WIRE_MAX_ENCODED + m->payload_len);
+static void check_round_trip(const wire_msg *orig, const uint8_t *payload) {
+  /* orig's arrays may live where the decode below writes. */
+  static wire_batch kept;
+  wire_msg copy = *orig;
+  keep_arrays(&copy, &kept);
+  const wire_msg *m = &copy;
+  uint8_t *f = malloc(WIRE_MAX_BATCH_ENCODED + m->payload_len);
   CHECK(f != NULL);
   size_t len = 0;
-  CHECK(wire_encode(m, f, WIRE_MAX_ENCODED, &len) == 0);
+  CHECK(wire_encode(m, f, WIRE_MAX_BATCH_ENCODED, &len) == 0);
   if (m->payload_len)
     memcpy(f + len, payload, m->payload_len);
   wire_msg back;
@@ -62,7 +161,7 @@ static void check_round_trip(const wire_msg *m, const uint8_t *payload) {
   CHECK(flen == len + m->payload_len);
   CHECK(back.type == m->type && back.request_id == m->request_id &&
         back.payload_len == m->payload_len && back.payload_crc == m->payload_crc);
-  CHECK(memcmp(&back.u, &m->u, sizeof back.u) == 0);
+  CHECK(msg_equal(&back, m));
   free(f);
 }
 
@@ -123,6 +222,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         f->start = frame_start;
         f->end = off;
         f->msg = r.msg;
+        keep_arrays(&f->msg, &f->arrays);
         f->meta_status = r.meta_status;
         f->payload_status = r.payload_status;
         f->kept = dst != NULL;
@@ -162,7 +262,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (rc == 0) {
       CHECK(m.type == f->msg.type && m.request_id == f->msg.request_id &&
             m.payload_len == f->msg.payload_len);
-      CHECK(memcmp(&m.u, &f->msg.u, sizeof m.u) == 0);
+      CHECK(msg_equal(&m, &f->msg));
       if (m.payload_len) {
         CHECK(f->kept);
         CHECK(memcmp(pl, payloads[i], m.payload_len) == 0);

@@ -11,7 +11,9 @@
  * order, the shard's grad_scale = (float)(coef / W), and the optimizer kernel
  * itself (optim_apply), with torch-default AdamW, a no-decay AdamW group with
  * lr_scale 0.5 and a Nesterov SGD group. Some ranks use the library's
- * prefetch and coalescing, so those paths are held to the same bits.
+ * prefetch and coalescing, so those paths are held to the same bits; and a
+ * model of many small tensors trains to the same bits whether its pieces
+ * travel one by one or in batches (PUSH_BATCH / PULL_BATCH).
  *
  * Then: an injected inf skips the step on every shard and, per DeepSpeed's
  * hysteresis, the second one halves the loss scale; clipping matches
@@ -169,9 +171,12 @@ static int client_for(const run_cfg *cfg, uint32_t rank, zs_dtype pull_wire, zs_
   o.split_threshold = SPLIT;
   o.step_timeout_ms = cfg->step_timeout_ms ? cfg->step_timeout_ms : 20000;
   o.loss_scaling = cfg->scaling;
-  /* Odd ranks prefetch, rank 2 coalesces small pieces: the same bits are
-   * expected whichever path a transfer takes. */
+  /* Odd ranks prefetch; rank 0 sends every piece on its own, rank 2 uses
+   * small buckets and rank 1 the default ones: the same bits are expected
+   * whichever path a transfer takes. */
   o.prefetch_depth = rank % 2 ? 2 : 0;
+  if (rank == 0)
+    o.reduce_bucket_size = o.allgather_bucket_size = 0;
   if (rank == 2)
     o.reduce_bucket_size = o.allgather_bucket_size = 4096;
   int rc = zs_client_open(&o, out);
@@ -779,6 +784,140 @@ static void one_client_serves_several_trainer_threads(void **state) {
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
+/* ---- many small tensors in buckets ------------------------------------------------------- */
+
+#define SMALL_NT 160
+#define SMALL_K 3
+
+static uint64_t small_numel(uint32_t t) {
+  return 3 + (uint64_t)(t * 7u % 90u); /* 3 .. 92: whole, and split from SPLIT up */
+}
+
+/* Releases the held pool and waits for every request; 0 or the first error. */
+static int small_release_and_wait(zs_client *c, zs_request **reqs, uint32_t n) {
+  zc_pool_hold(&c->pool, 0);
+  int rc = ZS_OK;
+  for (uint32_t i = 0; i < n; i++) {
+    int r = zs_wait(reqs[i]);
+    if (rc == ZS_OK)
+      rc = r;
+  }
+  return rc;
+}
+
+/* One trainer, 2 micro-batches, SMALL_K steps of SMALL_NT small tensors on 2
+ * fresh shards, bf16 on the wire both ways, with the given bucket size. Each
+ * step's pulls and pushes are all submitted while the pool is held, so that
+ * the shards' queues hold every piece at once and bucketing (when on) is
+ * certain to form batches. The final fp32 masters go to final[t]; returns
+ * the batches sent. */
+static uint64_t small_run(size_t bucket, float **final) {
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  char addrs[512], job[64];
+  join_addresses(&cl, addrs, sizeof addrs);
+  snprintf(job, sizeof job, "small-%d", job_counter++);
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = addrs;
+  o.job = job;
+  o.grad_accum = 2;
+  o.push_dtype = o.pull_dtype = ZS_DTYPE_BF16;
+  o.split_threshold = SPLIT;
+  o.reduce_bucket_size = o.allgather_bucket_size = bucket;
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  zs_group_options go;
+  group_options(0, &go);
+  assert_int_equal(zs_add_group(c, &go, NULL), ZS_OK);
+  float *param[SMALL_NT], *grad[2][SMALL_NT];
+  const float *init[SMALL_NT];
+  for (uint32_t t = 0; t < SMALL_NT; t++) {
+    char name[32];
+    snprintf(name, sizeof name, "small.%" PRIu32, t);
+    assert_int_equal(zs_add_tensor(c, name, small_numel(t), 0, NULL, 0, NULL), ZS_OK);
+    param[t] = calloc(small_numel(t), sizeof(float));
+    grad[0][t] = calloc(small_numel(t), sizeof(float));
+    grad[1][t] = calloc(small_numel(t), sizeof(float));
+    assert_true(param[t] && grad[0][t] && grad[1][t]);
+    for (uint64_t i = 0; i < small_numel(t); i++)
+      param[t][i] = init_value(t % NT, i);
+    init[t] = param[t];
+  }
+  assert_int_equal(zs_open_job(c, init), ZS_OK);
+  zs_request *reqs[2 * SMALL_NT];
+  for (uint64_t s = 1; s <= SMALL_K; s++) {
+    zc_pool_hold(&c->pool, 1);
+    for (uint32_t t = 0; t < SMALL_NT; t++)
+      assert_int_equal(
+          zs_pull(c, t, param[t], ZS_DTYPE_FP32, small_numel(t) * sizeof(float), &reqs[t]), ZS_OK);
+    assert_int_equal(small_release_and_wait(c, reqs, SMALL_NT), ZS_OK);
+    zc_pool_hold(&c->pool, 1);
+    for (uint32_t m = 0; m < 2; m++)
+      for (uint32_t t = 0; t < SMALL_NT; t++) {
+        for (uint64_t i = 0; i < small_numel(t); i++)
+          grad[m][t][i] = grad_value(s, 0, m, t % NT, i, param[t][i]);
+        assert_int_equal(zs_push(c, t, m, grad[m][t], ZS_DTYPE_FP32, small_numel(t) * sizeof(float),
+                                 &reqs[m * SMALL_NT + t]),
+                         ZS_OK);
+      }
+    assert_int_equal(small_release_and_wait(c, reqs, 2 * SMALL_NT), ZS_OK);
+    zs_step_result res;
+    zs_step_result_init(&res);
+    assert_int_equal(zs_step(c, 0.01, 0, 0, &res), ZS_OK);
+    assert_int_equal(res.applied, 1);
+  }
+  uint64_t batches = zc_dp_batches(c);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+
+  /* The masters in fp32, piece by piece, through a client without buckets. */
+  o.pull_dtype = ZS_DTYPE_FP32;
+  o.reduce_bucket_size = o.allgather_bucket_size = 0;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  assert_int_equal(zs_add_group(c, &go, NULL), ZS_OK);
+  for (uint32_t t = 0; t < SMALL_NT; t++) {
+    char name[32];
+    snprintf(name, sizeof name, "small.%" PRIu32, t);
+    assert_int_equal(zs_add_tensor(c, name, small_numel(t), 0, NULL, 0, NULL), ZS_OK);
+  }
+  assert_int_equal(zs_open_job(c, init), ZS_OK);
+  for (uint32_t t = 0; t < SMALL_NT; t++)
+    assert_int_equal(zs_pull(c, t, final[t], ZS_DTYPE_FP32, small_numel(t) * sizeof(float), NULL),
+                     ZS_OK);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  for (uint32_t t = 0; t < SMALL_NT; t++) {
+    free(param[t]);
+    free(grad[0][t]);
+    free(grad[1][t]);
+  }
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+  return batches;
+}
+
+static void many_small_tensors_in_buckets_train_to_the_bits_of_single_pieces(void **state) {
+  (void)state;
+  float *single[SMALL_NT], *bucketed[SMALL_NT];
+  for (uint32_t t = 0; t < SMALL_NT; t++) {
+    single[t] = calloc(small_numel(t), sizeof(float));
+    bucketed[t] = calloc(small_numel(t), sizeof(float));
+    assert_true(single[t] && bucketed[t]);
+  }
+  assert_int_equal(small_run(0, single), 0);
+  uint64_t batches = small_run((size_t)1 << 20, bucketed);
+  /* Over the data plane each step's pulls and pushes went as batches (over
+   * gRPC the buckets have no effect and the run is the same as the other). */
+  if (run_transport() == ZS_TRANSPORT_DATA)
+    assert_true(batches >= 2 * 2 * SMALL_K);
+  else
+    assert_int_equal(batches, 0);
+  for (uint32_t t = 0; t < SMALL_NT; t++) {
+    if (memcmp(single[t], bucketed[t], small_numel(t) * sizeof(float)) != 0)
+      fail_msg("tensor small.%" PRIu32 " differs between single pieces and buckets", t);
+    free(single[t]);
+    free(bucketed[t]);
+  }
+}
+
 /* ---- misuse against a live job ------------------------------------------------------------ */
 
 static void misuse_on_an_open_job_returns_errors(void **state) {
@@ -1014,6 +1153,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(clipping_scales_by_max_norm_over_norm_on_every_rank),
       cmocka_unit_test(killed_trainer_is_named_in_the_others_timeout_error),
       cmocka_unit_test(one_client_serves_several_trainer_threads),
+      cmocka_unit_test(many_small_tensors_in_buckets_train_to_the_bits_of_single_pieces),
       cmocka_unit_test(misuse_on_an_open_job_returns_errors),
       cmocka_unit_test(callbacks_run_once_per_transfer),
       cmocka_unit_test(a_callback_may_start_a_transfer_but_not_close_its_client),

@@ -7,7 +7,8 @@
  * with the same calls: a push or pull over the wire must get the status (and
  * the core's own message) that the core gives, and after every step the
  * pieces pulled over the wire must be bit-identical to core_read on the
- * reference.
+ * reference. Batches (PUSH_BATCH, PULL_BATCH) are held to the same
+ * reference piece by piece.
  *
  * cmocka's assertions run on the test thread only: client callbacks record
  * what they saw under a lock and the test thread checks it. Waits for an
@@ -743,6 +744,421 @@ static void a_pull_waits_for_its_version_and_then_returns_it(void **state) {
   free(want);
 }
 
+/* ----------------------------------------------------------------- batches */
+
+/* What a batch's callback saw, copied for the test thread. */
+typedef struct batch_rec {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done, status;
+  uint64_t version;
+  uint32_t npieces;
+  int32_t piece_status[WIRE_MAX_BATCH];
+  uint8_t piece_dup[WIRE_MAX_BATCH];
+  char message[DP_ERRLEN];
+} batch_rec;
+
+static void on_batch_rec(void *arg, const dp_result *r) {
+  batch_rec *b = arg;
+  pthread_mutex_lock(&b->mu);
+  b->status = r->status;
+  b->version = r->version;
+  b->npieces = r->npieces;
+  if (r->piece_status) {
+    memcpy(b->piece_status, r->piece_status, r->npieces * sizeof r->piece_status[0]);
+    memcpy(b->piece_dup, r->piece_duplicate, r->npieces);
+  }
+  snprintf(b->message, sizeof b->message, "%s", r->message);
+  b->done = 1;
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
+static int batch_done(void *arg) {
+  batch_rec *b = arg;
+  pthread_mutex_lock(&b->mu);
+  int d = b->done;
+  pthread_mutex_unlock(&b->mu);
+  return d;
+}
+
+static void batch_rec_init(batch_rec *b) {
+  memset(b, 0, sizeof *b);
+  pthread_mutex_init(&b->mu, NULL);
+  pthread_cond_init(&b->cv, NULL);
+}
+
+static void batch_rec_wait(batch_rec *b) {
+  pthread_mutex_lock(&b->mu);
+  while (!b->done)
+    pthread_cond_wait(&b->cv, &b->mu);
+  pthread_mutex_unlock(&b->mu);
+}
+
+/* Pushes pieces[0 .. n) of contribution (step, rank, micro) to `shard` in
+ * one batch and, one by one in the same order, to the reference core; checks
+ * that every piece got the core's status and duplicate flag. Returns the
+ * batch's own status; *rec keeps the answer. */
+static int push_batch_both(uint32_t shard, uint64_t hash, uint64_t step, uint32_t rank,
+                           uint32_t micro, const dp_batch_piece *pieces, uint32_t n,
+                           batch_rec *rec) {
+  batch_rec_init(rec);
+  dp_push_batch_args a = {.spec_hash = hash,
+                          .step = step,
+                          .rank = rank,
+                          .micro = micro,
+                          .pieces = pieces,
+                          .npieces = n,
+                          .timeout_ms = WAIT_MS};
+  assert_int_equal(dp_client_push_batch(fx.cli[shard], &a, on_batch_rec, rec), 0);
+  batch_rec_wait(rec);
+  if (rec->status != 0)
+    return rec->status;
+  assert_int_equal(rec->npieces, n);
+  char first[256] = "";
+  for (uint32_t i = 0; i < n; i++) {
+    core_push_args c = {.hash = hash,
+                        .step = step,
+                        .rank = rank,
+                        .micro = micro,
+                        .tensor = pieces[i].tensor,
+                        .slice = pieces[i].slice,
+                        .dtype = pieces[i].dtype,
+                        .data = pieces[i].data,
+                        .nbytes = pieces[i].nbytes};
+    char err[256] = "";
+    int dup = 0;
+    int rc = core_push(fx.ref[shard], &c, &dup, err, sizeof err);
+    if (rc != rec->piece_status[i] || (rc == 0 && dup != rec->piece_dup[i]))
+      fail_msg("batch piece %u (tensor %u slice %u): wire %s dup %d, core %s dup %d", i,
+               pieces[i].tensor, pieces[i].slice, zs_err_name(rec->piece_status[i]),
+               rec->piece_dup[i], zs_err_name(rc), dup);
+    if (rc != 0 && !first[0])
+      snprintf(first, sizeof first, "%s", err);
+  }
+  /* The batch's message is the first refused piece's, with the core's
+   * sentence. */
+  if (first[0] && !strstr(rec->message, first))
+    fail_msg("batch message \"%s\" does not carry \"%s\"", rec->message, first);
+  if (!first[0])
+    assert_string_equal(rec->message, "");
+  return 0;
+}
+
+/* Every contribution of `step`, each (rank, micro) as one batch per shard
+ * holding all of that shard's pieces, with the dtypes varying by piece. */
+static void push_step_in_batches(uint64_t step) {
+  static const zs_dtype dts[] = {ZS_DTYPE_BF16, ZS_DTYPE_FP32, ZS_DTYPE_FP16};
+  for (uint32_t shard = 0; shard < NSHARDS; shard++) {
+    for (int k = (int)(W * M) - 1; k >= 0; k--) {
+      uint32_t micro = (uint32_t)k / W, rank = (uint32_t)k % W;
+      dp_batch_piece pcs[16];
+      uint32_t n = 0;
+      for (uint32_t i = 0; i < fx.lay.num_pieces; i++) {
+        const layout_piece *p = &fx.lay.pieces[i];
+        if (p->shard != shard)
+          continue;
+        assert_true(n < 16);
+        zs_dtype dt = dts[(i + rank + step) % 3];
+        size_t nb = 0;
+        pcs[n] = (dp_batch_piece){.tensor = p->tensor, .slice = p->slice, .dtype = dt};
+        pcs[n].data = gradient(p, step, rank, micro, dt, &nb);
+        pcs[n].nbytes = nb;
+        n++;
+      }
+      batch_rec rec;
+      assert_int_equal(push_batch_both(shard, fx.hash, step, rank, micro, pcs, n, &rec), 0);
+      for (uint32_t i = 0; i < n; i++) {
+        assert_int_equal(rec.piece_status[i], 0);
+        free((void *)pcs[i].data);
+      }
+    }
+  }
+}
+
+/* Pulls every piece of each shard in one batch per dtype and compares each
+ * piece's bits and the version with core_read on the reference. */
+static void check_batch_pulls_match_reference(uint64_t version) {
+  static const zs_dtype dts[] = {ZS_DTYPE_FP32, ZS_DTYPE_FP16, ZS_DTYPE_BF16};
+  for (uint32_t shard = 0; shard < NSHARDS; shard++) {
+    for (int d = 0; d < 3; d++) {
+      dp_batch_piece pcs[16];
+      const layout_piece *lp[16];
+      uint32_t n = 0;
+      size_t total = 0;
+      for (uint32_t i = 0; i < fx.lay.num_pieces; i++) {
+        if (fx.lay.pieces[i].shard != shard)
+          continue;
+        lp[n] = &fx.lay.pieces[i];
+        pcs[n] = (dp_batch_piece){.tensor = lp[n]->tensor,
+                                  .slice = lp[n]->slice,
+                                  .dtype = dts[d],
+                                  .nbytes = lp[n]->numel * zs_dtype_size(dts[d])};
+        total += pcs[n].nbytes;
+        n++;
+      }
+      unsigned char *got = malloc(total), *want = malloc(total);
+      assert_true(got && want);
+      memset(got, 0xEE, total);
+      batch_rec rec;
+      batch_rec_init(&rec);
+      dp_pull_batch_args a = {.spec_hash = fx.hash,
+                              .min_version = version,
+                              .pieces = pcs,
+                              .npieces = n,
+                              .dst = got,
+                              .timeout_ms = WAIT_MS};
+      assert_int_equal(dp_client_pull_batch(fx.cli[shard], &a, on_batch_rec, &rec), 0);
+      batch_rec_wait(&rec);
+      if (rec.status)
+        fail_msg("pull batch of shard %u: %s %s", shard, zs_err_name(rec.status), rec.message);
+      assert_int_equal(rec.version, version);
+      size_t off = 0;
+      for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = 0;
+        assert_int_equal(core_read(fx.ref[shard], fx.hash, lp[i]->tensor, lp[i]->slice, dts[d],
+                                   want + off, pcs[i].nbytes, &v, NULL, 0),
+                         0);
+        assert_int_equal(v, version);
+        off += pcs[i].nbytes;
+      }
+      if (memcmp(got, want, total) != 0)
+        fail_msg("pull batch of shard %u in dtype %d differs from the core's", shard, dts[d]);
+      free(got);
+      free(want);
+    }
+  }
+}
+
+static void push_and_pull_batches_match_the_core_driven_piece_by_piece(void **state) {
+  (void)state;
+  check_batch_pulls_match_reference(0);
+  for (uint64_t step = 1; step <= 2; step++) {
+    push_step_in_batches(step);
+    apply_all(step);
+    check_batch_pulls_match_reference(step);
+    /* Single-piece pulls agree with the batches. */
+    check_pulls_match_reference(step);
+  }
+}
+
+static void a_push_batch_refuses_bad_pieces_one_by_one_and_keeps_the_good_ones(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0), *other = piece_on(1);
+  const layout_piece *q = NULL;
+  for (uint32_t i = 0; i < fx.lay.num_pieces && !q; i++)
+    if (fx.lay.pieces[i].shard == 0 && &fx.lay.pieces[i] != p)
+      q = &fx.lay.pieces[i];
+  assert_non_null(q);
+  size_t nbp = 0, nbq = 0, nbo = 0;
+  void *gp = gradient(p, 1, 0, 0, ZS_DTYPE_FP32, &nbp);
+  void *gq = gradient(q, 1, 0, 0, ZS_DTYPE_BF16, &nbq);
+  void *go = gradient(other, 1, 0, 0, ZS_DTYPE_FP32, &nbo);
+  uint32_t missing = core_missing(fx.dpc[0], 1, NULL, 0);
+
+  /* The whole batch refused (wrong hash, wrong step, rank out of range):
+   * every piece gets the core's status and nothing changes. */
+  dp_batch_piece good[2] = {
+      {.tensor = p->tensor, .slice = p->slice, .dtype = ZS_DTYPE_FP32, .data = gp, .nbytes = nbp},
+      {.tensor = q->tensor, .slice = q->slice, .dtype = ZS_DTYPE_BF16, .data = gq, .nbytes = nbq},
+  };
+  batch_rec rec;
+  assert_int_equal(push_batch_both(0, fx.hash ^ 1, 1, 0, 0, good, 2, &rec), 0);
+  assert_int_equal(rec.piece_status[0], ZS_EHASH);
+  assert_int_equal(rec.piece_status[1], ZS_EHASH);
+  assert_non_null(strstr(rec.message, "piece 0 (tensor"));
+  assert_int_equal(push_batch_both(0, fx.hash, 3, 0, 0, good, 2, &rec), 0);
+  assert_int_equal(rec.piece_status[1], ZS_ESTEP);
+  assert_int_equal(push_batch_both(0, fx.hash, 1, W, 0, good, 2, &rec), 0);
+  assert_int_equal(rec.piece_status[0], ZS_ERANGE);
+  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), missing);
+
+  /* Mixed: a piece of another shard, a piece whose bytes are one element
+   * short, a good piece, the same good piece again, a piece in the size of
+   * another dtype, another good piece. */
+  dp_batch_piece mixed[6] = {
+      {.tensor = other->tensor,
+       .slice = other->slice,
+       .dtype = ZS_DTYPE_FP32,
+       .data = go,
+       .nbytes = nbo},
+      {.tensor = q->tensor,
+       .slice = q->slice,
+       .dtype = ZS_DTYPE_BF16,
+       .data = gq,
+       .nbytes = nbq - 2},
+      good[0],
+      good[0],
+      {.tensor = q->tensor, .slice = q->slice, .dtype = ZS_DTYPE_FP16, .data = gp, .nbytes = nbp},
+      good[1],
+  };
+  assert_int_equal(push_batch_both(0, fx.hash, 1, 0, 0, mixed, 6, &rec), 0);
+  assert_int_equal(rec.piece_status[0], ZS_ENOTFOUND);
+  assert_int_equal(rec.piece_status[1], ZS_ESIZE);
+  assert_int_equal(rec.piece_status[2], 0);
+  assert_int_equal(rec.piece_dup[2], 0);
+  assert_int_equal(rec.piece_status[3], 0);
+  assert_int_equal(rec.piece_dup[3], 1);
+  assert_int_equal(rec.piece_status[4], ZS_ESIZE);
+  assert_int_equal(rec.piece_status[5], 0);
+  assert_non_null(strstr(rec.message, "piece 0 (tensor"));
+  /* Exactly the two good contributions arrived, as on the reference. */
+  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), core_missing(fx.ref[0], 1, NULL, 0));
+  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), missing - 2);
+  /* The whole batch again: every good piece is a duplicate now. */
+  assert_int_equal(push_batch_both(0, fx.hash, 1, 0, 0, good, 2, &rec), 0);
+  assert_int_equal(rec.piece_dup[0], 1);
+  assert_int_equal(rec.piece_dup[1], 1);
+  free(gp);
+  free(gq);
+  free(go);
+  /* The step completes and matches the reference. */
+  push_step(1);
+  apply_all(1);
+  check_pulls_match_reference(1);
+}
+
+static void a_pull_batch_is_refused_whole_when_one_piece_is_bad(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0), *other = piece_on(1);
+  size_t nb = p->numel * sizeof(float);
+  unsigned char *dst = malloc(2 * nb + 64);
+  assert_non_null(dst);
+  dp_batch_piece pcs[2] = {
+      {.tensor = p->tensor, .slice = p->slice, .dtype = ZS_DTYPE_FP32, .nbytes = nb},
+      {.tensor = other->tensor,
+       .slice = other->slice,
+       .dtype = ZS_DTYPE_FP32,
+       .nbytes = other->numel * sizeof(float)},
+  };
+  dp_pull_batch_args a = {
+      .spec_hash = fx.hash, .pieces = pcs, .npieces = 2, .dst = dst, .timeout_ms = WAIT_MS};
+  batch_rec rec;
+  batch_rec_init(&rec);
+  assert_int_equal(dp_client_pull_batch(fx.cli[0], &a, on_batch_rec, &rec), 0);
+  batch_rec_wait(&rec);
+  assert_int_equal(rec.status, ZS_ENOTFOUND);
+  assert_non_null(strstr(rec.message, "piece 1 of the batch: no piece"));
+  /* A size that is not the piece's. */
+  pcs[1] = pcs[0];
+  pcs[1].nbytes = nb + 4;
+  batch_rec_init(&rec);
+  assert_int_equal(dp_client_pull_batch(fx.cli[0], &a, on_batch_rec, &rec), 0);
+  batch_rec_wait(&rec);
+  assert_int_equal(rec.status, ZS_EINVAL);
+  assert_non_null(strstr(rec.message, "not the"));
+  /* A wrong hash. */
+  pcs[1].nbytes = nb;
+  a.spec_hash ^= 4;
+  batch_rec_init(&rec);
+  assert_int_equal(dp_client_pull_batch(fx.cli[0], &a, on_batch_rec, &rec), 0);
+  batch_rec_wait(&rec);
+  assert_int_equal(rec.status, ZS_EHASH);
+  /* The client refuses what it cannot frame before sending. */
+  a.spec_hash = fx.hash;
+  a.npieces = 0;
+  assert_int_equal(dp_client_pull_batch(fx.cli[0], &a, on_batch_rec, &rec), ZS_EINVAL);
+  a.npieces = WIRE_MAX_BATCH + 1;
+  assert_int_equal(dp_client_pull_batch(fx.cli[0], &a, on_batch_rec, &rec), ZS_EINVAL);
+  /* The same piece twice is fine: both copies, of one version. */
+  a.npieces = 2;
+  batch_rec_init(&rec);
+  assert_int_equal(dp_client_pull_batch(fx.cli[0], &a, on_batch_rec, &rec), 0);
+  batch_rec_wait(&rec);
+  assert_int_equal(rec.status, 0);
+  assert_int_equal(rec.version, 0);
+  assert_memory_equal(dst, dst + nb, nb);
+  free(dst);
+}
+
+static void a_pull_batch_waits_once_for_its_version(void **state) {
+  (void)state;
+  dp_batch_piece pcs[16];
+  const layout_piece *lp[16];
+  uint32_t n = 0;
+  size_t total = 0;
+  for (uint32_t i = 0; i < fx.lay.num_pieces; i++) {
+    if (fx.lay.pieces[i].shard != 0)
+      continue;
+    lp[n] = &fx.lay.pieces[i];
+    pcs[n] = (dp_batch_piece){.tensor = lp[n]->tensor,
+                              .slice = lp[n]->slice,
+                              .dtype = ZS_DTYPE_BF16,
+                              .nbytes = lp[n]->numel * 2};
+    total += pcs[n++].nbytes;
+  }
+  unsigned char *got = malloc(total), *want = malloc(total);
+  assert_true(got && want);
+  batch_rec rec;
+  batch_rec_init(&rec);
+  dp_pull_batch_args a = {.spec_hash = fx.hash,
+                          .min_version = 1,
+                          .pieces = pcs,
+                          .npieces = n,
+                          .dst = got,
+                          .timeout_ms = WAIT_MS};
+  assert_int_equal(dp_client_pull_batch(fx.cli[0], &a, on_batch_rec, &rec), 0);
+  /* One wait in the core for the whole batch. */
+  assert_true(wait_until(a_pull_waits, NULL));
+  assert_false(batch_done(&rec));
+  push_step(1);
+  apply_all(1);
+  batch_rec_wait(&rec);
+  assert_int_equal(rec.status, 0);
+  assert_int_equal(rec.version, 1);
+  size_t off = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    assert_int_equal(core_read(fx.ref[0], fx.hash, lp[i]->tensor, lp[i]->slice, ZS_DTYPE_BF16,
+                               want + off, pcs[i].nbytes, NULL, NULL, 0),
+                     0);
+    off += pcs[i].nbytes;
+  }
+  assert_memory_equal(got, want, total);
+  free(got);
+  free(want);
+}
+
+static void a_malformed_push_batch_is_refused_and_the_connection_survives(void **state) {
+  (void)state;
+  const layout_piece *p = piece_on(0);
+  uint32_t missing = core_missing(fx.dpc[0], 1, NULL, 0);
+  raw_conn *rc = raw_open(fx.port[0]);
+  static unsigned char f[WIRE_MAX_BATCH_ENCODED + 4096];
+  static wire_msg m;
+  unsigned char payload[64] = {0};
+  /* Piece lengths that do not add up to the payload: refused by the decoder
+   * with the request id; the payload is skipped. */
+  wire_piece pcs[2] = {
+      {.tensor = p->tensor, .slice = p->slice, .dtype = ZS_DTYPE_FP32, .length = 16},
+      {.tensor = p->tensor, .slice = p->slice, .dtype = ZS_DTYPE_FP32, .length = 16},
+  };
+  m = (wire_msg){.type = WIRE_PUSH_BATCH, .request_id = 41};
+  m.u.push_batch = (wire_push_batch){.spec_hash = fx.hash, .step = 1, .npieces = 2, .pieces = pcs};
+  raw_send(rc->fd, f, raw_frame(f, sizeof f, &m, payload, sizeof payload));
+  /* Pieces of no bytes at all. */
+  m.request_id = 42;
+  pcs[0].length = 0;
+  pcs[1].length = 0;
+  raw_send(rc->fd, f, raw_frame(f, sizeof f, &m, NULL, 0));
+  wire_msg ping = {.type = WIRE_PING, .request_id = 43};
+  raw_send(rc->fd, f, raw_frame(f, sizeof f, &ping, NULL, 0));
+  static wire_msg ans;
+  assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+  assert_int_equal(ans.type, WIRE_ERROR);
+  assert_int_equal(ans.request_id, 41);
+  assert_int_equal(ans.u.error.status, ZS_ERANGE);
+  assert_non_null(strstr(ans.u.error.message, "pieces add up to 32 bytes but the payload has 64"));
+  assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+  assert_int_equal(ans.type, WIRE_ERROR);
+  assert_int_equal(ans.request_id, 42);
+  assert_int_equal(ans.u.error.status, ZS_EINVAL);
+  assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
+  assert_int_equal(ans.type, WIRE_PONG);
+  assert_int_equal(ans.request_id, 43);
+  raw_close(rc);
+  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), missing);
+}
+
 /* -------------------------------------------------------------- pipelining */
 
 typedef struct batch {
@@ -1243,6 +1659,17 @@ int main(void) {
       cmocka_unit_test_setup_teardown(
           stopping_the_server_fails_its_connections_and_leaves_waits_to_the_core, setup_default,
           teardown),
+      cmocka_unit_test_setup_teardown(push_and_pull_batches_match_the_core_driven_piece_by_piece,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(
+          a_push_batch_refuses_bad_pieces_one_by_one_and_keeps_the_good_ones, setup_default,
+          teardown),
+      cmocka_unit_test_setup_teardown(a_pull_batch_is_refused_whole_when_one_piece_is_bad,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(a_pull_batch_waits_once_for_its_version, setup_default,
+                                      teardown),
+      cmocka_unit_test_setup_teardown(a_malformed_push_batch_is_refused_and_the_connection_survives,
+                                      setup_default, teardown),
       cmocka_unit_test(a_server_that_does_not_answer_times_requests_out),
       cmocka_unit_test(connecting_to_a_closed_port_fails_with_econn),
   };

@@ -6,6 +6,8 @@
  * and reserved field, oversized lengths, payloads where none belong,
  * truncation, header and payload CRC mismatches, metas that do not parse and
  * values that are not ours, each with its status and a sentence naming it.
+ * Batch frames (version 2): round trips up to the largest batch, and every
+ * count, length and list in their metas checked against the payload.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -19,6 +21,7 @@
 
 #include "common/crc32c.h"
 #include "common/wire.h"
+#include "zshard/v1/data.pb-c.h"
 #include "zshard/zshard.h"
 
 #define BIG (WIRE_MAX_ENCODED + 4096)
@@ -342,16 +345,21 @@ static void bad_magic_is_refused_as_not_our_protocol(void **state) {
 static void unsupported_version_is_refused(void **state) {
   (void)state;
   uint8_t h[WIRE_HEADER_SIZE];
-  raw_header(h, WIRE_MAGIC, 2, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
-  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "unsupported frame version 2");
+  raw_header(h, WIRE_MAGIC, 3, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO,
+                      "unsupported frame version 3 (this side speaks 1 to 2)");
   raw_header(h, WIRE_MAGIC, 0, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
   expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "unsupported frame version 0");
+  /* The batch types came with version 2: a version-1 frame cannot carry one. */
+  raw_header(h, WIRE_MAGIC, 1, WIRE_PULL_BATCH, 0, 1, 0, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO,
+                      "PULL_BATCH frame (request id 1) says version 1; the type needs version 2");
 }
 
 static void unknown_frame_type_is_refused(void **state) {
   (void)state;
   uint8_t h[WIRE_HEADER_SIZE];
-  const uint8_t bad[] = {0, 8, 99, 255};
+  const uint8_t bad[] = {0, 12, 99, 255};
   for (size_t i = 0; i < sizeof bad; i++) {
     raw_header(h, WIRE_MAGIC, 1, bad[i], 0, 77, 0, 0, 0, 0, NULL);
     char needle[64];
@@ -630,7 +638,7 @@ static void encoder_refuses_what_it_cannot_frame(void **state) {
   (void)state;
   uint8_t f[BIG];
   size_t len = 0;
-  wire_msg m = {.type = (wire_type)9};
+  wire_msg m = {.type = (wire_type)12};
   assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
   m = (wire_msg){.type = WIRE_PULL, .payload_len = 1};
   assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
@@ -641,6 +649,289 @@ static void encoder_refuses_what_it_cannot_frame(void **state) {
   memset(m.u.error.message, 'z', WIRE_MAX_MESSAGE);
   assert_int_equal(wire_encode(&m, f, WIRE_MAX_ENCODED, &len), 0);
   assert_true(len <= WIRE_MAX_ENCODED);
+}
+
+/* ------------------------------------------------------------ batches */
+
+static wire_piece piece(uint32_t tensor, uint32_t slice, int dtype, uint64_t length) {
+  return (wire_piece){.tensor = tensor, .slice = slice, .dtype = dtype, .length = length};
+}
+
+static void decode_ok(const uint8_t *f, size_t len, wire_msg *out, const uint8_t **pl) {
+  size_t flen = 0;
+  char err[WIRE_ERRLEN] = "";
+  int rc = wire_decode_frame(f, len, 0, out, pl, &flen, err, sizeof err);
+  if (rc)
+    fail_msg("%s", err);
+  assert_int_equal(flen, len);
+}
+
+static void batch_frames_round_trip_with_every_piece_in_order(void **state) {
+  (void)state;
+  static uint8_t f[WIRE_MAX_BATCH_ENCODED + 4096];
+  uint8_t payload[100];
+  for (size_t i = 0; i < sizeof payload; i++)
+    payload[i] = (uint8_t)rng32();
+  static wire_msg m, out;
+  static wire_piece pcs[WIRE_MAX_BATCH];
+  static int32_t st[WIRE_MAX_BATCH];
+  static uint8_t dup[WIRE_MAX_BATCH];
+  static uint64_t lens[WIRE_MAX_BATCH];
+  const uint8_t *pl = NULL;
+
+  m = (wire_msg){.type = WIRE_PUSH_BATCH, .request_id = 11};
+  m.u.push_batch.pieces = pcs;
+  m.u.push_batch.spec_hash = 0xfeedfacecafebeefull;
+  m.u.push_batch.step = 9;
+  m.u.push_batch.rank = 2;
+  m.u.push_batch.micro = 3;
+  m.u.push_batch.npieces = 3;
+  pcs[0] = piece(4, 0, ZS_DTYPE_FP32, 40);
+  pcs[1] = piece(7, 1, ZS_DTYPE_BF16, 0);
+  pcs[2] = piece(UINT32_MAX, 5, ZS_DTYPE_FP16, 60);
+  decode_ok(f, frame(f, sizeof f, &m, payload, sizeof payload), &out, &pl);
+  /* Batch frames say version 2, which defines them. */
+  assert_int_equal(f[4], 2);
+  assert_int_equal(out.type, WIRE_PUSH_BATCH);
+  assert_int_equal(out.u.push_batch.spec_hash, m.u.push_batch.spec_hash);
+  assert_int_equal(out.u.push_batch.step, 9);
+  assert_int_equal(out.u.push_batch.rank, 2);
+  assert_int_equal(out.u.push_batch.micro, 3);
+  assert_int_equal(out.u.push_batch.npieces, 3);
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(out.u.push_batch.pieces[i].tensor, pcs[i].tensor);
+    assert_int_equal(out.u.push_batch.pieces[i].slice, pcs[i].slice);
+    assert_int_equal(out.u.push_batch.pieces[i].dtype, pcs[i].dtype);
+    assert_int_equal(out.u.push_batch.pieces[i].length, pcs[i].length);
+  }
+  assert_memory_equal(pl, payload, sizeof payload);
+
+  m = (wire_msg){.type = WIRE_PUSH_BATCH_ACK, .request_id = 11};
+  m.u.push_batch_ack.npieces = 3;
+  m.u.push_batch_ack.status = st;
+  m.u.push_batch_ack.duplicate = dup;
+  st[1] = ZS_ESTEP;
+  dup[2] = 1;
+  strcpy(m.u.push_batch_ack.message, "piece 1: push for step 9 but the shard expects step 8");
+  decode_ok(f, frame(f, sizeof f, &m, NULL, 0), &out, &pl);
+  assert_int_equal(out.u.push_batch_ack.npieces, 3);
+  assert_int_equal(out.u.push_batch_ack.status[0], 0);
+  assert_int_equal(out.u.push_batch_ack.status[1], ZS_ESTEP);
+  assert_int_equal(out.u.push_batch_ack.status[2], 0);
+  assert_int_equal(out.u.push_batch_ack.duplicate[0], 0);
+  assert_int_equal(out.u.push_batch_ack.duplicate[2], 1);
+  assert_string_equal(out.u.push_batch_ack.message, m.u.push_batch_ack.message);
+
+  /* The largest batch, with the widest values, fits WIRE_MAX_BATCH_ENCODED. */
+  m = (wire_msg){.type = WIRE_PULL_BATCH, .request_id = 12};
+  m.u.pull_batch.spec_hash = ~0ull;
+  m.u.pull_batch.min_version = ~0ull;
+  m.u.pull_batch.timeout_ms = UINT32_MAX;
+  m.u.pull_batch.npieces = WIRE_MAX_BATCH;
+  m.u.pull_batch.pieces = pcs;
+  for (uint32_t i = 0; i < WIRE_MAX_BATCH; i++)
+    pcs[i] = piece(UINT32_MAX - i, UINT32_MAX, ZS_DTYPE_BF16, ~0ull);
+  size_t len = 0;
+  assert_int_equal(wire_encode(&m, f, WIRE_MAX_BATCH_ENCODED, &len), 0);
+  decode_ok(f, len, &out, &pl);
+  assert_int_equal(out.u.pull_batch.npieces, WIRE_MAX_BATCH);
+  assert_int_equal(out.u.pull_batch.timeout_ms, UINT32_MAX);
+  assert_int_equal(out.u.pull_batch.pieces[WIRE_MAX_BATCH - 1].tensor,
+                   UINT32_MAX - (WIRE_MAX_BATCH - 1));
+  assert_int_equal(out.u.pull_batch.pieces[7].length, ~0ull);
+
+  m = (wire_msg){.type = WIRE_PUSH_BATCH_ACK, .request_id = ~0ull};
+  m.u.push_batch_ack.npieces = WIRE_MAX_BATCH;
+  m.u.push_batch_ack.status = st;
+  m.u.push_batch_ack.duplicate = dup;
+  for (uint32_t i = 0; i < WIRE_MAX_BATCH; i++) {
+    st[i] = ZS_EINTERNAL;
+    dup[i] = 1;
+  }
+  memset(m.u.push_batch_ack.message, 'q', WIRE_MAX_MESSAGE);
+  assert_int_equal(wire_encode(&m, f, WIRE_MAX_BATCH_ENCODED, &len), 0);
+
+  m = (wire_msg){.type = WIRE_PULL_BATCH_DATA, .request_id = 13};
+  m.u.pull_batch_data.version = 1ull << 50;
+  m.u.pull_batch_data.npieces = 2;
+  m.u.pull_batch_data.length = lens;
+  lens[0] = 99;
+  lens[1] = 1;
+  decode_ok(f, frame(f, sizeof f, &m, payload, sizeof payload), &out, &pl);
+  assert_int_equal(out.u.pull_batch_data.version, 1ull << 50);
+  assert_int_equal(out.u.pull_batch_data.npieces, 2);
+  assert_int_equal(out.u.pull_batch_data.length[0], 99);
+  assert_int_equal(out.u.pull_batch_data.length[1], 1);
+  assert_memory_equal(pl, payload, sizeof payload);
+}
+
+/* A version-2 frame of batch `type` around a meta packed from `msg` (any
+ * field values, so that the decoder's own checks are reached) and `plen`
+ * payload bytes. */
+static size_t raw_frame(uint8_t *f, size_t cap, uint8_t type, const ProtobufCMessage *msg,
+                        const uint8_t *payload, size_t plen) {
+  size_t mlen = protobuf_c_message_get_packed_size(msg);
+  assert_true(WIRE_HEADER_SIZE + mlen + plen <= cap);
+  protobuf_c_message_pack(msg, f + WIRE_HEADER_SIZE);
+  raw_header(f, WIRE_MAGIC, 2, type, 0, 77, plen, (uint32_t)mlen,
+             plen ? crc32c(0, payload, plen) : 0, 0, f + WIRE_HEADER_SIZE);
+  if (plen)
+    memcpy(f + WIRE_HEADER_SIZE + mlen, payload, plen);
+  return WIRE_HEADER_SIZE + mlen + plen;
+}
+
+static Zshard__V1__DataPiece pb_pieces[WIRE_MAX_BATCH + 1];
+static Zshard__V1__DataPiece *pb_ptrs[WIRE_MAX_BATCH + 1];
+
+/* A piece list of n pieces of `length` bytes each. */
+static Zshard__V1__DataPiece **pb_list(size_t n, uint64_t length) {
+  for (size_t i = 0; i < n; i++) {
+    pb_pieces[i] = (Zshard__V1__DataPiece)ZSHARD__V1__DATA_PIECE__INIT;
+    pb_pieces[i].tensor = (uint32_t)i;
+    pb_pieces[i].dtype = ZSHARD__V1__DTYPE__DTYPE_FP32;
+    pb_pieces[i].length = length;
+    pb_ptrs[i] = &pb_pieces[i];
+  }
+  return pb_ptrs;
+}
+
+static void expect_push_batch_error(size_t n, uint64_t length, size_t plen, int status,
+                                    const char *needle) {
+  static uint8_t f[WIRE_MAX_BATCH_ENCODED + 4096];
+  static uint8_t payload[1024];
+  Zshard__V1__DataPushBatch b = ZSHARD__V1__DATA_PUSH_BATCH__INIT;
+  b.n_pieces = n;
+  b.pieces = pb_list(n, length);
+  size_t len = raw_frame(f, sizeof f, WIRE_PUSH_BATCH, &b.base, payload, plen);
+  expect_decode_error(f, len, 0, status, needle);
+}
+
+static void malformed_push_batches_are_refused_per_request(void **state) {
+  (void)state;
+  expect_push_batch_error(0, 0, 0, ZS_ERANGE, "has 0 pieces; a batch holds 1 to 256");
+  expect_push_batch_error(WIRE_MAX_BATCH + 1, 0, 0, ZS_ERANGE, "has 257 pieces");
+  /* Lengths short of the payload, past it, and one so large that a plain sum
+   * would wrap round to the payload length. */
+  expect_push_batch_error(3, 8, 32, ZS_ERANGE, "pieces add up to 24 bytes but the payload has 32");
+  expect_push_batch_error(3, 16, 32, ZS_ERANGE, "piece 2 of 16 bytes runs past the 32-byte");
+  expect_push_batch_error(1, ~0ull, 32, ZS_ERANGE, "piece 0 of 18446744073709551615 bytes runs");
+  pb_list(2, 0);
+  static uint8_t f[4096];
+  static uint8_t payload[16];
+  Zshard__V1__DataPushBatch b = ZSHARD__V1__DATA_PUSH_BATCH__INIT;
+  b.n_pieces = 2;
+  b.pieces = pb_list(2, 8);
+  pb_pieces[1].length = UINT64_MAX - 7; /* 8 + this wraps to 0 */
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PUSH_BATCH, &b.base, payload, 16), 0,
+                      ZS_ERANGE, "piece 1 of");
+  b.pieces = pb_list(2, 8);
+  pb_pieces[1].dtype = (Zshard__V1__DType)77;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PUSH_BATCH, &b.base, payload, 16), 0,
+                      ZS_EDTYPE, "piece 1 has dtype 77");
+
+  /* The framing is intact, so a reader reports the refusal with the request
+   * id, skips the payload and decodes the next frame. */
+  b.pieces = pb_list(2, 4);
+  size_t la = raw_frame(f, sizeof f, WIRE_PUSH_BATCH, &b.base, payload, 16);
+  wire_msg ping = {.type = WIRE_PING, .request_id = 78};
+  size_t lp = 0;
+  assert_int_equal(wire_encode(&ping, f + la, sizeof f - la, &lp), 0);
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  wire_event ev;
+  size_t off = wire_reader_feed(&r, f, la + lp, &ev);
+  assert_int_equal(ev, WIRE_EV_META);
+  assert_int_equal(r.meta_status, ZS_ERANGE);
+  assert_int_equal(r.msg.request_id, 77);
+  assert_int_equal(wire_reader_set_payload(&r, NULL), 0);
+  off += wire_reader_feed(&r, f + off, la + lp - off, &ev);
+  assert_int_equal(ev, WIRE_EV_DONE);
+  assert_int_equal(reader_first_event(&r, f + off, la + lp - off, NULL), WIRE_EV_DONE);
+  assert_int_equal(r.msg.type, WIRE_PING);
+  assert_int_equal(r.msg.request_id, 78);
+  wire_reader_free(&r);
+}
+
+static void malformed_batch_answers_and_pull_batches_are_refused(void **state) {
+  (void)state;
+  static uint8_t f[WIRE_MAX_BATCH_ENCODED + 4096];
+  static uint8_t payload[64];
+  Zshard__V1__DataPullBatch q = ZSHARD__V1__DATA_PULL_BATCH__INIT;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PULL_BATCH, &q.base, NULL, 0), 0, ZS_ERANGE,
+                      "PULL_BATCH frame (request id 77) has 0 pieces");
+  q.n_pieces = WIRE_MAX_BATCH + 1;
+  q.pieces = pb_list(WIRE_MAX_BATCH + 1, 4);
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PULL_BATCH, &q.base, NULL, 0), 0, ZS_ERANGE,
+                      "has 257 pieces");
+  q.n_pieces = 3;
+  pb_pieces[2].dtype = (Zshard__V1__DType)0;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PULL_BATCH, &q.base, NULL, 0), 0, ZS_EDTYPE,
+                      "piece 2 has dtype 0");
+  /* A pull batch carries no payload. */
+  pb_list(3, 4);
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PULL_BATCH, &q.base, payload, 4), 0, ZS_EPROTO,
+                      "carries a payload of 4 bytes; it has none");
+
+  Zshard__V1__DataPushBatchAck a = ZSHARD__V1__DATA_PUSH_BATCH_ACK__INIT;
+  int32_t st[3] = {0, ZS_ESTEP, 0};
+  protobuf_c_boolean dup[3] = {0, 0, 1};
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PUSH_BATCH_ACK, &a.base, NULL, 0), 0,
+                      ZS_ERANGE, "has 0 statuses and 0 duplicate flags");
+  a.n_status = 3;
+  a.status = st;
+  a.n_duplicate = 2;
+  a.duplicate = dup;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PUSH_BATCH_ACK, &a.base, NULL, 0), 0,
+                      ZS_ERANGE, "has 3 statuses and 2 duplicate flags");
+  a.n_duplicate = 3;
+  st[1] = 5;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PUSH_BATCH_ACK, &a.base, NULL, 0), 0,
+                      ZS_EPROTO, "piece 1 has status 5, not 0 or a zshard error");
+  st[1] = -9999;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PUSH_BATCH_ACK, &a.base, NULL, 0), 0,
+                      ZS_EPROTO, "piece 1 has status -9999");
+
+  Zshard__V1__DataPullBatchData d = ZSHARD__V1__DATA_PULL_BATCH_DATA__INIT;
+  uint64_t lens[2] = {8, 8};
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PULL_BATCH_DATA, &d.base, payload, 16), 0,
+                      ZS_ERANGE, "PULL_BATCH_DATA frame (request id 77) has 0 pieces");
+  d.n_length = 2;
+  d.length = lens;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PULL_BATCH_DATA, &d.base, payload, 20), 0,
+                      ZS_ERANGE, "pieces add up to 16 bytes but the payload has 20");
+  lens[1] = UINT64_MAX - 7;
+  expect_decode_error(f, raw_frame(f, sizeof f, WIRE_PULL_BATCH_DATA, &d.base, payload, 16), 0,
+                      ZS_ERANGE, "piece 1 of");
+}
+
+static void encoder_refuses_a_batch_without_pieces_or_over_the_bound(void **state) {
+  (void)state;
+  static uint8_t f[WIRE_MAX_BATCH_ENCODED];
+  static wire_msg m;
+  size_t len = 0;
+  const wire_type types[] = {WIRE_PUSH_BATCH, WIRE_PUSH_BATCH_ACK, WIRE_PULL_BATCH,
+                             WIRE_PULL_BATCH_DATA};
+  for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+    memset(&m, 0, sizeof m);
+    m.type = types[i];
+    assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  }
+  static wire_piece one[WIRE_MAX_BATCH + 1];
+  one[0] = piece(0, 0, ZS_DTYPE_FP32, 4);
+  m = (wire_msg){.type = WIRE_PULL_BATCH};
+  m.u.pull_batch.pieces = one;
+  m.u.pull_batch.npieces = WIRE_MAX_BATCH + 1;
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  /* Pieces that are not there. */
+  m.u.pull_batch.npieces = 1;
+  m.u.pull_batch.pieces = NULL;
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  /* A pull batch has no payload to announce. */
+  m.u.pull_batch.pieces = one;
+  m.payload_len = 4;
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  m.payload_len = 0;
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), 0);
 }
 
 static void reader_refuses_feeding_on_without_a_payload_destination(void **state) {
@@ -687,6 +978,10 @@ int main(void) {
       cmocka_unit_test(resealed_edits_reach_the_field_checks),
       cmocka_unit_test(encoder_refuses_what_it_cannot_frame),
       cmocka_unit_test(reader_refuses_feeding_on_without_a_payload_destination),
+      cmocka_unit_test(batch_frames_round_trip_with_every_piece_in_order),
+      cmocka_unit_test(malformed_push_batches_are_refused_per_request),
+      cmocka_unit_test(malformed_batch_answers_and_pull_batches_are_refused),
+      cmocka_unit_test(encoder_refuses_a_batch_without_pieces_or_over_the_bound),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

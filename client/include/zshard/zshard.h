@@ -213,9 +213,10 @@ typedef struct zs_client_options {
   uint32_t threads;
   /* Coalescing: a worker that takes a piece smaller than the bucket size from
    * a shard's queue also takes the small pieces queued behind it for that
-   * shard, up to this many bytes, and issues them back to back (one hand-off
-   * instead of one per piece; the calls themselves stay one per piece).
-   * 0 disables. Defaults 0 (see docs/CLIENT.md for measurements). */
+   * shard, up to this many bytes, and sends them over the data plane as one
+   * batch request (up to 256 pieces of one step and micro-batch, or of one
+   * version). No effect over gRPC, whose calls carry one piece each.
+   * 0 disables. Defaults 1 MiB (see docs/CLIENT.md for measurements). */
   size_t reduce_bucket_size;    /* pushes */
   size_t allgather_bucket_size; /* pulls */
   /* After a pull of tensor t, start pulls of tensors t+1 .. t+prefetch_depth
