@@ -44,6 +44,7 @@
 #include "common/clock.h"
 #include "common/crc32c.h"
 #include "common/dtype.h"
+#include "common/list.h"
 #include "common/wire.h"
 
 #define DPC_DEFAULT_CONNECT_MS 10000u
@@ -55,8 +56,6 @@
 #define DPC_STAGING (64u << 10)
 #define DPC_DIRECT_MIN (16u << 10)
 #define DPC_READ_CHUNK (512u << 10)
-
-#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 /* snprintf for messages that may be cut: a sentence too long for its buffer
  * is shortened, which is what we want, so the compiler need not warn. */
@@ -151,39 +150,12 @@ int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, 
 /* Types                                                                    */
 /* ------------------------------------------------------------------------ */
 
-typedef struct dp_link {
-  struct dp_link *prev, *next;
-} dp_link;
-
-static void link_init(dp_link *l) {
-  l->prev = l->next = l;
-}
-
-static int link_empty(const dp_link *l) {
-  return l->next == l;
-}
-
-static void link_push(dp_link *list, dp_link *n) {
-  n->prev = list->prev;
-  n->next = list;
-  list->prev->next = n;
-  list->prev = n;
-}
-
-static void link_remove(dp_link *n) {
-  if (!n->next)
-    return;
-  n->prev->next = n->next;
-  n->next->prev = n->prev;
-  n->prev = n->next = NULL;
-}
-
 enum { C_IDLE = 0, C_CONNECTING, C_READY, C_CLOSING };
 
 typedef struct dp_cconn dp_cconn;
 
 typedef struct dp_req {
-  dp_link node;         /* on the pending list, or on its connection's in-flight list */
+  list_node node;       /* on the pending list, or on its connection's in-flight list */
   struct dp_req *qnext; /* submission queue */
   struct dp_req *hnext; /* id table bucket */
   wire_msg msg;         /* type, meta, payload length and CRC; id set at write */
@@ -224,7 +196,7 @@ struct dp_cconn {
   int index;
   uint64_t connect_deadline_ms;
   wire_reader rd;
-  dp_link inflight;
+  list_node inflight;
   uint32_t ninflight;
   uint64_t bytes_inflight;
   dp_req *rx; /* the Pull whose payload is arriving */
@@ -249,7 +221,7 @@ struct dp_client {
   char connect_err[DP_ERRLEN];
   /* Loop thread only. */
   int shut;
-  dp_link pending;
+  list_node pending;
   dp_req *table[DPC_BUCKETS];
   uint64_t next_id;
   uint32_t nconns;
@@ -290,7 +262,7 @@ static void table_remove(dp_client *c, dp_req *r) {
 /* Detaches a request from wherever it is (pending list, or its connection's
  * in-flight list and the id table). */
 static void req_detach(dp_client *c, dp_req *r) {
-  link_remove(&r->node);
+  list_remove(&r->node);
   table_remove(c, r);
   if (r->conn) {
     r->conn->ninflight--;
@@ -358,7 +330,7 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
     pthread_mutex_unlock(&c->mu);
     settle(c);
   }
-  while (!link_empty(&k->inflight)) {
+  while (!list_empty(&k->inflight)) {
     dp_req *r = container_of(k->inflight.next, dp_req, node);
     req_detach(c, r);
     req_complete(r, r == victim ? victim_status : status, 0, 0, msg);
@@ -369,7 +341,7 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
     if (c->conns[i].state == C_READY || c->conns[i].state == C_CONNECTING)
       viable = 1;
   if (!viable && was_connecting) {
-    while (!link_empty(&c->pending)) {
+    while (!list_empty(&c->pending)) {
       dp_req *r = container_of(c->pending.next, dp_req, node);
       req_detach(c, r);
       req_complete(r, ZS_ECONN, 0, 0, msg);
@@ -450,7 +422,7 @@ static void conn_write(dp_cconn *k, dp_req *r) {
   r->conn = k;
   k->ninflight++;
   k->bytes_inflight += r->nbytes;
-  link_push(&k->inflight, &r->node);
+  list_push(&k->inflight, &r->node);
   table_put(c, r);
   /* One writev: the header, then each payload straight from the caller's
    * memory (libuv copies this array, so it may live on the stack). */
@@ -496,15 +468,15 @@ static dp_cconn *pick(dp_client *c) {
 /* Writes waiting requests to connections with room; reconnects idle
  * connections when requests wait. */
 static void dispatch(dp_client *c) {
-  while (!link_empty(&c->pending)) {
+  while (!list_empty(&c->pending)) {
     dp_cconn *k = pick(c);
     if (!k)
       break;
     dp_req *r = container_of(c->pending.next, dp_req, node);
-    link_remove(&r->node);
+    list_remove(&r->node);
     conn_write(k, r);
   }
-  if (!link_empty(&c->pending)) {
+  if (!list_empty(&c->pending)) {
     for (uint32_t i = 0; i < c->nconns; i++)
       if (c->conns[i].state == C_IDLE)
         conn_start(&c->conns[i]);
@@ -719,7 +691,7 @@ static void on_tick(uv_timer_t *t) {
     }
     if (k->state != C_READY)
       continue;
-    for (dp_link *l = k->inflight.next; l != &k->inflight;) {
+    for (list_node *l = k->inflight.next; l != &k->inflight;) {
       dp_req *r = container_of(l, dp_req, node);
       l = l->next;
       if (now < r->deadline_ms)
@@ -740,7 +712,7 @@ static void on_tick(uv_timer_t *t) {
         break;
     }
   }
-  for (dp_link *l = c->pending.next; l != &c->pending;) {
+  for (list_node *l = c->pending.next; l != &c->pending;) {
     dp_req *r = container_of(l, dp_req, node);
     l = l->next;
     if (now < r->deadline_ms)
@@ -757,7 +729,7 @@ static void on_tick(uv_timer_t *t) {
 static void timer_update(dp_client *c) {
   if (c->shut)
     return;
-  int busy = !link_empty(&c->pending);
+  int busy = !list_empty(&c->pending);
   for (uint32_t i = 0; i < c->nconns && !busy; i++)
     busy = c->conns[i].ninflight > 0 || c->conns[i].state == C_CONNECTING;
   if (busy && !c->timer_on) {
@@ -780,13 +752,13 @@ static void shutdown_loop(dp_client *c) {
       settle(c);
     k->state = C_CLOSING;
     uv_close((uv_handle_t *)&k->tcp, on_conn_closed);
-    while (!link_empty(&k->inflight)) {
+    while (!list_empty(&k->inflight)) {
       dp_req *r = container_of(k->inflight.next, dp_req, node);
       req_detach(c, r);
       req_complete(r, ZS_ECANCELED, 0, 0, msg);
     }
   }
-  while (!link_empty(&c->pending)) {
+  while (!list_empty(&c->pending)) {
     dp_req *r = container_of(c->pending.next, dp_req, node);
     req_detach(c, r);
     req_complete(r, ZS_ECANCELED, 0, 0, msg);
@@ -812,7 +784,7 @@ static void on_async(uv_async_t *h) {
     if (r->msg.type == WIRE_PULL)
       t += DPC_PULL_GRACE_MS;
     r->deadline_ms = now + t;
-    link_push(&c->pending, &r->node);
+    list_push(&c->pending, &r->node);
   }
   if (closing)
     shutdown_loop(c);
@@ -882,11 +854,11 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   c->connect_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DPC_DEFAULT_CONNECT_MS;
   c->max_inflight = cfg->max_inflight ? cfg->max_inflight : DPC_DEFAULT_MAX_INFLIGHT;
   c->max_payload = cfg->max_payload ? cfg->max_payload : WIRE_DEFAULT_MAX_PAYLOAD;
-  link_init(&c->pending);
+  list_init(&c->pending);
   for (uint32_t i = 0; i < c->nconns; i++) {
     c->conns[i].c = c;
     c->conns[i].index = (int)i;
-    link_init(&c->conns[i].inflight);
+    list_init(&c->conns[i].inflight);
   }
   rc = ZS_ENOMEM;
   c->staging = malloc(DPC_STAGING);

@@ -62,6 +62,7 @@
 #include "common/crc32c.h"
 #include "common/dp_client.h"
 #include "common/dtype.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/wire.h"
 
@@ -107,8 +108,6 @@
 #define PAUSE_FAIR 1u
 #define PAUSE_BACKPRESSURE 2u
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
-
 /* snprintf for messages that may be cut: a sentence too long for its buffer
  * is shortened, which is what we want, so the compiler need not warn. */
 static void say(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -124,34 +123,6 @@ static void say(char *buf, size_t len, const char *fmt, ...) {
 /* Types                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* An intrusive doubly linked list node; a list is a sentinel node. */
-typedef struct dp_link {
-  struct dp_link *prev, *next;
-} dp_link;
-
-static void link_init(dp_link *l) {
-  l->prev = l->next = l;
-}
-
-static int link_empty(const dp_link *l) {
-  return l->next == l;
-}
-
-static void link_push(dp_link *list, dp_link *n) {
-  n->prev = list->prev;
-  n->next = list;
-  list->prev->next = n;
-  list->prev = n;
-}
-
-static void link_remove(dp_link *n) {
-  if (!n->next)
-    return;
-  n->prev->next = n->next;
-  n->next->prev = n->prev;
-  n->prev = n->next = NULL;
-}
-
 /* A payload buffer: capacity is a power of two (its pool class). */
 typedef struct dp_buf {
   struct dp_buf *next; /* in the pool */
@@ -165,8 +136,8 @@ typedef struct dp_server dp_server;
 typedef struct dp_conn {
   uv_tcp_t tcp;
   dp_server *s;
-  dp_link node; /* on s->live, then on s->zombies after close */
-  dp_link fair; /* on s->fair while paused for the read budget */
+  list_node node; /* on s->live, then on s->zombies after close */
+  list_node fair; /* on s->fair while paused for the read budget */
   uint32_t refs;
   int closing;
   int eof;   /* the peer shut its side: answer what is pending, then close */
@@ -269,7 +240,7 @@ struct dp_server {
   uint32_t max_pending, stall_ms, max_conns;
   atomic_int stop;
   dp_mailbox *mb;
-  dp_link live, zombies, fair;
+  list_node live, zombies, fair;
   uint64_t nconns;
   uint64_t iter;
   unsigned char *staging;
@@ -408,7 +379,7 @@ static void on_core_version(void *arg, int status, uint64_t version) {
 /* ------------------------------------------------------------------------ */
 
 static void conn_free(dp_conn *c) {
-  link_remove(&c->node);
+  list_remove(&c->node);
   wire_reader_free(&c->rd);
   buf_free(c->rx);
   free(c);
@@ -440,9 +411,9 @@ static void conn_close(dp_conn *c) {
     return;
   dp_server *s = c->s;
   c->closing = 1;
-  link_remove(&c->fair);
-  link_remove(&c->node);
-  link_push(&s->zombies, &c->node);
+  list_remove(&c->fair);
+  list_remove(&c->node);
+  list_push(&s->zombies, &c->node);
   s->nconns--;
   count(&s->st_conns, -1);
   conn_set_mid(c, 0);
@@ -1267,7 +1238,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   c->iter_bytes += (uint64_t)nread;
   if (c->iter_bytes >= DP_READ_BUDGET && !(c->pause & PAUSE_FAIR)) {
     c->pause |= PAUSE_FAIR;
-    link_push(&s->fair, &c->fair);
+    list_push(&s->fair, &c->fair);
     conn_update_reading(c);
   }
 }
@@ -1275,9 +1246,9 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
 static void on_check(uv_check_t *h) {
   dp_server *s = h->data;
   s->iter++;
-  while (!link_empty(&s->fair)) {
+  while (!list_empty(&s->fair)) {
     dp_conn *c = container_of(s->fair.next, dp_conn, fair);
-    link_remove(&c->fair);
+    list_remove(&c->fair);
     c->pause &= ~PAUSE_FAIR;
     conn_update_reading(c);
   }
@@ -1325,7 +1296,7 @@ static void on_connection(uv_stream_t *ls, int status) {
   /* c->fair stays zeroed (unlinked) until the read budget parks it. */
   uv_tcp_init(&s->loop, &c->tcp);
   c->tcp.data = c;
-  link_push(&s->live, &c->node);
+  list_push(&s->live, &c->node);
   s->nconns++;
   count(&s->st_conns, 1);
   if (uv_accept(ls, (uv_stream_t *)&c->tcp) != 0) {
@@ -1348,7 +1319,7 @@ static void on_connection(uv_stream_t *ls, int status) {
 static void on_sweep(uv_timer_t *t) {
   dp_server *s = t->data;
   uint64_t now = clock_now_ms();
-  for (dp_link *l = s->live.next; l != &s->live;) {
+  for (list_node *l = s->live.next; l != &s->live;) {
     dp_conn *c = container_of(l, dp_conn, node);
     l = l->next; /* conn_close moves c to the zombies */
     if (c->reading && wire_reader_mid_frame(&c->rd) && now - c->last_progress_ms >= s->stall_ms) {
@@ -1387,7 +1358,7 @@ static void on_async(uv_async_t *h) {
   uv_close((uv_handle_t *)&s->sweep, NULL);
   uv_close((uv_handle_t *)&s->check, NULL);
   uv_close((uv_handle_t *)&s->async, NULL);
-  while (!link_empty(&s->live))
+  while (!list_empty(&s->live))
     conn_close(container_of(s->live.next, dp_conn, node));
 }
 
@@ -1425,7 +1396,7 @@ static void server_free(dp_server *s) {
   }
   /* What is left are connections kept only by Pulls still parked in the
    * core; their records belong to the mailbox now and never look at them. */
-  while (!link_empty(&s->zombies))
+  while (!list_empty(&s->zombies))
     conn_free(container_of(s->zombies.next, dp_conn, node));
   pool_drain(s);
   free(s->staging);
@@ -1461,9 +1432,9 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->max_conns = cfg->max_connections ? cfg->max_connections : DP_DEFAULT_MAX_CONNS;
   s->inline_bytes = cfg->inline_bytes ? cfg->inline_bytes : DP_DEFAULT_INLINE;
   atomic_init(&s->stop, 0);
-  link_init(&s->live);
-  link_init(&s->zombies);
-  link_init(&s->fair);
+  list_init(&s->live);
+  list_init(&s->zombies);
+  list_init(&s->fair);
   rc = ZS_ENOMEM;
   s->staging = malloc(DP_STAGING);
   s->mb = calloc(1, sizeof *s->mb);

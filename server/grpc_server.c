@@ -58,13 +58,12 @@
 
 #include "common/clock.h"
 #include "common/dtype.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/rpc_client.h"
 #include "common/status.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "zshard/v1/zshard.pb-c.h"
-
-#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 /* Outstanding grpc_server_request_*_call per method: calls that arrive while
  * all are taken wait in gRPC's queue until a handler re-posts its slot. */
