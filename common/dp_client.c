@@ -30,6 +30,7 @@
  * (at most DPC_STAGING, copied once from the staging buffer).
  */
 #include "common/dp_client.h"
+#include "common/status.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -72,45 +73,32 @@ static void say(char *buf, size_t len, const char *fmt, ...) {
 /* Address resolution                                                       */
 /* ------------------------------------------------------------------------ */
 
-static int fail(char *err, size_t errlen, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int fail(char *err, size_t errlen, int status, const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return status;
-}
-
 int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, char *err,
                size_t errlen) {
   if (!hostport)
-    return fail(err, errlen, ZS_EINVAL, "no address given");
+    return status_fail(err, errlen, ZS_EINVAL, "no address given");
   char host[256];
   const char *port;
   size_t hlen;
   if (hostport[0] == '[') {
     const char *close = strchr(hostport, ']');
     if (!close || close[1] != ':')
-      return fail(err, errlen, ZS_EINVAL, "address \"%s\" is not [IPv6]:port", hostport);
+      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" is not [IPv6]:port", hostport);
     hlen = (size_t)(close - hostport - 1);
     if (hlen >= sizeof host)
-      return fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
+      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
     memcpy(host, hostport + 1, hlen);
     port = close + 2;
   } else {
     const char *colon = strrchr(hostport, ':');
     if (!colon)
-      return fail(err, errlen, ZS_EINVAL, "address \"%s\" has no :port", hostport);
+      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" has no :port", hostport);
     hlen = (size_t)(colon - hostport);
     if (memchr(hostport, ':', hlen))
-      return fail(err, errlen, ZS_EINVAL, "IPv6 address \"%s\" must be written [address]:port",
-                  hostport);
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "IPv6 address \"%s\" must be written [address]:port", hostport);
     if (hlen >= sizeof host)
-      return fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
+      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
     memcpy(host, hostport, hlen);
     port = colon + 1;
   }
@@ -119,11 +107,11 @@ int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, 
   errno = 0;
   unsigned long p = strtoul(port, &end, 10);
   if (!*port || *end || errno || p > 65535 || port[0] == '-' || port[0] == '+')
-    return fail(err, errlen, ZS_EINVAL, "port \"%s\" of \"%s\" is not a number 0..65535", port,
-                hostport);
+    return status_fail(err, errlen, ZS_EINVAL, "port \"%s\" of \"%s\" is not a number 0..65535",
+                       port, hostport);
   if (!host[0]) {
     if (!passive)
-      return fail(err, errlen, ZS_EINVAL, "address \"%s\" has no host", hostport);
+      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" has no host", hostport);
     say(host, sizeof host, "0.0.0.0");
   }
   struct addrinfo hints, *res = NULL;
@@ -133,7 +121,7 @@ int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, 
   hints.ai_flags = passive ? AI_PASSIVE : 0;
   int rc = getaddrinfo(host, NULL, &hints, &res);
   if (rc != 0 || !res)
-    return fail(err, errlen, ZS_EINVAL, "cannot resolve \"%s\": %s", host, gai_strerror(rc));
+    return status_fail(err, errlen, ZS_EINVAL, "cannot resolve \"%s\": %s", host, gai_strerror(rc));
   memset(out, 0, sizeof *out);
   memcpy(out, res->ai_addr, res->ai_addrlen);
   freeaddrinfo(res);
@@ -142,7 +130,7 @@ int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, 
   else if (out->ss_family == AF_INET6)
     ((struct sockaddr_in6 *)out)->sin6_port = htons((uint16_t)p);
   else
-    return fail(err, errlen, ZS_EINVAL, "\"%s\" is not an IPv4 or IPv6 address", host);
+    return status_fail(err, errlen, ZS_EINVAL, "\"%s\" is not an IPv4 or IPv6 address", host);
   return 0;
 }
 
@@ -828,13 +816,13 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   if (err && errlen)
     err[0] = '\0';
   if (!cfg || !cfg->addr || !out)
-    return fail(err, errlen, ZS_EINVAL, "dp_client_open needs an address");
+    return status_fail(err, errlen, ZS_EINVAL, "dp_client_open needs an address");
   if (cfg->connections > DP_MAX_CONNECTIONS)
-    return fail(err, errlen, ZS_EINVAL, "%u connections asked, at most %u", cfg->connections,
-                DP_MAX_CONNECTIONS);
+    return status_fail(err, errlen, ZS_EINVAL, "%u connections asked, at most %u", cfg->connections,
+                       DP_MAX_CONNECTIONS);
   dp_client *c = calloc(1, sizeof *c);
   if (!c)
-    return fail(err, errlen, ZS_ENOMEM, "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   int rc = dp_resolve(cfg->addr, 0, &c->addr, err, errlen);
   if (rc) {
     free(c);
@@ -842,12 +830,12 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   }
   if (pthread_mutex_init(&c->mu, NULL) != 0) {
     free(c);
-    return fail(err, errlen, ZS_ENOMEM, "cannot create a mutex");
+    return status_fail(err, errlen, ZS_ENOMEM, "cannot create a mutex");
   }
   if (pthread_cond_init(&c->cv, NULL) != 0) {
     pthread_mutex_destroy(&c->mu);
     free(c);
-    return fail(err, errlen, ZS_ENOMEM, "cannot create a condition variable");
+    return status_fail(err, errlen, ZS_ENOMEM, "cannot create a condition variable");
   }
   say(c->addr_text, sizeof c->addr_text, "%s", cfg->addr);
   c->nconns = cfg->connections ? cfg->connections : 1;
@@ -891,7 +879,7 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   rc = dp_client_ping_sync(c, c->connect_ms, err, errlen);
   if (rc != 0) {
     if (cerr[0])
-      fail(err, errlen, ZS_ECONN, "%s", cerr);
+      status_fail(err, errlen, ZS_ECONN, "%s", cerr);
     dp_client_close(c);
     return ZS_ECONN;
   }
@@ -899,7 +887,7 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   return 0;
 
 fail:
-  fail(err, errlen, rc, "cannot start the data-plane client: %s", zs_strerror(rc));
+  status_fail(err, errlen, rc, "cannot start the data-plane client: %s", zs_strerror(rc));
   if (c->thread_started)
     dp_client_close(c);
   else

@@ -1,6 +1,8 @@
 #include "common/status.h"
 
+#include <stdarg.h>
 #include <stddef.h>
+#include <stdio.h>
 
 const char *zs_strerror(int err) {
   switch (err) {
@@ -94,4 +96,14 @@ const char *zs_version(void) {
 #define ZS__STR2(x) #x
 #define ZS__STR(x) ZS__STR2(x)
   return ZS__STR(ZS_VERSION_MAJOR) "." ZS__STR(ZS_VERSION_MINOR) "." ZS__STR(ZS_VERSION_PATCH);
+}
+
+int status_fail(char *err, size_t errlen, int status, const char *fmt, ...) {
+  if (err && errlen > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return status;
 }

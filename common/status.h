@@ -6,6 +6,8 @@
 #ifndef ZSHARD_COMMON_STATUS_H
 #define ZSHARD_COMMON_STATUS_H
 
+#include <stddef.h>
+
 #include "zshard/zshard.h"
 
 /* The grpc_status_code a server answers `err` with. */
@@ -16,5 +18,11 @@ int status_from_grpc(int grpc_code);
 
 /* 1 if `err` is a value of zs_status. */
 int status_valid(int err);
+
+/* Formats a sentence into err (when err is not NULL and errlen > 0) and
+ * returns `status`: the one-line error return of every module that reports
+ * why ("return status_fail(err, errlen, ZS_ESIZE, "...", ...)"). */
+int status_fail(char *err, size_t errlen, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 #endif

@@ -43,19 +43,6 @@ enum {
  * overflows a 64-bit size. */
 #define WIRE_PAYLOAD_CEILING (UINT64_C(1) << 62)
 
-static int fail(char *err, size_t errlen, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int fail(char *err, size_t errlen, int status, const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return status;
-}
-
 /* Little-endian stores and loads, byte by byte so that neither the host's
  * byte order nor alignment matters. */
 static void put16(uint8_t *p, uint16_t v) {
@@ -337,10 +324,10 @@ int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload,
     max_payload = WIRE_PAYLOAD_CEILING;
   uint32_t magic = get32(in + OFF_MAGIC);
   if (magic != WIRE_MAGIC)
-    return fail(err, errlen, ZS_EPROTO,
-                "bad frame magic 0x%08" PRIx32 " (expected 0x%08" PRIx32
-                ", \"ZSDP\"): not a zshard data-plane stream",
-                magic, (uint32_t)WIRE_MAGIC);
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "bad frame magic 0x%08" PRIx32 " (expected 0x%08" PRIx32
+                       ", \"ZSDP\"): not a zshard data-plane stream",
+                       magic, (uint32_t)WIRE_MAGIC);
   memset(h, 0, sizeof *h);
   h->version = in[OFF_VERSION];
   h->type = in[OFF_TYPE];
@@ -352,39 +339,45 @@ int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload,
   h->header_crc = get32(in + OFF_HEADER_CRC);
   uint32_t reserved = get32(in + OFF_RESERVED);
   if (h->version < WIRE_VERSION_MIN || h->version > WIRE_VERSION)
-    return fail(err, errlen, ZS_EPROTO, "unsupported frame version %u (this side speaks %u to %u)",
-                h->version, WIRE_VERSION_MIN, WIRE_VERSION);
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "unsupported frame version %u (this side speaks %u to %u)", h->version,
+                       WIRE_VERSION_MIN, WIRE_VERSION);
   if (!type_known(h->type))
-    return fail(err, errlen, ZS_EPROTO, "unknown frame type %u (request id %" PRIu64 ")", h->type,
-                h->request_id);
+    return status_fail(err, errlen, ZS_EPROTO, "unknown frame type %u (request id %" PRIu64 ")",
+                       h->type, h->request_id);
   if (h->version < type_version(h->type))
-    return fail(err, errlen, ZS_EPROTO,
-                "%s frame (request id %" PRIu64 ") says version %u; the type needs version %u",
-                wire_type_name(h->type), h->request_id, h->version, type_version(h->type));
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s frame (request id %" PRIu64
+                       ") says version %u; the type needs version %u",
+                       wire_type_name(h->type), h->request_id, h->version, type_version(h->type));
   if (h->flags != 0)
-    return fail(err, errlen, ZS_EPROTO, "%s frame has flags 0x%04x set; version 1 defines no flag",
-                wire_type_name(h->type), h->flags);
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s frame has flags 0x%04x set; version 1 defines no flag",
+                       wire_type_name(h->type), h->flags);
   if (reserved != 0)
-    return fail(err, errlen, ZS_EPROTO, "%s frame has reserved field 0x%08" PRIx32 ", not 0",
-                wire_type_name(h->type), reserved);
+    return status_fail(err, errlen, ZS_EPROTO, "%s frame has reserved field 0x%08" PRIx32 ", not 0",
+                       wire_type_name(h->type), reserved);
   if (h->meta_len > WIRE_MAX_META)
-    return fail(err, errlen, ZS_ERANGE, "%s frame meta of %" PRIu32 " bytes exceeds the %u limit",
-                wire_type_name(h->type), h->meta_len, WIRE_MAX_META);
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "%s frame meta of %" PRIu32 " bytes exceeds the %u limit",
+                       wire_type_name(h->type), h->meta_len, WIRE_MAX_META);
   if (h->payload_len > max_payload)
-    return fail(err, errlen, ZS_ERANGE,
-                "%s frame payload of %" PRIu64 " bytes exceeds this side's limit of %" PRIu64,
-                wire_type_name(h->type), h->payload_len, max_payload);
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "%s frame payload of %" PRIu64
+                       " bytes exceeds this side's limit of %" PRIu64,
+                       wire_type_name(h->type), h->payload_len, max_payload);
   if (!type_has_payload(h->type) && h->payload_len != 0)
-    return fail(err, errlen, ZS_EPROTO,
-                "%s frame carries a payload of %" PRIu64 " bytes; it has none",
-                wire_type_name(h->type), h->payload_len);
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s frame carries a payload of %" PRIu64 " bytes; it has none",
+                       wire_type_name(h->type), h->payload_len);
   if (!type_has_meta(h->type) && h->meta_len != 0)
-    return fail(err, errlen, ZS_EPROTO, "%s frame carries a meta of %" PRIu32 " bytes; it has none",
-                wire_type_name(h->type), h->meta_len);
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s frame carries a meta of %" PRIu32 " bytes; it has none",
+                       wire_type_name(h->type), h->meta_len);
   if (h->payload_len == 0 && h->payload_crc != 0)
-    return fail(err, errlen, ZS_EPROTO,
-                "%s frame without payload has payload CRC 0x%08" PRIx32 ", not 0",
-                wire_type_name(h->type), h->payload_crc);
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s frame without payload has payload CRC 0x%08" PRIx32 ", not 0",
+                       wire_type_name(h->type), h->payload_crc);
   return 0;
 }
 
@@ -392,10 +385,10 @@ int wire_check_header_crc(const wire_header *h, const uint8_t head[WIRE_HEADER_S
                           const uint8_t *meta, char *err, size_t errlen) {
   uint32_t c = header_crc(head, meta, h->meta_len);
   if (c != h->header_crc)
-    return fail(err, errlen, ZS_ECRC,
-                "%s frame header CRC 0x%08" PRIx32 " does not match its bytes (0x%08" PRIx32
-                "): the header or meta is corrupt",
-                wire_type_name(h->type), h->header_crc, c);
+    return status_fail(err, errlen, ZS_ECRC,
+                       "%s frame header CRC 0x%08" PRIx32 " does not match its bytes (0x%08" PRIx32
+                       "): the header or meta is corrupt",
+                       wire_type_name(h->type), h->header_crc, c);
   return 0;
 }
 
@@ -417,12 +410,12 @@ static int take_pieces(const wire_header *h, size_t n, Zshard__V1__DataPiece *co
                        wire_piece *out, uint32_t *nout, const uint64_t *payload_len, char *err,
                        size_t errlen) {
   if (!out)
-    return fail(err, errlen, ZS_ENOMEM, "%s frame (request id %" PRIu64 "): out of memory",
-                wire_type_name(h->type), h->request_id);
+    return status_fail(err, errlen, ZS_ENOMEM, "%s frame (request id %" PRIu64 "): out of memory",
+                       wire_type_name(h->type), h->request_id);
   if (n == 0 || n > WIRE_MAX_BATCH)
-    return fail(err, errlen, ZS_ERANGE,
-                "%s frame (request id %" PRIu64 ") has %zu pieces; a batch holds 1 to %u",
-                wire_type_name(h->type), h->request_id, n, WIRE_MAX_BATCH);
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "%s frame (request id %" PRIu64 ") has %zu pieces; a batch holds 1 to %u",
+                       wire_type_name(h->type), h->request_id, n, WIRE_MAX_BATCH);
   uint64_t sum = 0;
   for (size_t i = 0; i < n; i++) {
     out[i].tensor = in[i]->tensor;
@@ -430,23 +423,24 @@ static int take_pieces(const wire_header *h, size_t n, Zshard__V1__DataPiece *co
     out[i].dtype = (int)in[i]->dtype;
     out[i].length = in[i]->length;
     if (!dtype_valid(out[i].dtype))
-      return fail(err, errlen, ZS_EDTYPE,
-                  "%s frame (request id %" PRIu64 ") piece %zu has dtype %d, not FP32, FP16 or "
-                  "BF16",
-                  wire_type_name(h->type), h->request_id, i, out[i].dtype);
+      return status_fail(err, errlen, ZS_EDTYPE,
+                         "%s frame (request id %" PRIu64
+                         ") piece %zu has dtype %d, not FP32, FP16 or "
+                         "BF16",
+                         wire_type_name(h->type), h->request_id, i, out[i].dtype);
     if (payload_len && out[i].length > *payload_len - sum)
-      return fail(err, errlen, ZS_ERANGE,
-                  "%s frame (request id %" PRIu64 ") piece %zu of %" PRIu64
-                  " bytes runs past the %" PRIu64 "-byte payload",
-                  wire_type_name(h->type), h->request_id, i, out[i].length, *payload_len);
+      return status_fail(err, errlen, ZS_ERANGE,
+                         "%s frame (request id %" PRIu64 ") piece %zu of %" PRIu64
+                         " bytes runs past the %" PRIu64 "-byte payload",
+                         wire_type_name(h->type), h->request_id, i, out[i].length, *payload_len);
     if (payload_len)
       sum += out[i].length;
   }
   if (payload_len && sum != *payload_len)
-    return fail(err, errlen, ZS_ERANGE,
-                "%s frame (request id %" PRIu64 ") pieces add up to %" PRIu64
-                " bytes but the payload has %" PRIu64,
-                wire_type_name(h->type), h->request_id, sum, *payload_len);
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "%s frame (request id %" PRIu64 ") pieces add up to %" PRIu64
+                       " bytes but the payload has %" PRIu64,
+                       wire_type_name(h->type), h->request_id, sum, *payload_len);
   *nout = (uint32_t)n;
   return 0;
 }
@@ -536,9 +530,9 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
     copy_message(out->u.error.message, sizeof out->u.error.message, p->message);
     protobuf_c_message_free_unpacked(&p->base, NULL);
     if (out->u.error.status >= 0 || !status_valid(out->u.error.status))
-      rc = fail(err, errlen, ZS_EPROTO,
-                "ERROR frame (request id %" PRIu64 ") carries status %d, not a zshard error",
-                h->request_id, out->u.error.status);
+      rc = status_fail(err, errlen, ZS_EPROTO,
+                       "ERROR frame (request id %" PRIu64 ") carries status %d, not a zshard error",
+                       h->request_id, out->u.error.status);
     break;
   }
   case WIRE_PUSH_BATCH: {
@@ -569,13 +563,15 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
     wire_push_batch_ack *a = &out->u.push_batch_ack;
     copy_message(a->message, sizeof a->message, p->message);
     if (!store) {
-      rc = fail(err, errlen, ZS_ENOMEM,
-                "PUSH_BATCH_ACK frame (request id %" PRIu64 "): out of memory", h->request_id);
+      rc = status_fail(err, errlen, ZS_ENOMEM,
+                       "PUSH_BATCH_ACK frame (request id %" PRIu64 "): out of memory",
+                       h->request_id);
     } else if (p->n_status == 0 || p->n_status > WIRE_MAX_BATCH || p->n_duplicate != p->n_status) {
-      rc = fail(err, errlen, ZS_ERANGE,
-                "PUSH_BATCH_ACK frame (request id %" PRIu64 ") has %zu statuses and %zu duplicate "
-                "flags; it needs one of each per piece, 1 to %u",
-                h->request_id, p->n_status, p->n_duplicate, WIRE_MAX_BATCH);
+      rc = status_fail(err, errlen, ZS_ERANGE,
+                       "PUSH_BATCH_ACK frame (request id %" PRIu64
+                       ") has %zu statuses and %zu duplicate "
+                       "flags; it needs one of each per piece, 1 to %u",
+                       h->request_id, p->n_status, p->n_duplicate, WIRE_MAX_BATCH);
     } else {
       a->npieces = (uint32_t)p->n_status;
       a->status = store->status;
@@ -584,10 +580,11 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
         store->status[i] = p->status[i];
         store->duplicate[i] = p->duplicate[i] != 0;
         if (p->status[i] > 0 || (p->status[i] < 0 && !status_valid(p->status[i])))
-          rc = fail(err, errlen, ZS_EPROTO,
-                    "PUSH_BATCH_ACK frame (request id %" PRIu64 ") piece %zu has status %d, not 0 "
-                    "or a zshard error",
-                    h->request_id, i, (int)p->status[i]);
+          rc = status_fail(err, errlen, ZS_EPROTO,
+                           "PUSH_BATCH_ACK frame (request id %" PRIu64
+                           ") piece %zu has status %d, not 0 "
+                           "or a zshard error",
+                           h->request_id, i, (int)p->status[i]);
       }
     }
     protobuf_c_message_free_unpacked(&p->base, NULL);
@@ -620,13 +617,15 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
     wire_pull_batch_data *d = &out->u.pull_batch_data;
     d->version = p->version;
     if (!store) {
-      rc = fail(err, errlen, ZS_ENOMEM,
-                "PULL_BATCH_DATA frame (request id %" PRIu64 "): out of memory", h->request_id);
+      rc = status_fail(err, errlen, ZS_ENOMEM,
+                       "PULL_BATCH_DATA frame (request id %" PRIu64 "): out of memory",
+                       h->request_id);
     } else if (p->n_length == 0 || p->n_length > WIRE_MAX_BATCH) {
-      rc = fail(err, errlen, ZS_ERANGE,
-                "PULL_BATCH_DATA frame (request id %" PRIu64 ") has %zu pieces; a batch holds 1 "
-                "to %u",
-                h->request_id, p->n_length, WIRE_MAX_BATCH);
+      rc = status_fail(err, errlen, ZS_ERANGE,
+                       "PULL_BATCH_DATA frame (request id %" PRIu64
+                       ") has %zu pieces; a batch holds 1 "
+                       "to %u",
+                       h->request_id, p->n_length, WIRE_MAX_BATCH);
     } else {
       uint64_t sum = 0;
       d->npieces = (uint32_t)p->n_length;
@@ -634,18 +633,18 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
       for (size_t i = 0; i < p->n_length && rc == 0; i++) {
         store->length[i] = p->length[i];
         if (p->length[i] > h->payload_len - sum)
-          rc = fail(err, errlen, ZS_ERANGE,
-                    "PULL_BATCH_DATA frame (request id %" PRIu64 ") piece %zu of %" PRIu64
-                    " bytes runs past the %" PRIu64 "-byte payload",
-                    h->request_id, i, p->length[i], h->payload_len);
+          rc = status_fail(err, errlen, ZS_ERANGE,
+                           "PULL_BATCH_DATA frame (request id %" PRIu64 ") piece %zu of %" PRIu64
+                           " bytes runs past the %" PRIu64 "-byte payload",
+                           h->request_id, i, p->length[i], h->payload_len);
         else
           sum += p->length[i];
       }
       if (rc == 0 && sum != h->payload_len)
-        rc = fail(err, errlen, ZS_ERANGE,
-                  "PULL_BATCH_DATA frame (request id %" PRIu64 ") pieces add up to %" PRIu64
-                  " bytes but the payload has %" PRIu64,
-                  h->request_id, sum, h->payload_len);
+        rc = status_fail(err, errlen, ZS_ERANGE,
+                         "PULL_BATCH_DATA frame (request id %" PRIu64 ") pieces add up to %" PRIu64
+                         " bytes but the payload has %" PRIu64,
+                         h->request_id, sum, h->payload_len);
     }
     protobuf_c_message_free_unpacked(&p->base, NULL);
     break;
@@ -654,13 +653,14 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
     break;
   }
   if (what)
-    return fail(err, errlen, ZS_EPROTO,
-                "%s frame (request id %" PRIu64 ") meta of %" PRIu32 " bytes is not a valid %s",
-                wire_type_name(h->type), h->request_id, h->meta_len, what);
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s frame (request id %" PRIu64 ") meta of %" PRIu32
+                       " bytes is not a valid %s",
+                       wire_type_name(h->type), h->request_id, h->meta_len, what);
   if (rc == 0 && !dtype_valid(dtype))
-    rc = fail(err, errlen, ZS_EDTYPE,
-              "%s frame (request id %" PRIu64 ") has dtype %d, not FP32, FP16 or BF16",
-              wire_type_name(h->type), h->request_id, dtype);
+    rc = status_fail(err, errlen, ZS_EDTYPE,
+                     "%s frame (request id %" PRIu64 ") has dtype %d, not FP32, FP16 or BF16",
+                     wire_type_name(h->type), h->request_id, dtype);
   return rc;
 }
 
@@ -678,8 +678,8 @@ int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_ms
   *frame_len = 0;
   *payload = NULL;
   if (len < WIRE_HEADER_SIZE)
-    return fail(err, errlen, ZS_EPROTO, "truncated frame: %zu of the %u header bytes", len,
-                WIRE_HEADER_SIZE);
+    return status_fail(err, errlen, ZS_EPROTO, "truncated frame: %zu of the %u header bytes", len,
+                       WIRE_HEADER_SIZE);
   wire_header h;
   int rc = wire_decode_header(p, max_payload, &h, err, errlen);
   if (rc)
@@ -687,25 +687,25 @@ int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_ms
   uint64_t total = WIRE_HEADER_SIZE + (uint64_t)h.meta_len + h.payload_len;
   *frame_len = (size_t)total;
   if (len < WIRE_HEADER_SIZE + (size_t)h.meta_len)
-    return fail(err, errlen, ZS_EPROTO, "truncated %s frame: %zu of the %u meta bytes",
-                wire_type_name(h.type), len - WIRE_HEADER_SIZE, (unsigned)h.meta_len);
+    return status_fail(err, errlen, ZS_EPROTO, "truncated %s frame: %zu of the %u meta bytes",
+                       wire_type_name(h.type), len - WIRE_HEADER_SIZE, (unsigned)h.meta_len);
   const uint8_t *meta = p + WIRE_HEADER_SIZE;
   if ((rc = wire_check_header_crc(&h, p, meta, err, errlen)) != 0)
     return rc;
   if ((rc = wire_decode_meta(&h, meta, out, err, errlen)) != 0)
     return rc;
   if ((uint64_t)len < total)
-    return fail(
+    return status_fail(
         err, errlen, ZS_EPROTO, "truncated %s frame: %" PRIu64 " of the %" PRIu64 " payload bytes",
         wire_type_name(h.type), (uint64_t)len - WIRE_HEADER_SIZE - h.meta_len, h.payload_len);
   const uint8_t *pl = meta + h.meta_len;
   if (h.payload_len) {
     uint32_t c = crc32c(0, pl, (size_t)h.payload_len);
     if (c != h.payload_crc)
-      return fail(err, errlen, ZS_ECRC,
-                  "%s frame (request id %" PRIu64 ") payload CRC 0x%08" PRIx32
-                  " does not match its %" PRIu64 " bytes (0x%08" PRIx32 ")",
-                  wire_type_name(h.type), h.request_id, h.payload_crc, h.payload_len, c);
+      return status_fail(err, errlen, ZS_ECRC,
+                         "%s frame (request id %" PRIu64 ") payload CRC 0x%08" PRIx32
+                         " does not match its %" PRIu64 " bytes (0x%08" PRIx32 ")",
+                         wire_type_name(h.type), h.request_id, h.payload_crc, h.payload_len, c);
   }
   *payload = pl;
   return 0;
@@ -738,11 +738,11 @@ static wire_event reader_fatal(wire_reader *r, int status) {
 static wire_event reader_finish(wire_reader *r) {
   r->payload_status = 0;
   if (r->dst && r->crc != r->h.payload_crc)
-    r->payload_status = fail(r->err, sizeof r->err, ZS_ECRC,
-                             "%s frame (request id %" PRIu64 ") payload CRC 0x%08" PRIx32
-                             " does not match its %" PRIu64 " bytes (0x%08" PRIx32 ")",
-                             wire_type_name(r->h.type), r->h.request_id, r->h.payload_crc,
-                             r->h.payload_len, r->crc);
+    r->payload_status = status_fail(r->err, sizeof r->err, ZS_ECRC,
+                                    "%s frame (request id %" PRIu64 ") payload CRC 0x%08" PRIx32
+                                    " does not match its %" PRIu64 " bytes (0x%08" PRIx32 ")",
+                                    wire_type_name(r->h.type), r->h.request_id, r->h.payload_crc,
+                                    r->h.payload_len, r->crc);
   r->dst = NULL;
   r->state = R_HEAD;
   r->head_have = 0;
@@ -798,8 +798,8 @@ size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *
           cap *= 2;
         uint8_t *m = realloc(r->meta, cap);
         if (!m) {
-          fail(r->err, sizeof r->err, ZS_ENOMEM, "out of memory for a %" PRIu32 "-byte meta",
-               r->h.meta_len);
+          status_fail(r->err, sizeof r->err, ZS_ENOMEM, "out of memory for a %" PRIu32 "-byte meta",
+                      r->h.meta_len);
           *ev = reader_fatal(r, ZS_ENOMEM);
           return used;
         }
@@ -828,8 +828,8 @@ size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *
     case R_WAIT_DST:
       /* Feeding on without saying where the payload goes is a caller bug;
        * refusing it loudly beats guessing. */
-      fail(r->err, sizeof r->err, ZS_EINVAL,
-           "wire_reader_set_payload was not called after a META event");
+      status_fail(r->err, sizeof r->err, ZS_EINVAL,
+                  "wire_reader_set_payload was not called after a META event");
       *ev = reader_fatal(r, ZS_EINVAL);
       return used;
     case R_PAYLOAD: {
@@ -883,7 +883,8 @@ void *wire_reader_space(wire_reader *r, size_t *len) {
 
 wire_event wire_reader_commit(wire_reader *r, size_t n) {
   if (r->state != R_PAYLOAD || !r->dst || (uint64_t)n > r->h.payload_len - r->have) {
-    fail(r->err, sizeof r->err, ZS_EINVAL, "wire_reader_commit of %zu bytes out of range", n);
+    status_fail(r->err, sizeof r->err, ZS_EINVAL, "wire_reader_commit of %zu bytes out of range",
+                n);
     return reader_fatal(r, ZS_EINVAL);
   }
   r->crc = crc32c(r->crc, r->dst + r->have, n);
@@ -905,20 +906,20 @@ int wire_reader_eof(wire_reader *r) {
   case R_HEAD:
     if (r->head_have == 0)
       return 0;
-    return fail(r->err, sizeof r->err, ZS_EPROTO,
-                "stream ended inside a frame header (%zu of %u bytes)", r->head_have,
-                WIRE_HEADER_SIZE);
+    return status_fail(r->err, sizeof r->err, ZS_EPROTO,
+                       "stream ended inside a frame header (%zu of %u bytes)", r->head_have,
+                       WIRE_HEADER_SIZE);
   case R_META:
-    return fail(r->err, sizeof r->err, ZS_EPROTO,
-                "stream ended inside the meta of a %s frame (request id %" PRIu64
-                ", %zu of %" PRIu32 " bytes)",
-                wire_type_name(r->h.type), r->h.request_id, r->meta_have, r->h.meta_len);
+    return status_fail(r->err, sizeof r->err, ZS_EPROTO,
+                       "stream ended inside the meta of a %s frame (request id %" PRIu64
+                       ", %zu of %" PRIu32 " bytes)",
+                       wire_type_name(r->h.type), r->h.request_id, r->meta_have, r->h.meta_len);
   case R_WAIT_DST:
   case R_PAYLOAD:
-    return fail(r->err, sizeof r->err, ZS_EPROTO,
-                "stream ended inside the payload of a %s frame (request id %" PRIu64 ", %" PRIu64
-                " of %" PRIu64 " bytes)",
-                wire_type_name(r->h.type), r->h.request_id, r->have, r->h.payload_len);
+    return status_fail(r->err, sizeof r->err, ZS_EPROTO,
+                       "stream ended inside the payload of a %s frame (request id %" PRIu64
+                       ", %" PRIu64 " of %" PRIu64 " bytes)",
+                       wire_type_name(r->h.type), r->h.request_id, r->have, r->h.payload_len);
   default:
     return r->status ? r->status : ZS_EPROTO;
   }

@@ -13,6 +13,7 @@
  * than loaded with elements in the wrong places.
  */
 #include "server/ckpt.h"
+#include "common/status.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -48,17 +49,6 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 /* ------------------------------------------------------------------------ */
 /* Small helpers                                                             */
 /* ------------------------------------------------------------------------ */
-
-__attribute__((format(printf, 4, 5))) static int fail(char *err, size_t errlen, int status,
-                                                      const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return status;
-}
 
 static void put_u32(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++)
@@ -236,17 +226,19 @@ int ckpt_valid_subdir(const char *rel) {
 int ckpt_mkdirs(const char *dir, char *err, size_t errlen) {
   char path[CKPT_PATH_MAX];
   if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path)
-    return fail(err, errlen, ZS_EINVAL, "path too long: %.200s...", dir);
+    return status_fail(err, errlen, ZS_EINVAL, "path too long: %.200s...", dir);
   for (char *p = path + 1;; p++) {
     if (*p == '/' || *p == '\0') {
       char saved = *p;
       *p = '\0';
       if (mkdir(path, 0755) != 0 && errno != EEXIST)
-        return fail(err, errlen, ZS_EIO, "cannot create directory %s: %s", path, strerror(errno));
+        return status_fail(err, errlen, ZS_EIO, "cannot create directory %s: %s", path,
+                           strerror(errno));
       struct stat sb;
       if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode))
-        return fail(err, errlen, ZS_EIO, "cannot create directory %s: %s", path,
-                    stat(path, &sb) != 0 ? strerror(errno) : "a file of that name is in the way");
+        return status_fail(err, errlen, ZS_EIO, "cannot create directory %s: %s", path,
+                           stat(path, &sb) != 0 ? strerror(errno)
+                                                : "a file of that name is in the way");
       *p = saved;
       if (saved == '\0')
         break;
@@ -362,8 +354,8 @@ static int dec_spec(const uint8_t *p, size_t n, spec *out, char *why, size_t why
   cursor c = {p, n, 0};
   const uint8_t *tag = cur_take(&c, CKPT_SPEC_TAG_LEN);
   if (!tag || memcmp(tag, CKPT_SPEC_TAG, CKPT_SPEC_TAG_LEN) != 0)
-    return fail(why, whylen, ZS_EPROTO, "the spec section does not start with \"%s\"",
-                CKPT_SPEC_TAG);
+    return status_fail(why, whylen, ZS_EPROTO, "the spec section does not start with \"%s\"",
+                       CKPT_SPEC_TAG);
   out->job = cur_str(&c);
   out->world_size = cur_u32(&c);
   out->grad_accum = cur_u32(&c);
@@ -418,22 +410,23 @@ static int dec_spec(const uint8_t *p, size_t n, spec *out, char *why, size_t why
     goto bad;
   if (c.left != 0) {
     spec_free(out);
-    return fail(why, whylen, ZS_EPROTO, "the spec section has %zu bytes after its end", c.left);
+    return status_fail(why, whylen, ZS_EPROTO, "the spec section has %zu bytes after its end",
+                       c.left);
   }
   if (!out->job || !out->job[0])
     goto bad;
   char verr[256];
   if (spec_validate(out, verr, sizeof verr) != 0) {
     spec_free(out);
-    return fail(why, whylen, ZS_EPROTO, "the spec section holds an invalid spec: %s", verr);
+    return status_fail(why, whylen, ZS_EPROTO, "the spec section holds an invalid spec: %s", verr);
   }
   return 0;
 bad:
   spec_free(out);
-  return fail(why, whylen, ZS_EPROTO, "the spec section is malformed");
+  return status_fail(why, whylen, ZS_EPROTO, "the spec section is malformed");
 oom:
   spec_free(out);
-  return fail(why, whylen, ZS_ENOMEM, "out of memory decoding the spec section");
+  return status_fail(why, whylen, ZS_ENOMEM, "out of memory decoding the spec section");
 }
 
 static int group_uses(const spec_group *g, int *m, int *v) {
@@ -553,13 +546,13 @@ static int w_bytes(writer *w, const void *buf, uint64_t n, char *err, size_t err
   const uint8_t *p = buf;
   while (n > 0) {
     if (cancelled(w->o))
-      return fail(err, errlen, ZS_ECANCELED, "writing %s: cancelled (the server is stopping)",
-                  w->path);
+      return status_fail(err, errlen, ZS_ECANCELED,
+                         "writing %s: cancelled (the server is stopping)", w->path);
     uint64_t k = n < CKPT_IO_BLOCK ? n : CKPT_IO_BLOCK;
     if (!w->stalled && w->stall_at && w->written < w->stall_at && w->written + k > w->stall_at)
       k = w->stall_at - w->written;
     if (write_full(w->fd, p, (size_t)k) != 0)
-      return fail(err, errlen, ZS_EIO, "cannot write %s: %s", w->path, strerror(errno));
+      return status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", w->path, strerror(errno));
     w->crc = crc32c(w->crc, p, (size_t)k);
     w->written += k;
     p += k;
@@ -605,21 +598,22 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   memset(info, 0, sizeof *info);
 
   if (st->shard_id >= s->num_shards)
-    return fail(err, errlen, ZS_EINVAL, "state of shard %u of %u", st->shard_id, s->num_shards);
+    return status_fail(err, errlen, ZS_EINVAL, "state of shard %u of %u", st->shard_id,
+                       s->num_shards);
   if (layout_build(s, &l) != 0)
-    return fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout");
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout");
   int need_m, need_v;
   shard_uses(s, &l, st->shard_id, &need_m, &need_v);
   if (l.shard_elems[st->shard_id] != st->nelems || (st->nelems > 0 && !st->master) ||
       (need_m && st->nelems > 0 && !st->m) || (need_v && st->nelems > 0 && !st->v)) {
-    rc = fail(err, errlen, ZS_EINTERNAL, "the state does not match its spec's layout");
+    rc = status_fail(err, errlen, ZS_EINTERNAL, "the state does not match its spec's layout");
     goto done;
   }
   ckpt_file_name(st->shard_id, s->num_shards, name, sizeof name);
   if (ckpt_step_dir(root, st->version, dir, sizeof dir) != 0 ||
       join_path(final, sizeof final, dir, name) != 0 ||
       snprintf(tmp, sizeof tmp, "%s/.%s.tmp", dir, name) >= (int)sizeof tmp) {
-    rc = fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
+    rc = status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
     goto done;
   }
 
@@ -627,7 +621,7 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   enc_optimizer(&bopt, s, st->optimizer_steps);
   enc_pieces(&bpieces, &l, st->shard_id);
   if (bspec.oom || bopt.oom || bpieces.oom) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", final);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", final);
     goto done;
   }
   out_section sec[6];
@@ -683,7 +677,7 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
     goto done;
   /* The step directory's entry in root must survive a crash too. */
   if (fsync_dir(root) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", root, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", root, strerror(errno));
     goto done;
   }
   /* Rewriting a checkpoint: it stops being loadable before any byte of it
@@ -691,13 +685,13 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   char manifest[CKPT_PATH_MAX];
   if (join_path(manifest, sizeof manifest, dir, CKPT_MANIFEST) == 0 && unlink(manifest) == 0 &&
       fsync_dir(dir) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
     goto done;
   }
 
   fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
     goto done;
   }
   tmp_made = 1;
@@ -713,22 +707,23 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
       goto done;
   }
   if (fsync(fd) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", tmp, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", tmp, strerror(errno));
     goto done;
   }
   int cerr = close(fd);
   fd = -1;
   if (cerr != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot close %s: %s", tmp, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot close %s: %s", tmp, strerror(errno));
     goto done;
   }
   if (rename(tmp, final) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, final, strerror(errno));
+    rc =
+        status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, final, strerror(errno));
     goto done;
   }
   tmp_made = 0;
   if (fsync_dir(dir) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
     goto done;
   }
   info->shard_id = st->shard_id;
@@ -766,9 +761,10 @@ int ckpt_manifest_write(const char *root, const ckpt_manifest *m, uint32_t write
       join_path(path, sizeof path, dir, CKPT_MANIFEST) != 0 ||
       snprintf(tmp, sizeof tmp, "%s/.%s.%" PRIu32 ".tmp", dir, CKPT_MANIFEST, writer_id) >=
           (int)sizeof tmp)
-    return fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
+    return status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
   if (m->num_shards == 0 || m->num_shards > SPEC_MAX_SHARDS || !m->files)
-    return fail(err, errlen, ZS_EINVAL, "a manifest needs 1..%u shard files", SPEC_MAX_SHARDS);
+    return status_fail(err, errlen, ZS_EINVAL, "a manifest needs 1..%u shard files",
+                       SPEC_MAX_SHARDS);
   bytes b = {0};
   char line[256];
   int n = snprintf(line, sizeof line,
@@ -783,8 +779,8 @@ int ckpt_manifest_write(const char *root, const ckpt_manifest *m, uint32_t write
     ckpt_file_name(i, m->num_shards, want, sizeof want);
     if (f->shard_id != i || strcmp(f->name, want) != 0) {
       free(b.p);
-      return fail(err, errlen, ZS_EINVAL, "manifest entry %" PRIu32 " names %.64s, not %s", i,
-                  f->name, want);
+      return status_fail(err, errlen, ZS_EINVAL, "manifest entry %" PRIu32 " names %.64s, not %s",
+                         i, f->name, want);
     }
     n = snprintf(line, sizeof line, "shard %" PRIu32 " %s %" PRIu64 " %08" PRIx32 "\n", i, f->name,
                  f->bytes, f->crc32c);
@@ -795,25 +791,26 @@ int ckpt_manifest_write(const char *root, const ckpt_manifest *m, uint32_t write
   bytes_raw(&b, line, (size_t)n);
   if (b.oom) {
     free(b.p);
-    return fail(err, errlen, ZS_ENOMEM, "out of memory writing %s", path);
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory writing %s", path);
   }
   int rc = 0;
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
   } else {
     if (write_full(fd, b.p, b.len) != 0)
-      rc = fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
     else if (fsync(fd) != 0)
-      rc = fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", tmp, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", tmp, strerror(errno));
     if (close(fd) != 0 && rc == 0)
-      rc = fail(err, errlen, ZS_EIO, "cannot close %s: %s", tmp, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot close %s: %s", tmp, strerror(errno));
     if (rc == 0 && rename(tmp, path) != 0)
-      rc = fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, path,
+                       strerror(errno));
     if (rc != 0)
       unlink(tmp);
     else if (fsync_dir(dir) != 0)
-      rc = fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
   }
   free(b.p);
   return rc;
@@ -853,28 +850,29 @@ int ckpt_manifest_read(const char *root, uint64_t step, ckpt_manifest *m, char *
   char dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX];
   if (ckpt_step_dir(root, step, dir, sizeof dir) != 0 ||
       join_path(path, sizeof path, dir, CKPT_MANIFEST) != 0)
-    return fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
+    return status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
-    return errno == ENOENT ? fail(err, errlen, ZS_ENOTFOUND,
-                                  "checkpoint step %" PRIu64 " in %s is not complete (no %s)", step,
-                                  root, CKPT_MANIFEST)
-                           : fail(err, errlen, ZS_EIO, "cannot open %s: %s", path, strerror(errno));
+    return errno == ENOENT
+               ? status_fail(err, errlen, ZS_ENOTFOUND,
+                             "checkpoint step %" PRIu64 " in %s is not complete (no %s)", step,
+                             root, CKPT_MANIFEST)
+               : status_fail(err, errlen, ZS_EIO, "cannot open %s: %s", path, strerror(errno));
   struct stat sb;
   char *text = NULL;
   int rc = 0;
   if (fstat(fd, &sb) != 0 || sb.st_size <= 0 || (uint64_t)sb.st_size > CKPT_MANIFEST_MAX) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: empty, unreadable or too large", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: empty, unreadable or too large", path);
     goto done;
   }
   size_t len = (size_t)sb.st_size;
   text = malloc(len + 1);
   if (!text) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
     goto done;
   }
   if (pread_full(fd, text, len, 0) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot read %s: %s", path, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot read %s: %s", path, strerror(errno));
     goto done;
   }
   text[len] = '\0';
@@ -889,18 +887,20 @@ int ckpt_manifest_read(const char *root, uint64_t step, ckpt_manifest *m, char *
   uint64_t crc = 0;
   const char *q = last;
   if (!last || man_u64(&q, end, "crc32c", 1, &crc) != 0 || q != end) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: no valid crc32c line at its end (truncated?)", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: no valid crc32c line at its end (truncated?)",
+                     path);
     goto done;
   }
   if (crc32c(0, text, (size_t)(last - text)) != (uint32_t)crc || crc > UINT32_MAX) {
-    rc = fail(err, errlen, ZS_ECRC, "%s: CRC32C mismatch (the manifest is damaged)", path);
+    rc = status_fail(err, errlen, ZS_ECRC, "%s: CRC32C mismatch (the manifest is damaged)", path);
     goto done;
   }
   const char *p = text;
   size_t tl = strlen(CKPT_MANIFEST_TAG);
   uint64_t ns = 0;
   if ((size_t)(last - p) < tl + 1 || memcmp(p, CKPT_MANIFEST_TAG, tl) != 0 || p[tl] != '\n') {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: not a zshard checkpoint manifest (version 1)", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: not a zshard checkpoint manifest (version 1)",
+                     path);
     goto done;
   }
   p += tl + 1;
@@ -909,19 +909,19 @@ int ckpt_manifest_read(const char *root, uint64_t step, ckpt_manifest *m, char *
       man_u64(&p, last, "optimizer_steps", 0, &m->optimizer_steps) != 0 ||
       man_u64(&p, last, "spec_hash", 1, &m->spec_hash) != 0 ||
       man_u64(&p, last, "num_shards", 0, &ns) != 0 || ns == 0 || ns > SPEC_MAX_SHARDS) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: malformed header lines", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: malformed header lines", path);
     goto done;
   }
   if (m->step != step) {
-    rc = fail(err, errlen, ZS_EPROTO,
-              "%s: says step %" PRIu64 " but is in the directory of step %" PRIu64, path, m->step,
-              step);
+    rc = status_fail(err, errlen, ZS_EPROTO,
+                     "%s: says step %" PRIu64 " but is in the directory of step %" PRIu64, path,
+                     m->step, step);
     goto done;
   }
   m->num_shards = (uint32_t)ns;
   m->files = calloc(ns, sizeof *m->files);
   if (!m->files) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
     goto done;
   }
   for (uint32_t i = 0; i < m->num_shards; i++) {
@@ -932,7 +932,8 @@ int ckpt_manifest_read(const char *root, uint64_t step, ckpt_manifest *m, char *
     int k = snprintf(fmt, sizeof fmt, "shard %" PRIu32 " %s ", i, want);
     const char *nl = memchr(p, '\n', (size_t)(last - p));
     if (!nl || nl - p < k || memcmp(p, fmt, (size_t)k) != 0) {
-      rc = fail(err, errlen, ZS_EPROTO, "%s: entry %" PRIu32 " is not \"%s...\"", path, i, fmt);
+      rc = status_fail(err, errlen, ZS_EPROTO, "%s: entry %" PRIu32 " is not \"%s...\"", path, i,
+                       fmt);
       goto done;
     }
     const char *r = p + k;
@@ -941,13 +942,13 @@ int ckpt_manifest_read(const char *root, uint64_t step, ckpt_manifest *m, char *
     for (; r < nl && *r >= '0' && *r <= '9' && digits < 20; r++, digits++)
       bytes_v = bytes_v * 10 + (uint64_t)(*r - '0');
     if (digits == 0 || r == nl || *r != ' ' || nl - (r + 1) != 8) {
-      rc = fail(err, errlen, ZS_EPROTO, "%s: entry %" PRIu32 " is malformed", path, i);
+      rc = status_fail(err, errlen, ZS_EPROTO, "%s: entry %" PRIu32 " is malformed", path, i);
       goto done;
     }
     for (r++; r < nl; r++) {
       int d = (*r >= '0' && *r <= '9') ? *r - '0' : (*r >= 'a' && *r <= 'f') ? *r - 'a' + 10 : -1;
       if (d < 0) {
-        rc = fail(err, errlen, ZS_EPROTO, "%s: entry %" PRIu32 " is malformed", path, i);
+        rc = status_fail(err, errlen, ZS_EPROTO, "%s: entry %" PRIu32 " is malformed", path, i);
         goto done;
       }
       crc_v = crc_v * 16 + (uint64_t)d;
@@ -959,7 +960,7 @@ int ckpt_manifest_read(const char *root, uint64_t step, ckpt_manifest *m, char *
     p = nl + 1;
   }
   if (p != last) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: unexpected lines before its crc32c line", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: unexpected lines before its crc32c line", path);
     goto done;
   }
 done:
@@ -1002,8 +1003,9 @@ int ckpt_list(const char *root, ckpt_entry **out, size_t *n, char *err, size_t e
   *n = 0;
   DIR *d = opendir(root);
   if (!d)
-    return errno == ENOENT ? 0
-                           : fail(err, errlen, ZS_EIO, "cannot list %s: %s", root, strerror(errno));
+    return errno == ENOENT
+               ? 0
+               : status_fail(err, errlen, ZS_EIO, "cannot list %s: %s", root, strerror(errno));
   ckpt_entry *v = NULL;
   size_t len = 0, cap = 0;
   int rc = 0;
@@ -1021,7 +1023,7 @@ int ckpt_list(const char *root, ckpt_entry **out, size_t *n, char *err, size_t e
       size_t nc = cap ? 2 * cap : 16;
       ckpt_entry *nv = realloc(v, nc * sizeof *nv);
       if (!nv) {
-        rc = fail(err, errlen, ZS_ENOMEM, "out of memory listing %s", root);
+        rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory listing %s", root);
         break;
       }
       v = nv;
@@ -1059,17 +1061,19 @@ int ckpt_remove(const char *root, uint64_t step, char *err, size_t errlen) {
   char dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX];
   if (ckpt_step_dir(root, step, dir, sizeof dir) != 0 ||
       join_path(path, sizeof path, dir, CKPT_MANIFEST) != 0)
-    return fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
+    return status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
   if (unlink(path) == 0) {
     if (fsync_dir(dir) != 0)
-      return fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
+      return status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir,
+                         strerror(errno));
   } else if (errno != ENOENT) {
-    return fail(err, errlen, ZS_EIO, "cannot remove %s: %s", path, strerror(errno));
+    return status_fail(err, errlen, ZS_EIO, "cannot remove %s: %s", path, strerror(errno));
   }
   DIR *d = opendir(dir);
   if (!d)
-    return errno == ENOENT ? 0
-                           : fail(err, errlen, ZS_EIO, "cannot list %s: %s", dir, strerror(errno));
+    return errno == ENOENT
+               ? 0
+               : status_fail(err, errlen, ZS_EIO, "cannot list %s: %s", dir, strerror(errno));
   struct dirent *e;
   int rc = 0;
   while ((e = readdir(d)) != NULL) {
@@ -1081,13 +1085,13 @@ int ckpt_remove(const char *root, uint64_t step, char *err, size_t errlen) {
     if (!ours)
       continue;
     if (join_path(path, sizeof path, dir, nm) != 0 || (unlink(path) != 0 && errno != ENOENT)) {
-      rc = fail(err, errlen, ZS_EIO, "cannot remove %s: %s", path, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot remove %s: %s", path, strerror(errno));
       break;
     }
   }
   closedir(d);
   if (rc == 0 && rmdir(dir) != 0 && errno != ENOENT)
-    rc = fail(err, errlen, ZS_EIO, "cannot remove directory %s: %s", dir, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot remove directory %s: %s", dir, strerror(errno));
   if (rc == 0)
     fsync_dir(root);
   return rc;
@@ -1148,15 +1152,15 @@ static int stream_verify(ckpt_reader *r, uint64_t size, uint64_t table_end, in_s
                          uint32_t nsec, uint32_t *file_crc, char *err, size_t errlen) {
   uint8_t *buf = malloc(CKPT_IO_BLOCK);
   if (!buf)
-    return fail(err, errlen, ZS_ENOMEM, "out of memory verifying %s", r->path);
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory verifying %s", r->path);
   uint32_t crc = 0;
   uint32_t next = 0; /* first section not yet wholly passed */
   int rc = 0;
   for (uint64_t pos = 0; pos < size;) {
     size_t k = size - pos < CKPT_IO_BLOCK ? (size_t)(size - pos) : CKPT_IO_BLOCK;
     if (pread_full(r->fd, buf, k, pos) != 0) {
-      rc = fail(err, errlen, ZS_EIO, "%s: read error at byte %" PRIu64 ": %s", r->path, pos,
-                errno == ENODATA ? "the file shrank while being read" : strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "%s: read error at byte %" PRIu64 ": %s", r->path, pos,
+                       errno == ENODATA ? "the file shrank while being read" : strerror(errno));
       break;
     }
     crc = crc32c(crc, buf, k);
@@ -1172,9 +1176,10 @@ static int stream_verify(ckpt_reader *r, uint64_t size, uint64_t table_end, in_s
         uint64_t e = next < nsec && sec[next].off < end ? sec[next].off : end;
         for (uint64_t y = x; y < e; y++) {
           if (buf[y - pos] != 0) {
-            rc = fail(err, errlen, ZS_ECRC,
-                      "%s: non-zero padding byte at offset %" PRIu64 " (the file is damaged)",
-                      r->path, y);
+            rc =
+                status_fail(err, errlen, ZS_ECRC,
+                            "%s: non-zero padding byte at offset %" PRIu64 " (the file is damaged)",
+                            r->path, y);
             goto out;
           }
         }
@@ -1194,7 +1199,7 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
   *out = NULL;
   ckpt_reader *r = calloc(1, sizeof *r);
   if (!r)
-    return fail(err, errlen, ZS_ENOMEM, "out of memory opening %s", path);
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory opening %s", path);
   r->fd = -1;
   snprintf(r->path, sizeof r->path, "%s", path);
   uint8_t *small = NULL;
@@ -1202,41 +1207,43 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
   int rc;
   r->fd = open(path, O_RDONLY | O_CLOEXEC);
   if (r->fd < 0) {
-    rc = fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s", path,
-              strerror(errno));
+    rc = status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
+                     path, strerror(errno));
     goto fail;
   }
   struct stat sb;
   if (fstat(r->fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    rc = fail(err, errlen, ZS_EIO, "%s: not a regular file", path);
+    rc = status_fail(err, errlen, ZS_EIO, "%s: not a regular file", path);
     goto fail;
   }
   uint64_t size = (uint64_t)sb.st_size;
   if (expect && size != expect->bytes) {
-    rc = fail(err, errlen, ZS_ECRC,
-              "%s: %" PRIu64 " bytes, but the manifest says %" PRIu64 " (truncated or replaced)",
-              path, size, expect->bytes);
+    rc = status_fail(err, errlen, ZS_ECRC,
+                     "%s: %" PRIu64 " bytes, but the manifest says %" PRIu64
+                     " (truncated or replaced)",
+                     path, size, expect->bytes);
     goto fail;
   }
   uint8_t hdr[CKPT_HEADER_BYTES];
   if (size < CKPT_HEADER_BYTES || pread_full(r->fd, hdr, sizeof hdr, 0) != 0) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: truncated: %" PRIu64 " bytes, shorter than a header",
-              path, size);
+    rc = status_fail(err, errlen, ZS_EPROTO,
+                     "%s: truncated: %" PRIu64 " bytes, shorter than a header", path, size);
     goto fail;
   }
   if (memcmp(hdr, CKPT_MAGIC, 8) != 0) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: not a zshard checkpoint (bad magic)", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: not a zshard checkpoint (bad magic)", path);
     goto fail;
   }
   if (crc32c(0, hdr, 124) != get_u32(hdr + 124)) {
-    rc = fail(err, errlen, ZS_ECRC, "%s: header CRC32C mismatch (the file is damaged)", path);
+    rc =
+        status_fail(err, errlen, ZS_ECRC, "%s: header CRC32C mismatch (the file is damaged)", path);
     goto fail;
   }
   uint32_t fmt = get_u32(hdr + 8), hbytes = get_u32(hdr + 12), nsec = get_u32(hdr + 56);
   uint64_t table_off = get_u64(hdr + 64);
   if (fmt != CKPT_FORMAT_VERSION) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: format version %" PRIu32 ", this build reads %u", path,
-              fmt, CKPT_FORMAT_VERSION);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: format version %" PRIu32 ", this build reads %u",
+                     path, fmt, CKPT_FORMAT_VERSION);
     goto fail;
   }
   r->h.shard_id = get_u32(hdr + 16);
@@ -1249,12 +1256,12 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
       nsec > CKPT_MAX_SECTIONS || get_u32(hdr + 60) != 0 || r->h.num_shards == 0 ||
       r->h.num_shards > SPEC_MAX_SHARDS || r->h.shard_id >= r->h.num_shards ||
       r->h.nelems > SPEC_MAX_TOTAL_NUMEL + (uint64_t)LAYOUT_ALIGN_ELEMS * SPEC_MAX_PIECES) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: header fields out of range", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: header fields out of range", path);
     goto fail;
   }
   for (int i = 76; i < 124; i++) {
     if (hdr[i] != 0) {
-      rc = fail(err, errlen, ZS_EPROTO, "%s: reserved header bytes are not zero", path);
+      rc = status_fail(err, errlen, ZS_EPROTO, "%s: reserved header bytes are not zero", path);
       goto fail;
     }
   }
@@ -1262,12 +1269,12 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
   uint8_t table[CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES];
   if (size < table_end ||
       pread_full(r->fd, table, (size_t)(table_end - CKPT_HEADER_BYTES), CKPT_HEADER_BYTES) != 0) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: truncated in its section table", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: truncated in its section table", path);
     goto fail;
   }
   if (crc32c(0, table, (size_t)(table_end - CKPT_HEADER_BYTES)) != get_u32(hdr + 72)) {
-    rc =
-        fail(err, errlen, ZS_ECRC, "%s: section table CRC32C mismatch (the file is damaged)", path);
+    rc = status_fail(err, errlen, ZS_ECRC,
+                     "%s: section table CRC32C mismatch (the file is damaged)", path);
     goto fail;
   }
   in_section sec[CKPT_MAX_SECTIONS];
@@ -1281,36 +1288,36 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
                           .got = 0};
     if (sec[i].kind < CKPT_SEC_SPEC || sec[i].kind > CKPT_SEC_EXP_AVG_SQ || seen[sec[i].kind]++ ||
         get_u32(e + 4) != 0 || get_u32(e + 28) != 0) {
-      rc = fail(err, errlen, ZS_EPROTO,
-                "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path, i,
-                sec[i].kind);
+      rc = status_fail(err, errlen, ZS_EPROTO,
+                       "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path, i,
+                       sec[i].kind);
       goto fail;
     }
     if (sec[i].off % CKPT_ALIGN != 0 || sec[i].off < table_end || sec[i].len > size ||
         sec[i].off > size - sec[i].len) {
-      rc = fail(err, errlen, ZS_EPROTO,
-                "%s: truncated: the %s section spans bytes %" PRIu64 "..%" PRIu64
-                " but the file has %" PRIu64,
-                path, section_name(sec[i].kind), sec[i].off, sec[i].off + sec[i].len, size);
+      rc = status_fail(err, errlen, ZS_EPROTO,
+                       "%s: truncated: the %s section spans bytes %" PRIu64 "..%" PRIu64
+                       " but the file has %" PRIu64,
+                       path, section_name(sec[i].kind), sec[i].off, sec[i].off + sec[i].len, size);
       goto fail;
     }
   }
   if (!seen[CKPT_SEC_SPEC] || !seen[CKPT_SEC_OPTIMIZER] || !seen[CKPT_SEC_PIECES] ||
       !seen[CKPT_SEC_MASTER]) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: a required section is missing", path);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: a required section is missing", path);
     goto fail;
   }
   qsort(sec, nsec, sizeof *sec, cmp_in_section);
   for (uint32_t i = 1; i < nsec; i++) {
     if (sec[i].off < sec[i - 1].off + sec[i - 1].len) {
-      rc = fail(err, errlen, ZS_EPROTO, "%s: sections overlap", path);
+      rc = status_fail(err, errlen, ZS_EPROTO, "%s: sections overlap", path);
       goto fail;
     }
   }
   uint64_t data_end = sec[nsec - 1].off + sec[nsec - 1].len;
   if (size != data_end) {
-    rc = fail(err, errlen, ZS_EPROTO, "%s: %" PRIu64 " bytes after the last section", path,
-              size - data_end);
+    rc = status_fail(err, errlen, ZS_EPROTO, "%s: %" PRIu64 " bytes after the last section", path,
+                     size - data_end);
     goto fail;
   }
   uint32_t file_crc = 0;
@@ -1318,15 +1325,16 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
     goto fail;
   for (uint32_t i = 0; i < nsec; i++) {
     if (sec[i].got != sec[i].crc) {
-      rc = fail(err, errlen, ZS_ECRC, "%s: CRC32C mismatch in the %s section (the file is damaged)",
-                path, section_name(sec[i].kind));
+      rc = status_fail(err, errlen, ZS_ECRC,
+                       "%s: CRC32C mismatch in the %s section (the file is damaged)", path,
+                       section_name(sec[i].kind));
       goto fail;
     }
   }
   if (expect && file_crc != expect->crc32c) {
-    rc = fail(err, errlen, ZS_ECRC,
-              "%s: the file's CRC32C %08" PRIx32 " is not the manifest's %08" PRIx32, path,
-              file_crc, expect->crc32c);
+    rc = status_fail(err, errlen, ZS_ECRC,
+                     "%s: the file's CRC32C %08" PRIx32 " is not the manifest's %08" PRIx32, path,
+                     file_crc, expect->crc32c);
     goto fail;
   }
 
@@ -1357,41 +1365,43 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
       break;
     }
     if ((sec[i].kind >= CKPT_SEC_MASTER) && sec[i].len != r->h.nelems * sizeof(float)) {
-      rc = fail(err, errlen, ZS_EPROTO,
-                "%s: the %s section has %" PRIu64 " bytes, the header's arena needs %" PRIu64, path,
-                section_name(sec[i].kind), sec[i].len, r->h.nelems * sizeof(float));
+      rc =
+          status_fail(err, errlen, ZS_EPROTO,
+                      "%s: the %s section has %" PRIu64 " bytes, the header's arena needs %" PRIu64,
+                      path, section_name(sec[i].kind), sec[i].len, r->h.nelems * sizeof(float));
       goto fail;
     }
   }
   small = malloc((size_t)ss->len + 1);
   if (!small) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
     goto fail;
   }
   if (pread_full(r->fd, small, (size_t)ss->len, ss->off) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
     goto fail;
   }
   char why[320];
   if ((rc = dec_spec(small, (size_t)ss->len, &r->spec, why, sizeof why)) != 0) {
-    fail(err, errlen, rc, "%s: %s", path, why);
+    status_fail(err, errlen, rc, "%s: %s", path, why);
     goto fail;
   }
   if (spec_hash(&r->spec) != r->h.spec_hash || r->spec.num_shards != r->h.num_shards) {
-    rc = fail(err, errlen, ZS_EHASH,
-              "%s: the spec section hashes to %016" PRIx64 " (for %" PRIu32
-              " shards), the header says %016" PRIx64 " (for %" PRIu32 ")",
-              path, spec_hash(&r->spec), r->spec.num_shards, r->h.spec_hash, r->h.num_shards);
+    rc =
+        status_fail(err, errlen, ZS_EHASH,
+                    "%s: the spec section hashes to %016" PRIx64 " (for %" PRIu32
+                    " shards), the header says %016" PRIx64 " (for %" PRIu32 ")",
+                    path, spec_hash(&r->spec), r->spec.num_shards, r->h.spec_hash, r->h.num_shards);
     goto fail;
   }
   if (layout_build(&r->spec, &r->lay) != 0) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout of %s", path);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout of %s", path);
     goto fail;
   }
   if (r->lay.shard_elems[r->h.shard_id] != r->h.nelems) {
-    rc = fail(err, errlen, ZS_EPROTO,
-              "%s: the header's arena of %" PRIu64 " elements is not the layout's %" PRIu64, path,
-              r->h.nelems, r->lay.shard_elems[r->h.shard_id]);
+    rc = status_fail(err, errlen, ZS_EPROTO,
+                     "%s: the header's arena of %" PRIu64 " elements is not the layout's %" PRIu64,
+                     path, r->h.nelems, r->lay.shard_elems[r->h.shard_id]);
     goto fail;
   }
   /* Optimizer and pieces: regenerated from the spec and compared. */
@@ -1406,34 +1416,36 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
     else
       enc_pieces(&expect_bytes, &r->lay, r->h.shard_id);
     if (expect_bytes.oom) {
-      rc = fail(err, errlen, ZS_ENOMEM, "out of memory verifying %s", path);
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory verifying %s", path);
       goto fail;
     }
     uint8_t *got = realloc(small, (size_t)regen[k].s->len + 1);
     if (!got) {
-      rc = fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
       goto fail;
     }
     small = got;
     if (pread_full(r->fd, small, (size_t)regen[k].s->len, regen[k].s->off) != 0) {
-      rc = fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
       goto fail;
     }
     if (regen[k].s->len != expect_bytes.len ||
         memcmp(small, expect_bytes.p, expect_bytes.len) != 0) {
-      rc = fail(err, errlen, ZS_EPROTO,
-                "%s: the %s section does not match its spec (written by an incompatible layout?)",
-                path, section_name((uint32_t)regen[k].kind));
+      rc = status_fail(
+          err, errlen, ZS_EPROTO,
+          "%s: the %s section does not match its spec (written by an incompatible layout?)", path,
+          section_name((uint32_t)regen[k].kind));
       goto fail;
     }
   }
   int need_m, need_v;
   shard_uses(&r->spec, &r->lay, r->h.shard_id, &need_m, &need_v);
   if (need_m != r->has[CKPT_ARRAY_EXP_AVG] || need_v != r->has[CKPT_ARRAY_EXP_AVG_SQ]) {
-    rc = fail(err, errlen, ZS_EPROTO,
-              "%s: the moment sections present (exp_avg %d, exp_avg_sq %d) are not those its "
-              "optimizers use (%d, %d)",
-              path, r->has[CKPT_ARRAY_EXP_AVG], r->has[CKPT_ARRAY_EXP_AVG_SQ], need_m, need_v);
+    rc = status_fail(
+        err, errlen, ZS_EPROTO,
+        "%s: the moment sections present (exp_avg %d, exp_avg_sq %d) are not those its "
+        "optimizers use (%d, %d)",
+        path, r->has[CKPT_ARRAY_EXP_AVG], r->has[CKPT_ARRAY_EXP_AVG_SQ], need_m, need_v);
     goto fail;
   }
   r->h.has_exp_avg = need_m;
@@ -1452,17 +1464,19 @@ fail:
 int ckpt_reader_read(ckpt_reader *r, ckpt_array a, uint64_t first, uint64_t n, float *dst,
                      char *err, size_t errlen) {
   if ((int)a < 0 || a > CKPT_ARRAY_EXP_AVG_SQ || !r->has[a])
-    return fail(err, errlen, ZS_ENOTFOUND, "%s: has no %s section", r->path,
-                section_name(CKPT_SEC_MASTER + (uint32_t)a));
+    return status_fail(err, errlen, ZS_ENOTFOUND, "%s: has no %s section", r->path,
+                       section_name(CKPT_SEC_MASTER + (uint32_t)a));
   if (first > r->h.nelems || n > r->h.nelems - first)
-    return fail(err, errlen, ZS_ERANGE, "%s: elements %" PRIu64 "..%" PRIu64 " are past its arena",
-                r->path, first, first + n);
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "%s: elements %" PRIu64 "..%" PRIu64 " are past its arena", r->path, first,
+                       first + n);
   if (n == 0)
     return 0;
   if (pread_full(r->fd, dst, (size_t)(n * sizeof(float)), r->arr_off[a] + first * sizeof(float)) !=
       0)
-    return fail(err, errlen, ZS_EIO, "%s: read error: %s", r->path,
-                errno == ENODATA ? "the file shrank after it was verified" : strerror(errno));
+    return status_fail(err, errlen, ZS_EIO, "%s: read error: %s", r->path,
+                       errno == ENODATA ? "the file shrank after it was verified"
+                                        : strerror(errno));
   return 0;
 }
 
@@ -1476,17 +1490,17 @@ static int open_shard_file(const char *dir, const ckpt_manifest *m, uint32_t j, 
                            char *err, size_t errlen) {
   char path[CKPT_PATH_MAX];
   if (join_path(path, sizeof path, dir, m->files[j].name) != 0)
-    return fail(err, errlen, ZS_EINVAL, "checkpoint path too long in %.200s", dir);
+    return status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long in %.200s", dir);
   int rc = ckpt_reader_open(path, &m->files[j], out, err, errlen);
   if (rc != 0)
     return rc;
   const ckpt_header *h = ckpt_reader_header(*out);
   if (h->shard_id != j || h->num_shards != m->num_shards || h->spec_hash != m->spec_hash ||
       h->version != m->version || h->optimizer_steps != m->optimizer_steps) {
-    rc = fail(err, errlen, ZS_EPROTO,
-              "%s: its header (shard %" PRIu32 " of %" PRIu32 ", spec %016" PRIx64
-              ", version %" PRIu64 ") disagrees with the manifest",
-              path, h->shard_id, h->num_shards, h->spec_hash, h->version);
+    rc = status_fail(err, errlen, ZS_EPROTO,
+                     "%s: its header (shard %" PRIu32 " of %" PRIu32 ", spec %016" PRIx64
+                     ", version %" PRIu64 ") disagrees with the manifest",
+                     path, h->shard_id, h->num_shards, h->spec_hash, h->version);
     ckpt_reader_close(*out);
     *out = NULL;
   }
@@ -1537,7 +1551,7 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
   ckpt_manifest m;
   char dir[CKPT_PATH_MAX];
   if (ckpt_step_dir(root, step, dir, sizeof dir) != 0)
-    return fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
+    return status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
   int rc = ckpt_manifest_read(root, step, &m, err, errlen);
   if (rc != 0)
     return rc;
@@ -1546,8 +1560,8 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
   layout old;
   memset(&old, 0, sizeof old);
   if (shard_id >= num_shards) {
-    rc = fail(err, errlen, ZS_EINVAL, "shard %" PRIu32 " of %" PRIu32 " does not exist", shard_id,
-              num_shards);
+    rc = status_fail(err, errlen, ZS_EINVAL, "shard %" PRIu32 " of %" PRIu32 " does not exist",
+                     shard_id, num_shards);
     goto done;
   }
   if (m.num_shards == num_shards) {
@@ -1573,8 +1587,8 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
         break;
     }
     if (j0 == m.num_shards) {
-      rc = fail(err, errlen, ZS_ENOTFOUND,
-                "checkpoint step %" PRIu64 " in %s: no shard file is present", step, root);
+      rc = status_fail(err, errlen, ZS_ENOTFOUND,
+                       "checkpoint step %" PRIu64 " in %s: no shard file is present", step, root);
       goto done;
     }
     if ((rc = open_shard_file(dir, &m, j0, &r, err, errlen)) != 0)
@@ -1584,17 +1598,17 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     if ((rc = core_state_init(out, &ns, shard_id, err, errlen)) != 0)
       goto done;
     if (layout_build(ckpt_reader_spec(r), &old) != 0) {
-      rc = fail(err, errlen, ZS_ENOMEM, "out of memory computing a layout");
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory computing a layout");
       goto done;
     }
     needed = calloc(m.num_shards, 1);
     if (!needed) {
-      rc = fail(err, errlen, ZS_ENOMEM, "out of memory");
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
       goto done;
     }
     layout nl;
     if (layout_build(&out->spec, &nl) != 0) {
-      rc = fail(err, errlen, ZS_ENOMEM, "out of memory computing a layout");
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory computing a layout");
       goto done;
     }
     for (uint32_t i = 0; i < old.num_pieces; i++)
@@ -1616,12 +1630,12 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     }
     if (ml) {
       layout_free(&nl);
-      rc = fail(err, errlen, ZS_ENOTFOUND,
-                "checkpoint step %" PRIu64 " was written by %" PRIu32 " shards; shard %" PRIu32
-                " of %" PRIu32 " needs %s in %s, which %s missing "
-                "(gather every shard's file there, or run `zshard reshard`)",
-                step, m.num_shards, shard_id, num_shards, missing, dir,
-                strchr(missing, ',') ? "are" : "is");
+      rc = status_fail(err, errlen, ZS_ENOTFOUND,
+                       "checkpoint step %" PRIu64 " was written by %" PRIu32
+                       " shards; shard %" PRIu32 " of %" PRIu32 " needs %s in %s, which %s missing "
+                       "(gather every shard's file there, or run `zshard reshard`)",
+                       step, m.num_shards, shard_id, num_shards, missing, dir,
+                       strchr(missing, ',') ? "are" : "is");
       goto done;
     }
     for (uint32_t j = 0; j < m.num_shards && rc == 0; j++) {

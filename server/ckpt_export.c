@@ -24,19 +24,9 @@
 #include <unistd.h>
 
 #include "common/dtype.h"
+#include "common/status.h"
 #include "server/ckpt.h"
 #include "server/optim.h"
-
-__attribute__((format(printf, 4, 5))) static int fail(char *err, size_t errlen, int status,
-                                                      const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return status;
-}
 
 /* A growable string for the JSON header. */
 typedef struct sbuf {
@@ -133,11 +123,11 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   zs_dtype dtype = o && o->dtype ? o->dtype : ZS_DTYPE_FP32;
   int moments = o && o->moments;
   if (dtype != ZS_DTYPE_FP32 && dtype != ZS_DTYPE_BF16 && dtype != ZS_DTYPE_FP16)
-    return fail(err, errlen, ZS_EDTYPE, "export dtype must be fp32, bf16 or fp16");
+    return status_fail(err, errlen, ZS_EDTYPE, "export dtype must be fp32, bf16 or fp16");
   char dir[CKPT_PATH_MAX], tmp[CKPT_PATH_MAX];
   if (ckpt_step_dir(root, step, dir, sizeof dir) != 0 ||
       snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp)
-    return fail(err, errlen, ZS_EINVAL, "path too long");
+    return status_fail(err, errlen, ZS_EINVAL, "path too long");
   ckpt_manifest m;
   int rc = ckpt_manifest_read(root, step, &m, err, errlen);
   if (rc != 0)
@@ -150,20 +140,20 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   uint16_t *f16 = NULL;
   int fd = -1;
   if (!readers) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
     goto done;
   }
   for (uint32_t j = 0; j < m.num_shards; j++) {
     char fpath[CKPT_PATH_MAX];
     if (snprintf(fpath, sizeof fpath, "%s/%s", dir, m.files[j].name) >= (int)sizeof fpath) {
-      rc = fail(err, errlen, ZS_EINVAL, "path too long");
+      rc = status_fail(err, errlen, ZS_EINVAL, "path too long");
       goto done;
     }
     if ((rc = ckpt_reader_open(fpath, &m.files[j], &readers[j], err, errlen)) != 0)
       goto done;
     const ckpt_header *h = ckpt_reader_header(readers[j]);
     if (h->shard_id != j || h->spec_hash != m.spec_hash || h->version != m.version) {
-      rc = fail(err, errlen, ZS_EPROTO, "%s: its header disagrees with the manifest", fpath);
+      rc = status_fail(err, errlen, ZS_EPROTO, "%s: its header disagrees with the manifest", fpath);
       goto done;
     }
   }
@@ -173,7 +163,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   /* The output list, each parameter followed by its moments. */
   outs = calloc((size_t)s->num_tensors * 3, sizeof *outs);
   if (!outs) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
     goto done;
   }
   uint64_t off = 0, largest = 0;
@@ -200,9 +190,9 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   for (size_t i = 0; i < nouts; i++) {
     out_tensor *ot = &outs[i];
     if (ot->suffix && name_taken(s, s->tensors[ot->tensor].name, ot->suffix)) {
-      rc = fail(err, errlen, ZS_EEXIST,
-                "cannot export the moments: a tensor is already named \"%.200s%s\"",
-                s->tensors[ot->tensor].name, ot->suffix);
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "cannot export the moments: a tensor is already named \"%.200s%s\"",
+                       s->tensors[ot->tensor].name, ot->suffix);
       goto done;
     }
     ot->begin = off;
@@ -233,7 +223,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   while (!js.oom && js.len % 8 != 0)
     sb_add(&js, " ", 1); /* the data then starts 8-byte aligned */
   if (js.oom) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory building the safetensors header");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory building the safetensors header");
     goto done;
   }
 
@@ -241,20 +231,20 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   if (dtype != ZS_DTYPE_FP32)
     f16 = malloc((size_t)(largest ? largest : 1) * sizeof(uint16_t));
   if (!f32 || (dtype != ZS_DTYPE_FP32 && !f16)) {
-    rc =
-        fail(err, errlen, ZS_ENOMEM, "out of memory for a tensor of %" PRIu64 " elements", largest);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory for a tensor of %" PRIu64 " elements",
+                     largest);
     goto done;
   }
   fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
     goto done;
   }
   uint8_t len8[8];
   for (int i = 0; i < 8; i++)
     len8[i] = (uint8_t)((uint64_t)js.len >> (8 * i));
   if (write_all(fd, len8, 8) != 0 || write_all(fd, js.p, js.len) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
     goto done;
   }
   for (size_t i = 0; i < nouts; i++) {
@@ -273,18 +263,18 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
       src = f16;
     }
     if (write_all(fd, src, (size_t)(ot->end - ot->begin)) != 0) {
-      rc = fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
       goto done;
     }
   }
   if (fsync(fd) != 0 || close(fd) != 0) {
     fd = -1;
-    rc = fail(err, errlen, ZS_EIO, "cannot finish %s: %s", tmp, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot finish %s: %s", tmp, strerror(errno));
     goto done;
   }
   fd = -1;
   if (rename(tmp, path) != 0) {
-    rc = fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
+    rc = status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
     goto done;
   }
   rc = 0;

@@ -13,6 +13,7 @@
  * or a stalled write between blocks.
  */
 #include "server/ckpt_svc.h"
+#include "common/status.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -70,17 +71,6 @@ struct ckpt_svc {
   char loaded_root[CKPT_PATH_MAX];
 };
 
-__attribute__((format(printf, 4, 5))) static int fail(char *err, size_t errlen, int status,
-                                                      const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return status;
-}
-
 const char *ckpt_svc_state_dir(const ckpt_svc *s) {
   return s->dir;
 }
@@ -94,13 +84,14 @@ static int resolve_root(const ckpt_svc *s, const char *dir, char *out, size_t le
     n = snprintf(out, len, "%s", s->dir);
   } else {
     if (!ckpt_valid_subdir(dir))
-      return fail(err, errlen, ZS_EINVAL,
-                  "checkpoint directory \"%.64s\" is not a relative path of [A-Za-z0-9._-] "
-                  "components below the state directory",
-                  dir);
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "checkpoint directory \"%.64s\" is not a relative path of [A-Za-z0-9._-] "
+                         "components below the state directory",
+                         dir);
     n = snprintf(out, len, "%s/%s", s->dir, dir);
   }
-  return n < 0 || (size_t)n >= len ? fail(err, errlen, ZS_EINVAL, "checkpoint path too long") : 0;
+  return n < 0 || (size_t)n >= len ? status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long")
+                                   : 0;
 }
 
 /* ------------------------------------------------------------------ jobs */
@@ -171,7 +162,7 @@ static int enqueue(ckpt_svc *s, job *j, char *err, size_t errlen) {
   pthread_mutex_unlock(&s->mu);
   if (stop) {
     job_free(j);
-    return fail(err, errlen, ZS_ECLOSED, "the shard is shutting down");
+    return status_fail(err, errlen, ZS_ECLOSED, "the shard is shutting down");
   }
   return CORE_PENDING;
 }
@@ -180,7 +171,7 @@ static job *job_new(ckpt_svc *s, job_kind kind, uint64_t hash, uint64_t step, co
                     ckpt_svc_cb cb, void *arg, char *err, size_t errlen, int *rc) {
   job *j = calloc(1, sizeof *j);
   if (!j) {
-    *rc = fail(err, errlen, ZS_ENOMEM, "out of memory");
+    *rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
     return NULL;
   }
   if ((*rc = resolve_root(s, dir, j->root, sizeof j->root, err, errlen)) != 0) {
@@ -208,7 +199,7 @@ int ckpt_svc_checkpoint(ckpt_svc *s, uint64_t hash, uint64_t step, const char *d
 int ckpt_svc_commit(ckpt_svc *s, uint64_t hash, const ckpt_manifest *m, const char *dir,
                     ckpt_svc_cb cb, void *arg, char *err, size_t errlen) {
   if (!m || m->num_shards == 0 || m->num_shards > SPEC_MAX_SHARDS || !m->files)
-    return fail(err, errlen, ZS_EINVAL, "a commit lists 1..%u shard files", SPEC_MAX_SHARDS);
+    return status_fail(err, errlen, ZS_EINVAL, "a commit lists 1..%u shard files", SPEC_MAX_SHARDS);
   int rc;
   job *j = job_new(s, JOB_COMMIT, hash, m->step, dir, cb, arg, err, errlen, &rc);
   if (!j)
@@ -217,7 +208,7 @@ int ckpt_svc_commit(ckpt_svc *s, uint64_t hash, const ckpt_manifest *m, const ch
   j->manifest.files = malloc((size_t)m->num_shards * sizeof *m->files);
   if (!j->manifest.files) {
     free(j);
-    return fail(err, errlen, ZS_ENOMEM, "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   }
   memcpy(j->manifest.files, m->files, (size_t)m->num_shards * sizeof *m->files);
   return enqueue(s, j, err, errlen);
@@ -260,14 +251,15 @@ static void run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   core_info info;
   core_get_info(s->core, &info);
   if (!sp) {
-    r->status = fail(r->err, sizeof r->err, ZS_ENOTOPEN, "shard %u has no job to checkpoint",
-                     info.shard_id);
+    r->status = status_fail(r->err, sizeof r->err, ZS_ENOTOPEN, "shard %u has no job to checkpoint",
+                            info.shard_id);
     return;
   }
   if (j->hash != info.spec_hash) {
-    r->status = fail(r->err, sizeof r->err, ZS_EHASH,
-                     "checkpoint request for spec hash %016" PRIx64 " but the job's is %016" PRIx64,
-                     j->hash, info.spec_hash);
+    r->status =
+        status_fail(r->err, sizeof r->err, ZS_EHASH,
+                    "checkpoint request for spec hash %016" PRIx64 " but the job's is %016" PRIx64,
+                    j->hash, info.spec_hash);
     return;
   }
   /* The copy's memory is allocated (and zeroed) before the snapshot, so the
@@ -309,11 +301,11 @@ done:
 static int file_crc(const char *path, uint64_t *size, uint32_t *crc, char *err, size_t errlen) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
-    return fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s", path,
-                strerror(errno));
+    return status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
+                       path, strerror(errno));
   size_t cap = (size_t)1 << 20;
   uint8_t *buf = malloc(cap);
-  int rc = buf ? 0 : fail(err, errlen, ZS_ENOMEM, "out of memory");
+  int rc = buf ? 0 : status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   uint32_t c = 0;
   uint64_t total = 0;
   while (rc == 0) {
@@ -321,7 +313,7 @@ static int file_crc(const char *path, uint64_t *size, uint32_t *crc, char *err, 
     if (n < 0 && errno == EINTR)
       continue;
     if (n < 0)
-      rc = fail(err, errlen, ZS_EIO, "cannot read %s: %s", path, strerror(errno));
+      rc = status_fail(err, errlen, ZS_EIO, "cannot read %s: %s", path, strerror(errno));
     if (n <= 0)
       break;
     c = crc32c(c, buf, (size_t)n);
@@ -369,16 +361,16 @@ static void run_commit(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   core_info info;
   core_get_info(s->core, &info);
   if (!info.has_job || j->hash != info.spec_hash || m->spec_hash != info.spec_hash) {
-    r->status = fail(r->err, sizeof r->err, ZS_EHASH,
-                     "commit of checkpoint step %" PRIu64 " for spec hash %016" PRIx64
-                     " but the job's is %016" PRIx64,
-                     m->step, m->spec_hash, info.spec_hash);
+    r->status = status_fail(r->err, sizeof r->err, ZS_EHASH,
+                            "commit of checkpoint step %" PRIu64 " for spec hash %016" PRIx64
+                            " but the job's is %016" PRIx64,
+                            m->step, m->spec_hash, info.spec_hash);
     return;
   }
   if (m->num_shards != info.num_shards) {
-    r->status =
-        fail(r->err, sizeof r->err, ZS_EINVAL, "commit lists %u shard files, the job has %u shards",
-             m->num_shards, info.num_shards);
+    r->status = status_fail(r->err, sizeof r->err, ZS_EINVAL,
+                            "commit lists %u shard files, the job has %u shards", m->num_shards,
+                            info.num_shards);
     return;
   }
   /* This shard vouches for its own entry: the file on disk must be the one
@@ -387,13 +379,13 @@ static void run_commit(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   char want[CKPT_NAME_MAX], dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX];
   ckpt_file_name(info.shard_id, info.num_shards, want, sizeof want);
   if (mine->shard_id != info.shard_id || strcmp(mine->name, want) != 0) {
-    r->status = fail(r->err, sizeof r->err, ZS_EINVAL, "commit entry %u names %.64s, not %s",
-                     info.shard_id, mine->name, want);
+    r->status = status_fail(r->err, sizeof r->err, ZS_EINVAL, "commit entry %u names %.64s, not %s",
+                            info.shard_id, mine->name, want);
     return;
   }
   if (ckpt_step_dir(j->root, m->step, dir, sizeof dir) != 0 ||
       snprintf(path, sizeof path, "%s/%s", dir, want) >= (int)sizeof path) {
-    r->status = fail(r->err, sizeof r->err, ZS_EINVAL, "checkpoint path too long");
+    r->status = status_fail(r->err, sizeof r->err, ZS_EINVAL, "checkpoint path too long");
     return;
   }
   int known = 0;
@@ -406,9 +398,9 @@ static void run_commit(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   pthread_mutex_unlock(&s->mu);
   struct stat sb;
   if (stat(path, &sb) != 0) {
-    r->status =
-        fail(r->err, sizeof r->err, ZS_ENOTFOUND,
-             "cannot commit checkpoint step %" PRIu64 ": %s: %s", m->step, path, strerror(errno));
+    r->status = status_fail(r->err, sizeof r->err, ZS_ENOTFOUND,
+                            "cannot commit checkpoint step %" PRIu64 ": %s: %s", m->step, path,
+                            strerror(errno));
     return;
   }
   if (known <= 0) {
@@ -419,14 +411,14 @@ static void run_commit(ckpt_svc *s, job *j, ckpt_svc_result *r) {
       return;
     if (size != mine->bytes || crc != mine->crc32c) {
       r->status =
-          fail(r->err, sizeof r->err, ZS_ECRC,
-               "cannot commit checkpoint step %" PRIu64 ": %s has %" PRIu64
-               " bytes and CRC32C %08" PRIx32 ", the commit says %" PRIu64 " and %08" PRIx32,
-               m->step, path, size, crc, mine->bytes, mine->crc32c);
+          status_fail(r->err, sizeof r->err, ZS_ECRC,
+                      "cannot commit checkpoint step %" PRIu64 ": %s has %" PRIu64
+                      " bytes and CRC32C %08" PRIx32 ", the commit says %" PRIu64 " and %08" PRIx32,
+                      m->step, path, size, crc, mine->bytes, mine->crc32c);
       return;
     }
   } else if ((uint64_t)sb.st_size != mine->bytes) {
-    r->status = fail(r->err, sizeof r->err, ZS_ECRC, "cannot commit: %s changed size", path);
+    r->status = status_fail(r->err, sizeof r->err, ZS_ECRC, "cannot commit: %s changed size", path);
     return;
   }
   if ((r->status = ckpt_manifest_write(j->root, m, info.shard_id, r->err, sizeof r->err)) != 0) {
@@ -452,10 +444,11 @@ static int restore_from(ckpt_svc *s, const char *root, uint64_t step, uint64_t h
     return rc;
   uint64_t h = spec_hash(&st.spec);
   if (hash != 0 && h != hash) {
-    rc = fail(r->err, sizeof r->err, ZS_EHASH,
-              "checkpoint step %" PRIu64 " in %s is of job '%.64s' with spec hash %016" PRIx64
-              " (for %u shards); the request's job has hash %016" PRIx64,
-              step, root, st.spec.job, h, info.num_shards, hash);
+    rc =
+        status_fail(r->err, sizeof r->err, ZS_EHASH,
+                    "checkpoint step %" PRIu64 " in %s is of job '%.64s' with spec hash %016" PRIx64
+                    " (for %u shards); the request's job has hash %016" PRIx64,
+                    step, root, st.spec.job, h, info.num_shards, hash);
     core_state_free(&st);
     return rc;
   }
@@ -478,9 +471,10 @@ static void run_restore(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   core_info info;
   core_get_info(s->core, &info);
   if (j->hash != 0 && info.has_job && info.spec_hash != j->hash) {
-    r->status = fail(r->err, sizeof r->err, ZS_EHASH,
-                     "restore for spec hash %016" PRIx64 " but the shard's job has %016" PRIx64,
-                     j->hash, info.spec_hash);
+    r->status =
+        status_fail(r->err, sizeof r->err, ZS_EHASH,
+                    "restore for spec hash %016" PRIx64 " but the shard's job has %016" PRIx64,
+                    j->hash, info.spec_hash);
     return;
   }
   uint64_t ck = 0;
@@ -540,9 +534,9 @@ int ckpt_svc_load_latest(ckpt_svc *s, int *loaded, uint64_t *step, char *err, si
   }
   free(e);
   if (complete > 0 && !*loaded)
-    return fail(err, errlen, rc ? rc : ZS_EIO,
-                "%s holds %zu complete checkpoint(s) and none loads; the last error: %s", s->dir,
-                complete, last_err);
+    return status_fail(err, errlen, rc ? rc : ZS_EIO,
+                       "%s holds %zu complete checkpoint(s) and none loads; the last error: %s",
+                       s->dir, complete, last_err);
   if (complete == 0)
     LOG_INFO("checkpoint_none", "dir=%s", s->dir);
   return 0;
@@ -565,7 +559,7 @@ int ckpt_svc_list(ckpt_svc *s, const char *dir, ckpt_svc_entry **out, size_t *n,
   ckpt_svc_entry *v = calloc(len + 1, sizeof *v);
   if (!v) {
     free(e);
-    return fail(err, errlen, ZS_ENOMEM, "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   }
   core_info info;
   core_get_info(s->core, &info);
@@ -603,12 +597,12 @@ int ckpt_svc_list(ckpt_svc *s, const char *dir, ckpt_svc_entry **out, size_t *n,
 int ckpt_svc_create(const ckpt_svc_config *cfg, ckpt_svc **out, char *err, size_t errlen) {
   *out = NULL;
   if (!cfg || !cfg->state_dir || !*cfg->state_dir || !cfg->core)
-    return fail(err, errlen, ZS_EINVAL, "the checkpoint service needs a state directory");
+    return status_fail(err, errlen, ZS_EINVAL, "the checkpoint service needs a state directory");
   if (strlen(cfg->state_dir) > CKPT_PATH_MAX - 512)
-    return fail(err, errlen, ZS_EINVAL, "state directory path too long");
+    return status_fail(err, errlen, ZS_EINVAL, "state directory path too long");
   ckpt_svc *s = calloc(1, sizeof *s);
   if (!s)
-    return fail(err, errlen, ZS_ENOMEM, "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   s->dir = strdup(cfg->state_dir);
   /* Trailing slashes would make "<dir>//step-1" and defeat the comparisons
    * of roots. */
@@ -623,7 +617,7 @@ int ckpt_svc_create(const ckpt_svc_config *cfg, ckpt_svc **out, char *err, size_
   pthread_cond_init(&s->cv, NULL);
   int rc;
   if (!s->dir) {
-    rc = fail(err, errlen, ZS_ENOMEM, "out of memory");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
     goto fail;
   }
   const char *stall = getenv("ZSHARD_TEST_CKPT_STALL");
@@ -642,7 +636,7 @@ int ckpt_svc_create(const ckpt_svc_config *cfg, ckpt_svc **out, char *err, size_
   if (access(s->dir, W_OK | X_OK) != 0)
     LOG_WARN("state_dir_not_writable", "dir=%s error=\"%s\"", s->dir, strerror(errno));
   if (pthread_create(&s->thread, NULL, svc_main, s) != 0) {
-    rc = fail(err, errlen, ZS_EINTERNAL, "cannot start the checkpoint thread");
+    rc = status_fail(err, errlen, ZS_EINTERNAL, "cannot start the checkpoint thread");
     goto fail;
   }
   s->started = 1;

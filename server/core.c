@@ -37,6 +37,7 @@
  * released.
  */
 #include "server/core.h"
+#include "common/status.h"
 
 #include <inttypes.h>
 #include <math.h>
@@ -221,17 +222,6 @@ struct core {
 };
 
 /* ---------------------------------------------------------------- helpers */
-
-__attribute__((format(printf, 4, 5))) static int core_fail(char *err, size_t errlen, int status,
-                                                           const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return status;
-}
 
 static uint64_t core_deadline(uint64_t deadline_ms) {
   return deadline_ms ? deadline_ms : clock_now_ms() + CORE_DEFAULT_WAIT_MS;
@@ -485,11 +475,11 @@ static void core_begin_step(core *c) {
 /* The checks every job request starts with. Called with state_rw or mu held. */
 static int core_check_job(const core *c, uint64_t hash, char *err, size_t errlen) {
   if (!c->open)
-    return core_fail(err, errlen, ZS_ENOTOPEN, "shard %u has no job open", c->shard_id);
+    return status_fail(err, errlen, ZS_ENOTOPEN, "shard %u has no job open", c->shard_id);
   if (hash != c->hash)
-    return core_fail(err, errlen, ZS_EHASH,
-                     "request spec hash %016" PRIx64 " does not match the job's %016" PRIx64, hash,
-                     c->hash);
+    return status_fail(err, errlen, ZS_EHASH,
+                       "request spec hash %016" PRIx64 " does not match the job's %016" PRIx64,
+                       hash, c->hash);
   return 0;
 }
 
@@ -498,12 +488,12 @@ static int core_check_job(const core *c, uint64_t hash, char *err, size_t errlen
  * checkpoint this shard was restored to, and must restore the job to a common
  * checkpoint before going on. Called with state_rw or mu held. */
 static int core_behind(const core *c, const char *what, uint64_t step, char *err, size_t errlen) {
-  return core_fail(err, errlen, ZS_EBEHIND,
-                   "%s for step %" PRIu64 " but shard %u holds checkpoint step %" PRIu64
-                   " (version %" PRIu64
-                   "): it restarted or was restored behind the cluster; restore the job to a "
-                   "checkpoint (zs_restore, zshard restore) to resume",
-                   what, step, c->shard_id, c->ckpt_step, c->version);
+  return status_fail(err, errlen, ZS_EBEHIND,
+                     "%s for step %" PRIu64 " but shard %u holds checkpoint step %" PRIu64
+                     " (version %" PRIu64
+                     "): it restarted or was restored behind the cluster; restore the job to a "
+                     "checkpoint (zs_restore, zshard restore) to resume",
+                     what, step, c->shard_id, c->ckpt_step, c->version);
 }
 
 /* The state of piece (tensor, slice) if this shard owns it. Called with
@@ -512,15 +502,15 @@ static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state
                            size_t errlen) {
   const layout *l = &c->layout;
   if (tensor >= l->num_tensors)
-    return core_fail(err, errlen, ZS_ENOTFOUND, "tensor %u does not exist (the job has %u)", tensor,
-                     l->num_tensors);
+    return status_fail(err, errlen, ZS_ENOTFOUND, "tensor %u does not exist (the job has %u)",
+                       tensor, l->num_tensors);
   const layout_piece *lp = layout_find(l, tensor, slice);
   if (!lp)
-    return core_fail(err, errlen, ZS_ENOTFOUND, "tensor %u has no slice %u", tensor, slice);
+    return status_fail(err, errlen, ZS_ENOTFOUND, "tensor %u has no slice %u", tensor, slice);
   if (lp->shard != c->shard_id)
-    return core_fail(err, errlen, ZS_ENOTFOUND,
-                     "slice %u of tensor %u is owned by shard %u, not by shard %u", slice, tensor,
-                     lp->shard, c->shard_id);
+    return status_fail(err, errlen, ZS_ENOTFOUND,
+                       "slice %u of tensor %u is owned by shard %u, not by shard %u", slice, tensor,
+                       lp->shard, c->shard_id);
   *out = &c->pieces[c->local_of[lp - l->pieces]];
   return 0;
 }
@@ -528,14 +518,14 @@ static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state
 static int core_check_payload(const piece_state *ps, int dtype, size_t nbytes, const void *data,
                               char *err, size_t errlen) {
   if (!dtype_valid(dtype))
-    return core_fail(err, errlen, ZS_EDTYPE, "dtype %d is not fp32, fp16 or bf16", dtype);
+    return status_fail(err, errlen, ZS_EDTYPE, "dtype %d is not fp32, fp16 or bf16", dtype);
   uint64_t want = ps->lp->numel * zs_dtype_size(dtype);
   if ((uint64_t)nbytes != want)
-    return core_fail(err, errlen, ZS_ESIZE,
-                     "payload of slice %u of tensor %u has %zu bytes, expected %" PRIu64,
-                     ps->lp->slice, ps->lp->tensor, nbytes, want);
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "payload of slice %u of tensor %u has %zu bytes, expected %" PRIu64,
+                       ps->lp->slice, ps->lp->tensor, nbytes, want);
   if (!data)
-    return core_fail(err, errlen, ZS_EINVAL, "payload pointer is NULL");
+    return status_fail(err, errlen, ZS_EINVAL, "payload pointer is NULL");
   return 0;
 }
 
@@ -879,29 +869,30 @@ void core_destroy(core *c) {
 
 int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t errlen) {
   if (!s)
-    return core_fail(err, errlen, ZS_EINVAL, "no spec given");
+    return status_fail(err, errlen, ZS_EINVAL, "no spec given");
   if (s->num_shards != c->num_shards)
-    return core_fail(err, errlen, ZS_EINVAL, "the spec is for %u shards but this is shard %u of %u",
-                     s->num_shards, c->shard_id, c->num_shards);
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "the spec is for %u shards but this is shard %u of %u", s->num_shards,
+                       c->shard_id, c->num_shards);
   uint64_t hash = spec_hash(s);
   int rc = 0, created = 0;
   pthread_rwlock_wrlock(&c->state_rw);
   if (c->open) {
     if (hash != c->hash)
-      rc = core_fail(err, errlen, ZS_EHASH,
-                     "shard %u already has job '%s' with spec hash %016" PRIx64
-                     "; the request's spec hash is %016" PRIx64,
-                     c->shard_id, c->spec.job, c->hash, hash);
+      rc = status_fail(err, errlen, ZS_EHASH,
+                       "shard %u already has job '%s' with spec hash %016" PRIx64
+                       "; the request's spec hash is %016" PRIx64,
+                       c->shard_id, c->spec.job, c->hash, hash);
     goto done;
   }
   if (spec_copy(&c->spec, s) != 0) {
-    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
     goto done;
   }
   if ((rc = core_job_build(c)) != 0) {
     core_job_free(c);
-    rc = core_fail(err, errlen, rc, "cannot build the job's state on shard %u: %s", c->shard_id,
-                   zs_strerror(rc));
+    rc = status_fail(err, errlen, rc, "cannot build the job's state on shard %u: %s", c->shard_id,
+                     zs_strerror(rc));
     goto done;
   }
   created = 1;
@@ -951,9 +942,9 @@ int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, co
     /* Training has moved on: the initial weights are history. */
   } else if (ps->initialized) {
     if (memcmp(dst, data, nbytes) != 0)
-      rc =
-          core_fail(err, errlen, ZS_EEXIST,
-                    "slice %u of tensor %u already holds different initial weights", slice, tensor);
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "slice %u of tensor %u already holds different initial weights", slice,
+                       tensor);
   } else {
     memcpy(dst, data, nbytes);
     dtype_from_f32(c->spec.param_dtype, dst, c->low + ps->lp->arena_off, (size_t)ps->lp->numel);
@@ -991,13 +982,13 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   if (a->step > c->version + 1 && c->ckpt_loaded)
     return core_behind(c, "push", a->step, err, errlen);
   if (a->step == 0 || a->step > c->version + 1)
-    return core_fail(err, errlen, ZS_ESTEP,
-                     "push for step %" PRIu64 " but shard %u expects step %" PRIu64, a->step,
-                     c->shard_id, c->version + 1);
+    return status_fail(err, errlen, ZS_ESTEP,
+                       "push for step %" PRIu64 " but shard %u expects step %" PRIu64, a->step,
+                       c->shard_id, c->version + 1);
   if (a->rank >= c->W || a->micro >= c->M)
-    return core_fail(err, errlen, ZS_ERANGE,
-                     "rank %u / micro-batch %u out of range (world size %u, accumulation %u)",
-                     a->rank, a->micro, c->W, c->M);
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "rank %u / micro-batch %u out of range (world size %u, accumulation %u)",
+                       a->rank, a->micro, c->W, c->M);
   piece_state *ps = NULL;
   if ((rc = core_find_piece(c, a->tensor, a->slice, &ps, err, errlen)) != 0)
     return rc;
@@ -1053,7 +1044,7 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
       ps->held = calloc(c->WM, sizeof *ps->held);
       if (!ps->held) {
         pthread_mutex_unlock(&ps->mu);
-        return core_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
+        return status_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
       }
     }
     held_contrib *h = malloc(sizeof *h + a->nbytes);
@@ -1063,7 +1054,7 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
         ps->held = NULL;
       }
       pthread_mutex_unlock(&ps->mu);
-      return core_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
+      return status_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
     }
     h->dtype = a->dtype;
     h->nbytes = a->nbytes;
@@ -1094,7 +1085,7 @@ int core_push(core *c, const core_push_args *a, int *duplicate, char *err, size_
     *duplicate = 0;
   if (!a) {
     atomic_fetch_add_explicit(&c->rejected, 1, memory_order_relaxed);
-    return core_fail(err, errlen, ZS_EINVAL, "no push arguments given");
+    return status_fail(err, errlen, ZS_EINVAL, "no push arguments given");
   }
   pthread_rwlock_rdlock(&c->state_rw);
   int rc = core_push_locked(c, a, duplicate, err, errlen);
@@ -1150,7 +1141,7 @@ int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice
 int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
                       core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen) {
   pthread_mutex_lock(&c->mu);
-  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core_check_job(c, hash, err, errlen);
   if (rc != 0)
     goto done;
@@ -1165,15 +1156,15 @@ int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t dea
   }
   uint64_t deadline = core_deadline(deadline_ms);
   if (deadline <= clock_now_ms()) {
-    rc = core_fail(err, errlen, ZS_ETIMEDOUT,
-                   "deadline passed waiting for version %" PRIu64 " (shard %u is at %" PRIu64
-                   ", %u of %u pieces initialised)",
-                   min_version, c->shard_id, c->version, c->initialized_pieces, c->npieces);
+    rc = status_fail(err, errlen, ZS_ETIMEDOUT,
+                     "deadline passed waiting for version %" PRIu64 " (shard %u is at %" PRIu64
+                     ", %u of %u pieces initialised)",
+                     min_version, c->shard_id, c->version, c->initialized_pieces, c->npieces);
     goto done;
   }
   waiter *w = calloc(1, sizeof *w);
   if (!w) {
-    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
     goto done;
   }
   w->kind = WAITER_VERSION;
@@ -1191,7 +1182,7 @@ done:
 int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
                     void *arg, core_stats_result *out, char *err, size_t errlen) {
   pthread_mutex_lock(&c->mu);
-  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core_check_job(c, hash, err, errlen);
   if (rc != 0)
     goto done;
@@ -1205,10 +1196,10 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
     goto done;
   }
   if (step != c->version + 1) {
-    rc = core_fail(err, errlen, ZS_ESTEP,
-                   "statistics asked for step %" PRIu64 " but shard %u is at version %" PRIu64
-                   " (pending step %" PRIu64 ")",
-                   step, c->shard_id, c->version, c->version + 1);
+    rc = status_fail(err, errlen, ZS_ESTEP,
+                     "statistics asked for step %" PRIu64 " but shard %u is at version %" PRIu64
+                     " (pending step %" PRIu64 ")",
+                     step, c->shard_id, c->version, c->version + 1);
     goto done;
   }
   if (c->stats_phase == STATS_READY) {
@@ -1218,13 +1209,13 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
   }
   uint64_t deadline = core_deadline(deadline_ms);
   if (deadline <= clock_now_ms()) {
-    rc = core_fail(err, errlen, ZS_ETIMEDOUT,
-                   "deadline passed waiting for the contributions of step %" PRIu64, step);
+    rc = status_fail(err, errlen, ZS_ETIMEDOUT,
+                     "deadline passed waiting for the contributions of step %" PRIu64, step);
     goto done;
   }
   waiter *w = calloc(1, sizeof *w);
   if (!w) {
-    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
     goto done;
   }
   w->kind = WAITER_STATS;
@@ -1274,14 +1265,14 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
   waiter *w = NULL;
   pthread_mutex_lock(&c->mu);
-  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core_check_job(c, hash, err, errlen);
   if (rc != 0)
     goto done;
   /* A learning rate or coefficient that is not finite would poison every
    * weight of the shard. */
   if (!isfinite(lr) || lr < 0.0 || !isfinite(coef)) {
-    rc = core_fail(err, errlen, ZS_EINVAL, "apply needs a finite lr >= 0 and a finite coef");
+    rc = status_fail(err, errlen, ZS_EINVAL, "apply needs a finite lr >= 0 and a finite coef");
     goto done;
   }
   if (c->last_apply_valid && step == c->version) {
@@ -1289,11 +1280,11 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
       if (out)
         *out = c->last_apply;
     } else {
-      rc =
-          core_fail(err, errlen, ZS_EEXIST,
-                    "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d, not lr=%g "
-                    "coef=%g skip=%d",
-                    step, c->last_lr, (double)c->last_coef, c->last_skip, lr, (double)coef, !!skip);
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d, not lr=%g "
+                       "coef=%g skip=%d",
+                       step, c->last_lr, (double)c->last_coef, c->last_skip, lr, (double)coef,
+                       !!skip);
     }
     goto done;
   }
@@ -1302,47 +1293,47 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
     goto done;
   }
   if (step != c->version + 1) {
-    rc = core_fail(err, errlen, ZS_ESTEP,
-                   "apply for step %" PRIu64 " but shard %u expects step %" PRIu64, step,
-                   c->shard_id, c->version + 1);
+    rc = status_fail(err, errlen, ZS_ESTEP,
+                     "apply for step %" PRIu64 " but shard %u expects step %" PRIu64, step,
+                     c->shard_id, c->version + 1);
     goto done;
   }
   if (c->apply_state != APPLY_NONE) {
     if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip)) {
-      rc = core_fail(err, errlen, ZS_EEXIST,
-                     "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d, not lr=%g "
-                     "coef=%g skip=%d",
-                     step, c->apply_lr, (double)c->apply_coef, c->apply_skip, lr, (double)coef,
-                     !!skip);
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d, not lr=%g "
+                       "coef=%g skip=%d",
+                       step, c->apply_lr, (double)c->apply_coef, c->apply_skip, lr, (double)coef,
+                       !!skip);
       goto done;
     }
   } else {
     if (c->stats_phase != STATS_READY) {
       uint64_t want = (uint64_t)c->npieces * c->WM;
       uint64_t have = atomic_load_explicit(&c->contributions, memory_order_relaxed);
-      rc = core_fail(err, errlen, ZS_ENOTREADY,
-                     "step %" PRIu64 " still misses %" PRIu64 " of %" PRIu64
-                     " contributions on shard %u",
-                     step, want - (have < want ? have : want), want, c->shard_id);
+      rc = status_fail(err, errlen, ZS_ENOTREADY,
+                       "step %" PRIu64 " still misses %" PRIu64 " of %" PRIu64
+                       " contributions on shard %u",
+                       step, want - (have < want ? have : want), want, c->shard_id);
       goto done;
     }
     if (c->initialized_pieces < c->npieces) {
-      rc = core_fail(err, errlen, ZS_ENOTREADY,
-                     "%u of %u pieces of shard %u have no initial weights",
-                     c->npieces - c->initialized_pieces, c->npieces, c->shard_id);
+      rc = status_fail(err, errlen, ZS_ENOTREADY,
+                       "%u of %u pieces of shard %u have no initial weights",
+                       c->npieces - c->initialized_pieces, c->npieces, c->shard_id);
       goto done;
     }
     if (c->stats.nonfinite && !skip) {
-      rc = core_fail(err, errlen, ZS_ENONFINITE,
-                     "step %" PRIu64 " has non-finite gradients on shard %u: it must be skipped",
-                     step, c->shard_id);
+      rc = status_fail(err, errlen, ZS_ENONFINITE,
+                       "step %" PRIu64 " has non-finite gradients on shard %u: it must be skipped",
+                       step, c->shard_id);
       goto done;
     }
   }
   if (cb) {
     w = calloc(1, sizeof *w);
     if (!w) {
-      rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory registering an apply");
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering an apply");
       goto done;
     }
     w->kind = WAITER_APPLY;
@@ -1603,21 +1594,21 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
   if (fn_seconds)
     *fn_seconds = 0;
   if (!fn)
-    return core_fail(err, errlen, ZS_EINVAL, "no snapshot function given");
+    return status_fail(err, errlen, ZS_EINVAL, "no snapshot function given");
   waiter *w = calloc(1, sizeof *w);
   if (!w)
-    return core_fail(err, errlen, ZS_ENOMEM, "out of memory registering a snapshot");
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a snapshot");
   ckpt_call call;
   ckpt_call_init(&call);
   call.fn = fn;
   call.fn_arg = arg;
   pthread_mutex_lock(&c->mu);
-  int rc = c->stop ? core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core_check_job(c, hash, err, errlen);
   if (rc == 0 && step < c->version)
-    rc = core_fail(err, errlen, ZS_ESTEP,
-                   "version %" PRIu64 " cannot be checkpointed: shard %u is at version %" PRIu64,
-                   step, c->shard_id, c->version);
+    rc = status_fail(err, errlen, ZS_ESTEP,
+                     "version %" PRIu64 " cannot be checkpointed: shard %u is at version %" PRIu64,
+                     step, c->shard_id, c->version);
   if (rc == 0) {
     w->kind = WAITER_SNAPSHOT;
     w->key = step;
@@ -1636,15 +1627,15 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
       pthread_mutex_lock(&c->mu);
       uint64_t version = c->version;
       pthread_mutex_unlock(&c->mu);
-      core_fail(err, errlen, rc,
-                "snapshot of version %" PRIu64 " on shard %u: %s (the shard is at version %" PRIu64
-                ")",
-                step, c->shard_id,
-                rc == ZS_ETIMEDOUT ? "deadline passed before the version was reached"
-                : rc == ZS_ESTEP   ? "the shard moved past that version"
-                : rc == ZS_ECLOSED ? "the shard is shutting down"
-                                   : "cancelled",
-                version);
+      status_fail(err, errlen, rc,
+                  "snapshot of version %" PRIu64
+                  " on shard %u: %s (the shard is at version %" PRIu64 ")",
+                  step, c->shard_id,
+                  rc == ZS_ETIMEDOUT ? "deadline passed before the version was reached"
+                  : rc == ZS_ESTEP   ? "the shard moved past that version"
+                  : rc == ZS_ECLOSED ? "the shard is shutting down"
+                                     : "cancelled",
+                  version);
     }
   }
   free(w);
@@ -1671,18 +1662,18 @@ int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err,
   memset(st, 0, sizeof *st);
   int rc;
   if (!s)
-    return core_fail(err, errlen, ZS_EINVAL, "no spec given");
+    return status_fail(err, errlen, ZS_EINVAL, "no spec given");
   if (shard_id >= s->num_shards)
-    return core_fail(err, errlen, ZS_EINVAL, "shard %u is not below the spec's shard count %u",
-                     shard_id, s->num_shards);
+    return status_fail(err, errlen, ZS_EINVAL, "shard %u is not below the spec's shard count %u",
+                       shard_id, s->num_shards);
   if (spec_copy(&st->spec, s) != 0) {
-    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
     goto fail;
   }
   if ((rc = spec_validate(&st->spec, err, errlen)) != 0)
     goto fail;
   if (layout_build(&st->spec, &l) != 0) {
-    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout");
     goto fail;
   }
   st->shard_id = shard_id;
@@ -1706,8 +1697,8 @@ int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err,
   if (need_v)
     st->v = core_arena_alloc(b32);
   if (st->nelems > 0 && (!st->master || (need_m && !st->m) || (need_v && !st->v))) {
-    rc = core_fail(err, errlen, ZS_ENOMEM, "out of memory allocating %" PRIu64 " bytes of state",
-                   b32 * (1u + (uint64_t)need_m + (uint64_t)need_v));
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory allocating %" PRIu64 " bytes of state",
+                     b32 * (1u + (uint64_t)need_m + (uint64_t)need_v));
     goto fail;
   }
   layout_free(&l);
@@ -1730,11 +1721,11 @@ void core_state_free(core_state *st) {
 
 int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t errlen) {
   if (!st || (st->nelems > 0 && !st->master))
-    return core_fail(err, errlen, ZS_EINVAL, "no state given");
+    return status_fail(err, errlen, ZS_EINVAL, "no state given");
   if (st->shard_id != c->shard_id || st->spec.num_shards != c->num_shards)
-    return core_fail(err, errlen, ZS_EINVAL,
-                     "the state is laid out for shard %u of %u, this is shard %u of %u",
-                     st->shard_id, st->spec.num_shards, c->shard_id, c->num_shards);
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "the state is laid out for shard %u of %u, this is shard %u of %u",
+                       st->shard_id, st->spec.num_shards, c->shard_id, c->num_shards);
   /* Creates the job when there is none, and refuses another job's state. */
   int rc = core_open(c, &st->spec, NULL, err, errlen);
   if (rc != 0)
@@ -1745,13 +1736,13 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
   call.ckpt_step = ckpt_step;
   pthread_mutex_lock(&c->mu);
   if (c->stop)
-    rc = core_fail(err, errlen, ZS_ECLOSED, "shard is shutting down");
+    rc = status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down");
   else if (c->nelems != st->nelems || !c->m != !st->m || !c->v != !st->v)
-    rc = core_fail(err, errlen, ZS_EINTERNAL,
-                   "the state's arenas do not match the job's layout on shard %u", c->shard_id);
+    rc = status_fail(err, errlen, ZS_EINTERNAL,
+                     "the state's arenas do not match the job's layout on shard %u", c->shard_id);
   else if (c->restore_call)
-    rc = core_fail(err, errlen, ZS_ENOTREADY, "another restore is in progress on shard %u",
-                   c->shard_id);
+    rc = status_fail(err, errlen, ZS_ENOTREADY, "another restore is in progress on shard %u",
+                     c->shard_id);
   if (rc == 0) {
     c->restore_call = &call;
     pthread_cond_signal(&c->worker_cv);
@@ -1760,7 +1751,7 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
   if (rc == 0) {
     rc = ckpt_call_wait(&call);
     if (rc != 0)
-      core_fail(err, errlen, rc, "restore on shard %u: %s", c->shard_id, zs_strerror(rc));
+      status_fail(err, errlen, rc, "restore on shard %u: %s", c->shard_id, zs_strerror(rc));
   }
   ckpt_call_destroy(&call);
   return rc;

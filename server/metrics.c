@@ -17,6 +17,7 @@
  *    an eventfd and joins it.
  */
 #include "server/metrics.h"
+#include "common/status.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -376,18 +377,6 @@ struct metrics_server {
   int thread_started;
   atomic_int stop;
 };
-
-static int srv_fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int srv_fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return rc;
-}
 
 static void conn_close(mconn *c) {
   if (c->fd >= 0)
@@ -757,9 +746,9 @@ static int split_addr(const char *addr, char *host, size_t hostcap, char *port, 
 static int open_listener(const char *addr, int *fd_out, int *port_out, char *err, size_t errlen) {
   char host[256], port[8];
   if (split_addr(addr, host, sizeof host, port, sizeof port) != 0)
-    return srv_fail(err, errlen, ZS_EINVAL,
-                    "metrics address '%s' is not host:port (or [ipv6]:port, port 0 to 65535)",
-                    addr);
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "metrics address '%s' is not host:port (or [ipv6]:port, port 0 to 65535)",
+                       addr);
   struct addrinfo hints, *res = NULL;
   memset(&hints, 0, sizeof hints);
   hints.ai_family = AF_UNSPEC;
@@ -767,7 +756,7 @@ static int open_listener(const char *addr, int *fd_out, int *port_out, char *err
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   int gai = getaddrinfo(host[0] ? host : NULL, port, &hints, &res);
   if (gai != 0)
-    return srv_fail(err, errlen, ZS_EINVAL, "metrics address '%s': %s", addr, gai_strerror(gai));
+    return status_fail(err, errlen, ZS_EINVAL, "metrics address '%s': %s", addr, gai_strerror(gai));
   int fd = -1, saved = 0;
   for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
     fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
@@ -787,13 +776,13 @@ static int open_listener(const char *addr, int *fd_out, int *port_out, char *err
   }
   freeaddrinfo(res);
   if (fd < 0)
-    return srv_fail(err, errlen, ZS_EINVAL, "cannot listen on metrics address %s: %s", addr,
-                    strerror(saved));
+    return status_fail(err, errlen, ZS_EINVAL, "cannot listen on metrics address %s: %s", addr,
+                       strerror(saved));
   struct sockaddr_storage ss;
   socklen_t sl = sizeof ss;
   if (getsockname(fd, (struct sockaddr *)&ss, &sl) != 0) {
     close(fd);
-    return srv_fail(err, errlen, ZS_EINTERNAL, "getsockname: %s", strerror(errno));
+    return status_fail(err, errlen, ZS_EINTERNAL, "getsockname: %s", strerror(errno));
   }
   *port_out = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
                                        : ntohs(((struct sockaddr_in *)&ss)->sin_port);
@@ -819,11 +808,11 @@ int metrics_server_start(const metrics_server_config *cfg, metrics_server **out,
                          size_t errlen) {
   *out = NULL;
   if (!cfg || !cfg->listen || !cfg->metrics || !cfg->core)
-    return srv_fail(err, errlen, ZS_EINVAL, "%s",
-                    "metrics_server_start needs an address, a registry and a core");
+    return status_fail(err, errlen, ZS_EINVAL, "%s",
+                       "metrics_server_start needs an address, a registry and a core");
   metrics_server *s = calloc(1, sizeof *s);
   if (!s)
-    return srv_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   s->listen_fd = s->wake_fd = -1;
   s->m = cfg->metrics;
   s->c = cfg->core;
@@ -835,21 +824,21 @@ int metrics_server_start(const metrics_server_config *cfg, metrics_server **out,
   s->pfd = calloc(s->max_conns + 2, sizeof *s->pfd);
   s->pfd_conn = calloc(s->max_conns + 2, sizeof *s->pfd_conn);
   if (!s->conns || !s->pfd || !s->pfd_conn) {
-    srv_fail(err, errlen, rc, "%s", "out of memory");
+    status_fail(err, errlen, rc, "%s", "out of memory");
     goto fail;
   }
   for (uint32_t i = 0; i < s->max_conns; i++)
     s->conns[i].fd = -1;
   s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (s->wake_fd < 0) {
-    rc = srv_fail(err, errlen, ZS_EINTERNAL, "eventfd: %s", strerror(errno));
+    rc = status_fail(err, errlen, ZS_EINTERNAL, "eventfd: %s", strerror(errno));
     goto fail;
   }
   rc = open_listener(cfg->listen, &s->listen_fd, &s->port, err, errlen);
   if (rc)
     goto fail;
   if (pthread_create(&s->thread, NULL, server_main, s) != 0) {
-    rc = srv_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the metrics thread");
+    rc = status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the metrics thread");
     goto fail;
   }
   s->thread_started = 1;
