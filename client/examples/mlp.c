@@ -611,7 +611,7 @@ int main(int argc, char **argv) {
        * job goes back to the newest checkpoint every shard holds (the other
        * trainers do the same, and find it done). */
       int lost = rc == ZS_EBEHIND || rc == ZS_ESTEP || rc == ZS_ECONN || rc == ZS_ETIMEDOUT ||
-                 rc == ZS_ECLOSED;
+                 rc == ZS_ECLOSED || rc == ZS_ECANCELED;
       if (!lost || recoveries >= cfg.max_recoveries)
         return fail(what, rc);
       fprintf(stderr,

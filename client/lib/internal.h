@@ -46,8 +46,11 @@
 /* The most worker threads a client starts. */
 #define ZC_MAX_THREADS 64u
 
-/* gRPC's UNAVAILABLE: the one status on which calls are retried. */
+/* gRPC's UNAVAILABLE and CANCELLED: the statuses on which calls are retried
+ * (the client never cancels its own calls, so CANCELLED comes from a server
+ * that is shutting down). */
 #define ZC_GRPC_UNAVAILABLE 14
+#define ZC_GRPC_CANCELLED 1
 
 #define ZC_METHOD(name) "/zshard.v1.ZShard/" name
 

@@ -214,11 +214,14 @@ int zc_call(struct zs_client *c, uint32_t shard, const char *method, const Proto
   uint64_t backoff = c->opt.retry_initial_ms;
   for (uint32_t attempt = 0;; attempt++) {
     int rc = rpc_call(c->chan[shard], method, req, resp_desc, resp, timeout_ms, st);
-    /* Only UNAVAILABLE is retried: the call did not reach the shard's logic
-     * or the shard went away, and every zshard call is idempotent (a repeated
-     * push is acknowledged as a duplicate, a repeated apply returns the
-     * recorded outcome). */
-    if (rc == ZS_OK || st->grpc_code != ZC_GRPC_UNAVAILABLE || attempt >= c->opt.max_retries)
+    /* Only UNAVAILABLE and CANCELLED are retried: the call did not reach the
+     * shard's logic or the shard went away (a server shutting down cancels
+     * the calls it no longer admits; this client never cancels its own
+     * blocking calls, it lets deadlines expire), and every zshard call is
+     * idempotent (a repeated push is acknowledged as a duplicate, a repeated
+     * apply returns the recorded outcome). */
+    int transient = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED;
+    if (rc == ZS_OK || !transient || attempt >= c->opt.max_retries)
       return rc;
     atomic_fetch_add(&c->retries, 1);
     if (zc_backoff_wait(c, backoff))

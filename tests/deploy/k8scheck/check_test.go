@@ -32,6 +32,11 @@ const serverHelp = `Usage: zshard-server [OPTION]...
                      serve Prometheus metrics (ZSHARD_METRICS_LISTEN)
   --data-listen ADDR
                      serve the data plane (ZSHARD_DATA_LISTEN)
+  --state-dir DIR    load the newest complete checkpoint in DIR on start and
+                     write checkpoints there (ZSHARD_STATE_DIR)
+  --keep-checkpoints K
+                     keep the K newest complete checkpoints
+                     (ZSHARD_KEEP_CHECKPOINTS)
   --help, -h         print this help and exit
 `
 
