@@ -15,7 +15,8 @@
  * for plot.py and docs/PERFORMANCE.md. Progress and notes go to stderr.
  *
  * None of this is thread-safe unless a function says so; the benchmarks call
- * it from their main thread.
+ * it from their main thread, except the client helpers at the end, which
+ * trainer threads call at once, each with its own client.
  */
 #ifndef ZSHARD_TESTS_BENCH_H
 #define ZSHARD_TESTS_BENCH_H
@@ -185,8 +186,9 @@ zs_client *bench_client_open(const bench_model *m, const char *addrs, uint32_t n
                              uint32_t rank, int transport, uint32_t data_conns, const float *init);
 
 /* Pushes every tensor of the current step (micro-batch `micro`) from `grad`
- * (m->numel bf16 values, shared by all tensors) and waits for all. Exits on
- * failure. */
+ * (m->numel bf16 values, shared by all tensors, only read) and waits for
+ * all. Exits on failure. Threads may call this (and bench_pull_all,
+ * bench_step) at once with different clients. */
 void bench_push_all(zs_client *c, const bench_model *m, uint32_t micro, const uint16_t *grad);
 
 /* Pulls every tensor in bf16 into dst (m->ntensors * m->numel values, tensor

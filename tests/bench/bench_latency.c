@@ -8,7 +8,10 @@
  * threshold, so one piece on one shard) and M = samples micro-batches, so that
  * every push of a step is a new contribution that the shard adds. Each pushing
  * contender is a rank of the job: libzshard over gRPC, libzshard over the data
- * plane, dp_client, rpc_call. Each sample runs one synchronous push of every
+ * plane, dp_client, rpc_call; one more dp_client talks to a shard core and
+ * dp_server of its own inside this process (its own job), which shows what
+ * the protocol and the core cost without a second process. Each sample runs
+ * one synchronous push of every
  * contender and one raw round trip (4 KiB + an 8-byte header out, 64 bytes
  * back) over a kept-open TCP connection with TCP_NODELAY to a forked peer, in
  * an order that rotates, so all of them see the same moments of this shared
@@ -26,13 +29,20 @@
 #include "bench.h"
 #include "common/dp_client.h"
 #include "common/rpc_client.h"
+#include "common/spec.h"
+#include "server/core.h"
+#include "server/dp_server.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define SMALL_BYTES 64u
 #define CALL_TIMEOUT_MS 30000u
-#define MAX_CONTENDERS 5
+#define MAX_CONTENDERS 6
 
-typedef enum kind { K_LIB, K_DPC, K_RPC, K_RAW } kind;
+/* K_INPROC: dp_client to a dp_server and shard core of its own, in this
+ * process (its own one-shard job), so that the server's loop thread and the
+ * client's share one process, as the raw ping-pong's two ends do not: what
+ * the protocol and the core cost without a second process to wake up. */
+typedef enum kind { K_LIB, K_DPC, K_RPC, K_INPROC, K_RAW } kind;
 
 typedef struct contender {
   kind k;
@@ -42,6 +52,10 @@ typedef struct contender {
   zs_client *lib;
   dp_client *dpc;
   rpc_channel *rpc;
+  /* K_INPROC: the in-process shard, its server and its job's hash. */
+  core *core;
+  dp_server *srv;
+  uint64_t hash;
   double *t; /* samples */
 } contender;
 
@@ -68,10 +82,11 @@ static double push_once(const ctx *x, contender *c, uint32_t micro) {
     if (rc)
       snprintf(err, sizeof err, "%s", zs_last_error());
     break;
-  case K_DPC: {
-    dp_push_args a = {.spec_hash = x->hash,
+  case K_DPC:
+  case K_INPROC: {
+    dp_push_args a = {.spec_hash = c->k == K_INPROC ? c->hash : x->hash,
                       .step = 1,
-                      .rank = c->rank,
+                      .rank = c->k == K_INPROC ? 0 : c->rank,
                       .micro = micro,
                       .dtype = ZS_DTYPE_BF16,
                       .data = x->buf,
@@ -119,9 +134,12 @@ static double pull_once(const ctx *x, contender *c) {
     if (rc)
       snprintf(err, sizeof err, "%s", zs_last_error());
     break;
-  case K_DPC: {
-    dp_pull_args a = {.spec_hash = x->hash,
-                      .min_version = 1,
+  case K_DPC:
+  case K_INPROC: {
+    /* The in-process job never steps: its initial version is as good a
+     * piece to read. */
+    dp_pull_args a = {.spec_hash = c->k == K_INPROC ? c->hash : x->hash,
+                      .min_version = c->k == K_INPROC ? 0 : 1,
                       .dtype = ZS_DTYPE_BF16,
                       .dst = x->buf,
                       .nbytes = x->bytes};
@@ -159,6 +177,55 @@ static double pull_once(const ctx *x, contender *c) {
   if (rc)
     bench_die("pull (%s): %s", c->name, err);
   return bench_now() - t0;
+}
+
+/* Creates the in-process shard of a K_INPROC contender: a one-tensor job of
+ * numel parameters and `micro` micro-batches, initialised, served by a
+ * dp_server on 127.0.0.1 port 0, and a dp_client to it. */
+static void inproc_open(contender *c, uint64_t numel, uint32_t micro) {
+  char err[256] = "";
+  spec s;
+  memset(&s, 0, sizeof s);
+  s.job = strdup("bench-latency-inproc");
+  s.num_groups = 1;
+  s.groups = calloc(1, sizeof *s.groups);
+  s.num_tensors = 1;
+  s.tensors = calloc(1, sizeof *s.tensors);
+  if (!s.job || !s.groups || !s.tensors || !(s.tensors[0].name = strdup("t0")))
+    bench_die("out of memory");
+  spec_group_defaults(&s.groups[0], ZS_OPTIM_ADAMW);
+  s.tensors[0].numel = numel;
+  s.world_size = 1;
+  s.grad_accum = micro;
+  s.num_shards = 1;
+  s.reduce = SPEC_REDUCE_MEAN;
+  s.param_dtype = ZS_DTYPE_BF16;
+  if (spec_validate(&s, err, sizeof err) != 0)
+    bench_die("spec: %s", err);
+  c->hash = spec_hash(&s);
+  core_config cc = {.shard_id = 0, .num_shards = 1, .threads = 1};
+  core_open_result orr;
+  if (core_create(&cc, &c->core) != 0 || core_open(c->core, &s, &orr, err, sizeof err) != 0)
+    bench_die("in-process core: %s", err);
+  spec_free(&s);
+  float *w = bench_alloc((size_t)numel * sizeof(float));
+  int written = 0;
+  uint64_t version = 0;
+  if (core_init_params(c->core, c->hash, 0, 0, w, (size_t)numel * sizeof(float), &written, &version,
+                       err, sizeof err) != 0)
+    bench_die("core_init_params: %s", err);
+  free(w);
+  dp_server_config sc;
+  dp_server_config_init(&sc);
+  sc.listen = "127.0.0.1:0";
+  sc.core = c->core;
+  if (dp_server_start(&sc, &c->srv, err, sizeof err) != 0)
+    bench_die("dp_server_start: %s", err);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_server_port(c->srv));
+  dp_client_config cfg = {.addr = addr};
+  if (dp_client_open(&cfg, &c->dpc, err, sizeof err) != 0)
+    bench_die("dp_client_open: %s", err);
 }
 
 static void report(const bench_opts *o, const char *op, contender *c, contender *raw, size_t n,
@@ -216,8 +283,10 @@ int main(int argc, char **argv) {
   cs[nc++] = (contender){.k = K_RPC, .name = "grpc_rpc_call", .transport = "grpc"};
   if (have_data)
     cs[nc++] = (contender){.k = K_DPC, .name = "data_dp_client", .transport = "data"};
+  /* Every contender so far is a rank of the server's job. */
+  uint32_t W = (uint32_t)nc;
+  cs[nc++] = (contender){.k = K_INPROC, .name = "data_dp_client_inproc", .transport = "data"};
   cs[nc++] = (contender){.k = K_RAW, .name = "raw_tcp", .transport = "tcp"};
-  uint32_t W = (uint32_t)nc - 1; /* every contender but the raw one is a rank */
   for (int k = 0; k < nc; k++)
     cs[k].rank = (uint32_t)k;
 
@@ -246,6 +315,8 @@ int main(int argc, char **argv) {
     } else if (c->k == K_RPC) {
       if (rpc_channel_open(srv[0].addr, &c->rpc) != 0)
         bench_die("rpc_channel_open failed");
+    } else if (c->k == K_INPROC) {
+      inproc_open(c, m.numel, (uint32_t)total);
     }
     if (!(c->t = calloc(total, sizeof(double))))
       bench_die("out of memory");
@@ -290,7 +361,11 @@ int main(int argc, char **argv) {
   for (int k = 0; k < nc; k++) {
     if (cs[k].lib)
       zs_client_close(cs[k].lib);
+    /* The client before its server, the server before its core. */
     dp_client_close(cs[k].dpc);
+    dp_server_stop(cs[k].srv);
+    if (cs[k].core)
+      core_destroy(cs[k].core);
     if (cs[k].rpc)
       rpc_channel_close(cs[k].rpc);
     free(cs[k].t);

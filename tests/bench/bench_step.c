@@ -309,19 +309,24 @@ int main(int argc, char **argv) {
         }
         double t_med = bench_quantile(secs, (size_t)reps, 0.5);
         double b_med = bench_quantile(bound[k], (size_t)reps, 0.5);
+        /* After the sorts: the best round of each, the least disturbed by
+         * the machine's other tenants. */
+        double t_best = secs[0], b_best = bound[k][0];
         double push_ms = bench_quantile(push, (size_t)reps, 0.5);
         double step_ms = bench_quantile(stp, (size_t)reps, 0.5);
         double pull_ms = bench_quantile(pull, (size_t)reps, 0.5);
         double apply_ms = apply_total[k] / reps * 1e3;
         uint32_t conns = transport_conns(tr_list[k], (uint32_t)W, N, (uint32_t)data_conns);
         char metric[96];
-        bench_kv kv[] = {BENCH_S("transport", tn),     BENCH_N("shards", N),
-                         BENCH_N("trainers", W),       BENCH_N("params", phi),
-                         BENCH_N("bytes", step_bytes), BENCH_N("conns", conns),
-                         BENCH_N("push_ms", push_ms),  BENCH_N("zs_step_ms", step_ms),
-                         BENCH_N("pull_ms", pull_ms),  BENCH_N("apply_ms_sum", apply_ms)};
+        bench_kv kv[] = {BENCH_S("transport", tn),      BENCH_N("shards", N),
+                         BENCH_N("trainers", W),        BENCH_N("params", phi),
+                         BENCH_N("bytes", step_bytes),  BENCH_N("conns", conns),
+                         BENCH_N("push_ms", push_ms),   BENCH_N("zs_step_ms", step_ms),
+                         BENCH_N("pull_ms", pull_ms),   BENCH_N("apply_ms_sum", apply_ms),
+                         BENCH_N("rounds", reps),       BENCH_N("best", t_best),
+                         BENCH_N("limit_best", b_best), BENCH_N("ratio_best", t_best / b_best)};
         snprintf(metric, sizeof metric, "step_time_%s_W%" PRIu64 "_N%u_%s", tn, W, N, pl);
-        bench_report(&o, "step", metric, t_med, "s", b_med, kv, 10);
+        bench_report(&o, "step", metric, t_med, "s", b_med, kv, 14);
         snprintf(metric, sizeof metric, "ns_per_param_%s_W%" PRIu64 "_N%u_%s", tn, W, N, pl);
         bench_report(&o, "scaling", metric, t_med / (double)phi * 1e9, "ns/param",
                      b_med / (double)phi * 1e9, kv, 6);

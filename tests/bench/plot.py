@@ -11,7 +11,8 @@ Writes into DIR (default docs/perf):
   step.png      the cost of a whole step per parameter against model size, per
                 shard count and transport, with the loopback bound.
 With --markdown it also prints the tables of docs/PERFORMANCE.md (every
-figure with its limit and ratio) on stdout. Needs matplotlib (Debian:
+figure with its limit and ratio) on stdout; with --compare it draws nothing
+and prints each figure's ratio in every given run, side by side. Needs matplotlib (Debian:
 python3-matplotlib).
 """
 import argparse
@@ -152,10 +153,15 @@ def markdown(rows):
     for r in rows:
         by[r["bench"]].append(r)
     parts = []
+    if by["machine"]:
+        parts.append("Load average (1 min) of the machine: " + ", ".join(
+            "%s %s" % (r["when"], fmt(r["value"])) for r in by["machine"]) + ".")
     if by["optim"]:
         parts.append("### optim\n\n" + table(
-            ["figure", "value", "unit", "limit (same run)", "ratio"],
-            [[r["metric"], fmt(r["value"]), r["unit"], fmt(r["limit"]), fmt(r["ratio"])]
+            ["figure", "median", "unit", "limit (paired stream)", "ratio", "best round: ratio"],
+            [[r["metric"], fmt(r["value"]), r["unit"], fmt(r["limit"]), fmt(r["ratio"]),
+              "%s / %s = %s" % (fmt(r["best"]), fmt(r["limit_best"]), fmt(r["ratio_best"]))
+              if "best" in r else "-"]
              for r in by["optim"]]))
     if by["transfer"]:
         raw = {(int(r["conns"]), int(r["bytes"])): r["value"]
@@ -170,11 +176,18 @@ def markdown(rows):
             for tr in ("grpc", "data"):
                 for op in ("push", "pull"):
                     r = fig.get((tr, op, n, b))
-                    cells.append("%s (%s)" % (fmt(r["value"]), fmt(r["ratio"], 2)) if r else "-")
+                    if not r:
+                        cells.append("-")
+                    elif "ratio_best" in r:
+                        cells.append("%s (%s; best %s)" % (fmt(r["value"]), fmt(r["ratio"], 2),
+                                                          fmt(r["ratio_best"], 2)))
+                    else:
+                        cells.append("%s (%s)" % (fmt(r["value"]), fmt(r["ratio"], 2)))
                     conns = int(r["conns"]) if r else conns
             cells.insert(2, fmt(raw.get((conns, b))))
             lines.append(cells)
-        parts.append("### transfer (GB/s, ratio to raw TCP)\n\n" + table(
+        parts.append("### transfer (GB/s, median; ratio to the paired raw TCP pumps; the best "
+                     "round's ratio)\n\n" + table(
             ["shards", "size", "raw TCP", "gRPC push", "gRPC pull", "data push", "data pull"],
             lines))
     if by["latency"]:
@@ -197,10 +210,12 @@ def markdown(rows):
             ["op", "client", "p50", "ratio", "p99", "ratio"], lines))
     if by["step"]:
         parts.append("### step (W = 2 trainers)\n\n" + table(
-            ["N", "params", "transport", "step s", "bound s", "ratio", "push ms",
-             "zs_step ms", "pull ms", "optimizer ms (sum over shards)"],
+            ["N", "params", "transport", "step s", "bound s", "ratio", "best round",
+             "push ms", "zs_step ms", "pull ms", "optimizer ms (sum over shards)"],
             [[int(r["shards"]), "%dM" % (int(r["params"]) >> 20), r["transport"],
-              fmt(r["value"]), fmt(r["limit"]), fmt(r["ratio"], 2), fmt(r["push_ms"]),
+              fmt(r["value"]), fmt(r["limit"]), fmt(r["ratio"], 2),
+              "%s / %s = %s" % (fmt(r["best"]), fmt(r["limit_best"]), fmt(r["ratio_best"], 2))
+              if "best" in r else "-", fmt(r["push_ms"]),
               fmt(r["zs_step_ms"]), fmt(r["pull_ms"]), fmt(r["apply_ms_sum"])]
              for r in by["step"]]))
     if by["scaling"]:
@@ -216,6 +231,27 @@ def markdown(rows):
                 lines.append(cells)
         parts.append("### scaling (ns per parameter per step)\n\n" + table(
             ["transport", "N"] + ["%dM" % (p >> 20) for p in params], lines))
+        # Least squares of step time against parameters: a straight line
+        # (fixed cost + cost per parameter) is what linear in size means.
+        fits = []
+        for tr in ("grpc", "data"):
+            for n in sorted({k[1] for k in sc}):
+                pts = [(p, sc[(tr, n, p)]["value"] * p * 1e-9) for p in params
+                       if (tr, n, p) in sc]
+                if len(pts) < 3:
+                    continue
+                xs, ys = [p for p, _ in pts], [t for _, t in pts]
+                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                sxx = sum((x - mx) ** 2 for x in xs)
+                slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+                icpt = my - slope * mx
+                ss = sum((y - my) ** 2 for y in ys)
+                res = sum((y - icpt - slope * x) ** 2 for x, y in zip(xs, ys))
+                fits.append([tr, str(n), fmt(slope * 1e9), fmt(icpt * 1e3),
+                             fmt(1 - res / ss if ss > 0 else 1.0, 4)])
+        if fits:
+            parts.append("Straight-line fit of step time against parameters:\n\n" + table(
+                ["transport", "N", "ns per parameter", "fixed ms", "R²"], fits))
     if by["memory"]:
         parts.append("### memory (shard peak RSS, MiB)\n\n" + table(
             ["N", "params", "peak", "18Φ/N", "ratio", "goal 1.1x+64", "met",
@@ -228,17 +264,48 @@ def markdown(rows):
     print("\n\n".join(parts))
 
 
+def compare(paths):
+    """The ratio of every figure in every run, side by side."""
+    runs = [load([p]) for p in paths]
+    order, cells = [], collections.defaultdict(dict)
+    loads = []
+    for i, rows in enumerate(runs):
+        ld = [r["value"] for r in rows if r.get("bench") == "machine"]
+        loads.append("%s-%s" % (fmt(min(ld)), fmt(max(ld))) if ld else "?")
+        for r in rows:
+            if r.get("bench") == "machine" or r.get("ratio") is None:
+                continue
+            key = (r["bench"], r["metric"])
+            if key not in cells:
+                order.append(key)
+            cells[key][i] = r["ratio"]
+    lines = []
+    for key in order:
+        vals = [cells[key].get(i) for i in range(len(runs))]
+        got = [v for v in vals if v is not None]
+        lines.append([key[0], key[1]] + [fmt(v, 2) for v in vals] +
+                     ["%s-%s" % (fmt(min(got), 2), fmt(max(got), 2))])
+    head = ["bench", "figure"] + ["run %d (load %s)" % (i + 1, loads[i])
+                                  for i in range(len(runs))] + ["range"]
+    print(table(head, lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", nargs="+", help="JSON lines from tests/bench/run --json")
     ap.add_argument("--markdown", action="store_true", help="print the tables")
+    ap.add_argument("--compare", action="store_true",
+                    help="print every figure's ratio in each of the given runs, side by side")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..",
                                                   "docs", "perf"))
     a = ap.parse_args()
+    if a.compare:
+        compare(a.json)
+        return
     rows = load(a.json)
     os.makedirs(a.out, exist_ok=True)
     made = [p for p in (plot_transfer(rows, a.out), plot_step(rows, a.out)) if p]
-    if not made:
+    if not made and not a.markdown:
         sys.exit("no transfer or scaling figures in the input")
     if a.markdown:
         markdown(rows)
