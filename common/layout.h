@@ -23,6 +23,12 @@
 #include "spec.h"
 
 #define LAYOUT_ALIGN_ELEMS 16u
+/* Initial weights may travel in parts (InitParams.offset): a part is a run of
+ * whole chunks of this many elements (1 MiB of fp32), the last chunk of a
+ * piece possibly shorter. Clients send one chunk per call so that neither end
+ * holds more than a chunk per call in flight; the server tracks which chunks
+ * it holds. Part of the protocol: changing it breaks older peers. */
+#define LAYOUT_INIT_CHUNK_ELEMS 262144u
 
 typedef struct layout_piece {
   uint32_t tensor;    /* index into spec.tensors */

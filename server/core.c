@@ -80,6 +80,11 @@ typedef struct piece_state {
    * that the table costs memory only while contributions are out of order. */
   held_contrib **held;
   int initialized;
+  /* While the initial weights arrive in parts: one bit per chunk of
+   * LAYOUT_INIT_CHUNK_ELEMS elements written, NULL before the first part and
+   * once the piece is initialized. Guarded by state_rw (exclusive). */
+  uint64_t *init_chunks;
+  uint32_t init_have;
 } piece_state;
 
 typedef enum stats_phase {
@@ -298,6 +303,7 @@ static void core_add_timed(core *c, waiter **list, waiter *w) {
 static void core_job_free(core *c) {
   for (uint32_t i = 0; i < c->pieces_inited; i++) {
     piece_state *ps = &c->pieces[i];
+    free(ps->init_chunks);
     if (ps->held) {
       for (uint32_t k = 0; k < c->WM; k++)
         free(ps->held[k]);
@@ -925,8 +931,63 @@ done:
 
 /* ---------------------------------------------------------------- data */
 
-int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, const float *data,
-                     size_t nbytes, int *written, uint64_t *version, char *err, size_t errlen) {
+static uint64_t chunks_of(uint64_t numel) {
+  return (numel + LAYOUT_INIT_CHUNK_ELEMS - 1) / LAYOUT_INIT_CHUNK_ELEMS;
+}
+
+static int chunk_have(const piece_state *ps, uint64_t k) {
+  if (ps->initialized)
+    return 1;
+  return ps->init_chunks && (ps->init_chunks[k / 64] >> (k % 64) & 1u);
+}
+
+/* Checks a part of the initial weights against the piece and against what
+ * was written before; with state_rw held exclusively. */
+static int init_range_check(core *c, const piece_state *ps, uint64_t offset, const float *data,
+                            size_t nbytes, char *err, size_t errlen) {
+  const layout_piece *lp = ps->lp;
+  if (!data)
+    return status_fail(err, errlen, ZS_EINVAL, "payload pointer is NULL");
+  if (nbytes % sizeof(float) != 0 || nbytes == 0)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "initial weights of %zu bytes are not a positive number of float32", nbytes);
+  uint64_t n = nbytes / sizeof(float);
+  if (offset % LAYOUT_INIT_CHUNK_ELEMS != 0)
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "initial weights at element %" PRIu64 " of slice %u of tensor %u: a part "
+                       "must start at a multiple of %u elements",
+                       offset, lp->slice, lp->tensor, LAYOUT_INIT_CHUNK_ELEMS);
+  if (offset > lp->numel || n > lp->numel - offset)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "initial weights for elements [%" PRIu64 ", %" PRIu64 ") of slice %u of "
+                       "tensor %u, which has %" PRIu64 " elements",
+                       offset, offset + n, lp->slice, lp->tensor, lp->numel);
+  if ((offset + n) % LAYOUT_INIT_CHUNK_ELEMS != 0 && offset + n != lp->numel)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "initial weights for elements [%" PRIu64 ", %" PRIu64 ") of slice %u of "
+                       "tensor %u: a part must end at a multiple of %u elements or at the "
+                       "piece's end (%" PRIu64 ")",
+                       offset, offset + n, lp->slice, lp->tensor, LAYOUT_INIT_CHUNK_ELEMS,
+                       lp->numel);
+  if (c->version > 0)
+    return 0; /* training has moved on: the initial weights are history */
+  const float *dst = c->master + lp->arena_off;
+  for (uint64_t e = offset; e < offset + n; e += LAYOUT_INIT_CHUNK_ELEMS) {
+    uint64_t k = e / LAYOUT_INIT_CHUNK_ELEMS;
+    uint64_t len =
+        offset + n - e < LAYOUT_INIT_CHUNK_ELEMS ? offset + n - e : LAYOUT_INIT_CHUNK_ELEMS;
+    if (chunk_have(ps, k) && memcmp(dst + e, data + (e - offset), len * sizeof(float)) != 0)
+      return status_fail(err, errlen, ZS_EEXIST,
+                         "slice %u of tensor %u already holds different initial weights (elements "
+                         "from %" PRIu64 ")",
+                         lp->slice, lp->tensor, e);
+  }
+  return 0;
+}
+
+int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, uint64_t offset,
+                           const float *data, size_t nbytes, int *written, uint64_t *version,
+                           char *err, size_t errlen) {
   piece_state *ps = NULL;
   int w = 0;
   pthread_rwlock_wrlock(&c->state_rw);
@@ -934,22 +995,31 @@ int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, co
   if (rc == 0)
     rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
   if (rc == 0)
-    rc = core_check_payload(ps, ZS_DTYPE_FP32, nbytes, data, err, errlen);
-  if (rc != 0)
+    rc = init_range_check(c, ps, offset, data, nbytes, err, errlen);
+  if (rc != 0 || c->version > 0 || ps->initialized)
     goto done;
+  uint64_t total = chunks_of(ps->lp->numel);
+  if (!ps->init_chunks && !(ps->init_chunks = calloc((total + 63) / 64, sizeof(uint64_t)))) {
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory for the initial weights' bitmap");
+    goto done;
+  }
   float *dst = c->master + ps->lp->arena_off;
-  if (c->version > 0) {
-    /* Training has moved on: the initial weights are history. */
-  } else if (ps->initialized) {
-    if (memcmp(dst, data, nbytes) != 0)
-      rc = status_fail(err, errlen, ZS_EEXIST,
-                       "slice %u of tensor %u already holds different initial weights", slice,
-                       tensor);
-  } else {
-    memcpy(dst, data, nbytes);
-    dtype_from_f32(c->spec.param_dtype, dst, c->low + ps->lp->arena_off, (size_t)ps->lp->numel);
-    ps->initialized = 1;
+  uint64_t end = offset + nbytes / sizeof(float);
+  for (uint64_t e = offset; e < end; e += LAYOUT_INIT_CHUNK_ELEMS) {
+    uint64_t k = e / LAYOUT_INIT_CHUNK_ELEMS;
+    if (chunk_have(ps, k))
+      continue;
+    size_t len = (size_t)(end - e < LAYOUT_INIT_CHUNK_ELEMS ? end - e : LAYOUT_INIT_CHUNK_ELEMS);
+    memcpy(dst + e, data + (e - offset), len * sizeof(float));
+    dtype_from_f32(c->spec.param_dtype, dst + e, c->low + ps->lp->arena_off + e, len);
+    ps->init_chunks[k / 64] |= (uint64_t)1 << (k % 64);
+    ps->init_have++;
     w = 1;
+  }
+  if (ps->init_have == total) {
+    free(ps->init_chunks);
+    ps->init_chunks = NULL;
+    ps->initialized = 1;
     pthread_mutex_lock(&c->mu);
     if (++c->initialized_pieces == c->npieces) {
       c->version_event = 1;
@@ -966,6 +1036,12 @@ done:
   }
   pthread_rwlock_unlock(&c->state_rw);
   return rc;
+}
+
+int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, const float *data,
+                     size_t nbytes, int *written, uint64_t *version, char *err, size_t errlen) {
+  return core_init_params_range(c, hash, tensor, slice, 0, data, nbytes, written, version, err,
+                                errlen);
 }
 
 /* Adds contribution data into the piece's accumulator range. */
@@ -1536,6 +1612,9 @@ static void core_run_restore(core *c, ckpt_call *call) {
     ps->nheld = 0;
     ps->next_k = 0;
     ps->initialized = 1;
+    free(ps->init_chunks);
+    ps->init_chunks = NULL;
+    ps->init_have = 0;
   }
   if (c->npieces > 0)
     memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);

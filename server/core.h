@@ -69,6 +69,18 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
 int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, const float *data,
                      size_t nbytes, int *written, uint64_t *version, char *err, size_t errlen);
 
+/* Part of a piece's initial weights: elements [offset, offset + nbytes / 4).
+ * offset must be a multiple of LAYOUT_INIT_CHUNK_ELEMS and the range must end
+ * on a multiple of it or at the piece's end, so that a range is a run of whole
+ * chunks; chunks may come in any order and ranges may overlap. Every chunk of
+ * the range that is already written must hold the same data (else ZS_EEXIST
+ * and nothing is written); the others are written (written = 1). The piece is
+ * initialized once every chunk is written. core_init_params is the range of
+ * the whole piece. */
+int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, uint64_t offset,
+                           const float *data, size_t nbytes, int *written, uint64_t *version,
+                           char *err, size_t errlen);
+
 /* One contribution. Only step == version + 1 is added; a well-formed push for
  * an already applied step is a retry and is acknowledged as a duplicate; any
  * other step is ZS_ESTEP;

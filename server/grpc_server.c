@@ -733,8 +733,9 @@ static void h_init_params(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
              r->data.len);
   } else {
     /* protobuf-c allocates the bytes with malloc, so they are float-aligned. */
-    rc = core_init_params(s->core, r->spec_hash, r->tensor, r->slice, (const float *)r->data.data,
-                          r->data.len, &written, &version, err, sizeof err);
+    rc = core_init_params_range(s->core, r->spec_hash, r->tensor, r->slice, r->offset,
+                                (const float *)r->data.data, r->data.len, &written, &version, err,
+                                sizeof err);
   }
   if (rc) {
     finish_err(c, 0, rc, err);

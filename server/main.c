@@ -15,6 +15,7 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -348,6 +349,15 @@ int main(int argc, char **argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
   signal(SIGPIPE, SIG_IGN);
+  /* Transfer buffers of 1 MiB and more (gRPC messages, InitParams chunks,
+   * data-plane payloads beyond its pool) are mapped and unmapped, never
+   * kept: by default glibc raises its mmap threshold each time such a block
+   * is freed, after which blocks of that size come from the heap and stay
+   * resident, which cost a shard up to 1.9 x its state at peak
+   * (docs/PERFORMANCE.md, item 5). A threshold given in the environment
+   * (MALLOC_MMAP_THRESHOLD_) wins. */
+  if (!getenv("MALLOC_MMAP_THRESHOLD_"))
+    mallopt(M_MMAP_THRESHOLD, 1 << 20);
 
   options o;
   memset(&o, 0, sizeof o);

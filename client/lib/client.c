@@ -636,9 +636,17 @@ done:
   return rc;
 }
 
+/* Rank 0's initial weights, one call per chunk of LAYOUT_INIT_CHUNK_ELEMS
+ * elements (1 MiB), so that neither end holds more than a chunk per call in
+ * flight however large a piece is: a whole 8M-parameter piece in one message
+ * used to exist several times over in the shard while it was received. */
 static int init_params(zs_client *c, const float *const *init) {
-  Zshard__V1__InitParamsRequest *reqs = calloc(c->lay.num_pieces, sizeof *reqs);
-  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->lay.num_pieces);
+  size_t ncalls = 0;
+  for (uint32_t i = 0; i < c->lay.num_pieces; i++)
+    ncalls +=
+        (size_t)((c->lay.pieces[i].numel + LAYOUT_INIT_CHUNK_ELEMS - 1) / LAYOUT_INIT_CHUNK_ELEMS);
+  Zshard__V1__InitParamsRequest *reqs = calloc(ncalls ? ncalls : 1, sizeof *reqs);
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, (uint32_t)ncalls);
   int rc;
   if (!reqs || !op) {
     free(reqs);
@@ -646,23 +654,29 @@ static int init_params(zs_client *c, const float *const *init) {
       zc_op_release(op);
     return zc_fail(ZS_ENOMEM, "zs_open_job: out of memory");
   }
+  size_t n = 0;
   for (uint32_t i = 0; i < c->lay.num_pieces; i++) {
     const layout_piece *pc = &c->lay.pieces[i];
-    Zshard__V1__InitParamsRequest r = ZSHARD__V1__INIT_PARAMS_REQUEST__INIT;
-    r.spec_hash = c->hash;
-    r.tensor = pc->tensor;
-    r.slice = pc->slice;
-    /* Little-endian float32 is the wire format, and the host's. */
-    r.data.data = (uint8_t *)(uintptr_t)(init[pc->tensor] + pc->offset);
-    r.data.len = pc->numel * sizeof(float);
-    reqs[i] = r;
-    zc_task *t = &op->tasks[i];
-    t->shard = pc->shard;
-    t->method = ZC_METHOD("InitParams");
-    t->msg = &reqs[i].base;
-    t->resp_desc = &zshard__v1__init_params_response__descriptor;
-    t->timeout_ms = c->opt.rpc_timeout_ms;
-    t->bytes = r.data.len;
+    for (uint64_t e = 0; e < pc->numel; e += LAYOUT_INIT_CHUNK_ELEMS, n++) {
+      uint64_t len =
+          pc->numel - e < LAYOUT_INIT_CHUNK_ELEMS ? pc->numel - e : LAYOUT_INIT_CHUNK_ELEMS;
+      Zshard__V1__InitParamsRequest r = ZSHARD__V1__INIT_PARAMS_REQUEST__INIT;
+      r.spec_hash = c->hash;
+      r.tensor = pc->tensor;
+      r.slice = pc->slice;
+      r.offset = e;
+      /* Little-endian float32 is the wire format, and the host's. */
+      r.data.data = (uint8_t *)(uintptr_t)(init[pc->tensor] + pc->offset + e);
+      r.data.len = (size_t)len * sizeof(float);
+      reqs[n] = r;
+      zc_task *t = &op->tasks[n];
+      t->shard = pc->shard;
+      t->method = ZC_METHOD("InitParams");
+      t->msg = &reqs[n].base;
+      t->resp_desc = &zshard__v1__init_params_response__descriptor;
+      t->timeout_ms = c->opt.rpc_timeout_ms;
+      t->bytes = r.data.len;
+    }
   }
   rc = zc_call_all(op);
   if (rc == ZS_EEXIST)

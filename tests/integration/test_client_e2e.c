@@ -920,6 +920,51 @@ static void many_small_tensors_in_buckets_train_to_the_bits_of_single_pieces(voi
 
 /* ---- misuse against a live job ------------------------------------------------------------ */
 
+/* Initial weights of pieces larger than one InitParams chunk
+ * (LAYOUT_INIT_CHUNK_ELEMS) travel in chunks and arrive whole: on 1, 2 and 3
+ * shards a 600000-element tensor's pieces hold 3, 2 (each with a short last
+ * chunk) and 1 chunk(s); every element pulled back in fp32 is the one sent,
+ * and a second rank-0 client opening with different weights is refused. */
+static void initial_weights_larger_than_a_chunk_arrive_whole(void **state) {
+  (void)state;
+  const uint64_t numel = 600000;
+  float *init = malloc(numel * sizeof *init), *got = malloc(numel * sizeof *got);
+  assert_true(init && got);
+  for (uint64_t i = 0; i < numel; i++)
+    init[i] = init_value(0, i) + (float)(i % 977) * 1e-3f;
+  for (uint32_t n = 1; n <= 3; n++) {
+    hs_cluster cl;
+    assert_int_equal(hs_cluster_start(&cl, n, NULL), 0);
+    run_cfg cfg = {.N = n, .W = 1, .M = 1, .K = 1, .wire = ZS_DTYPE_BF16, .lr = 0.01};
+    join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+    snprintf(cfg.job, sizeof cfg.job, "wide-%d", job_counter++);
+    for (int attempt = 0; attempt < 2; attempt++) {
+      zs_client_options o;
+      zs_client_options_init(&o);
+      o.addresses = cfg.addrs;
+      o.job = cfg.job;
+      o.split_threshold = SPLIT;
+      zs_client *c = NULL;
+      assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+      assert_int_equal(zs_add_tensor(c, "wide.weight", numel, 0, NULL, 0, NULL), ZS_OK);
+      if (attempt == 1) {
+        init[numel - 1] += 1.0f; /* in the last chunk of the last piece */
+        assert_int_equal(zs_open_job(c, (const float *const *)&init), ZS_EEXIST);
+        init[numel - 1] -= 1.0f;
+      } else {
+        assert_int_equal(zs_open_job(c, (const float *const *)&init), ZS_OK);
+        memset(got, 0, numel * sizeof *got);
+        assert_int_equal(zs_pull(c, 0, got, ZS_DTYPE_FP32, numel * sizeof *got, NULL), ZS_OK);
+        assert_memory_equal(got, init, numel * sizeof *got);
+      }
+      zs_client_close(c);
+    }
+    assert_int_equal(hs_cluster_stop(&cl), 0);
+  }
+  free(init);
+  free(got);
+}
+
 static void misuse_on_an_open_job_returns_errors(void **state) {
   (void)state;
   hs_cluster cl;
@@ -1154,6 +1199,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(killed_trainer_is_named_in_the_others_timeout_error),
       cmocka_unit_test(one_client_serves_several_trainer_threads),
       cmocka_unit_test(many_small_tensors_in_buckets_train_to_the_bits_of_single_pieces),
+      cmocka_unit_test(initial_weights_larger_than_a_chunk_arrive_whole),
       cmocka_unit_test(misuse_on_an_open_job_returns_errors),
       cmocka_unit_test(callbacks_run_once_per_transfer),
       cmocka_unit_test(a_callback_may_start_a_transfer_but_not_close_its_client),

@@ -776,6 +776,104 @@ static void test_init_params_writes_once_while_the_version_is_zero(void **state)
   job_free(&j);
 }
 
+/* Initial weights in parts of whole chunks (InitParams.offset): any order,
+ * overlaps compared, misfits refused with nothing written, and the piece
+ * initialized only once every chunk is in. */
+static void test_init_params_in_chunks_any_order_overlaps_compared(void **state) {
+  (void)state;
+  const uint64_t chunk = LAYOUT_INIT_CHUNK_ELEMS;
+  const tensor_def big[] = {{"big", 2 * LAYOUT_INIT_CHUNK_ELEMS + 1000, 0}};
+  job j;
+  job_start(&j, big, 1, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 11);
+  core *c = open_core(&j, 0, 1);
+  const layout_piece *p = layout_find(&j.layout, 0, 0);
+  assert_int_equal(p->numel, 2 * chunk + 1000);
+  const float *data = j.init[0];
+  int written = -1;
+  uint64_t version = 9;
+  char err[256] = "";
+  core_info info;
+
+  /* Misfits: a start inside a chunk, an end inside a chunk before the piece's
+   * end, a range beyond the piece, no data. */
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, 16, data + 16, (chunk - 16) * 4,
+                                          &written, &version, err, sizeof err),
+                   ZS_ERANGE);
+  assert_non_null(strstr(err, "multiple of"));
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, 0, data, (chunk - 1) * 4, &written,
+                                          &version, err, sizeof err),
+                   ZS_ESIZE);
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, 2 * chunk, data + 2 * chunk, 1001 * 4,
+                                          &written, &version, err, sizeof err),
+                   ZS_ESIZE);
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, 3 * chunk, data, 4, &written, &version,
+                                          err, sizeof err),
+                   ZS_ESIZE);
+  core_get_info(c, &info);
+  assert_false(info.initialized);
+
+  /* The short last chunk, then the first: not yet initialized. */
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, 2 * chunk, data + 2 * chunk, 1000 * 4,
+                                          &written, &version, err, sizeof err),
+                   0);
+  assert_int_equal(written, 1);
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, 0, data, chunk * 4, &written, &version,
+                                          err, sizeof err),
+                   0);
+  assert_int_equal(written, 1);
+  core_get_info(c, &info);
+  assert_false(info.initialized);
+
+  /* The whole piece with a difference in a chunk already written: refused,
+   * and the missing middle chunk is not written by it. */
+  float *changed = malloc(p->numel * sizeof(float));
+  assert_non_null(changed);
+  memcpy(changed, data, p->numel * sizeof(float));
+  changed[2 * chunk + 7] += 1.0f;
+  assert_int_equal(core_init_params(c, j.hash, 0, 0, changed, p->numel * sizeof(float), &written,
+                                    &version, err, sizeof err),
+                   ZS_EEXIST);
+  assert_non_null(strstr(err, "different initial weights"));
+  core_get_info(c, &info);
+  assert_false(info.initialized);
+
+  /* The whole piece, identical where written: fills the middle chunk. */
+  assert_int_equal(core_init_params(c, j.hash, 0, 0, data, p->numel * sizeof(float), &written,
+                                    &version, err, sizeof err),
+                   0);
+  assert_int_equal(written, 1);
+  core_get_info(c, &info);
+  assert_true(info.initialized);
+  /* A repeat of one chunk once initialized: compared, nothing written. */
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, chunk, data + chunk, chunk * 4, &written,
+                                          &version, err, sizeof err),
+                   0);
+  assert_int_equal(written, 0);
+  assert_int_equal(core_init_params_range(c, j.hash, 0, 0, chunk, changed, chunk * 4, &written,
+                                          &version, err, sizeof err),
+                   ZS_EEXIST);
+
+  float *got = malloc(p->numel * sizeof(float));
+  uint16_t *low = malloc(p->numel * 2);
+  uint16_t *want_low = malloc(p->numel * 2);
+  assert_true(got && low && want_low);
+  assert_int_equal(core_read(c, j.hash, 0, 0, ZS_DTYPE_FP32, got, p->numel * sizeof(float),
+                             &version, err, sizeof err),
+                   0);
+  assert_memory_equal(got, data, p->numel * sizeof(float));
+  assert_int_equal(
+      core_read(c, j.hash, 0, 0, ZS_DTYPE_BF16, low, p->numel * 2, &version, err, sizeof err), 0);
+  dtype_from_f32(ZS_DTYPE_BF16, data, want_low, (size_t)p->numel);
+  assert_memory_equal(low, want_low, p->numel * 2);
+  free(got);
+  free(low);
+  free(want_low);
+  free(changed);
+  core_destroy(c);
+  job_free(&j);
+}
+
 static void test_init_params_after_the_first_step_changes_nothing(void **state) {
   (void)state;
   job j;
@@ -1700,6 +1798,7 @@ int main(void) {
       cmocka_unit_test(test_arenas_for_moments_exist_only_when_an_optimizer_needs_them),
       cmocka_unit_test(test_init_params_writes_once_while_the_version_is_zero),
       cmocka_unit_test(test_init_params_after_the_first_step_changes_nothing),
+      cmocka_unit_test(test_init_params_in_chunks_any_order_overlaps_compared),
       cmocka_unit_test(test_identical_init_repeats_report_nothing_written),
       cmocka_unit_test(test_shuffled_concurrent_pushes_with_duplicates_match_the_reference_bitwise),
       cmocka_unit_test(test_invalid_pushes_get_their_status_and_change_nothing),
