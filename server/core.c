@@ -50,6 +50,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/log.h"
 #include "server/histogram.h"
@@ -75,6 +76,9 @@ typedef struct piece_state {
   const layout_piece *lp; /* points into core.layout */
   uint64_t *received;     /* bitmap of contribution indices k, into core.bitmaps */
   uint32_t next_k;        /* every k < next_k has been added into acc */
+  /* Contribution 1 is in acc and contribution 0 is not (next_k == 0): the
+   * first two terms of the sum commute (below), so 1 need not wait for 0. */
+  int one_before_zero;
   uint32_t nheld;
   /* W*M slots indexed by k, allocated while nheld > 0 and NULL otherwise, so
    * that the table costs memory only while contributions are out of order. */
@@ -663,8 +667,10 @@ static void core_run_apply(core *c) {
   histogram_observe_seconds(c->apply_hist, seconds);
   /* Every piece completed the step, so nothing is held: only the bitmaps and
    * next_k need resetting. No push runs while state_rw is held exclusively. */
-  for (uint32_t i = 0; i < c->npieces; i++)
+  for (uint32_t i = 0; i < c->npieces; i++) {
     c->pieces[i].next_k = 0;
+    c->pieces[i].one_before_zero = 0;
+  }
   if (c->npieces > 0)
     memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);
   atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
@@ -1083,7 +1089,13 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   }
 
   /* Contribution order is (micro, rank), so the sum never depends on which
-   * push arrives first. */
+   * push arrives first: acc = (((0 + g0) + g1) + g2) + ... with each addition
+   * rounded. Floating-point addition is not associative but it is
+   * commutative, and 0 + x is x except that -0 becomes +0, so
+   * (0 + g1) + g0 has the bits of (0 + g0) + g1 (NaN payloads aside, and a
+   * non-finite step is skipped whatever its bits): contribution 1 is added
+   * at once when it comes before 0, which spares every out-of-order arrival
+   * a held copy when W * M = 2 and the first one otherwise. */
   uint32_t k = a->micro * c->W + a->rank;
   int completed = 0;
   pthread_mutex_lock(&ps->mu);
@@ -1096,10 +1108,18 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
       *duplicate = 1;
     return 0;
   }
-  if (k == ps->next_k) {
+  if (k == 1 && ps->next_k == 0) {
+    /* Before 0, which it commutes with: added now, next_k stays. */
+    piece_add(c, ps, a->dtype, a->data);
+    ps->one_before_zero = 1;
+  } else if (k == ps->next_k) {
     /* In turn: added straight from the caller's buffer, no copy. */
     piece_add(c, ps, a->dtype, a->data);
     ps->next_k++;
+    if (ps->one_before_zero) {
+      ps->one_before_zero = 0;
+      ps->next_k++;
+    }
     while (ps->nheld > 0 && ps->next_k < c->WM && ps->held[ps->next_k]) {
       held_contrib *h = ps->held[ps->next_k];
       piece_add(c, ps, h->dtype, h->data);
@@ -1171,8 +1191,13 @@ int core_push(core *c, const core_push_args *a, int *duplicate, char *err, size_
   return rc;
 }
 
-int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
-              size_t nbytes, uint64_t *version, char *err, size_t errlen) {
+/* Bytes per chunk of a read with a CRC: small enough that the chunk just
+ * written is still in L1/L2 when the CRC reads it. */
+#define CORE_READ_CHUNK (64u << 10)
+
+int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                  void *dst, size_t nbytes, uint64_t *version, uint32_t *crc, char *err,
+                  size_t errlen) {
   piece_state *ps = NULL;
   pthread_rwlock_rdlock(&c->state_rw);
   int rc = core_check_job(c, hash, err, errlen);
@@ -1182,13 +1207,24 @@ int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype 
     rc = core_check_payload(ps, (int)dtype, nbytes, dst, err, errlen);
   if (rc == 0) {
     uint64_t off = ps->lp->arena_off;
-    size_t n = (size_t)ps->lp->numel;
-    if (dtype == ZS_DTYPE_FP32)
-      memcpy(dst, c->master + off, nbytes);
-    else if (dtype == c->spec.param_dtype)
-      memcpy(dst, c->low + off, nbytes);
-    else
-      dtype_from_f32(dtype, c->master + off, dst, n);
+    size_t es = zs_dtype_size(dtype);
+    /* fp32 and the stored low-precision copy are copies; another dtype is
+     * converted from the master. */
+    const unsigned char *copy_from =
+        dtype == ZS_DTYPE_FP32         ? (const unsigned char *)(c->master + off)
+        : dtype == c->spec.param_dtype ? (const unsigned char *)(c->low + off)
+                                       : NULL;
+    size_t step = crc ? CORE_READ_CHUNK : nbytes;
+    unsigned char *out = dst;
+    for (size_t b = 0; b < nbytes; b += step) {
+      size_t len = nbytes - b < step ? nbytes - b : step;
+      if (copy_from)
+        memcpy(out + b, copy_from + b, len);
+      else
+        dtype_from_f32(dtype, c->master + off + b / es, out + b, len / es);
+      if (crc)
+        *crc = crc32c(*crc, out + b, len);
+    }
     if (version)
       *version = c->version;
   }
@@ -1196,6 +1232,11 @@ int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype 
   /* Pulls are counted by the transport (core_count_pull), which knows the
    * bytes it really put on the wire. */
   return rc;
+}
+
+int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
+              size_t nbytes, uint64_t *version, char *err, size_t errlen) {
+  return core_read_crc(c, hash, tensor, slice, dtype, dst, nbytes, version, NULL, err, errlen);
 }
 
 int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype) {
@@ -1611,6 +1652,7 @@ static void core_run_restore(core *c, ckpt_call *call) {
     }
     ps->nheld = 0;
     ps->next_k = 0;
+    ps->one_before_zero = 0;
     ps->initialized = 1;
     free(ps->init_chunks);
     ps->init_chunks = NULL;

@@ -110,6 +110,13 @@ int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t dea
 int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
               size_t nbytes, uint64_t *version, char *err, size_t errlen);
 
+/* core_read that also extends *crc (CRC32C, as crc32c(*crc, dst, nbytes)) over
+ * the bytes it writes, chunk by chunk while each chunk is still in cache: one
+ * pass over the answer instead of a copy and then a second read of it. */
+int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                  void *dst, size_t nbytes, uint64_t *version, uint32_t *crc, char *err,
+                  size_t errlen);
+
 /* Size in bytes of piece (tensor, slice) in dtype, or a negative status. */
 int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype);
 

@@ -635,11 +635,13 @@ static void work_run_pull_batch(dp_work *w, core *co) {
   for (int attempt = 0; attempt < DP_BATCH_READ_TRIES; attempt++) {
     size_t off = 0;
     int mixed = 0;
+    w->crc = 0;
     for (uint32_t i = 0; i < w->npieces; i++) {
       const wire_piece *pc = &w->pieces[i];
       uint64_t v = 0;
-      w->status = core_read(co, w->hash, pc->tensor, pc->slice, (zs_dtype)pc->dtype,
-                            w->buf->data + off, (size_t)pc->length, &v, w->err, sizeof w->err);
+      w->status =
+          core_read_crc(co, w->hash, pc->tensor, pc->slice, (zs_dtype)pc->dtype, w->buf->data + off,
+                        (size_t)pc->length, &v, &w->crc, w->err, sizeof w->err);
       if (w->status != 0)
         return;
       if (i == 0)
@@ -648,10 +650,8 @@ static void work_run_pull_batch(dp_work *w, core *co) {
         mixed = 1;
       off += (size_t)pc->length;
     }
-    if (!mixed) {
-      w->crc = crc32c(0, w->buf->data, w->nbytes);
+    if (!mixed)
       return;
-    }
   }
   w->status = ZS_EINTERNAL;
   say(w->err, sizeof w->err,
@@ -667,10 +667,9 @@ static void work_run(dp_work *w, core *co) {
     w->push.data = w->buf->data;
     w->status = core_push(co, &w->push, &w->duplicate, w->err, sizeof w->err);
   } else {
-    w->status = core_read(co, w->hash, w->tensor, w->slice, w->dtype, w->buf->data, w->nbytes,
-                          &w->version, w->err, sizeof w->err);
-    if (w->status == 0)
-      w->crc = crc32c(0, w->buf->data, w->nbytes);
+    w->crc = 0;
+    w->status = core_read_crc(co, w->hash, w->tensor, w->slice, w->dtype, w->buf->data, w->nbytes,
+                              &w->version, &w->crc, w->err, sizeof w->err);
   }
 }
 

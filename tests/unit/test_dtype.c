@@ -513,6 +513,40 @@ static void every_isa_accumulates_like_scalar_at_all_lengths_and_offsets(void **
   }
 }
 
+/* The shard core adds contribution 1 before contribution 0 when it arrives
+ * first (server/core.c): that relies on (0 + g1) + g0 having the bits of
+ * (0 + g0) + g1 for every pair of inputs but NaNs, on every ISA and dtype. */
+static void the_first_two_contributions_commute_bit_for_bit(void **state) {
+  (void)state;
+  enum { N = 4096 };
+  static unsigned char g0[4 * N], g1[4 * N];
+  static float fwd[N], rev[N];
+  rng_state = 45;
+  for (size_t ii = 0; ii < 3; ii++) {
+    cpu_isa isa = k_isas[ii];
+    for (size_t di = 0; di < 3; di++) {
+      zs_dtype dt = k_dtypes[di];
+      fill_input(dt, g0, N);
+      fill_input(dt, g1, N);
+      memset(fwd, 0, sizeof fwd);
+      memset(rev, 0, sizeof rev);
+      dtype_accumulate_isa(isa, dt, g0, fwd, N);
+      dtype_accumulate_isa(isa, dt, g1, fwd, N);
+      dtype_accumulate_isa(isa, dt, g1, rev, N);
+      dtype_accumulate_isa(isa, dt, g0, rev, N);
+      for (size_t i = 0; i < N; i++) {
+        if (isnan(fwd[i]) && isnan(rev[i]))
+          continue;
+        if (bits_of(fwd[i]) != bits_of(rev[i]))
+          fail_msg("%s dtype %d [%zu]: (0 + 0x%08x) + 0x%08x = 0x%08x but the other order gives "
+                   "0x%08x",
+                   cpu_isa_name(isa), dt, i, bits_of(widen_ref(dt, g0, i)),
+                   bits_of(widen_ref(dt, g1, i)), bits_of(fwd[i]), bits_of(rev[i]));
+      }
+    }
+  }
+}
+
 /* Long arrays go through the main loops many times; a large sweep of random
  * patterns through every ISA must match the scalar functions element by
  * element. */
@@ -675,6 +709,7 @@ int main(void) {
       cmocka_unit_test(every_isa_widens_like_scalar_at_all_lengths_and_offsets),
       cmocka_unit_test(every_isa_narrows_like_scalar_at_all_lengths_and_offsets),
       cmocka_unit_test(every_isa_accumulates_like_scalar_at_all_lengths_and_offsets),
+      cmocka_unit_test(the_first_two_contributions_commute_bit_for_bit),
       cmocka_unit_test(every_isa_matches_scalar_on_a_large_random_sweep),
       cmocka_unit_test(accumulate_adds_converted_values_in_place),
       cmocka_unit_test(public_array_functions_use_the_best_isa_with_the_same_bits),
