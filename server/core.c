@@ -178,6 +178,10 @@ struct core {
   uint64_t nelems;        /* arena length in elements */
   float *master, *acc, *m, *v;
   uint16_t *low;
+  /* Per piece: CRC32C of its low copy (numel * 2 bytes), kept with the low
+   * copy (initialisation, every apply, restore) so that a pull of the stored
+   * dtype is sent straight from the arena with no copy and no CRC pass. */
+  uint32_t *low_crc;
   uint64_t state_bytes;
   const layout_range *ranges; /* this shard's ranges, into layout */
   uint32_t nranges;
@@ -225,6 +229,13 @@ struct core {
   atomic_uint_fast64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
   atomic_uint_fast64_t held_bytes;
   atomic_uint_fast64_t contributions; /* added or held in the pending step */
+  /* Pull answers being sent from the low arena (core_pin_low), and whether
+   * the worker waits for them to drain before it writes the arena. */
+  atomic_uint_fast64_t low_pins;
+  atomic_int pin_waiting;
+  atomic_int low_dtype; /* the job's param_dtype once open, else 0 */
+  uint32_t pin_wait_ms;
+  atomic_uint_fast64_t pin_wait_timeouts;
   uint64_t applies, skipped_steps;
   double apply_seconds_total;
   histogram *apply_hist; /* borrowed, may be NULL; recorded lock-free */
@@ -323,6 +334,8 @@ static void core_job_free(core *c) {
   free(c->m);
   free(c->v);
   free(c->low);
+  free(c->low_crc);
+  c->low_crc = NULL;
   free(c->plans);
   free(c->range_m);
   free(c->range_v);
@@ -387,7 +400,8 @@ static int core_job_build(core *c) {
   c->local_of = malloc(((size_t)l->num_pieces + 1) * sizeof *c->local_of);
   c->pieces = calloc((size_t)c->npieces + 1, sizeof *c->pieces);
   c->bitmaps = calloc((size_t)c->npieces * c->bitmap_words + 1, sizeof *c->bitmaps);
-  if (!c->local_of || !c->pieces || !c->bitmaps)
+  c->low_crc = calloc((size_t)c->npieces + 1, sizeof *c->low_crc);
+  if (!c->local_of || !c->pieces || !c->bitmaps || !c->low_crc)
     return ZS_ENOMEM;
   uint32_t n = 0;
   for (uint32_t i = 0; i < l->num_pieces; i++) {
@@ -623,6 +637,89 @@ static void core_compute_stats(core *c) {
   core_fire(fire);
 }
 
+/* ------------------------------------------------------- the low copy's pins */
+
+/* How long the worker waits for pull answers still being sent from the low
+ * arena before it writes it anyway. Steady training never waits: every
+ * trainer has received the pulls of a version before it can push the step
+ * that ends it. A peer that stalls mid-answer for longer receives an answer
+ * torn between two versions, which its CRC32C check refuses (the client
+ * then asks again), rather than holding every other trainer's step. */
+#define CORE_PIN_WAIT_MS 2000u /* the default of core_config.pin_wait_ms */
+
+static void piece_low_crc(core *c, uint32_t i) {
+  const layout_piece *lp = c->pieces[i].lp;
+  c->low_crc[i] = crc32c(0, c->low + lp->arena_off, (size_t)lp->numel * sizeof(uint16_t));
+}
+
+static void core_low_crc_task(void *arg, size_t i) {
+  piece_low_crc(arg, (uint32_t)i);
+}
+
+/* With state_rw held exclusively (so no new pin can start): waits until no
+ * answer is being sent from the low arena, or CORE_PIN_WAIT_MS. */
+static void core_wait_pins(core *c, const char *what) {
+  if (atomic_load(&c->low_pins) == 0)
+    return;
+  uint64_t deadline = clock_now_ms() + c->pin_wait_ms;
+  pthread_mutex_lock(&c->mu);
+  atomic_store(&c->pin_waiting, 1);
+  while (atomic_load(&c->low_pins) > 0) {
+    uint64_t now = clock_now_ms();
+    if (now >= deadline)
+      break;
+    struct timespec ts = {.tv_sec = (time_t)(deadline / 1000u),
+                          .tv_nsec = (long)(deadline % 1000u) * 1000000L};
+    pthread_cond_timedwait(&c->worker_cv, &c->mu, &ts);
+  }
+  atomic_store(&c->pin_waiting, 0);
+  uint64_t left = atomic_load(&c->low_pins);
+  pthread_mutex_unlock(&c->mu);
+  if (left > 0) {
+    atomic_fetch_add_explicit(&c->pin_wait_timeouts, 1, memory_order_relaxed);
+    LOG_WARN("pull_answers_overtaken",
+             "shard=%u what=%s answers=%" PRIu64 " waited_ms=%u detail=\"answers still being "
+             "sent from the low copy; their readers will refuse them by CRC and ask again\"",
+             c->shard_id, what, left, c->pin_wait_ms);
+  }
+}
+
+int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                 size_t nbytes, const void **data, uint64_t *version, uint32_t *crc, char *err,
+                 size_t errlen) {
+  piece_state *ps = NULL;
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc == 0)
+    rc = core_check_payload(ps, (int)dtype, nbytes, data, err, errlen);
+  if (rc == 0 && (dtype != c->spec.param_dtype || !ps->initialized))
+    rc = CORE_NOT_PINNED;
+  if (rc == 0) {
+    uint32_t i = (uint32_t)(ps - c->pieces);
+    *data = c->low + ps->lp->arena_off;
+    *crc = c->low_crc[i];
+    if (version)
+      *version = c->version;
+    atomic_fetch_add(&c->low_pins, 1);
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+zs_dtype core_low_dtype(core *c) {
+  return (zs_dtype)atomic_load(&c->low_dtype);
+}
+
+void core_unpin_low(core *c) {
+  if (atomic_fetch_sub(&c->low_pins, 1) == 1 && atomic_load(&c->pin_waiting)) {
+    pthread_mutex_lock(&c->mu);
+    pthread_cond_broadcast(&c->worker_cv);
+    pthread_mutex_unlock(&c->mu);
+  }
+}
+
 static void core_apply_chunk(void *arg, size_t i) {
   core *c = arg;
   const apply_task *t = &c->tasks[i];
@@ -661,7 +758,9 @@ static void core_run_apply(core *c) {
       p.grad_scale = grad_scale;
       optim_plan_init(&c->plans[r], &p);
     }
+    core_wait_pins(c, "apply");
     pool_run(c->pool, c->ntasks, core_apply_chunk, c);
+    pool_run(c->pool, c->npieces, core_low_crc_task, c);
   }
   double seconds = (double)(clock_now_ns() - t0) / 1e9;
   histogram_observe_seconds(c->apply_hist, seconds);
@@ -774,6 +873,7 @@ int core_create(const core_config *cfg, core **out) {
   c->num_shards = cfg->num_shards;
   c->nthreads = cfg->threads;
   c->apply_hist = cfg->apply_hist;
+  c->pin_wait_ms = cfg->pin_wait_ms ? cfg->pin_wait_ms : CORE_PIN_WAIT_MS;
   if (c->nthreads <= 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     c->nthreads = n > 0 ? (int)(n < 256 ? n : 256) : 1;
@@ -787,6 +887,10 @@ int core_create(const core_config *cfg, core **out) {
   atomic_init(&c->bytes_out, 0);
   atomic_init(&c->held_bytes, 0);
   atomic_init(&c->contributions, 0);
+  atomic_init(&c->low_pins, 0);
+  atomic_init(&c->pin_waiting, 0);
+  atomic_init(&c->low_dtype, 0);
+  atomic_init(&c->pin_wait_timeouts, 0);
 
   int rc = ZS_ENOMEM;
   if (pthread_mutex_init(&c->mu, NULL) != 0)
@@ -912,6 +1016,7 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
   c->hash = hash;
   c->version = 0;
   c->open = 1;
+  atomic_store(&c->low_dtype, (int)c->spec.param_dtype);
   core_begin_step(c);
   if (c->npieces == 0)
     c->version_event = 1; /* nothing to initialise: pulls may proceed */
@@ -1025,6 +1130,7 @@ int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t sli
   if (ps->init_have == total) {
     free(ps->init_chunks);
     ps->init_chunks = NULL;
+    piece_low_crc(c, (uint32_t)(ps - c->pieces));
     ps->initialized = 1;
     pthread_mutex_lock(&c->mu);
     if (++c->initialized_pieces == c->npieces) {
@@ -1637,8 +1743,10 @@ static void core_run_restore(core *c, ckpt_call *call) {
     c->range_v[r] = c->range_v[r] ? c->v : NULL;
   }
   if (c->nelems > 0) {
+    core_wait_pins(c, "restore");
     dtype_from_f32(c->spec.param_dtype, c->master, c->low, (size_t)c->nelems);
     memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
+    pool_run(c->pool, c->npieces, core_low_crc_task, c);
   }
   /* No push runs while state_rw is held exclusively, so the pieces' own
    * locks are not needed. */

@@ -43,6 +43,9 @@ typedef struct core_config {
   /* Each apply's duration is recorded here (server/histogram.h) when not
    * NULL. Borrowed: it must outlive the core. */
   struct histogram *apply_hist;
+  /* How long an apply or a restore waits for pinned pull answers
+   * (core_pin_low) to be released; 0 means 2000 ms. */
+  uint32_t pin_wait_ms;
 } core_config;
 
 /* Creates an empty shard (no job). Returns 0 or ZS_ENOMEM / ZS_EINVAL. */
@@ -116,6 +119,26 @@ int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype 
 int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
                   void *dst, size_t nbytes, uint64_t *version, uint32_t *crc, char *err,
                   size_t errlen);
+
+/* Zero-copy pulls of the stored low-precision copy. When dtype is the job's
+ * param_dtype and the piece is initialised, sets *data to the piece's bytes
+ * in the low arena (nbytes of them), *crc to their CRC32C and *version, and
+ * pins the arena: the caller sends the bytes from there and calls
+ * core_unpin_low once they are out (from any thread). The worker waits for
+ * the pins to drain before an apply or a restore writes the arena, for
+ * core_config.pin_wait_ms at most: a peer stalled mid-answer longer than
+ * that gets an answer torn between versions, which its CRC32C check
+ * refuses. Returns 0, a negative
+ * status with a message (the checks of core_read), or CORE_NOT_PINNED when
+ * the piece must be read with core_read (another dtype). */
+#define CORE_NOT_PINNED 1
+int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                 size_t nbytes, const void **data, uint64_t *version, uint32_t *crc, char *err,
+                 size_t errlen);
+void core_unpin_low(core *c);
+/* The dtype core_pin_low serves (the job's param_dtype), 0 before a job is
+ * open. Lock-free, for transports deciding how to answer. */
+zs_dtype core_low_dtype(core *c);
 
 /* Size in bytes of piece (tensor, slice) in dtype, or a negative status. */
 int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype);

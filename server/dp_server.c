@@ -127,8 +127,11 @@ static void say(char *buf, size_t len, const char *fmt, ...) {
 typedef struct dp_buf {
   struct dp_buf *next; /* in the pool */
   size_t cap;
-  int cls;
+  int cls;             /* size class; -1: not the pool's (freed, never pooled) */
   unsigned char *data; /* 64-byte aligned, cap bytes */
+  /* A zero-copy pull answer: data points into this core's low arena, pinned
+   * (core_pin_low) until the buffer is released. */
+  core *pinned;
 } dp_buf;
 
 typedef struct dp_server dp_server;
@@ -269,7 +272,10 @@ static int size_class(size_t n) {
 
 static void buf_free(dp_buf *b) {
   if (b) {
-    free(b->data);
+    if (b->pinned)
+      core_unpin_low(b->pinned);
+    else
+      free(b->data);
     free(b);
   }
 }
@@ -306,7 +312,7 @@ static dp_buf *pool_get(dp_server *s, size_t n) {
 static void pool_put(dp_server *s, dp_buf *b) {
   if (!b)
     return;
-  if (s->pool_count[b->cls] < DP_POOL_PER_CLASS &&
+  if (b->cls >= 0 && s->pool_count[b->cls] < DP_POOL_PER_CLASS &&
       (s->pool_bytes + b->cap <= DP_POOL_BYTES || s->pool_bytes == 0)) {
     b->next = s->pool[b->cls];
     s->pool[b->cls] = b;
@@ -668,6 +674,28 @@ static void work_run(dp_work *w, core *co) {
     w->status = core_push(co, &w->push, &w->duplicate, w->err, sizeof w->err);
   } else {
     w->crc = 0;
+    if (w->buf->cls < 0) {
+      /* Zero-copy candidate: sent straight from the low arena. */
+      const void *p = NULL;
+      w->status = core_pin_low(co, w->hash, w->tensor, w->slice, w->dtype, w->nbytes, &p,
+                               &w->version, &w->crc, w->err, sizeof w->err);
+      if (w->status == 0) {
+        w->buf->data = (unsigned char *)(uintptr_t)p;
+        w->buf->pinned = co;
+        return;
+      }
+      if (w->status != CORE_NOT_PINNED)
+        return;
+      /* The job's dtype changed under us (a restore): a buffer of its own. */
+      void *mem = NULL;
+      if (posix_memalign(&mem, 64, w->nbytes ? w->nbytes : 1) != 0) {
+        w->status = ZS_ENOMEM;
+        say(w->err, sizeof w->err, "out of memory for the answer buffer");
+        return;
+      }
+      w->buf->data = mem;
+      w->buf->cap = w->nbytes;
+    }
     w->status = core_read_crc(co, w->hash, w->tensor, w->slice, w->dtype, w->buf->data, w->nbytes,
                               &w->version, &w->crc, w->err, sizeof w->err);
   }
@@ -763,7 +791,16 @@ static void work_start(dp_work *w) {
 /* Starts reading the piece of a ready Pull into an answer buffer. */
 static void pull_read(dp_conn *c, dp_pull *p) {
   dp_work *w = calloc(1, sizeof *w);
-  dp_buf *b = w ? pool_get(c->s, p->nbytes) : NULL;
+  dp_buf *b = NULL;
+  if (w && !p->pieces && p->dtype == core_low_dtype(c->s->core)) {
+    /* The stored dtype: the work pins the piece in the low arena and the
+     * answer goes out from there (core_pin_low), no copy. */
+    b = calloc(1, sizeof *b);
+    if (b)
+      b->cls = -1;
+  } else if (w) {
+    b = pool_get(c->s, p->nbytes);
+  }
   if (!b) {
     free(w);
     answer_error(c, p->request_id, ZS_ENOMEM, "out of memory for the answer buffer");

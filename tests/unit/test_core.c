@@ -19,10 +19,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
 #include "common/clock.h"
+#include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/layout.h"
 #include "common/log.h"
@@ -1171,6 +1173,157 @@ test_an_early_contribution_is_held_until_its_turn_but_one_before_zero_is_not(voi
   job_free(&j);
 }
 
+/* Pushes every contribution of `step` for the pieces shard 0 owns, in order. */
+static void push_all_in_order(core *c, job *j, uint64_t step) {
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *q = &j->layout.pieces[i];
+    for (uint32_t k = 0; k < j->WM && q->shard == 0; k++)
+      assert_int_equal(push_one(c, j, step, q->tensor, q->slice, k, NULL), 0);
+  }
+}
+
+/* Every piece's pinned low copy equals what core_read gives and carries the
+ * CRC32C of its bytes. */
+static void check_pins_match_reads(core *c, job *j, uint64_t want_version) {
+  char err[256] = "";
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *q = &j->layout.pieces[i];
+    if (q->shard != 0)
+      continue;
+    size_t nb = (size_t)q->numel * 2;
+    const void *data = NULL;
+    uint64_t v = 99;
+    uint32_t crc = 0;
+    assert_int_equal(core_pin_low(c, j->hash, q->tensor, q->slice, ZS_DTYPE_BF16, nb, &data, &v,
+                                  &crc, err, sizeof err),
+                     0);
+    assert_int_equal(v, want_version);
+    void *copy = malloc(nb);
+    assert_non_null(copy);
+    assert_int_equal(
+        core_read(c, j->hash, q->tensor, q->slice, ZS_DTYPE_BF16, copy, nb, NULL, err, sizeof err),
+        0);
+    assert_memory_equal(data, copy, nb);
+    assert_int_equal(crc, crc32c(0, copy, nb));
+    free(copy);
+    core_unpin_low(c);
+  }
+}
+
+static core *open_core_pin_wait(job *j, uint32_t pin_wait_ms) {
+  core_config cfg = {.shard_id = 0, .num_shards = j->N, .threads = 2, .pin_wait_ms = pin_wait_ms};
+  core *c = NULL;
+  assert_int_equal(core_create(&cfg, &c), 0);
+  core_open_result r;
+  char err[256] = "";
+  assert_int_equal(core_open(c, &j->spec, &r, err, sizeof err), 0);
+  return c;
+}
+
+/* core_pin_low: answers of the stored dtype straight from the low arena with
+ * the CRC kept beside it, other dtypes and uninitialised pieces left to
+ * core_read, the usual refusals; an apply waits while an answer is pinned
+ * (here for up to 10 minutes, so the check cannot race it) and goes ahead
+ * once it is released. */
+static void test_pinned_answers_carry_their_crc_and_hold_the_apply(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 31);
+  core *c = open_core_pin_wait(&j, 600000);
+  const layout_piece *p = layout_find(&j.layout, 0, 0);
+  size_t nb = (size_t)p->numel * 2;
+  const void *data = NULL;
+  uint64_t v = 0;
+  uint32_t crc = 0;
+  char err[256] = "";
+  assert_int_equal(core_low_dtype(c), ZS_DTYPE_BF16);
+  assert_int_equal(
+      core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_BF16, nb, &data, &v, &crc, err, sizeof err),
+      CORE_NOT_PINNED); /* not initialised yet */
+  init_all(c, &j, 0);
+  assert_int_equal(
+      core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_FP32, nb * 2, &data, &v, &crc, err, sizeof err),
+      CORE_NOT_PINNED);
+  assert_int_equal(
+      core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_FP16, nb, &data, &v, &crc, err, sizeof err),
+      CORE_NOT_PINNED);
+  assert_int_equal(
+      core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_BF16, nb - 2, &data, &v, &crc, err, sizeof err),
+      ZS_ESIZE);
+  assert_int_equal(
+      core_pin_low(c, j.hash + 1, 0, 0, ZS_DTYPE_BF16, nb, &data, &v, &crc, err, sizeof err),
+      ZS_EHASH);
+  check_pins_match_reads(c, &j, 0);
+
+  assert_int_equal(
+      core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_BF16, nb, &data, &v, &crc, err, sizeof err), 0);
+  void *before = malloc(nb);
+  assert_non_null(before);
+  memcpy(before, data, nb);
+  job_make_grads(&j, 32);
+  push_all_in_order(c, &j, 1);
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  event e;
+  event_init(&e);
+  core_apply_result ar;
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-2, 1.0f, 0, on_apply, &e, &ar, err, sizeof err),
+                   CORE_PENDING);
+  struct timespec pause = {.tv_sec = 0, .tv_nsec = 200 * 1000000L};
+  nanosleep(&pause, NULL);
+  pthread_mutex_lock(&e.mu);
+  int fired = e.fired;
+  pthread_mutex_unlock(&e.mu);
+  assert_int_equal(fired, 0);
+  assert_memory_equal(data, before, nb);
+  assert_int_equal(crc32c(0, data, nb), crc);
+  core_unpin_low(c);
+  event_wait(&e, 1);
+  assert_int_equal(e.status, 0);
+  event_destroy(&e);
+  job_ref_step(&j, 1e-2, 1.0f, 0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  check_pins_match_reads(c, &j, 1);
+  free(before);
+  core_destroy(c);
+  job_free(&j);
+}
+
+/* An answer never released holds the apply only for pin_wait_ms: the bytes
+ * change under it, and its CRC says so. */
+static void test_an_answer_never_released_holds_the_apply_only_for_its_wait(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 34);
+  core *c = open_core_pin_wait(&j, 50);
+  init_all(c, &j, 0);
+  const layout_piece *p = layout_find(&j.layout, 0, 0);
+  size_t nb = (size_t)p->numel * 2;
+  const void *data = NULL;
+  uint64_t v = 9;
+  uint32_t crc = 0;
+  char err[256] = "";
+  assert_int_equal(
+      core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_BF16, nb, &data, &v, &crc, err, sizeof err), 0);
+  assert_int_equal(v, 0);
+  job_make_grads(&j, 35);
+  push_all_in_order(c, &j, 1);
+  core_stats_result st;
+  core_apply_result ar;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  assert_int_equal(apply_sync(c, &j, 1, 1e-2, 1.0f, 0, &ar), 0);
+  assert_int_equal(ar.step, 1);
+  assert_true(crc32c(0, data, nb) != crc);
+  core_unpin_low(c);
+  job_ref_step(&j, 1e-2, 1.0f, 0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  check_pins_match_reads(c, &j, 1);
+  core_destroy(c);
+  job_free(&j);
+}
+
 static void test_reads_validate_and_convert_to_every_dtype(void **state) {
   (void)state;
   job j;
@@ -1814,6 +1967,8 @@ int main(void) {
       cmocka_unit_test(
           test_an_early_contribution_is_held_until_its_turn_but_one_before_zero_is_not),
       cmocka_unit_test(test_reads_validate_and_convert_to_every_dtype),
+      cmocka_unit_test(test_pinned_answers_carry_their_crc_and_hold_the_apply),
+      cmocka_unit_test(test_an_answer_never_released_holds_the_apply_only_for_its_wait),
       cmocka_unit_test(test_stats_sum_squares_in_block_order_and_match_the_reference),
       cmocka_unit_test(test_nonfinite_gradients_refuse_apply_and_skip_clears_the_accumulator),
       cmocka_unit_test(test_pull_waits_until_every_piece_is_initialised),
