@@ -492,7 +492,10 @@ static int submit(zs_client *c, zc_task *t) {
 
 /* 1 if a failed attempt should be made again. */
 static int retryable(zs_client *c, const zc_task *t, int status) {
-  if (status == ZS_ECONN || status == ZS_ECLOSED)
+  /* A payload that failed its CRC32C (either way) changed nothing and
+   * pushes and pulls are idempotent: the bytes were damaged on the way, or
+   * a pull answer was overtaken by an apply (docs/PROTOCOL.md). */
+  if (status == ZS_ECONN || status == ZS_ECLOSED || status == ZS_ECRC)
     return 1;
   if (status != ZS_ECANCELED)
     return 0;

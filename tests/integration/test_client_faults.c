@@ -7,7 +7,9 @@
  * channel then fails calls fast for its own reconnect backoff, about 1 to
  * 10 s, which is what the retries bridge.) The client must retry with backoff
  * and carry on, counting the retries in the step's timing, or give up after
- * max_retries with ZS_ECONN naming the shard.
+ * max_retries with ZS_ECONN naming the shard. The proxy can also damage one
+ * answer's payload, which the client must refuse by its CRC32C and ask for
+ * again.
  *
  * The client reaches a shard's data plane at the host of its gRPC address and
  * the port the shard advertises. So the proxy stands on another loopback
@@ -50,6 +52,10 @@ static int data_run(void) {
 
 #define PROXY_MAX_PAIRS 32
 #define PROXY_HOST "127.0.0.2"
+/* Longer than any frame header and meta: a read from the server of at least
+ * this many bytes, starting at a frame's start, ends inside that frame's
+ * payload. */
+#define PROXY_CORRUPT_MIN 400
 
 /* The proxy's two listeners. */
 enum { L_GRPC = 0, L_DATA = 1, L_COUNT = 2 };
@@ -62,12 +68,16 @@ typedef struct proxy {
   pthread_t th;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int refuse[L_COUNT];          /* (mu) connection attempts still to refuse */
-  int cut_req;                  /* (mu) close forwarded connections of the listeners in mask */
-  int cut_mask;                 /* (mu) bit l: listener l */
-  int cuts_done;                /* (mu) */
-  int stop;                     /* (mu) */
-  int refused[L_COUNT];         /* (mu) attempts refused so far */
+  int refuse[L_COUNT];  /* (mu) connection attempts still to refuse */
+  int cut_req;          /* (mu) close forwarded connections of the listeners in mask */
+  int cut_mask;         /* (mu) bit l: listener l */
+  int cuts_done;        /* (mu) */
+  int stop;             /* (mu) */
+  int refused[L_COUNT]; /* (mu) attempts refused so far */
+  /* (mu) flip the last byte of the next read of at least PROXY_CORRUPT_MIN
+   * bytes from the server on listener l's connections, then disarm */
+  int corrupt_armed[L_COUNT];
+  int corrupted[L_COUNT];       /* (mu) reads corrupted so far */
   int pair[PROXY_MAX_PAIRS][2]; /* proxy thread only: client fd, upstream fd */
   int pair_l[PROXY_MAX_PAIRS];  /* proxy thread only: the listener of each pair */
   int npairs;
@@ -174,6 +184,15 @@ static void *proxy_main(void *arg) {
         continue;
       int i = (int)(k - 1 - L_COUNT) / 2, from = (int)(k - 1 - L_COUNT) % 2;
       ssize_t r = read(p->pair[i][from], buf, sizeof buf);
+      if (r >= PROXY_CORRUPT_MIN && from == 1) {
+        pthread_mutex_lock(&p->mu);
+        if (p->corrupt_armed[p->pair_l[i]]) {
+          buf[r - 1] ^= 0x10;
+          p->corrupt_armed[p->pair_l[i]] = 0;
+          p->corrupted[p->pair_l[i]]++;
+        }
+        pthread_mutex_unlock(&p->mu);
+      }
       if (r <= 0 || write_all(p->pair[i][1 - from], buf, r) != 0)
         close_pair(p, i);
       break; /* indices may have moved: poll again */
@@ -398,6 +417,55 @@ static void a_lost_data_connection_is_retried_on_the_data_plane(void **state) {
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
+/* A pull answer damaged on the way fails its payload CRC32C (the connection
+ * lives on) and is asked for again: the caller gets the right bytes. This is
+ * also what a peer sees when an apply overtakes an answer it stalled on
+ * (docs/PROTOCOL.md). */
+static void a_pull_answer_failing_its_crc_is_asked_again(void **state) {
+  (void)state;
+  if (!data_run())
+    skip();
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  proxy px;
+  assert_int_equal(proxy_start(&px, cl.srv[1], 0, 1), 0);
+  assert_true(px.lfd[L_DATA] >= 0);
+  char addrs[128];
+  addresses_through(&cl, &px, addrs, sizeof addrs);
+  zs_client *c = client_through(addrs, 5);
+  float **buf = alloc_weights();
+  assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_OK);
+  assert_int_equal(zc_shard_transport(c, 1), ZS_TRANSPORT_DATA);
+  zs_step_result r;
+  one_step(c, buf, &r);
+
+  /* t0 is split over both shards: its piece on shard 1 (150 fp32, 600 bytes)
+   * comes through the proxy, which damages its last byte once. */
+  float *want = calloc(NUMEL[0], sizeof *want), *got = calloc(NUMEL[0], sizeof *got);
+  assert_true(want && got);
+  assert_int_equal(zs_pull(c, 0, want, ZS_DTYPE_FP32, NUMEL[0] * 4, NULL), ZS_OK);
+  pthread_mutex_lock(&px.mu);
+  px.corrupt_armed[L_DATA] = 1;
+  pthread_mutex_unlock(&px.mu);
+  int rc = zs_pull(c, 0, got, ZS_DTYPE_FP32, NUMEL[0] * 4, NULL);
+  if (rc != ZS_OK)
+    fprintf(stderr, "zs_pull: %s\n", zs_last_error());
+  assert_int_equal(rc, ZS_OK);
+  pthread_mutex_lock(&px.mu);
+  int corrupted = px.corrupted[L_DATA];
+  pthread_mutex_unlock(&px.mu);
+  assert_int_equal(corrupted, 1);
+  assert_memory_equal(got, want, NUMEL[0] * 4);
+  assert_int_equal(proxy_refused(&px, L_DATA), 0);
+
+  free(want);
+  free(got);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  free_weights(buf);
+  proxy_stop(&px);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
 static void a_restarted_shard_is_found_at_its_new_data_port(void **state) {
   (void)state;
   if (!data_run())
@@ -526,6 +594,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(a_lost_connection_is_retried_and_counted_in_the_timing),
       cmocka_unit_test(a_lost_data_connection_is_retried_on_the_data_plane),
+      cmocka_unit_test(a_pull_answer_failing_its_crc_is_asked_again),
       cmocka_unit_test(a_restarted_shard_is_found_at_its_new_data_port),
       cmocka_unit_test(a_shard_without_a_data_port_is_served_over_grpc),
       cmocka_unit_test(an_unreachable_data_port_fails_open_with_econn_naming_it),
