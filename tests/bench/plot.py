@@ -253,13 +253,18 @@ def markdown(rows):
             parts.append("Straight-line fit of step time against parameters:\n\n" + table(
                 ["transport", "N", "ns per parameter", "fixed ms", "R²"], fits))
     if by["memory"]:
+        def met(v, r):
+            if v is None:
+                return "-"
+            return "%s (%s)" % (fmt(v), "met" if v <= 1.1 * r["limit"] + 64 else "missed")
         parts.append("### memory (shard peak RSS, MiB)\n\n" + table(
             ["N", "params", "peak", "18Φ/N", "ratio", "goal 1.1x+64", "met",
-             "peak once open", "resident at end"],
+             "peak once open", "data-plane rounds", "gRPC rounds", "resident at end"],
             [[int(r["shards"]), "%dM" % (int(r["params"]) >> 20), fmt(r["value"]),
               fmt(r["limit"]), fmt(r["ratio"]), fmt(1.1 * r["limit"] + 64),
               "yes" if r["value"] <= 1.1 * r["limit"] + 64 else "no",
-              fmt(r.get("peak_after_open_mib")), fmt(r.get("rss_at_end_mib"))]
+              fmt(r.get("peak_after_open_mib")), met(r.get("peak_data_mib"), r),
+              met(r.get("peak_grpc_mib"), r), fmt(r.get("rss_at_end_mib"))]
              for r in by["memory"]]))
     print("\n\n".join(parts))
 
