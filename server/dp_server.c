@@ -94,6 +94,12 @@
  * holds and lets the pool hand the same few buffers round. One answer is
  * always allowed, however large. */
 #define DP_PRODUCE_WINDOW (UINT64_C(32) << 20)
+/* Push payload bytes of one connection received and waiting for (or in) the
+ * core: at or above it the connection stops reading until they are through,
+ * so a trainer that pipelines many large pushes costs the shard at most this
+ * (plus the frame being received), not everything it has in flight. Two
+ * 16 MiB pieces: one accumulating while the next arrives. */
+#define DP_CONSUME_WINDOW (UINT64_C(32) << 20)
 /* Idle buffers kept for reuse; one buffer is kept whatever its size when the
  * pool is otherwise empty. */
 #define DP_POOL_BYTES (UINT64_C(64) << 20)
@@ -150,11 +156,12 @@ typedef struct dp_conn {
   int mid; /* counted in stats.mid_frame */
   int bp;  /* counted in stats.paused */
   wire_reader rd;
-  dp_buf *rx;                              /* payload buffer of the PUSH being received */
-  uint32_t pending;                        /* requests read whose answer is not yet written */
-  uint32_t waiting;                        /* Pulls parked in the core */
-  uint64_t queued;                         /* answer bytes handed to uv_write, not yet completed */
-  uint64_t producing;                      /* Pull answer bytes being read from the core */
+  dp_buf *rx;         /* payload buffer of the PUSH being received */
+  uint32_t pending;   /* requests read whose answer is not yet written */
+  uint32_t waiting;   /* Pulls parked in the core */
+  uint64_t queued;    /* answer bytes handed to uv_write, not yet completed */
+  uint64_t producing; /* Pull answer bytes being read from the core */
+  uint64_t consuming; /* Push payload bytes received and not yet through the core */
   struct dp_pull *ready_head, *ready_tail; /* Pulls whose version is there, FIFO */
   uint64_t iter, iter_bytes;
   uint64_t last_progress_ms;
@@ -473,7 +480,8 @@ static void conn_check(dp_conn *c) {
     conn_close(c);
     return;
   }
-  int over = c->pending >= s->max_pending || c->queued >= s->max_queued;
+  int over = c->pending >= s->max_pending || c->queued >= s->max_queued ||
+             c->consuming >= DP_CONSUME_WINDOW;
   if (over != c->bp) {
     c->bp = over;
     count(&s->st_paused, over ? 1 : -1);
@@ -708,6 +716,8 @@ static void work_finish(dp_work *w) {
   int pull = w->type == WIRE_PULL || w->type == WIRE_PULL_BATCH;
   if (pull)
     c->producing -= w->nbytes;
+  else
+    c->consuming -= w->nbytes;
   if (w->type == WIRE_PUSH_BATCH && w->status == 0) {
     pool_put(s, w->buf);
     wire_msg m = {.type = WIRE_PUSH_BATCH_ACK, .request_id = w->request_id};
@@ -775,6 +785,8 @@ static void work_start(dp_work *w) {
   dp_server *s = c->s;
   conn_ref(c);
   w->core = s->core;
+  if (w->type == WIRE_PUSH || w->type == WIRE_PUSH_BATCH)
+    c->consuming += w->nbytes;
   if (w->nbytes <= s->inline_bytes) {
     work_run(w, s->core);
     work_finish(w);
@@ -785,7 +797,10 @@ static void work_start(dp_work *w) {
     w->status = ZS_EINTERNAL;
     say(w->err, sizeof w->err, "cannot queue work: %s", uv_strerror(rc));
     work_finish(w);
+    return;
   }
+  /* The request is pending, so this only pauses reading (DP_CONSUME_WINDOW). */
+  conn_check(c);
 }
 
 /* Starts reading the piece of a ready Pull into an answer buffer. */
