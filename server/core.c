@@ -1453,6 +1453,54 @@ done:
   return rc;
 }
 
+int core_check_acked(core *c, uint64_t hash, uint64_t step, uint32_t rank, char *err,
+                     size_t errlen) {
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_check_job(c, hash, err, errlen);
+  if (rc != 0 || step != c->version + 1 || rank >= c->W) {
+    pthread_rwlock_unlock(&c->state_rw);
+    return rc == 0 ? 0 : rc;
+  }
+  uint32_t lost_tensor = 0, lost_slice = 0, lost_micro = 0, lost = 0;
+  for (uint32_t i = 0; i < c->npieces && !lost; i++) {
+    piece_state *ps = &c->pieces[i];
+    pthread_mutex_lock(&ps->mu);
+    for (uint32_t m = 0; m < c->M; m++) {
+      if (!bit_test(ps->received, m * c->W + rank)) {
+        lost = 1;
+        lost_tensor = ps->lp->tensor;
+        lost_slice = ps->lp->slice;
+        lost_micro = m;
+        break;
+      }
+    }
+    pthread_mutex_unlock(&ps->mu);
+  }
+  if (lost) {
+    pthread_mutex_lock(&c->mu);
+    int ready = c->stats_phase == STATS_READY;
+    pthread_mutex_unlock(&c->mu);
+    if (ready)
+      lost = 0;
+  }
+  if (lost && c->ckpt_loaded)
+    rc = status_fail(err, errlen, ZS_EBEHIND,
+                     "rank %u's acknowledged contribution to step %" PRIu64
+                     " (tensor %u slice %u micro %u) is gone: shard %u restarted or was restored "
+                     "at checkpoint step %" PRIu64 " (version %" PRIu64
+                     "); restore the job to a checkpoint (zs_restore, "
+                     "zshard restore) to resume",
+                     rank, step, lost_tensor, lost_slice, lost_micro, c->shard_id, c->ckpt_step,
+                     c->version);
+  else if (lost)
+    rc = status_fail(err, errlen, ZS_EINTERNAL,
+                     "rank %u's acknowledged contribution to step %" PRIu64
+                     " (tensor %u slice %u micro %u) is missing on shard %u",
+                     rank, step, lost_tensor, lost_slice, lost_micro, c->shard_id);
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
 uint32_t core_missing(core *c, uint64_t step, core_missing_entry *out, uint32_t max) {
   uint64_t total = 0;
   pthread_rwlock_rdlock(&c->state_rw);

@@ -157,6 +157,15 @@ typedef void (*core_stats_cb)(void *arg, int status, const core_stats_result *r)
 int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
                     void *arg, core_stats_result *out, char *err, size_t errlen);
 
+/* For a trainer that had every contribution of `rank` to this shard for
+ * `step` acknowledged: 0 when the shard holds them all (or the step's
+ * statistics are done, or step is not the pending one: core_grad_stats
+ * answers those), else ZS_EBEHIND naming the checkpoint the shard restarted
+ * from (or was restored to), which lost them; ZS_EINTERNAL if it never
+ * restarted. */
+int core_check_acked(core *c, uint64_t hash, uint64_t step, uint32_t rank, char *err,
+                     size_t errlen);
+
 /* What step `step` still lacks: up to `max` entries in ascending (tensor,
  * slice, micro, rank) order; returns the total count missing (0 if complete or
  * the step is not the pending one). */

@@ -953,7 +953,15 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   c->hash = r->spec_hash;
   c->step = r->step;
   uint32_t timeout_ms = r->timeout_ms;
+  uint32_t acked_rank = r->acked_rank;
   protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (acked_rank > 0) {
+    int lost = core_check_acked(s->core, c->hash, c->step, acked_rank - 1, err, sizeof err);
+    if (lost != 0) {
+      finish_err(c, 0, lost, err);
+      return;
+    }
+  }
 
   set_waiting(c, 1);
   gcall_ref(c);

@@ -138,6 +138,9 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
   req.spec_hash = c->hash;
   req.step = step;
   req.timeout_ms = c->opt.step_timeout_ms;
+  /* The drain saw every push of this rank acknowledged: a shard that lacks
+   * one lost it (a restart at the step's version) and says so at once. */
+  req.acked_rank = c->opt.rank + 1;
   zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
   if (!op)
     return ZS_ENOMEM;

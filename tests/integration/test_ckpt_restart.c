@@ -6,7 +6,8 @@
  * behind the cluster get ZS_EBEHIND naming the checkpoint, restore the job
  * (every trainer, the later ones changing nothing) and end exactly like the
  * uninterrupted run; and a restore rolls a live job back to an older
- * checkpoint from which the same steps replay bit for bit.
+ * checkpoint from which the same steps replay bit for bit; a shard that
+ * lost acknowledged pushes in a restart says so at once.
  */
 #include <pthread.h>
 #include <setjmp.h>
@@ -173,6 +174,65 @@ trainers_find_a_restarted_shard_behind_restore_and_end_like_an_uninterrupted_run
   cu_free_params(got);
 }
 
+/* A shard that dies after acknowledging this step's pushes and comes back
+ * at a checkpoint of exactly the step's version accepts the step number
+ * (it is version + 1), but has lost the pushes: zs_step learns it at once
+ * (ZS_EBEHIND naming the checkpoint), not after the step timeout, which is
+ * 30 s here; the trainer restores and ends like the uninterrupted run. */
+static void a_shard_that_lost_acknowledged_pushes_says_so_at_once(void **state) {
+  (void)state;
+  float *ref[CU_NT] = {0}, *got[CU_NT] = {0};
+  assert_int_equal(cu_reference(2, 1, LAST, ref), 0);
+  char dir[512];
+  cu_dir(dir, sizeof dir, "lost-pushes");
+  hs_server *srv[2];
+  for (uint32_t i = 0; i < 2; i++)
+    assert_non_null(srv[i] = cu_start_shard(i, 2, 0, dir, NULL));
+  char addrs[128];
+  cu_addrs(srv, 2, addrs, sizeof addrs);
+  cu_trainer tr;
+  assert_int_equal(cu_trainer_init(&tr, addrs, 0, 1, 0), 0);
+  assert_int_equal(cu_trainer_open(&tr), 0);
+  assert_int_equal(cu_train_until(&tr, 4, 0), 0);
+  assert_int_equal(zs_checkpoint(tr.c, 4), ZS_OK);
+
+  /* Step 5's pulls and pushes, every push acknowledged (zs_push without a
+   * request handle returns once it is). */
+  assert_int_equal(zs_current_step(tr.c), 5);
+  for (int t = 0; t < CU_NT; t++)
+    assert_int_equal(zs_pull(tr.c, (uint32_t)t, tr.param[t], ZS_DTYPE_FP32,
+                             cu_tensors[t].numel * sizeof(float), NULL),
+                     ZS_OK);
+  for (int t = 0; t < CU_NT; t++) {
+    for (uint64_t i = 0; i < cu_tensors[t].numel; i++)
+      tr.grad[t][i] = tr.param[t][i] * 0.5f;
+    assert_int_equal(zs_push(tr.c, (uint32_t)t, 0, tr.grad[t], ZS_DTYPE_FP32,
+                             cu_tensors[t].numel * sizeof(float), NULL),
+                     ZS_OK);
+  }
+  int port1 = srv[1]->port;
+  cu_kill9(srv[1]);
+  assert_non_null(srv[1] = cu_start_shard(1, 2, port1, dir, NULL));
+  assert_true(cu_file_has(srv[1]->log_path, "event=checkpoint_loaded"));
+
+  int rc = zs_step(tr.c, CU_LR, 0, 0, NULL);
+  fprintf(stderr, "zs_step after the restart: %s: %s\n", zs_err_name(rc), zs_last_error());
+  assert_int_equal(rc, ZS_EBEHIND);
+  assert_non_null(strstr(zs_last_error(), "checkpoint step 4"));
+  assert_non_null(strstr(zs_last_error(), "acknowledged"));
+
+  assert_int_equal(zs_restore(tr.c, 0), ZS_OK);
+  assert_int_equal(zs_current_step(tr.c), 5);
+  assert_int_equal(cu_train_until(&tr, LAST, 0), 0);
+  assert_int_equal(cu_final(&tr, got), 0);
+  assert_true(cu_same(ref, got));
+  cu_trainer_free(&tr);
+  for (uint32_t i = 0; i < 2; i++)
+    assert_int_equal(hs_stop(srv[i]), 0);
+  cu_free_params(ref);
+  cu_free_params(got);
+}
+
 static void restore_rolls_a_live_job_back_and_the_steps_replay_exactly(void **state) {
   (void)state;
   float *ref[CU_NT] = {0}, *got[CU_NT] = {0};
@@ -217,6 +277,7 @@ int main(void) {
           every_shard_killed_restarts_from_its_checkpoint_and_ends_like_an_uninterrupted_run),
       cmocka_unit_test(
           trainers_find_a_restarted_shard_behind_restore_and_end_like_an_uninterrupted_run),
+      cmocka_unit_test(a_shard_that_lost_acknowledged_pushes_says_so_at_once),
       cmocka_unit_test(restore_rolls_a_live_job_back_and_the_steps_replay_exactly),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);
