@@ -495,16 +495,6 @@ uint64_t bench_vmrss(pid_t pid) {
   return proc_status_kb(pid, "VmRSS");
 }
 
-int bench_reset_vmhwm(pid_t pid) {
-  char path[64];
-  snprintf(path, sizeof path, "/proc/%d/clear_refs", (int)pid);
-  FILE *f = fopen(path, "w");
-  if (!f)
-    return -1;
-  int ok = fputs("5", f) >= 0;
-  return fclose(f) == 0 && ok ? 0 : -1;
-}
-
 void bench_server_list(const bench_server *srv, uint32_t n, char *buf, size_t len) {
   size_t off = 0;
   buf[0] = '\0';

@@ -123,10 +123,6 @@ void bench_servers_stop(bench_server *srv, uint32_t n);
 uint64_t bench_vmhwm(pid_t pid);
 /* The current resident set (VmRSS) of process `pid`, in bytes; 0 if unknown. */
 uint64_t bench_vmrss(pid_t pid);
-/* Resets the peak resident set of process `pid` to its current resident set
- * (writes 5 to /proc/<pid>/clear_refs), so that VmHWM then measures the peak
- * of what follows. 0, or -1 when the kernel refused. */
-int bench_reset_vmhwm(pid_t pid);
 
 /* "127.0.0.1:p0,127.0.0.1:p1,..." of the gRPC ports into buf. */
 void bench_server_list(const bench_server *srv, uint32_t n, char *buf, size_t len);
