@@ -510,6 +510,8 @@ static const char *section_name(uint32_t kind) {
     return "exp_avg";
   case CKPT_SEC_EXP_AVG_SQ:
     return "exp_avg_sq";
+  case CKPT_SEC_CLIENT_STATE:
+    return "client_state";
   default:
     return "unknown";
   }
@@ -609,6 +611,12 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
     rc = status_fail(err, errlen, ZS_EINTERNAL, "the state does not match its spec's layout");
     goto done;
   }
+  if (st->client_state_len > CORE_MAX_CLIENT_STATE ||
+      (st->client_state_len > 0 && !st->client_state)) {
+    rc = status_fail(err, errlen, ZS_EINVAL, "a client state of %zu bytes (at most %u)",
+                     st->client_state_len, CORE_MAX_CLIENT_STATE);
+    goto done;
+  }
   ckpt_file_name(st->shard_id, s->num_shards, name, sizeof name);
   if (ckpt_step_dir(root, st->version, dir, sizeof dir) != 0 ||
       join_path(final, sizeof final, dir, name) != 0 ||
@@ -624,7 +632,7 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", final);
     goto done;
   }
-  out_section sec[6];
+  out_section sec[7];
   uint32_t nsec = 0;
   uint64_t arena_bytes = st->nelems * sizeof(float);
   sec[nsec++] = (out_section){CKPT_SEC_SPEC, bspec.p, bspec.len, 0, 0};
@@ -635,6 +643,11 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
     sec[nsec++] = (out_section){CKPT_SEC_EXP_AVG, (const uint8_t *)st->m, arena_bytes, 0, 0};
   if (need_v)
     sec[nsec++] = (out_section){CKPT_SEC_EXP_AVG_SQ, (const uint8_t *)st->v, arena_bytes, 0, 0};
+  /* Only when there is one: a job without a client state writes the same
+   * bytes as before the section existed, which older builds still read. */
+  if (st->client_state_len > 0)
+    sec[nsec++] =
+        (out_section){CKPT_SEC_CLIENT_STATE, st->client_state, st->client_state_len, 0, 0};
   uint64_t off = align_up(CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES);
   for (uint32_t i = 0; i < nsec; i++) {
     sec[i].off = off;
@@ -1115,6 +1128,8 @@ struct ckpt_reader {
   layout lay;
   uint64_t arr_off[3]; /* file offset of each array, when present */
   int has[3];
+  unsigned char client_state[CORE_MAX_CLIENT_STATE];
+  size_t client_state_len;
 };
 
 const ckpt_header *ckpt_reader_header(const ckpt_reader *r) {
@@ -1128,6 +1143,10 @@ const layout *ckpt_reader_layout(const ckpt_reader *r) {
 }
 const char *ckpt_reader_path(const ckpt_reader *r) {
   return r->path;
+}
+const unsigned char *ckpt_reader_client_state(const ckpt_reader *r, size_t *len) {
+  *len = r->client_state_len;
+  return r->client_state_len ? r->client_state : NULL;
 }
 
 void ckpt_reader_close(ckpt_reader *r) {
@@ -1278,7 +1297,7 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
     goto fail;
   }
   in_section sec[CKPT_MAX_SECTIONS];
-  int seen[7] = {0};
+  int seen[CKPT_SEC_CLIENT_STATE + 1] = {0};
   for (uint32_t i = 0; i < nsec; i++) {
     const uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
     sec[i] = (in_section){.kind = get_u32(e),
@@ -1286,7 +1305,7 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
                           .len = get_u64(e + 16),
                           .crc = get_u32(e + 24),
                           .got = 0};
-    if (sec[i].kind < CKPT_SEC_SPEC || sec[i].kind > CKPT_SEC_EXP_AVG_SQ || seen[sec[i].kind]++ ||
+    if (sec[i].kind < CKPT_SEC_SPEC || sec[i].kind > CKPT_SEC_CLIENT_STATE || seen[sec[i].kind]++ ||
         get_u32(e + 4) != 0 || get_u32(e + 28) != 0) {
       rc = status_fail(err, errlen, ZS_EPROTO,
                        "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path, i,
@@ -1339,7 +1358,7 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
   }
 
   /* The small sections, now known to be intact. */
-  const in_section *ss = NULL, *so = NULL, *sp = NULL;
+  const in_section *ss = NULL, *so = NULL, *sp = NULL, *sc = NULL;
   for (uint32_t i = 0; i < nsec; i++) {
     switch (sec[i].kind) {
     case CKPT_SEC_SPEC:
@@ -1363,8 +1382,12 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
       r->arr_off[CKPT_ARRAY_EXP_AVG_SQ] = sec[i].off;
       r->has[CKPT_ARRAY_EXP_AVG_SQ] = 1;
       break;
+    case CKPT_SEC_CLIENT_STATE:
+      sc = &sec[i];
+      break;
     }
-    if ((sec[i].kind >= CKPT_SEC_MASTER) && sec[i].len != r->h.nelems * sizeof(float)) {
+    if (sec[i].kind >= CKPT_SEC_MASTER && sec[i].kind <= CKPT_SEC_EXP_AVG_SQ &&
+        sec[i].len != r->h.nelems * sizeof(float)) {
       rc =
           status_fail(err, errlen, ZS_EPROTO,
                       "%s: the %s section has %" PRIu64 " bytes, the header's arena needs %" PRIu64,
@@ -1450,6 +1473,21 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
   }
   r->h.has_exp_avg = need_m;
   r->h.has_exp_avg_sq = need_v;
+  if (sc) {
+    /* Opaque to the shard; only its size is checked (a writer never puts an
+     * empty one). */
+    if (sc->len == 0 || sc->len > CORE_MAX_CLIENT_STATE) {
+      rc = status_fail(err, errlen, ZS_EPROTO,
+                       "%s: the client_state section has %" PRIu64 " bytes, not 1 to %u", path,
+                       sc->len, CORE_MAX_CLIENT_STATE);
+      goto fail;
+    }
+    if (pread_full(r->fd, r->client_state, (size_t)sc->len, sc->off) != 0) {
+      rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
+      goto fail;
+    }
+    r->client_state_len = (size_t)sc->len;
+  }
   free(small);
   free(expect_bytes.p);
   *out = r;
@@ -1535,6 +1573,20 @@ static int copy_overlaps(ckpt_reader *r, const layout_piece *q, const layout *nl
   return 0;
 }
 
+/* Copies the reader's client state into st (which owns the copy). */
+static int take_client_state(const ckpt_reader *r, core_state *st, char *err, size_t errlen) {
+  size_t len = 0;
+  const unsigned char *cs = ckpt_reader_client_state(r, &len);
+  if (len == 0)
+    return 0;
+  st->client_state = malloc(len);
+  if (!st->client_state)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
+  memcpy(st->client_state, cs, len);
+  st->client_state_len = len;
+  return 0;
+}
+
 /* 1 if old piece q holds elements of a piece of `shard` in the new layout. */
 static int overlaps_new(const layout_piece *q, const layout *nl, uint32_t shard) {
   for (uint32_t i = nl->tensor_first[q->tensor]; i < nl->tensor_first[q->tensor + 1]; i++) {
@@ -1568,7 +1620,8 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     /* The common case: this shard's own file, read straight into the state. */
     if ((rc = open_shard_file(dir, &m, shard_id, &r, err, errlen)) != 0)
       goto done;
-    if ((rc = core_state_init(out, ckpt_reader_spec(r), shard_id, err, errlen)) != 0)
+    if ((rc = core_state_init(out, ckpt_reader_spec(r), shard_id, err, errlen)) != 0 ||
+        (rc = take_client_state(r, out, err, errlen)) != 0)
       goto done;
     float *dst[3] = {out->master, out->m, out->v};
     for (int a = 0; a < 3 && rc == 0; a++)
@@ -1595,7 +1648,8 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
       goto done;
     spec ns = *ckpt_reader_spec(r); /* shallow: core_state_init deep-copies it */
     ns.num_shards = num_shards;
-    if ((rc = core_state_init(out, &ns, shard_id, err, errlen)) != 0)
+    if ((rc = core_state_init(out, &ns, shard_id, err, errlen)) != 0 ||
+        (rc = take_client_state(r, out, err, errlen)) != 0)
       goto done;
     if (layout_build(ckpt_reader_spec(r), &old) != 0) {
       rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory computing a layout");

@@ -49,6 +49,11 @@ typedef enum ckpt_section {
   CKPT_SEC_MASTER = 4,     /* fp32 master weights, the whole arena */
   CKPT_SEC_EXP_AVG = 5,    /* fp32 m arena: Adam's exp_avg, SGD's momentum */
   CKPT_SEC_EXP_AVG_SQ = 6, /* fp32 v arena: Adam's exp_avg_sq */
+  /* Optional, written when the state has one: the trainers' client state of
+   * the version (core_state.client_state), 1..CORE_MAX_CLIENT_STATE opaque
+   * bytes. Files without it (older ones, or jobs that never sent one) load
+   * with an empty client state. */
+  CKPT_SEC_CLIENT_STATE = 7,
 } ckpt_section;
 
 /* The three state arrays a reader can read from. */
@@ -164,6 +169,9 @@ const ckpt_header *ckpt_reader_header(const ckpt_reader *r);
 const spec *ckpt_reader_spec(const ckpt_reader *r);
 const layout *ckpt_reader_layout(const ckpt_reader *r);
 const char *ckpt_reader_path(const ckpt_reader *r);
+/* The file's client state section (*len 0 and NULL without one); valid until
+ * ckpt_reader_close. */
+const unsigned char *ckpt_reader_client_state(const ckpt_reader *r, size_t *len);
 
 /* Reads n elements of array `a` from arena element `first` into dst. */
 int ckpt_reader_read(ckpt_reader *r, ckpt_array a, uint64_t first, uint64_t n, float *dst,
@@ -175,8 +183,9 @@ int ckpt_reader_read(ckpt_reader *r, ckpt_array a, uint64_t first, uint64_t n, f
  * of `num_shards` into *out (initialised here; freed with core_state_free).
  * With the checkpoint's own shard count only that shard's file is read;
  * otherwise the files holding the elements of the new shard's pieces are (all
- * must be in the step directory). ZS_ENOTFOUND when the step has no
- * MANIFEST. */
+ * must be in the step directory). The client state is that shard's file's,
+ * or when resharding the first present file's (every shard keeps the same
+ * one). ZS_ENOTFOUND when the step has no MANIFEST. */
 int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_shards,
               core_state *out, char *err, size_t errlen);
 

@@ -239,6 +239,12 @@ static int copy_view(void *arg, const core_view *v) {
     if (v->v)
       memcpy(st->v, v->v, bytes);
   }
+  /* client_state has room for the largest one (run_checkpoint). */
+  if (v->client_state_len > CORE_MAX_CLIENT_STATE)
+    return ZS_EINTERNAL;
+  if (v->client_state_len > 0)
+    memcpy(st->client_state, v->client_state, v->client_state_len);
+  st->client_state_len = v->client_state_len;
   st->version = v->version;
   st->optimizer_steps = v->optimizer_steps;
   return 0;
@@ -266,6 +272,11 @@ static void run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r) {
    * time an apply is held back is the memcpy alone. */
   if ((r->status = core_state_init(&st, sp, info.shard_id, r->err, sizeof r->err)) != 0)
     return;
+  st.client_state = malloc(CORE_MAX_CLIENT_STATE);
+  if (!st.client_state) {
+    r->status = status_fail(r->err, sizeof r->err, ZS_ENOMEM, "out of memory");
+    goto done;
+  }
   r->status = core_snapshot(s->core, j->hash, j->step, j->deadline_ms, copy_view, &st,
                             &r->snapshot_seconds, r->err, sizeof r->err);
   if (r->status == ZS_EINTERNAL)

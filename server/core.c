@@ -212,6 +212,15 @@ struct core {
   int last_skip;
   core_apply_result last_apply;
   uint64_t optimizer_steps;
+  /* The client state of `version`, written (by an apply or a restore) under
+   * state_rw exclusive and mu like the version, so either lock reads it; and
+   * the one the apply of pending_cs_step is to commit, under mu (0: none; a
+   * step is never 0). */
+  unsigned char client_state[CORE_MAX_CLIENT_STATE];
+  size_t client_state_len;
+  unsigned char pending_cs[CORE_MAX_CLIENT_STATE];
+  size_t pending_cs_len;
+  uint64_t pending_cs_step;
   waiter *version_waiters, *stats_waiters, *apply_waiters;
   waiter *snapshot_waiters; /* core_snapshot calls, keyed by step */
   ckpt_call *restore_call;  /* the core_restore call the worker is to run */
@@ -778,6 +787,14 @@ static void core_run_apply(core *c) {
   pthread_mutex_lock(&c->mu);
   c->version = step;
   c->optimizer_steps = opt_steps;
+  /* The pending client state cannot change once the apply is queued, so the
+   * one read here is the one recorded for this step, if any. */
+  if (c->pending_cs_step == step && c->pending_cs_len > 0) {
+    memcpy(c->client_state, c->pending_cs, c->pending_cs_len);
+    c->client_state_len = c->pending_cs_len;
+  }
+  c->pending_cs_step = 0;
+  c->pending_cs_len = 0;
   c->ckpt_untouched = 0;
   c->applies++;
   if (skip)
@@ -1626,6 +1643,42 @@ done:
   return rc;
 }
 
+/* ---------------------------------------------------------------- client state */
+
+int core_set_apply_client_state(core *c, uint64_t hash, uint64_t step, const void *data, size_t len,
+                                char *err, size_t errlen) {
+  if (len > CORE_MAX_CLIENT_STATE)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "client_state of step %" PRIu64
+                       " has %zu bytes, more than the %u a shard keeps; nothing changed",
+                       step, len, CORE_MAX_CLIENT_STATE);
+  if (len > 0 && !data)
+    return status_fail(err, errlen, ZS_EINVAL, "no client state given");
+  pthread_mutex_lock(&c->mu);
+  int rc = core_check_job(c, hash, err, errlen);
+  /* Once the step's apply is queued, its blob is the one recorded; what a
+   * repeat carries is not looked at (every trainer sends the same). */
+  if (rc == 0 && step == c->version + 1 && c->apply_state == APPLY_NONE) {
+    if (len > 0)
+      memcpy(c->pending_cs, data, len);
+    c->pending_cs_len = len;
+    c->pending_cs_step = step;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+size_t core_get_client_state(core *c, void *buf, size_t cap, uint64_t *version) {
+  pthread_mutex_lock(&c->mu);
+  size_t len = c->client_state_len < cap ? c->client_state_len : cap;
+  if (len > 0)
+    memcpy(buf, c->client_state, len);
+  if (version)
+    *version = c->version;
+  pthread_mutex_unlock(&c->mu);
+  return len;
+}
+
 /* ---------------------------------------------------------------- info */
 
 void core_get_info(core *c, core_info *out) {
@@ -1759,6 +1812,8 @@ static void core_run_snapshot(core *c, waiter *w) {
       .master = c->master,
       .m = c->m,
       .v = c->v,
+      .client_state = c->client_state_len ? c->client_state : NULL,
+      .client_state_len = c->client_state_len,
   };
   uint64_t t0 = clock_now_ns();
   int rc = call->fn(call->fn_arg, &view);
@@ -1823,6 +1878,12 @@ static void core_run_restore(core *c, ckpt_call *call) {
   pthread_mutex_lock(&c->mu);
   c->version = st->version;
   c->optimizer_steps = st->optimizer_steps;
+  /* core_restore checked the length. */
+  if (st->client_state_len > 0)
+    memcpy(c->client_state, st->client_state, st->client_state_len);
+  c->client_state_len = st->client_state_len;
+  c->pending_cs_step = 0;
+  c->pending_cs_len = 0;
   c->initialized_pieces = c->npieces;
   c->apply_state = APPLY_NONE;
   c->last_apply_valid = 0;
@@ -1993,6 +2054,7 @@ void core_state_free(core_state *st) {
   free(st->master);
   free(st->m);
   free(st->v);
+  free(st->client_state);
   memset(st, 0, sizeof *st);
 }
 
@@ -2003,6 +2065,10 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
     return status_fail(err, errlen, ZS_EINVAL,
                        "the state is laid out for shard %u of %u, this is shard %u of %u",
                        st->shard_id, st->spec.num_shards, c->shard_id, c->num_shards);
+  if (st->client_state_len > CORE_MAX_CLIENT_STATE || (st->client_state_len && !st->client_state))
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "the state's client state of %zu bytes is not one of at most %u",
+                       st->client_state_len, CORE_MAX_CLIENT_STATE);
   /* Creates the job when there is none, and refuses another job's state. */
   int rc = core_open(c, &st->spec, NULL, err, errlen);
   if (rc != 0)

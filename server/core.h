@@ -190,6 +190,33 @@ typedef void (*core_apply_cb)(void *arg, int status, const core_apply_result *r)
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen);
 
+/* ------------------------------------------------------------- client state
+ *
+ * An opaque blob the trainers hand the shard with each Apply (libzshard's
+ * dynamic loss scaler), kept with the version it belongs to so that
+ * checkpoints, restarts and restores carry it like the weights. The shard
+ * never looks inside. */
+#define CORE_MAX_CLIENT_STATE 1024u
+
+/* The client state that the apply of `step` is to commit: called by a
+ * transport right before core_apply for the same step. It is recorded while
+ * step is version + 1 and that step's apply is not yet queued (identical
+ * trainers send identical blobs, so the one recorded last before the apply
+ * is queued is as good as the first), and ignored otherwise (a repeat of an
+ * applied or queued step). When the apply of `step` runs, a non-empty blob
+ * becomes the client state of version `step`; an empty one (len 0) leaves
+ * the previous version's in place. `data` is copied. Returns 0, ZS_ESIZE
+ * (len above CORE_MAX_CLIENT_STATE) or the job checks' status, with a
+ * sentence in err; on error nothing changes. */
+int core_set_apply_client_state(core *c, uint64_t hash, uint64_t step, const void *data, size_t len,
+                                char *err, size_t errlen);
+
+/* Copies the client state of the current version into buf (cap bytes, at
+ * least CORE_MAX_CLIENT_STATE to be sure it fits; a longer state is cut to
+ * cap) and returns its length (0: none); *version (may be NULL) gets that
+ * version, read under the same lock. Non-blocking. */
+size_t core_get_client_state(core *c, void *buf, size_t cap, uint64_t *version);
+
 typedef struct core_info {
   uint32_t shard_id, num_shards;
   int has_job;
@@ -240,6 +267,9 @@ typedef struct core_view {
   uint32_t shard_id, num_shards;
   uint64_t hash, version, optimizer_steps, nelems;
   const float *master, *m, *v;
+  /* The client state of `version` (NULL with length 0 when there is none). */
+  const unsigned char *client_state;
+  size_t client_state_len;
 } core_view;
 
 typedef int (*core_view_fn)(void *arg, const core_view *view);
@@ -269,6 +299,10 @@ typedef struct core_state {
    * core_state_init; m (exp_avg, SGD's momentum) and v (exp_avg_sq) are NULL
    * when no param group with a piece on the shard uses them. */
   float *master, *m, *v;
+  /* Owned (malloc), NULL when empty: the client state of `version`, at most
+   * CORE_MAX_CLIENT_STATE bytes (core_set_apply_client_state). */
+  unsigned char *client_state;
+  size_t client_state_len;
 } core_state;
 
 /* Copies and validates `s` into st and allocates its arenas for shard
@@ -279,12 +313,14 @@ int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err,
 /* Frees what st owns and zeroes it; tolerates a zeroed state. */
 void core_state_free(core_state *st);
 
-/* Replaces the shard's state by st: version, optimizer step count, master, m
- * and v; the low-precision copy is recomputed from the master, the
+/* Replaces the shard's state by st: version, optimizer step count, master, m,
+ * v and the client state (copied; an empty one clears the shard's); the
+ * low-precision copy is recomputed from the master, the
  * accumulator and every contribution of the pending step are dropped. With no
  * job open, st->spec's job is opened first; otherwise st->spec must have the
  * job's hash (ZS_EHASH). st->spec.num_shards and st->shard_id must be the
- * shard's own (ZS_EINVAL). On success the arenas are exchanged, so st holds
+ * shard's own, and the client state at most CORE_MAX_CLIENT_STATE bytes
+ * (ZS_EINVAL). On success the arenas are exchanged, so st holds
  * the shard's previous ones, for the caller to free with core_state_free; on
  * failure the shard is unchanged. The shard then reports (core_checkpoint_origin)
  * that its state is checkpoint `ckpt_step`. */

@@ -699,9 +699,17 @@ static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   }
   core_info info;
   core_get_info(s->core, &info);
+  /* The version is read again with the client state, so that the trainer
+   * gets the state of the version it resumes at even if an apply ran since
+   * core_open looked. */
+  uint8_t cs[CORE_MAX_CLIENT_STATE];
+  uint64_t cs_version = 0;
+  size_t cs_len = core_get_client_state(s->core, cs, sizeof cs, &cs_version);
   Zshard__V1__OpenResponse resp = ZSHARD__V1__OPEN_RESPONSE__INIT;
   resp.spec_hash = res.spec_hash;
-  resp.version = res.version;
+  resp.version = cs_version;
+  resp.client_state.data = cs;
+  resp.client_state.len = cs_len;
   resp.shard_id = info.shard_id;
   resp.num_shards = info.num_shards;
   resp.created = res.created != 0;
@@ -1008,17 +1016,26 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   double lr = r->lr;
   float coef = r->coef;
   int skip = r->skip;
-  protobuf_c_message_free_unpacked(&r->base, NULL);
+  int rc = 0;
   if (!isfinite(lr) || lr < 0 || !isfinite(coef)) {
+    rc = ZS_EINVAL;
     snprintf(err, sizeof err, "Apply needs a finite lr >= 0 and a finite coef (lr=%g coef=%g)", lr,
              (double)coef);
-    finish_err(c, 0, ZS_EINVAL, err);
+  } else {
+    /* Recorded before the apply is queued, so that the apply commits it;
+     * an oversized one is refused here and the apply never starts. */
+    rc = core_set_apply_client_state(s->core, hash, step, r->client_state.data, r->client_state.len,
+                                     err, sizeof err);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (rc != 0) {
+    finish_err(c, 0, rc, err);
     return;
   }
   /* The apply runs on a core thread; this call is work in progress, not a
    * wait, so shutdown gives it the grace period. */
   gcall_ref(c);
-  int rc =
+  rc =
       core_apply(s->core, hash, step, lr, coef, skip, on_core_apply, c, &c->apply, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
@@ -1154,9 +1171,14 @@ static void ckpt_finish(gcall *c, int claimed) {
     resp.step = r->step;
     finish_msg(c, claimed, &resp.base);
   } else {
+    uint8_t cs[CORE_MAX_CLIENT_STATE];
+    uint64_t cs_version = 0;
+    size_t cs_len = core_get_client_state(c->s->core, cs, sizeof cs, &cs_version);
     Zshard__V1__RestoreResponse resp = ZSHARD__V1__RESTORE_RESPONSE__INIT;
     resp.step = r->step;
-    resp.version = info.version;
+    resp.version = cs_version; /* read with the client state */
+    resp.client_state.data = cs;
+    resp.client_state.len = cs_len;
     resp.changed = r->changed != 0;
     resp.source_shards = r->source_shards;
     resp.spec_hash = info.spec_hash;

@@ -239,7 +239,7 @@ int cli_restore(int argc, char **argv) {
     goto done;
   /* Shards without a job take the checkpoint's job (hash 0 lets them). */
   rc = zc_restore(c, with_job == c->nshards ? hash : 0, o.step_given ? o.step : 0, o.dir, &restored,
-                  &changed);
+                  &changed, NULL, NULL);
   if (rc != ZS_OK) {
     fprintf(stderr, "zshard restore: %s\n", zs_last_error());
     goto done;

@@ -334,7 +334,9 @@ static int checkpoint_problem(int st) {
 }
 
 int zc_restore(zs_client *c, uint64_t hash, uint64_t step, const char *dir, uint64_t *restored,
-               int *changed) {
+               int *changed, uint8_t *cs, size_t *cs_len) {
+  if (cs_len)
+    *cs_len = 0;
   uint64_t *cand = NULL;
   size_t ncand = 0;
   uint64_t one = step;
@@ -384,6 +386,14 @@ int zc_restore(zs_client *c, uint64_t hash, uint64_t step, const char *dir, uint
           *restored = cand[k];
         if (changed)
           *changed = any;
+        for (uint32_t i = 0; cs && cs_len && i < c->nshards && *cs_len == 0; i++) {
+          const Zshard__V1__RestoreResponse *r =
+              (const Zshard__V1__RestoreResponse *)op->tasks[i].resp;
+          if (r->client_state.len > 0 && r->client_state.len <= ZC_MAX_CLIENT_STATE) {
+            memcpy(cs, r->client_state.data, r->client_state.len);
+            *cs_len = r->client_state.len;
+          }
+        }
       }
     } else if (step == 0) {
       /* Fall back only when every failure is about the checkpoint itself. */
@@ -434,9 +444,16 @@ int zs_restore(zs_client *c, uint64_t step) {
   pthread_mutex_unlock(&c->mu);
 
   uint64_t restored = 0;
-  rc = zc_restore(c, hash, step, NULL, &restored, NULL);
+  uint8_t cs[ZC_MAX_CLIENT_STATE];
+  size_t cs_len = 0;
+  rc = zc_restore(c, hash, step, NULL, &restored, NULL, cs, &cs_len);
 
   pthread_mutex_lock(&c->mu);
+  /* The scaler goes back with the weights; a checkpoint without its state
+   * (an older one, or a job stepped without the client's dynamic scaler)
+   * leaves it as it is. */
+  if (rc == ZS_OK && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC)
+    zc_scaler_decode(&c->scaler, cs, cs_len);
   if (rc == ZS_OK && c->opened) {
     c->step = restored + 1;
     memset(c->pushed, 0, ((size_t)c->sp.num_tensors * c->sp.grad_accum + 7) / 8);

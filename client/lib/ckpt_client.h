@@ -31,10 +31,12 @@ int zc_checkpoint(zs_client *c, uint64_t hash, uint64_t step, const char *dir, z
  * loadable on every shard, then older ones if a shard refuses it) from `dir`
  * (NULL: the state directories); `hash` 0 lets each shard take the
  * checkpoint's own job. *restored (may be NULL) gets the step restored and
- * *changed (may be NULL) whether any shard changed. Does not touch the
- * client's step state. */
+ * *changed (may be NULL) whether any shard changed. With `cs` (may be NULL;
+ * ZC_MAX_CLIENT_STATE bytes, the caller's) the restored client state goes
+ * there, shard 0's or else the first shard's that has one, and its length to
+ * *cs_len (0: none). Does not touch the client's step state. */
 int zc_restore(zs_client *c, uint64_t hash, uint64_t step, const char *dir, uint64_t *restored,
-               int *changed);
+               int *changed, uint8_t *cs, size_t *cs_len);
 
 /* The newest step complete and loadable on every shard of `dir`, whose
  * checkpoint is of job `hash` when it has this shard count (hash 0: any).

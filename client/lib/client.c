@@ -560,7 +560,10 @@ int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint32_t group
 
 /* ---- opening the job ------------------------------------------------------------ */
 
-static int open_on_shards(zs_client *c, uint64_t *version) {
+/* Open on every shard: *version gets the job's version and cs (*cs_len
+ * bytes, at most ZC_MAX_CLIENT_STATE) its client state, shard 0's or else
+ * the first shard's that has one (every shard keeps the same). */
+static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *cs_len) {
   Zshard__V1__ModelSpec ms = ZSHARD__V1__MODEL_SPEC__INIT;
   Zshard__V1__OpenRequest *reqs = NULL;
   zs_request *op = NULL;
@@ -611,6 +614,14 @@ static int open_on_shards(zs_client *c, uint64_t *version) {
       vmin = r->version;
     if (r->version > vmax)
       vmax = r->version;
+  }
+  *cs_len = 0;
+  for (uint32_t i = 0; rc == ZS_OK && i < c->nshards && *cs_len == 0; i++) {
+    const Zshard__V1__OpenResponse *r = (const Zshard__V1__OpenResponse *)op->tasks[i].resp;
+    if (r->client_state.len > 0 && r->client_state.len <= ZC_MAX_CLIENT_STATE) {
+      memcpy(cs, r->client_state.data, r->client_state.len);
+      *cs_len = r->client_state.len;
+    }
   }
   if (rc == ZS_OK && vmin != vmax) {
     char hint[ZC_ERR_LEN / 2];
@@ -708,6 +719,8 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
    * without the lock. */
   char err[ZC_ERR_LEN];
   uint64_t version = 0;
+  uint8_t cs[ZC_MAX_CLIENT_STATE]; /* the job's client state (Open) */
+  size_t cs_len = 0;
   if (c->sp.num_tensors == 0) {
     rc = zc_fail(ZS_EINVAL, "zs_open_job: the model has no tensors (zs_add_tensor)");
     goto fail;
@@ -781,7 +794,7 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
       goto fail;
     }
   }
-  rc = open_on_shards(c, &version);
+  rc = open_on_shards(c, &version, cs, &cs_len);
   if (rc != ZS_OK)
     goto fail;
   if (c->opt.rank == 0 && version == 0) {
@@ -796,6 +809,10 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
   }
   pthread_mutex_lock(&c->mu);
   c->step = version + 1;
+  /* Resuming a trained job: the scaler continues where the job's version
+   * left it (an absent or foreign state leaves it as configured). */
+  if (version > 0 && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC)
+    zc_scaler_decode(&c->scaler, cs, cs_len);
   c->opened = 1;
   c->opening = 0;
   c->mark_ns = clock_now_ns();

@@ -246,6 +246,27 @@ int zc_call(struct zs_client *c, uint32_t shard, const char *method, const Proto
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st);
 
+/* ---- scaler.c: the loss scaler's state, carried by the shards ---------------- */
+
+/* The largest client state a shard keeps (ApplyRequest.client_state); the
+ * server's CORE_MAX_CLIENT_STATE. */
+#define ZC_MAX_CLIENT_STATE 1024u
+
+/* The scaler's state as zs_step sends it in ApplyRequest.client_state: the
+ * little-endian blob "ZSLS", u32 version 1, f64 scale, u32 cur_hysteresis,
+ * i64 iter, i64 last_overflow_iter (docs/CHECKPOINTS.md), so that it comes
+ * back with the job's version after a restart or a restore. */
+#define ZC_SCALER_BLOB_BYTES 36u
+
+/* Encodes s's state into out (ZC_SCALER_BLOB_BYTES bytes, the caller's). */
+void zc_scaler_encode(const zs_loss_scaler *s, uint8_t *out);
+
+/* Sets s's state (scale, cur_hysteresis, iter, last_overflow_iter; not its
+ * configuration) from a blob of len bytes and returns 1, or returns 0 and
+ * leaves s alone when the blob is empty or not one zc_scaler_encode wrote
+ * (another client's state, a later version, values out of range). */
+int zc_scaler_decode(zs_loss_scaler *s, const uint8_t *blob, size_t len);
+
 /* ---- the client (client.c) ------------------------------------------------- */
 
 struct zs_client {

@@ -19,6 +19,12 @@
  *   4. Apply(step, lr, coef, skip) on every shard in parallel; skip on
  *      overflow. Identical arguments from every trainer make the later Applies
  *      repeats of the first, which the shards answer with the same outcome.
+ *      With the client's dynamic loss scaler, the Apply also carries the
+ *      scaler's state after this step's update (client_state), which the
+ *      shards keep with the version and checkpoint, so that a restart or a
+ *      restore brings the scaler back with the weights (zs_open_job,
+ *      zs_restore). The client's own scaler changes only once the Apply
+ *      succeeded, so a failed zs_step can be called again.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -188,13 +194,17 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
   return rc;
 }
 
-static int apply_all(zs_client *c, uint64_t step, double lr, float coef, int skip) {
+/* `cs` (cs_len bytes, may be 0) becomes the shards' client state of `step`. */
+static int apply_all(zs_client *c, uint64_t step, double lr, float coef, int skip,
+                     const uint8_t *cs, size_t cs_len) {
   Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
   req.spec_hash = c->hash;
   req.step = step;
   req.lr = lr;
   req.coef = coef;
   req.skip = skip != 0;
+  req.client_state.data = (uint8_t *)(uintptr_t)cs; /* packing only reads it */
+  req.client_state.len = cs_len;
   zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
   if (!op)
     return ZS_ENOMEM;
@@ -248,10 +258,14 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
   c->stepping = 1;
   const uint64_t step = c->step;
   const int own_scaler = loss_scale == 0;
+  const int dynamic = own_scaler && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC;
+  /* The scaler as it will be after this step; `stepping` keeps every other
+   * writer of c->scaler out until it is stored back. */
+  zs_loss_scaler next_scaler = c->scaler;
   if (own_scaler) {
     if (c->opt.loss_scaling == ZS_LOSS_SCALE_STATIC)
       loss_scale = c->opt.static_loss_scale;
-    else if (c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC)
+    else if (dynamic)
       loss_scale = c->scaler.scale;
     else
       loss_scale = 1.0;
@@ -298,8 +312,15 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
    * every trainer (a repeated Apply must match the first), hence finite. */
   const float coef = (float)(clip_coef / loss_scale);
 
-  /* 4. Apply everywhere. */
-  rc = apply_all(c, step, lr, coef, overflow);
+  /* 4. Apply everywhere, with the scaler's next state for the shards to keep. */
+  uint8_t cs[ZC_SCALER_BLOB_BYTES];
+  size_t cs_len = 0;
+  if (dynamic) {
+    zs_loss_scaler_update(&next_scaler, overflow);
+    zc_scaler_encode(&next_scaler, cs);
+    cs_len = sizeof cs;
+  }
+  rc = apply_all(c, step, lr, coef, overflow, cs, cs_len);
   if (rc != ZS_OK)
     goto done;
 
@@ -311,8 +332,8 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
   c->step = step + 1;
   memset(c->pushed, 0, ((size_t)c->sp.num_tensors * c->sp.grad_accum + 7) / 8);
   double next_scale = loss_scale;
-  if (own_scaler && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC) {
-    zs_loss_scaler_update(&c->scaler, overflow);
+  if (dynamic) {
+    c->scaler = next_scaler;
     next_scale = c->scaler.scale;
   }
   zs_timing *tm = &c->last_timing;

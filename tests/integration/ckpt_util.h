@@ -77,6 +77,8 @@ static inline int cu_fail(cu_trainer *tr, int rc, const char *what) {
 /* A client for `addrs` with the test model described (not opened). */
 /* Retries of a call to an unreachable shard; 0: the library's default. */
 static uint32_t cu_max_retries;
+/* When set, trainers use ZS_LOSS_SCALE_DYNAMIC with this scaler. */
+static const zs_loss_scaler *cu_dynamic_scaler;
 
 static inline int cu_trainer_init(cu_trainer *tr, const char *addrs, uint32_t rank, uint32_t world,
                                   uint32_t checkpoint_every) {
@@ -100,6 +102,10 @@ static inline int cu_trainer_init(cu_trainer *tr, const char *addrs, uint32_t ra
   o.checkpoint_every = checkpoint_every;
   if (cu_max_retries)
     o.max_retries = cu_max_retries;
+  if (cu_dynamic_scaler) {
+    o.loss_scaling = ZS_LOSS_SCALE_DYNAMIC;
+    o.dynamic_loss_scaler = *cu_dynamic_scaler;
+  }
   int rc = zs_client_open(&o, &tr->c);
   if (rc != ZS_OK)
     return cu_fail(tr, rc, "zs_client_open");

@@ -557,6 +557,117 @@ test_a_non_finite_gradient_must_be_skipped_and_skipping_keeps_the_weights(void *
   fixture_down(&f);
 }
 
+/* Apply of `step` on shard i carrying a client state (len bytes at cs). */
+static int apply_with_state(hs_job *j, uint32_t i, uint64_t step, int skip, const void *cs,
+                            size_t len, rpc_status *st) {
+  Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
+  req.spec_hash = j->hash;
+  req.step = step;
+  req.lr = LR;
+  req.coef = 1.0f;
+  req.skip = skip != 0;
+  req.client_state.data = (uint8_t *)(uintptr_t)cs;
+  req.client_state.len = len;
+  ProtobufCMessage *resp = NULL;
+  int rc = rpc_call(j->ch[i], "/zshard.v1.ZShard/Apply", &req.base,
+                    &zshard__v1__apply_response__descriptor, &resp, HS_CALL_TIMEOUT_MS, st);
+  if (resp)
+    protobuf_c_message_free_unpacked(resp, NULL);
+  return rc;
+}
+
+/* Shard i's answer to Open: its client state into buf (returns the length)
+ * and the version it belongs to. */
+static size_t open_client_state(hs_job *j, uint32_t i, uint8_t *buf, size_t cap,
+                                uint64_t *version) {
+  Zshard__V1__ModelSpec ms = ZSHARD__V1__MODEL_SPEC__INIT;
+  assert_int_equal(spec_to_proto(&j->sp, &ms), 0);
+  Zshard__V1__OpenRequest req = ZSHARD__V1__OPEN_REQUEST__INIT;
+  req.spec = &ms;
+  ProtobufCMessage *resp = NULL;
+  rpc_status st;
+  int rc = rpc_call(j->ch[i], "/zshard.v1.ZShard/Open", &req.base,
+                    &zshard__v1__open_response__descriptor, &resp, HS_CALL_TIMEOUT_MS, &st);
+  spec_proto_release(&ms);
+  if (rc)
+    fail_msg("Open on shard %u: %s", i, st.message);
+  const Zshard__V1__OpenResponse *r = (const Zshard__V1__OpenResponse *)resp;
+  assert_true(r->client_state.len <= cap);
+  size_t n = r->client_state.len;
+  if (n)
+    memcpy(buf, r->client_state.data, n);
+  *version = r->version;
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return n;
+}
+
+/* The client state of an Apply becomes the shard's state of that version,
+ * stays through applies that carry none, and comes back with Open; one
+ * above 1024 bytes is refused before anything happens. */
+static void test_an_oversized_client_state_is_refused_and_changes_nothing(void **state) {
+  (void)state;
+  fixture f;
+  fixture_up(&f, "client-state", 1, 1, 2);
+  hs_job *j = &f.j;
+  grads gr;
+  grads_make(&gr, &j->sp, 1);
+  push_step(j, &gr, 1, 21, NULL);
+  stats_all(j, 1, NULL);
+  uint8_t big[1025], got[1024];
+  for (size_t k = 0; k < sizeof big; k++)
+    big[k] = (uint8_t)(k * 31 + 7);
+  uint64_t v = 99;
+  rpc_status st;
+  for (uint32_t i = 0; i < j->nshards; i++) {
+    int rc = apply_with_state(j, i, 1, 0, big, sizeof big, &st);
+    expect_status(rc, &st, ZS_ESIZE, 3 /* INVALID_ARGUMENT */, "client_state");
+    assert_non_null(strstr(st.message, "1025"));
+  }
+  /* Not applied, no state kept. */
+  expect_params(j, &f.r, 0);
+  for (uint32_t i = 0; i < j->nshards; i++) {
+    assert_int_equal(open_client_state(j, i, got, sizeof got, &v), 0);
+    assert_int_equal(v, 0);
+  }
+
+  /* 1024 bytes are kept, as version 1's state. */
+  float **acc = ref_accumulate(&gr);
+  ref_apply(&f.r, acc, LR, 1.0f, 0);
+  tensors_free(&j->sp, acc);
+  grads_free(&gr);
+  for (uint32_t i = 0; i < j->nshards; i++)
+    assert_int_equal(apply_with_state(j, i, 1, 0, big, 1024, &st), 0);
+  expect_params(j, &f.r, 1);
+  /* A repeat of the applied step is not compared and changes nothing. */
+  const uint8_t other[3] = {1, 2, 3};
+  assert_int_equal(apply_with_state(j, 0, 1, 0, other, sizeof other, &st), 0);
+  for (uint32_t i = 0; i < j->nshards; i++) {
+    assert_int_equal(open_client_state(j, i, got, sizeof got, &v), 1024);
+    assert_int_equal(v, 1);
+    assert_memory_equal(got, big, 1024);
+  }
+
+  /* A step applied without one keeps it; a skipped step with one sets it. */
+  train_step(j, &f.r, 2, 22, 1.0f);
+  for (uint32_t i = 0; i < j->nshards; i++) {
+    assert_int_equal(open_client_state(j, i, got, sizeof got, &v), 1024);
+    assert_int_equal(v, 2);
+  }
+  grads_make(&gr, &j->sp, 3);
+  push_step(j, &gr, 3, 23, NULL);
+  stats_all(j, 3, NULL);
+  for (uint32_t i = 0; i < j->nshards; i++)
+    assert_int_equal(apply_with_state(j, i, 3, 1, other, sizeof other, &st), 0);
+  for (uint32_t i = 0; i < j->nshards; i++) {
+    assert_int_equal(open_client_state(j, i, got, sizeof got, &v), sizeof other);
+    assert_int_equal(v, 3);
+    assert_memory_equal(got, other, sizeof other);
+  }
+  expect_params(j, &f.r, 3); /* skipped: the weights of version 2 */
+  grads_free(&gr);
+  fixture_down(&f);
+}
+
 /* torch.nn.utils.clip_grad_norm_'s total norm of the gradients `acc`, computed
  * by Debian's python3 with torch; -1 when python3 or torch is missing. */
 static double torch_total_norm(const spec *sp, float *const *acc) {
@@ -740,6 +851,7 @@ int main(void) {
       cmocka_unit_test(test_training_is_bit_identical_to_the_reference_whatever_the_push_order),
       cmocka_unit_test(test_bad_pushes_are_refused_with_their_status_and_change_nothing),
       cmocka_unit_test(test_a_non_finite_gradient_must_be_skipped_and_skipping_keeps_the_weights),
+      cmocka_unit_test(test_an_oversized_client_state_is_refused_and_changes_nothing),
       cmocka_unit_test(test_clipping_uses_the_norm_torch_computes_and_matches_the_reference),
       cmocka_unit_test(test_grad_stats_timeout_names_the_missing_ranks_and_tensors),
       cmocka_unit_test(test_pull_of_a_future_version_times_out_with_deadline_exceeded),

@@ -422,6 +422,75 @@ static void reshard_two_to_three_and_back_keeps_every_element(void **state) {
   spec_free(&s3);
 }
 
+/* The section count in a shard file's header. */
+static uint32_t file_sections(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  uint8_t h[60];
+  assert_int_equal(fread(h, 1, sizeof h, f), sizeof h);
+  fclose(f);
+  return (uint32_t)h[56] | (uint32_t)h[57] << 8 | (uint32_t)h[58] << 16 | (uint32_t)h[59] << 24;
+}
+
+static void client_state_travels_with_the_files_and_files_without_it_still_load(void **state) {
+  (void)state;
+  char with[512], without[512], err[512];
+  fresh_dir(with, sizeof with, "cs-with");
+  fresh_dir(without, sizeof without, "cs-without");
+  spec s2;
+  build_spec(&s2, "client-state", 2);
+  model md;
+  model_random(&md, 5);
+  uint8_t blob[CORE_MAX_CLIENT_STATE];
+  for (size_t k = 0; k < sizeof blob; k++)
+    blob[k] = (uint8_t)(k * 13 + 1);
+  /* Every shard keeps the same state; the files carry it in a section of
+   * their own. */
+  write_checkpoint(without, &s2, &md, 6, 1);
+  ckpt_manifest m = {
+      .step = 6, .version = 6, .optimizer_steps = 5, .spec_hash = spec_hash(&s2), .num_shards = 2};
+  m.files = calloc(2, sizeof *m.files);
+  for (uint32_t i = 0; i < 2; i++) {
+    core_state st;
+    state_from_model(&st, &s2, i, &md, 6, 5);
+    st.client_state = malloc(sizeof blob + 1);
+    memcpy(st.client_state, blob, sizeof blob);
+    st.client_state_len = sizeof blob + 1; /* one byte too many */
+    ckpt_file_info fi;
+    assert_int_equal(ckpt_write_shard(with, &st, NULL, &fi, err, sizeof err), ZS_EINVAL);
+    st.client_state_len = sizeof blob;
+    assert_int_equal(ckpt_write_shard(with, &st, NULL, &m.files[i], err, sizeof err), 0);
+    core_state_free(&st);
+  }
+  assert_int_equal(ckpt_manifest_write(with, &m, 0, err, sizeof err), 0);
+  ckpt_manifest_free(&m);
+  char pw[600], po[600];
+  shard_path(pw, sizeof pw, with, 6, 0, 2);
+  shard_path(po, sizeof po, without, 6, 0, 2);
+  assert_int_equal(file_sections(pw), file_sections(po) + 1);
+
+  /* Same shard count, and resharded to 3 (from the first file). */
+  core_state st2[2], st3[3];
+  load_all(with, 6, 2, st2);
+  load_all(with, 6, 3, st3);
+  for (uint32_t i = 0; i < 5; i++) {
+    core_state *st = i < 2 ? &st2[i] : &st3[i - 2];
+    assert_int_equal(st->client_state_len, sizeof blob);
+    assert_memory_equal(st->client_state, blob, sizeof blob);
+    core_state_free(st);
+  }
+  /* A file without the section (as every file before it existed) loads with
+   * no client state. */
+  load_all(without, 6, 2, st2);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(st2[i].client_state_len, 0);
+    assert_null(st2[i].client_state);
+    core_state_free(&st2[i]);
+  }
+  model_free(&md);
+  spec_free(&s2);
+}
+
 /* Every damaged copy of `good` at `path` must be refused, with the path in
  * the message, by ckpt_load (manifest bound) and by a reader without the
  * manifest's size and CRC. */
@@ -925,6 +994,13 @@ static int copy_view(void *arg, const core_view *v) {
     memcpy(x->st.m, v->m, v->nelems * sizeof(float));
   if (x->st.v)
     memcpy(x->st.v, v->v, v->nelems * sizeof(float));
+  free(x->st.client_state);
+  x->st.client_state = NULL;
+  x->st.client_state_len = v->client_state_len;
+  if (v->client_state_len) {
+    x->st.client_state = malloc(v->client_state_len);
+    memcpy(x->st.client_state, v->client_state, v->client_state_len);
+  }
   x->st.version = v->version;
   x->st.optimizer_steps = v->optimizer_steps;
   return 0;
@@ -1149,6 +1225,77 @@ static void restore_drops_the_pending_step_and_answers_later_steps_behind(void *
   spec_free(&s);
 }
 
+/* The core's client state now, as a string, with its version. */
+static const char *client_state_of(core *c, uint64_t *version) {
+  static char buf[CORE_MAX_CLIENT_STATE + 1];
+  size_t n = core_get_client_state(c, buf, CORE_MAX_CLIENT_STATE, version);
+  buf[n] = '\0';
+  return buf;
+}
+
+static void client_state_is_committed_by_its_apply_and_snapshotted_and_restored(void **state) {
+  (void)state;
+  spec s;
+  build_spec(&s, "core-client-state", 1);
+  model md;
+  model_random(&md, 24);
+  core *a = core_with_job(&s, &md);
+  uint64_t h = spec_hash(&s), v = 99;
+  char err[512];
+  assert_string_equal(client_state_of(a, &v), "");
+  assert_int_equal(v, 0);
+  /* Refused: too long, or another job; nothing is recorded. */
+  static uint8_t big[CORE_MAX_CLIENT_STATE + 1];
+  assert_int_equal(core_set_apply_client_state(a, h, 1, big, sizeof big, err, sizeof err),
+                   ZS_ESIZE);
+  assert_non_null(strstr(err, "client_state"));
+  assert_int_equal(core_set_apply_client_state(a, h ^ 1, 1, "x", 1, err, sizeof err), ZS_EHASH);
+  /* A step other than the pending one is not recorded. */
+  assert_int_equal(core_set_apply_client_state(a, h, 2, "early", 5, err, sizeof err), 0);
+  train_step(a, &s, 1, 1);
+  assert_string_equal(client_state_of(a, &v), "");
+  assert_int_equal(v, 1);
+  /* The last one recorded before the apply is what the apply commits. */
+  assert_int_equal(core_set_apply_client_state(a, h, 2, "first", 5, err, sizeof err), 0);
+  assert_int_equal(core_set_apply_client_state(a, h, 2, "two", 3, err, sizeof err), 0);
+  train_step(a, &s, 2, 2);
+  assert_string_equal(client_state_of(a, &v), "two");
+  assert_int_equal(v, 2);
+  /* An apply without one keeps the previous version's. */
+  assert_int_equal(core_set_apply_client_state(a, h, 3, NULL, 0, err, sizeof err), 0);
+  train_step(a, &s, 3, 3);
+  assert_string_equal(client_state_of(a, &v), "two");
+  assert_int_equal(v, 3);
+
+  /* A snapshot shows it; a restore brings it back, and a state without one
+   * clears it. */
+  copy_ctx x;
+  assert_int_equal(core_state_init(&x.st, &s, 0, err, sizeof err), 0);
+  assert_int_equal(core_snapshot(a, h, 3, 0, copy_view, &x, NULL, err, sizeof err), 0);
+  assert_int_equal(x.st.client_state_len, 3);
+  assert_memory_equal(x.st.client_state, "two", 3);
+  core_state empty;
+  assert_int_equal(core_state_init(&empty, &s, 0, err, sizeof err), 0);
+  empty.version = 1;
+  assert_int_equal(core_restore(a, &empty, 1, err, sizeof err), 0);
+  assert_string_equal(client_state_of(a, &v), "");
+  assert_int_equal(v, 1);
+  assert_int_equal(core_restore(a, &x.st, 3, err, sizeof err), 0);
+  assert_string_equal(client_state_of(a, &v), "two");
+  assert_int_equal(v, 3);
+  /* Too long a state is refused and changes nothing. */
+  empty.client_state = malloc(sizeof big);
+  empty.client_state_len = sizeof big;
+  assert_int_equal(core_restore(a, &empty, 1, err, sizeof err), ZS_EINVAL);
+  assert_string_equal(client_state_of(a, &v), "two");
+  assert_int_equal(v, 3);
+  core_state_free(&empty);
+  core_state_free(&x.st);
+  core_destroy(a);
+  model_free(&md);
+  spec_free(&s);
+}
+
 static int group_setup(void **state) {
   (void)state;
   const char *tmp = getenv("TMPDIR");
@@ -1168,6 +1315,7 @@ int main(void) {
       cmocka_unit_test(checkpoint_without_manifest_is_never_loaded),
       cmocka_unit_test(listing_orders_steps_numerically_and_ignores_other_names),
       cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),
+      cmocka_unit_test(client_state_travels_with_the_files_and_files_without_it_still_load),
       cmocka_unit_test(one_flipped_byte_anywhere_is_refused_naming_the_file),
       cmocka_unit_test(truncated_file_is_refused_at_any_length),
       cmocka_unit_test(file_of_another_job_or_step_is_refused),
@@ -1181,6 +1329,7 @@ int main(void) {
       cmocka_unit_test(snapshot_of_a_future_step_sees_exactly_that_version),
       cmocka_unit_test(snapshot_wait_ends_by_deadline_or_cancel),
       cmocka_unit_test(restore_drops_the_pending_step_and_answers_later_steps_behind),
+      cmocka_unit_test(client_state_is_committed_by_its_apply_and_snapshotted_and_restored),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

@@ -316,7 +316,10 @@ ZS_EXTERN int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint
  * each to numel floats; it is read only during the call, is required on rank
  * 0 and ignored (may be NULL) elsewhere. Other ranks' first pulls wait until
  * rank 0 has written the weights. Opening a job the shards have already
- * trained resumes at its version (the initial weights are then ignored).
+ * trained resumes at its version (the initial weights are then ignored) and,
+ * with ZS_LOSS_SCALE_DYNAMIC, sets the client's loss scaler to the state
+ * zs_step left for that version (the shards keep it with the weights, in
+ * checkpoints too; a job stepped without it leaves the scaler as configured).
  * With the data plane (zs_client_options.transport) it then asks every shard
  * for its data port (GetInfo) and connects to it, at the host of the shard's
  * address. Returns ZS_EHASH if a shard holds a different job, ZS_EINVAL if a
@@ -480,11 +483,14 @@ ZS_EXTERN int zs_checkpoint(zs_client *c, uint64_t step);
  * step 0, by the newest checkpoint complete on every shard (falling back to
  * older ones when a shard cannot load it). On success the client continues
  * at the step after the checkpoint: zs_current_step() says which, and the
- * trainer resumes its data from there. Every trainer of the job calls it
- * (after the first, the shards already hold the checkpoint and nothing
- * changes). Also works after zs_open_job failed with ZS_EBEHIND: call
- * zs_open_job again afterwards. Waits for this client's pushes first; must
- * not run concurrently with zs_step or transfers on the same client. */
+ * trainer resumes its data from there; with ZS_LOSS_SCALE_DYNAMIC the loss
+ * scaler is back at the checkpoint's state too (scale, hysteresis and
+ * counters; zs_loss_scale() reports it), unless the checkpoint holds none.
+ * Every trainer of the job calls it (after the first, the shards already
+ * hold the checkpoint and nothing changes). Also works after zs_open_job
+ * failed with ZS_EBEHIND: call zs_open_job again afterwards. Waits for this
+ * client's pushes first; must not run concurrently with zs_step or transfers
+ * on the same client. */
 ZS_EXTERN int zs_restore(zs_client *c, uint64_t step);
 
 /* The newest step that every shard holds a complete checkpoint of (and can
