@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -395,10 +396,14 @@ void bench_servers_start(bench_server *srv, uint32_t n, int threads) {
       argv[a++] = "127.0.0.1:0";
     }
     argv[a] = NULL;
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0)
       bench_die("fork: %s", strerror(errno));
     if (pid == 0) {
+      /* A benchmark that dies or is interrupted takes its servers along. */
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
+        _exit(125);
       int fd = open(log_path[i], O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (fd >= 0) {
         dup2(fd, 2);

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -143,8 +144,14 @@ static pid_t spawn(char *const *argv, const char *const *env, const char *out_pa
   char **envp = build_env(env);
   if (!envp)
     return -1;
+  pid_t parent = getpid();
   pid_t pid = fork();
   if (pid == 0) {
+    /* A test that fails between start and stop (cmocka leaves the test at
+     * the failed assertion) must not leave its servers running: they die
+     * with the test process (the forking thread: always the test's). */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
+      _exit(125);
     int fd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     int nul = open("/dev/null", O_RDONLY);
     if (fd < 0 || nul < 0)
