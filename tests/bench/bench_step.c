@@ -267,7 +267,7 @@ int main(int argc, char **argv) {
            * version (libzshard then sends none). */
           for (uint32_t w = 0; w < W; w++)
             tr[w].c = bench_client_open(&m, addrs, N, w, tr_list[k], (uint32_t)data_conns,
-                                        w == 0 && r == 0 ? init : NULL);
+                                        w == 0 ? init : NULL);
           double apply_before = apply_seconds(srv, N);
           if (r == 0)
             for (uint32_t i = 0; i < N; i++) {
