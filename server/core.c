@@ -646,6 +646,19 @@ static void core_compute_stats(core *c) {
   core_fire(fire);
 }
 
+/* The checks of a read of piece (tensor, slice) into nbytes of dtype at dst:
+ * the job, the piece's owner, the size. With state_rw held. */
+static int core_find_readable(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
+                              zs_dtype dtype, size_t nbytes, const void *dst, piece_state **ps,
+                              char *err, size_t errlen) {
+  int rc = core_check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, ps, err, errlen);
+  if (rc == 0)
+    rc = core_check_payload(*ps, (int)dtype, nbytes, dst, err, errlen);
+  return rc;
+}
+
 /* ------------------------------------------------------- the low copy's pins */
 
 /* How long the worker waits for pull answers still being sent from the low
@@ -698,11 +711,7 @@ int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dty
                  size_t errlen) {
   piece_state *ps = NULL;
   pthread_rwlock_rdlock(&c->state_rw);
-  int rc = core_check_job(c, hash, err, errlen);
-  if (rc == 0)
-    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
-  if (rc == 0)
-    rc = core_check_payload(ps, (int)dtype, nbytes, data, err, errlen);
+  int rc = core_find_readable(c, hash, tensor, slice, dtype, nbytes, data, &ps, err, errlen);
   if (rc == 0 && (dtype != c->spec.param_dtype || !ps->initialized))
     rc = CORE_NOT_PINNED;
   if (rc == 0) {
@@ -1323,11 +1332,7 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
                   size_t errlen) {
   piece_state *ps = NULL;
   pthread_rwlock_rdlock(&c->state_rw);
-  int rc = core_check_job(c, hash, err, errlen);
-  if (rc == 0)
-    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
-  if (rc == 0)
-    rc = core_check_payload(ps, (int)dtype, nbytes, dst, err, errlen);
+  int rc = core_find_readable(c, hash, tensor, slice, dtype, nbytes, dst, &ps, err, errlen);
   if (rc == 0) {
     uint64_t off = ps->lp->arena_off;
     size_t es = zs_dtype_size(dtype);

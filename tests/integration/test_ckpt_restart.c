@@ -174,6 +174,23 @@ trainers_find_a_restarted_shard_behind_restore_and_end_like_an_uninterrupted_run
   cu_free_params(got);
 }
 
+/* The uninterrupted reference in ref, two shards with state dir `name` (its
+ * path in dir), one trainer that trained to version `until` and
+ * checkpointed it. */
+static void one_trainer_checkpointed(float *ref[CU_NT], const char *name, char *dir, size_t dirlen,
+                                     hs_server *srv[2], cu_trainer *tr, uint64_t until) {
+  assert_int_equal(cu_reference(2, 1, LAST, ref), 0);
+  cu_dir(dir, dirlen, name);
+  for (uint32_t i = 0; i < 2; i++)
+    assert_non_null(srv[i] = cu_start_shard(i, 2, 0, dir, NULL));
+  char addrs[128];
+  cu_addrs(srv, 2, addrs, sizeof addrs);
+  assert_int_equal(cu_trainer_init(tr, addrs, 0, 1, 0), 0);
+  assert_int_equal(cu_trainer_open(tr), 0);
+  assert_int_equal(cu_train_until(tr, until, 0), 0);
+  assert_int_equal(zs_checkpoint(tr->c, until), ZS_OK);
+}
+
 /* A shard that dies after acknowledging this step's pushes and comes back
  * at a checkpoint of exactly the step's version accepts the step number
  * (it is version + 1), but has lost the pushes: zs_step learns it at once
@@ -182,19 +199,10 @@ trainers_find_a_restarted_shard_behind_restore_and_end_like_an_uninterrupted_run
 static void a_shard_that_lost_acknowledged_pushes_says_so_at_once(void **state) {
   (void)state;
   float *ref[CU_NT] = {0}, *got[CU_NT] = {0};
-  assert_int_equal(cu_reference(2, 1, LAST, ref), 0);
   char dir[512];
-  cu_dir(dir, sizeof dir, "lost-pushes");
   hs_server *srv[2];
-  for (uint32_t i = 0; i < 2; i++)
-    assert_non_null(srv[i] = cu_start_shard(i, 2, 0, dir, NULL));
-  char addrs[128];
-  cu_addrs(srv, 2, addrs, sizeof addrs);
   cu_trainer tr;
-  assert_int_equal(cu_trainer_init(&tr, addrs, 0, 1, 0), 0);
-  assert_int_equal(cu_trainer_open(&tr), 0);
-  assert_int_equal(cu_train_until(&tr, 4, 0), 0);
-  assert_int_equal(zs_checkpoint(tr.c, 4), ZS_OK);
+  one_trainer_checkpointed(ref, "lost-pushes", dir, sizeof dir, srv, &tr, 4);
 
   /* Step 5's pulls and pushes, every push acknowledged (zs_push without a
    * request handle returns once it is). */
@@ -236,19 +244,10 @@ static void a_shard_that_lost_acknowledged_pushes_says_so_at_once(void **state) 
 static void restore_rolls_a_live_job_back_and_the_steps_replay_exactly(void **state) {
   (void)state;
   float *ref[CU_NT] = {0}, *got[CU_NT] = {0};
-  assert_int_equal(cu_reference(2, 1, LAST, ref), 0);
   char dir[512];
-  cu_dir(dir, sizeof dir, "rollback");
   hs_server *srv[2];
-  for (uint32_t i = 0; i < 2; i++)
-    assert_non_null(srv[i] = cu_start_shard(i, 2, 0, dir, NULL));
-  char addrs[128];
-  cu_addrs(srv, 2, addrs, sizeof addrs);
   cu_trainer tr;
-  assert_int_equal(cu_trainer_init(&tr, addrs, 0, 1, 0), 0);
-  assert_int_equal(cu_trainer_open(&tr), 0);
-  assert_int_equal(cu_train_until(&tr, 3, 0), 0);
-  assert_int_equal(zs_checkpoint(tr.c, 3), ZS_OK);
+  one_trainer_checkpointed(ref, "rollback", dir, sizeof dir, srv, &tr, 3);
   assert_int_equal(cu_train_until(&tr, 8, 0), 0);
   /* A step that was never checkpointed cannot be restored: nothing changes. */
   assert_int_equal(zs_restore(tr.c, 6), ZS_ENOTFOUND);

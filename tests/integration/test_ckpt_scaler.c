@@ -155,23 +155,34 @@ static void stop_shards(hs_server **srv, uint32_t n) {
     assert_int_equal(hs_stop(srv[i]), 0);
 }
 
+/* The reference, two shards with state dir `name` (path in dir, ports in
+ * port, addresses in addrs) and a trainer that checkpointed version K1 and
+ * trained on to K2, its loss scales in scales. */
+static void checkpointed_run(const char *name, char *dir, size_t dirlen, hs_server *srv[2],
+                             int port[2], char *addrs, size_t addrlen, cu_trainer *tr,
+                             double *scales) {
+  reference();
+  cu_dir(dir, dirlen, name);
+  start_shards(srv, 2, NULL, dir);
+  for (int i = 0; i < 2; i++)
+    port[i] = srv[i]->port;
+  cu_addrs(srv, 2, addrs, addrlen);
+  assert_int_equal(cu_trainer_init(tr, addrs, 0, 1, 0), 0);
+  assert_int_equal(cu_trainer_open(tr), 0);
+  train_ok(tr, K1, scales);
+  assert_int_equal(zs_checkpoint(tr->c, 0), ZS_OK);
+  train_ok(tr, K2, scales);
+}
+
 static void every_shard_killed_and_restored_resumes_the_loss_scale_of_the_checkpoint(void **state) {
   (void)state;
-  reference();
   char dir[512];
-  cu_dir(dir, sizeof dir, "scaler-restore");
   hs_server *srv[2];
-  start_shards(srv, 2, NULL, dir);
-  int port[2] = {srv[0]->port, srv[1]->port};
+  int port[2];
   char addrs[128];
-  cu_addrs(srv, 2, addrs, sizeof addrs);
   double scales[LAST + 1] = {0};
   cu_trainer tr;
-  assert_int_equal(cu_trainer_init(&tr, addrs, 0, 1, 0), 0);
-  assert_int_equal(cu_trainer_open(&tr), 0);
-  train_ok(&tr, K1, scales);
-  assert_int_equal(zs_checkpoint(tr.c, 0), ZS_OK);
-  train_ok(&tr, K2, scales);
+  checkpointed_run("scaler-restore", dir, sizeof dir, srv, port, addrs, sizeof addrs, &tr, scales);
   const double before = zs_loss_scale(tr.c);
   assert_true(before != g_ref.scales[K1 + 1]);
 
@@ -194,21 +205,13 @@ static void every_shard_killed_and_restored_resumes_the_loss_scale_of_the_checkp
 
 static void a_fresh_trainer_opening_a_restarted_job_resumes_its_loss_scale(void **state) {
   (void)state;
-  reference();
   char dir[512];
-  cu_dir(dir, sizeof dir, "scaler-open");
   hs_server *srv[2];
-  start_shards(srv, 2, NULL, dir);
-  int port[2] = {srv[0]->port, srv[1]->port};
+  int port[2];
   char addrs[128];
-  cu_addrs(srv, 2, addrs, sizeof addrs);
   double scales[LAST + 1] = {0};
   cu_trainer tr;
-  assert_int_equal(cu_trainer_init(&tr, addrs, 0, 1, 0), 0);
-  assert_int_equal(cu_trainer_open(&tr), 0);
-  train_ok(&tr, K1, scales);
-  assert_int_equal(zs_checkpoint(tr.c, 0), ZS_OK);
-  train_ok(&tr, K2, scales);
+  checkpointed_run("scaler-open", dir, sizeof dir, srv, port, addrs, sizeof addrs, &tr, scales);
   cu_trainer_free(&tr);
   for (uint32_t i = 0; i < 2; i++)
     cu_kill9(srv[i]);

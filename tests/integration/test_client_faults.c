@@ -379,23 +379,33 @@ static void a_lost_connection_is_retried_and_counted_in_the_timing(void **state)
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
+/* A 2-shard cluster whose shard 1 is reached through the proxy, gRPC and
+ * data plane; a client (max_retries retries) that opened the job, is on the
+ * data plane to shard 1 and made one step (r). */
+static void data_job_through_proxy(hs_cluster *cl, proxy *px, uint32_t max_retries, zs_client **c,
+                                   float ***buf, zs_step_result *r) {
+  assert_int_equal(hs_cluster_start(cl, 2, NULL), 0);
+  assert_int_equal(proxy_start(px, cl->srv[1], 0, 1), 0);
+  assert_true(px->lfd[L_DATA] >= 0);
+  char addrs[128];
+  addresses_through(cl, px, addrs, sizeof addrs);
+  *c = client_through(addrs, max_retries);
+  *buf = alloc_weights();
+  assert_int_equal(zs_open_job(*c, (const float *const *)*buf), ZS_OK);
+  assert_int_equal(zc_shard_transport(*c, 1), ZS_TRANSPORT_DATA);
+  one_step(*c, *buf, r);
+}
+
 static void a_lost_data_connection_is_retried_on_the_data_plane(void **state) {
   (void)state;
   if (!data_run())
     skip();
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   proxy px;
-  assert_int_equal(proxy_start(&px, cl.srv[1], 0, 1), 0);
-  assert_true(px.lfd[L_DATA] >= 0);
-  char addrs[128];
-  addresses_through(&cl, &px, addrs, sizeof addrs);
-  zs_client *c = client_through(addrs, 200);
-  float **buf = alloc_weights();
-  assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_OK);
-  assert_int_equal(zc_shard_transport(c, 1), ZS_TRANSPORT_DATA);
+  zs_client *c = NULL;
+  float **buf = NULL;
   zs_step_result r;
-  one_step(c, buf, &r);
+  data_job_through_proxy(&cl, &px, 200, &c, &buf, &r);
   assert_int_equal(r.timing.retries, 0);
 
   /* Only the data connection is cut, and its next two reconnections are
@@ -426,18 +436,11 @@ static void a_pull_answer_failing_its_crc_is_asked_again(void **state) {
   if (!data_run())
     skip();
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   proxy px;
-  assert_int_equal(proxy_start(&px, cl.srv[1], 0, 1), 0);
-  assert_true(px.lfd[L_DATA] >= 0);
-  char addrs[128];
-  addresses_through(&cl, &px, addrs, sizeof addrs);
-  zs_client *c = client_through(addrs, 5);
-  float **buf = alloc_weights();
-  assert_int_equal(zs_open_job(c, (const float *const *)buf), ZS_OK);
-  assert_int_equal(zc_shard_transport(c, 1), ZS_TRANSPORT_DATA);
+  zs_client *c = NULL;
+  float **buf = NULL;
   zs_step_result r;
-  one_step(c, buf, &r);
+  data_job_through_proxy(&cl, &px, 5, &c, &buf, &r);
 
   /* t0 is split over both shards: its piece on shard 1 (150 fp32, 600 bytes)
    * comes through the proxy, which damages its last byte once. */
