@@ -65,6 +65,7 @@
 #include "common/list.h"
 #include "common/log.h"
 #include "common/wire.h"
+#include "server/metrics.h"
 
 #define DP_DEFAULT_MAX_PENDING 256u
 #define DP_DEFAULT_MAX_QUEUED (UINT64_C(64) << 20)
@@ -162,6 +163,7 @@ typedef struct dp_conn {
   uint64_t queued;    /* answer bytes handed to uv_write, not yet completed */
   uint64_t producing; /* Pull answer bytes being read from the core */
   uint64_t consuming; /* Push payload bytes received and not yet through the core */
+  uint64_t frame_ns;  /* when the header of the frame being read arrived */
   struct dp_pull *ready_head, *ready_tail; /* Pulls whose version is there, FIFO */
   uint64_t iter, iter_bytes;
   uint64_t last_progress_ms;
@@ -193,6 +195,7 @@ typedef struct dp_pull {
   /* A PULL_BATCH: its pieces (owned, or NULL for a single Pull), in order. */
   wire_piece *pieces;
   uint32_t npieces;
+  uint64_t start_ns; /* the request's arrival (its frame's header) */
   /* Written by the core callback. */
   int status;
   uint64_t version;
@@ -202,8 +205,9 @@ typedef struct dp_pull {
 typedef struct dp_work {
   uv_work_t req;
   dp_conn *conn;
-  core *core; /* what the pool thread may use: never the connection */
-  int type;   /* WIRE_PUSH, WIRE_PULL, WIRE_PUSH_BATCH or WIRE_PULL_BATCH */
+  core *core;        /* what the pool thread may use: never the connection */
+  uint64_t start_ns; /* the request's arrival (its frame's header) */
+  int type;          /* WIRE_PUSH, WIRE_PULL, WIRE_PUSH_BATCH or WIRE_PULL_BATCH */
   uint64_t request_id;
   dp_buf *buf;
   size_t nbytes;
@@ -247,6 +251,8 @@ struct dp_server {
   int port;
   core *core;
   uint64_t max_payload, max_queued, inline_bytes;
+  /* Request durations per method (NULL without metrics). */
+  metrics_rpc *m_push, *m_pull, *m_push_batch, *m_pull_batch;
   uint32_t max_pending, stall_ms, max_conns;
   atomic_int stop;
   dp_mailbox *mb;
@@ -709,10 +715,20 @@ static void work_run(dp_work *w, core *co) {
   }
 }
 
+/* Records a request's time from arrival to answer. */
+static void observe(dp_server *s, int type, uint64_t start_ns, int failed) {
+  metrics_rpc *r = type == WIRE_PUSH         ? s->m_push
+                   : type == WIRE_PULL       ? s->m_pull
+                   : type == WIRE_PUSH_BATCH ? s->m_push_batch
+                                             : s->m_pull_batch;
+  metrics_rpc_observe(r, clock_now_ns() - start_ns, failed);
+}
+
 /* Loop thread: answers a finished work and releases it. */
 static void work_finish(dp_work *w) {
   dp_conn *c = w->conn;
   dp_server *s = c->s;
+  observe(s, w->type, w->start_ns, w->status != 0);
   int pull = w->type == WIRE_PULL || w->type == WIRE_PULL_BATCH;
   if (pull)
     c->producing -= w->nbytes;
@@ -827,6 +843,7 @@ static void pull_read(dp_conn *c, dp_pull *p) {
   w->npieces = p->npieces;
   p->pieces = NULL;
   w->request_id = p->request_id;
+  w->start_ns = p->start_ns;
   w->buf = b;
   w->nbytes = p->nbytes;
   w->hash = p->hash;
@@ -899,6 +916,7 @@ static void drain_mailbox(dp_server *s) {
             p->min_version, p->tensor, p->slice);
       else
         say(err, sizeof err, "%s", zs_strerror(p->status));
+      observe(s, p->pieces ? WIRE_PULL_BATCH : WIRE_PULL, p->start_ns, 1);
       answer_error(c, p->request_id, p->status, err);
     } else {
       pull_ready(c, p);
@@ -961,6 +979,7 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
   p->mb = s->mb;
   p->conn = c;
   p->request_id = m->request_id;
+  p->start_ns = c->frame_ns;
   p->hash = q->spec_hash;
   p->min_version = q->min_version;
   p->tensor = q->tensor;
@@ -1029,6 +1048,7 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
   p->mb = s->mb;
   p->conn = c;
   p->request_id = m->request_id;
+  p->start_ns = c->frame_ns;
   p->hash = q->spec_hash;
   p->min_version = q->min_version;
   p->tensor = pcs[0].tensor;
@@ -1088,6 +1108,7 @@ static void on_meta(dp_conn *c) {
     return;
   }
   c->pending++;
+  c->frame_ns = clock_now_ns();
   if (rd->meta_status != 0) {
     answer_error(c, m->request_id, rd->meta_status, rd->err);
   } else if (m->type == WIRE_PING) {
@@ -1180,6 +1201,7 @@ static void on_done(dp_conn *c) {
     w->conn = c;
     w->type = WIRE_PUSH_BATCH;
     w->request_id = rd->msg.request_id;
+    w->start_ns = c->frame_ns;
     w->buf = b;
     w->nbytes = (size_t)rd->msg.payload_len;
     w->push =
@@ -1191,6 +1213,7 @@ static void on_done(dp_conn *c) {
   w->conn = c;
   w->type = WIRE_PUSH;
   w->request_id = rd->msg.request_id;
+  w->start_ns = c->frame_ns;
   w->buf = b;
   w->nbytes = (size_t)rd->msg.payload_len;
   w->push = (core_push_args){.hash = q->spec_hash,
@@ -1482,6 +1505,12 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->stall_ms = cfg->stall_timeout_ms ? cfg->stall_timeout_ms : DP_DEFAULT_STALL_MS;
   s->max_conns = cfg->max_connections ? cfg->max_connections : DP_DEFAULT_MAX_CONNS;
   s->inline_bytes = cfg->inline_bytes ? cfg->inline_bytes : DP_DEFAULT_INLINE;
+  if (cfg->metrics) {
+    s->m_push = metrics_rpc_register(cfg->metrics, "data", "Push");
+    s->m_pull = metrics_rpc_register(cfg->metrics, "data", "Pull");
+    s->m_push_batch = metrics_rpc_register(cfg->metrics, "data", "PushBatch");
+    s->m_pull_batch = metrics_rpc_register(cfg->metrics, "data", "PullBatch");
+  }
   atomic_init(&s->stop, 0);
   list_init(&s->live);
   list_init(&s->zombies);

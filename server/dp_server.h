@@ -62,6 +62,11 @@ typedef struct dp_server_config {
    * thread; larger ones run on libuv's thread pool, so that the loop keeps
    * reading and writing for the other peers meanwhile. 0 means 64 KiB. */
   uint64_t inline_bytes;
+  /* Where each request's time from arrival to answer is recorded
+   * (zshard_request_duration_seconds{transport="data", method=Push, Pull,
+   * PushBatch or PullBatch}); NULL records nothing. Borrowed: it must outlive
+   * the server. */
+  struct metrics *metrics;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the

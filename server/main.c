@@ -418,6 +418,7 @@ int main(int argc, char **argv) {
     dp_server_config_init(&dc);
     dc.listen = o.data_listen;
     dc.core = c;
+    dc.metrics = mx;
     rc = dp_server_start(&dc, &dp, err, sizeof err);
     if (rc) {
       LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o.data_listen,

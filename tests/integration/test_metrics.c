@@ -39,7 +39,9 @@
 
 #include "common/clock.h"
 #include "common/status.h"
+#include "internal.h"
 #include "tests/integration/harness.h"
+#include "zshard/zshard.h"
 
 #ifndef ZSHARD_CLI_BIN
 #error "ZSHARD_CLI_BIN must name the zshard CLI (tests/CMakeLists.txt sets it)"
@@ -616,6 +618,66 @@ static void metrics_count_exactly_what_the_shard_did_and_pass_promtool(void **st
   mserver_stop(&m);
 }
 
+/* The data plane's requests have their own series: a trainer on the default
+ * transport pushes and pulls a large tensor (single-piece frames) and small
+ * ones (batches), and every one of them is counted with its latency. */
+static void data_plane_requests_are_timed_per_method(void **state) {
+  (void)state;
+  mserver m;
+  mserver_start(&m);
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = m.srv->addr;
+  o.job = "metrics-data";
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  const uint64_t numel[3] = {400000, 100, 7}; /* 1.6 MB alone; two in one bucket */
+  float *w[3];
+  for (uint32_t t = 0; t < 3; t++) {
+    char name[16];
+    snprintf(name, sizeof name, "t%" PRIu32, t);
+    assert_int_equal(zs_add_tensor(c, name, numel[t], 0, NULL, 0, NULL), ZS_OK);
+    w[t] = calloc(numel[t], sizeof(float));
+    assert_non_null(w[t]);
+  }
+  assert_int_equal(zs_open_job(c, (const float *const *)w), ZS_OK);
+  assert_int_equal(zc_shard_transport(c, 0), ZS_TRANSPORT_DATA);
+  for (uint32_t t = 0; t < 3; t++)
+    assert_int_equal(zs_pull(c, t, w[t], ZS_DTYPE_FP32, numel[t] * 4, NULL), ZS_OK);
+  for (uint32_t t = 0; t < 3; t++)
+    assert_int_equal(zs_push(c, t, 0, w[t], ZS_DTYPE_FP32, numel[t] * 4, NULL), ZS_OK);
+  assert_int_equal(zs_step(c, 1e-3, 0, 0, NULL), ZS_OK);
+
+  char *page = scrape(m.metrics_port);
+  expect_promtool_accepts(page);
+  const char *methods[4] = {"Push", "Pull", "PushBatch", "PullBatch"};
+  uint64_t n[4];
+  for (int i = 0; i < 4; i++) {
+    char series[160], labels[96];
+    snprintf(series, sizeof series,
+             "zshard_request_duration_seconds_count{shard=\"0\",transport=\"data\",method=\"%s\"}",
+             methods[i]);
+    n[i] = count_of(page, series);
+    snprintf(labels, sizeof labels, ",transport=\"data\",method=\"%s\"", methods[i]);
+    expect_histogram_consistent(page, "zshard_request_duration_seconds", labels);
+    snprintf(series, sizeof series,
+             "zshard_request_errors_total{shard=\"0\",transport=\"data\",method=\"%s\"}",
+             methods[i]);
+    assert_int_equal(count_of(page, series), 0);
+  }
+  /* Every piece went in one frame or another: the large tensor alone, the
+   * two small ones in batches or alone, however the client grouped them. */
+  assert_true(n[0] >= 1 && n[1] >= 1);
+  assert_int_equal(n[0] + n[2] >= 2, 1);
+  assert_int_equal(n[1] + n[3] >= 2, 1);
+  assert_true(n[0] + n[2] <= 3 && n[1] + n[3] <= 3);
+  free(page);
+  for (uint32_t t = 0; t < 3; t++)
+    free(w[t]);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  mserver_stop(&m);
+}
+
 /* The status line of an answer to `req`. */
 static int status_of(int port, const char *req) {
   http_resp r;
@@ -1014,6 +1076,7 @@ static int group_setup(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(metrics_count_exactly_what_the_shard_did_and_pass_promtool),
+      cmocka_unit_test(data_plane_requests_are_timed_per_method),
       cmocka_unit_test(bad_http_requests_get_their_4xx_and_the_shard_serves_on),
       cmocka_unit_test(metrics_flags_are_checked_and_the_endpoint_is_off_by_default),
       cmocka_unit_test(status_reports_counts_memory_and_a_push_rate_from_two_samples),
