@@ -36,6 +36,7 @@
 #include <inttypes.h>
 #include <netdb.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -865,7 +866,18 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
    * runs concurrently with these calls. */
   for (uint32_t i = 0; i < c->nconns; i++)
     conn_start(&c->conns[i]);
-  if (pthread_create(&c->thread, NULL, loop_main, c) != 0)
+  /* The loop thread writes to the sockets: a write to a peer that went away
+   * must fail with EPIPE, not raise SIGPIPE, whose default action would kill
+   * the trainer that embeds this library. The thread starts with SIGPIPE
+   * blocked (it inherits the mask), so such a signal stays pending on it and
+   * never acts; the caller's own mask is restored at once. */
+  sigset_t pipe_only, saved;
+  sigemptyset(&pipe_only);
+  sigaddset(&pipe_only, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_only, &saved);
+  int started = pthread_create(&c->thread, NULL, loop_main, c) == 0;
+  pthread_sigmask(SIG_SETMASK, &saved, NULL);
+  if (!started)
     goto fail;
   c->thread_started = 1;
   pthread_mutex_lock(&c->mu);

@@ -21,6 +21,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -1563,6 +1564,115 @@ static void *silent_server(void *arg) {
   return NULL;
 }
 
+/* Answers the first PING, reads 1 MiB of what follows and resets the
+ * connection with the rest unread (a shard killed in the middle of a push). */
+static void *resetting_server(void *arg) {
+  int *fds = arg;
+  int c = accept(fds[0], NULL, NULL);
+  unsigned char h[WIRE_HEADER_SIZE];
+  size_t got = 0;
+  while (c >= 0 && got < sizeof h) {
+    ssize_t n = recv(c, h + got, sizeof h - got, 0);
+    if (n <= 0)
+      break;
+    got += (size_t)n;
+  }
+  wire_header hd;
+  if (got == sizeof h && wire_decode_header(h, 0, &hd, NULL, 0) == 0 && hd.type == WIRE_PING) {
+    wire_msg pong = {.type = WIRE_PONG, .request_id = hd.request_id};
+    unsigned char f[WIRE_MAX_ENCODED];
+    size_t len = 0;
+    if (wire_encode(&pong, f, sizeof f, &len) == 0)
+      send(c, f, len, MSG_NOSIGNAL);
+  }
+  char sink[65536];
+  size_t total = 0;
+  while (c >= 0 && total < (1u << 20)) {
+    ssize_t n = recv(c, sink, sizeof sink, 0);
+    if (n <= 0)
+      break;
+    total += (size_t)n;
+  }
+  struct linger lg = {.l_onoff = 1, .l_linger = 0};
+  if (c >= 0) {
+    setsockopt(c, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+    close(c);
+  }
+  return NULL;
+}
+
+/* What a push's callback saw on the client's loop thread. */
+typedef struct pipe_seen {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done, status, sigpipe_blocked;
+} pipe_seen;
+
+static void on_push_seen(void *arg, const dp_result *r) {
+  pipe_seen *p = arg;
+  sigset_t cur;
+  pthread_sigmask(SIG_BLOCK, NULL, &cur);
+  pthread_mutex_lock(&p->mu);
+  p->status = r->status;
+  p->sigpipe_blocked = sigismember(&cur, SIGPIPE) == 1;
+  p->done = 1;
+  pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* A trainer embeds the client: a shard that goes away in the middle of a
+ * large write fails the request with ZS_ECONN. The write to the socket may
+ * then meet EPIPE, which must not raise SIGPIPE (its default action would
+ * kill the trainer's process): the loop thread, which does every write,
+ * runs with SIGPIPE blocked, as the callback (on that thread) checks, while
+ * the caller's mask is left as it was. SIGPIPE is at its default here. */
+static void a_peer_reset_mid_write_fails_the_request_and_sigpipe_cannot_kill(void **state) {
+  (void)state;
+  void (*old)(int) = signal(SIGPIPE, SIG_DFL);
+  int ls = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(bind(ls, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(ls, 4), 0);
+  socklen_t al = sizeof a;
+  getsockname(ls, (struct sockaddr *)&a, &al);
+  int fds[2] = {ls, -1};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, resetting_server, fds), 0);
+  char addr[64], err[DP_ERRLEN] = "";
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", ntohs(a.sin_port));
+  dp_client_config cc = {.addr = addr};
+  dp_client *c = NULL;
+  int rc = dp_client_open(&cc, &c, err, sizeof err);
+  if (rc)
+    fail_msg("open: %s", err);
+  sigset_t mine;
+  pthread_sigmask(SIG_BLOCK, NULL, &mine);
+  assert_int_equal(sigismember(&mine, SIGPIPE), 0);
+  size_t nbytes = (size_t)64 << 20;
+  float *g = calloc(nbytes / sizeof(float), sizeof(float));
+  assert_non_null(g);
+  dp_push_args pa = {.spec_hash = 1,
+                     .step = 1,
+                     .dtype = ZS_DTYPE_FP32,
+                     .data = g,
+                     .nbytes = nbytes,
+                     .timeout_ms = 20000};
+  pipe_seen ps = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+  assert_int_equal(dp_client_push(c, &pa, on_push_seen, &ps), 0);
+  pthread_mutex_lock(&ps.mu);
+  while (!ps.done)
+    pthread_cond_wait(&ps.cv, &ps.mu);
+  pthread_mutex_unlock(&ps.mu);
+  assert_int_equal(ps.status, ZS_ECONN);
+  assert_true(ps.sigpipe_blocked);
+  dp_client_close(c);
+  pthread_join(th, NULL);
+  free(g);
+  close(ls);
+  signal(SIGPIPE, old);
+}
+
 static void a_server_that_does_not_answer_times_requests_out(void **state) {
   (void)state;
   int ls = socket(AF_INET, SOCK_STREAM, 0);
@@ -1671,6 +1781,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(a_malformed_push_batch_is_refused_and_the_connection_survives,
                                       setup_default, teardown),
       cmocka_unit_test(a_server_that_does_not_answer_times_requests_out),
+      cmocka_unit_test(a_peer_reset_mid_write_fails_the_request_and_sigpipe_cannot_kill),
       cmocka_unit_test(connecting_to_a_closed_port_fails_with_econn),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
