@@ -380,88 +380,120 @@ int spec_validate(spec *s, char *err, size_t errlen) {
  * over the whole word, so any 32 bits of the hash are as good as any other.
  */
 
-typedef struct hasher {
-  uint64_t h;
-} hasher;
+/* Where the encoding goes: a hash, a length count or a buffer. */
+typedef struct sink {
+  void (*put)(struct sink *k, const unsigned char *p, size_t n);
+  uint64_t h;         /* hash: the FNV-1a state */
+  unsigned char *buf; /* buffer: room for len bytes, counted in at */
+  size_t at;
+} sink;
 
-static void h_bytes(hasher *st, const void *p, size_t n) {
-  const unsigned char *b = p;
-  uint64_t h = st->h;
-  for (size_t i = 0; i < n; i++) {
-    h ^= b[i];
-    h *= 0x100000001b3ull;
-  }
-  st->h = h;
-}
-
-static void h_u32(hasher *st, uint32_t v) {
+static void put_u32(sink *k, uint32_t v) {
   unsigned char b[4];
   for (int i = 0; i < 4; i++)
     b[i] = (unsigned char)(v >> (8 * i));
-  h_bytes(st, b, sizeof b);
+  k->put(k, b, sizeof b);
 }
 
-static void h_u64(hasher *st, uint64_t v) {
+static void put_u64(sink *k, uint64_t v) {
   unsigned char b[8];
   for (int i = 0; i < 8; i++)
     b[i] = (unsigned char)(v >> (8 * i));
-  h_bytes(st, b, sizeof b);
+  k->put(k, b, sizeof b);
 }
 
-static void h_f64(hasher *st, double d) {
+static void put_f64(sink *k, double d) {
   uint64_t v;
   memcpy(&v, &d, sizeof v);
-  h_u64(st, v);
+  put_u64(k, v);
 }
 
-static void h_str(hasher *st, const char *s) {
+static void put_str(sink *k, const char *s) {
   size_t n = s ? strlen(s) : 0;
-  h_u32(st, (uint32_t)n);
-  h_bytes(st, s, n);
+  put_u32(k, (uint32_t)n);
+  k->put(k, (const unsigned char *)s, n);
 }
 
-uint64_t spec_hash(const spec *s) {
-  hasher st = {0xcbf29ce484222325ull};
-  h_bytes(&st, "zshard.spec.v1", 14);
-  h_str(&st, s->job);
-  h_u32(&st, s->world_size);
-  h_u32(&st, s->grad_accum);
-  h_u32(&st, s->num_shards);
-  h_u64(&st, s->split_threshold ? s->split_threshold : SPEC_DEFAULT_SPLIT_THRESHOLD);
-  h_u32(&st, (uint32_t)s->reduce);
-  h_u32(&st, (uint32_t)s->param_dtype);
-  h_u32(&st, s->num_groups);
+/* The canonical encoding (above), the one place it is written. */
+static void spec_emit(const spec *s, sink *k) {
+  k->put(k, (const unsigned char *)"zshard.spec.v1", 14);
+  put_str(k, s->job);
+  put_u32(k, s->world_size);
+  put_u32(k, s->grad_accum);
+  put_u32(k, s->num_shards);
+  put_u64(k, s->split_threshold ? s->split_threshold : SPEC_DEFAULT_SPLIT_THRESHOLD);
+  put_u32(k, (uint32_t)s->reduce);
+  put_u32(k, (uint32_t)s->param_dtype);
+  put_u32(k, s->num_groups);
   for (uint32_t i = 0; i < s->num_groups; i++) {
     const spec_group *g = &s->groups[i];
-    h_u32(&st, (uint32_t)g->optimizer);
-    h_f64(&st, g->lr_scale);
-    h_f64(&st, g->beta1);
-    h_f64(&st, g->beta2);
-    h_f64(&st, g->eps);
-    h_f64(&st, g->weight_decay);
-    h_f64(&st, g->momentum);
-    h_f64(&st, g->dampening);
-    h_u32(&st, (uint32_t)g->nesterov);
-    h_u32(&st, (uint32_t)g->bias_correction);
+    put_u32(k, (uint32_t)g->optimizer);
+    put_f64(k, g->lr_scale);
+    put_f64(k, g->beta1);
+    put_f64(k, g->beta2);
+    put_f64(k, g->eps);
+    put_f64(k, g->weight_decay);
+    put_f64(k, g->momentum);
+    put_f64(k, g->dampening);
+    put_u32(k, (uint32_t)g->nesterov);
+    put_u32(k, (uint32_t)g->bias_correction);
   }
-  h_u32(&st, s->num_tensors);
+  put_u32(k, s->num_tensors);
   for (uint32_t i = 0; i < s->num_tensors; i++) {
     const spec_tensor *t = &s->tensors[i];
     uint32_t ndim = t->ndim <= SPEC_MAX_DIMS ? t->ndim : SPEC_MAX_DIMS;
-    h_str(&st, t->name);
-    h_u64(&st, t->numel);
-    h_u32(&st, t->group);
-    h_u32(&st, t->ndim);
+    put_str(k, t->name);
+    put_u64(k, t->numel);
+    put_u32(k, t->group);
+    put_u32(k, t->ndim);
     for (uint32_t d = 0; d < ndim; d++)
-      h_u64(&st, t->shape[d]);
+      put_u64(k, t->shape[d]);
   }
-  uint64_t h = st.h;
+}
+
+static void hash_put(sink *k, const unsigned char *p, size_t n) {
+  uint64_t h = k->h;
+  for (size_t i = 0; i < n; i++) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;
+  }
+  k->h = h;
+}
+
+static void count_put(sink *k, const unsigned char *p, size_t n) {
+  (void)p;
+  k->at += n;
+}
+
+static void copy_put(sink *k, const unsigned char *p, size_t n) {
+  if (n)
+    memcpy(k->buf + k->at, p, n);
+  k->at += n;
+}
+
+uint64_t spec_hash(const spec *s) {
+  sink k = {.put = hash_put, .h = 0xcbf29ce484222325ull};
+  spec_emit(s, &k);
+  uint64_t h = k.h;
   h ^= h >> 33;
   h *= 0xff51afd7ed558ccdull;
   h ^= h >> 33;
   h *= 0xc4ceb9fe1a85ec53ull;
   h ^= h >> 33;
   return h;
+}
+
+int spec_encode(const spec *s, unsigned char **out, size_t *len) {
+  sink k = {.put = count_put};
+  spec_emit(s, &k);
+  unsigned char *buf = malloc(k.at ? k.at : 1);
+  if (!buf)
+    return ZS_ENOMEM;
+  k = (sink){.put = copy_put, .buf = buf};
+  spec_emit(s, &k);
+  *out = buf;
+  *len = k.at;
+  return 0;
 }
 
 /* ------------------------------------------------------------------------ */

@@ -80,6 +80,10 @@ int spec_validate(spec *s, char *err, size_t errlen);
  * give equal hashes on every machine. */
 uint64_t spec_hash(const spec *s);
 
+/* That canonical encoding itself (what checkpoints store), in *out (malloc'd,
+ * the caller frees it) of *len bytes. Returns 0 or ZS_ENOMEM. */
+int spec_encode(const spec *s, unsigned char **out, size_t *len);
+
 /* Deep copy of `src` into `dst` (which the caller then frees with spec_free).
  * Returns 0 or ZS_ENOMEM (dst is then empty). */
 int spec_copy(spec *dst, const spec *src);

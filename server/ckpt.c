@@ -129,12 +129,6 @@ static void bytes_raw(bytes *b, const void *src, size_t n) {
     memcpy(p, src, n);
 }
 
-static void bytes_str(bytes *b, const char *s) {
-  size_t n = s ? strlen(s) : 0;
-  bytes_u32(b, (uint32_t)n);
-  bytes_raw(b, s, n);
-}
-
 static int write_full(int fd, const void *buf, size_t n) {
   const uint8_t *p = buf;
   while (n > 0) {
@@ -251,41 +245,17 @@ int ckpt_mkdirs(const char *dir, char *err, size_t errlen) {
 /* Section encodings                                                         */
 /* ------------------------------------------------------------------------ */
 
-/* The spec's canonical encoding: the byte string spec_hash() hashes (see
- * common/spec.c), so that its hash is the spec hash of the header. */
+/* The spec's canonical encoding (spec_encode): the byte string spec_hash()
+ * hashes, so that its hash is the spec hash of the header. */
 static void enc_spec(bytes *b, const spec *s) {
-  bytes_raw(b, CKPT_SPEC_TAG, CKPT_SPEC_TAG_LEN);
-  bytes_str(b, s->job);
-  bytes_u32(b, s->world_size);
-  bytes_u32(b, s->grad_accum);
-  bytes_u32(b, s->num_shards);
-  bytes_u64(b, s->split_threshold ? s->split_threshold : SPEC_DEFAULT_SPLIT_THRESHOLD);
-  bytes_u32(b, (uint32_t)s->reduce);
-  bytes_u32(b, (uint32_t)s->param_dtype);
-  bytes_u32(b, s->num_groups);
-  for (uint32_t i = 0; i < s->num_groups; i++) {
-    const spec_group *g = &s->groups[i];
-    bytes_u32(b, (uint32_t)g->optimizer);
-    bytes_f64(b, g->lr_scale);
-    bytes_f64(b, g->beta1);
-    bytes_f64(b, g->beta2);
-    bytes_f64(b, g->eps);
-    bytes_f64(b, g->weight_decay);
-    bytes_f64(b, g->momentum);
-    bytes_f64(b, g->dampening);
-    bytes_u32(b, (uint32_t)g->nesterov);
-    bytes_u32(b, (uint32_t)g->bias_correction);
+  unsigned char *p = NULL;
+  size_t n = 0;
+  if (spec_encode(s, &p, &n) != 0) {
+    b->oom = 1;
+    return;
   }
-  bytes_u32(b, s->num_tensors);
-  for (uint32_t i = 0; i < s->num_tensors; i++) {
-    const spec_tensor *t = &s->tensors[i];
-    bytes_str(b, t->name);
-    bytes_u64(b, t->numel);
-    bytes_u32(b, t->group);
-    bytes_u32(b, t->ndim);
-    for (uint32_t d = 0; d < t->ndim && d < SPEC_MAX_DIMS; d++)
-      bytes_u64(b, t->shape[d]);
-  }
+  bytes_raw(b, p, n);
+  free(p);
 }
 
 /* A bounds-checked cursor over an untrusted byte string. */
