@@ -480,13 +480,10 @@ static void dispatch(dp_client *c) {
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   (void)suggested;
   dp_cconn *k = h->data;
-  size_t space = 0;
-  void *p = wire_reader_space(&k->rd, &space);
-  if (p && space >= DPC_DIRECT_MIN) {
-    *buf = uv_buf_init(p, (unsigned)(space < DPC_READ_CHUNK ? space : DPC_READ_CHUNK));
-    return;
-  }
-  *buf = uv_buf_init((char *)k->c->staging, DPC_STAGING);
+  size_t len = 0;
+  void *p = wire_reader_read_buf(&k->rd, k->c->staging, DPC_STAGING, DPC_DIRECT_MIN, DPC_READ_CHUNK,
+                                 &len);
+  *buf = uv_buf_init(p, (unsigned)len);
 }
 
 /* The server broke the protocol: nothing on this connection can be trusted. */

@@ -881,6 +881,18 @@ void *wire_reader_space(wire_reader *r, size_t *len) {
   return r->dst + r->have;
 }
 
+void *wire_reader_read_buf(wire_reader *r, void *staging, size_t staging_len, size_t direct_min,
+                           size_t chunk, size_t *len) {
+  size_t space = 0;
+  void *p = wire_reader_space(r, &space);
+  if (p && space >= direct_min) {
+    *len = space < chunk ? space : chunk;
+    return p;
+  }
+  *len = staging_len;
+  return staging;
+}
+
 wire_event wire_reader_commit(wire_reader *r, size_t n) {
   if (r->state != R_PAYLOAD || !r->dst || (uint64_t)n > r->h.payload_len - r->have) {
     status_fail(r->err, sizeof r->err, ZS_EINVAL, "wire_reader_commit of %zu bytes out of range",

@@ -322,6 +322,14 @@ int wire_reader_set_payload(wire_reader *r, void *dst);
  * received. */
 void *wire_reader_space(wire_reader *r, size_t *len);
 
+/* Where the next read() should go: straight into the payload at
+ * wire_reader_space() when at least direct_min bytes of it are awaited (at
+ * most chunk of them, so that reads per wake-up stay bounded), else into
+ * `staging` (staging_len bytes), whose bytes then go through
+ * wire_reader_feed (the caller tells the two apart by the pointer). Sets *len. */
+void *wire_reader_read_buf(wire_reader *r, void *staging, size_t staging_len, size_t direct_min,
+                           size_t chunk, size_t *len);
+
 /* Accounts n bytes written at wire_reader_space() (n <= *len given there).
  * Returns WIRE_EV_DONE when that completed the payload, else WIRE_EV_NONE
  * (WIRE_EV_FATAL if n is out of range, which is a caller bug). */

@@ -129,7 +129,7 @@ static void bytes_raw(bytes *b, const void *src, size_t n) {
     memcpy(p, src, n);
 }
 
-static int write_full(int fd, const void *buf, size_t n) {
+int ckpt_write_full(int fd, const void *buf, size_t n) {
   const uint8_t *p = buf;
   while (n > 0) {
     ssize_t w = write(fd, p, n);
@@ -523,7 +523,7 @@ static int w_bytes(writer *w, const void *buf, uint64_t n, char *err, size_t err
     uint64_t k = n < CKPT_IO_BLOCK ? n : CKPT_IO_BLOCK;
     if (!w->stalled && w->stall_at && w->written < w->stall_at && w->written + k > w->stall_at)
       k = w->stall_at - w->written;
-    if (write_full(w->fd, p, (size_t)k) != 0)
+    if (ckpt_write_full(w->fd, p, (size_t)k) != 0)
       return status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", w->path, strerror(errno));
     w->crc = crc32c(w->crc, p, (size_t)k);
     w->written += k;
@@ -781,7 +781,7 @@ int ckpt_manifest_write(const char *root, const ckpt_manifest *m, uint32_t write
   if (fd < 0) {
     rc = status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
   } else {
-    if (write_full(fd, b.p, b.len) != 0)
+    if (ckpt_write_full(fd, b.p, b.len) != 0)
       rc = status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
     else if (fsync(fd) != 0)
       rc = status_fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", tmp, strerror(errno));

@@ -71,6 +71,9 @@ typedef struct ckpt_file_info {
   uint32_t crc32c; /* of the whole file */
 } ckpt_file_info;
 
+/* write() of all n bytes, through short writes and EINTR; 0 or -1 (errno). */
+int ckpt_write_full(int fd, const void *buf, size_t n);
+
 /* "shard-<i>-of-<n>.zsc" into buf. */
 void ckpt_file_name(uint32_t shard_id, uint32_t num_shards, char *buf, size_t len);
 

@@ -103,21 +103,6 @@ static int name_taken(const spec *s, const char *base, const char *suffix) {
   return 0;
 }
 
-static int write_all(int fd, const void *buf, size_t n) {
-  const char *p = buf;
-  while (n > 0) {
-    ssize_t w = write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR)
-        continue;
-      return -1;
-    }
-    p += w;
-    n -= (size_t)w;
-  }
-  return 0;
-}
-
 int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
                             const ckpt_export_opts *o, char *err, size_t errlen) {
   zs_dtype dtype = o && o->dtype ? o->dtype : ZS_DTYPE_FP32;
@@ -243,7 +228,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   uint8_t len8[8];
   for (int i = 0; i < 8; i++)
     len8[i] = (uint8_t)((uint64_t)js.len >> (8 * i));
-  if (write_all(fd, len8, 8) != 0 || write_all(fd, js.p, js.len) != 0) {
+  if (ckpt_write_full(fd, len8, 8) != 0 || ckpt_write_full(fd, js.p, js.len) != 0) {
     rc = status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
     goto done;
   }
@@ -262,7 +247,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
       dtype_from_f32(ot->dtype, f32, f16, (size_t)n);
       src = f16;
     }
-    if (write_all(fd, src, (size_t)(ot->end - ot->begin)) != 0) {
+    if (ckpt_write_full(fd, src, (size_t)(ot->end - ot->begin)) != 0) {
       rc = status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
       goto done;
     }

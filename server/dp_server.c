@@ -1234,13 +1234,10 @@ static void on_done(dp_conn *c) {
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   (void)suggested;
   dp_conn *c = h->data;
-  size_t space = 0;
-  void *p = wire_reader_space(&c->rd, &space);
-  if (p && space >= DP_DIRECT_MIN) {
-    *buf = uv_buf_init(p, (unsigned)(space < DP_READ_CHUNK ? space : DP_READ_CHUNK));
-    return;
-  }
-  *buf = uv_buf_init((char *)c->s->staging, DP_STAGING);
+  size_t len = 0;
+  void *p =
+      wire_reader_read_buf(&c->rd, c->s->staging, DP_STAGING, DP_DIRECT_MIN, DP_READ_CHUNK, &len);
+  *buf = uv_buf_init(p, (unsigned)len);
 }
 
 /* Runs the reader over bytes that came through the staging buffer. */
