@@ -942,6 +942,35 @@ static uint64_t pull_deadline(uint32_t timeout_ms) {
 
 static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms);
 
+/* What every Pull and pull batch passes before it may wait (its answer fits a
+ * frame, the connection has room for one more waiting pull) and its record;
+ * NULL when the request was answered with an error instead. */
+static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, const char *what) {
+  dp_server *s = c->s;
+  char err[DP_ERRLEN];
+  if (nbytes > s->max_payload) {
+    say(err, sizeof err, "%s of %" PRIu64 " bytes exceeds the %" PRIu64 "-byte frame limit", what,
+        nbytes, s->max_payload);
+    answer_error(c, request_id, ZS_ERANGE, err);
+    return NULL;
+  }
+  if (c->waiting >= DP_MAX_WAITING_PULLS) {
+    say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
+    answer_error(c, request_id, ZS_ERANGE, err);
+    return NULL;
+  }
+  dp_pull *p = calloc(1, sizeof *p);
+  if (!p) {
+    answer_error(c, request_id, ZS_ENOMEM, "out of memory registering a pull");
+    return NULL;
+  }
+  p->mb = s->mb;
+  p->conn = c;
+  p->request_id = request_id;
+  p->start_ns = c->frame_ns;
+  return p;
+}
+
 static void handle_pull(dp_conn *c, const wire_msg *m) {
   dp_server *s = c->s;
   const wire_pull *q = &m->u.pull;
@@ -960,26 +989,9 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
     answer_error(c, m->request_id, (int)nb, err);
     return;
   }
-  if ((uint64_t)nb > s->max_payload) {
-    say(err, sizeof err, "piece of %" PRId64 " bytes exceeds the %" PRIu64 "-byte frame limit", nb,
-        s->max_payload);
-    answer_error(c, m->request_id, ZS_ERANGE, err);
+  dp_pull *p = pull_new(c, m->request_id, (uint64_t)nb, "piece");
+  if (!p)
     return;
-  }
-  if (c->waiting >= DP_MAX_WAITING_PULLS) {
-    say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
-    answer_error(c, m->request_id, ZS_ERANGE, err);
-    return;
-  }
-  dp_pull *p = calloc(1, sizeof *p);
-  if (!p) {
-    answer_error(c, m->request_id, ZS_ENOMEM, "out of memory registering a pull");
-    return;
-  }
-  p->mb = s->mb;
-  p->conn = c;
-  p->request_id = m->request_id;
-  p->start_ns = c->frame_ns;
   p->hash = q->spec_hash;
   p->min_version = q->min_version;
   p->tensor = q->tensor;
@@ -1025,30 +1037,16 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
     }
     total += (uint64_t)nb; /* at most WIRE_MAX_BATCH pieces below 2^62 bytes: no overflow */
   }
-  if (total > s->max_payload) {
-    say(err, sizeof err, "batch of %" PRIu64 " bytes exceeds the %" PRIu64 "-byte frame limit",
-        total, s->max_payload);
-    answer_error(c, m->request_id, ZS_ERANGE, err);
+  dp_pull *p = pull_new(c, m->request_id, total, "batch");
+  if (!p)
     return;
-  }
-  if (c->waiting >= DP_MAX_WAITING_PULLS) {
-    say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
-    answer_error(c, m->request_id, ZS_ERANGE, err);
-    return;
-  }
-  dp_pull *p = calloc(1, sizeof *p);
   wire_piece *pcs = calloc(q->npieces, sizeof *pcs);
-  if (!p || !pcs) {
-    free(p);
-    free(pcs);
+  if (!pcs) {
+    pull_free(p);
     answer_error(c, m->request_id, ZS_ENOMEM, "out of memory registering a pull batch");
     return;
   }
   memcpy(pcs, q->pieces, q->npieces * sizeof *pcs);
-  p->mb = s->mb;
-  p->conn = c;
-  p->request_id = m->request_id;
-  p->start_ns = c->frame_ns;
   p->hash = q->spec_hash;
   p->min_version = q->min_version;
   p->tensor = pcs[0].tensor;
