@@ -731,12 +731,17 @@ void bench_pingpong_close(bench_pingpong *p) {
 
 /* ------------------------------------------------------------------ clients */
 
-int bench_transport_parse(const char *name) {
-  if (strcmp(name, "grpc") == 0)
-    return ZS_TRANSPORT_GRPC;
-  if (strcmp(name, "data") == 0)
-    return ZS_TRANSPORT_DATA;
-  return -1;
+int bench_transport_list(char *list, int *out, int max) {
+  int n = 0;
+  for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
+    int t = strcmp(tok, "grpc") == 0   ? ZS_TRANSPORT_GRPC
+            : strcmp(tok, "data") == 0 ? ZS_TRANSPORT_DATA
+                                       : -1;
+    if (t < 0 || n == max)
+      return -1;
+    out[n++] = t;
+  }
+  return n > 0 ? n : -1;
 }
 
 const char *bench_transport_name(int transport) {

@@ -171,9 +171,10 @@ typedef struct bench_model {
   uint32_t world_size, grad_accum;
 } bench_model;
 
-/* The transports of pushes and pulls, by name: "grpc" or "data". Returns
- * ZS_TRANSPORT_GRPC / ZS_TRANSPORT_DATA, or -1 for another name. */
-int bench_transport_parse(const char *name);
+/* A comma-separated list of transports by name ("grpc", "data") into out
+ * (ZS_TRANSPORT_GRPC / ZS_TRANSPORT_DATA, at most max): their count, or -1
+ * for an unknown name, an empty list or too many. `list` is modified. */
+int bench_transport_list(char *list, int *out, int max);
 const char *bench_transport_name(int transport);
 
 /* Opens a libzshard client of `m` as `rank` on the cluster `addrs` (nshards

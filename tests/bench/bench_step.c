@@ -177,14 +177,7 @@ int main(int argc, char **argv) {
       if (bench_parse_list(argv[++i], &data_conns, 1) != 1 || data_conns > 64)
         usage();
     } else if (strcmp(argv[i], "--transports") == 0 && i + 1 < argc) {
-      ntransports = 0;
-      for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(NULL, ",")) {
-        int t = bench_transport_parse(tok);
-        if (t < 0 || ntransports == MAX_TRANSPORTS)
-          usage();
-        transports[ntransports++] = t;
-      }
-      if (ntransports == 0)
+      if ((ntransports = bench_transport_list(argv[++i], transports, MAX_TRANSPORTS)) < 0)
         usage();
     } else {
       usage();
