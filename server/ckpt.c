@@ -558,15 +558,156 @@ static int w_zeros(writer *w, uint64_t n, char *err, size_t errlen) {
   return 0;
 }
 
+/* Lists the sections of shard st's file in their order, gives each its
+ * aligned offset and its CRC, and returns the file's size. The CRCs are
+ * computed first, in memory (the whole state is in memory anyway), so that
+ * the table can precede the data and the file is written in one pass. */
+static uint64_t plan_sections(const core_state *st, int need_m, int need_v, const bytes *bspec,
+                              const bytes *bopt, const bytes *bpieces, out_section *sec,
+                              uint32_t *nsec_out) {
+  uint32_t nsec = 0;
+  uint64_t arena_bytes = st->nelems * sizeof(float);
+  sec[nsec++] = (out_section){CKPT_SEC_SPEC, bspec->p, bspec->len, 0, 0};
+  sec[nsec++] = (out_section){CKPT_SEC_OPTIMIZER, bopt->p, bopt->len, 0, 0};
+  sec[nsec++] = (out_section){CKPT_SEC_PIECES, bpieces->p, bpieces->len, 0, 0};
+  sec[nsec++] = (out_section){CKPT_SEC_MASTER, (const uint8_t *)st->master, arena_bytes, 0, 0};
+  if (need_m)
+    sec[nsec++] = (out_section){CKPT_SEC_EXP_AVG, (const uint8_t *)st->m, arena_bytes, 0, 0};
+  if (need_v)
+    sec[nsec++] = (out_section){CKPT_SEC_EXP_AVG_SQ, (const uint8_t *)st->v, arena_bytes, 0, 0};
+  /* Only when there is one: a job without a client state writes the same
+   * bytes as before the section existed, which older builds still read. */
+  if (st->client_state_len > 0)
+    sec[nsec++] =
+        (out_section){CKPT_SEC_CLIENT_STATE, st->client_state, st->client_state_len, 0, 0};
+  uint64_t off = align_up(CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES);
+  for (uint32_t i = 0; i < nsec; i++) {
+    sec[i].off = off;
+    sec[i].crc = sec[i].len ? crc32c(0, sec[i].data, (size_t)sec[i].len) : 0;
+    off = align_up(off + sec[i].len);
+  }
+  *nsec_out = nsec;
+  return sec[nsec - 1].off + sec[nsec - 1].len;
+}
+
+/* Encodes the section table and the header that covers it (docs/CHECKPOINTS.md
+ * gives the byte offsets). */
+static void encode_table_header(const core_state *st, const out_section *sec, uint32_t nsec,
+                                uint8_t table[CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES],
+                                uint8_t hdr[CKPT_HEADER_BYTES]) {
+  const spec *s = &st->spec;
+  memset(table, 0, CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES);
+  for (uint32_t i = 0; i < nsec; i++) {
+    uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
+    put_u32(e, sec[i].kind);
+    put_u32(e + 4, 0);
+    put_u64(e + 8, sec[i].off);
+    put_u64(e + 16, sec[i].len);
+    put_u32(e + 24, sec[i].crc);
+    put_u32(e + 28, 0);
+  }
+  memset(hdr, 0, CKPT_HEADER_BYTES);
+  memcpy(hdr, CKPT_MAGIC, 8);
+  put_u32(hdr + 8, CKPT_FORMAT_VERSION);
+  put_u32(hdr + 12, CKPT_HEADER_BYTES);
+  put_u32(hdr + 16, st->shard_id);
+  put_u32(hdr + 20, s->num_shards);
+  put_u64(hdr + 24, spec_hash(s));
+  put_u64(hdr + 32, st->version);
+  put_u64(hdr + 40, st->optimizer_steps);
+  put_u64(hdr + 48, st->nelems);
+  put_u32(hdr + 56, nsec);
+  put_u32(hdr + 60, 0);
+  put_u64(hdr + 64, CKPT_HEADER_BYTES);
+  put_u32(hdr + 72, crc32c(0, table, (size_t)nsec * CKPT_ENTRY_BYTES));
+  put_u32(hdr + 124, crc32c(0, hdr, 124));
+}
+
+/* Makes the step directory durable in root and, when the step is being
+ * rewritten, removes its manifest first: the old checkpoint stops being
+ * loadable before any byte of it changes. */
+static int prepare_step_dir(const char *root, const char *dir, char *err, size_t errlen) {
+  int rc = ckpt_mkdirs(dir, err, errlen);
+  if (rc != 0)
+    return rc;
+  if (fsync_dir(root) != 0)
+    return status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", root, strerror(errno));
+  char manifest[CKPT_PATH_MAX];
+  if (join_path(manifest, sizeof manifest, dir, CKPT_MANIFEST) == 0 && unlink(manifest) == 0 &&
+      fsync_dir(dir) != 0)
+    return status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
+  return 0;
+}
+
+/* Where one shard file goes: the final name and the temporary one beside it. */
+typedef struct shard_paths {
+  char dir[CKPT_PATH_MAX], tmp[CKPT_PATH_MAX], final[CKPT_PATH_MAX], name[CKPT_NAME_MAX];
+} shard_paths;
+
+/* Writes header, table and sections into the temporary file, makes it
+ * durable and renames it into place. On failure the temporary file is
+ * removed. */
+static int write_and_publish(const shard_paths *p, const core_state *st, const ckpt_write_opts *o,
+                             const uint8_t *hdr, const uint8_t *table, const out_section *sec,
+                             uint32_t nsec, uint64_t total, ckpt_file_info *info, char *err,
+                             size_t errlen) {
+  int rc, tmp_made = 0;
+  int fd = open(p->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", p->tmp, strerror(errno));
+  tmp_made = 1;
+  writer w = {.fd = fd, .path = p->tmp, .o = o, .total = total, .version = st->version};
+  if (o && o->stall && o->stall_step == st->version)
+    w.stall_at = total / 2 ? total / 2 : 1;
+  if ((rc = w_bytes(&w, hdr, CKPT_HEADER_BYTES, err, errlen)) != 0 ||
+      (rc = w_bytes(&w, table, (uint64_t)nsec * CKPT_ENTRY_BYTES, err, errlen)) != 0)
+    goto done;
+  for (uint32_t i = 0; i < nsec; i++) {
+    if ((rc = w_zeros(&w, sec[i].off - w.written, err, errlen)) != 0 ||
+        (rc = w_bytes(&w, sec[i].data, sec[i].len, err, errlen)) != 0)
+      goto done;
+  }
+  if (fsync(fd) != 0) {
+    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", p->tmp, strerror(errno));
+    goto done;
+  }
+  int cerr = close(fd);
+  fd = -1;
+  if (cerr != 0) {
+    rc = status_fail(err, errlen, ZS_EIO, "cannot close %s: %s", p->tmp, strerror(errno));
+    goto done;
+  }
+  if (rename(p->tmp, p->final) != 0) {
+    rc = status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", p->tmp, p->final,
+                     strerror(errno));
+    goto done;
+  }
+  tmp_made = 0;
+  if (fsync_dir(p->dir) != 0) {
+    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", p->dir, strerror(errno));
+    goto done;
+  }
+  info->shard_id = st->shard_id;
+  snprintf(info->name, sizeof info->name, "%s", p->name);
+  info->bytes = w.written;
+  info->crc32c = w.crc;
+  rc = 0;
+done:
+  if (fd >= 0)
+    close(fd);
+  if (tmp_made)
+    unlink(p->tmp);
+  return rc;
+}
+
 int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_opts *o,
                      ckpt_file_info *info, char *err, size_t errlen) {
   const spec *s = &st->spec;
   layout l;
   memset(&l, 0, sizeof l);
   bytes bspec = {0}, bopt = {0}, bpieces = {0};
-  char dir[CKPT_PATH_MAX], tmp[CKPT_PATH_MAX], final[CKPT_PATH_MAX], name[CKPT_NAME_MAX];
-  int fd = -1, rc;
-  int tmp_made = 0;
+  shard_paths p;
+  int rc;
   memset(info, 0, sizeof *info);
 
   if (st->shard_id >= s->num_shards)
@@ -587,10 +728,10 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
                      st->client_state_len, CORE_MAX_CLIENT_STATE);
     goto done;
   }
-  ckpt_file_name(st->shard_id, s->num_shards, name, sizeof name);
-  if (ckpt_step_dir(root, st->version, dir, sizeof dir) != 0 ||
-      join_path(final, sizeof final, dir, name) != 0 ||
-      snprintf(tmp, sizeof tmp, "%s/.%s.tmp", dir, name) >= (int)sizeof tmp) {
+  ckpt_file_name(st->shard_id, s->num_shards, p.name, sizeof p.name);
+  if (ckpt_step_dir(root, st->version, p.dir, sizeof p.dir) != 0 ||
+      join_path(p.final, sizeof p.final, p.dir, p.name) != 0 ||
+      snprintf(p.tmp, sizeof p.tmp, "%s/.%s.tmp", p.dir, p.name) >= (int)sizeof p.tmp) {
     rc = status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
     goto done;
   }
@@ -599,126 +740,18 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   enc_optimizer(&bopt, s, st->optimizer_steps);
   enc_pieces(&bpieces, &l, st->shard_id);
   if (bspec.oom || bopt.oom || bpieces.oom) {
-    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", final);
+    rc =
+        status_fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", p.final);
     goto done;
   }
   out_section sec[7];
-  uint32_t nsec = 0;
-  uint64_t arena_bytes = st->nelems * sizeof(float);
-  sec[nsec++] = (out_section){CKPT_SEC_SPEC, bspec.p, bspec.len, 0, 0};
-  sec[nsec++] = (out_section){CKPT_SEC_OPTIMIZER, bopt.p, bopt.len, 0, 0};
-  sec[nsec++] = (out_section){CKPT_SEC_PIECES, bpieces.p, bpieces.len, 0, 0};
-  sec[nsec++] = (out_section){CKPT_SEC_MASTER, (const uint8_t *)st->master, arena_bytes, 0, 0};
-  if (need_m)
-    sec[nsec++] = (out_section){CKPT_SEC_EXP_AVG, (const uint8_t *)st->m, arena_bytes, 0, 0};
-  if (need_v)
-    sec[nsec++] = (out_section){CKPT_SEC_EXP_AVG_SQ, (const uint8_t *)st->v, arena_bytes, 0, 0};
-  /* Only when there is one: a job without a client state writes the same
-   * bytes as before the section existed, which older builds still read. */
-  if (st->client_state_len > 0)
-    sec[nsec++] =
-        (out_section){CKPT_SEC_CLIENT_STATE, st->client_state, st->client_state_len, 0, 0};
-  uint64_t off = align_up(CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES);
-  for (uint32_t i = 0; i < nsec; i++) {
-    sec[i].off = off;
-    /* CRCs first, in memory (the whole state is in memory anyway), so that
-     * the table can precede the data and the file is written in one pass. */
-    sec[i].crc = sec[i].len ? crc32c(0, sec[i].data, (size_t)sec[i].len) : 0;
-    off = align_up(off + sec[i].len);
-  }
-  uint64_t total = sec[nsec - 1].off + sec[nsec - 1].len;
-
-  uint8_t table[CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES];
-  memset(table, 0, sizeof table);
-  for (uint32_t i = 0; i < nsec; i++) {
-    uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
-    put_u32(e, sec[i].kind);
-    put_u32(e + 4, 0);
-    put_u64(e + 8, sec[i].off);
-    put_u64(e + 16, sec[i].len);
-    put_u32(e + 24, sec[i].crc);
-    put_u32(e + 28, 0);
-  }
-  uint8_t hdr[CKPT_HEADER_BYTES];
-  memset(hdr, 0, sizeof hdr);
-  memcpy(hdr, CKPT_MAGIC, 8);
-  put_u32(hdr + 8, CKPT_FORMAT_VERSION);
-  put_u32(hdr + 12, CKPT_HEADER_BYTES);
-  put_u32(hdr + 16, st->shard_id);
-  put_u32(hdr + 20, s->num_shards);
-  put_u64(hdr + 24, spec_hash(s));
-  put_u64(hdr + 32, st->version);
-  put_u64(hdr + 40, st->optimizer_steps);
-  put_u64(hdr + 48, st->nelems);
-  put_u32(hdr + 56, nsec);
-  put_u32(hdr + 60, 0);
-  put_u64(hdr + 64, CKPT_HEADER_BYTES);
-  put_u32(hdr + 72, crc32c(0, table, (size_t)nsec * CKPT_ENTRY_BYTES));
-  put_u32(hdr + 124, crc32c(0, hdr, 124));
-
-  if ((rc = ckpt_mkdirs(dir, err, errlen)) != 0)
-    goto done;
-  /* The step directory's entry in root must survive a crash too. */
-  if (fsync_dir(root) != 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", root, strerror(errno));
-    goto done;
-  }
-  /* Rewriting a checkpoint: it stops being loadable before any byte of it
-   * changes. */
-  char manifest[CKPT_PATH_MAX];
-  if (join_path(manifest, sizeof manifest, dir, CKPT_MANIFEST) == 0 && unlink(manifest) == 0 &&
-      fsync_dir(dir) != 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
-    goto done;
-  }
-
-  fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
-    goto done;
-  }
-  tmp_made = 1;
-  writer w = {.fd = fd, .path = tmp, .o = o, .total = total, .version = st->version};
-  if (o && o->stall && o->stall_step == st->version)
-    w.stall_at = total / 2 ? total / 2 : 1;
-  if ((rc = w_bytes(&w, hdr, sizeof hdr, err, errlen)) != 0 ||
-      (rc = w_bytes(&w, table, (uint64_t)nsec * CKPT_ENTRY_BYTES, err, errlen)) != 0)
-    goto done;
-  for (uint32_t i = 0; i < nsec; i++) {
-    if ((rc = w_zeros(&w, sec[i].off - w.written, err, errlen)) != 0 ||
-        (rc = w_bytes(&w, sec[i].data, sec[i].len, err, errlen)) != 0)
-      goto done;
-  }
-  if (fsync(fd) != 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", tmp, strerror(errno));
-    goto done;
-  }
-  int cerr = close(fd);
-  fd = -1;
-  if (cerr != 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "cannot close %s: %s", tmp, strerror(errno));
-    goto done;
-  }
-  if (rename(tmp, final) != 0) {
-    rc =
-        status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, final, strerror(errno));
-    goto done;
-  }
-  tmp_made = 0;
-  if (fsync_dir(dir) != 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
-    goto done;
-  }
-  info->shard_id = st->shard_id;
-  snprintf(info->name, sizeof info->name, "%s", name);
-  info->bytes = w.written;
-  info->crc32c = w.crc;
-  rc = 0;
+  uint32_t nsec;
+  uint64_t total = plan_sections(st, need_m, need_v, &bspec, &bopt, &bpieces, sec, &nsec);
+  uint8_t table[CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES], hdr[CKPT_HEADER_BYTES];
+  encode_table_header(st, sec, nsec, table, hdr);
+  if ((rc = prepare_step_dir(root, p.dir, err, errlen)) == 0)
+    rc = write_and_publish(&p, st, o, hdr, table, sec, nsec, total, info, err, errlen);
 done:
-  if (fd >= 0)
-    close(fd);
-  if (tmp_made)
-    unlink(tmp);
   free(bspec.p);
   free(bopt.p);
   free(bpieces.p);
@@ -1183,58 +1216,56 @@ out:
   return rc;
 }
 
-int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader **out, char *err,
-                     size_t errlen) {
-  *out = NULL;
-  ckpt_reader *r = calloc(1, sizeof *r);
-  if (!r)
-    return status_fail(err, errlen, ZS_ENOMEM, "out of memory opening %s", path);
-  r->fd = -1;
-  snprintf(r->path, sizeof r->path, "%s", path);
-  uint8_t *small = NULL;
-  bytes expect_bytes = {0};
-  int rc;
+/* What ckpt_reader_open learns from the header and the section table, passed
+ * between its steps. */
+typedef struct reader_scan {
+  uint64_t size;      /* the file's size */
+  uint64_t table_end; /* first byte after the section table */
+  uint32_t nsec, table_crc;
+  in_section sec[CKPT_MAX_SECTIONS]; /* sorted by offset once verified */
+  const in_section *spec, *optimizer, *pieces, *client_state;
+} reader_scan;
+
+/* Opens the file and checks that it is a regular file of the size the
+ * manifest recorded (when there is a manifest). */
+static int reader_open_file(ckpt_reader *r, const ckpt_file_info *expect, reader_scan *s, char *err,
+                            size_t errlen) {
+  const char *path = r->path;
   r->fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (r->fd < 0) {
-    rc = status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
-                     path, strerror(errno));
-    goto fail;
-  }
+  if (r->fd < 0)
+    return status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
+                       path, strerror(errno));
   struct stat sb;
-  if (fstat(r->fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    rc = status_fail(err, errlen, ZS_EIO, "%s: not a regular file", path);
-    goto fail;
-  }
-  uint64_t size = (uint64_t)sb.st_size;
-  if (expect && size != expect->bytes) {
-    rc = status_fail(err, errlen, ZS_ECRC,
-                     "%s: %" PRIu64 " bytes, but the manifest says %" PRIu64
-                     " (truncated or replaced)",
-                     path, size, expect->bytes);
-    goto fail;
-  }
+  if (fstat(r->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
+    return status_fail(err, errlen, ZS_EIO, "%s: not a regular file", path);
+  s->size = (uint64_t)sb.st_size;
+  if (expect && s->size != expect->bytes)
+    return status_fail(err, errlen, ZS_ECRC,
+                       "%s: %" PRIu64 " bytes, but the manifest says %" PRIu64
+                       " (truncated or replaced)",
+                       path, s->size, expect->bytes);
+  return 0;
+}
+
+/* Reads and checks the fixed header: magic, CRC, format version, every field
+ * in range and the reserved bytes zero. Fills r->h and the table's size. */
+static int reader_read_header(ckpt_reader *r, reader_scan *s, char *err, size_t errlen) {
+  const char *path = r->path;
   uint8_t hdr[CKPT_HEADER_BYTES];
-  if (size < CKPT_HEADER_BYTES || pread_full(r->fd, hdr, sizeof hdr, 0) != 0) {
-    rc = status_fail(err, errlen, ZS_EPROTO,
-                     "%s: truncated: %" PRIu64 " bytes, shorter than a header", path, size);
-    goto fail;
-  }
-  if (memcmp(hdr, CKPT_MAGIC, 8) != 0) {
-    rc = status_fail(err, errlen, ZS_EPROTO, "%s: not a zshard checkpoint (bad magic)", path);
-    goto fail;
-  }
-  if (crc32c(0, hdr, 124) != get_u32(hdr + 124)) {
-    rc =
-        status_fail(err, errlen, ZS_ECRC, "%s: header CRC32C mismatch (the file is damaged)", path);
-    goto fail;
-  }
+  if (s->size < CKPT_HEADER_BYTES || pread_full(r->fd, hdr, sizeof hdr, 0) != 0)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s: truncated: %" PRIu64 " bytes, shorter than a header", path, s->size);
+  if (memcmp(hdr, CKPT_MAGIC, 8) != 0)
+    return status_fail(err, errlen, ZS_EPROTO, "%s: not a zshard checkpoint (bad magic)", path);
+  if (crc32c(0, hdr, 124) != get_u32(hdr + 124))
+    return status_fail(err, errlen, ZS_ECRC, "%s: header CRC32C mismatch (the file is damaged)",
+                       path);
   uint32_t fmt = get_u32(hdr + 8), hbytes = get_u32(hdr + 12), nsec = get_u32(hdr + 56);
   uint64_t table_off = get_u64(hdr + 64);
-  if (fmt != CKPT_FORMAT_VERSION) {
-    rc = status_fail(err, errlen, ZS_EPROTO, "%s: format version %" PRIu32 ", this build reads %u",
-                     path, fmt, CKPT_FORMAT_VERSION);
-    goto fail;
-  }
+  if (fmt != CKPT_FORMAT_VERSION)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s: format version %" PRIu32 ", this build reads %u", path, fmt,
+                       CKPT_FORMAT_VERSION);
   r->h.shard_id = get_u32(hdr + 16);
   r->h.num_shards = get_u32(hdr + 20);
   r->h.spec_hash = get_u64(hdr + 24);
@@ -1244,227 +1275,264 @@ int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader
   if (hbytes != CKPT_HEADER_BYTES || table_off != CKPT_HEADER_BYTES || nsec < 4 ||
       nsec > CKPT_MAX_SECTIONS || get_u32(hdr + 60) != 0 || r->h.num_shards == 0 ||
       r->h.num_shards > SPEC_MAX_SHARDS || r->h.shard_id >= r->h.num_shards ||
-      r->h.nelems > SPEC_MAX_TOTAL_NUMEL + (uint64_t)LAYOUT_ALIGN_ELEMS * SPEC_MAX_PIECES) {
-    rc = status_fail(err, errlen, ZS_EPROTO, "%s: header fields out of range", path);
-    goto fail;
-  }
+      r->h.nelems > SPEC_MAX_TOTAL_NUMEL + (uint64_t)LAYOUT_ALIGN_ELEMS * SPEC_MAX_PIECES)
+    return status_fail(err, errlen, ZS_EPROTO, "%s: header fields out of range", path);
   for (int i = 76; i < 124; i++) {
-    if (hdr[i] != 0) {
-      rc = status_fail(err, errlen, ZS_EPROTO, "%s: reserved header bytes are not zero", path);
-      goto fail;
-    }
+    if (hdr[i] != 0)
+      return status_fail(err, errlen, ZS_EPROTO, "%s: reserved header bytes are not zero", path);
   }
-  uint64_t table_end = CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES;
+  s->nsec = nsec;
+  s->table_crc = get_u32(hdr + 72);
+  s->table_end = CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES;
+  return 0;
+}
+
+/* Reads the section table and checks each entry on its own: a known kind seen
+ * once, zero reserved words, an aligned range inside the file past the table;
+ * and that the four required sections are there. */
+static int reader_read_table(ckpt_reader *r, reader_scan *s, char *err, size_t errlen) {
+  const char *path = r->path;
   uint8_t table[CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES];
-  if (size < table_end ||
-      pread_full(r->fd, table, (size_t)(table_end - CKPT_HEADER_BYTES), CKPT_HEADER_BYTES) != 0) {
-    rc = status_fail(err, errlen, ZS_EPROTO, "%s: truncated in its section table", path);
-    goto fail;
-  }
-  if (crc32c(0, table, (size_t)(table_end - CKPT_HEADER_BYTES)) != get_u32(hdr + 72)) {
-    rc = status_fail(err, errlen, ZS_ECRC,
-                     "%s: section table CRC32C mismatch (the file is damaged)", path);
-    goto fail;
-  }
-  in_section sec[CKPT_MAX_SECTIONS];
+  size_t tlen = (size_t)(s->table_end - CKPT_HEADER_BYTES);
+  if (s->size < s->table_end || pread_full(r->fd, table, tlen, CKPT_HEADER_BYTES) != 0)
+    return status_fail(err, errlen, ZS_EPROTO, "%s: truncated in its section table", path);
+  if (crc32c(0, table, tlen) != s->table_crc)
+    return status_fail(err, errlen, ZS_ECRC,
+                       "%s: section table CRC32C mismatch (the file is damaged)", path);
   int seen[CKPT_SEC_CLIENT_STATE + 1] = {0};
-  for (uint32_t i = 0; i < nsec; i++) {
+  for (uint32_t i = 0; i < s->nsec; i++) {
     const uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
-    sec[i] = (in_section){.kind = get_u32(e),
-                          .off = get_u64(e + 8),
-                          .len = get_u64(e + 16),
-                          .crc = get_u32(e + 24),
-                          .got = 0};
-    if (sec[i].kind < CKPT_SEC_SPEC || sec[i].kind > CKPT_SEC_CLIENT_STATE || seen[sec[i].kind]++ ||
-        get_u32(e + 4) != 0 || get_u32(e + 28) != 0) {
-      rc = status_fail(err, errlen, ZS_EPROTO,
-                       "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path, i,
-                       sec[i].kind);
-      goto fail;
-    }
-    if (sec[i].off % CKPT_ALIGN != 0 || sec[i].off < table_end || sec[i].len > size ||
-        sec[i].off > size - sec[i].len) {
-      rc = status_fail(err, errlen, ZS_EPROTO,
-                       "%s: truncated: the %s section spans bytes %" PRIu64 "..%" PRIu64
-                       " but the file has %" PRIu64,
-                       path, section_name(sec[i].kind), sec[i].off, sec[i].off + sec[i].len, size);
-      goto fail;
-    }
+    in_section *sec = &s->sec[i];
+    *sec = (in_section){.kind = get_u32(e),
+                        .off = get_u64(e + 8),
+                        .len = get_u64(e + 16),
+                        .crc = get_u32(e + 24),
+                        .got = 0};
+    if (sec->kind < CKPT_SEC_SPEC || sec->kind > CKPT_SEC_CLIENT_STATE || seen[sec->kind]++ ||
+        get_u32(e + 4) != 0 || get_u32(e + 28) != 0)
+      return status_fail(err, errlen, ZS_EPROTO,
+                         "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path,
+                         i, sec->kind);
+    if (sec->off % CKPT_ALIGN != 0 || sec->off < s->table_end || sec->len > s->size ||
+        sec->off > s->size - sec->len)
+      return status_fail(err, errlen, ZS_EPROTO,
+                         "%s: truncated: the %s section spans bytes %" PRIu64 "..%" PRIu64
+                         " but the file has %" PRIu64,
+                         path, section_name(sec->kind), sec->off, sec->off + sec->len, s->size);
   }
   if (!seen[CKPT_SEC_SPEC] || !seen[CKPT_SEC_OPTIMIZER] || !seen[CKPT_SEC_PIECES] ||
-      !seen[CKPT_SEC_MASTER]) {
-    rc = status_fail(err, errlen, ZS_EPROTO, "%s: a required section is missing", path);
-    goto fail;
-  }
+      !seen[CKPT_SEC_MASTER])
+    return status_fail(err, errlen, ZS_EPROTO, "%s: a required section is missing", path);
+  return 0;
+}
+
+/* Checks the sections together and against their CRCs: no overlap, nothing
+ * after the last one, then one streaming pass (stream_verify) for every
+ * section's CRC, the padding and the whole file's CRC against the manifest. */
+static int reader_verify_sections(ckpt_reader *r, const ckpt_file_info *expect, reader_scan *s,
+                                  char *err, size_t errlen) {
+  const char *path = r->path;
+  in_section *sec = s->sec;
+  uint32_t nsec = s->nsec;
   qsort(sec, nsec, sizeof *sec, cmp_in_section);
   for (uint32_t i = 1; i < nsec; i++) {
-    if (sec[i].off < sec[i - 1].off + sec[i - 1].len) {
-      rc = status_fail(err, errlen, ZS_EPROTO, "%s: sections overlap", path);
-      goto fail;
-    }
+    if (sec[i].off < sec[i - 1].off + sec[i - 1].len)
+      return status_fail(err, errlen, ZS_EPROTO, "%s: sections overlap", path);
   }
   uint64_t data_end = sec[nsec - 1].off + sec[nsec - 1].len;
-  if (size != data_end) {
-    rc = status_fail(err, errlen, ZS_EPROTO, "%s: %" PRIu64 " bytes after the last section", path,
-                     size - data_end);
-    goto fail;
-  }
+  if (s->size != data_end)
+    return status_fail(err, errlen, ZS_EPROTO, "%s: %" PRIu64 " bytes after the last section", path,
+                       s->size - data_end);
   uint32_t file_crc = 0;
-  if ((rc = stream_verify(r, size, table_end, sec, nsec, &file_crc, err, errlen)) != 0)
-    goto fail;
+  int rc = stream_verify(r, s->size, s->table_end, sec, nsec, &file_crc, err, errlen);
+  if (rc != 0)
+    return rc;
   for (uint32_t i = 0; i < nsec; i++) {
-    if (sec[i].got != sec[i].crc) {
-      rc = status_fail(err, errlen, ZS_ECRC,
-                       "%s: CRC32C mismatch in the %s section (the file is damaged)", path,
-                       section_name(sec[i].kind));
-      goto fail;
-    }
+    if (sec[i].got != sec[i].crc)
+      return status_fail(err, errlen, ZS_ECRC,
+                         "%s: CRC32C mismatch in the %s section (the file is damaged)", path,
+                         section_name(sec[i].kind));
   }
-  if (expect && file_crc != expect->crc32c) {
-    rc = status_fail(err, errlen, ZS_ECRC,
-                     "%s: the file's CRC32C %08" PRIx32 " is not the manifest's %08" PRIx32, path,
-                     file_crc, expect->crc32c);
-    goto fail;
-  }
+  if (expect && file_crc != expect->crc32c)
+    return status_fail(err, errlen, ZS_ECRC,
+                       "%s: the file's CRC32C %08" PRIx32 " is not the manifest's %08" PRIx32, path,
+                       file_crc, expect->crc32c);
+  return 0;
+}
 
-  /* The small sections, now known to be intact. */
-  const in_section *ss = NULL, *so = NULL, *sp = NULL, *sc = NULL;
-  for (uint32_t i = 0; i < nsec; i++) {
-    switch (sec[i].kind) {
+/* Finds each section by kind (now known to be intact) and checks that every
+ * state array holds exactly the header's arena. */
+static int reader_index_sections(ckpt_reader *r, reader_scan *s, char *err, size_t errlen) {
+  for (uint32_t i = 0; i < s->nsec; i++) {
+    const in_section *sec = &s->sec[i];
+    switch (sec->kind) {
     case CKPT_SEC_SPEC:
-      ss = &sec[i];
+      s->spec = sec;
       break;
     case CKPT_SEC_OPTIMIZER:
-      so = &sec[i];
+      s->optimizer = sec;
       break;
     case CKPT_SEC_PIECES:
-      sp = &sec[i];
+      s->pieces = sec;
       break;
     case CKPT_SEC_MASTER:
-      r->arr_off[CKPT_ARRAY_MASTER] = sec[i].off;
+      r->arr_off[CKPT_ARRAY_MASTER] = sec->off;
       r->has[CKPT_ARRAY_MASTER] = 1;
       break;
     case CKPT_SEC_EXP_AVG:
-      r->arr_off[CKPT_ARRAY_EXP_AVG] = sec[i].off;
+      r->arr_off[CKPT_ARRAY_EXP_AVG] = sec->off;
       r->has[CKPT_ARRAY_EXP_AVG] = 1;
       break;
     case CKPT_SEC_EXP_AVG_SQ:
-      r->arr_off[CKPT_ARRAY_EXP_AVG_SQ] = sec[i].off;
+      r->arr_off[CKPT_ARRAY_EXP_AVG_SQ] = sec->off;
       r->has[CKPT_ARRAY_EXP_AVG_SQ] = 1;
       break;
     case CKPT_SEC_CLIENT_STATE:
-      sc = &sec[i];
+      s->client_state = sec;
       break;
     }
-    if (sec[i].kind >= CKPT_SEC_MASTER && sec[i].kind <= CKPT_SEC_EXP_AVG_SQ &&
-        sec[i].len != r->h.nelems * sizeof(float)) {
-      rc =
-          status_fail(err, errlen, ZS_EPROTO,
-                      "%s: the %s section has %" PRIu64 " bytes, the header's arena needs %" PRIu64,
-                      path, section_name(sec[i].kind), sec[i].len, r->h.nelems * sizeof(float));
-      goto fail;
-    }
+    if (sec->kind >= CKPT_SEC_MASTER && sec->kind <= CKPT_SEC_EXP_AVG_SQ &&
+        sec->len != r->h.nelems * sizeof(float))
+      return status_fail(err, errlen, ZS_EPROTO,
+                         "%s: the %s section has %" PRIu64
+                         " bytes, the header's arena needs %" PRIu64,
+                         r->path, section_name(sec->kind), sec->len, r->h.nelems * sizeof(float));
   }
-  small = malloc((size_t)ss->len + 1);
-  if (!small) {
-    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
-    goto fail;
-  }
-  if (pread_full(r->fd, small, (size_t)ss->len, ss->off) != 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
-    goto fail;
-  }
+  return 0;
+}
+
+/* Reads a small section whole into *buf (grown as needed). */
+static int reader_read_small(ckpt_reader *r, const in_section *sec, uint8_t **buf, char *err,
+                             size_t errlen) {
+  uint8_t *got = realloc(*buf, (size_t)sec->len + 1);
+  if (!got)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", r->path);
+  *buf = got;
+  if (pread_full(r->fd, got, (size_t)sec->len, sec->off) != 0)
+    return status_fail(err, errlen, ZS_EIO, "%s: read error: %s", r->path, strerror(errno));
+  return 0;
+}
+
+/* Decodes the spec section, checks it against the header's hash and shard
+ * count, and computes the layout, whose arena must be the header's. */
+static int reader_load_spec(ckpt_reader *r, const reader_scan *s, uint8_t **small, char *err,
+                            size_t errlen) {
+  const char *path = r->path;
+  int rc = reader_read_small(r, s->spec, small, err, errlen);
+  if (rc != 0)
+    return rc;
   char why[320];
-  if ((rc = dec_spec(small, (size_t)ss->len, &r->spec, why, sizeof why)) != 0) {
-    status_fail(err, errlen, rc, "%s: %s", path, why);
-    goto fail;
-  }
-  if (spec_hash(&r->spec) != r->h.spec_hash || r->spec.num_shards != r->h.num_shards) {
-    rc =
-        status_fail(err, errlen, ZS_EHASH,
-                    "%s: the spec section hashes to %016" PRIx64 " (for %" PRIu32
-                    " shards), the header says %016" PRIx64 " (for %" PRIu32 ")",
-                    path, spec_hash(&r->spec), r->spec.num_shards, r->h.spec_hash, r->h.num_shards);
-    goto fail;
-  }
-  if (layout_build(&r->spec, &r->lay) != 0) {
-    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout of %s", path);
-    goto fail;
-  }
-  if (r->lay.shard_elems[r->h.shard_id] != r->h.nelems) {
-    rc = status_fail(err, errlen, ZS_EPROTO,
-                     "%s: the header's arena of %" PRIu64 " elements is not the layout's %" PRIu64,
-                     path, r->h.nelems, r->lay.shard_elems[r->h.shard_id]);
-    goto fail;
-  }
-  /* Optimizer and pieces: regenerated from the spec and compared. */
+  if ((rc = dec_spec(*small, (size_t)s->spec->len, &r->spec, why, sizeof why)) != 0)
+    return status_fail(err, errlen, rc, "%s: %s", path, why);
+  if (spec_hash(&r->spec) != r->h.spec_hash || r->spec.num_shards != r->h.num_shards)
+    return status_fail(err, errlen, ZS_EHASH,
+                       "%s: the spec section hashes to %016" PRIx64 " (for %" PRIu32
+                       " shards), the header says %016" PRIx64 " (for %" PRIu32 ")",
+                       path, spec_hash(&r->spec), r->spec.num_shards, r->h.spec_hash,
+                       r->h.num_shards);
+  if (layout_build(&r->spec, &r->lay) != 0)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory computing the layout of %s", path);
+  if (r->lay.shard_elems[r->h.shard_id] != r->h.nelems)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s: the header's arena of %" PRIu64
+                       " elements is not the layout's %" PRIu64,
+                       path, r->h.nelems, r->lay.shard_elems[r->h.shard_id]);
+  return 0;
+}
+
+/* The optimizer and pieces sections are redundant with the spec: regenerated
+ * from it and compared byte for byte, so that a file from an incompatible
+ * layout is refused rather than misread. */
+static int reader_check_regenerated(ckpt_reader *r, const reader_scan *s, uint8_t **small,
+                                    char *err, size_t errlen) {
   const struct {
     const in_section *s;
     int kind;
-  } regen[2] = {{so, CKPT_SEC_OPTIMIZER}, {sp, CKPT_SEC_PIECES}};
-  for (int k = 0; k < 2; k++) {
+  } regen[2] = {{s->optimizer, CKPT_SEC_OPTIMIZER}, {s->pieces, CKPT_SEC_PIECES}};
+  bytes expect_bytes = {0};
+  int rc = 0;
+  for (int k = 0; k < 2 && rc == 0; k++) {
     expect_bytes.len = 0;
     if (regen[k].kind == CKPT_SEC_OPTIMIZER)
       enc_optimizer(&expect_bytes, &r->spec, r->h.optimizer_steps);
     else
       enc_pieces(&expect_bytes, &r->lay, r->h.shard_id);
     if (expect_bytes.oom) {
-      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory verifying %s", path);
-      goto fail;
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory verifying %s", r->path);
+      break;
     }
-    uint8_t *got = realloc(small, (size_t)regen[k].s->len + 1);
-    if (!got) {
-      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
-      goto fail;
-    }
-    small = got;
-    if (pread_full(r->fd, small, (size_t)regen[k].s->len, regen[k].s->off) != 0) {
-      rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
-      goto fail;
-    }
+    if ((rc = reader_read_small(r, regen[k].s, small, err, errlen)) != 0)
+      break;
     if (regen[k].s->len != expect_bytes.len ||
-        memcmp(small, expect_bytes.p, expect_bytes.len) != 0) {
+        memcmp(*small, expect_bytes.p, expect_bytes.len) != 0)
       rc = status_fail(
           err, errlen, ZS_EPROTO,
-          "%s: the %s section does not match its spec (written by an incompatible layout?)", path,
-          section_name((uint32_t)regen[k].kind));
-      goto fail;
-    }
+          "%s: the %s section does not match its spec (written by an incompatible layout?)",
+          r->path, section_name((uint32_t)regen[k].kind));
   }
+  free(expect_bytes.p);
+  return rc;
+}
+
+/* The moment sections present must be exactly those the shard's optimizers
+ * use; the client state, opaque to the shard, is read when present. */
+static int reader_load_rest(ckpt_reader *r, const reader_scan *s, char *err, size_t errlen) {
+  const char *path = r->path;
   int need_m, need_v;
   shard_uses(&r->spec, &r->lay, r->h.shard_id, &need_m, &need_v);
-  if (need_m != r->has[CKPT_ARRAY_EXP_AVG] || need_v != r->has[CKPT_ARRAY_EXP_AVG_SQ]) {
-    rc = status_fail(
+  if (need_m != r->has[CKPT_ARRAY_EXP_AVG] || need_v != r->has[CKPT_ARRAY_EXP_AVG_SQ])
+    return status_fail(
         err, errlen, ZS_EPROTO,
         "%s: the moment sections present (exp_avg %d, exp_avg_sq %d) are not those its "
         "optimizers use (%d, %d)",
         path, r->has[CKPT_ARRAY_EXP_AVG], r->has[CKPT_ARRAY_EXP_AVG_SQ], need_m, need_v);
-    goto fail;
-  }
   r->h.has_exp_avg = need_m;
   r->h.has_exp_avg_sq = need_v;
+  const in_section *sc = s->client_state;
   if (sc) {
-    /* Opaque to the shard; only its size is checked (a writer never puts an
-     * empty one). */
-    if (sc->len == 0 || sc->len > CORE_MAX_CLIENT_STATE) {
-      rc = status_fail(err, errlen, ZS_EPROTO,
-                       "%s: the client_state section has %" PRIu64 " bytes, not 1 to %u", path,
-                       sc->len, CORE_MAX_CLIENT_STATE);
-      goto fail;
-    }
-    if (pread_full(r->fd, r->client_state, (size_t)sc->len, sc->off) != 0) {
-      rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
-      goto fail;
-    }
+    /* Only its size is checked (a writer never puts an empty one). */
+    if (sc->len == 0 || sc->len > CORE_MAX_CLIENT_STATE)
+      return status_fail(err, errlen, ZS_EPROTO,
+                         "%s: the client_state section has %" PRIu64 " bytes, not 1 to %u", path,
+                         sc->len, CORE_MAX_CLIENT_STATE);
+    if (pread_full(r->fd, r->client_state, (size_t)sc->len, sc->off) != 0)
+      return status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
     r->client_state_len = (size_t)sc->len;
   }
+  return 0;
+}
+
+int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader **out, char *err,
+                     size_t errlen) {
+  *out = NULL;
+  ckpt_reader *r = calloc(1, sizeof *r);
+  reader_scan *s = calloc(1, sizeof *s);
+  uint8_t *small = NULL;
+  int rc;
+  if (!r || !s) {
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory opening %s", path);
+    goto fail;
+  }
+  r->fd = -1;
+  snprintf(r->path, sizeof r->path, "%s", path);
+  /* Everything is checked before anything is believed: the header and the
+   * table, then every byte against its CRC, and only then the contents. */
+  if ((rc = reader_open_file(r, expect, s, err, errlen)) != 0 ||
+      (rc = reader_read_header(r, s, err, errlen)) != 0 ||
+      (rc = reader_read_table(r, s, err, errlen)) != 0 ||
+      (rc = reader_verify_sections(r, expect, s, err, errlen)) != 0 ||
+      (rc = reader_index_sections(r, s, err, errlen)) != 0 ||
+      (rc = reader_load_spec(r, s, &small, err, errlen)) != 0 ||
+      (rc = reader_check_regenerated(r, s, &small, err, errlen)) != 0 ||
+      (rc = reader_load_rest(r, s, err, errlen)) != 0)
+    goto fail;
   free(small);
-  free(expect_bytes.p);
+  free(s);
   *out = r;
   return 0;
 fail:
   free(small);
-  free(expect_bytes.p);
+  free(s);
   ckpt_reader_close(r);
   return rc;
 }
