@@ -448,7 +448,227 @@ static int take_pieces(const wire_header *h, size_t n, Zshard__V1__DataPiece *co
 #define UNPACK(type, desc, h, meta)                                                                \
   ((type *)protobuf_c_message_unpack(&(desc), NULL, (h)->meta_len, (meta)))
 
-/* Decodes into *out, a batch's arrays into *store (NULL: out of memory). */
+/* One meta decode: the frame and its meta, where the result goes, and what
+ * the per-type decoders below report back. */
+typedef struct meta_dec {
+  const wire_header *h;
+  const uint8_t *meta;
+  wire_msg *out;
+  wire_batch *store; /* a batch's arrays; NULL: out of memory */
+  int dtype;         /* the frame's dtype field, checked by decode_meta */
+  const char *what;  /* set when the meta does not parse: the message's name */
+  char *err;
+  size_t errlen;
+} meta_dec;
+
+/* The per-type decoders: each unpacks its message into d->out (a batch's
+ * arrays into d->store), sets d->what when the meta does not parse and
+ * d->dtype when the type has a dtype field, and returns a status for the
+ * checks of its own fields. */
+
+static int dec_push(meta_dec *d) {
+  Zshard__V1__DataPush *p =
+      UNPACK(Zshard__V1__DataPush, zshard__v1__data_push__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPush";
+    return 0;
+  }
+  d->out->u.push = (wire_push){.spec_hash = p->spec_hash,
+                               .step = p->step,
+                               .rank = p->rank,
+                               .micro = p->micro,
+                               .tensor = p->tensor,
+                               .slice = p->slice,
+                               .dtype = (int)p->dtype};
+  d->dtype = d->out->u.push.dtype;
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return 0;
+}
+
+static int dec_push_ack(meta_dec *d) {
+  Zshard__V1__DataPushAck *p =
+      UNPACK(Zshard__V1__DataPushAck, zshard__v1__data_push_ack__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPushAck";
+    return 0;
+  }
+  d->out->u.push_ack.duplicate = p->duplicate != 0;
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return 0;
+}
+
+static int dec_pull(meta_dec *d) {
+  Zshard__V1__DataPull *p =
+      UNPACK(Zshard__V1__DataPull, zshard__v1__data_pull__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPull";
+    return 0;
+  }
+  d->out->u.pull = (wire_pull){.spec_hash = p->spec_hash,
+                               .min_version = p->min_version,
+                               .tensor = p->tensor,
+                               .slice = p->slice,
+                               .timeout_ms = p->timeout_ms,
+                               .dtype = (int)p->dtype};
+  d->dtype = d->out->u.pull.dtype;
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return 0;
+}
+
+static int dec_pull_data(meta_dec *d) {
+  Zshard__V1__DataPullData *p =
+      UNPACK(Zshard__V1__DataPullData, zshard__v1__data_pull_data__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPullData";
+    return 0;
+  }
+  d->out->u.pull_data.version = p->version;
+  d->out->u.pull_data.dtype = (int)p->dtype;
+  d->dtype = d->out->u.pull_data.dtype;
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return 0;
+}
+
+static int dec_error(meta_dec *d) {
+  int rc = 0;
+  Zshard__V1__DataError *p =
+      UNPACK(Zshard__V1__DataError, zshard__v1__data_error__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataError";
+    return 0;
+  }
+  d->out->u.error.status = p->status;
+  copy_message(d->out->u.error.message, sizeof d->out->u.error.message, p->message);
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  if (d->out->u.error.status >= 0 || !status_valid(d->out->u.error.status))
+    rc = status_fail(d->err, d->errlen, ZS_EPROTO,
+                     "ERROR frame (request id %" PRIu64 ") carries status %d, not a zshard error",
+                     d->h->request_id, d->out->u.error.status);
+  return rc;
+}
+
+static int dec_push_batch(meta_dec *d) {
+  int rc = 0;
+  Zshard__V1__DataPushBatch *p =
+      UNPACK(Zshard__V1__DataPushBatch, zshard__v1__data_push_batch__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPushBatch";
+    return 0;
+  }
+  wire_push_batch *b = &d->out->u.push_batch;
+  b->spec_hash = p->spec_hash;
+  b->step = p->step;
+  b->rank = p->rank;
+  b->micro = p->micro;
+  rc = take_pieces(d->h, p->n_pieces, p->pieces, d->store ? d->store->pieces : NULL, &b->npieces,
+                   &d->h->payload_len, d->err, d->errlen);
+  b->pieces = d->store ? d->store->pieces : NULL;
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return rc;
+}
+
+static int dec_push_batch_ack(meta_dec *d) {
+  int rc = 0;
+  Zshard__V1__DataPushBatchAck *p = UNPACK(
+      Zshard__V1__DataPushBatchAck, zshard__v1__data_push_batch_ack__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPushBatchAck";
+    return 0;
+  }
+  wire_push_batch_ack *a = &d->out->u.push_batch_ack;
+  copy_message(a->message, sizeof a->message, p->message);
+  if (!d->store) {
+    rc = status_fail(d->err, d->errlen, ZS_ENOMEM,
+                     "PUSH_BATCH_ACK frame (request id %" PRIu64 "): out of memory",
+                     d->h->request_id);
+  } else if (p->n_status == 0 || p->n_status > WIRE_MAX_BATCH || p->n_duplicate != p->n_status) {
+    rc = status_fail(d->err, d->errlen, ZS_ERANGE,
+                     "PUSH_BATCH_ACK frame (request id %" PRIu64
+                     ") has %zu statuses and %zu duplicate "
+                     "flags; it needs one of each per piece, 1 to %u",
+                     d->h->request_id, p->n_status, p->n_duplicate, WIRE_MAX_BATCH);
+  } else {
+    a->npieces = (uint32_t)p->n_status;
+    a->status = d->store->status;
+    a->duplicate = d->store->duplicate;
+    for (size_t i = 0; i < p->n_status && rc == 0; i++) {
+      d->store->status[i] = p->status[i];
+      d->store->duplicate[i] = p->duplicate[i] != 0;
+      if (p->status[i] > 0 || (p->status[i] < 0 && !status_valid(p->status[i])))
+        rc = status_fail(d->err, d->errlen, ZS_EPROTO,
+                         "PUSH_BATCH_ACK frame (request id %" PRIu64
+                         ") piece %zu has status %d, not 0 "
+                         "or a zshard error",
+                         d->h->request_id, i, (int)p->status[i]);
+    }
+  }
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return rc;
+}
+
+static int dec_pull_batch(meta_dec *d) {
+  int rc = 0;
+  Zshard__V1__DataPullBatch *p =
+      UNPACK(Zshard__V1__DataPullBatch, zshard__v1__data_pull_batch__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPullBatch";
+    return 0;
+  }
+  wire_pull_batch *b = &d->out->u.pull_batch;
+  b->spec_hash = p->spec_hash;
+  b->min_version = p->min_version;
+  b->timeout_ms = p->timeout_ms;
+  rc = take_pieces(d->h, p->n_pieces, p->pieces, d->store ? d->store->pieces : NULL, &b->npieces,
+                   NULL, d->err, d->errlen);
+  b->pieces = d->store ? d->store->pieces : NULL;
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return rc;
+}
+
+static int dec_pull_batch_data(meta_dec *d) {
+  int rc = 0;
+  Zshard__V1__DataPullBatchData *p = UNPACK(
+      Zshard__V1__DataPullBatchData, zshard__v1__data_pull_batch_data__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataPullBatchData";
+    return 0;
+  }
+  wire_pull_batch_data *pd = &d->out->u.pull_batch_data;
+  pd->version = p->version;
+  if (!d->store) {
+    rc = status_fail(d->err, d->errlen, ZS_ENOMEM,
+                     "PULL_BATCH_DATA frame (request id %" PRIu64 "): out of memory",
+                     d->h->request_id);
+  } else if (p->n_length == 0 || p->n_length > WIRE_MAX_BATCH) {
+    rc = status_fail(d->err, d->errlen, ZS_ERANGE,
+                     "PULL_BATCH_DATA frame (request id %" PRIu64
+                     ") has %zu pieces; a batch holds 1 "
+                     "to %u",
+                     d->h->request_id, p->n_length, WIRE_MAX_BATCH);
+  } else {
+    uint64_t sum = 0;
+    pd->npieces = (uint32_t)p->n_length;
+    pd->length = d->store->length;
+    for (size_t i = 0; i < p->n_length && rc == 0; i++) {
+      d->store->length[i] = p->length[i];
+      if (p->length[i] > d->h->payload_len - sum)
+        rc = status_fail(d->err, d->errlen, ZS_ERANGE,
+                         "PULL_BATCH_DATA frame (request id %" PRIu64 ") piece %zu of %" PRIu64
+                         " bytes runs past the %" PRIu64 "-byte payload",
+                         d->h->request_id, i, p->length[i], d->h->payload_len);
+      else
+        sum += p->length[i];
+    }
+    if (rc == 0 && sum != d->h->payload_len)
+      rc = status_fail(d->err, d->errlen, ZS_ERANGE,
+                       "PULL_BATCH_DATA frame (request id %" PRIu64 ") pieces add up to %" PRIu64
+                       " bytes but the payload has %" PRIu64,
+                       d->h->request_id, sum, d->h->payload_len);
+  }
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return rc;
+}
+
 static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, wire_batch *store,
                        char *err, size_t errlen) {
   memset(out, 0, sizeof *out);
@@ -456,211 +676,54 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
   out->request_id = h->request_id;
   out->payload_len = h->payload_len;
   out->payload_crc = h->payload_crc;
-  const char *what = NULL;
-  int dtype = ZS_DTYPE_FP32;
+  meta_dec d = {.h = h,
+                .meta = meta,
+                .out = out,
+                .store = store,
+                .dtype = ZS_DTYPE_FP32,
+                .err = err,
+                .errlen = errlen};
   int rc = 0;
   switch (h->type) {
-  case WIRE_PUSH: {
-    Zshard__V1__DataPush *p =
-        UNPACK(Zshard__V1__DataPush, zshard__v1__data_push__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPush";
-      break;
-    }
-    out->u.push = (wire_push){.spec_hash = p->spec_hash,
-                              .step = p->step,
-                              .rank = p->rank,
-                              .micro = p->micro,
-                              .tensor = p->tensor,
-                              .slice = p->slice,
-                              .dtype = (int)p->dtype};
-    dtype = out->u.push.dtype;
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PUSH:
+    rc = dec_push(&d);
     break;
-  }
-  case WIRE_PUSH_ACK: {
-    Zshard__V1__DataPushAck *p =
-        UNPACK(Zshard__V1__DataPushAck, zshard__v1__data_push_ack__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPushAck";
-      break;
-    }
-    out->u.push_ack.duplicate = p->duplicate != 0;
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PUSH_ACK:
+    rc = dec_push_ack(&d);
     break;
-  }
-  case WIRE_PULL: {
-    Zshard__V1__DataPull *p =
-        UNPACK(Zshard__V1__DataPull, zshard__v1__data_pull__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPull";
-      break;
-    }
-    out->u.pull = (wire_pull){.spec_hash = p->spec_hash,
-                              .min_version = p->min_version,
-                              .tensor = p->tensor,
-                              .slice = p->slice,
-                              .timeout_ms = p->timeout_ms,
-                              .dtype = (int)p->dtype};
-    dtype = out->u.pull.dtype;
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PULL:
+    rc = dec_pull(&d);
     break;
-  }
-  case WIRE_PULL_DATA: {
-    Zshard__V1__DataPullData *p =
-        UNPACK(Zshard__V1__DataPullData, zshard__v1__data_pull_data__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPullData";
-      break;
-    }
-    out->u.pull_data.version = p->version;
-    out->u.pull_data.dtype = (int)p->dtype;
-    dtype = out->u.pull_data.dtype;
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PULL_DATA:
+    rc = dec_pull_data(&d);
     break;
-  }
-  case WIRE_ERROR: {
-    Zshard__V1__DataError *p =
-        UNPACK(Zshard__V1__DataError, zshard__v1__data_error__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataError";
-      break;
-    }
-    out->u.error.status = p->status;
-    copy_message(out->u.error.message, sizeof out->u.error.message, p->message);
-    protobuf_c_message_free_unpacked(&p->base, NULL);
-    if (out->u.error.status >= 0 || !status_valid(out->u.error.status))
-      rc = status_fail(err, errlen, ZS_EPROTO,
-                       "ERROR frame (request id %" PRIu64 ") carries status %d, not a zshard error",
-                       h->request_id, out->u.error.status);
+  case WIRE_ERROR:
+    rc = dec_error(&d);
     break;
-  }
-  case WIRE_PUSH_BATCH: {
-    Zshard__V1__DataPushBatch *p =
-        UNPACK(Zshard__V1__DataPushBatch, zshard__v1__data_push_batch__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPushBatch";
-      break;
-    }
-    wire_push_batch *b = &out->u.push_batch;
-    b->spec_hash = p->spec_hash;
-    b->step = p->step;
-    b->rank = p->rank;
-    b->micro = p->micro;
-    rc = take_pieces(h, p->n_pieces, p->pieces, store ? store->pieces : NULL, &b->npieces,
-                     &h->payload_len, err, errlen);
-    b->pieces = store ? store->pieces : NULL;
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PUSH_BATCH:
+    rc = dec_push_batch(&d);
     break;
-  }
-  case WIRE_PUSH_BATCH_ACK: {
-    Zshard__V1__DataPushBatchAck *p =
-        UNPACK(Zshard__V1__DataPushBatchAck, zshard__v1__data_push_batch_ack__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPushBatchAck";
-      break;
-    }
-    wire_push_batch_ack *a = &out->u.push_batch_ack;
-    copy_message(a->message, sizeof a->message, p->message);
-    if (!store) {
-      rc = status_fail(err, errlen, ZS_ENOMEM,
-                       "PUSH_BATCH_ACK frame (request id %" PRIu64 "): out of memory",
-                       h->request_id);
-    } else if (p->n_status == 0 || p->n_status > WIRE_MAX_BATCH || p->n_duplicate != p->n_status) {
-      rc = status_fail(err, errlen, ZS_ERANGE,
-                       "PUSH_BATCH_ACK frame (request id %" PRIu64
-                       ") has %zu statuses and %zu duplicate "
-                       "flags; it needs one of each per piece, 1 to %u",
-                       h->request_id, p->n_status, p->n_duplicate, WIRE_MAX_BATCH);
-    } else {
-      a->npieces = (uint32_t)p->n_status;
-      a->status = store->status;
-      a->duplicate = store->duplicate;
-      for (size_t i = 0; i < p->n_status && rc == 0; i++) {
-        store->status[i] = p->status[i];
-        store->duplicate[i] = p->duplicate[i] != 0;
-        if (p->status[i] > 0 || (p->status[i] < 0 && !status_valid(p->status[i])))
-          rc = status_fail(err, errlen, ZS_EPROTO,
-                           "PUSH_BATCH_ACK frame (request id %" PRIu64
-                           ") piece %zu has status %d, not 0 "
-                           "or a zshard error",
-                           h->request_id, i, (int)p->status[i]);
-      }
-    }
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PUSH_BATCH_ACK:
+    rc = dec_push_batch_ack(&d);
     break;
-  }
-  case WIRE_PULL_BATCH: {
-    Zshard__V1__DataPullBatch *p =
-        UNPACK(Zshard__V1__DataPullBatch, zshard__v1__data_pull_batch__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPullBatch";
-      break;
-    }
-    wire_pull_batch *b = &out->u.pull_batch;
-    b->spec_hash = p->spec_hash;
-    b->min_version = p->min_version;
-    b->timeout_ms = p->timeout_ms;
-    rc = take_pieces(h, p->n_pieces, p->pieces, store ? store->pieces : NULL, &b->npieces, NULL,
-                     err, errlen);
-    b->pieces = store ? store->pieces : NULL;
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PULL_BATCH:
+    rc = dec_pull_batch(&d);
     break;
-  }
-  case WIRE_PULL_BATCH_DATA: {
-    Zshard__V1__DataPullBatchData *p = UNPACK(
-        Zshard__V1__DataPullBatchData, zshard__v1__data_pull_batch_data__descriptor, h, meta);
-    if (!p) {
-      what = "zshard.v1.DataPullBatchData";
-      break;
-    }
-    wire_pull_batch_data *d = &out->u.pull_batch_data;
-    d->version = p->version;
-    if (!store) {
-      rc = status_fail(err, errlen, ZS_ENOMEM,
-                       "PULL_BATCH_DATA frame (request id %" PRIu64 "): out of memory",
-                       h->request_id);
-    } else if (p->n_length == 0 || p->n_length > WIRE_MAX_BATCH) {
-      rc = status_fail(err, errlen, ZS_ERANGE,
-                       "PULL_BATCH_DATA frame (request id %" PRIu64
-                       ") has %zu pieces; a batch holds 1 "
-                       "to %u",
-                       h->request_id, p->n_length, WIRE_MAX_BATCH);
-    } else {
-      uint64_t sum = 0;
-      d->npieces = (uint32_t)p->n_length;
-      d->length = store->length;
-      for (size_t i = 0; i < p->n_length && rc == 0; i++) {
-        store->length[i] = p->length[i];
-        if (p->length[i] > h->payload_len - sum)
-          rc = status_fail(err, errlen, ZS_ERANGE,
-                           "PULL_BATCH_DATA frame (request id %" PRIu64 ") piece %zu of %" PRIu64
-                           " bytes runs past the %" PRIu64 "-byte payload",
-                           h->request_id, i, p->length[i], h->payload_len);
-        else
-          sum += p->length[i];
-      }
-      if (rc == 0 && sum != h->payload_len)
-        rc = status_fail(err, errlen, ZS_ERANGE,
-                         "PULL_BATCH_DATA frame (request id %" PRIu64 ") pieces add up to %" PRIu64
-                         " bytes but the payload has %" PRIu64,
-                         h->request_id, sum, h->payload_len);
-    }
-    protobuf_c_message_free_unpacked(&p->base, NULL);
+  case WIRE_PULL_BATCH_DATA:
+    rc = dec_pull_batch_data(&d);
     break;
-  }
   default: /* PING, PONG: nothing to decode */
     break;
   }
-  if (what)
+  if (d.what)
     return status_fail(err, errlen, ZS_EPROTO,
                        "%s frame (request id %" PRIu64 ") meta of %" PRIu32
                        " bytes is not a valid %s",
-                       wire_type_name(h->type), h->request_id, h->meta_len, what);
-  if (rc == 0 && !dtype_valid(dtype))
+                       wire_type_name(h->type), h->request_id, h->meta_len, d.what);
+  if (rc == 0 && !dtype_valid(d.dtype))
     rc = status_fail(err, errlen, ZS_EDTYPE,
                      "%s frame (request id %" PRIu64 ") has dtype %d, not FP32, FP16 or BF16",
-                     wire_type_name(h->type), h->request_id, dtype);
+                     wire_type_name(h->type), h->request_id, d.dtype);
   return rc;
 }
 
