@@ -74,175 +74,216 @@ static double pump(int transport, uint32_t nshards, uint32_t data_conns, uint64_
   return bench_tcp_pump(conns, (bytes + conns - 1) / conns, PUMP_WRITE);
 }
 
-int main(int argc, char **argv) {
+/* The command line, with its defaults applied. */
+typedef struct transfer_args {
   bench_opts o;
-  bench_parse_common(&argc, argv, &o);
   uint64_t sizes[BENCH_MAX_LIST], shards[BENCH_MAX_LIST];
-  int nsizes = -1, nshards = -1;
-  uint64_t tensor_bytes = 16u << 20;
-  uint64_t data_conns = 0;
-  int transports[MAX_TRANSPORTS] = {ZS_TRANSPORT_GRPC, ZS_TRANSPORT_DATA};
-  int ntransports = 2;
+  int nsizes, nshards;
+  uint64_t tensor_bytes, data_conns;
+  int transports[MAX_TRANSPORTS];
+  int ntransports;
+  int reps;
+} transfer_args;
+
+static void parse_args(int argc, char **argv, transfer_args *a) {
+  memset(a, 0, sizeof *a);
+  bench_parse_common(&argc, argv, &a->o);
+  a->nsizes = a->nshards = -1;
+  a->tensor_bytes = 16u << 20;
+  a->transports[0] = ZS_TRANSPORT_GRPC;
+  a->transports[1] = ZS_TRANSPORT_DATA;
+  a->ntransports = 2;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--sizes") == 0 && i + 1 < argc) {
-      if ((nsizes = bench_parse_list(argv[++i], sizes, BENCH_MAX_LIST)) < 1)
+      if ((a->nsizes = bench_parse_list(argv[++i], a->sizes, BENCH_MAX_LIST)) < 1)
         usage();
     } else if (strcmp(argv[i], "--shards") == 0 && i + 1 < argc) {
-      if ((nshards = bench_parse_list(argv[++i], shards, BENCH_MAX_LIST)) < 1)
+      if ((a->nshards = bench_parse_list(argv[++i], a->shards, BENCH_MAX_LIST)) < 1)
         usage();
     } else if (strcmp(argv[i], "--tensor") == 0 && i + 1 < argc) {
-      if (bench_parse_list(argv[++i], &tensor_bytes, 1) != 1 || tensor_bytes % 2)
+      if (bench_parse_list(argv[++i], &a->tensor_bytes, 1) != 1 || a->tensor_bytes % 2)
         usage();
     } else if (strcmp(argv[i], "--conns") == 0 && i + 1 < argc) {
-      if (bench_parse_list(argv[++i], &data_conns, 1) != 1 || data_conns > 64)
+      if (bench_parse_list(argv[++i], &a->data_conns, 1) != 1 || a->data_conns > 64)
         usage();
     } else if (strcmp(argv[i], "--transports") == 0 && i + 1 < argc) {
-      if ((ntransports = bench_transport_list(argv[++i], transports, MAX_TRANSPORTS)) < 0)
+      if ((a->ntransports = bench_transport_list(argv[++i], a->transports, MAX_TRANSPORTS)) < 0)
         usage();
     } else {
       usage();
     }
   }
-  if (nsizes < 0) {
-    nsizes = o.quick ? 2 : 3;
-    sizes[0] = 64u << 20;
-    sizes[1] = 256u << 20;
-    sizes[2] = 1u << 30;
+  if (a->nsizes < 0) {
+    a->nsizes = a->o.quick ? 2 : 3;
+    a->sizes[0] = 64u << 20;
+    a->sizes[1] = 256u << 20;
+    a->sizes[2] = 1u << 30;
   }
-  if (nshards < 0) {
-    nshards = o.quick ? 2 : 3;
-    shards[0] = 1;
-    shards[1] = 2;
-    shards[2] = 4;
+  if (a->nshards < 0) {
+    a->nshards = a->o.quick ? 2 : 3;
+    a->shards[0] = 1;
+    a->shards[1] = 2;
+    a->shards[2] = 4;
   }
-  int reps = o.reps ? o.reps : (o.quick ? 2 : 3);
-  if (reps > MAX_REPS)
-    reps = MAX_REPS;
+  a->reps = a->o.reps ? a->o.reps : (a->o.quick ? 2 : 3);
+  if (a->reps > MAX_REPS)
+    a->reps = MAX_REPS;
+}
 
-  for (int si = 0; si < nshards; si++) {
-    uint32_t N = (uint32_t)shards[si];
-    if (N < 1 || N > BENCH_MAX_SERVERS)
-      bench_die("--shards: 1 to %d", BENCH_MAX_SERVERS);
-    for (int zi = 0; zi < nsizes; zi++) {
-      uint64_t S = sizes[zi];
-      bench_model m = {.job = "bench-transfer",
-                       .numel = tensor_bytes / 2,
+/* One size on one shard count: the model, the transports measured and, per
+ * transport and round, the phase times and the raw pumps run right before
+ * each phase (that phase's limit for the round). */
+typedef struct transfer_case {
+  const transfer_args *a;
+  uint32_t N;
+  bench_model m;
+  uint64_t wire; /* S rounded up to whole tensors */
+  char label[32];
+  int tr[MAX_TRANSPORTS], ntr;
+  double push_s[MAX_TRANSPORTS][MAX_REPS], pull_s[MAX_TRANSPORTS][MAX_REPS];
+  double push_tcp[MAX_TRANSPORTS][MAX_REPS], pull_tcp[MAX_TRANSPORTS][MAX_REPS];
+} transfer_case;
+
+/* The rounds: both transports' push phases (alternating which goes first),
+ * the step, then both pull phases; round 0 is the warm-up. */
+static void run_rounds(transfer_case *tc, zs_client *cl[2], const uint16_t *grad, uint16_t *dst) {
+  uint32_t N = tc->N, dc = (uint32_t)tc->a->data_conns;
+  for (int r = 0; r <= tc->a->reps; r++) {
+    for (int j = 0; j < 2; j++) {
+      int k = (r + j) % 2;
+      double bw = k < tc->ntr ? pump(tc->tr[k], N, dc, tc->wire) : 0;
+      double t0 = bench_now();
+      bench_push_all(cl[k], &tc->m, 0, grad);
+      if (r > 0 && k < tc->ntr) {
+        tc->push_s[k][r - 1] = bench_now() - t0;
+        tc->push_tcp[k][r - 1] = bw;
+      }
+    }
+    bench_step(cl[0], NULL);
+    bench_step(cl[1], NULL);
+    for (int j = 0; j < 2; j++) {
+      int k = (r + j) % 2;
+      if (k >= tc->ntr)
+        continue;
+      double bw = pump(tc->tr[k], N, dc, tc->wire);
+      double t0 = bench_now();
+      bench_pull_all(cl[k], &tc->m, dst);
+      if (r > 0) {
+        tc->pull_s[k][r - 1] = bench_now() - t0;
+        tc->pull_tcp[k][r - 1] = bw;
+      }
+    }
+  }
+}
+
+/* Each transport's push and pull against its pumps, and the raw TCP figure
+ * once per connection count. */
+static void report_case(transfer_case *tc) {
+  const transfer_args *a = tc->a;
+  uint32_t N = tc->N;
+  int reps = a->reps;
+  for (int k = 0; k < tc->ntr; k++) {
+    const char *tn = bench_transport_name(tc->tr[k]);
+    uint32_t conns = transport_conns(tc->tr[k], N, (uint32_t)a->data_conns);
+    char metric[96];
+    snprintf(metric, sizeof metric, "push_%s_N%u_%s", tn, N, tc->label);
+    report_phase(&a->o, metric, tn, "push", N, tc->wire, conns, a->tensor_bytes, tc->push_s[k],
+                 tc->push_tcp[k], reps);
+    snprintf(metric, sizeof metric, "pull_%s_N%u_%s", tn, N, tc->label);
+    report_phase(&a->o, metric, tn, "pull", N, tc->wire, conns, a->tensor_bytes, tc->pull_s[k],
+                 tc->pull_tcp[k], reps);
+    bench_kv kv[] = {BENCH_S("transport", "tcp"), BENCH_S("op", "pump"),
+                     BENCH_N("shards", N),        BENCH_N("bytes", tc->wire),
+                     BENCH_N("conns", conns),     BENCH_N("tensor_bytes", a->tensor_bytes)};
+    /* Both transports may use the same number of connections: one raw figure
+     * per count. */
+    int seen = 0;
+    for (int e = 0; e < k; e++)
+      seen |= transport_conns(tc->tr[e], N, (uint32_t)a->data_conns) == conns;
+    if (seen)
+      continue;
+    double all[2 * MAX_REPS];
+    memcpy(all, tc->push_tcp[k], (size_t)reps * sizeof(double));
+    memcpy(all + reps, tc->pull_tcp[k], (size_t)reps * sizeof(double));
+    snprintf(metric, sizeof metric, "raw_tcp_%uconn_%s", conns, tc->label);
+    bench_report(&a->o, "transfer", metric, bench_quantile(all, 2 * (size_t)reps, 0.5) / 1e9,
+                 "GB/s", 0, kv, 6);
+  }
+}
+
+static void run_case(const transfer_args *a, uint32_t N, uint64_t S) {
+  static transfer_case tc; /* large: every round's figures */
+  memset(&tc, 0, sizeof tc);
+  tc.a = a;
+  tc.N = N;
+  tc.m = (bench_model){.job = "bench-transfer",
+                       .numel = a->tensor_bytes / 2,
                        .optimizer = ZS_OPTIM_SGD,
                        .world_size = 2,
                        .grad_accum = 1};
-      m.ntensors = (uint32_t)((S + tensor_bytes - 1) / tensor_bytes);
-      uint64_t wire = (uint64_t)m.ntensors * m.numel * 2; /* S rounded up to whole tensors */
-      char sz[32], label[32];
-      bench_bytes_str((double)wire, sz, sizeof sz);
-      bench_label(sz, label, sizeof label);
-      bench_note("transfer: %u shard(s), %s of bf16 in %u tensors", N, sz, m.ntensors);
+  tc.m.ntensors = (uint32_t)((S + a->tensor_bytes - 1) / a->tensor_bytes);
+  tc.wire = (uint64_t)tc.m.ntensors * tc.m.numel * 2;
+  char sz[32];
+  bench_bytes_str((double)tc.wire, sz, sizeof sz);
+  bench_label(sz, tc.label, sizeof tc.label);
+  bench_note("transfer: %u shard(s), %s of bf16 in %u tensors", N, sz, tc.m.ntensors);
 
-      bench_server srv[BENCH_MAX_SERVERS];
-      bench_servers_start(srv, N, 0);
-      char addrs[512];
-      bench_server_list(srv, N, addrs, sizeof addrs);
-      /* The data plane is measured only when every server offers it; the
-       * library would otherwise quietly use gRPC for the others. */
-      int have_data = 1;
-      for (uint32_t i = 0; i < N; i++)
-        have_data &= srv[i].data_port > 0;
-
-      int tr[MAX_TRANSPORTS] = {ZS_TRANSPORT_GRPC, ZS_TRANSPORT_GRPC};
-      int ntr = 0;
-      for (int k = 0; k < ntransports; k++) {
-        if (transports[k] == ZS_TRANSPORT_DATA && !have_data) {
-          bench_note("the servers advertise no data port: data plane skipped");
-          continue;
-        }
-        tr[ntr++] = transports[k];
-      }
-      if (ntr == 0) {
-        bench_servers_stop(srv, N);
-        continue;
-      }
-      float *init = bench_alloc((size_t)m.numel * sizeof(float));
-      bench_fill_f32(init, (size_t)m.numel, 0.1f, 3);
-      uint16_t *grad = bench_alloc((size_t)m.numel * sizeof(uint16_t));
-      bench_fill_bf16(grad, (size_t)m.numel, 5);
-      /* The pulls of one transport finish before the other's start, so they
-       * share the destination. */
-      uint16_t *dst = bench_alloc((size_t)wire);
-
-      /* Rank r of the job is transport tr[r]; with one transport, rank 1
-       * pushes over it too (untimed) so that steps complete. */
-      zs_client *cl[2];
-      int rank_tr[2] = {tr[0], ntr > 1 ? tr[1] : tr[0]};
-      double t_open = bench_now();
-      cl[0] = bench_client_open(&m, addrs, N, 0, rank_tr[0], (uint32_t)data_conns, init);
-      cl[1] = bench_client_open(&m, addrs, N, 1, rank_tr[1], (uint32_t)data_conns, NULL);
-      free(init);
-      bench_note("open and initial weights (fp32, over gRPC): %.2f s", bench_now() - t_open);
-
-      /* Per transport and round: the phase times and the raw pumps run
-       * right before each phase (that phase's limit for the round). */
-      static double push_s[MAX_TRANSPORTS][MAX_REPS], pull_s[MAX_TRANSPORTS][MAX_REPS];
-      static double push_tcp[MAX_TRANSPORTS][MAX_REPS], pull_tcp[MAX_TRANSPORTS][MAX_REPS];
-      for (int r = 0; r <= reps; r++) {
-        /* Alternate the order so neither transport always runs first. */
-        for (int j = 0; j < 2; j++) {
-          int k = (r + j) % 2;
-          double bw = k < ntr ? pump(tr[k], N, (uint32_t)data_conns, wire) : 0;
-          double t0 = bench_now();
-          bench_push_all(cl[k], &m, 0, grad);
-          if (r > 0 && k < ntr) {
-            push_s[k][r - 1] = bench_now() - t0;
-            push_tcp[k][r - 1] = bw;
-          }
-        }
-        bench_step(cl[0], NULL);
-        bench_step(cl[1], NULL);
-        for (int j = 0; j < 2; j++) {
-          int k = (r + j) % 2;
-          if (k >= ntr)
-            continue;
-          double bw = pump(tr[k], N, (uint32_t)data_conns, wire);
-          double t0 = bench_now();
-          bench_pull_all(cl[k], &m, dst);
-          if (r > 0) {
-            pull_s[k][r - 1] = bench_now() - t0;
-            pull_tcp[k][r - 1] = bw;
-          }
-        }
-      }
-      zs_client_close(cl[0]);
-      zs_client_close(cl[1]);
-      bench_servers_stop(srv, N);
-      free(grad);
-      free(dst);
-
-      for (int k = 0; k < ntr; k++) {
-        const char *tn = bench_transport_name(tr[k]);
-        uint32_t conns = transport_conns(tr[k], N, (uint32_t)data_conns);
-        char metric[96];
-        snprintf(metric, sizeof metric, "push_%s_N%u_%s", tn, N, label);
-        report_phase(&o, metric, tn, "push", N, wire, conns, tensor_bytes, push_s[k], push_tcp[k],
-                     reps);
-        snprintf(metric, sizeof metric, "pull_%s_N%u_%s", tn, N, label);
-        report_phase(&o, metric, tn, "pull", N, wire, conns, tensor_bytes, pull_s[k], pull_tcp[k],
-                     reps);
-        bench_kv kv[] = {BENCH_S("transport", "tcp"), BENCH_S("op", "pump"),
-                         BENCH_N("shards", N),        BENCH_N("bytes", wire),
-                         BENCH_N("conns", conns),     BENCH_N("tensor_bytes", tensor_bytes)};
-        /* Both transports may use the same number of connections: one raw
-         * figure per count. */
-        int seen = 0;
-        for (int e = 0; e < k; e++)
-          seen |= transport_conns(tr[e], N, (uint32_t)data_conns) == conns;
-        if (seen)
-          continue;
-        double all[2 * MAX_REPS];
-        memcpy(all, push_tcp[k], (size_t)reps * sizeof(double));
-        memcpy(all + reps, pull_tcp[k], (size_t)reps * sizeof(double));
-        snprintf(metric, sizeof metric, "raw_tcp_%uconn_%s", conns, label);
-        bench_report(&o, "transfer", metric, bench_quantile(all, 2 * (size_t)reps, 0.5) / 1e9,
-                     "GB/s", 0, kv, 6);
-      }
+  bench_server srv[BENCH_MAX_SERVERS];
+  bench_servers_start(srv, N, 0);
+  char addrs[512];
+  bench_server_list(srv, N, addrs, sizeof addrs);
+  /* The data plane is measured only when every server offers it; the library
+   * would otherwise quietly use gRPC for the others. */
+  int have_data = 1;
+  for (uint32_t i = 0; i < N; i++)
+    have_data &= srv[i].data_port > 0;
+  tc.tr[0] = tc.tr[1] = ZS_TRANSPORT_GRPC;
+  for (int k = 0; k < a->ntransports; k++) {
+    if (a->transports[k] == ZS_TRANSPORT_DATA && !have_data) {
+      bench_note("the servers advertise no data port: data plane skipped");
+      continue;
     }
+    tc.tr[tc.ntr++] = a->transports[k];
+  }
+  if (tc.ntr == 0) {
+    bench_servers_stop(srv, N);
+    return;
+  }
+  float *init = bench_alloc((size_t)tc.m.numel * sizeof(float));
+  bench_fill_f32(init, (size_t)tc.m.numel, 0.1f, 3);
+  uint16_t *grad = bench_alloc((size_t)tc.m.numel * sizeof(uint16_t));
+  bench_fill_bf16(grad, (size_t)tc.m.numel, 5);
+  /* The pulls of one transport finish before the other's start, so they
+   * share the destination. */
+  uint16_t *dst = bench_alloc((size_t)tc.wire);
+
+  /* Rank r of the job is transport tr[r]; with one transport, rank 1 pushes
+   * over it too (untimed) so that steps complete. */
+  zs_client *cl[2];
+  int rank_tr[2] = {tc.tr[0], tc.ntr > 1 ? tc.tr[1] : tc.tr[0]};
+  double t_open = bench_now();
+  cl[0] = bench_client_open(&tc.m, addrs, N, 0, rank_tr[0], (uint32_t)a->data_conns, init);
+  cl[1] = bench_client_open(&tc.m, addrs, N, 1, rank_tr[1], (uint32_t)a->data_conns, NULL);
+  free(init);
+  bench_note("open and initial weights (fp32, over gRPC): %.2f s", bench_now() - t_open);
+  run_rounds(&tc, cl, grad, dst);
+  zs_client_close(cl[0]);
+  zs_client_close(cl[1]);
+  bench_servers_stop(srv, N);
+  free(grad);
+  free(dst);
+  report_case(&tc);
+}
+
+int main(int argc, char **argv) {
+  static transfer_args a;
+  parse_args(argc, argv, &a);
+  for (int si = 0; si < a.nshards; si++) {
+    uint32_t N = (uint32_t)a.shards[si];
+    if (N < 1 || N > BENCH_MAX_SERVERS)
+      bench_die("--shards: 1 to %d", BENCH_MAX_SERVERS);
+    for (int zi = 0; zi < a.nsizes; zi++)
+      run_case(&a, N, a.sizes[zi]);
   }
   return 0;
 }
