@@ -30,6 +30,7 @@
 #include "server/dp_server.h"
 #include "server/grpc_server.h"
 #include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "zshard/zshard.h"
 
 #define EXIT_USAGE 2
