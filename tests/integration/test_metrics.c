@@ -52,7 +52,7 @@ extern char **environ;
 
 /* Every wait here polls a condition and gives up after this long. */
 #define WAIT_MS 20000u
-/* The server's limit of connections served at once (metrics.h). */
+/* The server's limit of connections served at once (metrics_http.h). */
 #define MAX_CONNECTIONS 16
 
 /* ------------------------------------------------------------ servers */
