@@ -101,23 +101,15 @@ void layout_free(layout *l) {
   memset(l, 0, sizeof *l);
 }
 
-int layout_build(const spec *s, layout *out) {
-  int rc = ZS_ENOMEM;
-  uint32_t *heap = NULL, *pos = NULL, *order = NULL, *group_count = NULL, *last_group = NULL;
-  const uint32_t N = s->num_shards, T = s->num_tensors, G = s->num_groups;
-  const uint64_t thr = split_threshold(s);
-
-  memset(out, 0, sizeof *out);
-  /* The rest of this file relies on these; spec_validate guarantees them, and
-   * a spec that skipped it is refused rather than half laid out. */
-  if (N == 0 || G == 0 || !s->tensors)
-    return ZS_EINVAL;
-
-  /* Pass 1: count pieces. */
+/* Pass 1: the number of pieces `s` makes with split threshold `thr`. Returns
+ * 0, ZS_EINVAL for a tensor that is empty or names no group, or ZS_ENOMEM
+ * when the count does not fit the layout's 32-bit piece index. */
+static int count_pieces(const spec *s, uint64_t thr, uint32_t *out) {
+  const uint32_t N = s->num_shards;
   uint64_t num_pieces = 0;
-  for (uint32_t t = 0; t < T; t++) {
+  for (uint32_t t = 0; t < s->num_tensors; t++) {
     uint64_t numel = s->tensors[t].numel;
-    if (numel == 0 || s->tensors[t].group >= G)
+    if (numel == 0 || s->tensors[t].group >= s->num_groups)
       return ZS_EINVAL;
     if (numel < thr) {
       num_pieces++;
@@ -128,29 +120,58 @@ int layout_build(const spec *s, layout *out) {
   }
   if (num_pieces > UINT32_MAX)
     return ZS_ENOMEM;
+  *out = (uint32_t)num_pieces;
+  return 0;
+}
 
-  out->num_shards = N;
-  out->num_tensors = T;
-  out->num_groups = G;
-  out->num_pieces = (uint32_t)num_pieces;
-  out->pieces = calloc(num_pieces ? num_pieces : 1, sizeof *out->pieces);
+/* layout_build's working arrays, freed when it returns. Some serve two
+ * passes; the passes say where. */
+typedef struct build_scratch {
+  uint32_t *heap, *pos;  /* pass 2's shard heap; pass 3 borrows heap */
+  uint32_t *order;       /* pass 3: piece indices, group-major */
+  uint32_t *group_count; /* pass 3: the counting sort's G + 1 counters */
+  uint32_t *last_group;  /* per shard; pass 2 borrows it as scratch */
+} build_scratch;
+
+static void scratch_free(build_scratch *sc) {
+  free(sc->heap);
+  free(sc->pos);
+  free(sc->order);
+  free(sc->group_count);
+  free(sc->last_group);
+}
+
+/* Allocates every array of `out` but its ranges (their number is known only
+ * in pass 3), and the scratch arrays. Returns 0 or ZS_ENOMEM; the caller
+ * frees both either way. */
+static int build_alloc(layout *out, build_scratch *sc) {
+  const uint32_t N = out->num_shards, T = out->num_tensors, G = out->num_groups;
+  const size_t np = out->num_pieces ? out->num_pieces : 1;
+  out->pieces = calloc(np, sizeof *out->pieces);
   out->tensor_first = calloc((size_t)T + 1, sizeof *out->tensor_first);
   out->shard_elems = calloc(N, sizeof *out->shard_elems);
   out->shard_load = calloc(N, sizeof *out->shard_load);
   out->shard_pieces = calloc(N, sizeof *out->shard_pieces);
   out->range_first = calloc((size_t)N + 1, sizeof *out->range_first);
-  heap = malloc((size_t)N * sizeof *heap);
-  pos = malloc((size_t)N * sizeof *pos);
-  order = malloc((num_pieces ? num_pieces : 1) * sizeof *order);
-  group_count = calloc((size_t)G + 1, sizeof *group_count);
-  last_group = malloc((size_t)N * sizeof *last_group);
+  sc->heap = malloc((size_t)N * sizeof *sc->heap);
+  sc->pos = malloc((size_t)N * sizeof *sc->pos);
+  sc->order = malloc(np * sizeof *sc->order);
+  sc->group_count = calloc((size_t)G + 1, sizeof *sc->group_count);
+  sc->last_group = malloc((size_t)N * sizeof *sc->last_group);
   if (!out->pieces || !out->tensor_first || !out->shard_elems || !out->shard_load ||
-      !out->shard_pieces || !out->range_first || !heap || !pos || !order || !group_count ||
-      !last_group)
-    goto fail;
+      !out->shard_pieces || !out->range_first || !sc->heap || !sc->pos || !sc->order ||
+      !sc->group_count || !sc->last_group)
+    return ZS_ENOMEM;
+  return 0;
+}
 
-  /* Pass 2: place the pieces in tensor order. All loads start at 0, so the
-   * identity permutation is already a valid heap. */
+/* Pass 2: places the pieces in tensor order. Returns 0, or ZS_EINVAL when a
+ * shard's load would overflow. */
+static int place_pieces(const spec *s, uint64_t thr, layout *out, build_scratch *sc) {
+  const uint32_t N = s->num_shards, T = s->num_tensors;
+  uint32_t *heap = sc->heap, *pos = sc->pos;
+  /* All loads start at 0, so the identity permutation is already a valid
+   * heap. */
   shard_heap h = {heap, pos, out->shard_load, N};
   for (uint32_t i = 0; i < N; i++)
     heap[i] = pos[i] = i;
@@ -167,7 +188,7 @@ int layout_build(const spec *s, layout *out) {
                                         .offset = 0,
                                         .numel = st->numel};
       if (__builtin_add_overflow(out->shard_load[shard], st->numel, &out->shard_load[shard]))
-        goto fail_overflow;
+        return ZS_EINVAL;
       heap_sift_down(&h, 0);
       continue;
     }
@@ -179,7 +200,7 @@ int layout_build(const spec *s, layout *out) {
       out->pieces[p++] = (layout_piece){
           .tensor = t, .slice = j, .shard = j, .group = st->group, .offset = begin, .numel = len};
       if (__builtin_add_overflow(out->shard_load[j], len, &out->shard_load[j]))
-        goto fail_overflow;
+        return ZS_EINVAL;
     }
     /* k shards got heavier: repair the heap around each of them if they are
      * few, else rebuild it, whichever is less work (k log N against N). The
@@ -190,7 +211,7 @@ int layout_build(const spec *s, layout *out) {
      * within q's subtree only, so the positions still to do stay valid.
      * last_group[] serves as scratch here; pass 3 fills it afresh. */
     if ((uint64_t)k * 8 < N) {
-      uint32_t *changed = last_group;
+      uint32_t *changed = sc->last_group;
       for (uint32_t j = 0; j < k; j++)
         changed[j] = pos[j];
       qsort(changed, k, sizeof *changed, cmp_desc);
@@ -201,9 +222,16 @@ int layout_build(const spec *s, layout *out) {
     }
   }
   out->tensor_first[T] = p;
+  return 0;
+}
 
-  /* Pass 3: arena offsets, group-major. order[] lists the pieces grouped by
-   * param group, each group in tensor order (counting sort is stable). */
+/* Pass 3: arena offsets, group-major. Returns 0, ZS_ENOMEM, or ZS_EINVAL
+ * when a shard's arena would overflow. */
+static int lay_out_arenas(layout *out, build_scratch *sc) {
+  const uint32_t N = out->num_shards, G = out->num_groups;
+  uint32_t *order = sc->order, *group_count = sc->group_count, *last_group = sc->last_group;
+  /* order[] lists the pieces grouped by param group, each group in tensor
+   * order (counting sort is stable). */
   for (uint32_t i = 0; i < out->num_pieces; i++)
     group_count[out->pieces[i].group + 1]++;
   for (uint32_t g = 0; g < G; g++)
@@ -227,11 +255,11 @@ int layout_build(const spec *s, layout *out) {
   uint32_t num_ranges = out->range_first[N];
   out->ranges = calloc(num_ranges ? num_ranges : 1, sizeof *out->ranges);
   if (!out->ranges)
-    goto fail;
+    return ZS_ENOMEM;
 
   /* last_group[i] now doubles as "shard i's open range is for this group";
    * next_range[i] is where its next range goes, borrowed from heap[]. */
-  uint32_t *next_range = heap;
+  uint32_t *next_range = sc->heap;
   for (uint32_t i = 0; i < N; i++) {
     last_group[i] = UINT32_MAX;
     next_range[i] = out->range_first[i];
@@ -246,27 +274,40 @@ int layout_build(const spec *s, layout *out) {
     }
     pc->arena_off = *cursor;
     if (__builtin_add_overflow(*cursor, round16(pc->numel), cursor))
-      goto fail_overflow;
+      return ZS_EINVAL;
     out->ranges[next_range[i] - 1].end = *cursor;
     out->shard_pieces[i]++;
   }
-
-  free(heap);
-  free(pos);
-  free(order);
-  free(group_count);
-  free(last_group);
   return 0;
+}
 
-fail_overflow:
-  rc = ZS_EINVAL;
-fail:
-  free(heap);
-  free(pos);
-  free(order);
-  free(group_count);
-  free(last_group);
-  layout_free(out);
+int layout_build(const spec *s, layout *out) {
+  const uint32_t N = s->num_shards, T = s->num_tensors, G = s->num_groups;
+  const uint64_t thr = split_threshold(s);
+
+  memset(out, 0, sizeof *out);
+  /* The rest of this file relies on these; spec_validate guarantees them, and
+   * a spec that skipped it is refused rather than half laid out. */
+  if (N == 0 || G == 0 || !s->tensors)
+    return ZS_EINVAL;
+  uint32_t num_pieces = 0;
+  int rc = count_pieces(s, thr, &num_pieces);
+  if (rc)
+    return rc;
+
+  out->num_shards = N;
+  out->num_tensors = T;
+  out->num_groups = G;
+  out->num_pieces = num_pieces;
+  build_scratch sc = {0};
+  rc = build_alloc(out, &sc);
+  if (rc == 0)
+    rc = place_pieces(s, thr, out, &sc);
+  if (rc == 0)
+    rc = lay_out_arenas(out, &sc);
+  scratch_free(&sc);
+  if (rc)
+    layout_free(out);
   return rc;
 }
 

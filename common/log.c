@@ -13,9 +13,6 @@ static const char *const level_names[] = {"debug", "info", "warn", "error", "off
 void log_set_level(log_level level) {
   g_level = level;
 }
-log_level log_get_level(void) {
-  return g_level;
-}
 
 int log_parse_level(const char *s, log_level *out) {
   for (int i = 0; i <= LOG_LEVEL_OFF; i++) {

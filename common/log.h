@@ -16,7 +16,6 @@ typedef enum log_level {
 } log_level;
 
 void log_set_level(log_level level);
-log_level log_get_level(void);
 /* Parses "debug", "info", "warn", "error", "off". Returns 0 or -1. */
 int log_parse_level(const char *s, log_level *out);
 

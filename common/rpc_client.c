@@ -33,7 +33,6 @@
 
 struct rpc_channel {
   grpc_channel *channel;
-  char *target; /* owned copy */
 };
 
 int rpc_channel_open(const char *target, rpc_channel **out) {
@@ -43,11 +42,6 @@ int rpc_channel_open(const char *target, rpc_channel **out) {
   rpc_channel *ch = calloc(1, sizeof *ch);
   if (!ch)
     return ZS_ENOMEM;
-  ch->target = strdup(target);
-  if (!ch->target) {
-    free(ch);
-    return ZS_ENOMEM;
-  }
   grpc_init();
 
   /* Bulk messages (a Pull of a large slice, an InitParams of a large piece)
@@ -66,7 +60,6 @@ int rpc_channel_open(const char *target, rpc_channel **out) {
   grpc_channel_credentials_release(creds);
   if (!ch->channel) {
     grpc_shutdown();
-    free(ch->target);
     free(ch);
     return ZS_ENOMEM;
   }
@@ -79,12 +72,7 @@ void rpc_channel_close(rpc_channel *ch) {
     return;
   grpc_channel_destroy(ch->channel);
   grpc_shutdown();
-  free(ch->target);
   free(ch);
-}
-
-const char *rpc_channel_target(const rpc_channel *ch) {
-  return ch->target;
 }
 
 static int set_status(rpc_status *st, int grpc_code, int zs, const char *fmt, ...)

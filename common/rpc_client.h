@@ -23,7 +23,6 @@ typedef struct rpc_channel rpc_channel;
  * caller's, closed with rpc_channel_close. */
 int rpc_channel_open(const char *target, rpc_channel **out);
 void rpc_channel_close(rpc_channel *ch);
-const char *rpc_channel_target(const rpc_channel *ch);
 
 typedef struct rpc_status {
   int grpc_code;     /* grpc_status_code */

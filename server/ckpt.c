@@ -1144,9 +1144,6 @@ const spec *ckpt_reader_spec(const ckpt_reader *r) {
 const layout *ckpt_reader_layout(const ckpt_reader *r) {
   return &r->lay;
 }
-const char *ckpt_reader_path(const ckpt_reader *r) {
-  return r->path;
-}
 const unsigned char *ckpt_reader_client_state(const ckpt_reader *r, size_t *len) {
   *len = r->client_state_len;
   return r->client_state_len ? r->client_state : NULL;

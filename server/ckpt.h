@@ -171,7 +171,6 @@ void ckpt_reader_close(ckpt_reader *r);
 const ckpt_header *ckpt_reader_header(const ckpt_reader *r);
 const spec *ckpt_reader_spec(const ckpt_reader *r);
 const layout *ckpt_reader_layout(const ckpt_reader *r);
-const char *ckpt_reader_path(const ckpt_reader *r);
 /* The file's client state section (*len 0 and NULL without one); valid until
  * ckpt_reader_close. */
 const unsigned char *ckpt_reader_client_state(const ckpt_reader *r, size_t *len);

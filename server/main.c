@@ -6,7 +6,7 @@
  * then waits in sigwait(); the signal is handled there, in ordinary code,
  * never in a signal handler. The core, the transports and the metrics endpoint
  * own their threads (see server/core.h, server/grpc_server.c,
- * server/dp_server.c and server/metrics.c).
+ * server/dp_server.c and server/metrics_http.c).
  *
  * Start order: core, data plane, gRPC (which advertises the data port in
  * GetInfo); stop order: gRPC (its calls drain), data plane, core.
@@ -30,6 +30,7 @@
 #include "server/dp_server.h"
 #include "server/grpc_server.h"
 #include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "zshard/zshard.h"
 
 #define EXIT_USAGE 2
@@ -151,9 +152,41 @@ enum {
   OPT_VERSION
 };
 
-/* Fills `o` from the flags and the environment. Returns -1 to go on, or the
- * exit status (0 after --help/--version, EXIT_USAGE on a bad flag). */
-static int parse_options(int argc, char **argv, options *o) {
+/* The settings as given: each from its flag, else from its environment
+ * variable, else NULL. The strings are argv's or the environment's. */
+typedef struct raw_options {
+  const char *listen;
+  const char *shard_id;
+  const char *shards;
+  const char *threads;
+  const char *level;
+  const char *port_file;
+  const char *hostname;
+  const char *metrics_listen;
+  const char *metrics_port_file;
+  const char *state_dir;
+  const char *keep;
+  const char *data_listen;
+} raw_options;
+
+static void read_environment(raw_options *r) {
+  r->listen = getenv("ZSHARD_LISTEN");
+  r->shard_id = getenv("ZSHARD_SHARD_ID");
+  r->shards = getenv("ZSHARD_SHARDS");
+  r->threads = getenv("ZSHARD_THREADS");
+  r->level = getenv("ZSHARD_LOG_LEVEL");
+  r->port_file = getenv("ZSHARD_PORT_FILE");
+  r->hostname = getenv("ZSHARD_HOSTNAME");
+  r->metrics_listen = getenv("ZSHARD_METRICS_LISTEN");
+  r->metrics_port_file = getenv("ZSHARD_METRICS_PORT_FILE");
+  r->state_dir = getenv("ZSHARD_STATE_DIR");
+  r->keep = getenv("ZSHARD_KEEP_CHECKPOINTS");
+  r->data_listen = getenv("ZSHARD_DATA_LISTEN");
+}
+
+/* Lets the flags override what read_environment found. Returns -1 to go on,
+ * or the exit status (0 after --help/--version, EXIT_USAGE on a bad flag). */
+static int read_flags(int argc, char **argv, raw_options *r) {
   static const struct option longopts[] = {
       {"listen", required_argument, NULL, OPT_LISTEN},
       {"shard-id", required_argument, NULL, OPT_SHARD_ID},
@@ -172,58 +205,45 @@ static int parse_options(int argc, char **argv, options *o) {
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
   };
-  const char *listen = getenv("ZSHARD_LISTEN");
-  const char *shard_id = getenv("ZSHARD_SHARD_ID");
-  const char *shards = getenv("ZSHARD_SHARDS");
-  const char *threads = getenv("ZSHARD_THREADS");
-  const char *level = getenv("ZSHARD_LOG_LEVEL");
-  const char *port_file = getenv("ZSHARD_PORT_FILE");
-  const char *hostname = getenv("ZSHARD_HOSTNAME");
-  const char *metrics_listen = getenv("ZSHARD_METRICS_LISTEN");
-  const char *metrics_port_file = getenv("ZSHARD_METRICS_PORT_FILE");
-  const char *state_dir = getenv("ZSHARD_STATE_DIR");
-  const char *keep = getenv("ZSHARD_KEEP_CHECKPOINTS");
-  const char *data_listen = getenv("ZSHARD_DATA_LISTEN");
-
   opterr = 0; /* our own messages */
   int ch;
   while ((ch = getopt_long(argc, argv, ":", longopts, NULL)) != -1) {
     switch (ch) {
     case OPT_LISTEN:
-      listen = optarg;
+      r->listen = optarg;
       break;
     case OPT_SHARD_ID:
-      shard_id = optarg;
+      r->shard_id = optarg;
       break;
     case OPT_SHARDS:
-      shards = optarg;
+      r->shards = optarg;
       break;
     case OPT_THREADS:
-      threads = optarg;
+      r->threads = optarg;
       break;
     case OPT_LOG_LEVEL:
-      level = optarg;
+      r->level = optarg;
       break;
     case OPT_PORT_FILE:
-      port_file = optarg;
+      r->port_file = optarg;
       break;
     case OPT_HOSTNAME:
-      hostname = optarg;
+      r->hostname = optarg;
       break;
     case OPT_METRICS_LISTEN:
-      metrics_listen = optarg;
+      r->metrics_listen = optarg;
       break;
     case OPT_METRICS_PORT_FILE:
-      metrics_port_file = optarg;
+      r->metrics_port_file = optarg;
       break;
     case OPT_DATA_LISTEN:
-      data_listen = optarg;
+      r->data_listen = optarg;
       break;
     case OPT_STATE_DIR:
-      state_dir = optarg;
+      r->state_dir = optarg;
       break;
     case OPT_KEEP_CHECKPOINTS:
-      keep = optarg;
+      r->keep = optarg;
       break;
     case OPT_HELP:
       usage(stdout);
@@ -239,8 +259,14 @@ static int parse_options(int argc, char **argv, options *o) {
   }
   if (optind < argc)
     return bad_usage("unexpected argument '%s'", argv[optind]);
+  return -1;
+}
 
-  o->listen = listen && *listen ? listen : DEFAULT_LISTEN;
+/* The addresses, files and directories of `r` into `o`. Returns -1 to go on
+ * or EXIT_USAGE. */
+static int set_endpoints(const raw_options *r, options *o) {
+  const char *data_listen = r->data_listen;
+  o->listen = r->listen && *r->listen ? r->listen : DEFAULT_LISTEN;
   /* By default the data plane listens where gRPC does, on a free port: two
    * servers on one host never collide, and clients read the port from
    * GetInfo. */
@@ -251,51 +277,67 @@ static int parse_options(int argc, char **argv, options *o) {
     data_listen = o->data_listen_buf;
   }
   o->data_listen = strcmp(data_listen, "off") != 0 ? data_listen : NULL;
-  o->port_file = port_file && *port_file ? port_file : NULL;
-  o->hostname = hostname && *hostname ? hostname : NULL;
+  o->port_file = r->port_file && *r->port_file ? r->port_file : NULL;
+  o->hostname = r->hostname && *r->hostname ? r->hostname : NULL;
   /* "off" (or nothing) turns the endpoint off, so a deployment can switch it
    * off over a variable set by the image. */
+  const char *metrics_listen = r->metrics_listen;
   o->metrics_listen = metrics_listen && *metrics_listen && strcmp(metrics_listen, "off") != 0
                           ? metrics_listen
                           : NULL;
-  o->metrics_port_file = metrics_port_file && *metrics_port_file ? metrics_port_file : NULL;
+  o->metrics_port_file =
+      r->metrics_port_file && *r->metrics_port_file ? r->metrics_port_file : NULL;
   if (o->metrics_port_file && !o->metrics_listen)
     return bad_usage("%s", "--metrics-port-file (ZSHARD_METRICS_PORT_FILE) needs --metrics-listen");
-  o->state_dir = state_dir && *state_dir ? state_dir : NULL;
+  o->state_dir = r->state_dir && *r->state_dir ? r->state_dir : NULL;
+  return -1;
+}
+
+/* The numbers and the log level of `r` into `o`. Returns -1 to go on or
+ * EXIT_USAGE. */
+static int set_numbers(const raw_options *r, options *o) {
   o->keep_checkpoints = 0;
-  if (keep && *keep) {
-    o->keep_checkpoints = parse_long(keep, 0, 1000000);
+  if (r->keep && *r->keep) {
+    o->keep_checkpoints = parse_long(r->keep, 0, 1000000);
     if (o->keep_checkpoints < 0)
       return bad_usage("--keep-checkpoints (ZSHARD_KEEP_CHECKPOINTS) must be a whole number from "
                        "0 to 1000000, not '%s'",
-                       keep);
+                       r->keep);
   }
 
   o->level = LOG_LEVEL_INFO;
-  if (level && *level && log_parse_level(level, &o->level) != 0)
+  if (r->level && *r->level && log_parse_level(r->level, &o->level) != 0)
     return bad_usage(
-        "--log-level (ZSHARD_LOG_LEVEL) must be debug, info, warn, error or off, not '%s'", level);
+        "--log-level (ZSHARD_LOG_LEVEL) must be debug, info, warn, error or off, not '%s'",
+        r->level);
 
   o->shards = 1;
-  if (shards && *shards) {
-    o->shards = parse_long(shards, 1, SPEC_MAX_SHARDS);
+  if (r->shards && *r->shards) {
+    o->shards = parse_long(r->shards, 1, SPEC_MAX_SHARDS);
     if (o->shards < 0)
       return bad_usage("--shards (ZSHARD_SHARDS) must be a whole number from 1 to 4096, not '%s'",
-                       shards);
+                       r->shards);
   }
   o->threads = 0;
-  if (threads && *threads) {
-    o->threads = parse_long(threads, 1, MAX_THREADS);
+  if (r->threads && *r->threads) {
+    o->threads = parse_long(r->threads, 1, MAX_THREADS);
     if (o->threads < 0)
       return bad_usage("--threads (ZSHARD_THREADS) must be a whole number from 1 to 1024, not '%s'",
-                       threads);
+                       r->threads);
   }
+  return -1;
+}
 
-  if (shard_id && *shard_id) {
-    o->shard_id = parse_long(shard_id, 0, SPEC_MAX_SHARDS - 1);
+/* The shard id: given, or the host name's ordinal; after set_endpoints and
+ * set_numbers (it needs o->hostname and o->shards). Returns -1 to go on or
+ * EXIT_USAGE. */
+static int set_shard_id(const raw_options *r, options *o) {
+  if (r->shard_id && *r->shard_id) {
+    o->shard_id = parse_long(r->shard_id, 0, SPEC_MAX_SHARDS - 1);
     if (o->shard_id < 0)
       return bad_usage(
-          "--shard-id (ZSHARD_SHARD_ID) must be a whole number from 0 to 4095, not '%s'", shard_id);
+          "--shard-id (ZSHARD_SHARD_ID) must be a whole number from 0 to 4095, not '%s'",
+          r->shard_id);
   } else {
     char host[256] = "";
     if (o->hostname)
@@ -320,6 +362,23 @@ static int parse_options(int argc, char **argv, options *o) {
   return -1;
 }
 
+/* Fills `o` from the flags and the environment. Returns -1 to go on, or the
+ * exit status (0 after --help/--version, EXIT_USAGE on a bad flag). The
+ * checks run in a fixed order, so a command line with several mistakes is
+ * always told about the same one first. */
+static int parse_options(int argc, char **argv, options *o) {
+  raw_options r;
+  read_environment(&r);
+  int rc = read_flags(argc, argv, &r);
+  if (rc < 0)
+    rc = set_endpoints(&r, o);
+  if (rc < 0)
+    rc = set_numbers(&r, o);
+  if (rc < 0)
+    rc = set_shard_id(&r, o);
+  return rc;
+}
+
 /* Writes the port to `path` through a temporary file and rename(), so a reader
  * polling for the file sees either nothing or the whole number. */
 static int write_port_file(const char *path, int port) {
@@ -335,6 +394,140 @@ static int write_port_file(const char *path, int port) {
   ok = fclose(f) == 0 && ok;
   if (!ok || rename(tmp, path) != 0) {
     unlink(tmp);
+    return -1;
+  }
+  return 0;
+}
+
+/* What a running shard is made of. Each member is NULL until started;
+ * shard_stop releases whatever is there, so every way out of main, a failed
+ * start or a signal, goes through it. */
+typedef struct shard {
+  metrics *mx;
+  core *c;
+  ckpt_svc *svc;
+  dp_server *dp;
+  gsrv *srv;
+  metrics_server *msrv;
+} shard;
+
+/* Loads the newest checkpoint in --state-dir, if one is given. The
+ * checkpoint is loaded before any transport starts, so that no trainer ever
+ * sees this shard empty when its state directory is not. Returns 0 or an
+ * error, logged. */
+static int start_checkpoints(const options *o, shard *s) {
+  if (!o->state_dir)
+    return 0;
+  ckpt_svc_config kc = {
+      .state_dir = o->state_dir, .core = s->c, .keep = (uint32_t)o->keep_checkpoints};
+  char kerr[700] = "";
+  int loaded = 0;
+  uint64_t step = 0;
+  int rc = ckpt_svc_create(&kc, &s->svc, kerr, sizeof kerr);
+  if (rc == 0)
+    rc = ckpt_svc_load_latest(s->svc, &loaded, &step, kerr, sizeof kerr);
+  if (rc)
+    LOG_ERROR("startup_failed", "stage=checkpoint dir=%s error=%s detail=\"%s\"", o->state_dir,
+              zs_err_name(rc), kerr);
+  return rc;
+}
+
+/* The transports and the metrics endpoint. Returns 0 or an error, logged. */
+static int start_transports(const options *o, shard *s) {
+  char err[256] = "";
+  int rc;
+  /* Before gRPC, whose GetInfo advertises the data port from its first
+   * answer on. */
+  if (o->data_listen) {
+    dp_server_config dc;
+    dp_server_config_init(&dc);
+    dc.listen = o->data_listen;
+    dc.core = s->c;
+    dc.metrics = s->mx;
+    rc = dp_server_start(&dc, &s->dp, err, sizeof err);
+    if (rc) {
+      LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o->data_listen,
+                zs_err_name(rc), err);
+      return rc;
+    }
+  }
+  gsrv_config gc = {.listen = o->listen,
+                    .core = s->c,
+                    .ckpt = s->svc,
+                    .metrics = s->mx,
+                    .data_port = s->dp ? (uint32_t)dp_server_port(s->dp) : 0};
+  rc = gsrv_start(&gc, &s->srv, err, sizeof err);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
+    return rc;
+  }
+  if (o->metrics_listen) {
+    metrics_server_config mc = {.listen = o->metrics_listen, .metrics = s->mx, .core = s->c};
+    rc = metrics_server_start(&mc, &s->msrv, err, sizeof err);
+    if (rc) {
+      LOG_ERROR("startup_failed", "stage=metrics error=%s detail=\"%s\"", zs_err_name(rc), err);
+      return rc;
+    }
+    LOG_INFO("metrics_listening", "addr=%s port=%d path=/metrics", o->metrics_listen,
+             metrics_server_port(s->msrv));
+  }
+  return 0;
+}
+
+/* Starts everything in order (see the top of this file). Returns 0, or an
+ * error, logged, with what did start left in `s` for shard_stop. */
+static int shard_start(const options *o, shard *s) {
+  /* The registry outlives everything that records into it: the core records
+   * applies until core_destroy returns (see server/metrics.h). */
+  int rc = metrics_create((uint32_t)o->shard_id, &s->mx);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=metrics error=%s", zs_err_name(rc));
+    return rc;
+  }
+  core_config cc = {
+      .shard_id = (uint32_t)o->shard_id,
+      .num_shards = (uint32_t)o->shards,
+      .threads = (int)o->threads,
+      .apply_hist = metrics_apply_histogram(s->mx),
+  };
+  rc = core_create(&cc, &s->c);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=core error=%s", zs_err_name(rc));
+    return rc;
+  }
+  rc = start_checkpoints(o, s);
+  if (rc == 0)
+    rc = start_transports(o, s);
+  return rc;
+}
+
+/* Stops whatever `s` holds, in the stop order. */
+static void shard_stop(shard *s) {
+  gsrv_destroy(s->srv);
+  /* The data plane serves until the gRPC calls drained; its own connections
+   * are then closed (clients retry elsewhere or after the restart), and
+   * Pulls it left waiting in the core are released by core_destroy. */
+  dp_server_stop(s->dp);
+  /* Scrapes are answered while the gRPC calls drain, then stop before the
+   * core they read goes away. */
+  metrics_server_stop(s->msrv);
+  ckpt_svc_destroy(s->svc);
+  core_destroy(s->c);
+  metrics_destroy(s->mx);
+  memset(s, 0, sizeof *s);
+}
+
+/* Writes the port files, the metrics port first: a reader that waits for
+ * --port-file then finds both. Returns 0 or -1, logged. */
+static int write_port_files(const options *o, const shard *s) {
+  const char *bad_file = NULL;
+  if (o->metrics_port_file &&
+      write_port_file(o->metrics_port_file, metrics_server_port(s->msrv)) != 0)
+    bad_file = o->metrics_port_file;
+  else if (o->port_file && write_port_file(o->port_file, gsrv_port(s->srv)) != 0)
+    bad_file = o->port_file;
+  if (bad_file) {
+    LOG_ERROR("startup_failed", "stage=port_file path=%s error=\"%s\"", bad_file, strerror(errno));
     return -1;
   }
   return 0;
@@ -366,140 +559,29 @@ int main(int argc, char **argv) {
     return rc;
   log_set_level(o.level);
 
-  /* The registry outlives everything that records into it: the core records
-   * applies until core_destroy returns (see server/metrics.h). */
-  metrics *mx = NULL;
-  rc = metrics_create((uint32_t)o.shard_id, &mx);
-  if (rc) {
-    LOG_ERROR("startup_failed", "stage=metrics error=%s", zs_err_name(rc));
-    return 1;
-  }
-  core_config cc = {
-      .shard_id = (uint32_t)o.shard_id,
-      .num_shards = (uint32_t)o.shards,
-      .threads = (int)o.threads,
-      .apply_hist = metrics_apply_histogram(mx),
-  };
-  core *c = NULL;
-  rc = core_create(&cc, &c);
-  if (rc) {
-    LOG_ERROR("startup_failed", "stage=core error=%s", zs_err_name(rc));
-    metrics_destroy(mx);
-    return 1;
-  }
-
-  char err[256] = "";
-  /* The checkpoint is loaded before any transport starts, so that no
-   * trainer ever sees this shard empty when its state directory is not. */
-  ckpt_svc *svc = NULL;
-  if (o.state_dir) {
-    ckpt_svc_config kc = {
-        .state_dir = o.state_dir, .core = c, .keep = (uint32_t)o.keep_checkpoints};
-    char kerr[700] = "";
-    int loaded = 0;
-    uint64_t step = 0;
-    rc = ckpt_svc_create(&kc, &svc, kerr, sizeof kerr);
-    if (rc == 0)
-      rc = ckpt_svc_load_latest(svc, &loaded, &step, kerr, sizeof kerr);
-    if (rc) {
-      LOG_ERROR("startup_failed", "stage=checkpoint dir=%s error=%s detail=\"%s\"", o.state_dir,
-                zs_err_name(rc), kerr);
-      ckpt_svc_destroy(svc);
-      core_destroy(c);
-      metrics_destroy(mx);
-      return 1;
-    }
-  }
-  /* Before gRPC, whose GetInfo advertises the data port from its first
-   * answer on. */
-  dp_server *dp = NULL;
-  if (o.data_listen) {
-    dp_server_config dc;
-    dp_server_config_init(&dc);
-    dc.listen = o.data_listen;
-    dc.core = c;
-    dc.metrics = mx;
-    rc = dp_server_start(&dc, &dp, err, sizeof err);
-    if (rc) {
-      LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o.data_listen,
-                zs_err_name(rc), err);
-      ckpt_svc_destroy(svc);
-      core_destroy(c);
-      metrics_destroy(mx);
-      return 1;
-    }
-  }
-  gsrv_config gc = {.listen = o.listen,
-                    .core = c,
-                    .ckpt = svc,
-                    .metrics = mx,
-                    .data_port = dp ? (uint32_t)dp_server_port(dp) : 0};
-  gsrv *srv = NULL;
-  rc = gsrv_start(&gc, &srv, err, sizeof err);
-  if (rc) {
-    LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
-    dp_server_stop(dp);
-    ckpt_svc_destroy(svc);
-    core_destroy(c);
-    metrics_destroy(mx);
-    return 1;
-  }
-  metrics_server *msrv = NULL;
-  if (o.metrics_listen) {
-    metrics_server_config mc = {.listen = o.metrics_listen, .metrics = mx, .core = c};
-    rc = metrics_server_start(&mc, &msrv, err, sizeof err);
-    if (rc) {
-      LOG_ERROR("startup_failed", "stage=metrics error=%s detail=\"%s\"", zs_err_name(rc), err);
-      gsrv_destroy(srv);
-      dp_server_stop(dp);
-      ckpt_svc_destroy(svc);
-      core_destroy(c);
-      metrics_destroy(mx);
-      return 1;
-    }
-    LOG_INFO("metrics_listening", "addr=%s port=%d path=/metrics", o.metrics_listen,
-             metrics_server_port(msrv));
-  }
+  shard s = {0};
+  int status = 1;
+  if (shard_start(&o, &s) != 0)
+    goto out;
   long threads = o.threads > 0 ? o.threads : sysconf(_SC_NPROCESSORS_ONLN);
   LOG_INFO("listening",
            "addr=%s port=%d data_addr=%s data_port=%d shard=%ld shards=%ld threads=%ld isa=%s "
            "version=%s",
-           o.listen, gsrv_port(srv), o.data_listen ? o.data_listen : "off",
-           dp ? dp_server_port(dp) : 0, o.shard_id, o.shards, threads, cpu_isa_name(cpu_best_isa()),
-           zs_version());
-  /* The metrics port first: a reader that waits for --port-file then finds
-   * both. */
-  const char *bad_file = NULL;
-  if (o.metrics_port_file && write_port_file(o.metrics_port_file, metrics_server_port(msrv)) != 0)
-    bad_file = o.metrics_port_file;
-  else if (o.port_file && write_port_file(o.port_file, gsrv_port(srv)) != 0)
-    bad_file = o.port_file;
-  if (bad_file) {
-    LOG_ERROR("startup_failed", "stage=port_file path=%s error=\"%s\"", bad_file, strerror(errno));
-    gsrv_destroy(srv);
-    dp_server_stop(dp);
-    metrics_server_stop(msrv);
-    ckpt_svc_destroy(svc);
-    core_destroy(c);
-    metrics_destroy(mx);
-    return 1;
-  }
+           o.listen, gsrv_port(s.srv), o.data_listen ? o.data_listen : "off",
+           s.dp ? dp_server_port(s.dp) : 0, o.shard_id, o.shards, threads,
+           cpu_isa_name(cpu_best_isa()), zs_version());
+  if (write_port_files(&o, &s) != 0)
+    goto out;
 
   int sig = 0;
   while (sigwait(&stop_signals, &sig) != 0) {
   }
   LOG_INFO("shutdown", "signal=%s", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  gsrv_destroy(srv);
-  /* The data plane serves until the gRPC calls drained; its own connections
-   * are then closed (clients retry elsewhere or after the restart), and
-   * Pulls it left waiting in the core are released by core_destroy. */
-  dp_server_stop(dp);
-  /* Scrapes are answered while the gRPC calls drain, then stop before the
-   * core they read goes away. */
-  metrics_server_stop(msrv);
-  ckpt_svc_destroy(svc);
-  core_destroy(c);
-  metrics_destroy(mx);
-  LOG_INFO("stopped", "shard=%ld", o.shard_id);
-  return 0;
+  status = 0;
+
+out:
+  shard_stop(&s);
+  if (status == 0)
+    LOG_INFO("stopped", "shard=%ld", o.shard_id);
+  return status;
 }

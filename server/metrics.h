@@ -3,12 +3,13 @@
  * only the transports and the core know the moment they happen (request and
  * apply latency histograms, failed requests per method), the rendering of
  * those and of the core's counters in the Prometheus text exposition format
- * (version 0.0.4), and a small HTTP/1.1 server that answers GET /metrics on
- * its own port and thread.
+ * (version 0.0.4). The HTTP endpoint that serves the page is
+ * server/metrics_http.h.
  *
- * Two objects with separate lifetimes, because the core records into the
- * registry from its worker thread until core_destroy returns, while the HTTP
- * server reads the core and must stop before it is destroyed:
+ * The registry and the endpoint have separate lifetimes, because the core
+ * records into the registry from its worker thread until core_destroy
+ * returns, while the endpoint reads the core and must stop before it is
+ * destroyed:
  *
  *   metrics_create -> core_create (apply_hist) -> transports -> server start
  *   ... server stop -> transports stop -> core_destroy -> metrics_destroy
@@ -71,56 +72,5 @@ uint64_t metrics_process_rss(void);
  * Prometheus text format. Returns 0 with a malloc'd, NUL-terminated text in
  * *out (the caller frees it) and its length in *len, or ZS_ENOMEM. */
 int metrics_render(metrics *m, core *c, char **out, size_t *len);
-
-/* ------------------------------------------------------------------------ */
-/* The HTTP endpoint                                                        */
-/* ------------------------------------------------------------------------ */
-
-/* A request line and headers longer than this are answered 431. */
-#define METRICS_MAX_REQUEST 8192
-/* A connection that has not sent its whole request, or not taken its whole
- * answer, this long after it was accepted is closed. */
-#define METRICS_DEFAULT_TIMEOUT_MS 10000u
-/* Connections served at once; more are answered 503 and closed. */
-#define METRICS_DEFAULT_MAX_CONNECTIONS 16u
-
-typedef struct metrics_server metrics_server;
-
-typedef struct metrics_server_config {
-  /* "host:port" or "[v6]:port" to listen on; port 0 picks a free port (see
-   * metrics_server_port). Only read during metrics_server_start. */
-  const char *listen;
-  /* Borrowed; both must outlive the server (metrics_server_stop first). */
-  metrics *metrics;
-  core *core;
-  /* 0 means METRICS_DEFAULT_TIMEOUT_MS. */
-  uint32_t timeout_ms;
-  /* 0 means METRICS_DEFAULT_MAX_CONNECTIONS. */
-  uint32_t max_connections;
-} metrics_server_config;
-
-/* Binds and starts the server thread. Returns 0 and the server in *out (the
- * caller's, released with metrics_server_stop), or ZS_EINVAL (the address is
- * not host:port, or cannot be bound) / ZS_ENOMEM / ZS_EINTERNAL with a
- * sentence in err (which may be NULL).
- *
- * What it answers, one request per connection (Connection: close):
- *  - GET or HEAD /metrics (any query string): 200, the text of
- *    metrics_render;
- *  - another path: 404; another method: 405 with Allow: GET, HEAD;
- *  - a request line or header block that does not parse: 400; one longer
- *    than METRICS_MAX_REQUEST: 431;
- *  - a connection over the limit: 503.
- * A client that sends nothing, or does not read, is closed at its timeout;
- * no client can hold up another or the shard. */
-int metrics_server_start(const metrics_server_config *cfg, metrics_server **out, char *err,
-                         size_t errlen);
-
-/* The TCP port the server listens on. */
-int metrics_server_port(const metrics_server *s);
-
-/* Closes every connection and the listener, joins the thread and frees the
- * server. NULL is accepted. */
-void metrics_server_stop(metrics_server *s);
 
 #endif

@@ -435,7 +435,9 @@ static int trainer_open(trainer *t, const bench_cfg *cfg, const float *init) {
   return rc;
 }
 
-int cli_bench(int argc, char **argv) {
+/* Reads the command line into `cfg`. Returns -1 to go on, or the exit
+ * status (0 after --help, 2 with the usage printed). */
+static int bench_parse(int argc, char **argv, bench_cfg *cfg, uint32_t *num_shards) {
   static const struct option opts[] = {{"shards", required_argument, NULL, 's'},
                                        {"num-shards", required_argument, NULL, 'n'},
                                        {"payload", required_argument, NULL, 'd'},
@@ -449,15 +451,8 @@ int cli_bench(int argc, char **argv) {
                                        {"json", no_argument, NULL, 'j'},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
-  bench_cfg cfg = {.payload = 4096,
-                   .requests = 10000,
-                   .concurrency = 1,
-                   .trainers = 1,
-                   .job = "zshard-bench",
-                   .transport = ZS_TRANSPORT_DEFAULT};
   const char *shards = NULL;
   uint64_t tensors = 0;
-  uint32_t num_shards = 0;
   int c, bad = 0;
   optind = 1;
   while (!bad && (c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -467,7 +462,7 @@ int cli_bench(int argc, char **argv) {
       shards = optarg;
       break;
     case 'd':
-      bad = parse_bytes(optarg, &cfg.payload) != 0 || cfg.payload % 2 != 0;
+      bad = parse_bytes(optarg, &cfg->payload) != 0 || cfg->payload % 2 != 0;
       break;
     case 'n':
     case 'r':
@@ -477,31 +472,31 @@ int cli_bench(int argc, char **argv) {
     case 'k':
       bad = cli_parse_count(optarg, &v) != 0 || v == 0 || v > UINT32_MAX;
       if (c == 'n')
-        num_shards = (uint32_t)v;
+        *num_shards = (uint32_t)v;
       else if (c == 'r')
-        cfg.requests = v;
+        cfg->requests = v;
       else if (c == 't')
         tensors = v;
       else if (c == 'c')
-        cfg.concurrency = (uint32_t)v;
+        cfg->concurrency = (uint32_t)v;
       else if (c == 'w')
-        cfg.trainers = (uint32_t)v;
+        cfg->trainers = (uint32_t)v;
       else
-        cfg.connections = (uint32_t)v;
+        cfg->connections = (uint32_t)v;
       break;
     case 'T':
       if (strcmp(optarg, "data") == 0)
-        cfg.transport = ZS_TRANSPORT_DATA;
+        cfg->transport = ZS_TRANSPORT_DATA;
       else if (strcmp(optarg, "grpc") == 0)
-        cfg.transport = ZS_TRANSPORT_GRPC;
+        cfg->transport = ZS_TRANSPORT_GRPC;
       else
         bad = 1;
       break;
     case 'J':
-      cfg.job = optarg;
+      cfg->job = optarg;
       break;
     case 'j':
-      cfg.json = 1;
+      cfg->json = 1;
       break;
     case 'h':
       bench_usage(stdout);
@@ -510,21 +505,136 @@ int cli_bench(int argc, char **argv) {
       bad = 1;
     }
   }
-  if (bad || !shards || optind != argc || cfg.trainers > BENCH_MAX_TRAINERS ||
-      cfg.concurrency > BENCH_MAX_CONCURRENCY || tensors > BENCH_MAX_TENSORS) {
+  if (bad || !shards || optind != argc || cfg->trainers > BENCH_MAX_TRAINERS ||
+      cfg->concurrency > BENCH_MAX_CONCURRENCY || tensors > BENCH_MAX_TENSORS) {
     bench_usage(stderr);
     return 2;
   }
-  if (cfg.transport == ZS_TRANSPORT_DEFAULT) {
+  if (cfg->transport == ZS_TRANSPORT_DEFAULT) {
     /* The library's rule, resolved here so that the output can say which
      * transport ran. */
     const char *env = getenv("ZSHARD_TRANSPORT");
-    cfg.transport = env && strcmp(env, "grpc") == 0 ? ZS_TRANSPORT_GRPC : ZS_TRANSPORT_DATA;
+    cfg->transport = env && strcmp(env, "grpc") == 0 ? ZS_TRANSPORT_GRPC : ZS_TRANSPORT_DATA;
   }
-  cfg.tensors = (uint32_t)(tensors ? tensors : (cfg.requests < 1024 ? cfg.requests : 1024));
-  cfg.rounds = (cfg.requests + cfg.tensors - 1) / cfg.tensors;
-  cfg.addresses = shards;
-  if (zc_parse_addresses(shards, num_shards, &cfg.addr, &cfg.nshards) != ZS_OK) {
+  cfg->tensors = (uint32_t)(tensors ? tensors : (cfg->requests < 1024 ? cfg->requests : 1024));
+  cfg->rounds = (cfg->requests + cfg->tensors - 1) / cfg->tensors;
+  cfg->addresses = shards;
+  return -1;
+}
+
+/* Sets up trainer `t` (rank already set): its locks, its buffers for `nreq`
+ * requests, its client and the job. *opened counts the trainers that
+ * trainer_free must release, this one included as soon as its locks exist.
+ * Returns 0 or a status (with the sentence printed). */
+static int trainer_prepare(trainer *t, const bench_cfg *cfg, const uint16_t *grad,
+                           const float *init, size_t nreq, uint32_t *opened) {
+  t->cfg = cfg;
+  t->grad = grad;
+  pthread_mutex_init(&t->mu, NULL);
+  pthread_cond_init(&t->cv, NULL);
+  (*opened)++;
+  t->slots = malloc((size_t)cfg->concurrency * (size_t)cfg->payload);
+  t->free_slots = malloc(cfg->concurrency * sizeof *t->free_slots);
+  t->push_lat = calloc(nreq, sizeof(double));
+  t->pull_lat = calloc(nreq, sizeof(double));
+  t->rt = calloc(cfg->rounds, sizeof *t->rt);
+  if (!t->slots || !t->free_slots || !t->push_lat || !t->pull_lat || !t->rt) {
+    fprintf(stderr, "zshard bench: out of memory\n");
+    return ZS_ENOMEM;
+  }
+  for (uint32_t s = 0; s < cfg->concurrency; s++)
+    t->free_slots[s] = s;
+  t->nfree = cfg->concurrency;
+  return trainer_open(t, cfg, init);
+}
+
+/* Runs every trainer on its own thread until all are done. Returns 0, or a
+ * status when a thread could not start or a trainer failed (printed). */
+static int trainers_run(const bench_cfg *cfg, trainer *tr) {
+  bench_sync sy = {.go = 0};
+  pthread_barrier_init(&sy.phase, NULL, cfg->trainers);
+  pthread_mutex_init(&sy.mu, NULL);
+  pthread_cond_init(&sy.cv, NULL);
+  uint32_t started = 0;
+  for (uint32_t w = 0; w < cfg->trainers; w++) {
+    tr[w].sync = &sy;
+    if (pthread_create(&tr[w].th, NULL, trainer_main, &tr[w]) != 0)
+      break;
+    started++;
+  }
+  /* The barrier counts every trainer: the threads start only once all of
+   * them exist, and give up together otherwise. */
+  pthread_mutex_lock(&sy.mu);
+  sy.go = started == cfg->trainers ? 1 : -1;
+  pthread_cond_broadcast(&sy.cv);
+  pthread_mutex_unlock(&sy.mu);
+  for (uint32_t w = 0; w < started; w++)
+    pthread_join(tr[w].th, NULL);
+  pthread_barrier_destroy(&sy.phase);
+  pthread_mutex_destroy(&sy.mu);
+  pthread_cond_destroy(&sy.cv);
+  if (started < cfg->trainers) {
+    fprintf(stderr, "zshard bench: cannot start %" PRIu32 " trainer threads\n", cfg->trainers);
+    return ZS_EINTERNAL;
+  }
+
+  int rc = 0;
+  for (uint32_t w = 0; w < cfg->trainers; w++) {
+    if (tr[w].failed) {
+      fprintf(stderr, "zshard bench: trainer %" PRIu32 " failed: %s\n", w, tr[w].err);
+      rc = tr[w].failed;
+    }
+  }
+  return rc;
+}
+
+/* Prints the push and pull latencies and throughput of all trainers
+ * together, and the step times. Returns 0 or ZS_ENOMEM. */
+static int bench_report(const bench_cfg *cfg, const trainer *tr, size_t nreq) {
+  size_t total = nreq * cfg->trainers;
+  double *lat = malloc(total * sizeof *lat);
+  double *steps = malloc(cfg->rounds * sizeof *steps);
+  if (!lat || !steps) {
+    free(lat);
+    free(steps);
+    return ZS_ENOMEM;
+  }
+  double push_s = phase_total(tr, cfg->trainers, cfg->rounds, PH_PUSH);
+  double pull_s = phase_total(tr, cfg->trainers, cfg->rounds, PH_PULL);
+  for (uint32_t w = 0; w < cfg->trainers; w++)
+    memcpy(lat + w * nreq, tr[w].push_lat, nreq * sizeof *lat);
+  report_op(cfg, "push", lat, total, push_s);
+  for (uint32_t w = 0; w < cfg->trainers; w++)
+    memcpy(lat + w * nreq, tr[w].pull_lat, nreq * sizeof *lat);
+  report_op(cfg, "pull", lat, total, pull_s);
+  /* zs_step: gradient statistics and the optimizer on every shard. */
+  for (uint64_t r = 0; r < cfg->rounds; r++)
+    steps[r] = phase_seconds(tr, cfg->trainers, r, PH_STEP);
+  qsort(steps, cfg->rounds, sizeof *steps, cmp_double);
+  if (cfg->json) {
+    figure(cfg, "step_p50", quantile(steps, cfg->rounds, 0.5) * 1e3, "ms");
+    figure(cfg, "step_max", steps[cfg->rounds - 1] * 1e3, "ms");
+  } else {
+    printf("====== step ======\n  %" PRIu64 " steps: p50 %.3f ms, max %.3f ms\n", cfg->rounds,
+           quantile(steps, cfg->rounds, 0.5) * 1e3, steps[cfg->rounds - 1] * 1e3);
+  }
+  free(lat);
+  free(steps);
+  return 0;
+}
+
+int cli_bench(int argc, char **argv) {
+  bench_cfg cfg = {.payload = 4096,
+                   .requests = 10000,
+                   .concurrency = 1,
+                   .trainers = 1,
+                   .job = "zshard-bench",
+                   .transport = ZS_TRANSPORT_DEFAULT};
+  uint32_t num_shards = 0;
+  int rc = bench_parse(argc, argv, &cfg, &num_shards);
+  if (rc >= 0)
+    return rc;
+  if (zc_parse_addresses(cfg.addresses, num_shards, &cfg.addr, &cfg.nshards) != ZS_OK) {
     fprintf(stderr, "zshard bench: %s\n", zs_last_error());
     return 2;
   }
@@ -534,7 +644,7 @@ int cli_bench(int argc, char **argv) {
   uint16_t *grad = malloc(nbytes);
   float *init = calloc(nbytes / 2, sizeof(float));
   trainer *tr = calloc(cfg.trainers, sizeof *tr);
-  int rc = !grad || !init || !tr ? ZS_ENOMEM : 0;
+  rc = !grad || !init || !tr ? ZS_ENOMEM : 0;
   uint32_t opened = 0;
   if (rc) {
     fprintf(stderr, "zshard bench: out of memory\n");
@@ -547,27 +657,8 @@ int cli_bench(int argc, char **argv) {
     init[i] = 0.01f;
   }
   for (uint32_t w = 0; w < cfg.trainers; w++) {
-    trainer *t = &tr[w];
-    t->cfg = &cfg;
-    t->rank = w;
-    t->grad = grad;
-    pthread_mutex_init(&t->mu, NULL);
-    pthread_cond_init(&t->cv, NULL);
-    opened++;
-    t->slots = malloc((size_t)cfg.concurrency * nbytes);
-    t->free_slots = malloc(cfg.concurrency * sizeof *t->free_slots);
-    t->push_lat = calloc(nreq, sizeof(double));
-    t->pull_lat = calloc(nreq, sizeof(double));
-    t->rt = calloc(cfg.rounds, sizeof *t->rt);
-    if (!t->slots || !t->free_slots || !t->push_lat || !t->pull_lat || !t->rt) {
-      fprintf(stderr, "zshard bench: out of memory\n");
-      rc = ZS_ENOMEM;
-      goto done;
-    }
-    for (uint32_t s = 0; s < cfg.concurrency; s++)
-      t->free_slots[s] = s;
-    t->nfree = cfg.concurrency;
-    if ((rc = trainer_open(t, &cfg, init)) != 0)
+    tr[w].rank = w;
+    if ((rc = trainer_prepare(&tr[w], &cfg, grad, init, nreq, &opened)) != 0)
       goto done;
   }
   char pay[32];
@@ -578,73 +669,9 @@ int cli_bench(int argc, char **argv) {
            cfg.nshards, cfg.transport == ZS_TRANSPORT_GRPC ? "gRPC" : "the data plane",
            cfg.trainers, cli_bytes((double)cfg.payload, pay, sizeof pay), nreq, nreq, cfg.rounds,
            cfg.tensors, cfg.concurrency);
-
-  bench_sync sy = {.go = 0};
-  pthread_barrier_init(&sy.phase, NULL, cfg.trainers);
-  pthread_mutex_init(&sy.mu, NULL);
-  pthread_cond_init(&sy.cv, NULL);
-  uint32_t started = 0;
-  for (uint32_t w = 0; w < cfg.trainers; w++) {
-    tr[w].sync = &sy;
-    if (pthread_create(&tr[w].th, NULL, trainer_main, &tr[w]) != 0)
-      break;
-    started++;
-  }
-  /* The barrier counts every trainer: the threads start only once all of
-   * them exist, and give up together otherwise. */
-  pthread_mutex_lock(&sy.mu);
-  sy.go = started == cfg.trainers ? 1 : -1;
-  pthread_cond_broadcast(&sy.cv);
-  pthread_mutex_unlock(&sy.mu);
-  for (uint32_t w = 0; w < started; w++)
-    pthread_join(tr[w].th, NULL);
-  pthread_barrier_destroy(&sy.phase);
-  pthread_mutex_destroy(&sy.mu);
-  pthread_cond_destroy(&sy.cv);
-  if (started < cfg.trainers) {
-    fprintf(stderr, "zshard bench: cannot start %" PRIu32 " trainer threads\n", cfg.trainers);
-    rc = ZS_EINTERNAL;
-    goto done;
-  }
-
-  for (uint32_t w = 0; w < cfg.trainers; w++) {
-    if (tr[w].failed) {
-      fprintf(stderr, "zshard bench: trainer %" PRIu32 " failed: %s\n", w, tr[w].err);
-      rc = tr[w].failed;
-    }
-  }
-  if (rc)
-    goto done;
-  size_t total = nreq * cfg.trainers;
-  double *lat = malloc(total * sizeof *lat);
-  double *steps = malloc(cfg.rounds * sizeof *steps);
-  if (!lat || !steps) {
-    free(lat);
-    free(steps);
-    rc = ZS_ENOMEM;
-    goto done;
-  }
-  double push_s = phase_total(tr, cfg.trainers, cfg.rounds, PH_PUSH);
-  double pull_s = phase_total(tr, cfg.trainers, cfg.rounds, PH_PULL);
-  for (uint32_t w = 0; w < cfg.trainers; w++)
-    memcpy(lat + w * nreq, tr[w].push_lat, nreq * sizeof *lat);
-  report_op(&cfg, "push", lat, total, push_s);
-  for (uint32_t w = 0; w < cfg.trainers; w++)
-    memcpy(lat + w * nreq, tr[w].pull_lat, nreq * sizeof *lat);
-  report_op(&cfg, "pull", lat, total, pull_s);
-  /* zs_step: gradient statistics and the optimizer on every shard. */
-  for (uint64_t r = 0; r < cfg.rounds; r++)
-    steps[r] = phase_seconds(tr, cfg.trainers, r, PH_STEP);
-  qsort(steps, cfg.rounds, sizeof *steps, cmp_double);
-  if (cfg.json) {
-    figure(&cfg, "step_p50", quantile(steps, cfg.rounds, 0.5) * 1e3, "ms");
-    figure(&cfg, "step_max", steps[cfg.rounds - 1] * 1e3, "ms");
-  } else {
-    printf("====== step ======\n  %" PRIu64 " steps: p50 %.3f ms, max %.3f ms\n", cfg.rounds,
-           quantile(steps, cfg.rounds, 0.5) * 1e3, steps[cfg.rounds - 1] * 1e3);
-  }
-  free(lat);
-  free(steps);
+  rc = trainers_run(&cfg, tr);
+  if (rc == 0)
+    rc = bench_report(&cfg, tr, nreq);
 done:
   for (uint32_t w = 0; w < opened; w++)
     trainer_free(&tr[w]);
