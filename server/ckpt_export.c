@@ -181,7 +181,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
       goto done;
     }
     ot->begin = off;
-    off += s->tensors[ot->tensor].numel * zs_dtype_size(ot->dtype);
+    off += dtype_bytes(ot->dtype, s->tensors[ot->tensor].numel);
     ot->end = off;
   }
 
@@ -214,7 +214,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
 
   f32 = malloc((size_t)(largest ? largest : 1) * sizeof(float));
   if (dtype != ZS_DTYPE_FP32)
-    f16 = malloc((size_t)(largest ? largest : 1) * sizeof(uint16_t));
+    f16 = malloc((size_t)dtype_bytes(dtype, largest ? largest : 1));
   if (!f32 || (dtype != ZS_DTYPE_FP32 && !f16)) {
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory for a tensor of %" PRIu64 " elements",
                      largest);
