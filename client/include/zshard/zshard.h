@@ -369,11 +369,12 @@ typedef void (*zs_request_cb)(void *arg, int status);
 
 /* Pushes the gradient of tensor `tensor` for micro-batch `micro` (< M) of the
  * current step: numel elements of `dtype` at `grad` (nbytes must be
- * zs_dtype_bytes(dtype, numel)), sent to every owning shard in parallel (converted to
- * push_dtype first if that differs). `grad` is the caller's and must stay
- * valid and unchanged until the request completes. Each (tensor, micro) is
- * pushed once per step (ZS_EEXIST otherwise). With `req` NULL the call waits
- * for completion; otherwise *req is a request the caller must zs_wait.
+ * zs_dtype_bytes(dtype, numel)), sent to every owning shard in parallel
+ * (converted to push_dtype first if that differs). `grad` is the caller's and
+ * must stay valid and unchanged until the request completes. Each (tensor,
+ * micro) is pushed once per step (ZS_EEXIST otherwise). With `req` NULL the
+ * call waits for completion; otherwise *req is a request the caller must
+ * zs_wait.
  * Must not be called while zs_step runs on the same client. */
 ZS_EXTERN int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request **req);
