@@ -281,6 +281,8 @@ static const dtype_codec codecs[] = {
 
 #define NCODECS (sizeof codecs / sizeof codecs[0])
 
+_Static_assert(DTYPE_NISA == CPU_ISA_AVX512 + 1, "one kernel slot per cpu_isa");
+
 const dtype_codec *dtype_codec_of(int d) {
   if (d < 0 || (size_t)d >= NCODECS || !codecs[d].name)
     return NULL;

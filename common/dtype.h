@@ -45,8 +45,9 @@ float dtype_f16_to_f32(uint16_t h);
  * callers that split an array (pieces, conversion chunks) split it at block
  * boundaries, and every chunk is then an array of its own.
  *
- * The kernels convert n elements; `wire` may sit at any byte address (a
- * payload inside a network frame), `f32` needs float alignment. They follow
+ * The kernels convert n elements, a short last block included; `wire` may
+ * sit at any byte address (a payload inside a network frame), the float
+ * arrays need float alignment. They follow
  * the rounding and NaN rules at the top of dtype.c and give the same bits on
  * every ISA. A NULL kernel for an ISA means the entry of the next lower ISA
  * serves it (fp32 decode is a memmove everywhere); the scalar ones are never
@@ -56,18 +57,28 @@ typedef void (*dtype_decode_fn)(const void *wire, float *out, size_t n);
 typedef void (*dtype_encode_fn)(const float *in, void *wire, size_t n);
 typedef void (*dtype_accumulate_fn)(const void *wire, float *acc, size_t n);
 
+/* Every entry's block divides this, so code that cuts arrays into chunks of a
+ * multiple of it cuts at block boundaries whatever the dtype (test_dtype
+ * checks each entry). */
+#define DTYPE_MAX_BLOCK 256
+
 /* Indexes of the per-ISA kernel arrays: the cpu_isa values. */
 #define DTYPE_NISA 3
 
 typedef struct dtype_codec {
   zs_dtype id;
-  const char *name;                           /* the proto enum's name without DTYPE_: "FP32" */
-  uint32_t block;                             /* elements per block: 1 unless block-quantized */
-  uint32_t elem_bytes;                        /* bytes per element inside a block */
-  uint32_t scale_bytes;                       /* bytes every block carries besides its elements */
-  dtype_encode_fn encode[DTYPE_NISA];         /* fp32 -> wire */
-  dtype_decode_fn decode[DTYPE_NISA];         /* wire -> fp32 */
-  dtype_accumulate_fn accumulate[DTYPE_NISA]; /* acc[i] += decode(wire)[i] */
+  /* The proto enum's name without DTYPE_ ("FP32"); error messages use it. */
+  const char *name;
+  /* The layout above: elements per block (1 unless block-quantized), bytes
+   * per element, bytes each block carries besides its elements. */
+  uint32_t block;
+  uint32_t elem_bytes;
+  uint32_t scale_bytes;
+  /* Kernels indexed by cpu_isa: fp32 -> wire, wire -> fp32, and
+   * acc[i] += decode(wire)[i] under the accumulation's NaN rule. */
+  dtype_encode_fn encode[DTYPE_NISA];
+  dtype_decode_fn decode[DTYPE_NISA];
+  dtype_accumulate_fn accumulate[DTYPE_NISA];
 } dtype_codec;
 
 /* The table entry of `d`, or NULL if `d` is not a wire dtype. The entry is

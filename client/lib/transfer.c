@@ -28,7 +28,8 @@
 
 /* ---- conversion ----------------------------------------------------------- */
 
-#define CONVERT_CHUNK 1024
+/* Whole blocks of any dtype (dtype.h), 4 KiB of floats on the stack. */
+#define CONVERT_CHUNK (4 * DTYPE_MAX_BLOCK)
 
 void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n) {
   if (dd == sd) {
@@ -44,8 +45,8 @@ void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n) 
     return;
   }
   /* 16-bit to another 16-bit format, or unaligned fp32: through an aligned
-   * float chunk on the stack, so no allocation is needed. CONVERT_CHUNK is a
-   * multiple of every dtype's block, so chunk i starts at dtype_bytes(i). */
+   * float chunk on the stack, so no allocation is needed. A chunk holds whole
+   * blocks, so the one at element i starts at byte dtype_bytes(i). */
   float tmp[CONVERT_CHUNK];
   const unsigned char *s = src;
   unsigned char *d = dst;

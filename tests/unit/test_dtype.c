@@ -726,7 +726,7 @@ static void every_table_entry_is_found_by_its_value_and_has_scalar_kernels(void 
     assert_true(dtype_valid((int)k->id));
     assert_int_equal(dtype_from_varint((uint64_t)k->id), (int)k->id);
     assert_non_null(k->name);
-    assert_true(k->block >= 1);
+    assert_true(k->block >= 1 && DTYPE_MAX_BLOCK % k->block == 0);
     assert_true(k->elem_bytes + k->scale_bytes > 0);
     assert_non_null(k->encode[CPU_ISA_SCALAR]);
     assert_non_null(k->decode[CPU_ISA_SCALAR]);
