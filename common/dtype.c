@@ -31,13 +31,18 @@
  *
  * The vector files handle unaligned pointers and tails themselves (AVX2 by
  * calling the scalar kernels below for the last n % 8 elements, AVX-512 with
- * masked loads and stores); this file only chooses which one to call.
+ * masked loads and stores). This file holds the table that names every wire
+ * dtype, sizes it and lists its kernels per ISA, and the dispatch that picks
+ * one of them.
  */
 #include "common/dtype.h"
 
+#include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/dtype_isa.h"
+#include "common/status.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "zshard's tensor bytes are little-endian and converted in place; port dtype.c first"
@@ -137,10 +142,6 @@ float dtype_f16_to_f32(uint16_t h) {
   return f32_from_bits(sign | (e << 23) | ((mant & 0x03ffu) << 13));
 }
 
-int dtype_valid(int d) {
-  return d == ZS_DTYPE_FP32 || d == ZS_DTYPE_FP16 || d == ZS_DTYPE_BF16;
-}
-
 /* ------------------------------------------------------------------------ */
 /* Scalar array kernels                                                      */
 /* ------------------------------------------------------------------------ */
@@ -168,118 +169,220 @@ static float add_keep_nan(float acc, float x) {
   return acc + x;
 }
 
-void dtype_scalar_to_f32(zs_dtype src, const void *in, float *out, size_t n) {
-  const unsigned char *p = in;
-  switch (src) {
-  case ZS_DTYPE_FP32:
-    if (n)
-      memmove(out, in, n * sizeof(float));
-    break;
-  case ZS_DTYPE_FP16:
-    for (size_t i = 0; i < n; i++)
-      out[i] = dtype_f16_to_f32(load_u16(p + 2 * i));
-    break;
-  case ZS_DTYPE_BF16:
-    for (size_t i = 0; i < n; i++)
-      out[i] = dtype_bf16_to_f32(load_u16(p + 2 * i));
-    break;
+void dtype_scalar_f32_decode(const void *wire, float *out, size_t n) {
+  if (n)
+    memmove(out, wire, n * sizeof(float));
+}
+
+void dtype_scalar_f32_encode(const float *in, void *wire, size_t n) {
+  if (n)
+    memmove(wire, in, n * sizeof(float));
+}
+
+void dtype_scalar_f32_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  for (size_t i = 0; i < n; i++)
+    acc[i] = add_keep_nan(acc[i], load_f32(p + 4 * i));
+}
+
+void dtype_scalar_f16_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
+  for (size_t i = 0; i < n; i++)
+    out[i] = dtype_f16_to_f32(load_u16(p + 2 * i));
+}
+
+void dtype_scalar_f16_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
+  for (size_t i = 0; i < n; i++) {
+    uint16_t h = dtype_f32_to_f16(in[i]);
+    memcpy(p + 2 * i, &h, sizeof h);
   }
 }
 
-void dtype_scalar_from_f32(zs_dtype dst, const float *in, void *out, size_t n) {
-  unsigned char *p = out;
-  switch (dst) {
-  case ZS_DTYPE_FP32:
-    if (n)
-      memmove(out, in, n * sizeof(float));
-    break;
-  case ZS_DTYPE_FP16:
-    for (size_t i = 0; i < n; i++) {
-      uint16_t h = dtype_f32_to_f16(in[i]);
-      memcpy(p + 2 * i, &h, sizeof h);
-    }
-    break;
-  case ZS_DTYPE_BF16:
-    for (size_t i = 0; i < n; i++) {
-      uint16_t h = dtype_f32_to_bf16(in[i]);
-      memcpy(p + 2 * i, &h, sizeof h);
-    }
-    break;
+void dtype_scalar_f16_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  for (size_t i = 0; i < n; i++)
+    acc[i] = add_keep_nan(acc[i], dtype_f16_to_f32(load_u16(p + 2 * i)));
+}
+
+void dtype_scalar_bf16_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
+  for (size_t i = 0; i < n; i++)
+    out[i] = dtype_bf16_to_f32(load_u16(p + 2 * i));
+}
+
+void dtype_scalar_bf16_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
+  for (size_t i = 0; i < n; i++) {
+    uint16_t h = dtype_f32_to_bf16(in[i]);
+    memcpy(p + 2 * i, &h, sizeof h);
   }
 }
 
-void dtype_scalar_accumulate(zs_dtype src, const void *in, float *acc, size_t n) {
-  const unsigned char *p = in;
-  switch (src) {
-  case ZS_DTYPE_FP32:
-    for (size_t i = 0; i < n; i++)
-      acc[i] = add_keep_nan(acc[i], load_f32(p + 4 * i));
-    break;
-  case ZS_DTYPE_FP16:
-    for (size_t i = 0; i < n; i++)
-      acc[i] = add_keep_nan(acc[i], dtype_f16_to_f32(load_u16(p + 2 * i)));
-    break;
-  case ZS_DTYPE_BF16:
-    for (size_t i = 0; i < n; i++)
-      acc[i] = add_keep_nan(acc[i], dtype_bf16_to_f32(load_u16(p + 2 * i)));
-    break;
+void dtype_scalar_bf16_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  for (size_t i = 0; i < n; i++)
+    acc[i] = add_keep_nan(acc[i], dtype_bf16_to_f32(load_u16(p + 2 * i)));
+}
+
+/* ------------------------------------------------------------------------ */
+/* The codec table                                                           */
+/* ------------------------------------------------------------------------ */
+
+/* Indexed by the zs_dtype value; a hole (name NULL) is not a dtype. A
+ * block-quantized dtype is one more entry here with its block, elem_bytes and
+ * scale_bytes, and kernels that take whole blocks plus a short last one. */
+static const dtype_codec codecs[] = {
+    [ZS_DTYPE_FP32] =
+        {
+            .id = ZS_DTYPE_FP32,
+            .name = "FP32",
+            .block = 1,
+            .elem_bytes = 4,
+            .encode = {[CPU_ISA_SCALAR] = dtype_scalar_f32_encode},
+            .decode = {[CPU_ISA_SCALAR] = dtype_scalar_f32_decode},
+            .accumulate = {[CPU_ISA_SCALAR] = dtype_scalar_f32_accumulate,
+                           [CPU_ISA_AVX2] = dtype_avx2_f32_accumulate,
+                           [CPU_ISA_AVX512] = dtype_avx512_f32_accumulate},
+        },
+    [ZS_DTYPE_FP16] =
+        {
+            .id = ZS_DTYPE_FP16,
+            .name = "FP16",
+            .block = 1,
+            .elem_bytes = 2,
+            .encode = {[CPU_ISA_SCALAR] = dtype_scalar_f16_encode,
+                       [CPU_ISA_AVX2] = dtype_avx2_f16_encode,
+                       [CPU_ISA_AVX512] = dtype_avx512_f16_encode},
+            .decode = {[CPU_ISA_SCALAR] = dtype_scalar_f16_decode,
+                       [CPU_ISA_AVX2] = dtype_avx2_f16_decode,
+                       [CPU_ISA_AVX512] = dtype_avx512_f16_decode},
+            .accumulate = {[CPU_ISA_SCALAR] = dtype_scalar_f16_accumulate,
+                           [CPU_ISA_AVX2] = dtype_avx2_f16_accumulate,
+                           [CPU_ISA_AVX512] = dtype_avx512_f16_accumulate},
+        },
+    [ZS_DTYPE_BF16] =
+        {
+            .id = ZS_DTYPE_BF16,
+            .name = "BF16",
+            .block = 1,
+            .elem_bytes = 2,
+            .encode = {[CPU_ISA_SCALAR] = dtype_scalar_bf16_encode,
+                       [CPU_ISA_AVX2] = dtype_avx2_bf16_encode,
+                       [CPU_ISA_AVX512] = dtype_avx512_bf16_encode},
+            .decode = {[CPU_ISA_SCALAR] = dtype_scalar_bf16_decode,
+                       [CPU_ISA_AVX2] = dtype_avx2_bf16_decode,
+                       [CPU_ISA_AVX512] = dtype_avx512_bf16_decode},
+            .accumulate = {[CPU_ISA_SCALAR] = dtype_scalar_bf16_accumulate,
+                           [CPU_ISA_AVX2] = dtype_avx2_bf16_accumulate,
+                           [CPU_ISA_AVX512] = dtype_avx512_bf16_accumulate},
+        },
+};
+
+#define NCODECS (sizeof codecs / sizeof codecs[0])
+
+_Static_assert(DTYPE_NISA == CPU_ISA_AVX512 + 1, "one kernel slot per cpu_isa");
+
+const dtype_codec *dtype_codec_of(int d) {
+  if (d < 0 || (size_t)d >= NCODECS || !codecs[d].name)
+    return NULL;
+  return &codecs[d];
+}
+
+const dtype_codec *dtype_codec_at(size_t i) {
+  for (size_t d = 0; d < NCODECS; d++)
+    if (codecs[d].name && i-- == 0)
+      return &codecs[d];
+  return NULL;
+}
+
+int dtype_valid(int d) {
+  return dtype_codec_of(d) != NULL;
+}
+
+int dtype_from_varint(uint64_t v) {
+  return v < NCODECS && dtype_valid((int)v) ? (int)v : 0;
+}
+
+uint64_t dtype_bytes(int d, uint64_t n) {
+  const dtype_codec *k = dtype_codec_of(d);
+  if (!k)
+    return 0;
+  return (n + k->block - 1) / k->block * k->scale_bytes + n * k->elem_bytes;
+}
+
+static char names_buf[128];
+static pthread_once_t names_once = PTHREAD_ONCE_INIT;
+
+static void names_build(void) {
+  size_t count = 0, len = 0;
+  while (dtype_codec_at(count))
+    count++;
+  for (size_t i = 0; i < count; i++) {
+    const char *sep = i == 0 ? "" : i + 1 == count ? " or " : ", ";
+    int w = snprintf(names_buf + len, sizeof names_buf - len, "%s%s", sep, dtype_codec_at(i)->name);
+    /* A table too long for the buffer keeps the names that fit; a test
+     * checks the whole list. */
+    if (w < 0 || (size_t)w >= sizeof names_buf - len)
+      break;
+    len += (size_t)w;
   }
+}
+
+const char *dtype_names(void) {
+  pthread_once(&names_once, names_build);
+  return names_buf;
+}
+
+int dtype_check(int d, char *err, size_t errlen) {
+  if (dtype_valid(d))
+    return 0;
+  return status_fail(err, errlen, ZS_EDTYPE, "dtype %d is not %s", d, dtype_names());
 }
 
 /* ------------------------------------------------------------------------ */
 /* Dispatch                                                                  */
 /* ------------------------------------------------------------------------ */
 
-/* A dtype that is not a zs_dtype converts nothing: callers validate dtypes
+/* The kernel of the best ISA up to `isa` that both the CPU and the entry
+ * have. The scalar slot is always filled, so the walk ends there. */
+#define PICK(fn, slots, isa)                                                                       \
+  do {                                                                                             \
+    int i_ = (int)cpu_clamp_isa(isa);                                                              \
+    while (i_ > CPU_ISA_SCALAR && !(slots)[i_])                                                    \
+      i_--;                                                                                        \
+    (fn) = (slots)[i_];                                                                            \
+  } while (0)
+
+/* A dtype that is not in the table converts nothing: callers validate dtypes
  * from the network before they get here, and touching `out` with a guessed
  * element size would be worse than leaving it alone. */
 
 void dtype_to_f32_isa(cpu_isa isa, zs_dtype src, const void *in, float *out, size_t n) {
-  if (!dtype_valid(src))
+  const dtype_codec *k = dtype_codec_of(src);
+  dtype_decode_fn fn;
+  if (!k)
     return;
-  switch (cpu_clamp_isa(isa)) {
-  case CPU_ISA_AVX512:
-    dtype_avx512_to_f32(src, in, out, n);
-    break;
-  case CPU_ISA_AVX2:
-    dtype_avx2_to_f32(src, in, out, n);
-    break;
-  default:
-    dtype_scalar_to_f32(src, in, out, n);
-    break;
-  }
+  PICK(fn, k->decode, isa);
+  fn(in, out, n);
 }
 
 void dtype_from_f32_isa(cpu_isa isa, zs_dtype dst, const float *in, void *out, size_t n) {
-  if (!dtype_valid(dst))
+  const dtype_codec *k = dtype_codec_of(dst);
+  dtype_encode_fn fn;
+  if (!k)
     return;
-  switch (cpu_clamp_isa(isa)) {
-  case CPU_ISA_AVX512:
-    dtype_avx512_from_f32(dst, in, out, n);
-    break;
-  case CPU_ISA_AVX2:
-    dtype_avx2_from_f32(dst, in, out, n);
-    break;
-  default:
-    dtype_scalar_from_f32(dst, in, out, n);
-    break;
-  }
+  PICK(fn, k->encode, isa);
+  fn(in, out, n);
 }
 
 void dtype_accumulate_isa(cpu_isa isa, zs_dtype src, const void *in, float *acc, size_t n) {
-  if (!dtype_valid(src))
+  const dtype_codec *k = dtype_codec_of(src);
+  dtype_accumulate_fn fn;
+  if (!k)
     return;
-  switch (cpu_clamp_isa(isa)) {
-  case CPU_ISA_AVX512:
-    dtype_avx512_accumulate(src, in, acc, n);
-    break;
-  case CPU_ISA_AVX2:
-    dtype_avx2_accumulate(src, in, acc, n);
-    break;
-  default:
-    dtype_scalar_accumulate(src, in, acc, n);
-    break;
-  }
+  PICK(fn, k->accumulate, isa);
+  fn(in, acc, n);
 }
 
 void dtype_to_f32(zs_dtype src, const void *in, float *out, size_t n) {

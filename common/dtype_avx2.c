@@ -14,8 +14,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "common/dtype.h"
-
 #include "common/dtype_isa.h"
 
 #define LANES 8
@@ -61,70 +59,66 @@ static inline __m256 add_keep_nan(__m256 acc, __m256 x) {
   return _mm256_blendv_ps(_mm256_add_ps(acc, x), quieted, nan);
 }
 
-void dtype_avx2_to_f32(zs_dtype src, const void *in, float *out, size_t n) {
-  const unsigned char *p = in;
+/* Each kernel runs whole vectors and leaves the last n % 8 elements to the
+ * scalar kernel of its dtype. */
+
+void dtype_avx2_f32_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
   size_t i = 0;
-  switch (src) {
-  case ZS_DTYPE_FP32:
-    break; /* a copy: the scalar path's memmove is as fast as it gets */
-  case ZS_DTYPE_FP16:
-    for (; i + LANES <= n; i += LANES)
-      _mm256_storeu_ps(out + i, load_f16x8(p + 2 * i));
-    p += 2 * i;
-    break;
-  case ZS_DTYPE_BF16:
-    for (; i + LANES <= n; i += LANES)
-      _mm256_storeu_ps(out + i, load_bf16x8(p + 2 * i));
-    p += 2 * i;
-    break;
+  for (; i + LANES <= n; i += LANES) {
+    __m256 x = _mm256_loadu_ps((const float *)(const void *)(p + 4 * i));
+    _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), x));
   }
-  dtype_scalar_to_f32(src, p, out + i, n - i);
+  dtype_scalar_f32_accumulate(p + 4 * i, acc + i, n - i);
 }
 
-void dtype_avx2_from_f32(zs_dtype dst, const float *in, void *out, size_t n) {
-  unsigned char *p = out;
+void dtype_avx2_f16_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
   size_t i = 0;
-  switch (dst) {
-  case ZS_DTYPE_FP32:
-    break;
-  case ZS_DTYPE_FP16:
-    for (; i + LANES <= n; i += LANES) {
-      __m128i h =
-          _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128((__m128i *)(void *)(p + 2 * i), h);
-    }
-    p += 2 * i;
-    break;
-  case ZS_DTYPE_BF16:
-    for (; i + LANES <= n; i += LANES)
-      _mm_storeu_si128((__m128i *)(void *)(p + 2 * i), f32x8_to_bf16(_mm256_loadu_ps(in + i)));
-    p += 2 * i;
-    break;
-  }
-  dtype_scalar_from_f32(dst, in + i, p, n - i);
+  for (; i + LANES <= n; i += LANES)
+    _mm256_storeu_ps(out + i, load_f16x8(p + 2 * i));
+  dtype_scalar_f16_decode(p + 2 * i, out + i, n - i);
 }
 
-void dtype_avx2_accumulate(zs_dtype src, const void *in, float *acc, size_t n) {
-  const unsigned char *p = in;
+void dtype_avx2_f16_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
   size_t i = 0;
-  switch (src) {
-  case ZS_DTYPE_FP32:
-    for (; i + LANES <= n; i += LANES) {
-      __m256 x = _mm256_loadu_ps((const float *)(const void *)(p + 4 * i));
-      _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), x));
-    }
-    p += 4 * i;
-    break;
-  case ZS_DTYPE_FP16:
-    for (; i + LANES <= n; i += LANES)
-      _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), load_f16x8(p + 2 * i)));
-    p += 2 * i;
-    break;
-  case ZS_DTYPE_BF16:
-    for (; i + LANES <= n; i += LANES)
-      _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), load_bf16x8(p + 2 * i)));
-    p += 2 * i;
-    break;
+  for (; i + LANES <= n; i += LANES) {
+    __m128i h =
+        _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i *)(void *)(p + 2 * i), h);
   }
-  dtype_scalar_accumulate(src, p, acc + i, n - i);
+  dtype_scalar_f16_encode(in + i, p + 2 * i, n - i);
+}
+
+void dtype_avx2_f16_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), load_f16x8(p + 2 * i)));
+  dtype_scalar_f16_accumulate(p + 2 * i, acc + i, n - i);
+}
+
+void dtype_avx2_bf16_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    _mm256_storeu_ps(out + i, load_bf16x8(p + 2 * i));
+  dtype_scalar_bf16_decode(p + 2 * i, out + i, n - i);
+}
+
+void dtype_avx2_bf16_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    _mm_storeu_si128((__m128i *)(void *)(p + 2 * i), f32x8_to_bf16(_mm256_loadu_ps(in + i)));
+  dtype_scalar_bf16_encode(in + i, p + 2 * i, n - i);
+}
+
+void dtype_avx2_bf16_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), load_bf16x8(p + 2 * i)));
+  dtype_scalar_bf16_accumulate(p + 2 * i, acc + i, n - i);
 }

@@ -14,7 +14,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "common/dtype.h"
 #include "common/dtype_isa.h"
 
 #define LANES 16
@@ -60,89 +59,87 @@ static inline __m512 add_keep_nan(__m512 acc, __m512 x) {
       _mm512_mask_or_epi32(sum, nan, _mm512_castps_si512(acc), _mm512_set1_epi32(0x00400000)));
 }
 
-void dtype_avx512_to_f32(zs_dtype src, const void *in, float *out, size_t n) {
-  const unsigned char *p = in;
-  size_t i = 0;
+/* Each kernel runs whole vectors, then the last n % 16 elements as one
+ * masked vector. */
+
+void dtype_avx512_f32_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0, full = n - n % LANES;
   __mmask16 m = tail_mask(n % LANES);
-  size_t full = n - n % LANES;
-  switch (src) {
-  case ZS_DTYPE_FP32:
-    dtype_scalar_to_f32(src, in, out, n);
-    return;
-  case ZS_DTYPE_FP16:
-    for (; i < full; i += LANES)
-      _mm512_storeu_ps(out + i, cvt_f16(_mm256_loadu_si256((const void *)(p + 2 * i))));
-    if (m)
-      _mm512_mask_storeu_ps(out + i, m, cvt_f16(_mm256_maskz_loadu_epi16(m, p + 2 * i)));
-    return;
-  case ZS_DTYPE_BF16:
-    for (; i < full; i += LANES)
-      _mm512_storeu_ps(out + i, cvt_bf16(_mm256_loadu_si256((const void *)(p + 2 * i))));
-    if (m)
-      _mm512_mask_storeu_ps(out + i, m, cvt_bf16(_mm256_maskz_loadu_epi16(m, p + 2 * i)));
-    return;
+  for (; i < full; i += LANES) {
+    __m512 x = _mm512_loadu_ps(p + 4 * i);
+    _mm512_storeu_ps(acc + i, add_keep_nan(_mm512_loadu_ps(acc + i), x));
+  }
+  if (m) {
+    __m512 x = _mm512_maskz_loadu_ps(m, p + 4 * i);
+    _mm512_mask_storeu_ps(acc + i, m, add_keep_nan(_mm512_maskz_loadu_ps(m, acc + i), x));
   }
 }
 
-void dtype_avx512_from_f32(zs_dtype dst, const float *in, void *out, size_t n) {
-  unsigned char *p = out;
-  size_t i = 0;
+void dtype_avx512_f16_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0, full = n - n % LANES;
   __mmask16 m = tail_mask(n % LANES);
-  size_t full = n - n % LANES;
-  switch (dst) {
-  case ZS_DTYPE_FP32:
-    dtype_scalar_from_f32(dst, in, out, n);
-    return;
-  case ZS_DTYPE_FP16:
-    for (; i < full; i += LANES)
-      _mm256_storeu_si256((void *)(p + 2 * i), f32x16_to_f16(_mm512_loadu_ps(in + i)));
-    if (m)
-      _mm256_mask_storeu_epi16(p + 2 * i, m, f32x16_to_f16(_mm512_maskz_loadu_ps(m, in + i)));
-    return;
-  case ZS_DTYPE_BF16:
-    for (; i < full; i += LANES)
-      _mm256_storeu_si256((void *)(p + 2 * i), f32x16_to_bf16(_mm512_loadu_ps(in + i)));
-    if (m)
-      _mm256_mask_storeu_epi16(p + 2 * i, m, f32x16_to_bf16(_mm512_maskz_loadu_ps(m, in + i)));
-    return;
+  for (; i < full; i += LANES)
+    _mm512_storeu_ps(out + i, cvt_f16(_mm256_loadu_si256((const void *)(p + 2 * i))));
+  if (m)
+    _mm512_mask_storeu_ps(out + i, m, cvt_f16(_mm256_maskz_loadu_epi16(m, p + 2 * i)));
+}
+
+void dtype_avx512_f16_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
+  size_t i = 0, full = n - n % LANES;
+  __mmask16 m = tail_mask(n % LANES);
+  for (; i < full; i += LANES)
+    _mm256_storeu_si256((void *)(p + 2 * i), f32x16_to_f16(_mm512_loadu_ps(in + i)));
+  if (m)
+    _mm256_mask_storeu_epi16(p + 2 * i, m, f32x16_to_f16(_mm512_maskz_loadu_ps(m, in + i)));
+}
+
+void dtype_avx512_f16_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0, full = n - n % LANES;
+  __mmask16 m = tail_mask(n % LANES);
+  for (; i < full; i += LANES) {
+    __m512 x = cvt_f16(_mm256_loadu_si256((const void *)(p + 2 * i)));
+    _mm512_storeu_ps(acc + i, add_keep_nan(_mm512_loadu_ps(acc + i), x));
+  }
+  if (m) {
+    __m512 x = cvt_f16(_mm256_maskz_loadu_epi16(m, p + 2 * i));
+    _mm512_mask_storeu_ps(acc + i, m, add_keep_nan(_mm512_maskz_loadu_ps(m, acc + i), x));
   }
 }
 
-void dtype_avx512_accumulate(zs_dtype src, const void *in, float *acc, size_t n) {
-  const unsigned char *p = in;
-  size_t i = 0;
+void dtype_avx512_bf16_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0, full = n - n % LANES;
   __mmask16 m = tail_mask(n % LANES);
-  size_t full = n - n % LANES;
-  switch (src) {
-  case ZS_DTYPE_FP32:
-    for (; i < full; i += LANES) {
-      __m512 x = _mm512_loadu_ps(p + 4 * i);
-      _mm512_storeu_ps(acc + i, add_keep_nan(_mm512_loadu_ps(acc + i), x));
-    }
-    if (m) {
-      __m512 x = _mm512_maskz_loadu_ps(m, p + 4 * i);
-      _mm512_mask_storeu_ps(acc + i, m, add_keep_nan(_mm512_maskz_loadu_ps(m, acc + i), x));
-    }
-    return;
-  case ZS_DTYPE_FP16:
-    for (; i < full; i += LANES) {
-      __m512 x = cvt_f16(_mm256_loadu_si256((const void *)(p + 2 * i)));
-      _mm512_storeu_ps(acc + i, add_keep_nan(_mm512_loadu_ps(acc + i), x));
-    }
-    if (m) {
-      __m512 x = cvt_f16(_mm256_maskz_loadu_epi16(m, p + 2 * i));
-      _mm512_mask_storeu_ps(acc + i, m, add_keep_nan(_mm512_maskz_loadu_ps(m, acc + i), x));
-    }
-    return;
-  case ZS_DTYPE_BF16:
-    for (; i < full; i += LANES) {
-      __m512 x = cvt_bf16(_mm256_loadu_si256((const void *)(p + 2 * i)));
-      _mm512_storeu_ps(acc + i, add_keep_nan(_mm512_loadu_ps(acc + i), x));
-    }
-    if (m) {
-      __m512 x = cvt_bf16(_mm256_maskz_loadu_epi16(m, p + 2 * i));
-      _mm512_mask_storeu_ps(acc + i, m, add_keep_nan(_mm512_maskz_loadu_ps(m, acc + i), x));
-    }
-    return;
+  for (; i < full; i += LANES)
+    _mm512_storeu_ps(out + i, cvt_bf16(_mm256_loadu_si256((const void *)(p + 2 * i))));
+  if (m)
+    _mm512_mask_storeu_ps(out + i, m, cvt_bf16(_mm256_maskz_loadu_epi16(m, p + 2 * i)));
+}
+
+void dtype_avx512_bf16_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
+  size_t i = 0, full = n - n % LANES;
+  __mmask16 m = tail_mask(n % LANES);
+  for (; i < full; i += LANES)
+    _mm256_storeu_si256((void *)(p + 2 * i), f32x16_to_bf16(_mm512_loadu_ps(in + i)));
+  if (m)
+    _mm256_mask_storeu_epi16(p + 2 * i, m, f32x16_to_bf16(_mm512_maskz_loadu_ps(m, in + i)));
+}
+
+void dtype_avx512_bf16_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  size_t i = 0, full = n - n % LANES;
+  __mmask16 m = tail_mask(n % LANES);
+  for (; i < full; i += LANES) {
+    __m512 x = cvt_bf16(_mm256_loadu_si256((const void *)(p + 2 * i)));
+    _mm512_storeu_ps(acc + i, add_keep_nan(_mm512_loadu_ps(acc + i), x));
+  }
+  if (m) {
+    __m512 x = cvt_bf16(_mm256_maskz_loadu_epi16(m, p + 2 * i));
+    _mm512_mask_storeu_ps(acc + i, m, add_keep_nan(_mm512_maskz_loadu_ps(m, acc + i), x));
   }
 }

@@ -1,5 +1,7 @@
 #include "common/status.h"
 
+#include "common/dtype.h"
+
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -82,14 +84,12 @@ int status_from_grpc(int grpc_code) {
 }
 
 size_t zs_dtype_size(int dtype) {
-  switch (dtype) {
-  case ZS_DTYPE_FP32:
-    return 4;
-  case ZS_DTYPE_FP16:
-  case ZS_DTYPE_BF16:
-    return 2;
-  }
-  return 0;
+  const dtype_codec *k = dtype_codec_of(dtype);
+  return k && k->block == 1 && k->scale_bytes == 0 ? k->elem_bytes : 0;
+}
+
+size_t zs_dtype_bytes(int dtype, size_t numel) {
+  return (size_t)dtype_bytes(dtype, numel);
 }
 
 const char *zs_version(void) {

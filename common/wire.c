@@ -424,10 +424,8 @@ static int take_pieces(const wire_header *h, size_t n, Zshard__V1__DataPiece *co
     out[i].length = in[i]->length;
     if (!dtype_valid(out[i].dtype))
       return status_fail(err, errlen, ZS_EDTYPE,
-                         "%s frame (request id %" PRIu64
-                         ") piece %zu has dtype %d, not FP32, FP16 or "
-                         "BF16",
-                         wire_type_name(h->type), h->request_id, i, out[i].dtype);
+                         "%s frame (request id %" PRIu64 ") piece %zu has dtype %d, not %s",
+                         wire_type_name(h->type), h->request_id, i, out[i].dtype, dtype_names());
     if (payload_len && out[i].length > *payload_len - sum)
       return status_fail(err, errlen, ZS_ERANGE,
                          "%s frame (request id %" PRIu64 ") piece %zu of %" PRIu64
@@ -722,8 +720,8 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
                        wire_type_name(h->type), h->request_id, h->meta_len, d.what);
   if (rc == 0 && !dtype_valid(d.dtype))
     rc = status_fail(err, errlen, ZS_EDTYPE,
-                     "%s frame (request id %" PRIu64 ") has dtype %d, not FP32, FP16 or BF16",
-                     wire_type_name(h->type), h->request_id, d.dtype);
+                     "%s frame (request id %" PRIu64 ") has dtype %d, not %s",
+                     wire_type_name(h->type), h->request_id, d.dtype, dtype_names());
   return rc;
 }
 

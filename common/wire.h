@@ -230,7 +230,7 @@ int wire_check_header_crc(const wire_header *h, const uint8_t head[WIRE_HEADER_S
 /* Decodes the meta of a frame whose header CRC holds into *out (type,
  * request id and lengths copied from h). Returns 0, or a per-request error:
  * ZS_EPROTO (the meta does not parse, an ERROR status is not a negative
- * zs_status), ZS_EDTYPE (a dtype that is not fp32, fp16 or bf16), ZS_ERANGE
+ * zs_status), ZS_EDTYPE (a dtype with no entry in dtype.h's table), ZS_ERANGE
  * (a batch with no piece or more than WIRE_MAX_BATCH, piece lengths that do
  * not add up to the payload length, an acknowledgement whose lists differ in
  * length), ZS_ENOMEM.

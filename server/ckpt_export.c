@@ -161,7 +161,7 @@ static int list_outputs(const spec *s, zs_dtype dtype, int moments, out_tensor *
                          "cannot export the moments: a tensor is already named \"%.200s%s\"",
                          s->tensors[ot->tensor].name, ot->suffix);
     ot->begin = off;
-    off += s->tensors[ot->tensor].numel * zs_dtype_size(ot->dtype);
+    off += dtype_bytes(ot->dtype, s->tensors[ot->tensor].numel);
     ot->end = off;
   }
   return 0;
@@ -267,7 +267,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
 
   f32 = malloc((size_t)(largest ? largest : 1) * sizeof(float));
   if (dtype != ZS_DTYPE_FP32)
-    f16 = malloc((size_t)(largest ? largest : 1) * sizeof(uint16_t));
+    f16 = malloc((size_t)dtype_bytes(dtype, largest ? largest : 1));
   if (!f32 || (dtype != ZS_DTYPE_FP32 && !f16)) {
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory for a tensor of %" PRIu64 " elements",
                      largest);

@@ -550,9 +550,10 @@ static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state
 
 static int core_check_payload(const piece_state *ps, int dtype, size_t nbytes, const void *data,
                               char *err, size_t errlen) {
-  if (!dtype_valid(dtype))
-    return status_fail(err, errlen, ZS_EDTYPE, "dtype %d is not fp32, fp16 or bf16", dtype);
-  uint64_t want = ps->lp->numel * zs_dtype_size(dtype);
+  int rc = dtype_check(dtype, err, errlen);
+  if (rc != 0)
+    return rc;
+  uint64_t want = dtype_bytes(dtype, ps->lp->numel);
   if ((uint64_t)nbytes != want)
     return status_fail(err, errlen, ZS_ESIZE,
                        "payload of slice %u of tensor %u has %zu bytes, expected %" PRIu64,
@@ -1334,22 +1335,29 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
   pthread_rwlock_rdlock(&c->state_rw);
   int rc = core_find_readable(c, hash, tensor, slice, dtype, nbytes, dst, &ps, err, errlen);
   if (rc == 0) {
-    uint64_t off = ps->lp->arena_off;
-    size_t es = zs_dtype_size(dtype);
+    uint64_t off = ps->lp->arena_off, numel = ps->lp->numel;
+    const dtype_codec *k = dtype_codec_of(dtype);
     /* fp32 and the stored low-precision copy are copies; another dtype is
      * converted from the master. */
     const unsigned char *copy_from =
         dtype == ZS_DTYPE_FP32         ? (const unsigned char *)(c->master + off)
         : dtype == c->spec.param_dtype ? (const unsigned char *)(c->low + off)
                                        : NULL;
-    size_t step = crc ? CORE_READ_CHUNK : nbytes;
+    /* Chunks of whole blocks of about CORE_READ_CHUNK bytes: each is an
+     * array of its own, starting at byte dtype_bytes(e) (dtype.h). */
+    uint64_t step = numel;
+    if (crc) {
+      step = CORE_READ_CHUNK / (k->block * k->elem_bytes + k->scale_bytes) * k->block;
+      step = step ? step : k->block;
+    }
     unsigned char *out = dst;
-    for (size_t b = 0; b < nbytes; b += step) {
-      size_t len = nbytes - b < step ? nbytes - b : step;
+    for (uint64_t e = 0; e < numel; e += step) {
+      uint64_t cnt = numel - e < step ? numel - e : step;
+      size_t b = (size_t)dtype_bytes(dtype, e), len = (size_t)dtype_bytes(dtype, cnt);
       if (copy_from)
         memcpy(out + b, copy_from + b, len);
       else
-        dtype_from_f32(dtype, c->master + off + b / es, out + b, len / es);
+        dtype_from_f32(dtype, c->master + off + e, out + b, (size_t)cnt);
       if (crc)
         *crc = crc32c(*crc, out + b, len);
     }
@@ -1376,7 +1384,7 @@ int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice
     rc = core_find_piece(c, tensor, slice, &ps, NULL, 0);
   if (rc == 0 && !dtype_valid((int)dtype))
     rc = ZS_EDTYPE;
-  r = rc != 0 ? rc : (int64_t)(ps->lp->numel * zs_dtype_size((int)dtype));
+  r = rc != 0 ? rc : (int64_t)dtype_bytes((int)dtype, ps->lp->numel);
   pthread_rwlock_unlock(&c->state_rw);
   return r;
 }

@@ -629,7 +629,7 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
         return -1;
       /* An enum is an int32 on the wire; anything outside our values is
        * kept as 0 and rejected as an unknown dtype by the caller. */
-      r->dtype = v <= ZS_DTYPE_BF16 && dtype_valid((int)v) ? (int)v : 0;
+      r->dtype = dtype_from_varint(v);
       break;
     case 8:
       if (wire != 2)
@@ -764,7 +764,8 @@ static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   if (!r.dtype) {
-    finish_err(c, 0, ZS_EDTYPE, "Push needs dtype FP32, FP16 or BF16");
+    snprintf(err, sizeof err, "Push needs dtype %s", dtype_names());
+    finish_err(c, 0, ZS_EDTYPE, err);
     return;
   }
   core_push_args a = {
@@ -867,7 +868,8 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   protobuf_c_message_free_unpacked(&r->base, NULL);
 
   if (!dtype_valid(dtype)) {
-    finish_err(c, 0, ZS_EDTYPE, "Pull needs dtype FP32, FP16 or BF16");
+    snprintf(err, sizeof err, "Pull needs dtype %s", dtype_names());
+    finish_err(c, 0, ZS_EDTYPE, err);
     return;
   }
   c->dtype = (zs_dtype)dtype;

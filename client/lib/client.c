@@ -18,6 +18,7 @@
 #include "ckpt_client.h"
 #include "common/clock.h"
 #include "common/dp_client.h"
+#include "common/dtype.h"
 #include "internal.h"
 
 /* ---- registry ------------------------------------------------------------- */
@@ -226,8 +227,8 @@ static int check_options(const zs_client_options *o) {
     return zc_fail(ZS_EINVAL, "zs_client_open: grad_reduce must be ZS_REDUCE_MEAN or SUM");
   if (o->param_dtype != 0 && o->param_dtype != ZS_DTYPE_BF16 && o->param_dtype != ZS_DTYPE_FP16)
     return zc_fail(ZS_EDTYPE, "zs_client_open: param_dtype must be ZS_DTYPE_BF16 or FP16");
-  if ((o->push_dtype != 0 && !zs_dtype_size(o->push_dtype)) ||
-      (o->pull_dtype != 0 && !zs_dtype_size(o->pull_dtype)))
+  if ((o->push_dtype != 0 && !dtype_valid(o->push_dtype)) ||
+      (o->pull_dtype != 0 && !dtype_valid(o->pull_dtype)))
     return zc_fail(ZS_EDTYPE, "zs_client_open: push_dtype and pull_dtype must be 0 or a zs_dtype");
   if (o->loss_scaling != ZS_LOSS_SCALE_NONE && o->loss_scaling != ZS_LOSS_SCALE_STATIC &&
       o->loss_scaling != ZS_LOSS_SCALE_DYNAMIC)

@@ -54,6 +54,7 @@
 #include <sys/socket.h>
 
 #include "common/dp_client.h"
+#include "common/dtype.h"
 #include "common/wire.h"
 #include "internal.h"
 
@@ -406,11 +407,10 @@ static int requeue(zs_client *c, zc_task *t, int phase) {
 static void pull_finish(zs_client *c, zc_task *t) {
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
-  size_t wsize = zs_dtype_size(op->wire_dtype);
   if (t->dp_buf)
-    zc_convert((unsigned char *)op->dst + pc->offset * zs_dtype_size(op->buf_dtype), op->buf_dtype,
+    zc_convert((unsigned char *)op->dst + dtype_bytes(op->buf_dtype, pc->offset), op->buf_dtype,
                t->dp_buf, op->wire_dtype, pc->numel);
-  task_finish(t, ZS_OK, NULL, pc->numel * wsize);
+  task_finish(t, ZS_OK, NULL, dtype_bytes(op->wire_dtype, pc->numel));
 }
 
 /* Submits the task's piece to the shard's current data client. Returns 0
@@ -419,8 +419,8 @@ static int submit(zs_client *c, zc_task *t) {
   zc_dp *dp = c->dp;
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
-  size_t bsize = zs_dtype_size(op->buf_dtype), wsize = zs_dtype_size(op->wire_dtype);
-  size_t nbytes = pc->numel * wsize;
+  size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
+  size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
   const int push = op->kind == ZC_OP_PUSH;
   const int convert = op->buf_dtype != op->wire_dtype;
 
@@ -433,8 +433,8 @@ static int submit(zs_client *c, zc_task *t) {
       return 1;
     }
     if (push)
-      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + pc->offset * bsize,
-                 op->buf_dtype, pc->numel);
+      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + boff, op->buf_dtype,
+                 pc->numel);
   }
 
   pthread_mutex_lock(&dp->mu);
@@ -460,7 +460,7 @@ static int submit(zs_client *c, zc_task *t) {
         .tensor = pc->tensor,
         .slice = pc->slice,
         .dtype = op->wire_dtype,
-        .data = convert ? t->dp_buf : (const unsigned char *)op->src + pc->offset * bsize,
+        .data = convert ? t->dp_buf : (const unsigned char *)op->src + boff,
         .nbytes = nbytes,
         .timeout_ms = c->opt.rpc_timeout_ms,
     };
@@ -472,7 +472,7 @@ static int submit(zs_client *c, zc_task *t) {
         .tensor = pc->tensor,
         .slice = pc->slice,
         .dtype = op->wire_dtype,
-        .dst = convert ? t->dp_buf : (unsigned char *)op->dst + pc->offset * bsize,
+        .dst = convert ? t->dp_buf : (unsigned char *)op->dst + boff,
         .nbytes = nbytes,
         /* The shard waits up to step_timeout for the version. */
         .timeout_ms = c->opt.step_timeout_ms,
@@ -518,7 +518,7 @@ static void on_answer(void *arg, const dp_result *r) {
     if (op->kind == ZC_OP_PUSH) {
       /* A duplicate means an earlier attempt of this very contribution
        * arrived: the shard has it, which is what the push wanted. */
-      task_finish(t, ZS_OK, NULL, c->lay.pieces[t->piece].numel * zs_dtype_size(op->wire_dtype));
+      task_finish(t, ZS_OK, NULL, dtype_bytes(op->wire_dtype, c->lay.pieces[t->piece].numel));
     } else if (r->version < op->step) {
       char why[160];
       snprintf(why, sizeof why, "the shard answered with version %" PRIu64, r->version);
@@ -587,7 +587,8 @@ static int batch_submit(zc_dpbatch *b) {
     zc_task *t = b->t[i];
     zs_request *op = t->op;
     const layout_piece *pc = &c->lay.pieces[t->piece];
-    size_t bsize = zs_dtype_size(op->buf_dtype), nbytes = pc->numel * zs_dtype_size(op->wire_dtype);
+    size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
+    size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
     pieces[i] = (dp_batch_piece){
         .tensor = pc->tensor, .slice = pc->slice, .dtype = op->wire_dtype, .nbytes = nbytes};
     total += nbytes;
@@ -599,11 +600,11 @@ static int batch_submit(zc_dpbatch *b) {
         rc = ZS_ENOMEM;
         break;
       }
-      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + pc->offset * bsize,
-                 op->buf_dtype, pc->numel);
+      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + boff, op->buf_dtype,
+                 pc->numel);
       pieces[i].data = t->dp_buf;
     } else {
-      pieces[i].data = (const unsigned char *)op->src + pc->offset * bsize;
+      pieces[i].data = (const unsigned char *)op->src + boff;
     }
   }
   if (rc == ZS_OK && !b->push && !(b->buf = malloc(total)))
@@ -683,7 +684,7 @@ static void on_batch_answer(void *arg, const dp_result *r) {
     zc_task *t = b->t[i];
     zs_request *op = t->op;
     const layout_piece *pc = &c->lay.pieces[t->piece];
-    size_t nbytes = pc->numel * zs_dtype_size(op->wire_dtype);
+    size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
     const unsigned char *src = b->buf ? b->buf + off : NULL;
     off += nbytes;
     if (r->status != ZS_OK) {
@@ -710,7 +711,7 @@ static void on_batch_answer(void *arg, const dp_result *r) {
       snprintf(why, sizeof why, "the shard answered with version %" PRIu64, r->version);
       task_fail(c, t, ZS_EPROTO, why);
     } else if (op->buf_dtype == op->wire_dtype) {
-      memcpy((unsigned char *)op->dst + pc->offset * zs_dtype_size(op->buf_dtype), src, nbytes);
+      memcpy((unsigned char *)op->dst + dtype_bytes(op->buf_dtype, pc->offset), src, nbytes);
       if (op->kind == ZC_OP_PULL || !requeue(c, t, ZC_DP_FINISH))
         pull_finish(c, t);
     } else if (!(t->dp_buf = malloc(nbytes))) {

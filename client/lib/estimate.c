@@ -21,6 +21,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "common/dtype.h"
 #include "internal.h"
 
 #define EST_OPTIM_BYTES 12.0 /* fp32 master + m + v */
@@ -54,7 +55,10 @@ int zs_estimate(const zs_estimate_input *in, zs_estimate_row *rows, size_t nrows
     return zc_fail(ZS_EINVAL, "zs_estimate: params, trainers and shards must be positive");
   if (in->largest_layer > in->params)
     return zc_fail(ZS_EINVAL, "zs_estimate: the largest layer cannot exceed the parameter count");
-  size_t g = zs_dtype_size(in->grad_dtype), p = zs_dtype_size(in->param_dtype);
+  /* Bytes per element, averaged over the model: a block-quantized dtype's
+   * scales are spread over its elements. */
+  uint64_t g = dtype_bytes(in->grad_dtype, in->params),
+           p = dtype_bytes(in->param_dtype, in->params);
   if (g == 0 || p == 0)
     return zc_fail(ZS_EDTYPE, "zs_estimate: grad_dtype and param_dtype must be zs_dtype values");
   if (!(in->trainer_gbps > 0) || !isfinite(in->trainer_gbps) || !(in->shard_gbps >= 0) ||
@@ -64,7 +68,7 @@ int zs_estimate(const zs_estimate_input *in, zs_estimate_row *rows, size_t nrows
   const double P = (double)in->params;
   const double L = (double)(in->largest_layer ? in->largest_layer : in->params);
   const double W = in->trainers, N = in->shards;
-  const double G = (double)g, Pb = (double)p, K = EST_OPTIM_BYTES;
+  const double G = (double)g / P, Pb = (double)p / P, K = EST_OPTIM_BYTES;
   const double bt = in->trainer_gbps * 1e9 / 8.0;
   const double bs = (in->shard_gbps > 0 ? in->shard_gbps : in->trainer_gbps) * 1e9 / 8.0;
   const double ring = (W - 1.0) / W; /* a ring collective moves (W-1)/W per byte */

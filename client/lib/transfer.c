@@ -28,12 +28,12 @@
 
 /* ---- conversion ----------------------------------------------------------- */
 
-#define CONVERT_CHUNK 1024
+/* Whole blocks of any dtype (dtype.h), 4 KiB of floats on the stack. */
+#define CONVERT_CHUNK (4 * DTYPE_MAX_BLOCK)
 
 void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n) {
-  size_t ds = zs_dtype_size(dd), ss = zs_dtype_size(sd);
   if (dd == sd) {
-    memcpy(dst, src, n * ds);
+    memcpy(dst, src, (size_t)dtype_bytes(dd, n));
     return;
   }
   if (dd == ZS_DTYPE_FP32) {
@@ -45,17 +45,18 @@ void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n) 
     return;
   }
   /* 16-bit to another 16-bit format, or unaligned fp32: through an aligned
-   * float chunk on the stack, so no allocation is needed. */
+   * float chunk on the stack, so no allocation is needed. A chunk holds whole
+   * blocks, so the one at element i starts at byte dtype_bytes(i). */
   float tmp[CONVERT_CHUNK];
   const unsigned char *s = src;
   unsigned char *d = dst;
   for (size_t i = 0; i < n; i += CONVERT_CHUNK) {
     size_t k = n - i < CONVERT_CHUNK ? n - i : CONVERT_CHUNK;
     if (sd == ZS_DTYPE_FP32)
-      memcpy(tmp, s + i * ss, k * sizeof(float));
+      memcpy(tmp, s + i * sizeof(float), k * sizeof(float));
     else
-      dtype_to_f32(sd, s + i * ss, tmp, k);
-    dtype_from_f32(dd, tmp, d + i * ds, k);
+      dtype_to_f32(sd, s + dtype_bytes(sd, i), tmp, k);
+    dtype_from_f32(dd, tmp, d + dtype_bytes(dd, i), k);
   }
 }
 
@@ -241,8 +242,9 @@ static const char *tensor_name(const zs_client *c, uint32_t t) {
 static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t *bytes) {
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
-  size_t bsize = zs_dtype_size(op->buf_dtype), wsize = zs_dtype_size(op->wire_dtype);
-  const unsigned char *src = (const unsigned char *)op->src + pc->offset * bsize;
+  size_t wbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
+  const unsigned char *src =
+      (const unsigned char *)op->src + dtype_bytes(op->buf_dtype, pc->offset);
   void *tmp = NULL;
   Zshard__V1__PushRequest req = ZSHARD__V1__PUSH_REQUEST__INIT;
   Zshard__V1__PushResponse *resp = NULL;
@@ -253,7 +255,7 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
     /* protobuf-c only reads the bytes: the cast drops const for its field. */
     req.data.data = (uint8_t *)(uintptr_t)src;
   } else {
-    tmp = malloc(pc->numel * wsize);
+    tmp = malloc(wbytes);
     if (!tmp) {
       snprintf(err, errlen, "out of memory converting tensor '%s' for its push",
                tensor_name(c, op->tensor));
@@ -262,7 +264,7 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
     zc_convert(tmp, op->wire_dtype, src, op->buf_dtype, pc->numel);
     req.data.data = tmp;
   }
-  req.data.len = pc->numel * wsize;
+  req.data.len = wbytes;
   req.spec_hash = c->hash;
   req.step = op->step;
   req.rank = c->opt.rank;
@@ -291,7 +293,7 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
 static int run_pull(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t *bytes) {
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
-  size_t bsize = zs_dtype_size(op->buf_dtype), wsize = zs_dtype_size(op->wire_dtype);
+  uint64_t wbytes = dtype_bytes(op->wire_dtype, pc->numel);
   Zshard__V1__PullRequest req = ZSHARD__V1__PULL_REQUEST__INIT;
   Zshard__V1__PullResponse *resp = NULL;
   rpc_status st = {0};
@@ -316,19 +318,19 @@ static int run_pull(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
   }
   /* The response is untrusted: its dtype, length and version are checked
    * before a byte reaches the caller's buffer. */
-  if ((int)resp->dtype != (int)op->wire_dtype || resp->data.len != pc->numel * wsize ||
+  if ((int)resp->dtype != (int)op->wire_dtype || resp->data.len != wbytes ||
       resp->version < op->step) {
     snprintf(err, errlen,
              "shard %" PRIu32 " (%s) answered the pull of tensor '%s' slice %" PRIu32
              " with dtype %d, %zu bytes, version %" PRIu64 " (expected dtype %d, %" PRIu64
              " bytes, version >= %" PRIu64 ")",
              t->shard, c->addr[t->shard], tensor_name(c, op->tensor), pc->slice, (int)resp->dtype,
-             resp->data.len, resp->version, (int)op->wire_dtype, pc->numel * wsize, op->step);
+             resp->data.len, resp->version, (int)op->wire_dtype, wbytes, op->step);
     protobuf_c_message_free_unpacked(&resp->base, NULL);
     return ZS_EPROTO;
   }
-  zc_convert((unsigned char *)op->dst + pc->offset * bsize, op->buf_dtype, resp->data.data,
-             op->wire_dtype, pc->numel);
+  zc_convert((unsigned char *)op->dst + dtype_bytes(op->buf_dtype, pc->offset), op->buf_dtype,
+             resp->data.data, op->wire_dtype, pc->numel);
   *bytes = resp->data.len;
   protobuf_c_message_free_unpacked(&resp->base, NULL);
   return ZS_OK;
@@ -409,7 +411,7 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
       continue;
     if (s->state == ZC_SLOT_READY && s->version == min_version && s->wire == wire)
       continue;
-    size_t need = c->sp.tensors[t].numel * zs_dtype_size(wire);
+    size_t need = (size_t)dtype_bytes(wire, c->sp.tensors[t].numel);
     if (s->cap < need) {
       void *buf = realloc(s->buf, need);
       if (!buf)
@@ -430,7 +432,7 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
       const layout_piece *pc = &c->lay.pieces[first_piece + i];
       op->tasks[i].shard = pc->shard;
       op->tasks[i].piece = first_piece + i;
-      op->tasks[i].bytes = pc->numel * zs_dtype_size(wire);
+      op->tasks[i].bytes = dtype_bytes(wire, pc->numel);
     }
     s->state = ZC_SLOT_INFLIGHT;
     s->version = min_version;
@@ -493,16 +495,18 @@ static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const voi
     return zc_fail(ZS_ENOTFOUND, "%s: no tensor %" PRIu32 " (the model has %" PRIu32 ")", fn,
                    tensor, c->sp.num_tensors);
   if (!dtype_valid((int)dtype))
-    return zc_fail(ZS_EDTYPE, "%s: dtype %d is not ZS_DTYPE_FP32, FP16 or BF16", fn, (int)dtype);
+    return zc_fail(ZS_EDTYPE, "%s: dtype %d is not %s", fn, (int)dtype, dtype_names());
   if (!buf)
     return zc_fail(ZS_EINVAL, "%s: the buffer of tensor '%s' is NULL", fn, tensor_name(c, tensor));
-  size_t es = zs_dtype_size(dtype);
-  uint64_t numel = c->sp.tensors[tensor].numel;
-  if (nbytes / es != numel || nbytes % es != 0)
+  /* A block-quantized dtype has no element size; its kernels read the
+   * buffer bytewise, so it needs no alignment. */
+  size_t es = zs_dtype_size(dtype) ? zs_dtype_size(dtype) : 1;
+  uint64_t numel = c->sp.tensors[tensor].numel, want = dtype_bytes(dtype, numel);
+  if ((uint64_t)nbytes != want)
     return zc_fail(ZS_ESIZE,
                    "%s: tensor '%s' has %" PRIu64 " elements = %" PRIu64
                    " bytes of this dtype, the buffer is %zu bytes",
-                   fn, tensor_name(c, tensor), numel, numel * es, nbytes);
+                   fn, tensor_name(c, tensor), numel, want, nbytes);
   if ((uintptr_t)buf % es != 0)
     return zc_fail(ZS_EINVAL, "%s: the buffer of tensor '%s' is not aligned to %zu bytes", fn,
                    tensor_name(c, tensor), es);
@@ -543,7 +547,7 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
     const layout_piece *pc = &c->lay.pieces[first + i];
     op->tasks[i].shard = pc->shard;
     op->tasks[i].piece = first + i;
-    op->tasks[i].bytes = pc->numel * zs_dtype_size(op->wire_dtype);
+    op->tasks[i].bytes = dtype_bytes(op->wire_dtype, pc->numel);
   }
   size_t bit = (size_t)tensor * c->sp.grad_accum + micro;
   pthread_mutex_lock(&c->mu);
@@ -598,7 +602,7 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
     const layout_piece *pc = &c->lay.pieces[first + i];
     op->tasks[i].shard = pc->shard;
     op->tasks[i].piece = first + i;
-    op->tasks[i].bytes = pc->numel * zs_dtype_size(wire);
+    op->tasks[i].bytes = dtype_bytes(wire, pc->numel);
   }
   if (!cb)
     atomic_fetch_add(&op->refs, 1);

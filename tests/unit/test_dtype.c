@@ -6,13 +6,17 @@
  * exhaustively where the input space is 2^16 and on every rounding midpoint,
  * then on a large sweep of fp32 bit patterns. Every ISA path is then checked
  * to give the scalar functions' bits for all lengths 0..100 at unaligned
- * offsets, without writing outside its output.
+ * offsets, without writing outside its output. Last, the codec table: every
+ * entry is sized by its block formula, round-trips, and has per-ISA kernels
+ * that match its scalar ones; unknown values are refused with the list of
+ * names the table generates.
  */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -695,6 +699,233 @@ static void conversions_ignore_flush_to_zero_and_denormals_are_zero(void **state
   free(out);
 }
 
+/* ------------------------------------------------------------------------ */
+/* The codec table                                                           */
+/* ------------------------------------------------------------------------ */
+
+/* The tests below walk the table rather than a list of dtypes, so that an
+ * entry added to it is covered without an edit here. */
+
+static size_t table_count(void) {
+  size_t n = 0;
+  while (dtype_codec_at(n))
+    n++;
+  return n;
+}
+
+static void every_table_entry_is_found_by_its_value_and_has_scalar_kernels(void **state) {
+  (void)state;
+  size_t count = table_count();
+  assert_true(count >= 3);
+  int prev = 0;
+  for (size_t i = 0; i < count; i++) {
+    const dtype_codec *k = dtype_codec_at(i);
+    assert_true((int)k->id > prev); /* increasing, no duplicates */
+    prev = (int)k->id;
+    assert_ptr_equal(dtype_codec_of((int)k->id), k);
+    assert_true(dtype_valid((int)k->id));
+    assert_int_equal(dtype_from_varint((uint64_t)k->id), (int)k->id);
+    assert_non_null(k->name);
+    assert_true(k->block >= 1 && DTYPE_MAX_BLOCK % k->block == 0);
+    assert_true(k->elem_bytes + k->scale_bytes > 0);
+    assert_non_null(k->encode[CPU_ISA_SCALAR]);
+    assert_non_null(k->decode[CPU_ISA_SCALAR]);
+    assert_non_null(k->accumulate[CPU_ISA_SCALAR]);
+  }
+  assert_null(dtype_codec_at(count));
+  /* The values of the public enum are all in the table. */
+  for (size_t di = 0; di < 3; di++)
+    assert_non_null(dtype_codec_of(k_dtypes[di]));
+}
+
+/* bytes(n) = ceil(n / block) * scale_bytes + n * elem_bytes for every entry;
+ * for fp32, fp16 and bf16 that is the numel * element size every caller
+ * computed before the table, and the public functions say the same. */
+static void bytes_follow_the_block_formula_and_the_old_element_sizes(void **state) {
+  (void)state;
+  static const uint64_t ns[] = {0, 1, 2, 7, 255, 256, 257, 1000, 65536, (uint64_t)1 << 40};
+  for (size_t i = 0; i < table_count(); i++) {
+    const dtype_codec *k = dtype_codec_at(i);
+    for (size_t j = 0; j < sizeof ns / sizeof ns[0]; j++) {
+      uint64_t n = ns[j];
+      uint64_t want = (n + k->block - 1) / k->block * k->scale_bytes + n * k->elem_bytes;
+      assert_int_equal(dtype_bytes((int)k->id, n), want);
+      assert_int_equal(zs_dtype_bytes((int)k->id, (size_t)n), (size_t)want);
+    }
+  }
+  static const struct {
+    zs_dtype d;
+    size_t size;
+  } old[] = {{ZS_DTYPE_FP32, 4}, {ZS_DTYPE_FP16, 2}, {ZS_DTYPE_BF16, 2}};
+  for (size_t i = 0; i < 3; i++) {
+    assert_int_equal(zs_dtype_size(old[i].d), old[i].size);
+    for (size_t j = 0; j < sizeof ns / sizeof ns[0]; j++) {
+      assert_int_equal(dtype_bytes(old[i].d, ns[j]), ns[j] * old[i].size);
+      assert_int_equal(zs_dtype_bytes(old[i].d, (size_t)ns[j]), (size_t)ns[j] * old[i].size);
+    }
+  }
+}
+
+/* The list in every "not a dtype" message is generated from the table. */
+static void unknown_dtypes_are_refused_with_the_generated_list_of_names(void **state) {
+  (void)state;
+  char want[256] = "";
+  size_t count = table_count();
+  for (size_t i = 0; i < count; i++) {
+    strcat(want, i == 0 ? "" : i + 1 == count ? " or " : ", ");
+    strcat(want, dtype_codec_at(i)->name);
+  }
+  assert_string_equal(dtype_names(), want);
+  assert_string_equal(dtype_names(), "FP32, FP16 or BF16"); /* today's table */
+
+  static const int bad[] = {0, 4, 5, 77, 255, -1, -3, INT32_MIN, INT32_MAX};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    int d = bad[i];
+    char err[128] = "", msg[128];
+    assert_null(dtype_codec_of(d));
+    assert_false(dtype_valid(d));
+    assert_int_equal(dtype_bytes(d, 10), 0);
+    assert_int_equal(zs_dtype_bytes(d, 10), 0);
+    assert_int_equal(zs_dtype_size(d), 0);
+    assert_int_equal(dtype_check(d, err, sizeof err), ZS_EDTYPE);
+    snprintf(msg, sizeof msg, "dtype %d is not %s", d, want);
+    assert_string_equal(err, msg);
+    assert_int_equal(dtype_check(d, NULL, 0), ZS_EDTYPE);
+  }
+  for (size_t i = 0; i < count; i++) {
+    char err[8] = "x";
+    assert_int_equal(dtype_check((int)dtype_codec_at(i)->id, err, sizeof err), 0);
+    assert_string_equal(err, "x"); /* success writes nothing */
+  }
+
+  /* Protobuf varints: an int32 enum that is negative arrives sign-extended
+   * to 64 bits, and values past 2^32 must not truncate into a dtype. */
+  static const uint64_t bad_v[] = {0,
+                                   4,
+                                   ((uint64_t)1 << 32) + ZS_DTYPE_FP32,
+                                   ((uint64_t)1 << 63) + ZS_DTYPE_BF16,
+                                   (uint64_t)(int64_t)-1,
+                                   (uint64_t)(int64_t)-3,
+                                   UINT64_MAX - 0xffffffffu + ZS_DTYPE_FP16};
+  for (size_t i = 0; i < sizeof bad_v / sizeof bad_v[0]; i++)
+    assert_int_equal(dtype_from_varint(bad_v[i]), 0);
+}
+
+/* Random bytes: for wire data every pattern, signalling NaNs included. */
+static void fill_random(unsigned char *p, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    p[i] = (unsigned char)rng32();
+}
+
+/* The lengths a kernel is checked at: every short one (all vector tails),
+ * then around the first block boundaries and one long array. */
+static size_t table_lengths(const dtype_codec *k, size_t *out) {
+  size_t m = 0;
+  for (size_t n = 0; n <= 40; n++)
+    out[m++] = n;
+  for (size_t b = 1; b <= 3; b++)
+    for (size_t d = 0; d < 3; d++)
+      if (b * k->block + d - 1 > 40)
+        out[m++] = b * k->block + d - 1;
+  out[m++] = 4099;
+  return m;
+}
+
+/* Every table entry, on every ISA whose slot it fills and the CPU has:
+ * decode and accumulate agree bit for bit with the entry's scalar kernels
+ * on arbitrary wire bytes, encode agrees with the scalar encode, and
+ * encoding then decoding round-trips: wire data the encoder produced
+ * decodes to values that encode back to the same bytes. Each kernel touches
+ * exactly bytes(n) wire bytes or n floats. */
+static void every_table_entry_round_trips_and_every_isa_matches_scalar(void **state) {
+  (void)state;
+  enum { MAXLEN = 4099, SLACK = 64 };
+  size_t wcap = (size_t)dtype_bytes(ZS_DTYPE_FP32, MAXLEN) * 2 + 2 * PAD + SLACK;
+  unsigned char *wire_in = malloc(wcap), *wire_ref = malloc(wcap), *wire_got = malloc(wcap);
+  float *f_in = malloc((MAXLEN + 32) * sizeof(float));
+  float *f_ref = malloc((MAXLEN + 2 * PAD) * sizeof(float));
+  float *f_got = malloc((MAXLEN + 2 * PAD) * sizeof(float));
+  assert_non_null(wire_in);
+  assert_non_null(wire_ref);
+  assert_non_null(wire_got);
+  assert_non_null(f_in);
+  assert_non_null(f_ref);
+  assert_non_null(f_got);
+  size_t lens[64];
+  rng_state = 47;
+  for (size_t ti = 0; ti < table_count(); ti++) {
+    const dtype_codec *k = dtype_codec_at(ti);
+    size_t nlens = table_lengths(k, lens);
+    assert_true((size_t)dtype_bytes((int)k->id, MAXLEN) * 2 + 2 * PAD + SLACK <= wcap);
+    for (size_t li = 0; li < nlens; li++) {
+      size_t n = lens[li], nb = (size_t)dtype_bytes((int)k->id, n);
+      size_t off = li % 4; /* wire data at any byte address */
+      unsigned char *w = wire_in + PAD + off;
+      for (size_t i = 0; i < n; i++)
+        f_in[i] = float_of(interesting_f32());
+
+      /* The scalar results, and the round trip through them. */
+      memset(wire_ref, GUARD, wcap);
+      k->encode[CPU_ISA_SCALAR](f_in, wire_ref + PAD + off, n);
+      check_guard(wire_ref, 0, PAD + off, k->name);
+      check_guard(wire_ref, PAD + off + nb, wcap, k->name);
+      memcpy(w, wire_ref + PAD + off, nb);
+      k->decode[CPU_ISA_SCALAR](w, f_ref, n);
+      memset(wire_got, GUARD, wcap);
+      k->encode[CPU_ISA_SCALAR](f_ref, wire_got + PAD + off, n);
+      if (memcmp(wire_got + PAD + off, w, nb) != 0)
+        fail_msg("%s n=%zu: encode(decode(encode(x))) differs from encode(x)", k->name, n);
+
+      for (int isa = CPU_ISA_AVX2; isa < DTYPE_NISA; isa++) {
+        if (!cpu_supports((cpu_isa)isa))
+          continue;
+        const char *what = cpu_isa_name((cpu_isa)isa);
+        if (k->encode[isa]) {
+          memset(wire_got, GUARD, wcap);
+          k->encode[isa](f_in, wire_got + PAD + off, n);
+          check_guard(wire_got, 0, PAD + off, what);
+          check_guard(wire_got, PAD + off + nb, wcap, what);
+          if (memcmp(wire_got + PAD + off, wire_ref + PAD + off, nb) != 0)
+            fail_msg("%s %s encode n=%zu differs from scalar", what, k->name, n);
+        }
+        /* Decode and accumulate on arbitrary bytes, then on encoded ones. */
+        for (int pass = 0; pass < 2; pass++) {
+          if (pass == 0)
+            fill_random(w, nb);
+          else
+            memcpy(w, wire_ref + PAD + off, nb);
+          if (k->decode[isa]) {
+            k->decode[CPU_ISA_SCALAR](w, f_ref + PAD, n);
+            memset(f_got, GUARD, (MAXLEN + 2 * PAD) * sizeof(float));
+            k->decode[isa](w, f_got + PAD, n);
+            check_guard((unsigned char *)f_got, 0, PAD * sizeof(float), what);
+            check_guard((unsigned char *)f_got, (PAD + n) * sizeof(float),
+                        (MAXLEN + 2 * PAD) * sizeof(float), what);
+            if (memcmp(f_got + PAD, f_ref + PAD, n * sizeof(float)) != 0)
+              fail_msg("%s %s decode n=%zu pass %d differs from scalar", what, k->name, n, pass);
+          }
+          if (k->accumulate[isa]) {
+            for (size_t i = 0; i < n; i++)
+              f_ref[PAD + i] = float_of(interesting_f32());
+            memcpy(f_got + PAD, f_ref + PAD, n * sizeof(float));
+            k->accumulate[CPU_ISA_SCALAR](w, f_ref + PAD, n);
+            k->accumulate[isa](w, f_got + PAD, n);
+            if (memcmp(f_got + PAD, f_ref + PAD, n * sizeof(float)) != 0)
+              fail_msg("%s %s accumulate n=%zu pass %d differs from scalar", what, k->name, n,
+                       pass);
+          }
+        }
+      }
+    }
+  }
+  free(wire_in);
+  free(wire_ref);
+  free(wire_got);
+  free(f_in);
+  free(f_ref);
+  free(f_got);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(every_fp16_pattern_widens_exactly_and_narrows_back),
@@ -715,6 +946,10 @@ int main(void) {
       cmocka_unit_test(public_array_functions_use_the_best_isa_with_the_same_bits),
       cmocka_unit_test(invalid_dtypes_are_rejected_and_convert_nothing),
       cmocka_unit_test(conversions_ignore_flush_to_zero_and_denormals_are_zero),
+      cmocka_unit_test(every_table_entry_is_found_by_its_value_and_has_scalar_kernels),
+      cmocka_unit_test(bytes_follow_the_block_formula_and_the_old_element_sizes),
+      cmocka_unit_test(unknown_dtypes_are_refused_with_the_generated_list_of_names),
+      cmocka_unit_test(every_table_entry_round_trips_and_every_isa_matches_scalar),
   };
   return cmocka_run_group_tests(tests, setup_tables, NULL);
 }

@@ -87,8 +87,16 @@ ZS_EXTERN const char *zs_strerror(int err);
 /* The symbolic name of status `err` ("ZS_EINVAL"); a static string. */
 ZS_EXTERN const char *zs_err_name(int err);
 
-/* Bytes per element of `dtype`, or 0 for a value that is not a zs_dtype. */
+/* Bytes per element of `dtype`, or 0 for a value that is not a zs_dtype and
+ * for a block-quantized dtype, whose elements share per-block scales and so
+ * have no size of their own: use zs_dtype_bytes to size buffers. */
 ZS_EXTERN size_t zs_dtype_size(int dtype);
+
+/* Bytes that `numel` elements of `dtype` take in a buffer or on the wire, or
+ * 0 for a value that is not a zs_dtype. For fp32, fp16 and bf16 this is
+ * numel * zs_dtype_size(dtype); a block-quantized dtype adds its scales (one
+ * per started block). The nbytes of zs_push and zs_pull must equal it. */
+ZS_EXTERN size_t zs_dtype_bytes(int dtype, size_t numel);
 
 /* ======================================================================== */
 /* Conventions of the client API                                            */
@@ -360,19 +368,20 @@ typedef struct zs_request zs_request;
 typedef void (*zs_request_cb)(void *arg, int status);
 
 /* Pushes the gradient of tensor `tensor` for micro-batch `micro` (< M) of the
- * current step: numel elements of `dtype` at `grad` (nbytes must be numel *
- * zs_dtype_size(dtype)), sent to every owning shard in parallel (converted to
- * push_dtype first if that differs). `grad` is the caller's and must stay
- * valid and unchanged until the request completes. Each (tensor, micro) is
- * pushed once per step (ZS_EEXIST otherwise). With `req` NULL the call waits
- * for completion; otherwise *req is a request the caller must zs_wait.
+ * current step: numel elements of `dtype` at `grad` (nbytes must be
+ * zs_dtype_bytes(dtype, numel)), sent to every owning shard in parallel
+ * (converted to push_dtype first if that differs). `grad` is the caller's and
+ * must stay valid and unchanged until the request completes. Each (tensor,
+ * micro) is pushed once per step (ZS_EEXIST otherwise). With `req` NULL the
+ * call waits for completion; otherwise *req is a request the caller must
+ * zs_wait.
  * Must not be called while zs_step runs on the same client. */
 ZS_EXTERN int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request **req);
 
 /* Pulls tensor `tensor`'s parameters of version current_step - 1 (waiting on
  * the shards until they have it) into `dst`: numel elements of `dtype`
- * (nbytes = numel * zs_dtype_size(dtype)). `dst` is the caller's and must
+ * (nbytes = zs_dtype_bytes(dtype, numel)). `dst` is the caller's and must
  * stay valid and untouched until the request completes; if the request fails
  * its contents are unspecified (the data plane writes pieces into it as they
  * arrive). With `req` NULL the call waits; otherwise *req is a request the
