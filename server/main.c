@@ -30,6 +30,7 @@
 #include "server/dp_server.h"
 #include "server/grpc_server.h"
 #include "server/metrics.h"
+#include "server/service.h"
 #include "zshard/zshard.h"
 
 #define EXIT_USAGE 2
@@ -387,6 +388,16 @@ int main(int argc, char **argv) {
     metrics_destroy(mx);
     return 1;
   }
+  /* One service for both transports, so that its observer hears of every
+   * request whichever transport carried it. Nobody observes yet. */
+  service *sv = NULL;
+  rc = service_create(c, NULL, &sv);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=service error=%s", zs_err_name(rc));
+    core_destroy(c);
+    metrics_destroy(mx);
+    return 1;
+  }
 
   char err[256] = "";
   /* The checkpoint is loaded before any transport starts, so that no
@@ -405,6 +416,7 @@ int main(int argc, char **argv) {
       LOG_ERROR("startup_failed", "stage=checkpoint dir=%s error=%s detail=\"%s\"", o.state_dir,
                 zs_err_name(rc), kerr);
       ckpt_svc_destroy(svc);
+      service_destroy(sv);
       core_destroy(c);
       metrics_destroy(mx);
       return 1;
@@ -418,12 +430,14 @@ int main(int argc, char **argv) {
     dp_server_config_init(&dc);
     dc.listen = o.data_listen;
     dc.core = c;
+    dc.service = sv;
     dc.metrics = mx;
     rc = dp_server_start(&dc, &dp, err, sizeof err);
     if (rc) {
       LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o.data_listen,
                 zs_err_name(rc), err);
       ckpt_svc_destroy(svc);
+      service_destroy(sv);
       core_destroy(c);
       metrics_destroy(mx);
       return 1;
@@ -432,6 +446,7 @@ int main(int argc, char **argv) {
   gsrv_config gc = {.listen = o.listen,
                     .core = c,
                     .ckpt = svc,
+                    .service = sv,
                     .metrics = mx,
                     .data_port = dp ? (uint32_t)dp_server_port(dp) : 0};
   gsrv *srv = NULL;
@@ -440,6 +455,7 @@ int main(int argc, char **argv) {
     LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
     dp_server_stop(dp);
     ckpt_svc_destroy(svc);
+    service_destroy(sv);
     core_destroy(c);
     metrics_destroy(mx);
     return 1;
@@ -453,6 +469,7 @@ int main(int argc, char **argv) {
       gsrv_destroy(srv);
       dp_server_stop(dp);
       ckpt_svc_destroy(svc);
+      service_destroy(sv);
       core_destroy(c);
       metrics_destroy(mx);
       return 1;
@@ -480,6 +497,7 @@ int main(int argc, char **argv) {
     dp_server_stop(dp);
     metrics_server_stop(msrv);
     ckpt_svc_destroy(svc);
+    service_destroy(sv);
     core_destroy(c);
     metrics_destroy(mx);
     return 1;
@@ -498,6 +516,7 @@ int main(int argc, char **argv) {
    * core they read goes away. */
   metrics_server_stop(msrv);
   ckpt_svc_destroy(svc);
+  service_destroy(sv);
   core_destroy(c);
   metrics_destroy(mx);
   LOG_INFO("stopped", "shard=%ld", o.shard_id);
