@@ -510,7 +510,7 @@ static void core_begin_step(core *c) {
 /* The checks every job request starts with. Called with state_rw or mu held. */
 static int core_check_job(const core *c, uint64_t hash, char *err, size_t errlen) {
   if (!c->open)
-    return status_fail(err, errlen, ZS_ENOTOPEN, "shard %u has no job open", c->shard_id);
+    return status_fail(err, errlen, ZS_ENOTOPEN, "no job is open on shard %u", c->shard_id);
   if (hash != c->hash)
     return status_fail(err, errlen, ZS_EHASH,
                        "spec_hash %016" PRIx64 " is not the hash of this shard's job (%016" PRIx64

@@ -416,7 +416,7 @@ static void piece_sizes_carry_the_cores_sentence(void **state) {
   assert_int_equal(
       service_piece_bytes(fx.svc, fx.hash, p->tensor, p->slice, ZS_DTYPE_BF16, err, sizeof err),
       ZS_ENOTOPEN);
-  assert_has(err, "shard 0 has no job open");
+  assert_has(err, "no job is open on shard 0");
   open_job();
   assert_int_equal(
       service_piece_bytes(fx.svc, fx.hash, p->tensor, p->slice, ZS_DTYPE_BF16, err, sizeof err),
