@@ -1,7 +1,8 @@
 /*
  * core — the shard core: one job's state on one shard, independent of any
- * transport. A transport parses and validates the envelope of a request and
- * calls in here; the core checks everything that depends on the job (hash,
+ * transport. A transport decodes a request and calls the service layer
+ * (service.h), which checks what needs no job state and calls in here; the
+ * core checks everything that depends on the job (hash,
  * step, tensor, slice, sizes, dtype), owns the state, its locking and the
  * optimizer, and runs long work (gradient statistics, apply) on its own worker
  * thread, never on the caller's.

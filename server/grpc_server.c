@@ -3,9 +3,10 @@
  *
  * Threads and what they own:
  *  - `threads` polling threads run grpc_completion_queue_next on the one server
- *    completion queue and run every handler: they parse, validate, call the
- *    core and start the answering batch. They never wait for the core: a core
- *    call that returns CORE_PENDING leaves the call parked in the core.
+ *    completion queue and run every handler: they parse, call the service
+ *    (service.h: the checks, then the core) and start the answering batch.
+ *    They never wait for the core: a core call that returns CORE_PENDING
+ *    leaves the call parked in the core.
  *  - Core threads call our callbacks (on_core_*). A callback only records the
  *    outcome, claims the call and starts an empty batch on it, whose
  *    completion (on_hop) carries the rest of the work (core_read into the
