@@ -628,7 +628,7 @@ static void work_free(dp_work *w) {
   free(w);
 }
 
-/* Each piece of a push batch goes through core_push on its own, in order:
+/* Each piece of a push batch goes through service_push on its own, in order:
  * a refused piece (its status kept) leaves the others alone, exactly as
  * separate PUSH frames would. */
 static void work_run_push_batch(dp_work *w) {
