@@ -247,7 +247,9 @@ struct core {
   atomic_uint_fast64_t pin_wait_timeouts;
   uint64_t applies, skipped_steps;
   double apply_seconds_total;
-  histogram *apply_hist; /* borrowed, may be NULL; recorded lock-free */
+  histogram *apply_hist;      /* borrowed, may be NULL; recorded lock-free */
+  core_applied_fn applied_fn; /* under mu; see core_set_applied_hook */
+  void *applied_arg;
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -508,10 +510,11 @@ static void core_begin_step(core *c) {
 /* The checks every job request starts with. Called with state_rw or mu held. */
 static int core_check_job(const core *c, uint64_t hash, char *err, size_t errlen) {
   if (!c->open)
-    return status_fail(err, errlen, ZS_ENOTOPEN, "shard %u has no job open", c->shard_id);
+    return status_fail(err, errlen, ZS_ENOTOPEN, "no job is open on shard %u", c->shard_id);
   if (hash != c->hash)
     return status_fail(err, errlen, ZS_EHASH,
-                       "request spec hash %016" PRIx64 " does not match the job's %016" PRIx64,
+                       "spec_hash %016" PRIx64 " is not the hash of this shard's job (%016" PRIx64
+                       ")",
                        hash, c->hash);
   return 0;
 }
@@ -534,16 +537,22 @@ static int core_behind(const core *c, const char *what, uint64_t step, char *err
 static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state **out, char *err,
                            size_t errlen) {
   const layout *l = &c->layout;
+  /* Every sentence starts the same way, so that a caller can tell "not
+   * here" apart from why without parsing. */
   if (tensor >= l->num_tensors)
-    return status_fail(err, errlen, ZS_ENOTFOUND, "tensor %u does not exist (the job has %u)",
-                       tensor, l->num_tensors);
+    return status_fail(err, errlen, ZS_ENOTFOUND,
+                       "no piece (tensor %u, slice %u) on this shard: the job has %u tensors",
+                       tensor, slice, l->num_tensors);
   const layout_piece *lp = layout_find(l, tensor, slice);
   if (!lp)
-    return status_fail(err, errlen, ZS_ENOTFOUND, "tensor %u has no slice %u", tensor, slice);
+    return status_fail(err, errlen, ZS_ENOTFOUND,
+                       "no piece (tensor %u, slice %u) on this shard: tensor %u has no slice %u",
+                       tensor, slice, tensor, slice);
   if (lp->shard != c->shard_id)
     return status_fail(err, errlen, ZS_ENOTFOUND,
-                       "slice %u of tensor %u is owned by shard %u, not by shard %u", slice, tensor,
-                       lp->shard, c->shard_id);
+                       "no piece (tensor %u, slice %u) on this shard: it is owned by shard %u, "
+                       "not by shard %u",
+                       tensor, slice, lp->shard, c->shard_id);
   *out = &c->pieces[c->local_of[lp - l->pieces]];
   return 0;
 }
@@ -828,11 +837,18 @@ static void core_run_apply(core *c) {
     waiter_push(&fire, w);
   }
   core_collect_versions(c, &fire);
+  core_applied_fn applied = c->applied_fn;
+  void *applied_arg = c->applied_arg;
+  core_apply_result done = c->last_apply;
   pthread_mutex_unlock(&c->mu);
   pthread_rwlock_unlock(&c->state_rw);
 
   LOG_DEBUG("apply", "shard=%u step=%" PRIu64 " skipped=%d seconds=%.6f", c->shard_id, step, skip,
             seconds);
+  /* Before the callbacks: whoever hangs on the hook hears of the step no
+   * later than the trainers whose Apply it answers. */
+  if (applied)
+    applied(applied_arg, &done);
   core_fire(fire);
 }
 
@@ -1375,18 +1391,23 @@ int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype 
   return core_read_crc(c, hash, tensor, slice, dtype, dst, nbytes, version, NULL, err, errlen);
 }
 
-int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype) {
+int64_t core_piece_bytes_err(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
+                             zs_dtype dtype, char *err, size_t errlen) {
   piece_state *ps = NULL;
   int64_t r;
   pthread_rwlock_rdlock(&c->state_rw);
-  int rc = core_check_job(c, hash, NULL, 0);
+  int rc = core_check_job(c, hash, err, errlen);
   if (rc == 0)
-    rc = core_find_piece(c, tensor, slice, &ps, NULL, 0);
+    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
   if (rc == 0 && !dtype_valid((int)dtype))
-    rc = ZS_EDTYPE;
+    rc = dtype_check((int)dtype, err, errlen);
   r = rc != 0 ? rc : (int64_t)dtype_bytes((int)dtype, ps->lp->numel);
   pthread_rwlock_unlock(&c->state_rw);
   return r;
+}
+
+int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype) {
+  return core_piece_bytes_err(c, hash, tensor, slice, dtype, NULL, 0);
 }
 
 /* ---------------------------------------------------------------- waits */
@@ -1654,6 +1675,13 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
 done:
   pthread_mutex_unlock(&c->mu);
   return rc;
+}
+
+void core_set_applied_hook(core *c, core_applied_fn fn, void *arg) {
+  pthread_mutex_lock(&c->mu);
+  c->applied_fn = fn;
+  c->applied_arg = fn ? arg : NULL;
+  pthread_mutex_unlock(&c->mu);
 }
 
 /* ---------------------------------------------------------------- client state */

@@ -1,7 +1,8 @@
 /*
  * core — the shard core: one job's state on one shard, independent of any
- * transport. A transport parses and validates the envelope of a request and
- * calls in here; the core checks everything that depends on the job (hash,
+ * transport. A transport decodes a request and calls the service layer
+ * (service.h), which checks what needs no job state and calls in here; the
+ * core checks everything that depends on the job (hash,
  * step, tensor, slice, sizes, dtype), owns the state, its locking and the
  * optimizer, and runs long work (gradient statistics, apply) on its own worker
  * thread, never on the caller's.
@@ -131,7 +132,7 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
  * refuses. Returns 0, a negative
  * status with a message (the checks of core_read), or CORE_NOT_PINNED when
  * the piece must be read with core_read (another dtype). */
-#define CORE_NOT_PINNED 1
+#define CORE_NOT_PINNED 2 /* never CORE_PENDING's value: both are "not an error" */
 int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
                  size_t nbytes, const void **data, uint64_t *version, uint32_t *crc, char *err,
                  size_t errlen);
@@ -140,8 +141,12 @@ void core_unpin_low(core *c);
  * open. Lock-free, for transports deciding how to answer. */
 zs_dtype core_low_dtype(core *c);
 
-/* Size in bytes of piece (tensor, slice) in dtype, or a negative status. */
+/* Size in bytes of piece (tensor, slice) in dtype, or a negative status;
+ * core_piece_bytes_err also gives the status's sentence (the one the other
+ * calls give for it) in err (may be NULL). */
 int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype);
+int64_t core_piece_bytes_err(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
+                             zs_dtype dtype, char *err, size_t errlen);
 
 /* Gradient statistics of step `step` (== version + 1, or == version for a
  * step already applied, whose statistics are kept). Waits until all W*M
@@ -189,6 +194,16 @@ typedef struct core_apply_result {
 typedef void (*core_apply_cb)(void *arg, int status, const core_apply_result *r);
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen);
+
+/* Installs the one hook told of every applied step (a skipped one included),
+ * whoever asked for it: fn(arg, r) runs once per step on the core's worker
+ * thread, after the apply released every core lock and before the apply's
+ * callbacks answer anyone. It follows the callbacks' rules (no blocking, only
+ * the non-blocking readers). A restore is not an applied step. Set it before
+ * anything can call core_apply; NULL clears it. `arg` is borrowed until the
+ * hook is cleared or the core destroyed. */
+typedef void (*core_applied_fn)(void *arg, const core_apply_result *r);
+void core_set_applied_hook(core *c, core_applied_fn fn, void *arg);
 
 /* ------------------------------------------------------------- client state
  *

@@ -66,6 +66,7 @@
 #include "common/log.h"
 #include "common/wire.h"
 #include "server/metrics.h"
+#include "server/service.h"
 
 #define DP_DEFAULT_MAX_PENDING 256u
 #define DP_DEFAULT_MAX_QUEUED (UINT64_C(64) << 20)
@@ -206,6 +207,7 @@ typedef struct dp_work {
   uv_work_t req;
   dp_conn *conn;
   core *core;        /* what the pool thread may use: never the connection */
+  service *svc;      /* as core: pushes go through it */
   uint64_t start_ns; /* the request's arrival (its frame's header) */
   int type;          /* WIRE_PUSH, WIRE_PULL, WIRE_PUSH_BATCH or WIRE_PULL_BATCH */
   uint64_t request_id;
@@ -250,6 +252,8 @@ struct dp_server {
   int loop_inited;
   int port;
   core *core;
+  service *svc; /* every request's checks (service.h) */
+  int own_svc;  /* made here: dp_server_config.service was NULL */
   uint64_t max_payload, max_queued, inline_bytes;
   /* Request durations per method (NULL without metrics). */
   metrics_rpc *m_push, *m_pull, *m_push_batch, *m_pull_batch;
@@ -624,10 +628,10 @@ static void work_free(dp_work *w) {
   free(w);
 }
 
-/* Each piece of a push batch goes through core_push on its own, in order:
+/* Each piece of a push batch goes through service_push on its own, in order:
  * a refused piece (its status kept) leaves the others alone, exactly as
  * separate PUSH frames would. */
-static void work_run_push_batch(dp_work *w, core *co) {
+static void work_run_push_batch(dp_work *w) {
   size_t off = 0;
   w->err[0] = '\0';
   for (uint32_t i = 0; i < w->npieces; i++) {
@@ -640,7 +644,7 @@ static void work_run_push_batch(dp_work *w, core *co) {
     a.nbytes = (size_t)pc->length;
     char err[DP_ERRLEN] = "";
     int dup = 0;
-    int rc = core_push(co, &a, &dup, err, sizeof err);
+    int rc = service_push(w->svc, &a, &dup, err, sizeof err);
     w->piece_status[i] = rc;
     w->piece_dup[i] = rc == 0 && dup;
     if (rc != 0 && w->err[0] == '\0')
@@ -680,12 +684,12 @@ static void work_run_pull_batch(dp_work *w, core *co) {
 
 static void work_run(dp_work *w, core *co) {
   if (w->type == WIRE_PUSH_BATCH) {
-    work_run_push_batch(w, co);
+    work_run_push_batch(w);
   } else if (w->type == WIRE_PULL_BATCH) {
     work_run_pull_batch(w, co);
   } else if (w->type == WIRE_PUSH) {
     w->push.data = w->buf->data;
-    w->status = core_push(co, &w->push, &w->duplicate, w->err, sizeof w->err);
+    w->status = service_push(w->svc, &w->push, &w->duplicate, w->err, sizeof w->err);
   } else {
     w->crc = 0;
     if (w->buf->cls < 0) {
@@ -801,6 +805,7 @@ static void work_start(dp_work *w) {
   dp_server *s = c->s;
   conn_ref(c);
   w->core = s->core;
+  w->svc = s->svc;
   if (w->type == WIRE_PUSH || w->type == WIRE_PUSH_BATCH)
     c->consuming += w->nbytes;
   if (w->nbytes <= s->inline_bytes) {
@@ -910,12 +915,7 @@ static void drain_mailbox(dp_server *s) {
       c->pending--;
     } else if (p->status != 0) {
       char err[DP_ERRLEN];
-      if (p->status == ZS_ETIMEDOUT)
-        say(err, sizeof err,
-            "timed out waiting for version %" PRIu64 " of tensor %" PRIu32 " slice %" PRIu32,
-            p->min_version, p->tensor, p->slice);
-      else
-        say(err, sizeof err, "%s", zs_strerror(p->status));
+      service_pull_wait_failed(p->status, p->min_version, p->tensor, p->slice, err, sizeof err);
       observe(s, p->pieces ? WIRE_PULL_BATCH : WIRE_PULL, p->start_ns, 1);
       answer_error(c, p->request_id, p->status, err);
     } else {
@@ -949,9 +949,8 @@ static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, const
   dp_server *s = c->s;
   char err[DP_ERRLEN];
   if (nbytes > s->max_payload) {
-    say(err, sizeof err, "%s of %" PRIu64 " bytes exceeds the %" PRIu64 "-byte frame limit", what,
-        nbytes, s->max_payload);
-    answer_error(c, request_id, ZS_ERANGE, err);
+    answer_error(c, request_id,
+                 service_too_large(what, nbytes, s->max_payload, "frame", err, sizeof err), err);
     return NULL;
   }
   if (c->waiting >= DP_MAX_WAITING_PULLS) {
@@ -978,14 +977,9 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
   zs_dtype dtype = (zs_dtype)q->dtype;
   /* Size (and so hash, tensor and slice) are checked before waiting, so a
    * bad request fails at once rather than at the end of its wait. */
-  int64_t nb = core_piece_bytes(s->core, q->spec_hash, q->tensor, q->slice, dtype);
+  int64_t nb =
+      service_piece_bytes(s->svc, q->spec_hash, q->tensor, q->slice, dtype, err, sizeof err);
   if (nb < 0) {
-    if (nb == ZS_EHASH)
-      say(err, sizeof err, "spec_hash %016" PRIx64 " is not the hash of this shard's job",
-          q->spec_hash);
-    else if (nb == ZS_ENOTFOUND)
-      say(err, sizeof err, "no piece (tensor %" PRIu32 ", slice %" PRIu32 ") on this shard",
-          q->tensor, q->slice);
     answer_error(c, m->request_id, (int)nb, err);
     return;
   }
@@ -1011,28 +1005,10 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
   uint64_t total = 0;
   for (uint32_t i = 0; i < q->npieces; i++) {
     const wire_piece *pc = &q->pieces[i];
-    int64_t nb =
-        core_piece_bytes(s->core, q->spec_hash, pc->tensor, pc->slice, (zs_dtype)pc->dtype);
+    int64_t nb = service_batch_piece_bytes(s->svc, q->spec_hash, i, pc->tensor, pc->slice,
+                                           (zs_dtype)pc->dtype, pc->length, err, sizeof err);
     if (nb < 0) {
-      if (nb == ZS_EHASH)
-        say(err, sizeof err, "spec_hash %016" PRIx64 " is not the hash of this shard's job",
-            q->spec_hash);
-      else if (nb == ZS_ENOTFOUND)
-        say(err, sizeof err,
-            "piece %" PRIu32 " of the batch: no piece (tensor %" PRIu32 ", slice %" PRIu32
-            ") on this shard",
-            i, pc->tensor, pc->slice);
-      else
-        say(err, sizeof err, "piece %" PRIu32 " of the batch: %s", i, zs_strerror((int)nb));
       answer_error(c, m->request_id, (int)nb, err);
-      return;
-    }
-    if ((uint64_t)nb != pc->length) {
-      say(err, sizeof err,
-          "piece %" PRIu32 " of the batch (tensor %" PRIu32 ", slice %" PRIu32 ") has %" PRId64
-          " bytes in dtype %d, not the %" PRIu64 " asked for",
-          i, pc->tensor, pc->slice, nb, pc->dtype, pc->length);
-      answer_error(c, m->request_id, ZS_EINVAL, err);
       return;
     }
     total += (uint64_t)nb; /* at most WIRE_MAX_BATCH pieces below 2^62 bytes: no overflow */
@@ -1139,16 +1115,12 @@ static void on_meta(dp_conn *c) {
                         .dtype = (zs_dtype)q->dtype,
                         .data = NULL,
                         .nbytes = (size_t)m->payload_len};
-    int64_t nb = core_piece_bytes(s->core, a.hash, a.tensor, a.slice, a.dtype);
-    if (nb < 0 || (uint64_t)nb != m->payload_len) {
-      /* The core would refuse this push whatever the payload says, so the
-       * payload is skipped unread into memory, and the answer is the core's
-       * own verdict: core_push checks in its order (job, step, ranges,
-       * piece, dtype, size) and fails before looking at the missing data. */
-      char err[DP_ERRLEN] = "";
-      int dup = 0;
-      int rc = core_push(s->core, &a, &dup, err, sizeof err);
-      answer_error(c, m->request_id, rc ? rc : ZS_EINTERNAL, err);
+    char err[DP_ERRLEN] = "";
+    int rc = service_push_check(s->svc, &a, err, sizeof err);
+    if (rc != 0) {
+      /* Refused whatever the payload says: it is skipped unread into
+       * memory. */
+      answer_error(c, m->request_id, rc, err);
     } else {
       c->rx = pool_get(s, (size_t)m->payload_len);
       if (!c->rx)
@@ -1475,6 +1447,8 @@ static void server_free(dp_server *s) {
     pthread_mutex_unlock(&s->mb->mu);
     mailbox_unref(s->mb, 1);
   }
+  if (s->own_svc)
+    service_destroy(s->svc);
   free(s);
 }
 
@@ -1494,6 +1468,18 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (!s)
     return ZS_ENOMEM;
   s->core = cfg->core;
+  s->svc = cfg->service;
+  if (s->svc && service_core(s->svc) != s->core) {
+    free(s);
+    if (err && errlen)
+      say(err, errlen, "dp_server_start: the service drives another core");
+    return ZS_EINVAL;
+  }
+  if (!s->svc && service_create(s->core, NULL, &s->svc) != 0) {
+    free(s);
+    return ZS_ENOMEM;
+  }
+  s->own_svc = !cfg->service;
   s->max_payload = cfg->max_payload ? cfg->max_payload : WIRE_DEFAULT_MAX_PAYLOAD;
   s->max_pending = cfg->max_pending ? cfg->max_pending : DP_DEFAULT_MAX_PENDING;
   s->max_queued = cfg->max_queued_bytes ? cfg->max_queued_bytes : DP_DEFAULT_MAX_QUEUED;

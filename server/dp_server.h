@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #include "server/core.h"
+#include "server/service.h"
 
 /* Longest a Pull waits for its version, whatever its timeout says (the same
  * bound as the gRPC transport's). */
@@ -43,6 +44,10 @@ typedef struct dp_server_config {
   /* The shard core. Borrowed: it must outlive the server, i.e. be destroyed
    * only after dp_server_stop returned. */
   core *core;
+  /* The service layer every request goes through (its checks and its
+   * observer); it must drive `core`. NULL: the server makes its own, with no
+   * observer. Borrowed: it must outlive the server. */
+  service *service;
   /* Largest payload accepted; 0 means WIRE_DEFAULT_MAX_PAYLOAD (1 GiB). A
    * Pull of a larger piece is answered ZS_ERANGE. */
   uint64_t max_payload;

@@ -3,9 +3,10 @@
  *
  * Threads and what they own:
  *  - `threads` polling threads run grpc_completion_queue_next on the one server
- *    completion queue and run every handler: they parse, validate, call the
- *    core and start the answering batch. They never wait for the core: a core
- *    call that returns CORE_PENDING leaves the call parked in the core.
+ *    completion queue and run every handler: they parse, call the service
+ *    (service.h: the checks, then the core) and start the answering batch.
+ *    They never wait for the core: a core call that returns CORE_PENDING
+ *    leaves the call parked in the core.
  *  - Core threads call our callbacks (on_core_*). A callback only records the
  *    outcome, claims the call and starts an empty batch on it, whose
  *    completion (on_hop) carries the rest of the work (core_read into the
@@ -110,6 +111,8 @@ struct gsrv {
   grpc_completion_queue *cq;
   void *reg[M_COUNT];
   core *core;
+  service *svc;   /* request checks and the observer (service.h) */
+  int own_svc;    /* svc was made here (no gsrv_config.service) */
   ckpt_svc *ckpt; /* NULL without a state directory */
   int port;
   uint32_t data_port;
@@ -678,14 +681,8 @@ static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   rc = spec_from_proto(&sp, r->spec, err, sizeof err);
   if (rc)
     goto fail;
-  if (r->rank >= sp.world_size) {
-    rc = ZS_EINVAL;
-    snprintf(err, sizeof err, "rank %" PRIu32 " is not below the world size %" PRIu32, r->rank,
-             sp.world_size);
-    goto fail;
-  }
   core_open_result res;
-  rc = core_open(s->core, &sp, &res, err, sizeof err);
+  rc = service_open(s->svc, &sp, r->rank, &res, err, sizeof err);
   if (rc)
     goto fail;
   if (res.created) {
@@ -734,17 +731,9 @@ static void h_init_params(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   }
   int written = 0;
   uint64_t version = 0;
-  int rc;
-  if (r->data.len % sizeof(float) != 0) {
-    rc = ZS_ESIZE;
-    snprintf(err, sizeof err, "InitParams data of %zu bytes is not a whole number of float32",
-             r->data.len);
-  } else {
-    /* protobuf-c allocates the bytes with malloc, so they are float-aligned. */
-    rc = core_init_params_range(s->core, r->spec_hash, r->tensor, r->slice, r->offset,
-                                (const float *)r->data.data, r->data.len, &written, &version, err,
-                                sizeof err);
-  }
+  /* protobuf-c allocates the bytes with malloc, so they are float-aligned. */
+  int rc = service_init_params(s->svc, r->spec_hash, r->tensor, r->slice, r->offset, r->data.data,
+                               r->data.len, &written, &version, err, sizeof err);
   if (rc) {
     finish_err(c, 0, rc, err);
   } else {
@@ -780,7 +769,7 @@ static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
       .nbytes = r.len,
   };
   int duplicate = 0;
-  int rc = core_push(s->core, &a, &duplicate, err, sizeof err);
+  int rc = service_push(s->svc, &a, &duplicate, err, sizeof err);
   if (rc) {
     finish_err(c, 0, rc, err);
     return;
@@ -817,11 +806,10 @@ static void pull_finish(gcall *c, int claimed) {
   char err[GSRV_ERRLEN] = "";
   gsrv *s = c->s;
   if (c->async_status != ZS_OK) {
-    if (c->async_status == ZS_ETIMEDOUT)
-      snprintf(err, sizeof err,
-               "timed out waiting for version %" PRIu64 " of tensor %" PRIu32 " slice %" PRIu32,
-               c->step, c->tensor, c->slice);
-    finish_err(c, claimed, c->async_status, err);
+    finish_err(
+        c, claimed,
+        service_pull_wait_failed(c->async_status, c->step, c->tensor, c->slice, err, sizeof err),
+        err);
     return;
   }
   size_t cap = 2 + varint_len((uint64_t)c->dtype) + varint_len(c->nbytes) + c->nbytes + 1 + 10;
@@ -875,21 +863,17 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   c->dtype = (zs_dtype)dtype;
   /* Size (and so tensor, slice and hash) are checked before waiting, so a bad
    * request fails at once rather than at the end of its wait. */
-  int64_t nb = core_piece_bytes(s->core, c->hash, c->tensor, c->slice, c->dtype);
+  int64_t nb = service_piece_bytes(s->svc, c->hash, c->tensor, c->slice, c->dtype, err, sizeof err);
   if (nb < 0) {
-    if (nb == ZS_EHASH)
-      snprintf(err, sizeof err, "spec_hash %016" PRIx64 " is not the hash of this shard's job",
-               c->hash);
-    else if (nb == ZS_ENOTFOUND)
-      snprintf(err, sizeof err, "no piece (tensor %" PRIu32 ", slice %" PRIu32 ") on this shard",
-               c->tensor, c->slice);
     finish_err(c, 0, (int)nb, err);
     return;
   }
+  /* The message's own fields take a few bytes besides the piece's. */
   if ((uint64_t)nb > RPC_MAX_MESSAGE_BYTES - 64) {
-    snprintf(err, sizeof err, "piece of %" PRId64 " bytes exceeds the %d byte gRPC message limit",
-             nb, RPC_MAX_MESSAGE_BYTES);
-    finish_err(c, 0, ZS_ERANGE, err);
+    finish_err(c, 0,
+               service_too_large("piece", (uint64_t)nb, RPC_MAX_MESSAGE_BYTES, "gRPC message", err,
+                                 sizeof err),
+               err);
     return;
   }
   c->nbytes = (size_t)nb;
@@ -965,18 +949,11 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   uint32_t timeout_ms = r->timeout_ms;
   uint32_t acked_rank = r->acked_rank;
   protobuf_c_message_free_unpacked(&r->base, NULL);
-  if (acked_rank > 0) {
-    int lost = core_check_acked(s->core, c->hash, c->step, acked_rank - 1, err, sizeof err);
-    if (lost != 0) {
-      finish_err(c, 0, lost, err);
-      return;
-    }
-  }
 
   set_waiting(c, 1);
   gcall_ref(c);
-  int rc = core_grad_stats(s->core, c->hash, c->step, wait_deadline(c, timeout_ms), on_core_stats,
-                           c, &c->stats, err, sizeof err);
+  int rc = service_grad_stats(s->svc, c->hash, c->step, acked_rank, wait_deadline(c, timeout_ms),
+                              on_core_stats, c, &c->stats, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
@@ -1013,32 +990,14 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     bad_message(c, "zshard.v1.ApplyRequest");
     return;
   }
-  uint64_t hash = r->spec_hash, step = r->step;
-  c->step = step;
-  double lr = r->lr;
-  float coef = r->coef;
-  int skip = r->skip;
-  int rc = 0;
-  if (!isfinite(lr) || lr < 0 || !isfinite(coef)) {
-    rc = ZS_EINVAL;
-    snprintf(err, sizeof err, "Apply needs a finite lr >= 0 and a finite coef (lr=%g coef=%g)", lr,
-             (double)coef);
-  } else {
-    /* Recorded before the apply is queued, so that the apply commits it;
-     * an oversized one is refused here and the apply never starts. */
-    rc = core_set_apply_client_state(s->core, hash, step, r->client_state.data, r->client_state.len,
-                                     err, sizeof err);
-  }
-  protobuf_c_message_free_unpacked(&r->base, NULL);
-  if (rc != 0) {
-    finish_err(c, 0, rc, err);
-    return;
-  }
+  c->step = r->step;
   /* The apply runs on a core thread; this call is work in progress, not a
    * wait, so shutdown gives it the grace period. */
   gcall_ref(c);
-  rc =
-      core_apply(s->core, hash, step, lr, coef, skip, on_core_apply, c, &c->apply, err, sizeof err);
+  int rc =
+      service_apply(s->svc, r->spec_hash, r->step, r->lr, r->coef, r->skip, r->client_state.data,
+                    r->client_state.len, on_core_apply, c, &c->apply, err, sizeof err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
@@ -1695,6 +1654,8 @@ static void teardown(gsrv *s) {
     grpc_completion_queue_destroy(s->cq);
   grpc_shutdown();
   free(s->threads);
+  if (s->own_svc)
+    service_destroy(s->svc);
   pthread_cond_destroy(&s->cond);
   pthread_mutex_destroy(&s->lock);
   free(s);
@@ -1720,6 +1681,18 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   s->core = cfg->core;
   s->ckpt = cfg->ckpt;
+  s->svc = cfg->service;
+  if (s->svc && service_core(s->svc) != s->core) {
+    free(s);
+    return fail(err, errlen, ZS_EINVAL, "%s", "gsrv_start: the service drives another core");
+  }
+  if (!s->svc) {
+    if (service_create(s->core, NULL, &s->svc) != 0) {
+      free(s);
+      return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+    }
+    s->own_svc = 1;
+  }
   s->data_port = cfg->data_port;
   /* A Watch stream lives as long as its client wants: its duration is no
    * latency, so it is not recorded. */

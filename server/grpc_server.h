@@ -18,6 +18,7 @@
 #include "server/ckpt_svc.h"
 #include "server/core.h"
 #include "server/metrics.h"
+#include "server/service.h"
 
 /* Longest a Pull or GradStats waits for its version or its contributions,
  * whatever the request's timeout or the call's deadline say. */
@@ -50,6 +51,10 @@ typedef struct gsrv_config {
    * (no --state-dir) answers them UNIMPLEMENTED. Borrowed: it must outlive
    * the server. */
   ckpt_svc *ckpt;
+  /* The service layer every request goes through (its checks and its
+   * observer); it must drive `core`. NULL: the server makes its own, with no
+   * observer. Borrowed: it must outlive the server. */
+  service *service;
 } gsrv_config;
 
 /* Binds, starts the polling threads and starts serving (health SERVING).

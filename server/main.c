@@ -31,6 +31,7 @@
 #include "server/grpc_server.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
+#include "server/service.h"
 #include "zshard/zshard.h"
 
 #define EXIT_USAGE 2
@@ -405,6 +406,7 @@ static int write_port_file(const char *path, int port) {
 typedef struct shard {
   metrics *mx;
   core *c;
+  service *sv; /* one for both transports: its observer hears every request */
   ckpt_svc *svc;
   dp_server *dp;
   gsrv *srv;
@@ -443,6 +445,7 @@ static int start_transports(const options *o, shard *s) {
     dp_server_config_init(&dc);
     dc.listen = o->data_listen;
     dc.core = s->c;
+    dc.service = s->sv;
     dc.metrics = s->mx;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
     if (rc) {
@@ -453,6 +456,7 @@ static int start_transports(const options *o, shard *s) {
   }
   gsrv_config gc = {.listen = o->listen,
                     .core = s->c,
+                    .service = s->sv,
                     .ckpt = s->svc,
                     .metrics = s->mx,
                     .data_port = s->dp ? (uint32_t)dp_server_port(s->dp) : 0};
@@ -495,6 +499,12 @@ static int shard_start(const options *o, shard *s) {
     LOG_ERROR("startup_failed", "stage=core error=%s", zs_err_name(rc));
     return rc;
   }
+  /* Nobody observes the service's hooks yet. */
+  rc = service_create(s->c, NULL, &s->sv);
+  if (rc) {
+    LOG_ERROR("startup_failed", "stage=service error=%s", zs_err_name(rc));
+    return rc;
+  }
   rc = start_checkpoints(o, s);
   if (rc == 0)
     rc = start_transports(o, s);
@@ -512,6 +522,7 @@ static void shard_stop(shard *s) {
    * core they read goes away. */
   metrics_server_stop(s->msrv);
   ckpt_svc_destroy(s->svc);
+  service_destroy(s->sv);
   core_destroy(s->c);
   metrics_destroy(s->mx);
   memset(s, 0, sizeof *s);

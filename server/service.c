@@ -1,0 +1,172 @@
+/*
+ * service — request checks and the observer between the transports and the
+ * core (see service.h).
+ *
+ * Threads: none of its own. Every function runs on its caller's thread;
+ * on_applied runs on the core's worker thread (core_set_applied_hook). The
+ * service's fields are written once by service_create, before any transport
+ * can call in, and only read afterwards, so it needs no lock.
+ */
+#include "server/service.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "common/status.h"
+
+struct service {
+  core *core;
+  service_observer obs;
+  int hooked; /* this service installed the core's applied hook */
+};
+
+static void on_applied(void *arg, const core_apply_result *r) {
+  service *s = arg;
+  s->obs.applied(s->obs.arg, r);
+}
+
+int service_create(core *c, const service_observer *obs, service **out) {
+  if (!c || !out)
+    return ZS_EINVAL;
+  service *s = calloc(1, sizeof *s);
+  if (!s)
+    return ZS_ENOMEM;
+  s->core = c;
+  if (obs)
+    s->obs = *obs;
+  if (s->obs.applied) {
+    core_set_applied_hook(c, on_applied, s);
+    s->hooked = 1;
+  }
+  *out = s;
+  return 0;
+}
+
+void service_destroy(service *s) {
+  if (!s)
+    return;
+  if (s->hooked)
+    core_set_applied_hook(s->core, NULL, NULL);
+  free(s);
+}
+
+core *service_core(const service *s) {
+  return s->core;
+}
+
+/* ------------------------------------------------------------ job requests */
+
+int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *out, char *err,
+                 size_t errlen) {
+  if (!sp)
+    return status_fail(err, errlen, ZS_EINVAL, "no spec given");
+  /* The spec says how many trainers there are; a rank beyond them would push
+   * contributions the core refuses one by one later, so it is refused now. */
+  if (rank >= sp->world_size)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "rank %" PRIu32 " is not below the world size %" PRIu32, rank,
+                       sp->world_size);
+  return core_open(s->core, sp, out, err, errlen);
+}
+
+int service_init_params(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, uint64_t offset,
+                        const void *data, size_t nbytes, int *written, uint64_t *version, char *err,
+                        size_t errlen) {
+  if (nbytes % sizeof(float) != 0)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "InitParams data of %zu bytes is not a whole number of float32", nbytes);
+  return core_init_params_range(s->core, hash, tensor, slice, offset, (const float *)data, nbytes,
+                                written, version, err, errlen);
+}
+
+int service_push(service *s, const core_push_args *a, int *duplicate, char *err, size_t errlen) {
+  int dup = 0;
+  int rc = core_push(s->core, a, &dup, err, errlen);
+  if (duplicate)
+    *duplicate = dup;
+  if (rc == 0 && !dup && s->obs.contribution)
+    s->obs.contribution(s->obs.arg, a);
+  return rc;
+}
+
+int service_push_check(service *s, const core_push_args *a, char *err, size_t errlen) {
+  int64_t nb = core_piece_bytes(s->core, a->hash, a->tensor, a->slice, a->dtype);
+  if (nb >= 0 && (uint64_t)nb == (uint64_t)a->nbytes)
+    return 0;
+  /* The core refuses this push whatever the payload holds, and its verdict is
+   * the answer: core_push checks in its order (job, step, ranges, piece,
+   * dtype, size) and fails before it would look at the missing data. */
+  core_push_args q = *a;
+  q.data = NULL;
+  int rc = core_push(s->core, &q, NULL, err, errlen);
+  return rc ? rc : status_fail(err, errlen, ZS_EINTERNAL, "the core took a push with no payload");
+}
+
+int64_t service_piece_bytes(service *s, uint64_t hash, uint32_t tensor, uint32_t slice,
+                            zs_dtype dtype, char *err, size_t errlen) {
+  return core_piece_bytes_err(s->core, hash, tensor, slice, dtype, err, errlen);
+}
+
+int64_t service_batch_piece_bytes(service *s, uint64_t hash, uint32_t index, uint32_t tensor,
+                                  uint32_t slice, zs_dtype dtype, uint64_t length, char *err,
+                                  size_t errlen) {
+  char why[256] = "";
+  int64_t nb = core_piece_bytes_err(s->core, hash, tensor, slice, dtype, why, sizeof why);
+  if (nb < 0)
+    return status_fail(err, errlen, (int)nb, "piece %" PRIu32 " of the batch: %s", index,
+                       why[0] ? why : zs_strerror((int)nb));
+  if ((uint64_t)nb != length)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "piece %" PRIu32 " of the batch (tensor %" PRIu32 ", slice %" PRIu32
+                       ") has %" PRId64 " bytes in dtype %d, not the %" PRIu64 " asked for",
+                       index, tensor, slice, nb, (int)dtype, length);
+  return nb;
+}
+
+int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_rank,
+                       uint64_t deadline_ms, core_stats_cb cb, void *arg, core_stats_result *out,
+                       char *err, size_t errlen) {
+  if (acked_rank > 0) {
+    int lost = core_check_acked(s->core, hash, step, acked_rank - 1, err, errlen);
+    if (lost != 0)
+      return lost;
+  }
+  return core_grad_stats(s->core, hash, step, deadline_ms, cb, arg, out, err, errlen);
+}
+
+int service_apply(service *s, uint64_t hash, uint64_t step, double lr, float coef, int skip,
+                  const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
+                  core_apply_result *out, char *err, size_t errlen) {
+  /* The core refuses these too; checked first so that the client state of a
+   * refused apply is never recorded. */
+  if (!isfinite(lr) || lr < 0 || !isfinite(coef))
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "Apply needs a finite lr >= 0 and a finite coef (lr=%g coef=%g)", lr,
+                       (double)coef);
+  /* Recorded before the apply is queued, so that the apply commits it; an
+   * oversized one is refused here and the apply never starts. */
+  int rc = core_set_apply_client_state(s->core, hash, step, cs, cs_len, err, errlen);
+  if (rc != 0)
+    return rc;
+  return core_apply(s->core, hash, step, lr, coef, skip, cb, arg, out, err, errlen);
+}
+
+/* ------------------------------------------------ sentences of the transports */
+
+int service_too_large(const char *what, uint64_t nbytes, uint64_t limit, const char *limit_name,
+                      char *err, size_t errlen) {
+  return status_fail(err, errlen, ZS_ERANGE,
+                     "%s of %" PRIu64 " bytes exceeds the %" PRIu64 "-byte %s limit", what, nbytes,
+                     limit, limit_name);
+}
+
+int service_pull_wait_failed(int status, uint64_t min_version, uint32_t tensor, uint32_t slice,
+                             char *err, size_t errlen) {
+  if (status == ZS_ETIMEDOUT)
+    return status_fail(err, errlen, status,
+                       "timed out waiting for version %" PRIu64 " of tensor %" PRIu32
+                       " slice %" PRIu32,
+                       min_version, tensor, slice);
+  return status_fail(err, errlen, status, "%s", zs_strerror(status));
+}

@@ -1,0 +1,151 @@
+/*
+ * service — the layer between the transports and the shard core: what a
+ * request means, checked once, whichever transport carried it.
+ *
+ * Contract:
+ *  - Callers are the transports (grpc_server.c, dp_server.c) and tests. A
+ *    transport decodes a request, calls the service, and encodes what it
+ *    returns; the checks of a request's fields (job hash, step, rank,
+ *    micro-batch, tensor, slice, dtype, lengths, Apply's arguments) and the
+ *    sentences of their errors live here and in the core, never in a
+ *    transport. Every call that fails returns a negative zs_status with a
+ *    sentence in err (which may be NULL) and changes nothing.
+ *  - Threads: every function may be called from any thread, concurrently
+ *    (the gRPC polling threads, the data plane's loop thread and libuv's
+ *    thread pool all do). The service keeps no mutable state of its own: a
+ *    call costs what the core call it wraps costs, and takes no lock besides
+ *    the core's.
+ *  - Asynchronous calls follow core.h's contract (ZS_OK with the result at
+ *    once, CORE_PENDING and one callback later, or an error and no
+ *    callback).
+ *  - Ownership: the service borrows its core, which must outlive it; a
+ *    transport borrows the service, which must outlive the transport.
+ *    Pointers passed into a call are only read during the call unless a
+ *    declaration says otherwise.
+ *
+ * The observer (service_observer) is the one place told that the shard's
+ * state moved forward: a contribution accepted, a step applied. The
+ * replication of a later step hangs there.
+ */
+#ifndef ZSHARD_SERVER_SERVICE_H
+#define ZSHARD_SERVER_SERVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/spec.h"
+#include "server/core.h"
+
+typedef struct service service;
+
+/* What the service tells of the state moving forward. Either function may be
+ * NULL. Both follow the core callbacks' rules: they must not block and may
+ * call only the core's non-blocking readers (core_read, core_get_info,
+ * core_get_counters); they hold back the request (contribution) or the
+ * answers of the apply (applied) they report.
+ *
+ * contribution(arg, a): once per contribution the core accepted that was not
+ *   a duplicate (a repeat, or a retry of an applied step, is never reported),
+ *   after core_push returned and before the transport answers the push. It
+ *   runs on the thread that called service_push: a gRPC polling thread, the
+ *   data plane's loop thread or one of libuv's pool threads, so several may
+ *   run at once. No core lock and no transport lock is held. `a` and the
+ *   bytes at a->data are only valid during the call.
+ * applied(arg, r): once per applied step (a skipped step too; a restore is
+ *   not an applied step), on the core's worker thread, after the apply
+ *   released every core lock and before any trainer's Apply is answered.
+ *   `r` is only valid during the call.
+ * Nothing orders the two across threads: the contribution that completed a
+ *   step may still be in its hook when that step's applied hook runs.
+ * `arg` is borrowed until service_destroy returns. */
+typedef struct service_observer {
+  void (*contribution)(void *arg, const core_push_args *a);
+  void (*applied)(void *arg, const core_apply_result *r);
+  void *arg;
+} service_observer;
+
+/* Creates the service over `c` (borrowed; it must outlive the service). obs
+ * (may be NULL: nobody is told) is copied. With an applied function, the
+ * service installs the core's applied hook (core_set_applied_hook), so at most
+ * one service with one per core; create it before any transport starts.
+ * Returns 0, ZS_EINVAL or ZS_ENOMEM. */
+int service_create(core *c, const service_observer *obs, service **out);
+
+/* Clears the core's applied hook if this service set it and frees the
+ * service. Call it after every transport using it stopped. NULL is
+ * accepted. */
+void service_destroy(service *s);
+
+/* The core the service drives (for the readers and waits that carry no
+ * checks of their own: core_read, core_wait_version, core_pin_low ...). */
+core *service_core(const service *s);
+
+/* ------------------------------------------------------------ job requests */
+
+/* Opens (or joins) the job of `sp` for a trainer of rank `rank`: the rank must
+ * be below the spec's world size (ZS_EINVAL), then core_open's rules. */
+int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *out, char *err,
+                 size_t errlen);
+
+/* Initial weights of a piece, elements [offset, offset + nbytes / 4): nbytes
+ * must be a whole number of float32 (ZS_ESIZE), then core_init_params_range's
+ * rules. `data` must be aligned for float. */
+int service_init_params(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, uint64_t offset,
+                        const void *data, size_t nbytes, int *written, uint64_t *version, char *err,
+                        size_t errlen);
+
+/* One contribution, by core_push's rules; reports an accepted, non-duplicate
+ * one to the observer before it returns. */
+int service_push(service *s, const core_push_args *a, int *duplicate, char *err, size_t errlen);
+
+/* For a transport that learns a push's header before its payload: 0 when a
+ * payload of a->nbytes bytes for that piece and dtype is one the core will
+ * judge on its content, else the status and sentence service_push would give
+ * whatever the payload (counted as a refused push, as it is one), so that the
+ * transport can skip the payload unread. a->data is not used. */
+int service_push_check(service *s, const core_push_args *a, char *err, size_t errlen);
+
+/* Size in bytes of piece (tensor, slice) in dtype, or a negative status with
+ * the core's sentence: what a pull checks before it waits. */
+int64_t service_piece_bytes(service *s, uint64_t hash, uint32_t tensor, uint32_t slice,
+                            zs_dtype dtype, char *err, size_t errlen);
+
+/* Piece `index` of a pull batch: its size as service_piece_bytes, which must
+ * be the `length` the batch asks for (ZS_EINVAL); a sentence names the piece's
+ * place in the batch. */
+int64_t service_batch_piece_bytes(service *s, uint64_t hash, uint32_t index, uint32_t tensor,
+                                  uint32_t slice, zs_dtype dtype, uint64_t length, char *err,
+                                  size_t errlen);
+
+/* Gradient statistics of `step`, by core_grad_stats' rules. acked_rank > 0
+ * says that rank acked_rank - 1 had every one of its contributions
+ * acknowledged: core_check_acked's verdict comes first (a shard that lost them
+ * in a restart answers ZS_EBEHIND). Timeouts: ZS_ETIMEDOUT at once is an
+ * answer (the caller asks core_missing), as a later callback's is. */
+int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_rank,
+                       uint64_t deadline_ms, core_stats_cb cb, void *arg, core_stats_result *out,
+                       char *err, size_t errlen);
+
+/* The apply of `step`: lr must be finite and >= 0 and coef finite
+ * (ZS_EINVAL), the client state (cs_len bytes at cs, copied) is recorded for
+ * the apply (core_set_apply_client_state), then core_apply. */
+int service_apply(service *s, uint64_t hash, uint64_t step, double lr, float coef, int skip,
+                  const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
+                  core_apply_result *out, char *err, size_t errlen);
+
+/* ------------------------------------------------ sentences of the transports
+ *
+ * Errors a transport finds itself but words like the other transport. */
+
+/* An answer too large for the transport: returns ZS_ERANGE with "<what> of
+ * N bytes exceeds the L-byte <limit_name> limit" in err. */
+int service_too_large(const char *what, uint64_t nbytes, uint64_t limit, const char *limit_name,
+                      char *err, size_t errlen);
+
+/* The sentence for a Pull whose wait for min_version ended with `status`
+ * (ZS_ETIMEDOUT names what it waited for; any other status its zs_strerror);
+ * returns status. */
+int service_pull_wait_failed(int status, uint64_t min_version, uint32_t tensor, uint32_t slice,
+                             char *err, size_t errlen);
+
+#endif
