@@ -155,21 +155,18 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
   for (uint32_t t = 0; t < s->num_tensors; t++) {
     const spec_tensor *st = &s->tensors[t];
     const spec_group *g = &s->groups[st->group];
-    optim_params p;
-    memset(&p, 0, sizeof p);
-    p.optimizer = g->optimizer;
-    p.momentum = g->momentum;
+    unsigned needs = optim_state_needs(g);
     if (st->numel > largest)
       largest = st->numel;
     outs[nouts++] = (out_tensor){t, CKPT_ARRAY_MASTER, NULL, dtype, 0, 0};
-    if (moments && optim_uses_m(&p))
+    if (moments && (needs & OPTIM_STATE_M))
       outs[nouts++] = (out_tensor){t,
                                    CKPT_ARRAY_EXP_AVG,
                                    g->optimizer == ZS_OPTIM_SGD ? ".momentum_buffer" : ".exp_avg",
                                    ZS_DTYPE_FP32,
                                    0,
                                    0};
-    if (moments && optim_uses_v(&p))
+    if (moments && (needs & OPTIM_STATE_V))
       outs[nouts++] = (out_tensor){t, CKPT_ARRAY_EXP_AVG_SQ, ".exp_avg_sq", ZS_DTYPE_FP32, 0, 0};
   }
   for (size_t i = 0; i < nouts; i++) {
