@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "common/dtype.h"
+#include "common/le.h"
 #include "common/status.h"
 #include "server/ckpt.h"
 #include "server/optim.h"
@@ -223,8 +224,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
     goto done;
   }
   uint8_t len8[8];
-  for (int i = 0; i < 8; i++)
-    len8[i] = (uint8_t)((uint64_t)js.len >> (8 * i));
+  le_store64(len8, (uint64_t)js.len);
   if (ckpt_write_full(fd, len8, 8) != 0 || ckpt_write_full(fd, js.p, js.len) != 0) {
     rc = status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
     goto done;

@@ -58,6 +58,7 @@
 
 #include "common/clock.h"
 #include "common/dtype.h"
+#include "common/le.h"
 #include "common/list.h"
 #include "common/log.h"
 #include "common/rpc_client.h"
@@ -539,13 +540,6 @@ static int read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
   return -1; /* more than 10 bytes */
 }
 
-static uint64_t load_le(const uint8_t *p, unsigned n) {
-  uint64_t v = 0;
-  for (unsigned i = 0; i < n; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 /* A PushRequest decoded in place: data points into the message. */
 typedef struct push_req {
   uint64_t hash, step;
@@ -580,7 +574,7 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
     case 1:
       if (end - p < 8)
         return -1;
-      v = load_le(p, 8);
+      v = le_load64(p);
       p += 8;
       break;
     case 2:
@@ -592,7 +586,7 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
     case 5:
       if (end - p < 4)
         return -1;
-      v = load_le(p, 4);
+      v = le_load32(p);
       p += 4;
       break;
     default: /* groups (3, 4) are not proto3; 6 and 7 do not exist */

@@ -31,6 +31,7 @@
 #include "common/clock.h"
 #include "common/dtype.h"
 #include "common/layout.h"
+#include "common/le.h"
 #include "common/spec.h"
 #include "server/ckpt.h"
 #include "server/core.h"
@@ -460,7 +461,7 @@ static uint32_t file_sections(const char *path) {
   uint8_t h[60];
   assert_int_equal(fread(h, 1, sizeof h, f), sizeof h);
   fclose(f);
-  return (uint32_t)h[56] | (uint32_t)h[57] << 8 | (uint32_t)h[58] << 16 | (uint32_t)h[59] << 24;
+  return le_load32(h + 56);
 }
 
 static void client_state_travels_with_the_files_and_files_without_it_still_load(void **state) {
@@ -805,14 +806,6 @@ static void subdirectory_names_from_the_network_are_checked(void **state) {
   assert_false(ckpt_valid_subdir("1/2/3/4/5/6/7/8/9"));
 }
 
-/* Reads a u64 little-endian. */
-static uint64_t le64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 /* The data_offsets of `key` in the header JSON (a plain search: keys are
  * unique and each is followed by its object). */
 static void find_offsets(const char *json, const char *key, uint64_t *b, uint64_t *e) {
@@ -842,7 +835,7 @@ static void export_holds_every_tensor_whole(void **state) {
   assert_non_null(f);
   uint8_t len8[8];
   assert_int_equal(fread(len8, 1, 8, f), 8);
-  uint64_t hl = le64(len8);
+  uint64_t hl = le_load64(len8);
   assert_int_equal(hl % 8, 0);
   char *json = calloc(hl + 1, 1);
   assert_int_equal(fread(json, 1, hl, f), hl);
@@ -881,7 +874,7 @@ static void export_holds_every_tensor_whole(void **state) {
   assert_int_equal(ckpt_export_safetensors(root, 4, out, &o, err, sizeof err), 0);
   f = fopen(out, "rb");
   assert_int_equal(fread(len8, 1, 8, f), 8);
-  hl = le64(len8);
+  hl = le_load64(len8);
   json = calloc(hl + 1, 1);
   assert_int_equal(fread(json, 1, hl, f), hl);
   assert_non_null(strstr(json, "\"dtype\":\"BF16\""));
