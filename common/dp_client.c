@@ -1113,11 +1113,9 @@ static int waiter_finish(waiter *w, int rc, char *err, size_t errlen) {
     while (!w->done)
       pthread_cond_wait(&w->cv, &w->mu);
     pthread_mutex_unlock(&w->mu);
-    rc = w->res.status;
-    if (err && errlen)
-      say(err, errlen, "%s", w->msg);
-  } else if (err && errlen) {
-    say(err, errlen, "%s", zs_strerror(rc));
+    rc = status_fail(err, errlen, w->res.status, "%s", w->msg);
+  } else {
+    status_fail(err, errlen, rc, "%s", zs_strerror(rc));
   }
   pthread_cond_destroy(&w->cv);
   pthread_mutex_destroy(&w->mu);

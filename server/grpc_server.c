@@ -1697,19 +1697,14 @@ static int default_threads(void) {
   return n < 2 ? 2 : n > 4 ? 4 : (int)n;
 }
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, const char *arg) {
-  if (err && errlen)
-    snprintf(err, errlen, fmt, arg);
-  return rc;
-}
-
 int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   *out = NULL;
   if (!cfg || !cfg->core || !cfg->listen || !cfg->listen[0])
-    return fail(err, errlen, ZS_EINVAL, "%s", "gsrv_start needs a core and a listen address");
+    return status_fail(err, errlen, ZS_EINVAL, "%s",
+                       "gsrv_start needs a core and a listen address");
   gsrv *s = calloc(1, sizeof *s);
   if (!s)
-    return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   s->core = cfg->core;
   s->ckpt = cfg->ckpt;
   s->data_port = cfg->data_port;
@@ -1747,7 +1742,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   s->server = grpc_server_create(&chargs, NULL);
   s->cq = grpc_completion_queue_create_for_next(NULL);
   if (!s->server || !s->cq) {
-    fail(err, errlen, ZS_EINTERNAL, "%s", "cannot create the gRPC server");
+    status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot create the gRPC server");
     goto fail;
   }
   grpc_server_register_completion_queue(s->server, s->cq, NULL);
@@ -1755,7 +1750,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->reg[m] = grpc_server_register_method(s->server, methods[m].path, NULL,
                                             GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     if (!s->reg[m]) {
-      fail(err, errlen, ZS_EINTERNAL, "cannot register method %s", methods[m].path);
+      status_fail(err, errlen, ZS_EINTERNAL, "cannot register method %s", methods[m].path);
       goto fail;
     }
   }
@@ -1763,15 +1758,15 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   s->port = grpc_server_add_http2_port(s->server, cfg->listen, creds);
   grpc_server_credentials_release(creds);
   if (s->port <= 0) {
-    rc = fail(err, errlen, ZS_EINVAL, "cannot listen on %s (address invalid or in use)",
-              cfg->listen);
+    rc = status_fail(err, errlen, ZS_EINVAL, "cannot listen on %s (address invalid or in use)",
+                     cfg->listen);
     goto fail;
   }
 
   int want = cfg->threads > 0 ? cfg->threads : default_threads();
   s->threads = calloc((size_t)want, sizeof *s->threads);
   if (!s->threads) {
-    rc = fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
     goto fail;
   }
   for (int i = 0; i < want; i++) {
@@ -1780,7 +1775,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->nthreads++;
   }
   if (s->nthreads == 0) {
-    fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the polling threads");
+    status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the polling threads");
     goto fail;
   }
 
@@ -1795,7 +1790,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   s->serving = rc == 0;
   pthread_mutex_unlock(&s->lock);
   if (rc) {
-    fail(err, errlen, rc, "%s", "cannot post request slots to gRPC");
+    status_fail(err, errlen, rc, "%s", "cannot post request slots to gRPC");
     gsrv_destroy(s);
     return rc;
   }

@@ -54,6 +54,7 @@
 #include <sys/socket.h>
 
 #include "common/dp_client.h"
+#include "common/status.h"
 #include "common/wire.h"
 #include "internal.h"
 
@@ -164,10 +165,8 @@ static int open_client(const zs_client *c, const char *host, uint32_t port, zc_d
   if (rc != ZS_OK)
     return rc;
   zc_dpconn *k = calloc(1, sizeof *k);
-  if (!k) {
-    snprintf(err, errlen, "out of memory");
-    return ZS_ENOMEM;
-  }
+  if (!k)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   dp_client_config cfg = {
       .addr = hp,
       .connections = c->opt.data_connections,
