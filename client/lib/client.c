@@ -18,6 +18,7 @@
 #include "ckpt_client.h"
 #include "common/clock.h"
 #include "common/dp_client.h"
+#include "common/status.h"
 #include "internal.h"
 
 /* ---- registry ------------------------------------------------------------- */
@@ -179,9 +180,10 @@ int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint3
       break;
     }
     addr[i] = a;
-    const char *colon = strrchr(a, ':');
-    if (!*a || !colon || colon == a || !colon[1])
-      rc = zc_fail(ZS_EINVAL, "address %" PRIu32 " ('%s') is not host:port", i, a);
+    hostport hp;
+    char why[400];
+    if (zc_address_hostport(a, &hp, why, sizeof why) != ZS_OK)
+      rc = zc_fail(ZS_EINVAL, "address %" PRIu32 " ('%s'): %s", i, a, why);
   }
   if (rc != ZS_OK) {
     zc_free_addresses(addr, n);
@@ -189,6 +191,27 @@ int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint3
   }
   *out = addr;
   *count = n;
+  return ZS_OK;
+}
+
+int zc_address_hostport(const char *addr, hostport *out, char *err, size_t errlen) {
+  static const char *const schemes[] = {"dns:", "ipv4:", "ipv6:"};
+  const char *text = addr;
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
+    size_t n = strlen(schemes[i]);
+    if (strncmp(text, schemes[i], n) == 0) {
+      text += n;
+      break;
+    }
+  }
+  const char *slash = strrchr(text, '/');
+  if (slash)
+    text = slash + 1;
+  int rc = hostport_parse(text, out, err, errlen);
+  if (rc != 0)
+    return rc;
+  if (!out->host[0])
+    return status_fail(err, errlen, ZS_EINVAL, "address \"%.300s\" has no host", addr);
   return ZS_OK;
 }
 
