@@ -55,7 +55,8 @@ typedef enum spec_reduce {
  * that the fields before it keep their places), its use in the optimizer
  * kernel (optim.c: optim_plan_init and the loops), and what no list can say
  * for it: the field in zshard.proto and in the public zs_group_options (at
- * the end, for the ABI), a non-zero default in spec_group_defaults, a range
+ * the end, for the ABI; the generated copies name both, so the build fails
+ * until they exist), a non-zero default in spec_group_defaults, a range
  * check in check_group beyond "finite" or "0 or 1", and whether it changes
  * which moment arrays exist (optim_state_needs). It changes the canonical
  * encoding, so every spec hash and the checkpoint format (a version bump)
