@@ -30,6 +30,7 @@
  * (at most DPC_STAGING, copied once from the staging buffer).
  */
 #include "common/dp_client.h"
+#include "common/hostport.h"
 #include "common/status.h"
 
 #include <errno.h>
@@ -76,51 +77,23 @@ static void say(char *buf, size_t len, const char *fmt, ...) {
 
 int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, char *err,
                size_t errlen) {
-  if (!hostport)
-    return status_fail(err, errlen, ZS_EINVAL, "no address given");
-  char host[256];
-  const char *port;
-  size_t hlen;
-  if (hostport[0] == '[') {
-    const char *close = strchr(hostport, ']');
-    if (!close || close[1] != ':')
-      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" is not [IPv6]:port", hostport);
-    hlen = (size_t)(close - hostport - 1);
-    if (hlen >= sizeof host)
-      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
-    memcpy(host, hostport + 1, hlen);
-    port = close + 2;
-  } else {
-    const char *colon = strrchr(hostport, ':');
-    if (!colon)
-      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" has no :port", hostport);
-    hlen = (size_t)(colon - hostport);
-    if (memchr(hostport, ':', hlen))
-      return status_fail(err, errlen, ZS_EINVAL,
-                         "IPv6 address \"%s\" must be written [address]:port", hostport);
-    if (hlen >= sizeof host)
-      return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" is too long", hostport);
-    memcpy(host, hostport, hlen);
-    port = colon + 1;
-  }
-  host[hlen] = '\0';
-  char *end = NULL;
-  errno = 0;
-  unsigned long p = strtoul(port, &end, 10);
-  if (!*port || *end || errno || p > 65535 || port[0] == '-' || port[0] == '+')
-    return status_fail(err, errlen, ZS_EINVAL, "port \"%s\" of \"%s\" is not a number 0..65535",
-                       port, hostport);
+  struct hostport hp; /* the struct tag: the parameter hides the typedef */
+  int rc = hostport_parse(hostport, &hp, err, errlen);
+  if (rc != 0)
+    return rc;
+  char *host = hp.host;
+  uint16_t p = hp.port;
   if (!host[0]) {
     if (!passive)
       return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" has no host", hostport);
-    say(host, sizeof host, "0.0.0.0");
+    say(host, sizeof hp.host, "0.0.0.0");
   }
   struct addrinfo hints, *res = NULL;
   memset(&hints, 0, sizeof hints);
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = passive ? AI_PASSIVE : 0;
-  int rc = getaddrinfo(host, NULL, &hints, &res);
+  rc = getaddrinfo(host, NULL, &hints, &res);
   if (rc != 0 || !res)
     return status_fail(err, errlen, ZS_EINVAL, "cannot resolve \"%s\": %s", host, gai_strerror(rc));
   memset(out, 0, sizeof *out);
@@ -1113,11 +1086,9 @@ static int waiter_finish(waiter *w, int rc, char *err, size_t errlen) {
     while (!w->done)
       pthread_cond_wait(&w->cv, &w->mu);
     pthread_mutex_unlock(&w->mu);
-    rc = w->res.status;
-    if (err && errlen)
-      say(err, errlen, "%s", w->msg);
-  } else if (err && errlen) {
-    say(err, errlen, "%s", zs_strerror(rc));
+    rc = status_fail(err, errlen, w->res.status, "%s", w->msg);
+  } else {
+    status_fail(err, errlen, rc, "%s", zs_strerror(rc));
   }
   pthread_cond_destroy(&w->cv);
   pthread_mutex_destroy(&w->mu);

@@ -10,10 +10,12 @@
 #include "common/spec.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common/le.h"
+#include "common/status.h"
 
 /* ------------------------------------------------------------------------ */
 /* Defaults                                                                  */
@@ -49,19 +51,6 @@ void spec_group_defaults(spec_group *g, zs_optimizer opt) {
 /* ------------------------------------------------------------------------ */
 /* Validation                                                                */
 /* ------------------------------------------------------------------------ */
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return ZS_EINVAL;
-}
 
 /* A name made safe to print inside double quotes in an error message: the
  * name may be exactly what is being rejected (control characters, bad UTF-8,
@@ -144,56 +133,71 @@ static const char *name_problem(const char *s) {
 }
 
 static int check_group(const spec_group *g, uint32_t i, char *err, size_t errlen) {
-  const struct {
-    const char *name;
-    double v;
-  } all[] = {{"lr_scale", g->lr_scale},
-             {"beta1", g->beta1},
-             {"beta2", g->beta2},
-             {"eps", g->eps},
-             {"weight_decay", g->weight_decay},
-             {"momentum", g->momentum},
-             {"dampening", g->dampening}};
   /* Every double is hashed and may be read by the optimizer, so even the
-   * ones this optimizer ignores must be finite. */
-  for (size_t k = 0; k < sizeof all / sizeof all[0]; k++)
-    if (!isfinite(all[k].v))
-      return fail(err, errlen, "param group %u: %s is not finite (%g)", i, all[k].name, all[k].v);
+   * ones this optimizer ignores must be finite; every flag is 0 or 1. The
+   * doubles are checked first, in list order, then the flags. */
+#define CHECK_F64(name)                                                                            \
+  if (!isfinite(g->name))                                                                          \
+    return status_fail(err, errlen, ZS_EINVAL, "param group %u: %s is not finite (%g)", i, #name,  \
+                       g->name);
+#define CHECK_FLAG(name)
+#define CHECK_FLAG_NEGATED(name)
+#define CHECK_FINITE(kind, name, proto) CHECK_##kind(name)
+  SPEC_GROUP_FIELDS(CHECK_FINITE)
+#undef CHECK_FINITE
+#undef CHECK_F64
+#undef CHECK_FLAG
+#undef CHECK_FLAG_NEGATED
   if (g->lr_scale < 0)
-    return fail(err, errlen, "param group %u: lr_scale %g is negative", i, g->lr_scale);
+    return status_fail(err, errlen, ZS_EINVAL, "param group %u: lr_scale %g is negative", i,
+                       g->lr_scale);
   if (g->weight_decay < 0)
-    return fail(err, errlen, "param group %u: weight_decay %g is negative", i, g->weight_decay);
-  if (g->nesterov != 0 && g->nesterov != 1)
-    return fail(err, errlen, "param group %u: nesterov is %d, not 0 or 1", i, g->nesterov);
-  if (g->bias_correction != 0 && g->bias_correction != 1)
-    return fail(err, errlen, "param group %u: bias_correction is %d, not 0 or 1", i,
-                g->bias_correction);
+    return status_fail(err, errlen, ZS_EINVAL, "param group %u: weight_decay %g is negative", i,
+                       g->weight_decay);
+#define CHECK_F64(name)
+#define CHECK_FLAG(name)                                                                           \
+  if (g->name != 0 && g->name != 1)                                                                \
+    return status_fail(err, errlen, ZS_EINVAL, "param group %u: %s is %d, not 0 or 1", i, #name,   \
+                       g->name);
+#define CHECK_FLAG_NEGATED(name) CHECK_FLAG(name)
+#define CHECK_01(kind, name, proto) CHECK_##kind(name)
+  SPEC_GROUP_FIELDS(CHECK_01)
+#undef CHECK_01
+#undef CHECK_F64
+#undef CHECK_FLAG
+#undef CHECK_FLAG_NEGATED
 
   switch (g->optimizer) {
   case ZS_OPTIM_ADAMW:
   case ZS_OPTIM_ADAM:
     if (!(g->beta1 >= 0 && g->beta1 < 1))
-      return fail(err, errlen, "param group %u: beta1 %g is outside [0, 1)", i, g->beta1);
+      return status_fail(err, errlen, ZS_EINVAL, "param group %u: beta1 %g is outside [0, 1)", i,
+                         g->beta1);
     if (!(g->beta2 >= 0 && g->beta2 < 1))
-      return fail(err, errlen, "param group %u: beta2 %g is outside [0, 1)", i, g->beta2);
+      return status_fail(err, errlen, ZS_EINVAL, "param group %u: beta2 %g is outside [0, 1)", i,
+                         g->beta2);
     if (!(g->eps > 0))
-      return fail(err, errlen, "param group %u: eps %g is not positive", i, g->eps);
+      return status_fail(err, errlen, ZS_EINVAL, "param group %u: eps %g is not positive", i,
+                         g->eps);
     break;
   case ZS_OPTIM_SGD:
     if (g->momentum < 0)
-      return fail(err, errlen, "param group %u: momentum %g is negative", i, g->momentum);
+      return status_fail(err, errlen, ZS_EINVAL, "param group %u: momentum %g is negative", i,
+                         g->momentum);
     if (!(g->dampening >= 0 && g->dampening <= 1))
-      return fail(err, errlen, "param group %u: dampening %g is outside [0, 1]", i, g->dampening);
+      return status_fail(err, errlen, ZS_EINVAL, "param group %u: dampening %g is outside [0, 1]",
+                         i, g->dampening);
     /* torch.optim.SGD: "Nesterov momentum requires a momentum and zero
      * dampening". */
     if (g->nesterov && !(g->momentum > 0 && g->dampening == 0))
-      return fail(err, errlen,
-                  "param group %u: nesterov requires momentum > 0 and dampening 0 "
-                  "(momentum %g, dampening %g)",
-                  i, g->momentum, g->dampening);
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "param group %u: nesterov requires momentum > 0 and dampening 0 "
+                         "(momentum %g, dampening %g)",
+                         i, g->momentum, g->dampening);
     break;
   default:
-    return fail(err, errlen, "param group %u: unknown optimizer %d", i, (int)g->optimizer);
+    return status_fail(err, errlen, ZS_EINVAL, "param group %u: unknown optimizer %d", i,
+                       (int)g->optimizer);
   }
   return 0;
 }
@@ -202,29 +206,35 @@ static int check_tensor(const spec *s, uint32_t i, char *err, size_t errlen) {
   const spec_tensor *t = &s->tensors[i];
   const char *why = name_problem(t->name);
   if (why)
-    return fail(err, errlen, "tensor %u (\"%s\"): %s", i, quote(t->name).s, why);
+    return status_fail(err, errlen, ZS_EINVAL, "tensor %u (\"%s\"): %s", i, quote(t->name).s, why);
   if (t->numel == 0)
-    return fail(err, errlen, "tensor %u (\"%s\"): numel is 0", i, quote(t->name).s);
+    return status_fail(err, errlen, ZS_EINVAL, "tensor %u (\"%s\"): numel is 0", i,
+                       quote(t->name).s);
   if (t->numel > SPEC_MAX_NUMEL)
-    return fail(err, errlen, "tensor %u (\"%s\"): numel %llu exceeds the limit of %llu", i,
-                quote(t->name).s, (unsigned long long)t->numel, (unsigned long long)SPEC_MAX_NUMEL);
+    return status_fail(
+        err, errlen, ZS_EINVAL, "tensor %u (\"%s\"): numel %llu exceeds the limit of %llu", i,
+        quote(t->name).s, (unsigned long long)t->numel, (unsigned long long)SPEC_MAX_NUMEL);
   if (t->group >= s->num_groups)
-    return fail(err, errlen, "tensor %u (\"%s\"): group %u out of range (%u groups)", i,
-                quote(t->name).s, t->group, s->num_groups);
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "tensor %u (\"%s\"): group %u out of range (%u groups)", i, quote(t->name).s,
+                       t->group, s->num_groups);
   if (t->ndim > SPEC_MAX_DIMS)
-    return fail(err, errlen, "tensor %u (\"%s\"): %u dimensions, at most %u allowed", i,
-                quote(t->name).s, t->ndim, SPEC_MAX_DIMS);
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "tensor %u (\"%s\"): %u dimensions, at most %u allowed", i, quote(t->name).s,
+                       t->ndim, SPEC_MAX_DIMS);
   uint64_t prod = 1;
   for (uint32_t d = 0; d < t->ndim; d++) {
     /* The product is checked for overflow at each step: a shape of huge
      * dimensions must not wrap around to numel. */
     if (t->shape[d] == 0 || __builtin_mul_overflow(prod, t->shape[d], &prod))
-      return fail(err, errlen, "tensor %u (\"%s\"): shape dimension %u (%llu) is invalid", i,
-                  quote(t->name).s, d, (unsigned long long)t->shape[d]);
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "tensor %u (\"%s\"): shape dimension %u (%llu) is invalid", i,
+                         quote(t->name).s, d, (unsigned long long)t->shape[d]);
   }
   if (t->ndim > 0 && prod != t->numel)
-    return fail(err, errlen, "tensor %u (\"%s\"): shape product %llu differs from numel %llu", i,
-                quote(t->name).s, (unsigned long long)prod, (unsigned long long)t->numel);
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "tensor %u (\"%s\"): shape product %llu differs from numel %llu", i,
+                       quote(t->name).s, (unsigned long long)prod, (unsigned long long)t->numel);
   return 0;
 }
 
@@ -241,19 +251,17 @@ static int cmp_name_index(const void *a, const void *b, void *arg) {
  * million tensors. Returns 0, ZS_EINVAL naming both tensors, or ZS_ENOMEM. */
 static int check_unique_names(const spec *s, char *err, size_t errlen) {
   uint32_t *idx = malloc((size_t)s->num_tensors * sizeof *idx);
-  if (!idx) {
-    if (err && errlen > 0)
-      snprintf(err, errlen, "out of memory while checking %u tensor names", s->num_tensors);
-    return ZS_ENOMEM;
-  }
+  if (!idx)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory while checking %u tensor names",
+                       s->num_tensors);
   for (uint32_t i = 0; i < s->num_tensors; i++)
     idx[i] = i;
   qsort_r(idx, s->num_tensors, sizeof *idx, cmp_name_index, s->tensors);
   int rc = 0;
   for (uint32_t k = 1; k < s->num_tensors; k++) {
     if (strcmp(s->tensors[idx[k - 1]].name, s->tensors[idx[k]].name) == 0) {
-      rc = fail(err, errlen, "tensor %u (\"%s\"): name already used by tensor %u", idx[k],
-                quote(s->tensors[idx[k]].name).s, idx[k - 1]);
+      rc = status_fail(err, errlen, ZS_EINVAL, "tensor %u (\"%s\"): name already used by tensor %u",
+                       idx[k], quote(s->tensors[idx[k]].name).s, idx[k - 1]);
       break;
     }
   }
@@ -283,11 +291,11 @@ static int check_totals(const spec *s, char *err, size_t errlen) {
       pieces += 1;
     }
     if (total > SPEC_MAX_TOTAL_NUMEL)
-      return fail(err, errlen, "the model has more than %llu elements in all",
-                  (unsigned long long)SPEC_MAX_TOTAL_NUMEL);
+      return status_fail(err, errlen, ZS_EINVAL, "the model has more than %llu elements in all",
+                         (unsigned long long)SPEC_MAX_TOTAL_NUMEL);
     if (pieces > SPEC_MAX_PIECES)
-      return fail(err, errlen, "the layout would have more than %llu pieces",
-                  (unsigned long long)SPEC_MAX_PIECES);
+      return status_fail(err, errlen, ZS_EINVAL, "the layout would have more than %llu pieces",
+                         (unsigned long long)SPEC_MAX_PIECES);
   }
   return 0;
 }
@@ -296,33 +304,40 @@ int spec_validate(spec *s, char *err, size_t errlen) {
   if (err && errlen > 0)
     err[0] = '\0';
   if (!s)
-    return fail(err, errlen, "no spec given");
+    return status_fail(err, errlen, ZS_EINVAL, "no spec given");
 
   const char *why = name_problem(s->job);
   if (why)
-    return fail(err, errlen, "job \"%s\": %s", quote(s->job).s, why);
+    return status_fail(err, errlen, ZS_EINVAL, "job \"%s\": %s", quote(s->job).s, why);
 
   if (s->world_size < 1 || s->world_size > SPEC_MAX_WORLD)
-    return fail(err, errlen, "world_size %u is outside 1..%u", s->world_size, SPEC_MAX_WORLD);
+    return status_fail(err, errlen, ZS_EINVAL, "world_size %u is outside 1..%u", s->world_size,
+                       SPEC_MAX_WORLD);
   if (s->grad_accum < 1 || s->grad_accum > SPEC_MAX_ACCUM)
-    return fail(err, errlen, "grad_accum %u is outside 1..%u", s->grad_accum, SPEC_MAX_ACCUM);
+    return status_fail(err, errlen, ZS_EINVAL, "grad_accum %u is outside 1..%u", s->grad_accum,
+                       SPEC_MAX_ACCUM);
   if ((uint64_t)s->world_size * s->grad_accum > SPEC_MAX_CONTRIB)
-    return fail(err, errlen,
-                "world_size %u times grad_accum %u is %llu contributions per step, more than %u",
-                s->world_size, s->grad_accum, (unsigned long long)s->world_size * s->grad_accum,
-                SPEC_MAX_CONTRIB);
+    return status_fail(
+        err, errlen, ZS_EINVAL,
+        "world_size %u times grad_accum %u is %llu contributions per step, more than %u",
+        s->world_size, s->grad_accum, (unsigned long long)s->world_size * s->grad_accum,
+        SPEC_MAX_CONTRIB);
   if (s->num_shards < 1 || s->num_shards > SPEC_MAX_SHARDS)
-    return fail(err, errlen, "num_shards %u is outside 1..%u", s->num_shards, SPEC_MAX_SHARDS);
+    return status_fail(err, errlen, ZS_EINVAL, "num_shards %u is outside 1..%u", s->num_shards,
+                       SPEC_MAX_SHARDS);
   if (s->reduce != SPEC_REDUCE_MEAN && s->reduce != SPEC_REDUCE_SUM)
-    return fail(err, errlen, "grad_reduce %d is neither mean (0) nor sum (1)", (int)s->reduce);
+    return status_fail(err, errlen, ZS_EINVAL, "grad_reduce %d is neither mean (0) nor sum (1)",
+                       (int)s->reduce);
   if (s->param_dtype != ZS_DTYPE_BF16 && s->param_dtype != ZS_DTYPE_FP16)
-    return fail(err, errlen, "param_dtype %d is neither bf16 (%d) nor fp16 (%d)",
-                (int)s->param_dtype, ZS_DTYPE_BF16, ZS_DTYPE_FP16);
+    return status_fail(err, errlen, ZS_EINVAL, "param_dtype %d is neither bf16 (%d) nor fp16 (%d)",
+                       (int)s->param_dtype, ZS_DTYPE_BF16, ZS_DTYPE_FP16);
 
   if (s->num_groups < 1 || s->num_groups > SPEC_MAX_GROUPS)
-    return fail(err, errlen, "%u param groups, expected 1..%u", s->num_groups, SPEC_MAX_GROUPS);
+    return status_fail(err, errlen, ZS_EINVAL, "%u param groups, expected 1..%u", s->num_groups,
+                       SPEC_MAX_GROUPS);
   if (!s->groups)
-    return fail(err, errlen, "%u param groups declared but none given", s->num_groups);
+    return status_fail(err, errlen, ZS_EINVAL, "%u param groups declared but none given",
+                       s->num_groups);
   for (uint32_t i = 0; i < s->num_groups; i++) {
     int rc = check_group(&s->groups[i], i, err, errlen);
     if (rc)
@@ -330,9 +345,11 @@ int spec_validate(spec *s, char *err, size_t errlen) {
   }
 
   if (s->num_tensors < 1 || s->num_tensors > SPEC_MAX_TENSORS)
-    return fail(err, errlen, "%u tensors, expected 1..%u", s->num_tensors, SPEC_MAX_TENSORS);
+    return status_fail(err, errlen, ZS_EINVAL, "%u tensors, expected 1..%u", s->num_tensors,
+                       SPEC_MAX_TENSORS);
   if (!s->tensors)
-    return fail(err, errlen, "%u tensors declared but none given", s->num_tensors);
+    return status_fail(err, errlen, ZS_EINVAL, "%u tensors declared but none given",
+                       s->num_tensors);
   for (uint32_t i = 0; i < s->num_tensors; i++) {
     int rc = check_tensor(s, i, err, errlen);
     if (rc)
@@ -366,9 +383,10 @@ int spec_validate(spec *s, char *err, size_t errlen) {
  *   u32 reduce, u32 param_dtype
  *   u32 num_groups, then per group:
  *     u32 optimizer
- *     u64 IEEE 754 bits of lr_scale, beta1, beta2, eps, weight_decay,
- *         momentum, dampening            (so 0.0 and -0.0 differ)
- *     u32 nesterov, u32 bias_correction
+ *     SPEC_GROUP_FIELDS in their order (spec.h), an F64 as the u64 of its
+ *     IEEE 754 bits (so 0.0 and -0.0 differ), a FLAG as u32: today
+ *     lr_scale, beta1, beta2, eps, weight_decay, momentum, dampening,
+ *     then nesterov, bias_correction
  *   u32 num_tensors, then per tensor:
  *     u32 len(name), name bytes
  *     u64 numel, u32 group, u32 ndim, u64 shape[0 .. ndim)
@@ -390,22 +408,39 @@ typedef struct sink {
 
 static void put_u32(sink *k, uint32_t v) {
   unsigned char b[4];
-  for (int i = 0; i < 4; i++)
-    b[i] = (unsigned char)(v >> (8 * i));
+  le_store32(b, v);
   k->put(k, b, sizeof b);
 }
 
 static void put_u64(sink *k, uint64_t v) {
   unsigned char b[8];
-  for (int i = 0; i < 8; i++)
-    b[i] = (unsigned char)(v >> (8 * i));
+  le_store64(b, v);
   k->put(k, b, sizeof b);
 }
 
-static void put_f64(sink *k, double d) {
-  uint64_t v;
-  memcpy(&v, &d, sizeof v);
-  put_u64(k, v);
+/* Each kind's encoding; FLAG values are not normalised here: a validated
+ * spec holds only 0 and 1, and the hash of anything else must differ. */
+#define PUT_F64(p, v) le_store_f64(p, v)
+#define PUT_FLAG(p, v) le_store32(p, (uint32_t)(v))
+#define PUT_FLAG_NEGATED(p, v) le_store32(p, (uint32_t)(v))
+#define GET_F64(p) le_load_f64(p)
+#define GET_FLAG(p) (int)le_load32(p)
+#define GET_FLAG_NEGATED(p) (int)le_load32(p)
+
+void spec_group_put_fields(const spec_group *g, unsigned char *out) {
+#define PUT_FIELD(kind, name, proto)                                                               \
+  PUT_##kind(out, g->name);                                                                        \
+  out += SPEC_FIELD_BYTES_##kind;
+  SPEC_GROUP_FIELDS(PUT_FIELD)
+#undef PUT_FIELD
+}
+
+void spec_group_get_fields(spec_group *g, const unsigned char *in) {
+#define GET_FIELD(kind, name, proto)                                                               \
+  g->name = GET_##kind(in);                                                                        \
+  in += SPEC_FIELD_BYTES_##kind;
+  SPEC_GROUP_FIELDS(GET_FIELD)
+#undef GET_FIELD
 }
 
 static void put_str(sink *k, const char *s) {
@@ -426,17 +461,10 @@ static void spec_emit(const spec *s, sink *k) {
   put_u32(k, (uint32_t)s->param_dtype);
   put_u32(k, s->num_groups);
   for (uint32_t i = 0; i < s->num_groups; i++) {
-    const spec_group *g = &s->groups[i];
-    put_u32(k, (uint32_t)g->optimizer);
-    put_f64(k, g->lr_scale);
-    put_f64(k, g->beta1);
-    put_f64(k, g->beta2);
-    put_f64(k, g->eps);
-    put_f64(k, g->weight_decay);
-    put_f64(k, g->momentum);
-    put_f64(k, g->dampening);
-    put_u32(k, (uint32_t)g->nesterov);
-    put_u32(k, (uint32_t)g->bias_correction);
+    unsigned char fields[SPEC_GROUP_FIELDS_BYTES];
+    put_u32(k, (uint32_t)s->groups[i].optimizer);
+    spec_group_put_fields(&s->groups[i], fields);
+    k->put(k, fields, sizeof fields);
   }
   put_u32(k, s->num_tensors);
   for (uint32_t i = 0; i < s->num_tensors; i++) {

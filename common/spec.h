@@ -34,13 +34,73 @@ typedef enum spec_reduce {
   SPEC_REDUCE_SUM = 1,
 } spec_reduce;
 
+/*
+ * The hyper-parameters of a param group, one line each, in the order of the
+ * canonical encoding. Everything that lists a group's fields is generated
+ * from these lists: the spec_group and optim_params members, the encoding
+ * that spec_hash() hashes and checkpoints store (spec_group_put_fields), its
+ * decoding, the checkpoint's optimizer section, the proto conversion
+ * (spec_proto.c), the client's copy from zs_group_options (client.c), the
+ * finite / 0-or-1 checks of spec_validate and the core's optim_params.
+ *
+ * X(kind, name, proto_field):
+ *   kind         F64: a double, encoded as the u64 of its IEEE 754 bits;
+ *                FLAG: an int, 0 or 1, encoded as u32, a bool in the proto;
+ *                FLAG_NEGATED: the same, but the proto's bool says the
+ *                opposite (the proto's defaults are false).
+ *   name         the member of spec_group, optim_params and zs_group_options.
+ *   proto_field  the member of Zshard__V1__ParamGroup.
+ *
+ * Adding a hyper-parameter: one line here (SPEC_OPTIM_FIELDS, at the end, so
+ * that the fields before it keep their places), its use in the optimizer
+ * kernel (optim.c: optim_plan_init and the loops), and what no list can say
+ * for it: the field in zshard.proto and in the public zs_group_options (at
+ * the end, for the ABI; the generated copies name both, so the build fails
+ * until they exist), a non-zero default in spec_group_defaults, a range
+ * check in check_group beyond "finite" or "0 or 1", and whether it changes
+ * which moment arrays exist (optim_state_needs). It changes the canonical
+ * encoding, so every spec hash and the checkpoint format (a version bump)
+ * change with it.
+ */
+
+/* The optimizer's own hyper-parameters, each of which reaches the kernel as
+ * the optim_params member of the same name. */
+#define SPEC_OPTIM_FIELDS(X)                                                                       \
+  X(F64, beta1, beta1)                                      /* adam, adamw */                      \
+  X(F64, beta2, beta2)                                      /* adam, adamw */                      \
+  X(F64, eps, eps)                                          /* adam, adamw */                      \
+  X(F64, weight_decay, weight_decay)                        /* adam, adamw, sgd */                 \
+  X(F64, momentum, momentum)                                /* sgd */                              \
+  X(F64, dampening, dampening)                              /* sgd */                              \
+  X(FLAG, nesterov, nesterov)                               /* sgd */                              \
+  X(FLAG_NEGATED, bias_correction, disable_bias_correction) /* adam, adamw */
+
+/* All of a group's fields after its optimizer: the group's lr scale (which
+ * the core folds into the step's lr, so the kernel sees optim_params.lr),
+ * then the optimizer's. */
+#define SPEC_GROUP_FIELDS(X)                                                                       \
+  X(F64, lr_scale, lr_scale) /* this group's lr = the step's lr * lr_scale */                      \
+  SPEC_OPTIM_FIELDS(X)
+
+/* How each kind is held in C and how many bytes it takes encoded. */
+#define SPEC_FIELD_CTYPE_F64 double
+#define SPEC_FIELD_CTYPE_FLAG int
+#define SPEC_FIELD_CTYPE_FLAG_NEGATED int
+#define SPEC_FIELD_BYTES_F64 8u
+#define SPEC_FIELD_BYTES_FLAG 4u
+#define SPEC_FIELD_BYTES_FLAG_NEGATED 4u
+
+/* A struct member for each field of a list: SPEC_OPTIM_FIELDS(SPEC_FIELD_MEMBER). */
+#define SPEC_FIELD_MEMBER(kind, name, proto) SPEC_FIELD_CTYPE_##kind name;
+#define SPEC_FIELD_ADD_BYTES(kind, name, proto) +SPEC_FIELD_BYTES_##kind
+
+/* Bytes of the encoded fields of one group (SPEC_GROUP_FIELDS, without the
+ * u32 optimizer that precedes them). */
+#define SPEC_GROUP_FIELDS_BYTES (0u SPEC_GROUP_FIELDS(SPEC_FIELD_ADD_BYTES))
+
 typedef struct spec_group {
   zs_optimizer optimizer;
-  double lr_scale;
-  double beta1, beta2, eps, weight_decay; /* adam, adamw (weight_decay also sgd) */
-  double momentum, dampening;             /* sgd */
-  int nesterov;                           /* sgd, 0 or 1 */
-  int bias_correction;                    /* adam, adamw, 0 or 1 */
+  SPEC_GROUP_FIELDS(SPEC_FIELD_MEMBER)
 } spec_group;
 
 typedef struct spec_tensor {
@@ -68,6 +128,16 @@ typedef struct spec {
 /* Fills `g` with torch's defaults for `opt` (AdamW: betas 0.9/0.999, eps 1e-8,
  * weight decay 0.01; Adam: same with weight decay 0; SGD: all zero), lr_scale 1. */
 void spec_group_defaults(spec_group *g, zs_optimizer opt);
+
+/* Writes g's SPEC_GROUP_FIELDS, in order and little-endian, into out
+ * (SPEC_GROUP_FIELDS_BYTES bytes): the per-group part of the canonical
+ * encoding and of the checkpoint's optimizer section. */
+void spec_group_put_fields(const spec_group *g, unsigned char *out);
+
+/* The inverse: reads SPEC_GROUP_FIELDS_BYTES bytes at in into g's fields
+ * (the optimizer is left as it is). Values are taken as they come; checking
+ * them is spec_validate's job. */
+void spec_group_get_fields(spec_group *g, const unsigned char *in);
 
 /* Checks every field for range and consistency (names non-empty and unique,
  * group indices valid, shape products equal numel, hyper-parameters finite and

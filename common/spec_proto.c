@@ -6,35 +6,26 @@
  * limits before anything is allocated for them, and the resulting spec goes
  * through spec_validate() before it is handed back. The two differences
  * between the forms are mapped here: the proto says disable_bias_correction
- * where the spec says bias_correction, and param_dtype 0 (unspecified) means
+ * where the spec says bias_correction (a FLAG_NEGATED field of
+ * SPEC_GROUP_FIELDS), and param_dtype 0 (unspecified) means
  * bf16.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/spec.h"
+#include "common/status.h"
 #include "zshard/v1/zshard.pb-c.h"
 
-static int reject(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int reject(char *err, size_t errlen, const char *fmt, ...) {
-  if (err && errlen > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return ZS_EINVAL;
-}
-
-static int nomem(char *err, size_t errlen) {
-  if (err && errlen > 0)
-    snprintf(err, errlen, "out of memory while reading the model spec");
-  return ZS_ENOMEM;
-}
+/* Each kind's proto form (spec.h): a FLAG is a bool, a FLAG_NEGATED a bool
+ * that says the opposite, and a bool from the message becomes exactly 0 or 1. */
+#define TO_PROTO_F64(v) (v)
+#define TO_PROTO_FLAG(v) ((v) != 0)
+#define TO_PROTO_FLAG_NEGATED(v) ((v) == 0)
+#define FROM_PROTO_F64(v) (v)
+#define FROM_PROTO_FLAG(v) ((v) ? 1 : 0)
+#define FROM_PROTO_FLAG_NEGATED(v) ((v) ? 0 : 1)
 
 int spec_from_proto(spec *out, const Zshard__V1__ModelSpec *msg, char *err, size_t errlen) {
   int rc;
@@ -42,20 +33,22 @@ int spec_from_proto(spec *out, const Zshard__V1__ModelSpec *msg, char *err, size
   if (err && errlen > 0)
     err[0] = '\0';
   if (!msg)
-    return reject(err, errlen, "no model spec given");
+    return status_fail(err, errlen, ZS_EINVAL, "no model spec given");
   if (msg->n_groups < 1 || msg->n_groups > SPEC_MAX_GROUPS)
-    return reject(err, errlen, "%zu param groups, expected 1..%u", msg->n_groups, SPEC_MAX_GROUPS);
+    return status_fail(err, errlen, ZS_EINVAL, "%zu param groups, expected 1..%u", msg->n_groups,
+                       SPEC_MAX_GROUPS);
   if (msg->n_tensors < 1 || msg->n_tensors > SPEC_MAX_TENSORS)
-    return reject(err, errlen, "%zu tensors, expected 1..%u", msg->n_tensors, SPEC_MAX_TENSORS);
+    return status_fail(err, errlen, ZS_EINVAL, "%zu tensors, expected 1..%u", msg->n_tensors,
+                       SPEC_MAX_TENSORS);
   for (size_t i = 0; i < msg->n_groups; i++)
     if (!msg->groups || !msg->groups[i])
-      return reject(err, errlen, "param group %zu is missing", i);
+      return status_fail(err, errlen, ZS_EINVAL, "param group %zu is missing", i);
   for (size_t i = 0; i < msg->n_tensors; i++) {
     if (!msg->tensors || !msg->tensors[i])
-      return reject(err, errlen, "tensor %zu is missing", i);
+      return status_fail(err, errlen, ZS_EINVAL, "tensor %zu is missing", i);
     if (msg->tensors[i]->n_shape > SPEC_MAX_DIMS)
-      return reject(err, errlen, "tensor %zu: %zu dimensions, at most %u allowed", i,
-                    msg->tensors[i]->n_shape, SPEC_MAX_DIMS);
+      return status_fail(err, errlen, ZS_EINVAL, "tensor %zu: %zu dimensions, at most %u allowed",
+                         i, msg->tensors[i]->n_shape, SPEC_MAX_DIMS);
   }
 
   out->world_size = msg->world_size;
@@ -78,15 +71,9 @@ int spec_from_proto(spec *out, const Zshard__V1__ModelSpec *msg, char *err, size
     const Zshard__V1__ParamGroup *pg = msg->groups[i];
     spec_group *g = &out->groups[i];
     g->optimizer = (zs_optimizer)pg->optimizer;
-    g->lr_scale = pg->lr_scale;
-    g->beta1 = pg->beta1;
-    g->beta2 = pg->beta2;
-    g->eps = pg->eps;
-    g->weight_decay = pg->weight_decay;
-    g->momentum = pg->momentum;
-    g->dampening = pg->dampening;
-    g->nesterov = pg->nesterov ? 1 : 0;
-    g->bias_correction = pg->disable_bias_correction ? 0 : 1;
+#define FROM_PROTO(kind, name, proto) g->name = FROM_PROTO_##kind(pg->proto);
+    SPEC_GROUP_FIELDS(FROM_PROTO)
+#undef FROM_PROTO
   }
 
   out->tensors = calloc(msg->n_tensors, sizeof *out->tensors);
@@ -111,7 +98,7 @@ int spec_from_proto(spec *out, const Zshard__V1__ModelSpec *msg, char *err, size
   return 0;
 
 fail_nomem:
-  rc = nomem(err, errlen);
+  rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory while reading the model spec");
 fail:
   spec_free(out);
   return rc;
@@ -137,15 +124,9 @@ int spec_to_proto(const spec *s, Zshard__V1__ModelSpec *msg) {
     Zshard__V1__ParamGroup *pg = &pgs[i];
     zshard__v1__param_group__init(pg);
     pg->optimizer = (Zshard__V1__Optimizer)g->optimizer;
-    pg->lr_scale = g->lr_scale;
-    pg->beta1 = g->beta1;
-    pg->beta2 = g->beta2;
-    pg->eps = g->eps;
-    pg->weight_decay = g->weight_decay;
-    pg->momentum = g->momentum;
-    pg->dampening = g->dampening;
-    pg->nesterov = g->nesterov != 0;
-    pg->disable_bias_correction = g->bias_correction == 0;
+#define TO_PROTO(kind, name, proto) pg->proto = TO_PROTO_##kind(g->name);
+    SPEC_GROUP_FIELDS(TO_PROTO)
+#undef TO_PROTO
     groups[i] = pg;
   }
 

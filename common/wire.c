@@ -16,6 +16,7 @@
 
 #include "common/crc32c.h"
 #include "common/dtype.h"
+#include "common/le.h"
 #include "common/status.h"
 #include "zshard/v1/data.pb-c.h"
 
@@ -42,41 +43,6 @@ enum {
 /* No receiver bound may exceed this, so that 40 + meta + payload never
  * overflows a 64-bit size. */
 #define WIRE_PAYLOAD_CEILING (UINT64_C(1) << 62)
-
-/* Little-endian stores and loads, byte by byte so that neither the host's
- * byte order nor alignment matters. */
-static void put16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint16_t get16(const uint8_t *p) {
-  return (uint16_t)(p[0] | (p[1] << 8));
-}
-
-static uint32_t get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--)
-    v = (v << 8) | p[i];
-  return v;
-}
-
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--)
-    v = (v << 8) | p[i];
-  return v;
-}
 
 const char *wire_type_name(int type) {
   switch (type) {
@@ -300,16 +266,16 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
     return ZS_EINVAL;
   if (meta && protobuf_c_message_pack(meta, out + WIRE_HEADER_SIZE) != mlen)
     return ZS_EINVAL;
-  put32(out + OFF_MAGIC, WIRE_MAGIC);
+  le_store32(out + OFF_MAGIC, WIRE_MAGIC);
   out[OFF_VERSION] = (uint8_t)type_version((int)m->type);
   out[OFF_TYPE] = (uint8_t)m->type;
-  put16(out + OFF_FLAGS, 0);
-  put64(out + OFF_REQUEST_ID, m->request_id);
-  put64(out + OFF_PAYLOAD_LEN, m->payload_len);
-  put32(out + OFF_META_LEN, (uint32_t)mlen);
-  put32(out + OFF_PAYLOAD_CRC, m->payload_len ? m->payload_crc : 0);
-  put32(out + OFF_RESERVED, 0);
-  put32(out + OFF_HEADER_CRC, header_crc(out, out + WIRE_HEADER_SIZE, mlen));
+  le_store16(out + OFF_FLAGS, 0);
+  le_store64(out + OFF_REQUEST_ID, m->request_id);
+  le_store64(out + OFF_PAYLOAD_LEN, m->payload_len);
+  le_store32(out + OFF_META_LEN, (uint32_t)mlen);
+  le_store32(out + OFF_PAYLOAD_CRC, m->payload_len ? m->payload_crc : 0);
+  le_store32(out + OFF_RESERVED, 0);
+  le_store32(out + OFF_HEADER_CRC, header_crc(out, out + WIRE_HEADER_SIZE, mlen));
   *len = WIRE_HEADER_SIZE + mlen;
   return 0;
 }
@@ -322,7 +288,7 @@ int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload,
     max_payload = WIRE_DEFAULT_MAX_PAYLOAD;
   if (max_payload > WIRE_PAYLOAD_CEILING)
     max_payload = WIRE_PAYLOAD_CEILING;
-  uint32_t magic = get32(in + OFF_MAGIC);
+  uint32_t magic = le_load32(in + OFF_MAGIC);
   if (magic != WIRE_MAGIC)
     return status_fail(err, errlen, ZS_EPROTO,
                        "bad frame magic 0x%08" PRIx32 " (expected 0x%08" PRIx32
@@ -331,13 +297,13 @@ int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload,
   memset(h, 0, sizeof *h);
   h->version = in[OFF_VERSION];
   h->type = in[OFF_TYPE];
-  h->flags = get16(in + OFF_FLAGS);
-  h->request_id = get64(in + OFF_REQUEST_ID);
-  h->payload_len = get64(in + OFF_PAYLOAD_LEN);
-  h->meta_len = get32(in + OFF_META_LEN);
-  h->payload_crc = get32(in + OFF_PAYLOAD_CRC);
-  h->header_crc = get32(in + OFF_HEADER_CRC);
-  uint32_t reserved = get32(in + OFF_RESERVED);
+  h->flags = le_load16(in + OFF_FLAGS);
+  h->request_id = le_load64(in + OFF_REQUEST_ID);
+  h->payload_len = le_load64(in + OFF_PAYLOAD_LEN);
+  h->meta_len = le_load32(in + OFF_META_LEN);
+  h->payload_crc = le_load32(in + OFF_PAYLOAD_CRC);
+  h->header_crc = le_load32(in + OFF_HEADER_CRC);
+  uint32_t reserved = le_load32(in + OFF_RESERVED);
   if (h->version < WIRE_VERSION_MIN || h->version > WIRE_VERSION)
     return status_fail(err, errlen, ZS_EPROTO,
                        "unsupported frame version %u (this side speaks %u to %u)", h->version,

@@ -29,6 +29,7 @@
 
 #include "common/crc32c.h"
 #include "common/dtype.h"
+#include "common/le.h"
 #include "common/log.h"
 #include "server/optim.h"
 
@@ -39,40 +40,16 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #define CKPT_IO_BLOCK ((size_t)8 << 20) /* bytes per write/read call */
 #define CKPT_SPEC_TAG "zshard.spec.v1"
 #define CKPT_SPEC_TAG_LEN 14u
-#define CKPT_OPT_HEAD 16u  /* optimizer section: u64 steps, u32 groups, u32 0 */
-#define CKPT_OPT_GROUP 72u /* bytes per group */
-#define CKPT_PIECE_HEAD 8u /* pieces section: u32 count, u32 0 */
-#define CKPT_PIECE 40u     /* bytes per piece */
+#define CKPT_OPT_HEAD 16u /* optimizer section: u64 steps, u32 groups, u32 0 */
+#define CKPT_OPT_GROUP (8u + SPEC_GROUP_FIELDS_BYTES) /* bytes per group */
+#define CKPT_PIECE_HEAD 8u                            /* pieces section: u32 count, u32 0 */
+#define CKPT_PIECE 40u                                /* bytes per piece */
 #define CKPT_MANIFEST_TAG "zshard-checkpoint-manifest 1"
 #define CKPT_MANIFEST_MAX ((size_t)2 << 20)
 
 /* ------------------------------------------------------------------------ */
 /* Small helpers                                                             */
 /* ------------------------------------------------------------------------ */
-
-static void put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++)
-    v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-
-static uint64_t get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
 
 static uint64_t align_up(uint64_t x) {
   return (x + CKPT_ALIGN - 1) / CKPT_ALIGN * CKPT_ALIGN;
@@ -108,19 +85,13 @@ static uint8_t *bytes_grow(bytes *b, size_t n) {
 static void bytes_u32(bytes *b, uint32_t v) {
   uint8_t *p = bytes_grow(b, 4);
   if (p)
-    put_u32(p, v);
+    le_store32(p, v);
 }
 
 static void bytes_u64(bytes *b, uint64_t v) {
   uint8_t *p = bytes_grow(b, 8);
   if (p)
-    put_u64(p, v);
-}
-
-static void bytes_f64(bytes *b, double d) {
-  uint64_t v;
-  memcpy(&v, &d, sizeof v);
-  bytes_u64(b, v);
+    le_store64(p, v);
 }
 
 static void bytes_raw(bytes *b, const void *src, size_t n) {
@@ -278,19 +249,12 @@ static const uint8_t *cur_take(cursor *c, size_t n) {
 
 static uint32_t cur_u32(cursor *c) {
   const uint8_t *p = cur_take(c, 4);
-  return p ? get_u32(p) : 0;
+  return p ? le_load32(p) : 0;
 }
 
 static uint64_t cur_u64(cursor *c) {
   const uint8_t *p = cur_take(c, 8);
-  return p ? get_u64(p) : 0;
-}
-
-static double cur_f64(cursor *c) {
-  uint64_t v = cur_u64(c);
-  double d;
-  memcpy(&d, &v, sizeof d);
-  return d;
+  return p ? le_load64(p) : 0;
 }
 
 /* A string of at most SPEC_MAX_NAME bytes; NULL (and c->bad) otherwise. */
@@ -334,7 +298,8 @@ static int dec_spec(const uint8_t *p, size_t n, spec *out, char *why, size_t why
   out->reduce = (spec_reduce)cur_u32(&c);
   out->param_dtype = (zs_dtype)cur_u32(&c);
   uint32_t ngroups = cur_u32(&c);
-  if (c.bad || ngroups == 0 || ngroups > SPEC_MAX_GROUPS || (uint64_t)ngroups * 68u > c.left)
+  if (c.bad || ngroups == 0 || ngroups > SPEC_MAX_GROUPS ||
+      (uint64_t)ngroups * (4u + SPEC_GROUP_FIELDS_BYTES) > c.left)
     goto bad;
   out->groups = calloc(ngroups, sizeof *out->groups);
   if (!out->groups)
@@ -343,15 +308,9 @@ static int dec_spec(const uint8_t *p, size_t n, spec *out, char *why, size_t why
   for (uint32_t i = 0; i < ngroups; i++) {
     spec_group *g = &out->groups[i];
     g->optimizer = (zs_optimizer)cur_u32(&c);
-    g->lr_scale = cur_f64(&c);
-    g->beta1 = cur_f64(&c);
-    g->beta2 = cur_f64(&c);
-    g->eps = cur_f64(&c);
-    g->weight_decay = cur_f64(&c);
-    g->momentum = cur_f64(&c);
-    g->dampening = cur_f64(&c);
-    g->nesterov = (int)cur_u32(&c);
-    g->bias_correction = (int)cur_u32(&c);
+    const uint8_t *fields = cur_take(&c, SPEC_GROUP_FIELDS_BYTES);
+    if (fields)
+      spec_group_get_fields(g, fields);
   }
   uint32_t ntensors = cur_u32(&c);
   /* A tensor takes at least 20 bytes (empty name, numel, group, ndim). */
@@ -399,39 +358,25 @@ oom:
   return status_fail(why, whylen, ZS_ENOMEM, "out of memory decoding the spec section");
 }
 
-static int group_uses(const spec_group *g, int *m, int *v) {
-  optim_params p;
-  memset(&p, 0, sizeof p);
-  p.optimizer = g->optimizer;
-  p.momentum = g->momentum;
-  *m = optim_uses_m(&p);
-  *v = optim_uses_v(&p);
-  return 0;
-}
-
 /* Optimizer section: u64 optimizer_steps, u32 num_groups, u32 0, then per
- * group u32 optimizer, u32 state flags (bit 0: its pieces' m arena elements
- * are state, bit 1: v), f64 lr_scale, beta1, beta2, eps, weight_decay,
- * momentum, dampening, u32 nesterov, u32 bias_correction. */
+ * group u32 optimizer, u32 state flags (optim_state_needs: bit 0, its pieces'
+ * m arena elements are state, bit 1: v), then the group's SPEC_GROUP_FIELDS
+ * as the spec's canonical encoding has them (today f64 lr_scale, beta1,
+ * beta2, eps, weight_decay, momentum, dampening, u32 nesterov,
+ * bias_correction). */
 static void enc_optimizer(bytes *b, const spec *s, uint64_t optimizer_steps) {
+  _Static_assert(OPTIM_STATE_M == 1u && OPTIM_STATE_V == 2u,
+                 "the state flags are written as optim_state_needs gives them");
   bytes_u64(b, optimizer_steps);
   bytes_u32(b, s->num_groups);
   bytes_u32(b, 0);
   for (uint32_t i = 0; i < s->num_groups; i++) {
     const spec_group *g = &s->groups[i];
-    int m, v;
-    group_uses(g, &m, &v);
     bytes_u32(b, (uint32_t)g->optimizer);
-    bytes_u32(b, (uint32_t)m | (uint32_t)v << 1);
-    bytes_f64(b, g->lr_scale);
-    bytes_f64(b, g->beta1);
-    bytes_f64(b, g->beta2);
-    bytes_f64(b, g->eps);
-    bytes_f64(b, g->weight_decay);
-    bytes_f64(b, g->momentum);
-    bytes_f64(b, g->dampening);
-    bytes_u32(b, (uint32_t)g->nesterov);
-    bytes_u32(b, (uint32_t)g->bias_correction);
+    bytes_u32(b, optim_state_needs(g));
+    uint8_t *p = bytes_grow(b, SPEC_GROUP_FIELDS_BYTES);
+    if (p)
+      spec_group_put_fields(g, p);
   }
 }
 
@@ -457,13 +402,11 @@ static void enc_pieces(bytes *b, const layout *l, uint32_t shard) {
 
 /* Whether shard `shard` keeps m and v arenas: the rule of core_state_init. */
 static void shard_uses(const spec *s, const layout *l, uint32_t shard, int *m, int *v) {
-  *m = *v = 0;
-  for (uint32_t r = l->range_first[shard]; r < l->range_first[shard + 1]; r++) {
-    int gm, gv;
-    group_uses(&s->groups[l->ranges[r].group], &gm, &gv);
-    *m |= gm;
-    *v |= gv;
-  }
+  unsigned needs = 0;
+  for (uint32_t r = l->range_first[shard]; r < l->range_first[shard + 1]; r++)
+    needs |= optim_state_needs(&s->groups[l->ranges[r].group]);
+  *m = (needs & OPTIM_STATE_M) != 0;
+  *v = (needs & OPTIM_STATE_V) != 0;
 }
 
 static const char *section_name(uint32_t kind) {
@@ -599,28 +542,28 @@ static void encode_table_header(const core_state *st, const out_section *sec, ui
   memset(table, 0, CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES);
   for (uint32_t i = 0; i < nsec; i++) {
     uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
-    put_u32(e, sec[i].kind);
-    put_u32(e + 4, 0);
-    put_u64(e + 8, sec[i].off);
-    put_u64(e + 16, sec[i].len);
-    put_u32(e + 24, sec[i].crc);
-    put_u32(e + 28, 0);
+    le_store32(e, sec[i].kind);
+    le_store32(e + 4, 0);
+    le_store64(e + 8, sec[i].off);
+    le_store64(e + 16, sec[i].len);
+    le_store32(e + 24, sec[i].crc);
+    le_store32(e + 28, 0);
   }
   memset(hdr, 0, CKPT_HEADER_BYTES);
   memcpy(hdr, CKPT_MAGIC, 8);
-  put_u32(hdr + 8, CKPT_FORMAT_VERSION);
-  put_u32(hdr + 12, CKPT_HEADER_BYTES);
-  put_u32(hdr + 16, st->shard_id);
-  put_u32(hdr + 20, s->num_shards);
-  put_u64(hdr + 24, spec_hash(s));
-  put_u64(hdr + 32, st->version);
-  put_u64(hdr + 40, st->optimizer_steps);
-  put_u64(hdr + 48, st->nelems);
-  put_u32(hdr + 56, nsec);
-  put_u32(hdr + 60, 0);
-  put_u64(hdr + 64, CKPT_HEADER_BYTES);
-  put_u32(hdr + 72, crc32c(0, table, (size_t)nsec * CKPT_ENTRY_BYTES));
-  put_u32(hdr + 124, crc32c(0, hdr, 124));
+  le_store32(hdr + 8, CKPT_FORMAT_VERSION);
+  le_store32(hdr + 12, CKPT_HEADER_BYTES);
+  le_store32(hdr + 16, st->shard_id);
+  le_store32(hdr + 20, s->num_shards);
+  le_store64(hdr + 24, spec_hash(s));
+  le_store64(hdr + 32, st->version);
+  le_store64(hdr + 40, st->optimizer_steps);
+  le_store64(hdr + 48, st->nelems);
+  le_store32(hdr + 56, nsec);
+  le_store32(hdr + 60, 0);
+  le_store64(hdr + 64, CKPT_HEADER_BYTES);
+  le_store32(hdr + 72, crc32c(0, table, (size_t)nsec * CKPT_ENTRY_BYTES));
+  le_store32(hdr + 124, crc32c(0, hdr, 124));
 }
 
 /* Makes the step directory durable in root and, when the step is being
@@ -1254,23 +1197,23 @@ static int reader_read_header(ckpt_reader *r, reader_scan *s, char *err, size_t 
                        "%s: truncated: %" PRIu64 " bytes, shorter than a header", path, s->size);
   if (memcmp(hdr, CKPT_MAGIC, 8) != 0)
     return status_fail(err, errlen, ZS_EPROTO, "%s: not a zshard checkpoint (bad magic)", path);
-  if (crc32c(0, hdr, 124) != get_u32(hdr + 124))
+  if (crc32c(0, hdr, 124) != le_load32(hdr + 124))
     return status_fail(err, errlen, ZS_ECRC, "%s: header CRC32C mismatch (the file is damaged)",
                        path);
-  uint32_t fmt = get_u32(hdr + 8), hbytes = get_u32(hdr + 12), nsec = get_u32(hdr + 56);
-  uint64_t table_off = get_u64(hdr + 64);
+  uint32_t fmt = le_load32(hdr + 8), hbytes = le_load32(hdr + 12), nsec = le_load32(hdr + 56);
+  uint64_t table_off = le_load64(hdr + 64);
   if (fmt != CKPT_FORMAT_VERSION)
     return status_fail(err, errlen, ZS_EPROTO,
                        "%s: format version %" PRIu32 ", this build reads %u", path, fmt,
                        CKPT_FORMAT_VERSION);
-  r->h.shard_id = get_u32(hdr + 16);
-  r->h.num_shards = get_u32(hdr + 20);
-  r->h.spec_hash = get_u64(hdr + 24);
-  r->h.version = get_u64(hdr + 32);
-  r->h.optimizer_steps = get_u64(hdr + 40);
-  r->h.nelems = get_u64(hdr + 48);
+  r->h.shard_id = le_load32(hdr + 16);
+  r->h.num_shards = le_load32(hdr + 20);
+  r->h.spec_hash = le_load64(hdr + 24);
+  r->h.version = le_load64(hdr + 32);
+  r->h.optimizer_steps = le_load64(hdr + 40);
+  r->h.nelems = le_load64(hdr + 48);
   if (hbytes != CKPT_HEADER_BYTES || table_off != CKPT_HEADER_BYTES || nsec < 4 ||
-      nsec > CKPT_MAX_SECTIONS || get_u32(hdr + 60) != 0 || r->h.num_shards == 0 ||
+      nsec > CKPT_MAX_SECTIONS || le_load32(hdr + 60) != 0 || r->h.num_shards == 0 ||
       r->h.num_shards > SPEC_MAX_SHARDS || r->h.shard_id >= r->h.num_shards ||
       r->h.nelems > SPEC_MAX_TOTAL_NUMEL + (uint64_t)LAYOUT_ALIGN_ELEMS * SPEC_MAX_PIECES)
     return status_fail(err, errlen, ZS_EPROTO, "%s: header fields out of range", path);
@@ -1279,7 +1222,7 @@ static int reader_read_header(ckpt_reader *r, reader_scan *s, char *err, size_t 
       return status_fail(err, errlen, ZS_EPROTO, "%s: reserved header bytes are not zero", path);
   }
   s->nsec = nsec;
-  s->table_crc = get_u32(hdr + 72);
+  s->table_crc = le_load32(hdr + 72);
   s->table_end = CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES;
   return 0;
 }
@@ -1300,13 +1243,13 @@ static int reader_read_table(ckpt_reader *r, reader_scan *s, char *err, size_t e
   for (uint32_t i = 0; i < s->nsec; i++) {
     const uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
     in_section *sec = &s->sec[i];
-    *sec = (in_section){.kind = get_u32(e),
-                        .off = get_u64(e + 8),
-                        .len = get_u64(e + 16),
-                        .crc = get_u32(e + 24),
+    *sec = (in_section){.kind = le_load32(e),
+                        .off = le_load64(e + 8),
+                        .len = le_load64(e + 16),
+                        .crc = le_load32(e + 24),
                         .got = 0};
     if (sec->kind < CKPT_SEC_SPEC || sec->kind > CKPT_SEC_CLIENT_STATE || seen[sec->kind]++ ||
-        get_u32(e + 4) != 0 || get_u32(e + 28) != 0)
+        le_load32(e + 4) != 0 || le_load32(e + 28) != 0)
       return status_fail(err, errlen, ZS_EPROTO,
                          "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path,
                          i, sec->kind);

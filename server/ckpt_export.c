@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "common/dtype.h"
+#include "common/le.h"
 #include "common/status.h"
 #include "server/ckpt.h"
 #include "server/optim.h"
@@ -135,21 +136,18 @@ static int list_outputs(const spec *s, zs_dtype dtype, int moments, out_tensor *
   for (uint32_t t = 0; t < s->num_tensors; t++) {
     const spec_tensor *st = &s->tensors[t];
     const spec_group *g = &s->groups[st->group];
-    optim_params p;
-    memset(&p, 0, sizeof p);
-    p.optimizer = g->optimizer;
-    p.momentum = g->momentum;
+    unsigned needs = optim_state_needs(g);
     if (st->numel > largest)
       largest = st->numel;
     outs[nouts++] = (out_tensor){t, CKPT_ARRAY_MASTER, NULL, dtype, 0, 0};
-    if (moments && optim_uses_m(&p))
+    if (moments && (needs & OPTIM_STATE_M))
       outs[nouts++] = (out_tensor){t,
                                    CKPT_ARRAY_EXP_AVG,
                                    g->optimizer == ZS_OPTIM_SGD ? ".momentum_buffer" : ".exp_avg",
                                    ZS_DTYPE_FP32,
                                    0,
                                    0};
-    if (moments && optim_uses_v(&p))
+    if (moments && (needs & OPTIM_STATE_V))
       outs[nouts++] = (out_tensor){t, CKPT_ARRAY_EXP_AVG_SQ, ".exp_avg_sq", ZS_DTYPE_FP32, 0, 0};
   }
   *nouts_out = nouts;
@@ -205,8 +203,7 @@ static int write_tensors(int fd, const char *tmp, const sbuf *js, ckpt_reader **
                          const spec *s, const layout *l, const out_tensor *outs, size_t nouts,
                          float *f32, uint16_t *f16, char *err, size_t errlen) {
   uint8_t len8[8];
-  for (int i = 0; i < 8; i++)
-    len8[i] = (uint8_t)((uint64_t)js->len >> (8 * i));
+  le_store64(len8, (uint64_t)js->len);
   if (ckpt_write_full(fd, len8, 8) != 0 || ckpt_write_full(fd, js->p, js->len) != 0)
     return status_fail(err, errlen, ZS_EIO, "cannot write %s: %s", tmp, strerror(errno));
   for (size_t i = 0; i < nouts; i++) {

@@ -374,25 +374,9 @@ static void core_job_free(core *c) {
 }
 
 /* The optimizer parameters of group g with everything that does not depend on
- * the step filled in; enough for optim_uses_m / optim_uses_v. */
+ * the step filled in. */
 static optim_params core_group_params(const core *c, uint32_t g) {
-  const spec_group *sg = &c->spec.groups[g];
-  optim_params p;
-  memset(&p, 0, sizeof p);
-  p.optimizer = sg->optimizer;
-  p.lr = sg->lr_scale;
-  p.beta1 = sg->beta1;
-  p.beta2 = sg->beta2;
-  p.eps = sg->eps;
-  p.weight_decay = sg->weight_decay;
-  p.momentum = sg->momentum;
-  p.dampening = sg->dampening;
-  p.nesterov = sg->nesterov;
-  p.bias_correction = sg->bias_correction;
-  p.step = 1;
-  p.grad_scale = 1.0f;
-  p.low_dtype = c->spec.param_dtype;
-  return p;
+  return optim_params_of_group(&c->spec.groups[g], c->spec.param_dtype);
 }
 
 /* Builds everything the job needs on this shard from c->spec. Called under
@@ -434,12 +418,10 @@ static int core_job_build(core *c) {
 
   c->ranges = l->ranges + l->range_first[c->shard_id];
   c->nranges = l->range_first[c->shard_id + 1] - l->range_first[c->shard_id];
-  int need_m = 0, need_v = 0;
-  for (uint32_t r = 0; r < c->nranges; r++) {
-    optim_params p = core_group_params(c, c->ranges[r].group);
-    need_m |= optim_uses_m(&p);
-    need_v |= optim_uses_v(&p);
-  }
+  unsigned needs = 0;
+  for (uint32_t r = 0; r < c->nranges; r++)
+    needs |= optim_state_needs(&c->spec.groups[c->ranges[r].group]);
+  int need_m = (needs & OPTIM_STATE_M) != 0, need_v = (needs & OPTIM_STATE_V) != 0;
 
   uint64_t b32 = c->nelems * sizeof(float);
   /* The spec comes from the network: refuse state that cannot fit in this
@@ -470,9 +452,9 @@ static int core_job_build(core *c) {
     return ZS_ENOMEM;
   size_t ntasks = 0;
   for (uint32_t r = 0; r < c->nranges; r++) {
-    optim_params p = core_group_params(c, c->ranges[r].group);
-    c->range_m[r] = optim_uses_m(&p) ? c->m : NULL;
-    c->range_v[r] = optim_uses_v(&p) ? c->v : NULL;
+    unsigned uses = optim_state_needs(&c->spec.groups[c->ranges[r].group]);
+    c->range_m[r] = (uses & OPTIM_STATE_M) ? c->m : NULL;
+    c->range_v[r] = (uses & OPTIM_STATE_V) ? c->v : NULL;
     uint64_t len = c->ranges[r].end - c->ranges[r].begin;
     ntasks += (size_t)((len + CORE_APPLY_CHUNK - 1) / CORE_APPLY_CHUNK);
   }
@@ -2059,16 +2041,10 @@ int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err,
   st->nelems = l.shard_elems[shard_id];
   /* The same rule as core_job_build: an arena exists when a param group with
    * a range on this shard uses it. */
-  int need_m = 0, need_v = 0;
-  for (uint32_t r = l.range_first[shard_id]; r < l.range_first[shard_id + 1]; r++) {
-    const spec_group *g = &st->spec.groups[l.ranges[r].group];
-    optim_params p;
-    memset(&p, 0, sizeof p);
-    p.optimizer = g->optimizer;
-    p.momentum = g->momentum;
-    need_m |= optim_uses_m(&p);
-    need_v |= optim_uses_v(&p);
-  }
+  unsigned needs = 0;
+  for (uint32_t r = l.range_first[shard_id]; r < l.range_first[shard_id + 1]; r++)
+    needs |= optim_state_needs(&st->spec.groups[l.ranges[r].group]);
+  int need_m = (needs & OPTIM_STATE_M) != 0, need_v = (needs & OPTIM_STATE_V) != 0;
   uint64_t b32 = st->nelems * sizeof(float);
   st->master = core_arena_alloc(b32);
   if (need_m)

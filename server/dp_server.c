@@ -64,6 +64,7 @@
 #include "common/dtype.h"
 #include "common/list.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "common/wire.h"
 #include "server/metrics.h"
 #include "server/service.h"
@@ -1455,11 +1456,8 @@ static void server_free(dp_server *s) {
 int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, size_t errlen) {
   if (err && errlen)
     err[0] = '\0';
-  if (!cfg || !cfg->core || !cfg->listen || !out) {
-    if (err && errlen)
-      say(err, errlen, "dp_server_start needs a listen address and a core");
-    return ZS_EINVAL;
-  }
+  if (!cfg || !cfg->core || !cfg->listen || !out)
+    return status_fail(err, errlen, ZS_EINVAL, "dp_server_start needs a listen address and a core");
   struct sockaddr_storage addr;
   int rc = dp_resolve(cfg->listen, 1, &addr, err, errlen);
   if (rc)
@@ -1517,9 +1515,8 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (urc == 0)
     urc = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection);
   if (urc != 0) {
-    rc = ZS_EINVAL;
-    if (err && errlen)
-      say(err, errlen, "cannot listen on %s: %s", cfg->listen, uv_strerror(urc));
+    rc = status_fail(err, errlen, ZS_EINVAL, "cannot listen on %s: %s", cfg->listen,
+                     uv_strerror(urc));
     goto fail;
   }
   struct sockaddr_storage bound;

@@ -59,6 +59,7 @@
 
 #include "common/clock.h"
 #include "common/dtype.h"
+#include "common/le.h"
 #include "common/list.h"
 #include "common/log.h"
 #include "common/rpc_client.h"
@@ -542,13 +543,6 @@ static int read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
   return -1; /* more than 10 bytes */
 }
 
-static uint64_t load_le(const uint8_t *p, unsigned n) {
-  uint64_t v = 0;
-  for (unsigned i = 0; i < n; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 /* A PushRequest decoded in place: data points into the message. */
 typedef struct push_req {
   uint64_t hash, step;
@@ -583,7 +577,7 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
     case 1:
       if (end - p < 8)
         return -1;
-      v = load_le(p, 8);
+      v = le_load64(p);
       p += 8;
       break;
     case 2:
@@ -595,7 +589,7 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
     case 5:
       if (end - p < 4)
         return -1;
-      v = load_le(p, 4);
+      v = le_load32(p);
       p += 4;
       break;
     default: /* groups (3, 4) are not proto3; 6 and 7 do not exist */
@@ -1666,30 +1660,25 @@ static int default_threads(void) {
   return n < 2 ? 2 : n > 4 ? 4 : (int)n;
 }
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, const char *arg) {
-  if (err && errlen)
-    snprintf(err, errlen, fmt, arg);
-  return rc;
-}
-
 int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   *out = NULL;
   if (!cfg || !cfg->core || !cfg->listen || !cfg->listen[0])
-    return fail(err, errlen, ZS_EINVAL, "%s", "gsrv_start needs a core and a listen address");
+    return status_fail(err, errlen, ZS_EINVAL, "%s",
+                       "gsrv_start needs a core and a listen address");
   gsrv *s = calloc(1, sizeof *s);
   if (!s)
-    return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   s->core = cfg->core;
   s->ckpt = cfg->ckpt;
   s->svc = cfg->service;
   if (s->svc && service_core(s->svc) != s->core) {
     free(s);
-    return fail(err, errlen, ZS_EINVAL, "%s", "gsrv_start: the service drives another core");
+    return status_fail(err, errlen, ZS_EINVAL, "%s", "gsrv_start: the service drives another core");
   }
   if (!s->svc) {
     if (service_create(s->core, NULL, &s->svc) != 0) {
       free(s);
-      return fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+      return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
     }
     s->own_svc = 1;
   }
@@ -1728,7 +1717,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   s->server = grpc_server_create(&chargs, NULL);
   s->cq = grpc_completion_queue_create_for_next(NULL);
   if (!s->server || !s->cq) {
-    fail(err, errlen, ZS_EINTERNAL, "%s", "cannot create the gRPC server");
+    status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot create the gRPC server");
     goto fail;
   }
   grpc_server_register_completion_queue(s->server, s->cq, NULL);
@@ -1736,7 +1725,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->reg[m] = grpc_server_register_method(s->server, methods[m].path, NULL,
                                             GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     if (!s->reg[m]) {
-      fail(err, errlen, ZS_EINTERNAL, "cannot register method %s", methods[m].path);
+      status_fail(err, errlen, ZS_EINTERNAL, "cannot register method %s", methods[m].path);
       goto fail;
     }
   }
@@ -1744,15 +1733,15 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   s->port = grpc_server_add_http2_port(s->server, cfg->listen, creds);
   grpc_server_credentials_release(creds);
   if (s->port <= 0) {
-    rc = fail(err, errlen, ZS_EINVAL, "cannot listen on %s (address invalid or in use)",
-              cfg->listen);
+    rc = status_fail(err, errlen, ZS_EINVAL, "cannot listen on %s (address invalid or in use)",
+                     cfg->listen);
     goto fail;
   }
 
   int want = cfg->threads > 0 ? cfg->threads : default_threads();
   s->threads = calloc((size_t)want, sizeof *s->threads);
   if (!s->threads) {
-    rc = fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+    rc = status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
     goto fail;
   }
   for (int i = 0; i < want; i++) {
@@ -1761,7 +1750,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->nthreads++;
   }
   if (s->nthreads == 0) {
-    fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the polling threads");
+    status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the polling threads");
     goto fail;
   }
 
@@ -1776,7 +1765,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   s->serving = rc == 0;
   pthread_mutex_unlock(&s->lock);
   if (rc) {
-    fail(err, errlen, rc, "%s", "cannot post request slots to gRPC");
+    status_fail(err, errlen, rc, "%s", "cannot post request slots to gRPC");
     gsrv_destroy(s);
     return rc;
   }

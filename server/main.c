@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "common/cpu.h"
+#include "common/hostport.h"
 #include "common/log.h"
 #include "common/spec.h"
 #include "server/ckpt_svc.h"
@@ -268,13 +269,15 @@ static int read_flags(int argc, char **argv, raw_options *r) {
 static int set_endpoints(const raw_options *r, options *o) {
   const char *data_listen = r->data_listen;
   o->listen = r->listen && *r->listen ? r->listen : DEFAULT_LISTEN;
+  hostport listen_hp;
+  char why[400];
+  if (hostport_parse(o->listen, &listen_hp, why, sizeof why) != 0)
+    return bad_usage("--listen (ZSHARD_LISTEN): %s", why);
   /* By default the data plane listens where gRPC does, on a free port: two
    * servers on one host never collide, and clients read the port from
    * GetInfo. */
   if (!data_listen || !*data_listen) {
-    const char *colon = strrchr(o->listen, ':');
-    int host_len = colon ? (int)(colon - o->listen) : 0;
-    snprintf(o->data_listen_buf, sizeof o->data_listen_buf, "%.*s:0", host_len, o->listen);
+    hostport_format(o->data_listen_buf, sizeof o->data_listen_buf, listen_hp.host, 0);
     data_listen = o->data_listen_buf;
   }
   o->data_listen = strcmp(data_listen, "off") != 0 ? data_listen : NULL;

@@ -26,6 +26,8 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/hostport.h"
+#include "common/log.h"
 #include "zshard/zshard.h"
 
 /* ------------------------------------------------------------------------ */

@@ -30,6 +30,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "common/hostport.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -160,39 +161,13 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
 /* Listener                                                                 */
 /* ------------------------------------------------------------------------ */
 
-/* Splits "host:port" / "[v6]:port" into host (may be empty: every interface)
- * and port. Returns 0 or -1. */
-static int split_addr(const char *addr, char *host, size_t hostcap, char *port, size_t portcap) {
-  const char *colon = strrchr(addr, ':');
-  if (!colon || colon[1] == '\0' || strlen(colon + 1) >= portcap)
-    return -1;
-  for (const char *p = colon + 1; *p; p++)
-    if (*p < '0' || *p > '9')
-      return -1;
-  if (strtol(colon + 1, NULL, 10) > 65535)
-    return -1;
-  snprintf(port, portcap, "%s", colon + 1);
-  const char *h = addr;
-  size_t hl = (size_t)(colon - addr);
-  if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') {
-    h++;
-    hl -= 2;
-  } else if (memchr(h, ':', hl)) {
-    return -1; /* an IPv6 address needs its brackets */
-  }
-  if (hl >= hostcap)
-    return -1;
-  memcpy(host, h, hl);
-  host[hl] = '\0';
-  return 0;
-}
-
 static int open_listener(const char *addr, int *fd_out, int *port_out, char *err, size_t errlen) {
-  char host[256], port[8];
-  if (split_addr(addr, host, sizeof host, port, sizeof port) != 0)
-    return status_fail(err, errlen, ZS_EINVAL,
-                       "metrics address '%s' is not host:port (or [ipv6]:port, port 0 to 65535)",
-                       addr);
+  hostport hp;
+  char why[400], port[8];
+  if (hostport_parse(addr, &hp, why, sizeof why) != 0)
+    return status_fail(err, errlen, ZS_EINVAL, "metrics address: %s", why);
+  const char *host = hp.host; /* empty: every interface */
+  snprintf(port, sizeof port, "%u", (unsigned)hp.port);
   struct addrinfo hints, *res = NULL;
   memset(&hints, 0, sizeof hints);
   hints.ai_family = AF_UNSPEC;

@@ -125,20 +125,52 @@ void optim_plan_init(optim_plan *plan, const optim_params *p) {
   }
 }
 
-int optim_uses_m(const optim_params *p) {
-  switch (p->optimizer) {
+unsigned optim_state_needs(const spec_group *g) {
+  switch (g->optimizer) {
   case ZS_OPTIM_ADAMW:
   case ZS_OPTIM_ADAM:
-    return 1;
+    return OPTIM_STATE_M | OPTIM_STATE_V;
   case ZS_OPTIM_SGD:
-    return p->momentum != 0;
+    /* torch keeps no momentum buffer when momentum is 0. */
+    return g->momentum != 0 ? OPTIM_STATE_M : 0u;
   default:
     return 0;
   }
 }
 
+optim_params optim_params_of_group(const spec_group *g, zs_dtype low) {
+  optim_params p;
+  memset(&p, 0, sizeof p);
+  p.optimizer = g->optimizer;
+  p.lr = g->lr_scale;
+#define COPY_FIELD(kind, name, proto) p.name = g->name;
+  SPEC_OPTIM_FIELDS(COPY_FIELD)
+#undef COPY_FIELD
+  p.step = 1;
+  p.grad_scale = 1.0f;
+  p.low_dtype = low;
+  return p;
+}
+
+/* The configuration part of p as a spec_group, for optim_state_needs. */
+static spec_group group_of_params(const optim_params *p) {
+  spec_group g;
+  memset(&g, 0, sizeof g);
+  g.optimizer = p->optimizer;
+#define COPY_FIELD(kind, name, proto) g.name = p->name;
+  SPEC_OPTIM_FIELDS(COPY_FIELD)
+#undef COPY_FIELD
+  return g;
+}
+
+int optim_uses_m(const optim_params *p) {
+  spec_group g = group_of_params(p);
+  return (optim_state_needs(&g) & OPTIM_STATE_M) != 0;
+}
+
 int optim_uses_v(const optim_params *p) {
-  return p->optimizer == ZS_OPTIM_ADAMW || p->optimizer == ZS_OPTIM_ADAM;
+  spec_group g = group_of_params(p);
+  return (optim_state_needs(&g) & OPTIM_STATE_V) != 0;
 }
 
 /* ------------------------------------------------------------------------ */

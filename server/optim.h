@@ -18,15 +18,15 @@
 #include <stdint.h>
 
 #include "common/cpu.h"
+#include "common/spec.h"
 #include "zshard/zshard.h"
 
 typedef struct optim_params {
   zs_optimizer optimizer;
   double lr; /* this group's learning rate for this step */
-  double beta1, beta2, eps, weight_decay;
-  double momentum, dampening;
-  int nesterov;
-  int bias_correction;
+  /* beta1, beta2, eps, weight_decay, momentum, dampening, nesterov,
+   * bias_correction: the group's hyper-parameters (common/spec.h). */
+  SPEC_OPTIM_FIELDS(SPEC_FIELD_MEMBER)
   uint64_t step;      /* 1-based count of applied steps, this one included */
   float grad_scale;   /* gradient = acc * grad_scale (one rounding) */
   zs_dtype low_dtype; /* ZS_DTYPE_BF16 or ZS_DTYPE_FP16 */
@@ -76,9 +76,23 @@ void optim_apply(const optim_plan *plan, float *master, float *m, float *v, floa
 void optim_apply_isa(cpu_isa isa, const optim_plan *plan, float *master, float *m, float *v,
                      float *acc, void *low, size_t n);
 
-/* 1 if the optimizer needs the m (resp. v) arena. */
+/* The moment arrays an optimizer configuration updates: OPTIM_STATE_M
+ * (Adam's exp_avg, SGD's momentum buffer) and OPTIM_STATE_V (Adam's
+ * exp_avg_sq). The one rule by which the core allocates its arenas,
+ * checkpoints write and expect their moment sections and exports name their
+ * tensors; `g` is only read. */
+enum { OPTIM_STATE_M = 1u, OPTIM_STATE_V = 2u };
+unsigned optim_state_needs(const spec_group *g);
+
+/* 1 if the optimizer needs the m (resp. v) arena: optim_state_needs for the
+ * configuration in p. */
 int optim_uses_m(const optim_params *p);
 int optim_uses_v(const optim_params *p);
+
+/* The hyper-parameters of group g with everything that depends on the step
+ * left for the caller: lr is the group's lr_scale (the step's lr times it is
+ * the caller's), step 1, grad_scale 1, low_dtype `low`. */
+optim_params optim_params_of_group(const spec_group *g, zs_dtype low);
 
 /* Sum of squares (in double, a fixed order independent of thread count and
  * ISA) and non-finite flag of n accumulated gradient elements. */

@@ -19,6 +19,7 @@
 #include "common/clock.h"
 #include "common/dp_client.h"
 #include "common/dtype.h"
+#include "common/status.h"
 #include "internal.h"
 
 /* ---- registry ------------------------------------------------------------- */
@@ -126,15 +127,9 @@ void zs_group_options_init(zs_group_options *g, zs_optimizer optimizer) {
   memset(g, 0, sizeof *g);
   g->struct_size = sizeof *g;
   g->optimizer = optimizer;
-  g->lr_scale = sg.lr_scale;
-  g->beta1 = sg.beta1;
-  g->beta2 = sg.beta2;
-  g->eps = sg.eps;
-  g->weight_decay = sg.weight_decay;
-  g->momentum = sg.momentum;
-  g->dampening = sg.dampening;
-  g->nesterov = sg.nesterov;
-  g->bias_correction = sg.bias_correction;
+#define FROM_SPEC(kind, name, proto) g->name = sg.name;
+  SPEC_GROUP_FIELDS(FROM_SPEC)
+#undef FROM_SPEC
 }
 
 int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count) {
@@ -186,9 +181,10 @@ int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint3
       break;
     }
     addr[i] = a;
-    const char *colon = strrchr(a, ':');
-    if (!*a || !colon || colon == a || !colon[1])
-      rc = zc_fail(ZS_EINVAL, "address %" PRIu32 " ('%s') is not host:port", i, a);
+    hostport hp;
+    char why[400];
+    if (zc_address_hostport(a, &hp, why, sizeof why) != ZS_OK)
+      rc = zc_fail(ZS_EINVAL, "address %" PRIu32 " ('%s'): %s", i, a, why);
   }
   if (rc != ZS_OK) {
     zc_free_addresses(addr, n);
@@ -196,6 +192,27 @@ int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint3
   }
   *out = addr;
   *count = n;
+  return ZS_OK;
+}
+
+int zc_address_hostport(const char *addr, hostport *out, char *err, size_t errlen) {
+  static const char *const schemes[] = {"dns:", "ipv4:", "ipv6:"};
+  const char *text = addr;
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
+    size_t n = strlen(schemes[i]);
+    if (strncmp(text, schemes[i], n) == 0) {
+      text += n;
+      break;
+    }
+  }
+  const char *slash = strrchr(text, '/');
+  if (slash)
+    text = slash + 1;
+  int rc = hostport_parse(text, out, err, errlen);
+  if (rc != 0)
+    return rc;
+  if (!out->host[0])
+    return status_fail(err, errlen, ZS_EINVAL, "address \"%.300s\" has no host", addr);
   return ZS_OK;
 }
 
@@ -468,18 +485,17 @@ int zs_add_group(zs_client *c, const zs_group_options *g, uint32_t *id) {
   }
   /* Ranges are checked by spec_validate at zs_open_job, with the same rules
    * the shards apply. */
-  spec_group sg = {
-      .optimizer = g->optimizer,
-      .lr_scale = g->lr_scale,
-      .beta1 = g->beta1,
-      .beta2 = g->beta2,
-      .eps = g->eps,
-      .weight_decay = g->weight_decay,
-      .momentum = g->momentum,
-      .dampening = g->dampening,
-      .nesterov = g->nesterov != 0,
-      .bias_correction = g->bias_correction != 0,
-  };
+  spec_group sg = {.optimizer = g->optimizer};
+  /* Flags are normalised to 0 or 1, as a C truth value means. */
+#define NORM_F64(v) (v)
+#define NORM_FLAG(v) ((v) != 0)
+#define NORM_FLAG_NEGATED(v) ((v) != 0)
+#define TO_SPEC(kind, name, proto) sg.name = NORM_##kind(g->name);
+  SPEC_GROUP_FIELDS(TO_SPEC)
+#undef TO_SPEC
+#undef NORM_F64
+#undef NORM_FLAG
+#undef NORM_FLAG_NEGATED
   pthread_mutex_lock(&c->mu);
   rc = check_describable_locked(c, "zs_add_group");
   if (rc == ZS_OK)

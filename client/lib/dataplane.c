@@ -55,12 +55,13 @@
 
 #include "common/dp_client.h"
 #include "common/dtype.h"
+#include "common/hostport.h"
+#include "common/status.h"
 #include "common/wire.h"
 #include "internal.h"
 
-#define DP_HOST_MAX 256
-/* Room for "host:port" with any host that fits DP_HOST_MAX and any uint32. */
-#define DP_HOSTPORT_MAX (DP_HOST_MAX + 16)
+#define DP_HOST_MAX HOSTPORT_HOST_MAX
+#define DP_HOSTPORT_MAX HOSTPORT_TEXT_MAX
 /* Longest wait for a data connection when (re)opening a shard's client. */
 #define DP_CONNECT_MS 10000u
 
@@ -130,26 +131,13 @@ zs_transport zc_shard_transport(const struct zs_client *c, uint32_t shard) {
 
 /* ---- addresses ------------------------------------------------------------------ */
 
-/* The host part of a gRPC address: "h:7070" -> "h", "[::1]:7070" -> "[::1]",
- * with a "dns:", "ipv4:" or "ipv6:" scheme (and a dns authority) removed.
- * Returns 0 or ZS_EINVAL. */
+/* The host part of a gRPC address: "h:7070" -> "h", "[::1]:7070" -> "::1"
+ * (zc_address_hostport). Returns 0 or ZS_EINVAL. */
 static int host_of(const char *addr, char *host, size_t cap) {
-  static const char *const schemes[] = {"dns:", "ipv4:", "ipv6:"};
-  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
-    size_t n = strlen(schemes[i]);
-    if (strncmp(addr, schemes[i], n) == 0) {
-      addr += n;
-      break;
-    }
-  }
-  const char *slash = strrchr(addr, '/');
-  if (slash)
-    addr = slash + 1;
-  const char *colon = strrchr(addr, ':');
-  if (!colon || colon == addr || (size_t)(colon - addr) >= cap || strchr(addr, ','))
+  hostport hp;
+  if (zc_address_hostport(addr, &hp, NULL, 0) != ZS_OK || strlen(hp.host) >= cap)
     return ZS_EINVAL;
-  memcpy(host, addr, (size_t)(colon - addr));
-  host[colon - addr] = '\0';
+  memcpy(host, hp.host, strlen(hp.host) + 1);
   return ZS_OK;
 }
 
@@ -160,15 +148,13 @@ static int host_of(const char *addr, char *host, size_t cap) {
 static int open_client(const zs_client *c, const char *host, uint32_t port, zc_dpconn **out,
                        struct sockaddr_storage *resolved, char *err, size_t errlen) {
   char hp[DP_HOSTPORT_MAX];
-  snprintf(hp, sizeof hp, "%s:%" PRIu32, host, port);
+  hostport_format(hp, sizeof hp, host, port);
   int rc = dp_resolve(hp, 0, resolved, err, errlen);
   if (rc != ZS_OK)
     return rc;
   zc_dpconn *k = calloc(1, sizeof *k);
-  if (!k) {
-    snprintf(err, errlen, "out of memory");
-    return ZS_ENOMEM;
-  }
+  if (!k)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   dp_client_config cfg = {
       .addr = hp,
       .connections = c->opt.data_connections,
@@ -323,7 +309,7 @@ static void refresh(zs_client *c, uint32_t i, uint64_t seen) {
         moved = ok = old_port != 0;
       } else {
         char hp[DP_HOSTPORT_MAX];
-        snprintf(hp, sizeof hp, "%s:%" PRIu32, s->host, port);
+        hostport_format(hp, sizeof hp, s->host, port);
         if (dp_resolve(hp, 0, &addr, err, sizeof err) == ZS_OK) {
           moved = port != old_port || memcmp(&addr, &old_addr, sizeof addr) != 0;
           ok = !moved || open_client(c, s->host, port, &fresh, &addr, err, sizeof err) == ZS_OK;

@@ -35,6 +35,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/hostport.h"
 #include "common/layout.h"
 #include "common/rpc_client.h"
 #include "common/spec.h"
@@ -339,6 +340,12 @@ void zc_account_wait(zs_client *c, zc_op_kind kind, uint64_t ns);
  * used by the CLI. */
 int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count);
 void zc_free_addresses(char **addr, uint32_t n);
+
+/* The host and port of one shard address: hostport_parse after an optional
+ * gRPC scheme ("dns:", "ipv4:", "ipv6:") and a dns authority
+ * ("dns://8.8.8.8/") are skipped; the host must not be empty. Returns 0, or
+ * ZS_EINVAL with a sentence in err (may be NULL). `addr` is only read. */
+int zc_address_hostport(const char *addr, hostport *out, char *err, size_t errlen);
 
 /* The wire dtype of a transfer whose caller buffer is `buf`. */
 zs_dtype zc_wire_dtype(zs_dtype configured, zs_dtype buf);

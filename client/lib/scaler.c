@@ -17,6 +17,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "common/le.h"
 #include "internal.h"
 
 #define SCALER_BLOB_MAGIC "ZSLS"
@@ -66,44 +67,32 @@ int zs_loss_scaler_update(zs_loss_scaler *s, int overflow) {
  * Byte by byte little-endian, so that the blob means the same on every host
  * and a checkpoint reader in another language can decode it. */
 
-static void put_le(uint8_t *p, uint64_t v, int n) {
-  for (int i = 0; i < n; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint64_t get_le(const uint8_t *p, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 void zc_scaler_encode(const zs_loss_scaler *s, uint8_t *out) {
   uint64_t bits;
   memcpy(&bits, &s->scale, sizeof bits);
   memcpy(out, SCALER_BLOB_MAGIC, 4);
-  put_le(out + 4, SCALER_BLOB_VERSION, 4);
-  put_le(out + 8, bits, 8);
-  put_le(out + 16, s->cur_hysteresis, 4);
-  put_le(out + 20, (uint64_t)s->iter, 8);
-  put_le(out + 28, (uint64_t)s->last_overflow_iter, 8);
+  le_store(out + 4, SCALER_BLOB_VERSION, 4);
+  le_store(out + 8, bits, 8);
+  le_store(out + 16, s->cur_hysteresis, 4);
+  le_store(out + 20, (uint64_t)s->iter, 8);
+  le_store(out + 28, (uint64_t)s->last_overflow_iter, 8);
 }
 
 int zc_scaler_decode(zs_loss_scaler *s, const uint8_t *blob, size_t len) {
   if (!blob || len != ZC_SCALER_BLOB_BYTES || memcmp(blob, SCALER_BLOB_MAGIC, 4) != 0 ||
-      get_le(blob + 4, 4) != SCALER_BLOB_VERSION)
+      le_load(blob + 4, 4) != SCALER_BLOB_VERSION)
     return 0;
-  uint64_t bits = get_le(blob + 8, 8);
+  uint64_t bits = le_load(blob + 8, 8);
   double scale;
   memcpy(&scale, &bits, sizeof scale);
-  int64_t iter = (int64_t)get_le(blob + 20, 8);
-  int64_t last = (int64_t)get_le(blob + 28, 8);
+  int64_t iter = (int64_t)le_load(blob + 20, 8);
+  int64_t last = (int64_t)le_load(blob + 28, 8);
   /* What zs_loss_scaler_update can produce: a positive finite scale, and the
    * last overflow (-1: none) before the next iteration. */
   if (!(scale > 0) || !isfinite(scale) || iter < 0 || last < -1 || last >= iter)
     return 0;
   s->scale = scale;
-  s->cur_hysteresis = (uint32_t)get_le(blob + 16, 4);
+  s->cur_hysteresis = (uint32_t)le_load(blob + 16, 4);
   s->iter = iter;
   s->last_overflow_iter = last;
   return 1;

@@ -24,6 +24,7 @@
 
 #include "common/clock.h"
 #include "common/dtype.h"
+#include "common/status.h"
 #include "internal.h"
 
 /* ---- conversion ----------------------------------------------------------- */
@@ -256,11 +257,10 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
     req.data.data = (uint8_t *)(uintptr_t)src;
   } else {
     tmp = malloc(wbytes);
-    if (!tmp) {
-      snprintf(err, errlen, "out of memory converting tensor '%s' for its push",
-               tensor_name(c, op->tensor));
-      return ZS_ENOMEM;
-    }
+    if (!tmp)
+      return status_fail(err, errlen, ZS_ENOMEM,
+                         "out of memory converting tensor '%s' for its push",
+                         tensor_name(c, op->tensor));
     zc_convert(tmp, op->wire_dtype, src, op->buf_dtype, pc->numel);
     req.data.data = tmp;
   }

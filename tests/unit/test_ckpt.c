@@ -31,6 +31,7 @@
 #include "common/clock.h"
 #include "common/dtype.h"
 #include "common/layout.h"
+#include "common/le.h"
 #include "common/spec.h"
 #include "server/ckpt.h"
 #include "server/core.h"
@@ -255,6 +256,37 @@ static void flip_byte(const char *path, uint64_t off) {
 
 /* ------------------------------------------------------------------ files */
 
+/* The bytes of the files of a fixed state, pinned by their size and CRC32C:
+ * the group part of the spec and optimizer sections is written from
+ * SPEC_GROUP_FIELDS and the moment sections from optim_state_needs, and
+ * neither may change a byte of a file that older servers wrote. The values
+ * are those of the hand-written encoders that list replaced. */
+static void file_bytes_of_a_fixed_state_are_pinned(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "pinned");
+  spec s;
+  build_spec(&s, "pinned", 2);
+  s.groups[0].lr_scale = 0.5;
+  s.groups[1].nesterov = 1;
+  s.groups[2].bias_correction = 0;
+  model md;
+  model_random(&md, 7);
+  const uint64_t want_bytes[2] = {17088, 14848};
+  const uint32_t want_crc[2] = {0xd41505e1, 0x058edd42};
+  for (uint32_t i = 0; i < 2; i++) {
+    core_state st;
+    ckpt_file_info fi;
+    state_from_model(&st, &s, i, &md, 3, 2);
+    assert_int_equal(ckpt_write_shard(root, &st, NULL, &fi, err, sizeof err), 0);
+    assert_int_equal(fi.bytes, want_bytes[i]);
+    assert_int_equal(fi.crc32c, want_crc[i]);
+    core_state_free(&st);
+  }
+  model_free(&md);
+  spec_free(&s);
+}
+
 static void written_checkpoint_loads_back_bit_for_bit(void **state) {
   (void)state;
   char root[512];
@@ -429,7 +461,7 @@ static uint32_t file_sections(const char *path) {
   uint8_t h[60];
   assert_int_equal(fread(h, 1, sizeof h, f), sizeof h);
   fclose(f);
-  return (uint32_t)h[56] | (uint32_t)h[57] << 8 | (uint32_t)h[58] << 16 | (uint32_t)h[59] << 24;
+  return le_load32(h + 56);
 }
 
 static void client_state_travels_with_the_files_and_files_without_it_still_load(void **state) {
@@ -774,14 +806,6 @@ static void subdirectory_names_from_the_network_are_checked(void **state) {
   assert_false(ckpt_valid_subdir("1/2/3/4/5/6/7/8/9"));
 }
 
-/* Reads a u64 little-endian. */
-static uint64_t le64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 /* The data_offsets of `key` in the header JSON (a plain search: keys are
  * unique and each is followed by its object). */
 static void find_offsets(const char *json, const char *key, uint64_t *b, uint64_t *e) {
@@ -811,7 +835,7 @@ static void export_holds_every_tensor_whole(void **state) {
   assert_non_null(f);
   uint8_t len8[8];
   assert_int_equal(fread(len8, 1, 8, f), 8);
-  uint64_t hl = le64(len8);
+  uint64_t hl = le_load64(len8);
   assert_int_equal(hl % 8, 0);
   char *json = calloc(hl + 1, 1);
   assert_int_equal(fread(json, 1, hl, f), hl);
@@ -850,7 +874,7 @@ static void export_holds_every_tensor_whole(void **state) {
   assert_int_equal(ckpt_export_safetensors(root, 4, out, &o, err, sizeof err), 0);
   f = fopen(out, "rb");
   assert_int_equal(fread(len8, 1, 8, f), 8);
-  hl = le64(len8);
+  hl = le_load64(len8);
   json = calloc(hl + 1, 1);
   assert_int_equal(fread(json, 1, hl, f), hl);
   assert_non_null(strstr(json, "\"dtype\":\"BF16\""));
@@ -1312,6 +1336,7 @@ static int group_teardown(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(written_checkpoint_loads_back_bit_for_bit),
+      cmocka_unit_test(file_bytes_of_a_fixed_state_are_pinned),
       cmocka_unit_test(checkpoint_without_manifest_is_never_loaded),
       cmocka_unit_test(listing_orders_steps_numerically_and_ignores_other_names),
       cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),

@@ -194,6 +194,36 @@ static void open_accepts_an_address_pattern_and_a_list(void **state) {
   assert_int_equal(zs_client_close(c), ZS_OK);
 }
 
+/* Shard addresses are read by the one host:port parser (common/hostport.h),
+ * after an optional gRPC scheme: every form it reads opens, every other is
+ * refused with its sentence and the address's index. */
+static void open_reads_every_address_form_and_refuses_the_others(void **state) {
+  (void)state;
+  zs_client *c = open_client("127.0.0.1:7070,[::1]:7071,zshard-2.zshard:7072", 0);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  c = open_client("dns:///localhost:7070,ipv4:127.0.0.1:7071,ipv6:[::1]:7072", 0);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  static const struct {
+    const char *addresses, *needle;
+  } bad[] = {
+      {"127.0.0.1:1,::1:7070", "address 1 ('::1:7070'): IPv6 address"},
+      {"127.0.0.1:70000", "address 0 ('127.0.0.1:70000'): port \"70000\""},
+      {":7070", "has no host"},
+      {"[::1]", "is not [IPv6]:port"},
+      {"host:-1", "is not a number 0..65535"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    zs_client_options o;
+    zs_client_options_init(&o);
+    o.addresses = bad[i].addresses;
+    c = NULL;
+    assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+    assert_null(c);
+    if (!strstr(zs_last_error(), bad[i].needle))
+      fail_msg("'%s': \"%s\" lacks \"%s\"", bad[i].addresses, zs_last_error(), bad[i].needle);
+  }
+}
+
 /* ---- model description ------------------------------------------------------- */
 
 static void add_tensor_checks_name_numel_shape_and_duplicates(void **state) {
@@ -552,6 +582,7 @@ int main(void) {
       cmocka_unit_test(open_rejects_bad_dtypes_and_scaling),
       cmocka_unit_test(open_checks_the_transport_and_zshard_transport),
       cmocka_unit_test(open_accepts_an_address_pattern_and_a_list),
+      cmocka_unit_test(open_reads_every_address_form_and_refuses_the_others),
       cmocka_unit_test(add_tensor_checks_name_numel_shape_and_duplicates),
       cmocka_unit_test(add_group_checks_options),
       cmocka_unit_test(open_job_needs_tensors_and_rank0_weights),

@@ -849,6 +849,44 @@ static void uses_m_and_v_follow_the_optimizer(void **state) {
   assert_true(optim_uses_m(&p) && !optim_uses_v(&p));
 }
 
+/* The one rule the core's arenas, checkpoint sections and exports follow:
+ * Adam(W) keeps exp_avg and exp_avg_sq; SGD a momentum buffer only with
+ * momentum (torch keeps none at 0), whatever its other hyper-parameters;
+ * an unknown optimizer nothing. optim_params_of_group carries every field. */
+static void state_needs_follow_the_group(void **state) {
+  (void)state;
+  spec_group g;
+  spec_group_defaults(&g, ZS_OPTIM_ADAMW);
+  assert_int_equal(optim_state_needs(&g), OPTIM_STATE_M | OPTIM_STATE_V);
+  spec_group_defaults(&g, ZS_OPTIM_ADAM);
+  g.bias_correction = 0;
+  assert_int_equal(optim_state_needs(&g), OPTIM_STATE_M | OPTIM_STATE_V);
+  spec_group_defaults(&g, ZS_OPTIM_SGD);
+  g.weight_decay = 0.1;
+  g.dampening = 0.5;
+  assert_int_equal(optim_state_needs(&g), 0);
+  g.momentum = 0.9;
+  assert_int_equal(optim_state_needs(&g), OPTIM_STATE_M);
+  g.optimizer = (zs_optimizer)77;
+  assert_int_equal(optim_state_needs(&g), 0);
+
+  spec_group_defaults(&g, ZS_OPTIM_SGD);
+  g.lr_scale = 0.5;
+  g.momentum = 0.9;
+  g.nesterov = 1;
+  g.weight_decay = 1e-4;
+  optim_params p = optim_params_of_group(&g, ZS_DTYPE_FP16);
+  assert_int_equal(p.optimizer, ZS_OPTIM_SGD);
+  assert_true(p.lr == 0.5 && p.momentum == 0.9 && p.weight_decay == 1e-4);
+  assert_int_equal(p.nesterov, 1);
+  assert_int_equal(p.bias_correction, 1);
+  assert_int_equal(p.step, 1);
+  assert_true(p.grad_scale == 1.0f);
+  assert_int_equal(p.low_dtype, ZS_DTYPE_FP16);
+  assert_int_equal(optim_uses_m(&p), 1);
+  assert_int_equal(optim_uses_v(&p), 0);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Sum of squares                                                            */
 /* ------------------------------------------------------------------------ */
@@ -1026,6 +1064,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(sgd_first_step_sets_the_buffer_to_the_gradient_whatever_it_held),
       cmocka_unit_test(unknown_optimizer_changes_nothing),
       cmocka_unit_test(uses_m_and_v_follow_the_optimizer),
+      cmocka_unit_test(state_needs_follow_the_group),
       cmocka_unit_test(sum_squares_is_identical_on_every_isa_for_every_length),
       cmocka_unit_test(sum_squares_flags_inf_and_nan_anywhere_but_not_huge_finite_values),
   };

@@ -534,6 +534,70 @@ static void hash_of_a_fixed_spec_is_stable(void **state) {
   spec_free(&s);
 }
 
+/* Every group field at its own distinct value, so that the pinned bytes
+ * below say where each one goes and in which order: the encoding is written
+ * from SPEC_GROUP_FIELDS, and reordering that list must fail here. The hex is
+ * the output of the hand-written encoder this list replaced. */
+static void encoding_of_every_group_field_is_pinned(void **state) {
+  (void)state;
+  spec s;
+  memset(&s, 0, sizeof s);
+  s.job = strdup("j");
+  s.world_size = 1;
+  s.grad_accum = 1;
+  s.num_shards = 1;
+  s.reduce = SPEC_REDUCE_MEAN;
+  s.param_dtype = ZS_DTYPE_BF16;
+  s.num_groups = 2;
+  s.groups = calloc(2, sizeof *s.groups);
+  assert_non_null(s.groups);
+  s.groups[0] = (spec_group){.optimizer = ZS_OPTIM_ADAM,
+                             .lr_scale = 1.5,
+                             .beta1 = 0.25,
+                             .beta2 = 0.5,
+                             .eps = 2.0,
+                             .weight_decay = 3.0,
+                             .momentum = 4.0,
+                             .dampening = 0.75,
+                             .nesterov = 0,
+                             .bias_correction = 1};
+  s.groups[1] = (spec_group){.optimizer = ZS_OPTIM_SGD,
+                             .lr_scale = 0.125,
+                             .momentum = 0.5,
+                             .nesterov = 1,
+                             .bias_correction = 0};
+  s.num_tensors = 1;
+  s.tensors = calloc(1, sizeof *s.tensors);
+  assert_non_null(s.tensors);
+  s.tensors[0] = (spec_tensor){strdup("t"), 2, 1, 1, {2}};
+  assert_int_equal(spec_validate(&s, NULL, 0), 0);
+  unsigned char *enc = NULL;
+  size_t len = 0;
+  assert_int_equal(spec_encode(&s, &enc, &len), 0);
+  char hex[1024];
+  assert_true(2 * len < sizeof hex);
+  for (size_t i = 0; i < len; i++)
+    snprintf(hex + 2 * i, 3, "%02x", enc[i]);
+  assert_string_equal(
+      hex,
+      /* tag, job, world_size, grad_accum, num_shards, split_threshold, reduce, param_dtype,
+       * num_groups */
+      "7a73686172642e737065632e7631010000006a010000000100000001000000000001000000000000"
+      "0000000300000002000000"
+      /* group 0: optimizer, lr_scale, beta1, beta2, eps, weight_decay, momentum,
+       * dampening, nesterov, bias_correction */
+      "01000000000000000000f83f000000000000d03f000000000000e03f000000000000004000000000"
+      "000008400000000000001040000000000000e83f0000000001000000"
+      /* group 1 */
+      "02000000000000000000c03f00000000000000000000000000000000000000000000000000000000"
+      "00000000000000000000e03f00000000000000000100000000000000"
+      /* num_tensors, the tensor */
+      "010000000100000074020000000000000001000000010000000200000000000000");
+  assert_true(spec_hash(&s) == UINT64_C(0x7b38819a6c98f3cd));
+  free(enc);
+  spec_free(&s);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Copy and proto                                                            */
 /* ------------------------------------------------------------------------ */
@@ -730,6 +794,7 @@ static void proto_with_bad_content_is_rejected_and_leaves_out_empty(void **state
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(defaults_match_torch),
+      cmocka_unit_test(encoding_of_every_group_field_is_pinned),
       cmocka_unit_test(validation_fills_default_split_threshold),
       cmocka_unit_test(validation_rejects_each_bad_field_with_a_sentence),
       cmocka_unit_test(validation_accepts_edge_values),

@@ -20,6 +20,7 @@
 #include <cmocka.h>
 
 #include "common/crc32c.h"
+#include "common/le.h"
 #include "common/wire.h"
 #include "zshard/v1/data.pb-c.h"
 #include "zshard/zshard.h"
@@ -65,35 +66,26 @@ static wire_msg push_msg(uint64_t id) {
 static void raw_header(uint8_t h[WIRE_HEADER_SIZE], uint32_t magic, uint8_t version, uint8_t type,
                        uint16_t flags, uint64_t id, uint64_t payload_len, uint32_t meta_len,
                        uint32_t payload_crc, uint32_t reserved, const uint8_t *meta) {
-  for (int i = 0; i < 4; i++)
-    h[i] = (uint8_t)(magic >> (8 * i));
+  le_store32(h, magic);
   h[4] = version;
   h[5] = type;
-  h[6] = (uint8_t)flags;
-  h[7] = (uint8_t)(flags >> 8);
-  for (int i = 0; i < 8; i++) {
-    h[8 + i] = (uint8_t)(id >> (8 * i));
-    h[16 + i] = (uint8_t)(payload_len >> (8 * i));
-  }
-  for (int i = 0; i < 4; i++) {
-    h[24 + i] = (uint8_t)(meta_len >> (8 * i));
-    h[28 + i] = (uint8_t)(payload_crc >> (8 * i));
-    h[32 + i] = (uint8_t)(reserved >> (8 * i));
-  }
+  le_store16(h + 6, flags);
+  le_store64(h + 8, id);
+  le_store64(h + 16, payload_len);
+  le_store32(h + 24, meta_len);
+  le_store32(h + 28, payload_crc);
+  le_store32(h + 32, reserved);
   uint32_t c = crc32c(0, h, 36);
   if (meta && meta_len)
     c = crc32c(c, meta, meta_len);
-  for (int i = 0; i < 4; i++)
-    h[36 + i] = (uint8_t)(c >> (8 * i));
+  le_store32(h + 36, c);
 }
 
 /* Recomputes the header CRC of an encoded frame after a test edited it. */
 static void reseal(uint8_t *f) {
-  uint32_t meta_len =
-      (uint32_t)f[24] | (uint32_t)f[25] << 8 | (uint32_t)f[26] << 16 | (uint32_t)f[27] << 24;
+  uint32_t meta_len = le_load32(f + 24);
   uint32_t c = crc32c(crc32c(0, f, 36), f + WIRE_HEADER_SIZE, meta_len);
-  for (int i = 0; i < 4; i++)
-    f[36 + i] = (uint8_t)(c >> (8 * i));
+  le_store32(f + 36, c);
 }
 
 /* Decodes a whole frame and checks the status and that the sentence names
