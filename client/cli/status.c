@@ -24,9 +24,11 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "cli_support.h"
 #include "common/clock.h"
+#include "common/spec.h"
 #include "grpc/health/v1/health.pb-c.h"
-#include "internal.h"
+#include "zshard/v1/zshard.pb-c.h"
 
 typedef struct shard_row {
   const char *addr;
