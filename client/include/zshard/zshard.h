@@ -62,7 +62,7 @@ extern "C" {
 #endif
 
 #define ZS_VERSION_MAJOR 0
-#define ZS_VERSION_MINOR 1
+#define ZS_VERSION_MINOR 2
 #define ZS_VERSION_PATCH 0
 
 /*
