@@ -14,8 +14,8 @@
  *   1. It starts with `size_t struct_size`, the size of the struct as the
  *      caller's header declares it. The zs_*_init() macros (and the macros
  *      zs_last_timing() and zs_estimate()) pass sizeof *(ptr) to a *_sized
- *      function; a caller that cannot use the macros (another language)
- *      passes its own size there.
+ *      function; a caller that cannot use the macros (another language, a
+ *      function pointer) calls that function with its own size.
  *   2. Fields are only ever appended. A field added after the first release of
  *      its struct has 0 as its default, so a zeroed field and a missing one
  *      mean the same thing.
