@@ -36,8 +36,8 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cli_support.h"
 #include "common/clock.h"
-#include "internal.h"
 #include "zshard/zshard.h"
 
 #define BENCH_MAX_TRAINERS 64u

@@ -26,8 +26,10 @@
 
 #include "ckpt_client.h"
 #include "cli.h"
+#include "cli_support.h"
 #include "common/clock.h"
 #include "server/ckpt.h"
+#include "zshard/v1/zshard.pb-c.h"
 
 #define CKPT_CLI_TIMEOUT_MS 10000u
 
@@ -136,19 +138,19 @@ static int shard_jobs(zs_client *c, uint64_t *hash, uint64_t *max_version, uint3
   *hash = 0;
   *max_version = 0;
   *with_job = 0;
-  for (uint32_t i = 0; i < c->nshards; i++) {
+  for (uint32_t i = 0; i < zc_client_num_shards(c); i++) {
     Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
     Zshard__V1__GetInfoResponse *r = NULL;
     rpc_status st;
     int rc =
         zc_call(c, i, ZC_METHOD("GetInfo"), &req.base, &zshard__v1__get_info_response__descriptor,
-                (ProtobufCMessage **)&r, c->opt.rpc_timeout_ms, &st);
+                (ProtobufCMessage **)&r, zc_client_rpc_timeout_ms(c), &st);
     if (rc != ZS_OK) {
-      fprintf(stderr, "zshard: GetInfo on shard %" PRIu32 " (%s) failed: %s\n", i, c->addr[i],
-              st.message[0] ? st.message : zs_strerror(rc));
+      fprintf(stderr, "zshard: GetInfo on shard %" PRIu32 " (%s) failed: %s\n", i,
+              zc_client_address(c, i), st.message[0] ? st.message : zs_strerror(rc));
       return rc;
     }
-    int bad = r->shard_id != i || r->num_shards != c->nshards;
+    int bad = r->shard_id != i || r->num_shards != zc_client_num_shards(c);
     if (!bad && r->job && r->job[0]) {
       if (*with_job && r->spec_hash != *hash)
         bad = 2;
@@ -163,7 +165,7 @@ static int shard_jobs(zs_client *c, uint64_t *hash, uint64_t *max_version, uint3
       fprintf(stderr,
               "zshard: address %" PRIu32 " (%s) is shard %" PRIu32 " of %" PRIu32
               "; list the %" PRIu32 " shards in shard-id order\n",
-              i, c->addr[i], sid, n, c->nshards);
+              i, zc_client_address(c, i), sid, n, zc_client_num_shards(c));
       return ZS_EINVAL;
     }
     if (bad == 2) {
@@ -195,9 +197,9 @@ int cli_checkpoint(int argc, char **argv) {
   int status = 1;
   if (shard_jobs(c, &hash, &vmax, &with_job) != ZS_OK)
     goto done;
-  if (with_job != c->nshards) {
+  if (with_job != zc_client_num_shards(c)) {
     fprintf(stderr, "zshard checkpoint: %" PRIu32 " of %" PRIu32 " shards have a job open\n",
-            with_job, c->nshards);
+            with_job, zc_client_num_shards(c));
     goto done;
   }
   zc_ckpt_report rep;
@@ -211,8 +213,9 @@ int cli_checkpoint(int argc, char **argv) {
   char b[32];
   printf("checkpoint step %" PRIu64 " committed on %" PRIu32 " shards: %s, optimizer steps %" PRIu64
          "; longest apply hold %.3f ms, slowest write %.1f ms, %.1f ms in all\n",
-         rep.step, c->nshards, cli_bytes((double)rep.bytes, b, sizeof b), rep.optimizer_steps,
-         rep.max_snapshot_seconds * 1e3, rep.max_write_seconds * 1e3, rep.seconds * 1e3);
+         rep.step, zc_client_num_shards(c), cli_bytes((double)rep.bytes, b, sizeof b),
+         rep.optimizer_steps, rep.max_snapshot_seconds * 1e3, rep.max_write_seconds * 1e3,
+         rep.seconds * 1e3);
   status = 0;
 done:
   zs_client_close(c);
@@ -238,15 +241,15 @@ int cli_restore(int argc, char **argv) {
   if (shard_jobs(c, &hash, &vmax, &with_job) != ZS_OK)
     goto done;
   /* Shards without a job take the checkpoint's job (hash 0 lets them). */
-  rc = zc_restore(c, with_job == c->nshards ? hash : 0, o.step_given ? o.step : 0, o.dir, &restored,
-                  &changed, NULL, NULL);
+  rc = zc_restore(c, with_job == zc_client_num_shards(c) ? hash : 0, o.step_given ? o.step : 0,
+                  o.dir, &restored, &changed, NULL, NULL);
   if (rc != ZS_OK) {
     fprintf(stderr, "zshard restore: %s\n", zs_last_error());
     goto done;
   }
   printf("restored checkpoint step %" PRIu64 " on %" PRIu32
          " shards%s; trainers resume at step %" PRIu64 "\n",
-         restored, c->nshards, changed ? "" : " (they already held it)", restored + 1);
+         restored, zc_client_num_shards(c), changed ? "" : " (they already held it)", restored + 1);
   status = 0;
 done:
   zs_client_close(c);
@@ -267,24 +270,24 @@ int cli_checkpoints(int argc, char **argv) {
   if (open_client(&o, o.timeout_ms, &c) != ZS_OK)
     return 1;
   int status = 1;
-  Zshard__V1__ListCheckpointsResponse **lists = calloc(c->nshards, sizeof *lists);
+  Zshard__V1__ListCheckpointsResponse **lists = calloc(zc_client_num_shards(c), sizeof *lists);
   if (!lists)
     goto done;
   Zshard__V1__ListCheckpointsRequest req = ZSHARD__V1__LIST_CHECKPOINTS_REQUEST__INIT;
   req.dir = (char *)(o.dir ? o.dir : "");
-  for (uint32_t i = 0; i < c->nshards; i++) {
+  for (uint32_t i = 0; i < zc_client_num_shards(c); i++) {
     rpc_status st;
     rc = zc_call(c, i, ZC_METHOD("ListCheckpoints"), &req.base,
                  &zshard__v1__list_checkpoints_response__descriptor, (ProtobufCMessage **)&lists[i],
-                 c->opt.rpc_timeout_ms, &st);
+                 zc_client_rpc_timeout_ms(c), &st);
     if (rc != ZS_OK) {
-      fprintf(stderr, "zshard checkpoints: shard %" PRIu32 " (%s): %s\n", i, c->addr[i],
-              st.message[0] ? st.message : zs_strerror(rc));
+      fprintf(stderr, "zshard checkpoints: shard %" PRIu32 " (%s): %s\n", i,
+              zc_client_address(c, i), st.message[0] ? st.message : zs_strerror(rc));
       goto done;
     }
   }
   /* Every step any shard knows, ascending: merged from the sorted lists. */
-  size_t *pos = calloc(c->nshards, sizeof *pos);
+  size_t *pos = calloc(zc_client_num_shards(c), sizeof *pos);
   if (!pos)
     goto done;
   if (o.json)
@@ -294,13 +297,13 @@ int cli_checkpoints(int argc, char **argv) {
   int first = 1;
   for (;;) {
     uint64_t step = UINT64_MAX;
-    for (uint32_t i = 0; i < c->nshards; i++)
+    for (uint32_t i = 0; i < zc_client_num_shards(c); i++)
       if (pos[i] < lists[i]->n_checkpoints && lists[i]->checkpoints[pos[i]]->step < step)
         step = lists[i]->checkpoints[pos[i]]->step;
     if (step == UINT64_MAX)
       break;
     uint32_t complete = 0, loadable = 0, written = 0;
-    for (uint32_t i = 0; i < c->nshards; i++) {
+    for (uint32_t i = 0; i < zc_client_num_shards(c); i++) {
       if (pos[i] < lists[i]->n_checkpoints && lists[i]->checkpoints[pos[i]]->step == step) {
         const Zshard__V1__CheckpointInfo *e = lists[i]->checkpoints[pos[i]++];
         complete += e->complete;
@@ -315,16 +318,16 @@ int cli_checkpoints(int argc, char **argv) {
              first ? "" : ",", step, complete, loadable, written);
     else
       printf("%-12" PRIu64 " %" PRIu32 "/%-8" PRIu32 " %" PRIu32 "/%-8" PRIu32 " %" PRIu32 "\n",
-             step, complete, c->nshards, loadable, c->nshards, written);
+             step, complete, zc_client_num_shards(c), loadable, zc_client_num_shards(c), written);
     first = 0;
   }
   if (o.json)
-    printf("],\"shards\":%" PRIu32 "}\n", c->nshards);
+    printf("],\"shards\":%" PRIu32 "}\n", zc_client_num_shards(c));
   free(pos);
   status = 0;
 done:
   if (lists)
-    for (uint32_t i = 0; i < c->nshards; i++)
+    for (uint32_t i = 0; i < zc_client_num_shards(c); i++)
       if (lists[i])
         protobuf_c_message_free_unpacked(&lists[i]->base, NULL);
   free(lists);

@@ -15,7 +15,11 @@
 static void estimate_usage(FILE *f) {
   fprintf(f, "usage: zshard estimate --params P --trainers W --shards N [options]\n"
              "  --params P          parameters (suffixes K, M, B/G, T: 7B, 350M, 1.3e9)\n"
-             "  --largest-layer L   parameters of the largest layer (default: P)\n"
+             "  --largest-layer L   parameters of the largest layer, what ZeRO-3 gathers and\n"
+             "                      zshard pulls at a time (a transformer block: 12 h^2 for\n"
+             "                      width h), for the working-memory column. No default:\n"
+             "                      without it that column is left out for ZeRO-3 and zshard\n"
+             "                      rather than guessed\n"
              "  --trainers W        data-parallel trainers (default 1)\n"
              "  --shards N          zshard shard servers (default 1)\n"
              "  --grad-dtype D      gradients on the wire: fp32, bf16 (default), fp16\n"
@@ -23,6 +27,8 @@ static void estimate_usage(FILE *f) {
              "  --gbps B            trainer link, Gbit/s each way (default 100)\n"
              "  --shard-gbps B      shard link (default: --gbps)\n"
              "  --pull-in-backward  zshard pulls the parameters again in backward\n"
+             "  --optimizer-bytes K optimizer state per parameter, bytes (default 12: fp32\n"
+             "                      master weights and Adam's two moments)\n"
              "  --json              one JSON document instead of the table\n");
 }
 
@@ -65,6 +71,7 @@ int cli_estimate(int argc, char **argv) {
                                        {"gbps", required_argument, NULL, 'b'},
                                        {"shard-gbps", required_argument, NULL, 'B'},
                                        {"pull-in-backward", no_argument, NULL, 'P'},
+                                       {"optimizer-bytes", required_argument, NULL, 'k'},
                                        {"json", no_argument, NULL, 'j'},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
@@ -107,6 +114,10 @@ int cli_estimate(int argc, char **argv) {
     case 'P':
       in.pull_in_backward = 1;
       break;
+    case 'k':
+      bad = cli_parse_count(optarg, &v) != 0 || v == 0 || v > 1024;
+      in.optimizer_bytes = (uint32_t)v;
+      break;
     case 'j':
       json = 1;
       break;
@@ -128,36 +139,56 @@ int cli_estimate(int argc, char **argv) {
     return 2;
   }
   const double shard_gbps = in.shard_gbps > 0 ? in.shard_gbps : in.trainer_gbps;
-  const uint64_t largest = in.largest_layer ? in.largest_layer : in.params;
+  const uint32_t K = in.optimizer_bytes ? in.optimizer_bytes : 12;
+  /* Without the largest layer, the working memory of the strategies that
+   * gather layers is unknown (the library leaves it 0): said, not shown. */
+  const int known = in.largest_layer != 0;
   if (json) {
-    printf("{\"input\":{\"params\":%" PRIu64 ",\"largest_layer\":%" PRIu64 ",\"trainers\":%" PRIu32
+    char largest[32] = "null";
+    if (known)
+      snprintf(largest, sizeof largest, "%" PRIu64, in.largest_layer);
+    printf("{\"input\":{\"params\":%" PRIu64 ",\"largest_layer\":%s,\"trainers\":%" PRIu32
            ",\"shards\":%" PRIu32
            ",\"grad_dtype\":\"%s\",\"param_dtype\":\"%s\",\"trainer_gbps\":%g,"
-           "\"shard_gbps\":%g,\"pull_in_backward\":%s},\"strategies\":[",
+           "\"shard_gbps\":%g,\"pull_in_backward\":%s,\"optimizer_bytes\":%" PRIu32
+           "},\"strategies\":[",
            in.params, largest, in.trainers, in.shards, dtype_name(in.grad_dtype),
            dtype_name(in.param_dtype), in.trainer_gbps, shard_gbps,
-           in.pull_in_backward ? "true" : "false");
+           in.pull_in_backward ? "true" : "false", K);
     for (int i = 0; i < ZS_STRATEGY_COUNT; i++) {
       const zs_estimate_row *r = &rows[i];
-      printf("%s{\"name\":\"%s\",\"device_bytes\":%.0f,\"shard_bytes\":%.0f,\"sent_bytes\":%.0f,"
+      const int gathers = i == ZS_STRATEGY_ZERO3 || i == ZS_STRATEGY_ZSHARD;
+      char working[32] = "null", device[32] = "null";
+      if (known || !gathers) {
+        snprintf(working, sizeof working, "%.0f", r->working_bytes);
+        snprintf(device, sizeof device, "%.0f", r->device_bytes);
+      }
+      printf("%s{\"name\":\"%s\",\"state_bytes\":%.0f,\"working_bytes\":%s,"
+             "\"device_bytes\":%s,\"shard_bytes\":%.0f,\"sent_bytes\":%.0f,"
              "\"received_bytes\":%.0f,\"shard_wire_bytes\":%.0f,\"comm_seconds\":%.9g}",
-             i ? "," : "", r->name, r->device_bytes, r->shard_bytes, r->sent_bytes,
+             i ? "," : "", r->name, r->state_bytes, working, device, r->shard_bytes, r->sent_bytes,
              r->received_bytes, r->shard_wire_bytes, r->comm_seconds);
     }
     printf("]}\n");
     return 0;
   }
-  printf("model %.3g parameters (largest layer %.3g), %" PRIu32 " trainers, %" PRIu32
-         " shards;\ngradients %s, parameters %s on the wire; links %g Gbit/s (shards %g), "
-         "full duplex\n\n",
-         (double)in.params, (double)largest, in.trainers, in.shards, dtype_name(in.grad_dtype),
-         dtype_name(in.param_dtype), in.trainer_gbps, shard_gbps);
-  printf("%-8s %12s %12s %12s %12s %14s %12s\n", "", "per device", "per shard", "sent/step",
-         "recv/step", "shard NIC/step", "comm >=");
+  char layer[48] = "largest layer not given";
+  if (known)
+    snprintf(layer, sizeof layer, "largest layer %.3g", (double)in.largest_layer);
+  printf("model %.3g parameters (%s), %" PRIu32 " trainers, %" PRIu32
+         " shards;\ngradients %s, parameters %s on the wire, optimizer state %" PRIu32
+         " bytes/param; links %g Gbit/s (shards %g), full duplex\n\n",
+         (double)in.params, layer, in.trainers, in.shards, dtype_name(in.grad_dtype),
+         dtype_name(in.param_dtype), K, in.trainer_gbps, shard_gbps);
+  printf("%-8s %12s %12s %12s %12s %12s %14s %12s\n", "", "states/dev", "working/dev", "per shard",
+         "sent/step", "recv/step", "shard NIC/step", "comm >=");
   for (int i = 0; i < ZS_STRATEGY_COUNT; i++) {
     const zs_estimate_row *r = &rows[i];
-    char dev[32], sh[32] = "-", sent[32], recv[32], snic[32] = "-", t[32];
-    cli_bytes(r->device_bytes, dev, sizeof dev);
+    const int gathers = i == ZS_STRATEGY_ZERO3 || i == ZS_STRATEGY_ZSHARD;
+    char st[32], wk[32] = "-", sh[32] = "-", sent[32], recv[32], snic[32] = "-", t[32];
+    cli_bytes(r->state_bytes, st, sizeof st);
+    if (known || !gathers)
+      cli_bytes(r->working_bytes, wk, sizeof wk);
     if (r->shard_bytes > 0)
       cli_bytes(r->shard_bytes, sh, sizeof sh);
     cli_bytes(r->sent_bytes, sent, sizeof sent);
@@ -165,10 +196,14 @@ int cli_estimate(int argc, char **argv) {
     if (r->shard_wire_bytes > 0)
       cli_bytes(r->shard_wire_bytes, snic, sizeof snic);
     seconds(r->comm_seconds, t, sizeof t);
-    printf("%-8s %12s %12s %12s %12s %14s %12s\n", pretty[i], dev, sh, sent, recv, snic, t);
+    printf("%-8s %12s %12s %12s %12s %12s %14s %12s\n", pretty[i], st, wk, sh, sent, recv, snic, t);
   }
-  printf("\nper device: model states on each trainer (fp32 Adam state = 12 bytes/param);\n"
-         "comm >=: the busier direction of the busiest link over its bandwidth. "
-         "Formulas: docs/CLIENT.md.\n");
+  printf("\nstates/dev: model states kept on each trainer: parameters, gradients and\n"
+         "optimizer state, or its partition of them (the ZeRO paper's figure).\n"
+         "working/dev: the layer ZeRO-3 gathers or zshard pulls, its gradient and the next\n"
+         "layer's prefetch%s. Activations are in neither.\n"
+         "comm >=: the busier direction of the busiest link over its bandwidth.\n"
+         "Formulas: docs/CLIENT.md.\n",
+         known ? "" : " ('-': needs --largest-layer)");
   return 0;
 }

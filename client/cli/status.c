@@ -1,9 +1,10 @@
 /*
  * status — `zshard status`: one row per shard with its id, address, health
- * (grpc.health.v1 Check), job, parameter version, state bytes and uptime
- * (zshard.v1 GetInfo), throughput and resident memory (zshard.v1 Stats). The
- * shards are asked in parallel, one thread each, so a cluster with dead
- * shards answers within one timeout.
+ * (grpc.health.v1 Check), job, parameter version, state bytes, uptime and,
+ * in JSON, the pieces and elements the shard owns (zshard.v1 GetInfo),
+ * throughput and resident memory (zshard.v1 Stats). The shards are asked in
+ * parallel, one thread each, so a cluster with dead shards answers within
+ * one timeout.
  *
  * Throughput is the difference of two Stats samples of the same shard over
  * the time between them: --sample-ms apart for the first table, the period
@@ -24,9 +25,11 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "cli_support.h"
 #include "common/clock.h"
+#include "common/spec.h"
 #include "grpc/health/v1/health.pb-c.h"
-#include "internal.h"
+#include "zshard/v1/zshard.pb-c.h"
 
 typedef struct shard_row {
   const char *addr;
@@ -37,6 +40,8 @@ typedef struct shard_row {
   uint32_t shard_id, num_shards;
   char job[SPEC_MAX_NAME + 1];
   uint64_t version, state_bytes;
+  uint32_t pieces;   /* the job's pieces this shard owns */
+  uint64_t elements; /* their parameters */
   double uptime_s;
   int has_info;
   /* From Stats, when has_stats: counters since the server started. */
@@ -84,6 +89,8 @@ static void *ask_shard(void *arg) {
     snprintf(r->job, sizeof r->job, "%s", info->job ? info->job : "");
     r->version = info->version;
     r->state_bytes = info->state_bytes;
+    r->pieces = info->pieces;
+    r->elements = info->elements;
     r->uptime_s = info->uptime_s;
     protobuf_c_message_free_unpacked(&info->base, NULL);
   } else {
@@ -240,8 +247,9 @@ static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
       printf(",\"shard_id\":%" PRIu32 ",\"num_shards\":%" PRIu32 ",\"job\":", r->shard_id,
              r->num_shards);
       json_str(stdout, r->job);
-      printf(",\"version\":%" PRIu64 ",\"state_bytes\":%" PRIu64 ",\"uptime_s\":%.3f", r->version,
-             r->state_bytes, r->uptime_s);
+      printf(",\"version\":%" PRIu64 ",\"state_bytes\":%" PRIu64 ",\"pieces\":%" PRIu32
+             ",\"elements\":%" PRIu64 ",\"uptime_s\":%.3f",
+             r->version, r->state_bytes, r->pieces, r->elements, r->uptime_s);
       if (r->has_stats)
         printf(",\"pushes\":%" PRIu64 ",\"pulls\":%" PRIu64 ",\"bytes_in\":%" PRIu64
                ",\"bytes_out\":%" PRIu64 ",\"rss_bytes\":%" PRIu64 ",\"waiting_pulls\":%" PRIu32

@@ -626,12 +626,14 @@ int main(int argc, char **argv) {
              zs_current_step(c) - 1, zs_current_step(c));
       continue;
     }
+    zs_timing tm;
     if (step % cfg.log_every == 0 || step == first || step == target)
-      printf("step %" PRIu64 " loss %.4f grad_norm %.4f %s | ms: total %.2f compute %.2f push "
-             "%.2f pull_wait %.2f step %.2f | KiB pushed %.1f pulled %.1f\n",
-             r.step, loss / cfg.accum, r.grad_norm, r.applied ? "applied" : "skipped",
-             r.timing.total_ms, r.timing.compute_ms, r.timing.push_ms, r.timing.pull_wait_ms,
-             r.timing.step_ms, r.timing.bytes_pushed / 1024.0, r.timing.bytes_pulled / 1024.0);
+      if (zs_last_timing(c, &tm) == ZS_OK)
+        printf("step %" PRIu64 " loss %.4f grad_norm %.4f %s | ms: total %.2f compute %.2f push "
+               "%.2f pull_wait %.2f step %.2f | KiB pushed %.1f pulled %.1f\n",
+               r.step, loss / cfg.accum, r.grad_norm, r.applied ? "applied" : "skipped",
+               tm.total_ms, tm.compute_ms, tm.push_ms, tm.pull_wait_ms, tm.step_ms,
+               tm.bytes_pushed / 1024.0, tm.bytes_pulled / 1024.0);
     if (cfg.checkpoint_every && cfg.rank == 0 && step % cfg.checkpoint_every == 0) {
       uint64_t saved = 0;
       if ((rc = zs_last_checkpoint(c, &saved)) != ZS_OK)

@@ -22,6 +22,7 @@
 
 #include "ckpt_client.h"
 #include "common/clock.h"
+#include "internal.h"
 
 #define CKPT_DEFAULT_TIMEOUT_MS 600000u
 

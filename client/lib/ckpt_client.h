@@ -2,7 +2,8 @@
  * ckpt_client — the checkpoint calls of libzshard (checkpoint.c), shared with
  * the rest of the library and with the `zshard` CLI, which drives them with a
  * spec hash it learned from the shards (GetInfo) instead of an opened job.
- * Internal: zc_ prefix, not exported by the shared library.
+ * Internal: zc_ prefix, not exported by the shared library. It includes the
+ * public header only, so that the CLI can use it without internal.h.
  */
 #ifndef ZSHARD_CLIENT_CKPT_CLIENT_H
 #define ZSHARD_CLIENT_CKPT_CLIENT_H
@@ -10,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "internal.h"
+#include "zshard/zshard.h"
 
 /* What one checkpoint took, for the CLI's report. */
 typedef struct zc_ckpt_report {

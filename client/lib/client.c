@@ -96,9 +96,10 @@ void zc_account_wait(zs_client *c, zc_op_kind kind, uint64_t ns) {
 
 /* ---- options ---------------------------------------------------------------- */
 
-void zs_client_options_init(zs_client_options *o) {
-  if (!o)
+void zs_client_options_init_sized(zs_client_options *out, size_t size) {
+  if (!out || size < sizeof(size_t))
     return;
+  zs_client_options own, *o = &own;
   memset(o, 0, sizeof *o);
   o->struct_size = sizeof *o;
   o->world_size = 1;
@@ -116,12 +117,13 @@ void zs_client_options_init(zs_client_options *o) {
   o->reduce_bucket_size = o->allgather_bucket_size = (size_t)1 << 20;
   o->loss_scaling = ZS_LOSS_SCALE_NONE;
   o->static_loss_scale = 1.0;
-  zs_loss_scaler_init(&o->dynamic_loss_scaler);
+  zc_struct_write(out, size, o, sizeof *o);
 }
 
-void zs_group_options_init(zs_group_options *g, zs_optimizer optimizer) {
-  if (!g)
+void zs_group_options_init_sized(zs_group_options *out, zs_optimizer optimizer, size_t size) {
+  if (!out || size < sizeof(size_t))
     return;
+  zs_group_options own, *g = &own;
   spec_group sg;
   spec_group_defaults(&sg, optimizer);
   memset(g, 0, sizeof *g);
@@ -130,6 +132,7 @@ void zs_group_options_init(zs_group_options *g, zs_optimizer optimizer) {
 #define FROM_SPEC(kind, name, proto) g->name = sg.name;
   SPEC_GROUP_FIELDS(FROM_SPEC)
 #undef FROM_SPEC
+  zc_struct_write(out, size, g, sizeof *g);
 }
 
 int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count) {
@@ -224,7 +227,21 @@ void zc_free_addresses(char **addr, uint32_t n) {
   free(addr);
 }
 
-static int check_options(const zs_client_options *o) {
+/* The CLI's view of a client (cli_support.h): fixed once zs_client_open
+ * returned, so read without a lock. */
+uint32_t zc_client_num_shards(const zs_client *c) {
+  return c->nshards;
+}
+
+const char *zc_client_address(const zs_client *c, uint32_t shard) {
+  return shard < c->nshards ? c->addr[shard] : "";
+}
+
+uint32_t zc_client_rpc_timeout_ms(const zs_client *c) {
+  return c->opt.rpc_timeout_ms;
+}
+
+static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
   if (!o->addresses || !*o->addresses)
     return zc_fail(ZS_EINVAL, "zs_client_open: addresses are required");
   if (o->world_size == 0 || o->world_size > SPEC_MAX_WORLD)
@@ -254,11 +271,10 @@ static int check_options(const zs_client_options *o) {
       !(o->static_loss_scale > 0 && isfinite(o->static_loss_scale)))
     return zc_fail(ZS_EINVAL, "zs_client_open: static_loss_scale must be positive and finite");
   if (o->loss_scaling == ZS_LOSS_SCALE_DYNAMIC) {
-    const zs_loss_scaler *s = &o->dynamic_loss_scaler;
-    if (s->struct_size != sizeof *s || !(s->scale > 0 && isfinite(s->scale)) ||
-        !(s->min_scale > 0) || !(s->factor >= 1) || s->window == 0 || s->hysteresis == 0)
-      return zc_fail(ZS_EINVAL, "zs_client_open: dynamic_loss_scaler must be initialised with "
-                                "zs_loss_scaler_init and have positive settings");
+    if (!(s->scale > 0 && isfinite(s->scale)) || !(s->min_scale > 0) || !(s->factor >= 1) ||
+        s->window == 0 || s->hysteresis == 0)
+      return zc_fail(ZS_EINVAL, "zs_client_open: dynamic_loss_scaler must have positive "
+                                "settings");
   }
   if (o->transport != ZS_TRANSPORT_DEFAULT && o->transport != ZS_TRANSPORT_DATA &&
       o->transport != ZS_TRANSPORT_GRPC)
@@ -296,16 +312,22 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     *out = NULL;
   if (!o || !out)
     return zc_fail(ZS_EINVAL, "zs_client_open: options and out must not be NULL");
-  /* An older header's smaller struct is accepted: the fields it lacks keep
-   * their defaults. Anything else is not a zs_client_options. */
-  if (o->struct_size < offsetof(zs_client_options, dynamic_loss_scaler) ||
-      o->struct_size > sizeof *o)
-    return zc_fail(ZS_EINVAL, "zs_client_open: options not initialised with "
-                              "zs_client_options_init");
+  /* An older header's smaller structs get the defaults of the fields they
+   * lack; the scaler, a struct of its own, grows on its own. */
   zs_client_options opt;
   zs_client_options_init(&opt);
-  memcpy(&opt, o, o->struct_size);
-  int rc = check_options(&opt);
+  int rc = zc_struct_read(&opt, sizeof opt, o, "zs_client_open", "zs_client_options_init");
+  if (rc != ZS_OK)
+    return rc;
+  zs_loss_scaler scaler;
+  zs_loss_scaler_init(&scaler);
+  if (opt.dynamic_loss_scaler) {
+    rc = zc_struct_read(&scaler, sizeof scaler, opt.dynamic_loss_scaler,
+                        "zs_client_open: dynamic_loss_scaler", "zs_loss_scaler_init");
+    if (rc != ZS_OK)
+      return rc;
+  }
+  rc = check_options(&opt, &scaler);
   if (rc != ZS_OK)
     return rc;
 
@@ -322,6 +344,7 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
   c->opt = opt;
   c->opt.addresses = NULL;
   c->opt.job = NULL;
+  c->opt.dynamic_loss_scaler = NULL;
   if (!c->opt.param_dtype)
     c->opt.param_dtype = ZS_DTYPE_BF16;
   if (!c->opt.rpc_timeout_ms)
@@ -334,7 +357,7 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     c->opt.retry_max_ms = c->opt.retry_initial_ms;
   if (!c->opt.checkpoint_timeout_ms)
     c->opt.checkpoint_timeout_ms = 600000;
-  c->scaler = opt.dynamic_loss_scaler;
+  c->scaler = scaler;
   atomic_init(&c->retries, 0);
   rc = zc_transport_resolve(opt.transport, &c->opt.transport);
   if (rc != ZS_OK)
@@ -468,14 +491,31 @@ static int add_group_locked(zs_client *c, const spec_group *g, uint32_t *id) {
   return ZS_OK;
 }
 
-int zs_add_group(zs_client *c, const zs_group_options *g, uint32_t *id) {
+/* Reads the caller's group options into *g: a shorter (older) struct gets
+ * torch's defaults for its optimizer in the fields it lacks. */
+static int read_group_options(const zs_group_options *in, zs_group_options *g) {
+  if (!in)
+    return zc_fail(ZS_EINVAL, "zs_add_group: options NULL");
+  int rc = zc_struct_check(in->struct_size, "zs_add_group", "zs_group_options_init");
+  if (rc != ZS_OK)
+    return rc;
+  zs_optimizer optimizer = ZS_OPTIM_ADAMW;
+  if (in->struct_size >= offsetof(zs_group_options, optimizer) + sizeof in->optimizer)
+    optimizer = in->optimizer;
+  zs_group_options_init(g, optimizer);
+  return zc_struct_read(g, sizeof *g, in, "zs_add_group", "zs_group_options_init");
+}
+
+int zs_add_group(zs_client *c, const zs_group_options *caller_g, uint32_t *id) {
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  if (!g || g->struct_size != sizeof *g) {
+  zs_group_options own;
+  const zs_group_options *g = &own;
+  rc = read_group_options(caller_g, &own);
+  if (rc != ZS_OK) {
     zc_client_leave(c);
-    return zc_fail(ZS_EINVAL, "zs_add_group: options NULL or not initialised with "
-                              "zs_group_options_init");
+    return rc;
   }
   if (g->optimizer != ZS_OPTIM_ADAMW && g->optimizer != ZS_OPTIM_ADAM &&
       g->optimizer != ZS_OPTIM_SGD) {

@@ -13,6 +13,7 @@
  *   scaler.c    the dynamic loss scaler
  *   estimate.c  the memory and traffic model behind `zshard estimate`
  *   error.c     the per-thread last-error sentence
+ *   abi.c       struct_size: reading and writing the caller's structs
  *
  * Threads and locks (one place for the whole library):
  *   - The caller's threads run the zs_ functions; the pool's worker threads run
@@ -30,11 +31,17 @@
 #ifndef ZSHARD_CLIENT_INTERNAL_H
 #define ZSHARD_CLIENT_INTERNAL_H
 
+/* The CLI sees the library through cli_support.h (which says why). */
+#ifdef ZSHARD_CLI
+#error "client/cli must not include client/lib/internal.h: use cli_support.h"
+#endif
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cli_support.h"
 #include "common/hostport.h"
 #include "common/layout.h"
 #include "common/rpc_client.h"
@@ -53,8 +60,6 @@
 #define ZC_GRPC_UNAVAILABLE 14
 #define ZC_GRPC_CANCELLED 1
 
-#define ZC_METHOD(name) "/zshard.v1.ZShard/" name
-
 /* ---- error.c -------------------------------------------------------------- */
 
 /* Formats a sentence into the calling thread's last-error buffer and returns
@@ -63,6 +68,27 @@ int zc_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)))
 
 /* Copies `msg` into the calling thread's last-error buffer and returns err. */
 int zc_fail_msg(int err, const char *msg);
+
+/* ---- abi.c: the caller's struct sizes (the rules atop zshard.h) ------------ */
+
+/* The largest struct_size accepted: far above any struct of ours, low enough
+ * that a garbage size is refused before the library reads that far. */
+#define ZC_STRUCT_SIZE_MAX 4096u
+
+/* ZS_OK if `size` can be a caller's struct_size, else ZS_EINVAL with a
+ * sentence naming fn and the init macro that sets it. */
+int zc_struct_check(size_t size, const char *fn, const char *init);
+
+/* Reads the caller's struct `src` (its struct_size bytes, checked first)
+ * into the library's `dst` of `own` bytes, which holds the defaults: the
+ * first min(struct_size, own) bytes are copied and dst->struct_size becomes
+ * own. ZS_EUNIMPL (nothing copied) if src sets a byte beyond own. */
+int zc_struct_read(void *dst, size_t own, const void *src, const char *fn, const char *init);
+
+/* Writes the library's struct `src` of `own` bytes to the caller's `dst` of
+ * `size` bytes (checked by the caller): min(size, own) bytes copied, the rest
+ * zeroed, dst->struct_size = size. Nothing past dst + size is touched. */
+void zc_struct_write(void *dst, size_t size, const void *src, size_t own);
 
 /* ---- pool.c --------------------------------------------------------------- */
 
@@ -241,11 +267,7 @@ void zc_slots_free(struct zs_client *c);
  * it is closing. The retries' backoff. */
 int zc_backoff_wait(struct zs_client *c, uint64_t ms);
 
-/* A call with retries on UNAVAILABLE and backoff (interrupted by close).
- * Same contract as rpc_call. */
-int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
-            const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
-            uint64_t timeout_ms, rpc_status *st);
+/* zc_call, the retried call: cli_support.h. */
 
 /* ---- scaler.c: the loss scaler's state, carried by the shards ---------------- */
 
@@ -333,13 +355,7 @@ void zc_client_leave(const zs_client *c);
  * request may outlive its client). */
 void zc_account_wait(zs_client *c, zc_op_kind kind, uint64_t ns);
 
-/* Splits a shard address list ("h:p,h:p") or expands a pattern with "{i}"
- * (num_shards required) into *out, an array of *count strings the caller
- * frees with zc_free_addresses. num_shards 0 with a list means "as many as
- * listed". Returns 0 or ZS_EINVAL / ZS_ENOMEM with the last error set. Also
- * used by the CLI. */
-int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count);
-void zc_free_addresses(char **addr, uint32_t n);
+/* zc_parse_addresses, zc_free_addresses: cli_support.h. */
 
 /* The host and port of one shard address: hostport_parse after an optional
  * gRPC scheme ("dns:", "ipv4:", "ipv6:") and a dns authority

@@ -23,9 +23,10 @@
 #define SCALER_BLOB_MAGIC "ZSLS"
 #define SCALER_BLOB_VERSION 1u
 
-void zs_loss_scaler_init(zs_loss_scaler *s) {
-  if (!s)
+void zs_loss_scaler_init_sized(zs_loss_scaler *out, size_t size) {
+  if (!out || size < sizeof(size_t))
     return;
+  zs_loss_scaler own, *s = &own;
   memset(s, 0, sizeof *s);
   s->struct_size = sizeof *s;
   s->scale = 65536.0;
@@ -36,12 +37,11 @@ void zs_loss_scaler_init(zs_loss_scaler *s) {
   s->cur_hysteresis = 2;
   s->iter = 0;
   s->last_overflow_iter = -1;
+  zc_struct_write(out, size, s, sizeof *s);
 }
 
-int zs_loss_scaler_update(zs_loss_scaler *s, int overflow) {
-  if (!s || s->struct_size != sizeof *s)
-    return zc_fail(ZS_EINVAL, "zs_loss_scaler_update: scaler is NULL or not initialised with "
-                              "zs_loss_scaler_init");
+/* The rules, on the library's own struct. */
+static int scaler_update(zs_loss_scaler *s, int overflow) {
   if (!(s->scale > 0) || !(s->min_scale > 0) || !(s->factor >= 1) || s->window == 0 ||
       s->hysteresis == 0)
     return zc_fail(ZS_EINVAL, "zs_loss_scaler_update: scale, min_scale, factor, window and "
@@ -60,6 +60,19 @@ int zs_loss_scaler_update(zs_loss_scaler *s, int overflow) {
   }
   s->iter++;
   return ZS_OK;
+}
+
+int zs_loss_scaler_update(zs_loss_scaler *caller, int overflow) {
+  if (!caller)
+    return zc_fail(ZS_EINVAL, "zs_loss_scaler_update: scaler is NULL");
+  zs_loss_scaler s;
+  zs_loss_scaler_init(&s);
+  int rc = zc_struct_read(&s, sizeof s, caller, "zs_loss_scaler_update", "zs_loss_scaler_init");
+  if (rc == ZS_OK)
+    rc = scaler_update(&s, overflow);
+  if (rc == ZS_OK)
+    zc_struct_write(caller, caller->struct_size, &s, sizeof s);
+  return rc;
 }
 
 /* ---- the state the shards carry --------------------------------------------

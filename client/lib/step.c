@@ -38,14 +38,15 @@
 
 #define STEP_MAX_EXAMPLES 6 /* missing contributions quoted in an error */
 
-void zs_step_result_init(zs_step_result *r) {
-  if (!r)
+void zs_step_result_init_sized(zs_step_result *r, size_t size) {
+  if (!r || size < sizeof(size_t))
     return;
-  memset(r, 0, sizeof *r);
-  r->struct_size = sizeof *r;
+  zs_step_result own;
+  memset(&own, 0, sizeof own);
+  zc_struct_write(r, size, &own, sizeof own);
 }
 
-int zs_last_timing(const zs_client *c, zs_timing *out) {
+int zs_last_timing_sized(const zs_client *c, zs_timing *out, size_t size) {
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
@@ -53,10 +54,16 @@ int zs_last_timing(const zs_client *c, zs_timing *out) {
     zc_client_leave(c);
     return zc_fail(ZS_EINVAL, "zs_last_timing: out is NULL");
   }
+  rc = zc_struct_check(size, "zs_last_timing", "sizeof *out");
+  if (rc != ZS_OK) {
+    zc_client_leave(c);
+    return rc;
+  }
   zs_client *m = (zs_client *)(uintptr_t)c;
   pthread_mutex_lock(&m->mu);
-  *out = c->last_timing;
+  zs_timing t = c->last_timing;
   pthread_mutex_unlock(&m->mu);
+  zc_struct_write(out, size, &t, sizeof t);
   zc_client_leave(c);
   return ZS_OK;
 }
@@ -238,9 +245,12 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  if (out && out->struct_size != sizeof *out) {
-    zc_client_leave(c);
-    return zc_fail(ZS_EINVAL, "zs_step: result not initialised with zs_step_result_init");
+  if (out) {
+    rc = zc_struct_check(out->struct_size, "zs_step: result", "zs_step_result_init");
+    if (rc != ZS_OK) {
+      zc_client_leave(c);
+      return rc;
+    }
   }
   if (!isfinite(lr) || lr < 0 || !isfinite(max_grad_norm) || max_grad_norm < 0 ||
       !isfinite(loss_scale) || loss_scale < 0) {
@@ -355,22 +365,23 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
     uint32_t depth = c->opt.prefetch_depth < 64 ? c->opt.prefetch_depth : 64;
     nprefetch = zc_prefetch_locked(c, 0, depth, step, c->last_pull_wire, prefetch);
   }
-  zs_timing timing = *tm;
   pthread_mutex_unlock(&c->mu);
   for (uint32_t i = 0; i < nprefetch; i++)
     zc_op_submit(prefetch[i]);
 
   if (out) {
-    out->step = step;
-    out->version = step;
-    out->applied = !overflow;
-    out->overflow = overflow;
-    out->grad_norm = grad_norm;
-    out->clip_coef = clip_coef;
-    out->coef = coef;
-    out->loss_scale = loss_scale;
-    out->next_loss_scale = next_scale;
-    out->timing = timing;
+    zs_step_result res;
+    memset(&res, 0, sizeof res);
+    res.step = step;
+    res.version = step;
+    res.applied = !overflow;
+    res.overflow = overflow;
+    res.grad_norm = grad_norm;
+    res.clip_coef = clip_coef;
+    res.coef = coef;
+    res.loss_scale = loss_scale;
+    res.next_loss_scale = next_scale;
+    zc_struct_write(out, out->struct_size, &res, sizeof res);
   }
   zc_checkpoint_after_step(c, step);
 done:

@@ -826,6 +826,6 @@ void bench_step(zs_client *c, zs_timing *timing) {
   zs_step_result_init(&r);
   if (zs_step(c, 1e-3, 0.0, 0.0, &r) != 0)
     bench_die("zs_step: %s", zs_last_error());
-  if (timing)
-    *timing = r.timing;
+  if (timing && zs_last_timing(c, timing) != 0)
+    bench_die("zs_last_timing: %s", zs_last_error());
 }

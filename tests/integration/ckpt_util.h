@@ -104,7 +104,7 @@ static inline int cu_trainer_init(cu_trainer *tr, const char *addrs, uint32_t ra
     o.max_retries = cu_max_retries;
   if (cu_dynamic_scaler) {
     o.loss_scaling = ZS_LOSS_SCALE_DYNAMIC;
-    o.dynamic_loss_scaler = *cu_dynamic_scaler;
+    o.dynamic_loss_scaler = cu_dynamic_scaler;
   }
   int rc = zs_client_open(&o, &tr->c);
   if (rc != ZS_OK)

@@ -143,6 +143,7 @@ typedef struct rank_out {
   int rc;
   char err[512];
   zs_step_result res[K_MAX];
+  zs_timing timing[K_MAX];
   double scale_used[K_MAX];
   float *final[NT]; /* the last version, pulled through the wire dtype */
 } rank_out;
@@ -275,6 +276,10 @@ static int trainer_body(const run_cfg *cfg, uint32_t rank, rank_out *out, zs_cli
     zs_step_result_init(&out->res[s - 1]);
     if ((rc = zs_step(c, cfg->lr, cfg->clip, 0, &out->res[s - 1])) != ZS_OK) {
       trainer_fail(out, rc, "zs_step");
+      goto done;
+    }
+    if ((rc = zs_last_timing(c, &out->timing[s - 1])) != ZS_OK) {
+      trainer_fail(out, rc, "zs_last_timing");
       goto done;
     }
   }
@@ -485,7 +490,7 @@ static void train_matrix_cell(uint32_t N, uint32_t W) {
     /* Timing adds up and counts the bytes moved (ranks without prefetch pull
      * each tensor exactly once per step). */
     for (uint32_t r = 0; r < W; r++) {
-      const zs_timing *tm = &outs[r].res[cfg.K - 1].timing;
+      const zs_timing *tm = &outs[r].timing[cfg.K - 1];
       assert_true(tm->total_ms >= 0 && tm->compute_ms >= 0 && tm->push_ms >= 0 &&
                   tm->pull_wait_ms >= 0 && tm->step_ms >= 0);
       assert_true(tm->compute_ms <= tm->total_ms);

@@ -3,7 +3,8 @@
  * trains for real: two trainer processes on two shard servers, 40 steps; the
  * loss they print falls and the held-out accuracy beats chance by far. Then
  * `zshard status` reports both shards SERVING at the version the training
- * reached, as a table and as JSON.
+ * reached, as a table and as JSON. And `zshard estimate` reports model
+ * states and working memory apart, the latter only with --largest-layer.
  *
  * The binaries come from the build (ZSHARD_EXAMPLE_BIN, ZSHARD_CLI_BIN, set
  * by client/CMakeLists.txt).
@@ -179,6 +180,36 @@ static void example_trainer_loss_falls_on_two_shards_two_trainers(void **state) 
   hs_cluster_stop(&cl);
 }
 
+/* The ZeRO paper's 7.5B parameters on 64 devices: ZeRO-3 keeps 1.875e9 bytes
+ * of model states; its working memory is unknown without --largest-layer
+ * (null, not a guess) and (2p + g)L with it. */
+static void estimate_separates_states_from_working_memory(void **state) {
+  (void)state;
+  char out[600];
+  snprintf(out, sizeof out, "%s/estimate.out", hs_tmpdir());
+  char *argv[] = {ZSHARD_CLI_BIN, "estimate", "--params",     "7.5B", "--trainers",    "64",
+                  "--shards",     "8",        "--grad-dtype", "fp16", "--param-dtype", "fp16",
+                  "--json",       NULL,       NULL,           NULL};
+  pid_t p = spawn_to(argv, out);
+  assert_true(p > 0);
+  assert_int_equal(wait_exit(p), 0);
+  char *json = slurp(out);
+  assert_non_null(strstr(json, "\"largest_layer\":null"));
+  assert_non_null(strstr(json, "{\"name\":\"zero1\",\"state_bytes\":31406250000,"));
+  assert_non_null(
+      strstr(json, "{\"name\":\"zero3\",\"state_bytes\":1875000000,\"working_bytes\":null,"));
+  free(json);
+  argv[13] = "--largest-layer";
+  argv[14] = "200M";
+  p = spawn_to(argv, out);
+  assert_true(p > 0);
+  assert_int_equal(wait_exit(p), 0);
+  json = slurp(out);
+  assert_non_null(strstr(json, "{\"name\":\"zero3\",\"state_bytes\":1875000000,"
+                               "\"working_bytes\":1200000000,\"device_bytes\":3075000000,"));
+  free(json);
+}
+
 static int group_setup(void **state) {
   (void)state;
   return hs_init();
@@ -187,6 +218,7 @@ static int group_setup(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(example_trainer_loss_falls_on_two_shards_two_trainers),
+      cmocka_unit_test(estimate_separates_states_from_working_memory),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);
   hs_finish(failures);

@@ -1017,6 +1017,9 @@ static void status_reports_counts_memory_and_a_push_rate_from_two_samples(void *
   assert_non_null(strstr(json, "\"all_serving\":true"));
   assert_true(json_number(json, "pushes") == (double)pushes);
   assert_true(json_number(json, "bytes_in") == (double)jb.piece_bytes);
+  /* The one shard owns every piece of the job (GetInfo's counts). */
+  assert_true(json_number(json, "pieces") == (double)jb.j.lay.num_pieces);
+  assert_true(json_number(json, "elements") == (double)(jb.piece_bytes / sizeof(float)));
   assert_true(json_number(json, "rss_bytes") > 1e6);
   assert_true(json_number(json, "waiting_pulls") == 0);
   double rate = json_number(json, "pushes_per_s");

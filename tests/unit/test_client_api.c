@@ -52,7 +52,7 @@ static void options_init_fills_documented_defaults(void **state) {
   assert_int_equal(o.step_timeout_ms, 60000);
   assert_int_equal(o.max_retries, 20);
   assert_int_equal(o.loss_scaling, ZS_LOSS_SCALE_NONE);
-  assert_true(o.dynamic_loss_scaler.scale == 65536.0);
+  assert_null(o.dynamic_loss_scaler); /* DeepSpeed's defaults */
   assert_int_equal(o.transport, ZS_TRANSPORT_DEFAULT);
   assert_int_equal(o.data_connections, 0);
 }
@@ -143,8 +143,15 @@ static void open_rejects_bad_dtypes_and_scaling(void **state) {
   o.loss_scaling = (zs_loss_scaling)7;
   assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
   o.loss_scaling = ZS_LOSS_SCALE_DYNAMIC;
-  o.dynamic_loss_scaler.window = 0;
+  zs_loss_scaler s;
+  zs_loss_scaler_init(&s);
+  s.window = 0;
+  o.dynamic_loss_scaler = &s;
   assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  s.window = 1000;
+  s.struct_size = 0;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "zs_loss_scaler_init"));
   assert_null(c);
 }
 
@@ -475,7 +482,13 @@ static void estimate_matches_the_documented_formulas(void **state) {
   assert_true(r[ZS_STRATEGY_ZERO1].device_bytes == 4 * P + 12 * P / W);
   assert_true(r[ZS_STRATEGY_ZERO2].device_bytes == 2 * P + 14 * P / W);
   assert_true(r[ZS_STRATEGY_ZERO3].device_bytes == 16 * P / W + 6 * L);
+  assert_true(r[ZS_STRATEGY_ZERO3].state_bytes == 16 * P / W);
+  assert_true(r[ZS_STRATEGY_ZERO3].working_bytes == 6 * L);
+  assert_true(r[ZS_STRATEGY_DP].working_bytes == 0);
   assert_true(r[ZS_STRATEGY_ZSHARD].device_bytes == 6 * L);
+  assert_true(r[ZS_STRATEGY_ZSHARD].state_bytes == 0);
+  for (int i = 0; i < ZS_STRATEGY_COUNT; i++)
+    assert_int_equal(r[i].struct_size, sizeof r[i]);
   assert_true(r[ZS_STRATEGY_ZSHARD].shard_bytes == 18 * P / 8);
   assert_true(r[ZS_STRATEGY_DP].shard_bytes == 0);
   /* Wire: 2*2P(W-1)/W for DP's ring all-reduce, 3*2P(W-1)/W for ZeRO-3,
@@ -510,12 +523,47 @@ static void estimate_counts_slow_shards_and_backward_pulls(void **state) {
   assert_true(z->received_bytes == 4000);             /* 2 pulls of 2 bytes */
   assert_true(z->shard_wire_bytes == 4 * 4000.0 / 2); /* in: W*4P/N, out: W*2*2P/N */
   assert_true(fabs(z->comm_seconds - 8000.0 / 1e8) < 1e-12);
-  /* largest_layer 0 means the whole model is one layer. */
-  assert_true(z->device_bytes == (2 * 2 + 4) * 1000.0);
+  /* largest_layer 0: working memory is not known, and not guessed. */
+  assert_true(z->working_bytes == 0 && z->device_bytes == 0);
+  assert_true(r[ZS_STRATEGY_ZERO3].working_bytes == 0);
+  in.largest_layer = 100;
+  assert_int_equal(zs_estimate(&in, r, ZS_STRATEGY_COUNT), ZS_OK);
+  assert_true(z->working_bytes == (2 * 2 + 4) * 100.0);
+  in.largest_layer = 0;
   /* One trainer: no collective traffic at all for the DP family. */
   in.trainers = 1;
   assert_int_equal(zs_estimate(&in, r, ZS_STRATEGY_COUNT), ZS_OK);
   assert_true(r[ZS_STRATEGY_DP].sent_bytes == 0 && r[ZS_STRATEGY_ZERO3].comm_seconds == 0);
+}
+
+/* The ZeRO paper (Rajbhandari et al. 2020, figure 1): model states per device
+ * for a 7.5B-parameter model on 64 devices with mixed-precision Adam (K = 12):
+ * 120 GB baseline, 31.4 GB with Pos, 16.6 GB with Pos+g, 1.88 GB with
+ * Pos+g+p. Working memory is a separate column and does not change them. */
+static void estimate_reproduces_the_zero_papers_model_states(void **state) {
+  (void)state;
+  zs_estimate_input in;
+  zs_estimate_input_init(&in);
+  in.params = 7500000000ull;
+  in.trainers = 64;
+  in.grad_dtype = in.param_dtype = ZS_DTYPE_FP16;
+  zs_estimate_row r[ZS_STRATEGY_COUNT];
+  for (int pass = 0; pass < 2; pass++) {
+    assert_int_equal(zs_estimate(&in, r, ZS_STRATEGY_COUNT), ZS_OK);
+    assert_true(fabs(r[ZS_STRATEGY_DP].state_bytes / 1e9 - 120.0) < 0.05);
+    assert_true(fabs(r[ZS_STRATEGY_ZERO1].state_bytes / 1e9 - 31.4) < 0.05);
+    assert_true(fabs(r[ZS_STRATEGY_ZERO2].state_bytes / 1e9 - 16.6) < 0.05);
+    assert_true(fabs(r[ZS_STRATEGY_ZERO3].state_bytes / 1e9 - 1.875) < 0.005);
+    /* ZeRO-3 keeps less than ZeRO-1 whatever its working memory adds for
+     * a layer of a realistic size (here 1/32 of the model). */
+    assert_true(r[ZS_STRATEGY_ZERO3].device_bytes < r[ZS_STRATEGY_ZERO1].device_bytes);
+    in.largest_layer = in.params / 32;
+  }
+  assert_true(r[ZS_STRATEGY_ZERO3].working_bytes == 6.0 * (double)in.largest_layer);
+  /* K is an input: plain fp32 SGD with momentum keeps 8 bytes. */
+  in.optimizer_bytes = 8;
+  assert_int_equal(zs_estimate(&in, r, ZS_STRATEGY_COUNT), ZS_OK);
+  assert_true(r[ZS_STRATEGY_DP].state_bytes == 12.0 * 7.5e9);
 }
 
 static void estimate_rejects_bad_input(void **state) {
@@ -598,6 +646,7 @@ int main(void) {
       cmocka_unit_test(loss_scaler_rejects_garbage),
       cmocka_unit_test(estimate_matches_the_documented_formulas),
       cmocka_unit_test(estimate_counts_slow_shards_and_backward_pulls),
+      cmocka_unit_test(estimate_reproduces_the_zero_papers_model_states),
       cmocka_unit_test(estimate_rejects_bad_input),
       cmocka_unit_test(shared_library_exports_only_zs_symbols),
   };

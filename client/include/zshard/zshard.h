@@ -4,6 +4,46 @@
  * This is the single public header. Every public symbol starts with zs_ / ZS_;
  * everything else in the library is hidden. Functions return 0 (ZS_OK) or a
  * negative zs_status; zs_strerror() turns one into a sentence.
+ *
+ * How the ABI grows. A program built against one version of this header must
+ * keep working with a later libzshard of the same SOVERSION, and fail cleanly
+ * with an earlier one. Every struct the API passes in or out follows these
+ * rules, which the library enforces in one place (client/lib/abi.c) and
+ * tests/abi checks against an older copy of this header:
+ *
+ *   1. It starts with `size_t struct_size`, the size of the struct as the
+ *      caller's header declares it. The zs_*_init() macros (and the macros
+ *      zs_last_timing() and zs_estimate()) pass sizeof *(ptr) to a *_sized
+ *      function; a caller that cannot use the macros (another language, a
+ *      function pointer) calls that function with its own size.
+ *   2. Fields are only ever appended. A field added after the first release of
+ *      its struct has 0 as its default, so a zeroed field and a missing one
+ *      mean the same thing.
+ *   3. Fields are scalars and pointers only: no struct or array is embedded
+ *      by value (each struct grows on its own; a related struct is passed by
+ *      pointer, with its own struct_size), and no struct has padding at its
+ *      end. struct_size is therefore a multiple of sizeof(size_t) and never
+ *      cuts a field in two; another value, one below sizeof(size_t) or one
+ *      above 4096 is refused with ZS_EINVAL as "not initialised".
+ *   4. An init function writes exactly struct_size bytes: the library's
+ *      defaults for the fields it knows, zeros beyond them.
+ *   5. A struct the library reads: it takes min(struct_size, its own size)
+ *      bytes; the fields the caller's struct lacks keep their defaults. Bytes
+ *      beyond the fields the library knows (a program built against a newer
+ *      header than the library) must be zero, as the library's init leaves
+ *      them; anything else fails with ZS_EUNIMPL, because a setting the
+ *      library cannot honour must not be dropped silently.
+ *   6. A struct the library writes (zs_step_result, zs_timing, the
+ *      zs_estimate_row array, zs_loss_scaler's state): it writes min(caller,
+ *      own) bytes, zeroes the rest of the caller's struct (fields it does not
+ *      know read as 0) and never a byte past struct_size; arrays are strided
+ *      by the caller's struct size.
+ *   7. Functions keep their signature; one that has to change gets a new
+ *      name. The export map (client/lib/zshard.map) exports zs_* under
+ *      ZSHARD_0, the SOVERSION is 0, and until 1.0 a release may still remove
+ *      symbols or re-lay a struct (0.2 did both: the *_init functions became
+ *      *_init_sized, so a program built against 0.1 fails to load instead of
+ *      misreading a struct).
  */
 #ifndef ZSHARD_ZSHARD_H
 #define ZSHARD_ZSHARD_H
@@ -22,7 +62,7 @@ extern "C" {
 #endif
 
 #define ZS_VERSION_MAJOR 0
-#define ZS_VERSION_MINOR 1
+#define ZS_VERSION_MINOR 2
 #define ZS_VERSION_PATCH 0
 
 /*
@@ -108,10 +148,10 @@ ZS_EXTERN size_t zs_dtype_bytes(int dtype, size_t numel);
  * server said) for zs_last_error() on the calling thread.
  *
  * Option and result structs carry their own size in their first field
- * (`struct_size`), so that a program built against an older header keeps
- * working with a newer library: always fill them with the matching
- * zs_*_init() function, which sets struct_size and every default, and then
- * change the fields you need.
+ * (`struct_size`; the rules are at the top of this header): always fill them
+ * with the matching zs_*_init() macro, which sets struct_size and every
+ * default, and then change the fields you need. Do not build them with an
+ * initializer or a compound literal, which leave struct_size 0.
  *
  * Threads: unless a function says otherwise it may be called from any thread,
  * concurrently with any other call on the same client. The library runs its
@@ -142,7 +182,7 @@ ZS_EXTERN const char *zs_last_error(void);
  * hysteresis is restored.
  */
 typedef struct zs_loss_scaler {
-  size_t struct_size;
+  size_t struct_size;  /* set by zs_loss_scaler_init */
   double scale;        /* the current scale; initial 2^16 */
   double min_scale;    /* 1 */
   double factor;       /* 2 */
@@ -154,11 +194,14 @@ typedef struct zs_loss_scaler {
   int64_t last_overflow_iter;
 } zs_loss_scaler;
 
-/* Fills `s` with DeepSpeed's defaults (scale 2^16, window 1000, hysteresis 2,
- * min 1, factor 2) and a fresh state. `s` is the caller's. */
-ZS_EXTERN void zs_loss_scaler_init(zs_loss_scaler *s);
+/* Fills `s`, the caller's struct of `size` bytes, with DeepSpeed's defaults
+ * (scale 2^16, window 1000, hysteresis 2, min 1, factor 2), a fresh state
+ * and struct_size = size. Use the macro. */
+ZS_EXTERN void zs_loss_scaler_init_sized(zs_loss_scaler *s, size_t size);
+#define zs_loss_scaler_init(s) zs_loss_scaler_init_sized((s), sizeof *(s))
 
-/* Records one iteration's outcome (overflow 1 or 0) and updates s->scale.
+/* Records one iteration's outcome (overflow 1 or 0) and updates s->scale
+ * (and the state fields), reading and writing s->struct_size bytes of `s`.
  * Returns ZS_EINVAL for a NULL or uninitialised `s`. Not thread-safe for one
  * `s`: the caller serialises calls on it. */
 ZS_EXTERN int zs_loss_scaler_update(zs_loss_scaler *s, int overflow);
@@ -249,10 +292,11 @@ typedef struct zs_client_options {
   /* Loss scaling used by zs_step when it is given loss_scale 0. */
   zs_loss_scaling loss_scaling; /* default ZS_LOSS_SCALE_NONE */
   double static_loss_scale;     /* ZS_LOSS_SCALE_STATIC; default 1 */
-  /* ZS_LOSS_SCALE_DYNAMIC: the scaler's configuration (its state is reset). */
-  zs_loss_scaler dynamic_loss_scaler;
-  /* Added later: a program built against a header whose struct ends above
-   * gets the defaults of these fields. */
+  /* ZS_LOSS_SCALE_DYNAMIC: the scaler the client starts from, configuration
+   * and state (a zs_loss_scaler_init'ed struct, then changed). The caller's;
+   * read (copied) by zs_client_open only. NULL (default): DeepSpeed's
+   * defaults, as zs_loss_scaler_init sets them. */
+  const zs_loss_scaler *dynamic_loss_scaler;
   /* The transport of pushes and pulls; default ZS_TRANSPORT_DEFAULT. An
    * explicit ZS_TRANSPORT_DATA or ZS_TRANSPORT_GRPC wins over the
    * environment. */
@@ -268,8 +312,10 @@ typedef struct zs_client_options {
   uint32_t checkpoint_timeout_ms;
 } zs_client_options;
 
-/* Fills `o` with the defaults above. */
-ZS_EXTERN void zs_client_options_init(zs_client_options *o);
+/* Fills `o`, the caller's struct of `size` bytes, with the defaults above
+ * and struct_size = size. Use the macro. */
+ZS_EXTERN void zs_client_options_init_sized(zs_client_options *o, size_t size);
+#define zs_client_options_init(o) zs_client_options_init_sized((o), sizeof *(o))
 
 /* Creates a client: checks the options (ZS_EINVAL also for a
  * ZSHARD_TRANSPORT that is neither "data" nor "grpc" when it applies), opens
@@ -302,13 +348,18 @@ typedef struct zs_group_options {
   int bias_correction;        /* adam/adamw; 1 */
 } zs_group_options;
 
-/* Fills `g` with torch's defaults for `optimizer`. */
-ZS_EXTERN void zs_group_options_init(zs_group_options *g, zs_optimizer optimizer);
+/* Fills `g`, the caller's struct of `size` bytes, with torch's defaults for
+ * `optimizer` and struct_size = size. Use the macro. */
+ZS_EXTERN void zs_group_options_init_sized(zs_group_options *g, zs_optimizer optimizer,
+                                           size_t size);
+#define zs_group_options_init(g, optimizer)                                                        \
+  zs_group_options_init_sized((g), (optimizer), sizeof *(g))
 
 /* Adds a param group; *id (may be NULL) gets its index (0, 1, ...). If no
  * group is added before zs_open_job, one AdamW group with torch's defaults is
- * used. `g` is only read during the call. Returns ZS_EINVAL after
- * zs_open_job. */
+ * used. `g` is only read during the call; the fields a shorter (older)
+ * struct lacks take torch's defaults for its optimizer. Returns ZS_EINVAL
+ * after zs_open_job. */
 ZS_EXTERN int zs_add_group(zs_client *c, const zs_group_options *g, uint32_t *id);
 
 /* Adds a tensor (the model's tensors in a fixed order, the same on every
@@ -422,12 +473,16 @@ ZS_EXTERN int zs_wait_pushes(zs_client *c);
  * own work between calls. With several trainer threads the waits of different
  * threads may overlap and compute is clamped at 0. */
 typedef struct zs_timing {
+  size_t struct_size; /* written by zs_last_timing: the caller's size */
   double total_ms, compute_ms, push_ms, pull_wait_ms, step_ms;
   uint64_t bytes_pushed; /* wire bytes of gradients sent this step */
   uint64_t bytes_pulled; /* wire bytes of parameters received this step */
-  uint32_t retries;      /* calls retried after UNAVAILABLE */
+  uint64_t retries;      /* calls retried after UNAVAILABLE */
 } zs_timing;
 
+/* The result of one zs_step. The step's timing is not in it (a struct is
+ * never embedded in another, so that each can grow): zs_last_timing gives it
+ * until the next zs_step. */
 typedef struct zs_step_result {
   size_t struct_size;
   uint64_t step;          /* the step this call completed */
@@ -440,11 +495,12 @@ typedef struct zs_step_result {
   float coef;             /* sent to the shards: clip_coef / loss_scale */
   double loss_scale;      /* used for this step */
   double next_loss_scale; /* to use for the next step */
-  zs_timing timing;
 } zs_step_result;
 
-/* Fills `r` with zeros and its struct_size. */
-ZS_EXTERN void zs_step_result_init(zs_step_result *r);
+/* Fills `r`, the caller's struct of `size` bytes, with zeros and
+ * struct_size = size. Use the macro. */
+ZS_EXTERN void zs_step_result_init_sized(zs_step_result *r, size_t size);
+#define zs_step_result_init(r) zs_step_result_init_sized((r), sizeof *(r))
 
 /* Completes the current step s: waits for this client's pushes, collects the
  * gradient statistics of step s from every shard (waiting up to
@@ -463,8 +519,11 @@ ZS_EXTERN void zs_step_result_init(zs_step_result *r);
 ZS_EXTERN int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale,
                       zs_step_result *out);
 
-/* The timing of the last completed step (zeros before the first). */
-ZS_EXTERN int zs_last_timing(const zs_client *c, zs_timing *out);
+/* The timing of the last completed step (zeros before the first) into `out`,
+ * the caller's struct of `size` bytes (its struct_size is set to size; it
+ * needs no init). Use the macro, which passes sizeof *(out). */
+ZS_EXTERN int zs_last_timing_sized(const zs_client *c, zs_timing *out, size_t size);
+#define zs_last_timing(c, out) zs_last_timing_sized((c), (out), sizeof *(out))
 
 /* ======================================================================== */
 /* Checkpoints (docs/CHECKPOINTS.md)                                         */
@@ -519,20 +578,27 @@ ZS_EXTERN int zs_last_checkpoint(const zs_client *c, uint64_t *step);
 
 typedef struct zs_estimate_input {
   size_t struct_size;
-  uint64_t params;        /* P, total parameters */
-  uint64_t largest_layer; /* parameters of the largest layer (ZeRO-3 and zshard
-                             working set); 0: params */
-  uint32_t trainers;      /* W */
-  uint32_t shards;        /* N (zshard only) */
-  zs_dtype grad_dtype;    /* gradients on the wire; default BF16 */
-  zs_dtype param_dtype;   /* parameters on the wire and in trainer memory; BF16 */
-  double trainer_gbps;    /* trainer NIC, Gbit/s each way; default 100 */
-  double shard_gbps;      /* shard NIC, Gbit/s each way; 0: trainer_gbps */
-  int pull_in_backward;   /* zshard pulls parameters again in backward */
+  uint64_t params; /* P, total parameters */
+  /* L, parameters of the largest layer: what ZeRO-3 gathers and zshard pulls
+   * at a time, the working-memory term. 0 (default): not known, and working
+   * memory is left out (working_bytes 0) rather than guessed. */
+  uint64_t largest_layer;
+  uint32_t trainers;    /* W */
+  uint32_t shards;      /* N (zshard only) */
+  zs_dtype grad_dtype;  /* gradients on the wire; default BF16 */
+  zs_dtype param_dtype; /* parameters on the wire and in trainer memory; BF16 */
+  double trainer_gbps;  /* trainer NIC, Gbit/s each way; default 100 */
+  double shard_gbps;    /* shard NIC, Gbit/s each way; 0: trainer_gbps */
+  int pull_in_backward; /* zshard pulls parameters again in backward */
+  /* K, bytes of optimizer state per parameter (fp32 master weights and
+   * moments); 0 (default): 12, mixed-precision Adam as in the ZeRO paper. */
+  uint32_t optimizer_bytes;
 } zs_estimate_input;
 
-/* Fills `in` with the defaults (params and largest_layer 0, W = N = 1). */
-ZS_EXTERN void zs_estimate_input_init(zs_estimate_input *in);
+/* Fills `in`, the caller's struct of `size` bytes, with the defaults (params
+ * and largest_layer 0, W = N = 1) and struct_size = size. Use the macro. */
+ZS_EXTERN void zs_estimate_input_init_sized(zs_estimate_input *in, size_t size);
+#define zs_estimate_input_init(in) zs_estimate_input_init_sized((in), sizeof *(in))
 
 typedef enum zs_strategy {
   ZS_STRATEGY_DP = 0,
@@ -544,9 +610,19 @@ typedef enum zs_strategy {
 } zs_strategy;
 
 typedef struct zs_estimate_row {
+  size_t struct_size; /* written by zs_estimate: the caller's size */
   zs_strategy strategy;
-  const char *name;        /* static string: "dp", "zero1", ... */
-  double device_bytes;     /* memory on each trainer (model states) */
+  const char *name; /* static string: "dp", "zero1", ... */
+  /* Memory on each trainer, state_bytes + working_bytes. */
+  double device_bytes;
+  /* Model states kept on each trainer between steps: parameters, gradients
+   * and optimizer state, or this trainer's partition of them (the ZeRO
+   * paper's "model states"). */
+  double state_bytes;
+  /* Working memory on each trainer for parameters that are not its own: the
+   * layer gathered (ZeRO-3) or pulled (zshard), its gradient and the next
+   * layer's prefetch; 0 when largest_layer is not given. */
+  double working_bytes;
   double shard_bytes;      /* memory on each shard server; 0 if none */
   double sent_bytes;       /* per trainer per step */
   double received_bytes;   /* per trainer per step */
@@ -555,8 +631,12 @@ typedef struct zs_estimate_row {
 } zs_estimate_row;
 
 /* Computes one row per strategy into rows[0 .. ZS_STRATEGY_COUNT) (formulas
- * in docs/CLIENT.md). `in` is read, `rows` written; both the caller's. */
-ZS_EXTERN int zs_estimate(const zs_estimate_input *in, zs_estimate_row *rows, size_t nrows);
+ * in docs/CLIENT.md). `in` is read; `rows`, an array of nrows structs of
+ * `row_size` bytes each (the caller's sizeof), is written. Both are the
+ * caller's. Use the macro, which passes sizeof *(rows). */
+ZS_EXTERN int zs_estimate_sized(const zs_estimate_input *in, zs_estimate_row *rows, size_t nrows,
+                                size_t row_size);
+#define zs_estimate(in, rows, nrows) zs_estimate_sized((in), (rows), (nrows), sizeof *(rows))
 
 #ifdef __cplusplus
 }
