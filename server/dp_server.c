@@ -23,9 +23,9 @@
  * lock of its own that we could wait for.
  *
  * Lifetimes: a connection is reference counted (loop thread only): its
- * handle, each thread-pool work, each answer being written and each Pull
- * waiting in the core hold one reference. After uv_close the connection is a
- * "zombie" until its last reference goes; a Pull record outstanding in the
+ * stream, each thread-pool work, each answer being written and each Pull
+ * waiting in the core hold one reference. After stream_close the connection
+ * is a "zombie" until its last reference goes; a Pull record outstanding in the
  * core when the server stops is then owned by the mailbox and never touches
  * its connection again, and the server frees the zombies itself.
  *
@@ -37,7 +37,8 @@
  *    CRC is computed on each read's bytes while they are in cache. core_push
  *    then adds the buffer into the accumulator (or copies an early
  *    contribution to hold it, the core's own rule). 0 extra copies for large
- *    payloads.
+ *    payloads: on_alloc hands that buffer to the stream layer, which over
+ *    plain TCP reads into it as is.
  *  - Pull: core_read converts the piece from the master arena into the
  *    answer buffer (1 pass, which is the dtype conversion), the CRC reads it
  *    once more, and stream_write sends header+meta and that buffer with one
@@ -443,7 +444,7 @@ static void conn_close(dp_conn *c) {
     count(&s->st_paused, -1);
   }
   /* The receive buffer of an unfinished PUSH and the Pulls not yet answered
-   * go with the stream (the handle's reference keeps c alive meanwhile). */
+   * go with the stream (the stream's reference keeps c alive meanwhile). */
   pool_put(s, c->rx);
   c->rx = NULL;
   while (c->ready_head) {
@@ -454,7 +455,7 @@ static void conn_close(dp_conn *c) {
     conn_unref(c);
   }
   c->ready_tail = NULL;
-  /* Writes still queued complete with UV_ECANCELED in on_written. */
+  /* Writes still queued complete with ZS_ECANCELED in on_written. */
   stream_close(c->st, on_conn_closed);
 }
 
@@ -1363,7 +1364,7 @@ static void on_connection(stream_listener *l, void *data, int status, stream *st
     return;
   }
   c->s = s;
-  c->refs = 1; /* the handle's, dropped in on_conn_closed */
+  c->refs = 1; /* the stream's, dropped in on_conn_closed */
   wire_reader_init(&c->rd, s->max_payload);
   /* c->fair stays zeroed (unlinked) until the read budget parks it. */
   c->st = st;
