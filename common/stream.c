@@ -195,7 +195,7 @@ void stream_close(stream *s, stream_close_cb cb) {
     return;
   s->closing = 1;
   s->close_cb = cb;
-  s->ops->close(s, cb);
+  s->ops->close(s);
 }
 
 int stream_is_closing(const stream *s) {
@@ -277,7 +277,10 @@ static void tcp_on_read(uv_stream_t *h, ssize_t nread, const uv_buf_t *buf) {
 static int tcp_read_start(stream *s, stream_alloc_cb alloc_cb, stream_read_cb read_cb) {
   s->alloc_cb = alloc_cb;
   s->read_cb = read_cb;
-  return tcp_fail(s, uv_read_start((uv_stream_t *)&s->u.tcp.handle, tcp_on_alloc, tcp_on_read));
+  int rc = uv_read_start((uv_stream_t *)&s->u.tcp.handle, tcp_on_alloc, tcp_on_read);
+  /* Already reading: the new callbacks are in place, which is all a second
+   * start asks for. */
+  return rc == UV_EALREADY ? 0 : tcp_fail(s, rc);
 }
 
 static void tcp_read_stop(stream *s) {
@@ -314,8 +317,8 @@ static int tcp_shutdown(stream *s, stream_shutdown_cb cb) {
       s, uv_shutdown(&s->u.tcp.shutdown, (uv_stream_t *)&s->u.tcp.handle, tcp_on_shutdown));
 }
 
-static void tcp_close(stream *s, stream_close_cb cb) {
-  (void)cb; /* kept in s->close_cb by stream_close */
+static void tcp_close(stream *s) {
+  /* s->close_cb, set by stream_close, runs in tcp_on_closed. */
   uv_close((uv_handle_t *)&s->u.tcp.handle, tcp_on_closed);
 }
 

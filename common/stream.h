@@ -19,9 +19,9 @@
  *    refused, reset or broken, ZS_ETIMEDOUT, ZS_ENOMEM, ZS_EINVAL, and
  *    ZS_EIO for anything else. The system's own wording of the last failure
  *    is kept for log lines: stream_detail().
- *  - A stream's memory is released only after its close callback ran; write
- *    and connect callbacks still pending at stream_close run first, with
- *    ZS_ECANCELED.
+ *  - A stream's memory is released only after its close callback ran; write,
+ *    shutdown and connect callbacks still pending at stream_close run first,
+ *    with ZS_ECANCELED.
  *
  * Copies. The read path asks its owner for the buffer of every read
  * (stream_alloc_cb), so a caller that knows how many bytes are coming hands
@@ -115,7 +115,10 @@ typedef enum stream_option {
 } stream_option;
 
 /* An implementation. Each entry has the contract of the function below that
- * calls it. */
+ * calls it; the dispatchers check the arguments and the closing state first.
+ * The objects' definitions are private to stream.c for now; a second
+ * implementation would share them through a private stream_impl.h (a common
+ * head, then a union member of its own where TCP keeps its libuv handles). */
 struct stream_ops {
   const char *name;
   int (*listen)(const stream_ops *ops, uv_loop_t *loop, const struct sockaddr *addr, int backlog,
@@ -127,7 +130,7 @@ struct stream_ops {
   void (*read_stop)(stream *s);
   int (*write)(stream *s, stream_write_req *req, const uv_buf_t *bufs, unsigned nbufs);
   int (*shutdown)(stream *s, stream_shutdown_cb cb);
-  void (*close)(stream *s, stream_close_cb cb);
+  void (*close)(stream *s); /* then calls the close callback stream_close kept */
   int (*peer_addr)(stream *s, struct sockaddr_storage *out);
   int (*local_addr)(stream *s, struct sockaddr_storage *out);
   int (*set_option)(stream *s, stream_option opt, int value);
@@ -153,7 +156,7 @@ int stream_listener_addr(stream_listener *l, struct sockaddr_storage *out);
 
 /* Stops accepting; the listener's memory goes once the loop has run the
  * close (the loop must run on, as for uv_close). Streams already accepted are
- * not affected. */
+ * not affected. NULL is accepted. */
 void stream_listener_close(stream_listener *l);
 
 /* The system's wording of the listener's last accept failure, or "". */
@@ -208,9 +211,9 @@ size_t stream_write_queue_size(const stream *s);
  * zs_status. */
 int stream_shutdown(stream *s, stream_shutdown_cb cb);
 
-/* Closes the stream: reading stops, pending writes and a pending connect
+/* Closes the stream: reading stops, pending writes, shutdown and connect
  * complete with ZS_ECANCELED, then cb (may be NULL) runs and the stream is
- * freed. A second call does nothing. */
+ * freed. A second call, or a NULL stream, does nothing. */
 void stream_close(stream *s, stream_close_cb cb);
 
 /* 1 once stream_close was called. */
