@@ -809,7 +809,9 @@ static void close_walk(uv_handle_t *h, void *arg) {
 static void client_free(dp_client *c) {
   if (c->loop_inited) {
     /* Streams still open (a failed open) go through their layer, which
-     * frees them in its own callback. */
+     * frees them in its own callback; a connection closing meanwhile must
+     * not dispatch (and so reconnect) from here. */
+    c->shut = 1;
     for (uint32_t i = 0; i < c->nconns; i++) {
       /* Idle first, so that a connect cancelled by the close is ignored. */
       c->conns[i].state = C_IDLE;

@@ -91,8 +91,9 @@ typedef void (*stream_close_cb)(stream *s, void *data);
 typedef void (*stream_connect_cb)(stream *s, void *data, int status);
 
 /* A peer connected: status 0 and `s`, a new stream owned by the callee (it
- * must be closed with stream_close), or an error and s NULL (the listener
- * keeps listening). `data` is the listener's. */
+ * must be closed with stream_close; its data is NULL until stream_set_data),
+ * or an error and s NULL (the listener keeps listening). `data` is the
+ * listener's. */
 typedef void (*stream_accept_cb)(stream_listener *l, void *data, int status, stream *s);
 
 /* One write in flight; the caller's memory (usually embedded in its own
