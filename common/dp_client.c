@@ -17,17 +17,18 @@
  *
  * Lock order: `mu` is the only lock and a leaf; no callback runs under it.
  *
- * A request's memory lives until both its callback has run and libuv is done
- * with its write (the uv_write_t and header live inside it). A Push whose
- * bytes are still being written when it must fail (timeout) takes its
- * connection down with it: libuv cannot withdraw half a write, and closing the
- * socket is what guarantees that the caller's buffer is not read after the
- * callback.
+ * A request's memory lives until both its callback has run and the stream
+ * layer is done with its write (the stream_write_req and header live inside
+ * it). A Push whose bytes are still being written when it must fail (timeout)
+ * takes its connection down with it: a stream cannot withdraw half a write,
+ * and closing the stream is what guarantees that the caller's buffer is not
+ * read after the callback.
  *
- * Copies of tensor bytes: none. Push payloads go from the caller's buffer to
- * the socket by writev; Pull payloads come from the socket into the caller's
- * destination, except the bytes that arrive in the same read as their header
- * (at most DPC_STAGING, copied once from the staging buffer).
+ * Copies of tensor bytes: none over plain TCP (common/stream.h). Push
+ * payloads go from the caller's buffer to the socket by one vectored write;
+ * Pull payloads come from the socket into the caller's destination, handed
+ * out by on_alloc, except the bytes that arrive in the same read as their
+ * header (at most DPC_STAGING, copied once from the staging buffer).
  */
 #include "common/dp_client.h"
 #include "common/hostport.h"
@@ -48,6 +49,7 @@
 #include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/list.h"
+#include "common/stream.h"
 #include "common/wire.h"
 
 #define DPC_DEFAULT_CONNECT_MS 10000u
@@ -130,7 +132,7 @@ typedef struct dp_req {
   uint64_t deadline_ms; /* set when the loop takes the request */
   dp_cconn *conn;
   int in_table;
-  int writing;   /* libuv still holds wreq */
+  int writing;   /* the stream still holds wreq */
   int completed; /* the callback ran */
   /* A batch: its pieces, which msg points at (owned), and for a push batch
    * each piece's bytes (owned array, borrowed bytes), in the same order. */
@@ -139,7 +141,7 @@ typedef struct dp_req {
   /* Where the header is encoded: `head`, or for a batch an owned buffer of
    * WIRE_MAX_BATCH_ENCODED bytes. */
   uint8_t *big_head;
-  uv_write_t wreq;
+  stream_write_req wreq;
   uint8_t head[WIRE_MAX_ENCODED];
 } dp_req;
 
@@ -152,8 +154,7 @@ static void req_free(dp_req *r) {
 
 struct dp_cconn {
   dp_client *c;
-  uv_tcp_t tcp;
-  uv_connect_t creq;
+  stream *st; /* NULL while C_IDLE; freed by the stream layer after on_conn_closed */
   int state;
   int index;
   uint64_t connect_deadline_ms;
@@ -168,6 +169,7 @@ struct dp_client {
   uv_loop_t loop;
   uv_async_t async;
   uv_timer_t timer;
+  stream_dialer *dialer;
   pthread_t thread;
   int thread_started, loop_inited, timer_on;
   char addr_text[128];
@@ -266,9 +268,11 @@ static void settle(dp_client *c) {
   pthread_mutex_unlock(&c->mu);
 }
 
-static void on_conn_closed(uv_handle_t *h) {
-  dp_cconn *k = h->data;
+static void on_conn_closed(stream *st, void *data) {
+  (void)st;
+  dp_cconn *k = data;
   dp_client *c = k->c;
+  k->st = NULL;
   wire_reader_free(&k->rd);
   k->state = C_IDLE;
   /* Requests that waited for a connection get another try. */
@@ -284,8 +288,15 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
   if (k->state == C_CLOSING || k->state == C_IDLE)
     return;
   int was_connecting = k->state == C_CONNECTING;
-  k->state = C_CLOSING;
-  uv_close((uv_handle_t *)&k->tcp, on_conn_closed);
+  if (k->st) {
+    k->state = C_CLOSING;
+    stream_close(k->st, on_conn_closed);
+  } else {
+    /* The connect could not even start: there is no stream to wait for,
+     * and no retry from here (conn_start is what failed). */
+    k->state = C_IDLE;
+    wire_reader_free(&k->rd);
+  }
   if (was_connecting) {
     pthread_mutex_lock(&c->mu);
     say(c->connect_err, sizeof c->connect_err, "%s", msg);
@@ -312,21 +323,22 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
   timer_update(c);
 }
 
-static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
-static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
+static void on_alloc(stream *st, void *data, size_t suggested, uv_buf_t *buf);
+static void on_read(stream *st, void *data, ssize_t nread, const uv_buf_t *buf);
 
-static void on_connect(uv_connect_t *req, int status) {
-  dp_cconn *k = req->data;
+static void on_connect(stream *st, void *data, int status) {
+  dp_cconn *k = data;
   dp_client *c = k->c;
-  if (k->state != C_CONNECTING)
+  if (k->state != C_CONNECTING || st != k->st)
     return; /* failed meanwhile (timeout, shutdown): conn_fail settled it */
   char msg[DP_ERRLEN];
   if (status == 0) {
-    uv_tcp_nodelay(&k->tcp, 1);
-    status = uv_read_start((uv_stream_t *)&k->tcp, on_alloc, on_read);
+    stream_set_option(st, STREAM_OPT_NODELAY, 1);
+    status = stream_read_start(st, on_alloc, on_read);
   }
   if (status != 0) {
-    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text, uv_strerror(status));
+    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text,
+        stream_detail(st)[0] ? stream_detail(st) : zs_strerror(status));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
     return;
   }
@@ -338,16 +350,13 @@ static void on_connect(uv_connect_t *req, int status) {
 static void conn_start(dp_cconn *k) {
   dp_client *c = k->c;
   char msg[DP_ERRLEN];
-  uv_tcp_init(&c->loop, &k->tcp);
-  k->tcp.data = k;
-  k->creq.data = k;
   wire_reader_init(&k->rd, c->max_payload);
   k->rx = NULL;
   k->state = C_CONNECTING;
   k->connect_deadline_ms = clock_now_ms() + c->connect_ms;
-  int rc = uv_tcp_connect(&k->creq, &k->tcp, (const struct sockaddr *)&c->addr, on_connect);
+  int rc = stream_dial(c->dialer, on_connect, k, &k->st);
   if (rc != 0) {
-    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text, uv_strerror(rc));
+    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text, zs_strerror(rc));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
   }
   timer_update(c);
@@ -357,7 +366,7 @@ static void conn_start(dp_cconn *k) {
 /* Writing (loop thread)                                                    */
 /* ------------------------------------------------------------------------ */
 
-static void on_written(uv_write_t *w, int status) {
+static void on_written(stream_write_req *w, int status) {
   dp_req *r = container_of(w, dp_req, wreq);
   r->writing = 0;
   if (r->completed) {
@@ -366,7 +375,7 @@ static void on_written(uv_write_t *w, int status) {
   }
   if (status < 0 && r->conn) {
     char msg[DP_ERRLEN];
-    say(msg, sizeof msg, "writing to %s failed: %s", r->conn->c->addr_text, uv_strerror(status));
+    say(msg, sizeof msg, "writing to %s failed: %s", r->conn->c->addr_text, stream_detail(w->s));
     conn_fail(r->conn, ZS_ECONN, msg, NULL, 0);
   }
 }
@@ -386,8 +395,9 @@ static void conn_write(dp_cconn *k, dp_req *r) {
   k->bytes_inflight += r->nbytes;
   list_push(&k->inflight, &r->node);
   table_put(c, r);
-  /* One writev: the header, then each payload straight from the caller's
-   * memory (libuv copies this array, so it may live on the stack). */
+  /* One vectored write: the header, then each payload straight from the
+   * caller's memory (the array is only read during the call, so it may live
+   * on the stack). */
   uv_buf_t bufs[WIRE_MAX_BATCH + 1];
   bufs[0] = uv_buf_init((char *)head, (unsigned)hlen);
   unsigned n = 1;
@@ -404,11 +414,12 @@ static void conn_write(dp_cconn *k, dp_req *r) {
     }
   }
   r->writing = 1;
-  int rc = uv_write(&r->wreq, (uv_stream_t *)&k->tcp, bufs, n, on_written);
+  int rc = stream_write(k->st, &r->wreq, bufs, n, on_written);
   if (rc != 0) {
     r->writing = 0;
     char msg[DP_ERRLEN];
-    say(msg, sizeof msg, "writing to %s failed: %s", c->addr_text, uv_strerror(rc));
+    say(msg, sizeof msg, "writing to %s failed: %s", c->addr_text,
+        stream_detail(k->st)[0] ? stream_detail(k->st) : zs_strerror(rc));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
   }
 }
@@ -450,9 +461,10 @@ static void dispatch(dp_client *c) {
 /* Reading (loop thread)                                                    */
 /* ------------------------------------------------------------------------ */
 
-static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+static void on_alloc(stream *st, void *data, size_t suggested, uv_buf_t *buf) {
+  (void)st;
   (void)suggested;
-  dp_cconn *k = h->data;
+  dp_cconn *k = data;
   size_t len = 0;
   void *p = wire_reader_read_buf(&k->rd, k->c->staging, DPC_STAGING, DPC_DIRECT_MIN, DPC_READ_CHUNK,
                                  &len);
@@ -612,17 +624,17 @@ static void feed(dp_cconn *k, const unsigned char *p, size_t len) {
   }
 }
 
-static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
-  dp_cconn *k = st->data;
+static void on_read(stream *st, void *data, ssize_t nread, const uv_buf_t *buf) {
+  dp_cconn *k = data;
   dp_client *c = k->c;
   if (nread == 0 || k->state != C_READY)
     return;
   if (nread < 0) {
     char msg[DP_ERRLEN];
-    if (nread == UV_EOF && wire_reader_eof(&k->rd) != 0)
+    if (nread == STREAM_EOF && wire_reader_eof(&k->rd) != 0)
       say(msg, sizeof msg, "%s closed the connection: %s", c->addr_text, k->rd.err);
     else
-      say(msg, sizeof msg, "connection to %s lost: %s", c->addr_text, uv_strerror((int)nread));
+      say(msg, sizeof msg, "connection to %s lost: %s", c->addr_text, stream_detail(st));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
     return;
   }
@@ -710,7 +722,7 @@ static void shutdown_loop(dp_client *c) {
     if (k->state == C_CONNECTING)
       settle(c);
     k->state = C_CLOSING;
-    uv_close((uv_handle_t *)&k->tcp, on_conn_closed);
+    stream_close(k->st, on_conn_closed);
     while (!list_empty(&k->inflight)) {
       dp_req *r = container_of(k->inflight.next, dp_req, node);
       req_detach(c, r);
@@ -769,6 +781,15 @@ static void close_walk(uv_handle_t *h, void *arg) {
 
 static void client_free(dp_client *c) {
   if (c->loop_inited) {
+    /* Streams still open (a failed open) go through their layer, which
+     * frees them in its own callback; a connection closing meanwhile must
+     * not dispatch (and so reconnect) from here. */
+    c->shut = 1;
+    for (uint32_t i = 0; i < c->nconns; i++) {
+      /* Idle first, so that a connect cancelled by the close is ignored. */
+      c->conns[i].state = C_IDLE;
+      stream_close(c->conns[i].st, NULL);
+    }
     uv_walk(&c->loop, close_walk, NULL);
     uv_run(&c->loop, UV_RUN_DEFAULT);
     uv_loop_close(&c->loop);
@@ -777,6 +798,7 @@ static void client_free(dp_client *c) {
     wire_reader_free(&c->conns[i].rd);
   /* Requests submitted after the loop's last look were refused (closing),
    * so the queue is empty here. */
+  stream_dialer_free(c->dialer);
   free(c->staging);
   pthread_cond_destroy(&c->cv);
   pthread_mutex_destroy(&c->mu);
@@ -827,6 +849,10 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   if (uv_loop_init(&c->loop) != 0)
     goto fail;
   c->loop_inited = 1;
+  rc = stream_dialer_new(&stream_tcp_ops, &c->loop, (const struct sockaddr *)&c->addr, &c->dialer);
+  if (rc != 0)
+    goto fail;
+  rc = ZS_EINTERNAL;
   if (uv_async_init(&c->loop, &c->async, on_async) != 0)
     goto fail;
   c->async.data = c;

@@ -23,9 +23,9 @@
  * lock of its own that we could wait for.
  *
  * Lifetimes: a connection is reference counted (loop thread only): its
- * handle, each thread-pool work, each answer being written and each Pull
- * waiting in the core hold one reference. After uv_close the connection is a
- * "zombie" until its last reference goes; a Pull record outstanding in the
+ * stream, each thread-pool work, each answer being written and each Pull
+ * waiting in the core hold one reference. After stream_close the connection
+ * is a "zombie" until its last reference goes; a Pull record outstanding in the
  * core when the server stops is then owned by the mailbox and never touches
  * its connection again, and the server frees the zombies itself.
  *
@@ -37,11 +37,12 @@
  *    CRC is computed on each read's bytes while they are in cache. core_push
  *    then adds the buffer into the accumulator (or copies an early
  *    contribution to hold it, the core's own rule). 0 extra copies for large
- *    payloads.
+ *    payloads: on_alloc hands that buffer to the stream layer, which over
+ *    plain TCP reads into it as is.
  *  - Pull: core_read converts the piece from the master arena into the
  *    answer buffer (1 pass, which is the dtype conversion), the CRC reads it
- *    once more, and uv_write sends header+meta and that buffer with one
- *    writev. 0 extra copies.
+ *    once more, and stream_write sends header+meta and that buffer with one
+ *    writev (common/stream.h: plain TCP adds no copy). 0 extra copies.
  *  - PUSH_BATCH and PULL_BATCH: as Push and Pull, with one buffer for all
  *    the pieces of the batch; each piece goes through core_push or core_read
  *    at its place in it. 0 extra copies.
@@ -65,6 +66,7 @@
 #include "common/list.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/stream.h"
 #include "common/wire.h"
 #include "server/metrics.h"
 #include "server/service.h"
@@ -146,7 +148,7 @@ typedef struct dp_buf {
 typedef struct dp_server dp_server;
 
 typedef struct dp_conn {
-  uv_tcp_t tcp;
+  stream *st; /* freed by the stream layer after on_conn_closed */
   dp_server *s;
   list_node node; /* on s->live, then on s->zombies after close */
   list_node fair; /* on s->fair while paused for the read budget */
@@ -162,7 +164,7 @@ typedef struct dp_conn {
   dp_buf *rx;         /* payload buffer of the PUSH being received */
   uint32_t pending;   /* requests read whose answer is not yet written */
   uint32_t waiting;   /* Pulls parked in the core */
-  uint64_t queued;    /* answer bytes handed to uv_write, not yet completed */
+  uint64_t queued;    /* answer bytes handed to stream_write, not yet completed */
   uint64_t producing; /* Pull answer bytes being read from the core */
   uint64_t consuming; /* Push payload bytes received and not yet through the core */
   uint64_t frame_ns;  /* when the header of the frame being read arrived */
@@ -233,7 +235,7 @@ typedef struct dp_work {
 
 /* One answer being written. */
 typedef struct dp_out {
-  uv_write_t req;
+  stream_write_req req;
   dp_conn *conn;
   dp_buf *payload; /* returned to the pool after the write, or NULL */
   uint64_t bytes;
@@ -244,7 +246,7 @@ typedef struct dp_out {
 
 struct dp_server {
   uv_loop_t loop;
-  uv_tcp_t listener;
+  stream_listener *listener; /* NULL once closed */
   uv_async_t async;
   uv_timer_t sweep;
   uv_check_t check;
@@ -418,8 +420,9 @@ static void conn_unref(dp_conn *c) {
     conn_free(c);
 }
 
-static void on_conn_closed(uv_handle_t *h) {
-  dp_conn *c = h->data;
+static void on_conn_closed(stream *st, void *data) {
+  (void)st;
+  dp_conn *c = data;
   conn_unref(c);
 }
 
@@ -446,7 +449,7 @@ static void conn_close(dp_conn *c) {
     count(&s->st_paused, -1);
   }
   /* The receive buffer of an unfinished PUSH and the Pulls not yet answered
-   * go with the stream (the handle's reference keeps c alive meanwhile). */
+   * go with the stream (the stream's reference keeps c alive meanwhile). */
   pool_put(s, c->rx);
   c->rx = NULL;
   while (c->ready_head) {
@@ -457,18 +460,18 @@ static void conn_close(dp_conn *c) {
     conn_unref(c);
   }
   c->ready_tail = NULL;
-  /* Writes still queued complete with UV_ECANCELED in on_written. */
-  uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
+  /* Writes still queued complete with ZS_ECANCELED in on_written. */
+  stream_close(c->st, on_conn_closed);
 }
 
-static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
-static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
+static void on_alloc(stream *st, void *data, size_t suggested, uv_buf_t *buf);
+static void on_read(stream *st, void *data, ssize_t nread, const uv_buf_t *buf);
 static void conn_produce(dp_conn *c);
 
 static void conn_update_reading(dp_conn *c) {
   int want = !c->closing && !c->eof && !c->fatal && c->pause == 0;
   if (want && !c->reading) {
-    if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) {
+    if (stream_read_start(c->st, on_alloc, on_read) == 0) {
       c->reading = 1;
       /* Time spent paused by us is not the peer's stall. */
       c->last_progress_ms = clock_now_ms();
@@ -476,7 +479,7 @@ static void conn_update_reading(dp_conn *c) {
       conn_close(c);
     }
   } else if (!want && c->reading) {
-    uv_read_stop((uv_stream_t *)&c->tcp);
+    stream_read_stop(c->st);
     c->reading = 0;
   }
 }
@@ -508,7 +511,7 @@ static void conn_check(dp_conn *c) {
 /* Answers                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static void on_written(uv_write_t *req, int status) {
+static void on_written(stream_write_req *req, int status) {
   dp_out *o = container_of(req, dp_out, req);
   dp_conn *c = o->conn;
   dp_server *s = c->s;
@@ -571,7 +574,7 @@ static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, i
   }
   conn_ref(c);
   c->queued += o->bytes;
-  int rc = uv_write(&o->req, (uv_stream_t *)&c->tcp, bufs, nbufs, on_written);
+  int rc = stream_write(c->st, &o->req, bufs, nbufs, on_written);
   if (rc < 0) {
     c->queued -= o->bytes;
     if (is_answer)
@@ -1202,9 +1205,10 @@ static void on_done(dp_conn *c) {
 /* Reading                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+static void on_alloc(stream *st, void *data, size_t suggested, uv_buf_t *buf) {
+  (void)st;
   (void)suggested;
-  dp_conn *c = h->data;
+  dp_conn *c = data;
   size_t len = 0;
   void *p =
       wire_reader_read_buf(&c->rd, c->s->staging, DP_STAGING, DP_DIRECT_MIN, DP_READ_CHUNK, &len);
@@ -1237,25 +1241,25 @@ static void feed(dp_conn *c, const unsigned char *p, size_t len) {
   }
 }
 
-static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
-  dp_conn *c = st->data;
+static void on_read(stream *st, void *data, ssize_t nread, const uv_buf_t *buf) {
+  dp_conn *c = data;
   dp_server *s = c->s;
   if (nread == 0 || c->closing)
     return;
   if (nread < 0) {
-    if (nread == UV_EOF && !wire_reader_mid_frame(&c->rd)) {
+    if (nread == STREAM_EOF && !wire_reader_mid_frame(&c->rd)) {
       /* The peer is done sending; it still gets its answers. */
       c->eof = 1;
       conn_update_reading(c);
       conn_check(c);
       return;
     }
-    if (nread == UV_EOF) {
+    if (nread == STREAM_EOF) {
       wire_reader_eof(&c->rd);
       count(&s->st_proto_errors, 1);
       LOG_INFO("dp_disconnect", "peer=%s detail=\"%s\"", c->peer, c->rd.err);
     } else {
-      LOG_INFO("dp_disconnect", "peer=%s detail=\"%s\"", c->peer, uv_strerror((int)nread));
+      LOG_INFO("dp_disconnect", "peer=%s detail=\"%s\"", c->peer, stream_detail(st));
     }
     conn_close(c);
     return;
@@ -1302,9 +1306,8 @@ static void on_check(uv_check_t *h) {
 
 static void peer_name(dp_conn *c) {
   struct sockaddr_storage ss;
-  int len = sizeof ss;
   say(c->peer, sizeof c->peer, "?");
-  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) != 0)
+  if (stream_peer_addr(c->st, &ss) != 0)
     return;
   char host[48] = "";
   int port = 0;
@@ -1321,30 +1324,27 @@ static void peer_name(dp_conn *c) {
   }
 }
 
-static void on_connection(uv_stream_t *ls, int status) {
-  dp_server *s = ls->data;
+static void on_connection(stream_listener *l, void *data, int status, stream *st) {
+  dp_server *s = data;
   if (status < 0) {
-    LOG_WARN("dp_accept", "detail=\"%s\"", uv_strerror(status));
+    LOG_WARN("dp_accept", "detail=\"%s\"", stream_listener_detail(l));
     return;
   }
   dp_conn *c = calloc(1, sizeof *c);
   if (!c) {
     LOG_ERROR("dp_accept", "detail=\"out of memory\"");
+    stream_close(st, NULL);
     return;
   }
   c->s = s;
-  c->refs = 1; /* the handle's, dropped in on_conn_closed */
+  c->refs = 1; /* the stream's, dropped in on_conn_closed */
   wire_reader_init(&c->rd, s->max_payload);
   /* c->fair stays zeroed (unlinked) until the read budget parks it. */
-  uv_tcp_init(&s->loop, &c->tcp);
-  c->tcp.data = c;
+  c->st = st;
+  stream_set_data(st, c);
   list_push(&s->live, &c->node);
   s->nconns++;
   count(&s->st_conns, 1);
-  if (uv_accept(ls, (uv_stream_t *)&c->tcp) != 0) {
-    conn_close(c);
-    return;
-  }
   count(&s->st_accepted, 1);
   peer_name(c);
   if (s->nconns > s->max_conns) {
@@ -1353,7 +1353,7 @@ static void on_connection(uv_stream_t *ls, int status) {
     return;
   }
   /* Small answers (acks, errors, latency probes) must not wait for Nagle. */
-  uv_tcp_nodelay(&c->tcp, 1);
+  stream_set_option(c->st, STREAM_OPT_NODELAY, 1);
   c->last_progress_ms = clock_now_ms();
   conn_update_reading(c);
 }
@@ -1371,7 +1371,7 @@ static void on_sweep(uv_timer_t *t) {
       conn_close(c);
       continue;
     }
-    size_t wq = uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp);
+    size_t wq = stream_write_queue_size(c->st);
     if (wq == 0 || wq != c->wq_seen) {
       c->wq_seen = wq;
       c->wq_since_ms = now;
@@ -1396,7 +1396,8 @@ static void on_async(uv_async_t *h) {
   s->mb->closed = 1;
   pthread_mutex_unlock(&s->mb->mu);
   drain_mailbox(s);
-  uv_close((uv_handle_t *)&s->listener, NULL);
+  stream_listener_close(s->listener);
+  s->listener = NULL;
   uv_close((uv_handle_t *)&s->sweep, NULL);
   uv_close((uv_handle_t *)&s->check, NULL);
   uv_close((uv_handle_t *)&s->async, NULL);
@@ -1429,7 +1430,10 @@ static void close_walk(uv_handle_t *h, void *arg) {
 static void server_free(dp_server *s) {
   if (s->loop_inited) {
     /* After a normal stop every handle is closed already; after a failed
-     * start some were never run. Either way the loop finishes the closes. */
+     * start some were never run. Either way the loop finishes the closes.
+     * The listener goes through its layer, which frees it in its callback. */
+    stream_listener_close(s->listener);
+    s->listener = NULL;
     uv_walk(&s->loop, close_walk, NULL);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     int rc = uv_loop_close(&s->loop);
@@ -1509,19 +1513,16 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (uv_loop_init(&s->loop) != 0)
     goto fail;
   s->loop_inited = 1;
-  uv_tcp_init(&s->loop, &s->listener);
-  s->listener.data = s;
-  int urc = uv_tcp_bind(&s->listener, (const struct sockaddr *)&addr, 0);
-  if (urc == 0)
-    urc = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection);
-  if (urc != 0) {
+  char detail[128];
+  int lrc = stream_listen(&stream_tcp_ops, &s->loop, (const struct sockaddr *)&addr, 1024,
+                          on_connection, s, &s->listener, detail, sizeof detail);
+  if (lrc != 0) {
     rc = status_fail(err, errlen, ZS_EINVAL, "cannot listen on %s: %s", cfg->listen,
-                     uv_strerror(urc));
+                     detail[0] ? detail : zs_strerror(lrc));
     goto fail;
   }
   struct sockaddr_storage bound;
-  int blen = sizeof bound;
-  if (uv_tcp_getsockname(&s->listener, (struct sockaddr *)&bound, &blen) != 0)
+  if (stream_listener_addr(s->listener, &bound) != 0)
     goto fail;
   s->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                               : ((struct sockaddr_in *)&bound)->sin_port);

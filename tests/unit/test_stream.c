@@ -1,0 +1,503 @@
+/*
+ * test_stream — the byte-stream layer (common/stream.h) as a conformance
+ * suite: every case takes the implementation's ops table from its state, and
+ * main runs the whole suite once per table (plain TCP today; a TLS table
+ * would be one more row in `transports`).
+ *
+ * Each case starts a listener on 127.0.0.1 port 0, reads the port back,
+ * dials it and runs the loop until both ends are connected: nothing sleeps,
+ * the loop runs until the awaited event happened. Covered: addresses and
+ * options, large vectored writes arriving whole and in order, reads landing
+ * exactly in the buffers the owner handed out (partial reads into caller
+ * memory), writes completing in queue order, the end of the stream after a
+ * shutdown, a close with writes pending (cancelled before the close
+ * callback), and failures reported as zs_status codes.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common/list.h"
+#include "common/stream.h"
+
+typedef struct transport {
+  const char *name;
+  const stream_ops *ops;
+} transport;
+
+static const transport transports[] = {
+    {"tcp", &stream_tcp_ops},
+};
+
+/* Order in which callbacks ran, across the whole fixture. */
+static int seq;
+
+/* One end of the connection and what its callbacks saw. */
+typedef struct side {
+  stream *st;
+  int connect_calls, connect_status;
+  /* Reads go into dst[got..cap), at most `chunk` bytes a time; bytes beyond
+   * cap land in `sink` and are only counted. */
+  unsigned char *dst;
+  size_t cap, got, chunk, sunk;
+  unsigned char sink[4096];
+  int refuse_buffers;
+  void *handed;
+  size_t handed_len;
+  int reads, misplaced, ended, read_status, reads_after_end;
+  int shutdown_calls, shutdown_status;
+  int closed, close_seq;
+} side;
+
+typedef struct fx {
+  const stream_ops *ops;
+  uv_loop_t loop;
+  stream_listener *l;
+  stream_dialer *d;
+  struct sockaddr_storage addr; /* the listener's, port included */
+  int port;
+  int accepts, accept_status;
+  side server, client;
+} fx;
+
+typedef struct wr {
+  stream_write_req req;
+  int calls, status, seq;
+} wr;
+
+/* Runs the loop until `cond` holds; the loop blocks on I/O meanwhile. */
+#define RUN_UNTIL(f, cond)                                                                         \
+  do {                                                                                             \
+    while (!(cond)) {                                                                              \
+      if (uv_run(&(f)->loop, UV_RUN_ONCE) == 0 && !(cond))                                         \
+        fail_msg("the loop ran dry before: %s", #cond);                                            \
+    }                                                                                              \
+  } while (0)
+
+static void on_accept(stream_listener *l, void *data, int status, stream *s) {
+  (void)l;
+  fx *f = data;
+  f->accepts++;
+  f->accept_status = status;
+  if (status == 0) {
+    f->server.st = s;
+    stream_set_data(s, &f->server);
+  }
+}
+
+static void on_connect(stream *s, void *data, int status) {
+  side *c = data;
+  assert_ptr_equal(stream_get_data(s), c);
+  c->connect_calls++;
+  c->connect_status = status;
+}
+
+static void on_alloc(stream *s, void *data, size_t suggested, uv_buf_t *buf) {
+  (void)s;
+  (void)suggested;
+  side *d = data;
+  if (d->refuse_buffers) {
+    buf->base = NULL;
+    buf->len = 0;
+    return;
+  }
+  size_t n = d->cap - d->got < d->chunk ? d->cap - d->got : d->chunk;
+  if (n == 0) {
+    buf->base = (char *)d->sink;
+    buf->len = sizeof d->sink;
+  } else {
+    buf->base = (char *)d->dst + d->got;
+    buf->len = n;
+  }
+  d->handed = buf->base;
+  d->handed_len = buf->len;
+}
+
+static void on_read(stream *s, void *data, ssize_t nread, const uv_buf_t *buf) {
+  (void)s;
+  side *d = data;
+  if (d->ended) {
+    d->reads_after_end++;
+    return;
+  }
+  if (nread < 0) {
+    d->ended = 1;
+    d->read_status = (int)nread;
+    return;
+  }
+  if (nread == 0)
+    return;
+  d->reads++;
+  if (buf->base != d->handed || (size_t)nread > d->handed_len)
+    d->misplaced++;
+  if (buf->base == (char *)d->sink)
+    d->sunk += (size_t)nread;
+  else
+    d->got += (size_t)nread;
+}
+
+static void on_written(stream_write_req *req, int status) {
+  wr *w = container_of(req, wr, req);
+  w->calls++;
+  w->status = status;
+  w->seq = ++seq;
+}
+
+static void on_shutdown(stream *s, void *data, int status) {
+  (void)s;
+  side *d = data;
+  d->shutdown_calls++;
+  d->shutdown_status = status;
+}
+
+static void on_closed(stream *s, void *data) {
+  (void)s;
+  side *d = data;
+  d->closed++;
+  d->close_seq = ++seq;
+  d->st = NULL;
+}
+
+static void fill(unsigned char *p, size_t n, uint32_t seed) {
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    p[i] = (unsigned char)x;
+  }
+}
+
+static int addr_port(const struct sockaddr_storage *a) {
+  return a->ss_family == AF_INET6 ? ntohs(((const struct sockaddr_in6 *)a)->sin6_port)
+                                  : ntohs(((const struct sockaddr_in *)a)->sin_port);
+}
+
+static int setup(void **state) {
+  const transport *t = *state;
+  fx *f = calloc(1, sizeof *f);
+  assert_non_null(f);
+  f->ops = t->ops;
+  seq = 0;
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  struct sockaddr_in a;
+  assert_int_equal(uv_ip4_addr("127.0.0.1", 0, &a), 0);
+  char err[128];
+  assert_int_equal(stream_listen(f->ops, &f->loop, (const struct sockaddr *)&a, 16, on_accept, f,
+                                 &f->l, err, sizeof err),
+                   0);
+  assert_int_equal(stream_listener_addr(f->l, &f->addr), 0);
+  f->port = addr_port(&f->addr);
+  assert_true(f->port > 0);
+  assert_int_equal(stream_dialer_new(f->ops, &f->loop, (const struct sockaddr *)&f->addr, &f->d),
+                   0);
+  assert_int_equal(stream_dial(f->d, on_connect, &f->client, &f->client.st), 0);
+  assert_non_null(f->client.st);
+  RUN_UNTIL(f, f->client.connect_calls == 1 && f->server.st != NULL);
+  assert_int_equal(f->client.connect_status, 0);
+  assert_int_equal(f->accept_status, 0);
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fx *f = *state;
+  if (f->client.st)
+    stream_close(f->client.st, on_closed);
+  if (f->server.st)
+    stream_close(f->server.st, on_closed);
+  stream_listener_close(f->l);
+  stream_dialer_free(f->d);
+  uv_run(&f->loop, UV_RUN_DEFAULT);
+  /* Every handle the layer made is closed and freed by now. */
+  assert_int_equal(uv_loop_close(&f->loop), 0);
+  free(f->server.dst);
+  free(f);
+  return 0;
+}
+
+static void reads_into(side *d, size_t cap, size_t chunk) {
+  d->dst = malloc(cap ? cap : 1);
+  assert_non_null(d->dst);
+  d->cap = cap;
+  d->chunk = chunk;
+  assert_int_equal(stream_read_start(d->st, on_alloc, on_read), 0);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void listener_on_port_0_reports_its_port_and_both_ends_agree_on_addresses(void **state) {
+  fx *f = *state;
+  assert_int_equal(f->accepts, 1);
+  struct sockaddr_storage cl, cp, sl, sp;
+  assert_int_equal(stream_local_addr(f->client.st, &cl), 0);
+  assert_int_equal(stream_peer_addr(f->client.st, &cp), 0);
+  assert_int_equal(stream_local_addr(f->server.st, &sl), 0);
+  assert_int_equal(stream_peer_addr(f->server.st, &sp), 0);
+  assert_int_equal(addr_port(&cp), f->port);
+  assert_int_equal(addr_port(&sl), f->port);
+  assert_int_equal(addr_port(&cl), addr_port(&sp));
+  assert_int_not_equal(addr_port(&cl), f->port);
+  assert_string_equal(stream_detail(f->client.st), "");
+}
+
+static void socket_options_are_set_or_refused_with_a_status(void **state) {
+  fx *f = *state;
+  stream *s = f->client.st;
+  assert_int_equal(stream_set_option(s, STREAM_OPT_NODELAY, 1), 0);
+  assert_int_equal(stream_set_option(s, STREAM_OPT_NODELAY, 0), 0);
+  assert_int_equal(stream_set_option(s, STREAM_OPT_SNDBUF, 1 << 20), 0);
+  assert_int_equal(stream_set_option(s, STREAM_OPT_RCVBUF, 1 << 20), 0);
+  assert_int_equal(stream_set_option(s, STREAM_OPT_KEEPALIVE, 30), 0);
+  assert_int_equal(stream_set_option(s, STREAM_OPT_SNDBUF, 0), ZS_EINVAL);
+  assert_int_equal(stream_set_option(s, (stream_option)99, 1), ZS_EUNIMPL);
+}
+
+/* Three buffers of odd sizes in one write; the reader hands out at most
+ * 100003 bytes at a time, always the next place in its own destination. */
+static void large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers(void **state) {
+  fx *f = *state;
+  size_t sizes[3] = {(5u << 20) + 1, 11, (7u << 20) + 3};
+  size_t total = sizes[0] + sizes[1] + sizes[2];
+  unsigned char *src = malloc(total);
+  assert_non_null(src);
+  fill(src, total, 7);
+  reads_into(&f->server, total, 100003);
+  uv_buf_t bufs[3];
+  size_t off = 0;
+  for (int i = 0; i < 3; i++) {
+    bufs[i].base = (char *)src + off;
+    bufs[i].len = sizes[i];
+    off += sizes[i];
+  }
+  wr w = {0};
+  assert_int_equal(stream_write(f->client.st, &w.req, bufs, 3, on_written), 0);
+  RUN_UNTIL(f, f->server.got == total && w.calls == 1);
+  assert_int_equal(w.status, 0);
+  assert_int_equal(f->server.misplaced, 0);
+  assert_int_equal(f->server.sunk, 0);
+  assert_true(f->server.reads >= (int)(total / 100003));
+  assert_memory_equal(f->server.dst, src, total);
+  assert_int_equal(stream_write_queue_size(f->client.st), 0);
+  free(src);
+}
+
+static void writes_complete_once_each_in_the_order_they_were_queued(void **state) {
+  fx *f = *state;
+  enum { N = 200, LEN = 3000 };
+  unsigned char *src = malloc((size_t)N * LEN);
+  assert_non_null(src);
+  fill(src, (size_t)N * LEN, 11);
+  reads_into(&f->server, (size_t)N * LEN, 65536);
+  wr *w = calloc(N, sizeof *w);
+  assert_non_null(w);
+  for (int i = 0; i < N; i++) {
+    uv_buf_t b = {.base = (char *)src + (size_t)i * LEN, .len = LEN};
+    assert_int_equal(stream_write(f->client.st, &w[i].req, &b, 1, on_written), 0);
+  }
+  RUN_UNTIL(f, f->server.got == (size_t)N * LEN && w[N - 1].calls == 1);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(w[i].calls, 1);
+    assert_int_equal(w[i].status, 0);
+    if (i)
+      assert_true(w[i].seq > w[i - 1].seq);
+  }
+  assert_memory_equal(f->server.dst, src, (size_t)N * LEN);
+  free(w);
+  free(src);
+}
+
+static void shutdown_delivers_the_bytes_then_the_end_of_the_stream_once(void **state) {
+  fx *f = *state;
+  unsigned char msg[1000];
+  fill(msg, sizeof msg, 3);
+  reads_into(&f->server, sizeof msg, 64);
+  /* A second start while reading keeps reading, with the callbacks given. */
+  assert_int_equal(stream_read_start(f->server.st, on_alloc, on_read), 0);
+  uv_buf_t b = {.base = (char *)msg, .len = sizeof msg};
+  wr w = {0};
+  assert_int_equal(stream_write(f->client.st, &w.req, &b, 1, on_written), 0);
+  assert_int_equal(stream_shutdown(f->client.st, on_shutdown), 0);
+  RUN_UNTIL(f, f->server.ended && f->client.shutdown_calls == 1);
+  assert_int_equal(f->server.read_status, STREAM_EOF);
+  assert_int_equal(f->server.got, sizeof msg);
+  assert_memory_equal(f->server.dst, msg, sizeof msg);
+  assert_int_equal(f->client.shutdown_status, 0);
+  assert_int_equal(w.status, 0);
+  /* The other direction still works after our side shut. */
+  reads_into(&f->client, 5, 5);
+  uv_buf_t back = {.base = "hello", .len = 5};
+  wr w2 = {0};
+  assert_int_equal(stream_write(f->server.st, &w2.req, &back, 1, on_written), 0);
+  RUN_UNTIL(f, f->client.got == 5 && w2.calls == 1);
+  assert_memory_equal(f->client.dst, "hello", 5);
+  free(f->client.dst);
+  assert_int_equal(f->server.reads_after_end, 0);
+}
+
+/* The peer does not read, so most of 64 MiB stays queued; closing cancels
+ * what is left, every write callback runs once and before the close
+ * callback, and the buffers are ours again afterwards. */
+static void close_with_writes_pending_cancels_them_before_the_close_callback(void **state) {
+  fx *f = *state;
+  size_t len = 16u << 20;
+  unsigned char *src = calloc(1, len);
+  assert_non_null(src);
+  wr w[4];
+  memset(w, 0, sizeof w);
+  for (int i = 0; i < 4; i++) {
+    uv_buf_t b = {.base = (char *)src, .len = len};
+    assert_int_equal(stream_write(f->client.st, &w[i].req, &b, 1, on_written), 0);
+  }
+  uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_true(stream_write_queue_size(f->client.st) > 0);
+  stream *s = f->client.st;
+  stream_close(s, on_closed);
+  assert_true(stream_is_closing(s));
+  /* Refused at once, and its callback never runs. */
+  wr late = {0};
+  uv_buf_t b = {.base = (char *)src, .len = 1};
+  assert_int_equal(stream_write(s, &late.req, &b, 1, on_written), ZS_ECLOSED);
+  stream_close(s, on_closed); /* a second close does nothing */
+  RUN_UNTIL(f, f->client.closed);
+  assert_int_equal(f->client.closed, 1);
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(w[i].calls, 1);
+    assert_true(w[i].seq < f->client.close_seq);
+  }
+  assert_int_equal(w[3].status, ZS_ECANCELED);
+  assert_int_equal(late.calls, 0);
+  /* The server end sees the stream end (or break) after what was sent. */
+  reads_into(&f->server, 0, 0);
+  RUN_UNTIL(f, f->server.ended);
+  assert_true(f->server.read_status == STREAM_EOF || f->server.read_status == ZS_ECONN);
+  assert_true(f->server.sunk < 4 * len);
+  free(src);
+}
+
+static void connect_to_a_port_nobody_listens_on_is_zs_econn(void **state) {
+  fx *f = *state;
+  /* A bound socket that does not listen: its port refuses connections. */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a;
+  assert_int_equal(uv_ip4_addr("127.0.0.1", 0, &a), 0);
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  socklen_t alen = sizeof a;
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &alen), 0);
+  stream_dialer *d = NULL;
+  assert_int_equal(stream_dialer_new(f->ops, &f->loop, (const struct sockaddr *)&a, &d), 0);
+  side c = {0};
+  assert_int_equal(stream_dial(d, on_connect, &c, &c.st), 0);
+  RUN_UNTIL(f, c.connect_calls == 1);
+  assert_int_equal(c.connect_status, ZS_ECONN);
+  assert_string_not_equal(stream_detail(c.st), "");
+  stream_close(c.st, on_closed);
+  RUN_UNTIL(f, c.closed == 1);
+  assert_int_equal(c.connect_calls, 1);
+  stream_dialer_free(d);
+  close(fd);
+}
+
+static void listening_on_an_address_in_use_is_zs_einval_with_the_reason(void **state) {
+  fx *f = *state;
+  stream_listener *l = NULL;
+  char err[128];
+  int rc = stream_listen(f->ops, &f->loop, (const struct sockaddr *)&f->addr, 16, on_accept, f, &l,
+                         err, sizeof err);
+  assert_int_equal(rc, ZS_EINVAL);
+  assert_null(l);
+  assert_string_not_equal(err, "");
+  struct sockaddr_in6 bad;
+  memset(&bad, 0, sizeof bad);
+  bad.sin6_family = AF_UNIX; /* not an address a dialer can use */
+  stream_dialer *d = NULL;
+  assert_int_equal(stream_dialer_new(f->ops, &f->loop, (const struct sockaddr *)&bad, &d),
+                   ZS_EINVAL);
+  assert_null(d);
+}
+
+/* The peer closes with our bytes unread, which resets the connection: the
+ * writes still queued fail with ZS_ECONN, and so does the read. */
+static void peer_reset_fails_pending_writes_and_the_read_with_zs_econn(void **state) {
+  fx *f = *state;
+  size_t len = 64u << 20;
+  unsigned char *src = calloc(1, len);
+  assert_non_null(src);
+  reads_into(&f->client, 16, 16);
+  wr w = {0};
+  uv_buf_t b = {.base = (char *)src, .len = len};
+  assert_int_equal(stream_write(f->client.st, &w.req, &b, 1, on_written), 0);
+  uv_run(&f->loop, UV_RUN_NOWAIT);
+  assert_true(stream_write_queue_size(f->client.st) > 0);
+  stream_close(f->server.st, on_closed);
+  RUN_UNTIL(f, w.calls == 1 && f->client.ended);
+  assert_int_equal(w.status, ZS_ECONN);
+  assert_int_equal(f->client.read_status, ZS_ECONN);
+  assert_string_not_equal(stream_detail(f->client.st), "");
+  free(f->client.dst);
+  free(src);
+}
+
+static void a_read_without_a_buffer_is_zs_enomem(void **state) {
+  fx *f = *state;
+  f->server.refuse_buffers = 1;
+  assert_int_equal(stream_read_start(f->server.st, on_alloc, on_read), 0);
+  uv_buf_t b = {.base = "x", .len = 1};
+  wr w = {0};
+  assert_int_equal(stream_write(f->client.st, &w.req, &b, 1, on_written), 0);
+  RUN_UNTIL(f, f->server.ended);
+  assert_int_equal(f->server.read_status, ZS_ENOMEM);
+}
+
+static void libuv_errors_map_to_zs_status_codes(void **state) {
+  (void)state;
+  assert_int_equal(stream_status_from_uv(0), 0);
+  assert_int_equal(stream_status_from_uv(UV_EOF), STREAM_EOF);
+  assert_int_equal(stream_status_from_uv(UV_ECANCELED), ZS_ECANCELED);
+  assert_int_equal(stream_status_from_uv(UV_ECONNREFUSED), ZS_ECONN);
+  assert_int_equal(stream_status_from_uv(UV_ECONNRESET), ZS_ECONN);
+  assert_int_equal(stream_status_from_uv(UV_EPIPE), ZS_ECONN);
+  assert_int_equal(stream_status_from_uv(UV_ETIMEDOUT), ZS_ETIMEDOUT);
+  assert_int_equal(stream_status_from_uv(UV_ENOBUFS), ZS_ENOMEM);
+  assert_int_equal(stream_status_from_uv(UV_EADDRINUSE), ZS_EINVAL);
+  assert_int_equal(stream_status_from_uv(UV_EIO), ZS_EIO);
+}
+
+#define CASE(fn, t) cmocka_unit_test_prestate_setup_teardown(fn, setup, teardown, (void *)(t))
+
+int main(void) {
+  /* Writes to a reset peer must fail with EPIPE, not kill the test. */
+  signal(SIGPIPE, SIG_IGN);
+  int failed = 0;
+  for (size_t i = 0; i < sizeof transports / sizeof transports[0]; i++) {
+    const transport *t = &transports[i];
+    const struct CMUnitTest tests[] = {
+        CASE(listener_on_port_0_reports_its_port_and_both_ends_agree_on_addresses, t),
+        CASE(socket_options_are_set_or_refused_with_a_status, t),
+        CASE(large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers, t),
+        CASE(writes_complete_once_each_in_the_order_they_were_queued, t),
+        CASE(shutdown_delivers_the_bytes_then_the_end_of_the_stream_once, t),
+        CASE(close_with_writes_pending_cancels_them_before_the_close_callback, t),
+        CASE(connect_to_a_port_nobody_listens_on_is_zs_econn, t),
+        CASE(listening_on_an_address_in_use_is_zs_einval_with_the_reason, t),
+        CASE(peer_reset_fails_pending_writes_and_the_read_with_zs_econn, t),
+        CASE(a_read_without_a_buffer_is_zs_enomem, t),
+        cmocka_unit_test(libuv_errors_map_to_zs_status_codes),
+    };
+    failed += cmocka_run_group_tests_name(t->name, tests, NULL, NULL);
+  }
+  return failed;
+}
