@@ -912,6 +912,50 @@ uint64_t zs_tensor_numel(const zs_client *c, uint32_t t) {
   return n;
 }
 
+int zs_tensor_slices(const zs_client *c, uint32_t t, uint32_t *n) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  zs_client *m = (zs_client *)(uintptr_t)c;
+  pthread_mutex_lock(&m->mu);
+  int opened = c->opened;
+  pthread_mutex_unlock(&m->mu);
+  /* Once opened, the layout never changes: read without the lock. */
+  if (!opened)
+    rc = zc_fail(ZS_ENOTOPEN, "zs_tensor_slices: the job is not open (the layout is computed by "
+                              "zs_open_job)");
+  else if (!n)
+    rc = zc_fail(ZS_EINVAL, "zs_tensor_slices: n is NULL");
+  else if (t >= c->sp.num_tensors)
+    rc =
+        zc_fail(ZS_ENOTFOUND, "zs_tensor_slices: no tensor %" PRIu32 " (the model has %" PRIu32 ")",
+                t, c->sp.num_tensors);
+  else
+    *n = layout_tensor_pieces(&c->lay, t);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_tensor_slice(const zs_client *c, uint32_t t, uint32_t i, uint32_t *shard, uint64_t *offset,
+                    uint64_t *numel) {
+  uint32_t n = 0;
+  int rc = zs_tensor_slices(c, t, &n);
+  if (rc != ZS_OK)
+    return rc;
+  if (i >= n)
+    return zc_fail(ZS_ENOTFOUND,
+                   "zs_tensor_slice: tensor %" PRIu32 " has %" PRIu32 " slice(s), not %" PRIu32, t,
+                   n, i + 1);
+  const layout_piece *pc = &c->lay.pieces[c->lay.tensor_first[t] + i];
+  if (shard)
+    *shard = pc->shard;
+  if (offset)
+    *offset = pc->offset;
+  if (numel)
+    *numel = pc->numel;
+  return ZS_OK;
+}
+
 int zs_find_tensor(const zs_client *c, const char *name, uint32_t *id) {
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)

@@ -131,6 +131,14 @@ int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_b
  * critical section; after stop they are cancelled at once instead. */
 void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n);
 
+/* As zc_pool_submit, but wakes no worker: a batch (zs_push_many,
+ * zs_pull_many) queues each request's tasks with this and calls zc_pool_wake
+ * once at the end. On two cores a wake-up per request costs a context switch
+ * each (the woken worker preempts the submitting thread); one wake-up for the
+ * whole batch also lets the pool coalesce the batch's pieces into buckets. */
+void zc_pool_enqueue(zc_pool *p, zc_task *tasks, uint32_t n);
+void zc_pool_wake(zc_pool *p);
+
 /* For tests: while held, workers take no task, so that everything submitted
  * meanwhile is queued (and coalesced) as if it had all arrived at once. */
 void zc_pool_hold(zc_pool *p, int hold);

@@ -124,15 +124,11 @@ void zc_pool_hold(zc_pool *p, int hold) {
   pthread_mutex_unlock(&p->mu);
 }
 
-void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n) {
-  pthread_mutex_lock(&p->mu);
-  if (p->stop) {
-    pthread_mutex_unlock(&p->mu);
-    /* The pool is stopping: the tasks will never run. */
-    for (uint32_t i = 0; i < n; i++)
-      p->cancel(p->ctx, &tasks[i]);
-    return;
-  }
+/* Queues the tasks under p->mu; returns 0 when the pool is stopping (the
+ * tasks are then neither queued nor cancelled). */
+static int queue_locked(zc_pool *p, zc_task *tasks, uint32_t n) {
+  if (p->stop)
+    return 0;
   for (uint32_t i = 0; i < n; i++) {
     zc_task *t = &tasks[i];
     uint32_t q = t->shard % p->nqueues;
@@ -144,9 +140,36 @@ void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n) {
     p->tail[q] = t;
     p->queued++;
   }
-  if (n == 1)
+  return 1;
+}
+
+static void queue(zc_pool *p, zc_task *tasks, uint32_t n, int wake) {
+  pthread_mutex_lock(&p->mu);
+  if (!queue_locked(p, tasks, n)) {
+    pthread_mutex_unlock(&p->mu);
+    /* The pool is stopping: the tasks will never run. */
+    for (uint32_t i = 0; i < n; i++)
+      p->cancel(p->ctx, &tasks[i]);
+    return;
+  }
+  if (wake && n == 1)
     pthread_cond_signal(&p->cv);
-  else if (n > 1)
+  else if (wake && n > 1)
+    pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n) {
+  queue(p, tasks, n, 1);
+}
+
+void zc_pool_enqueue(zc_pool *p, zc_task *tasks, uint32_t n) {
+  queue(p, tasks, n, 0);
+}
+
+void zc_pool_wake(zc_pool *p) {
+  pthread_mutex_lock(&p->mu);
+  if (p->queued > 0)
     pthread_cond_broadcast(&p->cv);
   pthread_mutex_unlock(&p->mu);
 }

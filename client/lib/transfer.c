@@ -135,8 +135,13 @@ static void op_finish(zs_request *op) {
   case ZC_OP_CALL:
     break;
   }
-  if (op->cb)
+  if (op->cb) {
+    /* The callback reads the failure's sentence with zs_last_error(), as a
+     * caller of zs_wait would: it is this thread's last error now. */
+    if (status != ZS_OK)
+      zc_fail_msg(status, op->err);
     op->cb(op->cb_arg, status);
+  }
   pthread_mutex_lock(&op->mu);
   op->done = 1;
   pthread_cond_broadcast(&op->cv);
@@ -522,9 +527,17 @@ static int wait_own(zs_request *op, zc_op_kind kind) {
   return rc;
 }
 
+/* Queues op's tasks; a batch (defer) wakes the pool once at its end. */
+static void op_queue(zs_request *op, int defer) {
+  if (defer)
+    zc_pool_enqueue(&op->c->pool, op->tasks, op->ntasks);
+  else
+    zc_op_submit(op);
+}
+
 static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
-                      zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg,
-                      zs_request **out) {
+                      zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg, zs_request **out,
+                      int defer) {
   int rc = check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
   if (rc != ZS_OK)
     return rc;
@@ -570,7 +583,7 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   pthread_mutex_unlock(&c->mu);
   if (!cb)
     atomic_fetch_add(&op->refs, 1); /* the handle, or our own wait */
-  zc_op_submit(op);
+  op_queue(op, defer);
   zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
   if (cb)
     return ZS_OK;
@@ -582,7 +595,7 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
 }
 
 static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
-                      zs_request_cb cb, void *arg, zs_request **out) {
+                      zs_request_cb cb, void *arg, zs_request **out, int defer) {
   int rc = check_buffer(c, "zs_pull", tensor, dst, dtype, nbytes);
   if (rc != ZS_OK)
     return rc;
@@ -638,7 +651,7 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
   pthread_mutex_unlock(&c->mu);
 
   if (from_slot == 0) {
-    zc_op_submit(op);
+    op_queue(op, defer);
   } else if (from_slot == 1) {
     zc_convert(dst, dtype, slot->buf, wire, c->sp.tensors[tensor].numel);
     pthread_mutex_lock(&c->mu);
@@ -647,7 +660,7 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
     zc_op_part_done(op, ZS_OK, NULL, 0);
   }
   for (uint32_t i = 0; i < nprefetch; i++)
-    zc_op_submit(prefetch[i]);
+    op_queue(prefetch[i], defer);
   zc_account_wait(c, ZC_OP_PULL, clock_now_ns() - t0);
   if (cb)
     return ZS_OK;
@@ -665,7 +678,7 @@ int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad, zs_
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = push_start(c, tensor, micro, grad, dtype, nbytes, NULL, NULL, req);
+  rc = push_start(c, tensor, micro, grad, dtype, nbytes, NULL, NULL, req, 0);
   zc_client_leave(c);
   return rc;
 }
@@ -677,7 +690,7 @@ int zs_pull(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nby
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = pull_start(c, tensor, dst, dtype, nbytes, NULL, NULL, req);
+  rc = pull_start(c, tensor, dst, dtype, nbytes, NULL, NULL, req, 0);
   zc_client_leave(c);
   return rc;
 }
@@ -689,7 +702,7 @@ int zs_push_cb(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad, 
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = push_start(c, tensor, micro, grad, dtype, nbytes, cb, arg, NULL);
+  rc = push_start(c, tensor, micro, grad, dtype, nbytes, cb, arg, NULL, 0);
   zc_client_leave(c);
   return rc;
 }
@@ -701,7 +714,7 @@ int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t 
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = pull_start(c, tensor, dst, dtype, nbytes, cb, arg, NULL);
+  rc = pull_start(c, tensor, dst, dtype, nbytes, cb, arg, NULL, 0);
   zc_client_leave(c);
   return rc;
 }
@@ -735,6 +748,121 @@ int zs_wait_pushes(zs_client *c) {
     zc_fail_msg(rc, c->step_err);
   pthread_mutex_unlock(&c->mu);
   zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
+  zc_client_leave(c);
+  return rc;
+}
+
+/* ---- batches ---------------------------------------------------------------- */
+
+/* Checks a batch's arrays before anything is submitted, so that a refused
+ * batch submits nothing: each entry as zs_push/zs_pull would, and no tensor
+ * twice (pushes). */
+static int check_batch(zs_client *c, const char *fn, uint32_t n, const uint32_t *tensors,
+                       const void *const *bufs, zs_dtype dtype, const size_t *nbytes, int push,
+                       uint32_t micro) {
+  if (n == 0)
+    return ZS_OK;
+  if (!tensors || !bufs || !nbytes)
+    return zc_fail(ZS_EINVAL, "%s: tensors, buffers and sizes must not be NULL", fn);
+  for (uint32_t i = 0; i < n; i++) {
+    int rc = check_buffer(c, fn, tensors[i], bufs[i], dtype, nbytes[i]);
+    if (rc != ZS_OK)
+      return zc_fail(rc, "%s: entry %" PRIu32 ": %.400s", fn, i, zs_last_error());
+  }
+  if (!push)
+    return ZS_OK;
+  if (micro >= c->sp.grad_accum)
+    return zc_fail(ZS_ERANGE, "%s: micro %" PRIu32 " out of range (grad_accum is %" PRIu32 ")", fn,
+                   micro, c->sp.grad_accum);
+  int rc = ZS_OK;
+  pthread_mutex_lock(&c->mu);
+  for (uint32_t i = 0; i < n && rc == ZS_OK; i++) {
+    size_t bit = (size_t)tensors[i] * c->sp.grad_accum + micro;
+    if (c->pushed[bit / 8] & (1u << (bit % 8)))
+      rc = zc_fail(ZS_EEXIST,
+                   "%s: tensor '%s' micro %" PRIu32 " was already pushed in step %" PRIu64, fn,
+                   tensor_name(c, tensors[i]), micro, c->step);
+    for (uint32_t j = 0; j < i && rc == ZS_OK; j++)
+      if (tensors[j] == tensors[i])
+        rc = zc_fail(ZS_EEXIST,
+                     "%s: tensor '%s' appears twice in the batch (entries %" PRIu32 " and %" PRIu32
+                     ")",
+                     fn, tensor_name(c, tensors[i]), j, i);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* Submits a checked batch: every request's tasks are queued without a
+ * wake-up, and the pool is woken once. Without reqs the call waits for all
+ * and returns the first failure. */
+static int run_batch(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t micro,
+                     const void *const *bufs, zs_dtype dtype, const size_t *nbytes,
+                     zs_request **reqs, int push) {
+  zs_request **own = reqs;
+  if (!reqs && !(own = calloc(n ? n : 1, sizeof *own)))
+    return zc_fail(ZS_ENOMEM, "out of memory for a batch of %" PRIu32 " requests", n);
+  int rc = ZS_OK;
+  uint32_t started = 0;
+  for (; started < n && rc == ZS_OK; started++) {
+    if (push)
+      rc = push_start(c, tensors[started], micro, bufs[started], dtype, nbytes[started], NULL, NULL,
+                      &own[started], 1);
+    else
+      rc = pull_start(c, tensors[started], (void *)(uintptr_t)bufs[started], dtype, nbytes[started],
+                      NULL, NULL, &own[started], 1);
+  }
+  /* Also after a failure: what was queued runs, and the caller's requests
+   * for it are valid. */
+  zc_pool_wake(&c->pool);
+  if (rc != ZS_OK)
+    started--; /* the failed entry has no request */
+  if (!reqs) {
+    int first = rc;
+    char msg[ZC_ERR_LEN] = "";
+    if (first != ZS_OK)
+      snprintf(msg, sizeof msg, "%s", zs_last_error());
+    for (uint32_t i = 0; i < started; i++) {
+      int r = wait_own(own[i], push ? ZC_OP_PUSH : ZC_OP_PULL);
+      if (r != ZS_OK && first == ZS_OK) {
+        first = r;
+        snprintf(msg, sizeof msg, "%s", zs_last_error());
+      }
+    }
+    free(own);
+    if (first != ZS_OK)
+      zc_fail_msg(first, msg);
+    return first;
+  }
+  return rc;
+}
+
+int zs_push_many(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t micro,
+                 const void *const *grads, zs_dtype dtype, const size_t *nbytes,
+                 zs_request **reqs) {
+  if (reqs && n)
+    memset(reqs, 0, (size_t)n * sizeof *reqs);
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  rc = check_batch(c, "zs_push_many", n, tensors, grads, dtype, nbytes, 1, micro);
+  if (rc == ZS_OK && n > 0)
+    rc = run_batch(c, n, tensors, micro, grads, dtype, nbytes, reqs, 1);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_pull_many(zs_client *c, uint32_t n, const uint32_t *tensors, void *const *dsts,
+                 zs_dtype dtype, const size_t *nbytes, zs_request **reqs) {
+  if (reqs && n)
+    memset(reqs, 0, (size_t)n * sizeof *reqs);
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  const void *const *bufs = (const void *const *)dsts;
+  rc = check_batch(c, "zs_pull_many", n, tensors, bufs, dtype, nbytes, 0, 0);
+  if (rc == ZS_OK && n > 0)
+    rc = run_batch(c, n, tensors, 0, bufs, dtype, nbytes, reqs, 0);
   zc_client_leave(c);
   return rc;
 }

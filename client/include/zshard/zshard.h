@@ -392,6 +392,17 @@ ZS_EXTERN int zs_open_job(zs_client *c, const float *const *init_weights);
 ZS_EXTERN uint32_t zs_num_tensors(const zs_client *c);
 /* numel of tensor t, or 0 if there is no such tensor. */
 ZS_EXTERN uint64_t zs_tensor_numel(const zs_client *c, uint32_t t);
+/* Where tensor t lives (after zs_open_job): *n gets the number of its slices.
+ * A tensor of at least split_threshold elements has one slice per shard (the
+ * last ones may be empty and are then not counted), a smaller one a single
+ * slice on one shard. Returns ZS_ENOTOPEN before zs_open_job, ZS_ENOTFOUND
+ * for a tensor that does not exist. */
+ZS_EXTERN int zs_tensor_slices(const zs_client *c, uint32_t t, uint32_t *n);
+/* Slice i (0 <= i < the count above) of tensor t: the shard that owns it and
+ * its elements [offset, offset + numel) of the tensor. Any out pointer may be
+ * NULL. Every trainer and every shard computes the same layout from the spec. */
+ZS_EXTERN int zs_tensor_slice(const zs_client *c, uint32_t t, uint32_t i, uint32_t *shard,
+                              uint64_t *offset, uint64_t *numel);
 /* Index of the tensor called `name`. ZS_ENOTFOUND if none. */
 ZS_EXTERN int zs_find_tensor(const zs_client *c, const char *name, uint32_t *id);
 /* The step the next zs_step will complete (version + 1), 0 before the job
@@ -415,7 +426,9 @@ typedef struct zs_request zs_request;
  * thread: a worker, a data-plane I/O thread, or, for a transfer cancelled by
  * zs_client_close, the thread closing the client. It must not block (no
  * zs_wait, no synchronous transfer, no zs_step, no zs_client_close) but may
- * start new transfers. */
+ * start new transfers. When status is not ZS_OK, zs_last_error() called in
+ * the callback returns the failure's sentence (naming the tensor and shard),
+ * as it would after zs_wait. */
 typedef void (*zs_request_cb)(void *arg, int status);
 
 /* Pushes the gradient of tensor `tensor` for micro-batch `micro` (< M) of the
@@ -447,6 +460,26 @@ ZS_EXTERN int zs_push_cb(zs_client *c, uint32_t tensor, uint32_t micro, const vo
                          zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg);
 ZS_EXTERN int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
                          zs_request_cb cb, void *arg);
+
+/* Batches: n pushes (or pulls) submitted in one call, as n calls of zs_push
+ * (zs_pull) would, for a fraction of the cost: the library wakes its workers
+ * once for the whole batch rather than once per tensor, and may coalesce the
+ * batch's pieces into fewer messages. tensors, grads/dsts and nbytes are
+ * arrays of n entries (the buffers' ownership is zs_push's/zs_pull's: each
+ * must stay valid until its request completes); all pushes are of micro-batch
+ * `micro` and all buffers of `dtype`. Every entry is checked before anything
+ * is submitted, so a refused batch submits nothing (the sentence names the
+ * entry); a push batch may not name a tensor twice. With reqs (an array of n)
+ * each entry's request is returned there, to zs_wait each; with reqs NULL the
+ * call waits for all and returns the first failure. In the one case where a
+ * batch fails half-way (another thread pushed one of its tensors meanwhile),
+ * the requests of the entries before it are in reqs and must be waited; the
+ * rest are NULL. */
+ZS_EXTERN int zs_push_many(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t micro,
+                           const void *const *grads, zs_dtype dtype, const size_t *nbytes,
+                           zs_request **reqs);
+ZS_EXTERN int zs_pull_many(zs_client *c, uint32_t n, const uint32_t *tensors, void *const *dsts,
+                           zs_dtype dtype, const size_t *nbytes, zs_request **reqs);
 
 /* Waits for `req` to complete, returns its status and frees it: `req` is
  * invalid afterwards. May be called from any one thread (not from a
