@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 import zshard  # noqa: E402
 import zshard.torch  # noqa: E402
 
-STEPS = int(os.environ.get("ZSHARD_TEST_STEPS", "25"))
+STEPS = int(os.environ.get("ZSHARD_TEST_STEPS", "200"))
 VOCAB, D, HEADS, FF, SEQ, BATCH = 40, 64, 4, 128, 12, 8
 
 
@@ -71,11 +71,26 @@ class TrainsLikeTorch(unittest.TestCase):
             try:
                 split = [P.name for P in opt._params if P.numel >= 4096]
                 self.assertGreaterEqual(len(split), 4)
+                total_bytes = 4 * sum(P.numel for P in opt._params)
                 for step, (x, y) in enumerate(batches(11, steps), 1):
                     opt.zero_grad()
-                    loss = loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1))
+                    out = model(x)
+                    if release:
+                        # ZeRO-3: after forward the trainer holds no weights.
+                        held = [P.name for P in opt._params if P.p.storage().size() != 0]
+                        self.assertEqual(held, [])
+                    loss = loss_fn(out.reshape(-1, VOCAB), y.reshape(-1))
                     loss.backward()
                     opt.step()
+                    if step > 2:
+                        # Each step pulls every weight once (and once more for
+                        # the check below); with release also again for
+                        # backward.
+                        pulled = opt.timing().bytes_pulled
+                        if release:
+                            self.assertGreater(pulled, 2.5 * total_bytes)
+                        else:
+                            self.assertEqual(pulled, 2 * total_bytes)
                     self.assertTrue(opt.last_result.applied)
                     self.assertEqual(opt.last_result.step, step)
 
@@ -86,17 +101,24 @@ class TrainsLikeTorch(unittest.TestCase):
                     self.assertTrue(torch.equal(loss.detach(), ref_loss.detach()),
                                     "step %d: loss %r != torch's %r" % (step, loss.item(),
                                                                       ref_loss.item()))
-                    opt.gather()
-                    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                        self.assertTrue(torch.equal(p.detach(), q.detach()),
+                    # The shards' weights, pulled beside the trainer's own
+                    # parameters so that its prefetching is left alone.
+                    ref_params = dict(ref.named_parameters())
+                    for P in opt._params:
+                        n, q = P.name, ref_params[P.name]
+                        w = torch.empty_like(q)
+                        opt.client.pull(P.idx, zshard.torch._buffer(w)).wait()
+                        self.assertTrue(torch.equal(w, q.detach()),
                                         "step %d: %s differs from torch.optim's by up to %g" %
-                                        (step, n, (p.detach() - q.detach()).abs().max().item()))
+                                        (step, n, (w - q.detach()).abs().max().item()))
                 t = opt.timing()
                 self.assertGreater(t.bytes_pushed, 0)
                 self.assertGreater(t.bytes_pulled, 0)
             finally:
                 opt.close()
-        self.assertGreater(loss.item(), 0)
+        # close() leaves the trained weights in the model.
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            self.assertTrue(torch.equal(p.detach(), q.detach()), n)
         return model
 
     def test_adamw(self):
