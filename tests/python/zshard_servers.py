@@ -29,8 +29,9 @@ def use_build_tree_package():
 
 
 class Shards:
-    def __init__(self, n, threads=1):
-        self.n, self.threads = n, threads
+    def __init__(self, n, threads=1, state_dirs=False):
+        self.n, self.threads, self.state_dirs = n, threads, state_dirs
+        self.killed = set()
         self.procs, self.logs = [], []
         self.tmp = None
         self.addresses = None
@@ -47,10 +48,14 @@ class Shards:
                 port_file = os.path.join(self.tmp, "port%d" % i)
                 log = open(os.path.join(self.tmp, "log%d" % i), "w")
                 self.logs.append(log)
+                args = [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--shard-id",
+                        str(i), "--shards", str(self.n), "--threads", str(self.threads)]
+                if self.state_dirs:
+                    state = os.path.join(self.tmp, "state%d" % i)
+                    os.mkdir(state)
+                    args += ["--state-dir", state]
                 self.procs.append(subprocess.Popen(
-                    [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--shard-id",
-                     str(i), "--shards", str(self.n), "--threads", str(self.threads)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
+                    args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
             for i, proc in enumerate(self.procs):
                 ports.append(self._wait_port(proc, os.path.join(self.tmp, "port%d" % i)))
         except BaseException:
@@ -82,6 +87,12 @@ class Shards:
                 out.append("----- shard %d -----\n%s" % (i, f.read()))
         return "".join(out)
 
+    def kill(self, i):
+        """SIGKILLs shard i (its exit status is then not checked)."""
+        self.killed.add(i)
+        self.procs[i].kill()
+        self.procs[i].wait()
+
     def _stop(self):
         codes = []
         for proc in self.procs:
@@ -93,6 +104,7 @@ class Shards:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes.append(proc.wait())
+        codes = [0 if i in self.killed else code for i, code in enumerate(codes)]
         logs = self.read_logs() if any(codes) else ""
         for log in self.logs:
             log.close()
