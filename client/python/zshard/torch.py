@@ -528,6 +528,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for P in self._params:
             self._ensure(P)
 
+    @property
+    def loss_scale(self):
+        """The loss scale to multiply the loss by before backward for the
+        current step (1 unless the client option loss_scaling is "static" or
+        "dynamic"; the dynamic scaler follows DeepSpeed's rules)."""
+        return self.client.loss_scale
+
     def timing(self):
         """Where the last step's time went (zshard.Timing)."""
         return self.client.last_timing()
