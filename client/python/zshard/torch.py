@@ -27,6 +27,7 @@ How it works (ZeRO-3 on a parameter server):
   again when backward unpacks a saved tensor that refers to it (saved tensor
   hooks), `prefetch` units ahead in reverse order; it is freed again once its
   gradient has been pushed.
+  The gradient is not kept in `p.grad` either: it is freed once pushed.
 * A pull of a new version bumps the parameter's version counter, so a graph
   built before step() can never silently run backward on new data.
 
@@ -197,12 +198,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.client.close()
             raise
         self._version = self.client.current_step - 1
-        self._zeros = torch.zeros(max([P.numel for P in self._params] + [1]))
+        self._zeros = None         # pushed for parameters without a gradient
         self._op = 0
         self._trace = None         # params in order of first use during the first forward
         self._units = []           # lists of _Param, in forward order
         self._release_at = None    # op number -> params last used by it
         self._in_forward = False
+        self._inflight = collections.deque()  # _Params with a push in flight, oldest first
+        self._push_error = None
         self._hooks = []
         self._install()
 
@@ -417,19 +420,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _grad_hook(self, P):
         def hook(grad_inputs, grad_outputs):
-            self._push(P, from_backward=True)
+            self._push(P)
             if self.release_after_forward:
+                # ZeRO-3: the trainer keeps neither the weight nor the
+                # gradient once it is on its way; the push holds the
+                # gradient until it completes.
+                P.p.grad = None
                 self._release(P)
+                self._reap()
         return hook
 
-    def _push(self, P, from_backward=False):
+    def _push(self, P):
         if P.pushed:
             raise RuntimeError(
                 "zshard.torch: the gradient of %s was already pushed this step: call step() "
                 "after each backward (accumulating gradients over several backward passes is not "
                 "supported yet)" % P.name)
-        g = P.p.grad
+        # After a failed push its gradient is kept for the next attempt.
+        g = P.grad_ref if P.grad_ref is not None else P.p.grad
         if g is None:
+            if self._zeros is None:
+                self._zeros = torch.zeros(max(Q.numel for Q in self._params))
             g = self._zeros[:P.numel]
         else:
             if g.dtype != torch.float32 or g.is_sparse:
@@ -441,18 +452,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         P.grad_ref = g
         P.push = self.client.push(P.idx, _buffer(g))
         P.pushed = True
+        self._inflight.append(P)
+
+    def _finish_push(self, P):
+        """Waits for P's push; on success lets go of its gradient, on failure
+        keeps it to push again and remembers the error for step()."""
+        req, P.push = P.push, None
+        try:
+            req.wait()
+        except zshard.Error as e:
+            P.pushed = False
+            self._push_error = self._push_error or e
+            return
+        P.grad_ref = None
+
+    def _reap(self):
+        """Finishes the pushes that have completed, oldest first, so that
+        their gradients are freed during backward."""
+        q = self._inflight
+        while q and (q[0].push is None or q[0].push.test()):
+            P = q.popleft()
+            if P.push is not None:
+                self._finish_push(P)
 
     def _wait_pushes(self):
-        err = None
-        for P in self._params:
+        for P in self._inflight:
             if P.push is not None:
-                req, P.push = P.push, None
-                try:
-                    req.wait()
-                except zshard.Error as e:
-                    err = err or e
-                    P.pushed = False
-                P.grad_ref = None
+                self._finish_push(P)
+        self._inflight.clear()
+        err, self._push_error = self._push_error, None
         if err is not None:
             raise err
 
@@ -499,6 +527,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for P in self._params:
             P.pushed = False
             P.current = False
+            P.grad_ref = None
         self._prefetch_units(-1, +1)
         return loss
 
@@ -560,6 +589,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for P in self._params:
             P.pushed = False
             P.current = False
+            P.grad_ref = None
         return cur
 
     def state_dict(self):
