@@ -111,6 +111,12 @@ class TrainsLikeTorch(unittest.TestCase):
                         self.assertTrue(torch.equal(w, q.detach()),
                                         "step %d: %s differs from torch.optim's by up to %g" %
                                         (step, n, (w - q.detach()).abs().max().item()))
+                # state_dict() makes released parameters current first.
+                sd = model.state_dict()
+                for n, q in ref.state_dict().items():
+                    self.assertTrue(torch.equal(sd[n], q), n)
+                with self.assertRaises(NotImplementedError):
+                    model.load_state_dict(sd)
                 t = opt.timing()
                 self.assertGreater(t.bytes_pushed, 0)
                 self.assertGreater(t.bytes_pulled, 0)

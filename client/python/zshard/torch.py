@@ -35,8 +35,8 @@ Semantics to know: the gradient pushed is `p.grad` as accumulated by one
 backward pass (one backward per step; use the shards' `max_grad_norm` rather
 than clipping `p.grad` yourself, which would happen after the push). A
 parameter that gets no gradient in a step is pushed zeros (torch would skip
-it; see NOTES below). Parameters read outside forward (e.g. `model.state_dict()`)
-are current after `gather()`, `close()`, or a forward.
+it; see NOTES below). Parameters read outside forward are current after
+`gather()`, `close()`, `model.state_dict()` or a forward.
 """
 
 import collections
@@ -52,6 +52,8 @@ __all__ = ["shard", "ShardedOptimizer", "NOTES"]
 
 # What the current C API cannot do yet (each raises a clear error here).
 NOTES = {
+    "write_weights": "an open job's weights cannot be overwritten (only zs_open_job's initial "
+                     "weights), so model.load_state_dict() after shard() is refused",
     "per_group_lr": "zs_step takes one lr and each group's lr_scale is fixed at zs_add_group: "
                     "param-group lrs must keep the ratios they had at shard()",
     "group_options": "group hyper-parameters (betas, eps, weight_decay, momentum...) cannot "
@@ -264,12 +266,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
             node = p.expand_as(p).grad_fn.next_functions[0][0]
             P.node = node
             self._hooks.append(node.register_hook(self._grad_hook(P)))
+        # model.state_dict() holds tensors sharing the parameters' storage:
+        # making them current at the end (the root's hook runs last) makes
+        # the returned tensors current and never released memory.
+        self._hooks.append(self._model._register_state_dict_hook(
+            lambda module, state_dict, prefix, meta: self.gather()))
+        self._hooks.append(self._model._register_load_state_dict_pre_hook(self._refuse_load))
         model, inner = self._model, self._model.forward
         self._orig_forward = inner
 
         def forward(*args, **kwargs):
             return self._forward(inner, args, kwargs)
         model.forward = forward
+
+    @staticmethod
+    def _refuse_load(*args):
+        raise NotImplementedError(
+            "zshard.torch: the weights live on the shards, and the C API cannot overwrite an "
+            "open job's weights: load them before shard(), or restore() a checkpoint")
 
     # ---- parameters' data ---------------------------------------------------------------
 
@@ -549,8 +563,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def gather(self):
         """Makes every parameter hold the current version (pulling what is
-        stale or released), e.g. before model.state_dict() or evaluation
-        outside the model's forward."""
+        stale or released), e.g. before reading parameters outside the
+        model's forward (model.state_dict() does it by itself)."""
         self._check_open()
         for P in self._params:
             self._issue(P)
