@@ -57,7 +57,7 @@ def batches(seed, n):
 
 class TrainsLikeTorch(unittest.TestCase):
 
-    def run_case(self, make_opt, release=False, tied=False, unused=False, steps=STEPS):
+    def run_case(self, make_opt, release=False, tied=False, unused=False, steps=STEPS, accum=1):
         torch.manual_seed(7)
         model = TinyTransformer(tied=tied, unused=unused)
         ref = copy.deepcopy(model)
@@ -67,20 +67,21 @@ class TrainsLikeTorch(unittest.TestCase):
             opt = zshard.torch.shard(model, make_opt(model), addresses=shards.addresses,
                                      wire_dtype=torch.float32, rank=0, world_size=1,
                                      split_threshold=4096, release_after_forward=release,
-                                     job="bits")
+                                     grad_accum=accum, job="bits")
             try:
                 split = [P.name for P in opt._params if P.numel >= 4096]
                 self.assertGreaterEqual(len(split), 4)
                 total_bytes = 4 * sum(P.numel for P in opt._params)
                 for step, (x, y) in enumerate(batches(11, steps), 1):
                     opt.zero_grad()
-                    out = model(x)
-                    if release:
-                        # ZeRO-3: after forward the trainer holds no weights.
-                        held = [P.name for P in opt._params if P.p.storage().size() != 0]
-                        self.assertEqual(held, [])
-                    loss = loss_fn(out.reshape(-1, VOCAB), y.reshape(-1))
-                    loss.backward()
+                    for micro in range(accum):
+                        out = model(x[micro::accum])
+                        if release:
+                            # ZeRO-3: after forward the trainer holds no weights.
+                            held = [P.name for P in opt._params if P.p.storage().size() != 0]
+                            self.assertEqual(held, [])
+                        loss = loss_fn(out.reshape(-1, VOCAB), y[micro::accum].reshape(-1))
+                        (loss / accum).backward()
                     opt.step()
                     if step > 2:
                         # Each step pulls every weight once (and once more for
@@ -89,14 +90,16 @@ class TrainsLikeTorch(unittest.TestCase):
                         pulled = opt.timing().bytes_pulled
                         if release:
                             self.assertGreater(pulled, 2.5 * total_bytes)
-                        else:
+                        elif accum == 1:
                             self.assertEqual(pulled, 2 * total_bytes)
                     self.assertTrue(opt.last_result.applied)
                     self.assertEqual(opt.last_result.step, step)
 
                     ref_opt.zero_grad()
-                    ref_loss = loss_fn(ref(x).reshape(-1, VOCAB), y.reshape(-1))
-                    ref_loss.backward()
+                    for micro in range(accum):
+                        ref_loss = loss_fn(ref(x[micro::accum]).reshape(-1, VOCAB),
+                                           y[micro::accum].reshape(-1))
+                        (ref_loss / accum).backward()
                     ref_opt.step()
                     self.assertTrue(torch.equal(loss.detach(), ref_loss.detach()),
                                     "step %d: loss %r != torch's %r" % (step, loss.item(),
@@ -133,6 +136,10 @@ class TrainsLikeTorch(unittest.TestCase):
     def test_adamw_release_after_forward_same_bits(self):
         self.run_case(lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.05),
                       release=True)
+
+    def test_adamw_two_micro_batches_per_step(self):
+        self.run_case(lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.05),
+                      accum=2, steps=STEPS // 2)
 
     def test_sgd_momentum_two_groups_tied_and_unused(self):
         def make(m):

@@ -142,6 +142,26 @@ class TorchMisuse(unittest.TestCase):
             finally:
                 opt.close()
 
+    def test_step_before_every_micro_batch_raises(self):
+        torch.manual_seed(1)
+        m = Mlp()
+        with zshard_servers.Shards(1) as shards:
+            opt = zshard.torch.shard(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                                     addresses=shards.addresses, grad_accum=2)
+            try:
+                loss_of(m, 1).backward()
+                with self.assertRaisesRegex(RuntimeError, "1 backward pass"):
+                    opt.step()
+                loss_of(m, 2).backward()
+                opt.step()
+                self.assertEqual(opt.last_result.step, 1)
+                for s in range(2):
+                    loss_of(m, s).backward()
+                with self.assertRaisesRegex(RuntimeError, "already pushed 2"):
+                    loss_of(m, 3).backward()
+            finally:
+                opt.close()
+
     def test_group_lr_ratio_change_and_stateless_state_dict(self):
         torch.manual_seed(1)
         m = Mlp()

@@ -32,8 +32,10 @@ How it works (ZeRO-3 on a parameter server):
   built before step() can never silently run backward on new data.
 
 Semantics to know: the gradient pushed is `p.grad` as accumulated by one
-backward pass (one backward per step; use the shards' `max_grad_norm` rather
-than clipping `p.grad` yourself, which would happen after the push). A
+backward pass: one backward per step, or `grad_accum=M` backward passes (the
+shards add the M micro-batch gradients in order, as torch's accumulation in
+p.grad does; p.grad is then not kept). Use the shards' `max_grad_norm` rather
+than clipping `p.grad` yourself, which would happen after the push. A
 parameter that gets no gradient in a step is pushed zeros (torch would skip
 it; see NOTES below). Parameters read outside forward are current after
 `gather()`, `close()`, `model.state_dict()` or a forward.
@@ -91,8 +93,7 @@ def _storage_key(t):
 class _Param:
     """One managed parameter: its zshard tensor id and where its data is."""
     __slots__ = ("idx", "p", "name", "numel", "group", "unit", "alloc", "pulled_version",
-                 "current", "pull", "bump", "push", "pushed", "grad_ref", "node", "key",
-                 "last_op")
+                 "current", "pull", "bump", "micro", "failed", "node", "key", "last_op")
 
     def __init__(self, idx, p, name, group):
         self.idx, self.p, self.name, self.group = idx, p, name, group
@@ -103,9 +104,8 @@ class _Param:
         self.pulled_version = -1   # the version last pulled into the storage
         self.pull = None           # zshard.Request of a pull in flight
         self.bump = False          # that pull brings a new version
-        self.push = None           # zshard.Request of this step's push in flight
-        self.pushed = False        # pushed this step
-        self.grad_ref = None       # the tensor being pushed, alive until waited
+        self.micro = 0             # gradients pushed this step (the next micro-batch)
+        self.failed = []           # (micro, gradient) of pushes that failed
         self.node = None           # the AccumulateGrad node (kept alive for its hook)
         self.key = _storage_key(p)
         self.last_op = -1
@@ -141,7 +141,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None,
                  world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
-                 job="zshard", split_threshold=0, grad_reduce="mean", **client_options):
+                 grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
+                 **client_options):
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -152,6 +153,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.prefetch = int(prefetch)
         self.release_after_forward = bool(release_after_forward)
         self.max_grad_norm = max_grad_norm
+        self.grad_accum = int(grad_accum)
+        if self.grad_accum < 1:
+            raise ValueError("zshard.torch: grad_accum must be at least 1")
         self.last_result = None
         self._closed = False
         self._optim = self._optimizer_kind(optimizer)
@@ -188,6 +192,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.client = zshard.Client(addresses, rank=rank, world_size=world_size, job=job,
                                     push_dtype=_WIRE[wire_dtype], pull_dtype=_WIRE[wire_dtype],
                                     split_threshold=split_threshold, grad_reduce=grad_reduce,
+                                    grad_accum=self.grad_accum,
                                     **client_options)
         try:
             for g in self._groups:
@@ -206,7 +211,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._units = []           # lists of _Param, in forward order
         self._release_at = None    # op number -> params last used by it
         self._in_forward = False
-        self._inflight = collections.deque()  # _Params with a push in flight, oldest first
+        # (param, micro, gradient, request) of the pushes in flight, oldest first.
+        self._inflight = collections.deque()
         self._push_error = None
         self._hooks = []
         self._install()
@@ -434,24 +440,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _grad_hook(self, P):
         def hook(grad_inputs, grad_outputs):
-            self._push(P)
-            if self.release_after_forward:
-                # ZeRO-3: the trainer keeps neither the weight nor the
-                # gradient once it is on its way; the push holds the
-                # gradient until it completes.
+            self._push(P, P.p.grad)
+            if self.release_after_forward or self.grad_accum > 1:
+                # The push holds the gradient until it completes. With
+                # micro-batches the next backward must start from nothing
+                # (the shards add the micro-batches, in order); with release
+                # the trainer keeps no gradient (ZeRO-3).
                 P.p.grad = None
+            if self.release_after_forward:
                 self._release(P)
-                self._reap()
+            self._reap()
         return hook
 
-    def _push(self, P):
-        if P.pushed:
-            raise RuntimeError(
-                "zshard.torch: the gradient of %s was already pushed this step: call step() "
-                "after each backward (accumulating gradients over several backward passes is not "
-                "supported yet)" % P.name)
-        # After a failed push its gradient is kept for the next attempt.
-        g = P.grad_ref if P.grad_ref is not None else P.p.grad
+    def _push(self, P, g, micro=None):
+        """Pushes `g` (None: zeros) as P's gradient of micro-batch `micro`
+        (None: the next one of this step)."""
+        if micro is None:
+            if P.micro >= self.grad_accum:
+                raise RuntimeError(
+                    "zshard.torch: the gradient of %s was already pushed %d time(s) this step: "
+                    "call step() after every %d backward pass(es) (shard(..., grad_accum=M) for "
+                    "micro-batches)" % (P.name, P.micro, self.grad_accum))
+            micro = P.micro
+            P.micro += 1
         if g is None:
             if self._zeros is None:
                 self._zeros = torch.zeros(max(Q.numel for Q in self._params))
@@ -463,37 +474,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
             g = g.detach()
             if not g.is_contiguous():
                 g = g.contiguous()
-        P.grad_ref = g
-        P.push = self.client.push(P.idx, _buffer(g))
-        P.pushed = True
-        self._inflight.append(P)
+        # `g` stays referenced with its request until the push is waited.
+        self._inflight.append((P, micro, g, self.client.push(P.idx, _buffer(g), micro)))
 
-    def _finish_push(self, P):
-        """Waits for P's push; on success lets go of its gradient, on failure
-        keeps it to push again and remembers the error for step()."""
-        req, P.push = P.push, None
+    def _finish_push(self, entry):
+        """Waits for one push; a failed one is kept (with its gradient) to be
+        pushed again by the next step() and its error raised by this one."""
+        P, micro, g, req = entry
         try:
             req.wait()
         except zshard.Error as e:
-            P.pushed = False
+            P.failed.append((micro, g))
             self._push_error = self._push_error or e
-            return
-        P.grad_ref = None
 
     def _reap(self):
         """Finishes the pushes that have completed, oldest first, so that
         their gradients are freed during backward."""
         q = self._inflight
-        while q and (q[0].push is None or q[0].push.test()):
-            P = q.popleft()
-            if P.push is not None:
-                self._finish_push(P)
+        while q and q[0][3].test():
+            self._finish_push(q.popleft())
 
     def _wait_pushes(self):
-        for P in self._inflight:
-            if P.push is not None:
-                self._finish_push(P)
-        self._inflight.clear()
+        q = self._inflight
+        while q:
+            self._finish_push(q.popleft())
         err, self._push_error = self._push_error, None
         if err is not None:
             raise err
@@ -533,15 +537,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         lr = self._step_lr()
         self._wait_pulls()
         for P in self._params:
-            if not P.pushed:
-                self._push(P)
+            failed, P.failed = P.failed, []
+            for micro, g in failed:
+                self._push(P, g, micro)
+        passes = max(P.micro for P in self._params)
+        if 0 < passes < self.grad_accum:
+            raise RuntimeError("zshard.torch: step() after %d backward pass(es), grad_accum is %d"
+                               % (passes, self.grad_accum))
+        for P in self._params:
+            # Gradients set by hand; zeros for parameters without one.
+            while P.micro < self.grad_accum:
+                self._push(P, P.p.grad)
         self._wait_pushes()
         self.last_result = self.client.step(lr, float(self.max_grad_norm or 0.0), 0.0)
         self._version = self.client.current_step - 1
         for P in self._params:
-            P.pushed = False
+            P.micro = 0
             P.current = False
-            P.grad_ref = None
         self._prefetch_units(-1, +1)
         return loss
 
@@ -601,9 +613,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         cur = self.client.restore(step)
         self._version = cur - 1
         for P in self._params:
-            P.pushed = False
+            P.micro = 0
+            P.failed = []
             P.current = False
-            P.grad_ref = None
         return cur
 
     def state_dict(self):
@@ -672,6 +684,7 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
     release_after_forward: free each parameter after its last use in forward
       and pull it again for backward (ZeRO-3 memory).
     max_grad_norm: global gradient clipping on the shards (None: none).
+    grad_accum: backward passes (micro-batches) per step.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
