@@ -162,6 +162,25 @@ class TorchMisuse(unittest.TestCase):
             finally:
                 opt.close()
 
+    def test_a_submodule_called_on_its_own_uses_current_weights(self):
+        for release in (False, True):
+            torch.manual_seed(1)
+            m, ref = Mlp(), Mlp()
+            ref.load_state_dict(m.state_dict())
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            with zshard_servers.Shards(1) as shards:
+                opt = zshard.torch.shard(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                                         addresses=shards.addresses, wire_dtype=torch.float32,
+                                         release_after_forward=release)
+                try:
+                    for o, model in ((opt, m), (ref_opt, ref)):
+                        loss_of(model).backward()
+                        o.step()
+                    h = torch.ones(2, 16)
+                    self.assertTrue(torch.equal(m.fc2(h), ref.fc2(h)), "release=%s" % release)
+                finally:
+                    opt.close()
+
     def test_group_lr_ratio_change_and_stateless_state_dict(self):
         torch.manual_seed(1)
         m = Mlp()

@@ -278,12 +278,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks.append(self._model._register_state_dict_hook(
             lambda module, state_dict, prefix, meta: self.gather()))
         self._hooks.append(self._model._register_load_state_dict_pre_hook(self._refuse_load))
+        # A submodule called on its own (model.head(h)) runs outside the
+        # wrapped forward: its parameters are made current first.
+        for m in self._model.modules():
+            mine = [self._by_id[id(p)] for p in m.parameters() if id(p) in self._by_id]
+            if m is not self._model and mine:
+                self._hooks.append(m.register_forward_pre_hook(self._outside_hook(mine)))
         model, inner = self._model, self._model.forward
         self._orig_forward = inner
 
         def forward(*args, **kwargs):
             return self._forward(inner, args, kwargs)
         model.forward = forward
+
+    def _outside_hook(self, params):
+        def hook(module, inputs):
+            if not self._in_forward and not self._closed:
+                for P in params:
+                    self._issue(P)
+                for P in params:
+                    self._ensure(P)
+        return hook
 
     @staticmethod
     def _refuse_load(*args):
