@@ -1,0 +1,81 @@
+"""zshard: the trainer's client library (libzshard) in Python.
+
+    import zshard
+    c = zshard.Client("127.0.0.1:7070,127.0.0.1:7071", push_dtype="bf16", pull_dtype="bf16")
+    c.add_group("adamw", weight_decay=0.01)
+    w = c.add_tensor("w", 1024, shape=(32, 32))
+    c.open_job([weights])                    # rank 0: one fp32 buffer per tensor
+    c.pull(w, param).wait()                  # any writable buffer, no copy
+    c.push(w, grad).wait()                   # any buffer, no copy
+    r = c.step(lr=1e-3)                      # a StepResult, r.timing a Timing
+
+Every failure raises zshard.Error, whose message is libzshard's
+zs_last_error() text and whose .status / .name are the zs_status. Blocking
+calls release the GIL. A Request holds its buffer until wait(); dropping an
+unwaited Request waits for it. PyTorch integration: zshard.torch.
+"""
+
+from . import _zshard
+from ._zshard import (  # noqa: F401
+    ADAM, ADAMW, BF16, FP16, FP32, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE, LOSS_SCALE_STATIC,
+    REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
+    Request, StepResult, Timing, dtype_size, err_name, strerror, version)
+
+# Every status code as a constant: zshard.EINVAL == -1 ...
+STATUS = {name: getattr(_zshard, name) for name in dir(_zshard)
+          if name.isupper() and (name == "OK" or name.startswith("E"))}
+globals().update(STATUS)
+
+_ENUMS = {
+    "param_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
+    "push_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
+    "pull_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
+    "grad_reduce": {"mean": REDUCE_MEAN, "sum": REDUCE_SUM},
+    "loss_scaling": {"none": LOSS_SCALE_NONE, "static": LOSS_SCALE_STATIC,
+                     "dynamic": LOSS_SCALE_DYNAMIC},
+    "transport": {"default": TRANSPORT_DEFAULT, "data": TRANSPORT_DATA, "grpc": TRANSPORT_GRPC},
+    "optimizer": {"adamw": ADAMW, "adam": ADAM, "sgd": SGD},
+    "dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
+}
+
+
+def _enum(key, value):
+    names = _ENUMS.get(key)
+    if names is None or not isinstance(value, str):
+        return value
+    try:
+        return names[value.lower()]
+    except KeyError:
+        raise ValueError("%s: %r is not one of %s" % (key, value, ", ".join(names))) from None
+
+
+class Client(_zshard.Client):
+    """Client(addresses, **options): one trainer's connection to the shards of
+    one job. Options are the fields of zs_client_options (num_shards, rank,
+    world_size, grad_accum, job, grad_reduce, param_dtype, split_threshold,
+    push_dtype, pull_dtype, threads, reduce_bucket_size, allgather_bucket_size,
+    prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
+    retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
+    data_connections, checkpoint_every, checkpoint_timeout_ms) plus the dynamic
+    loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
+    loss_scale_window and hysteresis; enums also by name ("bf16", "sum", ...).
+    Unset options keep zs_client_options_init's defaults."""
+
+    def __init__(self, addresses, **options):
+        super().__init__(addresses, **{k: _enum(k, v) for k, v in options.items()})
+
+    def add_group(self, optimizer=ADAMW, **options):
+        """Adds a param group (torch's defaults for `optimizer`, then the
+        given zs_group_options fields); returns its id."""
+        return super().add_group(optimizer=_enum("optimizer", optimizer), **options)
+
+    def push(self, tensor, buffer, micro=0, dtype=0):
+        return super().push(tensor, buffer, micro, _enum("dtype", dtype))
+
+    def pull(self, tensor, buffer, dtype=0):
+        return super().pull(tensor, buffer, _enum("dtype", dtype))
+
+    def __repr__(self):
+        if self.closed:
+            return "<zshard.Client closed>"
+        return "<zshard.Client %d tensors, step %d>" % (self.num_tensors, self.current_step)

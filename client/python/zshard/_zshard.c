@@ -1,0 +1,970 @@
+/*
+ * zshard._zshard: the C API of libzshard as a CPython extension module.
+ *
+ * Everything here goes through <zshard/zshard.h>: option structs are filled by
+ * the header's zs_*_init() and their fields are reached with offsetof() at
+ * compile time, so no layout is mirrored and nothing can drift from the header.
+ *
+ * Buffers: push and pull take any object with the buffer protocol (numpy
+ * arrays, bytes, bytearray, memoryview, and so torch CPU tensors through
+ * t.numpy()) without copying. A Request holds the Py_buffer (and with it the
+ * exporting object) until it is waited, so the memory libzshard reads or
+ * writes stays valid for the whole transfer.
+ *
+ * Threads: the GIL is released around every call that can block (open, wait,
+ * step, checkpoint, close...). The library's own threads never call into
+ * Python: only request handles are used, never completion callbacks. The
+ * error text of zs_last_error() is thread-local in the library, and is read
+ * right after the failing call on the same OS thread, before any other
+ * Python code can run on it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <string.h>
+#include <structmember.h>
+
+#include <zshard/zshard.h>
+
+static PyObject *zs_error_type; /* zshard.Error */
+
+/* Py_BEGIN/END_ALLOW_THREADS as statements (one pair per function). */
+#define GIL_RELEASE() PyThreadState *gil_state_ = PyEval_SaveThread()
+#define GIL_ACQUIRE() PyEval_RestoreThread(gil_state_)
+
+/* Raises zshard.Error(zs_last_error()) with .status and .name. Must be
+ * called on the thread that made the failing call, before anything else
+ * calls into libzshard on it. */
+static PyObject *raise_status(int rc) {
+  const char *msg = zs_last_error();
+  if (!msg || !*msg)
+    msg = zs_strerror(rc);
+  PyObject *exc = PyObject_CallFunction(zs_error_type, "s", msg);
+  if (!exc)
+    return NULL;
+  PyObject *status = PyLong_FromLong(rc);
+  PyObject *name = PyUnicode_FromString(zs_err_name(rc));
+  if (status && name && PyObject_SetAttrString(exc, "status", status) == 0 &&
+      PyObject_SetAttrString(exc, "name", name) == 0)
+    PyErr_SetObject(zs_error_type, exc);
+  Py_XDECREF(status);
+  Py_XDECREF(name);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+/* ---- keyword options onto C structs ------------------------------------- */
+
+typedef enum { KW_U32, KW_U64, KW_SIZE, KW_DOUBLE, KW_INT, KW_ENUM } kw_kind;
+
+typedef struct kw_field {
+  const char *name;
+  kw_kind kind;
+  size_t off;
+} kw_field;
+
+/* Every enum of the header is int-sized with GCC and Clang; KW_ENUM writes an
+ * int, so make sure. */
+_Static_assert(sizeof(zs_dtype) == sizeof(int), "zs_dtype is int-sized");
+_Static_assert(sizeof(zs_grad_reduce) == sizeof(int), "zs_grad_reduce is int-sized");
+_Static_assert(sizeof(zs_loss_scaling) == sizeof(int), "zs_loss_scaling is int-sized");
+_Static_assert(sizeof(zs_transport) == sizeof(int), "zs_transport is int-sized");
+
+#define CO(field, kind)                                                                            \
+  { #field, kind, offsetof(zs_client_options, field) }
+static const kw_field client_fields[] = {
+    CO(num_shards, KW_U32),
+    CO(rank, KW_U32),
+    CO(world_size, KW_U32),
+    CO(grad_accum, KW_U32),
+    CO(grad_reduce, KW_ENUM),
+    CO(param_dtype, KW_ENUM),
+    CO(split_threshold, KW_U64),
+    CO(push_dtype, KW_ENUM),
+    CO(pull_dtype, KW_ENUM),
+    CO(threads, KW_U32),
+    CO(reduce_bucket_size, KW_SIZE),
+    CO(allgather_bucket_size, KW_SIZE),
+    CO(prefetch_depth, KW_U32),
+    CO(rpc_timeout_ms, KW_U32),
+    CO(step_timeout_ms, KW_U32),
+    CO(max_retries, KW_U32),
+    CO(retry_initial_ms, KW_U32),
+    CO(retry_max_ms, KW_U32),
+    CO(loss_scaling, KW_ENUM),
+    CO(static_loss_scale, KW_DOUBLE),
+    {"initial_loss_scale", KW_DOUBLE, offsetof(zs_client_options, dynamic_loss_scaler.scale)},
+    {"min_loss_scale", KW_DOUBLE, offsetof(zs_client_options, dynamic_loss_scaler.min_scale)},
+    {"loss_scale_factor", KW_DOUBLE, offsetof(zs_client_options, dynamic_loss_scaler.factor)},
+    {"loss_scale_window", KW_U32, offsetof(zs_client_options, dynamic_loss_scaler.window)},
+    {"hysteresis", KW_U32, offsetof(zs_client_options, dynamic_loss_scaler.hysteresis)},
+    CO(transport, KW_ENUM),
+    CO(data_connections, KW_U32),
+    CO(checkpoint_every, KW_U32),
+    CO(checkpoint_timeout_ms, KW_U32),
+    {NULL, 0, 0},
+};
+#undef CO
+
+#define GO(field, kind)                                                                            \
+  { #field, kind, offsetof(zs_group_options, field) }
+static const kw_field group_fields[] = {
+    GO(lr_scale, KW_DOUBLE),     GO(beta1, KW_DOUBLE),
+    GO(beta2, KW_DOUBLE),        GO(eps, KW_DOUBLE),
+    GO(weight_decay, KW_DOUBLE), GO(momentum, KW_DOUBLE),
+    GO(dampening, KW_DOUBLE),    GO(nesterov, KW_INT),
+    GO(bias_correction, KW_INT), {NULL, 0, 0},
+};
+#undef GO
+
+static int set_field(void *base, const kw_field *f, PyObject *v) {
+  char *p = (char *)base + f->off;
+  if (f->kind == KW_DOUBLE) {
+    double d = PyFloat_AsDouble(v);
+    if (d == -1.0 && PyErr_Occurred())
+      return -1;
+    memcpy(p, &d, sizeof d);
+    return 0;
+  }
+  if (f->kind == KW_INT || f->kind == KW_ENUM) {
+    long l = PyLong_AsLong(v);
+    if (l == -1 && PyErr_Occurred())
+      return -1;
+    if (l < INT32_MIN || l > INT32_MAX) {
+      PyErr_Format(PyExc_OverflowError, "%s out of range", f->name);
+      return -1;
+    }
+    int i = (int)l;
+    memcpy(p, &i, sizeof i);
+    return 0;
+  }
+  unsigned long long u = PyLong_AsUnsignedLongLong(v);
+  if (u == (unsigned long long)-1 && PyErr_Occurred())
+    return -1;
+  if (f->kind == KW_U32) {
+    if (u > UINT32_MAX) {
+      PyErr_Format(PyExc_OverflowError, "%s out of range", f->name);
+      return -1;
+    }
+    uint32_t x = (uint32_t)u;
+    memcpy(p, &x, sizeof x);
+  } else if (f->kind == KW_U64) {
+    uint64_t x = (uint64_t)u;
+    memcpy(p, &x, sizeof x);
+  } else {
+    size_t x = (size_t)u;
+    memcpy(p, &x, sizeof x);
+  }
+  return 0;
+}
+
+/* Applies every keyword of `kw` (may be NULL) except those in `skip` to the
+ * struct at `base`; an unknown keyword is a TypeError naming it. */
+static int apply_kwargs(void *base, const kw_field *fields, PyObject *kw, const char *const *skip,
+                        const char *what) {
+  if (!kw)
+    return 0;
+  PyObject *key, *val;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(kw, &pos, &key, &val)) {
+    const char *k = PyUnicode_AsUTF8(key);
+    if (!k)
+      return -1;
+    int skipped = 0;
+    for (const char *const *s = skip; s && *s; s++)
+      skipped |= strcmp(*s, k) == 0;
+    if (skipped || val == Py_None)
+      continue;
+    const kw_field *f = fields;
+    while (f->name && strcmp(f->name, k) != 0)
+      f++;
+    if (!f->name) {
+      PyErr_Format(PyExc_TypeError, "%s: unknown option '%s'", what, k);
+      return -1;
+    }
+    if (set_field(base, f, val) < 0)
+      return -1;
+  }
+  return 0;
+}
+
+/* ---- result types ---------------------------------------------------------- */
+
+static PyTypeObject timing_type, step_result_type;
+
+static PyStructSequence_Field timing_fields[] = {
+    {"total_ms", "wall time of the step"},
+    {"compute_ms", "the trainer's own work between calls"},
+    {"push_ms", "time in pushes and waiting for them"},
+    {"pull_wait_ms", "time waiting for pulls"},
+    {"step_ms", "zs_step's statistics and apply"},
+    {"bytes_pushed", "wire bytes of gradients sent"},
+    {"bytes_pulled", "wire bytes of parameters received"},
+    {"retries", "calls retried"},
+    {NULL, NULL},
+};
+static PyStructSequence_Desc timing_desc = {
+    "zshard.Timing", "Where one step's time went (zs_timing).", timing_fields, 8};
+
+static PyStructSequence_Field step_result_fields[] = {
+    {"step", "the step this call completed"},
+    {"version", "parameter version after it"},
+    {"applied", "the optimizer ran"},
+    {"overflow", "an inf/NaN was in the gradient"},
+    {"grad_norm", "global gradient norm before clipping"},
+    {"clip_coef", "min(1, max_norm / (norm + 1e-6)), or 1"},
+    {"coef", "sent to the shards: clip_coef / loss_scale"},
+    {"loss_scale", "used for this step"},
+    {"next_loss_scale", "to use for the next step"},
+    {"timing", "a zshard.Timing"},
+    {NULL, NULL},
+};
+static PyStructSequence_Desc step_result_desc = {
+    "zshard.StepResult", "What zs_step did (zs_step_result).", step_result_fields, 10};
+
+static PyObject *timing_new(const zs_timing *t) {
+  PyObject *o = PyStructSequence_New(&timing_type);
+  if (!o)
+    return NULL;
+  PyStructSequence_SET_ITEM(o, 0, PyFloat_FromDouble(t->total_ms));
+  PyStructSequence_SET_ITEM(o, 1, PyFloat_FromDouble(t->compute_ms));
+  PyStructSequence_SET_ITEM(o, 2, PyFloat_FromDouble(t->push_ms));
+  PyStructSequence_SET_ITEM(o, 3, PyFloat_FromDouble(t->pull_wait_ms));
+  PyStructSequence_SET_ITEM(o, 4, PyFloat_FromDouble(t->step_ms));
+  PyStructSequence_SET_ITEM(o, 5, PyLong_FromUnsignedLongLong(t->bytes_pushed));
+  PyStructSequence_SET_ITEM(o, 6, PyLong_FromUnsignedLongLong(t->bytes_pulled));
+  PyStructSequence_SET_ITEM(o, 7, PyLong_FromUnsignedLong(t->retries));
+  for (Py_ssize_t i = 0; i < 8; i++)
+    if (!PyStructSequence_GET_ITEM(o, i)) {
+      Py_DECREF(o);
+      return NULL;
+    }
+  return o;
+}
+
+static PyObject *step_result_new(const zs_step_result *r) {
+  PyObject *o = PyStructSequence_New(&step_result_type);
+  if (!o)
+    return NULL;
+  PyStructSequence_SET_ITEM(o, 0, PyLong_FromUnsignedLongLong(r->step));
+  PyStructSequence_SET_ITEM(o, 1, PyLong_FromUnsignedLongLong(r->version));
+  PyStructSequence_SET_ITEM(o, 2, PyBool_FromLong(r->applied));
+  PyStructSequence_SET_ITEM(o, 3, PyBool_FromLong(r->overflow));
+  PyStructSequence_SET_ITEM(o, 4, PyFloat_FromDouble(r->grad_norm));
+  PyStructSequence_SET_ITEM(o, 5, PyFloat_FromDouble(r->clip_coef));
+  PyStructSequence_SET_ITEM(o, 6, PyFloat_FromDouble(r->coef));
+  PyStructSequence_SET_ITEM(o, 7, PyFloat_FromDouble(r->loss_scale));
+  PyStructSequence_SET_ITEM(o, 8, PyFloat_FromDouble(r->next_loss_scale));
+  PyStructSequence_SET_ITEM(o, 9, timing_new(&r->timing));
+  for (Py_ssize_t i = 0; i < 10; i++)
+    if (!PyStructSequence_GET_ITEM(o, i)) {
+      Py_DECREF(o);
+      return NULL;
+    }
+  return o;
+}
+
+/* ---- Client ----------------------------------------------------------------- */
+
+typedef struct client_object {
+  PyObject_HEAD zs_client *c; /* NULL once closed */
+} client_object;
+
+static PyTypeObject client_type;
+
+static int client_init(client_object *self, PyObject *args, PyObject *kw) {
+  static const char *const skip[] = {"addresses", "job", NULL};
+  PyObject *addresses = NULL, *job = NULL;
+  if (PyTuple_GET_SIZE(args) > 1) {
+    PyErr_SetString(PyExc_TypeError, "Client(addresses, **options): options are keywords");
+    return -1;
+  }
+  if (PyTuple_GET_SIZE(args) == 1)
+    addresses = PyTuple_GET_ITEM(args, 0);
+  if (kw) {
+    PyObject *a = PyDict_GetItemString(kw, "addresses");
+    if (a && addresses) {
+      PyErr_SetString(PyExc_TypeError, "Client: addresses given twice");
+      return -1;
+    }
+    if (a)
+      addresses = a;
+    job = PyDict_GetItemString(kw, "job");
+  }
+  if (!addresses || !PyUnicode_Check(addresses)) {
+    PyErr_SetString(PyExc_TypeError, "Client: addresses must be a str like \"h0:7070,h1:7070\"");
+    return -1;
+  }
+  if (self->c) {
+    PyErr_SetString(PyExc_RuntimeError, "Client: already initialised");
+    return -1;
+  }
+  zs_client_options o;
+  zs_client_options_init(&o);
+  if (!(o.addresses = PyUnicode_AsUTF8(addresses)))
+    return -1;
+  if (job && job != Py_None) {
+    if (!PyUnicode_Check(job)) {
+      PyErr_SetString(PyExc_TypeError, "Client: job must be a str");
+      return -1;
+    }
+    if (!(o.job = PyUnicode_AsUTF8(job)))
+      return -1;
+  }
+  if (apply_kwargs(&o, client_fields, kw, skip, "Client") < 0)
+    return -1;
+  zs_client *c = NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_client_open(&o, &c);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK) {
+    raise_status(rc);
+    return -1;
+  }
+  self->c = c;
+  return 0;
+}
+
+static zs_client *client_get(client_object *self) {
+  if (!self->c)
+    PyErr_SetString(zs_error_type, "the client is closed");
+  return self->c;
+}
+
+static void client_close_now(client_object *self) {
+  zs_client *c = self->c;
+  self->c = NULL;
+  if (c) {
+    GIL_RELEASE();
+    zs_client_close(c);
+    GIL_ACQUIRE();
+  }
+}
+
+static void client_dealloc(client_object *self) {
+  client_close_now(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *client_close(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  client_close_now(self);
+  Py_RETURN_NONE;
+}
+
+static PyObject *client_add_group(client_object *self, PyObject *args, PyObject *kw) {
+  static const char *const skip[] = {"optimizer", NULL};
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  int optimizer = ZS_OPTIM_ADAMW;
+  PyObject *o = kw ? PyDict_GetItemString(kw, "optimizer") : NULL;
+  if (PyTuple_GET_SIZE(args) > 1 || (o && PyTuple_GET_SIZE(args) == 1)) {
+    PyErr_SetString(PyExc_TypeError, "add_group(optimizer=ADAMW, **options)");
+    return NULL;
+  }
+  if (PyTuple_GET_SIZE(args) == 1)
+    o = PyTuple_GET_ITEM(args, 0);
+  if (o) {
+    long l = PyLong_AsLong(o);
+    if (l == -1 && PyErr_Occurred())
+      return NULL;
+    optimizer = (int)l;
+  }
+  zs_group_options g;
+  zs_group_options_init(&g, (zs_optimizer)optimizer);
+  g.optimizer = (zs_optimizer)optimizer;
+  if (apply_kwargs(&g, group_fields, kw, skip, "add_group") < 0)
+    return NULL;
+  uint32_t id = 0;
+  int rc = zs_add_group(c, &g, &id);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLong(id);
+}
+
+static PyObject *client_add_tensor(client_object *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"name", "numel", "group", "shape", NULL};
+  const char *name;
+  unsigned long long numel;
+  unsigned int group = 0;
+  PyObject *shape = Py_None;
+  zs_client *c = client_get(self);
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "sK|IO:add_tensor", kwlist, &name, &numel,
+                                         &group, &shape))
+    return NULL;
+  uint64_t dims[16];
+  uint32_t ndim = 0;
+  if (shape != Py_None) {
+    PyObject *seq = PySequence_Fast(shape, "add_tensor: shape must be a sequence of ints");
+    if (!seq)
+      return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > 16) {
+      Py_DECREF(seq);
+      PyErr_SetString(PyExc_ValueError, "add_tensor: at most 16 dimensions");
+      return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+      dims[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+      if (dims[i] == (uint64_t)-1 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        return NULL;
+      }
+    }
+    ndim = (uint32_t)n;
+    Py_DECREF(seq);
+  }
+  uint32_t id = 0;
+  int rc = zs_add_tensor(c, name, numel, group, ndim ? dims : NULL, ndim, &id);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLong(id);
+}
+
+static PyObject *client_open_job(client_object *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"init_weights", NULL};
+  PyObject *init = Py_None;
+  zs_client *c = client_get(self);
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "|O:open_job", kwlist, &init))
+    return NULL;
+  PyObject *seq = NULL, *ret = NULL;
+  Py_buffer *views = NULL;
+  const float **ptrs = NULL;
+  Py_ssize_t n = 0, got = 0;
+  if (init != Py_None) {
+    if (!(seq = PySequence_Fast(init, "open_job: init_weights must be a sequence of buffers")))
+      return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (n != (Py_ssize_t)zs_num_tensors(c)) {
+      PyErr_Format(PyExc_ValueError, "open_job: %zd init buffers for %u tensors", n,
+                   zs_num_tensors(c));
+      goto fail;
+    }
+    views = PyMem_Calloc((size_t)n + 1, sizeof *views);
+    ptrs = PyMem_Calloc((size_t)n + 1, sizeof *ptrs);
+    if (!views || !ptrs) {
+      PyErr_NoMemory();
+      goto fail;
+    }
+    for (; got < n; got++) {
+      if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_C_CONTIGUOUS) <
+          0)
+        goto fail;
+      uint64_t want = zs_tensor_numel(c, (uint32_t)got) * sizeof(float);
+      if ((uint64_t)views[got].len != want) {
+        PyErr_Format(PyExc_ValueError,
+                     "open_job: init buffer %zd has %zd bytes, tensor %zd needs %llu (fp32)", got,
+                     views[got].len, got, (unsigned long long)want);
+        got++;
+        goto fail;
+      }
+      ptrs[got] = views[got].buf;
+    }
+  }
+  int rc;
+  GIL_RELEASE();
+  rc = zs_open_job(c, ptrs);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    raise_status(rc);
+  else {
+    Py_INCREF(Py_None);
+    ret = Py_None;
+  }
+fail:
+  for (Py_ssize_t i = 0; i < got; i++)
+    PyBuffer_Release(&views[i]);
+  PyMem_Free(views);
+  PyMem_Free(ptrs);
+  Py_XDECREF(seq);
+  return ret;
+}
+
+/* ---- Request ----------------------------------------------------------------- */
+
+typedef struct request_object {
+  PyObject_HEAD client_object *client; /* keeps the client open while pending */
+  zs_request *req;                     /* NULL once waited */
+  Py_buffer view;                      /* held until waited */
+  int waiting;                         /* a thread is in zs_wait */
+  int status;                          /* after the wait */
+  int push;
+  uint32_t tensor;
+} request_object;
+
+static PyTypeObject request_type;
+
+/* Waits for the transfer, then lets go of the buffer. The GIL is released
+ * while waiting; `waiting` keeps a second Python thread from waiting on the
+ * same handle (zs_wait frees it). Returns the transfer's status. */
+static int request_finish(request_object *self) {
+  zs_request *r = self->req;
+  int rc;
+  self->waiting = 1;
+  GIL_RELEASE();
+  rc = zs_wait(r);
+  GIL_ACQUIRE();
+  self->waiting = 0;
+  self->req = NULL;
+  self->status = rc;
+  PyBuffer_Release(&self->view);
+  Py_CLEAR(self->client);
+  return rc;
+}
+
+static PyObject *request_wait(request_object *self, PyObject *Py_UNUSED(ignored)) {
+  if (self->waiting) {
+    PyErr_SetString(PyExc_RuntimeError, "Request.wait: another thread is waiting on it");
+    return NULL;
+  }
+  if (!self->req) {
+    PyErr_SetString(PyExc_RuntimeError, "Request.wait: already waited");
+    return NULL;
+  }
+  int rc = request_finish(self);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
+static PyObject *request_test(request_object *self, PyObject *Py_UNUSED(ignored)) {
+  if (!self->req)
+    Py_RETURN_TRUE;
+  return PyBool_FromLong(zs_test(self->req) == 1);
+}
+
+static PyObject *request_get_pending(request_object *self, void *Py_UNUSED(closure)) {
+  return PyBool_FromLong(self->req != NULL);
+}
+
+static void request_dealloc(request_object *self) {
+  /* A request dropped unwaited still owns a transfer that reads or writes
+   * its buffer: wait for it here, so the buffer is never released early. A
+   * failure cannot be raised from a destructor; it is reported as
+   * unraisable. */
+  if (self->req && !self->waiting) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    int rc = request_finish(self);
+    if (rc != ZS_OK) {
+      raise_status(rc);
+      PyErr_WriteUnraisable((PyObject *)self);
+    }
+    PyErr_Restore(et, ev, tb);
+  }
+  Py_CLEAR(self->client);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *request_repr(request_object *self) {
+  return PyUnicode_FromFormat("<zshard.Request %s tensor %u %s>", self->push ? "push" : "pull",
+                              (unsigned)self->tensor,
+                              self->req ? "pending" : (self->status ? "failed" : "done"));
+}
+
+/* The zs_dtype of a buffer: explicit, or from its struct format ('f': fp32,
+ * 'e': fp16). bf16 has no buffer format and must be given. */
+static int buffer_dtype(const Py_buffer *v, int dtype, const char *what) {
+  if (dtype)
+    return dtype;
+  const char *f = v->format ? v->format : "B";
+  if (*f == '<' || *f == '=' || *f == '@')
+    f++;
+  if (strcmp(f, "f") == 0)
+    return ZS_DTYPE_FP32;
+  if (strcmp(f, "e") == 0)
+    return ZS_DTYPE_FP16;
+  PyErr_Format(PyExc_TypeError,
+               "%s: cannot tell the dtype of a buffer of format '%s': pass dtype=FP32/FP16/BF16",
+               what, f);
+  return 0;
+}
+
+static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int push) {
+  static char *push_kw[] = {"tensor", "buffer", "micro", "dtype", NULL};
+  static char *pull_kw[] = {"tensor", "buffer", "dtype", NULL};
+  unsigned int tensor, micro = 0;
+  int dtype = 0;
+  PyObject *buf;
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  if (push ? !PyArg_ParseTupleAndKeywords(args, kw, "IO|Ii:push", push_kw, &tensor, &buf, &micro,
+                                          &dtype)
+           : !PyArg_ParseTupleAndKeywords(args, kw, "IO|i:pull", pull_kw, &tensor, &buf, &dtype))
+    return NULL;
+  request_object *r = PyObject_New(request_object, &request_type);
+  if (!r)
+    return NULL;
+  r->client = NULL;
+  r->req = NULL;
+  r->waiting = 0;
+  r->status = 0;
+  r->push = push;
+  r->tensor = tensor;
+  if (PyObject_GetBuffer(buf, &r->view,
+                         PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) < 0) {
+    r->view.obj = NULL;
+    Py_DECREF(r);
+    return NULL;
+  }
+  int rc = 0;
+  if (!(dtype = buffer_dtype(&r->view, dtype, push ? "push" : "pull")))
+    goto fail;
+  zs_request *req = NULL;
+  /* Submission does not wait for the network, but may wait for a lock the
+   * library's threads hold: release the GIL anyway. */
+  GIL_RELEASE();
+  if (push)
+    rc = zs_push(c, tensor, micro, r->view.buf, (zs_dtype)dtype, (size_t)r->view.len, &req);
+  else
+    rc = zs_pull(c, tensor, r->view.buf, (zs_dtype)dtype, (size_t)r->view.len, &req);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK) {
+    raise_status(rc);
+    goto fail;
+  }
+  r->req = req;
+  Py_INCREF(self);
+  r->client = self;
+  return (PyObject *)r;
+fail:
+  PyBuffer_Release(&r->view);
+  Py_DECREF(r);
+  return NULL;
+}
+
+static PyObject *client_push(client_object *self, PyObject *args, PyObject *kw) {
+  return transfer(self, args, kw, 1);
+}
+
+static PyObject *client_pull(client_object *self, PyObject *args, PyObject *kw) {
+  return transfer(self, args, kw, 0);
+}
+
+/* ---- step, checkpoints, inspection ---------------------------------------------------- */
+
+static PyObject *client_step(client_object *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"lr", "max_grad_norm", "loss_scale", NULL};
+  double lr, max_norm = 0, loss_scale = 0;
+  zs_client *c = client_get(self);
+  if (!c ||
+      !PyArg_ParseTupleAndKeywords(args, kw, "d|dd:step", kwlist, &lr, &max_norm, &loss_scale))
+    return NULL;
+  zs_step_result r;
+  zs_step_result_init(&r);
+  int rc;
+  GIL_RELEASE();
+  rc = zs_step(c, lr, max_norm, loss_scale, &r);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return step_result_new(&r);
+}
+
+static PyObject *client_last_timing(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  zs_timing t;
+  memset(&t, 0, sizeof t);
+  int rc = zs_last_timing(c, &t);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return timing_new(&t);
+}
+
+/* The blocking calls that take an optional step and return nothing. */
+static PyObject *blocking_step_call(client_object *self, PyObject *args, PyObject *kw,
+                                    int (*fn)(zs_client *, uint64_t), const char *fmt) {
+  static char *kwlist[] = {"step", NULL};
+  unsigned long long step = 0;
+  zs_client *c = client_get(self);
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &step))
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = fn(c, step);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLongLong(zs_current_step(c));
+}
+
+static PyObject *client_checkpoint(client_object *self, PyObject *args, PyObject *kw) {
+  return blocking_step_call(self, args, kw, zs_checkpoint, "|K:checkpoint");
+}
+
+static PyObject *client_restore(client_object *self, PyObject *args, PyObject *kw) {
+  return blocking_step_call(self, args, kw, zs_restore, "|K:restore");
+}
+
+static PyObject *client_latest_checkpoint(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  uint64_t step = 0;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_latest_checkpoint(c, &step);
+  GIL_ACQUIRE();
+  if (rc == ZS_ENOTFOUND)
+    Py_RETURN_NONE;
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLongLong(step);
+}
+
+static PyObject *client_last_checkpoint(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  uint64_t step = 0;
+  int rc = zs_last_checkpoint(c, &step);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLongLong(step);
+}
+
+static PyObject *client_wait_pushes(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_wait_pushes(c);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
+static PyObject *client_tensor_numel(client_object *self, PyObject *arg) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  unsigned long t = PyLong_AsUnsignedLong(arg);
+  if (t == (unsigned long)-1 && PyErr_Occurred())
+    return NULL;
+  if (t >= zs_num_tensors(c)) {
+    PyErr_Format(PyExc_IndexError, "no tensor %lu", t);
+    return NULL;
+  }
+  return PyLong_FromUnsignedLongLong(zs_tensor_numel(c, (uint32_t)t));
+}
+
+static PyObject *client_find_tensor(client_object *self, PyObject *arg) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  const char *name = PyUnicode_AsUTF8(arg);
+  if (!name)
+    return NULL;
+  uint32_t id;
+  int rc = zs_find_tensor(c, name, &id);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLong(id);
+}
+
+static PyObject *client_get_num_tensors(client_object *self, void *Py_UNUSED(closure)) {
+  zs_client *c = client_get(self);
+  return c ? PyLong_FromUnsignedLong(zs_num_tensors(c)) : NULL;
+}
+
+static PyObject *client_get_current_step(client_object *self, void *Py_UNUSED(closure)) {
+  zs_client *c = client_get(self);
+  return c ? PyLong_FromUnsignedLongLong(zs_current_step(c)) : NULL;
+}
+
+static PyObject *client_get_loss_scale(client_object *self, void *Py_UNUSED(closure)) {
+  zs_client *c = client_get(self);
+  return c ? PyFloat_FromDouble(zs_loss_scale(c)) : NULL;
+}
+
+static PyObject *client_get_spec_hash(client_object *self, void *Py_UNUSED(closure)) {
+  zs_client *c = client_get(self);
+  return c ? PyLong_FromUnsignedLongLong(zs_spec_hash(c)) : NULL;
+}
+
+static PyObject *client_get_closed(client_object *self, void *Py_UNUSED(closure)) {
+  return PyBool_FromLong(self->c == NULL);
+}
+
+static PyObject *client_enter(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+  Py_INCREF(self);
+  return self;
+}
+
+static PyObject *client_exit(client_object *self, PyObject *Py_UNUSED(args)) {
+  client_close_now(self);
+  Py_RETURN_FALSE;
+}
+
+#define KWM(name, doc)                                                                             \
+  { #name, (PyCFunction)(void (*)(void))client_##name, METH_VARARGS | METH_KEYWORDS, doc }
+static PyMethodDef client_methods[] = {
+    KWM(add_group, "add_group(optimizer=ADAMW, lr_scale=, beta1=, beta2=, eps=, weight_decay=, "
+                   "momentum=, dampening=, nesterov=, bias_correction=) -> group id"),
+    KWM(add_tensor, "add_tensor(name, numel, group=0, shape=None) -> tensor id"),
+    KWM(open_job, "open_job(init_weights=None): one fp32 buffer per tensor (rank 0)"),
+    KWM(push, "push(tensor, buffer, micro=0, dtype=0) -> Request; buffer held until waited"),
+    KWM(pull, "pull(tensor, buffer, dtype=0) -> Request; buffer written until waited"),
+    KWM(step, "step(lr, max_grad_norm=0, loss_scale=0) -> StepResult"),
+    KWM(checkpoint, "checkpoint(step=0) -> current step"),
+    KWM(restore, "restore(step=0) -> the step the client continues at"),
+    {"latest_checkpoint", (PyCFunction)client_latest_checkpoint, METH_NOARGS,
+     "newest step every shard has a checkpoint of, or None"},
+    {"last_checkpoint", (PyCFunction)client_last_checkpoint, METH_NOARGS,
+     "step of this client's last committed checkpoint (raises if the last attempt failed)"},
+    {"last_timing", (PyCFunction)client_last_timing, METH_NOARGS, "Timing of the last step"},
+    {"wait_pushes", (PyCFunction)client_wait_pushes, METH_NOARGS, "zs_wait_pushes"},
+    {"tensor_numel", (PyCFunction)client_tensor_numel, METH_O, "numel of tensor t"},
+    {"find_tensor", (PyCFunction)client_find_tensor, METH_O, "id of the tensor called name"},
+    {"close", (PyCFunction)client_close, METH_NOARGS, "close the client (idempotent)"},
+    {"__enter__", (PyCFunction)client_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)client_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+#undef KWM
+
+static PyGetSetDef client_getset[] = {
+    {"num_tensors", (getter)client_get_num_tensors, NULL, "tensors added so far", NULL},
+    {"current_step", (getter)client_get_current_step, NULL, "the step the next step() completes",
+     NULL},
+    {"loss_scale", (getter)client_get_loss_scale, NULL, "loss scale for the current step", NULL},
+    {"spec_hash", (getter)client_get_spec_hash, NULL, "the open job's spec hash", NULL},
+    {"closed", (getter)client_get_closed, NULL, "close() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject client_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zshard._zshard.Client",
+    .tp_basicsize = sizeof(client_object),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Client(addresses, **options): one trainer's connection to a job's shards "
+              "(zs_client_options fields as keywords).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)client_init,
+    .tp_dealloc = (destructor)client_dealloc,
+    .tp_methods = client_methods,
+    .tp_getset = client_getset,
+};
+
+static PyMethodDef request_methods[] = {
+    {"wait", (PyCFunction)request_wait, METH_NOARGS,
+     "wait for the transfer (GIL released), release the buffer; raises zshard.Error on failure"},
+    {"test", (PyCFunction)request_test, METH_NOARGS, "True if the transfer has completed"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef request_getset[] = {
+    {"pending", (getter)request_get_pending, NULL, "not waited yet", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject request_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zshard._zshard.Request",
+    .tp_basicsize = sizeof(request_object),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A pending push or pull; holds its buffer until wait().",
+    .tp_dealloc = (destructor)request_dealloc,
+    .tp_repr = (reprfunc)request_repr,
+    .tp_methods = request_methods,
+    .tp_getset = request_getset,
+};
+
+/* ---- module ----------------------------------------------------------------------- */
+
+static PyObject *mod_version(PyObject *m, PyObject *Py_UNUSED(ignored)) {
+  (void)m;
+  return PyUnicode_FromString(zs_version());
+}
+
+static PyObject *mod_strerror(PyObject *m, PyObject *arg) {
+  (void)m;
+  long rc = PyLong_AsLong(arg);
+  if (rc == -1 && PyErr_Occurred())
+    return NULL;
+  return PyUnicode_FromString(zs_strerror((int)rc));
+}
+
+static PyObject *mod_err_name(PyObject *m, PyObject *arg) {
+  (void)m;
+  long rc = PyLong_AsLong(arg);
+  if (rc == -1 && PyErr_Occurred())
+    return NULL;
+  return PyUnicode_FromString(zs_err_name((int)rc));
+}
+
+static PyObject *mod_dtype_size(PyObject *m, PyObject *arg) {
+  (void)m;
+  long d = PyLong_AsLong(arg);
+  if (d == -1 && PyErr_Occurred())
+    return NULL;
+  return PyLong_FromSize_t(zs_dtype_size((int)d));
+}
+
+static PyMethodDef module_methods[] = {
+    {"version", mod_version, METH_NOARGS, "libzshard's version"},
+    {"strerror", mod_strerror, METH_O, "sentence for a status"},
+    {"err_name", mod_err_name, METH_O, "symbolic name of a status"},
+    {"dtype_size", mod_dtype_size, METH_O, "bytes per element of a dtype"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "zshard._zshard",
+    "libzshard's C API (see zshard/__init__.py).",
+    -1,
+    module_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__zshard(void) {
+  if (PyStructSequence_InitType2(&timing_type, &timing_desc) < 0 ||
+      PyStructSequence_InitType2(&step_result_type, &step_result_desc) < 0 ||
+      PyType_Ready(&client_type) < 0 || PyType_Ready(&request_type) < 0)
+    return NULL;
+  PyObject *m = PyModule_Create(&module_def);
+  if (!m)
+    return NULL;
+  zs_error_type = PyErr_NewExceptionWithDoc(
+      "zshard.Error", "A libzshard call failed: .status (negative int), .name ('ZS_EINVAL').", NULL,
+      NULL);
+  if (!zs_error_type || PyModule_AddObjectRef(m, "Error", zs_error_type) < 0 ||
+      PyModule_AddObjectRef(m, "Client", (PyObject *)&client_type) < 0 ||
+      PyModule_AddObjectRef(m, "Request", (PyObject *)&request_type) < 0 ||
+      PyModule_AddObjectRef(m, "Timing", (PyObject *)&timing_type) < 0 ||
+      PyModule_AddObjectRef(m, "StepResult", (PyObject *)&step_result_type) < 0)
+    goto fail;
+#define ZS__ADD_STATUS(name, value, grpc, msg)                                                     \
+  if (PyModule_AddIntConstant(m, #name, value) < 0)                                                \
+    goto fail;
+  ZS_STATUS_MAP(ZS__ADD_STATUS)
+#undef ZS__ADD_STATUS
+  if (PyModule_AddIntConstant(m, "FP32", ZS_DTYPE_FP32) < 0 ||
+      PyModule_AddIntConstant(m, "FP16", ZS_DTYPE_FP16) < 0 ||
+      PyModule_AddIntConstant(m, "BF16", ZS_DTYPE_BF16) < 0 ||
+      PyModule_AddIntConstant(m, "ADAMW", ZS_OPTIM_ADAMW) < 0 ||
+      PyModule_AddIntConstant(m, "ADAM", ZS_OPTIM_ADAM) < 0 ||
+      PyModule_AddIntConstant(m, "SGD", ZS_OPTIM_SGD) < 0 ||
+      PyModule_AddIntConstant(m, "REDUCE_MEAN", ZS_REDUCE_MEAN) < 0 ||
+      PyModule_AddIntConstant(m, "REDUCE_SUM", ZS_REDUCE_SUM) < 0 ||
+      PyModule_AddIntConstant(m, "LOSS_SCALE_NONE", ZS_LOSS_SCALE_NONE) < 0 ||
+      PyModule_AddIntConstant(m, "LOSS_SCALE_STATIC", ZS_LOSS_SCALE_STATIC) < 0 ||
+      PyModule_AddIntConstant(m, "LOSS_SCALE_DYNAMIC", ZS_LOSS_SCALE_DYNAMIC) < 0 ||
+      PyModule_AddIntConstant(m, "TRANSPORT_DEFAULT", ZS_TRANSPORT_DEFAULT) < 0 ||
+      PyModule_AddIntConstant(m, "TRANSPORT_DATA", ZS_TRANSPORT_DATA) < 0 ||
+      PyModule_AddIntConstant(m, "TRANSPORT_GRPC", ZS_TRANSPORT_GRPC) < 0)
+    goto fail;
+  return m;
+fail:
+  Py_DECREF(m);
+  return NULL;
+}

@@ -1,0 +1,708 @@
+"""zshard.torch: train a PyTorch model with its weights and optimizer on zshard shards.
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = zshard.torch.shard(model, opt, addresses="h0:7070,h1:7070")
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # gradients are pushed during backward
+        opt.step()                        # the shards run the optimizer
+    opt.close()                           # the model keeps the trained weights
+
+How it works (ZeRO-3 on a parameter server):
+
+* Every parameter of the optimizer's param groups becomes a zshard tensor (in
+  param-group order, named after the model's parameter names); every param
+  group becomes a zshard group with its hyper-parameters.
+* The model's forward runs under a torch function mode that sees every
+  operation's tensor arguments. A parameter (or a view of one: tied weights,
+  `w.t()`, MultiheadAttention reading `out_proj.weight` without calling
+  `out_proj`) is made current before the first operation that reads it. The
+  first forward records the order in which parameters are first used; later
+  forwards pull `prefetch` units (the parameters of one module) ahead of use.
+* Gradients are pushed as autograd accumulates them (a hook on each
+  parameter's AccumulateGrad node), so the network overlaps backward.
+* With `release_after_forward=True` a parameter's storage is freed (resized to
+  0, the tensor keeps its shape) after its last use in forward, and pulled
+  again when backward unpacks a saved tensor that refers to it (saved tensor
+  hooks), `prefetch` units ahead in reverse order; it is freed again once its
+  gradient has been pushed.
+  The gradient is not kept in `p.grad` either: it is freed once pushed.
+* A pull of a new version bumps the parameter's version counter, so a graph
+  built before step() can never silently run backward on new data.
+
+Semantics to know: the gradient pushed is `p.grad` as accumulated by one
+backward pass: one backward per step, or `grad_accum=M` backward passes (the
+shards add the M micro-batch gradients in order, as torch's accumulation in
+p.grad does; p.grad is then not kept). Use the shards' `max_grad_norm` rather
+than clipping `p.grad` yourself, which would happen after the push. A
+parameter that gets no gradient in a step is pushed zeros (torch would skip
+it; see NOTES below). Parameters read outside forward are current after
+`gather()`, `close()`, `model.state_dict()` or a forward.
+"""
+
+import collections
+import ctypes
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import zshard
+
+__all__ = ["shard", "ShardedOptimizer", "NOTES"]
+
+# What the current C API cannot do yet (each raises a clear error here).
+NOTES = {
+    "write_weights": "an open job's weights cannot be overwritten (only zs_open_job's initial "
+                     "weights), so model.load_state_dict() after shard() is refused",
+    "per_group_lr": "zs_step takes one lr and each group's lr_scale is fixed at zs_add_group: "
+                    "param-group lrs must keep the ratios they had at shard()",
+    "group_options": "group hyper-parameters (betas, eps, weight_decay, momentum...) cannot "
+                     "change after zs_open_job",
+    "optimizer_state": "there is no call to read or write the shards' optimizer state "
+                       "(moments, momentum buffers, step count), so state_dict() of a "
+                       "stateful optimizer cannot be produced or loaded",
+    "skip_tensor": "a tensor must be pushed every step; there is no way to say 'no gradient' "
+                   "(torch skips such parameters, zshard applies a zero gradient)",
+}
+
+_UNUSED, _QUEUED, _DONE = 0, 1, 2
+
+_WIRE = {torch.float32: zshard.FP32, torch.float16: zshard.FP16, torch.bfloat16: zshard.BF16}
+
+
+def _buffer(t):
+    """A writable buffer over a contiguous fp32 CPU tensor's memory, no copy.
+    Not t.numpy(): that marks the storage non-resizable for good, and
+    release_after_forward resizes parameters' storage. The buffer does not
+    keep `t` alive: the caller holds `t` until the transfer is waited."""
+    if t.numel() == 0:
+        return bytearray()
+    return (ctypes.c_float * t.numel()).from_address(t.data_ptr())
+
+
+def _storage_key(t):
+    """Identifies the storage of `t` across resizes (the StorageImpl)."""
+    try:
+        return t.storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+class _Param:
+    """One managed parameter: its zshard tensor id and where its data is."""
+    __slots__ = ("idx", "p", "name", "numel", "group", "unit", "alloc", "pulled_version",
+                 "current", "pull", "bump", "micro", "failed", "node", "key", "last_op")
+
+    def __init__(self, idx, p, name, group):
+        self.idx, self.p, self.name, self.group = idx, p, name, group
+        self.numel = p.numel()
+        self.unit = None           # index into the unit order (after the first forward)
+        self.alloc = True          # the storage holds numel elements
+        self.current = False       # the storage holds the current version
+        self.pulled_version = -1   # the version last pulled into the storage
+        self.pull = None           # zshard.Request of a pull in flight
+        self.bump = False          # that pull brings a new version
+        self.micro = 0             # gradients pushed this step (the next micro-batch)
+        self.failed = []           # (micro, gradient) of pushes that failed
+        self.node = None           # the AccumulateGrad node (kept alive for its hook)
+        self.key = _storage_key(p)
+        self.last_op = -1
+
+
+class _Mode(TorchFunctionMode):
+    """Active during the model's forward: makes every parameter an op reads
+    current first, and releases parameters after their last use."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        o = self.owner
+        o._op += 1
+        for a in args:
+            o._touch(a)
+        for a in kwargs.values():
+            o._touch(a)
+        out = func(*args, **kwargs)
+        if o._release_at:
+            for P in o._release_at.get(o._op, ()):
+                o._release(P)
+        return out
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """The optimizer-like object shard() returns. It is a torch.optim.Optimizer
+    (so lr schedulers accept it) whose param_groups are the wrapped
+    optimizer's; the wrapped optimizer itself is not stepped."""
+
+    def __init__(self, model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None,
+                 world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
+                 grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
+                 **client_options):
+        # Deliberately not Optimizer.__init__: the parameters are the wrapped
+        # optimizer's, in its groups and with its hyper-parameters.
+        self.defaults = dict(optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = collections.defaultdict(dict)
+        self._inner = optimizer
+        self._model = model
+        self.prefetch = int(prefetch)
+        self.release_after_forward = bool(release_after_forward)
+        self.max_grad_norm = max_grad_norm
+        self.grad_accum = int(grad_accum)
+        if self.grad_accum < 1:
+            raise ValueError("zshard.torch: grad_accum must be at least 1")
+        self.last_result = None
+        self._closed = False
+        self._optim = self._optimizer_kind(optimizer)
+        if wire_dtype not in _WIRE:
+            raise ValueError("wire_dtype must be torch.float32, torch.float16 or torch.bfloat16")
+        rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
+        self.rank, self.world_size = rank, world_size
+
+        names = {}
+        for n, p in model.named_parameters():
+            names.setdefault(id(p), n)
+        self._params = []
+        self._by_id = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if id(p) in self._by_id:
+                    raise ValueError("a parameter appears twice in the param groups")
+                if p.dtype != torch.float32 or p.device.type != "cpu":
+                    raise ValueError("zshard.torch: parameter %s is %s on %s; fp32 CPU parameters "
+                                     "only" % (names.get(id(p), "?"), p.dtype, p.device))
+                if not p.is_contiguous() or p.storage_offset() != 0 or \
+                        p.storage().size() != p.numel():
+                    raise ValueError("zshard.torch: parameter %s does not own a contiguous storage"
+                                     % names.get(id(p), "?"))
+                P = _Param(len(self._params), p, names.get(id(p), "group%d.param%d" % (gi, len(
+                    self._params))), gi)
+                self._params.append(P)
+                self._by_id[id(p)] = P
+        self._by_key = {P.key: P for P in self._params}
+        self._groups = [self._group_options(g) for g in self.param_groups]
+        self._base_lr = self._group_lr_base()
+
+        self.client = zshard.Client(addresses, rank=rank, world_size=world_size, job=job,
+                                    push_dtype=_WIRE[wire_dtype], pull_dtype=_WIRE[wire_dtype],
+                                    split_threshold=split_threshold, grad_reduce=grad_reduce,
+                                    grad_accum=self.grad_accum,
+                                    **client_options)
+        try:
+            for g in self._groups:
+                self.client.add_group(**g)
+            for P in self._params:
+                self.client.add_tensor(P.name, P.numel, P.group, tuple(P.p.shape))
+            init = [_buffer(P.p) for P in self._params] if rank == 0 else None
+            self.client.open_job(init)
+        except BaseException:
+            self.client.close()
+            raise
+        self._version = self.client.current_step - 1
+        self._zeros = None         # pushed for parameters without a gradient
+        self._op = 0
+        self._trace = None         # params in order of first use during the first forward
+        self._units = []           # lists of _Param, in forward order
+        self._release_at = None    # op number -> params last used by it
+        self._in_forward = False
+        # (param, micro, gradient, request) of the pushes in flight, oldest first.
+        self._inflight = collections.deque()
+        self._push_error = None
+        self._hooks = []
+        self._install()
+
+    # ---- setup -----------------------------------------------------------------
+
+    @staticmethod
+    def _optimizer_kind(optimizer):
+        if type(optimizer) is torch.optim.AdamW:
+            return "adamw"
+        if type(optimizer) is torch.optim.Adam:
+            return "adam"
+        if type(optimizer) is torch.optim.SGD:
+            return "sgd"
+        raise TypeError("zshard.torch: optimizer %s is not supported (torch.optim.AdamW, Adam or "
+                        "SGD)" % type(optimizer).__name__)
+
+    def _group_options(self, g):
+        bad = [k for k in ("amsgrad", "maximize", "capturable", "differentiable", "fused", "foreach")
+               if g.get(k)]
+        if bad:
+            raise ValueError("zshard.torch: unsupported optimizer option(s) %s (the shards run "
+                             "torch's default single-tensor algorithm)" %
+                             ", ".join("%s=%r" % (k, g[k]) for k in bad))
+        if isinstance(g["lr"], torch.Tensor):
+            raise ValueError("zshard.torch: a tensor lr is not supported")
+        if self._optim == "sgd":
+            return dict(optimizer="sgd", momentum=float(g["momentum"]),
+                        dampening=float(g["dampening"]), weight_decay=float(g["weight_decay"]),
+                        nesterov=int(bool(g["nesterov"])))
+        b1, b2 = g["betas"]
+        return dict(optimizer=self._optim, beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
+                    weight_decay=float(g["weight_decay"]))
+
+    def _group_lr_base(self):
+        """Group 0's lr is the step's lr; group g's lr_scale is its ratio to it."""
+        base = float(self.param_groups[0]["lr"])
+        for gi, g in enumerate(self.param_groups):
+            lr = float(g["lr"])
+            if base == 0.0:
+                if lr != 0.0:
+                    raise ValueError("zshard.torch: param group 0 has lr 0 but group %d does not "
+                                     "(%s)" % (gi, NOTES["per_group_lr"]))
+                self._groups[gi]["lr_scale"] = 1.0
+            else:
+                self._groups[gi]["lr_scale"] = lr / base
+        return base
+
+    def _install(self):
+        for P in self._params:
+            p = P.p
+            if not p.requires_grad:
+                continue
+            # The AccumulateGrad node: its post-hook runs once p.grad holds
+            # this backward's summed gradient (torch 1.13 has no
+            # post-accumulate-grad hook on tensors).
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
+            P.node = node
+            self._hooks.append(node.register_hook(self._grad_hook(P)))
+        # model.state_dict() holds tensors sharing the parameters' storage:
+        # making them current at the end (the root's hook runs last) makes
+        # the returned tensors current and never released memory.
+        self._hooks.append(self._model._register_state_dict_hook(
+            lambda module, state_dict, prefix, meta: self.gather()))
+        self._hooks.append(self._model._register_load_state_dict_pre_hook(self._refuse_load))
+        # A submodule called on its own (model.head(h)) runs outside the
+        # wrapped forward: its parameters are made current first.
+        for m in self._model.modules():
+            mine = [self._by_id[id(p)] for p in m.parameters() if id(p) in self._by_id]
+            if m is not self._model and mine:
+                self._hooks.append(m.register_forward_pre_hook(self._outside_hook(mine)))
+        model, inner = self._model, self._model.forward
+        self._orig_forward = inner
+
+        def forward(*args, **kwargs):
+            return self._forward(inner, args, kwargs)
+        model.forward = forward
+
+    def _outside_hook(self, params):
+        def hook(module, inputs):
+            if not self._in_forward and not self._closed:
+                for P in params:
+                    self._issue(P)
+                for P in params:
+                    self._ensure(P)
+        return hook
+
+    @staticmethod
+    def _refuse_load(*args):
+        raise NotImplementedError(
+            "zshard.torch: the weights live on the shards, and the C API cannot overwrite an "
+            "open job's weights: load them before shard(), or restore() a checkpoint")
+
+    # ---- parameters' data ---------------------------------------------------------------
+
+    def _issue(self, P):
+        """Starts a pull of the current version into P's storage (if needed)."""
+        if P.pull is not None or (P.alloc and P.current):
+            return
+        if not P.alloc:
+            P.p.storage().resize_(P.numel)
+            P.alloc = True
+        P.bump = P.pulled_version != self._version
+        P.pull = self.client.pull(P.idx, _buffer(P.p))
+
+    def _ensure(self, P):
+        if P.alloc and P.current and P.pull is None:
+            return
+        self._issue(P)
+        req, P.pull = P.pull, None
+        try:
+            req.wait()
+        except zshard.Error:
+            P.current = False
+            raise
+        P.current = True
+        if P.bump:
+            # An in-place no-op on a tensor sharing P's version counter: any
+            # graph that saved P before this pull now fails to run backward
+            # instead of silently using the new data.
+            with torch.no_grad():
+                d = P.p.detach()
+                d.as_strided_(d.size(), d.stride(), d.storage_offset())
+            P.pulled_version = self._version
+
+    def _release(self, P):
+        if P.pull is not None:
+            self._ensure(P)
+        if P.alloc:
+            P.p.storage().resize_(0)
+            P.alloc = False
+
+    def _prefetch_units(self, first, direction):
+        if not self._units or self.prefetch <= 0:
+            return
+        u = first
+        for _ in range(self.prefetch):
+            u += direction
+            if u < 0 or u >= len(self._units):
+                return
+            for P in self._units[u]:
+                self._issue(P)
+
+    def _touch(self, a):
+        if isinstance(a, torch.Tensor):
+            P = self._by_key.get(_storage_key(a)) if self._by_key else None
+            if P is None:
+                return
+            if self._trace is not None and P.last_op < 0:
+                self._trace.append(P)
+            if self._trace is not None:
+                P.last_op = self._op
+            fresh = not (P.alloc and P.current and P.pull is None)
+            self._ensure(P)
+            if fresh and P.unit is not None:
+                self._prefetch_units(P.unit, +1)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                self._touch(x)
+
+    def _forward(self, inner, args, kwargs):
+        if self._closed:
+            return inner(*args, **kwargs)
+        if self._in_forward:
+            raise RuntimeError("zshard.torch: the model's forward is re-entered")
+        self._in_forward = True
+        first = not self._units
+        if first:
+            self._trace = []
+            self._release_at = None
+        elif self._units:
+            self._prefetch_units(-1, +1)
+        self._op = 0
+        try:
+            with _Mode(self):
+                if self.release_after_forward:
+                    with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                        out = inner(*args, **kwargs)
+                else:
+                    out = inner(*args, **kwargs)
+        finally:
+            self._in_forward = False
+            if first:
+                self._finish_trace()
+        if self.release_after_forward:
+            for P in self._params:
+                self._release(P)
+        return out
+
+    def _finish_trace(self):
+        trace, self._trace = self._trace, None
+        owner = {}
+        for mname, m in self._model.named_modules():
+            for p in m.parameters(recurse=False):
+                owner.setdefault(id(p), mname)
+        # A unit is the parameters of one module, in the order of first use.
+        units, where = [], {}
+        for P in trace:
+            m = owner.get(id(P.p), P.name)
+            if m not in where:
+                where[m] = len(units)
+                units.append([])
+            units[where[m]].append(P)
+        for P in self._params:      # never used in forward: a unit at the end
+            if P.last_op < 0:
+                if "" not in where:
+                    where[""] = len(units)
+                    units.append([])
+                units[where[""]].append(P)
+        for u, ps in enumerate(units):
+            for P in ps:
+                P.unit = u
+        self._units = units
+        if self.release_after_forward:
+            rel = collections.defaultdict(list)
+            for P in trace:
+                rel[P.last_op].append(P)
+            self._release_at = dict(rel)
+
+    # ---- backward -----------------------------------------------------------------------
+
+    def _pack(self, t):
+        P = self._by_key.get(_storage_key(t))
+        if P is None:
+            return t
+        return (P, self._version, t)
+
+    def _unpack(self, x):
+        if not isinstance(x, tuple):
+            return x
+        P, version, t = x
+        if version != self._version:
+            raise RuntimeError("zshard.torch: backward of a forward from before step(): parameter "
+                               "%s has changed since" % P.name)
+        fresh = not (P.alloc and P.current and P.pull is None)
+        self._ensure(P)
+        if fresh and P.unit is not None:
+            self._prefetch_units(P.unit, -1)
+        return t
+
+    def _grad_hook(self, P):
+        def hook(grad_inputs, grad_outputs):
+            self._push(P, P.p.grad)
+            if self.release_after_forward or self.grad_accum > 1:
+                # The push holds the gradient until it completes. With
+                # micro-batches the next backward must start from nothing
+                # (the shards add the micro-batches, in order); with release
+                # the trainer keeps no gradient (ZeRO-3).
+                P.p.grad = None
+            if self.release_after_forward:
+                self._release(P)
+            self._reap()
+        return hook
+
+    def _push(self, P, g, micro=None):
+        """Pushes `g` (None: zeros) as P's gradient of micro-batch `micro`
+        (None: the next one of this step)."""
+        if micro is None:
+            if P.micro >= self.grad_accum:
+                raise RuntimeError(
+                    "zshard.torch: the gradient of %s was already pushed %d time(s) this step: "
+                    "call step() after every %d backward pass(es) (shard(..., grad_accum=M) for "
+                    "micro-batches)" % (P.name, P.micro, self.grad_accum))
+            micro = P.micro
+            P.micro += 1
+        if g is None:
+            if self._zeros is None:
+                self._zeros = torch.zeros(max(Q.numel for Q in self._params))
+            g = self._zeros[:P.numel]
+        else:
+            if g.dtype != torch.float32 or g.is_sparse:
+                raise RuntimeError("zshard.torch: gradient of %s is %s; dense fp32 only" %
+                                   (P.name, g.dtype))
+            g = g.detach()
+            if not g.is_contiguous():
+                g = g.contiguous()
+        # `g` stays referenced with its request until the push is waited.
+        self._inflight.append((P, micro, g, self.client.push(P.idx, _buffer(g), micro)))
+
+    def _finish_push(self, entry):
+        """Waits for one push; a failed one is kept (with its gradient) to be
+        pushed again by the next step() and its error raised by this one."""
+        P, micro, g, req = entry
+        try:
+            req.wait()
+        except zshard.Error as e:
+            P.failed.append((micro, g))
+            self._push_error = self._push_error or e
+
+    def _reap(self):
+        """Finishes the pushes that have completed, oldest first, so that
+        their gradients are freed during backward."""
+        q = self._inflight
+        while q and q[0][3].test():
+            self._finish_push(q.popleft())
+
+    def _wait_pushes(self):
+        q = self._inflight
+        while q:
+            self._finish_push(q.popleft())
+        err, self._push_error = self._push_error, None
+        if err is not None:
+            raise err
+
+    def _wait_pulls(self):
+        for P in self._params:
+            if P.pull is not None:
+                self._ensure(P)
+
+    # ---- the optimizer interface ----------------------------------------------------------
+
+    def _step_lr(self):
+        lr = float(self.param_groups[0]["lr"])
+        for gi, g in enumerate(self.param_groups):
+            want = lr * self._groups[gi]["lr_scale"]
+            if abs(float(g["lr"]) - want) > 1e-12 * max(abs(want), 1e-30):
+                raise NotImplementedError("zshard.torch: param group %d's lr %r is not %r x group "
+                                          "0's lr (%s)" % (gi, g["lr"], self._groups[gi][
+                                              "lr_scale"], NOTES["per_group_lr"]))
+            now = self._group_options(g)
+            for k, v in now.items():
+                if self._groups[gi][k] != v:
+                    raise NotImplementedError("zshard.torch: param group %d's %s changed from %r "
+                                              "to %r (%s)" % (gi, k, self._groups[gi][k], v,
+                                                              NOTES["group_options"]))
+        return lr
+
+    def step(self, closure=None):
+        """Pushes what backward has not (gradients set by hand, zeros for
+        parameters without one), waits for the pushes, and runs zs_step on
+        the shards. Returns the loss of `closure` if given."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lr = self._step_lr()
+        self._wait_pulls()
+        for P in self._params:
+            failed, P.failed = P.failed, []
+            for micro, g in failed:
+                self._push(P, g, micro)
+        passes = max(P.micro for P in self._params)
+        if 0 < passes < self.grad_accum:
+            raise RuntimeError("zshard.torch: step() after %d backward pass(es), grad_accum is %d"
+                               % (passes, self.grad_accum))
+        for P in self._params:
+            # Gradients set by hand; zeros for parameters without one.
+            while P.micro < self.grad_accum:
+                self._push(P, P.p.grad)
+        self._wait_pushes()
+        self.last_result = self.client.step(lr, float(self.max_grad_norm or 0.0), 0.0)
+        self._version = self.client.current_step - 1
+        for P in self._params:
+            P.micro = 0
+            P.current = False
+        self._prefetch_units(-1, +1)
+        return loss
+
+    def zero_grad(self, set_to_none=False):
+        """torch's zero_grad, after waiting for the pushes in flight (which
+        read p.grad)."""
+        self._wait_pushes()
+        for P in self._params:
+            p = P.p
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    def gather(self):
+        """Makes every parameter hold the current version (pulling what is
+        stale or released), e.g. before reading parameters outside the
+        model's forward (model.state_dict() does it by itself)."""
+        self._check_open()
+        for P in self._params:
+            self._issue(P)
+        for P in self._params:
+            self._ensure(P)
+
+    @property
+    def loss_scale(self):
+        """The loss scale to multiply the loss by before backward for the
+        current step (1 unless the client option loss_scaling is "static" or
+        "dynamic"; the dynamic scaler follows DeepSpeed's rules)."""
+        return self.client.loss_scale
+
+    def timing(self):
+        """Where the last step's time went (zshard.Timing)."""
+        return self.client.last_timing()
+
+    def checkpoint(self, step=0):
+        """Checkpoints the job on every shard (from one trainer, rank 0)."""
+        self._check_open()
+        self._wait_pulls()
+        self.client.checkpoint(step)
+
+    def restore(self, step=0):
+        """Restores every shard to checkpoint `step` (0: the newest common
+        one); the parameters are pulled again before their next use. Returns
+        the step training continues at."""
+        self._check_open()
+        self._wait_pulls()
+        try:
+            self._wait_pushes()
+        except zshard.Error:
+            pass
+        cur = self.client.restore(step)
+        self._version = cur - 1
+        for P in self._params:
+            P.micro = 0
+            P.failed = []
+            P.current = False
+        return cur
+
+    def state_dict(self):
+        """torch's optimizer state_dict: possible only for a stateless
+        optimizer (SGD without momentum), the shards' state being unreadable."""
+        if self._optim != "sgd" or any(g["momentum"] for g in self.param_groups):
+            raise NotImplementedError("zshard.torch.state_dict: " + NOTES["optimizer_state"] +
+                                      "; use checkpoint()/restore()")
+        return torch.optim.Optimizer.state_dict(self)
+
+    def load_state_dict(self, state_dict):
+        if state_dict.get("state"):
+            raise NotImplementedError("zshard.torch.load_state_dict: " + NOTES["optimizer_state"])
+        groups = self.param_groups
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        # Keep the wrapped optimizer's group dicts (schedulers hold them).
+        for old, new in zip(groups, self.param_groups):
+            old.update({k: v for k, v in new.items() if k != "params"})
+        self.param_groups = groups
+        self._inner.param_groups = groups
+
+    def add_param_group(self, param_group):
+        raise NotImplementedError("zshard.torch: the model's tensors are fixed when the job opens")
+
+    def close(self):
+        """Leaves the model with the current weights in its parameters,
+        removes the hooks and closes the client."""
+        if self._closed:
+            return
+        try:
+            self._wait_pushes()
+        except zshard.Error:
+            pass
+        try:
+            self.gather()
+        finally:
+            self._closed = True
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            if self._model.__dict__.get("forward") is not None:
+                del self._model.forward
+            self.client.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("zshard.torch: the sharded optimizer is closed")
+
+    def __getstate__(self):
+        raise TypeError("a zshard.torch.ShardedOptimizer cannot be pickled")
+
+    def __repr__(self):
+        return "zshard.torch.ShardedOptimizer(%s, %d tensors, step %d)" % (
+            self._optim, len(self._params), self._version + 1)
+
+
+def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, world_size=None,
+          prefetch=2, release_after_forward=False, max_grad_norm=None, **options):
+    """Moves `optimizer`'s parameters and their optimizer to the zshard shards
+    at `addresses` ("h0:7070,h1:7070" or "zshard-{i}.zshard:7070" with
+    num_shards=N) and returns the optimizer to train `model` with.
+
+    wire_dtype: dtype of gradients and parameters on the wire (fp32 is exact).
+    rank, world_size: default to $RANK and $WORLD_SIZE (torchrun), else 0 and 1.
+    prefetch: modules pulled ahead of the one computing.
+    release_after_forward: free each parameter after its last use in forward
+      and pull it again for backward (ZeRO-3 memory).
+    max_grad_norm: global gradient clipping on the shards (None: none).
+    grad_accum: backward passes (micro-batches) per step.
+    Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
+    and any zshard.Client option."""
+    return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
+                            world_size=world_size, prefetch=prefetch,
+                            release_after_forward=release_after_forward,
+                            max_grad_norm=max_grad_norm, **options)

@@ -1,0 +1,97 @@
+"""zshard.torch: checkpoint/restore from Python, and a dead shard is an exception.
+
+A run checkpointed at step 3 and restored after step 5 continues from the
+checkpoint's weights; a shard killed during training makes the next transfer
+raise zshard.Error naming the shard.
+
+Run with Debian's interpreter (CTest does): /usr/bin/python3 tests/python/test_torch_recovery.py
+"""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zshard_servers  # noqa: E402
+
+zshard_servers.use_build_tree_package()
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import zshard  # noqa: E402
+import zshard.torch  # noqa: E402
+
+FAST_FAIL = dict(max_retries=2, retry_initial_ms=10, retry_max_ms=20, rpc_timeout_ms=3000,
+                 step_timeout_ms=3000)
+
+
+def make_model():
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 3))
+
+
+def train_step(model, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(6, 16, generator=g)).square().mean().backward()
+    opt.step()
+
+
+def shard_weights(opt):
+    out = []
+    for P in opt._params:
+        w = torch.empty_like(P.p)
+        opt.client.pull(P.idx, zshard.torch._buffer(w)).wait()
+        out.append(w)
+    return out
+
+
+class Recovery(unittest.TestCase):
+
+    def test_restore_continues_from_the_checkpoint(self):
+        model = make_model()
+        with zshard_servers.Shards(2, state_dirs=True) as shards:
+            opt = zshard.torch.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     addresses=shards.addresses, wire_dtype=torch.float32,
+                                     split_threshold=1000, release_after_forward=True)
+            try:
+                for s in range(1, 4):
+                    train_step(model, opt, s)
+                opt.checkpoint()
+                at3 = shard_weights(opt)
+                for s in range(4, 6):
+                    train_step(model, opt, s)
+                self.assertFalse(all(torch.equal(a, b) for a, b in zip(at3, shard_weights(opt))))
+                self.assertEqual(opt.restore(), 4)
+                opt.gather()
+                for P, w in zip(opt._params, at3):
+                    self.assertTrue(torch.equal(P.p.detach(), w), P.name)
+                train_step(model, opt, 4)
+                self.assertEqual(opt.last_result.step, 4)
+            finally:
+                opt.close()
+
+    def test_a_killed_shard_raises_naming_it(self):
+        model = make_model()
+        with zshard_servers.Shards(2) as shards:
+            opt = zshard.torch.shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     addresses=shards.addresses, wire_dtype=torch.float32,
+                                     split_threshold=1000, **FAST_FAIL)
+            try:
+                train_step(model, opt, 1)
+                shards.kill(1)
+                dead = shards.addresses.split(",")[1]
+                with self.assertRaises(zshard.Error) as cm:
+                    train_step(model, opt, 2)
+                self.assertIn(dead, str(cm.exception))
+                print("\n  raised: %s: %s" % (cm.exception.name, cm.exception), file=sys.stderr)
+                self.assertIn(cm.exception.status, (zshard.ECONN, zshard.ETIMEDOUT,
+                                                    zshard.ECLOSED))
+            finally:
+                opt._closed = True  # nothing to gather from a dead shard
+                opt.client.close()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    unittest.main(verbosity=2)
