@@ -93,11 +93,6 @@ static const kw_field client_fields[] = {
     CO(retry_max_ms, KW_U32),
     CO(loss_scaling, KW_ENUM),
     CO(static_loss_scale, KW_DOUBLE),
-    {"initial_loss_scale", KW_DOUBLE, offsetof(zs_client_options, dynamic_loss_scaler.scale)},
-    {"min_loss_scale", KW_DOUBLE, offsetof(zs_client_options, dynamic_loss_scaler.min_scale)},
-    {"loss_scale_factor", KW_DOUBLE, offsetof(zs_client_options, dynamic_loss_scaler.factor)},
-    {"loss_scale_window", KW_U32, offsetof(zs_client_options, dynamic_loss_scaler.window)},
-    {"hysteresis", KW_U32, offsetof(zs_client_options, dynamic_loss_scaler.hysteresis)},
     CO(transport, KW_ENUM),
     CO(data_connections, KW_U32),
     CO(checkpoint_every, KW_U32),
@@ -105,6 +100,34 @@ static const kw_field client_fields[] = {
     {NULL, 0, 0},
 };
 #undef CO
+
+static int set_field(void *base, const kw_field *f, PyObject *v);
+
+/* The dynamic loss scaler's configuration: its own struct, which
+ * zs_client_options points to when one of these is given. */
+static const kw_field scaler_fields[] = {
+    {"initial_loss_scale", KW_DOUBLE, offsetof(zs_loss_scaler, scale)},
+    {"min_loss_scale", KW_DOUBLE, offsetof(zs_loss_scaler, min_scale)},
+    {"loss_scale_factor", KW_DOUBLE, offsetof(zs_loss_scaler, factor)},
+    {"loss_scale_window", KW_U32, offsetof(zs_loss_scaler, window)},
+    {"hysteresis", KW_U32, offsetof(zs_loss_scaler, hysteresis)},
+    {NULL, 0, 0},
+};
+
+/* Applies the keywords of `kw` that `fields` names (others are left alone);
+ * returns the number applied or -1. */
+static int apply_known_kwargs(void *base, const kw_field *fields, PyObject *kw) {
+  int n = 0;
+  for (const kw_field *f = fields; kw && f->name; f++) {
+    PyObject *v = PyDict_GetItemString(kw, f->name);
+    if (!v || v == Py_None)
+      continue;
+    if (set_field(base, f, v) < 0)
+      return -1;
+    n++;
+  }
+  return n;
+}
 
 #define GO(field, kind)                                                                            \
   { #field, kind, offsetof(zs_group_options, field) }
@@ -242,7 +265,7 @@ static PyObject *timing_new(const zs_timing *t) {
   return o;
 }
 
-static PyObject *step_result_new(const zs_step_result *r) {
+static PyObject *step_result_new(const zs_step_result *r, const zs_timing *t) {
   PyObject *o = PyStructSequence_New(&step_result_type);
   if (!o)
     return NULL;
@@ -255,7 +278,7 @@ static PyObject *step_result_new(const zs_step_result *r) {
   PyStructSequence_SET_ITEM(o, 6, PyFloat_FromDouble(r->coef));
   PyStructSequence_SET_ITEM(o, 7, PyFloat_FromDouble(r->loss_scale));
   PyStructSequence_SET_ITEM(o, 8, PyFloat_FromDouble(r->next_loss_scale));
-  PyStructSequence_SET_ITEM(o, 9, timing_new(&r->timing));
+  PyStructSequence_SET_ITEM(o, 9, timing_new(t));
   for (Py_ssize_t i = 0; i < 10; i++)
     if (!PyStructSequence_GET_ITEM(o, i)) {
       Py_DECREF(o);
@@ -273,7 +296,10 @@ typedef struct client_object {
 static PyTypeObject client_type;
 
 static int client_init(client_object *self, PyObject *args, PyObject *kw) {
-  static const char *const skip[] = {"addresses", "job", NULL};
+  static const char *const skip[] = {"addresses",          "job",
+                                     "initial_loss_scale", "min_loss_scale",
+                                     "loss_scale_factor",  "loss_scale_window",
+                                     "hysteresis",         NULL};
   PyObject *addresses = NULL, *job = NULL;
   if (PyTuple_GET_SIZE(args) > 1) {
     PyErr_SetString(PyExc_TypeError, "Client(addresses, **options): options are keywords");
@@ -311,8 +337,17 @@ static int client_init(client_object *self, PyObject *args, PyObject *kw) {
     if (!(o.job = PyUnicode_AsUTF8(job)))
       return -1;
   }
+  /* The scaler's keywords (skipped above) go to a zs_loss_scaler of our
+   * own, which the options point to for zs_client_open (which copies it). */
   if (apply_kwargs(&o, client_fields, kw, skip, "Client") < 0)
     return -1;
+  zs_loss_scaler sc;
+  zs_loss_scaler_init(&sc);
+  int nsc = apply_known_kwargs(&sc, scaler_fields, kw);
+  if (nsc < 0)
+    return -1;
+  if (nsc > 0)
+    o.dynamic_loss_scaler = &sc;
   zs_client *c = NULL;
   int rc;
   GIL_RELEASE();
@@ -654,13 +689,19 @@ static PyObject *client_step(client_object *self, PyObject *args, PyObject *kw) 
     return NULL;
   zs_step_result r;
   zs_step_result_init(&r);
+  zs_timing t;
   int rc;
   GIL_RELEASE();
   rc = zs_step(c, lr, max_norm, loss_scale, &r);
   GIL_ACQUIRE();
   if (rc != ZS_OK)
     return raise_status(rc);
-  return step_result_new(&r);
+  /* The step's timing is the client's last (zs_step_result does not carry
+   * it): read right after the step, on the thread that stepped. */
+  rc = zs_last_timing(c, &t);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return step_result_new(&r, &t);
 }
 
 static PyObject *client_last_timing(client_object *self, PyObject *Py_UNUSED(ignored)) {
