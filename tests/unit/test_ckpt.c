@@ -1,5 +1,5 @@
 /*
- * ckpt: the checkpoint files (server/ckpt.c) and the core's snapshot and
+ * ckpt: the checkpoint files (server/ckpt_*.c) and the core's snapshot and
  * restore (server/core.c), in process.
  *
  * The files are written from states filled with random bits (every element
