@@ -781,7 +781,7 @@ static void unknown_dtypes_are_refused_with_the_generated_list_of_names(void **s
   static const int bad[] = {0, 4, 5, 77, 255, -1, -3, INT32_MIN, INT32_MAX};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     int d = bad[i];
-    char err[128] = "", msg[128];
+    char err[512] = "", msg[512];
     assert_null(dtype_codec_of(d));
     assert_false(dtype_valid(d));
     assert_int_equal(dtype_bytes(d, 10), 0);
