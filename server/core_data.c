@@ -1,0 +1,558 @@
+/*
+ * core_data — the job's tensors on one shard: initial weights, pushes of
+ * contributions, reads and the pins of the low copy (see core.h for the
+ * contract; threads and locks are described at the top of core.c).
+ */
+#include "common/status.h"
+#include "server/core_internal.h"
+
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/clock.h"
+#include "common/crc32c.h"
+#include "common/dtype.h"
+#include "common/log.h"
+
+/* ---------------------------------------------------------------- lookups */
+
+/* The state of piece (tensor, slice) if this shard owns it. Called with
+ * state_rw held. */
+static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state **out, char *err,
+                           size_t errlen) {
+  const layout *l = &c->layout;
+  /* Every sentence starts the same way, so that a caller can tell "not
+   * here" apart from why without parsing. */
+  if (tensor >= l->num_tensors)
+    return status_fail(err, errlen, ZS_ENOTFOUND,
+                       "no piece (tensor %u, slice %u) on this shard: the job has %u tensors",
+                       tensor, slice, l->num_tensors);
+  const layout_piece *lp = layout_find(l, tensor, slice);
+  if (!lp)
+    return status_fail(err, errlen, ZS_ENOTFOUND,
+                       "no piece (tensor %u, slice %u) on this shard: tensor %u has no slice %u",
+                       tensor, slice, tensor, slice);
+  if (lp->shard != c->shard_id)
+    return status_fail(err, errlen, ZS_ENOTFOUND,
+                       "no piece (tensor %u, slice %u) on this shard: it is owned by shard %u, "
+                       "not by shard %u",
+                       tensor, slice, lp->shard, c->shard_id);
+  *out = &c->pieces[c->local_of[lp - l->pieces]];
+  return 0;
+}
+
+static int core_check_payload(const piece_state *ps, int dtype, size_t nbytes, const void *data,
+                              char *err, size_t errlen) {
+  int rc = dtype_check(dtype, err, errlen);
+  if (rc != 0)
+    return rc;
+  uint64_t want = dtype_bytes(dtype, ps->lp->numel);
+  if ((uint64_t)nbytes != want)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "payload of slice %u of tensor %u has %zu bytes, expected %" PRIu64,
+                       ps->lp->slice, ps->lp->tensor, nbytes, want);
+  if (!data)
+    return status_fail(err, errlen, ZS_EINVAL, "payload pointer is NULL");
+  return 0;
+}
+
+/* The checks of a read of piece (tensor, slice) into nbytes of dtype at dst:
+ * the job, the piece's owner, the size. With state_rw held. */
+static int core_find_readable(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
+                              zs_dtype dtype, size_t nbytes, const void *dst, piece_state **ps,
+                              char *err, size_t errlen) {
+  int rc = core__check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, ps, err, errlen);
+  if (rc == 0)
+    rc = core_check_payload(*ps, (int)dtype, nbytes, dst, err, errlen);
+  return rc;
+}
+
+/* ------------------------------------------------------- the low copy's pins */
+
+static void piece_low_crc(core *c, uint32_t i) {
+  const layout_piece *lp = c->pieces[i].lp;
+  c->low_crc[i] = crc32c(0, c->low + lp->arena_off, (size_t)lp->numel * sizeof(uint16_t));
+}
+
+void core__low_crc_task(void *arg, size_t i) {
+  piece_low_crc(arg, (uint32_t)i);
+}
+
+/* With state_rw held exclusively (so no new pin can start): waits until no
+ * answer is being sent from the low arena, or CORE_PIN_WAIT_MS. */
+void core__wait_pins(core *c, const char *what) {
+  if (atomic_load(&c->low_pins) == 0)
+    return;
+  uint64_t deadline = clock_now_ms() + c->pin_wait_ms;
+  pthread_mutex_lock(&c->mu);
+  atomic_store(&c->pin_waiting, 1);
+  while (atomic_load(&c->low_pins) > 0) {
+    uint64_t now = clock_now_ms();
+    if (now >= deadline)
+      break;
+    struct timespec ts = {.tv_sec = (time_t)(deadline / 1000u),
+                          .tv_nsec = (long)(deadline % 1000u) * 1000000L};
+    pthread_cond_timedwait(&c->worker_cv, &c->mu, &ts);
+  }
+  atomic_store(&c->pin_waiting, 0);
+  uint64_t left = atomic_load(&c->low_pins);
+  pthread_mutex_unlock(&c->mu);
+  if (left > 0) {
+    atomic_fetch_add_explicit(&c->pin_wait_timeouts, 1, memory_order_relaxed);
+    LOG_WARN("pull_answers_overtaken",
+             "shard=%u what=%s answers=%" PRIu64 " waited_ms=%u detail=\"answers still being "
+             "sent from the low copy; their readers will refuse them by CRC and ask again\"",
+             c->shard_id, what, left, c->pin_wait_ms);
+  }
+}
+
+int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                 size_t nbytes, const void **data, uint64_t *version, uint32_t *crc, char *err,
+                 size_t errlen) {
+  piece_state *ps = NULL;
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_find_readable(c, hash, tensor, slice, dtype, nbytes, data, &ps, err, errlen);
+  if (rc == 0 && (dtype != c->spec.param_dtype || !ps->initialized))
+    rc = CORE_NOT_PINNED;
+  if (rc == 0) {
+    uint32_t i = (uint32_t)(ps - c->pieces);
+    *data = c->low + ps->lp->arena_off;
+    *crc = c->low_crc[i];
+    if (version)
+      *version = c->version;
+    atomic_fetch_add(&c->low_pins, 1);
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+zs_dtype core_low_dtype(core *c) {
+  return (zs_dtype)atomic_load(&c->low_dtype);
+}
+
+void core_unpin_low(core *c) {
+  if (atomic_fetch_sub(&c->low_pins, 1) == 1 && atomic_load(&c->pin_waiting)) {
+    pthread_mutex_lock(&c->mu);
+    pthread_cond_broadcast(&c->worker_cv);
+    pthread_mutex_unlock(&c->mu);
+  }
+}
+
+/* ---------------------------------------------------------------- initial weights */
+
+static uint64_t chunks_of(uint64_t numel) {
+  return (numel + LAYOUT_INIT_CHUNK_ELEMS - 1) / LAYOUT_INIT_CHUNK_ELEMS;
+}
+
+static int chunk_have(const piece_state *ps, uint64_t k) {
+  if (ps->initialized)
+    return 1;
+  return ps->init_chunks && (ps->init_chunks[k / 64] >> (k % 64) & 1u);
+}
+
+/* Checks a part of the initial weights against the piece and against what
+ * was written before; with state_rw held exclusively. */
+static int init_range_check(core *c, const piece_state *ps, uint64_t offset, const float *data,
+                            size_t nbytes, char *err, size_t errlen) {
+  const layout_piece *lp = ps->lp;
+  if (!data)
+    return status_fail(err, errlen, ZS_EINVAL, "payload pointer is NULL");
+  if (nbytes % sizeof(float) != 0 || nbytes == 0)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "initial weights of %zu bytes are not a positive number of float32", nbytes);
+  uint64_t n = nbytes / sizeof(float);
+  if (offset % LAYOUT_INIT_CHUNK_ELEMS != 0)
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "initial weights at element %" PRIu64 " of slice %u of tensor %u: a part "
+                       "must start at a multiple of %u elements",
+                       offset, lp->slice, lp->tensor, LAYOUT_INIT_CHUNK_ELEMS);
+  if (offset > lp->numel || n > lp->numel - offset)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "initial weights for elements [%" PRIu64 ", %" PRIu64 ") of slice %u of "
+                       "tensor %u, which has %" PRIu64 " elements",
+                       offset, offset + n, lp->slice, lp->tensor, lp->numel);
+  if ((offset + n) % LAYOUT_INIT_CHUNK_ELEMS != 0 && offset + n != lp->numel)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "initial weights for elements [%" PRIu64 ", %" PRIu64 ") of slice %u of "
+                       "tensor %u: a part must end at a multiple of %u elements or at the "
+                       "piece's end (%" PRIu64 ")",
+                       offset, offset + n, lp->slice, lp->tensor, LAYOUT_INIT_CHUNK_ELEMS,
+                       lp->numel);
+  if (c->version > 0)
+    return 0; /* training has moved on: the initial weights are history */
+  const float *dst = c->master + lp->arena_off;
+  for (uint64_t e = offset; e < offset + n; e += LAYOUT_INIT_CHUNK_ELEMS) {
+    uint64_t k = e / LAYOUT_INIT_CHUNK_ELEMS;
+    uint64_t len =
+        offset + n - e < LAYOUT_INIT_CHUNK_ELEMS ? offset + n - e : LAYOUT_INIT_CHUNK_ELEMS;
+    if (chunk_have(ps, k) && memcmp(dst + e, data + (e - offset), len * sizeof(float)) != 0)
+      return status_fail(err, errlen, ZS_EEXIST,
+                         "slice %u of tensor %u already holds different initial weights (elements "
+                         "from %" PRIu64 ")",
+                         lp->slice, lp->tensor, e);
+  }
+  return 0;
+}
+
+int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, uint64_t offset,
+                           const float *data, size_t nbytes, int *written, uint64_t *version,
+                           char *err, size_t errlen) {
+  piece_state *ps = NULL;
+  int w = 0;
+  pthread_rwlock_wrlock(&c->state_rw);
+  int rc = core__check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc == 0)
+    rc = init_range_check(c, ps, offset, data, nbytes, err, errlen);
+  if (rc != 0 || c->version > 0 || ps->initialized)
+    goto done;
+  uint64_t total = chunks_of(ps->lp->numel);
+  if (!ps->init_chunks && !(ps->init_chunks = calloc((total + 63) / 64, sizeof(uint64_t)))) {
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory for the initial weights' bitmap");
+    goto done;
+  }
+  float *dst = c->master + ps->lp->arena_off;
+  uint64_t end = offset + nbytes / sizeof(float);
+  for (uint64_t e = offset; e < end; e += LAYOUT_INIT_CHUNK_ELEMS) {
+    uint64_t k = e / LAYOUT_INIT_CHUNK_ELEMS;
+    if (chunk_have(ps, k))
+      continue;
+    size_t len = (size_t)(end - e < LAYOUT_INIT_CHUNK_ELEMS ? end - e : LAYOUT_INIT_CHUNK_ELEMS);
+    memcpy(dst + e, data + (e - offset), len * sizeof(float));
+    dtype_from_f32(c->spec.param_dtype, dst + e, c->low + ps->lp->arena_off + e, len);
+    ps->init_chunks[k / 64] |= (uint64_t)1 << (k % 64);
+    ps->init_have++;
+    w = 1;
+  }
+  if (ps->init_have == total) {
+    free(ps->init_chunks);
+    ps->init_chunks = NULL;
+    piece_low_crc(c, (uint32_t)(ps - c->pieces));
+    ps->initialized = 1;
+    pthread_mutex_lock(&c->mu);
+    if (++c->initialized_pieces == c->npieces) {
+      c->version_event = 1;
+      pthread_cond_signal(&c->worker_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+  }
+done:
+  if (rc == 0) {
+    if (written)
+      *written = w;
+    if (version)
+      *version = c->version;
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, const float *data,
+                     size_t nbytes, int *written, uint64_t *version, char *err, size_t errlen) {
+  return core_init_params_range(c, hash, tensor, slice, 0, data, nbytes, written, version, err,
+                                errlen);
+}
+
+/* ---------------------------------------------------------------- push */
+
+static int bit_test(const uint64_t *bits, uint32_t k) {
+  return (int)((bits[k / 64] >> (k % 64)) & 1u);
+}
+
+static void bit_set(uint64_t *bits, uint32_t k) {
+  bits[k / 64] |= UINT64_C(1) << (k % 64);
+}
+
+/* Adds contribution data into the piece's accumulator range. */
+static void piece_add(core *c, piece_state *ps, zs_dtype dtype, const void *data) {
+  dtype_accumulate(dtype, data, c->acc + ps->lp->arena_off, (size_t)ps->lp->numel);
+}
+
+/* The push proper, with state_rw held shared. */
+static int core_push_locked(core *c, const core_push_args *a, int *duplicate, char *err,
+                            size_t errlen) {
+  int rc = core__check_job(c, a->hash, err, errlen);
+  if (rc != 0)
+    return rc;
+  if (a->step > c->version + 1 && c->ckpt_loaded)
+    return core__behind(c, "push", a->step, err, errlen);
+  if (a->step == 0 || a->step > c->version + 1)
+    return status_fail(err, errlen, ZS_ESTEP,
+                       "push for step %" PRIu64 " but shard %u expects step %" PRIu64, a->step,
+                       c->shard_id, c->version + 1);
+  if (a->rank >= c->W || a->micro >= c->M)
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "rank %u / micro-batch %u out of range (world size %u, accumulation %u)",
+                       a->rank, a->micro, c->W, c->M);
+  piece_state *ps = NULL;
+  if ((rc = core_find_piece(c, a->tensor, a->slice, &ps, err, errlen)) != 0)
+    return rc;
+  if ((rc = core_check_payload(ps, (int)a->dtype, a->nbytes, a->data, err, errlen)) != 0)
+    return rc;
+  if (a->step <= c->version) {
+    /* A step is applied only after every contribution arrived, so a push for
+     * an applied step is a retry whose first copy got through (its answer was
+     * lost): acknowledge it as a duplicate, as the design's idempotent push
+     * promises, and add nothing. */
+    atomic_fetch_add_explicit(&c->pushes, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->duplicate_pushes, 1, memory_order_relaxed);
+    if (duplicate)
+      *duplicate = 1;
+    return 0;
+  }
+
+  /* Contribution order is (micro, rank), so the sum never depends on which
+   * push arrives first: acc = (((0 + g0) + g1) + g2) + ... with each addition
+   * rounded. Floating-point addition is not associative but it is
+   * commutative, and 0 + x is x except that -0 becomes +0, so
+   * (0 + g1) + g0 has the bits of (0 + g0) + g1 (NaN payloads aside, and a
+   * non-finite step is skipped whatever its bits): contribution 1 is added
+   * at once when it comes before 0, which spares every out-of-order arrival
+   * a held copy when W * M = 2 and the first one otherwise. */
+  uint32_t k = a->micro * c->W + a->rank;
+  int completed = 0;
+  pthread_mutex_lock(&ps->mu);
+  if (bit_test(ps->received, k)) {
+    pthread_mutex_unlock(&ps->mu);
+    atomic_fetch_add_explicit(&c->pushes, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->duplicate_pushes, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&c->bytes_in, a->nbytes, memory_order_relaxed);
+    if (duplicate)
+      *duplicate = 1;
+    return 0;
+  }
+  if (k == 1 && ps->next_k == 0) {
+    /* Before 0, which it commutes with: added now, next_k stays. */
+    piece_add(c, ps, a->dtype, a->data);
+    ps->one_before_zero = 1;
+  } else if (k == ps->next_k) {
+    /* In turn: added straight from the caller's buffer, no copy. */
+    piece_add(c, ps, a->dtype, a->data);
+    ps->next_k++;
+    if (ps->one_before_zero) {
+      ps->one_before_zero = 0;
+      ps->next_k++;
+    }
+    while (ps->nheld > 0 && ps->next_k < c->WM && ps->held[ps->next_k]) {
+      held_contrib *h = ps->held[ps->next_k];
+      piece_add(c, ps, h->dtype, h->data);
+      ps->held[ps->next_k] = NULL;
+      atomic_fetch_sub_explicit(&c->held_bytes, h->nbytes, memory_order_relaxed);
+      free(h);
+      ps->nheld--;
+      ps->next_k++;
+    }
+    if (ps->nheld == 0) {
+      free(ps->held);
+      ps->held = NULL;
+    }
+  } else {
+    /* Early (k > next_k, since every k < next_k is marked received): one copy
+     * of the payload, kept until its turn. */
+    if (!ps->held) {
+      ps->held = calloc(c->WM, sizeof *ps->held);
+      if (!ps->held) {
+        pthread_mutex_unlock(&ps->mu);
+        return status_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
+      }
+    }
+    held_contrib *h = malloc(sizeof *h + a->nbytes);
+    if (!h) {
+      if (ps->nheld == 0) {
+        free(ps->held);
+        ps->held = NULL;
+      }
+      pthread_mutex_unlock(&ps->mu);
+      return status_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
+    }
+    h->dtype = a->dtype;
+    h->nbytes = a->nbytes;
+    memcpy(h->data, a->data, a->nbytes);
+    ps->held[k] = h;
+    ps->nheld++;
+    atomic_fetch_add_explicit(&c->held_bytes, a->nbytes, memory_order_relaxed);
+  }
+  bit_set(ps->received, k);
+  atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
+  completed = ps->next_k == c->WM;
+  if (completed) {
+    pthread_mutex_lock(&c->mu);
+    if (++c->complete_pieces == c->npieces) {
+      c->stats_phase = STATS_COMPUTING;
+      pthread_cond_signal(&c->worker_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&ps->mu);
+  atomic_fetch_add_explicit(&c->pushes, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&c->bytes_in, a->nbytes, memory_order_relaxed);
+  return 0;
+}
+
+int core_push(core *c, const core_push_args *a, int *duplicate, char *err, size_t errlen) {
+  if (duplicate)
+    *duplicate = 0;
+  if (!a) {
+    atomic_fetch_add_explicit(&c->rejected, 1, memory_order_relaxed);
+    return status_fail(err, errlen, ZS_EINVAL, "no push arguments given");
+  }
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_push_locked(c, a, duplicate, err, errlen);
+  pthread_rwlock_unlock(&c->state_rw);
+  if (rc != 0)
+    atomic_fetch_add_explicit(&c->rejected, 1, memory_order_relaxed);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- read */
+
+/* Bytes per chunk of a read with a CRC: small enough that the chunk just
+ * written is still in L1/L2 when the CRC reads it. */
+#define CORE_READ_CHUNK (64u << 10)
+
+int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                  void *dst, size_t nbytes, uint64_t *version, uint32_t *crc, char *err,
+                  size_t errlen) {
+  piece_state *ps = NULL;
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core_find_readable(c, hash, tensor, slice, dtype, nbytes, dst, &ps, err, errlen);
+  if (rc == 0) {
+    uint64_t off = ps->lp->arena_off, numel = ps->lp->numel;
+    const dtype_codec *k = dtype_codec_of(dtype);
+    /* fp32 and the stored low-precision copy are copies; another dtype is
+     * converted from the master. */
+    const unsigned char *copy_from =
+        dtype == ZS_DTYPE_FP32         ? (const unsigned char *)(c->master + off)
+        : dtype == c->spec.param_dtype ? (const unsigned char *)(c->low + off)
+                                       : NULL;
+    /* Chunks of whole blocks of about CORE_READ_CHUNK bytes: each is an
+     * array of its own, starting at byte dtype_bytes(e) (dtype.h). */
+    uint64_t step = numel;
+    if (crc) {
+      step = CORE_READ_CHUNK / (k->block * k->elem_bytes + k->scale_bytes) * k->block;
+      step = step ? step : k->block;
+    }
+    unsigned char *out = dst;
+    for (uint64_t e = 0; e < numel; e += step) {
+      uint64_t cnt = numel - e < step ? numel - e : step;
+      size_t b = (size_t)dtype_bytes(dtype, e), len = (size_t)dtype_bytes(dtype, cnt);
+      if (copy_from)
+        memcpy(out + b, copy_from + b, len);
+      else
+        dtype_from_f32(dtype, c->master + off + e, out + b, (size_t)cnt);
+      if (crc)
+        *crc = crc32c(*crc, out + b, len);
+    }
+    if (version)
+      *version = c->version;
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  /* Pulls are counted by the transport (core_count_pull), which knows the
+   * bytes it really put on the wire. */
+  return rc;
+}
+
+int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
+              size_t nbytes, uint64_t *version, char *err, size_t errlen) {
+  return core_read_crc(c, hash, tensor, slice, dtype, dst, nbytes, version, NULL, err, errlen);
+}
+
+int64_t core_piece_bytes_err(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
+                             zs_dtype dtype, char *err, size_t errlen) {
+  piece_state *ps = NULL;
+  int64_t r;
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core__check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc == 0 && !dtype_valid((int)dtype))
+    rc = dtype_check((int)dtype, err, errlen);
+  r = rc != 0 ? rc : (int64_t)dtype_bytes((int)dtype, ps->lp->numel);
+  pthread_rwlock_unlock(&c->state_rw);
+  return r;
+}
+
+int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype) {
+  return core_piece_bytes_err(c, hash, tensor, slice, dtype, NULL, 0);
+}
+
+/* ---------------------------------------------------------------- contributions */
+
+int core_check_acked(core *c, uint64_t hash, uint64_t step, uint32_t rank, char *err,
+                     size_t errlen) {
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = core__check_job(c, hash, err, errlen);
+  if (rc != 0 || step != c->version + 1 || rank >= c->W) {
+    pthread_rwlock_unlock(&c->state_rw);
+    return rc == 0 ? 0 : rc;
+  }
+  uint32_t lost_tensor = 0, lost_slice = 0, lost_micro = 0, lost = 0;
+  for (uint32_t i = 0; i < c->npieces && !lost; i++) {
+    piece_state *ps = &c->pieces[i];
+    pthread_mutex_lock(&ps->mu);
+    for (uint32_t m = 0; m < c->M; m++) {
+      if (!bit_test(ps->received, m * c->W + rank)) {
+        lost = 1;
+        lost_tensor = ps->lp->tensor;
+        lost_slice = ps->lp->slice;
+        lost_micro = m;
+        break;
+      }
+    }
+    pthread_mutex_unlock(&ps->mu);
+  }
+  if (lost) {
+    pthread_mutex_lock(&c->mu);
+    int ready = c->stats_phase == STATS_READY;
+    pthread_mutex_unlock(&c->mu);
+    if (ready)
+      lost = 0;
+  }
+  if (lost && c->ckpt_loaded)
+    rc = status_fail(err, errlen, ZS_EBEHIND,
+                     "rank %u's acknowledged contribution to step %" PRIu64
+                     " (tensor %u slice %u micro %u) is gone: shard %u restarted or was restored "
+                     "at checkpoint step %" PRIu64 " (version %" PRIu64
+                     "); restore the job to a checkpoint (zs_restore, "
+                     "zshard restore) to resume",
+                     rank, step, lost_tensor, lost_slice, lost_micro, c->shard_id, c->ckpt_step,
+                     c->version);
+  else if (lost)
+    rc = status_fail(err, errlen, ZS_EINTERNAL,
+                     "rank %u's acknowledged contribution to step %" PRIu64
+                     " (tensor %u slice %u micro %u) is missing on shard %u",
+                     rank, step, lost_tensor, lost_slice, lost_micro, c->shard_id);
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+uint32_t core_missing(core *c, uint64_t step, core_missing_entry *out, uint32_t max) {
+  uint64_t total = 0;
+  pthread_rwlock_rdlock(&c->state_rw);
+  if (!c->open || step != c->version + 1)
+    goto done;
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    piece_state *ps = &c->pieces[i];
+    pthread_mutex_lock(&ps->mu);
+    /* Every k below next_k has been received; the rest is read off the
+     * bitmap. k ascending is (micro, rank) ascending. */
+    for (uint32_t k = ps->next_k; k < c->WM; k++) {
+      if (bit_test(ps->received, k))
+        continue;
+      if (out && total < max)
+        out[total] = (core_missing_entry){
+            .rank = k % c->W, .micro = k / c->W, .tensor = ps->lp->tensor, .slice = ps->lp->slice};
+      total++;
+    }
+    pthread_mutex_unlock(&ps->mu);
+  }
+done:
+  pthread_rwlock_unlock(&c->state_rw);
+  return total > UINT32_MAX ? UINT32_MAX : (uint32_t)total;
+}

@@ -1,0 +1,235 @@
+/*
+ * core_internal — the shard core's private types (struct core, its pieces,
+ * waiters and checkpoint calls) and the few helpers that several core*.c
+ * files share, prefixed core__; everything else in those files is static.
+ * Which thread owns what and the lock order are at the top of core.c.
+ */
+#ifndef ZSHARD_SERVER_CORE_INTERNAL_H
+#define ZSHARD_SERVER_CORE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "server/core.h"
+#include "server/histogram.h"
+#include "server/optim.h"
+#include "server/pool.h"
+
+/* A contribution that arrived before its turn: a raw copy of the payload. */
+typedef struct held_contrib {
+  zs_dtype dtype;
+  size_t nbytes;
+  unsigned char data[];
+} held_contrib;
+
+typedef struct piece_state {
+  pthread_mutex_t mu;
+  const layout_piece *lp; /* points into core.layout */
+  uint64_t *received;     /* bitmap of contribution indices k, into core.bitmaps */
+  uint32_t next_k;        /* every k < next_k has been added into acc */
+  /* Contribution 1 is in acc and contribution 0 is not (next_k == 0): the
+   * first two terms of the sum commute (below), so 1 need not wait for 0. */
+  int one_before_zero;
+  uint32_t nheld;
+  /* W*M slots indexed by k, allocated while nheld > 0 and NULL otherwise, so
+   * that the table costs memory only while contributions are out of order. */
+  held_contrib **held;
+  int initialized;
+  /* While the initial weights arrive in parts: one bit per chunk of
+   * LAYOUT_INIT_CHUNK_ELEMS elements written, NULL before the first part and
+   * once the piece is initialized. Guarded by state_rw (exclusive). */
+  uint64_t *init_chunks;
+  uint32_t init_have;
+} piece_state;
+
+typedef enum stats_phase {
+  STATS_WAITING = 0, /* contributions of the pending step are missing */
+  STATS_COMPUTING,   /* all in; the worker is (about to be) computing */
+  STATS_READY,       /* core.stats holds the pending step's statistics */
+} stats_phase;
+
+typedef enum apply_state {
+  APPLY_NONE = 0,
+  APPLY_QUEUED,
+  APPLY_RUNNING,
+} apply_state;
+
+typedef enum waiter_kind {
+  WAITER_VERSION,
+  WAITER_STATS,
+  WAITER_APPLY,
+  WAITER_SNAPSHOT, /* a blocked core_snapshot; arg is its ckpt_call */
+} waiter_kind;
+
+/* One pending callback. Lives on one of the core's lists until it fires, then
+ * on a local fire list until it has been invoked and freed. */
+typedef struct waiter {
+  struct waiter *next;
+  waiter_kind kind;
+  uint64_t key;      /* min_version (version), step (stats, apply) */
+  uint64_t deadline; /* absolute clock_now_ms(); apply waiters have none */
+  union {
+    core_version_cb version;
+    core_stats_cb stats;
+    core_apply_cb apply;
+  } cb; /* WAITER_SNAPSHOT: none, see ckpt_call */
+  void *arg;
+  /* The outcome, filled in when the waiter fires. */
+  int status;
+  uint64_t version;
+  core_stats_result stats;
+  core_apply_result apply;
+} waiter;
+
+/* A core_snapshot or core_restore call, on its caller's stack: the worker does
+ * the work and sets done under mu; the caller waits on cv and owns the struct
+ * again once done is set. */
+typedef struct ckpt_call {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done;
+  int status;
+  core_view_fn fn; /* snapshot */
+  void *fn_arg;
+  double seconds;
+  core_state *st; /* restore */
+  uint64_t ckpt_step;
+} ckpt_call;
+
+/* One chunk of the optimizer pass: n elements from `begin` within range. */
+typedef struct apply_task {
+  uint32_t range;
+  uint64_t begin, n;
+} apply_task;
+
+struct core {
+  uint32_t shard_id, num_shards;
+  int nthreads;
+
+  pthread_mutex_t mu;
+  pthread_cond_t worker_cv;
+  pthread_rwlock_t state_rw;
+  int mu_inited, cv_inited, rw_inited;
+  pthread_t worker;
+  int worker_started;
+  pool *pool;
+
+  /* The job: written once by core_open under state_rw (exclusive) and mu. */
+  int open;
+  spec spec;
+  layout layout;
+  uint64_t hash;
+  uint32_t W, M, WM;
+  uint32_t npieces;       /* pieces owned by this shard */
+  piece_state *pieces;    /* npieces, in (tensor, slice) order */
+  uint32_t *local_of;     /* per layout piece: index into pieces, or UINT32_MAX */
+  uint64_t *bitmaps;      /* npieces * bitmap_words */
+  uint32_t bitmap_words;  /* ceil(W*M / 64) */
+  uint32_t pieces_inited; /* piece mutexes initialised, for unwinding */
+  uint64_t nelems;        /* arena length in elements */
+  float *master, *acc, *m, *v;
+  uint16_t *low;
+  /* Per piece: CRC32C of its low copy (numel * 2 bytes), kept with the low
+   * copy (initialisation, every apply, restore) so that a pull of the stored
+   * dtype is sent straight from the arena with no copy and no CRC pass. */
+  uint32_t *low_crc;
+  uint64_t state_bytes;
+  const layout_range *ranges; /* this shard's ranges, into layout */
+  uint32_t nranges;
+  optim_plan *plans; /* per range, rebuilt by every apply */
+  float **range_m;   /* per range: m arena base or NULL when the group has no use */
+  float **range_v;
+  apply_task *tasks;
+  size_t ntasks;
+  double *block_sums; /* per statistics block, written by the pool */
+  int *block_nonfinite;
+  size_t nblocks;
+
+  /* Step state, under mu (version also under state_rw, see the top). */
+  uint64_t version;
+  uint32_t initialized_pieces;
+  uint32_t complete_pieces;
+  stats_phase stats_phase;
+  core_stats_result stats; /* of step version + 1 when STATS_READY */
+  int last_stats_valid;
+  core_stats_result last_stats; /* of step version, once applied */
+  apply_state apply_state;
+  double apply_lr;
+  float apply_coef;
+  int apply_skip;
+  int last_apply_valid;
+  double last_lr;
+  float last_coef;
+  int last_skip;
+  core_apply_result last_apply;
+  uint64_t optimizer_steps;
+  /* The client state of `version`, written (by an apply or a restore) under
+   * state_rw exclusive and mu like the version, so either lock reads it; and
+   * the one the apply of pending_cs_step is to commit, under mu (0: none; a
+   * step is never 0). */
+  unsigned char client_state[CORE_MAX_CLIENT_STATE];
+  size_t client_state_len;
+  unsigned char pending_cs[CORE_MAX_CLIENT_STATE];
+  size_t pending_cs_len;
+  uint64_t pending_cs_step;
+  waiter *version_waiters, *stats_waiters, *apply_waiters;
+  waiter *snapshot_waiters; /* core_snapshot calls, keyed by step */
+  ckpt_call *restore_call;  /* the core_restore call the worker is to run */
+  /* Where the state came from: core_restore sets these (under state_rw
+   * exclusive and mu), an apply clears ckpt_untouched. */
+  int ckpt_loaded;
+  uint64_t ckpt_step;
+  int ckpt_untouched;
+  uint64_t next_deadline; /* the worker's next wake-up; UINT64_MAX when none */
+  int version_event;      /* initialisation finished: version waiters may fire */
+  int stop;
+
+  /* Counters: the atomic ones are bumped on the push and read paths without
+   * taking mu; the others change only with an apply, under mu. */
+  atomic_uint_fast64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
+  atomic_uint_fast64_t held_bytes;
+  atomic_uint_fast64_t contributions; /* added or held in the pending step */
+  /* Pull answers being sent from the low arena (core_pin_low), and whether
+   * the worker waits for them to drain before it writes the arena. */
+  atomic_uint_fast64_t low_pins;
+  atomic_int pin_waiting;
+  atomic_int low_dtype; /* the job's param_dtype once open, else 0 */
+  uint32_t pin_wait_ms;
+  atomic_uint_fast64_t pin_wait_timeouts;
+  uint64_t applies, skipped_steps;
+  double apply_seconds_total;
+  histogram *apply_hist;      /* borrowed, may be NULL; recorded lock-free */
+  core_applied_fn applied_fn; /* under mu; see core_set_applied_hook */
+  void *applied_arg;
+};
+
+static inline void waiter_push(waiter **list, waiter *w) {
+  w->next = *list;
+  *list = w;
+}
+
+/* core.c: the job and the checks every request starts with. */
+void *core__arena_alloc(uint64_t bytes);
+void core__begin_step(core *c);
+int core__check_job(const core *c, uint64_t hash, char *err, size_t errlen);
+int core__behind(const core *c, const char *what, uint64_t step, char *err, size_t errlen);
+
+/* core_data.c: the low copy's CRCs and pins, for the writers of the arena. */
+void core__low_crc_task(void *arg, size_t i);
+void core__wait_pins(core *c, const char *what);
+
+/* core_wait.c: waiters and the worker thread. */
+uint64_t core__deadline(uint64_t deadline_ms);
+void core__fire(waiter *w);
+void core__add_timed(core *c, waiter **list, waiter *w);
+void core__collect_versions(core *c, waiter **fire);
+void *core__worker(void *arg);
+
+/* core_snapshot.c: the worker's halves of core_snapshot and core_restore. */
+waiter *core__take_snapshot(core *c, waiter **fire);
+void core__run_snapshot(core *c, waiter *w);
+void core__run_restore(core *c, ckpt_call *call);
+
+#endif

@@ -1,0 +1,509 @@
+/*
+ * core_wait — the worker thread and what it serves: waiters and their
+ * deadlines, the waits for a version and for the gradient statistics, and the
+ * apply (see core.h for the contract; threads and locks: the top of core.c).
+ */
+#include "common/status.h"
+#include "server/core_internal.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+
+#define CORE_DEFAULT_WAIT_MS 60000u
+
+/* ---------------------------------------------------------------- waiters */
+
+uint64_t core__deadline(uint64_t deadline_ms) {
+  return deadline_ms ? deadline_ms : clock_now_ms() + CORE_DEFAULT_WAIT_MS;
+}
+
+/* Invokes and frees every waiter of a fire list. Called with no lock held. */
+void core__fire(waiter *w) {
+  while (w) {
+    waiter *next = w->next;
+    switch (w->kind) {
+    case WAITER_VERSION:
+      if (w->cb.version)
+        w->cb.version(w->arg, w->status, w->version);
+      break;
+    case WAITER_STATS:
+      if (w->cb.stats)
+        w->cb.stats(w->arg, w->status, &w->stats);
+      break;
+    case WAITER_APPLY:
+      if (w->cb.apply)
+        w->cb.apply(w->arg, w->status, &w->apply);
+      break;
+    case WAITER_SNAPSHOT: {
+      ckpt_call *call = w->arg;
+      pthread_mutex_lock(&call->mu);
+      call->status = w->status;
+      call->done = 1;
+      pthread_cond_signal(&call->cv);
+      pthread_mutex_unlock(&call->mu);
+      break;
+    }
+    }
+    free(w);
+    w = next;
+  }
+}
+
+/* Registers a waiter with a deadline and wakes the worker if the deadline is
+ * earlier than the one it sleeps towards. Called with mu held. */
+void core__add_timed(core *c, waiter **list, waiter *w) {
+  waiter_push(list, w);
+  if (w->deadline < c->next_deadline) {
+    c->next_deadline = w->deadline;
+    pthread_cond_signal(&c->worker_cv);
+  }
+}
+
+/* ---------------------------------------------------------------- worker */
+
+/* Moves every version waiter whose condition holds to the fire list. Called
+ * with mu held. */
+void core__collect_versions(core *c, waiter **fire) {
+  if (!c->open || c->initialized_pieces < c->npieces)
+    return;
+  for (waiter **pw = &c->version_waiters; *pw;) {
+    waiter *w = *pw;
+    if (w->key <= c->version) {
+      *pw = w->next;
+      w->status = ZS_OK;
+      w->version = c->version;
+      waiter_push(fire, w);
+    } else {
+      pw = &w->next;
+    }
+  }
+}
+
+/* Moves every expired waiter to the fire list with ZS_ETIMEDOUT and returns
+ * the earliest deadline still pending. Called with mu held. */
+static uint64_t core_collect_expired(core *c, uint64_t now, waiter **fire) {
+  uint64_t next = UINT64_MAX;
+  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->snapshot_waiters};
+  for (int i = 0; i < 3; i++) {
+    for (waiter **pw = lists[i]; *pw;) {
+      waiter *w = *pw;
+      if (w->deadline <= now) {
+        *pw = w->next;
+        w->status = ZS_ETIMEDOUT;
+        w->version = c->version;
+        w->stats.step = w->key;
+        waiter_push(fire, w);
+      } else {
+        if (w->deadline < next)
+          next = w->deadline;
+        pw = &w->next;
+      }
+    }
+  }
+  return next;
+}
+
+static void core_stats_block(void *arg, size_t b) {
+  core *c = arg;
+  uint64_t begin = (uint64_t)b * CORE_STATS_BLOCK;
+  uint64_t n = c->nelems - begin < CORE_STATS_BLOCK ? c->nelems - begin : CORE_STATS_BLOCK;
+  int nf = 0;
+  c->block_sums[b] = optim_sum_squares(c->acc + begin, (size_t)n, &nf);
+  c->block_nonfinite[b] = nf;
+}
+
+/* Computes the pending step's statistics and fires its stats waiters. The
+ * blocks may run on any thread; they are added in block order, so the sum
+ * does not depend on the thread count. Called on the worker, no lock held. */
+static void core_compute_stats(core *c) {
+  pthread_rwlock_rdlock(&c->state_rw);
+  pool_run(c->pool, c->nblocks, core_stats_block, c);
+  double sum = 0.0;
+  int nonfinite = 0;
+  for (size_t b = 0; b < c->nblocks; b++) {
+    sum += c->block_sums[b];
+    nonfinite |= c->block_nonfinite[b];
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+
+  waiter *fire = NULL;
+  pthread_mutex_lock(&c->mu);
+  c->stats.step = c->version + 1;
+  c->stats.sum_squares = sum;
+  c->stats.nonfinite = nonfinite;
+  c->stats_phase = STATS_READY;
+  while (c->stats_waiters) {
+    waiter *w = c->stats_waiters;
+    c->stats_waiters = w->next;
+    w->status = ZS_OK;
+    w->stats = c->stats;
+    waiter_push(&fire, w);
+  }
+  pthread_mutex_unlock(&c->mu);
+  core__fire(fire);
+}
+
+/* The optimizer parameters of group g with everything that does not depend on
+ * the step filled in. */
+static optim_params core_group_params(const core *c, uint32_t g) {
+  return optim_params_of_group(&c->spec.groups[g], c->spec.param_dtype);
+}
+
+static void core_apply_chunk(void *arg, size_t i) {
+  core *c = arg;
+  const apply_task *t = &c->tasks[i];
+  float *m = c->range_m[t->range] ? c->range_m[t->range] + t->begin : NULL;
+  float *v = c->range_v[t->range] ? c->range_v[t->range] + t->begin : NULL;
+  optim_apply(&c->plans[t->range], c->master + t->begin, m, v, c->acc + t->begin, c->low + t->begin,
+              (size_t)t->n);
+}
+
+/* Runs the queued apply, advances the version and fires the apply and version
+ * waiters. Called on the worker, no lock held. */
+static void core_run_apply(core *c) {
+  pthread_mutex_lock(&c->mu);
+  uint64_t step = c->version + 1;
+  double lr = c->apply_lr;
+  float coef = c->apply_coef;
+  int skip = c->apply_skip;
+  uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u);
+  c->apply_state = APPLY_RUNNING;
+  pthread_mutex_unlock(&c->mu);
+
+  pthread_rwlock_wrlock(&c->state_rw);
+  uint64_t t0 = clock_now_ns();
+  if (skip) {
+    /* The weights, moments and low copy stay as they are; only this step's
+     * gradient is dropped. */
+    if (c->nelems > 0)
+      memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
+  } else {
+    float grad_scale =
+        c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+    for (uint32_t r = 0; r < c->nranges; r++) {
+      optim_params p = core_group_params(c, c->ranges[r].group);
+      p.lr = lr * c->spec.groups[c->ranges[r].group].lr_scale;
+      p.step = opt_steps;
+      p.grad_scale = grad_scale;
+      optim_plan_init(&c->plans[r], &p);
+    }
+    core__wait_pins(c, "apply");
+    pool_run(c->pool, c->ntasks, core_apply_chunk, c);
+    pool_run(c->pool, c->npieces, core__low_crc_task, c);
+  }
+  double seconds = (double)(clock_now_ns() - t0) / 1e9;
+  histogram_observe_seconds(c->apply_hist, seconds);
+  /* Every piece completed the step, so nothing is held: only the bitmaps and
+   * next_k need resetting. No push runs while state_rw is held exclusively. */
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    c->pieces[i].next_k = 0;
+    c->pieces[i].one_before_zero = 0;
+  }
+  if (c->npieces > 0)
+    memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);
+  atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
+
+  waiter *fire = NULL;
+  pthread_mutex_lock(&c->mu);
+  c->version = step;
+  c->optimizer_steps = opt_steps;
+  /* The pending client state cannot change once the apply is queued, so the
+   * one read here is the one recorded for this step, if any. */
+  if (c->pending_cs_step == step && c->pending_cs_len > 0) {
+    memcpy(c->client_state, c->pending_cs, c->pending_cs_len);
+    c->client_state_len = c->pending_cs_len;
+  }
+  c->pending_cs_step = 0;
+  c->pending_cs_len = 0;
+  c->ckpt_untouched = 0;
+  c->applies++;
+  if (skip)
+    c->skipped_steps++;
+  c->apply_seconds_total += seconds;
+  c->last_stats = c->stats;
+  c->last_stats_valid = 1;
+  c->last_apply_valid = 1;
+  c->last_lr = lr;
+  c->last_coef = coef;
+  c->last_skip = skip;
+  c->last_apply = (core_apply_result){
+      .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
+  c->apply_state = APPLY_NONE;
+  core__begin_step(c);
+  while (c->apply_waiters) {
+    waiter *w = c->apply_waiters;
+    c->apply_waiters = w->next;
+    w->status = ZS_OK;
+    w->apply = c->last_apply;
+    waiter_push(&fire, w);
+  }
+  core__collect_versions(c, &fire);
+  core_applied_fn applied = c->applied_fn;
+  void *applied_arg = c->applied_arg;
+  core_apply_result done = c->last_apply;
+  pthread_mutex_unlock(&c->mu);
+  pthread_rwlock_unlock(&c->state_rw);
+
+  LOG_DEBUG("apply", "shard=%u step=%" PRIu64 " skipped=%d seconds=%.6f", c->shard_id, step, skip,
+            seconds);
+  /* Before the callbacks: whoever hangs on the hook hears of the step no
+   * later than the trainers whose Apply it answers. */
+  if (applied)
+    applied(applied_arg, &done);
+  core__fire(fire);
+}
+
+void *core__worker(void *arg) {
+  core *c = arg;
+  pthread_mutex_lock(&c->mu);
+  while (!c->stop) {
+    waiter *fire = NULL;
+    uint64_t next = core_collect_expired(c, clock_now_ms(), &fire);
+    if (c->version_event) {
+      c->version_event = 0;
+      core__collect_versions(c, &fire);
+    }
+    int do_stats = c->stats_phase == STATS_COMPUTING;
+    /* A restore, then snapshots of the current version, go before the next
+     * apply: a snapshot asked for version v must see v, not v + 1. */
+    ckpt_call *restore = do_stats ? NULL : c->restore_call;
+    if (restore)
+      c->restore_call = NULL;
+    waiter *snap = do_stats || restore ? NULL : core__take_snapshot(c, &fire);
+    int do_apply = !do_stats && !restore && !snap && c->apply_state == APPLY_QUEUED;
+    if (fire || do_stats || restore || snap || do_apply) {
+      pthread_mutex_unlock(&c->mu);
+      core__fire(fire);
+      if (do_stats)
+        core_compute_stats(c);
+      else if (restore)
+        core__run_restore(c, restore);
+      else if (snap)
+        core__run_snapshot(c, snap);
+      else if (do_apply)
+        core_run_apply(c);
+      pthread_mutex_lock(&c->mu);
+      continue;
+    }
+    c->next_deadline = next;
+    if (next == UINT64_MAX) {
+      pthread_cond_wait(&c->worker_cv, &c->mu);
+    } else {
+      struct timespec ts = {.tv_sec = (time_t)(next / 1000u),
+                            .tv_nsec = (long)(next % 1000u) * 1000000L};
+      pthread_cond_timedwait(&c->worker_cv, &c->mu, &ts);
+    }
+    /* Whatever woke us, the next pass recomputes the deadline. */
+    c->next_deadline = 0;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return NULL;
+}
+
+/* ---------------------------------------------------------------- waits */
+
+int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
+                      core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen) {
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core__check_job(c, hash, err, errlen);
+  if (rc != 0)
+    goto done;
+  if (c->initialized_pieces == c->npieces && c->version >= min_version) {
+    if (version)
+      *version = c->version;
+    goto done;
+  }
+  if (c->ckpt_loaded && min_version > c->version + 1) {
+    rc = core__behind(c, "wait", min_version, err, errlen);
+    goto done;
+  }
+  uint64_t deadline = core__deadline(deadline_ms);
+  if (deadline <= clock_now_ms()) {
+    rc = status_fail(err, errlen, ZS_ETIMEDOUT,
+                     "deadline passed waiting for version %" PRIu64 " (shard %u is at %" PRIu64
+                     ", %u of %u pieces initialised)",
+                     min_version, c->shard_id, c->version, c->initialized_pieces, c->npieces);
+    goto done;
+  }
+  waiter *w = calloc(1, sizeof *w);
+  if (!w) {
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    goto done;
+  }
+  w->kind = WAITER_VERSION;
+  w->key = min_version;
+  w->deadline = deadline;
+  w->cb.version = cb;
+  w->arg = arg;
+  core__add_timed(c, &c->version_waiters, w);
+  rc = CORE_PENDING;
+done:
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
+                    void *arg, core_stats_result *out, char *err, size_t errlen) {
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core__check_job(c, hash, err, errlen);
+  if (rc != 0)
+    goto done;
+  if (c->last_stats_valid && step == c->version) {
+    if (out)
+      *out = c->last_stats;
+    goto done;
+  }
+  if (c->ckpt_loaded && step > c->version + 1) {
+    rc = core__behind(c, "statistics", step, err, errlen);
+    goto done;
+  }
+  if (step != c->version + 1) {
+    rc = status_fail(err, errlen, ZS_ESTEP,
+                     "statistics asked for step %" PRIu64 " but shard %u is at version %" PRIu64
+                     " (pending step %" PRIu64 ")",
+                     step, c->shard_id, c->version, c->version + 1);
+    goto done;
+  }
+  if (c->stats_phase == STATS_READY) {
+    if (out)
+      *out = c->stats;
+    goto done;
+  }
+  uint64_t deadline = core__deadline(deadline_ms);
+  if (deadline <= clock_now_ms()) {
+    rc = status_fail(err, errlen, ZS_ETIMEDOUT,
+                     "deadline passed waiting for the contributions of step %" PRIu64, step);
+    goto done;
+  }
+  waiter *w = calloc(1, sizeof *w);
+  if (!w) {
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    goto done;
+  }
+  w->kind = WAITER_STATS;
+  w->key = step;
+  w->deadline = deadline;
+  w->cb.stats = cb;
+  w->arg = arg;
+  core__add_timed(c, &c->stats_waiters, w);
+  rc = CORE_PENDING;
+done:
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- apply */
+
+static int core_same_apply(double lr, float coef, int skip, double lr2, float coef2, int skip2) {
+  return lr == lr2 && coef == coef2 && !skip == !skip2;
+}
+
+int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
+               core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
+  waiter *w = NULL;
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core__check_job(c, hash, err, errlen);
+  if (rc != 0)
+    goto done;
+  /* A learning rate or coefficient that is not finite would poison every
+   * weight of the shard. */
+  if (!isfinite(lr) || lr < 0.0 || !isfinite(coef)) {
+    rc = status_fail(err, errlen, ZS_EINVAL, "apply needs a finite lr >= 0 and a finite coef");
+    goto done;
+  }
+  if (c->last_apply_valid && step == c->version) {
+    if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip)) {
+      if (out)
+        *out = c->last_apply;
+    } else {
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d, not lr=%g "
+                       "coef=%g skip=%d",
+                       step, c->last_lr, (double)c->last_coef, c->last_skip, lr, (double)coef,
+                       !!skip);
+    }
+    goto done;
+  }
+  if (c->ckpt_loaded && step > c->version + 1) {
+    rc = core__behind(c, "apply", step, err, errlen);
+    goto done;
+  }
+  if (step != c->version + 1) {
+    rc = status_fail(err, errlen, ZS_ESTEP,
+                     "apply for step %" PRIu64 " but shard %u expects step %" PRIu64, step,
+                     c->shard_id, c->version + 1);
+    goto done;
+  }
+  if (c->apply_state != APPLY_NONE) {
+    if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip)) {
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d, not lr=%g "
+                       "coef=%g skip=%d",
+                       step, c->apply_lr, (double)c->apply_coef, c->apply_skip, lr, (double)coef,
+                       !!skip);
+      goto done;
+    }
+  } else {
+    if (c->stats_phase != STATS_READY) {
+      uint64_t want = (uint64_t)c->npieces * c->WM;
+      uint64_t have = atomic_load_explicit(&c->contributions, memory_order_relaxed);
+      rc = status_fail(err, errlen, ZS_ENOTREADY,
+                       "step %" PRIu64 " still misses %" PRIu64 " of %" PRIu64
+                       " contributions on shard %u",
+                       step, want - (have < want ? have : want), want, c->shard_id);
+      goto done;
+    }
+    if (c->initialized_pieces < c->npieces) {
+      rc = status_fail(err, errlen, ZS_ENOTREADY,
+                       "%u of %u pieces of shard %u have no initial weights",
+                       c->npieces - c->initialized_pieces, c->npieces, c->shard_id);
+      goto done;
+    }
+    if (c->stats.nonfinite && !skip) {
+      rc = status_fail(err, errlen, ZS_ENONFINITE,
+                       "step %" PRIu64 " has non-finite gradients on shard %u: it must be skipped",
+                       step, c->shard_id);
+      goto done;
+    }
+  }
+  if (cb) {
+    w = calloc(1, sizeof *w);
+    if (!w) {
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering an apply");
+      goto done;
+    }
+    w->kind = WAITER_APPLY;
+    w->key = step;
+    w->cb.apply = cb;
+    w->arg = arg;
+    waiter_push(&c->apply_waiters, w);
+  }
+  if (c->apply_state == APPLY_NONE) {
+    c->apply_state = APPLY_QUEUED;
+    c->apply_lr = lr;
+    c->apply_coef = coef;
+    c->apply_skip = !!skip;
+    pthread_cond_signal(&c->worker_cv);
+  }
+  rc = CORE_PENDING;
+done:
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+void core_set_applied_hook(core *c, core_applied_fn fn, void *arg) {
+  pthread_mutex_lock(&c->mu);
+  c->applied_fn = fn;
+  c->applied_arg = fn ? arg : NULL;
+  pthread_mutex_unlock(&c->mu);
+}
