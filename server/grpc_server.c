@@ -64,6 +64,7 @@
 #include "common/log.h"
 #include "common/rpc_client.h"
 #include "common/status.h"
+#include "common/tsan.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "zshard/v1/zshard.pb-c.h"
 
@@ -248,6 +249,14 @@ static void gcall_ref(gcall *c) {
   atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
 }
 
+/* grpc_call_start_batch, telling ThreadSanitizer that whatever the caller did
+ * to the call so far happens before the tag comes out of the queue (see
+ * common/tsan.h). The arguments are read before the release, in the caller. */
+static grpc_call_error start_batch(grpc_call *call, const grpc_op *ops, size_t n, gtag *tag) {
+  tsan_release(tag);
+  return grpc_call_start_batch(call, ops, n, tag, NULL);
+}
+
 /* Releases everything of gRPC's that the call holds, the grpc_call last. Runs
  * when the final batch completes, so that a gcall kept alive afterwards only by
  * a core callback (possibly past grpc_shutdown) holds plain memory only. */
@@ -366,7 +375,7 @@ static void send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *de
   ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
   c->io_tag.done = on_final;
   gcall_ref(c);
-  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->io_tag, NULL);
+  grpc_call_error e = start_batch(c->call, ops, n, &c->io_tag);
   if (e != GRPC_CALL_OK) {
     LOG_ERROR("grpc_batch_failed", "method=%s error=%s",
               c->method < M_COUNT ? methods[c->method].path : "unknown",
@@ -456,7 +465,7 @@ static void resume_from_core(gcall *c) {
   if (atomic_exchange(&c->claimed, 1) == 0) {
     c->io_tag.done = on_hop;
     gcall_ref(c);
-    grpc_call_error e = grpc_call_start_batch(c->call, NULL, 0, &c->io_tag, NULL);
+    grpc_call_error e = start_batch(c->call, NULL, 0, &c->io_tag);
     if (e != GRPC_CALL_OK) {
       gcall_unref(c);
       send_final(c, NULL, ZS_EINTERNAL, "cannot resume the call after the core answered");
@@ -1347,7 +1356,7 @@ static void watch_kick_locked(gsrv *s, gcall *c) {
     c->w_sent = st;
     c->io_tag.done = on_watch_sent;
     gcall_ref(c);
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->io_tag, NULL);
+    grpc_call_error e = start_batch(c->call, ops, n, &c->io_tag);
     if (e != GRPC_CALL_OK) {
       LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
       grpc_byte_buffer_destroy(c->reply);
@@ -1363,7 +1372,7 @@ static void watch_kick_locked(gsrv *s, gcall *c) {
     status_op(c, &ops[0], ZS_ECLOSED, "the server is shutting down");
     c->io_tag.done = on_watch_final;
     gcall_ref(c);
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, 1, &c->io_tag, NULL);
+    grpc_call_error e = start_batch(c->call, ops, 1, &c->io_tag);
     if (e != GRPC_CALL_OK) {
       LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
       list_remove_locked(&s->watchers, c);
@@ -1440,7 +1449,7 @@ static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   op.data.recv_close_on_server.cancelled = &c->cancelled;
   c->close_tag.done = on_watch_close;
   gcall_ref(c);
-  grpc_call_error e = grpc_call_start_batch(c->call, &op, 1, &c->close_tag, NULL);
+  grpc_call_error e = start_batch(c->call, &op, 1, &c->close_tag);
   if (e != GRPC_CALL_OK) {
     pthread_mutex_unlock(&s->lock);
     gcall_unref(c);
@@ -1475,6 +1484,7 @@ static int post_slot_locked(gsrv *s, int method) {
     return ZS_ENOMEM;
   c->req_tag.done = on_request;
   grpc_call_error e;
+  tsan_release(&c->req_tag);
   if (method == M_GENERIC)
     e = grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq, s->cq,
                                  &c->req_tag);
@@ -1569,6 +1579,7 @@ static void *poll_main(void *arg) {
       break;
     if (ev.type == GRPC_OP_COMPLETE) {
       gtag *t = ev.tag;
+      tsan_acquire(t);
       t->done(t, ev.success);
     }
   }
@@ -1612,6 +1623,8 @@ static void teardown(gsrv *s) {
       grpc_event ev;
       do {
         ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        if (ev.type == GRPC_OP_COMPLETE)
+          tsan_acquire(ev.tag);
         if (ev.type == GRPC_OP_COMPLETE && ev.tag != &s->shutdown_tag)
           ((gtag *)ev.tag)->done(ev.tag, ev.success);
       } while (ev.type != GRPC_OP_COMPLETE || ev.tag != &s->shutdown_tag);

@@ -23,10 +23,19 @@
 
 #include "common/crc32c.h"
 #include "common/crc32c_impl.h"
+#include "common/tsan.h"
 
 #define POLY 0x82f63b78u
 #define MAXLEN 5000
 #define NALIGN 16
+/* Under ThreadSanitizer every byte a path loads is checked (about 20 times
+ * slower, for a program with one thread), so the two length sweeps visit 4 of
+ * the 16 alignments there: 0, 5, 10 and 15, still every residue modulo 4. */
+#ifdef ZS_TSAN
+#define ALIGN_STEP 5
+#else
+#define ALIGN_STEP 1
+#endif
 
 static uint64_t rng_state = 0x243f6a8885a308d3ull;
 
@@ -162,7 +171,7 @@ static void every_path_matches_the_reference_for_lengths_0_to_5000_at_16_alignme
   uint8_t *buf = malloc(MAXLEN + NALIGN);
   assert_non_null(buf);
   fill_random(buf, MAXLEN + NALIGN);
-  for (size_t off = 0; off < NALIGN; off++)
+  for (size_t off = 0; off < NALIGN; off += ALIGN_STEP)
     check_length_range(buf, off, 0, MAXLEN, 0);
   free(buf);
 }
@@ -221,7 +230,7 @@ static void every_path_matches_the_reference_around_every_block_boundary(void **
   assert_non_null(buf);
   fill_random(buf, maxlen + 20 + NALIGN);
   for (size_t i = 0; i < n; i++)
-    for (size_t off = 0; off < NALIGN; off++)
+    for (size_t off = 0; off < NALIGN; off += ALIGN_STEP)
       check_length_range(buf, off, lens[i] < 17 ? 0 : lens[i] - 17, lens[i] + 17, 0x5eed0000u);
   free(buf);
 }
