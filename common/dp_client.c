@@ -62,17 +62,6 @@
 #define DPC_DIRECT_MIN (16u << 10)
 #define DPC_READ_CHUNK (512u << 10)
 
-/* snprintf for messages that may be cut: a sentence too long for its buffer
- * is shortened, which is what we want, so the compiler need not warn. */
-static void say(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-
-static void say(char *buf, size_t len, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, len, fmt, ap);
-  va_end(ap);
-}
-
 /* ------------------------------------------------------------------------ */
 /* Address resolution                                                       */
 /* ------------------------------------------------------------------------ */
@@ -88,7 +77,7 @@ int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, 
   if (!host[0]) {
     if (!passive)
       return status_fail(err, errlen, ZS_EINVAL, "address \"%s\" has no host", hostport);
-    say(host, sizeof hp.host, "0.0.0.0");
+    status_say(host, sizeof hp.host, "0.0.0.0");
   }
   struct addrinfo hints, *res = NULL;
   memset(&hints, 0, sizeof hints);
@@ -299,7 +288,7 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
   }
   if (was_connecting) {
     pthread_mutex_lock(&c->mu);
-    say(c->connect_err, sizeof c->connect_err, "%s", msg);
+    status_say(c->connect_err, sizeof c->connect_err, "%s", msg);
     pthread_mutex_unlock(&c->mu);
     settle(c);
   }
@@ -337,8 +326,8 @@ static void on_connect(stream *st, void *data, int status) {
     status = stream_read_start(st, on_alloc, on_read);
   }
   if (status != 0) {
-    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text,
-        stream_detail(st)[0] ? stream_detail(st) : zs_strerror(status));
+    status_say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text,
+               stream_detail(st)[0] ? stream_detail(st) : zs_strerror(status));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
     return;
   }
@@ -356,7 +345,7 @@ static void conn_start(dp_cconn *k) {
   k->connect_deadline_ms = clock_now_ms() + c->connect_ms;
   int rc = stream_dial(c->dialer, on_connect, k, &k->st);
   if (rc != 0) {
-    say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text, zs_strerror(rc));
+    status_say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text, zs_strerror(rc));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
   }
   timer_update(c);
@@ -375,7 +364,8 @@ static void on_written(stream_write_req *w, int status) {
   }
   if (status < 0 && r->conn) {
     char msg[DP_ERRLEN];
-    say(msg, sizeof msg, "writing to %s failed: %s", r->conn->c->addr_text, stream_detail(w->s));
+    status_say(msg, sizeof msg, "writing to %s failed: %s", r->conn->c->addr_text,
+               stream_detail(w->s));
     conn_fail(r->conn, ZS_ECONN, msg, NULL, 0);
   }
 }
@@ -418,8 +408,8 @@ static void conn_write(dp_cconn *k, dp_req *r) {
   if (rc != 0) {
     r->writing = 0;
     char msg[DP_ERRLEN];
-    say(msg, sizeof msg, "writing to %s failed: %s", c->addr_text,
-        stream_detail(k->st)[0] ? stream_detail(k->st) : zs_strerror(rc));
+    status_say(msg, sizeof msg, "writing to %s failed: %s", c->addr_text,
+               stream_detail(k->st)[0] ? stream_detail(k->st) : zs_strerror(rc));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
   }
 }
@@ -474,7 +464,7 @@ static void on_alloc(stream *st, void *data, size_t suggested, uv_buf_t *buf) {
 /* The server broke the protocol: nothing on this connection can be trusted. */
 static void conn_protocol_error(dp_cconn *k, const char *what) {
   char msg[DP_ERRLEN];
-  say(msg, sizeof msg, "protocol error from %s: %s", k->c->addr_text, what);
+  status_say(msg, sizeof msg, "protocol error from %s: %s", k->c->addr_text, what);
   conn_fail(k, ZS_EPROTO, msg, NULL, 0);
 }
 
@@ -491,8 +481,9 @@ static int batch_answer(dp_cconn *k, dp_req *r, void **dst) {
     const wire_push_batch_ack *a = &m->u.push_batch_ack;
     req_detach(c, r);
     if (a->npieces != r->msg.u.push_batch.npieces) {
-      say(msg, sizeof msg, "push batch %" PRIu64 " of %" PRIu32 " pieces answered for %" PRIu32,
-          m->request_id, r->msg.u.push_batch.npieces, a->npieces);
+      status_say(msg, sizeof msg,
+                 "push batch %" PRIu64 " of %" PRIu32 " pieces answered for %" PRIu32,
+                 m->request_id, r->msg.u.push_batch.npieces, a->npieces);
       req_complete(r, ZS_EPROTO, 0, 0, msg);
     } else {
       dp_result res = {.status = 0,
@@ -510,10 +501,10 @@ static int batch_answer(dp_cconn *k, dp_req *r, void **dst) {
   for (uint32_t i = 0; ok && i < q->npieces; i++)
     ok = d->length[i] == q->pieces[i].length;
   if (!ok) {
-    say(msg, sizeof msg,
-        "pull batch %" PRIu64 " of %" PRIu32 " pieces answered with %" PRIu32
-        " pieces or other sizes",
-        m->request_id, q->npieces, d->npieces);
+    status_say(msg, sizeof msg,
+               "pull batch %" PRIu64 " of %" PRIu32 " pieces answered with %" PRIu32
+               " pieces or other sizes",
+               m->request_id, q->npieces, d->npieces);
     req_detach(c, r);
     req_complete(r, ZS_EPROTO, 0, 0, msg);
     return k->state == C_READY ? 0 : -1;
@@ -533,13 +524,13 @@ static int on_meta(dp_cconn *k) {
   void *dst = NULL;
   if (m->type != WIRE_PUSH_ACK && m->type != WIRE_PULL_DATA && m->type != WIRE_ERROR &&
       m->type != WIRE_PONG && m->type != WIRE_PUSH_BATCH_ACK && m->type != WIRE_PULL_BATCH_DATA) {
-    say(msg, sizeof msg, "the server sent a %s frame", wire_type_name(m->type));
+    status_say(msg, sizeof msg, "the server sent a %s frame", wire_type_name(m->type));
     conn_protocol_error(k, msg);
     return -1;
   }
   if (m->type == WIRE_ERROR && m->request_id == 0 && rd->meta_status == 0) {
     /* The server gave up on the connection and says why. */
-    say(msg, sizeof msg, "%s closed the connection: %s", c->addr_text, m->u.error.message);
+    status_say(msg, sizeof msg, "%s closed the connection: %s", c->addr_text, m->u.error.message);
     conn_fail(k, m->u.error.status, msg, NULL, 0);
     return -1;
   }
@@ -556,8 +547,8 @@ static int on_meta(dp_cconn *k) {
              (m->type == WIRE_PONG && r->msg.type != WIRE_PING) ||
              (m->type == WIRE_PUSH_BATCH_ACK && r->msg.type != WIRE_PUSH_BATCH) ||
              (m->type == WIRE_PULL_BATCH_DATA && r->msg.type != WIRE_PULL_BATCH)) {
-    say(msg, sizeof msg, "request %" PRIu64 " (%s) answered with %s", m->request_id,
-        wire_type_name(r->msg.type), wire_type_name(m->type));
+    status_say(msg, sizeof msg, "request %" PRIu64 " (%s) answered with %s", m->request_id,
+               wire_type_name(r->msg.type), wire_type_name(m->type));
     conn_protocol_error(k, msg);
     return -1;
   } else if (m->type == WIRE_ERROR) {
@@ -570,15 +561,15 @@ static int on_meta(dp_cconn *k) {
     req_detach(c, r);
     req_complete(r, 0, m->u.push_ack.duplicate && m->type == WIRE_PUSH_ACK, 0, NULL);
   } else if (m->u.pull_data.dtype != (int)r->msg.u.pull.dtype) {
-    say(msg, sizeof msg, "pull %" PRIu64 " answered in dtype %d, asked for %d", m->request_id,
-        m->u.pull_data.dtype, r->msg.u.pull.dtype);
+    status_say(msg, sizeof msg, "pull %" PRIu64 " answered in dtype %d, asked for %d",
+               m->request_id, m->u.pull_data.dtype, r->msg.u.pull.dtype);
     req_detach(c, r);
     req_complete(r, ZS_EPROTO, 0, 0, msg);
   } else if (m->payload_len != r->nbytes) {
-    say(msg, sizeof msg,
-        "the piece (tensor %" PRIu32 ", slice %" PRIu32 ") has %" PRIu64
-        " bytes, the destination %zu",
-        r->msg.u.pull.tensor, r->msg.u.pull.slice, m->payload_len, r->nbytes);
+    status_say(msg, sizeof msg,
+               "the piece (tensor %" PRIu32 ", slice %" PRIu32 ") has %" PRIu64
+               " bytes, the destination %zu",
+               r->msg.u.pull.tensor, r->msg.u.pull.slice, m->payload_len, r->nbytes);
     req_detach(c, r);
     req_complete(r, ZS_ESIZE, 0, 0, msg);
   } else {
@@ -632,9 +623,9 @@ static void on_read(stream *st, void *data, ssize_t nread, const uv_buf_t *buf) 
   if (nread < 0) {
     char msg[DP_ERRLEN];
     if (nread == STREAM_EOF && wire_reader_eof(&k->rd) != 0)
-      say(msg, sizeof msg, "%s closed the connection: %s", c->addr_text, k->rd.err);
+      status_say(msg, sizeof msg, "%s closed the connection: %s", c->addr_text, k->rd.err);
     else
-      say(msg, sizeof msg, "connection to %s lost: %s", c->addr_text, stream_detail(st));
+      status_say(msg, sizeof msg, "connection to %s lost: %s", c->addr_text, stream_detail(st));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
     return;
   }
@@ -655,8 +646,8 @@ static void on_tick(uv_timer_t *t) {
   for (uint32_t i = 0; i < c->nconns; i++) {
     dp_cconn *k = &c->conns[i];
     if (k->state == C_CONNECTING && now >= k->connect_deadline_ms) {
-      say(msg, sizeof msg, "cannot connect to %s: no answer within %u ms", c->addr_text,
-          c->connect_ms);
+      status_say(msg, sizeof msg, "cannot connect to %s: no answer within %u ms", c->addr_text,
+                 c->connect_ms);
       conn_fail(k, ZS_ECONN, msg, NULL, 0);
       continue;
     }
@@ -667,8 +658,8 @@ static void on_tick(uv_timer_t *t) {
       l = l->next;
       if (now < r->deadline_ms)
         continue;
-      say(msg, sizeof msg, "%s request to %s timed out after %u ms", wire_type_name(r->msg.type),
-          c->addr_text, r->timeout_ms);
+      status_say(msg, sizeof msg, "%s request to %s timed out after %u ms",
+                 wire_type_name(r->msg.type), c->addr_text, r->timeout_ms);
       if (r->writing && (r->msg.type == WIRE_PUSH || r->msg.type == WIRE_PUSH_BATCH)) {
         /* The socket still reads the caller's buffer: only closing it stops
          * that. The other requests on it fail as a lost connection. */
@@ -688,8 +679,8 @@ static void on_tick(uv_timer_t *t) {
     l = l->next;
     if (now < r->deadline_ms)
       continue;
-    say(msg, sizeof msg, "%s request to %s timed out after %u ms waiting for a connection",
-        wire_type_name(r->msg.type), c->addr_text, r->timeout_ms);
+    status_say(msg, sizeof msg, "%s request to %s timed out after %u ms waiting for a connection",
+               wire_type_name(r->msg.type), c->addr_text, r->timeout_ms);
     req_detach(c, r);
     req_complete(r, ZS_ETIMEDOUT, 0, 0, msg);
   }
@@ -830,7 +821,7 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
     free(c);
     return status_fail(err, errlen, ZS_ENOMEM, "cannot create a condition variable");
   }
-  say(c->addr_text, sizeof c->addr_text, "%s", cfg->addr);
+  status_say(c->addr_text, sizeof c->addr_text, "%s", cfg->addr);
   c->nconns = cfg->connections ? cfg->connections : 1;
   c->connect_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DPC_DEFAULT_CONNECT_MS;
   c->max_inflight = cfg->max_inflight ? cfg->max_inflight : DPC_DEFAULT_MAX_INFLIGHT;
@@ -880,7 +871,7 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   while (c->settled < c->nconns)
     pthread_cond_wait(&c->cv, &c->mu);
   char cerr[DP_ERRLEN];
-  say(cerr, sizeof cerr, "%s", c->connect_err);
+  status_say(cerr, sizeof cerr, "%s", c->connect_err);
   pthread_mutex_unlock(&c->mu);
   /* The loop thread owns the connection states now; a connection counts as
    * made if any is ready, which the loop reports through a ping. */
@@ -1097,7 +1088,7 @@ static void on_sync_done(void *arg, const dp_result *r) {
   waiter *w = arg;
   pthread_mutex_lock(&w->mu);
   w->res = *r;
-  say(w->msg, sizeof w->msg, "%s", r->message);
+  status_say(w->msg, sizeof w->msg, "%s", r->message);
   w->res.message = w->msg;
   w->done = 1;
   pthread_cond_signal(&w->cv);

@@ -98,6 +98,15 @@ const char *zs_version(void) {
   return ZS__STR(ZS_VERSION_MAJOR) "." ZS__STR(ZS_VERSION_MINOR) "." ZS__STR(ZS_VERSION_PATCH);
 }
 
+void status_say(char *err, size_t errlen, const char *fmt, ...) {
+  if (err && errlen > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+}
+
 int status_fail(char *err, size_t errlen, int status, const char *fmt, ...) {
   if (err && errlen > 0) {
     va_list ap;

@@ -24,5 +24,11 @@ int status_valid(int err);
  * why ("return status_fail(err, errlen, ZS_ESIZE, "...", ...)"). */
 int status_fail(char *err, size_t errlen, int status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* The same sentence where no status is returned with it (a message field
+ * filled for later): formats into err (may be NULL or errlen 0). A sentence
+ * too long for its buffer is cut, which is what a message field wants; going
+ * through this function also spares the caller -Wformat-truncation. */
+void status_say(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 #endif

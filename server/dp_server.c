@@ -119,17 +119,6 @@
 #define PAUSE_FAIR 1u
 #define PAUSE_BACKPRESSURE 2u
 
-/* snprintf for messages that may be cut: a sentence too long for its buffer
- * is shortened, which is what we want, so the compiler need not warn. */
-static void say(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-
-static void say(char *buf, size_t len, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, len, fmt, ap);
-  va_end(ap);
-}
-
 /* ------------------------------------------------------------------------ */
 /* Types                                                                    */
 /* ------------------------------------------------------------------------ */
@@ -593,7 +582,8 @@ static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, i
 static void answer_error(dp_conn *c, uint64_t id, int status, const char *msg) {
   wire_msg m = {.type = WIRE_ERROR, .request_id = id};
   m.u.error.status = status;
-  say(m.u.error.message, sizeof m.u.error.message, "%s", msg && *msg ? msg : zs_strerror(status));
+  status_say(m.u.error.message, sizeof m.u.error.message, "%s",
+             msg && *msg ? msg : zs_strerror(status));
   count(&c->s->st_req_errors, 1);
   conn_send(c, &m, NULL, 1, 0);
 }
@@ -612,7 +602,7 @@ static void conn_fatal(dp_conn *c, int status, const char *msg) {
   conn_update_reading(c);
   wire_msg m = {.type = WIRE_ERROR, .request_id = 0};
   m.u.error.status = status;
-  say(m.u.error.message, sizeof m.u.error.message, "%s", msg);
+  status_say(m.u.error.message, sizeof m.u.error.message, "%s", msg);
   conn_send(c, &m, NULL, 0, 1);
 }
 
@@ -652,8 +642,9 @@ static void work_run_push_batch(dp_work *w) {
     w->piece_status[i] = rc;
     w->piece_dup[i] = rc == 0 && dup;
     if (rc != 0 && w->err[0] == '\0')
-      say(w->err, sizeof w->err, "piece %" PRIu32 " (tensor %" PRIu32 ", slice %" PRIu32 "): %s", i,
-          pc->tensor, pc->slice, err[0] ? err : zs_strerror(rc));
+      status_say(w->err, sizeof w->err,
+                 "piece %" PRIu32 " (tensor %" PRIu32 ", slice %" PRIu32 "): %s", i, pc->tensor,
+                 pc->slice, err[0] ? err : zs_strerror(rc));
     off += (size_t)pc->length;
   }
 }
@@ -682,8 +673,9 @@ static void work_run_pull_batch(dp_work *w, core *co) {
       return;
   }
   w->status = ZS_EINTERNAL;
-  say(w->err, sizeof w->err,
-      "the %" PRIu32 " pieces of the batch kept changing version while being read", w->npieces);
+  status_say(w->err, sizeof w->err,
+             "the %" PRIu32 " pieces of the batch kept changing version while being read",
+             w->npieces);
 }
 
 static void work_run(dp_work *w, core *co) {
@@ -712,7 +704,7 @@ static void work_run(dp_work *w, core *co) {
       void *mem = NULL;
       if (posix_memalign(&mem, 64, w->nbytes ? w->nbytes : 1) != 0) {
         w->status = ZS_ENOMEM;
-        say(w->err, sizeof w->err, "out of memory for the answer buffer");
+        status_say(w->err, sizeof w->err, "out of memory for the answer buffer");
         return;
       }
       w->buf->data = mem;
@@ -748,7 +740,7 @@ static void work_finish(dp_work *w) {
     m.u.push_batch_ack.npieces = w->npieces;
     m.u.push_batch_ack.status = w->piece_status;
     m.u.push_batch_ack.duplicate = w->piece_dup;
-    say(m.u.push_batch_ack.message, sizeof m.u.push_batch_ack.message, "%s", w->err);
+    status_say(m.u.push_batch_ack.message, sizeof m.u.push_batch_ack.message, "%s", w->err);
     conn_send(c, &m, NULL, 1, 0);
   } else if (w->type == WIRE_PULL_BATCH && w->status == 0) {
     uint64_t lengths[WIRE_MAX_BATCH];
@@ -797,7 +789,7 @@ static void on_work_done(uv_work_t *req, int status) {
   dp_work *w = container_of(req, dp_work, req);
   if (status < 0 && w->status == 0) {
     w->status = ZS_ECANCELED;
-    say(w->err, sizeof w->err, "the server is shutting down");
+    status_say(w->err, sizeof w->err, "the server is shutting down");
   }
   work_finish(w);
 }
@@ -820,7 +812,7 @@ static void work_start(dp_work *w) {
   int rc = uv_queue_work(&s->loop, &w->req, on_work, on_work_done);
   if (rc < 0) {
     w->status = ZS_EINTERNAL;
-    say(w->err, sizeof w->err, "cannot queue work: %s", uv_strerror(rc));
+    status_say(w->err, sizeof w->err, "cannot queue work: %s", uv_strerror(rc));
     work_finish(w);
     return;
   }
@@ -958,7 +950,7 @@ static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, const
     return NULL;
   }
   if (c->waiting >= DP_MAX_WAITING_PULLS) {
-    say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
+    status_say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
     answer_error(c, request_id, ZS_ERANGE, err);
     return NULL;
   }
@@ -1078,7 +1070,8 @@ static void on_meta(dp_conn *c) {
   if (m->type != WIRE_PUSH && m->type != WIRE_PULL && m->type != WIRE_PING &&
       m->type != WIRE_PUSH_BATCH && m->type != WIRE_PULL_BATCH) {
     char err[DP_ERRLEN];
-    say(err, sizeof err,
+    status_say(
+        err, sizeof err,
         "a client may send PUSH, PULL or PING (or PUSH_BATCH, PULL_BATCH), not %s (request id "
         "%" PRIu64 ")",
         wire_type_name(m->type), m->request_id);
@@ -1306,7 +1299,7 @@ static void on_check(uv_check_t *h) {
 
 static void peer_name(dp_conn *c) {
   struct sockaddr_storage ss;
-  say(c->peer, sizeof c->peer, "?");
+  status_say(c->peer, sizeof c->peer, "?");
   if (stream_peer_addr(c->st, &ss) != 0)
     return;
   char host[48] = "";
@@ -1315,12 +1308,12 @@ static void peer_name(dp_conn *c) {
     const struct sockaddr_in *a = (const struct sockaddr_in *)&ss;
     uv_ip4_name(a, host, sizeof host);
     port = ntohs(a->sin_port);
-    say(c->peer, sizeof c->peer, "%s:%d", host, port);
+    status_say(c->peer, sizeof c->peer, "%s:%d", host, port);
   } else if (ss.ss_family == AF_INET6) {
     const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&ss;
     uv_ip6_name(a, host, sizeof host);
     port = ntohs(a->sin6_port);
-    say(c->peer, sizeof c->peer, "[%s]:%d", host, port);
+    status_say(c->peer, sizeof c->peer, "[%s]:%d", host, port);
   }
 }
 
@@ -1474,7 +1467,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (s->svc && service_core(s->svc) != s->core) {
     free(s);
     if (err && errlen)
-      say(err, errlen, "dp_server_start: the service drives another core");
+      status_say(err, errlen, "dp_server_start: the service drives another core");
     return ZS_EINVAL;
   }
   if (!s->svc && service_create(s->core, NULL, &s->svc) != 0) {
@@ -1545,7 +1538,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
 
 fail:
   if (err && errlen && !err[0])
-    say(err, errlen, "cannot start the data plane on %s: %s", cfg->listen, zs_strerror(rc));
+    status_say(err, errlen, "cannot start the data plane on %s: %s", cfg->listen, zs_strerror(rc));
   server_free(s);
   return rc;
 }
