@@ -853,7 +853,8 @@ static void quiet_clients_hold_up_no_scrape_and_are_closed_at_their_timeout(void
    * through its request line, one that asks and never reads. */
   int silent = connect_local(port);
   int half = connect_local(port);
-  send_all(half, "GET /metrics HTTP/1.1\r\nHo", 27);
+  const char *partial = "GET /metrics HTTP/1.1\r\nHo";
+  send_all(half, partial, strlen(partial));
   int deaf = connect_local(port);
   const char *req = "GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n";
   send_all(deaf, req, strlen(req));
