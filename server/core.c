@@ -212,6 +212,16 @@ struct core {
   int last_skip;
   core_apply_result last_apply;
   uint64_t optimizer_steps;
+  /* Per-group learning rates of the queued apply and of the last applied
+   * step (core_apply_groups), num_groups entries each, allocated with the
+   * job; a count of 0 means lr * lr_scale. Under mu. */
+  double *apply_glr, *last_glr;
+  uint32_t apply_nglr, last_nglr;
+  /* The core_close call the worker is to run (under mu), and whether spec
+   * and layout still hold a closed job's, kept so that a pointer core_spec
+   * handed out before the close stays readable until the next core_open. */
+  ckpt_call *close_call;
+  int stale_job;
   /* The client state of `version`, written (by an apply or a restore) under
    * state_rw exclusive and mu like the version, so either lock reads it; and
    * the one the apply of pending_cs_step is to commit, under mu (0: none; a
@@ -353,6 +363,10 @@ static void core_job_free(core *c) {
   free(c->tasks);
   free(c->block_sums);
   free(c->block_nonfinite);
+  free(c->apply_glr);
+  free(c->last_glr);
+  c->apply_glr = c->last_glr = NULL;
+  c->apply_nglr = c->last_nglr = 0;
   layout_free(&c->layout);
   spec_free(&c->spec);
   c->pieces = NULL;
@@ -473,6 +487,10 @@ static int core_job_build(core *c) {
   c->block_sums = calloc(c->nblocks + 1, sizeof *c->block_sums);
   c->block_nonfinite = calloc(c->nblocks + 1, sizeof *c->block_nonfinite);
   if (!c->block_sums || !c->block_nonfinite)
+    return ZS_ENOMEM;
+  c->apply_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->apply_glr);
+  c->last_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->last_glr);
+  if (!c->apply_glr || !c->last_glr)
     return ZS_ENOMEM;
   return 0;
 }
@@ -747,6 +765,8 @@ static void core_run_apply(core *c) {
   double lr = c->apply_lr;
   float coef = c->apply_coef;
   int skip = c->apply_skip;
+  /* apply_glr does not change while the apply is queued or running. */
+  const double *glr = c->apply_nglr ? c->apply_glr : NULL;
   uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u);
   c->apply_state = APPLY_RUNNING;
   pthread_mutex_unlock(&c->mu);
@@ -763,7 +783,7 @@ static void core_run_apply(core *c) {
         c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
     for (uint32_t r = 0; r < c->nranges; r++) {
       optim_params p = core_group_params(c, c->ranges[r].group);
-      p.lr = lr * c->spec.groups[c->ranges[r].group].lr_scale;
+      p.lr = glr ? glr[c->ranges[r].group] : lr * c->spec.groups[c->ranges[r].group].lr_scale;
       p.step = opt_steps;
       p.grad_scale = grad_scale;
       optim_plan_init(&c->plans[r], &p);
@@ -807,6 +827,9 @@ static void core_run_apply(core *c) {
   c->last_lr = lr;
   c->last_coef = coef;
   c->last_skip = skip;
+  c->last_nglr = c->apply_nglr;
+  if (c->apply_nglr)
+    memcpy(c->last_glr, c->apply_glr, c->apply_nglr * sizeof *c->last_glr);
   c->last_apply = (core_apply_result){
       .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
   c->apply_state = APPLY_NONE;
@@ -837,6 +860,7 @@ static void core_run_apply(core *c) {
 static waiter *core_take_snapshot(core *c, waiter **fire);
 static void core_run_snapshot(core *c, waiter *w);
 static void core_run_restore(core *c, ckpt_call *call);
+static void core_run_close(core *c, ckpt_call *call);
 
 static void *core_worker(void *arg) {
   core *c = arg;
@@ -851,6 +875,16 @@ static void *core_worker(void *arg) {
     int do_stats = c->stats_phase == STATS_COMPUTING;
     /* A restore, then snapshots of the current version, go before the next
      * apply: a snapshot asked for version v must see v, not v + 1. */
+    /* A close goes first: it refuses while a restore or snapshot is pending. */
+    ckpt_call *close = do_stats ? NULL : c->close_call;
+    if (close) {
+      c->close_call = NULL;
+      pthread_mutex_unlock(&c->mu);
+      core_fire(fire);
+      core_run_close(c, close);
+      pthread_mutex_lock(&c->mu);
+      continue;
+    }
     ckpt_call *restore = do_stats ? NULL : c->restore_call;
     if (restore)
       c->restore_call = NULL;
@@ -988,6 +1022,15 @@ void core_destroy(core *c) {
     }
   }
   core_fire(fire);
+  if (c->close_call) {
+    ckpt_call *call = c->close_call;
+    c->close_call = NULL;
+    pthread_mutex_lock(&call->mu);
+    call->status = ZS_ECLOSED;
+    call->done = 1;
+    pthread_cond_signal(&call->cv);
+    pthread_mutex_unlock(&call->mu);
+  }
   if (c->restore_call) {
     ckpt_call *call = c->restore_call;
     c->restore_call = NULL;
@@ -1009,6 +1052,11 @@ void core_destroy(core *c) {
 }
 
 int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t errlen) {
+  return core_open_ex(c, s, CORE_OPEN_EITHER, out, err, errlen);
+}
+
+int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err,
+                 size_t errlen) {
   if (!s)
     return status_fail(err, errlen, ZS_EINVAL, "no spec given");
   if (s->num_shards != c->num_shards)
@@ -1019,12 +1067,40 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
   int rc = 0, created = 0;
   pthread_rwlock_wrlock(&c->state_rw);
   if (c->open) {
-    if (hash != c->hash)
+    if (hash != c->hash && mode == CORE_OPEN_CREATE)
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "cannot create the job: shard %u already has job '%s' (spec hash %016" PRIx64
+                       ", version %" PRIu64 "); close it first (zshard close-job, zs_close_job)",
+                       c->shard_id, c->spec.job, c->hash, c->version);
+    else if (hash != c->hash)
       rc = status_fail(err, errlen, ZS_EHASH,
                        "shard %u already has job '%s' with spec hash %016" PRIx64
                        "; the request's spec hash is %016" PRIx64,
                        c->shard_id, c->spec.job, c->hash, hash);
+    else if (mode == CORE_OPEN_CREATE && c->version > 0)
+      /* A new run of the same model: without this it would resume the old
+       * run's weights and ignore its own initial ones. */
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "cannot create the job: shard %u already trained job '%s' (spec hash "
+                       "%016" PRIx64 ") to version %" PRIu64
+                       "; resume it (open mode resume) or close it first (zshard close-job, "
+                       "zs_close_job)",
+                       c->shard_id, c->spec.job, c->hash, c->version);
     goto done;
+  }
+  if (mode == CORE_OPEN_RESUME) {
+    rc = status_fail(err, errlen, ZS_ENOTOPEN,
+                     "cannot resume: shard %u has no job (it was closed, or never opened, or the "
+                     "shard restarted without a checkpoint)",
+                     c->shard_id);
+    goto done;
+  }
+  if (c->stale_job) {
+    /* A closed job's description, kept for the readers of core_spec until
+     * now. */
+    layout_free(&c->layout);
+    spec_free(&c->spec);
+    c->stale_job = 0;
   }
   if (spec_copy(&c->spec, s) != 0) {
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
@@ -1565,8 +1641,23 @@ static int core_same_apply(double lr, float coef, int skip, double lr2, float co
   return lr == lr2 && coef == coef2 && !skip == !skip2;
 }
 
+static int core_same_glr(const double *a, uint32_t na, const double *b, uint32_t nb) {
+  if (na != nb)
+    return 0;
+  for (uint32_t i = 0; i < na; i++)
+    if (a[i] != b[i])
+      return 0;
+  return 1;
+}
+
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
+  return core_apply_groups(c, hash, step, lr, NULL, 0, coef, skip, cb, arg, out, err, errlen);
+}
+
+int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                      uint32_t ngroup_lr, float coef, int skip, core_apply_cb cb, void *arg,
+                      core_apply_result *out, char *err, size_t errlen) {
   waiter *w = NULL;
   pthread_mutex_lock(&c->mu);
   int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
@@ -1579,16 +1670,34 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
     rc = status_fail(err, errlen, ZS_EINVAL, "apply needs a finite lr >= 0 and a finite coef");
     goto done;
   }
+  if (ngroup_lr != 0 && (ngroup_lr != c->spec.num_groups || !group_lr)) {
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "apply carries %u group learning rates but job '%s' has %u param groups",
+                     ngroup_lr, c->spec.job, c->spec.num_groups);
+    goto done;
+  }
+  for (uint32_t g = 0; g < ngroup_lr; g++) {
+    if (!isfinite(group_lr[g]) || group_lr[g] < 0.0) {
+      rc = status_fail(err, errlen, ZS_EINVAL,
+                       "apply's learning rate of group %u is %g: it must be finite and >= 0", g,
+                       group_lr[g]);
+      goto done;
+    }
+  }
   if (c->last_apply_valid && step == c->version) {
-    if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip)) {
+    if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip) &&
+        core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)) {
       if (out)
         *out = c->last_apply;
     } else {
       rc = status_fail(err, errlen, ZS_EEXIST,
-                       "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d, not lr=%g "
+                       "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d%s, not lr=%g "
                        "coef=%g skip=%d",
-                       step, c->last_lr, (double)c->last_coef, c->last_skip, lr, (double)coef,
-                       !!skip);
+                       step, c->last_lr, (double)c->last_coef, c->last_skip,
+                       core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)
+                           ? ""
+                           : " and other group learning rates",
+                       lr, (double)coef, !!skip);
     }
     goto done;
   }
@@ -1603,12 +1712,16 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
     goto done;
   }
   if (c->apply_state != APPLY_NONE) {
-    if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip)) {
+    if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip) ||
+        !core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr)) {
       rc = status_fail(err, errlen, ZS_EEXIST,
-                       "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d, not lr=%g "
-                       "coef=%g skip=%d",
-                       step, c->apply_lr, (double)c->apply_coef, c->apply_skip, lr, (double)coef,
-                       !!skip);
+                       "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d%s, not "
+                       "lr=%g coef=%g skip=%d",
+                       step, c->apply_lr, (double)c->apply_coef, c->apply_skip,
+                       core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr)
+                           ? ""
+                           : " and other group learning rates",
+                       lr, (double)coef, !!skip);
       goto done;
     }
   } else {
@@ -1651,6 +1764,9 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
     c->apply_lr = lr;
     c->apply_coef = coef;
     c->apply_skip = !!skip;
+    c->apply_nglr = ngroup_lr;
+    if (ngroup_lr)
+      memcpy(c->apply_glr, group_lr, ngroup_lr * sizeof *c->apply_glr);
     pthread_cond_signal(&c->worker_cv);
   }
   rc = CORE_PENDING;
@@ -2126,4 +2242,150 @@ int core_checkpoint_origin(core *c, uint64_t *step, int *untouched) {
     *untouched = c->ckpt_untouched;
   pthread_mutex_unlock(&c->mu);
   return loaded;
+}
+
+/* ---------------------------------------------------------------- closing a job */
+
+/* What a core_close call asks, on its caller's stack (ckpt_call.fn_arg). */
+typedef struct close_req {
+  uint64_t hash;   /* 0: any */
+  const char *job; /* NULL or "": any */
+  core_close_result *out;
+  char *err;
+  size_t errlen;
+} close_req;
+
+/* Fails every waiter of the job with ZS_ENOTOPEN: the job they wait on is
+ * gone, and a status that no client retries says so. Called with mu held. */
+static void core_fail_job_waiters(core *c, waiter **fire) {
+  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters};
+  for (int i = 0; i < 3; i++) {
+    while (*lists[i]) {
+      waiter *w = *lists[i];
+      *lists[i] = w->next;
+      w->status = ZS_ENOTOPEN;
+      w->version = c->version;
+      w->stats.step = w->key;
+      w->apply = (core_apply_result){.step = w->key, .version = c->version};
+      waiter_push(fire, w);
+    }
+  }
+}
+
+/* Frees the job's state and empties the shard. Runs on the worker, so no
+ * statistics pass, apply, snapshot or restore is in progress; no lock held. */
+static void core_run_close(core *c, ckpt_call *call) {
+  close_req *q = call->fn_arg;
+  waiter *fire = NULL;
+  int rc = 0;
+  pthread_rwlock_wrlock(&c->state_rw);
+  pthread_mutex_lock(&c->mu);
+  memset(q->out, 0, sizeof *q->out);
+  if (!c->open) {
+    pthread_mutex_unlock(&c->mu);
+    goto done; /* nothing to close: closed = 0 */
+  }
+  if (q->hash != 0 && q->hash != c->hash)
+    rc = status_fail(q->err, q->errlen, ZS_EHASH,
+                     "shard %u holds job '%s' with spec hash %016" PRIx64 ", not %016" PRIx64
+                     "; nothing was closed",
+                     c->shard_id, c->spec.job, c->hash, q->hash);
+  else if (q->job && q->job[0] && strcmp(q->job, c->spec.job) != 0)
+    rc = status_fail(q->err, q->errlen, ZS_ENOTFOUND,
+                     "shard %u holds job '%s', not '%s'; nothing was closed", c->shard_id,
+                     c->spec.job, q->job);
+  else if (c->restore_call || c->snapshot_waiters)
+    rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
+                     "a %s of job '%s' is in progress on shard %u; close it once that is done",
+                     c->restore_call ? "restore" : "checkpoint", c->spec.job, c->shard_id);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0)
+    goto done;
+  /* Pull answers still being sent from the low arena are waited for (with
+   * state_rw held exclusively no new one starts); freeing the arena under
+   * them would send freed memory. */
+  core_wait_pins(c, "close");
+  if (atomic_load(&c->low_pins) > 0) {
+    rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
+                     "pull answers of job '%s' are still being sent by shard %u; retry the close",
+                     c->spec.job, c->shard_id);
+    goto done;
+  }
+
+  pthread_mutex_lock(&c->mu);
+  q->out->closed = 1;
+  snprintf(q->out->job, sizeof q->out->job, "%s", c->spec.job ? c->spec.job : "");
+  q->out->spec_hash = c->hash;
+  q->out->version = c->version;
+  q->out->state_bytes = c->state_bytes;
+  core_fail_job_waiters(c, &fire);
+  c->open = 0;
+  atomic_store(&c->low_dtype, 0);
+  c->hash = 0;
+  c->version = 0;
+  c->optimizer_steps = 0;
+  c->initialized_pieces = 0;
+  c->complete_pieces = 0;
+  c->stats_phase = STATS_WAITING;
+  memset(&c->stats, 0, sizeof c->stats);
+  c->last_stats_valid = 0;
+  c->last_apply_valid = 0;
+  c->apply_state = APPLY_NONE;
+  c->client_state_len = 0;
+  c->pending_cs_len = 0;
+  c->pending_cs_step = 0;
+  c->ckpt_loaded = 0;
+  c->ckpt_step = 0;
+  c->ckpt_untouched = 0;
+  c->version_event = 0;
+  c->state_bytes = 0;
+  pthread_mutex_unlock(&c->mu);
+  /* Everything but the description is freed now; the description stays
+   * (stale_job) so that a core_spec pointer or a tensor name a reader took
+   * before the close remains readable until the next job is opened. */
+  spec sp = c->spec;
+  layout l = c->layout;
+  memset(&c->spec, 0, sizeof c->spec);
+  memset(&c->layout, 0, sizeof c->layout);
+  core_job_free(c);
+  c->spec = sp;
+  c->layout = l;
+  c->stale_job = 1;
+  atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
+  atomic_store_explicit(&c->held_bytes, 0, memory_order_relaxed);
+done:
+  pthread_rwlock_unlock(&c->state_rw);
+  if (q->out->closed)
+    LOG_INFO("job_closed", "shard=%u hash=%016" PRIx64 " version=%" PRIu64 " freed_bytes=%" PRIu64,
+             c->shard_id, q->out->spec_hash, q->out->version, q->out->state_bytes);
+  core_fire(fire);
+  ckpt_call_finish(call, rc);
+}
+
+int core_close(core *c, uint64_t hash, const char *job, core_close_result *out, char *err,
+               size_t errlen) {
+  core_close_result own;
+  close_req q = {.hash = hash, .job = job, .out = out ? out : &own, .err = err, .errlen = errlen};
+  ckpt_call call;
+  ckpt_call_init(&call);
+  call.fn_arg = &q;
+  int rc = 0;
+  pthread_mutex_lock(&c->mu);
+  if (c->stop)
+    rc = status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down");
+  else if (c->close_call)
+    rc = status_fail(err, errlen, ZS_ENOTREADY, "another close is in progress on shard %u",
+                     c->shard_id);
+  if (rc == 0) {
+    c->close_call = &call;
+    pthread_cond_signal(&c->worker_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc == 0) {
+    rc = ckpt_call_wait(&call);
+    if (rc == ZS_ECLOSED)
+      status_fail(err, errlen, rc, "close on shard %u: the shard is shutting down", c->shard_id);
+  }
+  ckpt_call_destroy(&call);
+  return rc;
 }
