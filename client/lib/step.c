@@ -202,12 +202,14 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
 }
 
 /* `cs` (cs_len bytes, may be 0) becomes the shards' client state of `step`. */
-static int apply_all(zs_client *c, uint64_t step, double lr, float coef, int skip,
-                     const uint8_t *cs, size_t cs_len) {
+static int apply_all(zs_client *c, uint64_t step, double lr, const double *group_lr,
+                     uint32_t ngroup_lr, float coef, int skip, const uint8_t *cs, size_t cs_len) {
   Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
   req.spec_hash = c->hash;
   req.step = step;
   req.lr = lr;
+  req.group_lr = (double *)(uintptr_t)group_lr; /* packing only reads it */
+  req.n_group_lr = ngroup_lr;
   req.coef = coef;
   req.skip = skip != 0;
   req.client_state.data = (uint8_t *)(uintptr_t)cs; /* packing only reads it */
@@ -241,7 +243,50 @@ static double ms(uint64_t ns) {
   return (double)ns / 1e6;
 }
 
+void zs_step_options_init_sized(zs_step_options *o, size_t size) {
+  if (!o || size < sizeof(size_t))
+    return;
+  zs_step_options own;
+  memset(&own, 0, sizeof own);
+  zc_struct_write(o, size, &own, sizeof own);
+}
+
+static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out);
+
 int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs_step_result *out) {
+  zs_step_options o;
+  zs_step_options_init(&o);
+  o.lr = lr;
+  o.max_grad_norm = max_grad_norm;
+  o.loss_scale = loss_scale;
+  return step_run(c, &o, out);
+}
+
+int zs_step_ex(zs_client *c, const zs_step_options *caller_o, zs_step_result *out) {
+  if (!caller_o)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: no options given");
+  zs_step_options o;
+  zs_step_options_init(&o); /* the defaults of what an older caller's struct lacks */
+  int rc = zc_struct_read(&o, sizeof o, caller_o, "zs_step_ex", "zs_step_options_init");
+  if (rc != ZS_OK)
+    return rc;
+  if (o.reserved0 != 0)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: reserved0 must be 0");
+  if (!isfinite(o.clip_coef) || o.clip_coef < 0)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: clip_coef must be finite and >= 0 (0: computed)");
+  if (o.num_group_lr > 0 && !o.group_lr)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: num_group_lr is %" PRIu32 " but group_lr is NULL",
+                   o.num_group_lr);
+  for (uint32_t g = 0; g < o.num_group_lr; g++)
+    if (!isfinite(o.group_lr[g]) || o.group_lr[g] < 0)
+      return zc_fail(ZS_EINVAL,
+                     "zs_step_ex: group_lr[%" PRIu32 "] is %g: each must be finite and >= 0", g,
+                     o.group_lr[g]);
+  return step_run(c, &o, out);
+}
+
+static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out) {
+  double lr = o->lr, max_grad_norm = o->max_grad_norm, loss_scale = o->loss_scale;
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
@@ -264,6 +309,16 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
     zc_client_leave(c);
     return opened ? zc_fail(ZS_EINVAL, "zs_step: another zs_step is running on this client")
                   : zc_fail(ZS_ENOTOPEN, "zs_step: the job is not open");
+  }
+  /* The group count is frozen once the job is open. */
+  if (o->num_group_lr != 0 && o->num_group_lr != c->sp.num_groups) {
+    uint32_t ng = c->sp.num_groups;
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL,
+                   "zs_step_ex: %" PRIu32 " group learning rates given but the job has %" PRIu32
+                   " param groups (one per zs_add_group)",
+                   o->num_group_lr, ng);
   }
   c->stepping = 1;
   const uint64_t step = c->step;
@@ -313,7 +368,11 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
   const int overflow = nonfinite || !isfinite(sum_squares);
   const double grad_norm = overflow ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);
   double clip_coef = 1.0;
-  if (!overflow && max_grad_norm > 0) {
+  if (o->clip_coef > 0) {
+    /* Computed elsewhere (over more than this job's parameters, say): used
+     * as given, so every trainer must pass the same. */
+    clip_coef = o->clip_coef;
+  } else if (!overflow && max_grad_norm > 0) {
     clip_coef = max_grad_norm / (grad_norm + 1e-6);
     if (clip_coef > 1.0)
       clip_coef = 1.0;
@@ -330,7 +389,7 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
     zc_scaler_encode(&next_scaler, cs);
     cs_len = sizeof cs;
   }
-  rc = apply_all(c, step, lr, coef, overflow, cs, cs_len);
+  rc = apply_all(c, step, lr, o->group_lr, o->num_group_lr, coef, overflow, cs, cs_len);
   if (rc != ZS_OK)
     goto done;
 
