@@ -81,8 +81,7 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
  *    no job is ZS_ENOTOPEN, and nothing is created.
  * Any other mode is treated as CORE_OPEN_EITHER (the service refuses it). */
 enum { CORE_OPEN_EITHER = 0, CORE_OPEN_CREATE = 1, CORE_OPEN_RESUME = 2 };
-int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err,
-                 size_t errlen);
+int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err, size_t errlen);
 
 /* Closes the shard's job: fails every wait of it (version, statistics,
  * apply) with ZS_ENOTOPEN (their callbacks run on the worker before this

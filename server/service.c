@@ -89,8 +89,8 @@ int service_close(service *s, uint64_t hash, const char *job, core_close_result 
                   size_t errlen) {
   if (job && strlen(job) > SPEC_MAX_NAME)
     return status_fail(err, errlen, ZS_EINVAL,
-                       "CloseJob names a job of %zu bytes; job names have at most %u",
-                       strlen(job), SPEC_MAX_NAME);
+                       "CloseJob names a job of %zu bytes; job names have at most %u", strlen(job),
+                       SPEC_MAX_NAME);
   return core_close(s->core, hash, job, out, err, errlen);
 }
 
@@ -162,8 +162,8 @@ int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_
 int service_apply(service *s, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                   const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                   core_apply_result *out, char *err, size_t errlen) {
-  return service_apply_groups(s, hash, step, lr, NULL, 0, coef, skip, cs, cs_len, cb, arg, out,
-                              err, errlen);
+  return service_apply_groups(s, hash, step, lr, NULL, 0, coef, skip, cs, cs_len, cb, arg, out, err,
+                              errlen);
 }
 
 int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
@@ -208,5 +208,10 @@ int service_pull_wait_failed(int status, uint64_t min_version, uint32_t tensor, 
                        "timed out waiting for version %" PRIu64 " of tensor %" PRIu32
                        " slice %" PRIu32,
                        min_version, tensor, slice);
+  if (status == ZS_ENOTOPEN)
+    return status_fail(err, errlen, status,
+                       "the job was closed while this pull of tensor %" PRIu32 " slice %" PRIu32
+                       " waited for version %" PRIu64 " (no job is open on this shard now)",
+                       tensor, slice, min_version);
   return status_fail(err, errlen, status, "%s", zs_strerror(status));
 }
