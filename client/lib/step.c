@@ -450,3 +450,64 @@ done:
   zc_client_leave(c);
   return rc;
 }
+
+int zs_grad_norm(zs_client *c, double loss_scale, double *grad_norm, int *overflow) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (!isfinite(loss_scale) || loss_scale < 0) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_grad_norm: loss_scale must be finite and >= 0");
+  }
+  pthread_mutex_lock(&c->mu);
+  if (!c->opened || c->stepping) {
+    int opened = c->opened;
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return opened ? zc_fail(ZS_EINVAL, "zs_grad_norm: a zs_step is running on this client")
+                  : zc_fail(ZS_ENOTOPEN, "zs_grad_norm: the job is not open");
+  }
+  c->stepping = 1;
+  const uint64_t step = c->step;
+  if (loss_scale == 0)
+    loss_scale = c->opt.loss_scaling == ZS_LOSS_SCALE_STATIC    ? c->opt.static_loss_scale
+                 : c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC ? c->scaler.scale
+                                                                : 1.0;
+  /* zs_step's drain, except that a failed push is reported and left for
+   * zs_step to report again: this call changes nothing. */
+  const uint64_t t_begin = clock_now_ns();
+  while (c->inflight_push > 0)
+    pthread_cond_wait(&c->cv, &c->mu);
+  c->push_ns += clock_now_ns() - t_begin;
+  char msg[ZC_ERR_LEN];
+  if (c->step_error != ZS_OK) {
+    rc = c->step_error;
+    snprintf(msg, sizeof msg, "zs_grad_norm: a push of step %" PRIu64 " failed: %.440s", step,
+             c->step_err);
+  } else if (find_unpushed_locked(c, msg, sizeof msg)) {
+    rc = ZS_ENOTREADY;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc != ZS_OK) {
+    zc_fail_msg(rc, msg);
+    goto done;
+  }
+  double sum_squares = 0.0;
+  int nonfinite = 0;
+  rc = collect_stats(c, step, &sum_squares, &nonfinite);
+  if (rc == ZS_OK) {
+    /* zs_step's formula, so that its result reports the same bits. */
+    const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)c->sp.world_size : 1.0;
+    const int of = nonfinite || !isfinite(sum_squares);
+    if (grad_norm)
+      *grad_norm = of ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);
+    if (overflow)
+      *overflow = of;
+  }
+done:
+  pthread_mutex_lock(&c->mu);
+  c->stepping = 0;
+  pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return rc;
+}

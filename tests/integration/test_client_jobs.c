@@ -517,7 +517,8 @@ static void group_learning_rates_match_lr_scales(void **state) {
 }
 
 /* A clipping coefficient computed elsewhere, equal to the one max_grad_norm
- * gives, gives the same weights. */
+ * gives, gives the same weights; zs_grad_norm gives the norm to compute it
+ * from before the step. */
 static void an_external_clip_coef_equals_the_computed_one(void **state) {
   (void)state;
   hs_cluster cl;
@@ -531,6 +532,36 @@ static void an_external_clip_coef_equals_the_computed_one(void **state) {
   so.max_grad_norm = 0.5;
   train(&cl, &jo, &so, 1, a, &ra);
   assert_true(ra.clip_coef < 1.0); /* clipping was active */
+
+  /* zs_grad_norm before the step: the norm zs_step then reports; the
+   * coefficient computed from it by torch's formula is zs_step's. */
+  float *w[NT], *g[NT];
+  fill_weights(w, 1.0f);
+  zs_client *c = new_client(&cl, &jo);
+  assert_int_equal(zs_open_job(c, (const float *const *)w), ZS_OK);
+  double norm = -1;
+  int overflow = -1;
+  assert_int_equal(zs_grad_norm(c, 0, &norm, &overflow), ZS_ENOTREADY); /* nothing pushed yet */
+  push_all(c, 1);
+  assert_int_equal(zs_grad_norm(c, 0, &norm, &overflow), ZS_OK);
+  assert_int_equal(overflow, 0);
+  assert_true(norm == ra.grad_norm);
+  assert_int_equal(zs_current_step(c), 1); /* nothing was applied */
+  zs_step_options ext;
+  zs_step_options_init(&ext);
+  ext.lr = 0.05;
+  ext.clip_coef = fmin(1.0, 0.5 / (norm + 1e-6));
+  zs_step_result rc;
+  zs_step_result_init(&rc);
+  assert_int_equal(zs_step_ex(c, &ext, &rc), ZS_OK);
+  assert_true(rc.grad_norm == ra.grad_norm);
+  pull_all(c, g);
+  assert_same_bits(a, g);
+  free_bufs(g);
+  assert_int_equal(zs_close_job(c), ZS_OK);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  free_bufs(w);
+
   so.max_grad_norm = 0;
   so.clip_coef = ra.clip_coef;
   train(&cl, &jo, &so, 1, b, &rb);

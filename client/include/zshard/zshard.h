@@ -396,11 +396,16 @@ ZS_EXTERN int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint
  * of every piece. init_weights has one pointer per tensor, in tensor order,
  * each to numel floats; it is read only during the call, is required on rank
  * 0 and ignored (may be NULL) elsewhere. Other ranks' first pulls wait until
- * rank 0 has written the weights. Opening a job the shards have already
- * trained resumes at its version (the initial weights are then ignored) and,
- * with ZS_LOSS_SCALE_DYNAMIC, sets the client's loss scaler to the state
- * zs_step left for that version (the shards keep it with the weights, in
- * checkpoints too; a job stepped without it leaves the scaler as configured).
+ * rank 0 has written the weights. What the shards may already hold is
+ * zs_client_options.open_mode's to say (ZS_EEXIST, ZS_ENOTOPEN are the modes'
+ * refusals; after one, shards that did take the open hold the job at version
+ * 0: a repeated zs_open_job joins it there, `zshard close-job` removes it).
+ * Opening a job the shards have already trained (ZS_OPEN_EITHER,
+ * ZS_OPEN_RESUME) resumes at its version (the initial weights are then
+ * ignored) and, with ZS_LOSS_SCALE_DYNAMIC, sets the client's loss scaler to
+ * the state zs_step left for that version (the shards keep it with the
+ * weights, in checkpoints too; a job stepped without it leaves the scaler as
+ * configured).
  * With the data plane (zs_client_options.transport) it then asks every shard
  * for its data port (GetInfo) and connects to it, at the host of the shard's
  * address. Returns ZS_EHASH if a shard holds a different job, ZS_EINVAL if a
@@ -571,8 +576,9 @@ typedef struct zs_step_result {
 ZS_EXTERN void zs_step_result_init_sized(zs_step_result *r, size_t size);
 #define zs_step_result_init(r) zs_step_result_init_sized((r), sizeof *(r))
 
-/* Completes the current step s: waits for this client's pushes, collects the
- * gradient statistics of step s from every shard (waiting up to
+/* Completes the current step s (zs_step_ex, below, takes per-group learning
+ * rates and an external clipping coefficient): waits for this client's
+ * pushes, collects the gradient statistics of step s from every shard (waiting up to
  * step_timeout_ms for every trainer's contributions), computes the global
  * gradient norm and overflow flag exactly as every other trainer does, and
  * applies step s on every shard with learning rate `lr`, clipping to
@@ -624,6 +630,18 @@ ZS_EXTERN void zs_step_options_init_sized(zs_step_options *o, size_t size);
  * zs_step_ex with lr, max_grad_norm m and loss_scale s. `o` is read during
  * the call; out may be NULL. The result's clip_coef is the one used. */
 ZS_EXTERN int zs_step_ex(zs_client *c, const zs_step_options *o, zs_step_result *out);
+
+/* The global gradient norm of the current step without applying it: what
+ * zs_step would report as grad_norm (and overflow), for a trainer that
+ * decides the clipping coefficient itself (over this job's parameters and
+ * others) and then passes it to zs_step_ex as clip_coef. Waits for this
+ * client's pushes and for every trainer's contributions (GradStats, as
+ * zs_step does; the shards keep the answer, so the zs_step that follows asks
+ * again at no cost). loss_scale as zs_step's (0: the client's loss scaling).
+ * The client stays at its step; a failed push is reported here and again by
+ * zs_step. grad_norm and overflow may be NULL. Must not run concurrently
+ * with zs_step. */
+ZS_EXTERN int zs_grad_norm(zs_client *c, double loss_scale, double *grad_norm, int *overflow);
 
 /* The timing of the last completed step (zeros before the first) into `out`,
  * the caller's struct of `size` bytes (its struct_size is set to size; it
