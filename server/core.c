@@ -40,7 +40,6 @@
  * Callbacks are collected into a list under mu and invoked after every lock is
  * released.
  */
-#include "common/status.h"
 #include "server/core_internal.h"
 
 #include <inttypes.h>
@@ -50,7 +49,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/log.h"
+#include "common/status.h"
 
 /* Elements per chunk of the optimizer pass: a multiple of LAYOUT_ALIGN_ELEMS so
  * that every chunk starts 64-byte aligned, and large enough that handing out a
@@ -108,6 +109,10 @@ static void core_job_free(core *c) {
   free(c->tasks);
   free(c->block_sums);
   free(c->block_nonfinite);
+  free(c->apply_glr);
+  free(c->last_glr);
+  c->apply_glr = c->last_glr = NULL;
+  c->apply_nglr = c->last_nglr = 0;
   layout_free(&c->layout);
   spec_free(&c->spec);
   c->pieces = NULL;
@@ -222,6 +227,10 @@ static int core_job_build(core *c) {
   c->block_sums = calloc(c->nblocks + 1, sizeof *c->block_sums);
   c->block_nonfinite = calloc(c->nblocks + 1, sizeof *c->block_nonfinite);
   if (!c->block_sums || !c->block_nonfinite)
+    return ZS_ENOMEM;
+  c->apply_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->apply_glr);
+  c->last_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->last_glr);
+  if (!c->apply_glr || !c->last_glr)
     return ZS_ENOMEM;
   return 0;
 }
@@ -366,6 +375,15 @@ void core_destroy(core *c) {
     }
   }
   core__fire(fire);
+  if (c->close_call) {
+    ckpt_call *call = c->close_call;
+    c->close_call = NULL;
+    pthread_mutex_lock(&call->mu);
+    call->status = ZS_ECLOSED;
+    call->done = 1;
+    pthread_cond_signal(&call->cv);
+    pthread_mutex_unlock(&call->mu);
+  }
   if (c->restore_call) {
     ckpt_call *call = c->restore_call;
     c->restore_call = NULL;
@@ -387,6 +405,11 @@ void core_destroy(core *c) {
 }
 
 int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t errlen) {
+  return core_open_ex(c, s, CORE_OPEN_EITHER, out, err, errlen);
+}
+
+int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err,
+                 size_t errlen) {
   if (!s)
     return status_fail(err, errlen, ZS_EINVAL, "no spec given");
   if (s->num_shards != c->num_shards)
@@ -397,12 +420,40 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
   int rc = 0, created = 0;
   pthread_rwlock_wrlock(&c->state_rw);
   if (c->open) {
-    if (hash != c->hash)
+    if (hash != c->hash && mode == CORE_OPEN_CREATE)
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "cannot create the job: shard %u already has job '%s' (spec hash %016" PRIx64
+                       ", version %" PRIu64 "); close it first (zshard close-job, zs_close_job)",
+                       c->shard_id, c->spec.job, c->hash, c->version);
+    else if (hash != c->hash)
       rc = status_fail(err, errlen, ZS_EHASH,
                        "shard %u already has job '%s' with spec hash %016" PRIx64
                        "; the request's spec hash is %016" PRIx64,
                        c->shard_id, c->spec.job, c->hash, hash);
+    else if (mode == CORE_OPEN_CREATE && c->version > 0)
+      /* A new run of the same model: without this it would resume the old
+       * run's weights and ignore its own initial ones. */
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "cannot create the job: shard %u already trained job '%s' (spec hash "
+                       "%016" PRIx64 ") to version %" PRIu64
+                       "; resume it (open mode resume) or close it first (zshard close-job, "
+                       "zs_close_job)",
+                       c->shard_id, c->spec.job, c->hash, c->version);
     goto done;
+  }
+  if (mode == CORE_OPEN_RESUME) {
+    rc = status_fail(err, errlen, ZS_ENOTOPEN,
+                     "cannot resume: shard %u has no job (it was closed, or never opened, or the "
+                     "shard restarted without a checkpoint)",
+                     c->shard_id);
+    goto done;
+  }
+  if (c->stale_job) {
+    /* A closed job's description, kept for the readers of core_spec until
+     * now. */
+    layout_free(&c->layout);
+    spec_free(&c->spec);
+    c->stale_job = 0;
   }
   if (spec_copy(&c->spec, s) != 0) {
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
@@ -539,4 +590,166 @@ const layout *core_layout(core *c) {
   const layout *l = c->open ? &c->layout : NULL;
   pthread_mutex_unlock(&c->mu);
   return l;
+}
+
+/* ---------------------------------------------------------------- closing a job */
+
+/* What a core_close call asks, on its caller's stack (ckpt_call.fn_arg). */
+typedef struct close_req {
+  uint64_t hash;   /* 0: any */
+  const char *job; /* NULL or "": any */
+  core_close_result *out;
+  char *err;
+  size_t errlen;
+} close_req;
+
+/* Fails every waiter of the job with ZS_ENOTOPEN: the job they wait on is
+ * gone, and a status that no client retries says so. Called with mu held. */
+static void core_fail_job_waiters(core *c, waiter **fire) {
+  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters};
+  for (int i = 0; i < 3; i++) {
+    while (*lists[i]) {
+      waiter *w = *lists[i];
+      *lists[i] = w->next;
+      w->status = ZS_ENOTOPEN;
+      w->version = c->version;
+      w->stats.step = w->key;
+      w->apply = (core_apply_result){.step = w->key, .version = c->version};
+      waiter_push(fire, w);
+    }
+  }
+}
+
+/* With state_rw held exclusively: waits up to pin_wait_ms for the answers
+ * pinned in the low arena to be released; 1 once none is left. */
+static int core_pins_drained(core *c) {
+  uint64_t deadline = clock_now_ms() + c->pin_wait_ms;
+  pthread_mutex_lock(&c->mu);
+  atomic_store(&c->pin_waiting, 1);
+  while (atomic_load(&c->low_pins) > 0 && clock_now_ms() < deadline) {
+    struct timespec ts = {.tv_sec = (time_t)(deadline / 1000u),
+                          .tv_nsec = (long)(deadline % 1000u) * 1000000L};
+    pthread_cond_timedwait(&c->worker_cv, &c->mu, &ts);
+  }
+  atomic_store(&c->pin_waiting, 0);
+  int drained = atomic_load(&c->low_pins) == 0;
+  pthread_mutex_unlock(&c->mu);
+  return drained;
+}
+
+/* Frees the job's state and empties the shard. Runs on the worker, so no
+ * statistics pass, apply, snapshot or restore is in progress; no lock held. */
+void core__run_close(core *c, ckpt_call *call) {
+  close_req *q = call->fn_arg;
+  waiter *fire = NULL;
+  int rc = 0;
+  pthread_rwlock_wrlock(&c->state_rw);
+  pthread_mutex_lock(&c->mu);
+  memset(q->out, 0, sizeof *q->out);
+  if (!c->open) {
+    pthread_mutex_unlock(&c->mu);
+    goto done; /* nothing to close: closed = 0 */
+  }
+  if (q->hash != 0 && q->hash != c->hash)
+    rc = status_fail(q->err, q->errlen, ZS_EHASH,
+                     "shard %u holds job '%s' with spec hash %016" PRIx64 ", not %016" PRIx64
+                     "; nothing was closed",
+                     c->shard_id, c->spec.job, c->hash, q->hash);
+  else if (q->job && q->job[0] && strcmp(q->job, c->spec.job) != 0)
+    rc = status_fail(q->err, q->errlen, ZS_ENOTFOUND,
+                     "shard %u holds job '%s', not '%s'; nothing was closed", c->shard_id,
+                     c->spec.job, q->job);
+  else if (c->restore_call || c->snapshot_waiters)
+    rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
+                     "a %s of job '%s' is in progress on shard %u; close it once that is done",
+                     c->restore_call ? "restore" : "checkpoint", c->spec.job, c->shard_id);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != 0)
+    goto done;
+  /* Pull answers still being sent from the low arena are waited for (with
+   * state_rw held exclusively no new one starts); freeing the arena under
+   * them would send freed memory, so unlike an apply the close gives up. */
+  if (!core_pins_drained(c)) {
+    rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
+                     "pull answers of job '%s' are still being sent by shard %u; retry the close",
+                     c->spec.job, c->shard_id);
+    goto done;
+  }
+
+  pthread_mutex_lock(&c->mu);
+  q->out->closed = 1;
+  snprintf(q->out->job, sizeof q->out->job, "%s", c->spec.job ? c->spec.job : "");
+  q->out->spec_hash = c->hash;
+  q->out->version = c->version;
+  q->out->state_bytes = c->state_bytes;
+  core_fail_job_waiters(c, &fire);
+  c->open = 0;
+  atomic_store(&c->low_dtype, 0);
+  c->hash = 0;
+  c->version = 0;
+  c->optimizer_steps = 0;
+  c->initialized_pieces = 0;
+  c->complete_pieces = 0;
+  c->stats_phase = STATS_WAITING;
+  memset(&c->stats, 0, sizeof c->stats);
+  c->last_stats_valid = 0;
+  c->last_apply_valid = 0;
+  c->apply_state = APPLY_NONE;
+  c->client_state_len = 0;
+  c->pending_cs_len = 0;
+  c->pending_cs_step = 0;
+  c->ckpt_loaded = 0;
+  c->ckpt_step = 0;
+  c->ckpt_untouched = 0;
+  c->version_event = 0;
+  c->state_bytes = 0;
+  pthread_mutex_unlock(&c->mu);
+  /* Everything but the description is freed now; the description stays
+   * (stale_job) so that a core_spec pointer or a tensor name a reader took
+   * before the close remains readable until the next job is opened. */
+  spec sp = c->spec;
+  layout l = c->layout;
+  memset(&c->spec, 0, sizeof c->spec);
+  memset(&c->layout, 0, sizeof c->layout);
+  core_job_free(c);
+  c->spec = sp;
+  c->layout = l;
+  c->stale_job = 1;
+  atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
+  atomic_store_explicit(&c->held_bytes, 0, memory_order_relaxed);
+done:
+  pthread_rwlock_unlock(&c->state_rw);
+  if (q->out->closed)
+    LOG_INFO("job_closed", "shard=%u hash=%016" PRIx64 " version=%" PRIu64 " freed_bytes=%" PRIu64,
+             c->shard_id, q->out->spec_hash, q->out->version, q->out->state_bytes);
+  core__fire(fire);
+  core__ckpt_call_finish(call, rc);
+}
+
+int core_close(core *c, uint64_t hash, const char *job, core_close_result *out, char *err,
+               size_t errlen) {
+  core_close_result own;
+  close_req q = {.hash = hash, .job = job, .out = out ? out : &own, .err = err, .errlen = errlen};
+  ckpt_call call;
+  core__ckpt_call_init(&call);
+  call.fn_arg = &q;
+  int rc = 0;
+  pthread_mutex_lock(&c->mu);
+  if (c->stop)
+    rc = status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down");
+  else if (c->close_call)
+    rc = status_fail(err, errlen, ZS_ENOTREADY, "another close is in progress on shard %u",
+                     c->shard_id);
+  if (rc == 0) {
+    c->close_call = &call;
+    pthread_cond_signal(&c->worker_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc == 0) {
+    rc = core__ckpt_call_wait(&call);
+    if (rc == ZS_ECLOSED)
+      status_fail(err, errlen, rc, "close on shard %u: the shard is shutting down", c->shard_id);
+  }
+  core__ckpt_call_destroy(&call);
+  return rc;
 }

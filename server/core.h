@@ -67,6 +67,44 @@ typedef struct core_open_result {
 } core_open_result;
 int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t errlen);
 
+/* core_open with an open mode (the proto's OpenMode), decided under the same
+ * lock as the creation, so that two opens racing a close cannot both win:
+ *  - CORE_OPEN_EITHER: core_open.
+ *  - CORE_OPEN_CREATE: creates the job, or joins it when the shard holds the
+ *    same spec still at version 0 (the other trainers of the run opening
+ *    after the first); another job, or the same one at a version above 0,
+ *    is ZS_EEXIST with a sentence naming it. Initial weights that differ
+ *    from those already written at version 0 are then refused by
+ *    core_init_params (ZS_EEXIST), so a new run never trains on an old
+ *    run's weights.
+ *  - CORE_OPEN_RESUME: joins the job on the shard (another spec: ZS_EHASH);
+ *    no job is ZS_ENOTOPEN, and nothing is created.
+ * Any other mode is treated as CORE_OPEN_EITHER (the service refuses it). */
+enum { CORE_OPEN_EITHER = 0, CORE_OPEN_CREATE = 1, CORE_OPEN_RESUME = 2 };
+int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err, size_t errlen);
+
+/* Closes the shard's job: fails every wait of it (version, statistics,
+ * apply) with ZS_ENOTOPEN (their callbacks run on the worker before this
+ * returns), frees its state and leaves the shard empty, as core_create left
+ * it, for the next core_open of any job. Every later request of the closed
+ * job gets ZS_ENOTOPEN. hash (0: any) and job (NULL or "": any) must name
+ * the shard's job (ZS_EHASH, ZS_ENOTFOUND). Refused with ZS_ENOTREADY while a
+ * restore is queued or a core_snapshot waits, and when pull answers pinned in
+ * the low arena (core_pin_low) are not released within pin_wait_ms; on any
+ * error nothing changes. With no job open it returns 0 with out->closed 0.
+ * Blocks its caller until the worker ran it, i.e. for at most the apply or
+ * statistics pass in progress and the pins' wait. The job's spec and layout
+ * stay allocated until the next core_open or core_destroy, so that what
+ * core_spec returned before the close remains readable (core_spec itself
+ * returns NULL once closed). out may be NULL. */
+typedef struct core_close_result {
+  int closed;
+  char job[SPEC_MAX_NAME + 1];
+  uint64_t spec_hash, version, state_bytes;
+} core_close_result;
+int core_close(core *c, uint64_t hash, const char *job, core_close_result *out, char *err,
+               size_t errlen);
+
 /* Initial fp32 weights of one piece. Written once while the version is 0; an
  * identical repeat is accepted (written = 0); different data is ZS_EEXIST;
  * after the first applied step the call changes nothing (written = 0). */
@@ -195,6 +233,15 @@ typedef void (*core_apply_cb)(void *arg, int status, const core_apply_result *r)
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen);
 
+/* core_apply with per-group learning rates: ngroup_lr 0 is core_apply (lr *
+ * lr_scale per group); otherwise group_lr holds exactly one finite value >= 0
+ * per param group of the spec (else ZS_EINVAL, nothing changes), used as
+ * that group's lr (lr_scale is not applied; lr is only compared). A repeat of
+ * the step must carry the same values (else ZS_EEXIST). group_lr is copied. */
+int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                      uint32_t ngroup_lr, float coef, int skip, core_apply_cb cb, void *arg,
+                      core_apply_result *out, char *err, size_t errlen);
+
 /* Installs the one hook told of every applied step (a skipped one included),
  * whoever asked for it: fn(arg, r) runs once per step on the core's worker
  * thread, after the apply released every core lock and before the apply's
@@ -256,7 +303,8 @@ void core_get_counters(core *c, core_counters *out);
  * count, so a transport calls this once per answered pull. */
 void core_count_pull(core *c, uint64_t bytes_out);
 
-/* The spec of the open job (NULL without one); valid until core_destroy. */
+/* The spec of the open job (NULL without one); valid until core_destroy, or
+ * until the core_open that follows a core_close. */
 const spec *core_spec(core *c);
 const layout *core_layout(core *c);
 

@@ -165,6 +165,16 @@ struct core {
   int last_skip;
   core_apply_result last_apply;
   uint64_t optimizer_steps;
+  /* Per-group learning rates of the queued apply and of the last applied
+   * step (core_apply_groups), num_groups entries each, allocated with the
+   * job; a count of 0 means lr * lr_scale. Under mu. */
+  double *apply_glr, *last_glr;
+  uint32_t apply_nglr, last_nglr;
+  /* The core_close call the worker is to run (under mu), and whether spec
+   * and layout still hold a closed job's, kept so that a pointer core_spec
+   * handed out before the close stays readable until the next core_open. */
+  ckpt_call *close_call;
+  int stale_job;
   /* The client state of `version`, written (by an apply or a restore) under
    * state_rw exclusive and mu like the version, so either lock reads it; and
    * the one the apply of pending_cs_step is to commit, under mu (0: none; a
@@ -231,5 +241,13 @@ void *core__worker(void *arg);
 waiter *core__take_snapshot(core *c, waiter **fire);
 void core__run_snapshot(core *c, waiter *w);
 void core__run_restore(core *c, ckpt_call *call);
+/* A call some other thread makes and the worker finishes (restore, close):
+ * init, wait for done, finish with a status, destroy (core_snapshot.c). */
+void core__ckpt_call_init(ckpt_call *call);
+void core__ckpt_call_destroy(ckpt_call *call);
+int core__ckpt_call_wait(ckpt_call *call);
+void core__ckpt_call_finish(ckpt_call *call, int status);
+/* Runs a queued core_close on the worker (core.c). */
+void core__run_close(core *c, ckpt_call *call);
 
 #endif

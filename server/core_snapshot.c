@@ -15,19 +15,19 @@
 #include "common/dtype.h"
 #include "common/log.h"
 
-static void ckpt_call_init(ckpt_call *call) {
+void core__ckpt_call_init(ckpt_call *call) {
   memset(call, 0, sizeof *call);
   pthread_mutex_init(&call->mu, NULL);
   pthread_cond_init(&call->cv, NULL);
 }
 
-static void ckpt_call_destroy(ckpt_call *call) {
+void core__ckpt_call_destroy(ckpt_call *call) {
   pthread_cond_destroy(&call->cv);
   pthread_mutex_destroy(&call->mu);
 }
 
 /* Waits until the worker (or core_destroy) finished the call. */
-static int ckpt_call_wait(ckpt_call *call) {
+int core__ckpt_call_wait(ckpt_call *call) {
   pthread_mutex_lock(&call->mu);
   while (!call->done)
     pthread_cond_wait(&call->cv, &call->mu);
@@ -36,7 +36,7 @@ static int ckpt_call_wait(ckpt_call *call) {
   return status;
 }
 
-static void ckpt_call_finish(ckpt_call *call, int status) {
+void core__ckpt_call_finish(ckpt_call *call, int status) {
   pthread_mutex_lock(&call->mu);
   call->status = status;
   call->done = 1;
@@ -196,7 +196,7 @@ void core__run_restore(core *c, ckpt_call *call) {
   LOG_DEBUG("restore", "shard=%u checkpoint_step=%" PRIu64 " version=%" PRIu64, c->shard_id,
             call->ckpt_step, version);
   core__fire(fire);
-  ckpt_call_finish(call, ZS_OK);
+  core__ckpt_call_finish(call, ZS_OK);
 }
 
 int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_view_fn fn,
@@ -209,7 +209,7 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
   if (!w)
     return status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a snapshot");
   ckpt_call call;
-  ckpt_call_init(&call);
+  core__ckpt_call_init(&call);
   call.fn = fn;
   call.fn_arg = arg;
   pthread_mutex_lock(&c->mu);
@@ -230,7 +230,7 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
   }
   pthread_mutex_unlock(&c->mu);
   if (rc == 0) {
-    rc = ckpt_call_wait(&call);
+    rc = core__ckpt_call_wait(&call);
     if (rc == 0 && fn_seconds)
       *fn_seconds = call.seconds;
     if (rc == ZS_ETIMEDOUT || rc == ZS_ESTEP || rc == ZS_ECANCELED || rc == ZS_ECLOSED) {
@@ -249,7 +249,7 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
     }
   }
   free(w);
-  ckpt_call_destroy(&call);
+  core__ckpt_call_destroy(&call);
   return rc;
 }
 
@@ -340,7 +340,7 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
   if (rc != 0)
     return rc;
   ckpt_call call;
-  ckpt_call_init(&call);
+  core__ckpt_call_init(&call);
   call.st = st;
   call.ckpt_step = ckpt_step;
   pthread_mutex_lock(&c->mu);
@@ -358,11 +358,11 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
   }
   pthread_mutex_unlock(&c->mu);
   if (rc == 0) {
-    rc = ckpt_call_wait(&call);
+    rc = core__ckpt_call_wait(&call);
     if (rc != 0)
       status_fail(err, errlen, rc, "restore on shard %u: %s", c->shard_id, zs_strerror(rc));
   }
-  ckpt_call_destroy(&call);
+  core__ckpt_call_destroy(&call);
   return rc;
 }
 

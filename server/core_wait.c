@@ -173,6 +173,8 @@ static void core_run_apply(core *c) {
   double lr = c->apply_lr;
   float coef = c->apply_coef;
   int skip = c->apply_skip;
+  /* apply_glr does not change while the apply is queued or running. */
+  const double *glr = c->apply_nglr ? c->apply_glr : NULL;
   uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u);
   c->apply_state = APPLY_RUNNING;
   pthread_mutex_unlock(&c->mu);
@@ -189,7 +191,7 @@ static void core_run_apply(core *c) {
         c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
     for (uint32_t r = 0; r < c->nranges; r++) {
       optim_params p = core_group_params(c, c->ranges[r].group);
-      p.lr = lr * c->spec.groups[c->ranges[r].group].lr_scale;
+      p.lr = glr ? glr[c->ranges[r].group] : lr * c->spec.groups[c->ranges[r].group].lr_scale;
       p.step = opt_steps;
       p.grad_scale = grad_scale;
       optim_plan_init(&c->plans[r], &p);
@@ -233,6 +235,9 @@ static void core_run_apply(core *c) {
   c->last_lr = lr;
   c->last_coef = coef;
   c->last_skip = skip;
+  c->last_nglr = c->apply_nglr;
+  if (c->apply_nglr)
+    memcpy(c->last_glr, c->apply_glr, c->apply_nglr * sizeof *c->last_glr);
   c->last_apply = (core_apply_result){
       .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
   c->apply_state = APPLY_NONE;
@@ -273,6 +278,16 @@ void *core__worker(void *arg) {
     int do_stats = c->stats_phase == STATS_COMPUTING;
     /* A restore, then snapshots of the current version, go before the next
      * apply: a snapshot asked for version v must see v, not v + 1. */
+    /* A close goes first: it refuses while a restore or snapshot is pending. */
+    ckpt_call *close = do_stats ? NULL : c->close_call;
+    if (close) {
+      c->close_call = NULL;
+      pthread_mutex_unlock(&c->mu);
+      core__fire(fire);
+      core__run_close(c, close);
+      pthread_mutex_lock(&c->mu);
+      continue;
+    }
     ckpt_call *restore = do_stats ? NULL : c->restore_call;
     if (restore)
       c->restore_call = NULL;
@@ -407,8 +422,23 @@ static int core_same_apply(double lr, float coef, int skip, double lr2, float co
   return lr == lr2 && coef == coef2 && !skip == !skip2;
 }
 
+static int core_same_glr(const double *a, uint32_t na, const double *b, uint32_t nb) {
+  if (na != nb)
+    return 0;
+  for (uint32_t i = 0; i < na; i++)
+    if (a[i] != b[i])
+      return 0;
+  return 1;
+}
+
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
+  return core_apply_groups(c, hash, step, lr, NULL, 0, coef, skip, cb, arg, out, err, errlen);
+}
+
+int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                      uint32_t ngroup_lr, float coef, int skip, core_apply_cb cb, void *arg,
+                      core_apply_result *out, char *err, size_t errlen) {
   waiter *w = NULL;
   pthread_mutex_lock(&c->mu);
   int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
@@ -421,16 +451,34 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
     rc = status_fail(err, errlen, ZS_EINVAL, "apply needs a finite lr >= 0 and a finite coef");
     goto done;
   }
+  if (ngroup_lr != 0 && (ngroup_lr != c->spec.num_groups || !group_lr)) {
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "apply carries %u group learning rates but job '%s' has %u param groups",
+                     ngroup_lr, c->spec.job, c->spec.num_groups);
+    goto done;
+  }
+  for (uint32_t g = 0; g < ngroup_lr; g++) {
+    if (!isfinite(group_lr[g]) || group_lr[g] < 0.0) {
+      rc = status_fail(err, errlen, ZS_EINVAL,
+                       "apply's learning rate of group %u is %g: it must be finite and >= 0", g,
+                       group_lr[g]);
+      goto done;
+    }
+  }
   if (c->last_apply_valid && step == c->version) {
-    if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip)) {
+    if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip) &&
+        core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)) {
       if (out)
         *out = c->last_apply;
     } else {
       rc = status_fail(err, errlen, ZS_EEXIST,
-                       "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d, not lr=%g "
+                       "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d%s, not lr=%g "
                        "coef=%g skip=%d",
-                       step, c->last_lr, (double)c->last_coef, c->last_skip, lr, (double)coef,
-                       !!skip);
+                       step, c->last_lr, (double)c->last_coef, c->last_skip,
+                       core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)
+                           ? ""
+                           : " and other group learning rates",
+                       lr, (double)coef, !!skip);
     }
     goto done;
   }
@@ -445,12 +493,16 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
     goto done;
   }
   if (c->apply_state != APPLY_NONE) {
-    if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip)) {
+    if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip) ||
+        !core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr)) {
       rc = status_fail(err, errlen, ZS_EEXIST,
-                       "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d, not lr=%g "
-                       "coef=%g skip=%d",
-                       step, c->apply_lr, (double)c->apply_coef, c->apply_skip, lr, (double)coef,
-                       !!skip);
+                       "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d%s, not "
+                       "lr=%g coef=%g skip=%d",
+                       step, c->apply_lr, (double)c->apply_coef, c->apply_skip,
+                       core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr)
+                           ? ""
+                           : " and other group learning rates",
+                       lr, (double)coef, !!skip);
       goto done;
     }
   } else {
@@ -493,6 +545,9 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
     c->apply_lr = lr;
     c->apply_coef = coef;
     c->apply_skip = !!skip;
+    c->apply_nglr = ngroup_lr;
+    if (ngroup_lr)
+      memcpy(c->apply_glr, group_lr, ngroup_lr * sizeof *c->apply_glr);
     pthread_cond_signal(&c->worker_cv);
   }
   rc = CORE_PENDING;

@@ -100,6 +100,7 @@ enum {
   M_COMMIT_CHECKPOINT,
   M_RESTORE,
   M_LIST_CHECKPOINTS,
+  M_CLOSE_JOB,
   M_HEALTH_CHECK,
   M_HEALTH_WATCH,
   M_COUNT,
@@ -202,6 +203,7 @@ static void h_checkpoint(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_commit_checkpoint(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_restore(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_list_checkpoints(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 
@@ -221,6 +223,7 @@ static const struct {
     [M_COMMIT_CHECKPOINT] = {"/zshard.v1.ZShard/CommitCheckpoint", h_commit_checkpoint},
     [M_RESTORE] = {"/zshard.v1.ZShard/Restore", h_restore},
     [M_LIST_CHECKPOINTS] = {"/zshard.v1.ZShard/ListCheckpoints", h_list_checkpoints},
+    [M_CLOSE_JOB] = {"/zshard.v1.ZShard/CloseJob", h_close_job},
     [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check},
     [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch},
 };
@@ -685,7 +688,7 @@ static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   if (rc)
     goto fail;
   core_open_result res;
-  rc = service_open(s->svc, &sp, r->rank, &res, err, sizeof err);
+  rc = service_open_mode(s->svc, &sp, r->rank, (int)r->mode, &res, err, sizeof err);
   if (rc)
     goto fail;
   if (res.created) {
@@ -997,9 +1000,12 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   /* The apply runs on a core thread; this call is work in progress, not a
    * wait, so shutdown gives it the grace period. */
   gcall_ref(c);
-  int rc =
-      service_apply(s->svc, r->spec_hash, r->step, r->lr, r->coef, r->skip, r->client_state.data,
-                    r->client_state.len, on_core_apply, c, &c->apply, err, sizeof err);
+  /* protobuf-c bounds n_group_lr by the message's length; the core checks
+   * it against the job's group count. */
+  uint32_t nglr = r->n_group_lr > UINT32_MAX ? UINT32_MAX : (uint32_t)r->n_group_lr;
+  int rc = service_apply_groups(s->svc, r->spec_hash, r->step, r->lr, r->group_lr, nglr, r->coef,
+                                r->skip, r->client_state.data, r->client_state.len, on_core_apply,
+                                c, &c->apply, err, sizeof err);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   if (rc == CORE_PENDING)
     return;
@@ -1038,6 +1044,42 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.uptime_s = (double)(clock_now_ns() - s->start_ns) / 1e9;
   resp.serving = serving != 0;
   resp.data_port = s->data_port;
+  finish_msg(c, 0, &resp.base);
+}
+
+/* Answered on the polling thread: the close waits for the worker (at most
+ * the apply in progress), as an Open waits for the state lock. Calls of the
+ * job parked in the core are answered ENOTOPEN from the worker meanwhile. */
+static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__CloseJobRequest *r =
+      UNPACK(Zshard__V1__CloseJobRequest, zshard__v1__close_job_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.CloseJobRequest");
+    return;
+  }
+  core_close_result res;
+  int rc = service_close(s->svc, r->spec_hash, r->job, &res, err, sizeof err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (rc != 0) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  core_info info;
+  core_get_info(s->core, &info);
+  if (res.closed) {
+    char job[65];
+    log_safe(job, sizeof job, res.job);
+    LOG_INFO("job_closed_by_request", "job=%s spec_hash=%016" PRIx64 " version=%" PRIu64, job,
+             res.spec_hash, res.version);
+  }
+  Zshard__V1__CloseJobResponse resp = ZSHARD__V1__CLOSE_JOB_RESPONSE__INIT;
+  resp.closed = res.closed != 0;
+  resp.job = res.closed ? res.job : (char *)protobuf_c_empty_string;
+  resp.spec_hash = res.spec_hash;
+  resp.version = res.version;
+  resp.shard_id = info.shard_id;
+  resp.state_bytes = res.state_bytes;
   finish_msg(c, 0, &resp.base);
 }
 

@@ -12,6 +12,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/status.h"
 
@@ -68,6 +69,29 @@ int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *ou
                        "rank %" PRIu32 " is not below the world size %" PRIu32, rank,
                        sp->world_size);
   return core_open(s->core, sp, out, err, errlen);
+}
+
+int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_open_result *out,
+                      char *err, size_t errlen) {
+  if (mode != CORE_OPEN_EITHER && mode != CORE_OPEN_CREATE && mode != CORE_OPEN_RESUME)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "open mode %d is none of either (0), create (1) and resume (2)", mode);
+  if (!sp)
+    return status_fail(err, errlen, ZS_EINVAL, "no spec given");
+  if (rank >= sp->world_size)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "rank %" PRIu32 " is not below the world size %" PRIu32, rank,
+                       sp->world_size);
+  return core_open_ex(s->core, sp, mode, out, err, errlen);
+}
+
+int service_close(service *s, uint64_t hash, const char *job, core_close_result *out, char *err,
+                  size_t errlen) {
+  if (job && strlen(job) > SPEC_MAX_NAME)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "CloseJob names a job of %zu bytes; job names have at most %u", strlen(job),
+                       SPEC_MAX_NAME);
+  return core_close(s->core, hash, job, out, err, errlen);
 }
 
 int service_init_params(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, uint64_t offset,
@@ -138,18 +162,34 @@ int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_
 int service_apply(service *s, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                   const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                   core_apply_result *out, char *err, size_t errlen) {
+  return service_apply_groups(s, hash, step, lr, NULL, 0, coef, skip, cs, cs_len, cb, arg, out, err,
+                              errlen);
+}
+
+int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
+                         const double *group_lr, uint32_t ngroup_lr, float coef, int skip,
+                         const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
+                         core_apply_result *out, char *err, size_t errlen) {
   /* The core refuses these too; checked first so that the client state of a
    * refused apply is never recorded. */
   if (!isfinite(lr) || lr < 0 || !isfinite(coef))
     return status_fail(err, errlen, ZS_EINVAL,
                        "Apply needs a finite lr >= 0 and a finite coef (lr=%g coef=%g)", lr,
                        (double)coef);
+  if (ngroup_lr > 0 && !group_lr)
+    return status_fail(err, errlen, ZS_EINVAL, "no group learning rates given");
+  for (uint32_t g = 0; g < ngroup_lr; g++)
+    if (!isfinite(group_lr[g]) || group_lr[g] < 0)
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "Apply's group_lr[%" PRIu32 "] is %g: each must be finite and >= 0", g,
+                         group_lr[g]);
   /* Recorded before the apply is queued, so that the apply commits it; an
    * oversized one is refused here and the apply never starts. */
   int rc = core_set_apply_client_state(s->core, hash, step, cs, cs_len, err, errlen);
   if (rc != 0)
     return rc;
-  return core_apply(s->core, hash, step, lr, coef, skip, cb, arg, out, err, errlen);
+  return core_apply_groups(s->core, hash, step, lr, group_lr, ngroup_lr, coef, skip, cb, arg, out,
+                           err, errlen);
 }
 
 /* ------------------------------------------------ sentences of the transports */
@@ -168,5 +208,10 @@ int service_pull_wait_failed(int status, uint64_t min_version, uint32_t tensor, 
                        "timed out waiting for version %" PRIu64 " of tensor %" PRIu32
                        " slice %" PRIu32,
                        min_version, tensor, slice);
+  if (status == ZS_ENOTOPEN)
+    return status_fail(err, errlen, status,
+                       "the job was closed while this pull of tensor %" PRIu32 " slice %" PRIu32
+                       " waited for version %" PRIu64 " (no job is open on this shard now)",
+                       tensor, slice, min_version);
   return status_fail(err, errlen, status, "%s", zs_strerror(status));
 }

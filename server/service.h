@@ -87,6 +87,18 @@ core *service_core(const service *s);
 int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *out, char *err,
                  size_t errlen);
 
+/* service_open with an open mode (CORE_OPEN_*, the proto's OpenMode): a mode
+ * that is none of them is ZS_EINVAL; then core_open_ex's rules. */
+int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_open_result *out,
+                      char *err, size_t errlen);
+
+/* Closes the shard's job (CloseJob): a job name longer than SPEC_MAX_NAME
+ * bytes is ZS_EINVAL, then core_close's rules (hash 0 and job NULL or ""
+ * match any job). Blocks for at most the apply in progress and the pins'
+ * wait (core_close), as core_open may block for an apply. */
+int service_close(service *s, uint64_t hash, const char *job, core_close_result *out, char *err,
+                  size_t errlen);
+
 /* Initial weights of a piece, elements [offset, offset + nbytes / 4): nbytes
  * must be a whole number of float32 (ZS_ESIZE), then core_init_params_range's
  * rules. `data` must be aligned for float. */
@@ -132,6 +144,14 @@ int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_
 int service_apply(service *s, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                   const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                   core_apply_result *out, char *err, size_t errlen);
+
+/* service_apply with per-group learning rates (ApplyRequest.group_lr): each
+ * of the ngroup_lr values must be finite and >= 0 (ZS_EINVAL) before the
+ * client state is recorded; the count is core_apply_groups' to check. */
+int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
+                         const double *group_lr, uint32_t ngroup_lr, float coef, int skip,
+                         const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
+                         core_apply_result *out, char *err, size_t errlen);
 
 /* ------------------------------------------------ sentences of the transports
  *

@@ -5,6 +5,7 @@
  *   zshard estimate --params P ... [--json]    memory and traffic, zshard vs
  *                                              DP and ZeRO-1/2/3
  *   zshard checkpoint | restore | checkpoints   checkpoints of a running job
+ *   zshard close-job --shards LIST              frees the job on every shard
  *   zshard reshard | export                     checkpoint files, offline
  */
 #include <errno.h>
@@ -80,6 +81,7 @@ static void usage(FILE *f) {
              "  checkpoint checkpoint the running job on every shard\n"
              "  restore    roll every shard back to a checkpoint\n"
              "  checkpoints list the checkpoints every shard holds\n"
+             "  close-job  close the job on every shard, ready for the next one\n"
              "  reshard    rewrite a checkpoint for another shard count (offline)\n"
              "  export     write a checkpoint as one safetensors file (offline)\n"
              "  bench      load-test a running cluster: push/pull throughput and latency\n"
@@ -90,6 +92,8 @@ static void usage(FILE *f) {
 
 /* bench.c (declared here rather than in cli.h, which belongs to others). */
 int cli_bench(int argc, char **argv);
+/* jobs.c */
+int cli_close_job(int argc, char **argv);
 
 int main(int argc, char **argv) {
   if (argc < 2) {
@@ -111,6 +115,8 @@ int main(int argc, char **argv) {
     return cli_reshard(argc - 1, argv + 1);
   if (strcmp(cmd, "export") == 0)
     return cli_export(argc - 1, argv + 1);
+  if (strcmp(cmd, "close-job") == 0)
+    return cli_close_job(argc - 1, argv + 1);
   if (strcmp(cmd, "bench") == 0)
     return cli_bench(argc - 1, argv + 1);
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {

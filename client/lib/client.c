@@ -283,6 +283,12 @@ static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
   if (o->data_connections > DP_MAX_CONNECTIONS)
     return zc_fail(ZS_EINVAL, "zs_client_open: data_connections must be at most %u",
                    DP_MAX_CONNECTIONS);
+  if (o->open_mode != ZS_OPEN_EITHER && o->open_mode != ZS_OPEN_CREATE &&
+      o->open_mode != ZS_OPEN_RESUME)
+    return zc_fail(ZS_EINVAL, "zs_client_open: open_mode %d is not a zs_open_mode value",
+                   (int)o->open_mode);
+  if (o->reserved0 != 0)
+    return zc_fail(ZS_EINVAL, "zs_client_open: reserved0 must be 0");
   return ZS_OK;
 }
 
@@ -638,6 +644,8 @@ static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *
     reqs[i] = init;
     reqs[i].spec = &ms; /* shared: packing only reads it */
     reqs[i].rank = c->opt.rank;
+    /* zs_open_mode's values are the proto's OpenMode. */
+    reqs[i].mode = (Zshard__V1__OpenMode)c->opt.open_mode;
     zc_task *t = &op->tasks[i];
     t->shard = i;
     t->method = ZC_METHOD("Open");
@@ -651,6 +659,12 @@ static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *
     snprintf(why, sizeof why, "%s", zs_last_error());
     rc =
         zc_fail(rc, "zs_open_job: a shard holds a different job (spec hash mismatch): %.400s", why);
+  } else if (rc == ZS_EEXIST || rc == ZS_ENOTOPEN) {
+    /* The open mode's refusals: the shard's sentence names the job. */
+    char why[ZC_ERR_LEN];
+    snprintf(why, sizeof why, "%s", zs_last_error());
+    rc = zc_fail(rc, "zs_open_job (open mode %s): %.400s",
+                 c->opt.open_mode == ZS_OPEN_CREATE ? "create" : "resume", why);
   }
   if (rc != ZS_OK)
     goto done;
@@ -765,10 +779,13 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
   if (rc != ZS_OK)
     return rc;
   pthread_mutex_lock(&c->mu);
-  if (c->opened || c->opening) {
+  if (c->opened || c->opening || c->job_closed) {
+    int closed = c->job_closed;
     pthread_mutex_unlock(&c->mu);
     zc_client_leave(c);
-    return zc_fail(ZS_EINVAL, "zs_open_job: the job is already open (or being opened)");
+    return closed ? zc_fail(ZS_EINVAL, "zs_open_job: this client closed its job (zs_close_job); "
+                                       "open another client for the next job")
+                  : zc_fail(ZS_EINVAL, "zs_open_job: the job is already open (or being opened)");
   }
   c->opening = 1;
   pthread_mutex_unlock(&c->mu);
@@ -883,6 +900,61 @@ fail:
    * instance once the shards are up). */
   pthread_mutex_lock(&c->mu);
   c->opening = 0;
+  pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return rc;
+}
+
+/* ---- closing the job ------------------------------------------------------------- */
+
+int zs_close_job(zs_client *c) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  if (!c->opened || c->stepping) {
+    int opened = c->opened;
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return opened ? zc_fail(ZS_EINVAL, "zs_close_job: a zs_step is running on this client")
+                  : zc_fail(ZS_ENOTOPEN, "zs_close_job: the job is not open");
+  }
+  /* stepping keeps a zs_step out while the shards close the job. */
+  c->stepping = 1;
+  pthread_mutex_unlock(&c->mu);
+  Zshard__V1__CloseJobRequest req = ZSHARD__V1__CLOSE_JOB_REQUEST__INIT;
+  req.spec_hash = c->hash;
+  req.job = c->sp.job; /* frozen since zs_open_job; packing only reads it */
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  if (!op) {
+    rc = zc_fail(ZS_ENOMEM, "zs_close_job: out of memory");
+    goto done;
+  }
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    zc_task *t = &op->tasks[i];
+    t->shard = i;
+    t->method = ZC_METHOD("CloseJob");
+    t->msg = &req.base;
+    t->resp_desc = &zshard__v1__close_job_response__descriptor;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+  }
+  rc = zc_call_all(op);
+  if (rc != ZS_OK) {
+    char why[ZC_ERR_LEN];
+    snprintf(why, sizeof why, "%s", zs_last_error());
+    rc = zc_fail(rc, "zs_close_job: %.440s", why);
+  }
+  for (uint32_t i = 0; i < op->ntasks; i++)
+    if (op->tasks[i].resp)
+      protobuf_c_message_free_unpacked(op->tasks[i].resp, NULL);
+  zc_op_release(op);
+done:
+  pthread_mutex_lock(&c->mu);
+  c->stepping = 0;
+  if (rc == ZS_OK) {
+    c->opened = 0;
+    c->job_closed = 1;
+  }
   pthread_mutex_unlock(&c->mu);
   zc_client_leave(c);
   return rc;

@@ -312,8 +312,9 @@ struct zs_client {
   /* The model description, built under mu until zs_open_job; immutable after. */
   spec sp;
   uint32_t group_cap, tensor_cap;
-  int opened;  /* (mu) */
-  int opening; /* (mu) a zs_open_job is running */
+  int opened;     /* (mu) */
+  int opening;    /* (mu) a zs_open_job is running */
+  int job_closed; /* (mu) zs_close_job succeeded: no job can be opened again */
   layout lay;
   uint64_t hash;
 

@@ -202,12 +202,14 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
 }
 
 /* `cs` (cs_len bytes, may be 0) becomes the shards' client state of `step`. */
-static int apply_all(zs_client *c, uint64_t step, double lr, float coef, int skip,
-                     const uint8_t *cs, size_t cs_len) {
+static int apply_all(zs_client *c, uint64_t step, double lr, const double *group_lr,
+                     uint32_t ngroup_lr, float coef, int skip, const uint8_t *cs, size_t cs_len) {
   Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
   req.spec_hash = c->hash;
   req.step = step;
   req.lr = lr;
+  req.group_lr = (double *)(uintptr_t)group_lr; /* packing only reads it */
+  req.n_group_lr = ngroup_lr;
   req.coef = coef;
   req.skip = skip != 0;
   req.client_state.data = (uint8_t *)(uintptr_t)cs; /* packing only reads it */
@@ -241,53 +243,58 @@ static double ms(uint64_t ns) {
   return (double)ns / 1e6;
 }
 
+void zs_step_options_init_sized(zs_step_options *o, size_t size) {
+  if (!o || size < sizeof(size_t))
+    return;
+  zs_step_options own;
+  memset(&own, 0, sizeof own);
+  zc_struct_write(o, size, &own, sizeof own);
+}
+
+static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out);
+
 int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs_step_result *out) {
-  int rc = zc_client_enter(c);
+  zs_step_options o;
+  zs_step_options_init(&o);
+  o.lr = lr;
+  o.max_grad_norm = max_grad_norm;
+  o.loss_scale = loss_scale;
+  return step_run(c, &o, out);
+}
+
+int zs_step_ex(zs_client *c, const zs_step_options *caller_o, zs_step_result *out) {
+  if (!caller_o)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: no options given");
+  zs_step_options o;
+  zs_step_options_init(&o); /* the defaults of what an older caller's struct lacks */
+  int rc = zc_struct_read(&o, sizeof o, caller_o, "zs_step_ex", "zs_step_options_init");
   if (rc != ZS_OK)
     return rc;
-  if (out) {
-    rc = zc_struct_check(out->struct_size, "zs_step: result", "zs_step_result_init");
-    if (rc != ZS_OK) {
-      zc_client_leave(c);
-      return rc;
-    }
-  }
-  if (!isfinite(lr) || lr < 0 || !isfinite(max_grad_norm) || max_grad_norm < 0 ||
-      !isfinite(loss_scale) || loss_scale < 0) {
-    zc_client_leave(c);
-    return zc_fail(ZS_EINVAL, "zs_step: lr, max_grad_norm and loss_scale must be finite and >= 0");
-  }
-  pthread_mutex_lock(&c->mu);
-  if (!c->opened || c->stepping) {
-    int opened = c->opened;
-    pthread_mutex_unlock(&c->mu);
-    zc_client_leave(c);
-    return opened ? zc_fail(ZS_EINVAL, "zs_step: another zs_step is running on this client")
-                  : zc_fail(ZS_ENOTOPEN, "zs_step: the job is not open");
-  }
-  c->stepping = 1;
-  const uint64_t step = c->step;
-  const int own_scaler = loss_scale == 0;
-  const int dynamic = own_scaler && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC;
-  /* The scaler as it will be after this step; `stepping` keeps every other
-   * writer of c->scaler out until it is stored back. */
-  zs_loss_scaler next_scaler = c->scaler;
-  if (own_scaler) {
-    if (c->opt.loss_scaling == ZS_LOSS_SCALE_STATIC)
-      loss_scale = c->opt.static_loss_scale;
-    else if (dynamic)
-      loss_scale = c->scaler.scale;
-    else
-      loss_scale = 1.0;
-  }
+  if (o.reserved0 != 0)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: reserved0 must be 0");
+  if (!isfinite(o.clip_coef) || o.clip_coef < 0)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: clip_coef must be finite and >= 0 (0: computed)");
+  if (o.num_group_lr > 0 && !o.group_lr)
+    return zc_fail(ZS_EINVAL, "zs_step_ex: num_group_lr is %" PRIu32 " but group_lr is NULL",
+                   o.num_group_lr);
+  for (uint32_t g = 0; g < o.num_group_lr; g++)
+    if (!isfinite(o.group_lr[g]) || o.group_lr[g] < 0)
+      return zc_fail(ZS_EINVAL,
+                     "zs_step_ex: group_lr[%" PRIu32 "] is %g: each must be finite and >= 0", g,
+                     o.group_lr[g]);
+  return step_run(c, &o, out);
+}
 
-  /* 1. Drain this client's pushes. */
-  const uint64_t t_begin = clock_now_ns();
+/* With c->mu held (and released on return): waits until this client's
+ * pushes of `step` are done, and fails (with the sentence set) if one of them
+ * failed or a tensor was not pushed. */
+static int drain_pushes_unlock(zs_client *c, uint64_t step, uint64_t t_begin, uint64_t *drain_ns) {
   while (c->inflight_push > 0)
     pthread_cond_wait(&c->cv, &c->mu);
-  const uint64_t drain_ns = clock_now_ns() - t_begin;
-  c->push_ns += drain_ns;
+  *drain_ns = clock_now_ns() - t_begin;
+  c->push_ns += *drain_ns;
   char msg[ZC_ERR_LEN];
+  int rc = ZS_OK;
   if (c->step_error != ZS_OK) {
     rc = c->step_error;
     snprintf(msg, sizeof msg, "zs_step: a push of step %" PRIu64 " failed: %.440s", step,
@@ -298,43 +305,17 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
     rc = ZS_ENOTREADY;
   }
   pthread_mutex_unlock(&c->mu);
-  if (rc != ZS_OK) {
+  if (rc != ZS_OK)
     zc_fail_msg(rc, msg);
-    goto done;
-  }
+  return rc;
+}
 
-  /* 2. and 3. Statistics, norm, clipping. */
-  double sum_squares = 0.0;
-  int nonfinite = 0;
-  rc = collect_stats(c, step, &sum_squares, &nonfinite);
-  if (rc != ZS_OK)
-    goto done;
-  const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)c->sp.world_size : 1.0;
-  const int overflow = nonfinite || !isfinite(sum_squares);
-  const double grad_norm = overflow ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);
-  double clip_coef = 1.0;
-  if (!overflow && max_grad_norm > 0) {
-    clip_coef = max_grad_norm / (grad_norm + 1e-6);
-    if (clip_coef > 1.0)
-      clip_coef = 1.0;
-  }
-  /* On overflow coef is not used by the shards, but it must be the same on
-   * every trainer (a repeated Apply must match the first), hence finite. */
-  const float coef = (float)(clip_coef / loss_scale);
-
-  /* 4. Apply everywhere, with the scaler's next state for the shards to keep. */
-  uint8_t cs[ZC_SCALER_BLOB_BYTES];
-  size_t cs_len = 0;
-  if (dynamic) {
-    zs_loss_scaler_update(&next_scaler, overflow);
-    zc_scaler_encode(&next_scaler, cs);
-    cs_len = sizeof cs;
-  }
-  rc = apply_all(c, step, lr, coef, overflow, cs, cs_len);
-  if (rc != ZS_OK)
-    goto done;
-
-  /* The step is complete on every shard. */
+/* The step is applied on every shard: the client moves to the next step,
+ * keeps the scaler's next state (next_scaler, NULL without the dynamic
+ * scaler), records the step's timing and starts the prefetches of the next
+ * step. Returns the loss scale of the next step. */
+static double complete_step(zs_client *c, uint64_t step, const zs_loss_scaler *next_scaler,
+                            double loss_scale, uint64_t t_begin, uint64_t drain_ns) {
   zs_request *prefetch[64];
   uint32_t nprefetch = 0;
   const uint64_t now = clock_now_ns();
@@ -342,8 +323,8 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
   c->step = step + 1;
   memset(c->pushed, 0, ((size_t)c->sp.num_tensors * c->sp.grad_accum + 7) / 8);
   double next_scale = loss_scale;
-  if (dynamic) {
-    c->scaler = next_scaler;
+  if (next_scaler) {
+    c->scaler = *next_scaler;
     next_scale = c->scaler.scale;
   }
   zs_timing *tm = &c->last_timing;
@@ -368,7 +349,104 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
   pthread_mutex_unlock(&c->mu);
   for (uint32_t i = 0; i < nprefetch; i++)
     zc_op_submit(prefetch[i]);
+  return next_scale;
+}
 
+static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out) {
+  double lr = o->lr, max_grad_norm = o->max_grad_norm, loss_scale = o->loss_scale;
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (out) {
+    rc = zc_struct_check(out->struct_size, "zs_step: result", "zs_step_result_init");
+    if (rc != ZS_OK) {
+      zc_client_leave(c);
+      return rc;
+    }
+  }
+  if (!isfinite(lr) || lr < 0 || !isfinite(max_grad_norm) || max_grad_norm < 0 ||
+      !isfinite(loss_scale) || loss_scale < 0) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_step: lr, max_grad_norm and loss_scale must be finite and >= 0");
+  }
+  pthread_mutex_lock(&c->mu);
+  if (!c->opened || c->stepping) {
+    int opened = c->opened;
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return opened ? zc_fail(ZS_EINVAL, "zs_step: another zs_step is running on this client")
+                  : zc_fail(ZS_ENOTOPEN, "zs_step: the job is not open");
+  }
+  /* The group count is frozen once the job is open. */
+  if (o->num_group_lr != 0 && o->num_group_lr != c->sp.num_groups) {
+    uint32_t ng = c->sp.num_groups;
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL,
+                   "zs_step_ex: %" PRIu32 " group learning rates given but the job has %" PRIu32
+                   " param groups (one per zs_add_group)",
+                   o->num_group_lr, ng);
+  }
+  c->stepping = 1;
+  const uint64_t step = c->step;
+  const int own_scaler = loss_scale == 0;
+  const int dynamic = own_scaler && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC;
+  /* The scaler as it will be after this step; `stepping` keeps every other
+   * writer of c->scaler out until it is stored back. */
+  zs_loss_scaler next_scaler = c->scaler;
+  if (own_scaler) {
+    if (c->opt.loss_scaling == ZS_LOSS_SCALE_STATIC)
+      loss_scale = c->opt.static_loss_scale;
+    else if (dynamic)
+      loss_scale = c->scaler.scale;
+    else
+      loss_scale = 1.0;
+  }
+
+  /* 1. Drain this client's pushes. */
+  const uint64_t t_begin = clock_now_ns();
+  uint64_t drain_ns = 0;
+  if ((rc = drain_pushes_unlock(c, step, t_begin, &drain_ns)) != ZS_OK)
+    goto done;
+
+  /* 2. and 3. Statistics, norm, clipping. */
+  double sum_squares = 0.0;
+  int nonfinite = 0;
+  rc = collect_stats(c, step, &sum_squares, &nonfinite);
+  if (rc != ZS_OK)
+    goto done;
+  const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)c->sp.world_size : 1.0;
+  const int overflow = nonfinite || !isfinite(sum_squares);
+  const double grad_norm = overflow ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);
+  double clip_coef = 1.0;
+  if (o->clip_coef > 0) {
+    /* Computed elsewhere (over more than this job's parameters, say): used
+     * as given, so every trainer must pass the same. */
+    clip_coef = o->clip_coef;
+  } else if (!overflow && max_grad_norm > 0) {
+    clip_coef = max_grad_norm / (grad_norm + 1e-6);
+    if (clip_coef > 1.0)
+      clip_coef = 1.0;
+  }
+  /* On overflow coef is not used by the shards, but it must be the same on
+   * every trainer (a repeated Apply must match the first), hence finite. */
+  const float coef = (float)(clip_coef / loss_scale);
+
+  /* 4. Apply everywhere, with the scaler's next state for the shards to keep. */
+  uint8_t cs[ZC_SCALER_BLOB_BYTES];
+  size_t cs_len = 0;
+  if (dynamic) {
+    zs_loss_scaler_update(&next_scaler, overflow);
+    zc_scaler_encode(&next_scaler, cs);
+    cs_len = sizeof cs;
+  }
+  rc = apply_all(c, step, lr, o->group_lr, o->num_group_lr, coef, overflow, cs, cs_len);
+  if (rc != ZS_OK)
+    goto done;
+
+  /* The step is complete on every shard. */
+  double next_scale =
+      complete_step(c, step, dynamic ? &next_scaler : NULL, loss_scale, t_begin, drain_ns);
   if (out) {
     zs_step_result res;
     memset(&res, 0, sizeof res);
@@ -384,6 +462,67 @@ int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale, zs
     zc_struct_write(out, out->struct_size, &res, sizeof res);
   }
   zc_checkpoint_after_step(c, step);
+done:
+  pthread_mutex_lock(&c->mu);
+  c->stepping = 0;
+  pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_grad_norm(zs_client *c, double loss_scale, double *grad_norm, int *overflow) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  if (!isfinite(loss_scale) || loss_scale < 0) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL, "zs_grad_norm: loss_scale must be finite and >= 0");
+  }
+  pthread_mutex_lock(&c->mu);
+  if (!c->opened || c->stepping) {
+    int opened = c->opened;
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return opened ? zc_fail(ZS_EINVAL, "zs_grad_norm: a zs_step is running on this client")
+                  : zc_fail(ZS_ENOTOPEN, "zs_grad_norm: the job is not open");
+  }
+  c->stepping = 1;
+  const uint64_t step = c->step;
+  if (loss_scale == 0)
+    loss_scale = c->opt.loss_scaling == ZS_LOSS_SCALE_STATIC    ? c->opt.static_loss_scale
+                 : c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC ? c->scaler.scale
+                                                                : 1.0;
+  /* zs_step's drain, except that a failed push is reported and left for
+   * zs_step to report again: this call changes nothing. */
+  const uint64_t t_begin = clock_now_ns();
+  while (c->inflight_push > 0)
+    pthread_cond_wait(&c->cv, &c->mu);
+  c->push_ns += clock_now_ns() - t_begin;
+  char msg[ZC_ERR_LEN];
+  if (c->step_error != ZS_OK) {
+    rc = c->step_error;
+    snprintf(msg, sizeof msg, "zs_grad_norm: a push of step %" PRIu64 " failed: %.440s", step,
+             c->step_err);
+  } else if (find_unpushed_locked(c, msg, sizeof msg)) {
+    rc = ZS_ENOTREADY;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc != ZS_OK) {
+    zc_fail_msg(rc, msg);
+    goto done;
+  }
+  double sum_squares = 0.0;
+  int nonfinite = 0;
+  rc = collect_stats(c, step, &sum_squares, &nonfinite);
+  if (rc == ZS_OK) {
+    /* zs_step's formula, so that its result reports the same bits. */
+    const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)c->sp.world_size : 1.0;
+    const int of = nonfinite || !isfinite(sum_squares);
+    if (grad_norm)
+      *grad_norm = of ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);
+    if (overflow)
+      *overflow = of;
+  }
 done:
   pthread_mutex_lock(&c->mu);
   c->stepping = 0;

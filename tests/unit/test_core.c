@@ -1950,6 +1950,210 @@ static void test_a_shard_without_pieces_steps_trivially(void **state) {
   job_free(&j);
 }
 
+/* ------------------------------------------------------------------ a job's life */
+
+/* The open modes, decided by the core: create joins the same spec only at
+ * version 0, resume needs a job, either is core_open. */
+static void test_open_modes_create_resume_either(void **state) {
+  (void)state;
+  job j, other;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 60);
+  job_start(&other, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_SUM, ZS_DTYPE_FP32);
+  job_finish(&other, 61);
+  core_config cfg = {.shard_id = 0, .num_shards = 1, .threads = 1};
+  core *c = NULL;
+  assert_int_equal(core_create(&cfg, &c), 0);
+  core_open_result r;
+  char err[256] = "";
+  assert_int_equal(core_open_ex(c, &j.spec, CORE_OPEN_RESUME, &r, err, sizeof err), ZS_ENOTOPEN);
+  assert_null(core_spec(c)); /* nothing was created */
+  assert_int_equal(core_open_ex(c, &j.spec, CORE_OPEN_CREATE, &r, err, sizeof err), 0);
+  assert_int_equal(r.created, 1);
+  assert_int_equal(core_open_ex(c, &j.spec, CORE_OPEN_CREATE, &r, err, sizeof err), 0);
+  assert_int_equal(r.created, 0);
+  assert_int_equal(core_open_ex(c, &other.spec, CORE_OPEN_CREATE, &r, err, sizeof err), ZS_EEXIST);
+  assert_non_null(strstr(err, "already has job 'core-test'"));
+  assert_int_equal(core_open_ex(c, &other.spec, CORE_OPEN_RESUME, &r, err, sizeof err), ZS_EHASH);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 62);
+  push_all_in_order(c, &j, 1);
+  core_stats_result st;
+  core_apply_result ar;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  assert_int_equal(apply_sync(c, &j, 1, 1e-2, 1.0f, 0, &ar), 0);
+  assert_int_equal(core_open_ex(c, &j.spec, CORE_OPEN_CREATE, &r, err, sizeof err), ZS_EEXIST);
+  assert_non_null(strstr(err, "to version 1"));
+  assert_int_equal(core_open_ex(c, &j.spec, CORE_OPEN_RESUME, &r, err, sizeof err), 0);
+  assert_int_equal(r.version, 1);
+  assert_int_equal(core_open_ex(c, &j.spec, CORE_OPEN_EITHER, &r, err, sizeof err), 0);
+  assert_int_equal(r.version, 1);
+  core_destroy(c);
+  job_free(&j);
+  job_free(&other);
+}
+
+/* A close checks what it is told to close, fails every wait of the job with
+ * ZS_ENOTOPEN before it returns, and leaves an empty shard that opens the
+ * next job from scratch. */
+static void test_close_fails_waits_and_empties_the_shard(void **state) {
+  (void)state;
+  job j, other;
+  job_start(&j, k_tensors, K_NT, 2, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 63);
+  job_start(&other, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_FP16, SPEC_REDUCE_SUM, ZS_DTYPE_FP32);
+  job_finish(&other, 64);
+  core *c = open_core(&j, 0, 2);
+  const spec *before = core_spec(c);
+  assert_non_null(before);
+  event ev0, ev1, es;
+  event_init(&ev0);
+  event_init(&ev1);
+  event_init(&es);
+  uint64_t version;
+  core_stats_result st;
+  char err[256] = "";
+  assert_int_equal(core_wait_version(c, j.hash, 0, 0, on_version, &ev0, &version, err, sizeof err),
+                   CORE_PENDING);
+  init_all(c, &j, 0);
+  event_wait(&ev0, 1);
+  assert_int_equal(core_wait_version(c, j.hash, 1, 0, on_version, &ev1, &version, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(core_grad_stats(c, j.hash, 1, 0, on_stats, &es, &st, err, sizeof err),
+                   CORE_PENDING);
+  core_close_result cr;
+  assert_int_equal(core_close(c, j.hash + 1, NULL, &cr, err, sizeof err), ZS_EHASH);
+  assert_int_equal(core_close(c, 0, "other", &cr, err, sizeof err), ZS_ENOTFOUND);
+  assert_non_null(strstr(err, "not 'other'"));
+  assert_int_equal(event_fired(&ev1), 0); /* refused closes changed nothing */
+  assert_int_equal(core_close(c, j.hash, "core-test", &cr, err, sizeof err), 0);
+  assert_int_equal(cr.closed, 1);
+  assert_string_equal(cr.job, "core-test");
+  assert_int_equal(cr.spec_hash, j.hash);
+  assert_true(cr.state_bytes > 0);
+  /* The callbacks ran before core_close returned. */
+  assert_int_equal(ev1.fired, 1);
+  assert_int_equal(ev1.status, ZS_ENOTOPEN);
+  assert_int_equal(es.fired, 1);
+  assert_int_equal(es.status, ZS_ENOTOPEN);
+  core_info info;
+  core_get_info(c, &info);
+  assert_int_equal(info.has_job, 0);
+  assert_int_equal(info.version, 0);
+  core_counters k;
+  core_get_counters(c, &k);
+  assert_int_equal(k.waiting_pulls, 0);
+  assert_int_equal(k.waiting_stats, 0);
+  assert_null(core_spec(c));
+  assert_string_equal(before->job, "core-test"); /* still readable */
+  assert_int_equal(push_one(c, &j, 1, 0, 0, 0, NULL), ZS_ENOTOPEN);
+  assert_int_equal(core_close(c, j.hash, NULL, &cr, err, sizeof err), 0);
+  assert_int_equal(cr.closed, 0);
+
+  /* The next job, on the same core, from its own initial weights. */
+  core_open_result r;
+  assert_int_equal(core_open_ex(c, &other.spec, CORE_OPEN_CREATE, &r, err, sizeof err), 0);
+  assert_int_equal(r.created, 1);
+  assert_int_equal(r.version, 0);
+  assert_int_equal(r.initialized, 0);
+  init_all(c, &other, 0);
+  job_make_grads(&other, 65);
+  push_all_in_order(c, &other, 1);
+  core_apply_result ar;
+  assert_int_equal(stats_sync(c, &other, 1, &st), 0);
+  assert_int_equal(apply_sync(c, &other, 1, 1e-2, 1.0f, 0, &ar), 0);
+  job_ref_step(&other, 1e-2, 1.0f, 0);
+  check_shard_matches_reference(c, &other, 0, 1);
+  event_destroy(&ev0);
+  event_destroy(&ev1);
+  event_destroy(&es);
+  core_destroy(c);
+  job_free(&j);
+  job_free(&other);
+}
+
+/* A pull answer pinned in the low arena keeps the job open: the close waits
+ * pin_wait_ms, refuses, and succeeds once the answer is released. */
+static void test_close_refuses_while_an_answer_is_pinned(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 66);
+  core *c = open_core_pin_wait(&j, 50);
+  init_all(c, &j, 0);
+  const layout_piece *p = layout_find(&j.layout, 0, 0);
+  const void *data = NULL;
+  uint64_t v = 0;
+  uint32_t crc = 0;
+  char err[256] = "";
+  assert_int_equal(core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_BF16, (size_t)p->numel * 2, &data, &v,
+                                &crc, err, sizeof err),
+                   0);
+  core_close_result cr;
+  assert_int_equal(core_close(c, j.hash, NULL, &cr, err, sizeof err), ZS_ENOTREADY);
+  assert_non_null(strstr(err, "still being sent"));
+  assert_non_null(core_spec(c));
+  assert_int_equal(crc32c(0, data, (size_t)p->numel * 2), crc); /* not freed */
+  core_unpin_low(c);
+  assert_int_equal(core_close(c, j.hash, NULL, &cr, err, sizeof err), 0);
+  assert_int_equal(cr.closed, 1);
+  core_destroy(c);
+  job_free(&j);
+}
+
+/* Per-group learning rates equal to lr * lr_scale give the same bits as
+ * core_apply; a wrong count or value is refused, and a repeat must carry
+ * the same rates. */
+static void test_group_learning_rates_replace_lr_times_lr_scale(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 67);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 68);
+  push_all_in_order(c, &j, 1);
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  const double lr = 1e-2;
+  const double glr[2] = {lr * j.spec.groups[0].lr_scale, lr * j.spec.groups[1].lr_scale};
+  const double one[1] = {lr};
+  const double neg[2] = {lr, -1.0};
+  core_apply_result ar;
+  char err[256] = "";
+  assert_int_equal(
+      core_apply_groups(c, j.hash, 1, 5.0, one, 1, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+      ZS_EINVAL);
+  assert_non_null(strstr(err, "1 group learning rates"));
+  assert_int_equal(
+      core_apply_groups(c, j.hash, 1, 5.0, neg, 2, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+      ZS_EINVAL);
+  event e;
+  event_init(&e);
+  assert_int_equal(
+      core_apply_groups(c, j.hash, 1, 5.0, glr, 2, 1.0f, 0, on_apply, &e, &ar, err, sizeof err),
+      CORE_PENDING);
+  event_wait(&e, 1);
+  assert_int_equal(e.status, 0);
+  event_destroy(&e);
+  job_ref_step(&j, lr, 1.0f, 0);
+  check_shard_matches_reference(c, &j, 0, 1);
+  /* Repeats: the same rates are the recorded outcome, others a conflict,
+   * and so is the step's plain lr without them. */
+  assert_int_equal(
+      core_apply_groups(c, j.hash, 1, 5.0, glr, 2, 1.0f, 0, NULL, NULL, &ar, err, sizeof err), 0);
+  assert_int_equal(ar.version, 1);
+  const double glr2[2] = {glr[0], glr[1] * 2};
+  assert_int_equal(
+      core_apply_groups(c, j.hash, 1, 5.0, glr2, 2, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+      ZS_EEXIST);
+  assert_non_null(strstr(err, "other group learning rates"));
+  assert_int_equal(core_apply(c, j.hash, 1, 5.0, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+                   ZS_EEXIST);
+  core_destroy(c);
+  job_free(&j);
+}
+
 int main(void) {
   /* One "apply" line per step on stderr would drown the test output. */
   log_set_level(LOG_LEVEL_WARN);
@@ -1980,6 +2184,10 @@ int main(void) {
       cmocka_unit_test(test_concurrent_identical_applies_share_one_run_and_outcome),
       cmocka_unit_test(test_each_piece_is_owned_by_exactly_one_of_several_shards),
       cmocka_unit_test(test_a_shard_without_pieces_steps_trivially),
+      cmocka_unit_test(test_open_modes_create_resume_either),
+      cmocka_unit_test(test_close_fails_waits_and_empties_the_shard),
+      cmocka_unit_test(test_close_refuses_while_an_answer_is_pinned),
+      cmocka_unit_test(test_group_learning_rates_replace_lr_times_lr_scale),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

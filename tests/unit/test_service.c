@@ -537,6 +537,61 @@ static void grad_stats_asks_the_core_about_acknowledged_pushes_first(void **stat
   assert_int_equal(rc, ZS_ETIMEDOUT);
 }
 
+/* The open mode, the close's job name and the group learning rates are
+ * checked before the core is asked: a refusal opens, closes and applies
+ * nothing. */
+static void job_life_requests_are_checked_and_refusals_change_nothing(void **state) {
+  (void)state;
+  core_open_result r;
+  char err[256] = "";
+  assert_int_equal(service_open_mode(fx.svc, &fx.spec, 0, 7, &r, err, sizeof err), ZS_EINVAL);
+  assert_has(err, "open mode 7");
+  assert_int_equal(service_open_mode(fx.svc, &fx.spec, W, CORE_OPEN_CREATE, &r, err, sizeof err),
+                   ZS_EINVAL);
+  assert_int_equal(service_open_mode(fx.svc, &fx.spec, 0, CORE_OPEN_RESUME, &r, err, sizeof err),
+                   ZS_ENOTOPEN);
+  core_info info;
+  core_get_info(fx.core, &info);
+  assert_int_equal(info.has_job, 0);
+  assert_int_equal(service_open_mode(fx.svc, &fx.spec, 0, CORE_OPEN_CREATE, &r, err, sizeof err),
+                   0);
+  assert_int_equal(r.created, 1);
+  init_all();
+  for (uint32_t i = 0; i < fx.nmine; i++)
+    for (uint32_t k = 0; k < WM; k++) {
+      core_push_args a = push_of(fx.mine[i], 1, k);
+      assert_int_equal(service_push(fx.svc, &a, NULL, NULL, 0), 0);
+    }
+  wait_stats(1);
+  const double nan_lr[1] = {NAN};
+  waiter w;
+  waiter_init(&w);
+  assert_int_equal(service_apply_groups(fx.svc, fx.hash, 1, 0.1, nan_lr, 1, 1.0f, 0, NULL, 0,
+                                        on_apply, &w, &w.apply, err, sizeof err),
+                   ZS_EINVAL);
+  assert_has(err, "group_lr[0] is nan");
+  const double two[2] = {0.1, 0.1};
+  assert_int_equal(service_apply_groups(fx.svc, fx.hash, 1, 0.1, two, 2, 1.0f, 0, NULL, 0, on_apply,
+                                        &w, &w.apply, err, sizeof err),
+                   ZS_EINVAL);
+  assert_has(err, "has 1 param groups");
+  assert_int_equal(w.done, 0);
+  core_get_info(fx.core, &info);
+  assert_int_equal(info.version, 0);
+
+  char long_name[SPEC_MAX_NAME + 2];
+  memset(long_name, 'x', sizeof long_name - 1);
+  long_name[sizeof long_name - 1] = '\0';
+  core_close_result cr;
+  assert_int_equal(service_close(fx.svc, 0, long_name, &cr, err, sizeof err), ZS_EINVAL);
+  core_get_info(fx.core, &info);
+  assert_int_equal(info.has_job, 1);
+  assert_int_equal(service_close(fx.svc, fx.hash, "service-test", &cr, err, sizeof err), 0);
+  assert_int_equal(cr.closed, 1);
+  core_get_info(fx.core, &info);
+  assert_int_equal(info.has_job, 0);
+}
+
 static void the_transports_sentences(void **state) {
   (void)state;
   char err[256] = "";
@@ -547,6 +602,9 @@ static void the_transports_sentences(void **state) {
   assert_int_equal(service_pull_wait_failed(ZS_ECLOSED, 5, 1, 0, err, sizeof err), ZS_ECLOSED);
   assert_string_equal(err, zs_strerror(ZS_ECLOSED));
   assert_int_equal(service_pull_wait_failed(ZS_ETIMEDOUT, 5, 1, 0, NULL, 0), ZS_ETIMEDOUT);
+  assert_int_equal(service_pull_wait_failed(ZS_ENOTOPEN, 5, 1, 0, err, sizeof err), ZS_ENOTOPEN);
+  assert_string_equal(err, "the job was closed while this pull of tensor 1 slice 0 waited for "
+                           "version 5 (no job is open on this shard now)");
 }
 
 /* ------------------------------------------------------------------ observer */
@@ -683,6 +741,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(refused_applies_record_no_client_state_and_apply_nothing,
                                       setup, teardown),
       cmocka_unit_test_setup_teardown(grad_stats_asks_the_core_about_acknowledged_pushes_first,
+                                      setup, teardown),
+      cmocka_unit_test_setup_teardown(job_life_requests_are_checked_and_refusals_change_nothing,
                                       setup, teardown),
       cmocka_unit_test(the_transports_sentences),
       cmocka_unit_test_setup_teardown(

@@ -236,6 +236,24 @@ typedef enum zs_transport {
   ZS_TRANSPORT_GRPC = 2,
 } zs_transport;
 
+/* What zs_open_job may find on the shards (zs_client_options.open_mode). */
+typedef enum zs_open_mode {
+  /* Create the job, or join it as it is: a shard that already trained the
+   * same model resumes at its version and the initial weights are ignored
+   * (the behaviour of zshard 0.2). */
+  ZS_OPEN_EITHER = 0,
+  /* A new run: create the job. Every trainer of the run opens with it: the
+   * same model still at version 0 (the first trainer created it) is joined;
+   * a different job, or the same model already trained past version 0, fails
+   * with ZS_EEXIST and a sentence naming it (close it first: zs_close_job,
+   * `zshard close-job`). Initial weights other than those already written
+   * at version 0 fail with ZS_EEXIST too. */
+  ZS_OPEN_CREATE = 1,
+  /* Resume the job on the shards: ZS_ENOTOPEN when a shard has none (nothing
+   * is created), ZS_EHASH when it holds another. */
+  ZS_OPEN_RESUME = 2,
+} zs_open_mode;
+
 typedef struct zs_client_options {
   size_t struct_size;
   /* Shard addresses in shard-id order, "host:port,host:port", or a pattern
@@ -310,6 +328,10 @@ typedef struct zs_client_options {
   /* Deadline of one shard's checkpoint write or restore, ms; default
    * 600000. */
   uint32_t checkpoint_timeout_ms;
+  /* What zs_open_job may find on the shards; default ZS_OPEN_EITHER. */
+  zs_open_mode open_mode;
+  /* Must be 0 (keeps the struct free of tail padding, rule 3). */
+  uint32_t reserved0;
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above
@@ -374,17 +396,36 @@ ZS_EXTERN int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint
  * of every piece. init_weights has one pointer per tensor, in tensor order,
  * each to numel floats; it is read only during the call, is required on rank
  * 0 and ignored (may be NULL) elsewhere. Other ranks' first pulls wait until
- * rank 0 has written the weights. Opening a job the shards have already
- * trained resumes at its version (the initial weights are then ignored) and,
- * with ZS_LOSS_SCALE_DYNAMIC, sets the client's loss scaler to the state
- * zs_step left for that version (the shards keep it with the weights, in
- * checkpoints too; a job stepped without it leaves the scaler as configured).
+ * rank 0 has written the weights. What the shards may already hold is
+ * zs_client_options.open_mode's to say (ZS_EEXIST, ZS_ENOTOPEN are the modes'
+ * refusals; after one, shards that did take the open hold the job at version
+ * 0: a repeated zs_open_job joins it there, `zshard close-job` removes it).
+ * Opening a job the shards have already trained (ZS_OPEN_EITHER,
+ * ZS_OPEN_RESUME) resumes at its version (the initial weights are then
+ * ignored) and, with ZS_LOSS_SCALE_DYNAMIC, sets the client's loss scaler to
+ * the state zs_step left for that version (the shards keep it with the
+ * weights, in checkpoints too; a job stepped without it leaves the scaler as
+ * configured).
  * With the data plane (zs_client_options.transport) it then asks every shard
  * for its data port (GetInfo) and connects to it, at the host of the shard's
  * address. Returns ZS_EHASH if a shard holds a different job, ZS_EINVAL if a
  * shard's id or shard count does not match the address list, ZS_ECONN if a
  * shard's advertised data port cannot be reached. */
 ZS_EXTERN int zs_open_job(zs_client *c, const float *const *init_weights);
+
+/* Closes the job on every shard (the CloseJob call): each shard frees the
+ * job's state and is empty again, ready for the next job, without a restart;
+ * `zshard status` then shows no job. For the end of a run: call it from one
+ * trainer (rank 0), after every other trainer is done with the job. Calls of
+ * the job still waiting on a shard (another trainer's pull, zs_step) fail
+ * with ZS_ENOTOPEN, as does every later one. A shard that has no job (closed
+ * already) is not an error, so the call can be repeated after a failure. A
+ * shard with another job open is ZS_EHASH and keeps it; one taking a
+ * checkpoint or restore of the job answers ZS_ENOTREADY (retry later).
+ * Afterwards this client's job is not open (transfers and zs_step fail with
+ * ZS_ENOTOPEN) and it cannot open one again: close the client. Needs an
+ * open job (ZS_ENOTOPEN); must not run concurrently with zs_step. */
+ZS_EXTERN int zs_close_job(zs_client *c);
 
 /* ---- Inspecting the job -------------------------------------------------- */
 
@@ -535,8 +576,9 @@ typedef struct zs_step_result {
 ZS_EXTERN void zs_step_result_init_sized(zs_step_result *r, size_t size);
 #define zs_step_result_init(r) zs_step_result_init_sized((r), sizeof *(r))
 
-/* Completes the current step s: waits for this client's pushes, collects the
- * gradient statistics of step s from every shard (waiting up to
+/* Completes the current step s (zs_step_ex, below, takes per-group learning
+ * rates and an external clipping coefficient): waits for this client's
+ * pushes, collects the gradient statistics of step s from every shard (waiting up to
  * step_timeout_ms for every trainer's contributions), computes the global
  * gradient norm and overflow flag exactly as every other trainer does, and
  * applies step s on every shard with learning rate `lr`, clipping to
@@ -551,6 +593,55 @@ ZS_EXTERN void zs_step_result_init_sized(zs_step_result *r, size_t size);
  * no zs_push running concurrently. */
 ZS_EXTERN int zs_step(zs_client *c, double lr, double max_grad_norm, double loss_scale,
                       zs_step_result *out);
+
+/* The options of zs_step_ex. */
+typedef struct zs_step_options {
+  size_t struct_size;
+  /* The learning rate; each group's is lr * lr_scale (zs_group_options)
+   * unless group_lr is given. Default 0. */
+  double lr;
+  /* NULL (default), or num_group_lr learning rates, one per param group in
+   * zs_add_group order, each finite and >= 0, used as they are for this
+   * step (lr_scale is not applied): what a scheduler sets in torch's
+   * param_groups. num_group_lr must then equal the number of groups
+   * (ZS_EINVAL otherwise). The caller's, read during the call. Every
+   * trainer passes the same values. */
+  const double *group_lr;
+  uint32_t num_group_lr;
+  uint32_t reserved0; /* must be 0 */
+  /* Clip the gradient's global norm to this (0, default: no clipping). */
+  double max_grad_norm;
+  /* The loss scale the loss was multiplied by (0, default: the client's
+   * loss scaling, as zs_step's loss_scale 0). */
+  double loss_scale;
+  /* > 0: the clipping coefficient to use, computed elsewhere (for instance
+   * over more parameters than this job's), instead of the one max_grad_norm
+   * gives; finite. The gradient is multiplied by clip_coef / loss_scale.
+   * 0 (default): computed from max_grad_norm. */
+  double clip_coef;
+} zs_step_options;
+
+/* Fills `o`, the caller's struct of `size` bytes, with the defaults above
+ * (every field 0) and struct_size = size. Use the macro. */
+ZS_EXTERN void zs_step_options_init_sized(zs_step_options *o, size_t size);
+#define zs_step_options_init(o) zs_step_options_init_sized((o), sizeof *(o))
+
+/* zs_step with options: the same contract, and zs_step(c, lr, m, s, out) is
+ * zs_step_ex with lr, max_grad_norm m and loss_scale s. `o` is read during
+ * the call; out may be NULL. The result's clip_coef is the one used. */
+ZS_EXTERN int zs_step_ex(zs_client *c, const zs_step_options *o, zs_step_result *out);
+
+/* The global gradient norm of the current step without applying it: what
+ * zs_step would report as grad_norm (and overflow), for a trainer that
+ * decides the clipping coefficient itself (over this job's parameters and
+ * others) and then passes it to zs_step_ex as clip_coef. Waits for this
+ * client's pushes and for every trainer's contributions (GradStats, as
+ * zs_step does; the shards keep the answer, so the zs_step that follows asks
+ * again at no cost). loss_scale as zs_step's (0: the client's loss scaling).
+ * The client stays at its step; a failed push is reported here and again by
+ * zs_step. grad_norm and overflow may be NULL. Must not run concurrently
+ * with zs_step. */
+ZS_EXTERN int zs_grad_norm(zs_client *c, double loss_scale, double *grad_norm, int *overflow);
 
 /* The timing of the last completed step (zeros before the first) into `out`,
  * the caller's struct of `size` bytes (its struct_size is set to size; it
