@@ -21,7 +21,9 @@ Figures (bench "torch"; JSON lines as the other benchmarks print them):
       client.push()/client.pull() calls (the submissions; the waits are
       elsewhere) divided by the number of calls, rank 0, timed steps, us.
       Goal <= 5 us.
-Each trainer is a process of its own (this file with --worker); the shards
+Every mode runs --rounds times (2), the modes in turn, and each figure pools
+the rounds (the median of all timed steps, the highest peak). Each trainer
+is a process of its own (this file with --worker); the shards
 are real zshard-server processes started here and stopped at the end.
 OPENBLAS_NUM_THREADS=1 and one torch thread per process.
 """
@@ -107,6 +109,7 @@ def worker(a):
         c.push = timed(c.push)
         c.pull = timed(c.pull)
 
+    built = vmhwm()  # the model, its optimizer and (zshard) the client: before any step
     per = a.batch // world
     times, losses = [], []
     for step in range(1, a.warmup + a.steps + 1):
@@ -124,12 +127,12 @@ def worker(a):
             times.append(dt)
             losses.append(loss.item())
     out = {"rank": rank, "params": nparams, "tensors": len(list(model.parameters())),
-           "step_s": statistics.median(times), "step_best_s": min(times),
+           "times": times, "built": built,
            "loss_last": losses[-1], "vmhwm": vmhwm()}
     if a.worker != "ddp":
         out["submit_calls"] = sub["n"]
         out["submit_s"] = sub["s"]
-        out["submit_p50_s"] = statistics.median(sub["each"]) if sub["each"] else 0.0
+        out["submit_each"] = sub["each"]
         opt.close()
     else:
         import torch.distributed as dist
@@ -217,18 +220,34 @@ def driver(a):
             base = run_workers(a, "idle", [])
             idle = max(o["vmhwm"] for o in base[:1])
             note("idle python3 + torch: VmHWM %.1f MiB" % (idle / MiB))
-            for m in modes:
-                note("%s: W=%d, %d warm-up + %d timed steps (load average %s)" %
-                     (m, a.world, a.warmup, a.steps, open("/proc/loadavg").read().split()[0]))
-                if m == "ddp":
-                    extra = ["--store", os.path.join(tmp, "store-%d" % len(res))]
-                else:
-                    # A fresh pair of shards per run: a shard holds one job.
-                    extra = ["--addresses", start_shards(server, a.shards, tmp, procs)]
-                res[m] = run_workers(a, m, extra)
-                o = res[m][0]
-                note("%s: %d parameters in %d tensors, median step %.3f s, last loss %.4f" %
-                     (m, o["params"], o["tensors"], o["step_s"], o["loss_last"]))
+            # Rounds of every mode in turn, so that a neighbour's load
+            # drifting over the run falls on every contender alike.
+            for rnd in range(a.rounds):
+                for m in modes:
+                    note("%s round %d: W=%d, %d warm-up + %d timed steps (load average %s)" %
+                         (m, rnd + 1, a.world, a.warmup, a.steps,
+                          open("/proc/loadavg").read().split()[0]))
+                    if m == "ddp":
+                        extra = ["--store", os.path.join(tmp, "store-%d-%d" % (rnd, len(res)))]
+                    else:
+                        # A fresh pair of shards per run: a shard holds one job.
+                        extra = ["--addresses", start_shards(server, a.shards, tmp, procs)]
+                    outs = run_workers(a, m, extra)
+                    o = outs[0]
+                    note("%s round %d: %d parameters in %d tensors, median step %.3f s, last "
+                         "loss %.4f" % (m, rnd + 1, o["params"], o["tensors"],
+                                        statistics.median(o["times"]), o["loss_last"]))
+                    if m not in res:
+                        res[m] = outs
+                    else:  # rank by rank: all the step times, the highest peaks
+                        for x, y in zip(res[m], outs):
+                            x["times"] += y["times"]
+                            x["vmhwm"] = max(x["vmhwm"], y["vmhwm"])
+                            x["built"] = max(x["built"], y["built"])
+                            if "submit_each" in x:
+                                x["submit_each"] += y["submit_each"]
+                                x["submit_calls"] += y["submit_calls"]
+                                x["submit_s"] += y["submit_s"]
         finally:
             for p in procs:
                 p.terminate()
@@ -238,6 +257,9 @@ def driver(a):
     cfg = {"params": res[modes[0]][0]["params"], "trainers": a.world, "batch": a.batch,
            "block": a.block, "steps": a.steps}
     ddp = res.get("ddp")
+    for o in res.values():
+        o[0]["step_s"] = statistics.median(o[0]["times"])
+        o[0]["step_best_s"] = min(o[0]["times"])
     for m in modes:
         o = res[m]
         step = o[0]["step_s"]
@@ -249,10 +271,12 @@ def driver(a):
                limit_best=ddp[0]["step_best_s"] if lim_step else None, goal="<= 1.0"
                if lim_step else None, **cfg, **sh)
         report(a, "rss_growth_" + m, growth, "MiB", lim_rss, idle_mib=idle / MiB,
+               built_growth_mib=(max(x["built"] for x in o) - idle) / MiB,
                goal="<= 0.25" if m == "zshard_raf" and lim_rss else None, **cfg, **sh)
         if m != "ddp" and o[0]["submit_calls"]:
             report(a, "submit_us_per_tensor_" + m, 1e6 * o[0]["submit_s"] / o[0]["submit_calls"],
-                   "us", None, calls=o[0]["submit_calls"], p50_us=1e6 * o[0]["submit_p50_s"],
+                   "us", None, calls=o[0]["submit_calls"],
+                   p50_us=1e6 * statistics.median(o[0]["submit_each"]),
                    goal="<= 5", **cfg, **sh)
 
 
@@ -266,6 +290,8 @@ def main():
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 12, quick 5)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None, help="runs of each mode (default 2, "
+                    "quick 1)")
     ap.add_argument("--batch", type=int, default=4, help="global batch, split over the trainers")
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--d-model", type=int, default=512)
@@ -279,7 +305,9 @@ def main():
     ap.add_argument("--addresses")
     a = ap.parse_args()
     if a.steps is None:
-        a.steps = 5 if a.quick else 12
+        a.steps = 5 if a.quick else 10
+    if a.rounds is None:
+        a.rounds = 1 if a.quick else 2
     if a.worker:
         worker(a)
     else:
