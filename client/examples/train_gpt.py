@@ -250,7 +250,7 @@ def main(argv=None):
             if args.wire == "fp16":
                 # fp16 gradients need the loss scaled; the shards unscale
                 # (and skip the step on overflow, lowering the scale).
-                (loss * opt.client.loss_scale).backward()
+                (loss * opt.loss_scale).backward()
             else:
                 loss.backward()
             lr = opt.param_groups[0]["lr"]
