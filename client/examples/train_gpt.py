@@ -221,6 +221,11 @@ def main(argv=None):
                              rank=rank, world_size=world, prefetch=args.prefetch,
                              release_after_forward=args.release_after_forward,
                              max_grad_norm=args.max_grad_norm or None, job=args.job, **extra)
+    start = opt.client.current_step
+    if rank == 0 and start != 1:
+        # A shard keeps its job: the same model on the same shards resumes it.
+        print("note: the shards already hold job %r at step %d; training continues from its "
+              "weights (start fresh shards for a new run)" % (args.job, start), flush=True)
     # A plain LambdaLR drives the schedule through opt.param_groups, as it
     # would drive torch's own optimizer.
     sched = torch.optim.lr_scheduler.LambdaLR(
