@@ -109,6 +109,9 @@ def worker(a):
                         sub["n"] += n
                         sub["s"] += dt
                         sub["each"].append(dt / max(1, n))
+                        k = fn.__name__
+                        sub[k + "_n"] = sub.get(k + "_n", 0) + n
+                        sub[k + "_s"] = sub.get(k + "_s", 0.0) + dt
             return call
         for name in ("push", "pull", "push_many", "pull_many"):
             if hasattr(c, name):
@@ -138,6 +141,7 @@ def worker(a):
         out["submit_calls"] = sub["n"]
         out["submit_s"] = sub["s"]
         out["submit_each"] = sub["each"]
+        out["by_call"] = {k: v for k, v in sub.items() if k.endswith(("_n", "_s"))}
         opt.close()
     else:
         import torch.distributed as dist
@@ -253,6 +257,8 @@ def driver(a):
                                 x["submit_each"] += y["submit_each"]
                                 x["submit_calls"] += y["submit_calls"]
                                 x["submit_s"] += y["submit_s"]
+                                for k, v in y["by_call"].items():
+                                    x["by_call"][k] = x["by_call"].get(k, 0) + v
         finally:
             for p in procs:
                 p.terminate()
@@ -283,6 +289,8 @@ def driver(a):
                    "us", None, calls=o[0]["submit_calls"],
                    p50_us=1e6 * statistics.median(o[0]["submit_each"]),
                    max_us=1e6 * max(o[0]["submit_each"]),
+                   **{k[:-2] + "_us": 1e6 * v / max(1, o[0]["by_call"][k[:-2] + "_n"])
+                      for k, v in o[0]["by_call"].items() if k.endswith("_s")},
                    goal="<= 5", **cfg, **sh)
 
 
