@@ -73,9 +73,9 @@ def parse_args(argv=None):
                    help="free each layer's parameters after forward, pull them again for backward")
     a.add_argument("--prefetch", type=int, default=2, help="modules pulled ahead of use")
     a.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over ranks")
-    a.add_argument("--block", type=int, default=64, help="context length (characters)")
+    a.add_argument("--block", "--ctx", type=int, default=64, help="context length (characters)")
     a.add_argument("--layers", type=int, default=2)
-    a.add_argument("--d-model", type=int, default=128)
+    a.add_argument("--d-model", "--dim", type=int, default=128, help="width of the model")
     a.add_argument("--heads", type=int, default=4)
     a.add_argument("--attention", choices=("mha", "manual"), default="mha")
     a.add_argument("--lr", type=float, default=3e-3)
@@ -231,7 +231,8 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s + 1, args) / lr_at(1, args))
     if rank == 0:
-        print("rank 0/%d: %s, %d characters (%d train, %d held out), vocabulary %d; GPT %d layers "
+        print("train_gpt: %d rank(s); %s, %d characters (%d train, %d held out), vocabulary %d; "
+              "GPT %d layers "
               "d=%d heads=%d attention=%s, %d parameters; batch %d (%d per rank) x %d characters, "
               "%s on the wire%s" % (world, args.data, len(train) + len(val), len(train), len(val),
                                     vocab, args.layers, args.d_model, args.heads, args.attention,
@@ -269,7 +270,7 @@ def main(argv=None):
                 timed += 1
             if rank == 0 and (step == 1 or step % args.log_every == 0 or step == args.steps):
                 print("step %d loss %.4f lr %.2e grad_norm %.3f%s | ms: total %.1f compute %.1f "
-                      "push %.1f pull_wait %.1f step %.1f | KiB pushed %.0f pulled %.0f" %
+                      "push %.1f pull wait %.1f step %.1f | KiB pushed %.0f pulled %.0f" %
                       (step, loss.item(), lr, r.grad_norm,
                        "" if r.applied else " skipped", t.total_ms, t.compute_ms, t.push_ms,
                        t.pull_wait_ms, t.step_ms, t.bytes_pushed / 1024, t.bytes_pulled / 1024),
@@ -288,8 +289,8 @@ def main(argv=None):
                 x, y = batch(val, args.batch, args.block, gen)
                 losses.append(F.cross_entropy(model(x).view(-1, vocab), y.reshape(-1)).item())
         avg = {k: sums[k] / max(1, timed) for k in keys}
-        print("final: held-out loss %.4f after %d steps (%.1f s); average step, steps 2..%d: "
-              "total %.1f ms = compute %.1f + push %.1f + pull_wait %.1f + step %.1f" %
+        print("final: held-out cross-entropy %.4f after %d steps (%.1f s); average step, steps "
+              "2..%d: total %.1f ms = compute %.1f + push %.1f + pull wait %.1f + step %.1f" %
               (sum(losses) / len(losses), args.steps, wall, args.steps, avg["total_ms"],
                avg["compute_ms"], avg["push_ms"], avg["pull_wait_ms"], avg["step_ms"]),
               flush=True)
