@@ -32,7 +32,7 @@ losses (the shards add contributions in a fixed order, whatever the timing).
 Rank 0 prints its slice's loss and where the step's time went every
 --log-every steps (libzshard's timing: compute is the trainer's own work
 between zshard calls, push the time spent pushing gradients and waiting for
-them, pull_wait the time waiting for parameters, step the shards' statistics
+them, pull wait the time waiting for parameters, step the shards' statistics
 and update), and at the end the held-out loss and the average breakdown.
 """
 
