@@ -60,15 +60,7 @@ core *service_core(const service *s) {
 
 int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *out, char *err,
                  size_t errlen) {
-  if (!sp)
-    return status_fail(err, errlen, ZS_EINVAL, "no spec given");
-  /* The spec says how many trainers there are; a rank beyond them would push
-   * contributions the core refuses one by one later, so it is refused now. */
-  if (rank >= sp->world_size)
-    return status_fail(err, errlen, ZS_EINVAL,
-                       "rank %" PRIu32 " is not below the world size %" PRIu32, rank,
-                       sp->world_size);
-  return core_open(s->core, sp, out, err, errlen);
+  return service_open_mode(s, sp, rank, CORE_OPEN_EITHER, out, err, errlen);
 }
 
 int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_open_result *out,
@@ -78,6 +70,8 @@ int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_
                        "open mode %d is none of either (0), create (1) and resume (2)", mode);
   if (!sp)
     return status_fail(err, errlen, ZS_EINVAL, "no spec given");
+  /* The spec says how many trainers there are; a rank beyond them would push
+   * contributions the core refuses one by one later, so it is refused now. */
   if (rank >= sp->world_size)
     return status_fail(err, errlen, ZS_EINVAL,
                        "rank %" PRIu32 " is not below the world size %" PRIu32, rank,
