@@ -24,10 +24,11 @@
  *   1. state_rw (rwlock, writer-preferring): guards the contents of the arenas
  *      (master, m, v, acc, low) as a whole, the job description set by
  *      core_open, the version and the per-piece step state as a whole. Held
- *      shared by core_push, core_read, core_missing, core_piece_bytes and the
- *      statistics pass; exclusively by core_open, core_init_params and the
- *      apply. Holding it shared is what makes a read consistent with one
- *      version: the version and the master only change under the exclusive
+ *      shared by core_push, core_read, core_state_read, core_missing,
+ *      core_piece_bytes and the statistics pass; exclusively by core_open,
+ *      core_init_params, core_state_write and the apply (so a state write is
+ *      ordered with the applies without going through the worker). Holding it shared is what makes
+ * a read consistent with one version: the version and the master only change under the exclusive
  *      lock.
  *   2. piece_state.mu: one per piece; guards that piece's received bitmap,
  *      next_k, held contributions and its range of acc, so that pushes to
@@ -546,6 +547,7 @@ void core_get_info(core *c, core_info *out) {
     out->pieces = c->npieces;
     out->elements = c->layout.shard_load[c->shard_id];
     out->initialized = c->initialized_pieces == c->npieces;
+    out->optimizer_steps = c->optimizer_steps;
   }
   pthread_mutex_unlock(&c->mu);
 }

@@ -159,6 +159,40 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
                   void *dst, size_t nbytes, uint64_t *version, uint32_t *crc, char *err,
                   size_t errlen);
 
+/* ------------------------------------------------------- optimizer state
+ *
+ * The arrays of one piece (zs_state_array: master weights, exp_avg / SGD's
+ * momentum buffer, exp_avg_sq) in element ranges [offset, offset + nbytes / 4)
+ * of the piece, fp32. Both check the job (hash), the piece (this shard's,
+ * ZS_ENOTFOUND), that the piece's param group keeps the array
+ * (optim_state_needs; ZS_EINVAL otherwise), that the range is inside the
+ * piece (ZS_ERANGE), that nbytes is a whole number of float32 (ZS_ESIZE) and
+ * that the piece has its initial weights (ZS_ENOTREADY); on any error
+ * nothing is read or written. */
+
+/* Copies the range into dst with state_rw held shared, so that it is one
+ * version's: *version and *optimizer_steps (either may be NULL) are read
+ * under the same lock. Never waits longer than one apply. */
+int core_state_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_state_array which,
+                    uint64_t offset, float *dst, size_t nbytes, uint64_t *version,
+                    uint64_t *optimizer_steps, char *err, size_t errlen);
+
+/* Overwrites the range from src (only read during the call) with state_rw
+ * held exclusively, so that no apply, push, pull or snapshot overlaps it; a
+ * master write also recomputes the low-precision copy of the range (and the
+ * piece's CRC), after waiting for pull answers pinned in the low arena as an
+ * apply does. With set_steps not NULL the optimizer step count becomes
+ * *set_steps; with nbytes 0 and set_steps, only the count is written and
+ * tensor, slice and which are not looked at. Refused with ZS_ENOTREADY while
+ * a step is in progress (a contribution of the pending step received, or its
+ * apply queued). The version stays: a write is not a step. A state that came
+ * from a checkpoint no longer counts as untouched (core_checkpoint_origin),
+ * so restoring that checkpoint loads it again. *version and
+ * *optimizer_steps (may be NULL) get the values after the write. */
+int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_state_array which,
+                     uint64_t offset, const float *src, size_t nbytes, const uint64_t *set_steps,
+                     uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen);
+
 /* Zero-copy pulls of the stored low-precision copy. When dtype is the job's
  * param_dtype and the piece is initialised, sets *data to the piece's bytes
  * in the low arena (nbytes of them), *crc to their CRC32C and *version, and
@@ -288,6 +322,7 @@ typedef struct core_info {
   uint32_t pieces;
   uint64_t elements;
   int initialized;
+  uint64_t optimizer_steps;
 } core_info;
 void core_get_info(core *c, core_info *out);
 

@@ -556,3 +556,156 @@ done:
   pthread_rwlock_unlock(&c->state_rw);
   return total > UINT32_MAX ? UINT32_MAX : (uint32_t)total;
 }
+
+/* ---------------------------------------------------------------- optimizer state */
+
+static const char *state_array_name(zs_state_array which) {
+  switch (which) {
+  case ZS_STATE_MASTER:
+    return "master";
+  case ZS_STATE_EXP_AVG:
+    return "exp_avg";
+  case ZS_STATE_EXP_AVG_SQ:
+    return "exp_avg_sq";
+  }
+  return "?";
+}
+
+/* The checks of core_state_read and core_state_write; *arena gets the
+ * array's first element of the range. With state_rw held. */
+static int state_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
+                       zs_state_array which, uint64_t offset, size_t nbytes, const void *buf,
+                       float **arena, char *err, size_t errlen) {
+  piece_state *ps = NULL;
+  int rc = core__check_job(c, hash, err, errlen);
+  if (rc == 0)
+    rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc != 0)
+    return rc;
+  const layout_piece *lp = ps->lp;
+  const spec_group *g = &c->spec.groups[c->spec.tensors[tensor].group];
+  unsigned needs = optim_state_needs(g);
+  float *base = NULL;
+  if (which == ZS_STATE_MASTER)
+    base = c->master;
+  else if (which == ZS_STATE_EXP_AVG && (needs & OPTIM_STATE_M))
+    base = c->m;
+  else if (which == ZS_STATE_EXP_AVG_SQ && (needs & OPTIM_STATE_V))
+    base = c->v;
+  else if (which != ZS_STATE_EXP_AVG && which != ZS_STATE_EXP_AVG_SQ)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "state array %d is none of master (1), exp_avg (2) "
+                       "and exp_avg_sq (3)",
+                       (int)which);
+  if (!base)
+    return status_fail(err, errlen, ZS_EINVAL, "tensor %u's param group %u (%s%s) keeps no %s",
+                       tensor, c->spec.tensors[tensor].group,
+                       g->optimizer == ZS_OPTIM_SGD    ? "SGD"
+                       : g->optimizer == ZS_OPTIM_ADAM ? "Adam"
+                                                       : "AdamW",
+                       g->optimizer == ZS_OPTIM_SGD && g->momentum == 0.0 ? " without momentum"
+                                                                          : "",
+                       state_array_name(which));
+  if (nbytes % sizeof(float) != 0)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "%s of slice %u of tensor %u: %zu bytes are not a whole number of float32",
+                       state_array_name(which), slice, tensor, nbytes);
+  uint64_t n = nbytes / sizeof(float);
+  if (offset > lp->numel || n > lp->numel - offset)
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "%s elements [%" PRIu64 ", %" PRIu64 ") of slice %u of tensor %u: the piece "
+                       "has %" PRIu64 " elements",
+                       state_array_name(which), offset, offset + n, slice, tensor, lp->numel);
+  if (n > 0 && !buf)
+    return status_fail(err, errlen, ZS_EINVAL, "state buffer pointer is NULL");
+  if (!ps->initialized)
+    return status_fail(err, errlen, ZS_ENOTREADY,
+                       "slice %u of tensor %u has no initial weights yet on shard %u", slice,
+                       tensor, c->shard_id);
+  *arena = base + lp->arena_off + offset;
+  return 0;
+}
+
+int core_state_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_state_array which,
+                    uint64_t offset, float *dst, size_t nbytes, uint64_t *version,
+                    uint64_t *optimizer_steps, char *err, size_t errlen) {
+  float *from = NULL;
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = state_range(c, hash, tensor, slice, which, offset, nbytes, dst, &from, err, errlen);
+  if (rc == 0) {
+    if (nbytes > 0)
+      memcpy(dst, from, nbytes);
+    /* Both change only under state_rw exclusive (and mu), so the shared lock
+     * is enough to read them with the data. */
+    if (version)
+      *version = c->version;
+    if (optimizer_steps)
+      *optimizer_steps = c->optimizer_steps;
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+/* A step is in progress when the pending step has received a contribution or
+ * its apply is queued: a write then would change the state under a step that
+ * trainers already computed against the old one. With state_rw exclusive (no
+ * push runs, so the count is exact). */
+static int state_write_idle(core *c, char *err, size_t errlen) {
+  uint64_t have = atomic_load_explicit(&c->contributions, memory_order_relaxed);
+  pthread_mutex_lock(&c->mu);
+  int queued = c->apply_state != APPLY_NONE;
+  uint64_t step = c->version + 1;
+  pthread_mutex_unlock(&c->mu);
+  if (have == 0 && !queued)
+    return 0;
+  return status_fail(err, errlen, ZS_ENOTREADY,
+                     "step %" PRIu64 " is in progress on shard %u (%" PRIu64
+                     " contributions received%s): optimizer state is written only between "
+                     "steps, while every trainer holds the job idle; nothing was written",
+                     step, c->shard_id, have, queued ? ", apply queued" : "");
+}
+
+int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_state_array which,
+                     uint64_t offset, const float *src, size_t nbytes, const uint64_t *set_steps,
+                     uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen) {
+  float *to = NULL;
+  pthread_rwlock_wrlock(&c->state_rw);
+  int rc = 0;
+  if (nbytes == 0 && set_steps)
+    rc = core__check_job(c, hash, err, errlen);
+  else
+    rc = state_range(c, hash, tensor, slice, which, offset, nbytes, src, &to, err, errlen);
+  if (rc == 0)
+    rc = state_write_idle(c, err, errlen);
+  if (rc != 0)
+    goto done;
+  if (nbytes > 0) {
+    size_t n = nbytes / sizeof(float);
+    if (which == ZS_STATE_MASTER) {
+      /* Pulls served from the low arena must see the new weights at once. */
+      piece_state *ps = NULL;
+      core_find_piece(c, tensor, slice, &ps, NULL, 0);
+      core__wait_pins(c, "state write");
+      memcpy(to, src, nbytes);
+      dtype_from_f32(c->spec.param_dtype, to, c->low + ps->lp->arena_off + offset, n);
+      piece_low_crc(c, (uint32_t)(ps - c->pieces));
+    } else {
+      memcpy(to, src, nbytes);
+    }
+  }
+  pthread_mutex_lock(&c->mu);
+  if (set_steps)
+    c->optimizer_steps = *set_steps;
+  /* The state is no longer the checkpoint's it was restored from. */
+  c->ckpt_untouched = 0;
+  pthread_mutex_unlock(&c->mu);
+done:
+  if (rc == 0) {
+    if (version)
+      *version = c->version;
+    if (optimizer_steps)
+      *optimizer_steps = c->optimizer_steps;
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}

@@ -101,6 +101,8 @@ enum {
   M_RESTORE,
   M_LIST_CHECKPOINTS,
   M_CLOSE_JOB,
+  M_READ_STATE,
+  M_WRITE_STATE,
   M_HEALTH_CHECK,
   M_HEALTH_WATCH,
   M_COUNT,
@@ -204,6 +206,8 @@ static void h_commit_checkpoint(gsrv *s, gcall *c, const uint8_t *msg, size_t le
 static void h_restore(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_list_checkpoints(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 
@@ -224,6 +228,8 @@ static const struct {
     [M_RESTORE] = {"/zshard.v1.ZShard/Restore", h_restore},
     [M_LIST_CHECKPOINTS] = {"/zshard.v1.ZShard/ListCheckpoints", h_list_checkpoints},
     [M_CLOSE_JOB] = {"/zshard.v1.ZShard/CloseJob", h_close_job},
+    [M_READ_STATE] = {"/zshard.v1.ZShard/ReadState", h_read_state},
+    [M_WRITE_STATE] = {"/zshard.v1.ZShard/WriteState", h_write_state},
     [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check},
     [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch},
 };
@@ -1044,6 +1050,69 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.uptime_s = (double)(clock_now_ns() - s->start_ns) / 1e9;
   resp.serving = serving != 0;
   resp.data_port = s->data_port;
+  resp.optimizer_steps = info.optimizer_steps;
+  finish_msg(c, 0, &resp.base);
+}
+
+/* ReadState and WriteState are rare (a state_dict, a load_state_dict), so
+ * they take the plain protobuf-c path: a read copies the range into a buffer
+ * and packing copies it once more; a write is unpacked (1 copy) and copied
+ * into the arena. Both answer on the polling thread: the core holds the state
+ * lock for a copy of at most one message. */
+static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__ReadStateRequest *r =
+      UNPACK(Zshard__V1__ReadStateRequest, zshard__v1__read_state_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.ReadStateRequest");
+    return;
+  }
+  uint64_t count = r->count, version = 0, steps = 0;
+  float *buf = NULL;
+  /* The message's own fields take a few bytes besides the data. */
+  uint64_t max_bytes = RPC_MAX_MESSAGE_BYTES - 64;
+  int rc = 0;
+  if (count <= max_bytes / sizeof(float) && !(buf = malloc(count ? count * sizeof(float) : 1)))
+    rc = ZS_ENOMEM, snprintf(err, sizeof err, "out of memory for a ReadState answer");
+  if (rc == 0)
+    rc = service_state_read(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,
+                            count, max_bytes, buf, &version, &steps, err, sizeof err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (rc != 0) {
+    free(buf);
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  Zshard__V1__ReadStateResponse resp = ZSHARD__V1__READ_STATE_RESPONSE__INIT;
+  resp.version = version;
+  resp.optimizer_steps = steps;
+  /* Little-endian float32 is the wire format, and the host's. */
+  resp.data.data = (uint8_t *)buf;
+  resp.data.len = (size_t)count * sizeof(float);
+  finish_msg(c, 0, &resp.base);
+  free(buf);
+}
+
+static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__WriteStateRequest *r =
+      UNPACK(Zshard__V1__WriteStateRequest, zshard__v1__write_state_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.WriteStateRequest");
+    return;
+  }
+  uint64_t version = 0, steps = 0, set = r->optimizer_steps;
+  int rc = service_state_write(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,
+                               r->data.data, r->data.len, r->set_optimizer_steps ? &set : NULL,
+                               &version, &steps, err, sizeof err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (rc != 0) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  Zshard__V1__WriteStateResponse resp = ZSHARD__V1__WRITE_STATE_RESPONSE__INIT;
+  resp.version = version;
+  resp.optimizer_steps = steps;
   finish_msg(c, 0, &resp.base);
 }
 

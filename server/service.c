@@ -186,6 +186,57 @@ int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
                            err, errlen);
 }
 
+/* ------------------------------------------------------------ optimizer state */
+
+static int state_array_check(int which, const char *what, char *err, size_t errlen) {
+  if (which == ZS_STATE_MASTER || which == ZS_STATE_EXP_AVG || which == ZS_STATE_EXP_AVG_SQ)
+    return 0;
+  return status_fail(err, errlen, ZS_EINVAL,
+                     "%s needs array MASTER (1), EXP_AVG (2) or EXP_AVG_SQ (3), not %d", what,
+                     which);
+}
+
+int service_state_read(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, int which,
+                       uint64_t offset, uint64_t count, uint64_t max_bytes, float *dst,
+                       uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen) {
+  int rc = state_array_check(which, "ReadState", err, errlen);
+  if (rc != 0)
+    return rc;
+  /* Checked before count * 4 is formed, so that it cannot wrap. */
+  if (count > max_bytes / sizeof(float))
+    return service_too_large("ReadState answer", count > UINT64_MAX / 4 ? UINT64_MAX : count * 4,
+                             max_bytes, "gRPC message", err, errlen);
+  return core_state_read(s->core, hash, tensor, slice, (zs_state_array)which, offset, dst,
+                         (size_t)count * sizeof(float), version, optimizer_steps, err, errlen);
+}
+
+int service_state_write(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, int which,
+                        uint64_t offset, const void *data, size_t nbytes, const uint64_t *set_steps,
+                        uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen) {
+  if (nbytes % sizeof(float) != 0)
+    return status_fail(err, errlen, ZS_ESIZE,
+                       "WriteState data of %zu bytes is not a whole number of float32", nbytes);
+  if (nbytes == 0 && !set_steps)
+    return status_fail(err, errlen, ZS_ESIZE, "WriteState carries neither data nor a step count");
+  int rc = nbytes == 0 ? 0 : state_array_check(which, "WriteState", err, errlen);
+  if (rc != 0)
+    return rc;
+  /* The bytes come from a message buffer with no alignment promise: the core
+   * copies with memcpy, but its pointer type asks for float alignment. */
+  float *aligned = NULL;
+  const float *src = data;
+  if (nbytes > 0 && ((uintptr_t)data % _Alignof(float)) != 0) {
+    if (!(aligned = malloc(nbytes)))
+      return status_fail(err, errlen, ZS_ENOMEM, "out of memory copying WriteState data");
+    memcpy(aligned, data, nbytes);
+    src = aligned;
+  }
+  rc = core_state_write(s->core, hash, tensor, slice, (zs_state_array)which, offset, src, nbytes,
+                        set_steps, version, optimizer_steps, err, errlen);
+  free(aligned);
+  return rc;
+}
+
 /* ------------------------------------------------ sentences of the transports */
 
 int service_too_large(const char *what, uint64_t nbytes, uint64_t limit, const char *limit_name,

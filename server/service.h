@@ -153,6 +153,24 @@ int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
                          const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                          core_apply_result *out, char *err, size_t errlen);
 
+/* ReadState: `count` elements of array `which` of piece (tensor, slice) from
+ * element `offset` into dst (count * 4 bytes, the caller's). `which` must be
+ * a zs_state_array (ZS_EINVAL) and count * 4 at most max_bytes (ZS_ERANGE:
+ * the transport's message limit), then core_state_read's rules. */
+int service_state_read(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, int which,
+                       uint64_t offset, uint64_t count, uint64_t max_bytes, float *dst,
+                       uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen);
+
+/* WriteState: nbytes of little-endian float32 at data (any alignment; only
+ * read during the call) into array `which` of the piece from element
+ * `offset`; set_steps (may be NULL) the new optimizer step count. data must
+ * be a whole number of float32 (ZS_ESIZE) and, unless only the step count is
+ * set (nbytes 0 with set_steps), `which` a zs_state_array (ZS_EINVAL) and
+ * nbytes above 0 (ZS_ESIZE); then core_state_write's rules. */
+int service_state_write(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, int which,
+                        uint64_t offset, const void *data, size_t nbytes, const uint64_t *set_steps,
+                        uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen);
+
 /* ------------------------------------------------ sentences of the transports
  *
  * Errors a transport finds itself but words like the other transport. */

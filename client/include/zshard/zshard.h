@@ -118,6 +118,14 @@ typedef enum zs_optimizer {
   ZS_OPTIM_SGD = 2,
 } zs_optimizer;
 
+/* The arrays of a tensor's optimizer state on the shards (zs_state_read,
+ * zs_state_write). Values match the proto's StateArray. */
+typedef enum zs_state_array {
+  ZS_STATE_MASTER = 1,     /* the fp32 master weights */
+  ZS_STATE_EXP_AVG = 2,    /* Adam(W)'s exp_avg; SGD's momentum_buffer */
+  ZS_STATE_EXP_AVG_SQ = 3, /* Adam(W)'s exp_avg_sq */
+} zs_state_array;
+
 /* The library's version as "major.minor.patch"; a static string. */
 ZS_EXTERN const char *zs_version(void);
 
