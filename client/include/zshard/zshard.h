@@ -705,6 +705,66 @@ ZS_EXTERN int zs_latest_checkpoint(zs_client *c, uint64_t *step);
 ZS_EXTERN int zs_last_checkpoint(const zs_client *c, uint64_t *step);
 
 /* ======================================================================== */
+/* Optimizer state (docs/CLIENT.md)                                          */
+/* ======================================================================== */
+/*
+ * The shards' optimizer state of one tensor, whole, in fp32: the master
+ * weights, Adam(W)'s exp_avg and exp_avg_sq, SGD's momentum buffer
+ * (ZS_STATE_EXP_AVG), and the optimizer step count the bias corrections use
+ * (torch's state 'step'): what a trainer needs to hand a run to another
+ * optimizer and take one over (torch's state_dict / load_state_dict). The
+ * library splits a tensor per piece and each piece in chunks of 1 MiB (gRPC
+ * ReadState / WriteState, whatever the transport of pushes and pulls).
+ *
+ * Which arrays exist follows the tensor's param group: master always,
+ * exp_avg for Adam, AdamW and SGD with momentum, exp_avg_sq for Adam and
+ * AdamW; asking for another is ZS_EINVAL. Failures name the tensor, the
+ * shard and the server's reason.
+ */
+
+/* Reads array `which` of tensor `tensor` (numel float32, nbytes = numel * 4,
+ * float-aligned) into dst, the caller's buffer, written only during the
+ * call (its contents are unspecified after a failure). Every piece is read
+ * at one version on its shard; pieces on different shards that answer
+ * different versions (a step ran meanwhile) fail the call with ZS_ESTEP:
+ * read while the job is idle (between zs_step and the next push) for a
+ * consistent copy. Needs an open job; may run concurrently with transfers. */
+ZS_EXTERN int zs_state_read(zs_client *c, uint32_t tensor, zs_state_array which, float *dst,
+                            size_t nbytes);
+
+/* Overwrites array `which` of tensor `tensor` on its shards with src (numel
+ * float32, nbytes = numel * 4, float-aligned; the caller's, only read during
+ * the call). Writing ZS_STATE_MASTER also refreshes the low-precision copy
+ * the pulls serve, so the next pull returns the new weights, and drops what
+ * this client prefetched. A write is not a step: the version stays. It is
+ * refused, changing nothing on the shard that refuses, with ZS_ENOTREADY
+ * while a step is in progress: this client pushed gradients of the current
+ * step, or a shard received a contribution of it from any trainer. Every
+ * trainer must therefore hold the job idle (no push, no zs_step) while one
+ * writes, for instance between two barriers; a failure part-way may leave
+ * some pieces written: repeat the call, which is idempotent. Other trainers'
+ * prefetched pulls of the old weights are not dropped: either they have not
+ * pulled since their last zs_step (prefetch_depth 0, or the state is loaded
+ * right after zs_open_job), or each of them writes the same values too. Must
+ * not run concurrently with zs_step on the same client (ZS_EINVAL). */
+ZS_EXTERN int zs_state_write(zs_client *c, uint32_t tensor, zs_state_array which, const float *src,
+                             size_t nbytes);
+
+/* The optimizer step count of the job (applied, not skipped, steps; a
+ * restore or zs_set_optimizer_steps sets it) into *steps: every shard's, which
+ * must agree (ZS_EBEHIND names the shard that does not). */
+ZS_EXTERN int zs_optimizer_steps(zs_client *c, uint64_t *steps);
+
+/* Sets the optimizer step count on every shard: the next applied step is
+ * steps + 1 in the bias corrections (Adam, AdamW) and, for SGD with momentum,
+ * a count above 0 makes the next step use the momentum buffer rather than
+ * start it from the gradient. For a state taken from torch, steps is its
+ * 'step' (Adam, AdamW), or 1 for SGD with momentum buffers. The same rules
+ * as zs_state_write (between steps only, ZS_ENOTREADY otherwise); the
+ * version stays. */
+ZS_EXTERN int zs_set_optimizer_steps(zs_client *c, uint64_t steps);
+
+/* ======================================================================== */
 /* Memory and traffic estimates (`zshard estimate`)                          */
 /* ======================================================================== */
 
