@@ -613,9 +613,9 @@ static int state_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
   uint64_t n = nbytes / sizeof(float);
   if (offset > lp->numel || n > lp->numel - offset)
     return status_fail(err, errlen, ZS_ERANGE,
-                       "%s elements [%" PRIu64 ", %" PRIu64 ") of slice %u of tensor %u: the piece "
-                       "has %" PRIu64 " elements",
-                       state_array_name(which), offset, offset + n, slice, tensor, lp->numel);
+                       "%" PRIu64 " %s elements from element %" PRIu64 " of slice %u of tensor %u: "
+                       "the piece has %" PRIu64 " elements",
+                       n, state_array_name(which), offset, slice, tensor, lp->numel);
   if (n > 0 && !buf)
     return status_fail(err, errlen, ZS_EINVAL, "state buffer pointer is NULL");
   if (!ps->initialized)
