@@ -8,6 +8,7 @@
  *   pool.c      worker threads and per-shard task queues
  *   transfer.c  requests: push, pull, prefetch, the generic "call every shard"
  *   step.c      zs_step: gradient statistics, norm, clipping, apply, timing
+ *   state.c     optimizer state: zs_state_read/write, the optimizer step count
  *   dataplane.c pushes and pulls over the data plane (data port discovery,
  *               per-shard data clients, retries)
  *   scaler.c    the dynamic loss scaler
