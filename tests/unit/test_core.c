@@ -2154,6 +2154,84 @@ static void test_group_learning_rates_replace_lr_times_lr_scale(void **state) {
   job_free(&j);
 }
 
+/* core_state_write: a master range refreshes the low copy the pulls serve
+ * (bytes and CRC; a pinned answer is waited for, as an apply waits, then
+ * overtaken), keeps the version, marks a restored state as touched, and is
+ * refused while the pending step has a contribution, changing nothing. */
+static void test_state_writes_refresh_the_low_copy_and_wait_for_idle(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 71);
+  core *c = open_core_pin_wait(&j, 50);
+  char err[256] = "";
+  float buf[64];
+  uint64_t v = 99, steps = 99;
+  assert_int_equal(core_state_read(c, j.hash, 0, 0, ZS_STATE_MASTER, 0, buf, sizeof buf, &v, &steps,
+                                   err, sizeof err),
+                   ZS_ENOTREADY); /* no initial weights yet */
+  init_all(c, &j, 0);
+  core_state st;
+  assert_int_equal(core_state_init(&st, &j.spec, 0, err, sizeof err), 0);
+  const layout_piece *p = layout_find(&j.layout, 0, 0);
+  memcpy(st.master + p->arena_off, j.init[0], (size_t)p->numel * sizeof(float));
+  assert_int_equal(core_restore(c, &st, 7, err, sizeof err), 0);
+  core_state_free(&st);
+  int untouched = 0;
+  assert_int_equal(core_checkpoint_origin(c, NULL, &untouched), 1);
+  assert_int_equal(untouched, 1);
+
+  size_t nb = (size_t)p->numel * 2;
+  const void *data = NULL;
+  uint32_t crc = 0;
+  assert_int_equal(
+      core_pin_low(c, j.hash, 0, 0, ZS_DTYPE_BF16, nb, &data, &v, &crc, err, sizeof err), 0);
+  for (int i = 0; i < 64; i++)
+    buf[i] = 100.0f + (float)i;
+  assert_int_equal(core_state_write(c, j.hash, 0, 0, ZS_STATE_MASTER, 32, buf, sizeof buf, NULL, &v,
+                                    &steps, err, sizeof err),
+                   0);
+  assert_int_equal(v, 0);
+  assert_int_equal(steps, 0);
+  assert_int_not_equal(crc32c(0, data, nb), crc); /* the pinned answer was overtaken */
+  core_unpin_low(c);
+  check_pins_match_reads(c, &j, 0);
+  float back[64];
+  uint16_t lo[64], want[64];
+  assert_int_equal(core_state_read(c, j.hash, 0, 0, ZS_STATE_MASTER, 32, back, sizeof back, &v,
+                                   NULL, err, sizeof err),
+                   0);
+  assert_memory_equal(back, buf, sizeof buf);
+  uint16_t *all = malloc(nb);
+  assert_int_equal(core_read(c, j.hash, 0, 0, ZS_DTYPE_BF16, all, nb, NULL, err, sizeof err), 0);
+  memcpy(lo, all + 32, sizeof lo);
+  dtype_from_f32(ZS_DTYPE_BF16, buf, want, 64);
+  assert_memory_equal(lo, want, sizeof lo);
+  free(all);
+  assert_int_equal(core_checkpoint_origin(c, NULL, &untouched), 1);
+  assert_int_equal(untouched, 0);
+
+  /* Mid-step: one contribution in, and every write is refused. */
+  job_make_grads(&j, 72);
+  assert_int_equal(push_one(c, &j, 1, 0, 0, 0, NULL), 0);
+  uint64_t five = 5;
+  float other[64] = {0};
+  assert_int_equal(core_state_write(c, j.hash, 0, 0, ZS_STATE_EXP_AVG, 32, other, sizeof other,
+                                    NULL, NULL, NULL, err, sizeof err),
+                   ZS_ENOTREADY);
+  assert_non_null(strstr(err, "step 1 is in progress"));
+  assert_int_equal(
+      core_state_write(c, j.hash, 0, 0, 0, 0, NULL, 0, &five, NULL, &steps, err, sizeof err),
+      ZS_ENOTREADY);
+  assert_int_equal(core_state_read(c, j.hash, 0, 0, ZS_STATE_MASTER, 32, back, sizeof back, &v,
+                                   &steps, err, sizeof err),
+                   0);
+  assert_memory_equal(back, buf, sizeof buf);
+  assert_int_equal(steps, 0);
+  core_destroy(c);
+  job_free(&j);
+}
+
 int main(void) {
   /* One "apply" line per step on stderr would drown the test output. */
   log_set_level(LOG_LEVEL_WARN);
@@ -2188,6 +2266,7 @@ int main(void) {
       cmocka_unit_test(test_close_fails_waits_and_empties_the_shard),
       cmocka_unit_test(test_close_refuses_while_an_answer_is_pinned),
       cmocka_unit_test(test_group_learning_rates_replace_lr_times_lr_scale),
+      cmocka_unit_test(test_state_writes_refresh_the_low_copy_and_wait_for_idle),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
