@@ -1072,8 +1072,12 @@ static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   /* The message's own fields take a few bytes besides the data. */
   uint64_t max_bytes = RPC_MAX_MESSAGE_BYTES - 64;
   int rc = 0;
-  if (count <= max_bytes / sizeof(float) && !(buf = malloc(count ? count * sizeof(float) : 1)))
-    rc = ZS_ENOMEM, snprintf(err, sizeof err, "out of memory for a ReadState answer");
+  /* A count too large for a message is the service's to refuse (no buffer
+   * is needed for that). */
+  if (count <= max_bytes / sizeof(float) && !(buf = malloc(count ? count * sizeof(float) : 1))) {
+    rc = ZS_ENOMEM;
+    snprintf(err, sizeof err, "out of memory for a ReadState answer");
+  }
   if (rc == 0)
     rc = service_state_read(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,
                             count, max_bytes, buf, &version, &steps, err, sizeof err);

@@ -166,7 +166,9 @@ int service_state_read(service *s, uint64_t hash, uint32_t tensor, uint32_t slic
  * `offset`; set_steps (may be NULL) the new optimizer step count. data must
  * be a whole number of float32 (ZS_ESIZE) and, unless only the step count is
  * set (nbytes 0 with set_steps), `which` a zs_state_array (ZS_EINVAL) and
- * nbytes above 0 (ZS_ESIZE); then core_state_write's rules. */
+ * nbytes above 0 (ZS_ESIZE); then core_state_write's rules. A write is
+ * not told to the observer: it is neither a contribution nor a step (a
+ * replica would have to be written the same way). */
 int service_state_write(service *s, uint64_t hash, uint32_t tensor, uint32_t slice, int which,
                         uint64_t offset, const void *data, size_t nbytes, const uint64_t *set_steps,
                         uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen);

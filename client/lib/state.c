@@ -197,12 +197,14 @@ static int begin_write(zs_client *c, const char *fn) {
     rc = zc_fail(ZS_EINVAL, "%s: a zs_step (or another state write) is running on this client", fn);
   } else {
     size_t nbits = (size_t)c->sp.num_tensors * c->sp.grad_accum;
-    for (size_t b = 0; b < (nbits + 7) / 8 && rc == ZS_OK; b++)
-      if (c->pushed[b] || c->inflight_push)
-        rc = zc_fail(ZS_ENOTREADY,
-                     "%s: this client pushed gradients of step %" PRIu64
-                     "; optimizer state is written only between steps",
-                     fn, c->step);
+    int pushed = c->inflight_push > 0;
+    for (size_t b = 0; b < (nbits + 7) / 8 && !pushed; b++)
+      pushed = c->pushed[b] != 0;
+    if (pushed)
+      rc = zc_fail(ZS_ENOTREADY,
+                   "%s: this client pushed gradients of step %" PRIu64
+                   "; optimizer state is written only between steps",
+                   fn, c->step);
   }
   if (rc == ZS_OK)
     c->stepping = 1;
