@@ -708,6 +708,7 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
   size_t *nbytes = NULL;
   zs_request **reqs = NULL;
   Py_ssize_t n = 0, i;
+  const int given = dtype;
   if (!(tseq = PySequence_Fast(tensors, "tensors must be a sequence of tensor ids")) ||
       !(bseq = PySequence_Fast(buffers, "buffers must be a sequence of buffers")))
     goto fail;
@@ -754,7 +755,9 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
       r->view.obj = NULL;
       goto fail;
     }
-    int d = buffer_dtype(&r->view, dtype, what);
+    /* An explicit dtype applies to every buffer; otherwise each buffer's
+     * format says, and they must agree. */
+    int d = buffer_dtype(&r->view, given, what);
     if (!d)
       goto fail;
     if (i == 0)
