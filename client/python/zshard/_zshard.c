@@ -572,8 +572,14 @@ static void request_dealloc(request_object *self) {
     PyErr_Fetch(&et, &ev, &tb);
     int rc = request_finish(self);
     if (rc != ZS_OK) {
+      /* Not `self` as the context: the unraisable hook may keep its object
+       * (pytest's does, to report it after the test), and self is being
+       * freed; a sentence naming the transfer instead. */
+      PyObject *where = PyUnicode_FromFormat("an unwaited zshard.Request (%s of tensor %u)",
+                                             self->push ? "push" : "pull", (unsigned)self->tensor);
       raise_status(rc);
-      PyErr_WriteUnraisable((PyObject *)self);
+      PyErr_WriteUnraisable(where);
+      Py_XDECREF(where);
     }
     PyErr_Restore(et, ev, tb);
   }
