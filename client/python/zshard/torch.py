@@ -13,7 +13,9 @@ How it works (ZeRO-3 on a parameter server):
 
 * Every parameter of the optimizer's param groups becomes a zshard tensor (in
   param-group order, named after the model's parameter names); every param
-  group becomes a zshard group with its hyper-parameters.
+  group becomes a zshard group with its hyper-parameters. Every step() sends
+  each group's current lr (so any lr scheduler works, one lambda per group
+  included).
 * The model's forward runs under a torch function mode that sees every
   operation's tensor arguments. A parameter (or a view of one: tied weights,
   `w.t()`, MultiheadAttention reading `out_proj.weight` without calling
@@ -21,13 +23,20 @@ How it works (ZeRO-3 on a parameter server):
   first forward records the order in which parameters are first used; later
   forwards pull `prefetch` units (the parameters of one module) ahead of use.
 * Gradients are pushed as autograd accumulates them (a hook on each
-  parameter's AccumulateGrad node), so the network overlaps backward.
+  parameter's AccumulateGrad node), so the network overlaps backward: a
+  unit's gradients go out together once they are all there.
+* Transfers that start together are submitted as one batch
+  (client.push_many / pull_many: one wake-up of the client's workers): a
+  unit's prefetch, a unit's pushes, step()'s pushes, the initial pulls.
 * With `release_after_forward=True` a parameter's storage is freed (resized to
   0, the tensor keeps its shape) after its last use in forward, and pulled
   again when backward unpacks a saved tensor that refers to it (saved tensor
   hooks), `prefetch` units ahead in reverse order; it is freed again once its
   gradient has been pushed.
-  The gradient is not kept in `p.grad` either: it is freed once pushed.
+  The gradient is not kept in `p.grad` either: it is freed once pushed. The
+  parameters' storage is freed at shard() already (the shards hold the
+  weights), and glibc's mmap threshold is fixed (mmap_threshold) so that the
+  freed memory leaves the process.
 * A pull of a new version bumps the parameter's version counter, so a graph
   built before step() can never silently run backward on new data.
 
@@ -78,6 +87,26 @@ def _buffer(t):
     if t.numel() == 0:
         return bytearray()
     return (ctypes.c_float * t.numel()).from_address(t.data_ptr())
+
+
+def _limit_mmap_threshold(nbytes):
+    """glibc only: serve allocations of `nbytes` and more with mmap, so that
+    the memory of a released parameter leaves the process when it is freed.
+    By default glibc raises its threshold to the largest mmapped block freed
+    so far (up to 32 MiB): after the first parameters are freed, the next
+    ones come from the heap, and freeing them keeps them resident. The
+    server fixes the same threshold (1 MiB) for the same reason. A
+    MALLOC_MMAP_THRESHOLD_ in the environment wins."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return False
+        M_MMAP_THRESHOLD = -3
+        return libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(int(nbytes))) == 1
+    except (OSError, AttributeError):
+        return False
 
 
 def _storage_key(t):
@@ -140,7 +169,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None,
                  world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
                  grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
-                 **client_options):
+                 mmap_threshold=1 << 20, **client_options):
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -228,6 +257,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for P in mine:
                 self._siblings.setdefault(P.idx, mine)
         if self.release_after_forward:
+            if mmap_threshold:
+                _limit_mmap_threshold(mmap_threshold)
             # ZeRO-3 from the start: the fp32 weights the model was built
             # with are on the shards now (rank 0 wrote them; the others' are
             # not used), so the trainer lets go of them here rather than
@@ -819,6 +850,12 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
       and pull it again for backward (ZeRO-3 memory).
     max_grad_norm: global gradient clipping on the shards (None: none).
     grad_accum: backward passes (micro-batches) per step.
+    open_mode: "either" (default), "create" (a new run: refuses shards holding
+      another job or this one already trained) or "resume" (refuses shards
+      without the job); close(close_job=True) ends the job on the shards.
+    mmap_threshold: with release_after_forward, glibc's mmap threshold is set
+      to this (1 MiB) so that released parameters leave the resident set;
+      None leaves the allocator alone.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
