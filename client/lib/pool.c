@@ -23,8 +23,14 @@
  * cost the caller a context switch: on a machine with fewer cores than
  * workers the woken threads preempt the submitting one, which in the Python
  * package measured 75 us per call (median) instead of 15 us. The chain
- * moves those wake-ups onto the workers.
+ * moves those wake-ups onto the workers. For the same reason the workers
+ * run under SCHED_BATCH on Linux, which takes away a woken thread's right to
+ * preempt the running one: the trainer's thread keeps its core through a
+ * submission (median per tensor from the Python package under load, 21-33
+ * us before, 6-8 us after; docs/PERFORMANCE.md, PyTorch).
  */
+#include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -83,6 +89,13 @@ static zc_task *take_locked(zc_pool *p) {
 
 static void *worker_main(void *arg) {
   zc_pool *p = arg;
+#ifdef SCHED_BATCH
+  /* Linux: a woken worker does not preempt the thread that woke it (the
+   * trainer's, computing); it runs on an idle core, or when the scheduler
+   * next picks it. Best effort: without it the pool works as well. */
+  struct sched_param sp = {0};
+  (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
+#endif
   pthread_mutex_lock(&p->mu);
   for (;;) {
     while (!p->stop && (p->queued == 0 || p->held)) {
