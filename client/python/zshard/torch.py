@@ -35,8 +35,8 @@ How it works (ZeRO-3 on a parameter server):
   gradient has been pushed.
   The gradient is not kept in `p.grad` either: it is freed once pushed. The
   parameters' storage is freed at shard() already (the shards hold the
-  weights), and glibc's mmap threshold is fixed (mmap_threshold) so that the
-  freed memory leaves the process.
+  weights); mmap_threshold= makes glibc return freed parameters to the
+  system at once (at a cost in page faults).
 * A pull of a new version bumps the parameter's version counter, so a graph
   built before step() can never silently run backward on new data.
 
@@ -169,7 +169,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None,
                  world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
                  grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
-                 mmap_threshold=1 << 20, **client_options):
+                 mmap_threshold=None, **client_options):
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -853,9 +853,11 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
     open_mode: "either" (default), "create" (a new run: refuses shards holding
       another job or this one already trained) or "resume" (refuses shards
       without the job); close(close_job=True) ends the job on the shards.
-    mmap_threshold: with release_after_forward, glibc's mmap threshold is set
-      to this (1 MiB) so that released parameters leave the resident set;
-      None leaves the allocator alone.
+    mmap_threshold: with release_after_forward, set glibc's mmap threshold to
+      this many bytes (e.g. 1 << 20) so that released parameters leave the
+      resident set at once, at the price of page faults on every pull (the
+      22M-parameter benchmark: peak 12 % lower, steps 60 % slower). None
+      (default): the allocator is left alone.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
