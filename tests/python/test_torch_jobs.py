@@ -7,7 +7,8 @@ clip_coef are applied as given. zshard.torch: two different models trained
 one after the other on the same shards (the first closes its job, the second
 creates its own and trains bit for bit like torch.optim from its own initial
 weights); a new run refuses shards that hold another job; open_mode="resume"
-is refused by fresh shards and resumes a job left open.
+is refused by fresh shards and resumes a job left open; grad_norm() equals
+clip_grad_norm_'s norm and step(clip_coef=) scales the gradient like torch.
 
 Run with Debian's interpreter (CTest does, through pytest):
 /usr/bin/python3 -m pytest -q tests/python/test_torch_jobs.py
@@ -170,6 +171,36 @@ class JobLife(unittest.TestCase):
                       torch.optim.SGD(r2.parameters(), lr=0.1, momentum=0.9), 3, 2)
             finally:
                 opt2.close(close_job=True)
+
+    def test_grad_norm_and_an_external_clip_coefficient(self):
+        with zshard_servers.Shards(2) as shards:
+            torch.manual_seed(5)
+            m = Mlp(32)
+            r = copy.deepcopy(m)
+            ref_opt = torch.optim.SGD(r.parameters(), lr=0.1)
+            opt = self.shard(m, torch.optim.SGD(m.parameters(), lr=0.1), shards.addresses,
+                             job="clip", open_mode="create")
+            try:
+                g = torch.Generator().manual_seed(5)
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                nn.functional.mse_loss(m(x), y).backward()
+                nn.functional.mse_loss(r(x), y).backward()
+                want = torch.nn.utils.clip_grad_norm_(r.parameters(), 1e9).item()
+                norm, overflow = opt.grad_norm()
+                self.assertFalse(overflow)
+                self.assertAlmostEqual(norm, want, delta=1e-5 * want)
+                # The coefficient a trainer computed from this norm and others.
+                coef = 0.25
+                for q in r.parameters():
+                    q.grad.mul_(coef)
+                ref_opt.step()
+                opt.step(clip_coef=coef)
+                self.assertEqual(opt.last_result.clip_coef, coef)
+                opt.gather()
+                for (n, p), (_, q) in zip(m.named_parameters(), r.named_parameters()):
+                    self.assertTrue(torch.equal(p.detach(), q.detach()), n)
+            finally:
+                opt.close(close_job=True)
 
     def test_resume_is_refused_by_fresh_shards_and_resumes_a_job_left_open(self):
         with zshard_servers.Shards(2) as shards:
