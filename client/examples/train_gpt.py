@@ -225,7 +225,8 @@ def main(argv=None):
     if rank == 0 and start != 1:
         # A shard keeps its job: the same model on the same shards resumes it.
         print("note: the shards already hold job %r at step %d; training continues from its "
-              "weights (start fresh shards for a new run)" % (args.job, start), flush=True)
+              "weights (for a new run, close it first: `zshard close-job`)" % (args.job, start),
+              flush=True)
     # A plain LambdaLR drives the schedule through opt.param_groups, as it
     # would drive torch's own optimizer.
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -116,7 +116,8 @@ struct zc_pool {
   uint32_t nthreads;
   size_t push_bucket; /* bytes; 0: no coalescing */
   size_t pull_bucket;
-  int held; /* (mu) zc_pool_hold: workers take nothing */
+  int held;      /* (mu) zc_pool_hold: workers take nothing */
+  uint32_t idle; /* (mu) workers waiting for a task */
   zc_task_run_fn run;
   zc_task_cancel_fn cancel;
   void *ctx;

@@ -766,8 +766,12 @@ static int check_batch(zs_client *c, const char *fn, uint32_t n, const uint32_t 
     return zc_fail(ZS_EINVAL, "%s: tensors, buffers and sizes must not be NULL", fn);
   for (uint32_t i = 0; i < n; i++) {
     int rc = check_buffer(c, fn, tensors[i], bufs[i], dtype, nbytes[i]);
-    if (rc != ZS_OK)
-      return zc_fail(rc, "%s: entry %" PRIu32 ": %.400s", fn, i, zs_last_error());
+    if (rc != ZS_OK) {
+      /* zs_last_error() is the buffer zc_fail writes: copy it out first. */
+      char why[400];
+      snprintf(why, sizeof why, "%s", zs_last_error());
+      return zc_fail(rc, "%s: entry %" PRIu32 ": %s", fn, i, why);
+    }
   }
   if (!push)
     return ZS_OK;

@@ -20,7 +20,11 @@ Figures (bench "torch"; JSON lines as the other benchmarks print them):
   submit_us_per_tensor_zshard[_raf]   time spent inside the package's
       client.push()/client.pull() calls (the submissions; the waits are
       elsewhere) divided by the number of tensors submitted, rank 0, timed
-      steps, us; with p50_us and max_us per call. Goal <= 5 us.
+      steps, us; with p50_us and max_us per call (a batch call's time
+      divided by its tensors). Goal <= 5 us. preempted_calls of the
+      submit_ncalls calls saw the thread preempted (an involuntary context
+      switch, getrusage RUSAGE_THREAD), preempted_share is their part of the
+      submission time.
 Every mode runs --rounds times (2), the modes in turn, and each figure pools
 the rounds (the median of all timed steps, the highest peak). Each trainer
 is a process of its own (this file with --worker); the shards
@@ -97,13 +101,25 @@ def worker(a):
         # assumption: no batch call exists in the package as measured).
         c = opt.client
 
+        import resource
+
+        def preemptions():
+            return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+
         def timed(fn, batched):
             def call(*args, **kw):
+                pre = preemptions()
                 t0 = time.perf_counter()
                 try:
                     return fn(*args, **kw)
                 finally:
                     dt = time.perf_counter() - t0
+                    if sub.get("on") and preemptions() != pre:
+                        # The thread was preempted during the call (an
+                        # involuntary context switch): how much of the
+                        # submission time such calls account for.
+                        sub["preempted_n"] = sub.get("preempted_n", 0) + 1
+                        sub["preempted_s"] = sub.get("preempted_s", 0.0) + dt
                     if sub.get("on"):
                         n = len(args[0]) if batched and args else 1
                         sub["n"] += n
@@ -141,7 +157,11 @@ def worker(a):
         out["submit_calls"] = sub["n"]
         out["submit_s"] = sub["s"]
         out["submit_each"] = sub["each"]
-        out["by_call"] = {k: v for k, v in sub.items() if k.endswith(("_n", "_s"))}
+        out["by_call"] = {k: v for k, v in sub.items()
+                          if k.endswith(("_n", "_s")) and not k.startswith("preempted")}
+        out["preempted_calls"] = sub.get("preempted_n", 0)
+        out["preempted_s"] = sub.get("preempted_s", 0.0)
+        out["submit_ncalls"] = len(sub["each"])
         opt.close()
     else:
         import torch.distributed as dist
@@ -257,6 +277,8 @@ def driver(a):
                                 x["submit_each"] += y["submit_each"]
                                 x["submit_calls"] += y["submit_calls"]
                                 x["submit_s"] += y["submit_s"]
+                                for k in ("preempted_calls", "preempted_s", "submit_ncalls"):
+                                    x[k] += y[k]
                                 for k, v in y["by_call"].items():
                                     x["by_call"][k] = x["by_call"].get(k, 0) + v
         finally:
@@ -289,6 +311,9 @@ def driver(a):
                    "us", None, calls=o[0]["submit_calls"],
                    p50_us=1e6 * statistics.median(o[0]["submit_each"]),
                    max_us=1e6 * max(o[0]["submit_each"]),
+                   submit_ncalls=o[0]["submit_ncalls"],
+                   preempted_calls=o[0]["preempted_calls"],
+                   preempted_share=o[0]["preempted_s"] / max(1e-12, o[0]["submit_s"]),
                    **{k[:-2] + "_us": 1e6 * v / max(1, o[0]["by_call"][k[:-2] + "_n"])
                       for k, v in o[0]["by_call"].items() if k.endswith("_s")},
                    goal="<= 5", **cfg, **sh)

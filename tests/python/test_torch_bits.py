@@ -57,17 +57,32 @@ def batches(seed, n):
 
 class TrainsLikeTorch(unittest.TestCase):
 
-    def run_case(self, make_opt, release=False, tied=False, unused=False, steps=STEPS, accum=1):
+    def run_case(self, make_opt, release=False, tied=False, unused=False, steps=STEPS, accum=1,
+                 make_sched=None):
         torch.manual_seed(7)
         model = TinyTransformer(tied=tied, unused=unused)
         ref = copy.deepcopy(model)
         ref_opt = make_opt(ref)
+        ref_sched = make_sched(ref_opt) if make_sched else None
         loss_fn = nn.CrossEntropyLoss()
         with zshard_servers.Shards(2) as shards:
             opt = zshard.torch.shard(model, make_opt(model), addresses=shards.addresses,
                                      wire_dtype=torch.float32, rank=0, world_size=1,
                                      split_threshold=4096, release_after_forward=release,
                                      grad_accum=accum, job="bits")
+            sched = make_sched(opt) if make_sched else None
+            # The package submits transfers that start together as batches
+            # (zs_push_many / zs_pull_many): count them, so that these bits
+            # are known to have travelled that way.
+            batched = {"push_many": 0, "pull_many": 0}
+
+            def counted(name, fn):
+                def call(tensors, *args, **kw):
+                    batched[name] += len(tensors) > 1
+                    return fn(tensors, *args, **kw)
+                return call
+            for name in batched:
+                setattr(opt.client, name, counted(name, getattr(opt.client, name)))
             try:
                 split = [P.name for P in opt._params if P.numel >= 4096]
                 self.assertGreaterEqual(len(split), 4)
@@ -101,6 +116,11 @@ class TrainsLikeTorch(unittest.TestCase):
                                            y[micro::accum].reshape(-1))
                         (ref_loss / accum).backward()
                     ref_opt.step()
+                    if sched:
+                        sched.step()
+                        ref_sched.step()
+                        self.assertEqual([g["lr"] for g in opt.param_groups],
+                                         [g["lr"] for g in ref_opt.param_groups])
                     self.assertTrue(torch.equal(loss.detach(), ref_loss.detach()),
                                     "step %d: loss %r != torch's %r" % (step, loss.item(),
                                                                       ref_loss.item()))
@@ -120,6 +140,8 @@ class TrainsLikeTorch(unittest.TestCase):
                     self.assertTrue(torch.equal(sd[n], q), n)
                 with self.assertRaises(NotImplementedError):
                     model.load_state_dict(sd)
+                self.assertGreater(batched["pull_many"], steps, batched)
+                self.assertGreater(batched["push_many"], steps, batched)
                 t = opt.timing()
                 self.assertGreater(t.bytes_pushed, 0)
                 self.assertGreater(t.bytes_pulled, 0)
@@ -148,6 +170,22 @@ class TrainsLikeTorch(unittest.TestCase):
             return torch.optim.SGD([{"params": decay, "weight_decay": 1e-3},
                                     {"params": other, "lr": 0.025}], lr=0.05, momentum=0.9)
         self.run_case(make, tied=True, unused=True)
+
+    def test_adamw_two_groups_lambda_lr_per_group(self):
+        # Each group's lr follows its own lambda, so their ratio changes every
+        # step: every step sends each group's lr as torch's param_groups hold
+        # it (zs_step_ex's group_lr).
+        def make(m):
+            decay = [p for n, p in m.named_parameters() if p.dim() > 1]
+            other = [p for n, p in m.named_parameters() if p.dim() <= 1]
+            return torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                                      {"params": other, "weight_decay": 0.0, "lr": 1e-3}],
+                                     lr=3e-3)
+
+        def sched(o):
+            return torch.optim.lr_scheduler.LambdaLR(
+                o, [lambda s: min(1.0, (s + 1) / 10) * 0.97 ** s, lambda s: 1.0 / (1 + 0.3 * s)])
+        self.run_case(make, make_sched=sched)
 
     def test_sgd_nesterov_with_scheduler(self):
         torch.manual_seed(7)

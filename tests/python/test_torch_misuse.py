@@ -3,7 +3,7 @@
 zshard (no torch): zshard.Error carries zs_last_error()'s text, .status and
 .name; buffers of the wrong size or kind, waiting twice, stepping without
 every gradient, a closed client. zshard.torch: unsupported optimizer options,
-backward twice per step, per-group lr ratios that change, state_dict of a
+backward twice per step, group options that change, a negative lr, state_dict of a
 stateful optimizer, and backward through a graph older than the parameters.
 
 Run with Debian's interpreter (CTest does): /usr/bin/python3 tests/python/test_torch_misuse.py
@@ -181,7 +181,7 @@ class TorchMisuse(unittest.TestCase):
                 finally:
                     opt.close()
 
-    def test_group_lr_ratio_change_and_stateless_state_dict(self):
+    def test_group_option_change_bad_lr_and_stateless_state_dict(self):
         torch.manual_seed(1)
         m = Mlp()
         sgd = torch.optim.SGD([{"params": m.fc1.parameters()},
@@ -194,11 +194,18 @@ class TorchMisuse(unittest.TestCase):
                 self.assertEqual([g["lr"] for g in sd["param_groups"]], [0.1, 0.2])
                 opt.load_state_dict(sd)
                 loss_of(m).backward()
-                opt.param_groups[1]["lr"] = 0.3
-                with self.assertRaisesRegex(NotImplementedError, "lr"):
+                # Group lrs change freely (each is sent every step); other
+                # hyper-parameters are fixed when the job opens, and an lr
+                # the shards cannot use is refused before anything happens.
+                opt.param_groups[1]["weight_decay"] = 0.1
+                with self.assertRaisesRegex(NotImplementedError, "weight_decay"):
                     opt.step()
-                opt.param_groups[1]["lr"] = 0.2
-                opt.step()  # the same ratio again: fine
+                opt.param_groups[1]["weight_decay"] = 0.0
+                opt.param_groups[1]["lr"] = -0.3
+                with self.assertRaisesRegex(ValueError, "group 1's lr"):
+                    opt.step()
+                opt.param_groups[1]["lr"] = 0.3
+                opt.step()
                 self.assertEqual(opt.last_result.step, 1)
             finally:
                 opt.close()

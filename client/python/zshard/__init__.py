@@ -18,7 +18,7 @@ unwaited Request waits for it. PyTorch integration: zshard.torch.
 from . import _zshard
 from ._zshard import (  # noqa: F401
     ADAM, ADAMW, BF16, FP16, FP32, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE, LOSS_SCALE_STATIC,
-    REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
+    OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
     Request, StepResult, Timing, dtype_size, err_name, strerror, version)
 
 # Every status code as a constant: zshard.EINVAL == -1 ...
@@ -34,6 +34,7 @@ _ENUMS = {
     "loss_scaling": {"none": LOSS_SCALE_NONE, "static": LOSS_SCALE_STATIC,
                      "dynamic": LOSS_SCALE_DYNAMIC},
     "transport": {"default": TRANSPORT_DEFAULT, "data": TRANSPORT_DATA, "grpc": TRANSPORT_GRPC},
+    "open_mode": {"either": OPEN_EITHER, "create": OPEN_CREATE, "resume": OPEN_RESUME},
     "optimizer": {"adamw": ADAMW, "adam": ADAM, "sgd": SGD},
     "dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
 }
@@ -56,10 +57,16 @@ class Client(_zshard.Client):
     push_dtype, pull_dtype, threads, reduce_bucket_size, allgather_bucket_size,
     prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
-    data_connections, checkpoint_every, checkpoint_timeout_ms) plus the dynamic
+    data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
     loss_scale_window and hysteresis; enums also by name ("bf16", "sum", ...).
-    Unset options keep zs_client_options_init's defaults."""
+    Unset options keep zs_client_options_init's defaults.
+
+    open_mode says what open_job() may find on the shards: "either" (default:
+    create the job, or resume the same model where the shards left it,
+    ignoring the initial weights), "create" (a new run: zshard.Error EEXIST
+    if the shards hold another job or this one already trained) or "resume"
+    (zshard.Error ENOTOPEN if a shard holds no job)."""
 
     def __init__(self, addresses, **options):
         super().__init__(addresses, **{k: _enum(k, v) for k, v in options.items()})
@@ -74,6 +81,16 @@ class Client(_zshard.Client):
 
     def pull(self, tensor, buffer, dtype=0):
         return super().pull(tensor, buffer, _enum("dtype", dtype))
+
+    def push_many(self, tensors, buffers, micro=0, dtype=0):
+        """Pushes buffers[i] as tensors[i]'s gradient, all in one submission
+        (zs_push_many); returns one Request per entry."""
+        return super().push_many(tensors, buffers, micro, _enum("dtype", dtype))
+
+    def pull_many(self, tensors, buffers, dtype=0):
+        """Pulls tensors[i] into buffers[i], all in one submission
+        (zs_pull_many); returns one Request per entry."""
+        return super().pull_many(tensors, buffers, _enum("dtype", dtype))
 
     def __repr__(self):
         if self.closed:

@@ -69,35 +69,24 @@ _Static_assert(sizeof(zs_dtype) == sizeof(int), "zs_dtype is int-sized");
 _Static_assert(sizeof(zs_grad_reduce) == sizeof(int), "zs_grad_reduce is int-sized");
 _Static_assert(sizeof(zs_loss_scaling) == sizeof(int), "zs_loss_scaling is int-sized");
 _Static_assert(sizeof(zs_transport) == sizeof(int), "zs_transport is int-sized");
+_Static_assert(sizeof(zs_open_mode) == sizeof(int), "zs_open_mode is int-sized");
 
 #define CO(field, kind)                                                                            \
   { #field, kind, offsetof(zs_client_options, field) }
 static const kw_field client_fields[] = {
-    CO(num_shards, KW_U32),
-    CO(rank, KW_U32),
-    CO(world_size, KW_U32),
-    CO(grad_accum, KW_U32),
-    CO(grad_reduce, KW_ENUM),
-    CO(param_dtype, KW_ENUM),
-    CO(split_threshold, KW_U64),
-    CO(push_dtype, KW_ENUM),
-    CO(pull_dtype, KW_ENUM),
-    CO(threads, KW_U32),
-    CO(reduce_bucket_size, KW_SIZE),
-    CO(allgather_bucket_size, KW_SIZE),
-    CO(prefetch_depth, KW_U32),
-    CO(rpc_timeout_ms, KW_U32),
-    CO(step_timeout_ms, KW_U32),
-    CO(max_retries, KW_U32),
-    CO(retry_initial_ms, KW_U32),
-    CO(retry_max_ms, KW_U32),
-    CO(loss_scaling, KW_ENUM),
-    CO(static_loss_scale, KW_DOUBLE),
-    CO(transport, KW_ENUM),
-    CO(data_connections, KW_U32),
-    CO(checkpoint_every, KW_U32),
-    CO(checkpoint_timeout_ms, KW_U32),
-    {NULL, 0, 0},
+    CO(num_shards, KW_U32),          CO(rank, KW_U32),
+    CO(world_size, KW_U32),          CO(grad_accum, KW_U32),
+    CO(grad_reduce, KW_ENUM),        CO(param_dtype, KW_ENUM),
+    CO(split_threshold, KW_U64),     CO(push_dtype, KW_ENUM),
+    CO(pull_dtype, KW_ENUM),         CO(threads, KW_U32),
+    CO(reduce_bucket_size, KW_SIZE), CO(allgather_bucket_size, KW_SIZE),
+    CO(prefetch_depth, KW_U32),      CO(rpc_timeout_ms, KW_U32),
+    CO(step_timeout_ms, KW_U32),     CO(max_retries, KW_U32),
+    CO(retry_initial_ms, KW_U32),    CO(retry_max_ms, KW_U32),
+    CO(loss_scaling, KW_ENUM),       CO(static_loss_scale, KW_DOUBLE),
+    CO(transport, KW_ENUM),          CO(data_connections, KW_U32),
+    CO(checkpoint_every, KW_U32),    CO(checkpoint_timeout_ms, KW_U32),
+    CO(open_mode, KW_ENUM),          {NULL, 0, 0},
 };
 #undef CO
 
@@ -583,11 +572,20 @@ static void request_dealloc(request_object *self) {
     PyErr_Fetch(&et, &ev, &tb);
     int rc = request_finish(self);
     if (rc != ZS_OK) {
+      /* Not `self` as the context: the unraisable hook may keep its object
+       * (pytest's does, to report it after the test), and self is being
+       * freed; a sentence naming the transfer instead. */
+      PyObject *where = PyUnicode_FromFormat("an unwaited zshard.Request (%s of tensor %u)",
+                                             self->push ? "push" : "pull", (unsigned)self->tensor);
       raise_status(rc);
-      PyErr_WriteUnraisable((PyObject *)self);
+      PyErr_WriteUnraisable(where);
+      Py_XDECREF(where);
     }
     PyErr_Restore(et, ev, tb);
   }
+  /* A batch entry whose submission failed holds a buffer and no transfer. */
+  if (!self->req && self->view.obj)
+    PyBuffer_Release(&self->view);
   Py_CLEAR(self->client);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -616,6 +614,22 @@ static int buffer_dtype(const Py_buffer *v, int dtype, const char *what) {
   return 0;
 }
 
+/* A Request with no transfer yet: the caller fills view, then req and client. */
+static request_object *request_new(client_object *self, int push, uint32_t tensor) {
+  (void)self;
+  request_object *r = PyObject_New(request_object, &request_type);
+  if (!r)
+    return NULL;
+  r->client = NULL;
+  r->req = NULL;
+  r->view.obj = NULL;
+  r->waiting = 0;
+  r->status = 0;
+  r->push = push;
+  r->tensor = tensor;
+  return r;
+}
+
 static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int push) {
   static char *push_kw[] = {"tensor", "buffer", "micro", "dtype", NULL};
   static char *pull_kw[] = {"tensor", "buffer", "dtype", NULL};
@@ -629,15 +643,9 @@ static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int
                                           &dtype)
            : !PyArg_ParseTupleAndKeywords(args, kw, "IO|i:pull", pull_kw, &tensor, &buf, &dtype))
     return NULL;
-  request_object *r = PyObject_New(request_object, &request_type);
+  request_object *r = request_new(self, push, tensor);
   if (!r)
     return NULL;
-  r->client = NULL;
-  r->req = NULL;
-  r->waiting = 0;
-  r->status = 0;
-  r->push = push;
-  r->tensor = tensor;
   if (PyObject_GetBuffer(buf, &r->view,
                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) < 0) {
     r->view.obj = NULL;
@@ -678,30 +686,275 @@ static PyObject *client_pull(client_object *self, PyObject *args, PyObject *kw) 
   return transfer(self, args, kw, 0);
 }
 
+/* push_many / pull_many: n transfers in one zs_push_many / zs_pull_many
+ * call, so the library wakes its workers once for the batch. Each entry gets
+ * a Request of its own that holds its buffer until waited, exactly as push()
+ * and pull() do; the batch is all-or-nothing from Python's view: when the
+ * call fails, the entries the library did submit (the half-way case of
+ * zs_push_many) are waited here before the error is raised, so no buffer is
+ * released under a transfer. */
+static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw, int push) {
+  static char *push_kw[] = {"tensors", "buffers", "micro", "dtype", NULL};
+  static char *pull_kw[] = {"tensors", "buffers", "dtype", NULL};
+  const char *what = push ? "push_many" : "pull_many";
+  unsigned int micro = 0;
+  int dtype = 0;
+  PyObject *tensors, *buffers;
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  if (push ? !PyArg_ParseTupleAndKeywords(args, kw, "OO|Ii:push_many", push_kw, &tensors, &buffers,
+                                          &micro, &dtype)
+           : !PyArg_ParseTupleAndKeywords(args, kw, "OO|i:pull_many", pull_kw, &tensors, &buffers,
+                                          &dtype))
+    return NULL;
+  PyObject *tseq = NULL, *bseq = NULL, *list = NULL;
+  uint32_t *ids = NULL;
+  void **ptrs = NULL;
+  size_t *nbytes = NULL;
+  zs_request **reqs = NULL;
+  Py_ssize_t n = 0, i;
+  const int given = dtype;
+  if (!(tseq = PySequence_Fast(tensors, "tensors must be a sequence of tensor ids")) ||
+      !(bseq = PySequence_Fast(buffers, "buffers must be a sequence of buffers")))
+    goto fail;
+  n = PySequence_Fast_GET_SIZE(tseq);
+  if (PySequence_Fast_GET_SIZE(bseq) != n) {
+    PyErr_Format(PyExc_ValueError, "%s: %zd tensors but %zd buffers", what, n,
+                 PySequence_Fast_GET_SIZE(bseq));
+    goto fail;
+  }
+  if ((uint64_t)n > UINT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "%s: too many entries", what);
+    goto fail;
+  }
+  if (!(list = PyList_New(n)))
+    goto fail;
+  if (n == 0) {
+    Py_DECREF(tseq);
+    Py_DECREF(bseq);
+    return list;
+  }
+  /* One allocation per batch, not per entry. */
+  ids = PyMem_Malloc((size_t)n * sizeof *ids);
+  ptrs = PyMem_Malloc((size_t)n * sizeof *ptrs);
+  nbytes = PyMem_Malloc((size_t)n * sizeof *nbytes);
+  reqs = PyMem_Calloc((size_t)n, sizeof *reqs);
+  if (!ids || !ptrs || !nbytes || !reqs) {
+    PyErr_NoMemory();
+    goto fail;
+  }
+  for (i = 0; i < n; i++) {
+    unsigned long t = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(tseq, i));
+    if (t == (unsigned long)-1 && PyErr_Occurred())
+      goto fail;
+    if (t > UINT32_MAX) {
+      PyErr_Format(PyExc_OverflowError, "%s: tensor id %lu out of range", what, t);
+      goto fail;
+    }
+    request_object *r = request_new(self, push, (uint32_t)t);
+    if (!r)
+      goto fail;
+    PyList_SET_ITEM(list, i, (PyObject *)r); /* the list owns it from here */
+    if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(bseq, i), &r->view,
+                           PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) < 0) {
+      r->view.obj = NULL;
+      goto fail;
+    }
+    /* An explicit dtype applies to every buffer; otherwise each buffer's
+     * format says, and they must agree. */
+    int d = buffer_dtype(&r->view, given, what);
+    if (!d)
+      goto fail;
+    if (i == 0)
+      dtype = d;
+    else if (d != dtype) {
+      PyErr_Format(PyExc_TypeError, "%s: buffer %zd's dtype differs from buffer 0's", what, i);
+      goto fail;
+    }
+    ids[i] = (uint32_t)t;
+    ptrs[i] = r->view.buf;
+    nbytes[i] = (size_t)r->view.len;
+  }
+  int rc;
+  GIL_RELEASE();
+  if (push)
+    rc = zs_push_many(c, (uint32_t)n, ids, micro, (const void *const *)ptrs, (zs_dtype)dtype,
+                      nbytes, reqs);
+  else
+    rc = zs_pull_many(c, (uint32_t)n, ids, (void *const *)ptrs, (zs_dtype)dtype, nbytes, reqs);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK) {
+    /* The sentence first: the waits below may overwrite zs_last_error(). */
+    raise_status(rc);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    int any = 0;
+    for (i = 0; i < n; i++)
+      any |= reqs[i] != NULL;
+    if (any) {
+      GIL_RELEASE();
+      for (i = 0; i < n; i++)
+        if (reqs[i])
+          (void)zs_wait(reqs[i]);
+      GIL_ACQUIRE();
+    }
+    PyErr_Restore(et, ev, tb);
+    goto fail;
+  }
+  for (i = 0; i < n; i++) {
+    request_object *r = (request_object *)PyList_GET_ITEM(list, i);
+    r->req = reqs[i];
+    Py_INCREF(self);
+    r->client = self;
+  }
+  PyMem_Free(ids);
+  PyMem_Free(ptrs);
+  PyMem_Free(nbytes);
+  PyMem_Free(reqs);
+  Py_DECREF(tseq);
+  Py_DECREF(bseq);
+  return list;
+fail:
+  /* Requests without a zs_request release their buffer when freed. */
+  Py_XDECREF(list);
+  PyMem_Free(ids);
+  PyMem_Free(ptrs);
+  PyMem_Free(nbytes);
+  PyMem_Free(reqs);
+  Py_XDECREF(tseq);
+  Py_XDECREF(bseq);
+  return NULL;
+}
+
+static PyObject *client_push_many(client_object *self, PyObject *args, PyObject *kw) {
+  return transfer_many(self, args, kw, 1);
+}
+
+static PyObject *client_pull_many(client_object *self, PyObject *args, PyObject *kw) {
+  return transfer_many(self, args, kw, 0);
+}
+
 /* ---- step, checkpoints, inspection ---------------------------------------------------- */
 
 static PyObject *client_step(client_object *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"lr", "max_grad_norm", "loss_scale", NULL};
-  double lr, max_norm = 0, loss_scale = 0;
+  static char *kwlist[] = {"lr", "max_grad_norm", "loss_scale", "group_lr", "clip_coef", NULL};
+  zs_step_options o;
+  zs_step_options_init(&o);
+  PyObject *group_lr = Py_None, *ret = NULL;
   zs_client *c = client_get(self);
-  if (!c ||
-      !PyArg_ParseTupleAndKeywords(args, kw, "d|dd:step", kwlist, &lr, &max_norm, &loss_scale))
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "d|ddOd:step", kwlist, &o.lr, &o.max_grad_norm,
+                                         &o.loss_scale, &group_lr, &o.clip_coef))
     return NULL;
+  /* group_lr: one lr per group, used as given (zs_step_ex checks the count
+   * and the values, and names the offender). */
+  double *lrs = NULL;
+  if (group_lr != Py_None) {
+    PyObject *seq = PySequence_Fast(group_lr, "step: group_lr must be a sequence of floats");
+    if (!seq)
+      return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > UINT32_MAX || !(lrs = PyMem_Malloc(((size_t)n + 1) * sizeof *lrs))) {
+      Py_DECREF(seq);
+      return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+      lrs[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+      if (lrs[i] == -1.0 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        goto out;
+      }
+    }
+    Py_DECREF(seq);
+    o.group_lr = lrs;
+    o.num_group_lr = (uint32_t)n;
+  }
   zs_step_result r;
   zs_step_result_init(&r);
   zs_timing t;
   int rc;
   GIL_RELEASE();
-  rc = zs_step(c, lr, max_norm, loss_scale, &r);
+  rc = zs_step_ex(c, &o, &r);
   GIL_ACQUIRE();
-  if (rc != ZS_OK)
-    return raise_status(rc);
+  if (rc != ZS_OK) {
+    raise_status(rc);
+    goto out;
+  }
   /* The step's timing is the client's last (zs_step_result does not carry
    * it): read right after the step, on the thread that stepped. */
   rc = zs_last_timing(c, &t);
+  if (rc != ZS_OK) {
+    raise_status(rc);
+    goto out;
+  }
+  ret = step_result_new(&r, &t);
+out:
+  PyMem_Free(lrs);
+  return ret;
+}
+
+static PyObject *client_grad_norm(client_object *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"loss_scale", NULL};
+  double loss_scale = 0, norm = 0;
+  int overflow = 0;
+  zs_client *c = client_get(self);
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "|d:grad_norm", kwlist, &loss_scale))
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_grad_norm(c, loss_scale, &norm, &overflow);
+  GIL_ACQUIRE();
   if (rc != ZS_OK)
     return raise_status(rc);
-  return step_result_new(&r, &t);
+  return Py_BuildValue("(dO)", norm, overflow ? Py_True : Py_False);
+}
+
+static PyObject *client_close_job(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_close_job(c);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
+static PyObject *client_tensor_slices(client_object *self, PyObject *arg) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  unsigned long t = PyLong_AsUnsignedLong(arg);
+  if (t == (unsigned long)-1 && PyErr_Occurred())
+    return NULL;
+  if (t > UINT32_MAX) {
+    PyErr_Format(PyExc_OverflowError, "tensor_slices: tensor id %lu out of range", t);
+    return NULL;
+  }
+  uint32_t n = 0;
+  int rc = zs_tensor_slices(c, (uint32_t)t, &n);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  PyObject *list = PyList_New(n);
+  if (!list)
+    return NULL;
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t shard = 0;
+    uint64_t off = 0, numel = 0;
+    if ((rc = zs_tensor_slice(c, (uint32_t)t, i, &shard, &off, &numel)) != ZS_OK) {
+      Py_DECREF(list);
+      return raise_status(rc);
+    }
+    PyObject *e = Py_BuildValue("(IKK)", shard, (unsigned long long)off, (unsigned long long)numel);
+    if (!e) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, i, e);
+  }
+  return list;
 }
 
 static PyObject *client_last_timing(client_object *self, PyObject *Py_UNUSED(ignored)) {
@@ -852,7 +1105,27 @@ static PyMethodDef client_methods[] = {
     KWM(open_job, "open_job(init_weights=None): one fp32 buffer per tensor (rank 0)"),
     KWM(push, "push(tensor, buffer, micro=0, dtype=0) -> Request; buffer held until waited"),
     KWM(pull, "pull(tensor, buffer, dtype=0) -> Request; buffer written until waited"),
-    KWM(step, "step(lr, max_grad_norm=0, loss_scale=0) -> StepResult"),
+    KWM(push_many,
+        "push_many(tensors, buffers, micro=0, dtype=0) -> [Request]: one push per entry, "
+        "submitted in one call (zs_push_many: one wake-up of the workers for the batch); every "
+        "buffer is held by its Request until waited; all buffers of one dtype. A refused batch "
+        "submits nothing"),
+    KWM(pull_many, "pull_many(tensors, buffers, dtype=0) -> [Request]: zs_pull_many, as "
+                   "push_many; each buffer is written until its Request is waited"),
+    KWM(step, "step(lr, max_grad_norm=0, loss_scale=0, group_lr=None, clip_coef=0) -> "
+              "StepResult (zs_step_ex). group_lr: one learning rate per group, used as given "
+              "for this step instead of lr x lr_scale (what a scheduler sets in torch's "
+              "param_groups); clip_coef > 0: the clipping coefficient computed elsewhere, "
+              "instead of max_grad_norm's"),
+    KWM(grad_norm, "grad_norm(loss_scale=0) -> (norm, overflow): the current step's global "
+                   "gradient norm (zs_grad_norm) without applying it; waits for every trainer's "
+                   "contributions. The client stays at its step"),
+    {"close_job", (PyCFunction)client_close_job, METH_NOARGS,
+     "close the job on every shard (zs_close_job): the shards free it and take the next job "
+     "without a restart. One trainer (rank 0) calls it after every other is done; this client "
+     "cannot open a job again (close it)"},
+    {"tensor_slices", (PyCFunction)client_tensor_slices, METH_O,
+     "tensor_slices(t) -> [(shard, offset, numel)]: where tensor t lives (after open_job)"},
     KWM(checkpoint, "checkpoint(step=0) -> current step"),
     KWM(restore, "restore(step=0) -> the step the client continues at"),
     {"latest_checkpoint", (PyCFunction)client_latest_checkpoint, METH_NOARGS,
@@ -1002,7 +1275,10 @@ PyMODINIT_FUNC PyInit__zshard(void) {
       PyModule_AddIntConstant(m, "LOSS_SCALE_DYNAMIC", ZS_LOSS_SCALE_DYNAMIC) < 0 ||
       PyModule_AddIntConstant(m, "TRANSPORT_DEFAULT", ZS_TRANSPORT_DEFAULT) < 0 ||
       PyModule_AddIntConstant(m, "TRANSPORT_DATA", ZS_TRANSPORT_DATA) < 0 ||
-      PyModule_AddIntConstant(m, "TRANSPORT_GRPC", ZS_TRANSPORT_GRPC) < 0)
+      PyModule_AddIntConstant(m, "TRANSPORT_GRPC", ZS_TRANSPORT_GRPC) < 0 ||
+      PyModule_AddIntConstant(m, "OPEN_EITHER", ZS_OPEN_EITHER) < 0 ||
+      PyModule_AddIntConstant(m, "OPEN_CREATE", ZS_OPEN_CREATE) < 0 ||
+      PyModule_AddIntConstant(m, "OPEN_RESUME", ZS_OPEN_RESUME) < 0)
     goto fail;
   return m;
 fail:
