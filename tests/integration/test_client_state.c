@@ -234,6 +234,7 @@ static void written_state_is_what_the_next_step_starts_from(void **state) {
   float *p0 = fbuf(0);
   assert_int_equal(zs_pull(c, 0, p0, ZS_DTYPE_FP32, NUMEL[0] * sizeof(float), NULL), ZS_OK);
   assert_memory_equal(p0, rw[0], NUMEL[0] * sizeof(float));
+  free(p0);
   uint64_t steps = 0;
   assert_int_equal(zs_optimizer_steps(c, &steps), ZS_OK);
   assert_int_equal(steps, 1);
