@@ -191,6 +191,30 @@ class StateDictMovesRuns(unittest.TestCase):
             finally:
                 opt.close()
 
+    def test_model_load_state_dict_then_pulls_the_wire_copy(self):
+        # bf16 on the wire: after a load the trainer computes with what the
+        # shards serve (the master rounded to bf16, as every other trainer
+        # pulls it), not with the fp32 values it copied in.
+        torch.manual_seed(7)
+        ref = bits.TinyTransformer()
+        torch.manual_seed(8)
+        model = bits.TinyTransformer()
+        with zshard_servers.Shards(2) as shards:
+            opt = zshard.torch.shard(model, adamw(model), addresses=shards.addresses,
+                                     wire_dtype=torch.bfloat16, rank=0, world_size=1,
+                                     split_threshold=4096)
+            try:
+                model.load_state_dict(ref.state_dict())
+                opt.gather()
+                for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                    want = q.detach().to(torch.bfloat16).float()
+                    self.assertTrue(torch.equal(p.detach(), want), n)
+                    w = torch.empty_like(q)
+                    opt.client.state_read(opt._by_id[id(p)].idx, zshard.MASTER,
+                                          zshard.torch._buffer(w))
+                    self.assertTrue(torch.equal(w, q.detach()), n)
+            finally:
+                opt.close()
 
 class StateDictMisuse(unittest.TestCase):
 
