@@ -14,7 +14,10 @@ Run with Debian's interpreter (CTest does): /usr/bin/python3 tests/python/test_t
 
 import copy
 import os
+import subprocess
 import sys
+import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -253,6 +256,101 @@ class StateDictMisuse(unittest.TestCase):
                 opt.close()
 
 
+# ---- two trainers load the same dict ----------------------------------------------------
+
+W2_STEPS = 4
+
+
+def w2_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 200), nn.GELU(), nn.LayerNorm(200), nn.Linear(200, 5))
+
+
+def w2_loss(model, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(4, 12, generator=g), torch.randint(0, 5, (4,), generator=g)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def w2_worker(addresses, tmp):
+    """One of two trainers: loads torch's model and optimizer state (the same
+    file on both ranks), then trains W2_STEPS steps. Rank 0 loads first and
+    pushes its first gradients; only then does rank 1 load, so every write
+    of rank 1 meets a step in progress on the shards (ENOTREADY) and must
+    find rank 0's equal values there."""
+    rank = int(os.environ["RANK"])
+    model = w2_model(99)
+    opt = zshard.torch.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                                      weight_decay=0.02),
+                             addresses=addresses, wire_dtype=torch.float32, split_threshold=1000,
+                             grad_reduce="sum", job="w2")
+    saved = torch.load(os.path.join(tmp, "torch.pt"))
+    pushed = os.path.join(tmp, "rank0-pushed")
+    if rank == 1:
+        # Rank 0 failing instead ends this wait too (see __main__).
+        while not os.path.exists(pushed) and not os.path.exists(os.path.join(tmp, "failed")):
+            time.sleep(0.01)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    for step in range(1, W2_STEPS + 1):
+        opt.zero_grad()
+        w2_loss(model, step, rank).backward()
+        if rank == 0 and step == 1:
+            opt._wait_pushes()
+            open(pushed, "w").close()
+        opt.step()
+    opt.close()
+    torch.save({n: p.detach() for n, p in model.named_parameters()},
+               os.path.join(tmp, "rank%d.pt" % rank))
+
+
+class TwoTrainersLoad(unittest.TestCase):
+
+    def test_both_ranks_load_the_same_dict_without_a_barrier(self):
+        ref = w2_model(21)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=5e-3, weight_decay=0.02)
+        for step in range(1, 3):
+            ref_opt.zero_grad()
+            w2_loss(ref, -step, 0).backward()
+            ref_opt.step()
+        tmp = tempfile.mkdtemp(prefix="zshard-sd-w2-")
+        torch.save({"model": ref.state_dict(), "opt": ref_opt.state_dict()},
+                   os.path.join(tmp, "torch.pt"))
+        with zshard_servers.Shards(2) as shards:
+            procs = []
+            for rank in range(2):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2")
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "w2", shards.addresses, tmp],
+                    env=env))
+            codes = [p.wait(300) for p in procs]
+        self.assertEqual(codes, [0, 0])
+        # torch goes on from its own state, fed the rank-ordered sum.
+        for step in range(1, W2_STEPS + 1):
+            grads = []
+            for rank in range(2):
+                m = copy.deepcopy(ref)
+                w2_loss(m, step, rank).backward()
+                grads.append([p.grad for p in m.parameters()])
+            for p, g0, g1 in zip(ref.parameters(), *grads):
+                p.grad = g0 + g1
+            ref_opt.step()
+        want = dict(ref.named_parameters())
+        for rank in range(2):
+            got = torch.load(os.path.join(tmp, "rank%d.pt" % rank))
+            for n, w in got.items():
+                self.assertTrue(torch.equal(w, want[n].detach()),
+                                "rank %d: %s differs by up to %g" %
+                                (rank, n, (w - want[n].detach()).abs().max().item()))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    unittest.main(verbosity=2)
+    if len(sys.argv) == 4 and sys.argv[1] == "w2":
+        try:
+            w2_worker(sys.argv[2], sys.argv[3])
+        except BaseException:
+            open(os.path.join(sys.argv[3], "failed"), "w").close()
+            raise
+    else:
+        unittest.main(verbosity=2)
