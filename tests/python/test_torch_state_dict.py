@@ -240,6 +240,17 @@ class StateDictMisuse(unittest.TestCase):
                 ref2_opt = adamw(ref2)
                 train_step(ref2, ref2_opt, x, y)
                 sd = ref2_opt.state_dict()
+                # A state the shards cannot hold is refused before any write.
+                for edit, word in (
+                        (lambda b: b["state"][0].update(step=torch.tensor(5.0)), "steps differ"),
+                        (lambda b: b["state"].pop(1), "no state for"),
+                        (lambda b: b["state"][0].update(exp_avg=torch.zeros(3)), "shape"),
+                        (lambda b: b["param_groups"][0].update(amsgrad=True), "amsgrad")):
+                    bad = copy.deepcopy(sd)
+                    edit(bad)
+                    with self.assertRaisesRegex(ValueError, word):
+                        opt.load_state_dict(bad)
+                self.assertEqual(opt.state_dict()["state"], {})
                 # After backward pushed this step's gradients, before step().
                 opt.zero_grad()
                 LOSS(model(x).reshape(-1, bits.VOCAB), y.reshape(-1)).backward()

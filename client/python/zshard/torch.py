@@ -48,6 +48,11 @@ than clipping `p.grad` yourself, which would happen after the push. A
 parameter that gets no gradient in a step is pushed zeros (torch would skip
 it; see NOTES below). Parameters read outside forward are current after
 `gather()`, `close()`, `model.state_dict()` or a forward.
+
+state_dict() returns torch.optim's state_dict() of the same optimizer, read
+from the shards; load_state_dict() and model.load_state_dict() write torch's
+to them. Every rank loads the same dicts between the same two steps (no
+barrier needed: every rank writes the same values).
 """
 
 import collections
@@ -386,7 +391,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._loading = [P for P in self._loading if id(P) not in ids]
             done = set()
             for P in todo:
-                if id(P) in done:
+                # Not twice (tied), and only what the pre-hook made current:
+                # an entry left by a load that failed part-way may have been
+                # released or gone stale since.
+                if id(P) in done or not (P.alloc and P.current):
                     continue
                 done.add(id(P))
                 self._write_state(P, zshard.MASTER, P.p.detach())
