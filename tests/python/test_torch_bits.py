@@ -138,8 +138,10 @@ class TrainsLikeTorch(unittest.TestCase):
                 sd = model.state_dict()
                 for n, q in ref.state_dict().items():
                     self.assertTrue(torch.equal(sd[n], q), n)
-                with self.assertRaises(NotImplementedError):
-                    model.load_state_dict(sd)
+                # Loading writes the weights to the shards (the same ones
+                # here: nothing changes, as the comparison after close()
+                # shows).
+                model.load_state_dict(sd)
                 self.assertGreater(batched["pull_many"], steps, batched)
                 self.assertGreater(batched["push_many"], steps, batched)
                 t = opt.timing()

@@ -3,8 +3,9 @@
 zshard (no torch): zshard.Error carries zs_last_error()'s text, .status and
 .name; buffers of the wrong size or kind, waiting twice, stepping without
 every gradient, a closed client. zshard.torch: unsupported optimizer options,
-backward twice per step, group options that change, a negative lr, state_dict of a
-stateful optimizer, and backward through a graph older than the parameters.
+backward twice per step, group options that change, a negative lr, and backward
+through a graph older than the parameters (state_dict misuse:
+test_torch_state_dict.py).
 
 Run with Debian's interpreter (CTest does): /usr/bin/python3 tests/python/test_torch_misuse.py
 """
@@ -137,8 +138,8 @@ class TorchMisuse(unittest.TestCase):
                 loss_of(m).backward()
                 with self.assertRaisesRegex(RuntimeError, "already pushed"):
                     loss_of(m).backward()
-                with self.assertRaisesRegex(NotImplementedError, "optimizer state"):
-                    opt.state_dict()
+                # Readable mid-step; torch's empty state before the first step.
+                self.assertEqual(opt.state_dict()["state"], {})
             finally:
                 opt.close()
 

@@ -8,6 +8,8 @@
     c.pull(w, param).wait()                  # any writable buffer, no copy
     c.push(w, grad).wait()                   # any buffer, no copy
     r = c.step(lr=1e-3)                      # a StepResult, r.timing a Timing
+    c.state_read(w, zshard.EXP_AVG, moment)  # optimizer state, fp32, between steps
+    c.optimizer_steps()                      # applied steps (torch's state 'step')
 
 Every failure raises zshard.Error, whose message is libzshard's
 zs_last_error() text and whose .status / .name are the zs_status. Blocking
@@ -17,8 +19,8 @@ unwaited Request waits for it. PyTorch integration: zshard.torch.
 
 from . import _zshard
 from ._zshard import (  # noqa: F401
-    ADAM, ADAMW, BF16, FP16, FP32, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE, LOSS_SCALE_STATIC,
-    OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
+    ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
+    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
     Request, StepResult, Timing, dtype_size, err_name, strerror, version)
 
 # Every status code as a constant: zshard.EINVAL == -1 ...

@@ -909,6 +909,89 @@ static PyObject *client_grad_norm(client_object *self, PyObject *args, PyObject 
   return Py_BuildValue("(dO)", norm, overflow ? Py_True : Py_False);
 }
 
+/* ---- optimizer state -------------------------------------------------------------- */
+
+/* state_read / state_write: one tensor's array `which` (MASTER, EXP_AVG,
+ * EXP_AVG_SQ), whole, in fp32, straight from or into the caller's buffer (no
+ * copy here: the library unpacks into it or packs from it). The buffer must
+ * be C-contiguous; its length is checked by the library against the tensor's
+ * numel, which names the tensor when it differs. Both block on the network
+ * with the GIL released; the Py_buffer keeps the exporter alive meanwhile. */
+static PyObject *state_call(client_object *self, PyObject *args, PyObject *kw, int write) {
+  static char *kwlist[] = {"tensor", "array", "buffer", NULL};
+  unsigned int tensor;
+  int which;
+  PyObject *buf;
+  zs_client *c = client_get(self);
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, write ? "IiO:state_write" : "IiO:state_read",
+                                         kwlist, &tensor, &which, &buf))
+    return NULL;
+  Py_buffer v;
+  if (PyObject_GetBuffer(buf, &v,
+                         PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (write ? 0 : PyBUF_WRITABLE)) < 0)
+    return NULL;
+  /* The library reads and writes float32: a buffer that says otherwise is
+   * a mistake (bytes-like buffers without a float format are taken as is). */
+  const char *f = v.format ? v.format : "B";
+  if (*f == '<' || *f == '=' || *f == '@')
+    f++;
+  if (strcmp(f, "f") != 0 && strcmp(f, "B") != 0 && strcmp(f, "b") != 0 && strcmp(f, "c") != 0) {
+    PyErr_Format(PyExc_TypeError, "%s: the buffer's format is '%s'; float32 ('f') only",
+                 write ? "state_write" : "state_read", f);
+    PyBuffer_Release(&v);
+    return NULL;
+  }
+  int rc;
+  GIL_RELEASE();
+  if (write)
+    rc = zs_state_write(c, tensor, (zs_state_array)which, (const float *)v.buf, (size_t)v.len);
+  else
+    rc = zs_state_read(c, tensor, (zs_state_array)which, (float *)v.buf, (size_t)v.len);
+  GIL_ACQUIRE();
+  PyBuffer_Release(&v);
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
+static PyObject *client_state_read(client_object *self, PyObject *args, PyObject *kw) {
+  return state_call(self, args, kw, 0);
+}
+
+static PyObject *client_state_write(client_object *self, PyObject *args, PyObject *kw) {
+  return state_call(self, args, kw, 1);
+}
+
+static PyObject *client_optimizer_steps(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  uint64_t steps = 0;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_optimizer_steps(c, &steps);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLongLong(steps);
+}
+
+static PyObject *client_set_optimizer_steps(client_object *self, PyObject *arg) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  unsigned long long steps = PyLong_AsUnsignedLongLong(arg);
+  if (steps == (unsigned long long)-1 && PyErr_Occurred())
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_set_optimizer_steps(c, (uint64_t)steps);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
 static PyObject *client_close_job(client_object *self, PyObject *Py_UNUSED(ignored)) {
   zs_client *c = client_get(self);
   if (!c)
@@ -1124,6 +1207,19 @@ static PyMethodDef client_methods[] = {
      "close the job on every shard (zs_close_job): the shards free it and take the next job "
      "without a restart. One trainer (rank 0) calls it after every other is done; this client "
      "cannot open a job again (close it)"},
+    KWM(state_read,
+        "state_read(tensor, array, buffer): array MASTER, EXP_AVG or EXP_AVG_SQ of the tensor, "
+        "whole, fp32, into the writable buffer (no copy; GIL released; zs_state_read). A read "
+        "while another trainer steps may fail with ESTEP: read between steps"),
+    KWM(state_write,
+        "state_write(tensor, array, buffer): overwrites the array on the shards from the buffer "
+        "(zs_state_write). Between steps only (ENOTREADY once any trainer pushed for the "
+        "current step): every trainer holds the job idle while one writes; idempotent"),
+    {"optimizer_steps", (PyCFunction)client_optimizer_steps, METH_NOARGS,
+     "the job's optimizer step count: applied steps, torch's state 'step' (zs_optimizer_steps)"},
+    {"set_optimizer_steps", (PyCFunction)client_set_optimizer_steps, METH_O,
+     "set_optimizer_steps(n): sets the count on every shard (zs_set_optimizer_steps; the rules "
+     "of state_write)"},
     {"tensor_slices", (PyCFunction)client_tensor_slices, METH_O,
      "tensor_slices(t) -> [(shard, offset, numel)]: where tensor t lives (after open_job)"},
     KWM(checkpoint, "checkpoint(step=0) -> current step"),
@@ -1278,7 +1374,10 @@ PyMODINIT_FUNC PyInit__zshard(void) {
       PyModule_AddIntConstant(m, "TRANSPORT_GRPC", ZS_TRANSPORT_GRPC) < 0 ||
       PyModule_AddIntConstant(m, "OPEN_EITHER", ZS_OPEN_EITHER) < 0 ||
       PyModule_AddIntConstant(m, "OPEN_CREATE", ZS_OPEN_CREATE) < 0 ||
-      PyModule_AddIntConstant(m, "OPEN_RESUME", ZS_OPEN_RESUME) < 0)
+      PyModule_AddIntConstant(m, "OPEN_RESUME", ZS_OPEN_RESUME) < 0 ||
+      PyModule_AddIntConstant(m, "MASTER", ZS_STATE_MASTER) < 0 ||
+      PyModule_AddIntConstant(m, "EXP_AVG", ZS_STATE_EXP_AVG) < 0 ||
+      PyModule_AddIntConstant(m, "EXP_AVG_SQ", ZS_STATE_EXP_AVG_SQ) < 0)
     goto fail;
   return m;
 fail:
