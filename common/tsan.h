@@ -26,11 +26,22 @@
 /* The ThreadSanitizer runtime's own entry points (libtsan). */
 void __tsan_acquire(void *addr);
 void __tsan_release(void *addr);
+void __tsan_ignore_thread_begin(void);
+void __tsan_ignore_thread_end(void);
 #define tsan_release(addr) __tsan_release((void *)(addr))
 #define tsan_acquire(addr) __tsan_acquire((void *)(addr))
+/* The memory accesses between the two are not recorded: for a call into
+ * gRPC that frees memory gRPC itself shares between threads (a message's
+ * slice is a reference into a read buffer other calls' messages also point
+ * into; the last reference, on whichever thread, frees it), where the
+ * ordering is gRPC's atomic reference count, which TSan cannot see. */
+#define tsan_ignore_begin() __tsan_ignore_thread_begin()
+#define tsan_ignore_end() __tsan_ignore_thread_end()
 #else
 #define tsan_release(addr) ((void)(addr))
 #define tsan_acquire(addr) ((void)(addr))
+#define tsan_ignore_begin() ((void)0)
+#define tsan_ignore_end() ((void)0)
 #endif
 
 #endif
