@@ -116,3 +116,15 @@ int status_fail(char *err, size_t errlen, int status, const char *fmt, ...) {
   }
   return status;
 }
+
+const char *zs_state_array_name(int which) {
+  switch (which) {
+  case ZS_STATE_MASTER:
+    return "master";
+  case ZS_STATE_EXP_AVG:
+    return "exp_avg";
+  case ZS_STATE_EXP_AVG_SQ:
+    return "exp_avg_sq";
+  }
+  return "?";
+}

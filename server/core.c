@@ -622,23 +622,6 @@ static void core_fail_job_waiters(core *c, waiter **fire) {
   }
 }
 
-/* With state_rw held exclusively: waits up to pin_wait_ms for the answers
- * pinned in the low arena to be released; 1 once none is left. */
-static int core_pins_drained(core *c) {
-  uint64_t deadline = clock_now_ms() + c->pin_wait_ms;
-  pthread_mutex_lock(&c->mu);
-  atomic_store(&c->pin_waiting, 1);
-  while (atomic_load(&c->low_pins) > 0 && clock_now_ms() < deadline) {
-    struct timespec ts = {.tv_sec = (time_t)(deadline / 1000u),
-                          .tv_nsec = (long)(deadline % 1000u) * 1000000L};
-    pthread_cond_timedwait(&c->worker_cv, &c->mu, &ts);
-  }
-  atomic_store(&c->pin_waiting, 0);
-  int drained = atomic_load(&c->low_pins) == 0;
-  pthread_mutex_unlock(&c->mu);
-  return drained;
-}
-
 /* Frees the job's state and empties the shard. Runs on the worker, so no
  * statistics pass, apply, snapshot or restore is in progress; no lock held. */
 void core__run_close(core *c, ckpt_call *call) {
@@ -671,7 +654,7 @@ void core__run_close(core *c, ckpt_call *call) {
   /* Pull answers still being sent from the low arena are waited for (with
    * state_rw held exclusively no new one starts); freeing the arena under
    * them would send freed memory, so unlike an apply the close gives up. */
-  if (!core_pins_drained(c)) {
+  if (core__drain_pins(c) > 0) {
     rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
                      "pull answers of job '%s' are still being sent by shard %u; retry the close",
                      c->spec.job, c->shard_id);

@@ -85,9 +85,9 @@ void core__low_crc_task(void *arg, size_t i) {
 
 /* With state_rw held exclusively (so no new pin can start): waits until no
  * answer is being sent from the low arena, or CORE_PIN_WAIT_MS. */
-void core__wait_pins(core *c, const char *what) {
+uint64_t core__drain_pins(core *c) {
   if (atomic_load(&c->low_pins) == 0)
-    return;
+    return 0;
   uint64_t deadline = clock_now_ms() + c->pin_wait_ms;
   pthread_mutex_lock(&c->mu);
   atomic_store(&c->pin_waiting, 1);
@@ -102,6 +102,11 @@ void core__wait_pins(core *c, const char *what) {
   atomic_store(&c->pin_waiting, 0);
   uint64_t left = atomic_load(&c->low_pins);
   pthread_mutex_unlock(&c->mu);
+  return left;
+}
+
+void core__wait_pins(core *c, const char *what) {
+  uint64_t left = core__drain_pins(c);
   if (left > 0) {
     atomic_fetch_add_explicit(&c->pin_wait_timeouts, 1, memory_order_relaxed);
     LOG_WARN("pull_answers_overtaken",
@@ -559,18 +564,6 @@ done:
 
 /* ---------------------------------------------------------------- optimizer state */
 
-static const char *state_array_name(zs_state_array which) {
-  switch (which) {
-  case ZS_STATE_MASTER:
-    return "master";
-  case ZS_STATE_EXP_AVG:
-    return "exp_avg";
-  case ZS_STATE_EXP_AVG_SQ:
-    return "exp_avg_sq";
-  }
-  return "?";
-}
-
 /* The checks of core_state_read and core_state_write; *arena gets the
  * array's first element of the range. With state_rw held. */
 static int state_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
@@ -605,17 +598,17 @@ static int state_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
                                                        : "AdamW",
                        g->optimizer == ZS_OPTIM_SGD && g->momentum == 0.0 ? " without momentum"
                                                                           : "",
-                       state_array_name(which));
+                       zs_state_array_name((int)which));
   if (nbytes % sizeof(float) != 0)
     return status_fail(err, errlen, ZS_ESIZE,
                        "%s of slice %u of tensor %u: %zu bytes are not a whole number of float32",
-                       state_array_name(which), slice, tensor, nbytes);
+                       zs_state_array_name((int)which), slice, tensor, nbytes);
   uint64_t n = nbytes / sizeof(float);
   if (offset > lp->numel || n > lp->numel - offset)
     return status_fail(err, errlen, ZS_ERANGE,
                        "%" PRIu64 " %s elements from element %" PRIu64 " of slice %u of tensor %u: "
                        "the piece has %" PRIu64 " elements",
-                       n, state_array_name(which), offset, slice, tensor, lp->numel);
+                       n, zs_state_array_name((int)which), offset, slice, tensor, lp->numel);
   if (n > 0 && !buf)
     return status_fail(err, errlen, ZS_EINVAL, "state buffer pointer is NULL");
   if (!ps->initialized)

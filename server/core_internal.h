@@ -228,6 +228,12 @@ int core__behind(const core *c, const char *what, uint64_t step, char *err, size
 
 /* core_data.c: the low copy's CRCs and pins, for the writers of the arena. */
 void core__low_crc_task(void *arg, size_t i);
+/* With state_rw held exclusively: waits up to pin_wait_ms for the pull
+ * answers pinned in the low arena to be released; returns how many are left. */
+uint64_t core__drain_pins(core *c);
+/* core__drain_pins for a writer that goes ahead anyway (apply, restore,
+ * state write): what is left is counted and logged; its readers refuse the
+ * overtaken answers by CRC and ask again. */
 void core__wait_pins(core *c, const char *what);
 
 /* core_wait.c: waiters and the worker thread. */

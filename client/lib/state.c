@@ -21,18 +21,6 @@
 #include "common/status.h"
 #include "internal.h"
 
-static const char *array_name(zs_state_array which) {
-  switch (which) {
-  case ZS_STATE_MASTER:
-    return "master";
-  case ZS_STATE_EXP_AVG:
-    return "exp_avg";
-  case ZS_STATE_EXP_AVG_SQ:
-    return "exp_avg_sq";
-  }
-  return "?";
-}
-
 /* The checks both directions share; the spec and layout are immutable once
  * the job is open. */
 static int check_state_args(zs_client *c, const char *fn, uint32_t tensor, zs_state_array which,
@@ -144,7 +132,8 @@ static int state_read(zs_client *c, uint32_t tensor, zs_state_array which, float
   if (rc != ZS_OK) {
     char why[ZC_ERR_LEN];
     snprintf(why, sizeof why, "%s", zs_last_error());
-    rc = zc_fail(rc, "zs_state_read of tensor '%s' (%s): %.400s", name, array_name(which), why);
+    rc = zc_fail(rc, "zs_state_read of tensor '%s' (%s): %.400s", name,
+                 zs_state_array_name((int)which), why);
   }
   uint64_t vmin = UINT64_MAX, vmax = 0;
   for (uint32_t i = 0; i < n && rc == ZS_OK; i++) {
@@ -167,7 +156,7 @@ static int state_read(zs_client *c, uint32_t tensor, zs_state_array which, float
     rc = zc_fail(ZS_ESTEP,
                  "zs_state_read of tensor '%s' (%s): the shards answered versions %" PRIu64
                  " to %" PRIu64 ": a step ran during the read; read while the job is idle",
-                 name, array_name(which), vmin, vmax);
+                 name, zs_state_array_name((int)which), vmin, vmax);
   free_responses(op);
   zc_op_release(op);
   free(x.reqs);
@@ -277,7 +266,8 @@ static int state_write(zs_client *c, uint32_t tensor, zs_state_array which, cons
     if (rc != ZS_OK) {
       char why[ZC_ERR_LEN];
       snprintf(why, sizeof why, "%s", zs_last_error());
-      rc = zc_fail(rc, "zs_state_write of tensor '%s' (%s): %.400s", name, array_name(which), why);
+      rc = zc_fail(rc, "zs_state_write of tensor '%s' (%s): %.400s", name,
+                   zs_state_array_name((int)which), why);
     }
     /* Even a failed write may have changed some chunks. */
     end_write(c, which == ZS_STATE_MASTER);

@@ -136,6 +136,15 @@ static void dtype_sizes_are_4_2_2_and_0_otherwise(void **state) {
   assert_int_equal(zs_dtype_size(-1), 0);
 }
 
+static void state_arrays_have_torch_names(void **state) {
+  (void)state;
+  assert_string_equal(zs_state_array_name(ZS_STATE_MASTER), "master");
+  assert_string_equal(zs_state_array_name(ZS_STATE_EXP_AVG), "exp_avg");
+  assert_string_equal(zs_state_array_name(ZS_STATE_EXP_AVG_SQ), "exp_avg_sq");
+  assert_string_equal(zs_state_array_name(0), "?");
+  assert_string_equal(zs_state_array_name(4), "?");
+}
+
 static void version_is_major_minor_patch(void **state) {
   (void)state;
   char want[32];
@@ -146,6 +155,7 @@ static void version_is_major_minor_patch(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(table_covers_every_code_in_the_map),
+      cmocka_unit_test(state_arrays_have_torch_names),
       cmocka_unit_test(every_code_has_its_sentence_and_name),
       cmocka_unit_test(unknown_codes_get_generic_text),
       cmocka_unit_test(each_code_maps_to_its_grpc_status),

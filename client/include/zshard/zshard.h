@@ -126,6 +126,10 @@ typedef enum zs_state_array {
   ZS_STATE_EXP_AVG_SQ = 3, /* Adam(W)'s exp_avg_sq */
 } zs_state_array;
 
+/* The name torch gives array `which` ("master", "exp_avg", "exp_avg_sq"), or
+ * "?" for a value that is not a zs_state_array; a static string. */
+ZS_EXTERN const char *zs_state_array_name(int which);
+
 /* The library's version as "major.minor.patch"; a static string. */
 ZS_EXTERN const char *zs_version(void);
 
