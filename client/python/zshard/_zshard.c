@@ -992,17 +992,23 @@ static PyObject *client_set_optimizer_steps(client_object *self, PyObject *arg) 
   Py_RETURN_NONE;
 }
 
-static PyObject *client_close_job(client_object *self, PyObject *Py_UNUSED(ignored)) {
+/* A blocking call that takes only the client: the GIL released around it,
+ * None or the raised zshard.Error. */
+static PyObject *call_blocking(client_object *self, int (*fn)(zs_client *)) {
   zs_client *c = client_get(self);
   if (!c)
     return NULL;
   int rc;
   GIL_RELEASE();
-  rc = zs_close_job(c);
+  rc = fn(c);
   GIL_ACQUIRE();
   if (rc != ZS_OK)
     return raise_status(rc);
   Py_RETURN_NONE;
+}
+
+static PyObject *client_close_job(client_object *self, PyObject *Py_UNUSED(ignored)) {
+  return call_blocking(self, zs_close_job);
 }
 
 static PyObject *client_tensor_slices(client_object *self, PyObject *arg) {
@@ -1105,16 +1111,7 @@ static PyObject *client_last_checkpoint(client_object *self, PyObject *Py_UNUSED
 }
 
 static PyObject *client_wait_pushes(client_object *self, PyObject *Py_UNUSED(ignored)) {
-  zs_client *c = client_get(self);
-  if (!c)
-    return NULL;
-  int rc;
-  GIL_RELEASE();
-  rc = zs_wait_pushes(c);
-  GIL_ACQUIRE();
-  if (rc != ZS_OK)
-    return raise_status(rc);
-  Py_RETURN_NONE;
+  return call_blocking(self, zs_wait_pushes);
 }
 
 static PyObject *client_tensor_numel(client_object *self, PyObject *arg) {
