@@ -66,8 +66,10 @@ int status_from_grpc(int grpc_code) {
     return ZS_ENOTFOUND;
   case 6:
     return ZS_EEXIST;
+  case 7:
+    return ZS_EPERM;
   case 8:
-    return ZS_ENOMEM;
+    return ZS_ELIMIT;
   case 9:
     return ZS_ENOTREADY;
   case 11:
@@ -78,6 +80,8 @@ int status_from_grpc(int grpc_code) {
     return ZS_ECONN;
   case 15:
     return ZS_ECRC;
+  case 16:
+    return ZS_EUNAUTHENTICATED;
   default:
     return ZS_EINTERNAL;
   }

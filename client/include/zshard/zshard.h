@@ -95,7 +95,10 @@ extern "C" {
   XX(EUNIMPL, -19, 12, "not implemented")                                           \
   XX(EBEHIND, -20, 9, "shard is behind the cluster")                                \
   XX(ECANCELED, -21, 1, "canceled")                                                 \
-  XX(ERANGE, -22, 11, "value out of range")
+  XX(ERANGE, -22, 11, "value out of range")                                         \
+  XX(EUNAUTHENTICATED, -23, 16, "no or a wrong token")                             \
+  XX(EPERM, -24, 7, "the token's role may not do this")                           \
+  XX(ELIMIT, -25, 8, "a server limit was reached")
 /* clang-format on */
 
 typedef enum zs_status {
