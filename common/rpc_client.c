@@ -40,6 +40,7 @@ struct rpc_channel {
   /* "Bearer <token>", sent on every call; NULL: no token. */
   grpc_slice auth_value;
   int has_auth;
+  int tls; /* the channel speaks TLS */
 };
 
 int rpc_read_pem_file(const char *path, const char *what, char **out, char *err, size_t errlen) {
@@ -165,7 +166,8 @@ int rpc_channel_open_secure(const char *target, const rpc_security *sec, rpc_cha
   }
 
   grpc_channel_credentials *creds = NULL;
-  if (sec->tls_ca_file && sec->tls_ca_file[0])
+  ch->tls = sec->tls_ca_file && sec->tls_ca_file[0];
+  if (ch->tls)
     creds = tls_credentials(sec, &rc, err, errlen);
   else
     creds = grpc_insecure_credentials_create();
@@ -341,7 +343,14 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
     if (zs == ZS_OK) /* a non-OK gRPC code never means success */
       zs = ZS_EINTERNAL;
     char *msg = grpc_slice_to_c_string(details);
-    rc = set_status(st, code, zs, "%s: %s", method, msg && msg[0] ? msg : zs_strerror(zs));
+    /* A TLS server closes a plaintext connection as soon as its first bytes
+     * are not a TLS handshake, and gRPC reports only the closed socket. */
+    const char *hint =
+        !ch->tls && code == GRPC_STATUS_UNAVAILABLE && msg && strstr(msg, "Socket closed")
+            ? " (if the server speaks TLS, give this client its CA: "
+              "tls_ca_file, ZSHARD_TLS_CA or --tls-ca)"
+            : "";
+    rc = set_status(st, code, zs, "%s: %s%s", method, msg && msg[0] ? msg : zs_strerror(zs), hint);
     gpr_free(msg);
     goto done;
   }

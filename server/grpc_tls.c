@@ -39,9 +39,13 @@ static int read_set(const gtls *t, grpc_ssl_server_certificate_config **out, cha
   if (rc == 0 && !strstr(cert, "-----BEGIN CERTIFICATE-----"))
     rc = status_fail(err, errlen, ZS_EINVAL, "--tls-cert '%s': no certificate in it", t->cert_file);
   if (rc == 0) {
-    /* gRPC copies the strings. */
+    /* gRPC copies the strings. gRPC 1.51 aborts on a fetched config without
+     * root certificates (ssl_security_connector.cc asserts them), so
+     * without a client CA the server's own chain stands in: the server then
+     * asks for no client certificate (gtls_credentials), and the roots are
+     * never consulted. */
     grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
-    *out = grpc_ssl_server_certificate_config_create(ca, &pair, 1);
+    *out = grpc_ssl_server_certificate_config_create(ca ? ca : cert, &pair, 1);
     if (!*out)
       rc = status_fail(err, errlen, ZS_ENOMEM, "%s", "cannot make the TLS settings");
   }
