@@ -329,20 +329,17 @@ static int read_flags(int argc, char **argv, raw_options *r) {
 /* /metrics tells about the job and the host (memory, traffic): an address
  * without a host, ":7090" or "7090", binds loopback only, and exposing it
  * takes an explicit host such as 0.0.0.0. Rewrites o->metrics_listen into
- * o->metrics_listen_buf when it has no host; returns 0 or -1. */
-static int metrics_loopback(const char *addr, options *o) {
+ * o->metrics_listen_buf when it has no host. An address that does not parse
+ * is left as it is, for the metrics endpoint to refuse with its reason. */
+static void metrics_loopback(const char *addr, options *o) {
   char text[HOSTPORT_TEXT_MAX + 2];
   int bare_port = addr[0] >= '0' && addr[0] <= '9' && !strchr(addr, ':');
-  if (snprintf(text, sizeof text, "%s%s", bare_port ? ":" : "", addr) >= (int)sizeof text)
-    return -1;
   hostport hp;
-  if (hostport_parse(text, &hp, NULL, 0) != 0)
-    return -1;
-  if (hp.host[0])
-    return 0;
+  if (snprintf(text, sizeof text, "%s%s", bare_port ? ":" : "", addr) >= (int)sizeof text ||
+      hostport_parse(text, &hp, NULL, 0) != 0 || hp.host[0])
+    return;
   hostport_format(o->metrics_listen_buf, sizeof o->metrics_listen_buf, "127.0.0.1", hp.port);
   o->metrics_listen = o->metrics_listen_buf;
-  return 0;
 }
 
 /* The addresses, files and directories of `r` into `o`. Returns -1 to go on
@@ -370,10 +367,8 @@ static int set_endpoints(const raw_options *r, options *o) {
   o->metrics_listen = metrics_listen && *metrics_listen && strcmp(metrics_listen, "off") != 0
                           ? metrics_listen
                           : NULL;
-  if (o->metrics_listen && metrics_loopback(o->metrics_listen, o) != 0)
-    return bad_usage("--metrics-listen (ZSHARD_METRICS_LISTEN): '%s' is not host:port, :port or "
-                     "port",
-                     o->metrics_listen);
+  if (o->metrics_listen)
+    metrics_loopback(o->metrics_listen, o);
   o->metrics_port_file =
       r->metrics_port_file && *r->metrics_port_file ? r->metrics_port_file : NULL;
   if (o->metrics_port_file && !o->metrics_listen)

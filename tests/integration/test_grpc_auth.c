@@ -404,6 +404,19 @@ static void a_bad_token_file_is_a_usage_error(void **state) {
   assert_non_null(strstr(out, "not a PEM file"));
 }
 
+/* An address without a host binds the metrics endpoint to loopback only. */
+static void metrics_without_a_host_listen_on_loopback(void **state) {
+  (void)state;
+  const char *forms[] = {"0", ":0"};
+  for (int k = 0; k < 2; k++) {
+    const char *args[] = {"--metrics-listen", forms[k], NULL};
+    hs_server *s = hs_start(args, NULL);
+    assert_non_null(s);
+    assert_true(log_has(s, "event=metrics_listening addr=127.0.0.1:0 "));
+    assert_int_equal(hs_stop(s), 0);
+  }
+}
+
 /* ------------------------------------------------------------------- TLS */
 
 static void tls_client_with_the_ca_trains_and_plaintext_cannot(void **state) {
@@ -512,6 +525,7 @@ int main(void) {
       cmocka_unit_test(health_needs_no_token),
       cmocka_unit_test(sighup_rotates_the_tokens_without_a_restart),
       cmocka_unit_test(a_bad_token_file_is_a_usage_error),
+      cmocka_unit_test(metrics_without_a_host_listen_on_loopback),
       cmocka_unit_test(tls_client_with_the_ca_trains_and_plaintext_cannot),
       cmocka_unit_test(mtls_needs_a_client_certificate),
       cmocka_unit_test(sighup_rotates_the_certificate),
