@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -417,6 +418,58 @@ static void metrics_without_a_host_listen_on_loopback(void **state) {
   }
 }
 
+/* Runs the CLI with `args` (a shell word list); returns its exit status and
+ * its stdout and stderr in out. */
+static int cli(char *out, size_t cap, const char *fmt, ...) {
+  char args[2048], cmd[4096];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(args, sizeof args, fmt, ap);
+  va_end(ap);
+  snprintf(cmd, sizeof cmd, "'%s' %s 2>&1", ZSHARD_CLI_BIN, args);
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t n = fread(out, 1, cap - 1, p);
+  out[n] = '\0';
+  int status = pclose(p);
+  fprintf(stderr, "$ zshard %s\n%s", args, out);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void cli_takes_the_token_and_tls_flags(void **state) {
+  (void)state;
+  char cert[700], key[700], ca[700], out[8192];
+  certpath("ca", "pem", ca, sizeof ca);
+  const char *more[] = {"--tls-cert", certpath("server", "pem", cert, sizeof cert), "--tls-key",
+                        certpath("server", "key", key, sizeof key), NULL};
+  hs_server *s = start_auth_server(more);
+  /* No token: the health check answers (SERVING, status 0), GetInfo does
+   * not. */
+  assert_int_equal(cli(out, sizeof out, "status --shards %s --tls-ca %s --json", s->addr, ca), 0);
+  assert_non_null(strstr(out, "requires a token"));
+  assert_null(strstr(out, "\"job\""));
+  assert_int_equal(
+      cli(out, sizeof out, "status --shards %s --tls-ca %s --token %s", s->addr, ca, TRAINER_TOKEN),
+      0);
+  assert_non_null(strstr(out, "SERVING"));
+  assert_null(strstr(out, "requires a token"));
+  /* close-job is an admin's: refused with the trainers' token, done with the
+   * admin's token file. */
+  assert_int_equal(cli(out, sizeof out, "close-job --shards %s --token %s --tls-ca=%s", s->addr,
+                       TRAINER_TOKEN, ca),
+                   1);
+  assert_non_null(strstr(out, "ZS_EPERM"));
+  assert_int_equal(cli(out, sizeof out, "close-job --shards %s --token-file %s --tls-ca %s",
+                       s->addr, admin_file, ca),
+                   0);
+  assert_non_null(strstr(out, "no job open"));
+  /* Without --tls-ca the CLI says what is missing. */
+  assert_int_equal(cli(out, sizeof out, "close-job --shards %s --token %s", s->addr, ADMIN_TOKEN),
+                   1);
+  assert_non_null(strstr(out, "speaks TLS"));
+  assert_int_equal(hs_stop(s), 0);
+}
+
 /* ------------------------------------------------------------------- TLS */
 
 static void tls_client_with_the_ca_trains_and_plaintext_cannot(void **state) {
@@ -528,6 +581,7 @@ int main(void) {
       cmocka_unit_test(metrics_without_a_host_listen_on_loopback),
       cmocka_unit_test(tls_client_with_the_ca_trains_and_plaintext_cannot),
       cmocka_unit_test(mtls_needs_a_client_certificate),
+      cmocka_unit_test(cli_takes_the_token_and_tls_flags),
       cmocka_unit_test(sighup_rotates_the_certificate),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
