@@ -3,6 +3,10 @@
  */
 #include "server/grpc_tls.h"
 
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +29,43 @@ static void free_pem(char *pem) {
   }
 }
 
-/* Reads the three files into a new certificate config in *out. */
+/* Checks with OpenSSL what gRPC would otherwise find only when it takes
+ * the set: a certificate and a key that parse and belong together, and a
+ * client CA with a certificate in it. gRPC reports a bad pair only in its
+ * own log and keeps the old one, so a reload that said "ok" would lie. */
+static int check_set(const gtls *t, const char *cert, const char *key, const char *ca, char *err,
+                     size_t errlen) {
+  BIO *cb = BIO_new_mem_buf(cert, -1), *kb = BIO_new_mem_buf(key, -1);
+  BIO *ab = ca ? BIO_new_mem_buf(ca, -1) : NULL;
+  X509 *x = cb ? PEM_read_bio_X509(cb, NULL, NULL, NULL) : NULL;
+  EVP_PKEY *k = kb ? PEM_read_bio_PrivateKey(kb, NULL, NULL, NULL) : NULL;
+  X509 *a = ab ? PEM_read_bio_X509(ab, NULL, NULL, NULL) : NULL;
+  int rc = 0;
+  if (!x)
+    rc = status_fail(err, errlen, ZS_EINVAL, "--tls-cert '%s': no certificate OpenSSL can read",
+                     t->cert_file);
+  else if (!k)
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "--tls-key '%s': no private key OpenSSL can read (an encrypted key is not "
+                     "supported)",
+                     t->key_file);
+  else if (X509_check_private_key(x, k) != 1)
+    rc = status_fail(err, errlen, ZS_EINVAL, "--tls-key '%s' is not the key of --tls-cert '%s'",
+                     t->key_file, t->cert_file);
+  else if (ca && !a)
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "--tls-client-ca '%s': no certificate OpenSSL can read", t->ca_file);
+  X509_free(a);
+  EVP_PKEY_free(k);
+  X509_free(x);
+  BIO_free(ab);
+  BIO_free(kb);
+  BIO_free(cb);
+  ERR_clear_error(); /* the reason is in err; OpenSSL's queue is per thread */
+  return rc;
+}
+
+/* Reads the three files into a new certificate config in *out, checked. */
 static int read_set(const gtls *t, grpc_ssl_server_certificate_config **out, char *err,
                     size_t errlen) {
   char *cert = NULL, *key = NULL, *ca = NULL;
@@ -38,6 +78,8 @@ static int read_set(const gtls *t, grpc_ssl_server_certificate_config **out, cha
     rc = status_fail(err, errlen, ZS_EINVAL, "--tls-key '%s': no private key in it", t->key_file);
   if (rc == 0 && !strstr(cert, "-----BEGIN CERTIFICATE-----"))
     rc = status_fail(err, errlen, ZS_EINVAL, "--tls-cert '%s': no certificate in it", t->cert_file);
+  if (rc == 0)
+    rc = check_set(t, cert, key, ca, err, errlen);
   if (rc == 0) {
     /* gRPC copies the strings. gRPC 1.51 aborts on a fetched config without
      * root certificates (ssl_security_connector.cc asserts them), so

@@ -36,9 +36,9 @@ grpc_server_credentials *gtls_credentials(gtls *t);
 
 /* Rereads the files given to gtls_new; the new set is used from the next
  * handshake on. On an error the set in use stays and err says why; returns
- * 0, ZS_EINVAL or ZS_ENOMEM. gRPC itself still checks that the key fits the
- * certificate when it takes the set: a set it rejects is logged by gRPC and
- * the previous one stays in use. */
+ * 0, ZS_EINVAL or ZS_ENOMEM. Both check with OpenSSL that the key belongs
+ * to the certificate (a pair gRPC would reject when it takes it, logging in
+ * its own words and keeping the old one). */
 int gtls_reload(gtls *t, char *err, size_t errlen);
 
 /* NULL is accepted. */

@@ -689,8 +689,8 @@ static void reload_security(const options *o, shard *s) {
       LOG_ERROR("reload", "what=tokens outcome=kept_old detail=\"%s\"", err);
   }
   if (o->tls_cert) {
-    /* gRPC takes the new files at its next handshake; the data plane reads
-     * its own copy of the paths when it reloads. */
+    /* gRPC takes the new files at its next handshake. The data plane's
+     * certificate is the data plane's to reload (dp_server). */
     if (gsrv_reload_tls(s->srv, err, sizeof err) == 0)
       LOG_INFO("reload", "what=grpc_tls outcome=ok detail=\"used from the next handshake\"");
     else

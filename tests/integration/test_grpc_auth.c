@@ -403,6 +403,14 @@ static void a_bad_token_file_is_a_usage_error(void **state) {
   const char *args3[] = {"--listen", "127.0.0.1:0", "--tls-cert", path, "--tls-key", path, NULL};
   assert_int_equal(hs_run(args3, NULL, out, sizeof out), 2);
   assert_non_null(strstr(out, "not a PEM file"));
+  /* A key of another certificate stops the start, saying so. */
+  char cert[700], key[700];
+  const char *args4[] = {"--listen",   "127.0.0.1:0",
+                         "--tls-cert", certpath("server", "pem", cert, sizeof cert),
+                         "--tls-key",  certpath("server2", "key", key, sizeof key),
+                         NULL};
+  assert_int_equal(hs_run(args4, NULL, out, sizeof out), 1);
+  assert_non_null(strstr(out, "is not the key of --tls-cert"));
 }
 
 /* An address without a host binds the metrics endpoint to loopback only. */
@@ -560,7 +568,13 @@ static void sighup_rotates_the_certificate(void **state) {
   const rpc_security new_ca = {.token = TRAINER_TOKEN, .tls_ca_file = ca2};
   assert_int_equal(get_info_status(s, &old_ca), ZS_OK);
   assert_int_equal(get_info_status(s, &new_ca), ZS_ECONN);
-  sh("cp '%s/server2.pem' '%s' && cp '%s/server2.key' '%s'", certdir, cert, certdir, key);
+  /* A certificate without its key: refused, the pair in use stays. */
+  sh("cp '%s/server2.pem' '%s'", certdir, cert);
+  hs_signal(s, SIGHUP);
+  assert_true(log_has(s, "what=grpc_tls outcome=kept_old"));
+  assert_true(log_has(s, "is not the key of --tls-cert"));
+  assert_int_equal(get_info_status(s, &old_ca), ZS_OK);
+  sh("cp '%s/server2.key' '%s'", certdir, key);
   hs_signal(s, SIGHUP);
   int rc = ZS_ECONN;
   for (uint64_t until = clock_now_ns() + 20000000000ull; rc != ZS_OK && clock_now_ns() < until;)
