@@ -391,7 +391,14 @@ static void sighup_rotates_the_tokens_without_a_restart(void **state) {
 
 static void a_bad_token_file_is_a_usage_error(void **state) {
   (void)state;
-  char path[700], out[4096];
+  char path[700], out[8192];
+  /* --help documents the flags. */
+  const char *help[] = {"--help", NULL};
+  assert_int_equal(hs_run(help, NULL, out, sizeof out), 0);
+  const char *flags[] = {"--token-file PATH", "--admin-token-file PATH", "--tls-cert PATH",
+                         "--tls-key PATH",    "--tls-client-ca PATH",    "SIGHUP"};
+  for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
+    assert_non_null(strstr(out, flags[i]));
   snprintf(path, sizeof path, "%s/short.token", hs_tmpdir());
   write_file(path, "short\n");
   const char *args[] = {"--listen", "127.0.0.1:0", "--token-file", path, NULL};
