@@ -1,0 +1,152 @@
+/*
+ * test_server_limits — issue 10's attacks on a shard's memory through the
+ * job it is asked to open: an Open of 80M parameters from a 70-byte request
+ * held 1.4 GiB for the server's life, one of a million tensors 715 MiB.
+ * With --max-params / --max-tensors (or their variables) the Open is refused
+ * with RESOURCE_EXHAUSTED (ZS_ELIMIT) naming the flag, and the server's
+ * resident memory, read from /proc/<pid>/status, does not grow by the state
+ * it would have held.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/status.h"
+#include "tests/integration/harness.h"
+
+/* Growth a refused Open may cause: gRPC's buffers and the transient count;
+ * the state it asked for is 20 times this. */
+#define RSS_SLACK_KIB (64u * 1024u)
+
+static uint64_t rss_kib(pid_t pid) {
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  unsigned long long kib = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmRSS: %llu kB", &kib) == 1)
+      break;
+  fclose(f);
+  assert_true(kib > 0);
+  return kib;
+}
+
+/* A one-shard AdamW job of `ntensors` tensors of `numel` elements each. */
+static void build_spec(spec *s, uint32_t ntensors, uint64_t numel) {
+  memset(s, 0, sizeof *s);
+  s->job = strdup("limits");
+  s->num_groups = 1;
+  s->groups = calloc(1, sizeof *s->groups);
+  assert_non_null(s->groups);
+  spec_group_defaults(&s->groups[0], ZS_OPTIM_ADAMW);
+  s->num_tensors = ntensors;
+  s->tensors = calloc(ntensors, sizeof *s->tensors);
+  assert_non_null(s->tensors);
+  for (uint32_t t = 0; t < ntensors; t++) {
+    char name[32];
+    snprintf(name, sizeof name, "t%u", t);
+    s->tensors[t].name = strdup(name);
+    s->tensors[t].numel = numel;
+  }
+  s->world_size = 1;
+  s->grad_accum = 1;
+  s->num_shards = 1;
+  s->param_dtype = ZS_DTYPE_BF16;
+  char err[256] = "";
+  if (spec_validate(s, err, sizeof err) != 0)
+    fail_msg("spec: %s", err);
+}
+
+/* Opens the job on `srv`; returns the status and its message in st. */
+static int open_job(hs_server *srv, uint32_t ntensors, uint64_t numel, rpc_status *st) {
+  spec s;
+  build_spec(&s, ntensors, numel);
+  hs_job j;
+  const char *addrs[1] = {srv->addr};
+  assert_int_equal(hs_job_init(&j, &s, addrs), 0);
+  int rc = hs_job_open(&j, 0, st);
+  hs_job_free(&j);
+  return rc;
+}
+
+static int log_has(const hs_server *srv, const char *part) {
+  FILE *f = fopen(srv->log_path, "r");
+  assert_non_null(f);
+  char line[2048];
+  int found = 0;
+  while (!found && fgets(line, sizeof line, f))
+    found = strstr(line, part) != NULL;
+  fclose(f);
+  return found;
+}
+
+static void test_an_open_beyond_max_params_is_refused_before_allocating(void **state) {
+  (void)state;
+  const char *args[] = {"--max-params", "1000000", NULL};
+  hs_server *srv = hs_start(args, NULL);
+  assert_non_null(srv);
+  assert_true(log_has(srv, "event=job_limits max_params=1000000 "));
+  uint64_t before = rss_kib(srv->pid);
+  rpc_status st;
+  /* 80M parameters: 1.4 GiB of AdamW state. */
+  int rc = open_job(srv, 1, 80000000u, &st);
+  uint64_t after = rss_kib(srv->pid);
+  print_message("max-params: Open of 80M parameters: status %d (%s); VmRSS %llu -> %llu KiB\n", rc,
+                st.message, (unsigned long long)before, (unsigned long long)after);
+  assert_int_equal(rc, ZS_ELIMIT);
+  assert_non_null(strstr(st.message, "80000000 parameters on shard 0"));
+  assert_non_null(strstr(st.message, "--max-params"));
+  assert_true(after < before + RSS_SLACK_KIB);
+  /* A job within the limit opens. */
+  assert_int_equal(open_job(srv, 1, 1000000u, &st), 0);
+  assert_int_equal(hs_stop(srv), 0);
+}
+
+static void test_an_open_beyond_max_tensors_is_refused_from_the_environment(void **state) {
+  (void)state;
+  const char *env[] = {"ZSHARD_MAX_TENSORS=1000", NULL};
+  hs_server *srv = hs_start(NULL, env);
+  assert_non_null(srv);
+  assert_true(log_has(srv, " max_tensors=1000 "));
+  rpc_status st;
+  int rc = open_job(srv, 1001, 16, &st);
+  print_message("max-tensors: Open of 1001 tensors: status %d (%s)\n", rc, st.message);
+  assert_int_equal(rc, ZS_ELIMIT);
+  assert_non_null(strstr(st.message, "1001 tensors"));
+  assert_non_null(strstr(st.message, "--max-tensors"));
+  assert_int_equal(open_job(srv, 1000, 16, &st), 0);
+  assert_int_equal(hs_stop(srv), 0);
+}
+
+static void test_default_limits_come_from_the_memory_limit_and_are_logged(void **state) {
+  (void)state;
+  hs_server *srv = hs_start(NULL, NULL);
+  assert_non_null(srv);
+  assert_true(log_has(srv, "event=job_limits max_params="));
+  assert_true(log_has(srv, "params_from=memory tensors_from=memory"));
+  assert_int_equal(hs_stop(srv), 0);
+  char out[2048] = "";
+  const char *bad[] = {"--max-params", "0", NULL};
+  assert_int_equal(hs_run(bad, NULL, out, sizeof out), 2);
+  assert_non_null(strstr(out, "--max-params (ZSHARD_MAX_PARAMS) must be a whole number"));
+}
+
+int main(void) {
+  if (hs_init() != 0)
+    return 1;
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_an_open_beyond_max_params_is_refused_before_allocating),
+      cmocka_unit_test(test_an_open_beyond_max_tensors_is_refused_from_the_environment),
+      cmocka_unit_test(test_default_limits_come_from_the_memory_limit_and_are_logged),
+  };
+  int failures = cmocka_run_group_tests(tests, NULL, NULL);
+  hs_finish(failures);
+  return failures;
+}
