@@ -14,6 +14,7 @@
  */
 #include "server/ckpt_svc.h"
 #include "common/status.h"
+#include "server/ckpt_format.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -310,10 +311,10 @@ done:
 
 /* The CRC32C of a whole file, read in blocks. */
 static int file_crc(const char *path, uint64_t *size, uint32_t *crc, char *err, size_t errlen) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
-                       path, strerror(errno));
+  int fd = -1;
+  int orc = ckpt__open_read(path, &fd, err, errlen);
+  if (orc != 0)
+    return orc;
   size_t cap = (size_t)1 << 20;
   uint8_t *buf = malloc(cap);
   int rc = buf ? 0 : status_fail(err, errlen, ZS_ENOMEM, "out of memory");

@@ -5,7 +5,8 @@
  * With --max-params / --max-tensors (or their variables) the Open is refused
  * with RESOURCE_EXHAUSTED (ZS_ELIMIT) naming the flag, and the server's
  * resident memory, read from /proc/<pid>/status, does not grow by the state
- * it would have held.
+ * it would have held. And the state directory's files are never opened in a
+ * way that blocks (a FIFO named like a MANIFEST).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -14,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <sys/stat.h>
 
 #include <cmocka.h>
 
@@ -138,6 +141,26 @@ static void test_default_limits_come_from_the_memory_limit_and_are_logged(void *
   assert_non_null(strstr(out, "--max-params (ZSHARD_MAX_PARAMS) must be a whole number"));
 }
 
+/* A FIFO named like a MANIFEST or a checkpoint file in the state directory
+ * hung startup in open(), ignoring SIGTERM: the server now starts, serves
+ * and stops. */
+static void test_fifos_in_the_state_directory_do_not_hang_startup(void **state) {
+  (void)state;
+  char dir[600], path[700];
+  snprintf(dir, sizeof dir, "%s/fifo-state", hs_tmpdir());
+  assert_int_equal(mkdir(dir, 0755), 0);
+  snprintf(path, sizeof path, "%s/step-1", dir);
+  assert_int_equal(mkdir(path, 0755), 0);
+  snprintf(path, sizeof path, "%s/step-1/MANIFEST", dir);
+  assert_int_equal(mkfifo(path, 0644), 0);
+  snprintf(path, sizeof path, "%s/step-1/shard-0-of-1.zsc", dir);
+  assert_int_equal(mkfifo(path, 0644), 0);
+  const char *args[] = {"--state-dir", dir, NULL};
+  hs_server *srv = hs_start(args, NULL);
+  assert_non_null(srv);
+  assert_int_equal(hs_stop(srv), 0);
+}
+
 int main(void) {
   if (hs_init() != 0)
     return 1;
@@ -145,6 +168,7 @@ int main(void) {
       cmocka_unit_test(test_an_open_beyond_max_params_is_refused_before_allocating),
       cmocka_unit_test(test_an_open_beyond_max_tensors_is_refused_from_the_environment),
       cmocka_unit_test(test_default_limits_come_from_the_memory_limit_and_are_logged),
+      cmocka_unit_test(test_fifos_in_the_state_directory_do_not_hang_startup),
   };
   int failures = cmocka_run_group_tests(tests, NULL, NULL);
   hs_finish(failures);

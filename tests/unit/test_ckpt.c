@@ -347,6 +347,51 @@ static void checkpoint_without_manifest_is_never_loaded(void **state) {
   spec_free(&s);
 }
 
+/* Issue 10: a FIFO named like a checkpoint file or MANIFEST hung open() and
+ * with it startup, deaf to SIGTERM. Each is refused at once, as not a
+ * regular file, and the rest of the directory stays usable. */
+static void fifos_named_like_state_files_are_refused_without_blocking(void **state) {
+  (void)state;
+  char root[512], err[512], path[700];
+  fresh_dir(root, sizeof root, "fifos");
+  spec s;
+  build_spec(&s, "fifos", 2);
+  model md;
+  model_random(&md, 5);
+  write_checkpoint(root, &s, &md, 2, 1);
+  write_checkpoint(root, &s, &md, 3, 1);
+  /* Step 3's first file becomes a FIFO, step 4's MANIFEST is one. */
+  shard_path(path, sizeof path, root, 3, 0, 2);
+  assert_int_equal(unlink(path), 0);
+  assert_int_equal(mkfifo(path, 0644), 0);
+  snprintf(path, sizeof path, "%s/step-4", root);
+  assert_int_equal(mkdir(path, 0755), 0);
+  snprintf(path, sizeof path, "%s/step-4/%s", root, CKPT_MANIFEST);
+  assert_int_equal(mkfifo(path, 0644), 0);
+
+  core_state st;
+  assert_int_equal(ckpt_load(root, 3, 0, 2, &st, err, sizeof err), ZS_EIO);
+  assert_non_null(strstr(err, "not a regular file"));
+  ckpt_manifest m;
+  assert_int_equal(ckpt_manifest_read(root, 4, &m, err, sizeof err), ZS_EIO);
+  assert_non_null(strstr(err, "not a regular file"));
+  ckpt_entry *e;
+  size_t n;
+  assert_int_equal(ckpt_list(root, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 3);
+  assert_true(e[0].complete);
+  assert_false(e[2].complete);
+  free(e);
+  assert_int_equal(ckpt_load(root, 2, 0, 2, &st, err, sizeof err), 0);
+  core_state_free(&st);
+  /* Exporting the step with the FIFO is refused the same way. */
+  snprintf(path, sizeof path, "%s/out.safetensors", root);
+  assert_int_not_equal(ckpt_export_safetensors(root, 3, path, NULL, err, sizeof err), 0);
+  assert_non_null(strstr(err, "not a regular file"));
+  model_free(&md);
+  spec_free(&s);
+}
+
 static void listing_orders_steps_numerically_and_ignores_other_names(void **state) {
   (void)state;
   char root[512], path[600], err[512];
@@ -1338,6 +1383,7 @@ int main(void) {
       cmocka_unit_test(written_checkpoint_loads_back_bit_for_bit),
       cmocka_unit_test(file_bytes_of_a_fixed_state_are_pinned),
       cmocka_unit_test(checkpoint_without_manifest_is_never_loaded),
+      cmocka_unit_test(fifos_named_like_state_files_are_refused_without_blocking),
       cmocka_unit_test(listing_orders_steps_numerically_and_ignores_other_names),
       cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),
       cmocka_unit_test(client_state_travels_with_the_files_and_files_without_it_still_load),
