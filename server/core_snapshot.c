@@ -118,7 +118,7 @@ void core__run_restore(core *c, ckpt_call *call) {
     c->range_v[r] = c->range_v[r] ? c->v : NULL;
   }
   if (c->nelems > 0) {
-    core__wait_pins(c, "restore");
+    core__low_writable(c, "restore");
     dtype_from_f32(c->spec.param_dtype, c->master, c->low, (size_t)c->nelems);
     memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
     pool_run(c->pool, c->npieces, core__low_crc_task, c);

@@ -196,7 +196,7 @@ static void core_run_apply(core *c) {
       p.grad_scale = grad_scale;
       optim_plan_init(&c->plans[r], &p);
     }
-    core__wait_pins(c, "apply");
+    core__low_writable(c, "apply");
     pool_run(c->pool, c->ntasks, core_apply_chunk, c);
     pool_run(c->pool, c->npieces, core__low_crc_task, c);
   }
