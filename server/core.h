@@ -384,6 +384,19 @@ typedef int (*core_view_fn)(void *arg, const core_view *view);
 int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_view_fn fn,
                   void *arg, double *fn_seconds, char *err, size_t errlen);
 
+/* core_snapshot without blocking its caller: fn(fn_arg, view) runs on the
+ * worker as core_snapshot's does, and done(done_arg, status, fn_seconds)
+ * follows exactly once: on the worker, or on the thread of the
+ * core_cancel_snapshots or core_destroy that ended the wait. status is what
+ * fn returned, or ZS_ETIMEDOUT, ZS_ESTEP (the shard moved past the step),
+ * ZS_ECANCELED or ZS_ECLOSED. done follows the callbacks' rules. Returns
+ * CORE_PENDING, or a negative status with a sentence (done is then never
+ * called). A snapshot waiting for a later version thus holds no thread. */
+typedef void (*core_snapshot_done)(void *arg, int status, double fn_seconds);
+int core_snapshot_async(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
+                        core_view_fn fn, void *fn_arg, core_snapshot_done done, void *done_arg,
+                        char *err, size_t errlen);
+
 /* Fails every core_snapshot still waiting for its version with ZS_ECANCELED
  * (for a checkpoint service that stops). */
 void core_cancel_snapshots(core *c);

@@ -114,6 +114,10 @@ typedef struct ckpt_call {
   double seconds;
   core_state *st; /* restore */
   uint64_t ckpt_step;
+  /* core_snapshot_async: the call is on the heap, owned by its waiter, and
+   * on_done replaces the condition variable (mu and cv are not used). */
+  core_snapshot_done on_done;
+  void *on_done_arg;
 } ckpt_call;
 
 /* One chunk of the optimizer pass: n elements from `begin` within range. */

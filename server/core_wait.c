@@ -43,6 +43,11 @@ void core__fire(waiter *w) {
       break;
     case WAITER_SNAPSHOT: {
       ckpt_call *call = w->arg;
+      if (call->on_done) {
+        call->on_done(call->on_done_arg, w->status, call->seconds);
+        free(call);
+        break;
+      }
       pthread_mutex_lock(&call->mu);
       call->status = w->status;
       call->done = 1;
