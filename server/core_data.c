@@ -83,12 +83,18 @@ void core__low_crc_task(void *arg, size_t i) {
   piece_low_crc(arg, (uint32_t)i);
 }
 
-static low_buf *low_buf_new(uint64_t nelems) {
+/* zeroed: the first buffer of a job (its padding stays 0); else the caller
+ * overwrites every byte at once, and zeroing first would double the cost. */
+static low_buf *low_buf_new(uint64_t nelems, int zeroed) {
   low_buf *b = calloc(1, sizeof *b);
   if (!b)
     return NULL;
   b->nelems = nelems;
-  b->data = core__arena_alloc(nelems * sizeof(uint16_t));
+  void *p = NULL;
+  if (zeroed)
+    b->data = core__arena_alloc(nelems * sizeof(uint16_t));
+  else if (nelems > 0 && posix_memalign(&p, 64, (size_t)nelems * sizeof(uint16_t)) == 0)
+    b->data = p;
   if (nelems > 0 && !b->data) {
     free(b);
     return NULL;
@@ -104,7 +110,7 @@ static void low_buf_free(low_buf *b) {
 }
 
 int core__low_create(core *c) {
-  if (!(c->low_cur = low_buf_new(c->nelems)))
+  if (!(c->low_cur = low_buf_new(c->nelems, 1)))
     return ZS_ENOMEM;
   c->low = c->low_cur->data;
   return 0;
@@ -142,7 +148,7 @@ void core__low_writable(core *c, const char *what) {
   /* No new pin can start (state_rw is exclusive), so the copy made here
    * holds the current bytes; one copy of 2 bytes per element, only while
    * an answer of the old version is still being sent. */
-  low_buf *fresh = retired < CORE_LOW_RETIRED_MAX ? low_buf_new(c->nelems) : NULL;
+  low_buf *fresh = retired < CORE_LOW_RETIRED_MAX ? low_buf_new(c->nelems, 0) : NULL;
   if (!fresh) {
     atomic_fetch_add_explicit(&c->low_overtaken, 1, memory_order_relaxed);
     LOG_WARN("pull_answers_overtaken",
