@@ -133,12 +133,13 @@ static void job_free(job *j) {
 
 static int run_write(ckpt_svc *s, job *j, ckpt_svc_result *r);
 
-/* A job answered: it no longer counts against CKPT_SVC_MAX_JOBS. */
-static void job_done(ckpt_svc *s, job *j) {
+/* A job about to be answered no longer counts against CKPT_SVC_MAX_JOBS:
+ * uncounted before its callback runs, so that whoever the answer wakes may
+ * queue the next request at once. */
+static void job_uncount(ckpt_svc *s) {
   pthread_mutex_lock(&s->mu);
   s->njobs--;
   pthread_mutex_unlock(&s->mu);
-  job_free(j);
 }
 
 static void *svc_main(void *arg) {
@@ -163,8 +164,9 @@ static void *svc_main(void *arg) {
     if (!r) {
       ckpt_svc_result oom = {.status = ZS_ENOMEM, .step = j->step};
       snprintf(oom.err, sizeof oom.err, "out of memory");
+      job_uncount(s);
       j->cb(j->arg, &oom);
-      job_done(s, j);
+      job_free(j);
       continue;
     }
     r->step = j->step;
@@ -183,9 +185,10 @@ static void *svc_main(void *arg) {
     } else {
       run_restore(s, j, r);
     }
+    job_uncount(s);
     j->cb(j->arg, r);
     free(r);
-    job_done(s, j);
+    job_free(j);
   }
   return NULL;
 }

@@ -611,10 +611,14 @@ typedef struct close_req {
 } close_req;
 
 /* Fails every waiter of the job with ZS_ENOTOPEN: the job they wait on is
- * gone, and a status that no client retries says so. Called with mu held. */
+ * gone, and a status that no client retries says so. A snapshot waiting for
+ * its version is one of them: none runs while the worker runs the close, so
+ * a checkpoint still waiting (for a step that may never come) does not hold
+ * the close back. Called with mu held. */
 static void core_fail_job_waiters(core *c, waiter **fire) {
-  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters};
-  for (int i = 0; i < 3; i++) {
+  waiter **lists[4] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters,
+                       &c->snapshot_waiters};
+  for (int i = 0; i < 4; i++) {
     while (*lists[i]) {
       waiter *w = *lists[i];
       *lists[i] = w->next;
@@ -649,10 +653,10 @@ void core__run_close(core *c, ckpt_call *call) {
     rc = status_fail(q->err, q->errlen, ZS_ENOTFOUND,
                      "shard %u holds job '%s', not '%s'; nothing was closed", c->shard_id,
                      c->spec.job, q->job);
-  else if (c->restore_call || c->snapshot_waiters)
+  else if (c->restore_call)
     rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
-                     "a %s of job '%s' is in progress on shard %u; close it once that is done",
-                     c->restore_call ? "restore" : "checkpoint", c->spec.job, c->shard_id);
+                     "a restore of job '%s' is in progress on shard %u; close it once that is done",
+                     c->spec.job, c->shard_id);
   pthread_mutex_unlock(&c->mu);
   if (rc != 0)
     goto done;

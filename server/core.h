@@ -86,7 +86,8 @@ int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *
  * it, for the next core_open of any job. Every later request of the closed
  * job gets ZS_ENOTOPEN. hash (0: any) and job (NULL or "": any) must name
  * the shard's job (ZS_EHASH, ZS_ENOTFOUND). Refused with ZS_ENOTREADY while a
- * restore is queued or a core_snapshot waits; on any error nothing changes.
+ * restore is queued; on any error nothing changes. Snapshots still waiting
+ * for their version fail with ZS_ENOTOPEN like the other waits.
  * Pull answers pinned in the low arena (core_pin_low) keep their buffer
  * alive until they are released; the close does not wait for them. With no job open it returns 0
  * with out->closed 0. Blocks its caller until the worker ran it, i.e. for at most the apply or
