@@ -380,6 +380,9 @@ static int run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   pthread_mutex_unlock(&s->mu);
   int rc = core_snapshot_async(s->core, j->hash, j->step, j->deadline_ms, copy_view, j,
                                on_snapshot_done, j, r->err, sizeof r->err);
+  if (rc == CORE_PENDING && j->step > info.version)
+    LOG_INFO("checkpoint_waiting", "step=%" PRIu64 " version=%" PRIu64 " dir=%s", j->step,
+             info.version, j->root);
   if (rc != CORE_PENDING) {
     pthread_mutex_lock(&s->mu);
     s->parked--;
