@@ -282,7 +282,7 @@ static int size_class(size_t n) {
 static void buf_free(dp_buf *b) {
   if (b) {
     if (b->pinned)
-      core_unpin_low(b->pinned);
+      core_unpin_low(b->pinned, b->data);
     else
       free(b->data);
     free(b);

@@ -63,6 +63,7 @@ typedef struct options {
   const char *tls_cert;
   const char *tls_key;
   const char *tls_client_ca;
+  long long max_params, max_tensors; /* -1: derived from the memory limit */
 } options;
 
 static void usage(FILE *f) {
@@ -118,6 +119,11 @@ static void usage(FILE *f) {
           "                     PEM CA bundle: every client must present a certificate\n"
           "                     it signed (mTLS; ZSHARD_TLS_CLIENT_CA); SIGHUP rereads\n"
           "                     the three TLS files\n"
+          "  --max-params P     refuse a job that puts more than P parameters on this\n"
+          "                     shard (ZSHARD_MAX_PARAMS; default: 3/4 of the memory\n"
+          "                     limit at 32 bytes each)\n"
+          "  --max-tensors T    refuse a job of more than T tensors (ZSHARD_MAX_TENSORS;\n"
+          "                     default: 1/16 of the memory limit at 1 KiB each)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
@@ -147,6 +153,14 @@ static long parse_long(const char *s, long lo, long hi) {
   if (errno || *end || v < lo || v > hi)
     return -1;
   return v;
+}
+
+/* A job limit: -1 when not given (derived from memory), -2 when malformed. */
+static long long parse_limit(const char *s, uint64_t hi) {
+  if (!s || !*s)
+    return -1;
+  long v = parse_long(s, 1, (long)hi);
+  return v < 0 ? -2 : v;
 }
 
 /* The ordinal a StatefulSet gives its pods: the digits after the last '-' of
@@ -182,6 +196,8 @@ enum {
   OPT_TLS_CERT,
   OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA,
+  OPT_MAX_PARAMS,
+  OPT_MAX_TENSORS,
   OPT_HELP,
   OPT_VERSION
 };
@@ -206,6 +222,7 @@ typedef struct raw_options {
   const char *tls_cert;
   const char *tls_key;
   const char *tls_client_ca;
+  const char *max_params, *max_tensors;
 } raw_options;
 
 static void read_environment(raw_options *r) {
@@ -226,6 +243,8 @@ static void read_environment(raw_options *r) {
   r->tls_cert = getenv("ZSHARD_TLS_CERT");
   r->tls_key = getenv("ZSHARD_TLS_KEY");
   r->tls_client_ca = getenv("ZSHARD_TLS_CLIENT_CA");
+  r->max_params = getenv("ZSHARD_MAX_PARAMS");
+  r->max_tensors = getenv("ZSHARD_MAX_TENSORS");
 }
 
 /* Lets the flags override what read_environment found. Returns -1 to go on,
@@ -250,6 +269,8 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
       {"tls-key", required_argument, NULL, OPT_TLS_KEY},
       {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
+      {"max-params", required_argument, NULL, OPT_MAX_PARAMS},
+      {"max-tensors", required_argument, NULL, OPT_MAX_TENSORS},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
@@ -308,6 +329,12 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       break;
     case OPT_TLS_CLIENT_CA:
       r->tls_client_ca = optarg;
+      break;
+    case OPT_MAX_PARAMS:
+      r->max_params = optarg;
+      break;
+    case OPT_MAX_TENSORS:
+      r->max_tensors = optarg;
       break;
     case OPT_HELP:
       usage(stdout);
@@ -399,6 +426,15 @@ static int set_numbers(const raw_options *r, options *o) {
                        "0 to 1000000, not '%s'",
                        r->keep);
   }
+
+  if ((o->max_params = parse_limit(r->max_params, SPEC_MAX_TOTAL_NUMEL)) == -2)
+    return bad_usage("--max-params (ZSHARD_MAX_PARAMS) must be a whole number from 1 to "
+                     "4398046511104, not '%s'",
+                     r->max_params);
+  if ((o->max_tensors = parse_limit(r->max_tensors, SPEC_MAX_TENSORS)) == -2)
+    return bad_usage("--max-tensors (ZSHARD_MAX_TENSORS) must be a whole number from 1 to "
+                     "1000000, not '%s'",
+                     r->max_tensors);
 
   o->level = LOG_LEVEL_INFO;
   if (r->level && *r->level && log_parse_level(r->level, &o->level) != 0)
@@ -581,6 +617,23 @@ static int start_transports(const options *o, shard *s) {
   return 0;
 }
 
+/* The job limits: each flag (or variable) given, else derived from the
+ * memory limit (service_limits_for_memory), logged once. */
+static void set_job_limits(const options *o, service *sv) {
+  uint64_t memory = service_memory_limit(NULL);
+  service_limits l = service_limits_for_memory(memory);
+  if (o->max_params > 0)
+    l.max_params = (uint64_t)o->max_params;
+  if (o->max_tensors > 0)
+    l.max_tensors = (uint64_t)o->max_tensors;
+  service_set_limits(sv, &l);
+  LOG_INFO("job_limits",
+           "max_params=%" PRIu64 " max_tensors=%" PRIu64 " memory_limit_bytes=%" PRIu64
+           " params_from=%s tensors_from=%s",
+           l.max_params, l.max_tensors, memory, o->max_params > 0 ? "flag" : "memory",
+           o->max_tensors > 0 ? "flag" : "memory");
+}
+
 /* Starts everything in order (see the top of this file). Returns 0, or an
  * error, logged, with what did start left in `s` for shard_stop. */
 static int shard_start(const options *o, shard *s) {
@@ -608,6 +661,7 @@ static int shard_start(const options *o, shard *s) {
     LOG_ERROR("startup_failed", "stage=service error=%s", zs_err_name(rc));
     return rc;
   }
+  set_job_limits(o, s->sv);
   rc = start_checkpoints(o, s);
   if (rc == 0)
     rc = start_transports(o, s);
