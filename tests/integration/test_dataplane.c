@@ -399,9 +399,16 @@ static void check_pulls_match_reference(uint64_t version) {
 
 /* -------------------------------------------------------------- raw peers */
 
-static int raw_connect(int port) {
+/* A TCP connection to the port from source address `src` (127.0.0.x),
+ * nothing sent yet; rcvbuf > 0 shrinks its receive buffer first. */
+static int raw_connect_from(int port, const char *src, int rcvbuf) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   assert_true(fd >= 0);
+  if (rcvbuf > 0)
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+  struct sockaddr_in b = {.sin_family = AF_INET};
+  assert_int_equal(inet_pton(AF_INET, src, &b.sin_addr), 1);
+  assert_int_equal(bind(fd, (struct sockaddr *)&b, sizeof b), 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
@@ -419,6 +426,35 @@ static void raw_send(int fd, const void *p, size_t n) {
     b += w;
     n -= (size_t)w;
   }
+}
+
+/* Sends a HELLO with `token` (NULL: none). */
+static void raw_send_hello(int fd, const char *token) {
+  unsigned char f[WIRE_HEADER_SIZE + WIRE_MAX_HELLO_META];
+  wire_msg m = {.type = WIRE_HELLO, .request_id = 1};
+  m.u.hello.token = (const uint8_t *)token;
+  m.u.hello.token_len = token ? (uint32_t)strlen(token) : 0;
+  size_t len = 0;
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), 0);
+  raw_send(fd, f, len);
+}
+
+/* Authenticates a fresh connection: HELLO, then its HELLO_ACK (exactly one
+ * header: nothing else is sent before it). */
+static void raw_hello(int fd, const char *token) {
+  raw_send_hello(fd, token);
+  unsigned char h[WIRE_HEADER_SIZE];
+  assert_int_equal(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
+  wire_header hd;
+  assert_int_equal(wire_decode_header(h, 0, &hd, NULL, 0), 0);
+  assert_int_equal(hd.type, WIRE_HELLO_ACK);
+}
+
+/* A connection from 127.0.0.1, authenticated with no token. */
+static int raw_connect(int port) {
+  int fd = raw_connect_from(port, "127.0.0.1", 0);
+  raw_hello(fd, NULL);
+  return fd;
 }
 
 /* A raw peer's side of a connection: a socket, a reader and what was
@@ -1534,28 +1570,39 @@ static void stopping_the_server_fails_its_connections_and_leaves_waits_to_the_co
   free(dst);
 }
 
-/* A server that answers the first PING (so that dp_client_open succeeds) and
+/* A server that answers the HELLO and the first PING (so that dp_client_open succeeds) and
  * then reads and answers nothing until its peer leaves. No cmocka assertion
  * here: this is not the test's thread. */
+/* A fake server's side of the opening: reads one frame without payload
+ * (the HELLO, then the PING) and answers HELLO_ACK or PONG. Returns 0, or
+ * -1 when the peer sent something else or left. */
+static int fake_answer(int c) {
+  unsigned char h[WIRE_HEADER_SIZE];
+  if (c < 0 || recv(c, h, sizeof h, MSG_WAITALL) != (ssize_t)sizeof h)
+    return -1;
+  wire_header hd;
+  if (wire_decode_header(h, 0, &hd, NULL, 0) != 0 || hd.payload_len != 0)
+    return -1;
+  unsigned char meta[WIRE_MAX_HELLO_META];
+  if (hd.meta_len > sizeof meta ||
+      (hd.meta_len && recv(c, meta, hd.meta_len, MSG_WAITALL) != (ssize_t)hd.meta_len))
+    return -1;
+  if (hd.type != WIRE_HELLO && hd.type != WIRE_PING)
+    return -1;
+  wire_msg m = {.type = hd.type == WIRE_HELLO ? WIRE_HELLO_ACK : WIRE_PONG,
+                .request_id = hd.request_id};
+  unsigned char f[WIRE_MAX_ENCODED];
+  size_t len = 0;
+  if (wire_encode(&m, f, sizeof f, &len) != 0 || send(c, f, len, MSG_NOSIGNAL) != (ssize_t)len)
+    return -1;
+  return 0;
+}
+
 static void *silent_server(void *arg) {
   int *fds = arg;
   int c = accept(fds[0], NULL, NULL);
-  unsigned char h[WIRE_HEADER_SIZE];
-  size_t got = 0;
-  while (c >= 0 && got < sizeof h) {
-    ssize_t n = recv(c, h + got, sizeof h - got, 0);
-    if (n <= 0)
-      break;
-    got += (size_t)n;
-  }
-  wire_header hd;
-  if (got == sizeof h && wire_decode_header(h, 0, &hd, NULL, 0) == 0 && hd.type == WIRE_PING) {
-    wire_msg pong = {.type = WIRE_PONG, .request_id = hd.request_id};
-    unsigned char f[WIRE_MAX_ENCODED];
-    size_t len = 0;
-    if (wire_encode(&pong, f, sizeof f, &len) == 0)
-      send(c, f, len, MSG_NOSIGNAL);
-  }
+  if (fake_answer(c) == 0)
+    fake_answer(c);
   /* Swallow whatever comes, answering nothing, until the client leaves. */
   char sink[4096];
   while (c >= 0 && recv(c, sink, sizeof sink, 0) > 0)
@@ -1569,22 +1616,8 @@ static void *silent_server(void *arg) {
 static void *resetting_server(void *arg) {
   int *fds = arg;
   int c = accept(fds[0], NULL, NULL);
-  unsigned char h[WIRE_HEADER_SIZE];
-  size_t got = 0;
-  while (c >= 0 && got < sizeof h) {
-    ssize_t n = recv(c, h + got, sizeof h - got, 0);
-    if (n <= 0)
-      break;
-    got += (size_t)n;
-  }
-  wire_header hd;
-  if (got == sizeof h && wire_decode_header(h, 0, &hd, NULL, 0) == 0 && hd.type == WIRE_PING) {
-    wire_msg pong = {.type = WIRE_PONG, .request_id = hd.request_id};
-    unsigned char f[WIRE_MAX_ENCODED];
-    size_t len = 0;
-    if (wire_encode(&pong, f, sizeof f, &len) == 0)
-      send(c, f, len, MSG_NOSIGNAL);
-  }
+  if (fake_answer(c) == 0)
+    fake_answer(c);
   char sink[65536];
   size_t total = 0;
   while (c >= 0 && total < (1u << 20)) {
