@@ -166,6 +166,7 @@ typedef struct dp_conn {
   list_node starve; /* on s->starved while an answer waits for the server's budget */
   dp_peer *pe;      /* one reference, dropped in conn_free */
   int authed;       /* a HELLO was accepted */
+  int counted;      /* counted in the caps (s->nconns, the peer's counts ...) */
   uint64_t accepted_ms;
   uint64_t answer_bytes; /* copied answer bytes of this connection held now */
   /* Answers sent from the low copy and not yet written, and how far the
@@ -509,6 +510,23 @@ static void conn_set_mid(dp_conn *c, int mid) {
   }
 }
 
+/* The connection stops counting against the caps (when it closes, or at
+ * once when it is refused and only its ERROR frame is still to be sent). */
+static void conn_uncount(dp_conn *c) {
+  dp_server *s = c->s;
+  if (!c->counted)
+    return;
+  c->counted = 0;
+  s->nconns--;
+  count(&s->st_conns, -1);
+  c->pe->conns--;
+  if (!c->authed) {
+    s->nunauth--;
+    count(&s->st_unauth, -1);
+    c->pe->unauth--;
+  }
+}
+
 static void conn_close(dp_conn *c) {
   if (c->closing)
     return;
@@ -518,16 +536,7 @@ static void conn_close(dp_conn *c) {
   list_remove(&c->starve);
   list_remove(&c->node);
   list_push(&s->zombies, &c->node);
-  s->nconns--;
-  count(&s->st_conns, -1);
-  if (c->pe)
-    c->pe->conns--;
-  if (!c->authed) {
-    s->nunauth--;
-    count(&s->st_unauth, -1);
-    if (c->pe)
-      c->pe->unauth--;
-  }
+  conn_uncount(c);
   conn_set_mid(c, 0);
   if (c->bp) {
     c->bp = 0;
@@ -1312,9 +1321,11 @@ static void on_hello(dp_conn *c) {
                m->u.hello.token_len ? "wrong token" : "no token given");
   } else {
     c->authed = 1;
-    s->nunauth--;
-    count(&s->st_unauth, -1);
-    c->pe->unauth--;
+    if (c->counted) {
+      s->nunauth--;
+      count(&s->st_unauth, -1);
+      c->pe->unauth--;
+    }
     wire_reader_limit_meta(rd, WIRE_MAX_META);
     wire_reader_set_payload(rd, NULL);
     wire_msg ack = {.type = WIRE_HELLO_ACK, .request_id = m->request_id};
@@ -1643,6 +1654,9 @@ static void conn_refuse(dp_conn *c, const char *why) {
   dp_server *s = c->s;
   count(&s->st_limit_refused, 1);
   LOG_WARN("dp_accept", "peer=%s detail=\"%s\"", c->peer, why);
+  /* A burst of refused connections must not fill the caps for the next
+   * ones while their ERROR frames are on their way. */
+  conn_uncount(c);
   c->fatal = 1;
   wire_msg m = {.type = WIRE_ERROR, .request_id = 0};
   m.u.error.status = ZS_ELIMIT;
@@ -1677,6 +1691,7 @@ static void on_connection(stream_listener *l, void *data, int status, stream *st
     return;
   }
   list_push(&s->live, &c->node);
+  c->counted = 1;
   s->nconns++;
   s->nunauth++;
   c->pe->conns++;
