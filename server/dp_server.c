@@ -295,7 +295,8 @@ struct dp_server {
   list_node live, zombies, fair, starved;
   dp_peer *peers;
   uint64_t nconns, nunauth, nwaiting, answer_bytes, npinned;
-  int releasing; /* budget_release is walking s->starved */
+  int releasing;                        /* budget_release is walking s->starved */
+  uint64_t refuse_log_ms, refuse_quiet; /* conn_refuse's log lines */
   uint64_t iter;
   unsigned char *staging;
   dp_buf *pool[DP_POOL_CLASSES];
@@ -1653,7 +1654,17 @@ static int peer_name(dp_conn *c) {
 static void conn_refuse(dp_conn *c, const char *why) {
   dp_server *s = c->s;
   count(&s->st_limit_refused, 1);
-  LOG_WARN("dp_accept", "peer=%s detail=\"%s\"", c->peer, why);
+  /* One line a second at most: a flood of refused connections must not
+   * flood the log too. */
+  uint64_t now = clock_now_ms();
+  if (now - s->refuse_log_ms >= 1000u) {
+    LOG_WARN("dp_accept", "peer=%s refused_since_last_line=%" PRIu64 " detail=\"%s\"", c->peer,
+             s->refuse_quiet, why);
+    s->refuse_log_ms = now;
+    s->refuse_quiet = 0;
+  } else {
+    s->refuse_quiet++;
+  }
   /* A burst of refused connections must not fill the caps for the next
    * ones while their ERROR frames are on their way. */
   conn_uncount(c);
