@@ -1298,6 +1298,21 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
   pull_ready(c, p);
 }
 
+/* Whether a refused connection gets its log line: one a second at most, so
+ * that a flood of them (or of guessed tokens) does not flood the log too;
+ * *quiet gets how many went unlogged since the last line. */
+static int refusal_logged(dp_server *s, uint64_t *quiet) {
+  uint64_t now = clock_now_ms();
+  if (now - s->refuse_log_ms < 1000u) {
+    s->refuse_quiet++;
+    return 0;
+  }
+  *quiet = s->refuse_quiet;
+  s->refuse_log_ms = now;
+  s->refuse_quiet = 0;
+  return 1;
+}
+
 /* The first frame of a connection: a HELLO whose token grants the trainer
  * role, or the connection goes (ERROR with request id 0, then the close).
  * Nothing else is read before it. */
@@ -1334,7 +1349,10 @@ static void on_hello(dp_conn *c) {
     return;
   }
   count(&s->st_auth_refused, 1);
-  LOG_WARN("dp_unauthenticated", "peer=%s detail=\"%s\"", c->peer, err);
+  uint64_t quiet = 0;
+  if (refusal_logged(s, &quiet))
+    LOG_WARN("dp_unauthenticated", "peer=%s refused_since_last_line=%" PRIu64 " detail=\"%s\"",
+             c->peer, quiet, err);
   c->fatal = 1;
   conn_set_mid(c, 0);
   conn_update_reading(c);
@@ -1654,17 +1672,10 @@ static int peer_name(dp_conn *c) {
 static void conn_refuse(dp_conn *c, const char *why) {
   dp_server *s = c->s;
   count(&s->st_limit_refused, 1);
-  /* One line a second at most: a flood of refused connections must not
-   * flood the log too. */
-  uint64_t now = clock_now_ms();
-  if (now - s->refuse_log_ms >= 1000u) {
+  uint64_t quiet = 0;
+  if (refusal_logged(s, &quiet))
     LOG_WARN("dp_accept", "peer=%s refused_since_last_line=%" PRIu64 " detail=\"%s\"", c->peer,
-             s->refuse_quiet, why);
-    s->refuse_log_ms = now;
-    s->refuse_quiet = 0;
-  } else {
-    s->refuse_quiet++;
-  }
+             quiet, why);
   /* A burst of refused connections must not fill the caps for the next
    * ones while their ERROR frames are on their way. */
   conn_uncount(c);
