@@ -59,6 +59,14 @@ typedef struct dp_client_config {
    * most WIRE_MAX_TOKEN bytes); NULL or "" for a server without tokens.
    * Copied during dp_client_open. */
   const char *token;
+  /* TLS: PEM file of the CAs the shard's certificate must chain to (NULL:
+   * plaintext); this client's certificate chain and key for mTLS (both or
+   * NULL); the name the shard's certificate must carry (NULL: the host of
+   * `addr`). Only read during dp_client_open. */
+  const char *tls_ca_file;
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  const char *tls_server_name;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

@@ -1782,7 +1782,14 @@ static void on_sweep(uv_timer_t *t) {
 /* Connections holding answers pinned in the low copy: one whose peer took
  * no byte for pin_hold_ms is closed, which cancels its writes and so
  * releases the pins at once; the apply that waits for them goes on, and the
- * peer (stalled, or too slow to matter) reconnects and asks again. */
+ * peer (stalled, or too slow to matter) reconnects and asks again.
+ *
+ * This runs on the loop thread, which checks new requests against the core
+ * under its state lock (shared). An apply that waits for pins while holding
+ * that lock exclusively can therefore keep this tick from running until the
+ * core's own bound (core_config.pin_wait_ms) ends the wait; an apply that
+ * waits for pins before taking the lock is released here within
+ * pin_hold_ms. */
 static void on_pin_tick(uv_timer_t *t) {
   dp_server *s = t->data;
   uint64_t now = clock_now_ms();

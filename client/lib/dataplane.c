@@ -53,7 +53,6 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "common/auth.h"
 #include "common/dp_client.h"
 #include "common/dtype.h"
 #include "common/hostport.h"
@@ -144,28 +143,6 @@ static int host_of(const char *addr, char *host, size_t cap) {
 
 /* ---- opening and closing ----------------------------------------------------------- */
 
-/* The token every data connection presents in its HELLO: ZSHARD_TOKEN, else
- * the first line of the file ZSHARD_TOKEN_FILE names, else none (a server
- * without tokens). The same sources as the gRPC calls' token; the client
- * option that takes precedence over both is resolved at the merge with it.
- * Returns 0 (buf holds the token, maybe empty) or ZS_EINVAL with the reason. */
-static int dp_token(char *buf, size_t cap, char *err, size_t errlen) {
-  buf[0] = '\0';
-  const char *t = getenv("ZSHARD_TOKEN");
-  if (t && *t) {
-    if (strlen(t) >= cap)
-      return status_fail(err, errlen, ZS_EINVAL, "ZSHARD_TOKEN has more than %zu bytes", cap - 1);
-    memcpy(buf, t, strlen(t) + 1);
-    return ZS_OK;
-  }
-  const char *f = getenv("ZSHARD_TOKEN_FILE");
-  if (f && *f) {
-    int n = auth_read_token_file(f, buf, cap, err, errlen);
-    return n < 0 ? n : ZS_OK;
-  }
-  return ZS_OK;
-}
-
 /* Opens a data client to host:port. Returns 0, or the dp_client_open failure
  * with its sentence in err. */
 static int open_client(const zs_client *c, const char *host, uint32_t port, zc_dpconn **out,
@@ -173,10 +150,6 @@ static int open_client(const zs_client *c, const char *host, uint32_t port, zc_d
   char hp[DP_HOSTPORT_MAX];
   hostport_format(hp, sizeof hp, host, port);
   int rc = dp_resolve(hp, 0, resolved, err, errlen);
-  if (rc != ZS_OK)
-    return rc;
-  char token[AUTH_MAX_TOKEN + 1];
-  rc = dp_token(token, sizeof token, err, errlen);
   if (rc != ZS_OK)
     return rc;
   zc_dpconn *k = calloc(1, sizeof *k);
@@ -187,7 +160,11 @@ static int open_client(const zs_client *c, const char *host, uint32_t port, zc_d
       .connections = c->opt.data_connections,
       .connect_timeout_ms =
           c->opt.rpc_timeout_ms < DP_CONNECT_MS ? c->opt.rpc_timeout_ms : DP_CONNECT_MS,
-      .token = token,
+      .token = c->sec.token,
+      .tls_ca_file = c->sec.tls_ca_file,
+      .tls_cert_file = c->sec.tls_cert_file,
+      .tls_key_file = c->sec.tls_key_file,
+      .tls_server_name = c->sec.tls_server_name,
   };
   rc = dp_client_open(&cfg, &k->cli, err, errlen);
   if (rc != ZS_OK) {

@@ -1972,10 +1972,14 @@ static int setup_long_pin_wait(void **state) {
   return setup_with(state);
 }
 
+/* Every frame of the stalled peer was read (so that the loop thread has no
+ * request of it left to check against the core, which an apply holding the
+ * state lock would make it wait for), and an answer is pinned (or was
+ * already let go). */
 static int a_pin_is_held_or_released(void *arg) {
-  (void)arg;
+  const uint64_t *frames = arg;
   dp_server_stats st = stats_of(0);
-  return st.pinned_answers >= 1 || st.pins_released >= 1;
+  return st.frames_in >= *frames && (st.pinned_answers >= 1 || st.pins_released >= 1);
 }
 
 static void a_reader_stalled_on_a_pinned_answer_does_not_hold_up_the_apply(void **state) {
@@ -1987,6 +1991,7 @@ static void a_reader_stalled_on_a_pinned_answer_does_not_hold_up_the_apply(void 
    * the socket fills, and an answer stays pinned in it. */
   const layout_piece *p = piece(BIG_TENSOR, 0);
   assert_int_equal(p->shard, 0);
+  uint64_t frames = stats_of(0).frames_in + 1 + 128; /* the HELLO and the pulls */
   int fd = raw_connect_from(fx.port[0], "127.0.0.1", 4096);
   raw_hello(fd, NULL);
   unsigned char f[WIRE_MAX_ENCODED];
@@ -1996,7 +2001,7 @@ static void a_reader_stalled_on_a_pinned_answer_does_not_hold_up_the_apply(void 
         .spec_hash = fx.hash, .tensor = p->tensor, .slice = p->slice, .dtype = ZS_DTYPE_BF16};
     raw_send(fd, f, raw_frame(f, sizeof f, &m, NULL, 0));
   }
-  assert_true(wait_until(a_pin_is_held_or_released, NULL));
+  assert_true(wait_until(a_pin_is_held_or_released, &frames));
   /* The apply of shard 0 waits for the pin (the core would wait up to a
    * minute) until the server lets the stalled peer go; the peer has read
    * nothing meanwhile. */
