@@ -17,7 +17,8 @@
  *
  * One shard (--shards 1) with a job of one 4 Mi-element tensor (16 MiB in
  * fp32) and a small one; the servers run without tokens, so every
- * connection says HELLO with none.
+ * connection says HELLO with none, except in the last test, which checks
+ * the HELLO against a server started with --token-file.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -38,6 +39,7 @@
 #include <cmocka.h>
 
 #include "common/crc32c.h"
+#include "common/dp_client.h"
 #include "common/status.h"
 #include "common/wire.h"
 #include "tests/integration/harness.h"
@@ -456,6 +458,59 @@ static void stalled_readers_of_large_answers_hold_at_most_the_answer_budget(void
   shard_down(&s);
 }
 
+static void a_server_with_a_token_file_lets_only_its_token_on_the_data_plane(void **state) {
+  (void)state;
+  const char *token = "dp-trainer-token-0123456789abcdef";
+  char path[512];
+  snprintf(path, sizeof path, "%s/dp_trainer.token", hs_tmpdir());
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fprintf(f, "%s\n", token);
+  fclose(f);
+  const char *args[] = {"--shard-id",   "0",  "--shards", "1", "--threads", "1",
+                        "--token-file", path, NULL};
+  hs_server *srv = hs_start(args, NULL);
+  assert_non_null(srv);
+  /* The data port, asked with the token (GetInfo is a trainer's call). */
+  rpc_security sec = {.token = token};
+  rpc_channel *ch = NULL;
+  char err[256] = "";
+  assert_int_equal(rpc_channel_open_secure(srv->addr, &sec, &ch, err, sizeof err), 0);
+  Zshard__V1__GetInfoResponse *info = NULL;
+  rpc_status st;
+  if (hs_get_info(ch, &info, &st) != 0)
+    fail_msg("GetInfo: %s", st.message);
+  int port = (int)info->data_port;
+  protobuf_c_message_free_unpacked(&info->base, NULL);
+  rpc_channel_close(ch);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  /* The token works; another fails at once, saying why. */
+  dp_client_config cc = {.addr = addr, .token = token};
+  dp_client *cli = NULL;
+  if (dp_client_open(&cc, &cli, err, sizeof err) != 0)
+    fail_msg("dp_client_open with the token: %s", err);
+  assert_int_equal(dp_client_ping_sync(cli, 10000, err, sizeof err), 0);
+  dp_client_close(cli);
+  cc.token = "dp-trainer-token-0123456789abcdeX";
+  cli = NULL;
+  assert_int_equal(dp_client_open(&cc, &cli, err, sizeof err), ZS_EUNAUTHENTICATED);
+  assert_non_null(strstr(err, "refused"));
+  cc.token = NULL;
+  assert_int_equal(dp_client_open(&cc, &cli, err, sizeof err), ZS_EUNAUTHENTICATED);
+  /* A raw peer without a token is told so and closed. */
+  raw *r = raw_new(connect_from(port, "127.0.0.1", 0));
+  wire_msg h = {.type = WIRE_HELLO, .request_id = 1};
+  send_msg(r->fd, &h);
+  wire_msg m;
+  assert_int_equal(read_frame(r, &m), 0);
+  assert_int_equal(m.type, WIRE_ERROR);
+  assert_int_equal(m.u.error.status, ZS_EUNAUTHENTICATED);
+  assert_int_equal(read_frame(r, &m), 1);
+  raw_free(r);
+  assert_int_equal(hs_stop(srv), 0);
+}
+
 static int group_setup(void **state) {
   (void)state;
   return hs_init();
@@ -474,6 +529,7 @@ int main(void) {
       cmocka_unit_test(connections_that_park_a_pull_and_close_free_their_slots),
       cmocka_unit_test(waiting_pulls_do_not_stop_the_push_they_wait_for),
       cmocka_unit_test(stalled_readers_of_large_answers_hold_at_most_the_answer_budget),
+      cmocka_unit_test(a_server_with_a_token_file_lets_only_its_token_on_the_data_plane),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
