@@ -1064,7 +1064,7 @@ static void test_invalid_pushes_get_their_status_and_change_nothing(void **state
   a.dtype = (zs_dtype)0;
   EXPECT_REJECT(ZS_EDTYPE);
   a = push_args(&j, 1, p, 0);
-  a.dtype = (zs_dtype)4;
+  a.dtype = (zs_dtype)5;
   EXPECT_REJECT(ZS_EDTYPE);
   a = push_args(&j, 1, p, 0);
   a.dtype = ZS_DTYPE_FP32; /* the fp16 payload is half the length fp32 needs */

@@ -112,6 +112,12 @@ typedef enum zs_dtype {
   ZS_DTYPE_FP32 = 1,
   ZS_DTYPE_FP16 = 2,
   ZS_DTYPE_BF16 = 3,
+  /* Block-quantized int8: blocks of 128 elements, each an fp32 scale then
+   * 128 int8 (the last block of an array may be short); x = q * scale.
+   * 1.03 bytes per element. docs/PROTOCOL.md specifies it. For wire
+   * buffers (push_dtype, pull_dtype, zs_push, zs_pull), not for the shards'
+   * param_dtype. */
+  ZS_DTYPE_INT8_BLOCK = 4,
 } zs_dtype;
 
 /* Optimizers a param group can use. Values match the proto. */
