@@ -287,8 +287,8 @@ static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
       o->open_mode != ZS_OPEN_RESUME)
     return zc_fail(ZS_EINVAL, "zs_client_open: open_mode %d is not a zs_open_mode value",
                    (int)o->open_mode);
-  if (o->reserved0 != 0)
-    return zc_fail(ZS_EINVAL, "zs_client_open: reserved0 must be 0");
+  if (o->error_feedback > 1)
+    return zc_fail(ZS_EINVAL, "zs_client_open: error_feedback must be 0 or 1");
   return ZS_OK;
 }
 
@@ -298,6 +298,7 @@ static void client_free(zs_client *c) {
   zc_pool_stop(&c->pool);
   zc_dp_close(c);
   zc_slots_free(c);
+  zc_ef_free(c);
   layout_free(&c->lay);
   spec_free(&c->sp);
   free(c->pushed);
@@ -309,6 +310,7 @@ static void client_free(zs_client *c) {
   zc_free_addresses(c->addr, c->nshards);
   free(c->job);
   pthread_mutex_destroy(&c->mu);
+  pthread_mutex_destroy(&c->ef_mu);
   pthread_cond_destroy(&c->cv);
   free(c);
 }
@@ -341,6 +343,7 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
   if (!c)
     return zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
   pthread_mutex_init(&c->mu, NULL);
+  pthread_mutex_init(&c->ef_mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   /* Retry backoff waits on cv with a CLOCK_MONOTONIC deadline. */

@@ -3,7 +3,8 @@
  *
  * The central check: W trainer threads, each with its own client (rank r),
  * train a small model with M = 2 micro-batches per step for K steps on N
- * shards, with fp32, bf16 and fp16 on the wire; the gradients depend on the
+ * shards, with fp32, bf16, fp16 and int8 blocks (with and without error
+ * feedback) on the wire; the gradients depend on the
  * parameters each trainer pulled, so pulls and pushes both matter. After the
  * run every parameter, pulled back in fp32, is bit-identical to a
  * single-process reference of the same training computed here: the wire
@@ -115,15 +116,43 @@ static float grad_value(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t
   return 0.5f * pulled + 0.01f * noise(s, r, m, t, i) + 0.001f;
 }
 
-static float wire_round(zs_dtype d, float x) {
-  switch (d) {
-  case ZS_DTYPE_BF16:
-    return dtype_bf16_to_f32(dtype_f32_to_bf16(x));
-  case ZS_DTYPE_FP16:
-    return dtype_f16_to_f32(dtype_f32_to_f16(x));
-  default:
-    return x;
+/* The pieces of tensor t on N shards, by the layout's documented rule: a
+ * tensor below the split threshold is one piece; a larger one is cut into
+ * slices of roundup(ceil(numel / N), 16) elements, the last one shorter.
+ * Fills offsets (count + 1 entries) and returns the count. */
+static uint32_t pieces_of(uint32_t t, uint32_t N, uint64_t *at) {
+  uint64_t n = TENSORS[t].numel;
+  uint64_t c = n < SPLIT ? n : (n / N + (n % N != 0) + 15) / 16 * 16;
+  uint32_t k = 0;
+  for (uint64_t o = 0; o < n; o += c)
+    at[k++] = o;
+  at[k] = n;
+  return k;
+}
+
+/* in through the wire dtype and back, piece by piece as the transfers
+ * convert (a block-quantized dtype's blocks restart in every piece). */
+static void wire_round_tensor(zs_dtype d, uint32_t t, uint32_t N, const float *in, float *out) {
+  uint64_t at[HS_MAX_SHARDS + 2];
+  uint32_t k = pieces_of(t, N, at);
+  unsigned char *q = malloc((size_t)dtype_bytes(ZS_DTYPE_FP32, TENSORS[t].numel) + 1);
+  assert_non_null(q);
+  for (uint32_t p = 0; p < k; p++) {
+    dtype_from_f32(d, in + at[p], q, (size_t)(at[p + 1] - at[p]));
+    dtype_to_f32(d, q, out + at[p], (size_t)(at[p + 1] - at[p]));
   }
+  free(q);
+}
+
+/* Wire bytes of one push or pull of every tensor. */
+static uint64_t model_wire_bytes(zs_dtype d, uint32_t N) {
+  uint64_t total = 0, at[HS_MAX_SHARDS + 2];
+  for (uint32_t t = 0; t < NT; t++) {
+    uint32_t k = pieces_of(t, N, at);
+    for (uint32_t p = 0; p < k; p++)
+      total += dtype_bytes(d, at[p + 1] - at[p]);
+  }
+  return total;
 }
 
 /* ---- one run ----------------------------------------------------------------------- */
@@ -131,6 +160,7 @@ static float wire_round(zs_dtype d, float x) {
 typedef struct run_cfg {
   uint32_t N, W, M, K;
   zs_dtype wire;
+  uint32_t ef; /* the clients' error_feedback */
   double lr, clip;
   zs_loss_scaling scaling;
   uint32_t inject_steps;    /* bit s: rank W-1 pushes an inf at step s */
@@ -169,6 +199,7 @@ static int client_for(const run_cfg *cfg, uint32_t rank, zs_dtype pull_wire, zs_
   o.job = cfg->job;
   o.push_dtype = cfg->wire;
   o.pull_dtype = pull_wire;
+  o.error_feedback = cfg->ef;
   o.split_threshold = SPLIT;
   o.step_timeout_ms = cfg->step_timeout_ms ? cfg->step_timeout_ms : 20000;
   o.loss_scaling = cfg->scaling;
@@ -313,11 +344,16 @@ static void *trainer_main(void *arg) {
 
 /* The single-process reference of the same training; fills master[t]. */
 static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
-  float *m1[NT], *m2[NT], *acc[NT];
+  float *m1[NT], *m2[NT], *acc[NT], *resid[W_MAX][NT];
   uint16_t *low[NT];
   uint64_t applied = 0;
+  /* Scratch of the largest tensor's size. */
+  float pulled[256], g[256], gq[256];
   for (uint32_t t = 0; t < NT; t++) {
     uint64_t n = TENSORS[t].numel;
+    assert_true(n <= 256);
+    for (uint32_t r = 0; r < W_MAX; r++)
+      resid[r][t] = calloc(n, sizeof(float));
     float *init = init_tensor(t);
     memcpy(master[t], init, n * sizeof(float));
     free(init);
@@ -333,18 +369,30 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
     int overflow = 0;
     double sumsq = 0;
     for (uint32_t t = 0; t < NT; t++) {
-      for (uint64_t i = 0; i < TENSORS[t].numel; i++) {
-        const float pulled = wire_round(cfg->wire, master[t][i]);
-        float a = 0.0f;
-        for (uint32_t m = 0; m < cfg->M; m++)
-          for (uint32_t r = 0; r < cfg->W; r++) {
-            float g =
-                injected(cfg, s, r, m, t, i) ? INFINITY : grad_value(s, r, m, t, i, pulled) * scale;
-            a += wire_round(cfg->wire, g);
+      uint64_t n = TENSORS[t].numel;
+      wire_round_tensor(cfg->wire, t, cfg->N, master[t], pulled);
+      memset(acc[t], 0, n * sizeof(float));
+      /* Contributions in (micro, rank) order, as the shards add them. */
+      for (uint32_t m = 0; m < cfg->M; m++)
+        for (uint32_t r = 0; r < cfg->W; r++) {
+          for (uint64_t i = 0; i < n; i++) {
+            g[i] = injected(cfg, s, r, m, t, i) ? INFINITY
+                                                : grad_value(s, r, m, t, i, pulled[i]) * scale;
+            if (cfg->ef)
+              g[i] += resid[r][t][i];
           }
-        acc[t][i] = a;
-        overflow |= !isfinite(a);
-        sumsq += (double)a * a;
+          wire_round_tensor(cfg->wire, t, cfg->N, g, gq);
+          for (uint64_t i = 0; i < n; i++) {
+            if (cfg->ef) {
+              float d = g[i] - gq[i];
+              resid[r][t][i] = isfinite(d) ? d : 0.0f;
+            }
+            acc[t][i] += gq[i];
+          }
+        }
+      for (uint64_t i = 0; i < n; i++) {
+        overflow |= !isfinite(acc[t][i]);
+        sumsq += (double)acc[t][i] * acc[t][i];
       }
     }
     assert_int_equal(res->overflow, overflow);
@@ -394,6 +442,8 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
     free(m2[t]);
     free(acc[t]);
     free(low[t]);
+    for (uint32_t r = 0; r < W_MAX; r++)
+      free(resid[r][t]);
   }
 }
 
@@ -460,15 +510,15 @@ static void run_and_check(run_cfg *cfg, rank_out *outs) {
   assert_int_equal(zs_client_close(v), ZS_OK);
 
   for (uint32_t t = 0; t < NT; t++) {
+    float want[256];
+    wire_round_tensor(cfg->wire, t, cfg->N, master[t], want);
     for (uint64_t i = 0; i < TENSORS[t].numel; i++) {
       if (memcmp(&exact[t][i], &master[t][i], sizeof(float)) != 0)
         fprintf(stderr, "%s[%" PRIu64 "]: shard %.9g, reference %.9g\n", TENSORS[t].name, i,
                 exact[t][i], master[t][i]);
       assert_memory_equal(&exact[t][i], &master[t][i], sizeof(float));
-      for (uint32_t r = 0; r < cfg->W; r++) {
-        float want = wire_round(cfg->wire, master[t][i]);
-        assert_memory_equal(&outs[r].final[t][i], &want, sizeof(float));
-      }
+      for (uint32_t r = 0; r < cfg->W; r++)
+        assert_memory_equal(&outs[r].final[t][i], &want[i], sizeof(float));
     }
     free(master[t]);
     free(exact[t]);
@@ -482,9 +532,19 @@ static void run_and_check(run_cfg *cfg, rank_out *outs) {
 /* ---- the N x W x dtype matrix ------------------------------------------------------ */
 
 static void train_matrix_cell(uint32_t N, uint32_t W) {
-  static const zs_dtype wires[] = {ZS_DTYPE_FP32, ZS_DTYPE_BF16, ZS_DTYPE_FP16};
-  for (size_t k = 0; k < 3; k++) {
-    run_cfg cfg = {.N = N, .W = W, .M = 2, .K = 3, .wire = wires[k], .lr = 0.01};
+  static const zs_dtype wires[] = {ZS_DTYPE_FP32, ZS_DTYPE_BF16, ZS_DTYPE_FP16,
+                                   ZS_DTYPE_INT8_BLOCK};
+  for (size_t k = 0; k < 4; k++) {
+    /* int8 runs with error feedback in the cells where N + W is odd and
+     * without in the others, so that both are held to the reference's bits
+     * across shard and trainer counts. */
+    run_cfg cfg = {.N = N,
+                   .W = W,
+                   .M = 2,
+                   .K = 3,
+                   .wire = wires[k],
+                   .ef = wires[k] == ZS_DTYPE_INT8_BLOCK && (N + W) % 2 == 1,
+                   .lr = 0.01};
     rank_out outs[W_MAX];
     run_and_check(&cfg, outs);
     /* Timing adds up and counts the bytes moved (ranks without prefetch pull
@@ -494,12 +554,10 @@ static void train_matrix_cell(uint32_t N, uint32_t W) {
       assert_true(tm->total_ms >= 0 && tm->compute_ms >= 0 && tm->push_ms >= 0 &&
                   tm->pull_wait_ms >= 0 && tm->step_ms >= 0);
       assert_true(tm->compute_ms <= tm->total_ms);
-      uint64_t elems = 0;
-      for (uint32_t t = 0; t < NT; t++)
-        elems += TENSORS[t].numel;
-      assert_int_equal(tm->bytes_pushed, elems * cfg.M * zs_dtype_size(cfg.wire));
+      uint64_t bytes = model_wire_bytes(cfg.wire, N);
+      assert_int_equal(tm->bytes_pushed, bytes * cfg.M);
       if (r % 2 == 0)
-        assert_int_equal(tm->bytes_pulled, elems * zs_dtype_size(cfg.wire));
+        assert_int_equal(tm->bytes_pulled, bytes);
     }
   }
 }

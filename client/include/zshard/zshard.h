@@ -296,7 +296,9 @@ typedef struct zs_client_options {
   uint64_t split_threshold;
   /* Wire dtypes: gradients are converted to push_dtype before sending and
    * parameters travel as pull_dtype; 0 means "the dtype of the caller's
-   * buffer" (no conversion). Default 0. */
+   * buffer" (no conversion). Default 0. ZS_DTYPE_INT8_BLOCK quantizes on
+   * the wire (see error_feedback); a param group's own wire dtypes
+   * (zs_group_options) win over these for its tensors. */
   zs_dtype push_dtype;
   zs_dtype pull_dtype;
   /* Worker threads issuing calls in parallel; 0: 2*N + 2, at most 32. */
@@ -351,8 +353,15 @@ typedef struct zs_client_options {
   uint32_t checkpoint_timeout_ms;
   /* What zs_open_job may find on the shards; default ZS_OPEN_EITHER. */
   zs_open_mode open_mode;
-  /* Must be 0 (keeps the struct free of tail padding, rule 3). */
-  uint32_t reserved0;
+  /* Error feedback for lossy pushes (1 on, 0 off, the default): when a
+   * push converts an fp32 gradient to a narrower wire dtype (push_dtype
+   * ZS_DTYPE_INT8_BLOCK, or BF16/FP16), the client keeps what the wire
+   * format lost (the residual, per tensor) and adds it to the tensor's next
+   * push, so that no part of a gradient is lost for good, only delayed. It
+   * costs 4 bytes per element of every tensor so pushed, for the life of
+   * the client, plus 4 bytes per element of a push in flight. Was
+   * `reserved0`, which had to be 0: the layout is unchanged. */
+  uint32_t error_feedback;
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above
