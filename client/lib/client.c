@@ -545,10 +545,21 @@ int zs_add_group(zs_client *c, const zs_group_options *caller_g, uint32_t *id) {
 #undef NORM_F64
 #undef NORM_FLAG
 #undef NORM_FLAG_NEGATED
+  if ((g->push_dtype != 0 && !dtype_valid(g->push_dtype)) ||
+      (g->pull_dtype != 0 && !dtype_valid(g->pull_dtype))) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EDTYPE, "zs_add_group: push_dtype and pull_dtype must be 0 or a zs_dtype");
+  }
   pthread_mutex_lock(&c->mu);
   rc = check_describable_locked(c, "zs_add_group");
-  if (rc == ZS_OK)
+  if (rc == ZS_OK) {
+    uint32_t gid = c->sp.num_groups;
     rc = add_group_locked(c, &sg, id);
+    if (rc == ZS_OK) {
+      c->group_push[gid] = g->push_dtype;
+      c->group_pull[gid] = g->pull_dtype;
+    }
+  }
   pthread_mutex_unlock(&c->mu);
   zc_client_leave(c);
   return rc;

@@ -347,6 +347,9 @@ struct zs_client {
    * numel floats, allocated at the tensor's first lossy push. ef_mu guards
    * both; it is taken alone, never with mu. */
   pthread_mutex_t ef_mu;
+  /* Per param group: its wire dtypes (zs_group_options), 0 for the
+   * client's. Written by zs_add_group before the job opens. */
+  zs_dtype group_push[SPEC_MAX_GROUPS], group_pull[SPEC_MAX_GROUPS];
   float **ef_resid;
   zs_dtype last_pull_wire; /* (mu) wire dtype of the last pull, for prefetch */
 

@@ -424,8 +424,13 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
   uint32_t n = 0;
   if (!c->slots || c->closing)
     return 0;
+  zs_dtype last = wire;
   for (uint32_t t = first; t < c->sp.num_tensors && t - first < count; t++) {
     zc_slot *s = &c->slots[t];
+    /* The tensor's group may have a wire dtype of its own; otherwise the
+     * client's, or that of the pull that led here. */
+    zs_dtype gw = c->group_pull[c->sp.tensors[t].group];
+    wire = gw ? gw : c->opt.pull_dtype ? c->opt.pull_dtype : last;
     if (s->state == ZC_SLOT_INFLIGHT || s->state == ZC_SLOT_BUSY)
       continue;
     if (s->state == ZC_SLOT_READY && s->version == min_version && s->wire == wire)
@@ -500,6 +505,18 @@ void zc_slots_free(struct zs_client *c) {
 
 zs_dtype zc_wire_dtype(zs_dtype configured, zs_dtype buf) {
   return configured ? configured : buf;
+}
+
+/* The wire dtypes of tensor t: its group's, else the client's, else the
+ * buffer's. */
+static zs_dtype push_wire(const zs_client *c, uint32_t t, zs_dtype buf) {
+  zs_dtype g = c->group_push[c->sp.tensors[t].group];
+  return zc_wire_dtype(g ? g : c->opt.push_dtype, buf);
+}
+
+static zs_dtype pull_wire(const zs_client *c, uint32_t t, zs_dtype buf) {
+  zs_dtype g = c->group_pull[c->sp.tensors[t].group];
+  return zc_wire_dtype(g ? g : c->opt.pull_dtype, buf);
 }
 
 /* Checks the arguments shared by push and pull. */
@@ -633,7 +650,7 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   op->micro = micro;
   op->src = grad;
   op->buf_dtype = dtype;
-  op->wire_dtype = zc_wire_dtype(c->opt.push_dtype, dtype);
+  op->wire_dtype = push_wire(c, tensor, dtype);
   if (ef_wanted(c, dtype, op->wire_dtype)) {
     /* Before the duplicate check below: a push refused there has then
      * changed the residual, but it is a caller's bug that zs_step reports
@@ -695,7 +712,7 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
     return rc;
   uint64_t t0 = clock_now_ns();
   uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
-  zs_dtype wire = zc_wire_dtype(c->opt.pull_dtype, dtype);
+  zs_dtype wire = pull_wire(c, tensor, dtype);
   zs_request *op = zc_op_new(c, ZC_OP_PULL, npieces);
   if (!op)
     return ZS_ENOMEM;

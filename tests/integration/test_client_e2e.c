@@ -144,23 +144,14 @@ static void wire_round_tensor(zs_dtype d, uint32_t t, uint32_t N, const float *i
   free(q);
 }
 
-/* Wire bytes of one push or pull of every tensor. */
-static uint64_t model_wire_bytes(zs_dtype d, uint32_t N) {
-  uint64_t total = 0, at[HS_MAX_SHARDS + 2];
-  for (uint32_t t = 0; t < NT; t++) {
-    uint32_t k = pieces_of(t, N, at);
-    for (uint32_t p = 0; p < k; p++)
-      total += dtype_bytes(d, at[p + 1] - at[p]);
-  }
-  return total;
-}
-
 /* ---- one run ----------------------------------------------------------------------- */
 
 typedef struct run_cfg {
   uint32_t N, W, M, K;
   zs_dtype wire;
   uint32_t ef; /* the clients' error_feedback */
+  /* Group 1's own wire dtype (zs_group_options), 0 for the client's. */
+  zs_dtype group1_wire;
   double lr, clip;
   zs_loss_scaling scaling;
   uint32_t inject_steps;    /* bit s: rank W-1 pushes an inf at step s */
@@ -168,6 +159,22 @@ typedef struct run_cfg {
   char addrs[HS_MAX_SHARDS * 32];
   char job[64];
 } run_cfg;
+
+/* Tensor t's wire dtype: its group's, else the run's. */
+static zs_dtype tensor_wire(const run_cfg *cfg, uint32_t t) {
+  return TENSORS[t].group == 1 && cfg->group1_wire ? cfg->group1_wire : cfg->wire;
+}
+
+/* Wire bytes of one push or pull of every tensor. */
+static uint64_t model_wire_bytes(const run_cfg *cfg) {
+  uint64_t total = 0, at[HS_MAX_SHARDS + 2];
+  for (uint32_t t = 0; t < NT; t++) {
+    uint32_t k = pieces_of(t, cfg->N, at);
+    for (uint32_t p = 0; p < k; p++)
+      total += dtype_bytes(tensor_wire(cfg, t), at[p + 1] - at[p]);
+  }
+  return total;
+}
 
 typedef struct rank_out {
   int rc;
@@ -215,6 +222,10 @@ static int client_for(const run_cfg *cfg, uint32_t rank, zs_dtype pull_wire, zs_
   for (uint32_t g = 0; rc == ZS_OK && g < NG; g++) {
     zs_group_options go;
     group_options(g, &go);
+    /* Trainers only: a client that reads the fp32 masters back (pull_wire
+     * 0) must not narrow group 1. */
+    if (g == 1 && pull_wire != 0)
+      go.push_dtype = go.pull_dtype = cfg->group1_wire;
     rc = zs_add_group(*out, &go, NULL);
   }
   for (uint32_t t = 0; rc == ZS_OK && t < NT; t++)
@@ -370,7 +381,7 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
     double sumsq = 0;
     for (uint32_t t = 0; t < NT; t++) {
       uint64_t n = TENSORS[t].numel;
-      wire_round_tensor(cfg->wire, t, cfg->N, master[t], pulled);
+      wire_round_tensor(tensor_wire(cfg, t), t, cfg->N, master[t], pulled);
       memset(acc[t], 0, n * sizeof(float));
       /* Contributions in (micro, rank) order, as the shards add them. */
       for (uint32_t m = 0; m < cfg->M; m++)
@@ -381,7 +392,7 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
             if (cfg->ef)
               g[i] += resid[r][t][i];
           }
-          wire_round_tensor(cfg->wire, t, cfg->N, g, gq);
+          wire_round_tensor(tensor_wire(cfg, t), t, cfg->N, g, gq);
           for (uint64_t i = 0; i < n; i++) {
             if (cfg->ef) {
               float d = g[i] - gq[i];
@@ -511,7 +522,7 @@ static void run_and_check(run_cfg *cfg, rank_out *outs) {
 
   for (uint32_t t = 0; t < NT; t++) {
     float want[256];
-    wire_round_tensor(cfg->wire, t, cfg->N, master[t], want);
+    wire_round_tensor(tensor_wire(cfg, t), t, cfg->N, master[t], want);
     for (uint64_t i = 0; i < TENSORS[t].numel; i++) {
       if (memcmp(&exact[t][i], &master[t][i], sizeof(float)) != 0)
         fprintf(stderr, "%s[%" PRIu64 "]: shard %.9g, reference %.9g\n", TENSORS[t].name, i,
@@ -554,7 +565,7 @@ static void train_matrix_cell(uint32_t N, uint32_t W) {
       assert_true(tm->total_ms >= 0 && tm->compute_ms >= 0 && tm->push_ms >= 0 &&
                   tm->pull_wait_ms >= 0 && tm->step_ms >= 0);
       assert_true(tm->compute_ms <= tm->total_ms);
-      uint64_t bytes = model_wire_bytes(cfg.wire, N);
+      uint64_t bytes = model_wire_bytes(&cfg);
       assert_int_equal(tm->bytes_pushed, bytes * cfg.M);
       if (r % 2 == 0)
         assert_int_equal(tm->bytes_pulled, bytes);
@@ -576,6 +587,29 @@ MATRIX_TEST(2, 3)
 MATRIX_TEST(3, 1)
 MATRIX_TEST(3, 2)
 MATRIX_TEST(3, 3)
+
+/* int8 blocks with error feedback for the job, bf16 for the group of norms
+ * and biases (group 1): each tensor travels in its group's dtype, to the
+ * reference's bits, and the bytes counted are each tensor's own. */
+static void a_groups_wire_dtype_wins_over_the_clients(void **state) {
+  (void)state;
+  run_cfg cfg = {.N = 2,
+                 .W = 2,
+                 .M = 2,
+                 .K = 3,
+                 .wire = ZS_DTYPE_INT8_BLOCK,
+                 .ef = 1,
+                 .group1_wire = ZS_DTYPE_BF16,
+                 .lr = 0.01};
+  rank_out outs[W_MAX];
+  run_and_check(&cfg, outs);
+  const zs_timing *tm = &outs[0].timing[cfg.K - 1];
+  assert_int_equal(tm->bytes_pushed, model_wire_bytes(&cfg) * cfg.M);
+  assert_int_equal(tm->bytes_pulled, model_wire_bytes(&cfg));
+  run_cfg all_int8 = cfg;
+  all_int8.group1_wire = 0;
+  assert_true(model_wire_bytes(&cfg) > model_wire_bytes(&all_int8));
+}
 
 /* ---- loss scaling and clipping ------------------------------------------------------- */
 
@@ -1257,6 +1291,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w1),
       cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w2),
       cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w3),
+      cmocka_unit_test(a_groups_wire_dtype_wins_over_the_clients),
       cmocka_unit_test(overflow_skips_the_step_everywhere_and_lowers_the_loss_scale),
       cmocka_unit_test(clipping_scales_by_max_norm_over_norm_on_every_rank),
       cmocka_unit_test(killed_trainer_is_named_in_the_others_timeout_error),

@@ -398,6 +398,12 @@ typedef struct zs_group_options {
   double momentum, dampening; /* sgd; 0, 0 */
   int nesterov;               /* sgd; 0 */
   int bias_correction;        /* adam/adamw; 1 */
+  /* Wire dtypes of this group's tensors, over the client's push_dtype and
+   * pull_dtype; 0 (default): the client's. E.g. ZS_DTYPE_BF16 for a group
+   * of norms and biases in a job that sends int8 blocks. A trainer's own
+   * choice: not part of the job, the shards accept any wire dtype. */
+  zs_dtype push_dtype;
+  zs_dtype pull_dtype;
 } zs_group_options;
 
 /* Fills `g`, the caller's struct of `size` bytes, with torch's defaults for
