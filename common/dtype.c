@@ -251,7 +251,10 @@ void dtype_scalar_bf16_accumulate(const void *wire, float *acc, size_t n) {
  *    decoder accepts it as -128 * scale.
  *
  * Each step is one correctly rounded fp32 operation, so the vector kernels
- * compute the same bits with the same operations in the same order.
+ * compute the same bits with the same operations in the same order. Like the
+ * accumulation's addition, they round by MXCSR's rounding mode, the default
+ * round-to-nearest-even that nothing in zshard changes; FTZ and DAZ do not
+ * matter (no operand or result is subnormal; test_dtype checks).
  */
 #define INT8_TINY 0x0d800000u /* 2^-100 */
 #define INT8_HUGE 0x7f000000u /* 2^127 */

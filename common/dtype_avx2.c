@@ -131,9 +131,9 @@ void dtype_avx2_bf16_accumulate(const void *wire, float *acc, size_t n) {
  * Whole blocks run here, a short last block through the scalar kernel. The
  * operations are the scalar ones lane by lane: an integer max of the
  * magnitudes' bits, the shared scale rule, one multiplication by the
- * block's multiplier, VROUNDPS to nearest-even (the scalar magic-number
- * rounding gives the same integer), a clamp, and a saturating narrowing that
- * cannot saturate. Decoding is one conversion and one multiplication.
+ * block's multiplier, a conversion that rounds to nearest-even (the scalar
+ * magic-number rounding gives the same integer) and a narrowing that cannot
+ * saturate. Decoding is one conversion and one multiplication.
  */
 
 #define I8B DTYPE_INT8_BLOCK
@@ -151,11 +151,13 @@ static inline uint32_t block_amax_bits(const float *in) {
   return (uint32_t)_mm_cvtsi128_si32(h);
 }
 
+/* q = x * inv rounded to nearest-even by VCVTPS2DQ, which rounds by MXCSR's
+ * mode: the default one, as every fp32 operation of the codec assumes (the
+ * multiplication before it does too). No clamp: |x * inv| < 127.5 (see
+ * dtype.c), so the result is within [-127, 127] and the packs below never
+ * saturate. */
 static inline __m256i quantize8(const float *in, __m256 inv) {
-  const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-  __m256 y = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(in), inv),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(y, hi), lo));
+  return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(in), inv));
 }
 
 void dtype_avx2_int8_block_encode(const float *in, void *wire, size_t n) {
