@@ -298,6 +298,20 @@ static void estimate_separates_states_from_working_memory(void **state) {
   assert_non_null(strstr(json, "{\"name\":\"zero3\",\"state_bytes\":1875000000,"
                                "\"working_bytes\":1200000000,\"device_bytes\":3075000000,"));
   free(json);
+
+  /* int8 blocks count their scales: 1280 elements are 10 blocks of 128
+   * bytes plus a 4-byte scale each, 1320 bytes each way. */
+  char *iargv[] = {ZSHARD_CLI_BIN, "estimate",      "--params", "1280",   "--grad-dtype",
+                   "int8",         "--param-dtype", "int8",     "--json", NULL};
+  p = spawn_to(iargv, out);
+  assert_true(p > 0);
+  assert_int_equal(wait_exit(p), 0);
+  json = slurp(out);
+  assert_non_null(strstr(json, "\"grad_dtype\":\"int8\",\"param_dtype\":\"int8\""));
+  assert_non_null(strstr(json, "{\"name\":\"zshard\",\"state_bytes\":0,\"working_bytes\":null,"
+                               "\"device_bytes\":null,\"shard_bytes\":23040,\"sent_bytes\":1320,"
+                               "\"received_bytes\":1320,"));
+  free(json);
 }
 
 static int group_setup(void **state) {
