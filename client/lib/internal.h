@@ -277,6 +277,10 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
 void zc_slots_free(struct zs_client *c);
 /* Frees the error-feedback residuals (transfer.c). */
 void zc_ef_free(struct zs_client *c);
+/* After a step: a skipped step's residuals are dropped with its gradient
+ * (skipped 1); otherwise they are multiplied by `rescale`, the next loss
+ * scale over this step's, since pushes carry loss-scaled gradients. */
+void zc_ef_after_step(struct zs_client *c, int skipped, double rescale);
 
 /* Waits ms milliseconds, or less if the client starts closing; returns 1 if
  * it is closing. The retries' backoff. */

@@ -626,6 +626,22 @@ static int ef_apply_locked(zs_client *c, uint32_t tensor, const float *g, zs_dty
   return ZS_OK;
 }
 
+void zc_ef_after_step(struct zs_client *c, int skipped, double rescale) {
+  pthread_mutex_lock(&c->ef_mu);
+  for (uint32_t t = 0; c->ef_resid && t < c->sp.num_tensors; t++) {
+    float *r = c->ef_resid[t];
+    uint64_t n = c->sp.tensors[t].numel;
+    if (!r)
+      continue;
+    if (skipped)
+      memset(r, 0, (size_t)n * sizeof *r);
+    else if (rescale != 1.0)
+      for (uint64_t i = 0; i < n; i++)
+        r[i] = (float)((double)r[i] * rescale);
+  }
+  pthread_mutex_unlock(&c->ef_mu);
+}
+
 /* 1 when a push of an fp32 buffer in `wire` loses bits and the client
  * keeps the residual. */
 static int ef_wanted(const zs_client *c, zs_dtype buf, zs_dtype wire) {

@@ -375,6 +375,16 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
   }
   for (uint64_t s = 1; s <= cfg->K; s++) {
     const zs_step_result *res = &r0->res[s - 1];
+    if (cfg->ef && s > 1) {
+      /* The client's rule after a step: a skipped step's residuals are
+       * dropped with it; otherwise they follow the loss scale. */
+      const zs_step_result *prev = &r0->res[s - 2];
+      double rescale = prev->next_loss_scale / prev->loss_scale;
+      for (uint32_t r = 0; r < W_MAX; r++)
+        for (uint32_t t = 0; t < NT; t++)
+          for (uint64_t i = 0; i < TENSORS[t].numel; i++)
+            resid[r][t][i] = prev->applied ? (float)((double)resid[r][t][i] * rescale) : 0.0f;
+    }
     const float scale = (float)r0->scale_used[s - 1];
     assert_true(res->loss_scale == scale);
     int overflow = 0;
@@ -616,32 +626,38 @@ static void a_groups_wire_dtype_wins_over_the_clients(void **state) {
 static void overflow_skips_the_step_everywhere_and_lowers_the_loss_scale(void **state) {
   (void)state;
   /* Steps 2 and 3 carry an inf from the last rank: the first overflow is
-   * absorbed by DeepSpeed's hysteresis, the second halves the scale. */
-  run_cfg cfg = {.N = 2,
-                 .W = 2,
-                 .M = 2,
-                 .K = 4,
-                 .wire = ZS_DTYPE_FP16,
-                 .lr = 0.01,
-                 .scaling = ZS_LOSS_SCALE_DYNAMIC,
-                 .inject_steps = (1u << 2) | (1u << 3)};
-  rank_out outs[W_MAX];
-  run_and_check(&cfg, outs);
-  for (uint32_t r = 0; r < cfg.W; r++) {
-    const zs_step_result *res = outs[r].res;
-    assert_int_equal(res[0].applied, 1);
-    assert_int_equal(res[1].applied, 0);
-    assert_int_equal(res[1].overflow, 1);
-    assert_true(isinf(res[1].grad_norm));
-    assert_int_equal(res[2].applied, 0);
-    assert_int_equal(res[3].applied, 1);
-    assert_true(res[0].loss_scale == 65536.0);
-    assert_true(res[1].next_loss_scale == 65536.0); /* hysteresis */
-    assert_true(res[2].loss_scale == 65536.0);
-    assert_true(res[2].next_loss_scale == 32768.0);
-    assert_true(res[3].loss_scale == 32768.0);
-    assert_true(outs[r].scale_used[3] == 32768.0);
-    assert_int_equal(res[3].version, 4); /* skipped steps still advance the version */
+   * absorbed by DeepSpeed's hysteresis, the second halves the scale. With
+   * fp16, and with int8 blocks and error feedback, whose residuals are
+   * dropped with a skipped step and halved with the scale (the reference
+   * does the same). */
+  for (int k = 0; k < 2; k++) {
+    run_cfg cfg = {.N = 2,
+                   .W = 2,
+                   .M = 2,
+                   .K = 4,
+                   .wire = k ? ZS_DTYPE_INT8_BLOCK : ZS_DTYPE_FP16,
+                   .ef = (uint32_t)k,
+                   .lr = 0.01,
+                   .scaling = ZS_LOSS_SCALE_DYNAMIC,
+                   .inject_steps = (1u << 2) | (1u << 3)};
+    rank_out outs[W_MAX];
+    run_and_check(&cfg, outs);
+    for (uint32_t r = 0; r < cfg.W; r++) {
+      const zs_step_result *res = outs[r].res;
+      assert_int_equal(res[0].applied, 1);
+      assert_int_equal(res[1].applied, 0);
+      assert_int_equal(res[1].overflow, 1);
+      assert_true(isinf(res[1].grad_norm));
+      assert_int_equal(res[2].applied, 0);
+      assert_int_equal(res[3].applied, 1);
+      assert_true(res[0].loss_scale == 65536.0);
+      assert_true(res[1].next_loss_scale == 65536.0); /* hysteresis */
+      assert_true(res[2].loss_scale == 65536.0);
+      assert_true(res[2].next_loss_scale == 32768.0);
+      assert_true(res[3].loss_scale == 32768.0);
+      assert_true(outs[r].scale_used[3] == 32768.0);
+      assert_int_equal(res[3].version, 4); /* skipped steps still advance the version */
+    }
   }
 }
 
