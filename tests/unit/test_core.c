@@ -1419,8 +1419,10 @@ static void test_int8_reads_come_from_a_copy_made_once_per_version(void **state)
   init_all(c, &j, 0);
   check_int8_reads(c, &j, 0); /* first int8 reads: encoded on request */
   check_int8_reads(c, &j, 0); /* still version 0: no copy yet */
+  job_make_grads(&j, 22);
   run_step(c, &j, 0, 1, 22, 2, 0.01, 1.0f);
   check_int8_reads(c, &j, 1); /* made by the apply */
+  job_make_grads(&j, 23);
   run_step(c, &j, 0, 2, 23, 2, 0.01, 1.0f);
   check_int8_reads(c, &j, 1);
   float w[16];
