@@ -49,6 +49,11 @@ typedef struct dp_client_config {
   /* Requests written to one connection and not yet answered, beyond which
    * new requests wait in the client's queue; 0 means 1024. */
   uint32_t max_inflight;
+  /* TLS 1.3 on every connection as a client of this context (common/tls.h:
+   * tls_client_new), the server's certificate checked for the context's
+   * server name, else for the host of `addr`; NULL: plain TCP. Borrowed: it
+   * must outlive the client. */
+  struct tls_ctx *tls;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

@@ -72,6 +72,10 @@ typedef struct dp_server_config {
    * PushBatch or PullBatch}); NULL records nothing. Borrowed: it must outlive
    * the server. */
   struct metrics *metrics;
+  /* TLS 1.3 on every connection as the server of this context
+   * (common/tls.h: tls_server_new; with a client CA, clients must present a
+   * certificate); NULL: plain TCP. Borrowed: it must outlive the server. */
+  struct tls_ctx *tls;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the
