@@ -1,22 +1,23 @@
 /*
  * stream_tls — TLS 1.3 streams (stream_tls_ops): a TCP stream of the plain
- * implementation underneath, OpenSSL's session on top, joined by two memory
- * BIOs, so that OpenSSL never touches the socket and libuv stays the only
- * one doing I/O.
+ * implementation underneath, OpenSSL's session on top, joined by a memory
+ * BIO of our own over the stream's buffers, so that OpenSSL never touches
+ * the socket and libuv stays the only one doing I/O.
  *
- *   reads:  TCP -> rx (our buffer) -> rbio -> SSL_read -> the owner's buffer
- *   writes: the owner's buffers -> SSL_write -> wbio -> a chunk -> TCP
+ *   reads:  TCP -> rx (our buffer) -> SSL_read -> the owner's buffer
+ *   writes: the owner's buffers -> SSL_write -> a chunk -> TCP
  *
- * Copies. Reading, the kernel copies ciphertext into rx, rx is appended to
- * rbio, OpenSSL takes each record from rbio into its record buffer, decrypts
- * it in place and copies the plaintext into the buffer the owner's alloc
- * callback handed out: so the owner's zero-copy logic (read into the final
- * destination) is unchanged, at the price of three passes of memcpy-speed
- * over the bytes besides the decryption. Writing, OpenSSL encrypts from the
- * owner's buffer into its own record buffer, appends that to wbio, and wbio
- * is drained into a chunk handed to TCP (two copies besides the encryption).
- * The cipher (AES-GCM on AES-NI) dominates; docs/PERFORMANCE.md has the
- * figures against plain TCP.
+ * Copies. Reading, the kernel copies ciphertext into rx, OpenSSL takes each
+ * record from rx into its record buffer, decrypts it in place and copies the
+ * plaintext into the buffer the owner's alloc callback handed out: so the
+ * owner's zero-copy logic (read into the final destination) is unchanged, at
+ * the price of two passes of memcpy speed besides the decryption. Writing,
+ * OpenSSL encrypts from the owner's buffer into its record buffer and writes
+ * the record into the chunk that goes to TCP (one copy besides the
+ * encryption). OpenSSL's own BIO_s_mem would add one copy each way (and zero
+ * its buffer as it grows): the first version had it, and bench_tls measured
+ * the difference (docs/PERFORMANCE.md, "TLS on the data plane"). The cipher
+ * (AES-GCM on AES-NI) dominates what is left.
  *
  * Handshake. dial and accept start it; the owner hears of the stream (the
  * connect callback, the accept callback) only once it finished, or of its
@@ -47,6 +48,7 @@
  * the timer's) were closed; the owner's close callback runs just before.
  */
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,7 +96,7 @@ typedef struct tls_stream {
   stream *s; /* the owner's stream */
   stream *tcp;
   SSL *ssl;
-  BIO *rbio, *wbio; /* owned by ssl */
+  BIO *bio; /* owned by ssl: reads rx, writes into out */
   int state;
   int server;
   int handles; /* libuv handles not yet closed: TCP's, the timer's */
@@ -112,6 +114,9 @@ typedef struct tls_stream {
   uv_timer_t timer;       /* the handshake's deadline, then deferred reads */
   tls_listener *listener; /* accepted, while its handshake runs */
   list_node pending;      /* in the listener's list meanwhile */
+  tls_chunk *out;         /* ciphertext gathered for TCP, NULL when none */
+  size_t out_cap;
+  size_t rx_off, rx_len; /* rx[rx_off, rx_len): ciphertext not yet taken */
   char detail[TLS_DETAIL];
   char rx[TLS_RX];
 } tls_stream;
@@ -171,15 +176,88 @@ static void tcp_read_start_if(tls_stream *t) {
   t->tcp_reading = 1;
 }
 
-/* 1 if rbio holds at least one whole TLS record (5-byte header: type,
+/* 1 if rx holds at least one whole TLS record (5-byte header: type,
  * version, length), so that SSL_read will not come back empty-handed. */
 static int record_ready(tls_stream *t) {
-  char *p = NULL;
-  long n = BIO_get_mem_data(t->rbio, &p);
-  if (n < 5)
+  size_t n = t->rx_len - t->rx_off;
+  const unsigned char *p = (const unsigned char *)t->rx + t->rx_off;
+  return n >= 5 && n >= 5 + (((size_t)p[3] << 8) | p[4]);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The BIO between OpenSSL and the stream                                   */
+/* ------------------------------------------------------------------------ */
+
+/* A memory BIO of our own over the stream's buffers: OpenSSL reads
+ * ciphertext straight out of rx (where TCP put it) and writes records
+ * straight into the chunk that goes to TCP, one copy less each way than
+ * OpenSSL's BIO_s_mem (whose buffer would sit between) and no zeroing of
+ * its growing buffer. Never "would block" on writes; an empty rx asks to
+ * retry the read. */
+static BIO_METHOD *bio_method;
+static pthread_once_t bio_once = PTHREAD_ONCE_INIT;
+
+static int bio_read(BIO *b, char *out, int len) {
+  tls_stream *t = BIO_get_data(b);
+  size_t avail = t->rx_len - t->rx_off;
+  BIO_clear_retry_flags(b);
+  if (avail == 0) {
+    BIO_set_retry_read(b);
+    return -1;
+  }
+  size_t n = avail < (size_t)len ? avail : (size_t)len;
+  memcpy(out, t->rx + t->rx_off, n);
+  t->rx_off += n;
+  return (int)n;
+}
+
+static int bio_write(BIO *b, const char *in, int len) {
+  tls_stream *t = BIO_get_data(b);
+  BIO_clear_retry_flags(b);
+  size_t have = t->out ? t->out->len : 0, need = have + (size_t)len;
+  if (need > t->out_cap) {
+    size_t cap = t->out_cap ? t->out_cap : TLS_CHUNK + (32u << 10);
+    while (cap < need)
+      cap *= 2;
+    tls_chunk *c = realloc(t->out, sizeof *c + cap);
+    if (!c)
+      return -1;
+    if (!t->out)
+      c->len = 0;
+    t->out = c;
+    t->out_cap = cap;
+  }
+  memcpy(t->out->data + t->out->len, in, (size_t)len);
+  t->out->len += (size_t)len;
+  return len;
+}
+
+static long bio_ctrl(BIO *b, int cmd, long num, void *ptr) {
+  (void)num;
+  (void)ptr;
+  tls_stream *t = BIO_get_data(b);
+  switch (cmd) {
+  case BIO_CTRL_FLUSH:
+    return 1; /* flush() sends the chunk when the stream decides */
+  case BIO_CTRL_PENDING:
+    return t ? (long)(t->rx_len - t->rx_off) : 0;
+  default:
     return 0;
-  size_t len = ((size_t)(unsigned char)p[3] << 8) | (unsigned char)p[4];
-  return (size_t)n >= 5 + len;
+  }
+}
+
+static int bio_create(BIO *b) {
+  BIO_set_init(b, 1);
+  return 1;
+}
+
+static void bio_method_make(void) {
+  BIO_METHOD *m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "zshard stream");
+  if (m && BIO_meth_set_read(m, bio_read) && BIO_meth_set_write(m, bio_write) &&
+      BIO_meth_set_ctrl(m, bio_ctrl) && BIO_meth_set_create(m, bio_create))
+    bio_method = m; /* kept for the process's life */
+  else
+    BIO_meth_free(m);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -218,29 +296,30 @@ static void on_chunk_written(stream_write_req *req, int status) {
     pump_writes(t);
 }
 
-/* Hands whatever wbio holds (and, with need_chunk, an empty chunk if it
- * holds nothing) to TCP. Returns 0 or the failure, recorded in werr. */
+/* Hands the ciphertext gathered in `out` (and, with need_chunk, an empty
+ * chunk if there is none) to TCP. Returns 0 or the failure, recorded in
+ * werr. */
 static int flush(tls_stream *t) {
-  size_t n = BIO_ctrl_pending(t->wbio);
-  if (n == 0 && !t->need_chunk)
+  if (!t->out && !t->need_chunk)
     return 0;
+  tls_chunk *c = t->out;
+  t->out = NULL;
+  t->out_cap = 0;
   if (t->werr || !t->tcp || t->s->closing) {
-    (void)BIO_reset(t->wbio);
+    free(c);
     return t->werr ? t->werr : ZS_ECLOSED;
   }
-  tls_chunk *c = malloc(sizeof *c + n);
   if (!c) {
-    t->werr = say(t, ZS_ENOMEM, "%s", "out of memory for TLS ciphertext");
-    return t->werr;
+    /* The empty chunk an empty write waits for. */
+    c = malloc(sizeof *c);
+    if (!c) {
+      t->werr = say(t, ZS_ENOMEM, "%s", "out of memory for TLS ciphertext");
+      return t->werr;
+    }
+    c->len = 0;
   }
   c->t = t;
-  c->len = n;
-  if (n && BIO_read(t->wbio, c->data, (int)n) != (int)n) {
-    free(c);
-    t->werr = say(t, ZS_EIO, "%s", "the TLS write buffer came back short");
-    return t->werr;
-  }
-  uv_buf_t b = {.base = c->data, .len = n};
+  uv_buf_t b = {.base = c->data, .len = c->len};
   int rc = stream_write(t->tcp, &c->req, &b, 1, on_chunk_written);
   if (rc != 0) {
     free(c);
@@ -311,7 +390,7 @@ static void pump_writes(tls_stream *t) {
       w->off += (size_t)r;
       t->plain_queued -= (size_t)r;
       budget -= (size_t)r < budget ? (size_t)r : budget;
-      if (BIO_ctrl_pending(t->wbio) >= TLS_CHUNK && flush(t) != 0) {
+      if (t->out && t->out->len >= TLS_CHUNK && flush(t) != 0) {
         complete_writes(t);
         return;
       }
@@ -425,7 +504,7 @@ static void read_end(tls_stream *t, int status, const uv_buf_t *buf) {
   t->s->read_cb(t->s, t->s->data, status, buf ? buf : &none);
 }
 
-/* Decrypts what rbio holds into buffers from the owner's alloc callback,
+/* Decrypts what rx holds into buffers from the owner's alloc callback,
  * each filled as far as whole records allow before the read callback, until
  * the owner stops reading or nothing whole is left. Bounded by one TCP
  * read's worth of ciphertext (plus a partial record), like TCP's reads. */
@@ -487,12 +566,22 @@ static void advance(tls_stream *t) {
     deliver(t);
 }
 
+/* TCP reads into rx after what OpenSSL has not taken yet (a partial record
+ * at most, while the owner reads), which moves to the front only when the
+ * room behind it gets short. */
 static void on_rx_alloc(stream *tcp, void *data, size_t suggested, uv_buf_t *buf) {
   (void)tcp;
   (void)suggested;
   tls_stream *t = data;
-  buf->base = t->rx;
-  buf->len = sizeof t->rx;
+  if (t->rx_off == t->rx_len) {
+    t->rx_off = t->rx_len = 0;
+  } else if (sizeof t->rx - t->rx_len < TLS_RX / 2) {
+    memmove(t->rx, t->rx + t->rx_off, t->rx_len - t->rx_off);
+    t->rx_len -= t->rx_off;
+    t->rx_off = 0;
+  }
+  buf->base = t->rx + t->rx_len;
+  buf->len = sizeof t->rx - t->rx_len;
 }
 
 static void on_rx(stream *tcp, void *data, ssize_t nread, const uv_buf_t *buf) {
@@ -504,9 +593,9 @@ static void on_rx(stream *tcp, void *data, ssize_t nread, const uv_buf_t *buf) {
     t->tcp_end = (int)nread;
     if (nread != STREAM_EOF)
       say(t, (int)nread, "%s", stream_detail(tcp));
-  } else if (BIO_write(t->rbio, buf->base, (int)nread) != (int)nread) {
-    t->tcp_end = say(t, ZS_ENOMEM, "%s", "out of memory for TLS ciphertext");
-    tcp_read_stop_if(t);
+  } else {
+    (void)buf; /* rx + rx_len, from on_rx_alloc */
+    t->rx_len += (size_t)nread;
   }
   advance(t);
 }
@@ -532,6 +621,7 @@ static void on_handle_closed(tls_stream *t) {
   if (s->close_cb)
     s->close_cb(s, s->data);
   SSL_free(t->ssl);
+  free(t->out);
   free(t);
   free(s);
 }
@@ -589,14 +679,13 @@ static tls_stream *tls_new(uv_loop_t *loop, tls_ctx *ctx, int server, const char
   stream *s = calloc(1, sizeof *s);
   tls_stream *t = calloc(1, sizeof *t);
   SSL *ssl = tls_ctx_session(ctx);
-  BIO *rbio = BIO_new(BIO_s_mem()), *wbio = BIO_new(BIO_s_mem());
-  if (!s || !t || !ssl || !rbio || !wbio)
+  pthread_once(&bio_once, bio_method_make);
+  BIO *bio = bio_method ? BIO_new(bio_method) : NULL;
+  if (!s || !t || !ssl || !bio)
     goto fail;
-  /* An empty BIO means "wait for more", not the end of the stream. */
-  BIO_set_mem_eof_return(rbio, -1);
-  BIO_set_mem_eof_return(wbio, -1);
-  SSL_set_bio(ssl, rbio, wbio);
-  rbio = wbio = NULL;
+  BIO_set_data(bio, t);
+  SSL_set_bio(ssl, bio, bio); /* one reference, which ssl now owns */
+  bio = NULL;
   if (server) {
     SSL_set_accept_state(ssl);
   } else {
@@ -613,8 +702,7 @@ static tls_stream *tls_new(uv_loop_t *loop, tls_ctx *ctx, int server, const char
   s->u.tls = t;
   t->s = s;
   t->ssl = ssl;
-  t->rbio = SSL_get_rbio(ssl);
-  t->wbio = SSL_get_wbio(ssl);
+  t->bio = SSL_get_rbio(ssl);
   t->server = server;
   t->state = TLS_HANDSHAKE;
   list_init(&t->writes);
@@ -624,8 +712,7 @@ static tls_stream *tls_new(uv_loop_t *loop, tls_ctx *ctx, int server, const char
   t->handles = 2;
   return t;
 fail:
-  BIO_free(rbio);
-  BIO_free(wbio);
+  BIO_free(bio);
   SSL_free(ssl);
   free(t);
   free(s);
@@ -648,7 +735,7 @@ static int tls_read_start(stream *s, stream_alloc_cb alloc_cb, stream_read_cb re
     return 0; /* the handshake's end starts the reading */
   /* Plaintext or ciphertext already here, or TCP's end, is delivered from
    * the loop, never from inside this call. */
-  if (SSL_pending(t->ssl) > 0 || BIO_ctrl_pending(t->rbio) > 0 || t->tcp_end)
+  if (SSL_pending(t->ssl) > 0 || t->rx_len > t->rx_off || t->tcp_end)
     uv_timer_start(&t->timer, on_timer, 0, 0);
   else
     tcp_read_start_if(t);
