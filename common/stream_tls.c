@@ -45,7 +45,10 @@
  * because a TLS stream that ends unannounced may have been cut.
  *
  * Memory: a stream is freed once both its libuv handles (the TCP stream's and
- * the timer's) were closed; the owner's close callback runs just before.
+ * the timer's) were closed; the owner's close callback runs just before. A
+ * stream holds TLS_RX of ciphertext buffer, OpenSSL's record buffers (about
+ * 50 KiB) and at most TLS_AHEAD of ciphertext queued: some 120 KiB when idle,
+ * against a few hundred bytes for a plain TCP stream.
  */
 #include <arpa/inet.h>
 #include <pthread.h>
