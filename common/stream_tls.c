@@ -521,7 +521,7 @@ static void deliver(tls_stream *t) {
       read_end(t, say(t, ZS_ENOMEM, "%s", "no buffer to read into"), &buf);
       return;
     }
-    size_t got = 0;
+    size_t got = 0, rx_before = t->rx_off;
     int e = SSL_ERROR_NONE;
     while (got < buf.len && (SSL_pending(t->ssl) > 0 || record_ready(t))) {
       size_t want = buf.len - got > INT32_MAX ? INT32_MAX : buf.len - got;
@@ -539,6 +539,11 @@ static void deliver(tls_stream *t) {
     int ok = e == SSL_ERROR_NONE || e == SSL_ERROR_WANT_READ;
     if (got > 0 || ok)
       s->read_cb(s, s->data, (ssize_t)got, &buf);
+    /* OpenSSL took nothing although a whole record seemed to be there: rx
+     * is not where a record starts (which AUTO_RETRY, off in tls.c, could
+     * cause). Wait for more bytes rather than spin. */
+    if (e == SSL_ERROR_WANT_READ && got == 0 && t->rx_off == rx_before)
+      break;
     if (ok)
       continue;
     /* The buffer goes back with the final status if no bytes took it. */

@@ -69,6 +69,10 @@ static int load(const tls_ctx *c, SSL_CTX **out, char *err, size_t errlen) {
   /* No session tickets: the data plane's connections are long-lived, and a
    * ticket is bytes on every handshake that nothing would use. */
   SSL_CTX_set_num_tickets(x, 0);
+  /* One record per SSL_read: after a record that carries no data (a key
+   * update), OpenSSL must return rather than read on, because stream_tls.c
+   * hands it only whole records and finds where they start in its buffer. */
+  SSL_CTX_clear_mode(x, SSL_MODE_AUTO_RETRY);
   SSL_CTX_set_mode(x, SSL_MODE_RELEASE_BUFFERS);
   if (c->cert_file) {
     what = "the TLS certificate";
