@@ -23,6 +23,9 @@
 
 #include <cmocka.h>
 
+#include <openssl/ssl.h>
+#include <pthread.h>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -774,6 +777,79 @@ static void a_handshake_that_never_finishes_times_out_on_both_sides(void **state
   teardown(&st);
 }
 
+/* A peer that is plain OpenSSL on a blocking socket (not this layer), which
+ * asks for a key update in the middle of its data: the bytes on both sides
+ * of the update arrive whole, the update is answered, and the answer's
+ * bytes and the peer's close_notify arrive after it. */
+typedef struct openssl_peer {
+  int port;
+  const unsigned char *src;
+  size_t len;
+  char answer[6];
+  int ok;
+} openssl_peer;
+
+static void *openssl_peer_main(void *arg) {
+  openssl_peer *p = arg;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  uv_ip4_addr("127.0.0.1", p->port, &a);
+  SSL *ssl = tls_ctx_session(client_ctx);
+  if (fd < 0 || !ssl || connect(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+      SSL_set1_host(ssl, "127.0.0.1") != 1 || SSL_set_fd(ssl, fd) != 1 || SSL_connect(ssl) != 1)
+    goto out;
+  size_t half = p->len / 2;
+  if (SSL_write(ssl, p->src, (int)half) != (int)half ||
+      SSL_key_update(ssl, SSL_KEY_UPDATE_REQUESTED) != 1 ||
+      SSL_write(ssl, p->src + half, (int)(p->len - half)) != (int)(p->len - half))
+    goto out;
+  size_t got = 0;
+  while (got < 5) {
+    int r = SSL_read(ssl, p->answer + got, (int)(5 - got));
+    /* The context has AUTO_RETRY off: the server's key update comes back
+     * as "want read", and the data follows. */
+    if (r <= 0 && SSL_get_error(ssl, r) == SSL_ERROR_WANT_READ)
+      continue;
+    if (r <= 0)
+      goto out;
+    got += (size_t)r;
+  }
+  p->ok = SSL_shutdown(ssl) >= 0;
+out:
+  SSL_free(ssl);
+  if (fd >= 0)
+    close(fd);
+  return NULL;
+}
+
+static void a_plain_openssl_peer_that_updates_its_keys_midway_is_understood(void **state) {
+  (void)state;
+  fx *f = tls_fx(server_ctx, client_ctx);
+  size_t len = (2u << 20) + 9;
+  unsigned char *src = malloc(len);
+  assert_non_null(src);
+  fill(src, len, 23);
+  openssl_peer p = {.port = addr_port(&f->addr), .src = src, .len = len};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, openssl_peer_main, &p), 0);
+  RUN_UNTIL(f, f->server.st != NULL);
+  reads_into(&f->server, len, 100003);
+  RUN_UNTIL(f, f->server.got == len);
+  assert_memory_equal(f->server.dst, src, len);
+  uv_buf_t b = {.base = "hello", .len = 5};
+  wr w = {0};
+  assert_int_equal(stream_write(f->server.st, &w.req, &b, 1, on_written), 0);
+  RUN_UNTIL(f, w.calls == 1 && f->server.ended);
+  assert_int_equal(w.status, 0);
+  assert_int_equal(f->server.read_status, STREAM_EOF); /* the peer's close_notify */
+  pthread_join(th, NULL);
+  assert_true(p.ok);
+  assert_string_equal(p.answer, "hello");
+  free(src);
+  void *st = f;
+  teardown(&st);
+}
+
 static void contexts_refuse_missing_or_mismatched_files_with_a_sentence(void **state) {
   (void)state;
   tls_ctx *c = NULL;
@@ -862,6 +938,7 @@ int main(void) {
       cmocka_unit_test(
           a_peer_gone_mid_handshake_fails_the_accept_and_a_closed_listener_drops_handshakes),
       cmocka_unit_test(a_handshake_that_never_finishes_times_out_on_both_sides),
+      cmocka_unit_test(a_plain_openssl_peer_that_updates_its_keys_midway_is_understood),
       cmocka_unit_test(contexts_refuse_missing_or_mismatched_files_with_a_sentence),
   };
   failed += cmocka_run_group_tests_name("tls handshakes", tls_tests, NULL, NULL);
