@@ -99,7 +99,6 @@ typedef struct tls_stream {
   stream *s; /* the owner's stream */
   stream *tcp;
   SSL *ssl;
-  BIO *bio; /* owned by ssl: reads rx, writes into out */
   int state;
   int server;
   int handles; /* libuv handles not yet closed: TCP's, the timer's */
@@ -710,7 +709,6 @@ static tls_stream *tls_new(uv_loop_t *loop, tls_ctx *ctx, int server, const char
   s->u.tls = t;
   t->s = s;
   t->ssl = ssl;
-  t->bio = SSL_get_rbio(ssl);
   t->server = server;
   t->state = TLS_HANDSHAKE;
   list_init(&t->writes);
