@@ -319,13 +319,17 @@ typedef struct zc_security {
   char *tls_cert_file;
   char *tls_key_file;
   char *tls_server_name;
+  /* The data plane's TLS client context made from the files above (NULL:
+   * plaintext); shared by every data-plane client of this client. */
+  struct tls_ctx *dp_tls;
 } zc_security;
 
 /* Each argument (the caller's option, may be NULL or "") or else its
  * environment variable (ZSHARD_TOKEN then ZSHARD_TOKEN_FILE, ZSHARD_TLS_CA,
- * _CERT, _KEY, _SERVER_NAME) into *out, copied. Returns ZS_OK, or an error
- * with the last error set (a token file that cannot be read); *out is then
- * empty. `fn` names the caller in messages. */
+ * _CERT, _KEY, _SERVER_NAME) into *out, copied; with a CA, also the data
+ * plane's TLS context. Returns ZS_OK, or an error with the last error set (a
+ * token file or a TLS file that cannot be read); *out is then empty. `fn` names the caller in
+ * messages. */
 int zc_security_resolve(const char *token, const char *tls_ca_file, const char *tls_cert_file,
                         const char *tls_key_file, const char *tls_server_name, zc_security *out,
                         const char *fn);
