@@ -46,6 +46,7 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <inttypes.h>
 #include <math.h>
@@ -73,6 +74,9 @@
 #define GSRV_SLOTS_PER_METHOD 4
 #define GSRV_GENERIC_SLOTS 2
 #define GSRV_ERRLEN 256
+
+/* Parked calls per connection are counted in a table of this many chains. */
+#define GSRV_PEER_BUCKETS 256
 
 #define ZS_STATUS_KEY "zs-status"
 #define SERVICE_NAME "zshard.v1.ZShard"
@@ -111,6 +115,15 @@ enum {
 
 typedef struct gcall gcall;
 
+/* Parked calls of one connection (grpc_call_get_peer names it: address and
+ * port), under gsrv.lock; freed when its count drops to 0. */
+typedef struct peer_count peer_count;
+struct peer_count {
+  peer_count *next;
+  uint32_t n;
+  char peer[]; /* NUL-terminated */
+};
+
 struct gsrv {
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -135,6 +148,10 @@ struct gsrv {
                           in-flight list and when shutdown completes */
   gcall *inflight;     /* calls not yet answered and sent, except Watch */
   gcall *watchers;     /* Watch streams */
+  gsrv_limits lim;     /* fixed at start (docs/OPERATIONS.md, "Limits") */
+  uint32_t nparked;    /* calls parked in the core, counted in peers[] */
+  uint32_t nwatchers;  /* entries of watchers */
+  peer_count *peers[GSRV_PEER_BUCKETS];
   int serving;
   int stopping;      /* no more request slots are posted */
   int closing;       /* every call not yet answered is answered ECLOSED */
@@ -145,7 +162,7 @@ struct gsrv {
 struct gcall {
   gtag req_tag;   /* the request slot was filled */
   gtag io_tag;    /* the hop, the final batch, a Watch message */
-  gtag close_tag; /* Watch: RECV_CLOSE_ON_SERVER */
+  gtag close_tag; /* Watch, parked calls: RECV_CLOSE_ON_SERVER */
   gsrv *s;        /* only used while the call is open */
   int method;
   atomic_int refs;
@@ -162,6 +179,9 @@ struct gcall {
   int listed;
   int grpc_released; /* release_grpc() ran */
   int waiting;       /* parked in the core waiting for data (not counted as work) */
+  int parked;        /* counted in gsrv.nparked and its peer's count, under gsrv.lock */
+  int close_started; /* RECV_CLOSE_ON_SERVER has its own batch (close_tag) */
+  char *peer;        /* grpc_call_get_peer's, for a parked call; gpr_free */
 
   /* The final batch's resources, released when it completes. */
   grpc_byte_buffer *reply;
@@ -292,6 +312,7 @@ static void gcall_unref(gcall *c) {
   if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) != 1)
     return;
   release_grpc(c);
+  gpr_free(c->peer);
   free(c->ckpt);
   free(c);
 }
@@ -318,6 +339,12 @@ static void list_remove_locked(gcall **head, gcall *c) {
   c->listed = 0;
 }
 
+static void watch_remove_locked(gsrv *s, gcall *c) {
+  if (c->listed)
+    s->nwatchers--;
+  list_remove_locked(&s->watchers, c);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Answering                                                                */
 /* ------------------------------------------------------------------------ */
@@ -329,7 +356,10 @@ static void on_final(gtag *t, int ok);
 static void final_done(gcall *c) {
   gsrv *s = c->s;
   pthread_mutex_lock(&s->lock);
-  list_remove_locked(c->method == M_HEALTH_WATCH ? &s->watchers : &s->inflight, c);
+  if (c->method == M_HEALTH_WATCH)
+    watch_remove_locked(s, c);
+  else
+    list_remove_locked(&s->inflight, c);
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   release_grpc(c);
@@ -380,8 +410,10 @@ static void send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *de
     ops[n++].data.send_message.send_message = reply;
   }
   status_op(c, &ops[n++], zs, detail);
-  ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-  ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
+  if (!c->close_started) { /* a parked call has it in a batch of its own */
+    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
+  }
   c->io_tag.done = on_final;
   gcall_ref(c);
   grpc_call_error e = start_batch(c->call, ops, n, &c->io_tag);
@@ -532,6 +564,125 @@ static uint64_t wait_deadline(const gcall *c, uint32_t timeout_ms) {
     }
   }
   return clock_now_ms() + rel;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Parked calls                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A parked call costs the server its gRPC call and stream (about 14 KiB) for
+ * as long as it waits, up to GSRV_MAX_WAIT_MS. So each one is counted against
+ * a whole-server and a per-connection budget, and each has its
+ * RECV_CLOSE_ON_SERVER pending from the start: a cancel or a disconnect
+ * completes it at once, which answers the call and releases the gRPC call
+ * then, not when the wait ends. What stays until the core's deadline is the
+ * gcall and the core's waiter, plain memory of about 0.5 KiB. */
+
+static uint32_t peer_bucket(const char *peer) {
+  uint32_t h = 2166136261u; /* FNV-1a */
+  for (const unsigned char *p = (const unsigned char *)peer; *p; p++)
+    h = (h ^ *p) * 16777619u;
+  return h % GSRV_PEER_BUCKETS;
+}
+
+static peer_count **peer_find_locked(gsrv *s, const char *peer) {
+  peer_count **pp = &s->peers[peer_bucket(peer)];
+  while (*pp && strcmp((*pp)->peer, peer) != 0)
+    pp = &(*pp)->next;
+  return pp;
+}
+
+/* Counts the call against the budgets; returns 0, or ZS_ELIMIT with the
+ * sentence in err when one is full. s->lock held. */
+static int park_count_locked(gsrv *s, gcall *c, char *err, size_t errlen) {
+  const char *peer = c->peer ? c->peer : "unknown";
+  if (s->nparked >= s->lim.max_parked)
+    return status_fail(err, errlen, ZS_ELIMIT,
+                       "the server already holds %" PRIu32
+                       " waiting calls (Pull, GradStats), its limit; retry later",
+                       s->lim.max_parked);
+  peer_count **pp = peer_find_locked(s, peer);
+  if (*pp && (*pp)->n >= s->lim.max_parked_per_conn)
+    return status_fail(err, errlen, ZS_ELIMIT,
+                       "this connection already has %" PRIu32
+                       " waiting calls (Pull, GradStats), the server's limit per connection",
+                       s->lim.max_parked_per_conn);
+  if (!*pp) {
+    size_t n = strlen(peer) + 1;
+    peer_count *e = malloc(sizeof *e + n);
+    if (!e)
+      return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory counting a waiting call");
+    e->next = NULL;
+    e->n = 0;
+    memcpy(e->peer, peer, n);
+    *pp = e;
+  }
+  (*pp)->n++;
+  s->nparked++;
+  c->parked = 1;
+  return 0;
+}
+
+/* Takes the call off the budgets (once; later calls do nothing). */
+static void park_uncount(gcall *c) {
+  gsrv *s = c->s;
+  pthread_mutex_lock(&s->lock);
+  if (c->parked) {
+    c->parked = 0;
+    s->nparked--;
+    peer_count **pp = peer_find_locked(s, c->peer ? c->peer : "unknown");
+    if (*pp && --(*pp)->n == 0) {
+      peer_count *e = *pp;
+      *pp = e->next;
+      free(e);
+    }
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void on_park_close(gtag *t, int ok) {
+  (void)ok;
+  gcall *c = container_of(t, gcall, close_tag);
+  park_uncount(c);
+  /* Not cancelled: the final batch went out, nothing is left to do. Else the
+   * peer cancelled or went away: the call is answered now (a core callback
+   * that comes later finds it claimed), which releases the gRPC call. */
+  if (c->cancelled)
+    answer(c, NULL, ZS_ECANCELED, "the client cancelled the call or went away");
+  gcall_unref(c);
+}
+
+/* Before a call may wait in the core: counts it against the budgets and
+ * starts its RECV_CLOSE_ON_SERVER. Returns 0, or a status with the sentence
+ * in err (the caller answers it). The count ends when the call closes
+ * (on_park_close), or earlier by park_uncount when it does not wait. */
+static int park_begin(gsrv *s, gcall *c, char *err, size_t errlen) {
+  if (!c->peer)
+    c->peer = grpc_call_get_peer(c->call);
+  pthread_mutex_lock(&s->lock);
+  int rc = park_count_locked(s, c, err, errlen);
+  if (rc == 0)
+    c->waiting = 1;
+  pthread_mutex_unlock(&s->lock);
+  if (rc)
+    return rc;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &c->cancelled;
+  c->close_tag.done = on_park_close;
+  c->close_started = 1;
+  gcall_ref(c);
+  grpc_call_error e = start_batch(c->call, &op, 1, &c->close_tag);
+  if (e != GRPC_CALL_OK) {
+    c->close_started = 0;
+    gcall_unref(c);
+    set_waiting(c, 0);
+    park_uncount(c);
+    return status_fail(err, errlen, ZS_EINTERNAL, "cannot watch the call for a cancel: %s",
+                       grpc_call_error_to_string(e));
+  }
+  return 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -891,14 +1042,19 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   c->nbytes = (size_t)nb;
 
   uint64_t version = 0;
-  set_waiting(c, 1);
+  int rc = park_begin(s, c, err, sizeof err);
+  if (rc) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
   gcall_ref(c); /* the core's, released by resume_from_core */
-  int rc = core_wait_version(s->core, c->hash, min_version, wait_deadline(c, timeout_ms),
-                             on_core_version, c, &version, err, sizeof err);
+  rc = core_wait_version(s->core, c->hash, min_version, wait_deadline(c, timeout_ms),
+                         on_core_version, c, &version, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
   set_waiting(c, 0);
+  park_uncount(c);
   if (rc < 0) {
     finish_err(c, 0, rc, err);
     return;
@@ -962,14 +1118,19 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   uint32_t acked_rank = r->acked_rank;
   protobuf_c_message_free_unpacked(&r->base, NULL);
 
-  set_waiting(c, 1);
+  int rc = park_begin(s, c, err, sizeof err);
+  if (rc) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
   gcall_ref(c);
-  int rc = service_grad_stats(s->svc, c->hash, c->step, acked_rank, wait_deadline(c, timeout_ms),
-                              on_core_stats, c, &c->stats, err, sizeof err);
+  rc = service_grad_stats(s->svc, c->hash, c->step, acked_rank, wait_deadline(c, timeout_ms),
+                          on_core_stats, c, &c->stats, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
   set_waiting(c, 0);
+  park_uncount(c);
   if (rc < 0 && rc != ZS_ETIMEDOUT) {
     finish_err(c, 0, rc, err);
     return;
@@ -1490,7 +1651,7 @@ static void watch_kick_locked(gsrv *s, gcall *c) {
     grpc_call_error e = start_batch(c->call, ops, 1, &c->io_tag);
     if (e != GRPC_CALL_OK) {
       LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
-      list_remove_locked(&s->watchers, c);
+      watch_remove_locked(s, c);
       pthread_cond_broadcast(&s->cond);
       gcall_unref(c); /* cannot be the last: the caller holds one */
     }
@@ -1519,7 +1680,7 @@ static void on_watch_final(gtag *t, int ok) {
   grpc_slice_unref(c->trailer.value);
   c->trailer.value = grpc_empty_slice();
   pthread_mutex_lock(&s->lock);
-  list_remove_locked(&s->watchers, c);
+  watch_remove_locked(s, c);
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   gcall_unref(c);
@@ -1531,7 +1692,7 @@ static void on_watch_close(gtag *t, int ok) {
   gsrv *s = c->s;
   pthread_mutex_lock(&s->lock);
   c->w_closed = 1;
-  list_remove_locked(&s->watchers, c);
+  watch_remove_locked(s, c);
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   gcall_unref(c);
@@ -1556,6 +1717,17 @@ static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     answer(c, NULL, ZS_ECLOSED, "the server is shutting down");
     return;
   }
+  if (s->nwatchers >= s->lim.max_watchers) {
+    uint32_t max = s->lim.max_watchers;
+    pthread_mutex_unlock(&s->lock);
+    char err[GSRV_ERRLEN];
+    snprintf(err, sizeof err,
+             "the server already streams %" PRIu32
+             " health Watch calls, its limit; use Check, or retry later",
+             max);
+    answer(c, NULL, ZS_ELIMIT, err);
+    return;
+  }
   /* The stream is ours from here on: nobody else answers it. */
   atomic_store(&c->claimed, 1);
   grpc_op op;
@@ -1572,6 +1744,7 @@ static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   list_add_locked(&s->watchers, c);
+  s->nwatchers++;
   watch_kick_locked(s, c);
   pthread_mutex_unlock(&s->lock);
 }
@@ -1782,11 +1955,76 @@ static void teardown(gsrv *s) {
     grpc_completion_queue_destroy(s->cq);
   grpc_shutdown();
   free(s->threads);
+  for (int i = 0; i < GSRV_PEER_BUCKETS; i++) {
+    while (s->peers[i]) {
+      peer_count *e = s->peers[i];
+      s->peers[i] = e->next;
+      free(e);
+    }
+  }
   if (s->own_svc)
     service_destroy(s->svc);
   pthread_cond_destroy(&s->cond);
   pthread_mutex_destroy(&s->lock);
   free(s);
+}
+
+/* A positive integer from the environment, else `def`. */
+static uint32_t env_u32(const char *name, uint32_t def) {
+  const char *v = getenv(name);
+  if (!v || !*v)
+    return def;
+  char *end;
+  unsigned long long x = strtoull(v, &end, 10);
+  if (*end || x == 0 || x > INT32_MAX) {
+    LOG_WARN("bad_env", "name=%s reason=not_a_positive_int32 using=%" PRIu32, name, def);
+    return def;
+  }
+  return (uint32_t)x;
+}
+
+void gsrv_limits_init(gsrv_limits *l) {
+  l->max_parked = env_u32("ZSHARD_GRPC_MAX_PARKED", GSRV_DEFAULT_MAX_PARKED);
+  l->max_parked_per_conn =
+      env_u32("ZSHARD_GRPC_MAX_PARKED_PER_CONN", GSRV_DEFAULT_MAX_PARKED_PER_CONN);
+  l->max_watchers = env_u32("ZSHARD_GRPC_MAX_WATCHERS", GSRV_DEFAULT_MAX_WATCHERS);
+  l->idle_ms = env_u32("ZSHARD_GRPC_IDLE_MS", GSRV_DEFAULT_IDLE_MS);
+  l->handshake_ms = env_u32("ZSHARD_GRPC_HANDSHAKE_MS", GSRV_DEFAULT_HANDSHAKE_MS);
+  l->keepalive_ms = env_u32("ZSHARD_GRPC_KEEPALIVE_MS", GSRV_DEFAULT_KEEPALIVE_MS);
+  l->keepalive_timeout_ms = GSRV_DEFAULT_KEEPALIVE_TIMEOUT_MS;
+}
+
+static void int_arg(grpc_arg *a, const char *key, int value) {
+  a->type = GRPC_ARG_INTEGER;
+  a->key = (char *)key;
+  a->value.integer = value;
+}
+
+/* The listener's channel arguments (GSRV_NARGS of them) from its limits. */
+#define GSRV_NARGS 10
+static void listener_args(const gsrv_limits *l, grpc_arg *args) {
+  int n = 0;
+  int_arg(&args[n++], GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, RPC_MAX_MESSAGE_BYTES);
+  int_arg(&args[n++], GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, RPC_MAX_MESSAGE_BYTES);
+  /* gRPC sets SO_REUSEPORT by default, which would let a second server bind
+   * a port already in use and silently share its connections. */
+  int_arg(&args[n++], GRPC_ARG_ALLOW_REUSEPORT, 0);
+  /* An idle connection costs a descriptor and its buffers: gRPC's default
+   * keeps it forever, and enough of them starve the checkpoint writer of
+   * descriptors (EMFILE). */
+  int_arg(&args[n++], GRPC_ARG_MAX_CONNECTION_IDLE_MS, (int)l->idle_ms);
+  int_arg(&args[n++], GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, (int)l->handshake_ms);
+  int_arg(&args[n++], GRPC_ARG_KEEPALIVE_TIME_MS, (int)l->keepalive_ms);
+  int_arg(&args[n++], GRPC_ARG_KEEPALIVE_TIMEOUT_MS, (int)l->keepalive_timeout_ms);
+  /* Clients may ping (to keep NATs open) once a minute, even between calls;
+   * more often is gRPC's "too many pings" and ends the connection. */
+  int_arg(&args[n++], GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  int_arg(&args[n++], GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 60000);
+  /* Streams open at once on one connection: its parked calls and room for
+   * the calls in progress beside them. */
+  int_arg(
+      &args[n++], GRPC_ARG_MAX_CONCURRENT_STREAMS,
+      (int)(l->max_parked_per_conn > INT32_MAX - 256 ? INT32_MAX : l->max_parked_per_conn + 256));
 }
 
 static int default_threads(void) {
@@ -1817,6 +2055,10 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->own_svc = 1;
   }
   s->data_port = cfg->data_port;
+  if (cfg->limits)
+    s->lim = *cfg->limits;
+  else
+    gsrv_limits_init(&s->lim);
   /* A Watch stream lives as long as its client wants: its duration is no
    * latency, so it is not recorded. */
   for (int m = 0; m < M_COUNT; m++)
@@ -1835,19 +2077,9 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   grpc_init();
 
   int rc = ZS_EINTERNAL;
-  grpc_arg args[3];
-  args[0].type = GRPC_ARG_INTEGER;
-  args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args[0].value.integer = RPC_MAX_MESSAGE_BYTES;
-  args[1].type = GRPC_ARG_INTEGER;
-  args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  args[1].value.integer = RPC_MAX_MESSAGE_BYTES;
-  /* gRPC sets SO_REUSEPORT by default, which would let a second server bind
-   * a port already in use and silently share its connections. */
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
-  args[2].value.integer = 0;
-  grpc_channel_args chargs = {.num_args = 3, .args = args};
+  grpc_arg args[GSRV_NARGS];
+  listener_args(&s->lim, args);
+  grpc_channel_args chargs = {.num_args = GSRV_NARGS, .args = args};
   s->server = grpc_server_create(&chargs, NULL);
   s->cq = grpc_completion_queue_create_for_next(NULL);
   if (!s->server || !s->cq) {
