@@ -40,6 +40,7 @@
  *  - InitParams (once per job): gather (0-1 copy) + protobuf-c unpack (1).
  */
 #include "server/grpc_server.h"
+#include "server/push_asm.h"
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -77,6 +78,13 @@
 
 /* Parked calls per connection are counted in a table of this many chains. */
 #define GSRV_PEER_BUCKETS 256
+
+/* The largest request the listener receives: a Push chunk and its header. */
+#define GSRV_MAX_REQUEST_BYTES (RPC_PUSH_CHUNK_BYTES + RPC_HEADROOM_BYTES)
+/* The largest request of a method that carries no bulk data. */
+#define GSRV_SMALL_REQUEST_BYTES (64 * 1024)
+/* CommitCheckpoint lists up to SPEC_MAX_SHARDS files by name. */
+#define GSRV_COMMIT_REQUEST_BYTES (4 * 1024 * 1024)
 
 #define ZS_STATUS_KEY "zs-status"
 #define SERVICE_NAME "zshard.v1.ZShard"
@@ -156,6 +164,7 @@ struct gsrv {
   int stopping;      /* no more request slots are posted */
   int closing;       /* every call not yet answered is answered ECLOSED */
   int shutdown_done; /* the grpc_server_shutdown_and_notify tag arrived */
+  push_asm *chunks;  /* Push payloads arriving in chunks */
   gtag shutdown_tag;
 };
 
@@ -231,27 +240,35 @@ static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 
+/* Per method: its path, its handler and the largest request it takes (a
+ * larger one is refused before it is parsed; docs/OPERATIONS.md, "Limits").
+ * Bulk requests (an Open's spec, a chunk of weights, state or gradient) may
+ * use the whole listener limit; the clients send initial weights and state in
+ * chunks of 1 MiB and gradients in chunks of RPC_PUSH_CHUNK_BYTES. */
 static const struct {
   const char *path;
   handler_fn fn;
+  size_t max_request;
 } methods[M_COUNT] = {
-    [M_OPEN] = {"/zshard.v1.ZShard/Open", h_open},
-    [M_INIT_PARAMS] = {"/zshard.v1.ZShard/InitParams", h_init_params},
-    [M_PUSH] = {"/zshard.v1.ZShard/Push", h_push},
-    [M_PULL] = {"/zshard.v1.ZShard/Pull", h_pull},
-    [M_GRAD_STATS] = {"/zshard.v1.ZShard/GradStats", h_grad_stats},
-    [M_APPLY] = {"/zshard.v1.ZShard/Apply", h_apply},
-    [M_GET_INFO] = {"/zshard.v1.ZShard/GetInfo", h_get_info},
-    [M_STATS] = {"/zshard.v1.ZShard/Stats", h_stats},
-    [M_CHECKPOINT] = {"/zshard.v1.ZShard/Checkpoint", h_checkpoint},
-    [M_COMMIT_CHECKPOINT] = {"/zshard.v1.ZShard/CommitCheckpoint", h_commit_checkpoint},
-    [M_RESTORE] = {"/zshard.v1.ZShard/Restore", h_restore},
-    [M_LIST_CHECKPOINTS] = {"/zshard.v1.ZShard/ListCheckpoints", h_list_checkpoints},
-    [M_CLOSE_JOB] = {"/zshard.v1.ZShard/CloseJob", h_close_job},
-    [M_READ_STATE] = {"/zshard.v1.ZShard/ReadState", h_read_state},
-    [M_WRITE_STATE] = {"/zshard.v1.ZShard/WriteState", h_write_state},
-    [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check},
-    [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch},
+    [M_OPEN] = {"/zshard.v1.ZShard/Open", h_open, GSRV_MAX_REQUEST_BYTES},
+    [M_INIT_PARAMS] = {"/zshard.v1.ZShard/InitParams", h_init_params, GSRV_MAX_REQUEST_BYTES},
+    [M_PUSH] = {"/zshard.v1.ZShard/Push", h_push, GSRV_MAX_REQUEST_BYTES},
+    [M_PULL] = {"/zshard.v1.ZShard/Pull", h_pull, GSRV_SMALL_REQUEST_BYTES},
+    [M_GRAD_STATS] = {"/zshard.v1.ZShard/GradStats", h_grad_stats, GSRV_SMALL_REQUEST_BYTES},
+    [M_APPLY] = {"/zshard.v1.ZShard/Apply", h_apply, GSRV_SMALL_REQUEST_BYTES},
+    [M_GET_INFO] = {"/zshard.v1.ZShard/GetInfo", h_get_info, GSRV_SMALL_REQUEST_BYTES},
+    [M_STATS] = {"/zshard.v1.ZShard/Stats", h_stats, GSRV_SMALL_REQUEST_BYTES},
+    [M_CHECKPOINT] = {"/zshard.v1.ZShard/Checkpoint", h_checkpoint, GSRV_SMALL_REQUEST_BYTES},
+    [M_COMMIT_CHECKPOINT] = {"/zshard.v1.ZShard/CommitCheckpoint", h_commit_checkpoint,
+                             GSRV_COMMIT_REQUEST_BYTES},
+    [M_RESTORE] = {"/zshard.v1.ZShard/Restore", h_restore, GSRV_SMALL_REQUEST_BYTES},
+    [M_LIST_CHECKPOINTS] = {"/zshard.v1.ZShard/ListCheckpoints", h_list_checkpoints,
+                            GSRV_SMALL_REQUEST_BYTES},
+    [M_CLOSE_JOB] = {"/zshard.v1.ZShard/CloseJob", h_close_job, GSRV_SMALL_REQUEST_BYTES},
+    [M_READ_STATE] = {"/zshard.v1.ZShard/ReadState", h_read_state, GSRV_SMALL_REQUEST_BYTES},
+    [M_WRITE_STATE] = {"/zshard.v1.ZShard/WriteState", h_write_state, GSRV_MAX_REQUEST_BYTES},
+    [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check, GSRV_SMALL_REQUEST_BYTES},
+    [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch, GSRV_SMALL_REQUEST_BYTES},
 };
 
 /* ------------------------------------------------------------------------ */
@@ -719,6 +736,7 @@ typedef struct push_req {
   int dtype; /* 0 when absent or not a zs_dtype value */
   const uint8_t *data;
   size_t len;
+  uint64_t offset, total; /* a chunk of the payload when total > 0 */
 } push_req;
 
 /* Decodes zshard.v1.PushRequest by the protobuf wire rules (fields in any
@@ -802,6 +820,15 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
         return -1;
       r->data = bytes;
       r->len = (size_t)v;
+      break;
+    case 9:
+    case 10:
+      if (wire != 0)
+        return -1;
+      if (field == 9)
+        r->offset = v;
+      else
+        r->total = v;
       break;
     default:
       break; /* unknown field: skipped */
@@ -908,6 +935,27 @@ static void h_init_params(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   protobuf_c_message_free_unpacked(&r->base, NULL);
 }
 
+/* A chunk of a Push payload (PushRequest.total set): checked against the
+ * piece before any byte is held, then kept until the payload is whole, which
+ * comes back in *whole (malloc'ed) with the last chunk. */
+static int push_chunk(gsrv *s, const core_push_args *a, uint64_t offset, uint64_t total,
+                      void **whole, char *err, size_t errlen) {
+  *whole = NULL;
+  core_push_args q = *a;
+  q.nbytes = (size_t)total;
+  int rc = total > SIZE_MAX ? ZS_ESIZE : service_push_check(s->svc, &q, err, errlen);
+  if (rc)
+    return rc;
+  push_asm_key k = {.hash = a->hash,
+                    .step = a->step,
+                    .rank = a->rank,
+                    .micro = a->micro,
+                    .tensor = a->tensor,
+                    .slice = a->slice,
+                    .dtype = a->dtype};
+  return push_asm_add(s->chunks, &k, total, offset, a->data, a->nbytes, whole, err, errlen);
+}
+
 static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   char err[GSRV_ERRLEN] = "";
   push_req r;
@@ -931,8 +979,22 @@ static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
       .data = r.data,
       .nbytes = r.len,
   };
+  void *whole = NULL;
+  int rc = 0;
+  if (r.total) {
+    rc = push_chunk(s, &a, r.offset, r.total, &whole, err, sizeof err);
+    if (rc == 0 && !whole) { /* more chunks to come: this one is kept */
+      Zshard__V1__PushResponse resp = ZSHARD__V1__PUSH_RESPONSE__INIT;
+      finish_msg(c, 0, &resp.base);
+      return;
+    }
+    a.data = whole;
+    a.nbytes = (size_t)r.total;
+  }
   int duplicate = 0;
-  int rc = service_push(s->svc, &a, &duplicate, err, sizeof err);
+  if (rc == 0)
+    rc = service_push(s->svc, &a, &duplicate, err, sizeof err);
+  free(whole);
   if (rc) {
     finish_err(c, 0, rc, err);
     return;
@@ -1816,6 +1878,14 @@ static void dispatch(gsrv *s, gcall *c) {
     answer(c, NULL, ZS_EPROTO, "the call carries no request message");
     return;
   }
+  size_t n = grpc_byte_buffer_length(c->payload);
+  if (n > methods[c->method].max_request) {
+    char err[GSRV_ERRLEN];
+    snprintf(err, sizeof err, "a %s request has at most %zu bytes, not %zu",
+             strrchr(methods[c->method].path, '/') + 1, methods[c->method].max_request, n);
+    answer(c, NULL, ZS_ELIMIT, err);
+    return;
+  }
   grpc_slice msg;
   if (request_slice(c->payload, &msg) != 0) {
     answer(c, NULL, ZS_EPROTO, "the request message cannot be read");
@@ -1955,6 +2025,7 @@ static void teardown(gsrv *s) {
     grpc_completion_queue_destroy(s->cq);
   grpc_shutdown();
   free(s->threads);
+  push_asm_free(s->chunks);
   for (int i = 0; i < GSRV_PEER_BUCKETS; i++) {
     while (s->peers[i]) {
       peer_count *e = s->peers[i];
@@ -1992,6 +2063,12 @@ void gsrv_limits_init(gsrv_limits *l) {
   l->handshake_ms = env_u32("ZSHARD_GRPC_HANDSHAKE_MS", GSRV_DEFAULT_HANDSHAKE_MS);
   l->keepalive_ms = env_u32("ZSHARD_GRPC_KEEPALIVE_MS", GSRV_DEFAULT_KEEPALIVE_MS);
   l->keepalive_timeout_ms = GSRV_DEFAULT_KEEPALIVE_TIMEOUT_MS;
+  l->max_chunked_bytes = (uint64_t)env_u32("ZSHARD_GRPC_MAX_CHUNKED_MB",
+                                           (uint32_t)(GSRV_DEFAULT_MAX_CHUNKED_BYTES >> 20))
+                         << 20;
+  l->chunked_ttl_ms = GSRV_DEFAULT_CHUNKED_TTL_MS;
+  l->memory_bytes =
+      (uint64_t)env_u32("ZSHARD_GRPC_MEMORY_MB", (uint32_t)(GSRV_DEFAULT_MEMORY_BYTES >> 20)) << 20;
 }
 
 static void int_arg(grpc_arg *a, const char *key, int value) {
@@ -2001,10 +2078,16 @@ static void int_arg(grpc_arg *a, const char *key, int value) {
 }
 
 /* The listener's channel arguments (GSRV_NARGS of them) from its limits. */
-#define GSRV_NARGS 10
-static void listener_args(const gsrv_limits *l, grpc_arg *args) {
+#define GSRV_NARGS 11
+static void listener_args(const gsrv_limits *l, grpc_resource_quota *quota, grpc_arg *args) {
   int n = 0;
-  int_arg(&args[n++], GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, RPC_MAX_MESSAGE_BYTES);
+  args[n].type = GRPC_ARG_POINTER;
+  args[n].key = (char *)GRPC_ARG_RESOURCE_QUOTA;
+  args[n].value.pointer.p = quota;
+  args[n++].value.pointer.vtable = grpc_resource_quota_arg_vtable();
+  /* No request needs more than a Push chunk and its header (GSRV_MAX_REQUEST
+   * says per method); gRPC refuses a larger message RESOURCE_EXHAUSTED. */
+  int_arg(&args[n++], GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, GSRV_MAX_REQUEST_BYTES);
   int_arg(&args[n++], GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, RPC_MAX_MESSAGE_BYTES);
   /* gRPC sets SO_REUSEPORT by default, which would let a second server bind
    * a port already in use and silently share its connections. */
@@ -2059,6 +2142,13 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->lim = *cfg->limits;
   else
     gsrv_limits_init(&s->lim);
+  if (push_asm_new(s->lim.max_chunked_bytes, s->lim.chunked_ttl_ms, RPC_PUSH_CHUNK_BYTES,
+                   &s->chunks) != 0) {
+    if (s->own_svc)
+      service_destroy(s->svc);
+    free(s);
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+  }
   /* A Watch stream lives as long as its client wants: its duration is no
    * latency, so it is not recorded. */
   for (int m = 0; m < M_COUNT; m++)
@@ -2078,9 +2168,15 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
 
   int rc = ZS_EINTERNAL;
   grpc_arg args[GSRV_NARGS];
-  listener_args(&s->lim, args);
+  /* gRPC reads a request whole before it checks it against the receive
+   * limit, so the limit alone bounds nothing: its memory quota does. Past
+   * it, gRPC resets streams (RESOURCE_EXHAUSTED) instead of reading more. */
+  grpc_resource_quota *quota = grpc_resource_quota_create("zshard-grpc");
+  grpc_resource_quota_resize(quota, (size_t)s->lim.memory_bytes);
+  listener_args(&s->lim, quota, args);
   grpc_channel_args chargs = {.num_args = GSRV_NARGS, .args = args};
   s->server = grpc_server_create(&chargs, NULL);
+  grpc_resource_quota_unref(quota);
   s->cq = grpc_completion_queue_create_for_next(NULL);
   if (!s->server || !s->cq) {
     status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot create the gRPC server");

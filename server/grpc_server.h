@@ -48,6 +48,14 @@ typedef struct gsrv_limits {
    * FIN releases its parked calls then. */
   uint32_t keepalive_ms;
   uint32_t keepalive_timeout_ms;
+  /* Bytes that Push payloads arriving in chunks may hold on the whole server
+   * while they are reassembled, and how long one may take to complete. */
+  uint64_t max_chunked_bytes;
+  uint32_t chunked_ttl_ms;
+  /* gRPC's memory quota for the listener: requests being read (a request is
+   * read whole before the receive limit is checked), connections' buffers,
+   * calls' arenas. Past it gRPC resets the streams it reads. */
+  uint64_t memory_bytes;
 } gsrv_limits;
 
 #define GSRV_DEFAULT_MAX_PARKED 16384u
@@ -57,11 +65,15 @@ typedef struct gsrv_limits {
 #define GSRV_DEFAULT_HANDSHAKE_MS 10000u
 #define GSRV_DEFAULT_KEEPALIVE_MS (2u * 60u * 1000u)
 #define GSRV_DEFAULT_KEEPALIVE_TIMEOUT_MS 20000u
+#define GSRV_DEFAULT_MAX_CHUNKED_BYTES (UINT64_C(2) << 30)
+#define GSRV_DEFAULT_CHUNKED_TTL_MS 60000u
+#define GSRV_DEFAULT_MEMORY_BYTES (UINT64_C(1) << 30)
 
 /* Fills *l with the defaults above, each overridden by its hidden environment
  * knob when set to a positive integer (ZSHARD_GRPC_MAX_PARKED,
  * ZSHARD_GRPC_MAX_PARKED_PER_CONN, ZSHARD_GRPC_MAX_WATCHERS,
- * ZSHARD_GRPC_IDLE_MS, ZSHARD_GRPC_HANDSHAKE_MS, ZSHARD_GRPC_KEEPALIVE_MS):
+ * ZSHARD_GRPC_IDLE_MS, ZSHARD_GRPC_HANDSHAKE_MS, ZSHARD_GRPC_KEEPALIVE_MS,
+ * ZSHARD_GRPC_MAX_CHUNKED_MB, ZSHARD_GRPC_MEMORY_MB):
  * they exist for tests and emergencies, not as tuning advice. */
 void gsrv_limits_init(gsrv_limits *l);
 

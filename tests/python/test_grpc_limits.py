@@ -340,3 +340,102 @@ def test_an_idle_http2_connection_is_closed(server_factory):
         sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0" + bytes([4, 0]) + b"\0\0\0\0")
         types = read_until_closed(sock, answer_settings=True)
         assert 7 in types, "closed without a GOAWAY (frames: %s)" % types
+
+
+def raw_call(ch, method, body):
+    """A call of `method` with `body` as its request bytes, unchecked."""
+    return ch.unary_unary("/zshard.v1.ZShard/" + method, request_serializer=lambda x: x,
+                          response_deserializer=lambda x: x)(body, timeout=OUTCOME_SECONDS * 4)
+
+
+def with_unknown_field(msg, n):
+    """The serialized `msg` followed by an unknown bytes field (number 15) of n
+    bytes: still a valid message of its type, of any size."""
+    varint, v = b"", n
+    while True:
+        if v < 0x80:
+            varint += bytes([v])
+            break
+        varint += bytes([(v & 0x7f) | 0x80])
+        v >>= 7
+    return msg.SerializeToString() + b"\x7a" + varint + bytes(n)
+
+
+def hwm_bytes(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def test_a_small_method_refuses_a_large_request(stubs, server_factory):
+    import grpc
+    pb = stubs["pb"]
+    srv = server_factory()
+    ch = channel(srv.target, 1)
+    with pytest.raises(grpc.RpcError) as e:
+        raw_call(ch, "GetInfo", with_unknown_field(pb.GetInfoRequest(), 1 << 20))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "at most 65536 bytes" in e.value.details()
+    # The same method with a request of its size is served.
+    assert raw_call(ch, "GetInfo", with_unknown_field(pb.GetInfoRequest(), 1000)) is not None
+    ch.close()
+
+
+def test_huge_requests_are_refused_without_holding_their_size(stubs, server_factory):
+    """Two requests of 300 MiB at once: refused, and the server's peak memory
+    grows by less than one of them (gRPC's memory quota, 128 MiB here, resets
+    the streams; before, every method took 1 GiB and kept all of it)."""
+    import threading
+
+    import grpc
+    pb = stubs["pb"]
+    srv = server_factory(ZSHARD_GRPC_MEMORY_MB=128)
+    ch = channel(srv.target, 1)
+    assert raw_call(ch, "GetInfo", pb.GetInfoRequest().SerializeToString()) is not None
+    before = hwm_bytes(srv.proc.pid)
+    body = with_unknown_field(pb.GetInfoRequest(), 300 << 20)
+    codes = []
+
+    def send():
+        try:
+            raw_call(ch, "GetInfo", body)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    grown = hwm_bytes(srv.proc.pid) - before
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert grown < 300 << 20, "peak memory grew by %d MiB" % (grown >> 20)
+    # The server is still there for calls of a sane size.
+    assert raw_call(ch, "GetInfo", pb.GetInfoRequest().SerializeToString()) is not None
+    ch.close()
+
+
+def test_push_chunk_fields_are_checked(stubs, server_factory):
+    import grpc
+    pb, pbg = stubs["pb"], stubs["pbg"]
+    srv = server_factory()
+    ch = channel(srv.target, 1)
+    stub = pbg.ZShardStub(ch)
+    h = open_job(pb, stub)
+    piece = bytes(1024 * 4)
+
+    def push(**kw):
+        return stub.Push(pb.PushRequest(spec_hash=h, step=1, rank=0, micro=0, tensor=0, slice=0,
+                                        dtype=pb.DTYPE_FP32, **kw), timeout=OUTCOME_SECONDS)
+    for bad in [dict(data=piece, total=len(piece) + 4),        # not the piece's size
+                dict(data=piece[4:], offset=4, total=len(piece)),  # not on a chunk boundary
+                dict(data=piece[:100], offset=0, total=len(piece))]:  # a short chunk
+        with pytest.raises(grpc.RpcError) as e:
+            push(**bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    # A payload of one chunk, sent as a chunk, is the whole contribution.
+    assert not push(data=piece, offset=0, total=len(piece)).duplicate
+    assert push(data=piece).duplicate
+    ch.close()
