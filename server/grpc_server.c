@@ -128,8 +128,9 @@ typedef struct gcall gcall;
 typedef struct peer_count peer_count;
 struct peer_count {
   peer_count *next;
-  uint32_t n;
-  char peer[]; /* NUL-terminated */
+  uint32_t n;            /* parked calls */
+  uint64_t answer_bytes; /* Pull answers built and not yet taken */
+  char peer[];           /* NUL-terminated */
 };
 
 struct gsrv {
@@ -152,13 +153,16 @@ struct gsrv {
   int nthreads;
 
   pthread_mutex_t lock;
-  pthread_cond_t cond; /* CLOCK_MONOTONIC; signalled when a call leaves the
-                          in-flight list and when shutdown completes */
-  gcall *inflight;     /* calls not yet answered and sent, except Watch */
-  gcall *watchers;     /* Watch streams */
-  gsrv_limits lim;     /* fixed at start (docs/OPERATIONS.md, "Limits") */
-  uint32_t nparked;    /* calls parked in the core, counted in peers[] */
-  uint32_t nwatchers;  /* entries of watchers */
+  pthread_cond_t cond;   /* CLOCK_MONOTONIC; signalled when a call leaves the
+                            in-flight list and when shutdown completes */
+  gcall *inflight;       /* calls not yet answered and sent, except Watch */
+  gcall *watchers;       /* Watch streams */
+  gsrv_limits lim;       /* fixed at start (docs/OPERATIONS.md, "Limits") */
+  uint32_t nparked;      /* calls parked in the core, counted in peers[] */
+  uint32_t nwatchers;    /* entries of watchers */
+  uint64_t answer_bytes; /* Pull answers built and not yet taken, all peers */
+  gcall *answer_wait;    /* Pulls waiting for room for their answer (aw_next) */
+  gcall **answer_wait_tail;
   peer_count *peers[GSRV_PEER_BUCKETS];
   int serving;
   int stopping;      /* no more request slots are posted */
@@ -186,11 +190,16 @@ struct gcall {
 
   gcall *prev, *next; /* in gsrv.inflight or gsrv.watchers, under gsrv.lock */
   int listed;
-  int grpc_released; /* release_grpc() ran */
-  int waiting;       /* parked in the core waiting for data (not counted as work) */
-  int parked;        /* counted in gsrv.nparked and its peer's count, under gsrv.lock */
-  int close_started; /* RECV_CLOSE_ON_SERVER has its own batch (close_tag) */
-  char *peer;        /* grpc_call_get_peer's, for a parked call; gpr_free */
+  int grpc_released;        /* release_grpc() ran */
+  int waiting;              /* parked in the core waiting for data (not counted as work) */
+  int parked;               /* counted in gsrv.nparked and its peer's count, under gsrv.lock */
+  int close_started;        /* RECV_CLOSE_ON_SERVER has its own batch (close_tag) */
+  char *peer;               /* grpc_call_get_peer's, for a parked call; gpr_free */
+  uint64_t answer_held;     /* bytes counted in the answer budgets, under gsrv.lock */
+  uint64_t answer_since_ms; /* clock_now_ms() when they were counted */
+  gcall *aw_next;           /* in gsrv.answer_wait */
+  int aw_claimed;           /* the claim pull_finish had when the call queued */
+  int stall_cancelled;      /* cancelled for an answer its peer did not take */
 
   /* The final batch's resources, released when it completes. */
   grpc_byte_buffer *reply;
@@ -367,9 +376,10 @@ static void watch_remove_locked(gsrv *s, gcall *c) {
 /* ------------------------------------------------------------------------ */
 
 static void on_final(gtag *t, int ok);
+static void answer_release(gcall *c);
 
-/* Everything after the final batch: the call leaves the in-flight list and
- * its grpc_call is released. */
+/* Everything after the final batch: the call leaves the in-flight list, its
+ * grpc_call is released and so is the room its answer took. */
 static void final_done(gcall *c) {
   gsrv *s = c->s;
   pthread_mutex_lock(&s->lock);
@@ -380,6 +390,7 @@ static void final_done(gcall *c) {
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   release_grpc(c);
+  answer_release(c);
 }
 
 static void on_final(gtag *t, int ok) {
@@ -449,6 +460,9 @@ static void answer(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail
   if (atomic_exchange(&c->claimed, 1)) {
     if (reply)
       grpc_byte_buffer_destroy(reply);
+    /* The one who answered released the call's room, possibly before this
+     * answer counted it. */
+    answer_release(c);
     return;
   }
   send_final(c, reply, zs, detail);
@@ -609,6 +623,30 @@ static peer_count **peer_find_locked(gsrv *s, const char *peer) {
   return pp;
 }
 
+/* The entry of `peer`, made if there is none; NULL when out of memory. */
+static peer_count *peer_get_locked(gsrv *s, const char *peer) {
+  peer_count **pp = peer_find_locked(s, peer);
+  if (*pp)
+    return *pp;
+  size_t n = strlen(peer) + 1;
+  peer_count *e = calloc(1, sizeof *e + n);
+  if (!e)
+    return NULL;
+  memcpy(e->peer, peer, n);
+  *pp = e;
+  return e;
+}
+
+/* Frees the entry of `peer` once nothing is counted in it. */
+static void peer_put_locked(gsrv *s, const char *peer) {
+  peer_count **pp = peer_find_locked(s, peer);
+  if (*pp && (*pp)->n == 0 && (*pp)->answer_bytes == 0) {
+    peer_count *e = *pp;
+    *pp = e->next;
+    free(e);
+  }
+}
+
 /* Counts the call against the budgets; returns 0, or ZS_ELIMIT with the
  * sentence in err when one is full. s->lock held. */
 static int park_count_locked(gsrv *s, gcall *c, char *err, size_t errlen) {
@@ -624,17 +662,10 @@ static int park_count_locked(gsrv *s, gcall *c, char *err, size_t errlen) {
                        "this connection already has %" PRIu32
                        " waiting calls (Pull, GradStats), the server's limit per connection",
                        s->lim.max_parked_per_conn);
-  if (!*pp) {
-    size_t n = strlen(peer) + 1;
-    peer_count *e = malloc(sizeof *e + n);
-    if (!e)
-      return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory counting a waiting call");
-    e->next = NULL;
-    e->n = 0;
-    memcpy(e->peer, peer, n);
-    *pp = e;
-  }
-  (*pp)->n++;
+  peer_count *e = peer_get_locked(s, peer);
+  if (!e)
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory counting a waiting call");
+  e->n++;
   s->nparked++;
   c->parked = 1;
   return 0;
@@ -647,12 +678,11 @@ static void park_uncount(gcall *c) {
   if (c->parked) {
     c->parked = 0;
     s->nparked--;
-    peer_count **pp = peer_find_locked(s, c->peer ? c->peer : "unknown");
-    if (*pp && --(*pp)->n == 0) {
-      peer_count *e = *pp;
-      *pp = e->next;
-      free(e);
-    }
+    const char *peer = c->peer ? c->peer : "unknown";
+    peer_count **pp = peer_find_locked(s, peer);
+    if (*pp)
+      (*pp)->n--;
+    peer_put_locked(s, peer);
   }
   pthread_mutex_unlock(&s->lock);
 }
@@ -700,6 +730,113 @@ static int park_begin(gsrv *s, gcall *c, char *err, size_t errlen) {
                        grpc_call_error_to_string(e));
   }
   return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pull answers                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A Pull's answer (the piece, up to 1 GiB) is built once its version is there
+ * and held until gRPC has handed it to the socket, which a peer that does not
+ * read delays as long as it likes. So answers count against a whole-server
+ * and a per-connection budget while they are held. One that does not fit
+ * waits in gsrv.answer_wait and is built when room is made, rather than
+ * refused: an honest trainer's pulls all come due at once after an apply. */
+
+static void pull_build(gcall *c, int claimed);
+
+static int answer_fits_locked(const gsrv *s, const peer_count *e, uint64_t n) {
+  return (s->answer_bytes == 0 || s->answer_bytes + n <= s->lim.max_answer_bytes) &&
+         (e->answer_bytes == 0 || e->answer_bytes + n <= s->lim.max_answer_bytes_per_conn);
+}
+
+static void answer_count_locked(gsrv *s, peer_count *e, gcall *c, uint64_t n) {
+  s->answer_bytes += n;
+  e->answer_bytes += n;
+  c->answer_held = n;
+  c->answer_since_ms = clock_now_ms();
+}
+
+/* Cancels the calls whose answers were held past answer_stall_ms (their peers
+ * stopped reading): their final batches fail, which gives the room back.
+ * s->lock held; a call still in s->inflight has its grpc_call. */
+static void answer_cancel_stalled_locked(gsrv *s) {
+  uint64_t now = clock_now_ms();
+  for (gcall *i = s->inflight; i; i = i->next) {
+    if (!i->answer_held || i->stall_cancelled || !i->call ||
+        now - i->answer_since_ms < s->lim.answer_stall_ms)
+      continue;
+    i->stall_cancelled = 1;
+    LOG_WARN("grpc_answer_stalled", "bytes=%" PRIu64 " held_ms=%" PRIu64, i->answer_held,
+             now - i->answer_since_ms);
+    grpc_call_cancel(i->call, NULL);
+  }
+}
+
+/* Room for c's answer (c->nbytes bytes): 1 when counted, 0 when c waits in
+ * the queue (with a reference) for answer_release to build it, -1 when out
+ * of memory. */
+static int answer_reserve(gsrv *s, gcall *c, int claimed) {
+  int rc = -1;
+  pthread_mutex_lock(&s->lock);
+  peer_count *e = peer_get_locked(s, c->peer ? c->peer : "unknown");
+  if (e && (s->closing || answer_fits_locked(s, e, c->nbytes))) {
+    answer_count_locked(s, e, c, c->nbytes);
+    rc = 1;
+  } else if (e) {
+    c->aw_claimed = claimed;
+    c->aw_next = NULL;
+    gcall_ref(c);
+    if (!s->answer_wait)
+      s->answer_wait_tail = &s->answer_wait;
+    *s->answer_wait_tail = c;
+    s->answer_wait_tail = &c->aw_next;
+    answer_cancel_stalled_locked(s);
+    rc = 0;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+/* Gives back the room of c's answer, if it has any, and builds the waiting
+ * answers that fit now (once each, in queue order per connection). */
+static void answer_release(gcall *c) {
+  gsrv *s = c->s;
+  gcall *run = NULL, **run_tail = &run;
+  pthread_mutex_lock(&s->lock);
+  if (!c->answer_held) {
+    pthread_mutex_unlock(&s->lock);
+    return;
+  }
+  const char *peer = c->peer ? c->peer : "unknown";
+  peer_count *e = *peer_find_locked(s, peer);
+  s->answer_bytes -= c->answer_held;
+  if (e)
+    e->answer_bytes -= c->answer_held;
+  c->answer_held = 0;
+  peer_put_locked(s, peer);
+  gcall **pp = &s->answer_wait;
+  while (*pp) {
+    gcall *w = *pp;
+    peer_count *we = peer_get_locked(s, w->peer ? w->peer : "unknown");
+    if (we && answer_fits_locked(s, we, w->nbytes)) {
+      *pp = w->aw_next;
+      answer_count_locked(s, we, w, w->nbytes);
+      w->aw_next = NULL;
+      *run_tail = w;
+      run_tail = &w->aw_next;
+    } else {
+      pp = &w->aw_next;
+    }
+  }
+  s->answer_wait_tail = pp;
+  pthread_mutex_unlock(&s->lock);
+  while (run) {
+    gcall *w = run;
+    run = w->aw_next;
+    pull_build(w, w->aw_claimed);
+    gcall_unref(w);
+  }
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1037,6 +1174,17 @@ static void pull_finish(gcall *c, int claimed) {
         err);
     return;
   }
+  int room = answer_reserve(s, c, claimed);
+  if (room < 0)
+    finish_err(c, claimed, ZS_ENOMEM, "out of memory counting a Pull answer");
+  else if (room > 0)
+    pull_build(c, claimed);
+}
+
+/* pull_finish's answer, once it has room. */
+static void pull_build(gcall *c, int claimed) {
+  char err[GSRV_ERRLEN] = "";
+  gsrv *s = c->s;
   size_t cap = 2 + varint_len((uint64_t)c->dtype) + varint_len(c->nbytes) + c->nbytes + 1 + 10;
   grpc_slice sl = grpc_slice_malloc(cap);
   uint8_t *p = GRPC_SLICE_START_PTR(sl);
@@ -2069,6 +2217,14 @@ void gsrv_limits_init(gsrv_limits *l) {
   l->chunked_ttl_ms = GSRV_DEFAULT_CHUNKED_TTL_MS;
   l->memory_bytes =
       (uint64_t)env_u32("ZSHARD_GRPC_MEMORY_MB", (uint32_t)(GSRV_DEFAULT_MEMORY_BYTES >> 20)) << 20;
+  l->max_answer_bytes = (uint64_t)env_u32("ZSHARD_GRPC_MAX_ANSWER_MB",
+                                          (uint32_t)(GSRV_DEFAULT_MAX_ANSWER_BYTES >> 20))
+                        << 20;
+  l->max_answer_bytes_per_conn =
+      (uint64_t)env_u32("ZSHARD_GRPC_MAX_ANSWER_MB_PER_CONN",
+                        (uint32_t)(GSRV_DEFAULT_MAX_ANSWER_BYTES_PER_CONN >> 20))
+      << 20;
+  l->answer_stall_ms = env_u32("ZSHARD_GRPC_ANSWER_STALL_MS", GSRV_DEFAULT_ANSWER_STALL_MS);
 }
 
 static void int_arg(grpc_arg *a, const char *key, int value) {
@@ -2279,7 +2435,16 @@ void gsrv_destroy(gsrv *s) {
     w->w_ending = 1;
     watch_kick_locked(s, w);
   }
+  gcall *queued = s->answer_wait;
+  s->answer_wait = NULL;
   pthread_mutex_unlock(&s->lock);
+  /* Answers still waiting for room are not built any more. */
+  while (queued) {
+    gcall *w = queued;
+    queued = w->aw_next;
+    finish_err(w, w->aw_claimed, ZS_ECLOSED, "the server is shutting down");
+    gcall_unref(w);
+  }
 
   /* 4. Every call still open is answered ECLOSED; a core callback that comes
    * later finds it claimed. The list is walked afresh after each answer since

@@ -56,6 +56,14 @@ typedef struct gsrv_limits {
    * read whole before the receive limit is checked), connections' buffers,
    * calls' arenas. Past it gRPC resets the streams it reads. */
   uint64_t memory_bytes;
+  /* Bytes of Pull answers built and not yet taken by their peers: on the
+   * whole server, and per connection. An answer that does not fit waits for
+   * room (it is not refused); one answer always fits where none is held, so
+   * a piece of any size is served. An answer not taken after
+   * answer_stall_ms has its call cancelled when another answer waits. */
+  uint64_t max_answer_bytes;
+  uint64_t max_answer_bytes_per_conn;
+  uint32_t answer_stall_ms;
 } gsrv_limits;
 
 #define GSRV_DEFAULT_MAX_PARKED 16384u
@@ -68,12 +76,16 @@ typedef struct gsrv_limits {
 #define GSRV_DEFAULT_MAX_CHUNKED_BYTES (UINT64_C(2) << 30)
 #define GSRV_DEFAULT_CHUNKED_TTL_MS 60000u
 #define GSRV_DEFAULT_MEMORY_BYTES (UINT64_C(1) << 30)
+#define GSRV_DEFAULT_MAX_ANSWER_BYTES (UINT64_C(2) << 30)
+#define GSRV_DEFAULT_MAX_ANSWER_BYTES_PER_CONN (UINT64_C(256) << 20)
+#define GSRV_DEFAULT_ANSWER_STALL_MS 60000u
 
 /* Fills *l with the defaults above, each overridden by its hidden environment
  * knob when set to a positive integer (ZSHARD_GRPC_MAX_PARKED,
  * ZSHARD_GRPC_MAX_PARKED_PER_CONN, ZSHARD_GRPC_MAX_WATCHERS,
  * ZSHARD_GRPC_IDLE_MS, ZSHARD_GRPC_HANDSHAKE_MS, ZSHARD_GRPC_KEEPALIVE_MS,
- * ZSHARD_GRPC_MAX_CHUNKED_MB, ZSHARD_GRPC_MEMORY_MB):
+ * ZSHARD_GRPC_MAX_CHUNKED_MB, ZSHARD_GRPC_MEMORY_MB, ZSHARD_GRPC_MAX_ANSWER_MB,
+ * ZSHARD_GRPC_MAX_ANSWER_MB_PER_CONN, ZSHARD_GRPC_ANSWER_STALL_MS):
  * they exist for tests and emergencies, not as tuning advice. */
 void gsrv_limits_init(gsrv_limits *l);
 

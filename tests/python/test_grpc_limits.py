@@ -439,3 +439,79 @@ def test_push_chunk_fields_are_checked(stubs, server_factory):
     assert not push(data=piece, offset=0, total=len(piece)).duplicate
     assert push(data=piece).duplicate
     ch.close()
+
+
+def h2_frame(ftype, flags, stream, payload):
+    return len(payload).to_bytes(3, "big") + bytes([ftype, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def hpack_literal(name, value):
+    """A header field as an HPACK literal without indexing, new name, no
+    Huffman coding (lengths below 127)."""
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def start_unread_calls(port, method, body, n):
+    """A raw HTTP/2 client that starts n calls of `method` and reads nothing:
+    its SETTINGS give every stream a window of 0, so the server can send no
+    answer bytes at all. Returns the socket (close it to end the calls)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" +
+                 h2_frame(4, 0, 0, struct.pack(">HI", 4, 0)))  # INITIAL_WINDOW_SIZE 0
+    headers = b"".join(hpack_literal(k, v) for k, v in [
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
+        (b":authority", b"zshard"), (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+    message = b"\0" + struct.pack(">I", len(body)) + body
+    for i in range(n):
+        stream = 1 + 2 * i
+        sock.sendall(h2_frame(1, 4, stream, headers) + h2_frame(0, 1, stream, message))
+    return sock
+
+
+def test_answers_a_peer_does_not_read_are_bounded_per_connection(stubs, server_factory):
+    """20 Pulls of a 16 MiB piece from a peer that reads nothing: without a
+    bound the server builds all 20 answers (320 MiB) and holds them while the
+    peer stays connected; with 32 MiB per connection two are built and the
+    rest wait, and another connection is served meanwhile."""
+    pb, pbg = stubs["pb"], stubs["pbg"]
+    srv = server_factory(ZSHARD_GRPC_MAX_ANSWER_MB_PER_CONN=32)
+    ch = channel(srv.target, 1)
+    stub = pbg.ZShardStub(ch)
+    numel = 4 << 20
+    spec = pb.ModelSpec(
+        job="answers", world_size=1, grad_accum=1, num_shards=1,
+        grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
+        groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_SGD, lr_scale=1.0)],
+        tensors=[pb.TensorSpec(name="w", numel=numel, group=0, shape=[numel])])
+    h = stub.Open(pb.OpenRequest(spec=spec, rank=0), timeout=OUTCOME_SECONDS).spec_hash
+    chunk = 1 << 18
+    for off in range(0, numel, chunk):
+        stub.InitParams(pb.InitParamsRequest(spec_hash=h, tensor=0, slice=0, offset=off,
+                                             data=bytes(chunk * 4)), timeout=OUTCOME_SECONDS)
+    pull = pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=0, dtype=pb.DTYPE_FP32)
+
+    def pulls_built():
+        return stub.Stats(pb.StatsRequest(), timeout=OUTCOME_SECONDS).pulls
+    before = srv.rss_bytes()
+    sock = start_unread_calls(srv.port, "/zshard.v1.ZShard/Pull", pull.SerializeToString(), 20)
+    try:
+        deadline = time.monotonic() + OUTCOME_SECONDS
+        while pulls_built() < 2:
+            assert time.monotonic() < deadline, "the unread Pulls were never answered"
+            time.sleep(0.05)
+        # Another connection is served while the answers wait.
+        got = stub.Pull(pull, timeout=OUTCOME_SECONDS)
+        assert len(got.data) == numel * 4
+        grown = srv.rss_bytes() - before
+        built = pulls_built()
+        assert built <= 3, "%d answers built for a peer that reads nothing" % built
+        assert grown < 160 << 20, "resident memory grew by %d MiB" % (grown >> 20)
+    finally:
+        sock.close()
+    # Gone, the peer's answers give their room back; its waiting ones are
+    # built then (and dropped, as nobody reads them).
+    deadline = time.monotonic() + OUTCOME_SECONDS
+    while pulls_built() < 21:
+        assert time.monotonic() < deadline, "the waiting answers were never released"
+        time.sleep(0.05)
+    ch.close()
