@@ -798,6 +798,29 @@ static int answer_reserve(gsrv *s, gcall *c, int claimed) {
   return rc;
 }
 
+/* Room for an answer of n bytes that cannot wait: 0 when counted, else
+ * ZS_ELIMIT (or ZS_ENOMEM) with the sentence in err. */
+static int answer_try_reserve(gsrv *s, gcall *c, uint64_t n, char *err, size_t errlen) {
+  if (!c->peer)
+    c->peer = grpc_call_get_peer(c->call);
+  pthread_mutex_lock(&s->lock);
+  peer_count *e = peer_get_locked(s, c->peer ? c->peer : "unknown");
+  int rc = 0;
+  if (!e) {
+    rc = status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory counting an answer");
+  } else if (!answer_fits_locked(s, e, n)) {
+    rc = status_fail(err, errlen, ZS_ELIMIT,
+                     "answers not yet taken hold %" PRIu64 " bytes on this connection and %" PRIu64
+                     " on the server, the limits; read them, or retry later",
+                     e->answer_bytes, s->answer_bytes);
+    peer_put_locked(s, c->peer ? c->peer : "unknown");
+  } else {
+    answer_count_locked(s, e, c, n);
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
 /* Gives back the room of c's answer, if it has any, and builds the waiting
  * answers that fit now (once each, in queue order per connection). */
 static void answer_release(gcall *c) {
@@ -1441,13 +1464,17 @@ static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   uint64_t count = r->count, version = 0, steps = 0;
   float *buf = NULL;
   /* The message's own fields take a few bytes besides the data. */
-  uint64_t max_bytes = RPC_MAX_MESSAGE_BYTES - 64;
+  uint64_t max_bytes = RPC_PUSH_CHUNK_BYTES;
   int rc = 0;
   /* A count too large for a message is the service's to refuse (no buffer
-   * is needed for that). */
-  if (count <= max_bytes / sizeof(float) && !(buf = malloc(count ? count * sizeof(float) : 1))) {
-    rc = ZS_ENOMEM;
-    snprintf(err, sizeof err, "out of memory for a ReadState answer");
+   * is needed for that). The answer counts against the answer budgets, but
+   * does not wait for room: a client reads state in 1 MiB chunks. */
+  if (count <= max_bytes / sizeof(float)) {
+    rc = answer_try_reserve(s, c, count * sizeof(float), err, sizeof err);
+    if (rc == 0 && !(buf = malloc(count ? count * sizeof(float) : 1))) {
+      rc = ZS_ENOMEM;
+      snprintf(err, sizeof err, "out of memory for a ReadState answer");
+    }
   }
   if (rc == 0)
     rc = service_state_read(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,

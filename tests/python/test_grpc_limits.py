@@ -515,3 +515,18 @@ def test_answers_a_peer_does_not_read_are_bounded_per_connection(stubs, server_f
         assert time.monotonic() < deadline, "the waiting answers were never released"
         time.sleep(0.05)
     ch.close()
+
+
+def test_a_read_state_answer_is_at_most_64_mib(stubs, server_factory):
+    import grpc
+    pb, pbg = stubs["pb"], stubs["pbg"]
+    srv = server_factory()
+    ch = channel(srv.target, 1)
+    stub = pbg.ZShardStub(ch)
+    h = open_job(pb, stub)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ReadState(pb.ReadStateRequest(spec_hash=h, tensor=0, slice=0, array=1,
+                                           count=(64 << 20) // 4 + 1), timeout=OUTCOME_SECONDS)
+    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "67108864-byte" in e.value.details()
+    ch.close()
