@@ -17,9 +17,17 @@
  * Lock order: gsrv.lock is the only lock here and a leaf: it is never held
  * while calling into the core (so a core lock is never taken inside it), and
  * a core callback takes it only on an error path, holding no lock of ours. It
- * guards the list of calls in flight, the Watch streams, the serving status
- * and the shutdown flags. gRPC functions called with it held never call back
- * into this file (completions go through the queue).
+ * guards the list of calls in flight, the Watch streams, the serving status,
+ * the shutdown flags and the limits' counts (parked calls and answer bytes per
+ * connection, the queue of answers waiting for room). gRPC functions called
+ * with it held never call back into this file (completions go through the
+ * queue). push_asm has a leaf lock of its own, never taken with gsrv.lock.
+ *
+ * Limits (docs/OPERATIONS.md, "Limits"; gsrv_limits in the header): the
+ * channel arguments bound request sizes, gRPC's memory, streams, idle and
+ * handshake time; a parked call counts against the parked budgets until its
+ * RECV_CLOSE_ON_SERVER completes; a Pull answer counts against the answer
+ * budgets from being built until its final batch completes.
  *
  * A call is answered exactly once: whoever flips gcall.claimed from 0 to 1 (a
  * handler, a core callback, or the shutdown sweep) sends the final batch; the
@@ -34,6 +42,8 @@
  *    used in place, one in several is gathered into one buffer (1 copy). The
  *    request is then decoded in place (data points into that buffer) and the
  *    core adds it into its accumulator (or copies an early one to hold it).
+ *    A payload larger than a message comes in chunks, each copied once more
+ *    into the payload's buffer (push_asm), which the core then reads.
  *  - Pull: the response is one slice of exactly the message's size and
  *    core_read converts the piece from the master arena straight into it
  *    (1 copy, which is also the dtype conversion); gRPC sends that slice.
