@@ -615,9 +615,8 @@ static uint64_t wait_deadline(const gcall *c, uint32_t timeout_ms) {
  * as long as it waits, up to GSRV_MAX_WAIT_MS. So each one is counted against
  * a whole-server and a per-connection budget, and each has its
  * RECV_CLOSE_ON_SERVER pending from the start: a cancel or a disconnect
- * completes it at once, which answers the call and releases the gRPC call
- * then, not when the wait ends. What stays until the core's deadline is the
- * gcall and the core's waiter, plain memory of about 0.5 KiB. */
+ * completes it at once, which answers the call, releases the gRPC call and
+ * ends the core's wait (core_cancel_waits) then, not when the wait ends. */
 
 static uint32_t peer_bucket(const char *peer) {
   uint32_t h = 2166136261u; /* FNV-1a */
@@ -704,8 +703,11 @@ static void on_park_close(gtag *t, int ok) {
   /* Not cancelled: the final batch went out, nothing is left to do. Else the
    * peer cancelled or went away: the call is answered now (a core callback
    * that comes later finds it claimed), which releases the gRPC call. */
-  if (c->cancelled)
+  if (c->cancelled) {
     answer(c, NULL, ZS_ECANCELED, "the client cancelled the call or went away");
+    /* The core's callback then finds the call answered and drops it. */
+    core_cancel_waits(c->s->core, c);
+  }
   gcall_unref(c);
 }
 

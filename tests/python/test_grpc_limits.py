@@ -197,6 +197,17 @@ def wait_for_probe(pb, stub, h, want, parked=None):
         time.sleep(0.05)
 
 
+def wait_for_no_waiting_pulls(pb, stub):
+    """Until the shard holds no waiting Pull (Stats.waiting_pulls)."""
+    deadline = time.monotonic() + OUTCOME_SECONDS
+    while True:
+        n = stub.Stats(pb.StatsRequest(), timeout=OUTCOME_SECONDS).waiting_pulls
+        if n == 0:
+            return
+        assert time.monotonic() < deadline, "the shard still holds %d waiting Pulls" % n
+        time.sleep(0.05)
+
+
 def test_parked_pulls_per_connection_are_capped_and_released_on_cancel(stubs, server_factory):
     import grpc
     pb, pbg = stubs["pb"], stubs["pbg"]
@@ -216,6 +227,8 @@ def test_parked_pulls_per_connection_are_capped_and_released_on_cancel(stubs, se
     for f in parked:
         f.cancel()
     wait_for_probe(pb, stub, h, grpc.StatusCode.DEADLINE_EXCEEDED)
+    # And the shard forgets their waits then too.
+    wait_for_no_waiting_pulls(pb, stub)
     other.close()
     ch.close()
 
@@ -259,6 +272,7 @@ def test_parked_pulls_per_server_are_capped_and_released_when_the_client_exits(
         child.wait()
     # The client is gone (its connection closed): its calls are released now.
     wait_for_probe(pb, stub, h, grpc.StatusCode.DEADLINE_EXCEEDED)
+    wait_for_no_waiting_pulls(pb, stub)
     ch.close()
 
 
