@@ -215,19 +215,30 @@ int zc_backoff_wait(struct zs_client *c, uint64_t ms) {
   return closing;
 }
 
+/* Whether `method` (a full gRPC path) is Push or Pull. */
+static int is_transfer(const char *method) {
+  const char *m = strrchr(method, '/');
+  return m && (strcmp(m, "/Push") == 0 || strcmp(m, "/Pull") == 0);
+}
+
 int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st) {
   uint64_t backoff = c->opt.retry_initial_ms;
   for (uint32_t attempt = 0;; attempt++) {
     int rc = rpc_call(c->chan[shard], method, req, resp_desc, resp, timeout_ms, st);
-    /* Only UNAVAILABLE and CANCELLED are retried: the call did not reach the
-     * shard's logic or the shard went away (a server shutting down cancels
-     * the calls it no longer admits; this client never cancels its own
-     * blocking calls, it lets deadlines expire), and every zshard call is
-     * idempotent (a repeated push is acknowledged as a duplicate, a repeated
-     * apply returns the recorded outcome). */
-    int transient = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED;
+    /* Only UNAVAILABLE and CANCELLED are retried, and RESOURCE_EXHAUSTED for
+     * the transfers: the call did not reach the shard's logic or the shard
+     * went away (a server shutting down cancels the calls it no longer
+     * admits; this client never cancels its own blocking calls, it lets
+     * deadlines expire), or a budget of the gRPC listener refused a transfer
+     * before acting (docs/OPERATIONS.md, "Limits": room comes back as other
+     * calls finish; a limit on other calls, such as a job's size, is for
+     * good); and every zshard call is idempotent (a repeated push is
+     * acknowledged as a duplicate, a repeated apply returns the recorded
+     * outcome). */
+    int transient = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED ||
+                    (st->grpc_code == ZC_GRPC_RESOURCE_EXHAUSTED && is_transfer(method));
     if (rc == ZS_OK || !transient || attempt >= c->opt.max_retries)
       return rc;
     atomic_fetch_add(&c->retries, 1);
