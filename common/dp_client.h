@@ -49,6 +49,17 @@ typedef struct dp_client_config {
   /* Requests written to one connection and not yet answered, beyond which
    * new requests wait in the client's queue; 0 means 1024. */
   uint32_t max_inflight;
+  /* The shard's token, presented by every connection before any request;
+   * NULL: none. Only read during dp_client_open (copied). */
+  const char *token;
+  /* TLS: PEM file of the CAs the shard's certificate must chain to (NULL:
+   * plaintext); this client's certificate chain and key for mTLS (both or
+   * NULL); the name the shard's certificate must carry (NULL: the host of
+   * `addr`). Only read during dp_client_open. */
+  const char *tls_ca_file;
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  const char *tls_server_name;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

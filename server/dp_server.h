@@ -28,6 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/auth.h"
 #include "server/core.h"
 #include "server/service.h"
 
@@ -72,6 +73,17 @@ typedef struct dp_server_config {
    * PushBatch or PullBatch}); NULL records nothing. Borrowed: it must outlive
    * the server. */
   struct metrics *metrics;
+  /* The tokens a connection must present before anything else (common/
+   * auth.h); NULL: no authentication. Borrowed: it must outlive the server;
+   * its owner reloads it on SIGHUP. */
+  auth_keys *auth;
+  /* PEM files of the server's certificate chain and key (both: TLS on the
+   * data plane) and of the CA client certificates must chain to (mTLS);
+   * NULL: not given. The same files as gRPC's. Only read during
+   * dp_server_start and reloads. */
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  const char *tls_client_ca_file;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the
