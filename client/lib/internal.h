@@ -57,9 +57,10 @@
 
 /* gRPC's UNAVAILABLE and CANCELLED: the statuses on which calls are retried
  * (the client never cancels its own calls, so CANCELLED comes from a server
- * that is shutting down). */
+ * that is shutting down); RESOURCE_EXHAUSTED too for Push and Pull (zc_call). */
 #define ZC_GRPC_UNAVAILABLE 14
 #define ZC_GRPC_CANCELLED 1
+#define ZC_GRPC_RESOURCE_EXHAUSTED 8
 
 /* ---- error.c -------------------------------------------------------------- */
 

@@ -219,19 +219,30 @@ int zc_backoff_wait(struct zs_client *c, uint64_t ms) {
   return closing;
 }
 
+/* Whether `method` (a full gRPC path) is Push or Pull. */
+static int is_transfer(const char *method) {
+  const char *m = strrchr(method, '/');
+  return m && (strcmp(m, "/Push") == 0 || strcmp(m, "/Pull") == 0);
+}
+
 int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st) {
   uint64_t backoff = c->opt.retry_initial_ms;
   for (uint32_t attempt = 0;; attempt++) {
     int rc = rpc_call(c->chan[shard], method, req, resp_desc, resp, timeout_ms, st);
-    /* Only UNAVAILABLE and CANCELLED are retried: the call did not reach the
-     * shard's logic or the shard went away (a server shutting down cancels
-     * the calls it no longer admits; this client never cancels its own
-     * blocking calls, it lets deadlines expire), and every zshard call is
-     * idempotent (a repeated push is acknowledged as a duplicate, a repeated
-     * apply returns the recorded outcome). */
-    int transient = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED;
+    /* Only UNAVAILABLE and CANCELLED are retried, and RESOURCE_EXHAUSTED for
+     * the transfers: the call did not reach the shard's logic or the shard
+     * went away (a server shutting down cancels the calls it no longer
+     * admits; this client never cancels its own blocking calls, it lets
+     * deadlines expire), or a budget of the gRPC listener refused a transfer
+     * before acting (docs/OPERATIONS.md, "Limits": room comes back as other
+     * calls finish; a limit on other calls, such as a job's size, is for
+     * good); and every zshard call is idempotent (a repeated push is
+     * acknowledged as a duplicate, a repeated apply returns the recorded
+     * outcome). */
+    int transient = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED ||
+                    (st->grpc_code == ZC_GRPC_RESOURCE_EXHAUSTED && is_transfer(method));
     if (rc == ZS_OK || !transient || attempt >= c->opt.max_retries)
       return rc;
     atomic_fetch_add(&c->retries, 1);
@@ -261,19 +272,16 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
   rpc_status st = {0};
   int rc;
 
-  if (op->wire_dtype == op->buf_dtype) {
-    /* protobuf-c only reads the bytes: the cast drops const for its field. */
-    req.data.data = (uint8_t *)(uintptr_t)src;
-  } else {
+  const uint8_t *payload = src;
+  if (op->wire_dtype != op->buf_dtype) {
     tmp = malloc(wbytes);
     if (!tmp)
       return status_fail(err, errlen, ZS_ENOMEM,
                          "out of memory converting tensor '%s' for its push",
                          tensor_name(c, op->tensor));
     zc_convert(tmp, op->wire_dtype, src, op->buf_dtype, pc->numel);
-    req.data.data = tmp;
+    payload = tmp;
   }
-  req.data.len = wbytes;
   req.spec_hash = c->hash;
   req.step = op->step;
   req.rank = c->opt.rank;
@@ -281,8 +289,26 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
   req.tensor = pc->tensor;
   req.slice = pc->slice;
   req.dtype = (Zshard__V1__DType)op->wire_dtype;
-  rc = zc_call(c, t->shard, ZC_METHOD("Push"), &req.base, &zshard__v1__push_response__descriptor,
-               (ProtobufCMessage **)&resp, c->opt.rpc_timeout_ms, &st);
+  /* A payload beyond the server's receive limit goes in chunks of exactly
+   * RPC_PUSH_CHUNK_BYTES, one after the other; the server answers the last
+   * one for the whole contribution. A smaller one goes whole, as before. */
+  if (wbytes > RPC_PUSH_CHUNK_BYTES)
+    req.total = wbytes;
+  size_t off = 0;
+  do {
+    size_t n =
+        wbytes - off < RPC_PUSH_CHUNK_BYTES || !req.total ? wbytes - off : RPC_PUSH_CHUNK_BYTES;
+    req.offset = off;
+    /* protobuf-c only reads the bytes: the cast drops const for its field. */
+    req.data.data = (uint8_t *)(uintptr_t)(payload + off);
+    req.data.len = n;
+    if (resp)
+      protobuf_c_message_free_unpacked(&resp->base, NULL);
+    resp = NULL;
+    rc = zc_call(c, t->shard, ZC_METHOD("Push"), &req.base, &zshard__v1__push_response__descriptor,
+                 (ProtobufCMessage **)&resp, c->opt.rpc_timeout_ms, &st);
+    off += n;
+  } while (rc == ZS_OK && off < wbytes);
   free(tmp);
   if (rc != ZS_OK) {
     snprintf(err, errlen,
@@ -295,7 +321,7 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
   /* A duplicate means an earlier attempt of this very contribution arrived:
    * the shard has it, which is what the push wanted. */
   protobuf_c_message_free_unpacked(&resp->base, NULL);
-  *bytes = req.data.len;
+  *bytes = wbytes;
   return ZS_OK;
 }
 
