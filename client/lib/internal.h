@@ -200,8 +200,11 @@ struct zs_request {
   zs_request_cb cb;
   void *cb_arg;
   uint32_t tensor, micro;
-  uint64_t step;      /* push: the step; pull, prefetch: min_version */
-  const void *src;    /* push: the caller's gradient */
+  uint64_t step;   /* push: the step; pull, prefetch: min_version */
+  const void *src; /* push: the caller's gradient, or owned_src */
+  /* push with error feedback: gradient + residual, fp32, freed when the op
+   * finishes. */
+  float *owned_src;
   void *dst;          /* pull: the caller's buffer; prefetch: the slot's */
   zs_dtype buf_dtype; /* the caller's buffer (prefetch: = wire_dtype) */
   zs_dtype wire_dtype;
@@ -272,6 +275,12 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
 
 /* Frees the prefetch slots (client teardown). */
 void zc_slots_free(struct zs_client *c);
+/* Frees the error-feedback residuals (transfer.c). */
+void zc_ef_free(struct zs_client *c);
+/* After a step: a skipped step's residuals are dropped with its gradient
+ * (skipped 1); otherwise they are multiplied by `rescale`, the next loss
+ * scale over this step's, since pushes carry loss-scaled gradients. */
+void zc_ef_after_step(struct zs_client *c, int skipped, double rescale);
 
 /* Waits ms milliseconds, or less if the client starts closing; returns 1 if
  * it is closing. The retries' backoff. */
@@ -300,6 +309,36 @@ void zc_scaler_encode(const zs_loss_scaler *s, uint8_t *out);
  * (another client's state, a later version, values out of range). */
 int zc_scaler_decode(zs_loss_scaler *s, const uint8_t *blob, size_t len);
 
+/* ---- security.c: the token and TLS files --------------------------------- */
+
+/* What a client presents and checks on every connection; every string owned
+ * (NULL: not set). Immutable once zs_client_open resolved it. */
+typedef struct zc_security {
+  char *token;
+  char *tls_ca_file;
+  char *tls_cert_file;
+  char *tls_key_file;
+  char *tls_server_name;
+  /* The data plane's TLS client context made from the files above (NULL:
+   * plaintext); shared by every data-plane client of this client. */
+  struct tls_ctx *dp_tls;
+} zc_security;
+
+/* Each argument (the caller's option, may be NULL or "") or else its
+ * environment variable (ZSHARD_TOKEN then ZSHARD_TOKEN_FILE, ZSHARD_TLS_CA,
+ * _CERT, _KEY, _SERVER_NAME) into *out, copied; with a CA, also the data
+ * plane's TLS context. Returns ZS_OK, or an error with the last error set (a
+ * token file or a TLS file that cannot be read); *out is then empty. `fn` names the caller in
+ * messages. */
+int zc_security_resolve(const char *token, const char *tls_ca_file, const char *tls_cert_file,
+                        const char *tls_key_file, const char *tls_server_name, zc_security *out,
+                        const char *fn);
+void zc_security_free(zc_security *s);
+/* A view of `s` for rpc_channel_open_secure (pointers into `s`). */
+rpc_security zc_security_rpc(const zc_security *s);
+/* rpc_channel_open_secure with `s`, the last error set on failure. */
+int zc_channel_open(const zc_security *s, const char *addr, rpc_channel **out, const char *fn);
+
 /* ---- the client (client.c) ------------------------------------------------- */
 
 struct zs_client {
@@ -310,6 +349,7 @@ struct zs_client {
   uint32_t nshards;
   char **addr;        /* owned, nshards strings */
   rpc_channel **chan; /* owned, nshards channels */
+  zc_security sec;    /* token and TLS files of every connection */
 
   /* The model description, built under mu until zs_open_job; immutable after. */
   spec sp;
@@ -337,7 +377,15 @@ struct zs_client {
   atomic_uint retries;
   zs_timing last_timing;
 
-  zc_slot *slots;          /* (mu) num_tensors slots once opened with prefetch */
+  zc_slot *slots; /* (mu) num_tensors slots once opened with prefetch */
+  /* Error feedback (transfer.c): per tensor, the residual of its last push,
+   * numel floats, allocated at the tensor's first lossy push. ef_mu guards
+   * both; it is taken alone, never with mu. */
+  pthread_mutex_t ef_mu;
+  /* Per param group: its wire dtypes (zs_group_options), 0 for the
+   * client's. Written by zs_add_group before the job opens. */
+  zs_dtype group_push[SPEC_MAX_GROUPS], group_pull[SPEC_MAX_GROUPS];
+  float **ef_resid;
   zs_dtype last_pull_wire; /* (mu) wire dtype of the last pull, for prefetch */
 
   /* The last checkpoint attempt of this client (checkpoint.c; mu). */

@@ -29,8 +29,9 @@ def use_build_tree_package():
 
 
 class Shards:
-    def __init__(self, n, threads=1, state_dirs=False):
+    def __init__(self, n, threads=1, state_dirs=False, extra_args=()):
         self.n, self.threads, self.state_dirs = n, threads, state_dirs
+        self.extra_args = list(extra_args)
         self.killed = set()
         self.procs, self.logs = [], []
         self.tmp = None
@@ -54,6 +55,7 @@ class Shards:
                     state = os.path.join(self.tmp, "state%d" % i)
                     os.mkdir(state)
                     args += ["--state-dir", state]
+                args += self.extra_args
                 self.procs.append(subprocess.Popen(
                     args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
             for i, proc in enumerate(self.procs):
