@@ -2,8 +2,10 @@ package main
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -15,7 +17,9 @@ import (
 const (
 	repoK8s     = "../../../deploy/k8s"
 	repoCompose = "../../../deploy/docker-compose.yml"
-	trainerProg = "zshard-mlp"
+	// The script that makes the Secrets the manifests mount.
+	repoSecretsScript = "../../../deploy/k8s-secrets"
+	trainerProg       = "zshard-mlp"
 )
 
 // serverHelp is the shape of zshard-server --help; run-k8s-check uses the
@@ -37,6 +41,13 @@ const serverHelp = `Usage: zshard-server [OPTION]...
   --keep-checkpoints K
                      keep the K newest complete checkpoints
                      (ZSHARD_KEEP_CHECKPOINTS)
+  --token-file PATH  the trainers' token (ZSHARD_TOKEN_FILE)
+  --admin-token-file PATH
+                     the operators' token (ZSHARD_ADMIN_TOKEN_FILE)
+  --tls-cert PATH    certificate (ZSHARD_TLS_CERT)
+  --tls-key PATH     its key (ZSHARD_TLS_KEY)
+  --tls-client-ca PATH
+                     verify client certificates against it (ZSHARD_TLS_CLIENT_CA)
   --help, -h         print this help and exit
 `
 
@@ -94,10 +105,47 @@ func edit(t *testing.T, file, old, new string) {
 	}
 }
 
+var (
+	secretsOnce sync.Once
+	secretsFile string
+	secretsErr  error
+)
+
+// testSecrets returns the Secrets deploy/k8s-secrets prints, made once from
+// stand-in files: only the Secrets' names and keys matter here.
+func testSecrets(t *testing.T) string {
+	t.Helper()
+	secretsOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "k8scheck-secrets")
+		if err != nil {
+			secretsErr = err
+			return
+		}
+		for _, f := range []string{"ca.crt", "server.crt", "server.key", "trainer.crt", "trainer.key",
+			"trainer-token", "admin-token"} {
+			if err := os.WriteFile(filepath.Join(dir, f), []byte("stand-in "+f+"\n"), 0o600); err != nil {
+				secretsErr = err
+				return
+			}
+		}
+		out, err := exec.Command(repoSecretsScript, dir).Output()
+		if err != nil {
+			secretsErr = err
+			return
+		}
+		secretsFile = filepath.Join(dir, "secrets.yaml")
+		secretsErr = os.WriteFile(secretsFile, out, 0o600)
+	})
+	if secretsErr != nil {
+		t.Fatalf("making the Secrets with %s: %v", repoSecretsScript, secretsErr)
+	}
+	return secretsFile
+}
+
 // mustFail runs every check and requires a problem whose text contains want.
 func mustFail(t *testing.T, dir string, p *programs, compose, want string) {
 	t.Helper()
-	problems, _ := run(dir, p, compose, trainerProg)
+	problems, _ := run(dir, p, compose, trainerProg, testSecrets(t))
 	for _, e := range problems {
 		if strings.Contains(e.Error(), want) {
 			return
@@ -108,7 +156,7 @@ func mustFail(t *testing.T, dir string, p *programs, compose, want string) {
 
 func mustPass(t *testing.T, dir string, p *programs, compose string) {
 	t.Helper()
-	problems, ok := run(dir, p, compose, trainerProg)
+	problems, ok := run(dir, p, compose, trainerProg, testSecrets(t))
 	if len(problems) > 0 || len(ok) == 0 {
 		t.Fatalf("want no problems, got %d valid objects and %v", len(ok), problems)
 	}
@@ -213,7 +261,7 @@ func TestOrderedPodManagementFails(t *testing.T) {
 func TestProbeOnUndeclaredPortFails(t *testing.T) {
 	dir := copyK8s(t)
 	edit(t, filepath.Join(dir, "statefulset.yaml"),
-		"livenessProbe:\n            grpc:\n              port: 7070",
+		"livenessProbe:\n            exec:\n              command: [\"zshard-healthcheck\"]",
 		"livenessProbe:\n            grpc:\n              port: 7079")
 	mustFail(t, dir, testPrograms(t, ""), "", "asks port 7079")
 }
@@ -321,6 +369,107 @@ func TestComposeServerVariableForNoFlagFails(t *testing.T) {
 	f := copyCompose(t)
 	edit(t, f, "ZSHARD_LOG_LEVEL: info", "ZSHARD_LOGLEVEL: info")
 	mustFail(t, repoK8s, testPrograms(t, ""), f, "would set --loglevel")
+}
+
+// --- TLS and tokens ------------------------------------------------------------
+
+func TestShardWithoutTLSFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "      - ZSHARD_TLS_CERT=/etc/zshard/tls/tls.crt\n", "")
+	mustFail(t, dir, testPrograms(t, ""), "", "zshard-server runs without ZSHARD_TLS_CERT")
+}
+
+func TestShardWithoutAdminTokenFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"),
+		"      - ZSHARD_ADMIN_TOKEN_FILE=/etc/zshard/tokens/admin-token\n", "")
+	mustFail(t, dir, testPrograms(t, ""), "", "zshard-server runs without ZSHARD_ADMIN_TOKEN_FILE")
+}
+
+func TestTokenFileNoSecretProvidesFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "ZSHARD_TOKEN_FILE=/etc/zshard/tokens/trainer-token",
+		"ZSHARD_TOKEN_FILE=/etc/zshard/token/trainer-token")
+	mustFail(t, dir, testPrograms(t, ""), "",
+		"ZSHARD_TOKEN_FILE=/etc/zshard/token/trainer-token is not a file of any Secret mounted")
+}
+
+func TestSecretTheScriptDoesNotMakeFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"), "secretName: zshard-server-tls", "secretName: zshard-tls")
+	mustFail(t, dir, testPrograms(t, ""), "", `Secret "zshard-tls" is neither rendered nor made by deploy/k8s-secrets`)
+}
+
+func TestSecretKeyTheScriptDoesNotMakeFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "trainer-job.yaml"), "              - key: admin-token", "              - key: admin.token")
+	mustFail(t, dir, testPrograms(t, ""), "", `Secret "zshard-tokens" has no key "admin.token"`)
+}
+
+func TestSecretReadableByEveryoneFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"),
+		"secretName: zshard-tokens\n            defaultMode: 288", "secretName: zshard-tokens\n            defaultMode: 420")
+	mustFail(t, dir, testPrograms(t, ""), "", "mode 0644 lets every user in the container read")
+}
+
+func TestSecretUnreadableWithoutFsGroupFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "trainer-job.yaml"), "        fsGroup: 10001\n", "")
+	mustFail(t, dir, testPrograms(t, ""), "", "can read them only through the group: set fsGroup")
+}
+
+func TestWritableSecretMountFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"),
+		"mountPath: /etc/zshard/tls\n              readOnly: true", "mountPath: /etc/zshard/tls")
+	mustFail(t, dir, testPrograms(t, ""), "", `the Secret volume "tls" is mounted without readOnly`)
+}
+
+func TestTrainerWithoutClientCertificateFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "trainer-job.yaml"),
+		"            - name: ZSHARD_TLS_CERT\n              value: /etc/zshard/tls/tls.crt\n", "")
+	mustFail(t, dir, testPrograms(t, ""), "", "zshard-mlp runs without ZSHARD_TLS_CERT")
+}
+
+func TestGrpcProbeOnATLSServerFails(t *testing.T) {
+	dir := copyK8s(t)
+	edit(t, filepath.Join(dir, "statefulset.yaml"),
+		"readinessProbe:\n            exec:\n              command: [\"zshard-healthcheck\"]",
+		"readinessProbe:\n            grpc:\n              port: 7070")
+	mustFail(t, dir, testPrograms(t, ""), "", "readinessProbe is a gRPC probe, which speaks plaintext")
+}
+
+func TestMissingSecretsFileFails(t *testing.T) {
+	// Without the script's Secrets the pods would wait for them forever.
+	problems, _ := run(repoK8s, testPrograms(t, ""), "", trainerProg, "")
+	for _, e := range problems {
+		if strings.Contains(e.Error(), "is neither rendered nor made by deploy/k8s-secrets") {
+			return
+		}
+	}
+	t.Fatalf("want the unmade Secrets named, got %v", problems)
+}
+
+func TestComposeShardWithoutClientCAFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, "    ZSHARD_TLS_CLIENT_CA: /run/secrets/zshard/ca.crt\n", "")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "service zshard-2: runs without ZSHARD_TLS_CLIENT_CA")
+}
+
+func TestComposeTrainerTokenOutsideItsMountsFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, "      ZSHARD_TOKEN_FILE: /run/secrets/zshard/admin-token\n",
+		"      ZSHARD_TOKEN_FILE: /run/zshard/admin-token\n")
+	mustFail(t, repoK8s, testPrograms(t, ""), f,
+		"service trainer: ZSHARD_TOKEN_FILE=/run/zshard/admin-token is not below any volume")
+}
+
+func TestComposeTrainerWithoutTokenFails(t *testing.T) {
+	f := copyCompose(t)
+	edit(t, f, "      ZSHARD_TOKEN_FILE: /run/secrets/zshard/admin-token\n", "")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "service trainer: runs without ZSHARD_TOKEN_FILE")
 }
 
 func TestFlagsAreReadFromHelpText(t *testing.T) {

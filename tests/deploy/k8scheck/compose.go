@@ -175,9 +175,11 @@ func (p *programs) checkCompose(file, trainer, stateDir string) []error {
 			if s.Healthcheck != nil && s.Healthcheck["disable"] == true {
 				add("%s: its health check is disabled; the trainer waits on it", where)
 			}
+			errs = append(errs, composeSecurity(file+": "+where, env, s.Volumes, serverSecurityVars)...)
 		case trainer:
 			trainers = append(trainers, name)
 			trainerArgs[name] = args
+			errs = append(errs, composeSecurity(file+": "+where, env, s.Volumes, trainerSecurityVars)...)
 		}
 	}
 

@@ -128,7 +128,7 @@ func (p *programs) checkCommand(where, prog string, args, env []string) []error 
 	}
 	if prog == p.server {
 		for _, e := range env {
-			if strings.HasPrefix(e, envFlagPrefix) && !fs[envToFlag(e)] {
+			if strings.HasPrefix(e, envFlagPrefix) && !fs[envToFlag(e)] && !clientOnlyVars[e] {
 				errs = append(errs, fmt.Errorf("%s: %s=... would set %s, which %s does not accept",
 					where, e, envToFlag(e), prog))
 			}

@@ -18,6 +18,9 @@ that tie the zshard objects together, and checks program arguments:
   -trainer PROG         the example trainer's program name
   -trainer-flags FILE   its --help output; its args must be in it
   -compose FILE         also check this docker compose file
+  -secrets FILE         Secrets made outside the kustomization (the output
+                        of deploy/k8s-secrets), validated and used to check
+                        the pods' Secret volumes and TLS and token files
   -print                print the rendered manifests and exit
 
 Exit status 0 when everything passes, 1 when anything fails, 2 on usage errors.
@@ -28,6 +31,7 @@ func main() {
 	trainer := flag.String("trainer", "", "")
 	trainerFlags := flag.String("trainer-flags", "", "")
 	composeFile := flag.String("compose", "", "")
+	secretsFile := flag.String("secrets", "", "")
 	printOnly := flag.Bool("print", false, "")
 	flag.Usage = func() { fmt.Fprint(os.Stderr, usage) }
 	flag.Parse()
@@ -69,14 +73,14 @@ func main() {
 		progs.flags[prog] = fs
 	}
 
-	problems, objects := run(dir, progs, *composeFile, *trainer)
+	problems, objects := run(dir, progs, *composeFile, *trainer, *secretsFile)
 	for _, id := range objects {
 		fmt.Println("ok  ", id)
 	}
 	for _, p := range problems {
 		fmt.Println("FAIL", p)
 	}
-	checked := []string{"schema", "rules"}
+	checked := []string{"schema", "rules", "TLS and tokens"}
 	for _, prog := range sortedKeys(progs.flags) {
 		checked = append(checked, prog+" flags")
 	}
@@ -91,12 +95,20 @@ func main() {
 }
 
 // run does every check and returns the problems and the objects that passed
-// schema validation.
-func run(dir string, progs *programs, composeFile, trainer string) ([]error, []string) {
+// schema validation. secretsFile ("" for none) holds Secrets made outside
+// the kustomization.
+func run(dir string, progs *programs, composeFile, trainer, secretsFile string) ([]error, []string) {
 	var problems []error
 	rs, err := render(dir)
 	if err != nil {
 		return []error{err}, nil
+	}
+	if secretsFile != "" {
+		ss, err := readSecrets(secretsFile)
+		if err != nil {
+			return []error{err}, nil
+		}
+		rs = append(rs, ss...)
 	}
 	var objs []*object
 	var ids []string
@@ -113,6 +125,7 @@ func run(dir string, progs *programs, composeFile, trainer string) ([]error, []s
 		c := newCluster(objs)
 		problems = append(problems, c.checkRules()...)
 		problems = append(problems, progs.checkManifestFlags(c)...)
+		problems = append(problems, progs.checkSecurity(c)...)
 	}
 	if composeFile != "" {
 		problems = append(problems, progs.checkCompose(composeFile, trainer, "/var/lib/zshard")...)

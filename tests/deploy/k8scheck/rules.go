@@ -39,18 +39,22 @@ type cluster struct {
 	objects    []*object
 	configMaps map[string]*corev1.ConfigMap
 	services   map[string]*corev1.Service
-	templates  []podTemplate
+	// secrets are the rendered Secrets and those deploy/k8s-secrets makes.
+	secrets   map[string]*corev1.Secret
+	templates []podTemplate
 }
 
 func newCluster(objs []*object) *cluster {
 	c := &cluster{objects: objs, configMaps: map[string]*corev1.ConfigMap{},
-		services: map[string]*corev1.Service{}}
+		services: map[string]*corev1.Service{}, secrets: map[string]*corev1.Secret{}}
 	for _, o := range objs {
 		switch t := o.typed.(type) {
 		case *corev1.ConfigMap:
 			c.configMaps[t.Name] = t
 		case *corev1.Service:
 			c.services[t.Name] = t
+		case *corev1.Secret:
+			c.secrets[t.Name] = t
 		case *appsv1.StatefulSet:
 			claims := map[string]bool{}
 			for _, vct := range t.Spec.VolumeClaimTemplates {
@@ -181,11 +185,11 @@ func (c *cluster) checkStatefulSet(id string, s *appsv1.StatefulSet) []error {
 				add("container %q: ZSHARD_SHARDS=%s but replicas=%d", ctr.Name, n, replicas)
 			}
 		}
-		if ctr.ReadinessProbe == nil || ctr.ReadinessProbe.GRPC == nil {
-			add("container %q: readinessProbe must be a gRPC probe on the health service", ctr.Name)
+		if !isHealthProbe(ctr.ReadinessProbe) {
+			add("container %q: readinessProbe must ask the health service (a gRPC probe, or exec zshard-healthcheck)", ctr.Name)
 		}
-		if ctr.LivenessProbe == nil || ctr.LivenessProbe.GRPC == nil {
-			add("container %q: livenessProbe must be a gRPC probe on the health service", ctr.Name)
+		if !isHealthProbe(ctr.LivenessProbe) {
+			add("container %q: livenessProbe must ask the health service (a gRPC probe, or exec zshard-healthcheck)", ctr.Name)
 		}
 		if len(ctr.Resources.Requests) == 0 {
 			add("container %q: no resource requests (size them with `zshard estimate`)", ctr.Name)
