@@ -2,7 +2,7 @@
 
 Shards(n) starts n servers on port 0 (shard ids 0..n-1 of n), waits until each
 has written its port file, and stops them on exit, raising if one did not
-exit cleanly after SIGTERM. Its `addresses` is the list a client takes. The
+exit cleanly after SIGTERM. `args` are further flags given to every server. Its `addresses` is the list a client takes. The
 zshard package is imported from the build tree: ZSHARD_PYTHONPATH (set by
 CTest) or build/python under the source directory.
 """
@@ -29,8 +29,8 @@ def use_build_tree_package():
 
 
 class Shards:
-    def __init__(self, n, threads=1, state_dirs=False):
-        self.n, self.threads, self.state_dirs = n, threads, state_dirs
+    def __init__(self, n, threads=1, state_dirs=False, args=()):
+        self.n, self.threads, self.state_dirs, self.args = n, threads, state_dirs, list(args)
         self.killed = set()
         self.procs, self.logs = [], []
         self.tmp = None
@@ -54,6 +54,7 @@ class Shards:
                     state = os.path.join(self.tmp, "state%d" % i)
                     os.mkdir(state)
                     args += ["--state-dir", state]
+                args += self.args
                 self.procs.append(subprocess.Popen(
                     args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
             for i, proc in enumerate(self.procs):
