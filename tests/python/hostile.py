@@ -371,7 +371,10 @@ class DataConn:
         the HELLO frame lands, build it here with frame() and read its answer."""
         raise NotImplementedError("the data plane has no authentication frame yet (issue 10)")
 
-    def send(self, data):
+    def send(self, data, seconds=OUTCOME_SECONDS):
+        """Sends all of data; socket.timeout if the server has not taken it
+        within `seconds` (it stopped reading from this peer)."""
+        self.sock.settimeout(seconds)
         self.sock.sendall(data)
 
     def _recv_exact(self, n, deadline):
@@ -383,6 +386,8 @@ class DataConn:
             self.sock.settimeout(left)
             try:
                 chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            except socket.timeout:
+                raise TimeoutError("no data-plane answer in time (%d of %d bytes)" % (len(buf), n))
             except ConnectionResetError:
                 chunk = b""
             if not chunk:
