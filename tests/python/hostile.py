@@ -17,11 +17,11 @@ through raw sockets; every frame is built by frame() and every connection
 that authenticates does it in DataConn.authenticate(), the only places that
 know the frame format (docs/PROTOCOL.md, common/wire.h).
 
-ZS_HOSTILE_DROP_FLAGS (comma-separated flag names, e.g.
-"--token-file,--admin-token-file") drops those flags and their values from
-every server started here. It exists only to run the suite against a server
-that does not know the flags yet, so that the attack itself, not the unknown
-flag, is what a test sees fail; a normal run leaves it unset.
+ZS_HOSTILE_PRE_ISSUE10=1 runs the suite against a server from before issue
+10: the flags it added (NEW_FLAGS) are dropped with their values and data-plane
+connections do not say HELLO, so that the attack itself, not an unknown flag
+or frame, is what a test sees fail. It exists to record which rows fail
+without the fixes; a normal run leaves it unset.
 """
 
 import importlib
@@ -137,9 +137,12 @@ def wait_for(what, seconds=OUTCOME_SECONDS, poll=0.05):
 
 # ------------------------------------------------------------------ servers
 
+PRE_ISSUE10 = os.environ.get("ZS_HOSTILE_PRE_ISSUE10") == "1"
+NEW_FLAGS = ("--token-file", "--admin-token-file", "--max-params", "--max-tensors")
+
 
 def _drop_flags(args):
-    drop = [f for f in os.environ.get("ZS_HOSTILE_DROP_FLAGS", "").split(",") if f]
+    drop = NEW_FLAGS if PRE_ISSUE10 else ()
     out, i = [], 0
     while i < len(args):
         if args[i] in drop:
@@ -158,7 +161,7 @@ class Shard:
     state_dir=True gives it a state directory (self.state_dir), or a path to
     use an existing one. `args` are further flags."""
 
-    def __init__(self, args=(), tokens=False, state_dir=False, threads=1):
+    def __init__(self, args=(), tokens=False, state_dir=False, threads=1, env=None):
         self.tmp = tempfile.mkdtemp(prefix="zshard-hostile-")
         args = list(args)
         self.trainer = self.admin = None
@@ -175,7 +178,7 @@ class Shard:
             self.state_dir = state_dir if isinstance(state_dir, str) else os.path.join(self.tmp, "state")
             os.makedirs(self.state_dir, exist_ok=True)
             args += ["--state-dir", self.state_dir]
-        self.shards = Shards(1, threads=threads, args=_drop_flags(args))
+        self.shards = Shards(1, threads=threads, args=_drop_flags(args), env=env)
         self.clients = []
 
     def __enter__(self):
@@ -308,7 +311,17 @@ def waiting_pulls(client):
 
 PUSH, PUSH_ACK, PULL, PULL_DATA, ERROR, PING, PONG = 1, 2, 3, 4, 5, 6, 7
 PUSH_BATCH, PUSH_BATCH_ACK, PULL_BATCH, PULL_BATCH_DATA = 8, 9, 10, 11
+HELLO, HELLO_ACK = 12, 13
 _HEADER = struct.Struct("<4sBBHQQIII")  # the 36 bytes the header CRC starts with
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
 def _crc_table():
@@ -337,7 +350,7 @@ def frame(ftype, request_id, meta=b"", payload=b"", payload_len=None, payload_cr
     """Header and meta of one frame, with the payload appended when given.
     payload_len/payload_crc declare a payload the caller sends itself (or
     never sends); a declared payload without payload_crc gets 0."""
-    version = 2 if ftype >= PUSH_BATCH else 1
+    version = 3 if ftype >= HELLO else 2 if ftype >= PUSH_BATCH else 1
     if payload_len is None:
         payload_len = len(payload)
     if payload_crc is None:
@@ -351,25 +364,45 @@ class Closed(Exception):
     """The server closed the data-plane connection."""
 
 
+class Refused(Exception):
+    """The server refused a connection's HELLO: .status, .message."""
+
+    def __init__(self, status, message):
+        super().__init__("HELLO refused: %d %s" % (status, message))
+        self.status, self.message = status, message
+
+
 class DataConn:
     """One data-plane connection from address `source` (so that tests can be
     two peers on one host: 127.0.0.2 the attacker, 127.0.0.1 the trainer).
-    With a token it authenticates first; without, it is an anonymous peer."""
+    It authenticates first with `token` (empty: a server without tokens
+    takes any), unless hello=False: a peer that skips the handshake."""
 
-    def __init__(self, port, source="127.0.0.1", token=None, rcvbuf=None, host="127.0.0.1"):
+    def __init__(self, port, source="127.0.0.1", token="", rcvbuf=None, host="127.0.0.1",
+                 hello=True):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.bind((source, 0))
         self.sock.connect((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if token:
-            self.authenticate(token)
+        if hello and not PRE_ISSUE10:
+            try:
+                self.authenticate(token)
+            except BaseException:
+                self.sock.close()
+                raise
 
     def authenticate(self, token):
-        """The data plane's authentication (issue 10): not defined yet. When
-        the HELLO frame lands, build it here with frame() and read its answer."""
-        raise NotImplementedError("the data plane has no authentication frame yet (issue 10)")
+        """HELLO (frame version 3, meta DataHello{bytes token = 1}), then its
+        HELLO_ACK; Refused when the server answers ERROR instead."""
+        token = token.encode() if isinstance(token, str) else token
+        meta = b"\x0a" + _varint(len(token)) + token if token else b""
+        self.send(frame(HELLO, 1, meta))
+        ftype, _, meta, _ = self.read_frame()
+        if ftype == ERROR:
+            raise Refused(*self.error(meta))
+        assert ftype == HELLO_ACK, "HELLO answered with frame type %d" % ftype
 
     def send(self, data, seconds=OUTCOME_SECONDS):
         """Sends all of data; socket.timeout if the server has not taken it

@@ -2,7 +2,8 @@
 
 Shards(n) starts n servers on port 0 (shard ids 0..n-1 of n), waits until each
 has written its port file, and stops them on exit, raising if one did not
-exit cleanly after SIGTERM. `args` are further flags given to every server. Its `addresses` is the list a client takes. The
+exit cleanly after SIGTERM. `args` are further flags given to every server,
+`env` further environment variables (the caller's ZSHARD_* are not passed on). Its `addresses` is the list a client takes. The
 zshard package is imported from the build tree: ZSHARD_PYTHONPATH (set by
 CTest) or build/python under the source directory.
 """
@@ -29,8 +30,9 @@ def use_build_tree_package():
 
 
 class Shards:
-    def __init__(self, n, threads=1, state_dirs=False, args=()):
+    def __init__(self, n, threads=1, state_dirs=False, args=(), env=None):
         self.n, self.threads, self.state_dirs, self.args = n, threads, state_dirs, list(args)
+        self.env = dict(env or {})
         self.killed = set()
         self.procs, self.logs = [], []
         self.tmp = None
@@ -42,6 +44,7 @@ class Shards:
             raise RuntimeError("ZSHARD_SERVER_BIN must name the zshard-server binary")
         self.tmp = tempfile.mkdtemp(prefix="zshard-pyt-")
         env = {k: v for k, v in os.environ.items() if not k.startswith("ZSHARD_")}
+        env.update(self.env)
         ports = []
         try:
             for i in range(self.n):
