@@ -178,7 +178,8 @@ class Shard:
             self.state_dir = state_dir if isinstance(state_dir, str) else os.path.join(self.tmp, "state")
             os.makedirs(self.state_dir, exist_ok=True)
             args += ["--state-dir", self.state_dir]
-        self.shards = Shards(1, threads=threads, args=_drop_flags(args), env=env)
+        self.shards = Shards(1, threads=threads, extra_args=_drop_flags(args))
+        self.shards.env = dict(env or {})
         self.clients = []
 
     def __enter__(self):

@@ -175,7 +175,7 @@ def _fifo_startup(tmp, name):
     assert os.path.exists(path), os.listdir(os.path.dirname(path))
     os.unlink(path)
     os.mkfifo(path)
-    shards = Shards(1, args=["--state-dir", state])
+    shards = Shards(1, extra_args=["--state-dir", state])
     try:
         with shards:
             return "serving"

@@ -2,8 +2,7 @@
 
 Shards(n) starts n servers on port 0 (shard ids 0..n-1 of n), waits until each
 has written its port file, and stops them on exit, raising if one did not
-exit cleanly after SIGTERM. `args` are further flags given to every server,
-`env` further environment variables (the caller's ZSHARD_* are not passed on). Its `addresses` is the list a client takes. The
+exit cleanly after SIGTERM. Its `addresses` is the list a client takes. The
 zshard package is imported from the build tree: ZSHARD_PYTHONPATH (set by
 CTest) or build/python under the source directory.
 """
@@ -30,13 +29,16 @@ def use_build_tree_package():
 
 
 class Shards:
-    def __init__(self, n, threads=1, state_dirs=False, args=(), env=None):
-        self.n, self.threads, self.state_dirs, self.args = n, threads, state_dirs, list(args)
-        self.env = dict(env or {})
+    def __init__(self, n, threads=1, state_dirs=False, extra_args=()):
+        self.n, self.threads, self.state_dirs = n, threads, state_dirs
+        self.extra_args = list(extra_args)
         self.killed = set()
         self.procs, self.logs = [], []
         self.tmp = None
         self.addresses = None
+        # Further environment variables for the servers (the caller's
+        # ZSHARD_* are not passed on); set before entering.
+        self.env = {}
 
     def __enter__(self):
         binary = os.environ.get("ZSHARD_SERVER_BIN")
@@ -57,7 +59,7 @@ class Shards:
                     state = os.path.join(self.tmp, "state%d" % i)
                     os.mkdir(state)
                     args += ["--state-dir", state]
-                args += self.args
+                args += self.extra_args
                 self.procs.append(subprocess.Popen(
                     args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
             for i, proc in enumerate(self.procs):
