@@ -290,10 +290,22 @@ def push_all(client, h, step, numels, rank=0, value=0.25):
                                            data=struct.pack("<f", value) * n))
 
 
+def grad_stats(client, h, step_no):
+    """GradStats of step step_no once complete: what a trainer asks before
+    its Apply (the shard sums the step's statistics after the last push, so
+    an Apply straight after the push may find them not ready yet)."""
+    pb = stubs().pb
+    r = client.call("GradStats", pb.GradStatsRequest(spec_hash=h, step=step_no,
+                                                     timeout_ms=OUTCOME_SECONDS * 1000))
+    assert r.complete, r
+    return r
+
+
 def step(client, h, step_no, numels, lr=1e-3):
     """Pushes and applies step step_no (world size 1); returns the ApplyResponse."""
     pb = stubs().pb
     push_all(client, h, step_no, numels)
+    grad_stats(client, h, step_no)
     return client.call("Apply", pb.ApplyRequest(spec_hash=h, step=step_no, lr=lr, coef=1.0))
 
 

@@ -27,6 +27,7 @@ def test_row02_apply_lr_1e300_refused_weights_unchanged():
         h = hostile.open_job(c, NUMELS)
         hostile.init_params(c, h, NUMELS)
         hostile.push_all(c, h, 1, NUMELS)
+        hostile.grad_stats(c, h, 1)
         before = [hostile.pull(c, h, t).data for t in range(len(NUMELS))]
         for bad in (pb.ApplyRequest(spec_hash=h, step=1, lr=1e300, coef=1.0),
                     pb.ApplyRequest(spec_hash=h, step=1, lr=1e-3, coef=1.0, group_lr=[1e300]),

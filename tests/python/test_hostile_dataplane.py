@@ -257,6 +257,7 @@ def test_row11_300_pulls_then_push_on_one_connection_no_deadlock():
                                       request_id=1000))
             ftype, rid, meta, _ = conn.read_frame()
             assert (ftype, rid) == (hostile.PUSH_ACK, 1000), (ftype, rid, meta)
+            hostile.grad_stats(c, h, 1)
             c.call("Apply", pb.ApplyRequest(spec_hash=h, step=1, lr=1e-3, coef=1.0))
             got = set()
             for _ in range(300):
@@ -286,6 +287,7 @@ def test_row12_stalled_bf16_reader_does_not_hold_the_state_lock():
             assert hostile.wait_for(lambda: c.call("Stats", pb.StatsRequest()).pulls > served)
             for k in range(1, 4):
                 hostile.push_all(c, h, k, [numel])
+                hostile.grad_stats(c, h, k)
                 apply = c.future("Apply", pb.ApplyRequest(spec_hash=h, step=k, lr=1e-3, coef=1.0))
                 # Give the apply the time to reach the pinned piece; if it is
                 # done by then, it did not wait at all, which is fine too.
