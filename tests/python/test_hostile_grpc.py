@@ -179,67 +179,100 @@ time.sleep(600)
 """
 
 
+def _abandoned_rounds(s, c, abandon, rounds=5, n=4000):
+    """Parks n far-ahead Pulls `rounds` times, each round given up by the
+    function that abandon(n) returns once they are parked. Every round must
+    park all n (the budget of parked calls is given back), and what the
+    abandoned calls leave behind must stay bounded: RSS under one round's
+    worth (ROUND_CEILING) over the start."""
+    base = s.memory()[0]
+    for r in range(rounds):
+        before = hostile.waiting_pulls(c)
+        release = abandon(n)
+        try:
+            parked = hostile.wait_for(lambda: hostile.waiting_pulls(c) >= before + n, seconds=60)
+            assert parked, "round %d: only %d of %d Pulls parked (the budget was not given " \
+                "back?)" % (r, hostile.waiting_pulls(c) - before, n)
+        finally:
+            release()
+    hostile.settle(s.pid)
+    grown = s.memory()[0] - base
+    assert grown < ROUND_CEILING, "%d MiB kept by %d abandoned rounds of %d Pulls" % (
+        grown // MiB, rounds, n)
+
+
+# What one round of 4000 parked Pulls may cost the server while they wait
+# (their gRPC calls); abandoned rounds must not add up beyond it.
+ROUND_CEILING = 120 * MiB
+
+
 def test_row07_parked_pulls_released_when_the_client_exits():
     """Row "80k gRPC Pulls parked ahead, then the client exits": the calls of
-    a client that is gone are released (Stats.waiting_pulls back to 0)."""
+    a client that is gone give back their memory and their place in the
+    budget (5 clients x 4000 Pulls, one after the other)."""
     with Shard() as s:
         c = s.client()
         h = hostile.open_job(c, NUMELS)
-        n = 1000
-        child = subprocess.Popen([sys.executable, "-c", CHILD, s.address,
-                                  _far_pull(h).SerializeToString().hex(), str(n)],
-                                 stdout=subprocess.PIPE)
-        try:
-            assert hostile.wait_for(lambda: hostile.waiting_pulls(c) >= n), \
-                "only %d Pulls parked" % hostile.waiting_pulls(c)
-        finally:
-            child.kill()
-            child.wait()
-        released = hostile.wait_for(lambda: hostile.waiting_pulls(c) == 0)
-        assert released, "%d Pulls of an exited client still parked" % hostile.waiting_pulls(c)
+        request = _far_pull(h).SerializeToString().hex()
+
+        def park(n):
+            child = subprocess.Popen([sys.executable, "-c", CHILD, s.address, request, str(n)],
+                                     stdout=subprocess.PIPE)
+
+            def exit_():
+                child.kill()
+                child.wait()
+            return exit_
+        _abandoned_rounds(s, c, park)
 
 
 def test_row07_parked_pulls_released_on_cancel():
-    """Row "80k gRPC Pulls parked ahead": cancelled calls are released."""
+    """Row "80k gRPC Pulls parked ahead": cancelled calls give back their
+    memory and their place in the budget (5 x 4000 Pulls on one channel)."""
     with Shard() as s:
         c = s.client()
         h = hostile.open_job(c, NUMELS)
-        calls = [c.future("Pull", _far_pull(h), timeout=280) for _ in range(500)]
-        assert hostile.wait_for(lambda: hostile.waiting_pulls(c) >= 500)
-        for f in calls:
-            f.cancel()
-        released = hostile.wait_for(lambda: hostile.waiting_pulls(c) == 0)
-        assert released, "%d cancelled Pulls still parked" % hostile.waiting_pulls(c)
+        k = s.client()
+
+        def park(n):
+            calls = [k.future("Pull", _far_pull(h), timeout=280) for _ in range(n)]
+
+            def cancel():
+                for f in calls:
+                    f.cancel()
+            return cancel
+        _abandoned_rounds(s, c, park)
+
+
+def _refused(calls):
+    return [f for f in calls if f.done() and f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
 
 
 def test_row07_parked_pulls_budgeted():
-    """Row "80k gRPC Pulls parked ahead": beyond the server's budget of
-    parked calls (18 connections x 1000 here) they are RESOURCE_EXHAUSTED,
-    and the memory they hold is bounded; then a connection over its own
-    budget is refused too."""
+    """Row "80k gRPC Pulls parked ahead": one connection cannot park more
+    than its budget (2000 tried), the server not more than its own (18
+    connections x 1000 tried): beyond, RESOURCE_EXHAUSTED, and the memory
+    they hold is bounded."""
     with Shard() as s:
         c = s.client()
         h = hostile.open_job(c, NUMELS)
         req = _far_pull(h)
+        one = s.client()
+        calls = [one.future("Pull", req, timeout=280) for _ in range(2000)]
+        try:
+            refused = hostile.wait_for(lambda: _refused(calls))
+            assert refused, "one connection parked %d Pulls" % hostile.waiting_pulls(c)
+        finally:
+            for f in calls:
+                f.cancel()
         calls = []
         try:
             for _ in range(18):
                 k = s.client()
                 calls += [k.future("Pull", req, timeout=280) for _ in range(1000)]
-            refused = hostile.wait_for(
-                lambda: [f for f in calls if f.done() and
-                         f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED])
+            refused = hostile.wait_for(lambda: _refused(calls))
             assert refused, "%d Pulls parked, none refused" % hostile.waiting_pulls(c)
             assert s.memory()[1] < SERVER_RSS_CEILING, "%d MiB" % (s.memory()[1] // MiB)
-            for f in calls:
-                f.cancel()
-            assert hostile.wait_for(lambda: hostile.waiting_pulls(c) == 0)
-            one = s.client()
-            calls = [one.future("Pull", req, timeout=280) for _ in range(2000)]
-            refused = hostile.wait_for(
-                lambda: [f for f in calls if f.done() and
-                         f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED])
-            assert refused, "one connection parked %d Pulls" % hostile.waiting_pulls(c)
         finally:
             for f in calls:
                 f.cancel()
