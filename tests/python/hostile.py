@@ -228,9 +228,12 @@ class Client:
 
     def __init__(self, address, token=None, max_len=1 << 30):
         s = stubs()
+        # A connection of its own (grpcio would share one between channels
+        # of the same target and options): budgets are per connection.
         self.channel = grpc.insecure_channel(
             address, options=[("grpc.max_receive_message_length", max_len),
-                              ("grpc.max_send_message_length", max_len)])
+                              ("grpc.max_send_message_length", max_len),
+                              ("grpc.use_local_subchannel_pool", 1)])
         self.stub = s.pbg.ZShardStub(self.channel)
         self.health = s.hpbg.HealthStub(self.channel)
         self.metadata = (("authorization", "Bearer " + token),) if token else None

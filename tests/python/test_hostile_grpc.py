@@ -169,17 +169,24 @@ def _far_pull(h):
     return pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=10**9, dtype=pb.DTYPE_FP32)
 
 
+# A client parking argv[3] Pulls (argv[2], serialized) on connections of
+# PER_CONNECTION each, then waiting to be killed.
 CHILD = r"""
 import sys, time, grpc
-ch = grpc.insecure_channel(sys.argv[1])
-pull = ch.unary_unary("/zshard.v1.ZShard/Pull")
-calls = [pull.future(bytes.fromhex(sys.argv[2]), timeout=280) for _ in range(int(sys.argv[3]))]
-print("parked", flush=True)
+n, calls = int(sys.argv[3]), []
+while len(calls) < n:
+    ch = grpc.insecure_channel(sys.argv[1], options=[("grpc.use_local_subchannel_pool", 1)])
+    pull = ch.unary_unary("/zshard.v1.ZShard/Pull")
+    calls += [pull.future(bytes.fromhex(sys.argv[2]), timeout=280)
+              for _ in range(min(1000, n - len(calls)))]
 time.sleep(600)
 """
+# Parked calls one connection may hold (under the server's per-connection
+# budget, 1024 by default).
+PER_CONNECTION = 1000
 
 
-def _abandoned_rounds(s, c, abandon, rounds=5, n=4000):
+def _abandoned_rounds(s, c, abandon, rounds=4, n=3 * PER_CONNECTION):
     """Parks n far-ahead Pulls `rounds` times, each round given up by the
     function that abandon(n) returns once they are parked. Every round must
     park all n (the budget of parked calls is given back), and what the
@@ -201,15 +208,16 @@ def _abandoned_rounds(s, c, abandon, rounds=5, n=4000):
         grown // MiB, rounds, n)
 
 
-# What one round of 4000 parked Pulls may cost the server while they wait
-# (their gRPC calls); abandoned rounds must not add up beyond it.
-ROUND_CEILING = 120 * MiB
+# What one round of 3000 parked Pulls may cost the server while they wait
+# (their gRPC calls, about 13 KiB each); abandoned rounds must not add up
+# beyond it.
+ROUND_CEILING = 80 * MiB
 
 
 def test_row07_parked_pulls_released_when_the_client_exits():
     """Row "80k gRPC Pulls parked ahead, then the client exits": the calls of
     a client that is gone give back their memory and their place in the
-    budget (5 clients x 4000 Pulls, one after the other)."""
+    budget (4 clients x 3000 Pulls, one after the other)."""
     with Shard() as s:
         c = s.client()
         h = hostile.open_job(c, NUMELS)
@@ -228,14 +236,14 @@ def test_row07_parked_pulls_released_when_the_client_exits():
 
 def test_row07_parked_pulls_released_on_cancel():
     """Row "80k gRPC Pulls parked ahead": cancelled calls give back their
-    memory and their place in the budget (5 x 4000 Pulls on one channel)."""
+    memory and their place in the budget (4 x 3000 Pulls)."""
     with Shard() as s:
         c = s.client()
         h = hostile.open_job(c, NUMELS)
-        k = s.client()
+        conns = [s.client() for _ in range(3)]
 
         def park(n):
-            calls = [k.future("Pull", _far_pull(h), timeout=280) for _ in range(n)]
+            calls = [conns[i % 3].future("Pull", _far_pull(h), timeout=280) for i in range(n)]
 
             def cancel():
                 for f in calls:
@@ -269,7 +277,7 @@ def test_row07_parked_pulls_budgeted():
         try:
             for _ in range(18):
                 k = s.client()
-                calls += [k.future("Pull", req, timeout=280) for _ in range(1000)]
+                calls += [k.future("Pull", req, timeout=280) for _ in range(PER_CONNECTION)]
             refused = hostile.wait_for(lambda: _refused(calls))
             assert refused, "%d Pulls parked, none refused" % hostile.waiting_pulls(c)
             assert s.memory()[1] < SERVER_RSS_CEILING, "%d MiB" % (s.memory()[1] // MiB)
