@@ -46,12 +46,9 @@ CALL_TIMEOUT = 30
 # How long an outcome (a refusal, a close, a release) may take to show.
 OUTCOME_SECONDS = 20
 
-# zs_status values (include/zshard/zshard.h) that the data plane's ERROR
+# zs_status values (client/include/zshard/zshard.h) that the data plane's ERROR
 # frames carry.
-ZS_ENOTOPEN = -14
-ZS_EHASH = -4
 ZS_EUNAUTHENTICATED = -23
-ZS_EPERM = -24
 ZS_ELIMIT = -25
 
 # ------------------------------------------------------------------ stubs
@@ -166,7 +163,8 @@ class Shard:
         args = list(args)
         self.trainer = self.admin = None
         if tokens:
-            self.trainer, self.admin = "trainer-" + os.urandom(16).hex(), "admin-" + os.urandom(16).hex()
+            self.trainer = "trainer-" + os.urandom(16).hex()
+            self.admin = "admin-" + os.urandom(16).hex()
             for flag, token in (("--token-file", self.trainer), ("--admin-token-file", self.admin)):
                 path = os.path.join(self.tmp, flag[2:])
                 with open(path, "w") as f:
@@ -175,7 +173,8 @@ class Shard:
                 args += [flag, path]
         self.state_dir = None
         if state_dir:
-            self.state_dir = state_dir if isinstance(state_dir, str) else os.path.join(self.tmp, "state")
+            self.state_dir = (state_dir if isinstance(state_dir, str)
+                              else os.path.join(self.tmp, "state"))
             os.makedirs(self.state_dir, exist_ok=True)
             args += ["--state-dir", self.state_dir]
         self.shards = Shards(1, threads=threads, extra_args=_drop_flags(args))

@@ -6,13 +6,11 @@ Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_host
 """
 
 import os
-import signal
-import subprocess
 
 import grpc
 
 import hostile
-from hostile import MiB, SERVER_RSS_CEILING, Shard, stubs
+from hostile import SERVER_RSS_CEILING, Shard, stubs
 from zshard_servers import Shards
 
 NUMELS = [1000, 24]

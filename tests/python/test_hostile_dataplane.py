@@ -12,7 +12,6 @@ import resource
 import socket
 import struct
 
-import grpc
 
 import hostile
 from hostile import MiB, SERVER_RSS_CEILING, DataConn, Shard, stubs

@@ -8,7 +8,6 @@ Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_host
 
 import os
 import resource
-import signal
 import socket
 import struct
 import subprocess
