@@ -103,7 +103,13 @@ int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, 
 /* Types                                                                    */
 /* ------------------------------------------------------------------------ */
 
-enum { C_IDLE = 0, C_CONNECTING, C_READY, C_CLOSING };
+/* C_HELLO: connected, HELLO sent, its answer awaited (still "connecting"
+ * for the connect timeout and for dp_client_open). */
+enum { C_IDLE = 0, C_CONNECTING, C_HELLO, C_READY, C_CLOSING };
+
+static int connecting(int state) {
+  return state == C_CONNECTING || state == C_HELLO;
+}
 
 typedef struct dp_cconn dp_cconn;
 
@@ -152,6 +158,9 @@ struct dp_cconn {
   uint32_t ninflight;
   uint64_t bytes_inflight;
   dp_req *rx; /* the Pull whose payload is arriving */
+  /* The HELLO being written (its bytes live here until hello_req's callback). */
+  stream_write_req hello_req;
+  uint8_t hello[WIRE_HEADER_SIZE + WIRE_MAX_HELLO_META];
 };
 
 struct dp_client {
@@ -165,6 +174,12 @@ struct dp_client {
   struct sockaddr_storage addr;
   uint32_t connect_ms, max_inflight;
   uint64_t max_payload;
+  uint8_t token[WIRE_MAX_TOKEN]; /* sent in every HELLO */
+  uint32_t token_len;
+  /* Loop thread: the server refused the token (auth_status, auth_err): no
+   * connection is tried again, every request fails with that status. */
+  int auth_status;
+  char auth_err[DP_ERRLEN];
   /* Guarded by mu. */
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -172,6 +187,7 @@ struct dp_client {
   int closing;
   uint32_t settled; /* connects finished (either way) during open */
   char connect_err[DP_ERRLEN];
+  int connect_status; /* the status of connect_err */
   /* Loop thread only. */
   int shut;
   list_node pending;
@@ -276,7 +292,7 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
   dp_client *c = k->c;
   if (k->state == C_CLOSING || k->state == C_IDLE)
     return;
-  int was_connecting = k->state == C_CONNECTING;
+  int was_connecting = connecting(k->state);
   if (k->st) {
     k->state = C_CLOSING;
     stream_close(k->st, on_conn_closed);
@@ -289,6 +305,7 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
   if (was_connecting) {
     pthread_mutex_lock(&c->mu);
     status_say(c->connect_err, sizeof c->connect_err, "%s", msg);
+    c->connect_status = status;
     pthread_mutex_unlock(&c->mu);
     settle(c);
   }
@@ -300,13 +317,14 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
   /* If no connection is left to carry them, waiting requests fail too. */
   int viable = 0;
   for (uint32_t i = 0; i < c->nconns; i++)
-    if (c->conns[i].state == C_READY || c->conns[i].state == C_CONNECTING)
+    if (c->conns[i].state == C_READY || connecting(c->conns[i].state))
       viable = 1;
-  if (!viable && was_connecting) {
+  if ((!viable && was_connecting) || c->auth_status) {
     while (!list_empty(&c->pending)) {
       dp_req *r = container_of(c->pending.next, dp_req, node);
       req_detach(c, r);
-      req_complete(r, ZS_ECONN, 0, 0, msg);
+      req_complete(r, c->auth_status ? c->auth_status : ZS_ECONN, 0, 0,
+                   c->auth_status ? c->auth_err : msg);
     }
   }
   timer_update(c);
@@ -314,26 +332,86 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
 
 static void on_alloc(stream *st, void *data, size_t suggested, uv_buf_t *buf);
 static void on_read(stream *st, void *data, ssize_t nread, const uv_buf_t *buf);
+static void conn_protocol_error(dp_cconn *k, const char *what);
 
+static void on_hello_written(stream_write_req *w, int status) {
+  dp_cconn *k = container_of(w, dp_cconn, hello_req);
+  if (status < 0 && k->state == C_HELLO) {
+    char msg[DP_ERRLEN];
+    status_say(msg, sizeof msg, "cannot connect to %s: sending HELLO failed: %s", k->c->addr_text,
+               stream_detail(w->s)[0] ? stream_detail(w->s) : zs_strerror(status));
+    conn_fail(k, ZS_ECONN, msg, NULL, 0);
+  }
+}
+
+/* The connection is made: it authenticates before it carries anything
+ * (docs/PROTOCOL.md, "Authentication"), the HELLO_ACK making it ready. */
 static void on_connect(stream *st, void *data, int status) {
   dp_cconn *k = data;
   dp_client *c = k->c;
   if (k->state != C_CONNECTING || st != k->st)
     return; /* failed meanwhile (timeout, shutdown): conn_fail settled it */
   char msg[DP_ERRLEN];
+  size_t len = 0;
   if (status == 0) {
     stream_set_option(st, STREAM_OPT_NODELAY, 1);
     status = stream_read_start(st, on_alloc, on_read);
+  }
+  if (status == 0) {
+    wire_msg m = {.type = WIRE_HELLO};
+    m.u.hello.token = c->token;
+    m.u.hello.token_len = c->token_len;
+    status = wire_encode(&m, k->hello, sizeof k->hello, &len);
+  }
+  if (status == 0) {
+    uv_buf_t b = uv_buf_init((char *)k->hello, (unsigned)len);
+    k->state = C_HELLO;
+    status = stream_write(st, &k->hello_req, &b, 1, on_hello_written);
+    if (status != 0)
+      k->state = C_CONNECTING;
   }
   if (status != 0) {
     status_say(msg, sizeof msg, "cannot connect to %s: %s", c->addr_text,
                stream_detail(st)[0] ? stream_detail(st) : zs_strerror(status));
     conn_fail(k, ZS_ECONN, msg, NULL, 0);
-    return;
   }
-  k->state = C_READY;
-  settle(c);
-  dispatch(c);
+}
+
+/* The answer to the HELLO. Returns 0 (the connection is ready) or -1 (it
+ * failed; a refused token fails the client for good: no retry can fix it). */
+static int on_hello_answer(dp_cconn *k) {
+  dp_client *c = k->c;
+  const wire_msg *m = &k->rd.msg;
+  char msg[DP_ERRLEN];
+  if (m->type == WIRE_HELLO_ACK) {
+    wire_reader_set_payload(&k->rd, NULL);
+    k->state = C_READY;
+    settle(c);
+    dispatch(c);
+    return 0;
+  }
+  if (m->type != WIRE_ERROR || k->rd.meta_status != 0) {
+    status_say(msg, sizeof msg, "the server answered HELLO with %s", wire_type_name(m->type));
+    conn_protocol_error(k, msg);
+    return -1;
+  }
+  if (m->u.error.status == ZS_EUNAUTHENTICATED || m->u.error.status == ZS_EPERM) {
+    status_say(c->auth_err, sizeof c->auth_err,
+               "%s refused this client's data-plane connection: %s (check the token: "
+               "zs_client_options.token, ZSHARD_TOKEN or ZSHARD_TOKEN_FILE)",
+               c->addr_text, m->u.error.message);
+    c->auth_status = m->u.error.status;
+    conn_fail(k, c->auth_status, c->auth_err, NULL, 0);
+    return -1;
+  }
+  /* A server older than frame version 3 refuses the HELLO's version. */
+  status_say(msg, sizeof msg, "%s closed the connection at HELLO: %s%s", c->addr_text,
+             m->u.error.message,
+             m->u.error.status == ZS_EPROTO ? " (a server before data-plane protocol version 3, "
+                                              "which has no HELLO: upgrade the server)"
+                                            : "");
+  conn_fail(k, m->u.error.status, msg, NULL, 0);
+  return -1;
 }
 
 static void conn_start(dp_cconn *k) {
@@ -431,6 +509,15 @@ static dp_cconn *pick(dp_client *c) {
 /* Writes waiting requests to connections with room; reconnects idle
  * connections when requests wait. */
 static void dispatch(dp_client *c) {
+  if (c->auth_status) {
+    while (!list_empty(&c->pending)) {
+      dp_req *r = container_of(c->pending.next, dp_req, node);
+      req_detach(c, r);
+      req_complete(r, c->auth_status, 0, 0, c->auth_err);
+    }
+    timer_update(c);
+    return;
+  }
   while (!list_empty(&c->pending)) {
     dp_cconn *k = pick(c);
     if (!k)
@@ -522,6 +609,8 @@ static int on_meta(dp_cconn *k) {
   const wire_msg *m = &rd->msg;
   char msg[DP_ERRLEN];
   void *dst = NULL;
+  if (k->state == C_HELLO)
+    return on_hello_answer(k);
   if (m->type != WIRE_PUSH_ACK && m->type != WIRE_PULL_DATA && m->type != WIRE_ERROR &&
       m->type != WIRE_PONG && m->type != WIRE_PUSH_BATCH_ACK && m->type != WIRE_PULL_BATCH_DATA) {
     status_say(msg, sizeof msg, "the server sent a %s frame", wire_type_name(m->type));
@@ -618,7 +707,7 @@ static void feed(dp_cconn *k, const unsigned char *p, size_t len) {
 static void on_read(stream *st, void *data, ssize_t nread, const uv_buf_t *buf) {
   dp_cconn *k = data;
   dp_client *c = k->c;
-  if (nread == 0 || k->state != C_READY)
+  if (nread == 0 || (k->state != C_READY && k->state != C_HELLO))
     return;
   if (nread < 0) {
     char msg[DP_ERRLEN];
@@ -645,7 +734,7 @@ static void on_tick(uv_timer_t *t) {
   char msg[DP_ERRLEN];
   for (uint32_t i = 0; i < c->nconns; i++) {
     dp_cconn *k = &c->conns[i];
-    if (k->state == C_CONNECTING && now >= k->connect_deadline_ms) {
+    if (connecting(k->state) && now >= k->connect_deadline_ms) {
       status_say(msg, sizeof msg, "cannot connect to %s: no answer within %u ms", c->addr_text,
                  c->connect_ms);
       conn_fail(k, ZS_ECONN, msg, NULL, 0);
@@ -693,7 +782,7 @@ static void timer_update(dp_client *c) {
     return;
   int busy = !list_empty(&c->pending);
   for (uint32_t i = 0; i < c->nconns && !busy; i++)
-    busy = c->conns[i].ninflight > 0 || c->conns[i].state == C_CONNECTING;
+    busy = c->conns[i].ninflight > 0 || connecting(c->conns[i].state);
   if (busy && !c->timer_on) {
     uv_timer_start(&c->timer, on_tick, DPC_TICK_MS, DPC_TICK_MS);
     c->timer_on = 1;
@@ -710,7 +799,7 @@ static void shutdown_loop(dp_client *c) {
     dp_cconn *k = &c->conns[i];
     if (k->state == C_IDLE || k->state == C_CLOSING)
       continue;
-    if (k->state == C_CONNECTING)
+    if (connecting(k->state))
       settle(c);
     k->state = C_CLOSING;
     stream_close(k->st, on_conn_closed);
@@ -822,6 +911,17 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
     return status_fail(err, errlen, ZS_ENOMEM, "cannot create a condition variable");
   }
   status_say(c->addr_text, sizeof c->addr_text, "%s", cfg->addr);
+  size_t tlen = cfg->token ? strlen(cfg->token) : 0;
+  if (tlen > WIRE_MAX_TOKEN) {
+    pthread_cond_destroy(&c->cv);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+    return status_fail(err, errlen, ZS_EINVAL, "the token has %zu bytes, at most %u", tlen,
+                       WIRE_MAX_TOKEN);
+  }
+  if (tlen)
+    memcpy(c->token, cfg->token, tlen);
+  c->token_len = (uint32_t)tlen;
   c->nconns = cfg->connections ? cfg->connections : 1;
   c->connect_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DPC_DEFAULT_CONNECT_MS;
   c->max_inflight = cfg->max_inflight ? cfg->max_inflight : DPC_DEFAULT_MAX_INFLIGHT;
@@ -872,15 +972,19 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
     pthread_cond_wait(&c->cv, &c->mu);
   char cerr[DP_ERRLEN];
   status_say(cerr, sizeof cerr, "%s", c->connect_err);
+  int cstatus = c->connect_status;
   pthread_mutex_unlock(&c->mu);
   /* The loop thread owns the connection states now; a connection counts as
-   * made if any is ready, which the loop reports through a ping. */
+   * made if any is ready, which the loop reports through a ping. A server
+   * that refused us says why (a token refused, a limit reached): that
+   * status is kept, anything else is a connection that could not be made. */
   rc = dp_client_ping_sync(c, c->connect_ms, err, errlen);
   if (rc != 0) {
+    int st = cstatus && cstatus != ZS_ECONN ? cstatus : ZS_ECONN;
     if (cerr[0])
-      status_fail(err, errlen, ZS_ECONN, "%s", cerr);
+      status_fail(err, errlen, st, "%s", cerr);
     dp_client_close(c);
-    return ZS_ECONN;
+    return st;
   }
   *out = c;
   return 0;

@@ -15,9 +15,15 @@
  * header), and a Pull's payload is read from the socket straight into the
  * caller's destination, its CRC32C computed as it arrives.
  *
- * A connection that fails is reopened for the next request that needs it;
- * requests are never resent by the client (the caller decides, and Push is
- * idempotent on the server).
+ * Every connection authenticates first (a HELLO with the configured token,
+ * docs/PROTOCOL.md). A token the server refuses fails dp_client_open, or
+ * later every request, with ZS_EUNAUTHENTICATED (or ZS_EPERM) and the
+ * server's sentence, and no connection is tried again: retrying cannot fix a
+ * wrong secret.
+ *
+ * A connection that fails otherwise is reopened for the next request that
+ * needs it; requests are never resent by the client (the caller decides, and
+ * Push is idempotent on the server).
  */
 #ifndef ZSHARD_COMMON_DP_CLIENT_H
 #define ZSHARD_COMMON_DP_CLIENT_H
@@ -49,6 +55,18 @@ typedef struct dp_client_config {
   /* Requests written to one connection and not yet answered, beyond which
    * new requests wait in the client's queue; 0 means 1024. */
   uint32_t max_inflight;
+  /* The secret every connection presents in its HELLO (NUL-terminated, at
+   * most WIRE_MAX_TOKEN bytes); NULL or "" for a server without tokens.
+   * Copied during dp_client_open. */
+  const char *token;
+  /* TLS: PEM file of the CAs the shard's certificate must chain to (NULL:
+   * plaintext); this client's certificate chain and key for mTLS (both or
+   * NULL); the name the shard's certificate must carry (NULL: the host of
+   * `addr`). Only read during dp_client_open. */
+  const char *tls_ca_file;
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  const char *tls_server_name;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with
@@ -57,10 +75,13 @@ typedef struct dp_client_config {
 int dp_resolve(const char *hostport, int passive, struct sockaddr_storage *out, char *err,
                size_t errlen);
 
-/* Starts the loop thread and connects every connection, waiting up to the
- * connect timeout. Returns 0 and the client in *out (the caller's, released
- * with dp_client_close), or ZS_EINVAL (bad address) / ZS_ECONN (no connection
- * could be made) / ZS_ENOMEM with a sentence in err (may be NULL). */
+/* Starts the loop thread and connects (and authenticates) every connection,
+ * waiting up to the connect timeout. Returns 0 and the client in *out (the
+ * caller's, released with dp_client_close), or ZS_EINVAL (bad address, token
+ * too long) / ZS_ECONN (no connection could be made) / ZS_EUNAUTHENTICATED
+ * or ZS_EPERM (the token was refused) / ZS_ELIMIT (a connection cap of the
+ * server) / ZS_EPROTO (a server without HELLO) / ZS_ENOMEM with a sentence in
+ * err (may be NULL). */
 int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size_t errlen);
 
 /* Fails every request not yet completed with ZS_ECANCELED (their callbacks

@@ -14,6 +14,8 @@
  */
 #include "common/rpc_client.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -25,6 +27,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "common/status.h"
 
@@ -33,20 +37,120 @@
 
 struct rpc_channel {
   grpc_channel *channel;
+  /* "Bearer <token>", sent on every call; NULL: no token. */
+  grpc_slice auth_value;
+  int has_auth;
+  int tls; /* the channel speaks TLS */
 };
 
+int rpc_read_pem_file(const char *path, const char *what, char **out, char *err, size_t errlen) {
+  *out = NULL;
+  /* O_NONBLOCK and the regular-file check keep a FIFO put in the file's
+   * place from hanging the caller. */
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0)
+    return status_fail(err, errlen, ZS_EINVAL, "%s '%s': %s", what, path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > RPC_MAX_PEM_BYTES) {
+    close(fd);
+    return status_fail(err, errlen, ZS_EINVAL, "%s '%s': not a regular file of at most %d bytes",
+                       what, path, RPC_MAX_PEM_BYTES);
+  }
+  char *buf = malloc((size_t)st.st_size + 1);
+  if (!buf) {
+    close(fd);
+    return status_fail(err, errlen, ZS_ENOMEM, "%s '%s': out of memory", what, path);
+  }
+  size_t got = 0;
+  while (got < (size_t)st.st_size) {
+    ssize_t n = read(fd, buf + got, (size_t)st.st_size - got);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      break;
+    got += (size_t)n;
+  }
+  close(fd);
+  buf[got] = '\0';
+  if (got != (size_t)st.st_size || !strstr(buf, "-----BEGIN ")) {
+    free(buf);
+    return status_fail(err, errlen, ZS_EINVAL, "%s '%s': not a PEM file", what, path);
+  }
+  *out = buf;
+  return 0;
+}
+
+/* The TLS credentials of `sec` (which has a CA file), or NULL with err set. */
+static grpc_channel_credentials *tls_credentials(const rpc_security *sec, int *rc, char *err,
+                                                 size_t errlen) {
+  char *ca = NULL, *cert = NULL, *key = NULL;
+  grpc_channel_credentials *creds = NULL;
+  *rc = rpc_read_pem_file(sec->tls_ca_file, "TLS CA file", &ca, err, errlen);
+  if (*rc == 0 && sec->tls_cert_file)
+    *rc = rpc_read_pem_file(sec->tls_cert_file, "TLS certificate file", &cert, err, errlen);
+  if (*rc == 0 && sec->tls_key_file)
+    *rc = rpc_read_pem_file(sec->tls_key_file, "TLS key file", &key, err, errlen);
+  if (*rc == 0) {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+    creds = grpc_ssl_credentials_create(ca, cert ? &pair : NULL, NULL, NULL);
+    if (!creds)
+      *rc = status_fail(err, errlen, ZS_EINVAL, "%s", "gRPC refused the TLS settings");
+  }
+  free(ca);
+  free(cert);
+  if (key) {
+    /* The private key does not linger in freed memory. */
+    memset(key, 0, strlen(key));
+    free(key);
+  }
+  return creds;
+}
+
+/* Checks `sec` before anything is read: a half-given pair is a mistake the
+ * handshake would report far less clearly. */
+static int check_security(const rpc_security *sec, char *err, size_t errlen) {
+  int has_ca = sec->tls_ca_file && sec->tls_ca_file[0];
+  int has_cert = sec->tls_cert_file && sec->tls_cert_file[0];
+  int has_key = sec->tls_key_file && sec->tls_key_file[0];
+  if (has_cert != has_key)
+    return status_fail(err, errlen, ZS_EINVAL, "%s",
+                       "a TLS client certificate needs its key and a key its certificate");
+  if (!has_ca && (has_cert || (sec->tls_server_name && sec->tls_server_name[0])))
+    return status_fail(err, errlen, ZS_EINVAL, "%s",
+                       "a TLS client certificate or server name needs a TLS CA file");
+  if (sec->token && strlen(sec->token) > RPC_MAX_TOKEN_BYTES)
+    return status_fail(err, errlen, ZS_EINVAL, "the token is longer than %d bytes",
+                       RPC_MAX_TOKEN_BYTES);
+  for (const char *p = sec->token; p && *p; p++)
+    if ((unsigned char)*p < 0x21 || (unsigned char)*p > 0x7e)
+      return status_fail(err, errlen, ZS_EINVAL, "%s",
+                         "the token must be printable ASCII without spaces");
+  return 0;
+}
+
 int rpc_channel_open(const char *target, rpc_channel **out) {
+  return rpc_channel_open_secure(target, NULL, out, NULL, 0);
+}
+
+int rpc_channel_open_secure(const char *target, const rpc_security *sec, rpc_channel **out,
+                            char *err, size_t errlen) {
   *out = NULL;
   if (!target || !target[0])
-    return ZS_EINVAL;
+    return status_fail(err, errlen, ZS_EINVAL, "%s", "no target address");
+  rpc_security none = {0};
+  if (!sec)
+    sec = &none;
+  int rc = check_security(sec, err, errlen);
+  if (rc)
+    return rc;
   rpc_channel *ch = calloc(1, sizeof *ch);
   if (!ch)
-    return ZS_ENOMEM;
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   grpc_init();
 
   /* Bulk messages (a Pull of a large slice, an InitParams of a large piece)
    * exceed gRPC's 4 MiB default receive limit; both ends agree on one bound. */
-  grpc_arg args[2];
+  grpc_arg args[3];
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
   args[0].value.integer = RPC_MAX_MESSAGE_BYTES;
@@ -54,14 +158,36 @@ int rpc_channel_open(const char *target, rpc_channel **out) {
   args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
   args[1].value.integer = RPC_MAX_MESSAGE_BYTES;
   grpc_channel_args chargs = {.num_args = 2, .args = args};
+  if (sec->tls_ca_file && sec->tls_ca_file[0] && sec->tls_server_name && sec->tls_server_name[0]) {
+    args[2].type = GRPC_ARG_STRING;
+    args[2].key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+    args[2].value.string = (char *)sec->tls_server_name;
+    chargs.num_args = 3;
+  }
 
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  ch->channel = grpc_channel_create(target, creds, &chargs);
-  grpc_channel_credentials_release(creds);
-  if (!ch->channel) {
-    grpc_shutdown();
-    free(ch);
-    return ZS_ENOMEM;
+  grpc_channel_credentials *creds = NULL;
+  ch->tls = sec->tls_ca_file && sec->tls_ca_file[0];
+  if (ch->tls)
+    creds = tls_credentials(sec, &rc, err, errlen);
+  else
+    creds = grpc_insecure_credentials_create();
+  if (creds) {
+    ch->channel = grpc_channel_create(target, creds, &chargs);
+    grpc_channel_credentials_release(creds);
+    if (!ch->channel)
+      rc = status_fail(err, errlen, ZS_ENOMEM, "%s", "cannot create the gRPC channel");
+  }
+  if (rc == 0 && sec->token && sec->token[0]) {
+    size_t n = strlen(RPC_AUTH_SCHEME) + strlen(sec->token);
+    ch->auth_value = grpc_slice_malloc(n);
+    memcpy(GRPC_SLICE_START_PTR(ch->auth_value), RPC_AUTH_SCHEME, strlen(RPC_AUTH_SCHEME));
+    memcpy(GRPC_SLICE_START_PTR(ch->auth_value) + strlen(RPC_AUTH_SCHEME), sec->token,
+           strlen(sec->token));
+    ch->has_auth = 1;
+  }
+  if (rc) {
+    rpc_channel_close(ch);
+    return rc;
   }
   *out = ch;
   return 0;
@@ -70,7 +196,10 @@ int rpc_channel_open(const char *target, rpc_channel **out) {
 void rpc_channel_close(rpc_channel *ch) {
   if (!ch)
     return;
-  grpc_channel_destroy(ch->channel);
+  if (ch->channel)
+    grpc_channel_destroy(ch->channel);
+  if (ch->has_auth)
+    grpc_slice_unref(ch->auth_value);
   grpc_shutdown();
   free(ch);
 }
@@ -172,6 +301,14 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
   grpc_op ops[6];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  grpc_metadata auth;
+  if (ch->has_auth) {
+    memset(&auth, 0, sizeof auth);
+    auth.key = grpc_slice_from_static_string(RPC_AUTH_KEY);
+    auth.value = ch->auth_value;
+    ops[0].data.send_initial_metadata.count = 1;
+    ops[0].data.send_initial_metadata.metadata = &auth;
+  }
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = req_bb;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -206,7 +343,14 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
     if (zs == ZS_OK) /* a non-OK gRPC code never means success */
       zs = ZS_EINTERNAL;
     char *msg = grpc_slice_to_c_string(details);
-    rc = set_status(st, code, zs, "%s: %s", method, msg && msg[0] ? msg : zs_strerror(zs));
+    /* A TLS server closes a plaintext connection as soon as its first bytes
+     * are not a TLS handshake, and gRPC reports only the closed socket. */
+    const char *hint =
+        !ch->tls && code == GRPC_STATUS_UNAVAILABLE && msg && strstr(msg, "Socket closed")
+            ? " (if the server speaks TLS, give this client its CA: "
+              "tls_ca_file, ZSHARD_TLS_CA or --tls-ca)"
+            : "";
+    rc = set_status(st, code, zs, "%s: %s%s", method, msg && msg[0] ? msg : zs_strerror(zs), hint);
     gpr_free(msg);
     goto done;
   }

@@ -16,13 +16,54 @@
 /* Bulk messages: both ends raise gRPC's 4 MiB default to this. */
 #define RPC_MAX_MESSAGE_BYTES (1024 * 1024 * 1024)
 
+/* Largest PEM file (certificate chain, key, CA bundle) read. */
+#define RPC_MAX_PEM_BYTES (1024 * 1024)
+/* The metadata key and scheme a token travels in on every call. */
+#define RPC_AUTH_KEY "authorization"
+#define RPC_AUTH_SCHEME "Bearer "
+/* The longest token sent (common/auth.h's AUTH_MAX_TOKEN). */
+#define RPC_MAX_TOKEN_BYTES 4096
+
 typedef struct rpc_channel rpc_channel;
 
-/* Opens a channel to `target` ("host:port"); the connection is made lazily by
- * the first call. Returns 0 or ZS_ENOMEM / ZS_EINVAL. The channel is the
- * caller's, closed with rpc_channel_close. */
+/* How a channel proves who it talks to and who it is. Every string is the
+ * caller's and only read during rpc_channel_open_secure (the channel keeps
+ * its own copies). */
+typedef struct rpc_security {
+  /* Sent as "authorization: Bearer <token>" on every call; NULL or "": no
+   * token. */
+  const char *token;
+  /* PEM file of the CAs the server's certificate must chain to; NULL:
+   * plaintext (and the three below must be NULL too). */
+  const char *tls_ca_file;
+  /* PEM files of this client's certificate chain and key, for a server that
+   * requires client certificates (mTLS); both or neither. */
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  /* The name the server's certificate must carry; NULL: the target's host. */
+  const char *tls_server_name;
+} rpc_security;
+
+/* Opens a plaintext channel without a token to `target` ("host:port"); the
+ * connection is made lazily by the first call. Returns 0 or ZS_ENOMEM /
+ * ZS_EINVAL. The channel is the caller's, closed with rpc_channel_close. */
 int rpc_channel_open(const char *target, rpc_channel **out);
+
+/* As rpc_channel_open, with the token and TLS settings of `sec` (NULL: as
+ * rpc_channel_open). A PEM file that cannot be read, or a certificate
+ * without its key, is ZS_EINVAL with the reason in err (may be NULL).
+ * Certificates themselves are checked by the TLS handshake of the first
+ * call, whose failure that call reports (ZS_EUNAVAILABLE). */
+int rpc_channel_open_secure(const char *target, const rpc_security *sec, rpc_channel **out,
+                            char *err, size_t errlen);
 void rpc_channel_close(rpc_channel *ch);
+
+/* Reads a whole PEM file (a regular file of at most RPC_MAX_PEM_BYTES that
+ * contains "-----BEGIN ") into a NUL-terminated string the caller frees
+ * with free(). Returns 0, or ZS_EINVAL / ZS_ENOMEM with the file and the
+ * reason in err (may be NULL). `what` names the file in the message
+ * ("--tls-cert"). */
+int rpc_read_pem_file(const char *path, const char *what, char **out, char *err, size_t errlen);
 
 typedef struct rpc_status {
   int grpc_code;     /* grpc_status_code */

@@ -68,12 +68,16 @@ const char *wire_type_name(int type) {
     return "PULL_BATCH";
   case WIRE_PULL_BATCH_DATA:
     return "PULL_BATCH_DATA";
+  case WIRE_HELLO:
+    return "HELLO";
+  case WIRE_HELLO_ACK:
+    return "HELLO_ACK";
   }
   return "UNKNOWN";
 }
 
 static int type_known(int type) {
-  return type >= WIRE_PUSH && type <= WIRE_PULL_BATCH_DATA;
+  return type >= WIRE_PUSH && type <= WIRE_HELLO_ACK;
 }
 
 static int type_has_payload(int type) {
@@ -87,6 +91,8 @@ static int type_is_batch(int type) {
 
 /* The version that defines a type, which its frames carry. */
 static unsigned type_version(int type) {
+  if (type == WIRE_HELLO || type == WIRE_HELLO_ACK)
+    return 3u;
   return type_is_batch(type) ? 2u : 1u;
 }
 
@@ -107,7 +113,7 @@ static uint32_t batch_count(const wire_msg *m) {
 }
 
 static int type_has_meta(int type) {
-  return type != WIRE_PING && type != WIRE_PONG;
+  return type != WIRE_PING && type != WIRE_PONG && type != WIRE_HELLO_ACK;
 }
 
 static uint32_t header_crc(const uint8_t *head, const uint8_t *meta, size_t meta_len) {
@@ -130,12 +136,29 @@ static size_t utf8_cut(const char *s, size_t n, size_t max) {
   return n;
 }
 
-int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
-  if (!m || !out || !len || !type_known((int)m->type))
-    return ZS_EINVAL;
+/* Whether wire_encode can frame `m`: a known type, a payload only where the
+ * type has one, a batch's count and arrays, a HELLO's token. */
+static int encodable(const wire_msg *m) {
+  if (!type_known((int)m->type))
+    return 0;
   if (!type_has_payload((int)m->type) && m->payload_len != 0)
-    return ZS_EINVAL;
+    return 0;
   if (type_is_batch((int)m->type) && (batch_count(m) == 0 || batch_count(m) > WIRE_MAX_BATCH))
+    return 0;
+  if ((m->type == WIRE_PUSH_BATCH && !m->u.push_batch.pieces) ||
+      (m->type == WIRE_PULL_BATCH && !m->u.pull_batch.pieces) ||
+      (m->type == WIRE_PUSH_BATCH_ACK &&
+       (!m->u.push_batch_ack.status || !m->u.push_batch_ack.duplicate)) ||
+      (m->type == WIRE_PULL_BATCH_DATA && !m->u.pull_batch_data.length))
+    return 0;
+  if (m->type == WIRE_HELLO &&
+      (m->u.hello.token_len > WIRE_MAX_TOKEN || (m->u.hello.token_len && !m->u.hello.token)))
+    return 0;
+  return 1;
+}
+
+int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
+  if (!m || !out || !len || !encodable(m))
     return ZS_EINVAL;
   char msgbuf[WIRE_MAX_MESSAGE + 1];
   /* Batch metas point into these (on the stack: a few KiB, no allocation). */
@@ -145,12 +168,6 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
   protobuf_c_boolean dup[WIRE_MAX_BATCH];
   uint64_t lens[WIRE_MAX_BATCH];
   const wire_piece *src = NULL;
-  if ((m->type == WIRE_PUSH_BATCH && !m->u.push_batch.pieces) ||
-      (m->type == WIRE_PULL_BATCH && !m->u.pull_batch.pieces) ||
-      (m->type == WIRE_PUSH_BATCH_ACK &&
-       (!m->u.push_batch_ack.status || !m->u.push_batch_ack.duplicate)) ||
-      (m->type == WIRE_PULL_BATCH_DATA && !m->u.pull_batch_data.length))
-    return ZS_EINVAL;
   Zshard__V1__DataPushBatch pb = ZSHARD__V1__DATA_PUSH_BATCH__INIT;
   Zshard__V1__DataPushBatchAck pba = ZSHARD__V1__DATA_PUSH_BATCH_ACK__INIT;
   Zshard__V1__DataPullBatch qb = ZSHARD__V1__DATA_PULL_BATCH__INIT;
@@ -173,6 +190,7 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
   Zshard__V1__DataPull pull = ZSHARD__V1__DATA_PULL__INIT;
   Zshard__V1__DataPullData pd = ZSHARD__V1__DATA_PULL_DATA__INIT;
   Zshard__V1__DataError er = ZSHARD__V1__DATA_ERROR__INIT;
+  Zshard__V1__DataHello hello = ZSHARD__V1__DATA_HELLO__INIT;
   const ProtobufCMessage *meta = NULL;
   switch (m->type) {
   case WIRE_PUSH:
@@ -257,8 +275,14 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
     qbd.length = lens;
     meta = &qbd.base;
     break;
+  case WIRE_HELLO:
+    hello.token.data = (uint8_t *)(uintptr_t)m->u.hello.token;
+    hello.token.len = m->u.hello.token_len;
+    meta = &hello.base;
+    break;
   case WIRE_PING:
   case WIRE_PONG:
+  case WIRE_HELLO_ACK:
     break;
   }
   size_t mlen = meta ? protobuf_c_message_get_packed_size(meta) : 0;
@@ -633,6 +657,31 @@ static int dec_pull_batch_data(meta_dec *d) {
   return rc;
 }
 
+static int dec_hello(meta_dec *d) {
+  Zshard__V1__DataHello *p =
+      UNPACK(Zshard__V1__DataHello, zshard__v1__data_hello__descriptor, d->h, d->meta);
+  if (!p) {
+    d->what = "zshard.v1.DataHello";
+    return 0;
+  }
+  int rc = 0;
+  wire_hello *o = &d->out->u.hello;
+  if (!d->store) {
+    rc = status_fail(d->err, d->errlen, ZS_ENOMEM, "HELLO frame: out of memory");
+  } else if (p->token.len > WIRE_MAX_TOKEN) {
+    rc = status_fail(d->err, d->errlen, ZS_ERANGE,
+                     "HELLO frame token of %zu bytes exceeds the %u limit", p->token.len,
+                     WIRE_MAX_TOKEN);
+  } else {
+    if (p->token.len)
+      memcpy(d->store->token, p->token.data, p->token.len);
+    o->token = d->store->token;
+    o->token_len = (uint32_t)p->token.len;
+  }
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return rc;
+}
+
 static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out, wire_batch *store,
                        char *err, size_t errlen) {
   memset(out, 0, sizeof *out);
@@ -676,7 +725,10 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
   case WIRE_PULL_BATCH_DATA:
     rc = dec_pull_batch_data(&d);
     break;
-  default: /* PING, PONG: nothing to decode */
+  case WIRE_HELLO:
+    rc = dec_hello(&d);
+    break;
+  default: /* PING, PONG, HELLO_ACK: nothing to decode */
     break;
   }
   if (d.what)
@@ -743,7 +795,12 @@ int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_ms
 void wire_reader_init(wire_reader *r, uint64_t max_payload) {
   memset(r, 0, sizeof *r);
   r->max_payload = max_payload ? max_payload : WIRE_DEFAULT_MAX_PAYLOAD;
+  r->max_meta = WIRE_MAX_META;
   r->state = R_HEAD;
+}
+
+void wire_reader_limit_meta(wire_reader *r, uint32_t max_meta) {
+  r->max_meta = max_meta < WIRE_MAX_META ? max_meta : WIRE_MAX_META;
 }
 
 void wire_reader_free(wire_reader *r) {
@@ -781,7 +838,7 @@ static wire_event reader_meta(wire_reader *r) {
   int rc = wire_check_header_crc(&r->h, r->head, r->meta, r->err, sizeof r->err);
   if (rc)
     return reader_fatal(r, rc);
-  if (type_is_batch(r->h.type) && !r->batch)
+  if ((type_is_batch(r->h.type) || r->h.type == WIRE_HELLO) && !r->batch)
     r->batch = malloc(sizeof *r->batch); /* NULL: decode_meta says out of memory */
   r->meta_status = decode_meta(&r->h, r->meta, &r->msg, r->batch, r->err, sizeof r->err);
   r->payload_status = 0;
@@ -815,6 +872,14 @@ size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *
       int rc = wire_decode_header(r->head, r->max_payload, &r->h, r->err, sizeof r->err);
       if (rc) {
         *ev = reader_fatal(r, rc);
+        return used;
+      }
+      if (r->h.meta_len > r->max_meta) {
+        status_fail(r->err, sizeof r->err, ZS_ERANGE,
+                    "%s frame meta of %" PRIu32 " bytes exceeds this side's limit of %" PRIu32
+                    " for the connection's state",
+                    wire_type_name(r->h.type), r->h.meta_len, r->max_meta);
+        *ev = reader_fatal(r, ZS_ERANGE);
         return used;
       }
       if (r->h.meta_len > r->meta_cap) {

@@ -7,8 +7,8 @@
  *
  *   offset size field
  *        0    4 magic        the bytes "ZSDP" (0x5A 0x53 0x44 0x50)
- *        4    1 version      1, or 2 for the batch types
- *        5    1 type         WIRE_PUSH .. WIRE_PULL_BATCH_DATA
+ *        4    1 version      1; 2 for the batch types, 3 for HELLO(_ACK)
+ *        5    1 type         WIRE_PUSH .. WIRE_HELLO_ACK
  *        6    2 flags        0: version 1 defines no flag; a set bit is refused
  *        8    8 request_id   chosen by the client, echoed by the answer
  *       16    8 payload_len  bytes after the meta, <= the receiver's maximum
@@ -20,9 +20,10 @@
  * The header CRC is checked before the payload length is trusted, so one
  * flipped bit in a length is a clear error rather than a 1 GiB allocation or a
  * desynchronised stream. Only PUSH, PULL_DATA, PUSH_BATCH and
- * PULL_BATCH_DATA carry a payload; PING and PONG carry neither meta nor
- * payload. A batch frame carries up to WIRE_MAX_BATCH pieces of one shard
- * with their bytes concatenated in list order.
+ * PULL_BATCH_DATA carry a payload; PING, PONG and HELLO_ACK carry neither
+ * meta nor payload. HELLO carries the client's token and is the first frame
+ * of every connection (docs/PROTOCOL.md, "Authentication"). A batch frame carries up to
+ * WIRE_MAX_BATCH pieces of one shard with their bytes concatenated in list order.
  *
  * Errors come in two kinds:
  *  - fatal: the stream can no longer be framed (bad magic, version, type,
@@ -44,10 +45,11 @@
 
 #define WIRE_MAGIC 0x5044535Au /* "ZSDP" read as a little-endian u32 */
 /* Versions this side speaks: 1 defines types 1..7, 2 adds the batch types
- * 8..11. A frame carries the lowest version that defines its type, so that
- * single-piece frames stay readable by version-1 peers. */
+ * 8..11, 3 the authentication frames HELLO and HELLO_ACK (12, 13). A frame
+ * carries the lowest version that defines its type, so that single-piece
+ * frames stay readable by version-1 peers. */
 #define WIRE_VERSION_MIN 1u
-#define WIRE_VERSION 2u
+#define WIRE_VERSION 3u
 #define WIRE_HEADER_SIZE 40u
 #define WIRE_MAX_META 65536u
 /* The payload bound a receiver uses unless configured otherwise. */
@@ -63,6 +65,10 @@
  * bytes, an acknowledgement entry 7, plus the fixed fields and a message. */
 #define WIRE_MAX_BATCH_ENCODED (WIRE_HEADER_SIZE + 512u + 32u * WIRE_MAX_BATCH)
 #define WIRE_ERRLEN 192u
+/* Longest token a HELLO carries (auth.h's AUTH_MAX_TOKEN), and the longest
+ * meta a HELLO may have: the token and its field's few bytes of framing. */
+#define WIRE_MAX_TOKEN 4096u
+#define WIRE_MAX_HELLO_META (WIRE_MAX_TOKEN + 16u)
 
 typedef enum wire_type {
   WIRE_PUSH = 1,      /* meta DataPush, payload: the gradient */
@@ -72,10 +78,12 @@ typedef enum wire_type {
   WIRE_ERROR = 5,     /* meta DataError */
   WIRE_PING = 6,      /* nothing: asks for a PONG with the same request id */
   WIRE_PONG = 7,
-  WIRE_PUSH_BATCH = 8,      /* meta DataPushBatch, payload: the gradients */
-  WIRE_PUSH_BATCH_ACK = 9,  /* meta DataPushBatchAck */
-  WIRE_PULL_BATCH = 10,     /* meta DataPullBatch */
-  WIRE_PULL_BATCH_DATA = 11 /* meta DataPullBatchData, payload: the pieces */
+  WIRE_PUSH_BATCH = 8,       /* meta DataPushBatch, payload: the gradients */
+  WIRE_PUSH_BATCH_ACK = 9,   /* meta DataPushBatchAck */
+  WIRE_PULL_BATCH = 10,      /* meta DataPullBatch */
+  WIRE_PULL_BATCH_DATA = 11, /* meta DataPullBatchData, payload: the pieces */
+  WIRE_HELLO = 12,           /* meta DataHello: the client's token, first frame */
+  WIRE_HELLO_ACK = 13        /* nothing: the token was accepted */
 } wire_type;
 
 /* A header as decoded (every field host-endian). */
@@ -96,6 +104,14 @@ typedef struct wire_push {
   uint32_t rank, micro, tensor, slice;
   int dtype;
 } wire_push;
+
+/* The decoder has checked token_len <= WIRE_MAX_TOKEN. token points into a
+ * wire_batch, as a batch's arrays do (see below); to encode, at the caller's
+ * bytes (only read during wire_encode). */
+typedef struct wire_hello {
+  const uint8_t *token;
+  uint32_t token_len;
+} wire_hello;
 
 typedef struct wire_push_ack {
   int duplicate;
@@ -176,6 +192,7 @@ typedef struct wire_batch {
   int32_t status[WIRE_MAX_BATCH];
   uint8_t duplicate[WIRE_MAX_BATCH];
   uint64_t length[WIRE_MAX_BATCH];
+  uint8_t token[WIRE_MAX_TOKEN]; /* a HELLO's */
 } wire_batch;
 
 /* One frame without its payload. */
@@ -194,6 +211,7 @@ typedef struct wire_msg {
     wire_push_batch_ack push_batch_ack;
     wire_pull_batch pull_batch;
     wire_pull_batch_data pull_batch_data;
+    wire_hello hello;
   } u;
 } wire_msg;
 
@@ -289,6 +307,7 @@ typedef struct wire_reader {
   char err[WIRE_ERRLEN];
   /* Private. */
   uint64_t max_payload;
+  uint32_t max_meta; /* WIRE_MAX_META unless lowered (wire_reader_limit_meta) */
   int state;
   uint8_t head[WIRE_HEADER_SIZE];
   size_t head_have;
@@ -306,6 +325,13 @@ typedef struct wire_reader {
  * releases what it allocates. */
 void wire_reader_init(wire_reader *r, uint64_t max_payload);
 void wire_reader_free(wire_reader *r);
+
+/* Lowers (or restores) the longest meta the reader accepts, at most
+ * WIRE_MAX_META: a frame whose header declares more is fatal (ZS_ERANGE)
+ * before any meta buffer is sized from it. A server keeps an
+ * unauthenticated connection at WIRE_MAX_HELLO_META, so that a stranger
+ * costs it a few KiB at most. */
+void wire_reader_limit_meta(wire_reader *r, uint32_t max_meta);
 
 /* Consumes bytes from in[0 .. len) up to the next event; returns how many.
  * `in` is only read during the call; NULL is an empty input. */

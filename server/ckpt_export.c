@@ -27,6 +27,7 @@
 #include "common/le.h"
 #include "common/status.h"
 #include "server/ckpt.h"
+#include "server/ckpt_format.h"
 #include "server/optim.h"
 
 /* A growable string for the JSON header. */
@@ -270,7 +271,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
                      largest);
     goto done;
   }
-  fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  fd = ckpt__open_write(tmp);
   if (fd < 0) {
     rc = status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
     goto done;

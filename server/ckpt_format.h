@@ -71,6 +71,19 @@ int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
 /* fsyncs directory dir; 0, or -1 with errno. */
 int ckpt__fsync_dir(const char *dir);
 
+/* Opens a state file for reading without ever blocking in open(): a FIFO
+ * or a device named like a checkpoint file or MANIFEST would hang a plain
+ * open() (and startup with it, deaf to SIGTERM), so the file is opened
+ * O_NONBLOCK and fstat'ed to be a regular file. Returns 0 and the fd in
+ * *fd, ZS_ENOTFOUND when it does not exist, or ZS_EIO with a sentence. */
+int ckpt__open_read(const char *path, int *fd, char *err, size_t errlen);
+
+/* open(path, O_WRONLY | O_CREAT | O_TRUNC) for a file this process is about
+ * to write, with the same guard: a FIFO in its place fails (ENXIO without a
+ * reader, EINVAL once fstat sees it) instead of blocking. Returns the fd, or
+ * -1 with errno. */
+int ckpt__open_write(const char *path);
+
 /* Writes "<dir>/<name>" into buf; ZS_EINVAL when it does not fit in len. */
 int ckpt__join_path(char *buf, size_t len, const char *dir, const char *name);
 

@@ -81,6 +81,34 @@ int ckpt_step_dir(const char *root, uint64_t step, char *buf, size_t len) {
   return n < 0 || (size_t)n >= len ? ZS_EINVAL : 0;
 }
 
+int ckpt__open_read(const char *path, int *fd, char *err, size_t errlen) {
+  *fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  if (*fd < 0)
+    return status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
+                       path, strerror(errno));
+  struct stat sb;
+  if (fstat(*fd, &sb) == 0 && S_ISREG(sb.st_mode))
+    return 0; /* O_NONBLOCK means nothing to a regular file's reads */
+  close(*fd);
+  *fd = -1;
+  return status_fail(err, errlen, ZS_EIO,
+                     "%s: not a regular file (a FIFO, device or directory is never read as "
+                     "checkpoint state)",
+                     path);
+}
+
+int ckpt__open_write(const char *path) {
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return -1;
+  struct stat sb;
+  if (fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode))
+    return fd;
+  close(fd);
+  errno = EINVAL;
+  return -1;
+}
+
 int ckpt__join_path(char *buf, size_t len, const char *dir, const char *name) {
   int n = snprintf(buf, len, "%s/%s", dir, name);
   return n < 0 || (size_t)n >= len ? ZS_EINVAL : 0;
@@ -188,7 +216,7 @@ int ckpt_manifest_write(const char *root, const ckpt_manifest *m, uint32_t write
     return status_fail(err, errlen, ZS_ENOMEM, "out of memory writing %s", path);
   }
   int rc = 0;
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ckpt__open_write(tmp);
   if (fd < 0) {
     rc = status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", tmp, strerror(errno));
   } else {
@@ -245,13 +273,14 @@ int ckpt_manifest_read(const char *root, uint64_t step, ckpt_manifest *m, char *
   if (ckpt_step_dir(root, step, dir, sizeof dir) != 0 ||
       ckpt__join_path(path, sizeof path, dir, CKPT_MANIFEST) != 0)
     return status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return errno == ENOENT
-               ? status_fail(err, errlen, ZS_ENOTFOUND,
-                             "checkpoint step %" PRIu64 " in %s is not complete (no %s)", step,
-                             root, CKPT_MANIFEST)
-               : status_fail(err, errlen, ZS_EIO, "cannot open %s: %s", path, strerror(errno));
+  int fd = -1;
+  int orc = ckpt__open_read(path, &fd, err, errlen);
+  if (orc == ZS_ENOTFOUND)
+    return status_fail(err, errlen, ZS_ENOTFOUND,
+                       "checkpoint step %" PRIu64 " in %s is not complete (no %s)", step, root,
+                       CKPT_MANIFEST);
+  if (orc != 0)
+    return orc;
   struct stat sb;
   char *text = NULL;
   int rc = 0;

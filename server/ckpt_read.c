@@ -138,13 +138,12 @@ typedef struct reader_scan {
 static int reader_open_file(ckpt_reader *r, const ckpt_file_info *expect, reader_scan *s, char *err,
                             size_t errlen) {
   const char *path = r->path;
-  r->fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (r->fd < 0)
-    return status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
-                       path, strerror(errno));
+  int rc = ckpt__open_read(path, &r->fd, err, errlen);
+  if (rc != 0)
+    return rc;
   struct stat sb;
-  if (fstat(r->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
-    return status_fail(err, errlen, ZS_EIO, "%s: not a regular file", path);
+  if (fstat(r->fd, &sb) != 0)
+    return status_fail(err, errlen, ZS_EIO, "cannot stat %s: %s", path, strerror(errno));
   s->size = (uint64_t)sb.st_size;
   if (expect && s->size != expect->bytes)
     return status_fail(err, errlen, ZS_ECRC,

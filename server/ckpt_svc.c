@@ -14,6 +14,7 @@
  */
 #include "server/ckpt_svc.h"
 #include "common/status.h"
+#include "server/ckpt_format.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -33,8 +34,13 @@
 
 #define SVC_RECENT 8 /* files written remembered, for the commit's check */
 
-typedef enum job_kind { JOB_CHECKPOINT, JOB_COMMIT, JOB_RESTORE } job_kind;
+typedef enum job_kind { JOB_CHECKPOINT, JOB_WRITE, JOB_COMMIT, JOB_RESTORE } job_kind;
 
+/* A checkpoint is two jobs of the queue: JOB_CHECKPOINT registers the
+ * snapshot with the core (core_snapshot_async) and lets the thread go; the
+ * snapshot's end turns the same job into JOB_WRITE, queued first, which
+ * writes the copy. A checkpoint of a step not yet reached therefore holds
+ * no thread while it waits, only its place in the count of jobs. */
 typedef struct job {
   struct job *next;
   job_kind kind;
@@ -43,7 +49,21 @@ typedef struct job {
   ckpt_manifest manifest; /* commit: owned copy */
   ckpt_svc_cb cb;
   void *arg;
+  struct ckpt_svc *svc;
+  core_state st;           /* checkpoint: the copy (allocated by then, or by the snapshot) */
+  int snap_status;         /* write: the snapshot's outcome */
+  double snapshot_seconds; /* write */
+  char err[600];           /* write: the snapshot's sentence */
 } job;
+
+/* A file this process wrote and nobody committed yet (a ring, oldest
+ * first): the oldest is removed when a new one would exceed it, so that
+ * abandoned checkpoints (a client that never commits, or writes every one
+ * into a new directory) cannot fill the disk. */
+typedef struct pending_file {
+  char root[CKPT_PATH_MAX];
+  uint64_t step;
+} pending_file;
 
 typedef struct recent_file {
   char root[CKPT_PATH_MAX];
@@ -66,6 +86,11 @@ struct ckpt_svc {
   int started;
   recent_file recent[SVC_RECENT]; /* (mu) ring */
   unsigned nrecent;               /* (mu) */
+  uint32_t njobs;                 /* (mu) queued, waiting for a snapshot or running */
+  uint32_t parked;                /* (mu) checkpoints waiting for their snapshot */
+  /* Service thread only. */
+  pending_file uncommitted[CKPT_SVC_MAX_UNCOMMITTED];
+  uint32_t nuncommitted;
   /* The root the shard's state was last loaded or restored from, for the
    * "already restored" check (service thread only). */
   char loaded_root[CKPT_PATH_MAX];
@@ -96,20 +121,34 @@ static int resolve_root(const ckpt_svc *s, const char *dir, char *out, size_t le
 
 /* ------------------------------------------------------------------ jobs */
 
-static void run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r);
+static int run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r);
 static void run_commit(ckpt_svc *s, job *j, ckpt_svc_result *r);
 static void run_restore(ckpt_svc *s, job *j, ckpt_svc_result *r);
 
 static void job_free(job *j) {
   ckpt_manifest_free(&j->manifest);
+  core_state_free(&j->st);
   free(j);
+}
+
+static int run_write(ckpt_svc *s, job *j, ckpt_svc_result *r);
+
+/* A job about to be answered no longer counts against CKPT_SVC_MAX_JOBS:
+ * uncounted before its callback runs, so that whoever the answer wakes may
+ * queue the next request at once. */
+static void job_uncount(ckpt_svc *s) {
+  pthread_mutex_lock(&s->mu);
+  s->njobs--;
+  pthread_mutex_unlock(&s->mu);
 }
 
 static void *svc_main(void *arg) {
   ckpt_svc *s = arg;
   for (;;) {
     pthread_mutex_lock(&s->mu);
-    while (!s->head && !s->stop)
+    /* A parked snapshot comes back as a write, even when stopping (it is
+     * then answered ZS_ECLOSED): the thread stays until none is out. */
+    while (!s->head && (!s->stop || s->parked > 0))
       pthread_cond_wait(&s->cv, &s->mu);
     job *j = s->head;
     if (j) {
@@ -125,6 +164,7 @@ static void *svc_main(void *arg) {
     if (!r) {
       ckpt_svc_result oom = {.status = ZS_ENOMEM, .step = j->step};
       snprintf(oom.err, sizeof oom.err, "out of memory");
+      job_uncount(s);
       j->cb(j->arg, &oom);
       job_free(j);
       continue;
@@ -134,12 +174,18 @@ static void *svc_main(void *arg) {
       r->status = ZS_ECLOSED;
       snprintf(r->err, sizeof r->err, "the shard is shutting down");
     } else if (j->kind == JOB_CHECKPOINT) {
-      run_checkpoint(s, j, r);
+      if (run_checkpoint(s, j, r) == CORE_PENDING) {
+        free(r); /* parked: the snapshot's end queues the write */
+        continue;
+      }
+    } else if (j->kind == JOB_WRITE) {
+      run_write(s, j, r);
     } else if (j->kind == JOB_COMMIT) {
       run_commit(s, j, r);
     } else {
       run_restore(s, j, r);
     }
+    job_uncount(s);
     j->cb(j->arg, r);
     free(r);
     job_free(j);
@@ -149,20 +195,26 @@ static void *svc_main(void *arg) {
 
 static int enqueue(ckpt_svc *s, job *j, char *err, size_t errlen) {
   pthread_mutex_lock(&s->mu);
-  int stop = s->stop;
-  if (!stop) {
+  int stop = s->stop, full = s->njobs >= CKPT_SVC_MAX_JOBS;
+  uint32_t njobs = s->njobs;
+  if (!stop && !full) {
     j->next = NULL;
     if (s->tail)
       s->tail->next = j;
     else
       s->head = j;
     s->tail = j;
+    s->njobs++;
     pthread_cond_signal(&s->cv);
   }
   pthread_mutex_unlock(&s->mu);
-  if (stop) {
+  if (stop || full) {
     job_free(j);
-    return status_fail(err, errlen, ZS_ECLOSED, "the shard is shutting down");
+    return stop ? status_fail(err, errlen, ZS_ECLOSED, "the shard is shutting down")
+                : status_fail(err, errlen, ZS_ELIMIT,
+                              "%u checkpoint, commit and restore requests are already queued or "
+                              "waiting on this shard (at most %u); retry once they are answered",
+                              njobs, CKPT_SVC_MAX_JOBS);
   }
   return CORE_PENDING;
 }
@@ -183,12 +235,23 @@ static job *job_new(ckpt_svc *s, job_kind kind, uint64_t hash, uint64_t step, co
   j->step = step;
   j->cb = cb;
   j->arg = arg;
+  j->svc = s;
   return j;
 }
 
 int ckpt_svc_checkpoint(ckpt_svc *s, uint64_t hash, uint64_t step, const char *dir,
                         uint64_t deadline_ms, ckpt_svc_cb cb, void *arg, char *err, size_t errlen) {
   int rc;
+  /* A step far beyond the job's would wait for applies that may never come
+   * (the attack: three checkpoints of step 1e9, then gone). */
+  core_info info;
+  core_get_info(s->core, &info);
+  if (info.has_job && step > info.version && step - info.version > CKPT_SVC_MAX_AHEAD)
+    return status_fail(err, errlen, ZS_ESTEP,
+                       "checkpoint of step %" PRIu64 " is %" PRIu64
+                       " steps ahead of shard %u's version %" PRIu64
+                       "; a checkpoint may wait for at most %u steps",
+                       step, step - info.version, info.shard_id, info.version, CKPT_SVC_MAX_AHEAD);
   job *j = job_new(s, JOB_CHECKPOINT, hash, step, dir, cb, arg, err, errlen, &rc);
   if (!j)
     return rc;
@@ -225,8 +288,27 @@ int ckpt_svc_restore(ckpt_svc *s, uint64_t hash, uint64_t step, const char *dir,
 
 /* ------------------------------------------------------------------ work */
 
+/* Allocates the copy: its memory (zeroed) before the snapshot, so that the
+ * time an apply is held back is the memcpy alone, when the step is the
+ * shard's; else inside the snapshot, so that a checkpoint waiting for a
+ * later step holds no memory. */
+static int job_alloc_copy(job *j, const spec *sp, uint32_t shard_id, char *err, size_t errlen) {
+  int rc = core_state_init(&j->st, sp, shard_id, err, errlen);
+  if (rc != 0)
+    return rc;
+  j->st.client_state = malloc(CORE_MAX_CLIENT_STATE);
+  if (!j->st.client_state) {
+    core_state_free(&j->st);
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
+  }
+  return 0;
+}
+
 static int copy_view(void *arg, const core_view *v) {
-  core_state *st = arg;
+  job *j = arg;
+  core_state *st = &j->st;
+  if (!st->spec.job && job_alloc_copy(j, v->spec, v->shard_id, j->err, sizeof j->err) != 0)
+    return ZS_ENOMEM;
   /* The state was sized from the same spec; a mismatch means the job changed
    * under us, which core_open does not allow. */
   if (st->nelems != v->nelems || !st->m != !v->m || !st->v != !v->v)
@@ -239,7 +321,7 @@ static int copy_view(void *arg, const core_view *v) {
     if (v->v)
       memcpy(st->v, v->v, bytes);
   }
-  /* client_state has room for the largest one (run_checkpoint). */
+  /* client_state has room for the largest one (job_alloc_copy). */
   if (v->client_state_len > CORE_MAX_CLIENT_STATE)
     return ZS_EINTERNAL;
   if (v->client_state_len > 0)
@@ -250,49 +332,126 @@ static int copy_view(void *arg, const core_view *v) {
   return 0;
 }
 
-static void run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r) {
-  core_state st;
-  memset(&st, 0, sizeof st);
+/* The snapshot's end (on the core's worker, or on the thread that cancelled
+ * it): the job comes back first in the queue, as a write. */
+static void on_snapshot_done(void *arg, int status, double seconds) {
+  job *j = arg;
+  ckpt_svc *s = j->svc;
+  j->kind = JOB_WRITE;
+  j->snap_status = status;
+  j->snapshot_seconds = seconds;
+  if (status == ZS_EINTERNAL)
+    snprintf(j->err, sizeof j->err, "the shard's arenas changed size during the snapshot");
+  else if (status != 0 && status != ZS_ENOMEM)
+    snprintf(j->err, sizeof j->err, "snapshot of version %" PRIu64 ": %s", j->step,
+             status == ZS_ETIMEDOUT ? "deadline passed before the version was reached"
+             : status == ZS_ESTEP   ? "the shard moved past that version"
+             : status == ZS_ECLOSED ? "the shard is shutting down"
+                                    : "cancelled");
+  pthread_mutex_lock(&s->mu);
+  s->parked--;
+  j->next = s->head;
+  s->head = j;
+  if (!s->tail)
+    s->tail = j;
+  pthread_cond_signal(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* Registers the snapshot; CORE_PENDING when it is (the job is then the
+ * snapshot's until on_snapshot_done), else the outcome in r. */
+static int run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   const spec *sp = core_spec(s->core);
   core_info info;
   core_get_info(s->core, &info);
-  if (!sp) {
-    r->status = status_fail(r->err, sizeof r->err, ZS_ENOTOPEN, "shard %u has no job to checkpoint",
-                            info.shard_id);
-    return;
+  if (!sp)
+    return r->status = status_fail(r->err, sizeof r->err, ZS_ENOTOPEN,
+                                   "shard %u has no job to checkpoint", info.shard_id);
+  if (j->hash != info.spec_hash)
+    return r->status = status_fail(r->err, sizeof r->err, ZS_EHASH,
+                                   "checkpoint request for spec hash %016" PRIx64
+                                   " but the job's is %016" PRIx64,
+                                   j->hash, info.spec_hash);
+  if (j->step <= info.version &&
+      (r->status = job_alloc_copy(j, sp, info.shard_id, r->err, sizeof r->err)) != 0)
+    return r->status;
+  pthread_mutex_lock(&s->mu);
+  s->parked++;
+  pthread_mutex_unlock(&s->mu);
+  int rc = core_snapshot_async(s->core, j->hash, j->step, j->deadline_ms, copy_view, j,
+                               on_snapshot_done, j, r->err, sizeof r->err);
+  if (rc == CORE_PENDING && j->step > info.version)
+    LOG_INFO("checkpoint_waiting", "step=%" PRIu64 " version=%" PRIu64 " dir=%s", j->step,
+             info.version, j->root);
+  if (rc != CORE_PENDING) {
+    pthread_mutex_lock(&s->mu);
+    s->parked--;
+    pthread_mutex_unlock(&s->mu);
+    r->status = rc;
   }
-  if (j->hash != info.spec_hash) {
-    r->status =
-        status_fail(r->err, sizeof r->err, ZS_EHASH,
-                    "checkpoint request for spec hash %016" PRIx64 " but the job's is %016" PRIx64,
-                    j->hash, info.spec_hash);
-    return;
+  return rc;
+}
+
+/* Keeps the record of files written and not committed within
+ * CKPT_SVC_MAX_UNCOMMITTED by removing the oldest (when still without a
+ * MANIFEST). Service thread only. */
+static void note_uncommitted(ckpt_svc *s, const char *root, uint64_t step) {
+  for (uint32_t i = 0; i < s->nuncommitted; i++)
+    if (s->uncommitted[i].step == step && strcmp(s->uncommitted[i].root, root) == 0)
+      return; /* written again */
+  if (s->nuncommitted == CKPT_SVC_MAX_UNCOMMITTED) {
+    pending_file *old = &s->uncommitted[0];
+    ckpt_manifest m;
+    char err[512];
+    if (ckpt_manifest_read(old->root, old->step, &m, NULL, 0) == 0) {
+      ckpt_manifest_free(&m); /* committed by another shard's client meanwhile */
+    } else if (ckpt_remove(old->root, old->step, err, sizeof err) != 0) {
+      LOG_WARN("checkpoint_abandoned_remove_failed", "dir=%s step=%" PRIu64 " detail=\"%s\"",
+               old->root, old->step, err);
+    } else {
+      LOG_WARN("checkpoint_abandoned_removed",
+               "dir=%s step=%" PRIu64 " limit=%u detail=\"written but never committed\"", old->root,
+               old->step, CKPT_SVC_MAX_UNCOMMITTED);
+    }
+    memmove(&s->uncommitted[0], &s->uncommitted[1],
+            (CKPT_SVC_MAX_UNCOMMITTED - 1) * sizeof s->uncommitted[0]);
+    s->nuncommitted--;
   }
-  /* The copy's memory is allocated (and zeroed) before the snapshot, so the
-   * time an apply is held back is the memcpy alone. */
-  if ((r->status = core_state_init(&st, sp, info.shard_id, r->err, sizeof r->err)) != 0)
-    return;
-  st.client_state = malloc(CORE_MAX_CLIENT_STATE);
-  if (!st.client_state) {
-    r->status = status_fail(r->err, sizeof r->err, ZS_ENOMEM, "out of memory");
-    goto done;
+  pending_file *p = &s->uncommitted[s->nuncommitted++];
+  snprintf(p->root, sizeof p->root, "%s", root);
+  p->step = step;
+}
+
+static void forget_uncommitted(ckpt_svc *s, const char *root, uint64_t step) {
+  for (uint32_t i = 0; i < s->nuncommitted; i++) {
+    if (s->uncommitted[i].step == step && strcmp(s->uncommitted[i].root, root) == 0) {
+      memmove(&s->uncommitted[i], &s->uncommitted[i + 1],
+              (s->nuncommitted - i - 1) * sizeof s->uncommitted[0]);
+      s->nuncommitted--;
+      return;
+    }
   }
-  r->status = core_snapshot(s->core, j->hash, j->step, j->deadline_ms, copy_view, &st,
-                            &r->snapshot_seconds, r->err, sizeof r->err);
-  if (r->status == ZS_EINTERNAL)
-    snprintf(r->err, sizeof r->err, "the shard's arenas changed size during the snapshot");
-  if (r->status != 0)
-    goto done;
+}
+
+/* Writes the copy the snapshot made. */
+static int run_write(ckpt_svc *s, job *j, ckpt_svc_result *r) {
+  r->snapshot_seconds = j->snapshot_seconds;
+  if ((r->status = j->snap_status) != 0) {
+    snprintf(r->err, sizeof r->err, "%s", j->err);
+    return r->status;
+  }
+  core_state *st = &j->st;
   uint64_t t0 = clock_now_ns();
-  r->status = ckpt_write_shard(j->root, &st, &s->wopts, &r->file, r->err, sizeof r->err);
+  r->status = ckpt_write_shard(j->root, st, &s->wopts, &r->file, r->err, sizeof r->err);
   r->write_seconds = (double)(clock_now_ns() - t0) / 1e9;
   if (r->status != 0) {
     LOG_ERROR("checkpoint_failed", "step=%" PRIu64 " error=%s detail=\"%s\"", j->step,
               zs_err_name(r->status), r->err);
-    goto done;
+    return r->status;
   }
-  r->version = st.version;
-  r->optimizer_steps = st.optimizer_steps;
+  note_uncommitted(s, j->root, j->step);
+  r->version = st->version;
+  r->optimizer_steps = st->optimizer_steps;
   pthread_mutex_lock(&s->mu);
   recent_file *rf = &s->recent[s->nrecent++ % SVC_RECENT];
   snprintf(rf->root, sizeof rf->root, "%s", j->root);
@@ -304,16 +463,15 @@ static void run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r) {
            " snapshot_seconds=%.6f write_seconds=%.6f",
            j->step, j->root, r->file.name, r->file.bytes, r->file.crc32c, r->snapshot_seconds,
            r->write_seconds);
-done:
-  core_state_free(&st);
+  return 0;
 }
 
 /* The CRC32C of a whole file, read in blocks. */
 static int file_crc(const char *path, uint64_t *size, uint32_t *crc, char *err, size_t errlen) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
-                       path, strerror(errno));
+  int fd = -1;
+  int orc = ckpt__open_read(path, &fd, err, errlen);
+  if (orc != 0)
+    return orc;
   size_t cap = (size_t)1 << 20;
   uint8_t *buf = malloc(cap);
   int rc = buf ? 0 : status_fail(err, errlen, ZS_ENOMEM, "out of memory");
@@ -348,12 +506,26 @@ static void apply_retention(ckpt_svc *s, const char *root) {
     LOG_WARN("checkpoint_retention_failed", "dir=%s detail=\"%s\"", root, err);
     return;
   }
-  size_t complete = 0, oldest_kept = n;
+  size_t complete = 0, oldest_kept = n, newest = n;
   for (size_t i = n; i-- > 0;) {
+    if (e[i].complete && newest == n)
+      newest = i;
     if (e[i].complete && complete < s->keep) {
       complete++;
       oldest_kept = i;
     }
+  }
+  /* An incomplete checkpoint older than the newest complete one was
+   * abandoned (the client moved on and committed a later one): it counts
+   * toward keep like any other, so it goes now rather than when keep
+   * complete ones have piled up. Newer incomplete ones may be commits in
+   * progress and stay. */
+  for (size_t i = 0; i < newest && newest < n; i++) {
+    if (e[i].complete || (complete == s->keep && i < oldest_kept))
+      continue;
+    if (ckpt_remove(root, e[i].step, err, sizeof err) == 0)
+      LOG_INFO("checkpoint_removed", "dir=%s step=%" PRIu64 " keep=%u reason=abandoned", root,
+               e[i].step, s->keep);
   }
   if (complete == s->keep) {
     for (size_t i = 0; i < oldest_kept; i++) {
@@ -440,6 +612,7 @@ static void run_commit(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   r->optimizer_steps = m->optimizer_steps;
   LOG_INFO("checkpoint_committed", "step=%" PRIu64 " dir=%s shards=%u", m->step, j->root,
            m->num_shards);
+  forget_uncommitted(s, j->root, m->step);
   apply_retention(s, j->root);
 }
 

@@ -29,11 +29,26 @@
 
 typedef struct ckpt_svc ckpt_svc;
 
+/* Bounds on what a caller (the network) can make a shard hold:
+ *  - CKPT_SVC_MAX_JOBS checkpoint, commit and restore requests queued,
+ *    waiting for their step or running; more are ZS_ELIMIT.
+ *  - A checkpoint of a step more than CKPT_SVC_MAX_AHEAD beyond the shard's
+ *    version is ZS_ESTEP at once. One of a step within reach waits for it
+ *    in the core, not on the service thread, so later requests (a real
+ *    Checkpoint, a Restore) are served meanwhile.
+ *  - CKPT_SVC_MAX_UNCOMMITTED files written and not committed: writing one
+ *    more removes the oldest such checkpoint (when still without a
+ *    MANIFEST), in whichever subdirectory it is. */
+#define CKPT_SVC_MAX_JOBS 16u
+#define CKPT_SVC_MAX_AHEAD 2u
+#define CKPT_SVC_MAX_UNCOMMITTED 2u
+
 typedef struct ckpt_svc_config {
   const char *state_dir; /* copied; created if missing */
   core *core;            /* borrowed: destroy the service before the core */
   /* Complete checkpoints kept after each commit (older ones, and incomplete
-   * ones older than the oldest kept, are removed); 0 keeps everything. */
+   * ones older than the newest complete one, are removed); 0 keeps
+   * everything complete. */
   uint32_t keep;
 } ckpt_svc_config;
 

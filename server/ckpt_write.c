@@ -188,7 +188,7 @@ static int write_and_publish(const shard_paths *p, const core_state *st, const c
                              uint32_t nsec, uint64_t total, ckpt_file_info *info, char *err,
                              size_t errlen) {
   int rc, tmp_made = 0;
-  int fd = open(p->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ckpt__open_write(p->tmp);
   if (fd < 0)
     return status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", p->tmp, strerror(errno));
   tmp_made = 1;

@@ -38,6 +38,9 @@
  *      lists, and the counters that are not atomic. Writes of `open` and
  *      `version` happen under both state_rw (exclusive) and mu, so either lock
  *      is enough to read them.
+ *   4. low_mu: a leaf, held for a few instructions: the pins of the low
+ *      copies and the list of retired ones (core_data.c), so that
+ *      core_unpin_low runs on any thread without the other locks.
  * Callbacks are collected into a list under mu and invoked after every lock is
  * released.
  */
@@ -59,14 +62,6 @@
  * chunk costs nothing next to running it. */
 #define CORE_APPLY_CHUNK 65536u
 #define CORE_ARENA_ALIGN 64u
-
-/* How long the worker waits for pull answers still being sent from the low
- * arena before it writes it anyway. Steady training never waits: every
- * trainer has received the pulls of a version before it can push the step
- * that ends it. A peer that stalls mid-answer for longer receives an answer
- * torn between two versions, which its CRC32C check refuses (the client
- * then asks again), rather than holding every other trainer's step. */
-#define CORE_PIN_WAIT_MS 2000u /* the default of core_config.pin_wait_ms */
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -101,7 +96,7 @@ static void core_job_free(core *c) {
   free(c->acc);
   free(c->m);
   free(c->v);
-  free(c->low);
+  core__low_release(c);
   free(c->low_crc);
   c->low_crc = NULL;
   free(c->plans);
@@ -120,7 +115,6 @@ static void core_job_free(core *c) {
   c->local_of = NULL;
   c->bitmaps = NULL;
   c->master = c->acc = c->m = c->v = NULL;
-  c->low = NULL;
   c->plans = NULL;
   c->range_m = c->range_v = NULL;
   c->tasks = NULL;
@@ -191,12 +185,13 @@ static int core_job_build(core *c) {
   }
   c->master = core__arena_alloc(b32);
   c->acc = core__arena_alloc(b32);
-  c->low = core__arena_alloc(c->nelems * sizeof(uint16_t));
+  int low_rc = core__low_create(c);
   if (need_m)
     c->m = core__arena_alloc(b32);
   if (need_v)
     c->v = core__arena_alloc(b32);
-  if (c->nelems > 0 && (!c->master || !c->acc || !c->low || (need_m && !c->m) || (need_v && !c->v)))
+  if (low_rc != 0 ||
+      (c->nelems > 0 && (!c->master || !c->acc || (need_m && !c->m) || (need_v && !c->v))))
     return ZS_ENOMEM;
   c->state_bytes = b32 * (2u + (uint64_t)need_m + (uint64_t)need_v) + c->nelems * 2u;
 
@@ -286,7 +281,6 @@ int core_create(const core_config *cfg, core **out) {
   c->num_shards = cfg->num_shards;
   c->nthreads = cfg->threads;
   c->apply_hist = cfg->apply_hist;
-  c->pin_wait_ms = cfg->pin_wait_ms ? cfg->pin_wait_ms : CORE_PIN_WAIT_MS;
   if (c->nthreads <= 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     c->nthreads = n > 0 ? (int)(n < 256 ? n : 256) : 1;
@@ -300,15 +294,16 @@ int core_create(const core_config *cfg, core **out) {
   atomic_init(&c->bytes_out, 0);
   atomic_init(&c->held_bytes, 0);
   atomic_init(&c->contributions, 0);
-  atomic_init(&c->low_pins, 0);
-  atomic_init(&c->pin_waiting, 0);
   atomic_init(&c->low_dtype, 0);
-  atomic_init(&c->pin_wait_timeouts, 0);
+  atomic_init(&c->low_overtaken, 0);
 
   int rc = ZS_ENOMEM;
   if (pthread_mutex_init(&c->mu, NULL) != 0)
     goto fail;
   c->mu_inited = 1;
+  if (pthread_mutex_init(&c->low_mu, NULL) != 0)
+    goto fail;
+  c->low_mu_inited = 1;
   /* Deadlines are CLOCK_MONOTONIC milliseconds, so the worker's timed wait
    * must measure the same clock. */
   pthread_condattr_t ca;
@@ -396,6 +391,16 @@ void core_destroy(core *c) {
   }
   pool_destroy(c->pool);
   core_job_free(c);
+  /* The transports stopped before the core, so no answer is still pinned;
+   * whatever a close or a writer retired goes now. */
+  while (c->low_retired) {
+    low_buf *b = c->low_retired;
+    c->low_retired = b->next;
+    free(b->data);
+    free(b);
+  }
+  if (c->low_mu_inited)
+    pthread_mutex_destroy(&c->low_mu);
   if (c->rw_inited)
     pthread_rwlock_destroy(&c->state_rw);
   if (c->cv_inited)
@@ -606,10 +611,14 @@ typedef struct close_req {
 } close_req;
 
 /* Fails every waiter of the job with ZS_ENOTOPEN: the job they wait on is
- * gone, and a status that no client retries says so. Called with mu held. */
+ * gone, and a status that no client retries says so. A snapshot waiting for
+ * its version is one of them: none runs while the worker runs the close, so
+ * a checkpoint still waiting (for a step that may never come) does not hold
+ * the close back. Called with mu held. */
 static void core_fail_job_waiters(core *c, waiter **fire) {
-  waiter **lists[3] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters};
-  for (int i = 0; i < 3; i++) {
+  waiter **lists[4] = {&c->version_waiters, &c->stats_waiters, &c->apply_waiters,
+                       &c->snapshot_waiters};
+  for (int i = 0; i < 4; i++) {
     while (*lists[i]) {
       waiter *w = *lists[i];
       *lists[i] = w->next;
@@ -644,22 +653,15 @@ void core__run_close(core *c, ckpt_call *call) {
     rc = status_fail(q->err, q->errlen, ZS_ENOTFOUND,
                      "shard %u holds job '%s', not '%s'; nothing was closed", c->shard_id,
                      c->spec.job, q->job);
-  else if (c->restore_call || c->snapshot_waiters)
+  else if (c->restore_call)
     rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
-                     "a %s of job '%s' is in progress on shard %u; close it once that is done",
-                     c->restore_call ? "restore" : "checkpoint", c->spec.job, c->shard_id);
+                     "a restore of job '%s' is in progress on shard %u; close it once that is done",
+                     c->spec.job, c->shard_id);
   pthread_mutex_unlock(&c->mu);
   if (rc != 0)
     goto done;
-  /* Pull answers still being sent from the low arena are waited for (with
-   * state_rw held exclusively no new one starts); freeing the arena under
-   * them would send freed memory, so unlike an apply the close gives up. */
-  if (core__drain_pins(c) > 0) {
-    rc = status_fail(q->err, q->errlen, ZS_ENOTREADY,
-                     "pull answers of job '%s' are still being sent by shard %u; retry the close",
-                     c->spec.job, c->shard_id);
-    goto done;
-  }
+  /* Pull answers still being sent from the low arena keep their buffer:
+   * core_job_free retires it until the last one is released. */
 
   pthread_mutex_lock(&c->mu);
   q->out->closed = 1;

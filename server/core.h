@@ -44,9 +44,6 @@ typedef struct core_config {
   /* Each apply's duration is recorded here (server/histogram.h) when not
    * NULL. Borrowed: it must outlive the core. */
   struct histogram *apply_hist;
-  /* How long an apply or a restore waits for pinned pull answers
-   * (core_pin_low) to be released; 0 means 2000 ms. */
-  uint32_t pin_wait_ms;
 } core_config;
 
 /* Creates an empty shard (no job). Returns 0 or ZS_ENOMEM / ZS_EINVAL. */
@@ -89,11 +86,12 @@ int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *
  * it, for the next core_open of any job. Every later request of the closed
  * job gets ZS_ENOTOPEN. hash (0: any) and job (NULL or "": any) must name
  * the shard's job (ZS_EHASH, ZS_ENOTFOUND). Refused with ZS_ENOTREADY while a
- * restore is queued or a core_snapshot waits, and when pull answers pinned in
- * the low arena (core_pin_low) are not released within pin_wait_ms; on any
- * error nothing changes. With no job open it returns 0 with out->closed 0.
- * Blocks its caller until the worker ran it, i.e. for at most the apply or
- * statistics pass in progress and the pins' wait. The job's spec and layout
+ * restore is queued; on any error nothing changes. Snapshots still waiting
+ * for their version fail with ZS_ENOTOPEN like the other waits.
+ * Pull answers pinned in the low arena (core_pin_low) keep their buffer
+ * alive until they are released; the close does not wait for them. With no job open it returns 0
+ * with out->closed 0. Blocks its caller until the worker ran it, i.e. for at most the apply or
+ * statistics pass in progress. The job's spec and layout
  * stay allocated until the next core_open or core_destroy, so that what
  * core_spec returned before the close remains readable (core_spec itself
  * returns NULL once closed). out may be NULL. */
@@ -180,8 +178,8 @@ int core_state_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_
 /* Overwrites the range from src (only read during the call) with state_rw
  * held exclusively, so that no apply, push, pull or snapshot overlaps it; a
  * master write also recomputes the low-precision copy of the range (and the
- * piece's CRC), after waiting for pull answers pinned in the low arena as an
- * apply does. With set_steps not NULL the optimizer step count becomes
+ * piece's CRC), into a fresh copy when pull answers are pinned in the low
+ * arena, as an apply does. With set_steps not NULL the optimizer step count becomes
  * *set_steps; with nbytes 0 and set_steps, only the count is written and
  * tensor, slice and which are not looked at. Refused with ZS_ENOTREADY while
  * a step is in progress (a contribution of the pending step received, or its
@@ -197,18 +195,22 @@ int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs
  * param_dtype and the piece is initialised, sets *data to the piece's bytes
  * in the low arena (nbytes of them), *crc to their CRC32C and *version, and
  * pins the arena: the caller sends the bytes from there and calls
- * core_unpin_low once they are out (from any thread). The worker waits for
- * the pins to drain before an apply or a restore writes the arena, for
- * core_config.pin_wait_ms at most: a peer stalled mid-answer longer than
- * that gets an answer torn between versions, which its CRC32C check
- * refuses. Returns 0, a negative
+ * core_unpin_low(c, *data) once they are out (from any thread; it never
+ * blocks). Nobody waits for a pin: an apply, restore, state write or close
+ * that finds answers pinned writes a fresh copy (or frees nothing) and the
+ * pinned one stays intact, with its version's bytes, until its last pin is
+ * released; a peer that stalls mid-answer costs one copy of the 16-bit
+ * weights, never the other trainers' time. Past CORE_LOW_RETIRED_MAX such
+ * copies the current one is overwritten under its readers, whose CRC32C
+ * check refuses the torn answers. Returns 0, a negative
  * status with a message (the checks of core_read), or CORE_NOT_PINNED when
  * the piece must be read with core_read (another dtype). */
 #define CORE_NOT_PINNED 2 /* never CORE_PENDING's value: both are "not an error" */
 int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
                  size_t nbytes, const void **data, uint64_t *version, uint32_t *crc, char *err,
                  size_t errlen);
-void core_unpin_low(core *c);
+/* data is the *data core_pin_low gave. */
+void core_unpin_low(core *c, const void *data);
 /* The dtype core_pin_low serves (the job's param_dtype), 0 before a job is
  * open. Lock-free, for transports deciding how to answer. */
 zs_dtype core_low_dtype(core *c);
@@ -382,6 +384,19 @@ typedef int (*core_view_fn)(void *arg, const core_view *view);
  * NULL) gets how long fn ran, i.e. how long it held an apply back. */
 int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_view_fn fn,
                   void *arg, double *fn_seconds, char *err, size_t errlen);
+
+/* core_snapshot without blocking its caller: fn(fn_arg, view) runs on the
+ * worker as core_snapshot's does, and done(done_arg, status, fn_seconds)
+ * follows exactly once: on the worker, or on the thread of the
+ * core_cancel_snapshots or core_destroy that ended the wait. status is what
+ * fn returned, or ZS_ETIMEDOUT, ZS_ESTEP (the shard moved past the step),
+ * ZS_ECANCELED or ZS_ECLOSED. done follows the callbacks' rules. Returns
+ * CORE_PENDING, or a negative status with a sentence (done is then never
+ * called). A snapshot waiting for a later version thus holds no thread. */
+typedef void (*core_snapshot_done)(void *arg, int status, double fn_seconds);
+int core_snapshot_async(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
+                        core_view_fn fn, void *fn_arg, core_snapshot_done done, void *done_arg,
+                        char *err, size_t errlen);
 
 /* Fails every core_snapshot still waiting for its version with ZS_ECANCELED
  * (for a checkpoint service that stops). */

@@ -83,37 +83,90 @@ void core__low_crc_task(void *arg, size_t i) {
   piece_low_crc(arg, (uint32_t)i);
 }
 
-/* With state_rw held exclusively (so no new pin can start): waits until no
- * answer is being sent from the low arena, or CORE_PIN_WAIT_MS. */
-uint64_t core__drain_pins(core *c) {
-  if (atomic_load(&c->low_pins) == 0)
-    return 0;
-  uint64_t deadline = clock_now_ms() + c->pin_wait_ms;
-  pthread_mutex_lock(&c->mu);
-  atomic_store(&c->pin_waiting, 1);
-  while (atomic_load(&c->low_pins) > 0) {
-    uint64_t now = clock_now_ms();
-    if (now >= deadline)
-      break;
-    struct timespec ts = {.tv_sec = (time_t)(deadline / 1000u),
-                          .tv_nsec = (long)(deadline % 1000u) * 1000000L};
-    pthread_cond_timedwait(&c->worker_cv, &c->mu, &ts);
+/* zeroed: the first buffer of a job (its padding stays 0); else the caller
+ * overwrites every byte at once, and zeroing first would double the cost. */
+static low_buf *low_buf_new(uint64_t nelems, int zeroed) {
+  low_buf *b = calloc(1, sizeof *b);
+  if (!b)
+    return NULL;
+  b->nelems = nelems;
+  void *p = NULL;
+  if (zeroed)
+    b->data = core__arena_alloc(nelems * sizeof(uint16_t));
+  else if (nelems > 0 && posix_memalign(&p, 64, (size_t)nelems * sizeof(uint16_t)) == 0)
+    b->data = p;
+  if (nelems > 0 && !b->data) {
+    free(b);
+    return NULL;
   }
-  atomic_store(&c->pin_waiting, 0);
-  uint64_t left = atomic_load(&c->low_pins);
-  pthread_mutex_unlock(&c->mu);
-  return left;
+  return b;
 }
 
-void core__wait_pins(core *c, const char *what) {
-  uint64_t left = core__drain_pins(c);
-  if (left > 0) {
-    atomic_fetch_add_explicit(&c->pin_wait_timeouts, 1, memory_order_relaxed);
-    LOG_WARN("pull_answers_overtaken",
-             "shard=%u what=%s answers=%" PRIu64 " waited_ms=%u detail=\"answers still being "
-             "sent from the low copy; their readers will refuse them by CRC and ask again\"",
-             c->shard_id, what, left, c->pin_wait_ms);
+static void low_buf_free(low_buf *b) {
+  if (b) {
+    free(b->data);
+    free(b);
   }
+}
+
+int core__low_create(core *c) {
+  if (!(c->low_cur = low_buf_new(c->nelems, 1)))
+    return ZS_ENOMEM;
+  c->low = c->low_cur->data;
+  return 0;
+}
+
+/* Moves b to the retired list, or frees it when its pins are gone. Called
+ * with low_mu held; returns the buffer to free after unlocking, if any. */
+static low_buf *low_retire(core *c, low_buf *b) {
+  if (b->pins == 0)
+    return b;
+  b->next = c->low_retired;
+  c->low_retired = b;
+  c->nretired++;
+  return NULL;
+}
+
+void core__low_release(core *c) {
+  if (!c->low_mu_inited)
+    return;
+  pthread_mutex_lock(&c->low_mu);
+  low_buf *gone = c->low_cur ? low_retire(c, c->low_cur) : NULL;
+  c->low_cur = NULL;
+  c->low = NULL;
+  pthread_mutex_unlock(&c->low_mu);
+  low_buf_free(gone);
+}
+
+void core__low_writable(core *c, const char *what) {
+  pthread_mutex_lock(&c->low_mu);
+  uint64_t pins = c->low_cur ? c->low_cur->pins : 0;
+  uint32_t retired = c->nretired;
+  pthread_mutex_unlock(&c->low_mu);
+  if (pins == 0)
+    return; /* steady training: no answer is out while a step is written */
+  /* No new pin can start (state_rw is exclusive), so the copy made here
+   * holds the current bytes; one copy of 2 bytes per element, only while
+   * an answer of the old version is still being sent. */
+  low_buf *fresh = retired < CORE_LOW_RETIRED_MAX ? low_buf_new(c->nelems, 0) : NULL;
+  if (!fresh) {
+    atomic_fetch_add_explicit(&c->low_overtaken, 1, memory_order_relaxed);
+    LOG_WARN("pull_answers_overtaken",
+             "shard=%u what=%s answers=%" PRIu64 " retired_copies=%u detail=\"answers still being "
+             "sent from the low copy and no room for another copy; their readers will refuse "
+             "them by CRC and ask again\"",
+             c->shard_id, what, pins, retired);
+    return;
+  }
+  if (c->nelems > 0)
+    memcpy(fresh->data, c->low, (size_t)c->nelems * sizeof(uint16_t));
+  pthread_mutex_lock(&c->low_mu);
+  low_buf *gone = low_retire(c, c->low_cur);
+  c->low_cur = fresh;
+  c->low = fresh->data;
+  pthread_mutex_unlock(&c->low_mu);
+  low_buf_free(gone);
+  LOG_DEBUG("low_copy_retired", "shard=%u what=%s answers=%" PRIu64, c->shard_id, what, pins);
 }
 
 int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
@@ -130,7 +183,11 @@ int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dty
     *crc = c->low_crc[i];
     if (version)
       *version = c->version;
-    atomic_fetch_add(&c->low_pins, 1);
+    /* low_cur only changes under state_rw exclusive, so it is the buffer
+     * *data points into. */
+    pthread_mutex_lock(&c->low_mu);
+    c->low_cur->pins++;
+    pthread_mutex_unlock(&c->low_mu);
   }
   pthread_rwlock_unlock(&c->state_rw);
   return rc;
@@ -140,12 +197,32 @@ zs_dtype core_low_dtype(core *c) {
   return (zs_dtype)atomic_load(&c->low_dtype);
 }
 
-void core_unpin_low(core *c) {
-  if (atomic_fetch_sub(&c->low_pins, 1) == 1 && atomic_load(&c->pin_waiting)) {
-    pthread_mutex_lock(&c->mu);
-    pthread_cond_broadcast(&c->worker_cv);
-    pthread_mutex_unlock(&c->mu);
+void core_unpin_low(core *c, const void *data) {
+  const uint16_t *p = data;
+  low_buf *gone = NULL;
+  int found = 0;
+  pthread_mutex_lock(&c->low_mu);
+  low_buf *b = c->low_cur;
+  if (b && b->pins > 0 && p >= b->data && p < b->data + b->nelems) {
+    b->pins--;
+    found = 1;
   }
+  for (low_buf **pb = &c->low_retired; !found && *pb; pb = &(*pb)->next) {
+    b = *pb;
+    if (p < b->data || p >= b->data + b->nelems)
+      continue;
+    found = 1;
+    if (--b->pins == 0) {
+      *pb = b->next;
+      c->nretired--;
+      gone = b;
+    }
+  }
+  pthread_mutex_unlock(&c->low_mu);
+  low_buf_free(gone);
+  if (!found)
+    LOG_ERROR("unpin_unknown", "shard=%u detail=\"core_unpin_low of an answer never pinned\"",
+              c->shard_id);
 }
 
 /* ---------------------------------------------------------------- initial weights */
@@ -678,7 +755,7 @@ int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs
       /* Pulls served from the low arena must see the new weights at once. */
       piece_state *ps = NULL;
       core_find_piece(c, tensor, slice, &ps, NULL, 0);
-      core__wait_pins(c, "state write");
+      core__low_writable(c, "state write");
       memcpy(to, src, nbytes);
       dtype_from_f32(c->spec.param_dtype, to, c->low + ps->lp->arena_off + offset, n);
       piece_low_crc(c, (uint32_t)(ps - c->pieces));

@@ -83,6 +83,24 @@ typedef struct waiter {
   core_apply_result apply;
 } waiter;
 
+/* One low-precision copy of the master weights (the arena core_pin_low
+ * hands out). Pull answers are sent straight from it, so a buffer with pins
+ * is never written: a writer that finds pins on the current one writes a
+ * fresh copy and retires the old one, freed by the unpin that drops its last
+ * pin (core_data.c). Guarded by core.low_mu. */
+typedef struct low_buf {
+  struct low_buf *next; /* on core.low_retired */
+  uint16_t *data;       /* nelems elements, 64-byte aligned; NULL when 0 */
+  uint64_t nelems;
+  uint64_t pins;
+} low_buf;
+
+/* Retired buffers at most (each still pinned by an answer being sent): a
+ * reader that never finishes keeps one copy of the 16-bit weights alive,
+ * not one per step. Beyond it a writer overwrites the current buffer under
+ * its readers, whose CRC32C check refuses the torn answers. */
+#define CORE_LOW_RETIRED_MAX 1u
+
 /* A core_snapshot or core_restore call, on its caller's stack: the worker does
  * the work and sets done under mu; the caller waits on cv and owns the struct
  * again once done is set. */
@@ -96,6 +114,10 @@ typedef struct ckpt_call {
   double seconds;
   core_state *st; /* restore */
   uint64_t ckpt_step;
+  /* core_snapshot_async: the call is on the heap, owned by its waiter, and
+   * on_done replaces the condition variable (mu and cv are not used). */
+  core_snapshot_done on_done;
+  void *on_done_arg;
 } ckpt_call;
 
 /* One chunk of the optimizer pass: n elements from `begin` within range. */
@@ -130,7 +152,11 @@ struct core {
   uint32_t pieces_inited; /* piece mutexes initialised, for unwinding */
   uint64_t nelems;        /* arena length in elements */
   float *master, *acc, *m, *v;
+  /* The current low copy: low_cur->data, kept here for the readers and
+   * writers of its elements. Both change together, under state_rw
+   * exclusive and low_mu. */
   uint16_t *low;
+  low_buf *low_cur;
   /* Per piece: CRC32C of its low copy (numel * 2 bytes), kept with the low
    * copy (initialisation, every apply, restore) so that a pull of the stored
    * dtype is sent straight from the arena with no copy and no CRC pass. */
@@ -201,13 +227,16 @@ struct core {
   atomic_uint_fast64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
   atomic_uint_fast64_t held_bytes;
   atomic_uint_fast64_t contributions; /* added or held in the pending step */
-  /* Pull answers being sent from the low arena (core_pin_low), and whether
-   * the worker waits for them to drain before it writes the arena. */
-  atomic_uint_fast64_t low_pins;
-  atomic_int pin_waiting;
+  /* The pins of the low copies: low_cur's and the retired ones' counts and
+   * the retired list. A leaf lock: nothing else is taken while it is held,
+   * so core_unpin_low may run on any thread at any time. */
+  pthread_mutex_t low_mu;
+  int low_mu_inited;
+  low_buf *low_retired;
+  uint32_t nretired;
   atomic_int low_dtype; /* the job's param_dtype once open, else 0 */
-  uint32_t pin_wait_ms;
-  atomic_uint_fast64_t pin_wait_timeouts;
+  /* Writes that overtook a pinned answer (CORE_LOW_RETIRED_MAX reached). */
+  atomic_uint_fast64_t low_overtaken;
   uint64_t applies, skipped_steps;
   double apply_seconds_total;
   histogram *apply_hist;      /* borrowed, may be NULL; recorded lock-free */
@@ -228,13 +257,18 @@ int core__behind(const core *c, const char *what, uint64_t step, char *err, size
 
 /* core_data.c: the low copy's CRCs and pins, for the writers of the arena. */
 void core__low_crc_task(void *arg, size_t i);
-/* With state_rw held exclusively: waits up to pin_wait_ms for the pull
- * answers pinned in the low arena to be released; returns how many are left. */
-uint64_t core__drain_pins(core *c);
-/* core__drain_pins for a writer that goes ahead anyway (apply, restore,
- * state write): what is left is counted and logged; its readers refuse the
- * overtaken answers by CRC and ask again. */
-void core__wait_pins(core *c, const char *what);
+/* With state_rw held exclusively, before a writer (apply, restore, state
+ * write) changes c->low: when answers are pinned in the current buffer,
+ * makes a copy of it current and retires the pinned one, so that nobody
+ * waits and every pinned answer keeps the bytes of its version. Past
+ * CORE_LOW_RETIRED_MAX (or out of memory) the writer overwrites the pinned
+ * buffer instead; that is counted and logged. Never blocks on a reader. */
+void core__low_writable(core *c, const char *what);
+/* Allocates the job's first low buffer (core_job_build); ZS_ENOMEM. */
+int core__low_create(core *c);
+/* Lets go of the job's low buffer (core_job_free): freed at once without
+ * pins, else retired until its last answer is sent. */
+void core__low_release(core *c);
 
 /* core_wait.c: waiters and the worker thread. */
 uint64_t core__deadline(uint64_t deadline_ms);

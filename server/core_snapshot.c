@@ -118,7 +118,7 @@ void core__run_restore(core *c, ckpt_call *call) {
     c->range_v[r] = c->range_v[r] ? c->v : NULL;
   }
   if (c->nelems > 0) {
-    core__wait_pins(c, "restore");
+    core__low_writable(c, "restore");
     dtype_from_f32(c->spec.param_dtype, c->master, c->low, (size_t)c->nelems);
     memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
     pool_run(c->pool, c->npieces, core__low_crc_task, c);
@@ -250,6 +250,46 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
   }
   free(w);
   core__ckpt_call_destroy(&call);
+  return rc;
+}
+
+int core_snapshot_async(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
+                        core_view_fn fn, void *fn_arg, core_snapshot_done done, void *done_arg,
+                        char *err, size_t errlen) {
+  if (!fn || !done)
+    return status_fail(err, errlen, ZS_EINVAL, "no snapshot function given");
+  waiter *w = calloc(1, sizeof *w);
+  ckpt_call *call = calloc(1, sizeof *call);
+  if (!w || !call) {
+    free(w);
+    free(call);
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a snapshot");
+  }
+  call->fn = fn;
+  call->fn_arg = fn_arg;
+  call->on_done = done;
+  call->on_done_arg = done_arg;
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core__check_job(c, hash, err, errlen);
+  if (rc == 0 && step < c->version)
+    rc = status_fail(err, errlen, ZS_ESTEP,
+                     "version %" PRIu64 " cannot be checkpointed: shard %u is at version %" PRIu64,
+                     step, c->shard_id, c->version);
+  if (rc == 0) {
+    w->kind = WAITER_SNAPSHOT;
+    w->key = step;
+    w->deadline = core__deadline(deadline_ms);
+    w->arg = call;
+    core__add_timed(c, &c->snapshot_waiters, w);
+    pthread_cond_signal(&c->worker_cv);
+    rc = CORE_PENDING;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc != CORE_PENDING) {
+    free(w);
+    free(call);
+  }
   return rc;
 }
 

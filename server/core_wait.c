@@ -43,6 +43,11 @@ void core__fire(waiter *w) {
       break;
     case WAITER_SNAPSHOT: {
       ckpt_call *call = w->arg;
+      if (call->on_done) {
+        call->on_done(call->on_done_arg, w->status, call->seconds);
+        free(call);
+        break;
+      }
       pthread_mutex_lock(&call->mu);
       call->status = w->status;
       call->done = 1;
@@ -196,7 +201,7 @@ static void core_run_apply(core *c) {
       p.grad_scale = grad_scale;
       optim_plan_init(&c->plans[r], &p);
     }
-    core__wait_pins(c, "apply");
+    core__low_writable(c, "apply");
     pool_run(c->pool, c->ntasks, core_apply_chunk, c);
     pool_run(c->pool, c->npieces, core__low_crc_task, c);
   }
@@ -431,6 +436,32 @@ static int core_same_glr(const double *a, uint32_t na, const double *b, uint32_t
   return 1;
 }
 
+/* Builds the plan every param group would run with these arguments and
+ * refuses them when a scalar the kernels see is not a finite float: a lr of
+ * 1e300 is a finite double, but (float)-lr is -inf and so would every weight
+ * be. Checked for a skip too, so that a refusal does not depend on it. Called
+ * with mu held, the job open and group_lr already checked. */
+static int core_apply_check_plans(core *c, double lr, const double *group_lr, uint32_t ngroup_lr,
+                                  float coef, char *err, size_t errlen) {
+  float grad_scale =
+      c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+  for (uint32_t g = 0; g < c->spec.num_groups; g++) {
+    optim_params p = core_group_params(c, g);
+    p.lr = ngroup_lr ? group_lr[g] : lr * c->spec.groups[g].lr_scale;
+    p.step = c->optimizer_steps + 1;
+    p.grad_scale = grad_scale;
+    optim_plan plan;
+    optim_plan_init(&plan, &p);
+    const char *bad = optim_plan_bad_scalar(&plan);
+    if (bad)
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "apply with lr=%g coef=%g would give param group %u a %s that is not a "
+                         "finite float32 (group lr %g, step %" PRIu64 "); nothing was applied",
+                         lr, (double)coef, g, bad, p.lr, p.step);
+  }
+  return 0;
+}
+
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
   return core_apply_groups(c, hash, step, lr, NULL, 0, coef, skip, cb, arg, out, err, errlen);
@@ -465,6 +496,8 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
       goto done;
     }
   }
+  if ((rc = core_apply_check_plans(c, lr, group_lr, ngroup_lr, coef, err, errlen)) != 0)
+    goto done;
   if (c->last_apply_valid && step == c->version) {
     if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip) &&
         core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)) {

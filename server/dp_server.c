@@ -76,12 +76,22 @@
 #define DP_DEFAULT_STALL_MS 60000u
 #define DP_DEFAULT_MAX_CONNS 1024u
 #define DP_DEFAULT_INLINE (UINT64_C(64) << 10)
-/* Pulls of one connection parked in the core. They hold no buffer, so they
- * are not part of the backpressure bound (a client may prefetch the next
- * version's pieces while still pushing this step's gradients, and pausing its
- * reads then would hold back the very pushes the version waits for); past
- * this many the next one is refused. */
-#define DP_MAX_WAITING_PULLS 4096u
+#define DP_DEFAULT_HELLO_MS 5000u
+#define DP_DEFAULT_PER_PEER 64u
+#define DP_DEFAULT_UNAUTH 128u
+/* Pulls parked in the core, per connection and in all. They hold no buffer,
+ * so they are not part of the backpressure bound (a client may prefetch the
+ * next version's pieces while still pushing this step's gradients, and
+ * pausing its reads then would hold back the very pushes the version waits
+ * for); past these caps the next one is refused. */
+#define DP_DEFAULT_WAITING_CONN 4096u
+#define DP_DEFAULT_WAITING 65536u
+#define DP_DEFAULT_ANSWER (UINT64_C(256) << 20)
+#define DP_DEFAULT_ANSWER_TOTAL (UINT64_C(1) << 30)
+#define DP_DEFAULT_PIN_HOLD_MS 250u
+/* How often connections holding pinned answers are looked at (only while
+ * there are some). */
+#define DP_PIN_TICK_MS 50u
 /* Reads into the shared staging buffer (headers, metas, small payloads). */
 #define DP_STAGING (64u << 10)
 /* A payload with at least this much still missing is read straight into its
@@ -136,11 +146,33 @@ typedef struct dp_buf {
 
 typedef struct dp_server dp_server;
 
+/* One peer address (its port left out): what the per-address caps count.
+ * Kept while a connection from it, open or closing, refers to it. */
+typedef struct dp_peer {
+  struct dp_peer *next;
+  int family;
+  uint8_t ip[16];
+  uint32_t refs;    /* dp_conn records (open or zombie) pointing here */
+  uint32_t conns;   /* open connections */
+  uint32_t unauth;  /* open connections not yet authenticated */
+  uint64_t waiting; /* Pulls of its connections waiting in the core */
+} dp_peer;
+
 typedef struct dp_conn {
   stream *st; /* freed by the stream layer after on_conn_closed */
   dp_server *s;
-  list_node node; /* on s->live, then on s->zombies after close */
-  list_node fair; /* on s->fair while paused for the read budget */
+  list_node node;   /* on s->live, then on s->zombies after close */
+  list_node fair;   /* on s->fair while paused for the read budget */
+  list_node starve; /* on s->starved while an answer waits for the server's budget */
+  dp_peer *pe;      /* one reference, dropped in conn_free */
+  int authed;       /* a HELLO was accepted */
+  int counted;      /* counted in the caps (s->nconns, the peer's counts ...) */
+  uint64_t accepted_ms;
+  uint64_t answer_bytes; /* copied answer bytes of this connection held now */
+  /* Answers sent from the low copy and not yet written, and how far the
+   * peer had taken its bytes when last looked at. */
+  uint32_t pinned_out;
+  uint64_t handed, pin_taken, pin_since_ms;
   uint32_t refs;
   int closing;
   int eof;   /* the peer shut its side: answer what is pending, then close */
@@ -209,6 +241,7 @@ typedef struct dp_work {
   uint64_t hash;
   uint32_t tensor, slice;
   zs_dtype dtype;
+  uint64_t budget; /* copied answer bytes counted for this pull's answer */
   /* A batch: its pieces, owned, in payload order. */
   wire_piece *pieces;
   uint32_t npieces;
@@ -228,7 +261,9 @@ typedef struct dp_out {
   dp_conn *conn;
   dp_buf *payload; /* returned to the pool after the write, or NULL */
   uint64_t bytes;
-  int is_answer; /* counts against conn->pending */
+  uint64_t budget; /* copied answer bytes released when written */
+  int pinned;      /* the payload is a pinned piece of the low copy */
+  int is_answer;   /* counts against conn->pending */
   int close_after;
   uint8_t head[]; /* WIRE_MAX_ENCODED bytes, WIRE_MAX_BATCH_ENCODED for a batch answer */
 } dp_out;
@@ -250,10 +285,18 @@ struct dp_server {
   /* Request durations per method (NULL without metrics). */
   metrics_rpc *m_push, *m_pull, *m_push_batch, *m_pull_batch;
   uint32_t max_pending, stall_ms, max_conns;
+  auth_keys *auth;
+  uint32_t hello_ms, max_per_peer, max_unauth, max_wait_conn, max_wait, pin_hold_ms;
+  uint64_t max_answer, max_answer_total;
+  uv_timer_t pin_timer;
+  int pin_timer_on;
   atomic_int stop;
   dp_mailbox *mb;
-  list_node live, zombies, fair;
-  uint64_t nconns;
+  list_node live, zombies, fair, starved;
+  dp_peer *peers;
+  uint64_t nconns, nunauth, nwaiting, answer_bytes, npinned;
+  int releasing;                        /* budget_release is walking s->starved */
+  uint64_t refuse_log_ms, refuse_quiet; /* conn_refuse's log lines */
   uint64_t iter;
   unsigned char *staging;
   dp_buf *pool[DP_POOL_CLASSES];
@@ -261,7 +304,9 @@ struct dp_server {
   uint64_t pool_bytes, pool_last_use_ms;
   /* Counters (written by the loop thread, read by anyone). */
   _Atomic uint64_t st_conns, st_accepted, st_frames_in, st_frames_out, st_bytes_in, st_bytes_out,
-      st_req_errors, st_proto_errors, st_crc_errors, st_stalled, st_mid, st_paused, st_waiting;
+      st_req_errors, st_proto_errors, st_crc_errors, st_stalled, st_mid, st_paused, st_waiting,
+      st_unauth, st_auth_refused, st_auth_timeouts, st_limit_refused, st_answer_bytes, st_pinned,
+      st_pins_released;
 };
 
 static void count(_Atomic uint64_t *c, int64_t d) {
@@ -282,7 +327,7 @@ static int size_class(size_t n) {
 static void buf_free(dp_buf *b) {
   if (b) {
     if (b->pinned)
-      core_unpin_low(b->pinned);
+      core_unpin_low(b->pinned, b->data);
     else
       free(b->data);
     free(b);
@@ -393,10 +438,54 @@ static void on_core_version(void *arg, int status, uint64_t version) {
 /* Connections                                                              */
 /* ------------------------------------------------------------------------ */
 
+/* ------------------------------------------------------------------------ */
+/* Peer addresses                                                           */
+/* ------------------------------------------------------------------------ */
+
+/* The entry of the address in `ss` (created with no count), with one more
+ * reference; NULL when out of memory. A linear list: there are at most as
+ * many entries as connections, and one look per accept. */
+static dp_peer *peer_get(dp_server *s, const struct sockaddr_storage *ss) {
+  int fam = ss->ss_family;
+  uint8_t ip[16] = {0};
+  if (fam == AF_INET)
+    memcpy(ip, &((const struct sockaddr_in *)ss)->sin_addr, 4);
+  else if (fam == AF_INET6)
+    memcpy(ip, &((const struct sockaddr_in6 *)ss)->sin6_addr, 16);
+  for (dp_peer *p = s->peers; p; p = p->next) {
+    if (p->family == fam && memcmp(p->ip, ip, sizeof ip) == 0) {
+      p->refs++;
+      return p;
+    }
+  }
+  dp_peer *p = calloc(1, sizeof *p);
+  if (!p)
+    return NULL;
+  p->family = fam;
+  memcpy(p->ip, ip, sizeof ip);
+  p->refs = 1;
+  p->next = s->peers;
+  s->peers = p;
+  return p;
+}
+
+static void peer_unref(dp_server *s, dp_peer *p) {
+  if (!p || --p->refs > 0)
+    return;
+  for (dp_peer **pp = &s->peers; *pp; pp = &(*pp)->next) {
+    if (*pp == p) {
+      *pp = p->next;
+      break;
+    }
+  }
+  free(p);
+}
+
 static void conn_free(dp_conn *c) {
   list_remove(&c->node);
   wire_reader_free(&c->rd);
   buf_free(c->rx);
+  peer_unref(c->s, c->pe);
   free(c);
 }
 
@@ -422,16 +511,33 @@ static void conn_set_mid(dp_conn *c, int mid) {
   }
 }
 
+/* The connection stops counting against the caps (when it closes, or at
+ * once when it is refused and only its ERROR frame is still to be sent). */
+static void conn_uncount(dp_conn *c) {
+  dp_server *s = c->s;
+  if (!c->counted)
+    return;
+  c->counted = 0;
+  s->nconns--;
+  count(&s->st_conns, -1);
+  c->pe->conns--;
+  if (!c->authed) {
+    s->nunauth--;
+    count(&s->st_unauth, -1);
+    c->pe->unauth--;
+  }
+}
+
 static void conn_close(dp_conn *c) {
   if (c->closing)
     return;
   dp_server *s = c->s;
   c->closing = 1;
   list_remove(&c->fair);
+  list_remove(&c->starve);
   list_remove(&c->node);
   list_push(&s->zombies, &c->node);
-  s->nconns--;
-  count(&s->st_conns, -1);
+  conn_uncount(c);
   conn_set_mid(c, 0);
   if (c->bp) {
     c->bp = 0;
@@ -479,11 +585,17 @@ static void conn_check(dp_conn *c) {
   if (c->closing)
     return;
   dp_server *s = c->s;
-  if (c->eof && c->pending == 0 && c->waiting == 0) {
+  /* A peer that shut its side gets the answers in progress, but not those
+   * of Pulls still waiting for their version: those can take minutes, and
+   * the connection's slot is freed for others at once (their records stay
+   * with the core until the wait ends, never touching the connection). */
+  if (c->eof && c->pending == c->waiting) {
     conn_close(c);
     return;
   }
-  int over = c->pending >= s->max_pending || c->queued >= s->max_queued ||
+  /* Waiting Pulls hold no buffer and must not stop the reads: the Push
+   * their version needs may be the next frame. */
+  int over = c->pending - c->waiting >= s->max_pending || c->queued >= s->max_queued ||
              c->consuming >= DP_CONSUME_WINDOW;
   if (over != c->bp) {
     c->bp = over;
@@ -500,6 +612,38 @@ static void conn_check(dp_conn *c) {
 /* Answers                                                                  */
 /* ------------------------------------------------------------------------ */
 
+/* Copied answer bytes leave the budgets; connections whose next answer
+ * waited for the server's budget get their turn, oldest first. */
+static void budget_release(dp_conn *c, uint64_t n) {
+  dp_server *s = c->s;
+  if (n == 0)
+    return;
+  c->answer_bytes -= n;
+  s->answer_bytes -= n;
+  count(&s->st_answer_bytes, -(int64_t)n);
+  if (s->releasing)
+    return; /* the outer call goes on with the list */
+  s->releasing = 1;
+  /* Each waiting connection is looked at once: one that still does not fit
+   * puts itself back at the tail. */
+  size_t n_starved = 0;
+  for (list_node *l = s->starved.next; l != &s->starved; l = l->next)
+    n_starved++;
+  for (size_t i = 0; i < n_starved && !list_empty(&s->starved); i++) {
+    dp_conn *w = container_of(s->starved.next, dp_conn, starve);
+    list_remove(&w->starve);
+    conn_produce(w);
+  }
+  s->releasing = 0;
+}
+
+static void pinned_done(dp_conn *c) {
+  dp_server *s = c->s;
+  c->pinned_out--;
+  s->npinned--;
+  count(&s->st_pinned, -1);
+}
+
 static void on_written(stream_write_req *req, int status) {
   dp_out *o = container_of(req, dp_out, req);
   dp_conn *c = o->conn;
@@ -507,7 +651,10 @@ static void on_written(stream_write_req *req, int status) {
   c->queued -= o->bytes;
   if (o->is_answer)
     c->pending--;
+  if (o->pinned)
+    pinned_done(c);
   pool_put(s, o->payload);
+  budget_release(c, o->budget);
   int close_after = o->close_after;
   free(o);
   if (status < 0 || close_after) {
@@ -519,13 +666,18 @@ static void on_written(stream_write_req *req, int status) {
   conn_unref(c);
 }
 
+static void pin_timer_update(dp_server *s);
+
 /* Queues frame `m` (header + meta) and `payload` (may be NULL; ownership
  * passes here) for writing with one writev. `is_answer` says whether it
- * answers a request counted in conn->pending. */
-static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, int close_after) {
+ * answers a request counted in conn->pending; `budget` is the copied answer
+ * bytes it holds, released once it is written (or dropped). */
+static void conn_send_budget(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer,
+                             int close_after, uint64_t budget) {
   dp_server *s = c->s;
   if (c->closing) {
     pool_put(s, payload);
+    budget_release(c, budget);
     if (is_answer)
       c->pending--;
     return;
@@ -542,6 +694,7 @@ static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, i
               wire_type_name(m->type));
     free(o);
     pool_put(s, payload);
+    budget_release(c, budget);
     if (is_answer)
       c->pending--;
     conn_close(c);
@@ -549,6 +702,8 @@ static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, i
   }
   o->conn = c;
   o->payload = payload;
+  o->budget = budget;
+  o->pinned = 0;
   o->is_answer = is_answer;
   o->close_after = close_after;
   o->bytes = hlen + m->payload_len;
@@ -569,14 +724,32 @@ static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, i
     if (is_answer)
       c->pending--;
     pool_put(s, payload);
+    budget_release(c, budget);
     free(o);
     conn_close(c);
     conn_unref(c);
     return;
   }
+  c->handed += o->bytes;
+  if (payload && payload->pinned) {
+    /* Watched by the pin timer from now on: the stream tried the write at
+     * once, so what it still holds is what the peer has not taken. */
+    o->pinned = 1;
+    if (c->pinned_out++ == 0) {
+      c->pin_taken = c->handed - stream_write_queue_size(c->st);
+      c->pin_since_ms = clock_now_ms();
+    }
+    s->npinned++;
+    count(&s->st_pinned, 1);
+    pin_timer_update(s);
+  }
   count(&s->st_frames_out, 1);
   count(&s->st_bytes_out, (int64_t)o->bytes);
   conn_check(c);
+}
+
+static void conn_send(dp_conn *c, wire_msg *m, dp_buf *payload, int is_answer, int close_after) {
+  conn_send_budget(c, m, payload, is_answer, close_after, 0);
 }
 
 static void answer_error(dp_conn *c, uint64_t id, int status, const char *msg) {
@@ -755,9 +928,10 @@ static void work_finish(dp_work *w) {
       lengths[i] = w->pieces[i].length;
       core_count_pull(s->core, w->pieces[i].length + (i == 0 ? WIRE_HEADER_SIZE : 0));
     }
-    conn_send(c, &m, w->buf, 1, 0);
+    conn_send_budget(c, &m, w->buf, 1, 0, w->budget);
   } else if (w->status != 0) {
     pool_put(s, w->buf);
+    budget_release(c, w->budget);
     answer_error(c, w->request_id, w->status, w->err);
   } else if (w->type == WIRE_PUSH) {
     pool_put(s, w->buf);
@@ -772,7 +946,7 @@ static void work_finish(dp_work *w) {
     m.u.pull_data.version = w->version;
     m.u.pull_data.dtype = (int)w->dtype;
     core_count_pull(s->core, WIRE_HEADER_SIZE + w->nbytes);
-    conn_send(c, &m, w->buf, 1, 0);
+    conn_send_budget(c, &m, w->buf, 1, 0, w->budget);
   }
   if (pull)
     conn_produce(c);
@@ -820,23 +994,42 @@ static void work_start(dp_work *w) {
   conn_check(c);
 }
 
-/* Starts reading the piece of a ready Pull into an answer buffer. */
-static void pull_read(dp_conn *c, dp_pull *p) {
+/* Whether a ready Pull's answer may be sent straight from the low copy: a
+ * single piece in the stored dtype, to a peer that is taking its bytes (its
+ * socket holds nothing unsent). A slow peer gets copies instead, so that
+ * the pins an apply waits for belong to peers that are reading; a copy over
+ * the connection's budget is pinned anyway (the pin timer bounds it). */
+static int pull_can_pin(dp_conn *c, const dp_pull *p) {
+  if (p->pieces || p->dtype != core_low_dtype(c->s->core))
+    return 0;
+  return stream_write_queue_size(c->st) == 0 || p->nbytes > c->s->max_answer;
+}
+
+/* Starts reading the piece of a ready Pull into an answer buffer (or
+ * pinning it, `pin`). */
+static void pull_read(dp_conn *c, dp_pull *p, int pin) {
+  dp_server *s = c->s;
   dp_work *w = calloc(1, sizeof *w);
   dp_buf *b = NULL;
-  if (w && !p->pieces && p->dtype == core_low_dtype(c->s->core)) {
+  if (w && pin) {
     /* The stored dtype: the work pins the piece in the low arena and the
      * answer goes out from there (core_pin_low), no copy. */
     b = calloc(1, sizeof *b);
     if (b)
       b->cls = -1;
   } else if (w) {
-    b = pool_get(c->s, p->nbytes);
+    b = pool_get(s, p->nbytes);
   }
   if (!b) {
     free(w);
     answer_error(c, p->request_id, ZS_ENOMEM, "out of memory for the answer buffer");
     return;
+  }
+  if (!pin) {
+    w->budget = p->nbytes;
+    c->answer_bytes += p->nbytes;
+    s->answer_bytes += p->nbytes;
+    count(&s->st_answer_bytes, (int64_t)p->nbytes);
   }
   w->conn = c;
   w->type = p->pieces ? WIRE_PULL_BATCH : WIRE_PULL;
@@ -858,15 +1051,29 @@ static void pull_read(dp_conn *c, dp_pull *p) {
 /* Produces answers for ready Pulls while the connection's window has room.
  * Called whenever a Pull becomes ready or answer bytes leave the window. */
 static void conn_produce(dp_conn *c) {
+  dp_server *s = c->s;
   while (c->ready_head && !c->closing) {
     uint64_t busy = c->producing + c->queued;
     if (busy > 0 && busy >= DP_PRODUCE_WINDOW)
       return;
     dp_pull *p = c->ready_head;
+    int pin = pull_can_pin(c, p);
+    /* A copy waits for room in the connection's budget (its own answers
+     * make it: on_written calls here again) and in the server's (any
+     * connection's answers make it: budget_release calls here again). One
+     * copy is always allowed where nothing is held, which pull_new's size
+     * check keeps within both. */
+    if (!pin && c->answer_bytes > 0 && c->answer_bytes + p->nbytes > s->max_answer)
+      return;
+    if (!pin && s->answer_bytes > 0 && s->answer_bytes + p->nbytes > s->max_answer_total) {
+      if (!c->starve.next)
+        list_push(&s->starved, &c->starve);
+      return;
+    }
     c->ready_head = p->next;
     if (!c->ready_head)
       c->ready_tail = NULL;
-    pull_read(c, p);
+    pull_read(c, p, pin);
     pull_free(p);
     conn_unref(c); /* the record's reference; the work holds its own */
   }
@@ -906,6 +1113,8 @@ static void drain_mailbox(dp_server *s) {
     rev = p->next;
     dp_conn *c = p->conn;
     c->waiting--;
+    c->pe->waiting--;
+    s->nwaiting--;
     count(&s->st_waiting, -1);
     if (c->closing) {
       c->pending--;
@@ -939,9 +1148,12 @@ static uint64_t pull_deadline(uint32_t timeout_ms) {
 static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms);
 
 /* What every Pull and pull batch passes before it may wait (its answer fits a
- * frame, the connection has room for one more waiting pull) and its record;
- * NULL when the request was answered with an error instead. */
-static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, const char *what) {
+ * frame and, when it must be copied, the answer budgets; there is room for
+ * one more waiting pull on the connection, its peer address and the server)
+ * and its record; NULL when the request was answered with an error instead.
+ * `copied`: the answer can only be a copy (a batch, or not the stored dtype). */
+static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, int copied,
+                         const char *what) {
   dp_server *s = c->s;
   char err[DP_ERRLEN];
   if (nbytes > s->max_payload) {
@@ -949,9 +1161,30 @@ static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, const
                  service_too_large(what, nbytes, s->max_payload, "frame", err, sizeof err), err);
     return NULL;
   }
-  if (c->waiting >= DP_MAX_WAITING_PULLS) {
-    status_say(err, sizeof err, "%u pulls already wait on this connection", c->waiting);
-    answer_error(c, request_id, ZS_ERANGE, err);
+  uint64_t budget = s->max_answer < s->max_answer_total ? s->max_answer : s->max_answer_total;
+  if (copied && nbytes > budget) {
+    status_say(err, sizeof err,
+               "the %s's answer of %" PRIu64 " bytes exceeds the server's budget of %" PRIu64
+               " bytes for a copied answer; ask for fewer pieces, or in the stored dtype",
+               what, nbytes, budget);
+    answer_error(c, request_id, ZS_ELIMIT, err);
+    return NULL;
+  }
+  const char *full = NULL;
+  uint64_t cap = 0;
+  if (c->waiting >= s->max_wait_conn) {
+    full = "on this connection";
+    cap = s->max_wait_conn;
+  } else if (c->pe->waiting >= (s->max_wait + 3u) / 4u) {
+    full = "from this peer address";
+    cap = (s->max_wait + 3u) / 4u;
+  } else if (s->nwaiting >= s->max_wait) {
+    full = "on this server";
+    cap = s->max_wait;
+  }
+  if (full) {
+    status_say(err, sizeof err, "%" PRIu64 " pulls already wait for their version %s", cap, full);
+    answer_error(c, request_id, ZS_ELIMIT, err);
     return NULL;
   }
   dp_pull *p = calloc(1, sizeof *p);
@@ -979,7 +1212,7 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
     answer_error(c, m->request_id, (int)nb, err);
     return;
   }
-  dp_pull *p = pull_new(c, m->request_id, (uint64_t)nb, "piece");
+  dp_pull *p = pull_new(c, m->request_id, (uint64_t)nb, dtype != core_low_dtype(s->core), "piece");
   if (!p)
     return;
   p->hash = q->spec_hash;
@@ -1009,7 +1242,7 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
     }
     total += (uint64_t)nb; /* at most WIRE_MAX_BATCH pieces below 2^62 bytes: no overflow */
   }
-  dp_pull *p = pull_new(c, m->request_id, total, "batch");
+  dp_pull *p = pull_new(c, m->request_id, total, 1, "batch");
   if (!p)
     return;
   wire_piece *pcs = calloc(q->npieces, sizeof *pcs);
@@ -1042,6 +1275,8 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
   pthread_mutex_unlock(&s->mb->mu);
   conn_ref(c);
   c->waiting++;
+  c->pe->waiting++;
+  s->nwaiting++;
   count(&s->st_waiting, 1);
   uint64_t version = 0;
   uint64_t id = p->request_id;
@@ -1050,6 +1285,8 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
   if (rc == CORE_PENDING)
     return;
   c->waiting--;
+  c->pe->waiting--;
+  s->nwaiting--;
   count(&s->st_waiting, -1);
   mailbox_unref(s->mb, 1);
   if (rc < 0) {
@@ -1061,20 +1298,123 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
   pull_ready(c, p);
 }
 
+/* Whether a refused connection gets its log line: one a second at most, so
+ * that a flood of them (or of guessed tokens) does not flood the log too;
+ * *quiet gets how many went unlogged since the last line. */
+static int refusal_logged(dp_server *s, uint64_t *quiet) {
+  uint64_t now = clock_now_ms();
+  if (now - s->refuse_log_ms < 1000u) {
+    s->refuse_quiet++;
+    return 0;
+  }
+  *quiet = s->refuse_quiet;
+  s->refuse_log_ms = now;
+  s->refuse_quiet = 0;
+  return 1;
+}
+
+/* The first frame of a connection: a HELLO whose token grants the trainer
+ * role, or the connection goes (ERROR with request id 0, then the close).
+ * Nothing else is read before it. */
+static void on_hello(dp_conn *c) {
+  dp_server *s = c->s;
+  wire_reader *rd = &c->rd;
+  const wire_msg *m = &rd->msg;
+  char err[DP_ERRLEN];
+  int status = ZS_EUNAUTHENTICATED;
+  if (m->type != WIRE_HELLO) {
+    status_say(err, sizeof err,
+               "the first frame on a data-plane connection must be HELLO (frame version 3) with "
+               "the client's token, not %s: upgrade the client to one that speaks version 3",
+               wire_type_name(m->type));
+  } else if (rd->meta_status != 0) {
+    status = rd->meta_status;
+    status_say(err, sizeof err, "%s", rd->err);
+  } else if (!auth_allows(
+                 auth_keys_check(s->auth, (const char *)m->u.hello.token, m->u.hello.token_len),
+                 AUTH_TRAINER)) {
+    status_say(err, sizeof err, "the server refused the token of this data-plane connection (%s)",
+               m->u.hello.token_len ? "wrong token" : "no token given");
+  } else {
+    c->authed = 1;
+    if (c->counted) {
+      s->nunauth--;
+      count(&s->st_unauth, -1);
+      c->pe->unauth--;
+    }
+    wire_reader_limit_meta(rd, WIRE_MAX_META);
+    wire_reader_set_payload(rd, NULL);
+    wire_msg ack = {.type = WIRE_HELLO_ACK, .request_id = m->request_id};
+    conn_send(c, &ack, NULL, 0, 0);
+    return;
+  }
+  count(&s->st_auth_refused, 1);
+  uint64_t quiet = 0;
+  if (refusal_logged(s, &quiet))
+    LOG_WARN("dp_unauthenticated", "peer=%s refused_since_last_line=%" PRIu64 " detail=\"%s\"",
+             c->peer, quiet, err);
+  c->fatal = 1;
+  conn_set_mid(c, 0);
+  conn_update_reading(c);
+  wire_msg e = {.type = WIRE_ERROR, .request_id = 0};
+  e.u.error.status = status;
+  status_say(e.u.error.message, sizeof e.u.error.message, "%s", err);
+  conn_send(c, &e, NULL, 0, 1);
+}
+
+/* PUSH_BATCH: every piece is checked as a single PUSH is before anything is
+ * allocated for the payload. When none could be added whatever its bytes
+ * say, the batch is answered at once (each piece's status) and its payload
+ * is skipped unread into memory. Returns 1 when answered. */
+static int push_batch_refused(dp_conn *c, const wire_msg *m) {
+  dp_server *s = c->s;
+  const wire_push_batch *q = &m->u.push_batch;
+  int32_t st[WIRE_MAX_BATCH];
+  uint8_t dup[WIRE_MAX_BATCH] = {0};
+  wire_msg ack = {.type = WIRE_PUSH_BATCH_ACK, .request_id = m->request_id};
+  for (uint32_t i = 0; i < q->npieces; i++) {
+    const wire_piece *pc = &q->pieces[i];
+    core_push_args a = {.hash = q->spec_hash,
+                        .step = q->step,
+                        .rank = q->rank,
+                        .micro = q->micro,
+                        .tensor = pc->tensor,
+                        .slice = pc->slice,
+                        .dtype = (zs_dtype)pc->dtype,
+                        .nbytes = (size_t)pc->length};
+    char err[DP_ERRLEN] = "";
+    st[i] = service_push_check(s->svc, &a, err, sizeof err);
+    if (st[i] == 0)
+      return 0;
+    if (i == 0)
+      status_say(ack.u.push_batch_ack.message, sizeof ack.u.push_batch_ack.message,
+                 "piece 0 (tensor %" PRIu32 ", slice %" PRIu32 "): %s", pc->tensor, pc->slice,
+                 err[0] ? err : zs_strerror(st[i]));
+  }
+  ack.u.push_batch_ack.npieces = q->npieces;
+  ack.u.push_batch_ack.status = st;
+  ack.u.push_batch_ack.duplicate = dup;
+  conn_send(c, &ack, NULL, 1, 0);
+  return 1;
+}
+
 /* Header and meta of a frame are in: decide where its payload goes. */
 static void on_meta(dp_conn *c) {
   dp_server *s = c->s;
   wire_reader *rd = &c->rd;
   const wire_msg *m = &rd->msg;
   void *dst = NULL;
+  if (!c->authed) {
+    on_hello(c);
+    return;
+  }
   if (m->type != WIRE_PUSH && m->type != WIRE_PULL && m->type != WIRE_PING &&
       m->type != WIRE_PUSH_BATCH && m->type != WIRE_PULL_BATCH) {
     char err[DP_ERRLEN];
-    status_say(
-        err, sizeof err,
-        "a client may send PUSH, PULL or PING (or PUSH_BATCH, PULL_BATCH), not %s (request id "
-        "%" PRIu64 ")",
-        wire_type_name(m->type), m->request_id);
+    status_say(err, sizeof err,
+               "a client may send PUSH, PULL or PING (or PUSH_BATCH, PULL_BATCH), and HELLO only "
+               "first, not %s (request id %" PRIu64 ")",
+               wire_type_name(m->type), m->request_id);
     conn_fatal(c, ZS_EPROTO, err);
     return;
   }
@@ -1094,6 +1434,8 @@ static void on_meta(dp_conn *c) {
      * judges each piece once the bytes are in (on_done). */
     if (m->payload_len == 0) {
       answer_error(c, m->request_id, ZS_EINVAL, "a PUSH_BATCH must carry its pieces' bytes");
+    } else if (push_batch_refused(c, m)) {
+      /* Answered; the payload is skipped. */
     } else {
       c->rx = pool_get(s, (size_t)m->payload_len);
       if (!c->rx)
@@ -1297,11 +1639,19 @@ static void on_check(uv_check_t *h) {
 /* Accepting, sweeping, stopping                                            */
 /* ------------------------------------------------------------------------ */
 
-static void peer_name(dp_conn *c) {
+/* Names the peer for log lines and finds its address's entry (a peer whose
+ * address cannot be read shares the entry of the empty address). Returns 0
+ * or ZS_ENOMEM. */
+static int peer_name(dp_conn *c) {
   struct sockaddr_storage ss;
+  memset(&ss, 0, sizeof ss);
   status_say(c->peer, sizeof c->peer, "?");
-  if (stream_peer_addr(c->st, &ss) != 0)
-    return;
+  int known = stream_peer_addr(c->st, &ss) == 0;
+  c->pe = peer_get(c->s, &ss);
+  if (!c->pe)
+    return ZS_ENOMEM;
+  if (!known)
+    return 0;
   char host[48] = "";
   int port = 0;
   if (ss.ss_family == AF_INET) {
@@ -1315,6 +1665,25 @@ static void peer_name(dp_conn *c) {
     port = ntohs(a->sin6_port);
     status_say(c->peer, sizeof c->peer, "[%s]:%d", host, port);
   }
+  return 0;
+}
+
+/* A connection over a cap: told why (request id 0), then closed. */
+static void conn_refuse(dp_conn *c, const char *why) {
+  dp_server *s = c->s;
+  count(&s->st_limit_refused, 1);
+  uint64_t quiet = 0;
+  if (refusal_logged(s, &quiet))
+    LOG_WARN("dp_accept", "peer=%s refused_since_last_line=%" PRIu64 " detail=\"%s\"", c->peer,
+             quiet, why);
+  /* A burst of refused connections must not fill the caps for the next
+   * ones while their ERROR frames are on their way. */
+  conn_uncount(c);
+  c->fatal = 1;
+  wire_msg m = {.type = WIRE_ERROR, .request_id = 0};
+  m.u.error.status = ZS_ELIMIT;
+  status_say(m.u.error.message, sizeof m.u.error.message, "%s", why);
+  conn_send(c, &m, NULL, 0, 1);
 }
 
 static void on_connection(stream_listener *l, void *data, int status, stream *st) {
@@ -1332,23 +1701,47 @@ static void on_connection(stream_listener *l, void *data, int status, stream *st
   c->s = s;
   c->refs = 1; /* the stream's, dropped in on_conn_closed */
   wire_reader_init(&c->rd, s->max_payload);
-  /* c->fair stays zeroed (unlinked) until the read budget parks it. */
+  /* Until the HELLO, a stranger costs a few KiB at most. */
+  wire_reader_limit_meta(&c->rd, WIRE_MAX_HELLO_META);
+  /* c->fair and c->starve stay zeroed (unlinked) until they are used. */
   c->st = st;
   stream_set_data(st, c);
-  list_push(&s->live, &c->node);
-  s->nconns++;
-  count(&s->st_conns, 1);
-  count(&s->st_accepted, 1);
-  peer_name(c);
-  if (s->nconns > s->max_conns) {
-    LOG_WARN("dp_accept", "peer=%s detail=\"connection limit %u reached\"", c->peer, s->max_conns);
-    conn_close(c);
+  if (peer_name(c) != 0) {
+    LOG_ERROR("dp_accept", "detail=\"out of memory\"");
+    stream_close(st, NULL);
+    free(c);
     return;
   }
+  list_push(&s->live, &c->node);
+  c->counted = 1;
+  s->nconns++;
+  s->nunauth++;
+  c->pe->conns++;
+  c->pe->unauth++;
+  count(&s->st_conns, 1);
+  count(&s->st_unauth, 1);
+  count(&s->st_accepted, 1);
+  c->accepted_ms = c->last_progress_ms = clock_now_ms();
   /* Small answers (acks, errors, latency probes) must not wait for Nagle. */
   stream_set_option(c->st, STREAM_OPT_NODELAY, 1);
-  c->last_progress_ms = clock_now_ms();
-  conn_update_reading(c);
+  char why[160];
+  if (s->nconns > s->max_conns)
+    status_say(why, sizeof why, "the server's limit of %u data-plane connections is reached",
+               s->max_conns);
+  else if (c->pe->conns > s->max_per_peer)
+    status_say(why, sizeof why,
+               "the limit of %u data-plane connections from one address is reached",
+               s->max_per_peer);
+  else if (s->nunauth > s->max_unauth)
+    status_say(why, sizeof why,
+               "the limit of %u data-plane connections not yet authenticated is reached",
+               s->max_unauth);
+  else
+    why[0] = '\0';
+  if (why[0])
+    conn_refuse(c, why);
+  else
+    conn_update_reading(c);
 }
 
 static void on_sweep(uv_timer_t *t) {
@@ -1357,6 +1750,13 @@ static void on_sweep(uv_timer_t *t) {
   for (list_node *l = s->live.next; l != &s->live;) {
     dp_conn *c = container_of(l, dp_conn, node);
     l = l->next; /* conn_close moves c to the zombies */
+    if (!c->authed && !c->fatal && now - c->accepted_ms >= s->hello_ms) {
+      count(&s->st_auth_timeouts, 1);
+      LOG_WARN("dp_unauthenticated", "peer=%s detail=\"no HELLO within %u ms\"", c->peer,
+               s->hello_ms);
+      conn_close(c);
+      continue;
+    }
     if (c->reading && wire_reader_mid_frame(&c->rd) && now - c->last_progress_ms >= s->stall_ms) {
       count(&s->st_stalled, 1);
       LOG_WARN("dp_stalled", "peer=%s detail=\"no byte for %" PRIu64 " ms inside a frame\"",
@@ -1379,6 +1779,54 @@ static void on_sweep(uv_timer_t *t) {
     pool_drain(s);
 }
 
+/* Connections holding answers pinned in the low copy: one whose peer took
+ * no byte for pin_hold_ms is closed, which cancels its writes and so
+ * releases the pins at once; the apply that waits for them goes on, and the
+ * peer (stalled, or too slow to matter) reconnects and asks again.
+ *
+ * This runs on the loop thread, which checks new requests against the core
+ * under its state lock (shared). An apply that waits for pins while holding
+ * that lock exclusively can therefore keep this tick from running until the
+ * core's own bound (core_config.pin_wait_ms) ends the wait; an apply that
+ * waits for pins before taking the lock is released here within
+ * pin_hold_ms. */
+static void on_pin_tick(uv_timer_t *t) {
+  dp_server *s = t->data;
+  uint64_t now = clock_now_ms();
+  for (list_node *l = s->live.next; l != &s->live;) {
+    dp_conn *c = container_of(l, dp_conn, node);
+    l = l->next; /* conn_close moves c to the zombies */
+    if (c->pinned_out == 0)
+      continue;
+    uint64_t taken = c->handed - stream_write_queue_size(c->st);
+    if (taken != c->pin_taken) {
+      c->pin_taken = taken;
+      c->pin_since_ms = now;
+    } else if (now - c->pin_since_ms >= s->pin_hold_ms) {
+      count(&s->st_pins_released, 1);
+      LOG_WARN("dp_stalled",
+               "peer=%s detail=\"took no byte of an answer pinned in the shard's low copy for "
+               "%" PRIu64 " ms; closed so that the pin does not hold up an apply\"",
+               c->peer, now - c->pin_since_ms);
+      conn_close(c);
+    }
+  }
+  pin_timer_update(s);
+}
+
+/* The pin timer runs only while pinned answers are out. */
+static void pin_timer_update(dp_server *s) {
+  if (atomic_load(&s->stop))
+    return;
+  if (s->npinned > 0 && !s->pin_timer_on) {
+    uv_timer_start(&s->pin_timer, on_pin_tick, DP_PIN_TICK_MS, DP_PIN_TICK_MS);
+    s->pin_timer_on = 1;
+  } else if (s->npinned == 0 && s->pin_timer_on) {
+    uv_timer_stop(&s->pin_timer);
+    s->pin_timer_on = 0;
+  }
+}
+
 static void on_async(uv_async_t *h) {
   dp_server *s = h->data;
   drain_mailbox(s);
@@ -1392,6 +1840,7 @@ static void on_async(uv_async_t *h) {
   stream_listener_close(s->listener);
   s->listener = NULL;
   uv_close((uv_handle_t *)&s->sweep, NULL);
+  uv_close((uv_handle_t *)&s->pin_timer, NULL);
   uv_close((uv_handle_t *)&s->check, NULL);
   uv_close((uv_handle_t *)&s->async, NULL);
   while (!list_empty(&s->live))
@@ -1407,6 +1856,22 @@ static void *loop_main(void *arg) {
 /* ------------------------------------------------------------------------ */
 /* Public                                                                   */
 /* ------------------------------------------------------------------------ */
+
+/* A setting the tests (and an operator who knows) may give through the
+ * environment; anything but a positive number keeps the default. */
+static uint64_t env_knob(const char *name, uint64_t def) {
+  const char *v = getenv(name);
+  if (!v || !*v)
+    return def;
+  char *end = NULL;
+  unsigned long long n = strtoull(v, &end, 10);
+  if (*end != '\0' || n == 0) {
+    LOG_WARN("dp_config", "name=%s value=\"%s\" detail=\"not a positive number; ignored\"", name,
+             v);
+    return def;
+  }
+  return (uint64_t)n;
+}
 
 void dp_server_config_init(dp_server_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
@@ -1481,6 +1946,20 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->stall_ms = cfg->stall_timeout_ms ? cfg->stall_timeout_ms : DP_DEFAULT_STALL_MS;
   s->max_conns = cfg->max_connections ? cfg->max_connections : DP_DEFAULT_MAX_CONNS;
   s->inline_bytes = cfg->inline_bytes ? cfg->inline_bytes : DP_DEFAULT_INLINE;
+  s->auth = cfg->auth;
+  s->hello_ms = cfg->hello_timeout_ms ? cfg->hello_timeout_ms
+                                      : env_knob("ZSHARD_DP_HELLO_TIMEOUT_MS", DP_DEFAULT_HELLO_MS);
+  s->max_per_peer = cfg->max_per_peer ? cfg->max_per_peer : DP_DEFAULT_PER_PEER;
+  s->max_unauth = cfg->max_unauthenticated ? cfg->max_unauthenticated : DP_DEFAULT_UNAUTH;
+  s->max_wait_conn =
+      cfg->max_waiting_per_conn ? cfg->max_waiting_per_conn : DP_DEFAULT_WAITING_CONN;
+  s->max_wait = cfg->max_waiting ? cfg->max_waiting : DP_DEFAULT_WAITING;
+  s->max_answer = cfg->max_answer_bytes ? cfg->max_answer_bytes
+                                        : env_knob("ZSHARD_DP_MAX_ANSWER_BYTES", DP_DEFAULT_ANSWER);
+  s->max_answer_total = cfg->max_answer_bytes_total
+                            ? cfg->max_answer_bytes_total
+                            : env_knob("ZSHARD_DP_MAX_ANSWER_BYTES_TOTAL", DP_DEFAULT_ANSWER_TOTAL);
+  s->pin_hold_ms = cfg->pin_hold_ms ? cfg->pin_hold_ms : DP_DEFAULT_PIN_HOLD_MS;
   if (cfg->metrics) {
     s->m_push = metrics_rpc_register(cfg->metrics, "data", "Push");
     s->m_pull = metrics_rpc_register(cfg->metrics, "data", "Pull");
@@ -1491,6 +1970,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   list_init(&s->live);
   list_init(&s->zombies);
   list_init(&s->fair);
+  list_init(&s->starved);
   rc = ZS_ENOMEM;
   s->staging = malloc(DP_STAGING);
   s->mb = calloc(1, sizeof *s->mb);
@@ -1526,6 +2006,8 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   uv_timer_init(&s->loop, &s->sweep);
   s->sweep.data = s;
   uv_timer_start(&s->sweep, on_sweep, DP_SWEEP_MS, DP_SWEEP_MS);
+  uv_timer_init(&s->loop, &s->pin_timer);
+  s->pin_timer.data = s;
   uv_check_init(&s->loop, &s->check);
   s->check.data = s;
   uv_check_start(&s->check, on_check);
@@ -1562,6 +2044,13 @@ void dp_server_get_stats(const dp_server *s, dp_server_stats *o) {
   o->mid_frame = atomic_load_explicit(&m->st_mid, memory_order_relaxed);
   o->paused = atomic_load_explicit(&m->st_paused, memory_order_relaxed);
   o->pulls_waiting = atomic_load_explicit(&m->st_waiting, memory_order_relaxed);
+  o->unauthenticated = atomic_load_explicit(&m->st_unauth, memory_order_relaxed);
+  o->auth_refused = atomic_load_explicit(&m->st_auth_refused, memory_order_relaxed);
+  o->auth_timeouts = atomic_load_explicit(&m->st_auth_timeouts, memory_order_relaxed);
+  o->limit_refused = atomic_load_explicit(&m->st_limit_refused, memory_order_relaxed);
+  o->answer_bytes = atomic_load_explicit(&m->st_answer_bytes, memory_order_relaxed);
+  o->pinned_answers = atomic_load_explicit(&m->st_pinned, memory_order_relaxed);
+  o->pins_released = atomic_load_explicit(&m->st_pins_released, memory_order_relaxed);
 }
 
 void dp_server_stop(dp_server *s) {

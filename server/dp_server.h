@@ -15,6 +15,23 @@
  * version or type, a length over its bound, a header CRC mismatch) is answered
  * with one ERROR frame with request id 0 and closed.
  *
+ * Authentication: the first frame of every connection must be a HELLO whose
+ * token auth_keys_check accepts for the trainer role (any token, even an
+ * empty one, when the server has no keys). Until then nothing else is
+ * processed, a frame's meta may not exceed WIRE_MAX_HELLO_META, and the
+ * connection counts against the unauthenticated cap; a connection that has
+ * not authenticated within hello_timeout_ms is closed.
+ *
+ * Caps and budgets (each refusal is ZS_ELIMIT with a sentence): connections
+ * per peer address and in all; unauthenticated connections; Pulls waiting
+ * for their version per connection, per peer address and in all; the bytes
+ * of copied Pull answers per connection and in all (answers wait for room
+ * rather than being refused, unless one alone is over a budget). An answer
+ * sent straight from the shard's low-precision copy keeps that copy pinned
+ * only while the peer takes its bytes: a connection that holds a pin and
+ * takes no byte for pin_hold_ms is closed, so that an apply never waits for
+ * a stalled reader.
+ *
  * Fairness and backpressure: reads are bounded per loop iteration and per
  * connection, so that one fast peer cannot starve the others; a connection
  * whose answers are not being taken (pending requests or unsent bytes over
@@ -28,6 +45,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/auth.h"
 #include "server/core.h"
 #include "server/service.h"
 
@@ -51,8 +69,9 @@ typedef struct dp_server_config {
   /* Largest payload accepted; 0 means WIRE_DEFAULT_MAX_PAYLOAD (1 GiB). A
    * Pull of a larger piece is answered ZS_ERANGE. */
   uint64_t max_payload;
-  /* Requests of one connection in progress (read but not yet answered)
-   * before the server stops reading from it; 0 means 256. */
+  /* Requests of one connection in progress (read but not yet answered, not
+   * counting Pulls waiting for their version) before the server stops
+   * reading from it; 0 means 256. */
   uint32_t max_pending;
   /* Answer bytes of one connection queued but not yet sent before the server
    * stops reading from it; 0 means 64 MiB. */
@@ -60,9 +79,40 @@ typedef struct dp_server_config {
   /* A connection stalled this long inside a frame, or with answers it does
    * not take, is closed; 0 means 60 s. */
   uint32_t stall_timeout_ms;
-  /* Connections served at once; more are accepted and closed at once. 0
-   * means 1024. */
+  /* Connections served at once; more are accepted and closed at once (an
+   * ERROR ZS_ELIMIT with request id 0, then the close). 0 means 1024. */
   uint32_t max_connections;
+  /* The tokens a HELLO is checked against (auth_keys_check; the trainer
+   * role is needed). NULL: authentication is off, any token is accepted,
+   * but the HELLO is still required. Borrowed: it must outlive the server;
+   * auth_keys_reload may swap its secrets at any time. */
+  auth_keys *auth;
+  /* Longest a connection may take to authenticate; 0 means 5 s (or the
+   * environment's ZSHARD_DP_HELLO_TIMEOUT_MS, a knob for tests). */
+  uint32_t hello_timeout_ms;
+  /* Connections from one peer address (authenticated or not), so that one
+   * host cannot take every slot; 0 means 64. */
+  uint32_t max_per_peer;
+  /* Connections not yet authenticated, in all; 0 means 128. */
+  uint32_t max_unauthenticated;
+  /* Pulls waiting for their version: per connection (0 means 4096) and in
+   * all (0 means 65536; a Pull of a connection that closed still counts
+   * until its wait ends in the core, and counts against its peer address,
+   * which may hold a quarter of the total). */
+  uint32_t max_waiting_per_conn;
+  uint32_t max_waiting;
+  /* Bytes of Pull answers copied out of the shard (any dtype but the
+   * stored one, and every PULL_BATCH) that one connection may have being
+   * produced or waiting for the socket; a single answer larger than this
+   * is refused with ZS_ELIMIT. 0 means 256 MiB. */
+  uint64_t max_answer_bytes;
+  /* The same bytes over all connections; an answer that does not fit waits
+   * until others are sent. 0 means 1 GiB. */
+  uint64_t max_answer_bytes_total;
+  /* A connection whose socket holds an answer pinned in the shard's
+   * low-precision copy and that takes no byte for this long is closed; 0
+   * means 250 ms. */
+  uint32_t pin_hold_ms;
   /* Pushes and Pulls of at most this many payload bytes run on the loop
    * thread; larger ones run on libuv's thread pool, so that the loop keeps
    * reading and writing for the other peers meanwhile. 0 means 64 KiB. */
@@ -72,6 +122,13 @@ typedef struct dp_server_config {
    * PushBatch or PullBatch}); NULL records nothing. Borrowed: it must outlive
    * the server. */
   struct metrics *metrics;
+  /* PEM files of the server's certificate chain and key (both: TLS on the
+   * data plane) and of the CA client certificates must chain to (mTLS);
+   * NULL: not given. The same files as gRPC's. Only read during
+   * dp_server_start and reloads. */
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  const char *tls_client_ca_file;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the
@@ -102,6 +159,13 @@ typedef struct dp_server_stats {
   uint64_t mid_frame;       /* connections now inside a partly received frame */
   uint64_t paused;          /* connections now not read for backpressure */
   uint64_t pulls_waiting;   /* Pulls now waiting in the core for their version */
+  uint64_t unauthenticated; /* connections now open that have not authenticated */
+  uint64_t auth_refused;    /* connections closed for a missing or refused HELLO */
+  uint64_t auth_timeouts;   /* connections closed for not authenticating in time */
+  uint64_t limit_refused;   /* connections refused by a connection cap */
+  uint64_t answer_bytes;    /* copied Pull answer bytes now held, all connections */
+  uint64_t pinned_answers;  /* answers now being sent from the low copy */
+  uint64_t pins_released;   /* connections closed for stalling on a pinned answer */
 } dp_server_stats;
 void dp_server_get_stats(const dp_server *s, dp_server_stats *out);
 

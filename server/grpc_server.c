@@ -46,6 +46,7 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <inttypes.h>
 #include <math.h>
@@ -54,6 +55,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -66,6 +68,7 @@
 #include "common/status.h"
 #include "common/tsan.h"
 #include "grpc/health/v1/health.pb-c.h"
+#include "server/grpc_tls.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 /* Outstanding grpc_server_request_*_call per method: calls that arrive while
@@ -126,6 +129,10 @@ struct gsrv {
   int started; /* grpc_server_start was called */
   /* Per method, where answered calls are recorded (NULL: not recorded). */
   metrics_rpc *rpc_metric[M_COUNT];
+  auth_keys *auth;         /* borrowed; NULL: authentication off */
+  gtls *tls;               /* owned; NULL: plaintext */
+  atomic_ullong refuse_ns; /* when a refusal was last logged */
+  atomic_uint refused;     /* refusals not logged since */
 
   pthread_t *threads;
   int nthreads;
@@ -1630,7 +1637,99 @@ static int request_slice(grpc_byte_buffer *bb, grpc_slice *out) {
   return 0;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Authentication                                                           */
+/* ------------------------------------------------------------------------ */
+
+/* The role each method needs (docs/OPERATIONS.md, "Security"). Admin: the
+ * methods that write checkpoints, roll the state back, overwrite it or end
+ * the job, outside of a training step. Trainer: a step's work and what only
+ * reads. None: the health service, which load balancers and probes call
+ * without a secret. A method added later needs a row here: the default, 0,
+ * is AUTH_NONE only by value, hence the check in gsrv_start. */
+static const auth_role method_role[M_COUNT + 1] = {
+    [M_OPEN] = AUTH_TRAINER,
+    [M_INIT_PARAMS] = AUTH_TRAINER,
+    [M_PUSH] = AUTH_TRAINER,
+    [M_PULL] = AUTH_TRAINER,
+    [M_GRAD_STATS] = AUTH_TRAINER,
+    [M_APPLY] = AUTH_TRAINER,
+    [M_GET_INFO] = AUTH_TRAINER,
+    [M_STATS] = AUTH_TRAINER,
+    [M_LIST_CHECKPOINTS] = AUTH_TRAINER,
+    [M_READ_STATE] = AUTH_TRAINER,
+    [M_CHECKPOINT] = AUTH_ADMIN,
+    [M_COMMIT_CHECKPOINT] = AUTH_ADMIN,
+    [M_RESTORE] = AUTH_ADMIN,
+    [M_CLOSE_JOB] = AUTH_ADMIN,
+    [M_WRITE_STATE] = AUTH_ADMIN,
+    [M_HEALTH_CHECK] = AUTH_NONE,
+    [M_HEALTH_WATCH] = AUTH_NONE,
+    /* An unknown method is answered UNIMPLEMENTED only to a caller with a
+     * token, so that a stranger learns nothing about the server. */
+    [M_GENERIC] = AUTH_TRAINER,
+};
+
+/* The token of the call's "authorization: Bearer <token>" metadata, or NULL
+ * (no such metadata, another scheme). */
+static const char *call_token(const gcall *c, size_t *len) {
+  const size_t scheme = strlen(RPC_AUTH_SCHEME);
+  for (size_t i = 0; i < c->md.count; i++) {
+    if (grpc_slice_str_cmp(c->md.metadata[i].key, RPC_AUTH_KEY) != 0)
+      continue;
+    const char *v = (const char *)GRPC_SLICE_START_PTR(c->md.metadata[i].value);
+    size_t n = GRPC_SLICE_LENGTH(c->md.metadata[i].value);
+    /* The scheme's name is case-insensitive (RFC 7235). */
+    if (n <= scheme || strncasecmp(v, RPC_AUTH_SCHEME, scheme) != 0)
+      return NULL;
+    *len = n - scheme;
+    return v + scheme;
+  }
+  return NULL;
+}
+
+/* Logs a refusal with the peer's address, at most one a second: a scan or a
+ * misconfigured trainer in a loop must not flood the log. */
+static void log_refusal(gsrv *s, gcall *c, int zs) {
+  uint64_t now = clock_now_ns();
+  uint64_t last = atomic_load(&s->refuse_ns);
+  if (now - last < 1000000000ull || !atomic_compare_exchange_strong(&s->refuse_ns, &last, now)) {
+    atomic_fetch_add(&s->refused, 1);
+    return;
+  }
+  unsigned suppressed = atomic_exchange(&s->refused, 0);
+  char *peer = grpc_call_get_peer(c->call);
+  const char *path = c->method < M_COUNT ? methods[c->method].path : "unknown";
+  LOG_WARN("auth_refused", "method=%s peer=%s error=%s suppressed=%u", path, peer ? peer : "?",
+           zs_err_name(zs), suppressed);
+  gpr_free(peer);
+}
+
+/* Answers the call UNAUTHENTICATED or PERMISSION_DENIED and returns -1 when
+ * its token does not allow its method; returns 0 otherwise. */
+static int authorize(gsrv *s, gcall *c) {
+  auth_role need = method_role[c->method];
+  if (need == AUTH_NONE || !auth_keys_enabled(s->auth))
+    return 0;
+  size_t len = 0;
+  const char *token = call_token(c, &len);
+  auth_role role = auth_keys_check(s->auth, token, token ? len : 0);
+  if (auth_allows(role, need))
+    return 0;
+  int zs = role == AUTH_NONE ? ZS_EUNAUTHENTICATED : ZS_EPERM;
+  log_refusal(s, c, zs);
+  answer(c, NULL, zs,
+         zs == ZS_EPERM ? "this method needs the admin token (--admin-token-file); the call "
+                          "carried a trainer's"
+         : token        ? "the call's token is not valid on this server"
+                        : "the call carries no \"authorization: Bearer <token>\" metadata and "
+                          "this server requires a token");
+  return -1;
+}
+
 static void dispatch(gsrv *s, gcall *c) {
+  if (authorize(s, c) != 0)
+    return;
   if (c->method == M_GENERIC) {
     char err[GSRV_ERRLEN];
     size_t n = GRPC_SLICE_LENGTH(c->details.method);
@@ -1781,12 +1880,46 @@ static void teardown(gsrv *s) {
   if (s->cq)
     grpc_completion_queue_destroy(s->cq);
   grpc_shutdown();
+  gtls_free(s->tls);
   free(s->threads);
   if (s->own_svc)
     service_destroy(s->svc);
   pthread_cond_destroy(&s->cond);
   pthread_mutex_destroy(&s->lock);
   free(s);
+}
+
+/* Listens on cfg->listen, with TLS when a certificate is configured.
+ * Returns 0 or an error with err set. */
+static int add_port(gsrv *s, const gsrv_config *cfg, char *err, size_t errlen) {
+  grpc_server_credentials *creds;
+  if (cfg->tls_cert_file || cfg->tls_key_file) {
+    int rc = gtls_new(cfg->tls_cert_file, cfg->tls_key_file, cfg->tls_client_ca_file, &s->tls, err,
+                      errlen);
+    if (rc)
+      return rc;
+    creds = gtls_credentials(s->tls);
+  } else if (cfg->tls_client_ca_file) {
+    return status_fail(err, errlen, ZS_EINVAL, "%s",
+                       "--tls-client-ca needs --tls-cert and --tls-key");
+  } else {
+    creds = grpc_insecure_server_credentials_create();
+  }
+  if (!creds)
+    return status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot make the gRPC credentials");
+  s->port = grpc_server_add_http2_port(s->server, cfg->listen, creds);
+  grpc_server_credentials_release(creds);
+  if (s->port <= 0)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       s->tls ? "cannot listen on %s (address invalid or in use, or gRPC refused "
+                                "the certificate and key: see its message above)"
+                              : "cannot listen on %s (address invalid or in use)",
+                       cfg->listen);
+  return 0;
+}
+
+int gsrv_reload_tls(gsrv *s, char *err, size_t errlen) {
+  return s->tls ? gtls_reload(s->tls, err, errlen) : 0;
 }
 
 static int default_threads(void) {
@@ -1799,6 +1932,10 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   if (!cfg || !cfg->core || !cfg->listen || !cfg->listen[0])
     return status_fail(err, errlen, ZS_EINVAL, "%s",
                        "gsrv_start needs a core and a listen address");
+  for (int m = 0; m < M_COUNT; m++)
+    if (method_role[m] == AUTH_NONE && m != M_HEALTH_CHECK && m != M_HEALTH_WATCH)
+      return status_fail(err, errlen, ZS_EINTERNAL, "method %s has no role (method_role)",
+                         methods[m].path);
   gsrv *s = calloc(1, sizeof *s);
   if (!s)
     return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
@@ -1817,6 +1954,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->own_svc = 1;
   }
   s->data_port = cfg->data_port;
+  s->auth = cfg->auth;
   /* A Watch stream lives as long as its client wants: its duration is no
    * latency, so it is not recorded. */
   for (int m = 0; m < M_COUNT; m++)
@@ -1863,14 +2001,8 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
       goto fail;
     }
   }
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-  s->port = grpc_server_add_http2_port(s->server, cfg->listen, creds);
-  grpc_server_credentials_release(creds);
-  if (s->port <= 0) {
-    rc = status_fail(err, errlen, ZS_EINVAL, "cannot listen on %s (address invalid or in use)",
-                     cfg->listen);
+  if ((rc = add_port(s, cfg, err, errlen)) != 0)
     goto fail;
-  }
 
   int want = cfg->threads > 0 ? cfg->threads : default_threads();
   s->threads = calloc((size_t)want, sizeof *s->threads);

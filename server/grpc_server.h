@@ -8,6 +8,13 @@
  * (status_to_grpc), a detail sentence naming the problem, and the trailing
  * metadata "zs-status: <int>" with zshard's own status number. A call to a
  * method the server does not know is answered UNIMPLEMENTED at once.
+ *
+ * Authentication: with tokens configured, every call but the health
+ * service's carries "authorization: Bearer <token>" in its metadata; a call
+ * without a valid token is answered UNAUTHENTICATED, a trainer's token on an
+ * admin method PERMISSION_DENIED, before its request is parsed (the table
+ * of roles is in grpc_server.c and docs/OPERATIONS.md, "Security"). With a
+ * certificate and key the port speaks TLS only.
  */
 #ifndef ZSHARD_SERVER_GRPC_SERVER_H
 #define ZSHARD_SERVER_GRPC_SERVER_H
@@ -15,6 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/auth.h"
 #include "server/ckpt_svc.h"
 #include "server/core.h"
 #include "server/metrics.h"
@@ -55,6 +63,17 @@ typedef struct gsrv_config {
    * observer); it must drive `core`. NULL: the server makes its own, with no
    * observer. Borrowed: it must outlive the server. */
   service *service;
+  /* The tokens a caller must present (common/auth.h); NULL or keys without a
+   * token file: every caller may call every method. Borrowed: it must
+   * outlive the server; the owner may reload it at any time. */
+  auth_keys *auth;
+  /* PEM files of the server's certificate chain and key: both given, the
+   * port speaks TLS only; both NULL, plaintext. With tls_client_ca_file too,
+   * every client must present a certificate that chains to it (mTLS). Only
+   * read during gsrv_start and gsrv_reload_tls (the paths are copied). */
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  const char *tls_client_ca_file;
 } gsrv_config;
 
 /* Binds, starts the polling threads and starts serving (health SERVING).
@@ -65,6 +84,12 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen);
 
 /* The TCP port the server listens on. */
 int gsrv_port(const gsrv *s);
+
+/* Rereads the TLS files named in the config; new handshakes use them from
+ * then on, connections already made keep theirs. Returns 0 (also when the
+ * server has no TLS: nothing to reread), or ZS_EINVAL / ZS_ENOMEM with the
+ * reason in err, the files in use staying. Any thread. */
+int gsrv_reload_tls(gsrv *s, char *err, size_t errlen);
 
 /* Shuts the server down and frees it: health turns NOT_SERVING (Watch streams
  * see it and then end), no new call is admitted, calls in progress get the

@@ -1,12 +1,13 @@
 /*
  * zshard-server — one shard server: the shard core behind the gRPC transport.
  *
- * Threads: main blocks SIGTERM and SIGINT before any other thread exists (so
- * every thread inherits the mask), starts the core and the transport, and
- * then waits in sigwait(); the signal is handled there, in ordinary code,
- * never in a signal handler. The core, the transports and the metrics endpoint
- * own their threads (see server/core.h, server/grpc_server.c,
- * server/dp_server.c and server/metrics_http.c).
+ * Threads: main blocks SIGTERM, SIGINT and SIGHUP before any other thread
+ * exists (so every thread inherits the mask), starts the core and the
+ * transport, and then waits in sigwait(); the signal is handled there, in
+ * ordinary code, never in a signal handler. SIGHUP rereads the token files
+ * and the TLS files (rotation without a restart); the others stop. The core, the transports and the
+ * metrics endpoint own their threads (see server/core.h, server/grpc_server.c, server/dp_server.c
+ * and server/metrics_http.c).
  *
  * Start order: core, data plane, gRPC (which advertises the data port in
  * GetInfo); stop order: gRPC (its calls drain), data plane, core.
@@ -22,9 +23,11 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/auth.h"
 #include "common/cpu.h"
 #include "common/hostport.h"
 #include "common/log.h"
+#include "common/rpc_client.h"
 #include "common/spec.h"
 #include "server/ckpt_svc.h"
 #include "server/core.h"
@@ -53,6 +56,14 @@ typedef struct options {
   long keep_checkpoints;   /* 0: keep all */
   const char *data_listen; /* NULL: no data plane */
   char data_listen_buf[300];
+  char metrics_listen_buf[300];
+  /* Security (docs/OPERATIONS.md, "Security"); NULL: not given. */
+  const char *token_file;
+  const char *admin_token_file;
+  const char *tls_cert;
+  const char *tls_key;
+  const char *tls_client_ca;
+  long long max_params, max_tensors; /* -1: derived from the memory limit */
 } options;
 
 static void usage(FILE *f) {
@@ -81,7 +92,9 @@ static void usage(FILE *f) {
           "  --metrics-listen ADDR\n"
           "                     serve Prometheus metrics at http://ADDR/metrics\n"
           "                     (ZSHARD_METRICS_LISTEN, default off; the container\n"
-          "                     image sets 0.0.0.0:7090); port 0 picks a free port\n"
+          "                     image sets 0.0.0.0:7090); port 0 picks a free port;\n"
+          "                     an address without a host (\":7090\" or \"7090\")\n"
+          "                     binds 127.0.0.1 only\n"
           "  --metrics-port-file PATH\n"
           "                     write the metrics port to PATH before the\n"
           "                     --port-file is written (ZSHARD_METRICS_PORT_FILE)\n"
@@ -92,11 +105,31 @@ static void usage(FILE *f) {
           "                     after each checkpoint, remove all but the K newest\n"
           "                     complete ones (ZSHARD_KEEP_CHECKPOINTS, default 0:\n"
           "                     keep all)\n"
+          "  --token-file PATH  the trainers' token: every gRPC call and data-plane\n"
+          "                     connection must present it (ZSHARD_TOKEN_FILE)\n"
+          "  --admin-token-file PATH\n"
+          "                     the operators' token, needed for Checkpoint, Restore,\n"
+          "                     CloseJob and WriteState (ZSHARD_ADMIN_TOKEN_FILE); a\n"
+          "                     token file holds one token of 16 to 4096 printable\n"
+          "                     bytes; SIGHUP rereads both files\n"
+          "  --tls-cert PATH    PEM certificate chain: gRPC and the data plane speak\n"
+          "                     TLS only (ZSHARD_TLS_CERT; needs --tls-key)\n"
+          "  --tls-key PATH     PEM private key of --tls-cert (ZSHARD_TLS_KEY)\n"
+          "  --tls-client-ca PATH\n"
+          "                     PEM CA bundle: every client must present a certificate\n"
+          "                     it signed (mTLS; ZSHARD_TLS_CLIENT_CA); SIGHUP rereads\n"
+          "                     the three TLS files\n"
+          "  --max-params P     refuse a job that puts more than P parameters on this\n"
+          "                     shard (ZSHARD_MAX_PARAMS; default: 3/4 of the memory\n"
+          "                     limit at 32 bytes each)\n"
+          "  --max-tensors T    refuse a job of more than T tensors (ZSHARD_MAX_TENSORS;\n"
+          "                     default: 1/16 of the memory limit at 1 KiB each)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
           "A flag wins over its environment variable. SIGTERM or SIGINT stops the\n"
-          "server: health turns NOT_SERVING, calls in progress finish, exit status 0.\n",
+          "server: health turns NOT_SERVING, calls in progress finish, exit status 0.\n"
+          "SIGHUP rereads the token and TLS files; on an error the old ones stay.\n",
           DEFAULT_LISTEN);
 }
 
@@ -120,6 +153,14 @@ static long parse_long(const char *s, long lo, long hi) {
   if (errno || *end || v < lo || v > hi)
     return -1;
   return v;
+}
+
+/* A job limit: -1 when not given (derived from memory), -2 when malformed. */
+static long long parse_limit(const char *s, uint64_t hi) {
+  if (!s || !*s)
+    return -1;
+  long v = parse_long(s, 1, (long)hi);
+  return v < 0 ? -2 : v;
 }
 
 /* The ordinal a StatefulSet gives its pods: the digits after the last '-' of
@@ -150,6 +191,13 @@ enum {
   OPT_DATA_LISTEN,
   OPT_STATE_DIR,
   OPT_KEEP_CHECKPOINTS,
+  OPT_TOKEN_FILE,
+  OPT_ADMIN_TOKEN_FILE,
+  OPT_TLS_CERT,
+  OPT_TLS_KEY,
+  OPT_TLS_CLIENT_CA,
+  OPT_MAX_PARAMS,
+  OPT_MAX_TENSORS,
   OPT_HELP,
   OPT_VERSION
 };
@@ -169,6 +217,12 @@ typedef struct raw_options {
   const char *state_dir;
   const char *keep;
   const char *data_listen;
+  const char *token_file;
+  const char *admin_token_file;
+  const char *tls_cert;
+  const char *tls_key;
+  const char *tls_client_ca;
+  const char *max_params, *max_tensors;
 } raw_options;
 
 static void read_environment(raw_options *r) {
@@ -184,6 +238,13 @@ static void read_environment(raw_options *r) {
   r->state_dir = getenv("ZSHARD_STATE_DIR");
   r->keep = getenv("ZSHARD_KEEP_CHECKPOINTS");
   r->data_listen = getenv("ZSHARD_DATA_LISTEN");
+  r->token_file = getenv("ZSHARD_TOKEN_FILE");
+  r->admin_token_file = getenv("ZSHARD_ADMIN_TOKEN_FILE");
+  r->tls_cert = getenv("ZSHARD_TLS_CERT");
+  r->tls_key = getenv("ZSHARD_TLS_KEY");
+  r->tls_client_ca = getenv("ZSHARD_TLS_CLIENT_CA");
+  r->max_params = getenv("ZSHARD_MAX_PARAMS");
+  r->max_tensors = getenv("ZSHARD_MAX_TENSORS");
 }
 
 /* Lets the flags override what read_environment found. Returns -1 to go on,
@@ -203,6 +264,13 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"hostname", required_argument, NULL, OPT_HOSTNAME},
       {"state-dir", required_argument, NULL, OPT_STATE_DIR},
       {"keep-checkpoints", required_argument, NULL, OPT_KEEP_CHECKPOINTS},
+      {"token-file", required_argument, NULL, OPT_TOKEN_FILE},
+      {"admin-token-file", required_argument, NULL, OPT_ADMIN_TOKEN_FILE},
+      {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+      {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+      {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
+      {"max-params", required_argument, NULL, OPT_MAX_PARAMS},
+      {"max-tensors", required_argument, NULL, OPT_MAX_TENSORS},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
@@ -247,6 +315,27 @@ static int read_flags(int argc, char **argv, raw_options *r) {
     case OPT_KEEP_CHECKPOINTS:
       r->keep = optarg;
       break;
+    case OPT_TOKEN_FILE:
+      r->token_file = optarg;
+      break;
+    case OPT_ADMIN_TOKEN_FILE:
+      r->admin_token_file = optarg;
+      break;
+    case OPT_TLS_CERT:
+      r->tls_cert = optarg;
+      break;
+    case OPT_TLS_KEY:
+      r->tls_key = optarg;
+      break;
+    case OPT_TLS_CLIENT_CA:
+      r->tls_client_ca = optarg;
+      break;
+    case OPT_MAX_PARAMS:
+      r->max_params = optarg;
+      break;
+    case OPT_MAX_TENSORS:
+      r->max_tensors = optarg;
+      break;
     case OPT_HELP:
       usage(stdout);
       return 0;
@@ -262,6 +351,22 @@ static int read_flags(int argc, char **argv, raw_options *r) {
   if (optind < argc)
     return bad_usage("unexpected argument '%s'", argv[optind]);
   return -1;
+}
+
+/* /metrics tells about the job and the host (memory, traffic): an address
+ * without a host, ":7090" or "7090", binds loopback only, and exposing it
+ * takes an explicit host such as 0.0.0.0. Rewrites o->metrics_listen into
+ * o->metrics_listen_buf when it has no host. An address that does not parse
+ * is left as it is, for the metrics endpoint to refuse with its reason. */
+static void metrics_loopback(const char *addr, options *o) {
+  char text[HOSTPORT_TEXT_MAX + 2];
+  int bare_port = addr[0] >= '0' && addr[0] <= '9' && !strchr(addr, ':');
+  hostport hp;
+  if (snprintf(text, sizeof text, "%s%s", bare_port ? ":" : "", addr) >= (int)sizeof text ||
+      hostport_parse(text, &hp, NULL, 0) != 0 || hp.host[0])
+    return;
+  hostport_format(o->metrics_listen_buf, sizeof o->metrics_listen_buf, "127.0.0.1", hp.port);
+  o->metrics_listen = o->metrics_listen_buf;
 }
 
 /* The addresses, files and directories of `r` into `o`. Returns -1 to go on
@@ -289,11 +394,24 @@ static int set_endpoints(const raw_options *r, options *o) {
   o->metrics_listen = metrics_listen && *metrics_listen && strcmp(metrics_listen, "off") != 0
                           ? metrics_listen
                           : NULL;
+  if (o->metrics_listen)
+    metrics_loopback(o->metrics_listen, o);
   o->metrics_port_file =
       r->metrics_port_file && *r->metrics_port_file ? r->metrics_port_file : NULL;
   if (o->metrics_port_file && !o->metrics_listen)
     return bad_usage("%s", "--metrics-port-file (ZSHARD_METRICS_PORT_FILE) needs --metrics-listen");
   o->state_dir = r->state_dir && *r->state_dir ? r->state_dir : NULL;
+  o->token_file = r->token_file && *r->token_file ? r->token_file : NULL;
+  o->admin_token_file = r->admin_token_file && *r->admin_token_file ? r->admin_token_file : NULL;
+  o->tls_cert = r->tls_cert && *r->tls_cert ? r->tls_cert : NULL;
+  o->tls_key = r->tls_key && *r->tls_key ? r->tls_key : NULL;
+  o->tls_client_ca = r->tls_client_ca && *r->tls_client_ca ? r->tls_client_ca : NULL;
+  if (!o->tls_cert != !o->tls_key)
+    return bad_usage("%s", "--tls-cert (ZSHARD_TLS_CERT) and --tls-key (ZSHARD_TLS_KEY) go "
+                           "together");
+  if (o->tls_client_ca && !o->tls_cert)
+    return bad_usage("%s", "--tls-client-ca (ZSHARD_TLS_CLIENT_CA) needs --tls-cert and "
+                           "--tls-key");
   return -1;
 }
 
@@ -308,6 +426,15 @@ static int set_numbers(const raw_options *r, options *o) {
                        "0 to 1000000, not '%s'",
                        r->keep);
   }
+
+  if ((o->max_params = parse_limit(r->max_params, SPEC_MAX_TOTAL_NUMEL)) == -2)
+    return bad_usage("--max-params (ZSHARD_MAX_PARAMS) must be a whole number from 1 to "
+                     "4398046511104, not '%s'",
+                     r->max_params);
+  if ((o->max_tensors = parse_limit(r->max_tensors, SPEC_MAX_TENSORS)) == -2)
+    return bad_usage("--max-tensors (ZSHARD_MAX_TENSORS) must be a whole number from 1 to "
+                     "1000000, not '%s'",
+                     r->max_tensors);
 
   o->level = LOG_LEVEL_INFO;
   if (r->level && *r->level && log_parse_level(r->level, &o->level) != 0)
@@ -414,6 +541,7 @@ typedef struct shard {
   dp_server *dp;
   gsrv *srv;
   metrics_server *msrv;
+  auth_keys *auth; /* read before anything starts; freed last */
 } shard;
 
 /* Loads the newest checkpoint in --state-dir, if one is given. The
@@ -450,6 +578,10 @@ static int start_transports(const options *o, shard *s) {
     dc.core = s->c;
     dc.service = s->sv;
     dc.metrics = s->mx;
+    dc.auth = s->auth;
+    dc.tls_cert_file = o->tls_cert;
+    dc.tls_key_file = o->tls_key;
+    dc.tls_client_ca_file = o->tls_client_ca;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
     if (rc) {
       LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o->data_listen,
@@ -462,7 +594,11 @@ static int start_transports(const options *o, shard *s) {
                     .service = s->sv,
                     .ckpt = s->svc,
                     .metrics = s->mx,
-                    .data_port = s->dp ? (uint32_t)dp_server_port(s->dp) : 0};
+                    .data_port = s->dp ? (uint32_t)dp_server_port(s->dp) : 0,
+                    .auth = s->auth,
+                    .tls_cert_file = o->tls_cert,
+                    .tls_key_file = o->tls_key,
+                    .tls_client_ca_file = o->tls_client_ca};
   rc = gsrv_start(&gc, &s->srv, err, sizeof err);
   if (rc) {
     LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
@@ -479,6 +615,23 @@ static int start_transports(const options *o, shard *s) {
              metrics_server_port(s->msrv));
   }
   return 0;
+}
+
+/* The job limits: each flag (or variable) given, else derived from the
+ * memory limit (service_limits_for_memory), logged once. */
+static void set_job_limits(const options *o, service *sv) {
+  uint64_t memory = service_memory_limit(NULL);
+  service_limits l = service_limits_for_memory(memory);
+  if (o->max_params > 0)
+    l.max_params = (uint64_t)o->max_params;
+  if (o->max_tensors > 0)
+    l.max_tensors = (uint64_t)o->max_tensors;
+  service_set_limits(sv, &l);
+  LOG_INFO("job_limits",
+           "max_params=%" PRIu64 " max_tensors=%" PRIu64 " memory_limit_bytes=%" PRIu64
+           " params_from=%s tensors_from=%s",
+           l.max_params, l.max_tensors, memory, o->max_params > 0 ? "flag" : "memory",
+           o->max_tensors > 0 ? "flag" : "memory");
 }
 
 /* Starts everything in order (see the top of this file). Returns 0, or an
@@ -508,6 +661,7 @@ static int shard_start(const options *o, shard *s) {
     LOG_ERROR("startup_failed", "stage=service error=%s", zs_err_name(rc));
     return rc;
   }
+  set_job_limits(o, s->sv);
   rc = start_checkpoints(o, s);
   if (rc == 0)
     rc = start_transports(o, s);
@@ -528,6 +682,7 @@ static void shard_stop(shard *s) {
   service_destroy(s->sv);
   core_destroy(s->c);
   metrics_destroy(s->mx);
+  auth_keys_free(s->auth);
   memset(s, 0, sizeof *s);
 }
 
@@ -547,14 +702,65 @@ static int write_port_files(const options *o, const shard *s) {
   return 0;
 }
 
+/* Reads the token files into s->auth and checks that the TLS files are
+ * readable PEM, so that a mistake in them is told at once as a usage error
+ * rather than as a failed start or a failed handshake. Returns -1 to go on
+ * or EXIT_USAGE. */
+static int load_security(const options *o, shard *s) {
+  char err[600] = "";
+  if (auth_keys_new(o->token_file, o->admin_token_file, &s->auth, err, sizeof err) != 0)
+    return bad_usage("%s", err);
+  const char *files[] = {o->tls_cert, o->tls_key, o->tls_client_ca};
+  const char *names[] = {"--tls-cert", "--tls-key", "--tls-client-ca"};
+  for (int i = 0; i < 3; i++) {
+    char *pem = NULL;
+    if (files[i] && rpc_read_pem_file(files[i], names[i], &pem, err, sizeof err) != 0)
+      return bad_usage("%s", err);
+    if (pem) {
+      memset(pem, 0, strlen(pem)); /* a key does not linger in freed memory */
+      free(pem);
+    }
+  }
+  if (o->token_file && !o->admin_token_file)
+    LOG_WARN("auth_single_token", "detail=\"the trainers' token is also the admin token: give "
+                                  "--admin-token-file to keep Restore, Checkpoint, CloseJob and "
+                                  "WriteState from the trainers\"");
+  if (!auth_keys_enabled(s->auth) && !o->tls_cert)
+    LOG_INFO("security_off",
+             "detail=\"no token file and no TLS: anyone who reaches the ports may call every "
+             "method (docs/OPERATIONS.md, Security)\"");
+  return -1;
+}
+
+/* SIGHUP: rereads the token files and the TLS files. Whatever fails to
+ * reload keeps what it had; the log says which. */
+static void reload_security(const options *o, shard *s) {
+  char err[600] = "";
+  if (auth_keys_enabled(s->auth)) {
+    if (auth_keys_reload(s->auth, err, sizeof err) == 0)
+      LOG_INFO("reload", "what=tokens outcome=ok");
+    else
+      LOG_ERROR("reload", "what=tokens outcome=kept_old detail=\"%s\"", err);
+  }
+  if (o->tls_cert) {
+    /* gRPC takes the new files at its next handshake. The data plane's
+     * certificate is the data plane's to reload (dp_server). */
+    if (gsrv_reload_tls(s->srv, err, sizeof err) == 0)
+      LOG_INFO("reload", "what=grpc_tls outcome=ok detail=\"used from the next handshake\"");
+    else
+      LOG_ERROR("reload", "what=grpc_tls outcome=kept_old detail=\"%s\"", err);
+  }
+}
+
 int main(int argc, char **argv) {
   /* Before any thread exists, so that all of them inherit the mask and the
    * signals reach only sigwait() below. */
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, NULL);
   signal(SIGPIPE, SIG_IGN);
   /* Transfer buffers of 1 MiB and more (gRPC messages, InitParams chunks,
    * data-plane payloads beyond its pool) are mapped and unmapped, never
@@ -574,21 +780,35 @@ int main(int argc, char **argv) {
   log_set_level(o.level);
 
   shard s = {0};
+  rc = load_security(&o, &s);
+  if (rc >= 0) {
+    auth_keys_free(s.auth);
+    return rc;
+  }
   int status = 1;
   if (shard_start(&o, &s) != 0)
     goto out;
   long threads = o.threads > 0 ? o.threads : sysconf(_SC_NPROCESSORS_ONLN);
   LOG_INFO("listening",
            "addr=%s port=%d data_addr=%s data_port=%d shard=%ld shards=%ld threads=%ld isa=%s "
-           "version=%s",
+           "tokens=%s tls=%s version=%s",
            o.listen, gsrv_port(s.srv), o.data_listen ? o.data_listen : "off",
            s.dp ? dp_server_port(s.dp) : 0, o.shard_id, o.shards, threads,
-           cpu_isa_name(cpu_best_isa()), zs_version());
+           cpu_isa_name(cpu_best_isa()), auth_keys_enabled(s.auth) ? "on" : "off",
+           !o.tls_cert       ? "off"
+           : o.tls_client_ca ? "mtls"
+                             : "on",
+           zs_version());
   if (write_port_files(&o, &s) != 0)
     goto out;
 
   int sig = 0;
-  while (sigwait(&stop_signals, &sig) != 0) {
+  for (;;) {
+    if (sigwait(&signals, &sig) != 0)
+      continue;
+    if (sig != SIGHUP)
+      break;
+    reload_security(&o, &s);
   }
   LOG_INFO("shutdown", "signal=%s", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   status = 0;

@@ -125,6 +125,36 @@ void optim_plan_init(optim_plan *plan, const optim_params *p) {
   }
 }
 
+const char *optim_plan_bad_scalar(const optim_plan *plan) {
+  const struct {
+    const char *name;
+    float value;
+  } scalars[] = {
+      {"grad_scale", plan->grad_scale},
+      {"1 - lr * weight_decay", plan->decay},
+      {"weight_decay", plan->weight_decay},
+      {"beta1", plan->beta1},
+      {"1 - beta1", plan->one_minus_beta1},
+      {"beta2", plan->beta2},
+      {"1 - beta2", plan->one_minus_beta2},
+      {"sqrt(bias_correction2)", plan->bias_correction2_sqrt},
+      {"eps", plan->eps},
+      {"lr / bias_correction1", plan->neg_step_size},
+      {"momentum", plan->momentum},
+      {"1 - dampening", plan->one_minus_dampening},
+      {"lr", plan->neg_lr},
+  };
+  for (size_t i = 0; i < sizeof scalars / sizeof scalars[0]; i++)
+    if (!isfinite(scalars[i].value))
+      return scalars[i].name;
+  /* eps is what keeps m / (sqrt(v) + eps) from 0 / 0 where m and v are 0. */
+  int adam = plan->variant == OPTIM_V_ADAMW || plan->variant == OPTIM_V_ADAM ||
+             plan->variant == OPTIM_V_ADAM_L2;
+  if (adam && !(plan->eps > 0.0f))
+    return "eps";
+  return NULL;
+}
+
 unsigned optim_state_needs(const spec_group *g) {
   switch (g->optimizer) {
   case ZS_OPTIM_ADAMW:

@@ -66,6 +66,13 @@ typedef struct optim_plan {
 
 void optim_plan_init(optim_plan *plan, const optim_params *p);
 
+/* NULL when every scalar of the plan is a finite float (and Adam's eps, as
+ * the kernel sees it, above 0), else the name of the first that is not. The
+ * hyper-parameters and the step's lr arrive as finite doubles, but the
+ * kernels see them rounded to float, or combined first (lr / (1 - beta1^t),
+ * 1 - lr * wd): a finite double can still make every weight -inf or NaN. */
+const char *optim_plan_bad_scalar(const optim_plan *plan);
+
 /* Runs the pass over n elements. master, acc, low and (when the optimizer uses
  * them) m and v point at the same element index of their arenas; m is Adam's
  * exp_avg or SGD's momentum buffer, v Adam's exp_avg_sq; unused ones may be

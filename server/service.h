@@ -71,6 +71,51 @@ typedef struct service_observer {
  * Returns 0, ZS_EINVAL or ZS_ENOMEM. */
 int service_create(core *c, const service_observer *obs, service **out);
 
+/* ------------------------------------------------------------- job limits
+ *
+ * A spec arrives from the network, and a 70-byte Open can ask for 80M
+ * parameters (1.4 GiB of state) or a million tensors: service_open refuses
+ * a job beyond these limits with ZS_ELIMIT, before the core allocates
+ * anything, in a sentence that names the flag to raise.
+ *  - max_params: elements of the job's arenas on this shard (its share of
+ *    the job's parameters, padding included). Each costs this shard
+ *    SERVICE_PARAM_BYTES at most: fp32 master, exp_avg, exp_avg_sq and
+ *    accumulator, the 16-bit copy, and while a restore loads or a stalled
+ *    reader pins the 16-bit copy, a second master, moments and copy.
+ *  - max_tensors: tensors of the job. Every shard holds the whole spec and
+ *    layout, so this is not divided over shards; the job's bookkeeping (its
+ *    names, pieces, and per piece of this shard a bitmap of W * M
+ *    contributions) must also fit max_tensors * SERVICE_TENSOR_BYTES.
+ * 0 means no limit. A job the shard already holds (a join, a restored one)
+ * is not checked again. */
+#define SERVICE_PARAM_BYTES 32u
+#define SERVICE_TENSOR_BYTES 1024u
+
+typedef struct service_limits {
+  uint64_t max_params;
+  uint64_t max_tensors;
+} service_limits;
+
+/* The memory this process may use, in bytes: the smallest of the cgroup's
+ * limit (v2 memory.max, v1 memory.limit_in_bytes; at the cgroup root and at
+ * this process's cgroup as /proc/self/cgroup names it) and MemTotal from
+ * /proc/meminfo. `root` (NULL or "" for "/") is prefixed to every path, for
+ * tests. 0 when none of them can be read. */
+uint64_t service_memory_limit(const char *root);
+
+/* The default limits for `memory` bytes: three quarters of it for state
+ * (max_params = memory * 3/4 / SERVICE_PARAM_BYTES) and a sixteenth for
+ * bookkeeping (max_tensors = memory / 16 / SERVICE_TENSOR_BYTES, at most
+ * SPEC_MAX_TENSORS); the rest is the transports'. memory 0 gives no limits. */
+service_limits service_limits_for_memory(uint64_t memory);
+
+/* Sets the limits (copied) that service_open checks; service_create starts
+ * with service_limits_for_memory(service_memory_limit(NULL)). Call it before
+ * any transport uses the service: the service reads its fields without a
+ * lock. */
+void service_set_limits(service *s, const service_limits *l);
+service_limits service_get_limits(const service *s);
+
 /* Clears the core's applied hook if this service set it and frees the
  * service. Call it after every transport using it stopped. NULL is
  * accepted. */
@@ -83,7 +128,9 @@ core *service_core(const service *s);
 /* ------------------------------------------------------------ job requests */
 
 /* Opens (or joins) the job of `sp` for a trainer of rank `rank`: the rank must
- * be below the spec's world size (ZS_EINVAL), then core_open's rules. */
+ * be below the spec's world size (ZS_EINVAL), every hyper-parameter finite as
+ * a float32 (ZS_EINVAL), a job the shard does not hold within the limits
+ * (ZS_ELIMIT, see service_limits), then core_open's rules. */
 int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *out, char *err,
                  size_t errlen);
 

@@ -71,6 +71,67 @@ int cli_parse_count(const char *s, uint64_t *out) {
   return 0;
 }
 
+/* The security flags every subcommand takes, and the environment variable
+ * each one sets: the subcommands reach the shards through libzshard, which
+ * reads these variables when a client or channel opens (zshard.h), so a flag
+ * here is exactly the variable set for this run. */
+static const struct {
+  const char *flag, *env;
+} security_flags[] = {
+    {"--token", "ZSHARD_TOKEN"},     {"--token-file", "ZSHARD_TOKEN_FILE"},
+    {"--tls-ca", "ZSHARD_TLS_CA"},   {"--tls-cert", "ZSHARD_TLS_CERT"},
+    {"--tls-key", "ZSHARD_TLS_KEY"}, {"--tls-server-name", "ZSHARD_TLS_SERVER_NAME"},
+};
+#define N_SECURITY_FLAGS (sizeof security_flags / sizeof security_flags[0])
+
+static const char security_usage[] =
+    "options of every command that talks to the shards (each also an environment variable):\n"
+    "  --token TOKEN          the shards' token (ZSHARD_TOKEN; visible in `ps`: prefer\n"
+    "                         --token-file)\n"
+    "  --token-file PATH      read the token from PATH's first line (ZSHARD_TOKEN_FILE)\n"
+    "  --tls-ca PATH          speak TLS and check the shards' certificates against this\n"
+    "                         PEM CA bundle (ZSHARD_TLS_CA)\n"
+    "  --tls-cert PATH        this client's certificate, for mTLS (ZSHARD_TLS_CERT)\n"
+    "  --tls-key PATH         its private key (ZSHARD_TLS_KEY)\n"
+    "  --tls-server-name NAME the name the shards' certificates carry, when not the\n"
+    "                         host of --shards (ZSHARD_TLS_SERVER_NAME)\n";
+
+/* Takes the security flags ("--flag VALUE" or "--flag=VALUE") out of argv,
+ * setting their variables; returns the new argc, or -1 after printing why. */
+static int take_security_flags(int argc, char **argv) {
+  int out = 0;
+  for (int i = 0; i < argc; i++) {
+    size_t k = 0;
+    const char *value = NULL;
+    for (; k < N_SECURITY_FLAGS; k++) {
+      size_t n = strlen(security_flags[k].flag);
+      if (strcmp(argv[i], security_flags[k].flag) == 0) {
+        if (i + 1 >= argc) {
+          fprintf(stderr, "zshard: %s needs a value\n", argv[i]);
+          return -1;
+        }
+        value = argv[++i];
+        break;
+      }
+      if (strncmp(argv[i], security_flags[k].flag, n) == 0 && argv[i][n] == '=') {
+        value = argv[i] + n + 1;
+        break;
+      }
+    }
+    if (!value) {
+      argv[out++] = argv[i];
+      continue;
+    }
+    setenv(security_flags[k].env, value, 1);
+    /* A token given on the command line wins over a token file in the
+     * environment, and the other way round. */
+    if (strcmp(security_flags[k].env, "ZSHARD_TOKEN_FILE") == 0)
+      unsetenv("ZSHARD_TOKEN");
+  }
+  argv[out] = NULL;
+  return out;
+}
+
 static void usage(FILE *f) {
   fprintf(f, "usage: zshard <command> [options]\n"
              "\n"
@@ -87,7 +148,9 @@ static void usage(FILE *f) {
              "  bench      load-test a running cluster: push/pull throughput and latency\n"
              "  version    print the library version\n"
              "\n"
-             "`zshard <command> --help` describes a command's options.\n");
+             "`zshard <command> --help` describes a command's options.\n"
+             "\n");
+  fputs(security_usage, f);
 }
 
 /* bench.c (declared here rather than in cli.h, which belongs to others). */
@@ -96,6 +159,13 @@ int cli_bench(int argc, char **argv);
 int cli_close_job(int argc, char **argv);
 
 int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  argc = take_security_flags(argc, argv);
+  if (argc < 0)
+    return 2;
   if (argc < 2) {
     usage(stderr);
     return 2;

@@ -58,9 +58,9 @@ typedef struct shard_row {
 static void *ask_shard(void *arg) {
   shard_row *r = arg;
   rpc_channel *ch = NULL;
-  r->health_rc = r->info_rc = r->stats_rc = rpc_channel_open(r->addr, &ch);
+  r->health_rc = r->info_rc = r->stats_rc = zc_channel_open_env(r->addr, &ch);
   if (!ch) {
-    snprintf(r->health_err, sizeof r->health_err, "%s", zs_strerror(r->health_rc));
+    snprintf(r->health_err, sizeof r->health_err, "%s", zs_last_error());
     return NULL;
   }
   rpc_status st;

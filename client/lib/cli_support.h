@@ -47,4 +47,11 @@ uint32_t zc_client_num_shards(const zs_client *c);
 const char *zc_client_address(const zs_client *c, uint32_t shard);
 uint32_t zc_client_rpc_timeout_ms(const zs_client *c);
 
+/* Opens a channel to `addr` with the token and TLS files of the environment
+ * (ZSHARD_TOKEN, ZSHARD_TOKEN_FILE, ZSHARD_TLS_*), as zs_client_open would
+ * with those options unset. Returns 0 and the channel in *out (the
+ * caller's, closed with rpc_channel_close), or an error with the last error
+ * set. */
+int zc_channel_open_env(const char *addr, rpc_channel **out);
+
 #endif

@@ -308,6 +308,7 @@ static void client_free(zs_client *c) {
   free(c->chan);
   zc_free_addresses(c->addr, c->nshards);
   free(c->job);
+  zc_security_free(&c->sec);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
   free(c);
@@ -351,6 +352,8 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
   c->opt.addresses = NULL;
   c->opt.job = NULL;
   c->opt.dynamic_loss_scaler = NULL;
+  c->opt.token = c->opt.tls_ca_file = c->opt.tls_cert_file = c->opt.tls_key_file =
+      c->opt.tls_server_name = NULL;
   if (!c->opt.param_dtype)
     c->opt.param_dtype = ZS_DTYPE_BF16;
   if (!c->opt.rpc_timeout_ms)
@@ -380,18 +383,21 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     rc = zc_fail(rc, "zs_client_open: %.480s", why);
     goto fail;
   }
+  /* The token file is read here, once: a rotation reaches a trainer when
+   * it reopens its client. */
+  rc = zc_security_resolve(opt.token, opt.tls_ca_file, opt.tls_cert_file, opt.tls_key_file,
+                           opt.tls_server_name, &c->sec, "zs_client_open");
+  if (rc != ZS_OK)
+    goto fail;
   c->chan = calloc(c->nshards, sizeof *c->chan);
   if (!c->chan) {
     rc = zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
     goto fail;
   }
   for (uint32_t i = 0; i < c->nshards; i++) {
-    rc = rpc_channel_open(c->addr[i], &c->chan[i]);
-    if (rc != ZS_OK) {
-      rc = zc_fail(rc, "zs_client_open: cannot open a channel to shard %" PRIu32 " (%s): %s", i,
-                   c->addr[i], zs_strerror(rc));
+    rc = zc_channel_open(&c->sec, c->addr[i], &c->chan[i], "zs_client_open");
+    if (rc != ZS_OK)
       goto fail;
-    }
   }
   uint32_t threads = opt.threads ? opt.threads : 2 * c->nshards + 2;
   if (!opt.threads && threads > 32)

@@ -300,6 +300,32 @@ void zc_scaler_encode(const zs_loss_scaler *s, uint8_t *out);
  * (another client's state, a later version, values out of range). */
 int zc_scaler_decode(zs_loss_scaler *s, const uint8_t *blob, size_t len);
 
+/* ---- security.c: the token and TLS files --------------------------------- */
+
+/* What a client presents and checks on every connection; every string owned
+ * (NULL: not set). Immutable once zs_client_open resolved it. */
+typedef struct zc_security {
+  char *token;
+  char *tls_ca_file;
+  char *tls_cert_file;
+  char *tls_key_file;
+  char *tls_server_name;
+} zc_security;
+
+/* Each argument (the caller's option, may be NULL or "") or else its
+ * environment variable (ZSHARD_TOKEN then ZSHARD_TOKEN_FILE, ZSHARD_TLS_CA,
+ * _CERT, _KEY, _SERVER_NAME) into *out, copied. Returns ZS_OK, or an error
+ * with the last error set (a token file that cannot be read); *out is then
+ * empty. `fn` names the caller in messages. */
+int zc_security_resolve(const char *token, const char *tls_ca_file, const char *tls_cert_file,
+                        const char *tls_key_file, const char *tls_server_name, zc_security *out,
+                        const char *fn);
+void zc_security_free(zc_security *s);
+/* A view of `s` for rpc_channel_open_secure (pointers into `s`). */
+rpc_security zc_security_rpc(const zc_security *s);
+/* rpc_channel_open_secure with `s`, the last error set on failure. */
+int zc_channel_open(const zc_security *s, const char *addr, rpc_channel **out, const char *fn);
+
 /* ---- the client (client.c) ------------------------------------------------- */
 
 struct zs_client {
@@ -310,6 +336,7 @@ struct zs_client {
   uint32_t nshards;
   char **addr;        /* owned, nshards strings */
   rpc_channel **chan; /* owned, nshards channels */
+  zc_security sec;    /* token and TLS files of every connection */
 
   /* The model description, built under mu until zs_open_job; immutable after. */
   spec sp;

@@ -35,6 +35,7 @@
 
 #include <cmocka.h>
 
+#include "common/auth.h"
 #include "common/clock.h"
 #include "common/crc32c.h"
 #include "common/dp_client.h"
@@ -42,6 +43,7 @@
 #include "common/layout.h"
 #include "common/log.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "common/wire.h"
 #include "server/core.h"
 #include "server/dp_server.h"
@@ -83,6 +85,8 @@ static fixture fx;
 /* Server settings of the next setup; tests that need others change them
  * through their own setup function. */
 static dp_server_config g_srv_cfg;
+/* The token the fixture's clients present (NULL: none). */
+static const char *g_cli_token;
 
 static uint64_t splitmix(uint64_t *s) {
   uint64_t z = (*s += 0x9e3779b97f4a7c15u);
@@ -172,7 +176,7 @@ static int setup_with(void **state) {
     assert_true(fx.port[i] > 0);
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", fx.port[i]);
-    dp_client_config cc = {.addr = addr, .connections = 1 + i};
+    dp_client_config cc = {.addr = addr, .connections = 1 + i, .token = g_cli_token};
     rc = dp_client_open(&cc, &fx.cli[i], err, sizeof err);
     if (rc)
       fail_msg("dp_client_open: %s", err);
@@ -182,6 +186,7 @@ static int setup_with(void **state) {
 
 static int setup_default(void **state) {
   dp_server_config_init(&g_srv_cfg);
+  g_cli_token = NULL;
   return setup_with(state);
 }
 
@@ -399,9 +404,16 @@ static void check_pulls_match_reference(uint64_t version) {
 
 /* -------------------------------------------------------------- raw peers */
 
-static int raw_connect(int port) {
+/* A TCP connection to the port from source address `src` (127.0.0.x),
+ * nothing sent yet; rcvbuf > 0 shrinks its receive buffer first. */
+static int raw_connect_from(int port, const char *src, int rcvbuf) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   assert_true(fd >= 0);
+  if (rcvbuf > 0)
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+  struct sockaddr_in b = {.sin_family = AF_INET};
+  assert_int_equal(inet_pton(AF_INET, src, &b.sin_addr), 1);
+  assert_int_equal(bind(fd, (struct sockaddr *)&b, sizeof b), 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
@@ -419,6 +431,35 @@ static void raw_send(int fd, const void *p, size_t n) {
     b += w;
     n -= (size_t)w;
   }
+}
+
+/* Sends a HELLO with `token` (NULL: none). */
+static void raw_send_hello(int fd, const char *token) {
+  unsigned char f[WIRE_HEADER_SIZE + WIRE_MAX_HELLO_META];
+  wire_msg m = {.type = WIRE_HELLO, .request_id = 1};
+  m.u.hello.token = (const uint8_t *)token;
+  m.u.hello.token_len = token ? (uint32_t)strlen(token) : 0;
+  size_t len = 0;
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), 0);
+  raw_send(fd, f, len);
+}
+
+/* Authenticates a fresh connection: HELLO, then its HELLO_ACK (exactly one
+ * header: nothing else is sent before it). */
+static void raw_hello(int fd, const char *token) {
+  raw_send_hello(fd, token);
+  unsigned char h[WIRE_HEADER_SIZE];
+  assert_int_equal(recv(fd, h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
+  wire_header hd;
+  assert_int_equal(wire_decode_header(h, 0, &hd, NULL, 0), 0);
+  assert_int_equal(hd.type, WIRE_HELLO_ACK);
+}
+
+/* A connection from 127.0.0.1, authenticated with no token. */
+static int raw_connect(int port) {
+  int fd = raw_connect_from(port, "127.0.0.1", 0);
+  raw_hello(fd, NULL);
+  return fd;
 }
 
 /* A raw peer's side of a connection: a socket, a reader and what was
@@ -1315,6 +1356,7 @@ static void a_stalled_peer_does_not_block_other_clients(void **state) {
 
 static int setup_short_stall(void **state) {
   dp_server_config_init(&g_srv_cfg);
+  g_cli_token = NULL;
   g_srv_cfg.stall_timeout_ms = 200;
   return setup_with(state);
 }
@@ -1437,6 +1479,7 @@ static void a_broken_stream_is_answered_with_request_id_0_and_closed(void **stat
 
 static int setup_backpressure(void **state) {
   dp_server_config_init(&g_srv_cfg);
+  g_cli_token = NULL;
   g_srv_cfg.max_pending = 8;
   g_srv_cfg.max_queued_bytes = 256u << 10;
   return setup_with(state);
@@ -1534,28 +1577,39 @@ static void stopping_the_server_fails_its_connections_and_leaves_waits_to_the_co
   free(dst);
 }
 
-/* A server that answers the first PING (so that dp_client_open succeeds) and
+/* A server that answers the HELLO and the first PING (so that dp_client_open succeeds) and
  * then reads and answers nothing until its peer leaves. No cmocka assertion
  * here: this is not the test's thread. */
+/* A fake server's side of the opening: reads one frame without payload
+ * (the HELLO, then the PING) and answers HELLO_ACK or PONG. Returns 0, or
+ * -1 when the peer sent something else or left. */
+static int fake_answer(int c) {
+  unsigned char h[WIRE_HEADER_SIZE];
+  if (c < 0 || recv(c, h, sizeof h, MSG_WAITALL) != (ssize_t)sizeof h)
+    return -1;
+  wire_header hd;
+  if (wire_decode_header(h, 0, &hd, NULL, 0) != 0 || hd.payload_len != 0)
+    return -1;
+  unsigned char meta[WIRE_MAX_HELLO_META];
+  if (hd.meta_len > sizeof meta ||
+      (hd.meta_len && recv(c, meta, hd.meta_len, MSG_WAITALL) != (ssize_t)hd.meta_len))
+    return -1;
+  if (hd.type != WIRE_HELLO && hd.type != WIRE_PING)
+    return -1;
+  wire_msg m = {.type = hd.type == WIRE_HELLO ? WIRE_HELLO_ACK : WIRE_PONG,
+                .request_id = hd.request_id};
+  unsigned char f[WIRE_MAX_ENCODED];
+  size_t len = 0;
+  if (wire_encode(&m, f, sizeof f, &len) != 0 || send(c, f, len, MSG_NOSIGNAL) != (ssize_t)len)
+    return -1;
+  return 0;
+}
+
 static void *silent_server(void *arg) {
   int *fds = arg;
   int c = accept(fds[0], NULL, NULL);
-  unsigned char h[WIRE_HEADER_SIZE];
-  size_t got = 0;
-  while (c >= 0 && got < sizeof h) {
-    ssize_t n = recv(c, h + got, sizeof h - got, 0);
-    if (n <= 0)
-      break;
-    got += (size_t)n;
-  }
-  wire_header hd;
-  if (got == sizeof h && wire_decode_header(h, 0, &hd, NULL, 0) == 0 && hd.type == WIRE_PING) {
-    wire_msg pong = {.type = WIRE_PONG, .request_id = hd.request_id};
-    unsigned char f[WIRE_MAX_ENCODED];
-    size_t len = 0;
-    if (wire_encode(&pong, f, sizeof f, &len) == 0)
-      send(c, f, len, MSG_NOSIGNAL);
-  }
+  if (fake_answer(c) == 0)
+    fake_answer(c);
   /* Swallow whatever comes, answering nothing, until the client leaves. */
   char sink[4096];
   while (c >= 0 && recv(c, sink, sizeof sink, 0) > 0)
@@ -1569,22 +1623,8 @@ static void *silent_server(void *arg) {
 static void *resetting_server(void *arg) {
   int *fds = arg;
   int c = accept(fds[0], NULL, NULL);
-  unsigned char h[WIRE_HEADER_SIZE];
-  size_t got = 0;
-  while (c >= 0 && got < sizeof h) {
-    ssize_t n = recv(c, h + got, sizeof h - got, 0);
-    if (n <= 0)
-      break;
-    got += (size_t)n;
-  }
-  wire_header hd;
-  if (got == sizeof h && wire_decode_header(h, 0, &hd, NULL, 0) == 0 && hd.type == WIRE_PING) {
-    wire_msg pong = {.type = WIRE_PONG, .request_id = hd.request_id};
-    unsigned char f[WIRE_MAX_ENCODED];
-    size_t len = 0;
-    if (wire_encode(&pong, f, sizeof f, &len) == 0)
-      send(c, f, len, MSG_NOSIGNAL);
-  }
+  if (fake_answer(c) == 0)
+    fake_answer(c);
   char sink[65536];
   size_t total = 0;
   while (c >= 0 && total < (1u << 20)) {
@@ -1734,6 +1774,248 @@ static void connecting_to_a_closed_port_fails_with_econn(void **state) {
   assert_non_null(strstr(err, "has no :port"));
 }
 
+/* ------------------------------------------------------- authentication */
+
+#define TRAINER_TOKEN "trainer-secret-0123456789abcdef"
+#define ADMIN_TOKEN "admin-secret-0123456789abcdef01"
+
+static auth_keys *g_keys;
+static char g_token_dir[64];
+
+static void write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+/* Shards that want the trainers' token (and know the admins'); the
+ * fixture's clients present the trainers'. */
+static int setup_auth(void **state) {
+  status_say(g_token_dir, sizeof g_token_dir, "/tmp/zs_dp_auth_XXXXXX");
+  assert_non_null(mkdtemp(g_token_dir));
+  char t[128], a[128], err[256] = "";
+  status_say(t, sizeof t, "%s/trainer", g_token_dir);
+  status_say(a, sizeof a, "%s/admin", g_token_dir);
+  write_file(t, TRAINER_TOKEN "\n");
+  write_file(a, ADMIN_TOKEN "\n");
+  if (auth_keys_new(t, a, &g_keys, err, sizeof err) != 0)
+    fail_msg("auth_keys_new: %s", err);
+  dp_server_config_init(&g_srv_cfg);
+  g_srv_cfg.auth = g_keys;
+  g_srv_cfg.hello_timeout_ms = 300;
+  g_cli_token = TRAINER_TOKEN;
+  return setup_with(state);
+}
+
+static int teardown_auth(void **state) {
+  teardown(state);
+  auth_keys_free(g_keys);
+  g_keys = NULL;
+  char p[128];
+  status_say(p, sizeof p, "%s/trainer", g_token_dir);
+  unlink(p);
+  status_say(p, sizeof p, "%s/admin", g_token_dir);
+  unlink(p);
+  rmdir(g_token_dir);
+  return 0;
+}
+
+/* Reads the connection's next frame, which must be an ERROR for request 0
+ * with `status`, then the end of the stream. */
+static void expect_closed_with(int fd, int status, const char *needle) {
+  raw_conn rc = {.fd = fd};
+  wire_reader_init(&rc.r, 0);
+  wire_msg m;
+  assert_int_equal(raw_read_frame(&rc, &m, NULL, 0), 0);
+  assert_int_equal(m.type, WIRE_ERROR);
+  assert_int_equal(m.request_id, 0);
+  assert_int_equal(m.u.error.status, status);
+  if (needle && !strstr(m.u.error.message, needle))
+    fail_msg("\"%s\" does not say \"%s\"", m.u.error.message, needle);
+  assert_int_equal(raw_read_frame(&rc, &m, NULL, 0), 1);
+  wire_reader_free(&rc.r);
+}
+
+static void a_connection_must_say_hello_before_anything_else(void **state) {
+  (void)state;
+  /* Even without tokens: an old client's first PING is refused clearly. */
+  int fd = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  unsigned char f[WIRE_MAX_ENCODED];
+  wire_msg ping = {.type = WIRE_PING, .request_id = 5};
+  raw_send(fd, f, raw_frame(f, sizeof f, &ping, NULL, 0));
+  expect_closed_with(fd, ZS_EUNAUTHENTICATED, "must be HELLO");
+  close(fd);
+  /* A HELLO whose header promises the largest meta is refused from the
+   * header alone: a stranger gets no 64 KiB buffer. */
+  fd = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  unsigned char h[WIRE_HEADER_SIZE] = {0};
+  wire_msg hello = {.type = WIRE_HELLO, .request_id = 1};
+  size_t len = 0;
+  assert_int_equal(wire_encode(&hello, h, sizeof h, &len), 0);
+  h[24] = 0x00; /* meta_len = 65536, little-endian */
+  h[25] = 0x00;
+  h[26] = 0x01;
+  raw_send(fd, h, sizeof h);
+  expect_closed_with(fd, ZS_ERANGE, "limit");
+  close(fd);
+  /* Without tokens any HELLO is welcome, an empty one or one with a token. */
+  fd = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  raw_hello(fd, "whatever");
+  close(fd);
+  /* The PING was an authentication failure, the meta a broken stream. */
+  assert_int_equal(stats_of(0).auth_refused, 1);
+}
+
+static void tokens_decide_who_may_use_the_data_plane(void **state) {
+  (void)state;
+  /* The fixture's clients hold the trainers' token and work. */
+  char err[DP_ERRLEN] = "";
+  assert_int_equal(dp_client_ping_sync(fx.cli[0], WAIT_MS, err, sizeof err), 0);
+  /* The admins' token is a trainer's too. */
+  int fd = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  raw_hello(fd, ADMIN_TOKEN);
+  close(fd);
+  /* No token, or a wrong one: ERROR for request 0, then the close. */
+  fd = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  raw_send_hello(fd, NULL);
+  expect_closed_with(fd, ZS_EUNAUTHENTICATED, "no token given");
+  close(fd);
+  fd = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  raw_send_hello(fd, TRAINER_TOKEN "x");
+  expect_closed_with(fd, ZS_EUNAUTHENTICATED, "wrong token");
+  close(fd);
+  /* A client with a wrong token fails at once with the server's reason,
+   * and tries no second connection. */
+  uint64_t before = stats_of(1).accepted;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", fx.port[1]);
+  dp_client_config cc = {.addr = addr, .connections = 1, .token = "not-the-token-at-all"};
+  dp_client *cli = NULL;
+  assert_int_equal(dp_client_open(&cc, &cli, err, sizeof err), ZS_EUNAUTHENTICATED);
+  assert_null(cli);
+  if (!strstr(err, "refused") || !strstr(err, "token"))
+    fail_msg("unclear refusal: %s", err);
+  assert_int_equal(stats_of(1).accepted, before + 1);
+  assert_int_equal(stats_of(1).auth_refused, 1);
+}
+
+static int auth_timed_out(void *arg) {
+  (void)arg;
+  return stats_of(0).auth_timeouts == 1;
+}
+
+static void a_connection_that_does_not_authenticate_in_time_is_closed(void **state) {
+  (void)state;
+  int fd = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  /* Nothing sent: the server closes it (hello_timeout_ms 300 here). */
+  char b;
+  assert_int_equal(recv(fd, &b, 1, 0), 0);
+  assert_true(wait_until(auth_timed_out, NULL));
+  assert_int_equal(stats_of(0).unauthenticated, 0);
+  close(fd);
+}
+
+static int setup_caps(void **state) {
+  dp_server_config_init(&g_srv_cfg);
+  g_srv_cfg.max_per_peer = 3;
+  g_srv_cfg.max_unauthenticated = 4;
+  g_cli_token = NULL;
+  return setup_with(state);
+}
+
+static void one_address_cannot_take_every_connection_slot(void **state) {
+  (void)state;
+  /* Shard 0's fixture client holds one connection from 127.0.0.1; two more
+   * silent ones reach the cap of 3 for that address. */
+  int a = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  int b = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  int c = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  expect_closed_with(c, ZS_ELIMIT, "from one address");
+  close(c);
+  /* Another address is served, authenticated or not. */
+  int d = raw_connect_from(fx.port[0], "127.0.0.2", 0);
+  raw_hello(d, NULL);
+  int e = raw_connect_from(fx.port[0], "127.0.0.3", 0);
+  int f = raw_connect_from(fx.port[0], "127.0.0.4", 0);
+  /* a, b, e and f have not authenticated: the fifth is over the cap of 4. */
+  int g = raw_connect_from(fx.port[0], "127.0.0.5", 0);
+  expect_closed_with(g, ZS_ELIMIT, "not yet authenticated");
+  close(g);
+  char err[DP_ERRLEN] = "";
+  assert_int_equal(dp_client_ping_sync(fx.cli[0], WAIT_MS, err, sizeof err), 0);
+  assert_int_equal(stats_of(0).limit_refused, 2);
+  close(a);
+  close(b);
+  close(d);
+  close(e);
+  close(f);
+}
+
+/* ------------------------------------------------------- pinned answers */
+
+static int pin_was_released(void *arg) {
+  (void)arg;
+  dp_server_stats st = stats_of(0);
+  return st.pins_released == 1 && st.pinned_answers == 0;
+}
+
+static int setup_short_pin_hold(void **state) {
+  dp_server_config_init(&g_srv_cfg);
+  g_srv_cfg.pin_hold_ms = 500;
+  g_cli_token = NULL;
+  return setup_with(state);
+}
+
+/* Every frame of the stalled peer was read (so that the loop thread has no
+ * request of it left to check against the core, which an apply holding the
+ * state lock would make it wait for), and an answer is pinned (or was
+ * already let go). */
+static int a_pin_is_held_or_released(void *arg) {
+  const uint64_t *frames = arg;
+  dp_server_stats st = stats_of(0);
+  return st.frames_in >= *frames && (st.pinned_answers >= 1 || st.pins_released >= 1);
+}
+
+static void a_reader_stalled_on_a_pinned_answer_does_not_hold_up_the_apply(void **state) {
+  (void)state;
+  /* Step 1's contributions are in; its apply is next. */
+  push_step(1);
+  /* bf16 pulls (the stored dtype, sent from the low copy) of the big piece,
+   * 128 KiB each, to a peer with a small receive buffer that never reads:
+   * the socket fills, and an answer stays pinned in it. */
+  const layout_piece *p = piece(BIG_TENSOR, 0);
+  assert_int_equal(p->shard, 0);
+  uint64_t frames = stats_of(0).frames_in + 1 + 128; /* the HELLO and the pulls */
+  int fd = raw_connect_from(fx.port[0], "127.0.0.1", 4096);
+  raw_hello(fd, NULL);
+  unsigned char f[WIRE_MAX_ENCODED];
+  for (uint64_t id = 1; id <= 128; id++) {
+    wire_msg m = {.type = WIRE_PULL, .request_id = id};
+    m.u.pull = (wire_pull){
+        .spec_hash = fx.hash, .tensor = p->tensor, .slice = p->slice, .dtype = ZS_DTYPE_BF16};
+    raw_send(fd, f, raw_frame(f, sizeof f, &m, NULL, 0));
+  }
+  assert_true(wait_until(a_pin_is_held_or_released, &frames));
+  /* The apply of shard 0 does not wait for the pin (the core writes a
+   * fresh copy); the server lets the stalled peer go after the hold, and the
+   * peer has read nothing meanwhile. */
+  uint64_t t0 = clock_now_ns();
+  apply_core(fx.dpc[0], 1);
+  uint64_t t1 = clock_now_ns();
+  apply_core(fx.ref[0], 1);
+  uint64_t t2 = clock_now_ns();
+  apply_core(fx.dpc[1], 1);
+  apply_core(fx.ref[1], 1);
+  printf("apply with a reader stalled on a pinned answer: %.0f ms (pin hold 500 ms); without "
+         "pins: %.1f ms\n",
+         (double)(t1 - t0) / 1e6, (double)(t2 - t1) / 1e6);
+  assert_true(wait_until(pin_was_released, NULL));
+  /* Everyone else gets the new version. */
+  check_pulls_match_reference(1);
+  close(fd);
+}
+
 int main(void) {
   log_set_level(LOG_LEVEL_ERROR);
   const struct CMUnitTest tests[] = {
@@ -1780,6 +2062,17 @@ int main(void) {
                                       teardown),
       cmocka_unit_test_setup_teardown(a_malformed_push_batch_is_refused_and_the_connection_survives,
                                       setup_default, teardown),
+      cmocka_unit_test_setup_teardown(a_connection_must_say_hello_before_anything_else,
+                                      setup_default, teardown),
+      cmocka_unit_test_setup_teardown(tokens_decide_who_may_use_the_data_plane, setup_auth,
+                                      teardown_auth),
+      cmocka_unit_test_setup_teardown(a_connection_that_does_not_authenticate_in_time_is_closed,
+                                      setup_auth, teardown_auth),
+      cmocka_unit_test_setup_teardown(one_address_cannot_take_every_connection_slot, setup_caps,
+                                      teardown),
+      cmocka_unit_test_setup_teardown(
+          a_reader_stalled_on_a_pinned_answer_does_not_hold_up_the_apply, setup_short_pin_hold,
+          teardown),
       cmocka_unit_test(a_server_that_does_not_answer_times_requests_out),
       cmocka_unit_test(a_peer_reset_mid_write_fails_the_request_and_sigpipe_cannot_kill),
       cmocka_unit_test(connecting_to_a_closed_port_fails_with_econn),

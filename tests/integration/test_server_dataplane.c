@@ -325,6 +325,21 @@ static void raw_read_frame(int fd, wire_msg *m) {
     fail_msg("answer frame: %s", err);
 }
 
+/* A connection that authenticated (a HELLO without token: the servers here
+ * run without tokens). */
+static int raw_connect_hello(int port) {
+  int fd = raw_connect(port);
+  uint8_t f[WIRE_MAX_ENCODED];
+  wire_msg h = {.type = WIRE_HELLO, .request_id = 1};
+  size_t len = 0;
+  assert_int_equal(wire_encode(&h, f, sizeof f, &len), 0);
+  raw_send(fd, f, len);
+  wire_msg m;
+  raw_read_frame(fd, &m);
+  assert_int_equal(m.type, WIRE_HELLO_ACK);
+  return fd;
+}
+
 /* ------------------------------------------------------------ tests */
 
 static void the_data_port_is_advertised_in_getinfo_and_off_turns_it_off(void **state) {
@@ -487,7 +502,7 @@ static void refused_requests_get_grpcs_status_and_message_and_change_nothing(voi
    * refused for that request and the connection lives on; bytes that are no
    * frame at all end it with an ERROR for request 0. */
   int port = data_port_of(bad.cl.srv[owner]);
-  int fd = raw_connect(port);
+  int fd = raw_connect_hello(port);
   wire_msg m = {.type = WIRE_PUSH,
                 .request_id = 41,
                 .payload_len = nb,

@@ -34,6 +34,7 @@
 #include "common/le.h"
 #include "common/spec.h"
 #include "server/ckpt.h"
+#include "server/ckpt_svc.h"
 #include "server/core.h"
 
 #define WAIT_MS 30000u
@@ -343,6 +344,51 @@ static void checkpoint_without_manifest_is_never_loaded(void **state) {
   assert_int_equal(e[1].step, 4);
   assert_false(e[1].complete);
   free(e);
+  model_free(&md);
+  spec_free(&s);
+}
+
+/* Issue 10: a FIFO named like a checkpoint file or MANIFEST hung open() and
+ * with it startup, deaf to SIGTERM. Each is refused at once, as not a
+ * regular file, and the rest of the directory stays usable. */
+static void fifos_named_like_state_files_are_refused_without_blocking(void **state) {
+  (void)state;
+  char root[512], err[512], path[700];
+  fresh_dir(root, sizeof root, "fifos");
+  spec s;
+  build_spec(&s, "fifos", 2);
+  model md;
+  model_random(&md, 5);
+  write_checkpoint(root, &s, &md, 2, 1);
+  write_checkpoint(root, &s, &md, 3, 1);
+  /* Step 3's first file becomes a FIFO, step 4's MANIFEST is one. */
+  shard_path(path, sizeof path, root, 3, 0, 2);
+  assert_int_equal(unlink(path), 0);
+  assert_int_equal(mkfifo(path, 0644), 0);
+  snprintf(path, sizeof path, "%s/step-4", root);
+  assert_int_equal(mkdir(path, 0755), 0);
+  snprintf(path, sizeof path, "%s/step-4/%s", root, CKPT_MANIFEST);
+  assert_int_equal(mkfifo(path, 0644), 0);
+
+  core_state st;
+  assert_int_equal(ckpt_load(root, 3, 0, 2, &st, err, sizeof err), ZS_EIO);
+  assert_non_null(strstr(err, "not a regular file"));
+  ckpt_manifest m;
+  assert_int_equal(ckpt_manifest_read(root, 4, &m, err, sizeof err), ZS_EIO);
+  assert_non_null(strstr(err, "not a regular file"));
+  ckpt_entry *e;
+  size_t n;
+  assert_int_equal(ckpt_list(root, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 3);
+  assert_true(e[0].complete);
+  assert_false(e[2].complete);
+  free(e);
+  assert_int_equal(ckpt_load(root, 2, 0, 2, &st, err, sizeof err), 0);
+  core_state_free(&st);
+  /* Exporting the step with the FIFO is refused the same way. */
+  snprintf(path, sizeof path, "%s/out.safetensors", root);
+  assert_int_not_equal(ckpt_export_safetensors(root, 3, path, NULL, err, sizeof err), 0);
+  assert_non_null(strstr(err, "not a regular file"));
   model_free(&md);
   spec_free(&s);
 }
@@ -1320,6 +1366,170 @@ static void client_state_is_committed_by_its_apply_and_snapshotted_and_restored(
   spec_free(&s);
 }
 
+/* ------------------------------------------------------------------ service */
+
+typedef struct svcbox {
+  waitbox b;
+  ckpt_svc_result r;
+} svcbox;
+
+static void on_svc(void *arg, const ckpt_svc_result *r) {
+  svcbox *sb = arg;
+  sb->r = *r;
+  box_set(&sb->b, r->status);
+}
+
+static ckpt_svc *svc_on(core *c, const char *dir, uint32_t keep) {
+  ckpt_svc_config cfg = {.state_dir = dir, .core = c, .keep = keep};
+  ckpt_svc *sv = NULL;
+  char err[512];
+  if (ckpt_svc_create(&cfg, &sv, err, sizeof err) != 0)
+    fail_msg("ckpt_svc_create: %s", err);
+  return sv;
+}
+
+static int box_done(waitbox *b) {
+  pthread_mutex_lock(&b->mu);
+  int d = b->done;
+  pthread_mutex_unlock(&b->mu);
+  return d;
+}
+
+/* Issue 10: three checkpoints of step 1e9, then gone, blocked the single
+ * checkpoint thread, and a real Checkpoint or Restore timed out behind
+ * them. A step far ahead is refused at once; one within reach waits in the
+ * core, not on the thread, so a checkpoint of the current version is
+ * written meanwhile; and the requests a shard holds are bounded. */
+static void checkpoints_far_ahead_are_refused_and_near_ones_hold_no_thread(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "svc-ahead");
+  spec s;
+  build_spec(&s, "svc-ahead", 1);
+  model md;
+  model_random(&md, 81);
+  core *c = core_with_job(&s, &md);
+  uint64_t h = spec_hash(&s);
+  ckpt_svc *sv = svc_on(c, root, 0);
+  svcbox far;
+  box_init(&far.b);
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(
+        ckpt_svc_checkpoint(sv, h, 1000000000u, NULL, 0, on_svc, &far, err, sizeof err), ZS_ESTEP);
+    assert_non_null(strstr(err, "steps ahead of shard 0's version 0"));
+  }
+  /* Step 2 waits for two applies that do not come (for up to a minute). */
+  svcbox ahead[CKPT_SVC_MAX_JOBS];
+  for (uint32_t i = 0; i < CKPT_SVC_MAX_JOBS - 1; i++) {
+    box_init(&ahead[i].b);
+    assert_int_equal(ckpt_svc_checkpoint(sv, h, CKPT_SVC_MAX_AHEAD, NULL, clock_now_ms() + 60000u,
+                                         on_svc, &ahead[i], err, sizeof err),
+                     CORE_PENDING);
+  }
+  /* The current version is written while they wait. */
+  svcbox now;
+  box_init(&now.b);
+  assert_int_equal(ckpt_svc_checkpoint(sv, h, 0, NULL, 0, on_svc, &now, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(box_wait(&now.b), 0);
+  assert_int_equal(now.r.step, 0);
+  for (uint32_t i = 0; i < CKPT_SVC_MAX_JOBS - 1; i++)
+    assert_false(box_done(&ahead[i].b));
+  /* Fifteen waiting and one answered: room for one more, then none. */
+  box_init(&ahead[CKPT_SVC_MAX_JOBS - 1].b);
+  assert_int_equal(ckpt_svc_checkpoint(sv, h, 1, NULL, clock_now_ms() + 60000u, on_svc,
+                                       &ahead[CKPT_SVC_MAX_JOBS - 1], err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(ckpt_svc_restore(sv, h, 0, NULL, on_svc, &now, err, sizeof err), ZS_ELIMIT);
+  assert_non_null(strstr(err, "already queued or waiting"));
+  /* One apply reaches step 1: its checkpoint is written, the others wait. */
+  train_step(c, &s, 1, 82);
+  assert_int_equal(box_wait(&ahead[CKPT_SVC_MAX_JOBS - 1].b), 0);
+  assert_int_equal(ahead[CKPT_SVC_MAX_JOBS - 1].r.version, 1);
+  /* Checkpoints still waiting do not hold a close back: they fail with it. */
+  core_close_result cr;
+  assert_int_equal(core_close(c, h, NULL, &cr, err, sizeof err), 0);
+  assert_int_equal(cr.closed, 1);
+  for (uint32_t i = 0; i < CKPT_SVC_MAX_JOBS - 1; i++)
+    assert_int_equal(box_wait(&ahead[i].b), ZS_ENOTOPEN);
+  ckpt_svc_destroy(sv);
+  core_destroy(c);
+  model_free(&md);
+  spec_free(&s);
+}
+
+static int step_dir_exists(const char *root, const char *sub, uint64_t step) {
+  char path[800];
+  struct stat sb;
+  snprintf(path, sizeof path, "%s/%s/step-%" PRIu64, root, sub, step);
+  return stat(path, &sb) == 0;
+}
+
+/* Issue 10: thirty checkpoints into new directories, never committed,
+ * escaped --keep-checkpoints and grew the disk thirty-fold. Files written
+ * and not committed are bounded wherever they are, and an uncommitted
+ * checkpoint older than a committed one counts toward keep: it goes at the
+ * commit. */
+static void uncommitted_checkpoints_are_bounded_and_count_toward_keep(void **state) {
+  (void)state;
+  char root[512], err[512], sub[32];
+  fresh_dir(root, sizeof root, "svc-keep");
+  spec s;
+  build_spec(&s, "svc-keep", 1);
+  model md;
+  model_random(&md, 83);
+  core *c = core_with_job(&s, &md);
+  uint64_t h = spec_hash(&s);
+  ckpt_svc *sv = svc_on(c, root, 2);
+  svcbox b;
+  box_init(&b.b);
+  for (int i = 0; i < 10; i++) {
+    snprintf(sub, sizeof sub, "d%d", i);
+    assert_int_equal(ckpt_svc_checkpoint(sv, h, 0, sub, 0, on_svc, &b, err, sizeof err),
+                     CORE_PENDING);
+    assert_int_equal(box_wait(&b.b), 0);
+  }
+  int left = 0;
+  for (int i = 0; i < 10; i++) {
+    snprintf(sub, sizeof sub, "d%d", i);
+    left += step_dir_exists(root, sub, 0);
+  }
+  print_message("uncommitted checkpoints left of 10 written: %d\n", left);
+  assert_int_equal(left, CKPT_SVC_MAX_UNCOMMITTED);
+  assert_true(step_dir_exists(root, "d9", 0));
+
+  /* In one directory: step 0 written, never committed; step 1 committed. */
+  assert_int_equal(ckpt_svc_checkpoint(sv, h, 0, "k", 0, on_svc, &b, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(box_wait(&b.b), 0);
+  train_step(c, &s, 1, 84);
+  assert_int_equal(ckpt_svc_checkpoint(sv, h, 1, "k", 0, on_svc, &b, err, sizeof err),
+                   CORE_PENDING);
+  assert_int_equal(box_wait(&b.b), 0);
+  ckpt_file_info file = b.r.file;
+  ckpt_manifest m = {.step = 1,
+                     .version = 1,
+                     .optimizer_steps = b.r.optimizer_steps,
+                     .spec_hash = h,
+                     .num_shards = 1,
+                     .files = &file};
+  assert_true(step_dir_exists(root, "k", 0));
+  assert_int_equal(ckpt_svc_commit(sv, h, &m, "k", on_svc, &b, err, sizeof err), CORE_PENDING);
+  assert_int_equal(box_wait(&b.b), 0);
+  assert_false(step_dir_exists(root, "k", 0));
+  assert_true(step_dir_exists(root, "k", 1));
+  /* Stopping the service answers a checkpoint still waiting for its step. */
+  assert_int_equal(
+      ckpt_svc_checkpoint(sv, h, 2, "k", clock_now_ms() + 60000u, on_svc, &b, err, sizeof err),
+      CORE_PENDING);
+  ckpt_svc_destroy(sv);
+  assert_true(box_done(&b.b));
+  assert_int_equal(b.b.status, ZS_ECLOSED);
+  core_destroy(c);
+  model_free(&md);
+  spec_free(&s);
+}
+
 static int group_setup(void **state) {
   (void)state;
   const char *tmp = getenv("TMPDIR");
@@ -1335,9 +1545,12 @@ static int group_teardown(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(checkpoints_far_ahead_are_refused_and_near_ones_hold_no_thread),
+      cmocka_unit_test(uncommitted_checkpoints_are_bounded_and_count_toward_keep),
       cmocka_unit_test(written_checkpoint_loads_back_bit_for_bit),
       cmocka_unit_test(file_bytes_of_a_fixed_state_are_pinned),
       cmocka_unit_test(checkpoint_without_manifest_is_never_loaded),
+      cmocka_unit_test(fifos_named_like_state_files_are_refused_without_blocking),
       cmocka_unit_test(listing_orders_steps_numerically_and_ignores_other_names),
       cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),
       cmocka_unit_test(client_state_travels_with_the_files_and_files_without_it_still_load),

@@ -480,7 +480,7 @@ static void refused_applies_record_no_client_state_and_apply_nothing(void **stat
   } cases[] = {
       {NAN, 1.0f, cs, sizeof cs, ZS_EINVAL, "Apply needs a finite lr >= 0 and a finite coef"},
       {-0.5, 1.0f, cs, sizeof cs, ZS_EINVAL, "(lr=-0.5 coef=1)"},
-      {0.1, INFINITY, cs, sizeof cs, ZS_EINVAL, "finite coef (lr=0.1 coef=inf)"},
+      {0.1, INFINITY, cs, sizeof cs, ZS_EINVAL, "range (lr=0.1 coef=inf)"},
       {0.1, 1.0f, big, sizeof big, ZS_ESIZE, "client_state of step 1 has 1025 bytes"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -513,6 +513,172 @@ static void refused_applies_record_no_client_state_and_apply_nothing(void **stat
   pthread_mutex_lock(&fx.obs.mu);
   assert_int_equal(fx.obs.applied_total, 1);
   pthread_mutex_unlock(&fx.obs.mu);
+}
+
+/* Issue 10: lr = 1e300 is a finite double, but the kernels see it as a
+ * float, where it is infinite: every weight became -inf. Any lr, group lr or
+ * derived scalar that is not a finite float32 is refused, nothing changes. */
+static void applies_whose_scalars_overflow_a_float_are_refused_and_change_nothing(void **state) {
+  (void)state;
+  open_job();
+  init_all();
+  for (uint32_t i = 0; i < fx.nmine; i++)
+    for (uint32_t k = 0; k < WM; k++) {
+      core_push_args a = push_of(fx.mine[i], 1, k);
+      assert_int_equal(service_push(fx.svc, &a, NULL, NULL, 0), 0);
+    }
+  wait_stats(1);
+  const layout_piece *p = fx.mine[0];
+  float before[400], after[400];
+  char err[256] = "";
+  assert_int_equal(core_read(fx.core, fx.hash, p->tensor, p->slice, ZS_DTYPE_FP32, before,
+                             p->numel * sizeof(float), NULL, err, sizeof err),
+                   0);
+  const double huge_group[1] = {1e300};
+  const struct {
+    double lr;
+    const double *glr;
+    uint32_t nglr;
+    const char *says;
+  } cases[] = {
+      {1e300, NULL, 0, "within float32's range (lr=1e+300"},
+      {0.1, huge_group, 1, "group_lr[0] is 1e+300: each must be finite as a float32"},
+      /* Finite as a float, but lr / (1 - beta1) is not. */
+      {3e38, NULL, 0, "a lr / bias_correction1 that is not a finite float32"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    waiter w;
+    waiter_init(&w);
+    int rc = service_apply_groups(fx.svc, fx.hash, 1, cases[i].lr, cases[i].glr, cases[i].nglr,
+                                  1.0f, 0, NULL, 0, on_apply, &w, &w.apply, err, sizeof err);
+    assert_int_equal(rc, ZS_EINVAL);
+    assert_has(err, cases[i].says);
+    assert_int_equal(w.done, 0);
+  }
+  core_info info;
+  core_get_info(fx.core, &info);
+  assert_int_equal(info.version, 0);
+  assert_int_equal(core_read(fx.core, fx.hash, p->tensor, p->slice, ZS_DTYPE_FP32, after,
+                             p->numel * sizeof(float), NULL, err, sizeof err),
+                   0);
+  assert_memory_equal(before, after, p->numel * sizeof(float));
+  /* The same step with a sane lr goes through: the refusals queued nothing. */
+  waiter w;
+  waiter_init(&w);
+  assert_int_equal(service_apply(fx.svc, fx.hash, 1, 0.1, 1.0f, 0, NULL, 0, on_apply, &w, &w.apply,
+                                 err, sizeof err),
+                   CORE_PENDING);
+  waiter_wait(&w);
+  assert_int_equal(w.status, 0);
+  assert_int_equal(core_read(fx.core, fx.hash, p->tensor, p->slice, ZS_DTYPE_FP32, after,
+                             p->numel * sizeof(float), NULL, err, sizeof err),
+                   0);
+  for (uint64_t e = 0; e < p->numel; e++)
+    assert_true(isfinite(after[e]));
+}
+
+/* The spec's hyper-parameters reach the kernels as floats too. */
+static void open_refuses_hyper_parameters_that_are_not_finite_floats(void **state) {
+  (void)state;
+  const struct {
+    double weight_decay, eps;
+    const char *says;
+  } cases[] = {
+      {1e300, 1e-8, "param group 0: weight_decay 1e+300 is not finite as a float32"},
+      {0.01, 1e-50, "param group 0: eps 1e-50 is 0 as a float32"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    spec s;
+    assert_int_equal(spec_copy(&s, &fx.spec), 0);
+    s.groups[0].weight_decay = cases[i].weight_decay;
+    s.groups[0].eps = cases[i].eps;
+    char err[256] = "";
+    assert_int_equal(spec_validate(&s, err, sizeof err), 0);
+    core_open_result r;
+    assert_int_equal(service_open(fx.svc, &s, 0, &r, err, sizeof err), ZS_EINVAL);
+    assert_string_equal(err, cases[i].says);
+    spec_free(&s);
+  }
+  core_info info;
+  core_get_info(fx.core, &info);
+  assert_int_equal(info.has_job, 0);
+}
+
+/* ------------------------------------------------------------------ limits */
+
+static void put_file(const char *root, const char *path, const char *text) {
+  char full[512], cmd[1100];
+  snprintf(full, sizeof full, "%s%s", root, path);
+  snprintf(cmd, sizeof cmd, "mkdir -p \"$(dirname '%s')\"", full);
+  assert_int_equal(system(cmd), 0);
+  FILE *f = fopen(full, "w");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+/* The default limits follow the smallest of MemTotal and the cgroup limits
+ * (v2 at the root and at the process's own cgroup, v1), read under a fake
+ * root. */
+static void the_memory_limit_is_the_smallest_of_meminfo_and_the_cgroups(void **state) {
+  (void)state;
+  char root[] = "/tmp/zs-memlimit-XXXXXX";
+  assert_non_null(mkdtemp(root));
+  assert_int_equal(service_memory_limit(root), 0);
+  put_file(root, "/proc/meminfo", "MemFree: 1 kB\nMemTotal:        1048576 kB\n");
+  put_file(root, "/sys/fs/cgroup/memory.max", "max\n");
+  assert_int_equal(service_memory_limit(root), UINT64_C(1) << 30);
+  put_file(root, "/sys/fs/cgroup/memory.max", "536870912\n");
+  assert_int_equal(service_memory_limit(root), UINT64_C(1) << 29);
+  put_file(root, "/sys/fs/cgroup/memory.max", "max\n");
+  put_file(root, "/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  assert_int_equal(service_memory_limit(root), UINT64_C(1) << 30);
+  put_file(root, "/sys/fs/cgroup/memory/memory.limit_in_bytes", "268435456\n");
+  assert_int_equal(service_memory_limit(root), UINT64_C(1) << 28);
+  put_file(root, "/proc/self/cgroup", "1:cpu:/\n0::/job.slice\n");
+  put_file(root, "/sys/fs/cgroup/job.slice/memory.max", "134217728\n");
+  assert_int_equal(service_memory_limit(root), UINT64_C(1) << 27);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+  assert_int_equal(system(cmd), 0);
+
+  service_limits l = service_limits_for_memory(UINT64_C(1) << 30);
+  assert_int_equal(l.max_params, (UINT64_C(1) << 30) / 4 * 3 / SERVICE_PARAM_BYTES);
+  assert_int_equal(l.max_tensors, (UINT64_C(1) << 30) / 16 / SERVICE_TENSOR_BYTES);
+  l = service_limits_for_memory(UINT64_C(1) << 50);
+  assert_int_equal(l.max_tensors, SPEC_MAX_TENSORS);
+  l = service_limits_for_memory(0);
+  assert_int_equal(l.max_params, 0);
+  assert_int_equal(l.max_tensors, 0);
+}
+
+/* This shard's share is what counts: of a two-shard job it holds 240
+ * elements (padded), and a limit of 239 refuses the job, 240 admits it. The
+ * bookkeeping budget counts the W * M bitmap of every piece. */
+static void open_checks_this_shards_share_against_the_limits(void **state) {
+  (void)state;
+  service_limits l = {.max_params = 239, .max_tensors = 0};
+  service_set_limits(fx.svc, &l);
+  core_open_result r;
+  char err[300] = "";
+  assert_int_equal(service_open(fx.svc, &fx.spec, 0, &r, err, sizeof err), ZS_ELIMIT);
+  assert_string_equal(err, "job 'service-test' puts 240 parameters on shard 0, more than its "
+                           "limit of 239 (--max-params, ZSHARD_MAX_PARAMS); nothing was opened");
+  l.max_tensors = 3;
+  service_set_limits(fx.svc, &l);
+  assert_int_equal(service_open(fx.svc, &fx.spec, 0, &r, err, sizeof err), ZS_ELIMIT);
+  assert_has(err, "has 4 tensors, more than this shard's limit of 3 (--max-tensors");
+  core_info info;
+  core_get_info(fx.core, &info);
+  assert_int_equal(info.has_job, 0);
+  l = (service_limits){.max_params = 240, .max_tensors = 4};
+  service_set_limits(fx.svc, &l);
+  assert_int_equal(service_open(fx.svc, &fx.spec, 0, &r, err, sizeof err), 0);
+  assert_int_equal(service_get_limits(fx.svc).max_params, 240);
+  /* A join of the job the shard holds is not measured again. */
+  l.max_params = 1;
+  service_set_limits(fx.svc, &l);
+  assert_int_equal(service_open(fx.svc, &fx.spec, 1, &r, err, sizeof err), 0);
 }
 
 static void grad_stats_asks_the_core_about_acknowledged_pushes_first(void **state) {
@@ -740,6 +906,13 @@ int main(void) {
       cmocka_unit_test_setup_teardown(piece_sizes_carry_the_cores_sentence, setup, teardown),
       cmocka_unit_test_setup_teardown(refused_applies_record_no_client_state_and_apply_nothing,
                                       setup, teardown),
+      cmocka_unit_test_setup_teardown(
+          applies_whose_scalars_overflow_a_float_are_refused_and_change_nothing, setup, teardown),
+      cmocka_unit_test_setup_teardown(open_refuses_hyper_parameters_that_are_not_finite_floats,
+                                      setup, teardown),
+      cmocka_unit_test(the_memory_limit_is_the_smallest_of_meminfo_and_the_cgroups),
+      cmocka_unit_test_setup_teardown(open_checks_this_shards_share_against_the_limits, setup,
+                                      teardown),
       cmocka_unit_test_setup_teardown(grad_stats_asks_the_core_about_acknowledged_pushes_first,
                                       setup, teardown),
       cmocka_unit_test_setup_teardown(job_life_requests_are_checked_and_refusals_change_nothing,

@@ -337,23 +337,27 @@ static void bad_magic_is_refused_as_not_our_protocol(void **state) {
 static void unsupported_version_is_refused(void **state) {
   (void)state;
   uint8_t h[WIRE_HEADER_SIZE];
-  raw_header(h, WIRE_MAGIC, 3, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
+  raw_header(h, WIRE_MAGIC, 4, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
   expect_decode_error(h, sizeof h, 0, ZS_EPROTO,
-                      "unsupported frame version 3 (this side speaks 1 to 2)");
+                      "unsupported frame version 4 (this side speaks 1 to 3)");
   raw_header(h, WIRE_MAGIC, 0, WIRE_PING, 0, 1, 0, 0, 0, 0, NULL);
   expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "unsupported frame version 0");
   /* The batch types came with version 2: a version-1 frame cannot carry one. */
   raw_header(h, WIRE_MAGIC, 1, WIRE_PULL_BATCH, 0, 1, 0, 0, 0, 0, NULL);
   expect_decode_error(h, sizeof h, 0, ZS_EPROTO,
                       "PULL_BATCH frame (request id 1) says version 1; the type needs version 2");
+  /* HELLO came with version 3. */
+  raw_header(h, WIRE_MAGIC, 2, WIRE_HELLO, 0, 1, 0, 0, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO,
+                      "HELLO frame (request id 1) says version 2; the type needs version 3");
 }
 
 static void unknown_frame_type_is_refused(void **state) {
   (void)state;
   uint8_t h[WIRE_HEADER_SIZE];
-  const uint8_t bad[] = {0, 12, 99, 255};
+  const uint8_t bad[] = {0, 14, 99, 255};
   for (size_t i = 0; i < sizeof bad; i++) {
-    raw_header(h, WIRE_MAGIC, 1, bad[i], 0, 77, 0, 0, 0, 0, NULL);
+    raw_header(h, WIRE_MAGIC, 3, bad[i], 0, 77, 0, 0, 0, 0, NULL);
     char needle[64];
     snprintf(needle, sizeof needle, "unknown frame type %u (request id 77)", bad[i]);
     expect_decode_error(h, sizeof h, 0, ZS_EPROTO, needle);
@@ -630,7 +634,16 @@ static void encoder_refuses_what_it_cannot_frame(void **state) {
   (void)state;
   uint8_t f[BIG];
   size_t len = 0;
-  wire_msg m = {.type = (wire_type)12};
+  wire_msg m = {.type = (wire_type)14};
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  /* A token over the limit, or a length without bytes. */
+  static uint8_t tok[WIRE_MAX_TOKEN + 1];
+  m = (wire_msg){.type = WIRE_HELLO};
+  m.u.hello.token = tok;
+  m.u.hello.token_len = WIRE_MAX_TOKEN + 1;
+  assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
+  m.u.hello.token = NULL;
+  m.u.hello.token_len = 1;
   assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
   m = (wire_msg){.type = WIRE_PULL, .payload_len = 1};
   assert_int_equal(wire_encode(&m, f, sizeof f, &len), ZS_EINVAL);
@@ -944,6 +957,61 @@ static void reader_refuses_feeding_on_without_a_payload_destination(void **state
   wire_reader_free(&r);
 }
 
+/* HELLO carries the token byte for byte (any bytes, none at all included)
+ * and HELLO_ACK nothing; both say version 3. */
+static void hello_frames_round_trip_with_their_token(void **state) {
+  (void)state;
+  static uint8_t f[WIRE_HEADER_SIZE + WIRE_MAX_HELLO_META];
+  static uint8_t tok[WIRE_MAX_TOKEN];
+  for (size_t i = 0; i < sizeof tok; i++)
+    tok[i] = (uint8_t)(i * 7u + 1u);
+  const uint32_t lens[] = {0, 1, 16, WIRE_MAX_TOKEN};
+  for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
+    wire_msg m = {.type = WIRE_HELLO, .request_id = 9};
+    m.u.hello.token = tok;
+    m.u.hello.token_len = lens[k];
+    size_t len = 0;
+    assert_int_equal(wire_encode(&m, f, sizeof f, &len), 0);
+    assert_int_equal(f[4], 3);
+    assert_true(len - WIRE_HEADER_SIZE <= WIRE_MAX_HELLO_META);
+    wire_msg out;
+    const uint8_t *pl = NULL;
+    size_t flen = 0;
+    char err[WIRE_ERRLEN] = "";
+    assert_int_equal(wire_decode_frame(f, len, 0, &out, &pl, &flen, err, sizeof err), 0);
+    assert_int_equal(out.type, WIRE_HELLO);
+    assert_int_equal(out.request_id, 9);
+    assert_int_equal(out.u.hello.token_len, lens[k]);
+    if (lens[k])
+      assert_memory_equal(out.u.hello.token, tok, lens[k]);
+  }
+  wire_msg ack = {.type = WIRE_HELLO_ACK, .request_id = 9};
+  size_t len = 0;
+  assert_int_equal(wire_encode(&ack, f, sizeof f, &len), 0);
+  assert_int_equal(len, WIRE_HEADER_SIZE);
+  assert_int_equal(f[4], 3);
+  /* A HELLO_ACK with a meta is refused as any type without one. */
+  uint8_t h[WIRE_HEADER_SIZE];
+  raw_header(h, WIRE_MAGIC, 3, WIRE_HELLO_ACK, 0, 1, 0, 4, 0, 0, NULL);
+  expect_decode_error(h, sizeof h, 0, ZS_EPROTO, "HELLO_ACK frame carries a meta of 4 bytes");
+}
+
+/* A reader held to a small meta (a server before the HELLO) refuses a
+ * longer one from its header alone, before sizing any buffer from it. */
+static void a_reader_limited_to_a_small_meta_refuses_a_longer_one_from_the_header(void **state) {
+  (void)state;
+  uint8_t h[WIRE_HEADER_SIZE];
+  raw_header(h, WIRE_MAGIC, 3, WIRE_HELLO, 0, 1, 0, WIRE_MAX_META, 0, 0, NULL);
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  wire_reader_limit_meta(&r, WIRE_MAX_HELLO_META);
+  assert_int_equal(reader_first_event(&r, h, sizeof h, NULL), WIRE_EV_FATAL);
+  assert_int_equal(r.status, ZS_ERANGE);
+  assert_non_null(strstr(r.err, "exceeds this side's limit"));
+  assert_null(r.meta);
+  wire_reader_free(&r);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(header_fields_sit_at_their_documented_little_endian_offsets),
@@ -969,6 +1037,8 @@ int main(void) {
       cmocka_unit_test(every_single_bit_flip_of_a_frame_is_detected),
       cmocka_unit_test(resealed_edits_reach_the_field_checks),
       cmocka_unit_test(encoder_refuses_what_it_cannot_frame),
+      cmocka_unit_test(hello_frames_round_trip_with_their_token),
+      cmocka_unit_test(a_reader_limited_to_a_small_meta_refuses_a_longer_one_from_the_header),
       cmocka_unit_test(reader_refuses_feeding_on_without_a_payload_destination),
       cmocka_unit_test(batch_frames_round_trip_with_every_piece_in_order),
       cmocka_unit_test(malformed_push_batches_are_refused_per_request),

@@ -347,6 +347,27 @@ typedef struct zs_client_options {
   zs_open_mode open_mode;
   /* Must be 0 (keeps the struct free of tail padding, rule 3). */
   uint32_t reserved0;
+  /* Security (docs/CLIENT.md, "Security"). Each string is the caller's and
+   * only read during zs_client_open, which copies what it needs (a token
+   * file is read then, once). A field left NULL (or "") takes its
+   * environment variable, and unset that, nothing.
+   * The shards' token, sent with every gRPC call ("authorization: Bearer")
+   * and presented by every data-plane connection. Default: $ZSHARD_TOKEN,
+   * else the first line of the file $ZSHARD_TOKEN_FILE names. */
+  const char *token;
+  /* PEM file of the CAs the shards' certificates must chain to; set, every
+   * connection (gRPC and data plane) speaks TLS and checks the shard's
+   * certificate. Default: $ZSHARD_TLS_CA; unset, plaintext. */
+  const char *tls_ca_file;
+  /* PEM files of this client's certificate chain and key, for shards that
+   * require client certificates (mTLS); both or neither, and only with a
+   * CA. Defaults: $ZSHARD_TLS_CERT, $ZSHARD_TLS_KEY. */
+  const char *tls_cert_file;
+  const char *tls_key_file;
+  /* The name the shards' certificates must carry, when it is not the host
+   * of their addresses (an IP address, a Service's short name). Default:
+   * $ZSHARD_TLS_SERVER_NAME. */
+  const char *tls_server_name;
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above

@@ -17,6 +17,8 @@ calls release the GIL. A Request holds its buffer until wait(); dropping an
 unwaited Request waits for it. PyTorch integration: zshard.torch.
 """
 
+import os
+
 from . import _zshard
 from ._zshard import (  # noqa: F401
     ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
@@ -59,7 +61,9 @@ class Client(_zshard.Client):
     push_dtype, pull_dtype, threads, reduce_bucket_size, allgather_bucket_size,
     prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
-    data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode) plus the dynamic
+    data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode, and token,
+    tls_ca, tls_cert, tls_key, tls_server_name for the C fields token,
+    tls_ca_file, tls_cert_file, tls_key_file, tls_server_name) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
     loss_scale_window and hysteresis; enums also by name ("bf16", "sum", ...).
     Unset options keep zs_client_options_init's defaults.
@@ -68,9 +72,20 @@ class Client(_zshard.Client):
     create the job, or resume the same model where the shards left it,
     ignoring the initial weights), "create" (a new run: zshard.Error EEXIST
     if the shards hold another job or this one already trained) or "resume"
-    (zshard.Error ENOTOPEN if a shard holds no job)."""
+    (zshard.Error ENOTOPEN if a shard holds no job).
+
+
+    Security (docs/CLIENT.md): token= is the shards' token (default the
+    environment's ZSHARD_TOKEN, else the file ZSHARD_TOKEN_FILE names);
+    tls_ca= a PEM CA bundle that turns TLS on, tls_cert= and tls_key= this
+    client's certificate for mTLS, tls_server_name= the name the shards'
+    certificates carry (defaults ZSHARD_TLS_CA, _CERT, _KEY, _SERVER_NAME).
+    Paths may be str or os.PathLike."""
 
     def __init__(self, addresses, **options):
+        for k in ("tls_ca", "tls_cert", "tls_key"):
+            if options.get(k) is not None:
+                options[k] = os.fspath(options[k])
         super().__init__(addresses, **{k: _enum(k, v) for k, v in options.items()})
 
     def add_group(self, optimizer=ADAMW, **options):

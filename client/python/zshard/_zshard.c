@@ -55,7 +55,9 @@ static PyObject *raise_status(int rc) {
 
 /* ---- keyword options onto C structs ------------------------------------- */
 
-typedef enum { KW_U32, KW_U64, KW_SIZE, KW_DOUBLE, KW_INT, KW_ENUM } kw_kind;
+/* KW_STR stores the str's UTF-8 buffer, which lives as long as the str:
+ * only for options read while the keyword dict is held (zs_client_open). */
+typedef enum { KW_U32, KW_U64, KW_SIZE, KW_DOUBLE, KW_INT, KW_ENUM, KW_STR } kw_kind;
 
 typedef struct kw_field {
   const char *name;
@@ -74,19 +76,38 @@ _Static_assert(sizeof(zs_open_mode) == sizeof(int), "zs_open_mode is int-sized")
 #define CO(field, kind)                                                                            \
   { #field, kind, offsetof(zs_client_options, field) }
 static const kw_field client_fields[] = {
-    CO(num_shards, KW_U32),          CO(rank, KW_U32),
-    CO(world_size, KW_U32),          CO(grad_accum, KW_U32),
-    CO(grad_reduce, KW_ENUM),        CO(param_dtype, KW_ENUM),
-    CO(split_threshold, KW_U64),     CO(push_dtype, KW_ENUM),
-    CO(pull_dtype, KW_ENUM),         CO(threads, KW_U32),
-    CO(reduce_bucket_size, KW_SIZE), CO(allgather_bucket_size, KW_SIZE),
-    CO(prefetch_depth, KW_U32),      CO(rpc_timeout_ms, KW_U32),
-    CO(step_timeout_ms, KW_U32),     CO(max_retries, KW_U32),
-    CO(retry_initial_ms, KW_U32),    CO(retry_max_ms, KW_U32),
-    CO(loss_scaling, KW_ENUM),       CO(static_loss_scale, KW_DOUBLE),
-    CO(transport, KW_ENUM),          CO(data_connections, KW_U32),
-    CO(checkpoint_every, KW_U32),    CO(checkpoint_timeout_ms, KW_U32),
-    CO(open_mode, KW_ENUM),          {NULL, 0, 0},
+    CO(num_shards, KW_U32),
+    CO(rank, KW_U32),
+    CO(world_size, KW_U32),
+    CO(grad_accum, KW_U32),
+    CO(grad_reduce, KW_ENUM),
+    CO(param_dtype, KW_ENUM),
+    CO(split_threshold, KW_U64),
+    CO(push_dtype, KW_ENUM),
+    CO(pull_dtype, KW_ENUM),
+    CO(threads, KW_U32),
+    CO(reduce_bucket_size, KW_SIZE),
+    CO(allgather_bucket_size, KW_SIZE),
+    CO(prefetch_depth, KW_U32),
+    CO(rpc_timeout_ms, KW_U32),
+    CO(step_timeout_ms, KW_U32),
+    CO(max_retries, KW_U32),
+    CO(retry_initial_ms, KW_U32),
+    CO(retry_max_ms, KW_U32),
+    CO(loss_scaling, KW_ENUM),
+    CO(static_loss_scale, KW_DOUBLE),
+    CO(transport, KW_ENUM),
+    CO(data_connections, KW_U32),
+    CO(checkpoint_every, KW_U32),
+    CO(checkpoint_timeout_ms, KW_U32),
+    CO(open_mode, KW_ENUM),
+    /* Security: the Python names drop the C names' "_file". */
+    {"token", KW_STR, offsetof(zs_client_options, token)},
+    {"tls_ca", KW_STR, offsetof(zs_client_options, tls_ca_file)},
+    {"tls_cert", KW_STR, offsetof(zs_client_options, tls_cert_file)},
+    {"tls_key", KW_STR, offsetof(zs_client_options, tls_key_file)},
+    {"tls_server_name", KW_STR, offsetof(zs_client_options, tls_server_name)},
+    {NULL, 0, 0},
 };
 #undef CO
 
@@ -131,6 +152,17 @@ static const kw_field group_fields[] = {
 
 static int set_field(void *base, const kw_field *f, PyObject *v) {
   char *p = (char *)base + f->off;
+  if (f->kind == KW_STR) {
+    if (!PyUnicode_Check(v)) {
+      PyErr_Format(PyExc_TypeError, "%s must be a str", f->name);
+      return -1;
+    }
+    const char *str = PyUnicode_AsUTF8(v);
+    if (!str)
+      return -1;
+    memcpy(p, &str, sizeof str);
+    return 0;
+  }
   if (f->kind == KW_DOUBLE) {
     double d = PyFloat_AsDouble(v);
     if (d == -1.0 && PyErr_Occurred())

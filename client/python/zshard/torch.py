@@ -473,6 +473,10 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
       resident set at once, at the price of page faults on every pull (the
       22M-parameter benchmark: peak 12 % lower, steps 60 % slower). None
       (default): the allocator is left alone.
+    token, tls_ca, tls_cert, tls_key, tls_server_name: the shards' token and
+      TLS files (zshard.Client; default the ZSHARD_TOKEN, ZSHARD_TOKEN_FILE and
+      ZSHARD_TLS_* environment variables). close(close_job=True) and
+      state_dict loading need the admin token on shards that have one.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
