@@ -298,6 +298,9 @@ def test_row07_parked_pulls_budgeted():
         finally:
             for f in calls:
                 f.cancel()
+        # A full budget cancelled at once is released, and the server answers.
+        released = hostile.wait_for(lambda: hostile.waiting_pulls(c) == 0)
+        assert released, "%d cancelled Pulls still wait" % hostile.waiting_pulls(c)
 
 
 def test_row07_watch_streams_capped():
