@@ -940,7 +940,16 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   if (uv_loop_init(&c->loop) != 0)
     goto fail;
   c->loop_inited = 1;
-  rc = stream_dialer_new(&stream_tcp_ops, &c->loop, (const struct sockaddr *)&c->addr, &c->dialer);
+  /* TLS checks the server's certificate for the host dialled (dp_resolve
+   * parsed the address already). */
+  hostport hp = {.host = ""};
+  if (cfg->tls && hostport_parse(cfg->addr, &hp, err, errlen) == 0)
+    rc = stream_tls_dialer_new(cfg->tls, &c->loop, (const struct sockaddr *)&c->addr, hp.host,
+                               &c->dialer);
+  else
+    rc = cfg->tls ? ZS_EINVAL
+                  : stream_dialer_new(&stream_tcp_ops, &c->loop, (const struct sockaddr *)&c->addr,
+                                      &c->dialer);
   if (rc != 0)
     goto fail;
   rc = ZS_EINTERNAL;

@@ -59,14 +59,11 @@ typedef struct dp_client_config {
    * most WIRE_MAX_TOKEN bytes); NULL or "" for a server without tokens.
    * Copied during dp_client_open. */
   const char *token;
-  /* TLS: PEM file of the CAs the shard's certificate must chain to (NULL:
-   * plaintext); this client's certificate chain and key for mTLS (both or
-   * NULL); the name the shard's certificate must carry (NULL: the host of
-   * `addr`). Only read during dp_client_open. */
-  const char *tls_ca_file;
-  const char *tls_cert_file;
-  const char *tls_key_file;
-  const char *tls_server_name;
+  /* TLS 1.3 on every connection as a client of this context (common/tls.h:
+   * tls_client_new), the server's certificate checked for the context's
+   * server name, else for the host of `addr`; NULL: plain TCP. Borrowed: it
+   * must outlive the client. */
+  struct tls_ctx *tls;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

@@ -226,12 +226,119 @@ void dtype_scalar_bf16_accumulate(const void *wire, float *acc, size_t n) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* INT8_BLOCK: symmetric int8 per block with an fp32 scale                   */
+/* ------------------------------------------------------------------------ */
+/*
+ * A block of up to DTYPE_INT8_BLOCK elements is [scale: fp32 LE][q: int8 x n]
+ * and stands for x[i] = (float)q[i] * scale, one fp32 multiplication. The
+ * encoder, per block:
+ *
+ *  - amax = the largest |x[i]|, found as the largest of the magnitudes' bit
+ *    patterns (an integer max, so NaN > Inf > every finite value);
+ *  - a block with a NaN, an Inf or a magnitude of 2^127 or more gets scale =
+ *    the quiet NaN 0x7fc00000 and q = 0, so every element decodes to NaN: a
+ *    non-finite gradient stays non-finite on the shard, where the step's
+ *    overflow check sees it. (From 2^127 up, 127 * scale could round to
+ *    Inf, and such a value is an overflow in any training run anyway.)
+ *  - a block with amax < 2^-100 (zeros, subnormals, anything that small) gets
+ *    scale = +0 and q = 0. The cut keeps every scale a normal number far from
+ *    the subnormal range, so no operation below sees a subnormal operand
+ *    (x[i] / scale of a subnormal x[i] is below 2^-19 and rounds to 0 either
+ *    way) and the bits do not depend on FTZ or DAZ;
+ *  - otherwise scale = amax / 127 and q[i] = x[i] * (127 / amax) rounded to
+ *    nearest, ties to even, then clamped to [-127, 127] (the clamp is never
+ *    reached: |x[i] * (127 / amax)| < 127.5). -128 is never produced; a
+ *    decoder accepts it as -128 * scale.
+ *
+ * Each step is one correctly rounded fp32 operation, so the vector kernels
+ * compute the same bits with the same operations in the same order. Like the
+ * accumulation's addition, they round by MXCSR's rounding mode, the default
+ * round-to-nearest-even that nothing in zshard changes; FTZ and DAZ do not
+ * matter (no operand or result is subnormal; test_dtype checks).
+ */
+#define INT8_TINY 0x0d800000u /* 2^-100 */
+#define INT8_HUGE 0x7f000000u /* 2^127 */
+#define INT8_NAN 0x7fc00000u
+
+/* The block's scale and the multiplier of its elements (0 when every q is
+ * 0) from the largest magnitude's bit pattern. Shared by every path. */
+void dtype_int8_block_scale(uint32_t amax_bits, float *scale, float *inv) {
+  if (amax_bits >= INT8_HUGE) {
+    *scale = f32_from_bits(INT8_NAN);
+    *inv = 0.0f;
+  } else if (amax_bits < INT8_TINY) {
+    *scale = 0.0f;
+    *inv = 0.0f;
+  } else {
+    float amax = f32_from_bits(amax_bits);
+    *scale = amax / 127.0f;
+    *inv = 127.0f / amax;
+  }
+}
+
+/* Round to nearest, ties to even, for |y| < 2^22: adding 1.5 * 2^23 leaves
+ * no fraction bits, so the addition itself rounds (in the default rounding
+ * mode), and the subtraction is exact. */
+static int8_t int8_round(float y) {
+  const float magic = 12582912.0f;
+  float r = (y + magic) - magic;
+  if (r > 127.0f)
+    r = 127.0f;
+  if (r < -127.0f)
+    r = -127.0f;
+  return (int8_t)r;
+}
+
+void dtype_scalar_int8_block_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
+  for (size_t b = 0; b < n; b += DTYPE_INT8_BLOCK) {
+    size_t len = n - b < DTYPE_INT8_BLOCK ? n - b : DTYPE_INT8_BLOCK;
+    uint32_t amax = 0;
+    for (size_t i = 0; i < len; i++) {
+      uint32_t a = f32_bits(in[b + i]) & 0x7fffffffu;
+      amax = a > amax ? a : amax;
+    }
+    float scale, inv;
+    dtype_int8_block_scale(amax, &scale, &inv);
+    memcpy(p, &scale, sizeof scale);
+    p += sizeof scale;
+    for (size_t i = 0; i < len; i++)
+      p[i] = (unsigned char)(inv == 0.0f ? 0 : int8_round(in[b + i] * inv));
+    p += len;
+  }
+}
+
+void dtype_scalar_int8_block_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
+  for (size_t b = 0; b < n; b += DTYPE_INT8_BLOCK) {
+    size_t len = n - b < DTYPE_INT8_BLOCK ? n - b : DTYPE_INT8_BLOCK;
+    float scale = load_f32(p);
+    p += sizeof scale;
+    for (size_t i = 0; i < len; i++)
+      out[b + i] = (float)(int8_t)p[i] * scale;
+    p += len;
+  }
+}
+
+void dtype_scalar_int8_block_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  for (size_t b = 0; b < n; b += DTYPE_INT8_BLOCK) {
+    size_t len = n - b < DTYPE_INT8_BLOCK ? n - b : DTYPE_INT8_BLOCK;
+    float scale = load_f32(p);
+    p += sizeof scale;
+    for (size_t i = 0; i < len; i++)
+      acc[b + i] = add_keep_nan(acc[b + i], (float)(int8_t)p[i] * scale);
+    p += len;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
 /* The codec table                                                           */
 /* ------------------------------------------------------------------------ */
 
 /* Indexed by the zs_dtype value; a hole (name NULL) is not a dtype. A
- * block-quantized dtype is one more entry here with its block, elem_bytes and
- * scale_bytes, and kernels that take whole blocks plus a short last one. */
+ * block-quantized dtype (INT8_BLOCK) has its block, elem_bytes and scale_bytes,
+ * and kernels that take whole blocks plus a short last one. */
 static const dtype_codec codecs[] = {
     [ZS_DTYPE_FP32] =
         {
@@ -276,6 +383,22 @@ static const dtype_codec codecs[] = {
             .accumulate = {[CPU_ISA_SCALAR] = dtype_scalar_bf16_accumulate,
                            [CPU_ISA_AVX2] = dtype_avx2_bf16_accumulate,
                            [CPU_ISA_AVX512] = dtype_avx512_bf16_accumulate},
+        },
+    [ZS_DTYPE_INT8_BLOCK] =
+        {
+            .id = ZS_DTYPE_INT8_BLOCK,
+            .name = "INT8_BLOCK",
+            .block = DTYPE_INT8_BLOCK,
+            .elem_bytes = 1,
+            .scale_bytes = 4,
+            /* No AVX-512 kernels: the AVX2 ones serve those CPUs (the
+             * conversion is bound by memory bandwidth, not by vector width). */
+            .encode = {[CPU_ISA_SCALAR] = dtype_scalar_int8_block_encode,
+                       [CPU_ISA_AVX2] = dtype_avx2_int8_block_encode},
+            .decode = {[CPU_ISA_SCALAR] = dtype_scalar_int8_block_decode,
+                       [CPU_ISA_AVX2] = dtype_avx2_int8_block_decode},
+            .accumulate = {[CPU_ISA_SCALAR] = dtype_scalar_int8_block_accumulate,
+                           [CPU_ISA_AVX2] = dtype_avx2_int8_block_accumulate},
         },
 };
 

@@ -62,6 +62,11 @@ typedef void (*dtype_accumulate_fn)(const void *wire, float *acc, size_t n);
  * checks each entry). */
 #define DTYPE_MAX_BLOCK 256
 
+/* Elements per block of ZS_DTYPE_INT8_BLOCK (docs/PROTOCOL.md; the choice is
+ * measured in docs/PERFORMANCE.md). Part of the wire format: changing it
+ * changes the protocol. */
+#define DTYPE_INT8_BLOCK 128
+
 /* Indexes of the per-ISA kernel arrays: the cpu_isa values. */
 #define DTYPE_NISA 3
 

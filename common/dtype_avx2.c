@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common/dtype.h"
 #include "common/dtype_isa.h"
 
 #define LANES 8
@@ -121,4 +122,108 @@ void dtype_avx2_bf16_accumulate(const void *wire, float *acc, size_t n) {
   for (; i + LANES <= n; i += LANES)
     _mm256_storeu_ps(acc + i, add_keep_nan(_mm256_loadu_ps(acc + i), load_bf16x8(p + 2 * i)));
   dtype_scalar_bf16_accumulate(p + 2 * i, acc + i, n - i);
+}
+
+/* ------------------------------------------------------------------------ */
+/* INT8_BLOCK                                                                */
+/* ------------------------------------------------------------------------ */
+/*
+ * Whole blocks run here, a short last block through the scalar kernel. The
+ * operations are the scalar ones lane by lane: an integer max of the
+ * magnitudes' bits, the shared scale rule, one multiplication by the
+ * block's multiplier, a conversion that rounds to nearest-even (the scalar
+ * magic-number rounding gives the same integer) and a narrowing that cannot
+ * saturate. Decoding is one conversion and one multiplication.
+ */
+
+#define I8B DTYPE_INT8_BLOCK
+
+/* The largest of the magnitudes' bit patterns over one block. */
+static inline uint32_t block_amax_bits(const float *in) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i m = _mm256_setzero_si256();
+  for (size_t i = 0; i < I8B; i += LANES)
+    m = _mm256_max_epu32(
+        m, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(const void *)(in + i)), abs_mask));
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
+  return (uint32_t)_mm_cvtsi128_si32(h);
+}
+
+/* q = x * inv rounded to nearest-even by VCVTPS2DQ, which rounds by MXCSR's
+ * mode: the default one, as every fp32 operation of the codec assumes (the
+ * multiplication before it does too). No clamp: |x * inv| < 127.5 (see
+ * dtype.c), so the result is within [-127, 127] and the packs below never
+ * saturate. */
+static inline __m256i quantize8(const float *in, __m256 inv) {
+  return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(in), inv));
+}
+
+void dtype_avx2_int8_block_encode(const float *in, void *wire, size_t n) {
+  unsigned char *p = wire;
+  /* Lane order after the two packs, per 32-bit group: a0-3 b0-3 c0-3 d0-3 |
+   * a4-7 b4-7 c4-7 d4-7; this permutation puts a, b, c, d back in order. */
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  size_t b = 0;
+  for (; b + I8B <= n; b += I8B) {
+    float scale, inv;
+    dtype_int8_block_scale(block_amax_bits(in + b), &scale, &inv);
+    memcpy(p, &scale, sizeof scale);
+    p += sizeof scale;
+    /* inv is 0 for tiny and non-finite blocks, whose q are all 0 (Inf * 0
+     * would be NaN, which the clamp would not turn into 0). */
+    if (inv == 0.0f) {
+      memset(p, 0, I8B);
+      p += I8B;
+      continue;
+    }
+    __m256 vinv = _mm256_set1_ps(inv);
+    for (size_t i = 0; i < I8B; i += 4 * LANES) {
+      const float *x = in + b + i;
+      __m256i ab = _mm256_packs_epi32(quantize8(x, vinv), quantize8(x + 8, vinv));
+      __m256i cd = _mm256_packs_epi32(quantize8(x + 16, vinv), quantize8(x + 24, vinv));
+      __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+      _mm256_storeu_si256((__m256i *)(void *)(p + i), q);
+    }
+    p += I8B;
+  }
+  dtype_scalar_int8_block_encode(in + b, p, n - b);
+}
+
+static inline __m256 dequant8(const unsigned char *q, __m256 scale) {
+  __m128i b = _mm_loadl_epi64((const __m128i *)(const void *)q);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), scale);
+}
+
+void dtype_avx2_int8_block_decode(const void *wire, float *out, size_t n) {
+  const unsigned char *p = wire;
+  size_t b = 0;
+  for (; b + I8B <= n; b += I8B) {
+    float scale;
+    memcpy(&scale, p, sizeof scale);
+    p += sizeof scale;
+    __m256 vs = _mm256_set1_ps(scale);
+    for (size_t i = 0; i < I8B; i += LANES)
+      _mm256_storeu_ps(out + b + i, dequant8(p + i, vs));
+    p += I8B;
+  }
+  dtype_scalar_int8_block_decode(p, out + b, n - b);
+}
+
+void dtype_avx2_int8_block_accumulate(const void *wire, float *acc, size_t n) {
+  const unsigned char *p = wire;
+  size_t b = 0;
+  for (; b + I8B <= n; b += I8B) {
+    float scale;
+    memcpy(&scale, p, sizeof scale);
+    p += sizeof scale;
+    __m256 vs = _mm256_set1_ps(scale);
+    for (size_t i = 0; i < I8B; i += LANES) {
+      float *a = acc + b + i;
+      _mm256_storeu_ps(a, add_keep_nan(_mm256_loadu_ps(a), dequant8(p + i, vs)));
+    }
+    p += I8B;
+  }
+  dtype_scalar_int8_block_accumulate(p, acc + b, n - b);
 }

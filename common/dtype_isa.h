@@ -11,6 +11,7 @@
 #define ZSHARD_COMMON_DTYPE_ISA_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 void dtype_scalar_f32_decode(const void *wire, float *out, size_t n);
 void dtype_scalar_f32_encode(const float *in, void *wire, size_t n);
@@ -21,6 +22,17 @@ void dtype_scalar_f16_accumulate(const void *wire, float *acc, size_t n);
 void dtype_scalar_bf16_decode(const void *wire, float *out, size_t n);
 void dtype_scalar_bf16_encode(const float *in, void *wire, size_t n);
 void dtype_scalar_bf16_accumulate(const void *wire, float *acc, size_t n);
+
+/* INT8_BLOCK (dtype.c states the format and its rules). The scale and
+ * multiplier of a block from the bits of its largest magnitude, shared by
+ * every path so that they agree on the special cases. */
+void dtype_int8_block_scale(uint32_t amax_bits, float *scale, float *inv);
+void dtype_scalar_int8_block_encode(const float *in, void *wire, size_t n);
+void dtype_scalar_int8_block_decode(const void *wire, float *out, size_t n);
+void dtype_scalar_int8_block_accumulate(const void *wire, float *acc, size_t n);
+void dtype_avx2_int8_block_encode(const float *in, void *wire, size_t n);
+void dtype_avx2_int8_block_decode(const void *wire, float *out, size_t n);
+void dtype_avx2_int8_block_accumulate(const void *wire, float *acc, size_t n);
 
 void dtype_avx2_f32_accumulate(const void *wire, float *acc, size_t n);
 void dtype_avx2_f16_decode(const void *wire, float *out, size_t n);

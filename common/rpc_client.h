@@ -13,8 +13,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Bulk messages: both ends raise gRPC's 4 MiB default to this. */
+/* Bulk messages: both ends raise gRPC's 4 MiB default to this for what they
+ * send, and a client for what it receives (a Pull of a large piece). */
 #define RPC_MAX_MESSAGE_BYTES (1024 * 1024 * 1024)
+/* A Push payload larger than this travels in chunks of exactly this many bytes
+ * (PushRequest.offset and total); the server receives no message larger than
+ * this plus RPC_HEADROOM_BYTES for the other fields of a message. */
+#define RPC_PUSH_CHUNK_BYTES (64 * 1024 * 1024)
+#define RPC_HEADROOM_BYTES (64 * 1024)
 
 /* Largest PEM file (certificate chain, key, CA bundle) read. */
 #define RPC_MAX_PEM_BYTES (1024 * 1024)

@@ -19,44 +19,7 @@
 #include <string.h>
 
 #include "common/list.h"
-
-struct stream {
-  const stream_ops *ops;
-  void *data;
-  int closing;
-  /* The system's wording of the last failure: a static string. */
-  const char *detail;
-  stream_alloc_cb alloc_cb;
-  stream_read_cb read_cb;
-  stream_connect_cb connect_cb;
-  stream_shutdown_cb shutdown_cb;
-  stream_close_cb close_cb;
-  union {
-    struct {
-      uv_tcp_t handle;
-      uv_connect_t connect;
-      uv_shutdown_t shutdown;
-    } tcp;
-    void *impl; /* another implementation's state */
-  } u;
-};
-
-struct stream_listener {
-  const stream_ops *ops;
-  stream_accept_cb cb;
-  void *data;
-  const char *detail;
-  union {
-    uv_tcp_t tcp;
-    void *impl;
-  } u;
-};
-
-struct stream_dialer {
-  const stream_ops *ops;
-  uv_loop_t *loop;
-  struct sockaddr_storage addr;
-};
+#include "common/stream_impl.h"
 
 int stream_status_from_uv(int uverr) {
   switch (uverr) {
@@ -145,6 +108,11 @@ int stream_dial(stream_dialer *d, stream_connect_cb cb, void *data, stream **out
 }
 
 void stream_dialer_free(stream_dialer *d) {
+  if (!d)
+    return;
+  /* A TLS dialer's own parts; NULL for the others. */
+  stream_dialer_free(d->tcp);
+  free(d->server_name);
   free(d);
 }
 

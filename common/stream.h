@@ -8,7 +8,8 @@
  * Every stream, listener and dialer belongs to one libuv loop and is used on
  * that loop's thread only. Each object carries its implementation's ops
  * table (stream_ops); the functions below are thin dispatchers. Plain TCP on
- * libuv is stream_tcp_ops, the one implementation so far.
+ * libuv is stream_tcp_ops, the default; TLS 1.3 over it is stream_tls_ops
+ * (stream_tls.c, whose header comment says how it keeps this contract).
  *
  * Conventions (libuv's, which the TCP implementation inherits):
  *  - Functions return 0 or a negative zs_status. When a function that takes
@@ -30,22 +31,23 @@
  * vectored write, borrowing them until the write callback. Over plain TCP
  * both directions make no copy of their own beyond the kernel's.
  *
- * How TLS would slot in: a stream_tls.c fills a second stream_ops. Its
- * stream wraps a TCP stream (kept in the implementation's part of the
- * object) and adds the TLS session: a handshake state entered by dial and
- * accept, during which writes are queued and the connect or accept callback
- * is held back until the handshake finished (or failed, reported as
- * ZS_ECONN with the library's reason in stream_detail). Reads keep their
- * shape: ciphertext is read into the implementation's own record buffer and
- * decrypted straight into the buffers the owner's alloc callback hands out,
- * so the owner's zero-copy logic (read into the final destination) is
- * unchanged and decryption is the one pass over the bytes. Writes cannot be
+ * How TLS slots in: stream_tls.c fills a second stream_ops. Its stream
+ * wraps a TCP stream (kept in the implementation's part of the object) and
+ * adds the TLS session: a handshake state entered by dial and accept, during
+ * which writes are queued and the connect or accept callback is held back
+ * until the handshake finished (or failed, reported as ZS_ECONN with the
+ * library's reason in stream_detail). Reads keep their shape: ciphertext is
+ * read into the implementation's own buffer and the plaintext lands in the
+ * buffers the owner's alloc callback hands out, so the owner's zero-copy
+ * logic (read into the final destination) is unchanged. Writes cannot be
  * zero-copy: each buffer is encrypted into the implementation's ciphertext
- * queue (one copy, which is the encryption), the request completes when that
- * ciphertext has gone to the socket, and stream_write_queue_size counts the
- * ciphertext. Options, addresses and shutdown (a close_notify, then the TCP
- * shutdown) pass through to the TCP stream. Certificates and keys would be
- * given to the TLS listener and dialer constructors, not to these calls.
+ * queue, the request completes when that ciphertext has gone to the socket,
+ * and stream_write_queue_size counts the bytes not yet encrypted plus the
+ * ciphertext not yet taken by the kernel. Options and addresses pass through
+ * to the TCP stream; shutdown sends a close_notify, then shuts TCP. The
+ * certificates and keys are given to the TLS listener and dialer
+ * constructors (stream_tls_listen, stream_tls_dialer_new), not to these
+ * calls.
  */
 #ifndef ZSHARD_COMMON_STREAM_H
 #define ZSHARD_COMMON_STREAM_H
@@ -117,9 +119,9 @@ typedef enum stream_option {
 
 /* An implementation. Each entry has the contract of the function below that
  * calls it; the dispatchers check the arguments and the closing state first.
- * The objects' definitions are private to stream.c for now; a second
- * implementation would share them through a private stream_impl.h (a common
- * head, then a union member of its own where TCP keeps its libuv handles). */
+ * The objects' definitions are shared by the implementations only, through
+ * the private stream_impl.h (a common head, then a union member of each
+ * implementation's own). */
 struct stream_ops {
   const char *name;
   int (*listen)(const stream_ops *ops, uv_loop_t *loop, const struct sockaddr *addr, int backlog,
@@ -141,6 +143,14 @@ struct stream_ops {
 /* Plain TCP over libuv. */
 extern const stream_ops stream_tcp_ops;
 
+/* TLS 1.3 over a TCP stream (common/stream_tls.c, OpenSSL). Its listeners and
+ * dialers carry a TLS context (common/tls.h), so they are made by
+ * stream_tls_listen and stream_tls_dialer_new; stream_listen and
+ * stream_dialer_new with this table refuse (ZS_EINVAL). Everything else goes
+ * through the functions below, as for TCP. */
+extern const stream_ops stream_tls_ops;
+typedef struct tls_ctx tls_ctx;
+
 /* ---- Listener ----------------------------------------------------------- */
 
 /* Binds `addr` (port 0: any free port, read back with stream_listener_addr)
@@ -151,6 +161,17 @@ extern const stream_ops stream_tcp_ops;
  * wording in err (may be NULL). `addr` is only read during the call. */
 int stream_listen(const stream_ops *ops, uv_loop_t *loop, const struct sockaddr *addr, int backlog,
                   stream_accept_cb cb, void *data, stream_listener **out, char *err, size_t errlen);
+
+/* stream_listen for TLS: every accepted connection first completes a TLS
+ * handshake as the server of `ctx` (a tls_server_new context: its
+ * certificate, and with a client CA, client certificates required), and only
+ * then reaches `cb`; a failed handshake reaches it as ZS_ECONN (or
+ * ZS_ETIMEDOUT when it took too long, ZS_ELIMIT when too many run at once)
+ * with no stream and the reason in stream_listener_detail. `ctx` is borrowed:
+ * it must outlive the listener and the streams it accepts. */
+int stream_tls_listen(tls_ctx *ctx, uv_loop_t *loop, const struct sockaddr *addr, int backlog,
+                      stream_accept_cb cb, void *data, stream_listener **out, char *err,
+                      size_t errlen);
 
 /* The bound address into *out. Returns 0 or a zs_status. */
 int stream_listener_addr(stream_listener *l, struct sockaddr_storage *out);
@@ -170,6 +191,18 @@ const char *stream_listener_detail(const stream_listener *l);
  * ZS_ENOMEM. `addr` is copied. */
 int stream_dialer_new(const stream_ops *ops, uv_loop_t *loop, const struct sockaddr *addr,
                       stream_dialer **out);
+
+/* stream_dialer_new for TLS: each stream dialled completes a TLS handshake
+ * as a client of `ctx` (a tls_client_new context) before its connect
+ * callback runs with 0; a server whose certificate does not verify against
+ * the context's CAs, or does not carry the expected name, fails the connect
+ * with ZS_ECONN and OpenSSL's reason in stream_detail. The name is the
+ * context's server_name, or else `host` (the host dialled, a DNS name or an
+ * IP address; copied; may be NULL when the context has a name). `ctx` is
+ * borrowed: it must outlive the dialer and its streams. Returns as
+ * stream_dialer_new; ZS_EINVAL also when there is no name to check. */
+int stream_tls_dialer_new(tls_ctx *ctx, uv_loop_t *loop, const struct sockaddr *addr,
+                          const char *host, stream_dialer **out);
 
 /* Starts a connect. Returns 0 and the new stream in *out (the caller's: it
  * must be closed with stream_close, whatever the connect's outcome), `cb`

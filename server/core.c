@@ -54,6 +54,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/dtype.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -99,6 +100,10 @@ static void core_job_free(core *c) {
   core__low_release(c);
   free(c->low_crc);
   c->low_crc = NULL;
+  free(c->q8);
+  free(c->q8_crc);
+  c->q8 = NULL;
+  c->q8_crc = NULL;
   free(c->plans);
   free(c->range_m);
   free(c->range_v);
@@ -145,8 +150,10 @@ static int core_job_build(core *c) {
   c->pieces = calloc((size_t)c->npieces + 1, sizeof *c->pieces);
   c->bitmaps = calloc((size_t)c->npieces * c->bitmap_words + 1, sizeof *c->bitmaps);
   c->low_crc = calloc((size_t)c->npieces + 1, sizeof *c->low_crc);
-  if (!c->local_of || !c->pieces || !c->bitmaps || !c->low_crc)
+  c->q8_crc = calloc((size_t)c->npieces + 1, sizeof *c->q8_crc);
+  if (!c->local_of || !c->pieces || !c->bitmaps || !c->low_crc || !c->q8_crc)
     return ZS_ENOMEM;
+  uint64_t q8_bytes = 0;
   uint32_t n = 0;
   for (uint32_t i = 0; i < l->num_pieces; i++) {
     c->local_of[i] = UINT32_MAX;
@@ -160,6 +167,8 @@ static int core_job_build(core *c) {
     c->pieces_inited++;
     ps->lp = &l->pieces[i];
     ps->received = c->bitmaps + (size_t)n * c->bitmap_words;
+    ps->q8_off = q8_bytes;
+    q8_bytes += dtype_bytes(ZS_DTYPE_INT8_BLOCK, ps->lp->numel);
     c->local_of[i] = n++;
   }
   if (n != c->npieces)
@@ -190,7 +199,9 @@ static int core_job_build(core *c) {
     c->m = core__arena_alloc(b32);
   if (need_v)
     c->v = core__arena_alloc(b32);
-  if (low_rc != 0 ||
+  /* Not zeroed: read only where written (core_data.c, piece_low_crc). */
+  c->q8 = malloc((size_t)q8_bytes + 1);
+  if (low_rc != 0 || !c->q8 ||
       (c->nelems > 0 && (!c->master || !c->acc || (need_m && !c->m) || (need_v && !c->v))))
     return ZS_ENOMEM;
   c->state_bytes = b32 * (2u + (uint64_t)need_m + (uint64_t)need_v) + c->nelems * 2u;
@@ -296,6 +307,7 @@ int core_create(const core_config *cfg, core **out) {
   atomic_init(&c->contributions, 0);
   atomic_init(&c->low_dtype, 0);
   atomic_init(&c->low_overtaken, 0);
+  atomic_init(&c->q8_wanted, 0);
 
   int rc = ZS_ENOMEM;
   if (pthread_mutex_init(&c->mu, NULL) != 0)
@@ -672,6 +684,7 @@ void core__run_close(core *c, ckpt_call *call) {
   core_fail_job_waiters(c, &fire);
   c->open = 0;
   atomic_store(&c->low_dtype, 0);
+  atomic_store(&c->q8_wanted, 0);
   c->hash = 0;
   c->version = 0;
   c->optimizer_steps = 0;

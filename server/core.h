@@ -144,6 +144,13 @@ typedef void (*core_version_cb)(void *arg, int status, uint64_t version);
 int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
                       core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen);
 
+/* Ends at once the waits of core_wait_version and core_grad_stats registered
+ * with `arg`: their callbacks run with ZS_ECANCELED on the calling thread
+ * before this returns (one that already fired is not found). For a transport
+ * whose caller went away, so that the wait's memory is not kept until its
+ * deadline. Call it with no lock the callbacks take. */
+void core_cancel_waits(core *c, void *arg);
+
 /* Copies piece (tensor, slice) in `dtype` into dst (exactly numel * dtype size
  * bytes), consistent with one version, reported in *version. Never blocks on
  * the optimizer longer than one apply. */

@@ -74,9 +74,22 @@ static int core_find_readable(core *c, uint64_t hash, uint32_t tensor, uint32_t 
 
 /* ------------------------------------------------------- the low copy's pins */
 
+/* Called wherever the low copy of piece i was rewritten from the master
+ * (initial weights, every apply, restore, a state write), with state_rw held
+ * exclusively: its CRC, and the INT8_BLOCK copy with its CRC once a trainer
+ * pulls int8, so that a version's int8 pulls are quantized once here and
+ * never per request. */
 static void piece_low_crc(core *c, uint32_t i) {
-  const layout_piece *lp = c->pieces[i].lp;
+  piece_state *ps = &c->pieces[i];
+  const layout_piece *lp = ps->lp;
   c->low_crc[i] = crc32c(0, c->low + lp->arena_off, (size_t)lp->numel * sizeof(uint16_t));
+  ps->q8_fresh = 0;
+  if (atomic_load_explicit(&c->q8_wanted, memory_order_relaxed)) {
+    unsigned char *q = c->q8 + ps->q8_off;
+    dtype_from_f32(ZS_DTYPE_INT8_BLOCK, c->master + lp->arena_off, q, (size_t)lp->numel);
+    c->q8_crc[i] = crc32c(0, q, (size_t)dtype_bytes(ZS_DTYPE_INT8_BLOCK, lp->numel));
+    ps->q8_fresh = 1;
+  }
 }
 
 void core__low_crc_task(void *arg, size_t i) {
@@ -513,6 +526,14 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
         dtype == ZS_DTYPE_FP32         ? (const unsigned char *)(c->master + off)
         : dtype == c->spec.param_dtype ? (const unsigned char *)(c->low + off)
                                        : NULL;
+    if (dtype == ZS_DTYPE_INT8_BLOCK) {
+      /* The stored copy when it is this version's; otherwise (the job's
+       * first int8 pulls, until the next apply makes the copy) the same
+       * bytes quantized from the master here. */
+      atomic_store_explicit(&c->q8_wanted, 1, memory_order_relaxed);
+      if (ps->q8_fresh)
+        copy_from = c->q8 + ps->q8_off;
+    }
     /* Chunks of whole blocks of about CORE_READ_CHUNK bytes: each is an
      * array of its own, starting at byte dtype_bytes(e) (dtype.h). */
     uint64_t step = numel;
@@ -521,15 +542,22 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
       step = step ? step : k->block;
     }
     unsigned char *out = dst;
-    for (uint64_t e = 0; e < numel; e += step) {
-      uint64_t cnt = numel - e < step ? numel - e : step;
-      size_t b = (size_t)dtype_bytes(dtype, e), len = (size_t)dtype_bytes(dtype, cnt);
-      if (copy_from)
-        memcpy(out + b, copy_from + b, len);
-      else
-        dtype_from_f32(dtype, c->master + off + e, out + b, (size_t)cnt);
-      if (crc)
-        *crc = crc32c(*crc, out + b, len);
+    if (dtype == ZS_DTYPE_INT8_BLOCK && ps->q8_fresh && crc && *crc == 0) {
+      /* The stored CRC is this answer's when it starts one (a CRC run from
+       * 0 over these bytes): one copy, no CRC pass. */
+      memcpy(out, copy_from, nbytes);
+      *crc = c->q8_crc[ps - c->pieces];
+    } else {
+      for (uint64_t e = 0; e < numel; e += step) {
+        uint64_t cnt = numel - e < step ? numel - e : step;
+        size_t b = (size_t)dtype_bytes(dtype, e), len = (size_t)dtype_bytes(dtype, cnt);
+        if (copy_from)
+          memcpy(out + b, copy_from + b, len);
+        else
+          dtype_from_f32(dtype, c->master + off + e, out + b, (size_t)cnt);
+        if (crc)
+          *crc = crc32c(*crc, out + b, len);
+      }
     }
     if (version)
       *version = c->version;

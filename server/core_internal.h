@@ -42,6 +42,11 @@ typedef struct piece_state {
    * once the piece is initialized. Guarded by state_rw (exclusive). */
   uint64_t *init_chunks;
   uint32_t init_have;
+  /* The piece's INT8_BLOCK copy: its byte offset in core.q8, and whether it
+   * holds the current weights (written with the low copy once int8 pulls
+   * have been asked for). Guarded by state_rw like the low copy. */
+  uint64_t q8_off;
+  int q8_fresh;
 } piece_state;
 
 typedef enum stats_phase {
@@ -161,6 +166,14 @@ struct core {
    * copy (initialisation, every apply, restore) so that a pull of the stored
    * dtype is sent straight from the arena with no copy and no CRC pass. */
   uint32_t *low_crc;
+  /* The INT8_BLOCK copy of the weights, one array per piece at its q8_off,
+   * and its CRCs: made with the low copy, once per version, after the first
+   * int8 pull of the job set q8_wanted (a job that never pulls int8 pays
+   * neither the pass nor the memory: malloc'ed, its pages are touched only
+   * when written). */
+  unsigned char *q8;
+  uint32_t *q8_crc;
+  atomic_int q8_wanted;
   uint64_t state_bytes;
   const layout_range *ranges; /* this shard's ranges, into layout */
   uint32_t nranges;

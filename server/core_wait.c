@@ -370,6 +370,28 @@ done:
   return rc;
 }
 
+void core_cancel_waits(core *c, void *arg) {
+  waiter *fire = NULL;
+  pthread_mutex_lock(&c->mu);
+  waiter **lists[2] = {&c->version_waiters, &c->stats_waiters};
+  for (int i = 0; i < 2; i++) {
+    for (waiter **pw = lists[i]; *pw;) {
+      waiter *w = *pw;
+      if (w->arg != arg) {
+        pw = &w->next;
+        continue;
+      }
+      *pw = w->next;
+      w->status = ZS_ECANCELED;
+      w->version = c->version;
+      w->stats.step = w->key;
+      waiter_push(&fire, w);
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  core__fire(fire);
+}
+
 int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
                     void *arg, core_stats_result *out, char *err, size_t errlen) {
   pthread_mutex_lock(&c->mu);

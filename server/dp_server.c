@@ -1987,8 +1987,10 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
     goto fail;
   s->loop_inited = 1;
   char detail[128];
-  int lrc = stream_listen(&stream_tcp_ops, &s->loop, (const struct sockaddr *)&addr, 1024,
-                          on_connection, s, &s->listener, detail, sizeof detail);
+  int lrc = cfg->tls ? stream_tls_listen(cfg->tls, &s->loop, (const struct sockaddr *)&addr, 1024,
+                                         on_connection, s, &s->listener, detail, sizeof detail)
+                     : stream_listen(&stream_tcp_ops, &s->loop, (const struct sockaddr *)&addr,
+                                     1024, on_connection, s, &s->listener, detail, sizeof detail);
   if (lrc != 0) {
     rc = status_fail(err, errlen, ZS_EINVAL, "cannot listen on %s: %s", cfg->listen,
                      detail[0] ? detail : zs_strerror(lrc));

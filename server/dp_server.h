@@ -122,13 +122,10 @@ typedef struct dp_server_config {
    * PushBatch or PullBatch}); NULL records nothing. Borrowed: it must outlive
    * the server. */
   struct metrics *metrics;
-  /* PEM files of the server's certificate chain and key (both: TLS on the
-   * data plane) and of the CA client certificates must chain to (mTLS);
-   * NULL: not given. The same files as gRPC's. Only read during
-   * dp_server_start and reloads. */
-  const char *tls_cert_file;
-  const char *tls_key_file;
-  const char *tls_client_ca_file;
+  /* TLS 1.3 on every connection as the server of this context
+   * (common/tls.h: tls_server_new; with a client CA, clients must present a
+   * certificate); NULL: plain TCP. Borrowed: it must outlive the server. */
+  struct tls_ctx *tls;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the

@@ -17,9 +17,17 @@
  * Lock order: gsrv.lock is the only lock here and a leaf: it is never held
  * while calling into the core (so a core lock is never taken inside it), and
  * a core callback takes it only on an error path, holding no lock of ours. It
- * guards the list of calls in flight, the Watch streams, the serving status
- * and the shutdown flags. gRPC functions called with it held never call back
- * into this file (completions go through the queue).
+ * guards the list of calls in flight, the Watch streams, the serving status,
+ * the shutdown flags and the limits' counts (parked calls and answer bytes per
+ * connection, the queue of answers waiting for room). gRPC functions called
+ * with it held never call back into this file (completions go through the
+ * queue). push_asm has a leaf lock of its own, never taken with gsrv.lock.
+ *
+ * Limits (docs/OPERATIONS.md, "Limits"; gsrv_limits in the header): the
+ * channel arguments bound request sizes, gRPC's memory, streams, idle and
+ * handshake time; a parked call counts against the parked budgets until its
+ * RECV_CLOSE_ON_SERVER completes; a Pull answer counts against the answer
+ * budgets from being built until its final batch completes.
  *
  * A call is answered exactly once: whoever flips gcall.claimed from 0 to 1 (a
  * handler, a core callback, or the shutdown sweep) sends the final batch; the
@@ -34,12 +42,15 @@
  *    used in place, one in several is gathered into one buffer (1 copy). The
  *    request is then decoded in place (data points into that buffer) and the
  *    core adds it into its accumulator (or copies an early one to hold it).
+ *    A payload larger than a message comes in chunks, each copied once more
+ *    into the payload's buffer (push_asm), which the core then reads.
  *  - Pull: the response is one slice of exactly the message's size and
  *    core_read converts the piece from the master arena straight into it
  *    (1 copy, which is also the dtype conversion); gRPC sends that slice.
  *  - InitParams (once per job): gather (0-1 copy) + protobuf-c unpack (1).
  */
 #include "server/grpc_server.h"
+#include "server/push_asm.h"
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -76,6 +87,16 @@
 #define GSRV_SLOTS_PER_METHOD 4
 #define GSRV_GENERIC_SLOTS 2
 #define GSRV_ERRLEN 256
+
+/* Parked calls per connection are counted in a table of this many chains. */
+#define GSRV_PEER_BUCKETS 256
+
+/* The largest request the listener receives: a Push chunk and its header. */
+#define GSRV_MAX_REQUEST_BYTES (RPC_PUSH_CHUNK_BYTES + RPC_HEADROOM_BYTES)
+/* The largest request of a method that carries no bulk data. */
+#define GSRV_SMALL_REQUEST_BYTES (64 * 1024)
+/* CommitCheckpoint lists up to SPEC_MAX_SHARDS files by name. */
+#define GSRV_COMMIT_REQUEST_BYTES (4 * 1024 * 1024)
 
 #define ZS_STATUS_KEY "zs-status"
 #define SERVICE_NAME "zshard.v1.ZShard"
@@ -114,6 +135,16 @@ enum {
 
 typedef struct gcall gcall;
 
+/* Parked calls of one connection (grpc_call_get_peer names it: address and
+ * port), under gsrv.lock; freed when its count drops to 0. */
+typedef struct peer_count peer_count;
+struct peer_count {
+  peer_count *next;
+  uint32_t n;            /* parked calls */
+  uint64_t answer_bytes; /* Pull answers built and not yet taken */
+  char peer[];           /* NUL-terminated */
+};
+
 struct gsrv {
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -138,21 +169,29 @@ struct gsrv {
   int nthreads;
 
   pthread_mutex_t lock;
-  pthread_cond_t cond; /* CLOCK_MONOTONIC; signalled when a call leaves the
-                          in-flight list and when shutdown completes */
-  gcall *inflight;     /* calls not yet answered and sent, except Watch */
-  gcall *watchers;     /* Watch streams */
+  pthread_cond_t cond;   /* CLOCK_MONOTONIC; signalled when a call leaves the
+                            in-flight list and when shutdown completes */
+  gcall *inflight;       /* calls not yet answered and sent, except Watch */
+  gcall *watchers;       /* Watch streams */
+  gsrv_limits lim;       /* fixed at start (docs/OPERATIONS.md, "Limits") */
+  uint32_t nparked;      /* calls parked in the core, counted in peers[] */
+  uint32_t nwatchers;    /* entries of watchers */
+  uint64_t answer_bytes; /* Pull answers built and not yet taken, all peers */
+  gcall *answer_wait;    /* Pulls waiting for room for their answer (aw_next) */
+  gcall **answer_wait_tail;
+  peer_count *peers[GSRV_PEER_BUCKETS];
   int serving;
   int stopping;      /* no more request slots are posted */
   int closing;       /* every call not yet answered is answered ECLOSED */
   int shutdown_done; /* the grpc_server_shutdown_and_notify tag arrived */
+  push_asm *chunks;  /* Push payloads arriving in chunks */
   gtag shutdown_tag;
 };
 
 struct gcall {
   gtag req_tag;   /* the request slot was filled */
   gtag io_tag;    /* the hop, the final batch, a Watch message */
-  gtag close_tag; /* Watch: RECV_CLOSE_ON_SERVER */
+  gtag close_tag; /* Watch, parked calls: RECV_CLOSE_ON_SERVER */
   gsrv *s;        /* only used while the call is open */
   int method;
   atomic_int refs;
@@ -167,8 +206,16 @@ struct gcall {
 
   gcall *prev, *next; /* in gsrv.inflight or gsrv.watchers, under gsrv.lock */
   int listed;
-  int grpc_released; /* release_grpc() ran */
-  int waiting;       /* parked in the core waiting for data (not counted as work) */
+  int grpc_released;        /* release_grpc() ran */
+  int waiting;              /* parked in the core waiting for data (not counted as work) */
+  int parked;               /* counted in gsrv.nparked and its peer's count, under gsrv.lock */
+  int close_started;        /* RECV_CLOSE_ON_SERVER has its own batch (close_tag) */
+  char *peer;               /* grpc_call_get_peer's, for a parked call; gpr_free */
+  uint64_t answer_held;     /* bytes counted in the answer budgets, under gsrv.lock */
+  uint64_t answer_since_ms; /* clock_now_ms() when they were counted */
+  gcall *aw_next;           /* in gsrv.answer_wait */
+  int aw_claimed;           /* the claim pull_finish had when the call queued */
+  int stall_cancelled;      /* cancelled for an answer its peer did not take */
 
   /* The final batch's resources, released when it completes. */
   grpc_byte_buffer *reply;
@@ -218,27 +265,35 @@ static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 
+/* Per method: its path, its handler and the largest request it takes (a
+ * larger one is refused before it is parsed; docs/OPERATIONS.md, "Limits").
+ * Bulk requests (an Open's spec, a chunk of weights, state or gradient) may
+ * use the whole listener limit; the clients send initial weights and state in
+ * chunks of 1 MiB and gradients in chunks of RPC_PUSH_CHUNK_BYTES. */
 static const struct {
   const char *path;
   handler_fn fn;
+  size_t max_request;
 } methods[M_COUNT] = {
-    [M_OPEN] = {"/zshard.v1.ZShard/Open", h_open},
-    [M_INIT_PARAMS] = {"/zshard.v1.ZShard/InitParams", h_init_params},
-    [M_PUSH] = {"/zshard.v1.ZShard/Push", h_push},
-    [M_PULL] = {"/zshard.v1.ZShard/Pull", h_pull},
-    [M_GRAD_STATS] = {"/zshard.v1.ZShard/GradStats", h_grad_stats},
-    [M_APPLY] = {"/zshard.v1.ZShard/Apply", h_apply},
-    [M_GET_INFO] = {"/zshard.v1.ZShard/GetInfo", h_get_info},
-    [M_STATS] = {"/zshard.v1.ZShard/Stats", h_stats},
-    [M_CHECKPOINT] = {"/zshard.v1.ZShard/Checkpoint", h_checkpoint},
-    [M_COMMIT_CHECKPOINT] = {"/zshard.v1.ZShard/CommitCheckpoint", h_commit_checkpoint},
-    [M_RESTORE] = {"/zshard.v1.ZShard/Restore", h_restore},
-    [M_LIST_CHECKPOINTS] = {"/zshard.v1.ZShard/ListCheckpoints", h_list_checkpoints},
-    [M_CLOSE_JOB] = {"/zshard.v1.ZShard/CloseJob", h_close_job},
-    [M_READ_STATE] = {"/zshard.v1.ZShard/ReadState", h_read_state},
-    [M_WRITE_STATE] = {"/zshard.v1.ZShard/WriteState", h_write_state},
-    [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check},
-    [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch},
+    [M_OPEN] = {"/zshard.v1.ZShard/Open", h_open, GSRV_MAX_REQUEST_BYTES},
+    [M_INIT_PARAMS] = {"/zshard.v1.ZShard/InitParams", h_init_params, GSRV_MAX_REQUEST_BYTES},
+    [M_PUSH] = {"/zshard.v1.ZShard/Push", h_push, GSRV_MAX_REQUEST_BYTES},
+    [M_PULL] = {"/zshard.v1.ZShard/Pull", h_pull, GSRV_SMALL_REQUEST_BYTES},
+    [M_GRAD_STATS] = {"/zshard.v1.ZShard/GradStats", h_grad_stats, GSRV_SMALL_REQUEST_BYTES},
+    [M_APPLY] = {"/zshard.v1.ZShard/Apply", h_apply, GSRV_SMALL_REQUEST_BYTES},
+    [M_GET_INFO] = {"/zshard.v1.ZShard/GetInfo", h_get_info, GSRV_SMALL_REQUEST_BYTES},
+    [M_STATS] = {"/zshard.v1.ZShard/Stats", h_stats, GSRV_SMALL_REQUEST_BYTES},
+    [M_CHECKPOINT] = {"/zshard.v1.ZShard/Checkpoint", h_checkpoint, GSRV_SMALL_REQUEST_BYTES},
+    [M_COMMIT_CHECKPOINT] = {"/zshard.v1.ZShard/CommitCheckpoint", h_commit_checkpoint,
+                             GSRV_COMMIT_REQUEST_BYTES},
+    [M_RESTORE] = {"/zshard.v1.ZShard/Restore", h_restore, GSRV_SMALL_REQUEST_BYTES},
+    [M_LIST_CHECKPOINTS] = {"/zshard.v1.ZShard/ListCheckpoints", h_list_checkpoints,
+                            GSRV_SMALL_REQUEST_BYTES},
+    [M_CLOSE_JOB] = {"/zshard.v1.ZShard/CloseJob", h_close_job, GSRV_SMALL_REQUEST_BYTES},
+    [M_READ_STATE] = {"/zshard.v1.ZShard/ReadState", h_read_state, GSRV_SMALL_REQUEST_BYTES},
+    [M_WRITE_STATE] = {"/zshard.v1.ZShard/WriteState", h_write_state, GSRV_MAX_REQUEST_BYTES},
+    [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check, GSRV_SMALL_REQUEST_BYTES},
+    [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch, GSRV_SMALL_REQUEST_BYTES},
 };
 
 /* ------------------------------------------------------------------------ */
@@ -299,6 +354,7 @@ static void gcall_unref(gcall *c) {
   if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) != 1)
     return;
   release_grpc(c);
+  gpr_free(c->peer);
   free(c->ckpt);
   free(c);
 }
@@ -325,21 +381,32 @@ static void list_remove_locked(gcall **head, gcall *c) {
   c->listed = 0;
 }
 
+static void watch_remove_locked(gsrv *s, gcall *c) {
+  if (c->listed)
+    s->nwatchers--;
+  list_remove_locked(&s->watchers, c);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Answering                                                                */
 /* ------------------------------------------------------------------------ */
 
 static void on_final(gtag *t, int ok);
+static void answer_release(gcall *c);
 
-/* Everything after the final batch: the call leaves the in-flight list and
- * its grpc_call is released. */
+/* Everything after the final batch: the call leaves the in-flight list, its
+ * grpc_call is released and so is the room its answer took. */
 static void final_done(gcall *c) {
   gsrv *s = c->s;
   pthread_mutex_lock(&s->lock);
-  list_remove_locked(c->method == M_HEALTH_WATCH ? &s->watchers : &s->inflight, c);
+  if (c->method == M_HEALTH_WATCH)
+    watch_remove_locked(s, c);
+  else
+    list_remove_locked(&s->inflight, c);
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   release_grpc(c);
+  answer_release(c);
 }
 
 static void on_final(gtag *t, int ok) {
@@ -387,8 +454,10 @@ static void send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *de
     ops[n++].data.send_message.send_message = reply;
   }
   status_op(c, &ops[n++], zs, detail);
-  ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-  ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
+  if (!c->close_started) { /* a parked call has it in a batch of its own */
+    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
+  }
   c->io_tag.done = on_final;
   gcall_ref(c);
   grpc_call_error e = start_batch(c->call, ops, n, &c->io_tag);
@@ -407,6 +476,9 @@ static void answer(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail
   if (atomic_exchange(&c->claimed, 1)) {
     if (reply)
       grpc_byte_buffer_destroy(reply);
+    /* The one who answered released the call's room, possibly before this
+     * answer counted it. */
+    answer_release(c);
     return;
   }
   send_final(c, reply, zs, detail);
@@ -542,6 +614,273 @@ static uint64_t wait_deadline(const gcall *c, uint32_t timeout_ms) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Parked calls                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A parked call costs the server its gRPC call and stream (about 14 KiB) for
+ * as long as it waits, up to GSRV_MAX_WAIT_MS. So each one is counted against
+ * a whole-server and a per-connection budget, and each has its
+ * RECV_CLOSE_ON_SERVER pending from the start: a cancel or a disconnect
+ * completes it at once, which answers the call, releases the gRPC call and
+ * ends the core's wait (core_cancel_waits) then, not when the wait ends. */
+
+static uint32_t peer_bucket(const char *peer) {
+  uint32_t h = 2166136261u; /* FNV-1a */
+  for (const unsigned char *p = (const unsigned char *)peer; *p; p++)
+    h = (h ^ *p) * 16777619u;
+  return h % GSRV_PEER_BUCKETS;
+}
+
+static peer_count **peer_find_locked(gsrv *s, const char *peer) {
+  peer_count **pp = &s->peers[peer_bucket(peer)];
+  while (*pp && strcmp((*pp)->peer, peer) != 0)
+    pp = &(*pp)->next;
+  return pp;
+}
+
+/* The entry of `peer`, made if there is none; NULL when out of memory. */
+static peer_count *peer_get_locked(gsrv *s, const char *peer) {
+  peer_count **pp = peer_find_locked(s, peer);
+  if (*pp)
+    return *pp;
+  size_t n = strlen(peer) + 1;
+  peer_count *e = calloc(1, sizeof *e + n);
+  if (!e)
+    return NULL;
+  memcpy(e->peer, peer, n);
+  *pp = e;
+  return e;
+}
+
+/* Frees the entry of `peer` once nothing is counted in it. */
+static void peer_put_locked(gsrv *s, const char *peer) {
+  peer_count **pp = peer_find_locked(s, peer);
+  if (*pp && (*pp)->n == 0 && (*pp)->answer_bytes == 0) {
+    peer_count *e = *pp;
+    *pp = e->next;
+    free(e);
+  }
+}
+
+/* Counts the call against the budgets; returns 0, or ZS_ELIMIT with the
+ * sentence in err when one is full. s->lock held. */
+static int park_count_locked(gsrv *s, gcall *c, char *err, size_t errlen) {
+  const char *peer = c->peer ? c->peer : "unknown";
+  if (s->nparked >= s->lim.max_parked)
+    return status_fail(err, errlen, ZS_ELIMIT,
+                       "the server already holds %" PRIu32
+                       " waiting calls (Pull, GradStats), its limit; retry later",
+                       s->lim.max_parked);
+  peer_count **pp = peer_find_locked(s, peer);
+  if (*pp && (*pp)->n >= s->lim.max_parked_per_conn)
+    return status_fail(err, errlen, ZS_ELIMIT,
+                       "this connection already has %" PRIu32
+                       " waiting calls (Pull, GradStats), the server's limit per connection",
+                       s->lim.max_parked_per_conn);
+  peer_count *e = peer_get_locked(s, peer);
+  if (!e)
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory counting a waiting call");
+  e->n++;
+  s->nparked++;
+  c->parked = 1;
+  return 0;
+}
+
+/* Takes the call off the budgets (once; later calls do nothing). */
+static void park_uncount(gcall *c) {
+  gsrv *s = c->s;
+  pthread_mutex_lock(&s->lock);
+  if (c->parked) {
+    c->parked = 0;
+    s->nparked--;
+    const char *peer = c->peer ? c->peer : "unknown";
+    peer_count **pp = peer_find_locked(s, peer);
+    if (*pp)
+      (*pp)->n--;
+    peer_put_locked(s, peer);
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void on_park_close(gtag *t, int ok) {
+  (void)ok;
+  gcall *c = container_of(t, gcall, close_tag);
+  park_uncount(c);
+  /* Not cancelled: the final batch went out, nothing is left to do. Else the
+   * peer cancelled or went away: the call is answered now (a core callback
+   * that comes later finds it claimed), which releases the gRPC call. */
+  if (c->cancelled) {
+    answer(c, NULL, ZS_ECANCELED, "the client cancelled the call or went away");
+    /* The core's callback then finds the call answered and drops it. */
+    core_cancel_waits(c->s->core, c);
+  }
+  gcall_unref(c);
+}
+
+/* Before a call may wait in the core: counts it against the budgets and
+ * starts its RECV_CLOSE_ON_SERVER. Returns 0, or a status with the sentence
+ * in err (the caller answers it). The count ends when the call closes
+ * (on_park_close), or earlier by park_uncount when it does not wait. */
+static int park_begin(gsrv *s, gcall *c, char *err, size_t errlen) {
+  if (!c->peer)
+    c->peer = grpc_call_get_peer(c->call);
+  pthread_mutex_lock(&s->lock);
+  int rc = park_count_locked(s, c, err, errlen);
+  if (rc == 0)
+    c->waiting = 1;
+  pthread_mutex_unlock(&s->lock);
+  if (rc)
+    return rc;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &c->cancelled;
+  c->close_tag.done = on_park_close;
+  c->close_started = 1;
+  gcall_ref(c);
+  grpc_call_error e = start_batch(c->call, &op, 1, &c->close_tag);
+  if (e != GRPC_CALL_OK) {
+    c->close_started = 0;
+    gcall_unref(c);
+    set_waiting(c, 0);
+    park_uncount(c);
+    return status_fail(err, errlen, ZS_EINTERNAL, "cannot watch the call for a cancel: %s",
+                       grpc_call_error_to_string(e));
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pull answers                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A Pull's answer (the piece, up to 1 GiB) is built once its version is there
+ * and held until gRPC has handed it to the socket, which a peer that does not
+ * read delays as long as it likes. So answers count against a whole-server
+ * and a per-connection budget while they are held. One that does not fit
+ * waits in gsrv.answer_wait and is built when room is made, rather than
+ * refused: an honest trainer's pulls all come due at once after an apply. */
+
+static void pull_build(gcall *c, int claimed);
+
+static int answer_fits_locked(const gsrv *s, const peer_count *e, uint64_t n) {
+  return (s->answer_bytes == 0 || s->answer_bytes + n <= s->lim.max_answer_bytes) &&
+         (e->answer_bytes == 0 || e->answer_bytes + n <= s->lim.max_answer_bytes_per_conn);
+}
+
+static void answer_count_locked(gsrv *s, peer_count *e, gcall *c, uint64_t n) {
+  s->answer_bytes += n;
+  e->answer_bytes += n;
+  c->answer_held = n;
+  c->answer_since_ms = clock_now_ms();
+}
+
+/* Cancels the calls whose answers were held past answer_stall_ms (their peers
+ * stopped reading): their final batches fail, which gives the room back.
+ * s->lock held; a call still in s->inflight has its grpc_call. */
+static void answer_cancel_stalled_locked(gsrv *s) {
+  uint64_t now = clock_now_ms();
+  for (gcall *i = s->inflight; i; i = i->next) {
+    if (!i->answer_held || i->stall_cancelled || !i->call ||
+        now - i->answer_since_ms < s->lim.answer_stall_ms)
+      continue;
+    i->stall_cancelled = 1;
+    LOG_WARN("grpc_answer_stalled", "bytes=%" PRIu64 " held_ms=%" PRIu64, i->answer_held,
+             now - i->answer_since_ms);
+    grpc_call_cancel(i->call, NULL);
+  }
+}
+
+/* Room for c's answer (c->nbytes bytes): 1 when counted, 0 when c waits in
+ * the queue (with a reference) for answer_release to build it, -1 when out
+ * of memory. */
+static int answer_reserve(gsrv *s, gcall *c, int claimed) {
+  int rc = -1;
+  pthread_mutex_lock(&s->lock);
+  peer_count *e = peer_get_locked(s, c->peer ? c->peer : "unknown");
+  if (e && (s->closing || answer_fits_locked(s, e, c->nbytes))) {
+    answer_count_locked(s, e, c, c->nbytes);
+    rc = 1;
+  } else if (e) {
+    c->aw_claimed = claimed;
+    c->aw_next = NULL;
+    gcall_ref(c);
+    if (!s->answer_wait)
+      s->answer_wait_tail = &s->answer_wait;
+    *s->answer_wait_tail = c;
+    s->answer_wait_tail = &c->aw_next;
+    answer_cancel_stalled_locked(s);
+    rc = 0;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+/* Room for an answer of n bytes that cannot wait: 0 when counted, else
+ * ZS_ELIMIT (or ZS_ENOMEM) with the sentence in err. */
+static int answer_try_reserve(gsrv *s, gcall *c, uint64_t n, char *err, size_t errlen) {
+  if (!c->peer)
+    c->peer = grpc_call_get_peer(c->call);
+  pthread_mutex_lock(&s->lock);
+  peer_count *e = peer_get_locked(s, c->peer ? c->peer : "unknown");
+  int rc = 0;
+  if (!e) {
+    rc = status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory counting an answer");
+  } else if (!answer_fits_locked(s, e, n)) {
+    rc = status_fail(err, errlen, ZS_ELIMIT,
+                     "answers not yet taken hold %" PRIu64 " bytes on this connection and %" PRIu64
+                     " on the server, the limits; read them, or retry later",
+                     e->answer_bytes, s->answer_bytes);
+    peer_put_locked(s, c->peer ? c->peer : "unknown");
+  } else {
+    answer_count_locked(s, e, c, n);
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+/* Gives back the room of c's answer, if it has any, and builds the waiting
+ * answers that fit now (once each, in queue order per connection). */
+static void answer_release(gcall *c) {
+  gsrv *s = c->s;
+  gcall *run = NULL, **run_tail = &run;
+  pthread_mutex_lock(&s->lock);
+  if (!c->answer_held) {
+    pthread_mutex_unlock(&s->lock);
+    return;
+  }
+  const char *peer = c->peer ? c->peer : "unknown";
+  peer_count *e = *peer_find_locked(s, peer);
+  s->answer_bytes -= c->answer_held;
+  if (e)
+    e->answer_bytes -= c->answer_held;
+  c->answer_held = 0;
+  peer_put_locked(s, peer);
+  gcall **pp = &s->answer_wait;
+  while (*pp) {
+    gcall *w = *pp;
+    peer_count *we = peer_get_locked(s, w->peer ? w->peer : "unknown");
+    if (we && answer_fits_locked(s, we, w->nbytes)) {
+      *pp = w->aw_next;
+      answer_count_locked(s, we, w, w->nbytes);
+      w->aw_next = NULL;
+      *run_tail = w;
+      run_tail = &w->aw_next;
+    } else {
+      pp = &w->aw_next;
+    }
+  }
+  s->answer_wait_tail = pp;
+  pthread_mutex_unlock(&s->lock);
+  while (run) {
+    gcall *w = run;
+    run = w->aw_next;
+    pull_build(w, w->aw_claimed);
+    gcall_unref(w);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
 /* Request decoding                                                         */
 /* ------------------------------------------------------------------------ */
 
@@ -575,6 +914,7 @@ typedef struct push_req {
   int dtype; /* 0 when absent or not a zs_dtype value */
   const uint8_t *data;
   size_t len;
+  uint64_t offset, total; /* a chunk of the payload when total > 0 */
 } push_req;
 
 /* Decodes zshard.v1.PushRequest by the protobuf wire rules (fields in any
@@ -658,6 +998,15 @@ static int push_decode(const uint8_t *p, size_t n, push_req *r) {
         return -1;
       r->data = bytes;
       r->len = (size_t)v;
+      break;
+    case 9:
+    case 10:
+      if (wire != 0)
+        return -1;
+      if (field == 9)
+        r->offset = v;
+      else
+        r->total = v;
       break;
     default:
       break; /* unknown field: skipped */
@@ -764,6 +1113,27 @@ static void h_init_params(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   protobuf_c_message_free_unpacked(&r->base, NULL);
 }
 
+/* A chunk of a Push payload (PushRequest.total set): checked against the
+ * piece before any byte is held, then kept until the payload is whole, which
+ * comes back in *whole (malloc'ed) with the last chunk. */
+static int push_chunk(gsrv *s, const core_push_args *a, uint64_t offset, uint64_t total,
+                      void **whole, char *err, size_t errlen) {
+  *whole = NULL;
+  core_push_args q = *a;
+  q.nbytes = (size_t)total;
+  int rc = total > SIZE_MAX ? ZS_ESIZE : service_push_check(s->svc, &q, err, errlen);
+  if (rc)
+    return rc;
+  push_asm_key k = {.hash = a->hash,
+                    .step = a->step,
+                    .rank = a->rank,
+                    .micro = a->micro,
+                    .tensor = a->tensor,
+                    .slice = a->slice,
+                    .dtype = a->dtype};
+  return push_asm_add(s->chunks, &k, total, offset, a->data, a->nbytes, whole, err, errlen);
+}
+
 static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   char err[GSRV_ERRLEN] = "";
   push_req r;
@@ -787,8 +1157,22 @@ static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
       .data = r.data,
       .nbytes = r.len,
   };
+  void *whole = NULL;
+  int rc = 0;
+  if (r.total) {
+    rc = push_chunk(s, &a, r.offset, r.total, &whole, err, sizeof err);
+    if (rc == 0 && !whole) { /* more chunks to come: this one is kept */
+      Zshard__V1__PushResponse resp = ZSHARD__V1__PUSH_RESPONSE__INIT;
+      finish_msg(c, 0, &resp.base);
+      return;
+    }
+    a.data = whole;
+    a.nbytes = (size_t)r.total;
+  }
   int duplicate = 0;
-  int rc = service_push(s->svc, &a, &duplicate, err, sizeof err);
+  if (rc == 0)
+    rc = service_push(s->svc, &a, &duplicate, err, sizeof err);
+  free(whole);
   if (rc) {
     finish_err(c, 0, rc, err);
     return;
@@ -831,6 +1215,17 @@ static void pull_finish(gcall *c, int claimed) {
         err);
     return;
   }
+  int room = answer_reserve(s, c, claimed);
+  if (room < 0)
+    finish_err(c, claimed, ZS_ENOMEM, "out of memory counting a Pull answer");
+  else if (room > 0)
+    pull_build(c, claimed);
+}
+
+/* pull_finish's answer, once it has room. */
+static void pull_build(gcall *c, int claimed) {
+  char err[GSRV_ERRLEN] = "";
+  gsrv *s = c->s;
   size_t cap = 2 + varint_len((uint64_t)c->dtype) + varint_len(c->nbytes) + c->nbytes + 1 + 10;
   grpc_slice sl = grpc_slice_malloc(cap);
   uint8_t *p = GRPC_SLICE_START_PTR(sl);
@@ -898,14 +1293,19 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   c->nbytes = (size_t)nb;
 
   uint64_t version = 0;
-  set_waiting(c, 1);
+  int rc = park_begin(s, c, err, sizeof err);
+  if (rc) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
   gcall_ref(c); /* the core's, released by resume_from_core */
-  int rc = core_wait_version(s->core, c->hash, min_version, wait_deadline(c, timeout_ms),
-                             on_core_version, c, &version, err, sizeof err);
+  rc = core_wait_version(s->core, c->hash, min_version, wait_deadline(c, timeout_ms),
+                         on_core_version, c, &version, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
   set_waiting(c, 0);
+  park_uncount(c);
   if (rc < 0) {
     finish_err(c, 0, rc, err);
     return;
@@ -969,14 +1369,19 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   uint32_t acked_rank = r->acked_rank;
   protobuf_c_message_free_unpacked(&r->base, NULL);
 
-  set_waiting(c, 1);
+  int rc = park_begin(s, c, err, sizeof err);
+  if (rc) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
   gcall_ref(c);
-  int rc = service_grad_stats(s->svc, c->hash, c->step, acked_rank, wait_deadline(c, timeout_ms),
-                              on_core_stats, c, &c->stats, err, sizeof err);
+  rc = service_grad_stats(s->svc, c->hash, c->step, acked_rank, wait_deadline(c, timeout_ms),
+                          on_core_stats, c, &c->stats, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
   set_waiting(c, 0);
+  park_uncount(c);
   if (rc < 0 && rc != ZS_ETIMEDOUT) {
     finish_err(c, 0, rc, err);
     return;
@@ -1077,13 +1482,17 @@ static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   uint64_t count = r->count, version = 0, steps = 0;
   float *buf = NULL;
   /* The message's own fields take a few bytes besides the data. */
-  uint64_t max_bytes = RPC_MAX_MESSAGE_BYTES - 64;
+  uint64_t max_bytes = RPC_PUSH_CHUNK_BYTES;
   int rc = 0;
   /* A count too large for a message is the service's to refuse (no buffer
-   * is needed for that). */
-  if (count <= max_bytes / sizeof(float) && !(buf = malloc(count ? count * sizeof(float) : 1))) {
-    rc = ZS_ENOMEM;
-    snprintf(err, sizeof err, "out of memory for a ReadState answer");
+   * is needed for that). The answer counts against the answer budgets, but
+   * does not wait for room: a client reads state in 1 MiB chunks. */
+  if (count <= max_bytes / sizeof(float)) {
+    rc = answer_try_reserve(s, c, count * sizeof(float), err, sizeof err);
+    if (rc == 0 && !(buf = malloc(count ? count * sizeof(float) : 1))) {
+      rc = ZS_ENOMEM;
+      snprintf(err, sizeof err, "out of memory for a ReadState answer");
+    }
   }
   if (rc == 0)
     rc = service_state_read(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,
@@ -1497,7 +1906,7 @@ static void watch_kick_locked(gsrv *s, gcall *c) {
     grpc_call_error e = start_batch(c->call, ops, 1, &c->io_tag);
     if (e != GRPC_CALL_OK) {
       LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
-      list_remove_locked(&s->watchers, c);
+      watch_remove_locked(s, c);
       pthread_cond_broadcast(&s->cond);
       gcall_unref(c); /* cannot be the last: the caller holds one */
     }
@@ -1526,7 +1935,7 @@ static void on_watch_final(gtag *t, int ok) {
   grpc_slice_unref(c->trailer.value);
   c->trailer.value = grpc_empty_slice();
   pthread_mutex_lock(&s->lock);
-  list_remove_locked(&s->watchers, c);
+  watch_remove_locked(s, c);
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   gcall_unref(c);
@@ -1538,7 +1947,7 @@ static void on_watch_close(gtag *t, int ok) {
   gsrv *s = c->s;
   pthread_mutex_lock(&s->lock);
   c->w_closed = 1;
-  list_remove_locked(&s->watchers, c);
+  watch_remove_locked(s, c);
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   gcall_unref(c);
@@ -1563,6 +1972,17 @@ static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     answer(c, NULL, ZS_ECLOSED, "the server is shutting down");
     return;
   }
+  if (s->nwatchers >= s->lim.max_watchers) {
+    uint32_t max = s->lim.max_watchers;
+    pthread_mutex_unlock(&s->lock);
+    char err[GSRV_ERRLEN];
+    snprintf(err, sizeof err,
+             "the server already streams %" PRIu32
+             " health Watch calls, its limit; use Check, or retry later",
+             max);
+    answer(c, NULL, ZS_ELIMIT, err);
+    return;
+  }
   /* The stream is ours from here on: nobody else answers it. */
   atomic_store(&c->claimed, 1);
   grpc_op op;
@@ -1579,6 +1999,7 @@ static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   list_add_locked(&s->watchers, c);
+  s->nwatchers++;
   watch_kick_locked(s, c);
   pthread_mutex_unlock(&s->lock);
 }
@@ -1742,6 +2163,14 @@ static void dispatch(gsrv *s, gcall *c) {
     answer(c, NULL, ZS_EPROTO, "the call carries no request message");
     return;
   }
+  size_t n = grpc_byte_buffer_length(c->payload);
+  if (n > methods[c->method].max_request) {
+    char err[GSRV_ERRLEN];
+    snprintf(err, sizeof err, "a %s request has at most %zu bytes, not %zu",
+             strrchr(methods[c->method].path, '/') + 1, methods[c->method].max_request, n);
+    answer(c, NULL, ZS_ELIMIT, err);
+    return;
+  }
   grpc_slice msg;
   if (request_slice(c->payload, &msg) != 0) {
     answer(c, NULL, ZS_EPROTO, "the request message cannot be read");
@@ -1882,11 +2311,97 @@ static void teardown(gsrv *s) {
   grpc_shutdown();
   gtls_free(s->tls);
   free(s->threads);
+  push_asm_free(s->chunks);
+  for (int i = 0; i < GSRV_PEER_BUCKETS; i++) {
+    while (s->peers[i]) {
+      peer_count *e = s->peers[i];
+      s->peers[i] = e->next;
+      free(e);
+    }
+  }
   if (s->own_svc)
     service_destroy(s->svc);
   pthread_cond_destroy(&s->cond);
   pthread_mutex_destroy(&s->lock);
   free(s);
+}
+
+/* A positive integer from the environment, else `def`. */
+static uint32_t env_u32(const char *name, uint32_t def) {
+  const char *v = getenv(name);
+  if (!v || !*v)
+    return def;
+  char *end;
+  unsigned long long x = strtoull(v, &end, 10);
+  if (*end || x == 0 || x > INT32_MAX) {
+    LOG_WARN("bad_env", "name=%s reason=not_a_positive_int32 using=%" PRIu32, name, def);
+    return def;
+  }
+  return (uint32_t)x;
+}
+
+void gsrv_limits_init(gsrv_limits *l) {
+  l->max_parked = env_u32("ZSHARD_GRPC_MAX_PARKED", GSRV_DEFAULT_MAX_PARKED);
+  l->max_parked_per_conn =
+      env_u32("ZSHARD_GRPC_MAX_PARKED_PER_CONN", GSRV_DEFAULT_MAX_PARKED_PER_CONN);
+  l->max_watchers = env_u32("ZSHARD_GRPC_MAX_WATCHERS", GSRV_DEFAULT_MAX_WATCHERS);
+  l->idle_ms = env_u32("ZSHARD_GRPC_IDLE_MS", GSRV_DEFAULT_IDLE_MS);
+  l->handshake_ms = env_u32("ZSHARD_GRPC_HANDSHAKE_MS", GSRV_DEFAULT_HANDSHAKE_MS);
+  l->keepalive_ms = env_u32("ZSHARD_GRPC_KEEPALIVE_MS", GSRV_DEFAULT_KEEPALIVE_MS);
+  l->keepalive_timeout_ms = GSRV_DEFAULT_KEEPALIVE_TIMEOUT_MS;
+  l->max_chunked_bytes = (uint64_t)env_u32("ZSHARD_GRPC_MAX_CHUNKED_MB",
+                                           (uint32_t)(GSRV_DEFAULT_MAX_CHUNKED_BYTES >> 20))
+                         << 20;
+  l->chunked_ttl_ms = GSRV_DEFAULT_CHUNKED_TTL_MS;
+  l->memory_bytes =
+      (uint64_t)env_u32("ZSHARD_GRPC_MEMORY_MB", (uint32_t)(GSRV_DEFAULT_MEMORY_BYTES >> 20)) << 20;
+  l->max_answer_bytes = (uint64_t)env_u32("ZSHARD_GRPC_MAX_ANSWER_MB",
+                                          (uint32_t)(GSRV_DEFAULT_MAX_ANSWER_BYTES >> 20))
+                        << 20;
+  l->max_answer_bytes_per_conn =
+      (uint64_t)env_u32("ZSHARD_GRPC_MAX_ANSWER_MB_PER_CONN",
+                        (uint32_t)(GSRV_DEFAULT_MAX_ANSWER_BYTES_PER_CONN >> 20))
+      << 20;
+  l->answer_stall_ms = env_u32("ZSHARD_GRPC_ANSWER_STALL_MS", GSRV_DEFAULT_ANSWER_STALL_MS);
+}
+
+static void int_arg(grpc_arg *a, const char *key, int value) {
+  a->type = GRPC_ARG_INTEGER;
+  a->key = (char *)key;
+  a->value.integer = value;
+}
+
+/* The listener's channel arguments (GSRV_NARGS of them) from its limits. */
+#define GSRV_NARGS 11
+static void listener_args(const gsrv_limits *l, grpc_resource_quota *quota, grpc_arg *args) {
+  int n = 0;
+  args[n].type = GRPC_ARG_POINTER;
+  args[n].key = (char *)GRPC_ARG_RESOURCE_QUOTA;
+  args[n].value.pointer.p = quota;
+  args[n++].value.pointer.vtable = grpc_resource_quota_arg_vtable();
+  /* No request needs more than a Push chunk and its header (GSRV_MAX_REQUEST
+   * says per method); gRPC refuses a larger message RESOURCE_EXHAUSTED. */
+  int_arg(&args[n++], GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, GSRV_MAX_REQUEST_BYTES);
+  int_arg(&args[n++], GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, RPC_MAX_MESSAGE_BYTES);
+  /* gRPC sets SO_REUSEPORT by default, which would let a second server bind
+   * a port already in use and silently share its connections. */
+  int_arg(&args[n++], GRPC_ARG_ALLOW_REUSEPORT, 0);
+  /* An idle connection costs a descriptor and its buffers: gRPC's default
+   * keeps it forever, and enough of them starve the checkpoint writer of
+   * descriptors (EMFILE). */
+  int_arg(&args[n++], GRPC_ARG_MAX_CONNECTION_IDLE_MS, (int)l->idle_ms);
+  int_arg(&args[n++], GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, (int)l->handshake_ms);
+  int_arg(&args[n++], GRPC_ARG_KEEPALIVE_TIME_MS, (int)l->keepalive_ms);
+  int_arg(&args[n++], GRPC_ARG_KEEPALIVE_TIMEOUT_MS, (int)l->keepalive_timeout_ms);
+  /* Clients may ping (to keep NATs open) once a minute, even between calls;
+   * more often is gRPC's "too many pings" and ends the connection. */
+  int_arg(&args[n++], GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  int_arg(&args[n++], GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 60000);
+  /* Streams open at once on one connection: its parked calls and room for
+   * the calls in progress beside them. */
+  int_arg(
+      &args[n++], GRPC_ARG_MAX_CONCURRENT_STREAMS,
+      (int)(l->max_parked_per_conn > INT32_MAX - 256 ? INT32_MAX : l->max_parked_per_conn + 256));
 }
 
 /* Listens on cfg->listen, with TLS when a certificate is configured.
@@ -1954,6 +2469,17 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     s->own_svc = 1;
   }
   s->data_port = cfg->data_port;
+  if (cfg->limits)
+    s->lim = *cfg->limits;
+  else
+    gsrv_limits_init(&s->lim);
+  if (push_asm_new(s->lim.max_chunked_bytes, s->lim.chunked_ttl_ms, RPC_PUSH_CHUNK_BYTES,
+                   &s->chunks) != 0) {
+    if (s->own_svc)
+      service_destroy(s->svc);
+    free(s);
+    return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+  }
   s->auth = cfg->auth;
   /* A Watch stream lives as long as its client wants: its duration is no
    * latency, so it is not recorded. */
@@ -1973,20 +2499,16 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   grpc_init();
 
   int rc = ZS_EINTERNAL;
-  grpc_arg args[3];
-  args[0].type = GRPC_ARG_INTEGER;
-  args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args[0].value.integer = RPC_MAX_MESSAGE_BYTES;
-  args[1].type = GRPC_ARG_INTEGER;
-  args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  args[1].value.integer = RPC_MAX_MESSAGE_BYTES;
-  /* gRPC sets SO_REUSEPORT by default, which would let a second server bind
-   * a port already in use and silently share its connections. */
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
-  args[2].value.integer = 0;
-  grpc_channel_args chargs = {.num_args = 3, .args = args};
+  grpc_arg args[GSRV_NARGS];
+  /* gRPC reads a request whole before it checks it against the receive
+   * limit, so the limit alone bounds nothing: its memory quota does. Past
+   * it, gRPC resets streams (RESOURCE_EXHAUSTED) instead of reading more. */
+  grpc_resource_quota *quota = grpc_resource_quota_create("zshard-grpc");
+  grpc_resource_quota_resize(quota, (size_t)s->lim.memory_bytes);
+  listener_args(&s->lim, quota, args);
+  grpc_channel_args chargs = {.num_args = GSRV_NARGS, .args = args};
   s->server = grpc_server_create(&chargs, NULL);
+  grpc_resource_quota_unref(quota);
   s->cq = grpc_completion_queue_create_for_next(NULL);
   if (!s->server || !s->cq) {
     status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot create the gRPC server");
@@ -2083,7 +2605,16 @@ void gsrv_destroy(gsrv *s) {
     w->w_ending = 1;
     watch_kick_locked(s, w);
   }
+  gcall *queued = s->answer_wait;
+  s->answer_wait = NULL;
   pthread_mutex_unlock(&s->lock);
+  /* Answers still waiting for room are not built any more. */
+  while (queued) {
+    gcall *w = queued;
+    queued = w->aw_next;
+    finish_err(w, w->aw_claimed, ZS_ECLOSED, "the server is shutting down");
+    gcall_unref(w);
+  }
 
   /* 4. Every call still open is answered ECLOSED; a core callback that comes
    * later finds it claimed. The list is walked afresh after each answer since

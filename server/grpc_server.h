@@ -37,6 +37,66 @@
 
 typedef struct gsrv gsrv;
 
+/* What one gRPC listener lets its peers hold (docs/OPERATIONS.md, "Limits").
+ * A call beyond a count is answered RESOURCE_EXHAUSTED (ZS_ELIMIT) with a
+ * sentence naming the limit; a connection beyond a time is closed. */
+typedef struct gsrv_limits {
+  /* Calls parked in the core (a Pull waiting for its version, a GradStats
+   * for its contributions): on the whole server, and per connection. */
+  uint32_t max_parked;
+  uint32_t max_parked_per_conn;
+  /* grpc.health.v1 Watch streams open at once on the whole server. */
+  uint32_t max_watchers;
+  /* A connection with no call in flight is closed after idle_ms; one that
+   * has not finished its HTTP/2 (or TLS) handshake after handshake_ms. */
+  uint32_t idle_ms;
+  uint32_t handshake_ms;
+  /* The server pings a connection silent for keepalive_ms and closes it when
+   * no answer comes in keepalive_timeout_ms: a peer that vanished without a
+   * FIN releases its parked calls then. */
+  uint32_t keepalive_ms;
+  uint32_t keepalive_timeout_ms;
+  /* Bytes that Push payloads arriving in chunks may hold on the whole server
+   * while they are reassembled, and how long one may take to complete. */
+  uint64_t max_chunked_bytes;
+  uint32_t chunked_ttl_ms;
+  /* gRPC's memory quota for the listener: requests being read (a request is
+   * read whole before the receive limit is checked), connections' buffers,
+   * calls' arenas. Past it gRPC resets the streams it reads. */
+  uint64_t memory_bytes;
+  /* Bytes of Pull answers built and not yet taken by their peers: on the
+   * whole server, and per connection. An answer that does not fit waits for
+   * room (it is not refused); one answer always fits where none is held, so
+   * a piece of any size is served. An answer not taken after
+   * answer_stall_ms has its call cancelled when another answer waits. */
+  uint64_t max_answer_bytes;
+  uint64_t max_answer_bytes_per_conn;
+  uint32_t answer_stall_ms;
+} gsrv_limits;
+
+#define GSRV_DEFAULT_MAX_PARKED 16384u
+#define GSRV_DEFAULT_MAX_PARKED_PER_CONN 1024u
+#define GSRV_DEFAULT_MAX_WATCHERS 256u
+#define GSRV_DEFAULT_IDLE_MS (5u * 60u * 1000u)
+#define GSRV_DEFAULT_HANDSHAKE_MS 10000u
+#define GSRV_DEFAULT_KEEPALIVE_MS (2u * 60u * 1000u)
+#define GSRV_DEFAULT_KEEPALIVE_TIMEOUT_MS 20000u
+#define GSRV_DEFAULT_MAX_CHUNKED_BYTES (UINT64_C(2) << 30)
+#define GSRV_DEFAULT_CHUNKED_TTL_MS 60000u
+#define GSRV_DEFAULT_MEMORY_BYTES (UINT64_C(1) << 30)
+#define GSRV_DEFAULT_MAX_ANSWER_BYTES (UINT64_C(2) << 30)
+#define GSRV_DEFAULT_MAX_ANSWER_BYTES_PER_CONN (UINT64_C(256) << 20)
+#define GSRV_DEFAULT_ANSWER_STALL_MS 60000u
+
+/* Fills *l with the defaults above, each overridden by its hidden environment
+ * knob when set to a positive integer (ZSHARD_GRPC_MAX_PARKED,
+ * ZSHARD_GRPC_MAX_PARKED_PER_CONN, ZSHARD_GRPC_MAX_WATCHERS,
+ * ZSHARD_GRPC_IDLE_MS, ZSHARD_GRPC_HANDSHAKE_MS, ZSHARD_GRPC_KEEPALIVE_MS,
+ * ZSHARD_GRPC_MAX_CHUNKED_MB, ZSHARD_GRPC_MEMORY_MB, ZSHARD_GRPC_MAX_ANSWER_MB,
+ * ZSHARD_GRPC_MAX_ANSWER_MB_PER_CONN, ZSHARD_GRPC_ANSWER_STALL_MS):
+ * they exist for tests and emergencies, not as tuning advice. */
+void gsrv_limits_init(gsrv_limits *l);
+
 typedef struct gsrv_config {
   /* "host:port" to listen on; port 0 picks a free port (see gsrv_port). The
    * string is only read during gsrv_start. */
@@ -74,6 +134,9 @@ typedef struct gsrv_config {
   const char *tls_cert_file;
   const char *tls_key_file;
   const char *tls_client_ca_file;
+  /* The listener's limits; NULL means gsrv_limits_init's. Read only during
+   * gsrv_start. */
+  const gsrv_limits *limits;
 } gsrv_config;
 
 /* Binds, starts the polling threads and starts serving (health SERVING).

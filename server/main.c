@@ -29,6 +29,7 @@
 #include "common/log.h"
 #include "common/rpc_client.h"
 #include "common/spec.h"
+#include "common/tls.h"
 #include "server/ckpt_svc.h"
 #include "server/core.h"
 #include "server/dp_server.h"
@@ -542,6 +543,7 @@ typedef struct shard {
   gsrv *srv;
   metrics_server *msrv;
   auth_keys *auth; /* read before anything starts; freed last */
+  tls_ctx *dp_tls; /* the data plane's TLS context (NULL: plain TCP); freed last */
 } shard;
 
 /* Loads the newest checkpoint in --state-dir, if one is given. The
@@ -579,9 +581,7 @@ static int start_transports(const options *o, shard *s) {
     dc.service = s->sv;
     dc.metrics = s->mx;
     dc.auth = s->auth;
-    dc.tls_cert_file = o->tls_cert;
-    dc.tls_key_file = o->tls_key;
-    dc.tls_client_ca_file = o->tls_client_ca;
+    dc.tls = s->dp_tls;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
     if (rc) {
       LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o->data_listen,
@@ -683,6 +683,7 @@ static void shard_stop(shard *s) {
   core_destroy(s->c);
   metrics_destroy(s->mx);
   auth_keys_free(s->auth);
+  tls_ctx_free(s->dp_tls);
   memset(s, 0, sizeof *s);
 }
 
@@ -721,6 +722,11 @@ static int load_security(const options *o, shard *s) {
       free(pem);
     }
   }
+  /* The data plane's context is made here too: OpenSSL checks that the key
+   * is the certificate's, and a mismatch is a usage error like the rest. */
+  if (o->tls_cert &&
+      tls_server_new(o->tls_cert, o->tls_key, o->tls_client_ca, &s->dp_tls, err, sizeof err) != 0)
+    return bad_usage("--tls-cert (data plane): %s", err);
   if (o->token_file && !o->admin_token_file)
     LOG_WARN("auth_single_token", "detail=\"the trainers' token is also the admin token: give "
                                   "--admin-token-file to keep Restore, Checkpoint, CloseJob and "
@@ -743,12 +749,15 @@ static void reload_security(const options *o, shard *s) {
       LOG_ERROR("reload", "what=tokens outcome=kept_old detail=\"%s\"", err);
   }
   if (o->tls_cert) {
-    /* gRPC takes the new files at its next handshake. The data plane's
-     * certificate is the data plane's to reload (dp_server). */
+    /* Both transports take the new files at their next handshake. */
     if (gsrv_reload_tls(s->srv, err, sizeof err) == 0)
       LOG_INFO("reload", "what=grpc_tls outcome=ok detail=\"used from the next handshake\"");
     else
       LOG_ERROR("reload", "what=grpc_tls outcome=kept_old detail=\"%s\"", err);
+    if (tls_ctx_reload(s->dp_tls, err, sizeof err) == 0)
+      LOG_INFO("reload", "what=data_tls outcome=ok detail=\"used from the next handshake\"");
+    else
+      LOG_ERROR("reload", "what=data_tls outcome=kept_old detail=\"%s\"", err);
   }
 }
 
@@ -783,6 +792,7 @@ int main(int argc, char **argv) {
   rc = load_security(&o, &s);
   if (rc >= 0) {
     auth_keys_free(s.auth);
+    tls_ctx_free(s.dp_tls);
     return rc;
   }
   int status = 1;

@@ -22,7 +22,8 @@ static void estimate_usage(FILE *f) {
              "                      rather than guessed\n"
              "  --trainers W        data-parallel trainers (default 1)\n"
              "  --shards N          zshard shard servers (default 1)\n"
-             "  --grad-dtype D      gradients on the wire: fp32, bf16 (default), fp16\n"
+             "  --grad-dtype D      gradients on the wire: fp32, bf16 (default), fp16, int8\n"
+             "                      (blocks of 128 with an fp32 scale: 1.03 bytes each)\n"
              "  --param-dtype D     parameters on the wire and on trainers (default bf16)\n"
              "  --gbps B            trainer link, Gbit/s each way (default 100)\n"
              "  --shard-gbps B      shard link (default: --gbps)\n"
@@ -39,13 +40,18 @@ static int parse_dtype(const char *s, zs_dtype *out) {
     *out = ZS_DTYPE_BF16;
   else if (strcmp(s, "fp16") == 0)
     *out = ZS_DTYPE_FP16;
+  else if (strcmp(s, "int8") == 0)
+    *out = ZS_DTYPE_INT8_BLOCK;
   else
     return -1;
   return 0;
 }
 
 static const char *dtype_name(zs_dtype d) {
-  return d == ZS_DTYPE_FP32 ? "fp32" : d == ZS_DTYPE_FP16 ? "fp16" : "bf16";
+  return d == ZS_DTYPE_FP32         ? "fp32"
+         : d == ZS_DTYPE_FP16       ? "fp16"
+         : d == ZS_DTYPE_INT8_BLOCK ? "int8"
+                                    : "bf16";
 }
 
 static const char *const pretty[ZS_STRATEGY_COUNT] = {"DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "zshard"};

@@ -50,6 +50,7 @@ typedef struct config {
   int data_given;
   int synthetic;
   zs_dtype wire;
+  uint32_t error_feedback; /* with --wire int8 */
   uint32_t timeout_ms;
   const char *job;
   uint32_t checkpoint_every, max_recoveries;
@@ -82,7 +83,11 @@ static void usage(FILE *f) {
           "  --hidden H1,H2     hidden widths (default 64,32)\n"
           "  --lr LR            AdamW learning rate (default 0.01)\n"
           "  --clip NORM        clip the global gradient norm (default 0: off)\n"
-          "  --wire fp32|bf16|fp16  dtype of gradients and parameters on the wire (default bf16)\n"
+          "  --wire fp32|bf16|fp16|int8  dtype of gradients and parameters on the wire\n"
+          "                     (default bf16); int8: blocks of 128 with a scale, the\n"
+          "                     biases' group in bf16\n"
+          "  --error-feedback on|off  keep what int8 pushes lose and add it to the next\n"
+          "                     push (default on)\n"
           "  --prefetch K       library prefetch depth (default 0: the example prefetches itself)\n"
           "  --data PATH        digits.csv.gz (default the python3-sklearn copy)\n"
           "  --synthetic        use the synthetic task even if the data is installed\n"
@@ -116,6 +121,7 @@ static int parse_args(int argc, char **argv, config *cfg) {
                                        {"lr", required_argument, NULL, 'l'},
                                        {"clip", required_argument, NULL, 'c'},
                                        {"wire", required_argument, NULL, 'W'},
+                                       {"error-feedback", required_argument, NULL, 'E'},
                                        {"prefetch", required_argument, NULL, 'p'},
                                        {"data", required_argument, NULL, 'd'},
                                        {"synthetic", no_argument, NULL, 'S'},
@@ -139,6 +145,7 @@ static int parse_args(int argc, char **argv, config *cfg) {
                   .seed = 1,
                   .data = DIGITS_DEFAULT_PATH,
                   .wire = ZS_DTYPE_BF16,
+                  .error_feedback = 1,
                   .timeout_ms = 60000,
                   .job = "zshard-mlp",
                   .log_every = 1,
@@ -181,6 +188,14 @@ static int parse_args(int argc, char **argv, config *cfg) {
         cfg->wire = ZS_DTYPE_BF16;
       else if (strcmp(optarg, "fp16") == 0)
         cfg->wire = ZS_DTYPE_FP16;
+      else if (strcmp(optarg, "int8") == 0)
+        cfg->wire = ZS_DTYPE_INT8_BLOCK;
+      else
+        bad = 1;
+      break;
+    case 'E':
+      if (strcmp(optarg, "on") == 0 || strcmp(optarg, "off") == 0)
+        cfg->error_feedback = strcmp(optarg, "on") == 0;
       else
         bad = 1;
       break;
@@ -487,6 +502,7 @@ int main(int argc, char **argv) {
   o.job = cfg.job;
   o.push_dtype = cfg.wire;
   o.pull_dtype = cfg.wire;
+  o.error_feedback = cfg.wire == ZS_DTYPE_INT8_BLOCK && cfg.error_feedback;
   o.step_timeout_ms = cfg.timeout_ms;
   o.prefetch_depth = cfg.prefetch;
   o.checkpoint_every = cfg.checkpoint_every;
@@ -503,6 +519,9 @@ int main(int argc, char **argv) {
   if ((rc = zs_add_group(c, &g, &g_decay)) != ZS_OK)
     return fail("zs_add_group", rc);
   g.weight_decay = 0; /* biases are not decayed */
+  /* and, being small, are not worth quantizing: their group keeps bf16 */
+  if (cfg.wire == ZS_DTYPE_INT8_BLOCK)
+    g.push_dtype = g.pull_dtype = ZS_DTYPE_BF16;
   if ((rc = zs_add_group(c, &g, &g_nodecay)) != ZS_OK)
     return fail("zs_add_group", rc);
   for (int t = 0; t < NT; t++) {

@@ -58,7 +58,7 @@ except ImportError as e:
              "PYTHONPATH=build/python /usr/bin/python3" % e)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
-WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8}
 
 
 def parse_args(argv=None):
@@ -69,6 +69,9 @@ def parse_args(argv=None):
     a.add_argument("--wire", choices=sorted(WIRE), default="bf16",
                    help="dtype of gradients and parameters on the wire (fp16 turns on dynamic "
                         "loss scaling)")
+    a.add_argument("--error-feedback", choices=("on", "off"), default="on",
+                   help="with --wire int8: keep what quantization loses and add it to the next "
+                        "push (4 bytes per parameter)")
     a.add_argument("--release-after-forward", action="store_true",
                    help="free each layer's parameters after forward, pull them again for backward")
     a.add_argument("--prefetch", type=int, default=2, help="modules pulled ahead of use")
@@ -217,6 +220,8 @@ def main(argv=None):
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=lr_at(1, args), betas=(0.9, 0.95))
     extra = {"loss_scaling": "dynamic"} if args.wire == "fp16" else {}
+    if args.wire == "int8":
+        extra["error_feedback"] = int(args.error_feedback == "on")
     opt = zshard.torch.shard(model, base, addresses=args.shards, wire_dtype=WIRE[args.wire],
                              rank=rank, world_size=world, prefetch=args.prefetch,
                              release_after_forward=args.release_after_forward,

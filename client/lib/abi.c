@@ -21,7 +21,7 @@
 ZC_ENDS_AT(zs_loss_scaler, last_overflow_iter);
 ZC_ENDS_AT(zs_client_options, tls_server_name);
 ZC_ENDS_AT(zs_step_options, clip_coef);
-ZC_ENDS_AT(zs_group_options, bias_correction);
+ZC_ENDS_AT(zs_group_options, pull_dtype);
 ZC_ENDS_AT(zs_timing, retries);
 ZC_ENDS_AT(zs_step_result, next_loss_scale);
 ZC_ENDS_AT(zs_estimate_input, optimizer_bytes);

@@ -287,8 +287,8 @@ static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
       o->open_mode != ZS_OPEN_RESUME)
     return zc_fail(ZS_EINVAL, "zs_client_open: open_mode %d is not a zs_open_mode value",
                    (int)o->open_mode);
-  if (o->reserved0 != 0)
-    return zc_fail(ZS_EINVAL, "zs_client_open: reserved0 must be 0");
+  if (o->error_feedback > 1)
+    return zc_fail(ZS_EINVAL, "zs_client_open: error_feedback must be 0 or 1");
   return ZS_OK;
 }
 
@@ -298,6 +298,7 @@ static void client_free(zs_client *c) {
   zc_pool_stop(&c->pool);
   zc_dp_close(c);
   zc_slots_free(c);
+  zc_ef_free(c);
   layout_free(&c->lay);
   spec_free(&c->sp);
   free(c->pushed);
@@ -310,6 +311,7 @@ static void client_free(zs_client *c) {
   free(c->job);
   zc_security_free(&c->sec);
   pthread_mutex_destroy(&c->mu);
+  pthread_mutex_destroy(&c->ef_mu);
   pthread_cond_destroy(&c->cv);
   free(c);
 }
@@ -342,6 +344,7 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
   if (!c)
     return zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
   pthread_mutex_init(&c->mu, NULL);
+  pthread_mutex_init(&c->ef_mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   /* Retry backoff waits on cv with a CLOCK_MONOTONIC deadline. */
@@ -548,10 +551,21 @@ int zs_add_group(zs_client *c, const zs_group_options *caller_g, uint32_t *id) {
 #undef NORM_F64
 #undef NORM_FLAG
 #undef NORM_FLAG_NEGATED
+  if ((g->push_dtype != 0 && !dtype_valid(g->push_dtype)) ||
+      (g->pull_dtype != 0 && !dtype_valid(g->pull_dtype))) {
+    zc_client_leave(c);
+    return zc_fail(ZS_EDTYPE, "zs_add_group: push_dtype and pull_dtype must be 0 or a zs_dtype");
+  }
   pthread_mutex_lock(&c->mu);
   rc = check_describable_locked(c, "zs_add_group");
-  if (rc == ZS_OK)
+  if (rc == ZS_OK) {
+    uint32_t gid = c->sp.num_groups;
     rc = add_group_locked(c, &sg, id);
+    if (rc == ZS_OK) {
+      c->group_push[gid] = g->push_dtype;
+      c->group_pull[gid] = g->pull_dtype;
+    }
+  }
   pthread_mutex_unlock(&c->mu);
   zc_client_leave(c);
   return rc;

@@ -161,10 +161,7 @@ static int open_client(const zs_client *c, const char *host, uint32_t port, zc_d
       .connect_timeout_ms =
           c->opt.rpc_timeout_ms < DP_CONNECT_MS ? c->opt.rpc_timeout_ms : DP_CONNECT_MS,
       .token = c->sec.token,
-      .tls_ca_file = c->sec.tls_ca_file,
-      .tls_cert_file = c->sec.tls_cert_file,
-      .tls_key_file = c->sec.tls_key_file,
-      .tls_server_name = c->sec.tls_server_name,
+      .tls = c->sec.dp_tls,
   };
   rc = dp_client_open(&cfg, &k->cli, err, errlen);
   if (rc != ZS_OK) {

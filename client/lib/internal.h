@@ -57,9 +57,10 @@
 
 /* gRPC's UNAVAILABLE and CANCELLED: the statuses on which calls are retried
  * (the client never cancels its own calls, so CANCELLED comes from a server
- * that is shutting down). */
+ * that is shutting down); RESOURCE_EXHAUSTED too for Push and Pull (zc_call). */
 #define ZC_GRPC_UNAVAILABLE 14
 #define ZC_GRPC_CANCELLED 1
+#define ZC_GRPC_RESOURCE_EXHAUSTED 8
 
 /* ---- error.c -------------------------------------------------------------- */
 
@@ -200,8 +201,11 @@ struct zs_request {
   zs_request_cb cb;
   void *cb_arg;
   uint32_t tensor, micro;
-  uint64_t step;      /* push: the step; pull, prefetch: min_version */
-  const void *src;    /* push: the caller's gradient */
+  uint64_t step;   /* push: the step; pull, prefetch: min_version */
+  const void *src; /* push: the caller's gradient, or owned_src */
+  /* push with error feedback: gradient + residual, fp32, freed when the op
+   * finishes. */
+  float *owned_src;
   void *dst;          /* pull: the caller's buffer; prefetch: the slot's */
   zs_dtype buf_dtype; /* the caller's buffer (prefetch: = wire_dtype) */
   zs_dtype wire_dtype;
@@ -272,6 +276,12 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
 
 /* Frees the prefetch slots (client teardown). */
 void zc_slots_free(struct zs_client *c);
+/* Frees the error-feedback residuals (transfer.c). */
+void zc_ef_free(struct zs_client *c);
+/* After a step: a skipped step's residuals are dropped with its gradient
+ * (skipped 1); otherwise they are multiplied by `rescale`, the next loss
+ * scale over this step's, since pushes carry loss-scaled gradients. */
+void zc_ef_after_step(struct zs_client *c, int skipped, double rescale);
 
 /* Waits ms milliseconds, or less if the client starts closing; returns 1 if
  * it is closing. The retries' backoff. */
@@ -310,13 +320,17 @@ typedef struct zc_security {
   char *tls_cert_file;
   char *tls_key_file;
   char *tls_server_name;
+  /* The data plane's TLS client context made from the files above (NULL:
+   * plaintext); shared by every data-plane client of this client. */
+  struct tls_ctx *dp_tls;
 } zc_security;
 
 /* Each argument (the caller's option, may be NULL or "") or else its
  * environment variable (ZSHARD_TOKEN then ZSHARD_TOKEN_FILE, ZSHARD_TLS_CA,
- * _CERT, _KEY, _SERVER_NAME) into *out, copied. Returns ZS_OK, or an error
- * with the last error set (a token file that cannot be read); *out is then
- * empty. `fn` names the caller in messages. */
+ * _CERT, _KEY, _SERVER_NAME) into *out, copied; with a CA, also the data
+ * plane's TLS context. Returns ZS_OK, or an error with the last error set (a
+ * token file or a TLS file that cannot be read); *out is then empty. `fn` names the caller in
+ * messages. */
 int zc_security_resolve(const char *token, const char *tls_ca_file, const char *tls_cert_file,
                         const char *tls_key_file, const char *tls_server_name, zc_security *out,
                         const char *fn);
@@ -364,7 +378,15 @@ struct zs_client {
   atomic_uint retries;
   zs_timing last_timing;
 
-  zc_slot *slots;          /* (mu) num_tensors slots once opened with prefetch */
+  zc_slot *slots; /* (mu) num_tensors slots once opened with prefetch */
+  /* Error feedback (transfer.c): per tensor, the residual of its last push,
+   * numel floats, allocated at the tensor's first lossy push. ef_mu guards
+   * both; it is taken alone, never with mu. */
+  pthread_mutex_t ef_mu;
+  /* Per param group: its wire dtypes (zs_group_options), 0 for the
+   * client's. Written by zs_add_group before the job opens. */
+  zs_dtype group_push[SPEC_MAX_GROUPS], group_pull[SPEC_MAX_GROUPS];
+  float **ef_resid;
   zs_dtype last_pull_wire; /* (mu) wire dtype of the last pull, for prefetch */
 
   /* The last checkpoint attempt of this client (checkpoint.c; mu). */

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/auth.h"
+#include "common/tls.h"
 #include "internal.h"
 
 /* The option if set, else the environment variable's value, else NULL. */
@@ -34,6 +35,7 @@ void zc_security_free(zc_security *s) {
   free(s->tls_cert_file);
   free(s->tls_key_file);
   free(s->tls_server_name);
+  tls_ctx_free(s->dp_tls);
   memset(s, 0, sizeof *s);
 }
 
@@ -68,6 +70,17 @@ int zc_security_resolve(const char *token, const char *tls_ca_file, const char *
        dup_or_null(pick(tls_key_file, "ZSHARD_TLS_KEY"), &out->tls_key_file) ||
        dup_or_null(pick(tls_server_name, "ZSHARD_TLS_SERVER_NAME"), &out->tls_server_name)))
     rc = zc_fail(ZS_ENOMEM, "%s: out of memory", fn);
+  if (rc == ZS_OK && out->tls_ca_file) {
+    /* Made once here, so that a CA or key file that cannot be read fails
+     * the open with its reason rather than every later connection. */
+    char why[400] = "";
+    rc = tls_client_new(out->tls_ca_file, out->tls_cert_file, out->tls_key_file,
+                        out->tls_server_name, &out->dp_tls, why, sizeof why);
+    if (rc != ZS_OK)
+      rc = zc_fail(rc, "%s: TLS: %s", fn, why);
+  } else if (rc == ZS_OK && (out->tls_cert_file || out->tls_key_file)) {
+    rc = zc_fail(ZS_EINVAL, "%s: a TLS client certificate or key needs a CA (tls_ca_file)", fn);
+  }
   if (rc != ZS_OK)
     zc_security_free(out);
   return rc;

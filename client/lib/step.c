@@ -447,6 +447,8 @@ static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out)
   /* The step is complete on every shard. */
   double next_scale =
       complete_step(c, step, dynamic ? &next_scaler : NULL, loss_scale, t_begin, drain_ns);
+  if (c->opt.error_feedback)
+    zc_ef_after_step(c, overflow, next_scale / loss_scale);
   if (out) {
     zs_step_result res;
     memset(&res, 0, sizeof res);

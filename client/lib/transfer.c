@@ -17,6 +17,7 @@
  * copies less (dataplane.c).
  */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +97,7 @@ void zc_op_release(struct zs_request *op) {
     return;
   pthread_mutex_destroy(&op->mu);
   pthread_cond_destroy(&op->cv);
+  free(op->owned_src); /* a push refused before it was queued */
   free(op);
 }
 
@@ -108,6 +110,8 @@ static void op_finish(zs_request *op) {
   int status = op->status;
   switch (op->kind) {
   case ZC_OP_PUSH:
+    free(op->owned_src);
+    op->owned_src = NULL;
     pthread_mutex_lock(&c->mu);
     c->inflight_push--;
     c->bytes_pushed += op->bytes;
@@ -215,19 +219,30 @@ int zc_backoff_wait(struct zs_client *c, uint64_t ms) {
   return closing;
 }
 
+/* Whether `method` (a full gRPC path) is Push or Pull. */
+static int is_transfer(const char *method) {
+  const char *m = strrchr(method, '/');
+  return m && (strcmp(m, "/Push") == 0 || strcmp(m, "/Pull") == 0);
+}
+
 int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st) {
   uint64_t backoff = c->opt.retry_initial_ms;
   for (uint32_t attempt = 0;; attempt++) {
     int rc = rpc_call(c->chan[shard], method, req, resp_desc, resp, timeout_ms, st);
-    /* Only UNAVAILABLE and CANCELLED are retried: the call did not reach the
-     * shard's logic or the shard went away (a server shutting down cancels
-     * the calls it no longer admits; this client never cancels its own
-     * blocking calls, it lets deadlines expire), and every zshard call is
-     * idempotent (a repeated push is acknowledged as a duplicate, a repeated
-     * apply returns the recorded outcome). */
-    int transient = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED;
+    /* Only UNAVAILABLE and CANCELLED are retried, and RESOURCE_EXHAUSTED for
+     * the transfers: the call did not reach the shard's logic or the shard
+     * went away (a server shutting down cancels the calls it no longer
+     * admits; this client never cancels its own blocking calls, it lets
+     * deadlines expire), or a budget of the gRPC listener refused a transfer
+     * before acting (docs/OPERATIONS.md, "Limits": room comes back as other
+     * calls finish; a limit on other calls, such as a job's size, is for
+     * good); and every zshard call is idempotent (a repeated push is
+     * acknowledged as a duplicate, a repeated apply returns the recorded
+     * outcome). */
+    int transient = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED ||
+                    (st->grpc_code == ZC_GRPC_RESOURCE_EXHAUSTED && is_transfer(method));
     if (rc == ZS_OK || !transient || attempt >= c->opt.max_retries)
       return rc;
     atomic_fetch_add(&c->retries, 1);
@@ -257,19 +272,16 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
   rpc_status st = {0};
   int rc;
 
-  if (op->wire_dtype == op->buf_dtype) {
-    /* protobuf-c only reads the bytes: the cast drops const for its field. */
-    req.data.data = (uint8_t *)(uintptr_t)src;
-  } else {
+  const uint8_t *payload = src;
+  if (op->wire_dtype != op->buf_dtype) {
     tmp = malloc(wbytes);
     if (!tmp)
       return status_fail(err, errlen, ZS_ENOMEM,
                          "out of memory converting tensor '%s' for its push",
                          tensor_name(c, op->tensor));
     zc_convert(tmp, op->wire_dtype, src, op->buf_dtype, pc->numel);
-    req.data.data = tmp;
+    payload = tmp;
   }
-  req.data.len = wbytes;
   req.spec_hash = c->hash;
   req.step = op->step;
   req.rank = c->opt.rank;
@@ -277,8 +289,26 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
   req.tensor = pc->tensor;
   req.slice = pc->slice;
   req.dtype = (Zshard__V1__DType)op->wire_dtype;
-  rc = zc_call(c, t->shard, ZC_METHOD("Push"), &req.base, &zshard__v1__push_response__descriptor,
-               (ProtobufCMessage **)&resp, c->opt.rpc_timeout_ms, &st);
+  /* A payload beyond the server's receive limit goes in chunks of exactly
+   * RPC_PUSH_CHUNK_BYTES, one after the other; the server answers the last
+   * one for the whole contribution. A smaller one goes whole, as before. */
+  if (wbytes > RPC_PUSH_CHUNK_BYTES)
+    req.total = wbytes;
+  size_t off = 0;
+  do {
+    size_t n =
+        wbytes - off < RPC_PUSH_CHUNK_BYTES || !req.total ? wbytes - off : RPC_PUSH_CHUNK_BYTES;
+    req.offset = off;
+    /* protobuf-c only reads the bytes: the cast drops const for its field. */
+    req.data.data = (uint8_t *)(uintptr_t)(payload + off);
+    req.data.len = n;
+    if (resp)
+      protobuf_c_message_free_unpacked(&resp->base, NULL);
+    resp = NULL;
+    rc = zc_call(c, t->shard, ZC_METHOD("Push"), &req.base, &zshard__v1__push_response__descriptor,
+                 (ProtobufCMessage **)&resp, c->opt.rpc_timeout_ms, &st);
+    off += n;
+  } while (rc == ZS_OK && off < wbytes);
   free(tmp);
   if (rc != ZS_OK) {
     snprintf(err, errlen,
@@ -291,7 +321,7 @@ static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t
   /* A duplicate means an earlier attempt of this very contribution arrived:
    * the shard has it, which is what the push wanted. */
   protobuf_c_message_free_unpacked(&resp->base, NULL);
-  *bytes = req.data.len;
+  *bytes = wbytes;
   return ZS_OK;
 }
 
@@ -405,18 +435,33 @@ void zc_task_cancel(void *ctx, zc_task *t) {
 
 /* ---- prefetch ----------------------------------------------------------------- */
 
+/* The dtype a prefetch slot holds a tensor in: the wire dtype, except that
+ * a block-quantized one is decoded to fp32 on arrival. Its blocks start
+ * afresh in every piece (a piece is an array of its own), so the pieces of
+ * a tensor are not one array of that dtype and cannot be laid side by side
+ * at dtype_bytes(offset). */
+static zs_dtype slot_dtype(zs_dtype wire) {
+  const dtype_codec *k = dtype_codec_of(wire);
+  return k && k->block > 1 ? ZS_DTYPE_FP32 : wire;
+}
+
 uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
                             uint64_t min_version, zs_dtype wire, struct zs_request **ops) {
   uint32_t n = 0;
   if (!c->slots || c->closing)
     return 0;
+  zs_dtype last = wire;
   for (uint32_t t = first; t < c->sp.num_tensors && t - first < count; t++) {
     zc_slot *s = &c->slots[t];
+    /* The tensor's group may have a wire dtype of its own; otherwise the
+     * client's, or that of the pull that led here. */
+    zs_dtype gw = c->group_pull[c->sp.tensors[t].group];
+    wire = gw ? gw : c->opt.pull_dtype ? c->opt.pull_dtype : last;
     if (s->state == ZC_SLOT_INFLIGHT || s->state == ZC_SLOT_BUSY)
       continue;
     if (s->state == ZC_SLOT_READY && s->version == min_version && s->wire == wire)
       continue;
-    size_t need = (size_t)dtype_bytes(wire, c->sp.tensors[t].numel);
+    size_t need = (size_t)dtype_bytes(slot_dtype(wire), c->sp.tensors[t].numel);
     if (s->cap < need) {
       void *buf = realloc(s->buf, need);
       if (!buf)
@@ -431,7 +476,7 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
     op->tensor = t;
     op->step = min_version;
     op->dst = s->buf;
-    op->buf_dtype = wire;
+    op->buf_dtype = slot_dtype(wire);
     op->wire_dtype = wire;
     for (uint32_t i = 0; i < npieces; i++) {
       const layout_piece *pc = &c->lay.pieces[first_piece + i];
@@ -464,7 +509,8 @@ static void prefetch_finish(zs_client *c, zs_request *op, int status, const char
     return;
   if (status == ZS_OK) {
     /* BUSY keeps new prefetches away from buf while it is copied out. */
-    zc_convert(waiter->dst, waiter->buf_dtype, s->buf, s->wire, c->sp.tensors[op->tensor].numel);
+    zc_convert(waiter->dst, waiter->buf_dtype, s->buf, slot_dtype(s->wire),
+               c->sp.tensors[op->tensor].numel);
     pthread_mutex_lock(&c->mu);
     s->state = ZC_SLOT_EMPTY;
     pthread_mutex_unlock(&c->mu);
@@ -487,6 +533,18 @@ zs_dtype zc_wire_dtype(zs_dtype configured, zs_dtype buf) {
   return configured ? configured : buf;
 }
 
+/* The wire dtypes of tensor t: its group's, else the client's, else the
+ * buffer's. */
+static zs_dtype push_wire(const zs_client *c, uint32_t t, zs_dtype buf) {
+  zs_dtype g = c->group_push[c->sp.tensors[t].group];
+  return zc_wire_dtype(g ? g : c->opt.push_dtype, buf);
+}
+
+static zs_dtype pull_wire(const zs_client *c, uint32_t t, zs_dtype buf) {
+  zs_dtype g = c->group_pull[c->sp.tensors[t].group];
+  return zc_wire_dtype(g ? g : c->opt.pull_dtype, buf);
+}
+
 /* Checks the arguments shared by push and pull. */
 static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const void *buf,
                         zs_dtype dtype, size_t nbytes) {
@@ -503,9 +561,14 @@ static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const voi
     return zc_fail(ZS_EDTYPE, "%s: dtype %d is not %s", fn, (int)dtype, dtype_names());
   if (!buf)
     return zc_fail(ZS_EINVAL, "%s: the buffer of tensor '%s' is NULL", fn, tensor_name(c, tensor));
-  /* A block-quantized dtype has no element size; its kernels read the
-   * buffer bytewise, so it needs no alignment. */
-  size_t es = zs_dtype_size(dtype) ? zs_dtype_size(dtype) : 1;
+  /* A block-quantized dtype is a wire format only: its blocks restart in
+   * every piece, so a tensor split over shards is not one array of it. */
+  size_t es = zs_dtype_size(dtype);
+  if (es == 0)
+    return zc_fail(ZS_EDTYPE,
+                   "%s: %s is a wire dtype (push_dtype, pull_dtype), not a buffer dtype: pass "
+                   "an fp32, fp16 or bf16 buffer",
+                   fn, dtype_codec_of((int)dtype)->name);
   uint64_t numel = c->sp.tensors[tensor].numel, want = dtype_bytes(dtype, numel);
   if ((uint64_t)nbytes != want)
     return zc_fail(ZS_ESIZE,
@@ -535,6 +598,82 @@ static void op_queue(zs_request *op, int defer) {
     zc_op_submit(op);
 }
 
+/* ---- error feedback ------------------------------------------------------------ */
+
+/* Elements converted at a time: whole blocks of every dtype, on the stack. */
+#define EF_CHUNK 2048
+_Static_assert(EF_CHUNK % DTYPE_MAX_BLOCK == 0, "EF chunks hold whole blocks");
+
+void zc_ef_free(struct zs_client *c) {
+  if (!c->ef_resid)
+    return;
+  for (uint32_t t = 0; t < c->sp.num_tensors; t++)
+    free(c->ef_resid[t]);
+  free(c->ef_resid);
+  c->ef_resid = NULL;
+}
+
+/* Error feedback, with ef_mu held: v = g + r, and r = v - decode(encode(v))
+ * with the wire dtype's blocks starting at every piece, as the pushes encode
+ * them; *out gets v (the caller's to free). A non-finite v (an overflowed
+ * step, which the shards will skip) leaves a zero residual, so one bad step
+ * does not poison the next ones. Two passes over the tensor, no allocation
+ * but v (and r at the tensor's first push). */
+static int ef_apply_locked(zs_client *c, uint32_t tensor, const float *g, zs_dtype wire,
+                           float **out) {
+  uint64_t numel = c->sp.tensors[tensor].numel;
+  if (!c->ef_resid && !(c->ef_resid = calloc(c->sp.num_tensors, sizeof *c->ef_resid)))
+    return ZS_ENOMEM;
+  float *r = c->ef_resid[tensor];
+  if (!r && !(r = c->ef_resid[tensor] = calloc((size_t)numel, sizeof *r)))
+    return ZS_ENOMEM;
+  float *v = malloc((size_t)numel * sizeof *v);
+  if (!v)
+    return ZS_ENOMEM;
+  unsigned char q[EF_CHUNK * sizeof(float)]; /* no wire dtype takes more than fp32 */
+  float back[EF_CHUNK];
+  uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
+  for (uint32_t p = 0; p < npieces; p++) {
+    const layout_piece *pc = &c->lay.pieces[first + p];
+    for (uint64_t e = 0; e < pc->numel; e += EF_CHUNK) {
+      size_t n = (size_t)(pc->numel - e < EF_CHUNK ? pc->numel - e : EF_CHUNK);
+      size_t o = (size_t)(pc->offset + e);
+      for (size_t i = 0; i < n; i++)
+        v[o + i] = g[o + i] + r[o + i];
+      dtype_from_f32(wire, v + o, q, n);
+      dtype_to_f32(wire, q, back, n);
+      for (size_t i = 0; i < n; i++) {
+        float d = v[o + i] - back[i];
+        r[o + i] = isfinite(d) ? d : 0.0f;
+      }
+    }
+  }
+  *out = v;
+  return ZS_OK;
+}
+
+void zc_ef_after_step(struct zs_client *c, int skipped, double rescale) {
+  pthread_mutex_lock(&c->ef_mu);
+  for (uint32_t t = 0; c->ef_resid && t < c->sp.num_tensors; t++) {
+    float *r = c->ef_resid[t];
+    uint64_t n = c->sp.tensors[t].numel;
+    if (!r)
+      continue;
+    if (skipped)
+      memset(r, 0, (size_t)n * sizeof *r);
+    else if (rescale != 1.0)
+      for (uint64_t i = 0; i < n; i++)
+        r[i] = (float)((double)r[i] * rescale);
+  }
+  pthread_mutex_unlock(&c->ef_mu);
+}
+
+/* 1 when a push of an fp32 buffer in `wire` loses bits and the client
+ * keeps the residual. */
+static int ef_wanted(const zs_client *c, zs_dtype buf, zs_dtype wire) {
+  return c->opt.error_feedback && buf == ZS_DTYPE_FP32 && wire != ZS_DTYPE_FP32;
+}
+
 static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg, zs_request **out,
                       int defer) {
@@ -553,7 +692,21 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   op->micro = micro;
   op->src = grad;
   op->buf_dtype = dtype;
-  op->wire_dtype = zc_wire_dtype(c->opt.push_dtype, dtype);
+  op->wire_dtype = push_wire(c, tensor, dtype);
+  if (ef_wanted(c, dtype, op->wire_dtype)) {
+    /* Before the duplicate check below: a push refused there has then
+     * changed the residual, but it is a caller's bug that zs_step reports
+     * anyway, and the check needs mu, which ef_mu is never held with. */
+    pthread_mutex_lock(&c->ef_mu);
+    rc = ef_apply_locked(c, tensor, grad, op->wire_dtype, &op->owned_src);
+    pthread_mutex_unlock(&c->ef_mu);
+    if (rc != ZS_OK) {
+      zc_op_release(op);
+      return zc_fail(rc, "zs_push: out of memory for the error feedback of tensor '%s'",
+                     tensor_name(c, tensor));
+    }
+    op->src = op->owned_src;
+  }
   op->cb = cb;
   op->cb_arg = arg;
   for (uint32_t i = 0; i < npieces; i++) {
@@ -601,7 +754,7 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
     return rc;
   uint64_t t0 = clock_now_ns();
   uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
-  zs_dtype wire = zc_wire_dtype(c->opt.pull_dtype, dtype);
+  zs_dtype wire = pull_wire(c, tensor, dtype);
   zs_request *op = zc_op_new(c, ZC_OP_PULL, npieces);
   if (!op)
     return ZS_ENOMEM;
@@ -653,7 +806,7 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
   if (from_slot == 0) {
     op_queue(op, defer);
   } else if (from_slot == 1) {
-    zc_convert(dst, dtype, slot->buf, wire, c->sp.tensors[tensor].numel);
+    zc_convert(dst, dtype, slot->buf, slot_dtype(wire), c->sp.tensors[tensor].numel);
     pthread_mutex_lock(&c->mu);
     slot->state = ZC_SLOT_EMPTY;
     pthread_mutex_unlock(&c->mu);

@@ -3,7 +3,8 @@
  *
  * The central check: W trainer threads, each with its own client (rank r),
  * train a small model with M = 2 micro-batches per step for K steps on N
- * shards, with fp32, bf16 and fp16 on the wire; the gradients depend on the
+ * shards, with fp32, bf16, fp16 and int8 blocks (with and without error
+ * feedback) on the wire; the gradients depend on the
  * parameters each trainer pulled, so pulls and pushes both matter. After the
  * run every parameter, pulled back in fp32, is bit-identical to a
  * single-process reference of the same training computed here: the wire
@@ -115,15 +116,32 @@ static float grad_value(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t
   return 0.5f * pulled + 0.01f * noise(s, r, m, t, i) + 0.001f;
 }
 
-static float wire_round(zs_dtype d, float x) {
-  switch (d) {
-  case ZS_DTYPE_BF16:
-    return dtype_bf16_to_f32(dtype_f32_to_bf16(x));
-  case ZS_DTYPE_FP16:
-    return dtype_f16_to_f32(dtype_f32_to_f16(x));
-  default:
-    return x;
+/* The pieces of tensor t on N shards, by the layout's documented rule: a
+ * tensor below the split threshold is one piece; a larger one is cut into
+ * slices of roundup(ceil(numel / N), 16) elements, the last one shorter.
+ * Fills offsets (count + 1 entries) and returns the count. */
+static uint32_t pieces_of(uint32_t t, uint32_t N, uint64_t *at) {
+  uint64_t n = TENSORS[t].numel;
+  uint64_t c = n < SPLIT ? n : (n / N + (n % N != 0) + 15) / 16 * 16;
+  uint32_t k = 0;
+  for (uint64_t o = 0; o < n; o += c)
+    at[k++] = o;
+  at[k] = n;
+  return k;
+}
+
+/* in through the wire dtype and back, piece by piece as the transfers
+ * convert (a block-quantized dtype's blocks restart in every piece). */
+static void wire_round_tensor(zs_dtype d, uint32_t t, uint32_t N, const float *in, float *out) {
+  uint64_t at[HS_MAX_SHARDS + 2];
+  uint32_t k = pieces_of(t, N, at);
+  unsigned char *q = malloc((size_t)dtype_bytes(ZS_DTYPE_FP32, TENSORS[t].numel) + 1);
+  assert_non_null(q);
+  for (uint32_t p = 0; p < k; p++) {
+    dtype_from_f32(d, in + at[p], q, (size_t)(at[p + 1] - at[p]));
+    dtype_to_f32(d, q, out + at[p], (size_t)(at[p + 1] - at[p]));
   }
+  free(q);
 }
 
 /* ---- one run ----------------------------------------------------------------------- */
@@ -131,6 +149,9 @@ static float wire_round(zs_dtype d, float x) {
 typedef struct run_cfg {
   uint32_t N, W, M, K;
   zs_dtype wire;
+  uint32_t ef; /* the clients' error_feedback */
+  /* Group 1's own wire dtype (zs_group_options), 0 for the client's. */
+  zs_dtype group1_wire;
   double lr, clip;
   zs_loss_scaling scaling;
   uint32_t inject_steps;    /* bit s: rank W-1 pushes an inf at step s */
@@ -138,6 +159,22 @@ typedef struct run_cfg {
   char addrs[HS_MAX_SHARDS * 32];
   char job[64];
 } run_cfg;
+
+/* Tensor t's wire dtype: its group's, else the run's. */
+static zs_dtype tensor_wire(const run_cfg *cfg, uint32_t t) {
+  return TENSORS[t].group == 1 && cfg->group1_wire ? cfg->group1_wire : cfg->wire;
+}
+
+/* Wire bytes of one push or pull of every tensor. */
+static uint64_t model_wire_bytes(const run_cfg *cfg) {
+  uint64_t total = 0, at[HS_MAX_SHARDS + 2];
+  for (uint32_t t = 0; t < NT; t++) {
+    uint32_t k = pieces_of(t, cfg->N, at);
+    for (uint32_t p = 0; p < k; p++)
+      total += dtype_bytes(tensor_wire(cfg, t), at[p + 1] - at[p]);
+  }
+  return total;
+}
 
 typedef struct rank_out {
   int rc;
@@ -169,6 +206,7 @@ static int client_for(const run_cfg *cfg, uint32_t rank, zs_dtype pull_wire, zs_
   o.job = cfg->job;
   o.push_dtype = cfg->wire;
   o.pull_dtype = pull_wire;
+  o.error_feedback = cfg->ef;
   o.split_threshold = SPLIT;
   o.step_timeout_ms = cfg->step_timeout_ms ? cfg->step_timeout_ms : 20000;
   o.loss_scaling = cfg->scaling;
@@ -184,6 +222,10 @@ static int client_for(const run_cfg *cfg, uint32_t rank, zs_dtype pull_wire, zs_
   for (uint32_t g = 0; rc == ZS_OK && g < NG; g++) {
     zs_group_options go;
     group_options(g, &go);
+    /* Trainers only: a client that reads the fp32 masters back (pull_wire
+     * 0) must not narrow group 1. */
+    if (g == 1 && pull_wire != 0)
+      go.push_dtype = go.pull_dtype = cfg->group1_wire;
     rc = zs_add_group(*out, &go, NULL);
   }
   for (uint32_t t = 0; rc == ZS_OK && t < NT; t++)
@@ -313,11 +355,16 @@ static void *trainer_main(void *arg) {
 
 /* The single-process reference of the same training; fills master[t]. */
 static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
-  float *m1[NT], *m2[NT], *acc[NT];
+  float *m1[NT], *m2[NT], *acc[NT], *resid[W_MAX][NT];
   uint16_t *low[NT];
   uint64_t applied = 0;
+  /* Scratch of the largest tensor's size. */
+  float pulled[256], g[256], gq[256];
   for (uint32_t t = 0; t < NT; t++) {
     uint64_t n = TENSORS[t].numel;
+    assert_true(n <= 256);
+    for (uint32_t r = 0; r < W_MAX; r++)
+      resid[r][t] = calloc(n, sizeof(float));
     float *init = init_tensor(t);
     memcpy(master[t], init, n * sizeof(float));
     free(init);
@@ -328,23 +375,45 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
   }
   for (uint64_t s = 1; s <= cfg->K; s++) {
     const zs_step_result *res = &r0->res[s - 1];
+    if (cfg->ef && s > 1) {
+      /* The client's rule after a step: a skipped step's residuals are
+       * dropped with it; otherwise they follow the loss scale. */
+      const zs_step_result *prev = &r0->res[s - 2];
+      double rescale = prev->next_loss_scale / prev->loss_scale;
+      for (uint32_t r = 0; r < W_MAX; r++)
+        for (uint32_t t = 0; t < NT; t++)
+          for (uint64_t i = 0; i < TENSORS[t].numel; i++)
+            resid[r][t][i] = prev->applied ? (float)((double)resid[r][t][i] * rescale) : 0.0f;
+    }
     const float scale = (float)r0->scale_used[s - 1];
     assert_true(res->loss_scale == scale);
     int overflow = 0;
     double sumsq = 0;
     for (uint32_t t = 0; t < NT; t++) {
-      for (uint64_t i = 0; i < TENSORS[t].numel; i++) {
-        const float pulled = wire_round(cfg->wire, master[t][i]);
-        float a = 0.0f;
-        for (uint32_t m = 0; m < cfg->M; m++)
-          for (uint32_t r = 0; r < cfg->W; r++) {
-            float g =
-                injected(cfg, s, r, m, t, i) ? INFINITY : grad_value(s, r, m, t, i, pulled) * scale;
-            a += wire_round(cfg->wire, g);
+      uint64_t n = TENSORS[t].numel;
+      wire_round_tensor(tensor_wire(cfg, t), t, cfg->N, master[t], pulled);
+      memset(acc[t], 0, n * sizeof(float));
+      /* Contributions in (micro, rank) order, as the shards add them. */
+      for (uint32_t m = 0; m < cfg->M; m++)
+        for (uint32_t r = 0; r < cfg->W; r++) {
+          for (uint64_t i = 0; i < n; i++) {
+            g[i] = injected(cfg, s, r, m, t, i) ? INFINITY
+                                                : grad_value(s, r, m, t, i, pulled[i]) * scale;
+            if (cfg->ef)
+              g[i] += resid[r][t][i];
           }
-        acc[t][i] = a;
-        overflow |= !isfinite(a);
-        sumsq += (double)a * a;
+          wire_round_tensor(tensor_wire(cfg, t), t, cfg->N, g, gq);
+          for (uint64_t i = 0; i < n; i++) {
+            if (cfg->ef) {
+              float d = g[i] - gq[i];
+              resid[r][t][i] = isfinite(d) ? d : 0.0f;
+            }
+            acc[t][i] += gq[i];
+          }
+        }
+      for (uint64_t i = 0; i < n; i++) {
+        overflow |= !isfinite(acc[t][i]);
+        sumsq += (double)acc[t][i] * acc[t][i];
       }
     }
     assert_int_equal(res->overflow, overflow);
@@ -394,6 +463,8 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
     free(m2[t]);
     free(acc[t]);
     free(low[t]);
+    for (uint32_t r = 0; r < W_MAX; r++)
+      free(resid[r][t]);
   }
 }
 
@@ -460,15 +531,15 @@ static void run_and_check(run_cfg *cfg, rank_out *outs) {
   assert_int_equal(zs_client_close(v), ZS_OK);
 
   for (uint32_t t = 0; t < NT; t++) {
+    float want[256];
+    wire_round_tensor(tensor_wire(cfg, t), t, cfg->N, master[t], want);
     for (uint64_t i = 0; i < TENSORS[t].numel; i++) {
       if (memcmp(&exact[t][i], &master[t][i], sizeof(float)) != 0)
         fprintf(stderr, "%s[%" PRIu64 "]: shard %.9g, reference %.9g\n", TENSORS[t].name, i,
                 exact[t][i], master[t][i]);
       assert_memory_equal(&exact[t][i], &master[t][i], sizeof(float));
-      for (uint32_t r = 0; r < cfg->W; r++) {
-        float want = wire_round(cfg->wire, master[t][i]);
-        assert_memory_equal(&outs[r].final[t][i], &want, sizeof(float));
-      }
+      for (uint32_t r = 0; r < cfg->W; r++)
+        assert_memory_equal(&outs[r].final[t][i], &want[i], sizeof(float));
     }
     free(master[t]);
     free(exact[t]);
@@ -482,9 +553,19 @@ static void run_and_check(run_cfg *cfg, rank_out *outs) {
 /* ---- the N x W x dtype matrix ------------------------------------------------------ */
 
 static void train_matrix_cell(uint32_t N, uint32_t W) {
-  static const zs_dtype wires[] = {ZS_DTYPE_FP32, ZS_DTYPE_BF16, ZS_DTYPE_FP16};
-  for (size_t k = 0; k < 3; k++) {
-    run_cfg cfg = {.N = N, .W = W, .M = 2, .K = 3, .wire = wires[k], .lr = 0.01};
+  static const zs_dtype wires[] = {ZS_DTYPE_FP32, ZS_DTYPE_BF16, ZS_DTYPE_FP16,
+                                   ZS_DTYPE_INT8_BLOCK};
+  for (size_t k = 0; k < 4; k++) {
+    /* int8 runs with error feedback in the cells where N + W is odd and
+     * without in the others, so that both are held to the reference's bits
+     * across shard and trainer counts. */
+    run_cfg cfg = {.N = N,
+                   .W = W,
+                   .M = 2,
+                   .K = 3,
+                   .wire = wires[k],
+                   .ef = wires[k] == ZS_DTYPE_INT8_BLOCK && (N + W) % 2 == 1,
+                   .lr = 0.01};
     rank_out outs[W_MAX];
     run_and_check(&cfg, outs);
     /* Timing adds up and counts the bytes moved (ranks without prefetch pull
@@ -494,12 +575,10 @@ static void train_matrix_cell(uint32_t N, uint32_t W) {
       assert_true(tm->total_ms >= 0 && tm->compute_ms >= 0 && tm->push_ms >= 0 &&
                   tm->pull_wait_ms >= 0 && tm->step_ms >= 0);
       assert_true(tm->compute_ms <= tm->total_ms);
-      uint64_t elems = 0;
-      for (uint32_t t = 0; t < NT; t++)
-        elems += TENSORS[t].numel;
-      assert_int_equal(tm->bytes_pushed, elems * cfg.M * zs_dtype_size(cfg.wire));
+      uint64_t bytes = model_wire_bytes(&cfg);
+      assert_int_equal(tm->bytes_pushed, bytes * cfg.M);
       if (r % 2 == 0)
-        assert_int_equal(tm->bytes_pulled, elems * zs_dtype_size(cfg.wire));
+        assert_int_equal(tm->bytes_pulled, bytes);
     }
   }
 }
@@ -519,37 +598,66 @@ MATRIX_TEST(3, 1)
 MATRIX_TEST(3, 2)
 MATRIX_TEST(3, 3)
 
+/* int8 blocks with error feedback for the job, bf16 for the group of norms
+ * and biases (group 1): each tensor travels in its group's dtype, to the
+ * reference's bits, and the bytes counted are each tensor's own. */
+static void a_groups_wire_dtype_wins_over_the_clients(void **state) {
+  (void)state;
+  run_cfg cfg = {.N = 2,
+                 .W = 2,
+                 .M = 2,
+                 .K = 3,
+                 .wire = ZS_DTYPE_INT8_BLOCK,
+                 .ef = 1,
+                 .group1_wire = ZS_DTYPE_BF16,
+                 .lr = 0.01};
+  rank_out outs[W_MAX];
+  run_and_check(&cfg, outs);
+  const zs_timing *tm = &outs[0].timing[cfg.K - 1];
+  assert_int_equal(tm->bytes_pushed, model_wire_bytes(&cfg) * cfg.M);
+  assert_int_equal(tm->bytes_pulled, model_wire_bytes(&cfg));
+  run_cfg all_int8 = cfg;
+  all_int8.group1_wire = 0;
+  assert_true(model_wire_bytes(&cfg) > model_wire_bytes(&all_int8));
+}
+
 /* ---- loss scaling and clipping ------------------------------------------------------- */
 
 static void overflow_skips_the_step_everywhere_and_lowers_the_loss_scale(void **state) {
   (void)state;
   /* Steps 2 and 3 carry an inf from the last rank: the first overflow is
-   * absorbed by DeepSpeed's hysteresis, the second halves the scale. */
-  run_cfg cfg = {.N = 2,
-                 .W = 2,
-                 .M = 2,
-                 .K = 4,
-                 .wire = ZS_DTYPE_FP16,
-                 .lr = 0.01,
-                 .scaling = ZS_LOSS_SCALE_DYNAMIC,
-                 .inject_steps = (1u << 2) | (1u << 3)};
-  rank_out outs[W_MAX];
-  run_and_check(&cfg, outs);
-  for (uint32_t r = 0; r < cfg.W; r++) {
-    const zs_step_result *res = outs[r].res;
-    assert_int_equal(res[0].applied, 1);
-    assert_int_equal(res[1].applied, 0);
-    assert_int_equal(res[1].overflow, 1);
-    assert_true(isinf(res[1].grad_norm));
-    assert_int_equal(res[2].applied, 0);
-    assert_int_equal(res[3].applied, 1);
-    assert_true(res[0].loss_scale == 65536.0);
-    assert_true(res[1].next_loss_scale == 65536.0); /* hysteresis */
-    assert_true(res[2].loss_scale == 65536.0);
-    assert_true(res[2].next_loss_scale == 32768.0);
-    assert_true(res[3].loss_scale == 32768.0);
-    assert_true(outs[r].scale_used[3] == 32768.0);
-    assert_int_equal(res[3].version, 4); /* skipped steps still advance the version */
+   * absorbed by DeepSpeed's hysteresis, the second halves the scale. With
+   * fp16, and with int8 blocks and error feedback, whose residuals are
+   * dropped with a skipped step and halved with the scale (the reference
+   * does the same). */
+  for (int k = 0; k < 2; k++) {
+    run_cfg cfg = {.N = 2,
+                   .W = 2,
+                   .M = 2,
+                   .K = 4,
+                   .wire = k ? ZS_DTYPE_INT8_BLOCK : ZS_DTYPE_FP16,
+                   .ef = (uint32_t)k,
+                   .lr = 0.01,
+                   .scaling = ZS_LOSS_SCALE_DYNAMIC,
+                   .inject_steps = (1u << 2) | (1u << 3)};
+    rank_out outs[W_MAX];
+    run_and_check(&cfg, outs);
+    for (uint32_t r = 0; r < cfg.W; r++) {
+      const zs_step_result *res = outs[r].res;
+      assert_int_equal(res[0].applied, 1);
+      assert_int_equal(res[1].applied, 0);
+      assert_int_equal(res[1].overflow, 1);
+      assert_true(isinf(res[1].grad_norm));
+      assert_int_equal(res[2].applied, 0);
+      assert_int_equal(res[3].applied, 1);
+      assert_true(res[0].loss_scale == 65536.0);
+      assert_true(res[1].next_loss_scale == 65536.0); /* hysteresis */
+      assert_true(res[2].loss_scale == 65536.0);
+      assert_true(res[2].next_loss_scale == 32768.0);
+      assert_true(res[3].loss_scale == 32768.0);
+      assert_true(outs[r].scale_used[3] == 32768.0);
+      assert_int_equal(res[3].version, 4); /* skipped steps still advance the version */
+    }
   }
 }
 
@@ -1199,6 +1307,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w1),
       cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w2),
       cmocka_unit_test(training_matches_reference_bit_for_bit_n3_w3),
+      cmocka_unit_test(a_groups_wire_dtype_wins_over_the_clients),
       cmocka_unit_test(overflow_skips_the_step_everywhere_and_lowers_the_loss_scale),
       cmocka_unit_test(clipping_scales_by_max_norm_over_norm_on_every_rank),
       cmocka_unit_test(killed_trainer_is_named_in_the_others_timeout_error),

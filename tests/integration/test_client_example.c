@@ -180,6 +180,96 @@ static void example_trainer_loss_falls_on_two_shards_two_trainers(void **state) 
   hs_cluster_stop(&cl);
 }
 
+/* The KiB pushed and pulled printed on the last "step S" line of a run. */
+static void last_kib(const char *text, double *pushed, double *pulled) {
+  *pushed = *pulled = -1;
+  for (const char *p = strstr(text, "KiB pushed"); p; p = strstr(p + 1, "KiB pushed"))
+    assert_int_equal(sscanf(p, "KiB pushed %lf pulled %lf", pushed, pulled), 2);
+}
+
+/* Both ranks of the example on a fresh pair of shards with `wire`; returns
+ * rank 0's output (the caller frees it) after checking that both ranks
+ * finished and learned. */
+static char *run_example_wire(const char *wire, const char *ef, double *acc) {
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
+  char addrs[128];
+  snprintf(addrs, sizeof addrs, "%s,%s", cl.srv[0]->addr, cl.srv[1]->addr);
+  char out[2][600];
+  pid_t pid[2];
+  for (int r = 0; r < 2; r++) {
+    char rank[8], steps[8];
+    snprintf(rank, sizeof rank, "%d", r);
+    snprintf(steps, sizeof steps, "%d", STEPS);
+    snprintf(out[r], sizeof out[r], "%s/mlp-%s-%s-%d.out", hs_tmpdir(), wire, ef, r);
+    char *argv[] = {ZSHARD_EXAMPLE_BIN,
+                    "--shards",
+                    addrs,
+                    "--rank",
+                    rank,
+                    "--world",
+                    "2",
+                    "--steps",
+                    steps,
+                    "--accum",
+                    "2",
+                    "--wire",
+                    (char *)wire,
+                    "--error-feedback",
+                    (char *)ef,
+                    "--timeout-ms",
+                    "30000",
+                    NULL};
+    pid[r] = spawn_to(argv, out[r]);
+    assert_true(pid[r] > 0);
+  }
+  char *text[2];
+  for (int r = 0; r < 2; r++) {
+    int st = wait_exit(pid[r]);
+    text[r] = slurp(out[r]);
+    assert_non_null(text[r]);
+    if (st != 0)
+      fprintf(stderr, "rank %d exited %d:\n%s\n", r, st, text[r]);
+    assert_int_equal(st, 0);
+  }
+  const char *fin = strstr(text[0], "final: held-out loss");
+  assert_non_null(fin);
+  assert_int_equal(sscanf(fin, "final: held-out loss %*f accuracy %lf", acc), 1);
+  free(text[1]);
+  hs_cluster_stop(&cl);
+  return text[0];
+}
+
+/* int8 blocks on the wire: both directions take at most 0.6 of bf16's
+ * bytes (the example keeps its biases in bf16; scales included), with error
+ * feedback on and off, and the model still learns. */
+static void example_trains_with_int8_blocks_on_about_half_the_bytes_of_bf16(void **state) {
+  (void)state;
+  double acc_bf16, acc_int8, acc_noef;
+  double push_bf16, pull_bf16, push_int8, pull_int8, push_noef, pull_noef;
+  char *bf16 = run_example_wire("bf16", "on", &acc_bf16);
+  char *int8 = run_example_wire("int8", "on", &acc_int8);
+  char *noef = run_example_wire("int8", "off", &acc_noef);
+  last_kib(bf16, &push_bf16, &pull_bf16);
+  last_kib(int8, &push_int8, &pull_int8);
+  last_kib(noef, &push_noef, &pull_noef);
+  fprintf(stderr,
+          "KiB per step pushed/pulled: bf16 %.1f/%.1f, int8 %.1f/%.1f; held-out accuracy "
+          "bf16 %.3f, int8 %.3f, int8 without error feedback %.3f\n",
+          push_bf16, pull_bf16, push_int8, pull_int8, acc_bf16, acc_int8, acc_noef);
+  assert_true(push_bf16 > 0 && pull_bf16 > 0);
+  assert_true(push_int8 <= 0.6 * push_bf16);
+  assert_true(pull_int8 <= 0.6 * pull_bf16);
+  assert_true(push_noef == push_int8 && pull_noef == pull_int8);
+  /* Ten classes: chance is 0.1. The quality against bf16 is measured over
+   * longer runs in docs/PERFORMANCE.md. */
+  assert_true(acc_int8 > 0.3);
+  assert_true(acc_noef > 0.3);
+  free(bf16);
+  free(int8);
+  free(noef);
+}
+
 /* The ZeRO paper's 7.5B parameters on 64 devices: ZeRO-3 keeps 1.875e9 bytes
  * of model states; its working memory is unknown without --largest-layer
  * (null, not a guess) and (2p + g)L with it. */
@@ -208,6 +298,20 @@ static void estimate_separates_states_from_working_memory(void **state) {
   assert_non_null(strstr(json, "{\"name\":\"zero3\",\"state_bytes\":1875000000,"
                                "\"working_bytes\":1200000000,\"device_bytes\":3075000000,"));
   free(json);
+
+  /* int8 blocks count their scales: 1280 elements are 10 blocks of 128
+   * bytes plus a 4-byte scale each, 1320 bytes each way. */
+  char *iargv[] = {ZSHARD_CLI_BIN, "estimate",      "--params", "1280",   "--grad-dtype",
+                   "int8",         "--param-dtype", "int8",     "--json", NULL};
+  p = spawn_to(iargv, out);
+  assert_true(p > 0);
+  assert_int_equal(wait_exit(p), 0);
+  json = slurp(out);
+  assert_non_null(strstr(json, "\"grad_dtype\":\"int8\",\"param_dtype\":\"int8\""));
+  assert_non_null(strstr(json, "{\"name\":\"zshard\",\"state_bytes\":0,\"working_bytes\":null,"
+                               "\"device_bytes\":null,\"shard_bytes\":23040,\"sent_bytes\":1320,"
+                               "\"received_bytes\":1320,"));
+  free(json);
 }
 
 static int group_setup(void **state) {
@@ -218,6 +322,7 @@ static int group_setup(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(example_trainer_loss_falls_on_two_shards_two_trainers),
+      cmocka_unit_test(example_trains_with_int8_blocks_on_about_half_the_bytes_of_bf16),
       cmocka_unit_test(estimate_separates_states_from_working_memory),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);

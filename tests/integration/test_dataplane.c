@@ -655,7 +655,7 @@ static void a_dtype_that_is_not_ours_is_refused_by_the_server_with_edtype(void *
     assert_int_equal(ans.type, WIRE_ERROR);
     assert_int_equal(ans.request_id, id);
     assert_int_equal(ans.u.error.status, ZS_EDTYPE);
-    assert_non_null(strstr(ans.u.error.message, "not FP32, FP16 or BF16"));
+    assert_non_null(strstr(ans.u.error.message, "not FP32, FP16, BF16 or INT8_BLOCK"));
   }
   raw_close(rc);
   assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), core_missing(fx.ref[0], 1, NULL, 0));

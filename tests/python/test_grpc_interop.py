@@ -48,7 +48,44 @@ def generate_stubs(out_dir):
     return gen
 
 
-class ZShardInterop(unittest.TestCase):
+def int8_block_encode(x, block=128):
+    """The INT8_BLOCK format from docs/PROTOCOL.md, written from the text:
+    per block of `block` elements (the last one may be short), a little-endian
+    fp32 scale then int8 values; amax >= 2^127 or non-finite: NaN scale and
+    zeros; amax < 2^-100: zero scale and zeros; else scale = amax / 127 and
+    q = rint(x * (127 / amax)), every operation in fp32."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    out = bytearray()
+    for b in range(0, x.size, block):
+        v = x[b:b + block]
+        amax = np.max(np.abs(v)) if np.all(np.isfinite(v)) else np.float32(np.inf)
+        if not amax < np.float32(2.0 ** 127):
+            scale, q = np.float32(np.nan), np.zeros(v.size, np.int8)
+        elif amax < np.float32(2.0 ** -100):
+            scale, q = np.float32(0), np.zeros(v.size, np.int8)
+        else:
+            scale = np.float32(amax / np.float32(127))
+            inv = np.float32(np.float32(127) / amax)
+            q = np.clip(np.rint(v * inv), -127, 127).astype(np.int8)
+        out += np.array([scale], dtype="<f4").tobytes() + q.tobytes()
+    return bytes(out)
+
+
+def int8_block_decode(data, n, block=128):
+    """Elements = q * scale in fp32, block by block."""
+    out = np.empty(n, dtype=np.float32)
+    pos = 0
+    for b in range(0, n, block):
+        k = min(block, n - b)
+        scale = np.frombuffer(data, dtype="<f4", count=1, offset=pos)[0]
+        q = np.frombuffer(data, dtype=np.int8, count=k, offset=pos + 4)
+        out[b:b + k] = q.astype(np.float32) * scale
+        pos += 4 + k
+    return out
+
+
+class ServerFixture(unittest.TestCase):
+    """One zshard-server (one shard) per test class."""
 
     @classmethod
     def setUpClass(cls):
@@ -118,6 +155,9 @@ class ZShardInterop(unittest.TestCase):
         shutil.rmtree(cls.tmp, ignore_errors=True)
         if code != 0:
             raise AssertionError("zshard-server exited with %d after SIGTERM" % code)
+
+
+class ZShardInterop(ServerFixture):
 
     def test_one_adamw_step_matches_torch_bit_for_bit(self):
         pb = self.pb
@@ -233,6 +273,80 @@ class ZShardInterop(unittest.TestCase):
                                                                         timeout=CALL_TIMEOUT)
             self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT, method)
             self.assertEqual(dict(cm.exception.trailing_metadata())["zs-status"], "-10", method)
+
+
+class Int8BlockInterop(ServerFixture):
+    """A foreign client pushes and pulls int8 blocks made from the format's
+    specification alone: the shard adds exactly the decoded gradients (two
+    AdamW steps bit for bit with torch on them), and its int8 pulls, the
+    first quantized on request, the second from the copy made once per
+    version, are the bytes the specification gives for its weights."""
+
+    def test_int8_pushes_and_pulls_follow_the_specification(self):
+        pb = self.pb
+        torch.manual_seed(99)
+        # 300 elements: two whole blocks and a short one of 44.
+        shapes = {"w": (3, 100), "b": (7,)}
+        names = list(shapes)
+        weights = {n: torch.randn(shapes[n], dtype=torch.float32) for n in names}
+        lr, betas, eps, wd = 1e-2, (0.9, 0.999), 1e-8, 0.01
+        spec = pb.ModelSpec(
+            job="python-int8", world_size=1, grad_accum=1, num_shards=1,
+            grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
+            groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=betas[0],
+                                  beta2=betas[1], eps=eps, weight_decay=wd)],
+            tensors=[pb.TensorSpec(name=n, numel=weights[n].numel(), group=0,
+                                   shape=list(shapes[n])) for n in names])
+        h = self.stub.Open(pb.OpenRequest(spec=spec, rank=0), timeout=CALL_TIMEOUT).spec_hash
+        for t, n in enumerate(names):
+            self.stub.InitParams(pb.InitParamsRequest(spec_hash=h, tensor=t, slice=0,
+                                                      data=weights[n].numpy().tobytes()),
+                                 timeout=CALL_TIMEOUT)
+        params = [torch.nn.Parameter(weights[n].clone()) for n in names]
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd,
+                                foreach=False)
+        for step in (1, 2):
+            for t, n in enumerate(names):
+                g = torch.randn(shapes[n], dtype=torch.float32).numpy().reshape(-1)
+                wire = int8_block_encode(g)
+                self.assertEqual(len(wire), 4 * ((g.size + 127) // 128) + g.size)
+                if step == 1 and t == 0:
+                    # One byte short: refused, and nothing is added.
+                    with self.assertRaises(self.grpc.RpcError) as cm:
+                        self.stub.Push(pb.PushRequest(spec_hash=h, step=step, rank=0, micro=0,
+                                                      tensor=t, slice=0,
+                                                      dtype=pb.DTYPE_INT8_BLOCK,
+                                                      data=wire[:-1]), timeout=CALL_TIMEOUT)
+                    self.assertEqual(cm.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT)
+                self.stub.Push(pb.PushRequest(spec_hash=h, step=step, rank=0, micro=0, tensor=t,
+                                              slice=0, dtype=pb.DTYPE_INT8_BLOCK, data=wire),
+                               timeout=CALL_TIMEOUT)
+                params[t].grad = torch.from_numpy(
+                    int8_block_decode(wire, g.size).reshape(shapes[n]).copy())
+            stats = self.stub.GradStats(pb.GradStatsRequest(spec_hash=h, step=step,
+                                                            timeout_ms=10000),
+                                        timeout=CALL_TIMEOUT)
+            self.assertTrue(stats.complete)
+            applied = self.stub.Apply(pb.ApplyRequest(spec_hash=h, step=step, lr=lr, coef=1.0),
+                                      timeout=CALL_TIMEOUT)
+            self.assertEqual(applied.version, step)
+            opt.step()
+            for t, (n, p) in enumerate(zip(names, params)):
+                got = self.stub.Pull(pb.PullRequest(spec_hash=h, tensor=t, slice=0,
+                                                    min_version=step, dtype=pb.DTYPE_FP32),
+                                     timeout=CALL_TIMEOUT)
+                mine = np.frombuffer(got.data, dtype=np.uint32)
+                theirs = p.detach().numpy().reshape(-1).view(np.uint32)
+                self.assertTrue(np.array_equal(mine, theirs),
+                                "%s step %d: the shard did not add the decoded gradient" %
+                                (n, step))
+                q = self.stub.Pull(pb.PullRequest(spec_hash=h, tensor=t, slice=0,
+                                                  min_version=step, dtype=pb.DTYPE_INT8_BLOCK),
+                                   timeout=CALL_TIMEOUT)
+                self.assertEqual(q.dtype, pb.DTYPE_INT8_BLOCK)
+                self.assertEqual(q.data, int8_block_encode(p.detach().numpy()),
+                                 "%s step %d: the int8 pull is not the specification's" %
+                                 (n, step))
 
 
 if __name__ == "__main__":

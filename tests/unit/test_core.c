@@ -30,6 +30,7 @@
 #include "common/log.h"
 #include "common/spec.h"
 #include "server/core.h"
+#include "server/core_internal.h" /* the int8 copy's freshness, for one test */
 #include "server/optim.h"
 
 /* Long enough never to fire on a healthy run, short enough that a lost
@@ -1064,7 +1065,7 @@ static void test_invalid_pushes_get_their_status_and_change_nothing(void **state
   a.dtype = (zs_dtype)0;
   EXPECT_REJECT(ZS_EDTYPE);
   a = push_args(&j, 1, p, 0);
-  a.dtype = (zs_dtype)4;
+  a.dtype = (zs_dtype)5;
   EXPECT_REJECT(ZS_EDTYPE);
   a = push_args(&j, 1, p, 0);
   a.dtype = ZS_DTYPE_FP32; /* the fp16 payload is half the length fp32 needs */
@@ -1371,6 +1372,78 @@ static void test_reads_validate_and_convert_to_every_dtype(void **state) {
   core_get_counters(c, &cnt2);
   assert_int_equal(cnt2.pulls, 2);
   assert_int_equal(cnt2.bytes_out, 100 + 20);
+  core_destroy(c);
+  job_free(&j);
+}
+
+/* Every piece of shard 0 read as INT8_BLOCK (with a CRC run from 0, as a
+ * single pull asks) is the encoding of its fp32 master, with that CRC; and
+ * whether each piece's stored copy is this version's is `fresh`. */
+static void check_int8_reads(core *c, job *j, int fresh) {
+  char err[256] = "";
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *q = &j->layout.pieces[i];
+    if (q->shard != 0)
+      continue;
+    size_t n = (size_t)q->numel, nb = (size_t)dtype_bytes(ZS_DTYPE_INT8_BLOCK, n);
+    float *master = malloc(n * sizeof *master);
+    unsigned char *want = malloc(nb), *got = malloc(nb);
+    assert_non_null(master);
+    assert_non_null(want);
+    assert_non_null(got);
+    assert_int_equal(core_read(c, j->hash, q->tensor, q->slice, ZS_DTYPE_FP32, master,
+                               n * sizeof *master, NULL, err, sizeof err),
+                     0);
+    dtype_from_f32(ZS_DTYPE_INT8_BLOCK, master, want, n);
+    assert_int_equal(c->pieces[c->local_of[i]].q8_fresh, fresh);
+    uint32_t crc = 0;
+    assert_int_equal(core_read_crc(c, j->hash, q->tensor, q->slice, ZS_DTYPE_INT8_BLOCK, got, nb,
+                                   NULL, &crc, err, sizeof err),
+                     0);
+    assert_memory_equal(got, want, nb);
+    assert_int_equal(crc, crc32c(0, want, nb));
+    /* A read inside a batch continues a CRC: the same bytes, chained. */
+    uint32_t chained = 7;
+    assert_int_equal(core_read_crc(c, j->hash, q->tensor, q->slice, ZS_DTYPE_INT8_BLOCK, got, nb,
+                                   NULL, &chained, err, sizeof err),
+                     0);
+    assert_int_equal(chained, crc32c(7, want, nb));
+    assert_int_equal(core_read(c, j->hash, q->tensor, q->slice, ZS_DTYPE_INT8_BLOCK, got, nb - 1,
+                               NULL, err, sizeof err),
+                     ZS_ESIZE);
+    free(master);
+    free(want);
+    free(got);
+  }
+}
+
+/* INT8_BLOCK pulls: before any trainer asked for int8 the shard keeps no
+ * int8 copy and encodes on request; from then on the copy is made with the
+ * low copy, once per version (after every apply, and after a state write of
+ * the master), and reads are served from it, to the same bytes. */
+static void test_int8_reads_come_from_a_copy_made_once_per_version(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 21);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  check_int8_reads(c, &j, 0); /* first int8 reads: encoded on request */
+  check_int8_reads(c, &j, 0); /* still version 0: no copy yet */
+  job_make_grads(&j, 22);
+  run_step(c, &j, 0, 1, 22, 2, 0.01, 1.0f);
+  check_int8_reads(c, &j, 1); /* made by the apply */
+  job_make_grads(&j, 23);
+  run_step(c, &j, 0, 2, 23, 2, 0.01, 1.0f);
+  check_int8_reads(c, &j, 1);
+  float w[16];
+  for (int i = 0; i < 16; i++)
+    w[i] = (float)i - 7.5f;
+  char err[256] = "";
+  assert_int_equal(core_state_write(c, j.hash, 0, 0, ZS_STATE_MASTER, 32, w, sizeof w, NULL, NULL,
+                                    NULL, err, sizeof err),
+                   0);
+  check_int8_reads(c, &j, 1); /* the written weights, not the old copy */
   core_destroy(c);
   job_free(&j);
 }
@@ -2263,6 +2336,7 @@ int main(void) {
       cmocka_unit_test(test_reads_validate_and_convert_to_every_dtype),
       cmocka_unit_test(test_pinned_answers_keep_their_bytes_while_the_apply_goes_ahead),
       cmocka_unit_test(test_an_answer_never_released_costs_one_copy_then_is_overtaken),
+      cmocka_unit_test(test_int8_reads_come_from_a_copy_made_once_per_version),
       cmocka_unit_test(test_stats_sum_squares_in_block_order_and_match_the_reference),
       cmocka_unit_test(test_nonfinite_gradients_refuse_apply_and_skip_clears_the_accumulator),
       cmocka_unit_test(test_pull_waits_until_every_piece_is_initialised),

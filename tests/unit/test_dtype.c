@@ -633,12 +633,13 @@ static void invalid_dtypes_are_rejected_and_convert_nothing(void **state) {
   assert_true(dtype_valid(ZS_DTYPE_FP16));
   assert_true(dtype_valid(ZS_DTYPE_BF16));
   assert_false(dtype_valid(0));
-  assert_false(dtype_valid(4));
+  assert_true(dtype_valid(ZS_DTYPE_INT8_BLOCK));
+  assert_false(dtype_valid(5));
   assert_false(dtype_valid(-1));
   float in[4] = {1, 2, 3, 4}, out[4] = {9, 9, 9, 9};
   for (size_t ii = 0; ii < 3; ii++) {
     dtype_to_f32_isa(k_isas[ii], (zs_dtype)0, in, out, 4);
-    dtype_from_f32_isa(k_isas[ii], (zs_dtype)4, in, out, 4);
+    dtype_from_f32_isa(k_isas[ii], (zs_dtype)5, in, out, 4);
     dtype_accumulate_isa(k_isas[ii], (zs_dtype)7, in, out, 4);
   }
   for (int i = 0; i < 4; i++)
@@ -776,9 +777,9 @@ static void unknown_dtypes_are_refused_with_the_generated_list_of_names(void **s
     strcat(want, dtype_codec_at(i)->name);
   }
   assert_string_equal(dtype_names(), want);
-  assert_string_equal(dtype_names(), "FP32, FP16 or BF16"); /* today's table */
+  assert_string_equal(dtype_names(), "FP32, FP16, BF16 or INT8_BLOCK"); /* today's table */
 
-  static const int bad[] = {0, 4, 5, 77, 255, -1, -3, INT32_MIN, INT32_MAX};
+  static const int bad[] = {0, 5, 6, 77, 255, -1, -3, INT32_MIN, INT32_MAX};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     int d = bad[i];
     char err[512] = "", msg[512];
@@ -801,7 +802,7 @@ static void unknown_dtypes_are_refused_with_the_generated_list_of_names(void **s
   /* Protobuf varints: an int32 enum that is negative arrives sign-extended
    * to 64 bits, and values past 2^32 must not truncate into a dtype. */
   static const uint64_t bad_v[] = {0,
-                                   4,
+                                   5,
                                    ((uint64_t)1 << 32) + ZS_DTYPE_FP32,
                                    ((uint64_t)1 << 63) + ZS_DTYPE_BF16,
                                    (uint64_t)(int64_t)-1,
@@ -926,6 +927,179 @@ static void every_table_entry_round_trips_and_every_isa_matches_scalar(void **st
   free(f_got);
 }
 
+/* ------------------------------------------------------------------------ */
+/* INT8_BLOCK                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* The format from its specification (docs/PROTOCOL.md), written again here
+ * in double where exact: per block, amax; NaN/Inf or amax >= 2^127 -> NaN
+ * scale and zeros;
+ * amax < 2^-100 -> zero scale and zeros; else scale = fl(amax / 127) and
+ * q = rint(fl(x * fl(127 / amax))). */
+static void ref_int8_encode(const float *in, unsigned char *out, size_t n) {
+  for (size_t b = 0; b < n; b += DTYPE_INT8_BLOCK) {
+    size_t len = n - b < DTYPE_INT8_BLOCK ? n - b : DTYPE_INT8_BLOCK;
+    int nonfinite = 0;
+    double amax = 0;
+    for (size_t i = 0; i < len; i++) {
+      if (!isfinite(in[b + i]) || fabs((double)in[b + i]) >= ldexp(1.0, 127))
+        nonfinite = 1;
+      else if (fabs((double)in[b + i]) > amax)
+        amax = fabs((double)in[b + i]);
+    }
+    float scale = 0.0f, inv = 0.0f;
+    if (nonfinite)
+      scale = float_of(0x7fc00000u);
+    else if (amax >= ldexp(1.0, -100)) {
+      scale = (float)amax / 127.0f;
+      inv = 127.0f / (float)amax;
+    }
+    memcpy(out, &scale, 4);
+    out += 4;
+    for (size_t i = 0; i < len; i++) {
+      float y = in[b + i] * inv;
+      out[i] = (unsigned char)(int8_t)(inv == 0.0f ? 0 : (int)rint((double)y));
+    }
+    out += len;
+  }
+}
+
+/* Blocks of edge data: zeros of both signs, fp32 subnormals alone and
+ * beside normals, the smallest amax that is not cut, values at exact
+ * halves of a step, the largest finite values, Inf and NaN. */
+static void fill_int8_edges(float *x, size_t n, uint32_t kind) {
+  for (size_t i = 0; i < n; i++) {
+    switch (kind % 8) {
+    case 0:
+      x[i] = i % 2 ? -0.0f : 0.0f;
+      break;
+    case 1:
+      x[i] = float_of((rng32() & 0x007fffffu) | (rng32() & 0x80000000u)); /* subnormals */
+      break;
+    case 2:
+      x[i] = i == 3 ? 1.0f : float_of(rng32() & 0x807fffffu); /* subnormals and a 1 */
+      break;
+    case 3:
+      x[i] = ldexpf((float)(int)(rng32() % 255) - 127.0f, -106); /* around the cut */
+      break;
+    case 4:
+      x[i] = ((float)(int)(rng32() % 255) - 127.0f + 0.5f) / 127.0f; /* halves of a step */
+      break;
+    case 5:
+      x[i] = float_of(0x7f7fffffu ^ (rng32() & 0x80000fffu)); /* near FLT_MAX */
+      break;
+    case 6:
+      x[i] = i == n / 2 ? (rng32() % 2 ? INFINITY : -INFINITY) : (float)rng32();
+      break;
+    default:
+      x[i] = i == n - 1 ? float_of(0x7f800001u | (rng32() & 0x803fffffu)) : 1.0f;
+      break;
+    }
+  }
+}
+
+static void check_int8(const float *x, size_t n, const char *what) {
+  size_t nb = (size_t)dtype_bytes(ZS_DTYPE_INT8_BLOCK, n);
+  unsigned char *want = malloc(nb + 1), *got = malloc(nb + 1);
+  float *back = malloc((n + 1) * sizeof(float)), *back_isa = malloc((n + 1) * sizeof(float));
+  assert_non_null(want);
+  assert_non_null(got);
+  assert_non_null(back);
+  assert_non_null(back_isa);
+  ref_int8_encode(x, want, n);
+  for (size_t ii = 0; ii < 3; ii++) {
+    memset(got, GUARD, nb + 1);
+    dtype_from_f32_isa(k_isas[ii], ZS_DTYPE_INT8_BLOCK, x, got, n);
+    if (memcmp(got, want, nb) != 0 || got[nb] != GUARD)
+      fail_msg("%s: %s encode n=%zu differs from the specification", what, cpu_isa_name(k_isas[ii]),
+               n);
+    dtype_to_f32_isa(k_isas[ii], ZS_DTYPE_INT8_BLOCK, got, back_isa, n);
+    if (ii == 0)
+      memcpy(back, back_isa, n * sizeof(float));
+    else if (memcmp(back, back_isa, n * sizeof(float)) != 0)
+      fail_msg("%s: %s decode n=%zu differs from scalar", what, cpu_isa_name(k_isas[ii]), n);
+  }
+  /* What the format promises a reader: each element within half a step of
+   * its input, a non-finite block all NaN. */
+  for (size_t b = 0; b < n; b += DTYPE_INT8_BLOCK) {
+    size_t len = n - b < DTYPE_INT8_BLOCK ? n - b : DTYPE_INT8_BLOCK;
+    float scale;
+    memcpy(&scale, want + (b / DTYPE_INT8_BLOCK) * (DTYPE_INT8_BLOCK + 4), 4);
+    for (size_t i = b; i < b + len; i++) {
+      if (isnan(scale)) {
+        assert_true(isnan(back[i]));
+        continue;
+      }
+      double err = fabs((double)back[i] - (double)x[i]);
+      /* Half a step from rounding, plus the rounding of x * (127 / amax)
+       * and of q * scale (each under 2^-24 relative to 127 steps). */
+      double bound =
+          scale == 0.0f ? ldexp(1.0, -100) : (double)scale * (0.5 + 127 * ldexp(1.0, -22));
+      if (!(err <= bound))
+        fail_msg("%s: n=%zu [%zu] %a decodes to %a (scale %a)", what, n, i, (double)x[i],
+                 (double)back[i], (double)scale);
+    }
+  }
+  free(want);
+  free(got);
+  free(back);
+  free(back_isa);
+}
+
+/* Every path gives the bits the specification gives, on edge data and on
+ * random data, for partial last blocks and for arrays cut at block
+ * boundaries (as the shards' pieces are): the encoding of a piece is the
+ * piece's bytes of the whole array's encoding. */
+static void int8_block_follows_its_specification_on_every_path(void **state) {
+  (void)state;
+  enum { N = 3 * DTYPE_INT8_BLOCK + 77 };
+  float x[N];
+  rng_state = 48;
+  for (uint32_t kind = 0; kind < 64; kind++) {
+    size_t n = kind < 8 ? DTYPE_INT8_BLOCK : 1 + rng32() % N;
+    if (kind < 16)
+      fill_int8_edges(x, n, kind);
+    else
+      for (size_t i = 0; i < n; i++)
+        x[i] = ldexpf((float)(int32_t)rng32() / 2147483648.0f, (int)(rng32() % 40) - 20);
+    check_int8(x, n, kind < 16 ? "edge data" : "random data");
+  }
+  /* Blocks of edge data side by side, the last one partial. */
+  for (size_t b = 0; b < 3; b++)
+    fill_int8_edges(x + b * DTYPE_INT8_BLOCK, DTYPE_INT8_BLOCK, (uint32_t)b * 3 + 1);
+  fill_int8_edges(x + 3 * DTYPE_INT8_BLOCK, 77, 4);
+  check_int8(x, N, "mixed blocks");
+
+  /* A piece starting at a block boundary is an array of its own. */
+  unsigned char whole[N + 16], part[N + 16];
+  dtype_from_f32(ZS_DTYPE_INT8_BLOCK, x, whole, N);
+  size_t at = 2 * DTYPE_INT8_BLOCK;
+  dtype_from_f32(ZS_DTYPE_INT8_BLOCK, x + at, part, N - at);
+  assert_memory_equal(part, whole + dtype_bytes(ZS_DTYPE_INT8_BLOCK, at),
+                      (size_t)dtype_bytes(ZS_DTYPE_INT8_BLOCK, N - at));
+}
+
+/* The encoder reads no MXCSR flag: under FTZ and DAZ the bits are the
+ * same, subnormal inputs included. */
+static void int8_block_ignores_flush_to_zero_and_denormals_are_zero(void **state) {
+  (void)state;
+  enum { N = 16 * DTYPE_INT8_BLOCK };
+  static float x[N];
+  static unsigned char plain[3][N + N / 8], ftz[3][N + N / 8];
+  rng_state = 49;
+  for (uint32_t b = 0; b < 16; b++)
+    fill_int8_edges(x + b * DTYPE_INT8_BLOCK, DTYPE_INT8_BLOCK, b % 8);
+  for (size_t ii = 0; ii < 3; ii++)
+    dtype_from_f32_isa(k_isas[ii], ZS_DTYPE_INT8_BLOCK, x, plain[ii], N);
+  unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040u);
+  for (size_t ii = 0; ii < 3; ii++)
+    dtype_from_f32_isa(k_isas[ii], ZS_DTYPE_INT8_BLOCK, x, ftz[ii], N);
+  _mm_setcsr(csr);
+  for (size_t ii = 0; ii < 3; ii++)
+    assert_memory_equal(plain[ii], ftz[ii], (size_t)dtype_bytes(ZS_DTYPE_INT8_BLOCK, N));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(every_fp16_pattern_widens_exactly_and_narrows_back),
@@ -950,6 +1124,8 @@ int main(void) {
       cmocka_unit_test(bytes_follow_the_block_formula_and_the_old_element_sizes),
       cmocka_unit_test(unknown_dtypes_are_refused_with_the_generated_list_of_names),
       cmocka_unit_test(every_table_entry_round_trips_and_every_isa_matches_scalar),
+      cmocka_unit_test(int8_block_follows_its_specification_on_every_path),
+      cmocka_unit_test(int8_block_ignores_flush_to_zero_and_denormals_are_zero),
   };
   return cmocka_run_group_tests(tests, setup_tables, NULL);
 }

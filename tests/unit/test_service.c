@@ -439,7 +439,7 @@ static void piece_sizes_carry_the_cores_sentence(void **state) {
   assert_int_equal(
       service_piece_bytes(fx.svc, fx.hash, p->tensor, p->slice, (zs_dtype)7, err, sizeof err),
       ZS_EDTYPE);
-  assert_has(err, "dtype 7 is not FP32, FP16 or BF16");
+  assert_has(err, "dtype 7 is not FP32, FP16, BF16 or INT8_BLOCK");
 
   /* In a batch, the sentence names the piece's place. */
   assert_int_equal(service_batch_piece_bytes(fx.svc, fx.hash, 3, fx.foreign->tensor,

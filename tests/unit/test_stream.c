@@ -23,6 +23,9 @@
 
 #include <cmocka.h>
 
+#include <openssl/ssl.h>
+#include <pthread.h>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -31,14 +34,45 @@
 
 #include "common/list.h"
 #include "common/stream.h"
+#include "common/tls.h"
+#include "tests/unit/tls_certs.h"
 
+/* The TLS contexts of the "tls" row and of the TLS cases: a server that
+ * requires client certificates, a client that has one. */
+static tls_certs certs;
+static tls_ctx *server_ctx, *client_ctx;
+
+/* An implementation and how its listeners and dialers are made (TLS's
+ * constructors take the contexts). */
 typedef struct transport {
   const char *name;
   const stream_ops *ops;
+  int (*listen)(uv_loop_t *loop, const struct sockaddr *addr, stream_accept_cb cb, void *data,
+                stream_listener **out, char *err, size_t errlen);
+  int (*dialer_new)(uv_loop_t *loop, const struct sockaddr *addr, stream_dialer **out);
 } transport;
 
+static int tcp_listen(uv_loop_t *loop, const struct sockaddr *addr, stream_accept_cb cb, void *data,
+                      stream_listener **out, char *err, size_t errlen) {
+  return stream_listen(&stream_tcp_ops, loop, addr, 16, cb, data, out, err, errlen);
+}
+
+static int tcp_dialer_new(uv_loop_t *loop, const struct sockaddr *addr, stream_dialer **out) {
+  return stream_dialer_new(&stream_tcp_ops, loop, addr, out);
+}
+
+static int tls_listen(uv_loop_t *loop, const struct sockaddr *addr, stream_accept_cb cb, void *data,
+                      stream_listener **out, char *err, size_t errlen) {
+  return stream_tls_listen(server_ctx, loop, addr, 16, cb, data, out, err, errlen);
+}
+
+static int tls_dialer_new(uv_loop_t *loop, const struct sockaddr *addr, stream_dialer **out) {
+  return stream_tls_dialer_new(client_ctx, loop, addr, "127.0.0.1", out);
+}
+
 static const transport transports[] = {
-    {"tcp", &stream_tcp_ops},
+    {"tcp", &stream_tcp_ops, tcp_listen, tcp_dialer_new},
+    {"tls", &stream_tls_ops, tls_listen, tls_dialer_new},
 };
 
 /* Order in which callbacks ran, across the whole fixture. */
@@ -47,7 +81,7 @@ static int seq;
 /* One end of the connection and what its callbacks saw. */
 typedef struct side {
   stream *st;
-  int connect_calls, connect_status;
+  int connect_calls, connect_status, connect_seq;
   /* Reads go into dst[got..cap), at most `chunk` bytes a time; bytes beyond
    * cap land in `sink` and are only counted. */
   unsigned char *dst;
@@ -62,6 +96,7 @@ typedef struct side {
 } side;
 
 typedef struct fx {
+  const transport *t;
   const stream_ops *ops;
   uv_loop_t loop;
   stream_listener *l;
@@ -69,6 +104,7 @@ typedef struct fx {
   struct sockaddr_storage addr; /* the listener's, port included */
   int port;
   int accepts, accept_status;
+  char accept_detail[256];
   side server, client;
 } fx;
 
@@ -87,10 +123,11 @@ typedef struct wr {
   } while (0)
 
 static void on_accept(stream_listener *l, void *data, int status, stream *s) {
-  (void)l;
   fx *f = data;
   f->accepts++;
   f->accept_status = status;
+  if (status != 0)
+    snprintf(f->accept_detail, sizeof f->accept_detail, "%s", stream_listener_detail(l));
   if (status == 0) {
     f->server.st = s;
     stream_set_data(s, &f->server);
@@ -102,6 +139,7 @@ static void on_connect(stream *s, void *data, int status) {
   assert_ptr_equal(stream_get_data(s), c);
   c->connect_calls++;
   c->connect_status = status;
+  c->connect_seq = ++seq;
 }
 
 static void on_alloc(stream *s, void *data, size_t suggested, uv_buf_t *buf) {
@@ -189,20 +227,19 @@ static int setup(void **state) {
   const transport *t = *state;
   fx *f = calloc(1, sizeof *f);
   assert_non_null(f);
+  f->t = t;
   f->ops = t->ops;
   seq = 0;
   assert_int_equal(uv_loop_init(&f->loop), 0);
   struct sockaddr_in a;
   assert_int_equal(uv_ip4_addr("127.0.0.1", 0, &a), 0);
   char err[128];
-  assert_int_equal(stream_listen(f->ops, &f->loop, (const struct sockaddr *)&a, 16, on_accept, f,
-                                 &f->l, err, sizeof err),
-                   0);
+  assert_int_equal(
+      t->listen(&f->loop, (const struct sockaddr *)&a, on_accept, f, &f->l, err, sizeof err), 0);
   assert_int_equal(stream_listener_addr(f->l, &f->addr), 0);
   f->port = addr_port(&f->addr);
   assert_true(f->port > 0);
-  assert_int_equal(stream_dialer_new(f->ops, &f->loop, (const struct sockaddr *)&f->addr, &f->d),
-                   0);
+  assert_int_equal(t->dialer_new(&f->loop, (const struct sockaddr *)&f->addr, &f->d), 0);
   assert_int_equal(stream_dial(f->d, on_connect, &f->client, &f->client.st), 0);
   assert_non_null(f->client.st);
   RUN_UNTIL(f, f->client.connect_calls == 1 && f->server.st != NULL);
@@ -387,6 +424,32 @@ static void close_with_writes_pending_cancels_them_before_the_close_callback(voi
   free(src);
 }
 
+/* 64 MiB each way at once, read in pieces of an odd size into the final
+ * destination: every byte arrives, in order, in the right place. */
+static void a_64_mib_transfer_each_way_at_once_arrives_byte_exact(void **state) {
+  fx *f = *state;
+  size_t len = (64u << 20) + 5;
+  unsigned char *src = malloc(len);
+  assert_non_null(src);
+  fill(src, len, 19);
+  reads_into(&f->server, len, (1u << 20) + 1);
+  reads_into(&f->client, len - 1, (1u << 20) + 1);
+  uv_buf_t up = {.base = (char *)src, .len = len};
+  uv_buf_t down = {.base = (char *)src + 1, .len = len - 1};
+  wr w1 = {0}, w2 = {0};
+  assert_int_equal(stream_write(f->client.st, &w1.req, &up, 1, on_written), 0);
+  assert_int_equal(stream_write(f->server.st, &w2.req, &down, 1, on_written), 0);
+  RUN_UNTIL(f, f->server.got == len && f->client.got == len - 1 && w1.calls && w2.calls);
+  assert_int_equal(w1.status, 0);
+  assert_int_equal(w2.status, 0);
+  assert_int_equal(f->server.misplaced + f->client.misplaced, 0);
+  assert_int_equal(f->server.sunk + f->client.sunk, 0);
+  assert_memory_equal(f->server.dst, src, len);
+  assert_memory_equal(f->client.dst, src + 1, len - 1);
+  free(f->client.dst);
+  free(src);
+}
+
 static void connect_to_a_port_nobody_listens_on_is_zs_econn(void **state) {
   fx *f = *state;
   /* A bound socket that does not listen: its port refuses connections. */
@@ -398,7 +461,7 @@ static void connect_to_a_port_nobody_listens_on_is_zs_econn(void **state) {
   socklen_t alen = sizeof a;
   assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &alen), 0);
   stream_dialer *d = NULL;
-  assert_int_equal(stream_dialer_new(f->ops, &f->loop, (const struct sockaddr *)&a, &d), 0);
+  assert_int_equal(f->t->dialer_new(&f->loop, (const struct sockaddr *)&a, &d), 0);
   side c = {0};
   assert_int_equal(stream_dial(d, on_connect, &c, &c.st), 0);
   RUN_UNTIL(f, c.connect_calls == 1);
@@ -415,8 +478,8 @@ static void listening_on_an_address_in_use_is_zs_einval_with_the_reason(void **s
   fx *f = *state;
   stream_listener *l = NULL;
   char err[128];
-  int rc = stream_listen(f->ops, &f->loop, (const struct sockaddr *)&f->addr, 16, on_accept, f, &l,
-                         err, sizeof err);
+  int rc =
+      f->t->listen(&f->loop, (const struct sockaddr *)&f->addr, on_accept, f, &l, err, sizeof err);
   assert_int_equal(rc, ZS_EINVAL);
   assert_null(l);
   assert_string_not_equal(err, "");
@@ -424,8 +487,7 @@ static void listening_on_an_address_in_use_is_zs_einval_with_the_reason(void **s
   memset(&bad, 0, sizeof bad);
   bad.sin6_family = AF_UNIX; /* not an address a dialer can use */
   stream_dialer *d = NULL;
-  assert_int_equal(stream_dialer_new(f->ops, &f->loop, (const struct sockaddr *)&bad, &d),
-                   ZS_EINVAL);
+  assert_int_equal(f->t->dialer_new(&f->loop, (const struct sockaddr *)&bad, &d), ZS_EINVAL);
   assert_null(d);
 }
 
@@ -476,11 +538,377 @@ static void libuv_errors_map_to_zs_status_codes(void **state) {
   assert_int_equal(stream_status_from_uv(UV_EIO), ZS_EIO);
 }
 
+/* ------------------------------------------------------------------------ */
+/* TLS only: handshakes that must fail, and how                             */
+/* ------------------------------------------------------------------------ */
+
+/* A fixture with a listener (TLS with `sctx`, else plain TCP) and a dialer
+ * (TLS with `cctx`, else plain TCP) to it, nothing dialled yet; released by
+ * teardown. */
+static fx *tls_fx(tls_ctx *sctx, tls_ctx *cctx) {
+  fx *f = calloc(1, sizeof *f);
+  assert_non_null(f);
+  seq = 0;
+  assert_int_equal(uv_loop_init(&f->loop), 0);
+  struct sockaddr_in a;
+  assert_int_equal(uv_ip4_addr("127.0.0.1", 0, &a), 0);
+  char err[128];
+  int rc = sctx ? stream_tls_listen(sctx, &f->loop, (const struct sockaddr *)&a, 16, on_accept, f,
+                                    &f->l, err, sizeof err)
+                : stream_listen(&stream_tcp_ops, &f->loop, (const struct sockaddr *)&a, 16,
+                                on_accept, f, &f->l, err, sizeof err);
+  assert_int_equal(rc, 0);
+  assert_int_equal(stream_listener_addr(f->l, &f->addr), 0);
+  const struct sockaddr *sa = (const struct sockaddr *)&f->addr;
+  rc = cctx ? stream_tls_dialer_new(cctx, &f->loop, sa, "127.0.0.1", &f->d)
+            : stream_dialer_new(&stream_tcp_ops, &f->loop, sa, &f->d);
+  assert_int_equal(rc, 0);
+  return f;
+}
+
+static tls_ctx *client_with(const char *ca, const char *cert, const char *key, const char *name) {
+  tls_ctx *c = NULL;
+  char err[256] = "";
+  int rc = tls_client_new(ca, cert, key, name, &c, err, sizeof err);
+  if (rc != 0)
+    fail_msg("tls_client_new: %s", err);
+  return c;
+}
+
+static void dial(fx *f) {
+  assert_int_equal(stream_dial(f->d, on_connect, &f->client, &f->client.st), 0);
+}
+
+static void a_server_certificate_from_another_ca_fails_the_connect_with_the_reason(void **state) {
+  (void)state;
+  tls_ctx *c = client_with(certs.other_ca, certs.client_crt, certs.client_key, NULL);
+  fx *f = tls_fx(server_ctx, c);
+  dial(f);
+  RUN_UNTIL(f, f->client.connect_calls == 1 && f->accepts == 1);
+  assert_int_equal(f->client.connect_status, ZS_ECONN);
+  assert_non_null(strstr(stream_detail(f->client.st), "certificate verify failed"));
+  print_message("client: %s\n", stream_detail(f->client.st));
+  /* The server heard the client's alert: no stream, an error with a reason. */
+  assert_int_equal(f->accept_status, ZS_ECONN);
+  assert_null(f->server.st);
+  assert_string_not_equal(f->accept_detail, "");
+  print_message("server: %s\n", f->accept_detail);
+  void *st = f;
+  teardown(&st);
+  tls_ctx_free(c);
+}
+
+static void a_server_certificate_for_another_name_fails_the_connect(void **state) {
+  (void)state;
+  tls_ctx *c = client_with(certs.ca, certs.client_crt, certs.client_key, "db.example.org");
+  fx *f = tls_fx(server_ctx, c);
+  dial(f);
+  RUN_UNTIL(f, f->client.connect_calls == 1);
+  assert_int_equal(f->client.connect_status, ZS_ECONN);
+  assert_non_null(strstr(stream_detail(f->client.st), "hostname mismatch"));
+  void *st = f;
+  teardown(&st);
+  tls_ctx_free(c);
+}
+
+/* TLS 1.3: the client finishes its handshake before the server checked its
+ * certificate, so it may hear of the refusal only at its first read. */
+static void a_client_without_a_certificate_is_refused_by_a_server_that_requires_one(void **state) {
+  (void)state;
+  tls_ctx *c = client_with(certs.ca, NULL, NULL, NULL);
+  fx *f = tls_fx(server_ctx, c);
+  dial(f);
+  RUN_UNTIL(f, f->client.connect_calls == 1 && f->accepts == 1);
+  assert_int_equal(f->accept_status, ZS_ECONN);
+  assert_null(f->server.st);
+  assert_non_null(strstr(f->accept_detail, "certificate"));
+  if (f->client.connect_status == 0) {
+    reads_into(&f->client, 16, 16);
+    RUN_UNTIL(f, f->client.ended);
+    assert_int_equal(f->client.read_status, ZS_ECONN);
+    assert_int_equal(f->client.got, 0);
+    free(f->client.dst);
+  } else {
+    assert_int_equal(f->client.connect_status, ZS_ECONN);
+  }
+  assert_non_null(strstr(stream_detail(f->client.st), "certificate required"));
+  print_message("server: %s; client: %s\n", f->accept_detail, stream_detail(f->client.st));
+  void *st = f;
+  teardown(&st);
+  tls_ctx_free(c);
+}
+
+/* The same server admits a client without a certificate when it names no
+ * client CA. */
+static void a_server_without_a_client_ca_admits_clients_without_certificates(void **state) {
+  (void)state;
+  tls_ctx *sc = NULL, *c = client_with(certs.ca, NULL, NULL, "localhost");
+  char err[256] = "";
+  assert_int_equal(tls_server_new(certs.server_crt, certs.server_key, NULL, &sc, err, sizeof err),
+                   0);
+  fx *f = tls_fx(sc, c);
+  dial(f);
+  RUN_UNTIL(f, f->client.connect_calls == 1 && f->server.st != NULL);
+  assert_int_equal(f->client.connect_status, 0);
+  reads_into(&f->server, 5, 5);
+  uv_buf_t b = {.base = "hello", .len = 5};
+  wr w = {0};
+  assert_int_equal(stream_write(f->client.st, &w.req, &b, 1, on_written), 0);
+  RUN_UNTIL(f, f->server.got == 5 && w.calls == 1);
+  assert_memory_equal(f->server.dst, "hello", 5);
+  void *st = f;
+  teardown(&st);
+  tls_ctx_free(c);
+  tls_ctx_free(sc);
+}
+
+/* A peer that speaks plaintext to a TLS listener: its handshake fails with a
+ * reason, the peer's connection ends, and the listener serves the next. */
+static void a_plaintext_peer_is_refused_and_the_listener_serves_the_next(void **state) {
+  (void)state;
+  fx *f = tls_fx(server_ctx, NULL); /* a plain TCP dialer */
+  dial(f);
+  RUN_UNTIL(f, f->client.connect_calls == 1);
+  assert_int_equal(f->client.connect_status, 0);
+  reads_into(&f->client, 0, 0);
+  uv_buf_t b = {.base = "PUSH 1 GiB, trust me\r\n\r\n", .len = 24};
+  wr w = {0};
+  assert_int_equal(stream_write(f->client.st, &w.req, &b, 1, on_written), 0);
+  RUN_UNTIL(f, f->accepts == 1 && f->client.ended);
+  assert_int_equal(f->accept_status, ZS_ECONN);
+  assert_null(f->server.st);
+  assert_string_not_equal(f->accept_detail, "");
+  assert_true(f->client.read_status == STREAM_EOF || f->client.read_status == ZS_ECONN);
+  print_message("server: %s\n", f->accept_detail);
+  stream_close(f->client.st, on_closed);
+  RUN_UNTIL(f, f->client.closed == 1);
+  free(f->client.dst);
+  memset(&f->client, 0, sizeof f->client);
+  /* A TLS client next. */
+  stream_dialer *d = NULL;
+  assert_int_equal(stream_tls_dialer_new(client_ctx, &f->loop, (const struct sockaddr *)&f->addr,
+                                         "127.0.0.1", &d),
+                   0);
+  assert_int_equal(stream_dial(d, on_connect, &f->client, &f->client.st), 0);
+  RUN_UNTIL(f, f->client.connect_calls == 1 && f->server.st != NULL);
+  assert_int_equal(f->client.connect_status, 0);
+  assert_int_equal(f->accept_status, 0);
+  stream_dialer_free(d);
+  void *st = f;
+  teardown(&st);
+}
+
+/* The client closes while its handshake waits for the server (a plain TCP
+ * server that reads the ClientHello and answers nothing): the connect
+ * callback runs once, cancelled, before the close callback. */
+static void closing_a_client_during_its_handshake_cancels_the_connect_first(void **state) {
+  (void)state;
+  fx *f = tls_fx(NULL, client_ctx); /* a plain TCP listener */
+  dial(f);
+  RUN_UNTIL(f, f->server.st != NULL);
+  reads_into(&f->server, 0, 0);
+  RUN_UNTIL(f, f->server.sunk > 0); /* the ClientHello */
+  assert_int_equal(f->client.connect_calls, 0);
+  stream *c = f->client.st;
+  stream_close(c, on_closed);
+  RUN_UNTIL(f, f->client.closed == 1);
+  assert_int_equal(f->client.connect_calls, 1);
+  assert_int_equal(f->client.connect_status, ZS_ECANCELED);
+  assert_true(f->client.connect_seq < f->client.close_seq);
+  void *st = f;
+  teardown(&st);
+}
+
+/* A peer that closes in the middle of the server's handshake (after one byte
+ * of a record) is reported as a failed accept; a listener closed while a
+ * handshake runs drops it, and its loop closes clean. */
+static void
+a_peer_gone_mid_handshake_fails_the_accept_and_a_closed_listener_drops_handshakes(void **state) {
+  (void)state;
+  fx *f = tls_fx(server_ctx, NULL);
+  dial(f);
+  RUN_UNTIL(f, f->client.connect_calls == 1);
+  uv_buf_t b = {.base = "\x16", .len = 1};
+  wr w = {0};
+  assert_int_equal(stream_write(f->client.st, &w.req, &b, 1, on_written), 0);
+  RUN_UNTIL(f, w.calls == 1);
+  stream_close(f->client.st, on_closed);
+  RUN_UNTIL(f, f->accepts == 1 && f->client.closed == 1);
+  assert_int_equal(f->accept_status, ZS_ECONN);
+  assert_non_null(strstr(f->accept_detail, "during the TLS handshake"));
+  /* Another silent peer, then the listener goes while its handshake runs. */
+  memset(&f->client, 0, sizeof f->client);
+  dial(f);
+  RUN_UNTIL(f, f->client.connect_calls == 1);
+  w.calls = 0;
+  assert_int_equal(stream_write(f->client.st, &w.req, &b, 1, on_written), 0);
+  RUN_UNTIL(f, w.calls == 1);
+  for (int i = 0; i < 5; i++)
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+  stream_listener_close(f->l);
+  f->l = NULL;
+  reads_into(&f->client, 0, 0);
+  RUN_UNTIL(f, f->client.ended);
+  assert_int_equal(f->accepts, 1);
+  free(f->client.dst);
+  void *st = f;
+  teardown(&st); /* asserts that the loop closes with nothing left */
+}
+
+/* Peers that connect and never finish a handshake are cut off after the
+ * handshake timeout (10 s), on both sides. */
+static void a_handshake_that_never_finishes_times_out_on_both_sides(void **state) {
+  (void)state;
+  fx *srv = tls_fx(server_ctx, NULL); /* a silent plain client dials a TLS listener */
+  dial(srv);
+  fx *cli = tls_fx(NULL, client_ctx); /* a TLS client dials a silent plain listener */
+  dial(cli);
+  while (!(srv->accepts == 1 && cli->client.connect_calls == 1)) {
+    uv_run(&srv->loop, UV_RUN_NOWAIT);
+    uv_run(&cli->loop, UV_RUN_NOWAIT);
+    usleep(20000);
+  }
+  assert_int_equal(srv->accept_status, ZS_ETIMEDOUT);
+  assert_string_not_equal(srv->accept_detail, "");
+  assert_int_equal(cli->client.connect_status, ZS_ETIMEDOUT);
+  void *st = srv;
+  teardown(&st);
+  st = cli;
+  teardown(&st);
+}
+
+/* A peer that is plain OpenSSL on a blocking socket (not this layer), which
+ * asks for a key update in the middle of its data: the bytes on both sides
+ * of the update arrive whole, the update is answered, and the answer's
+ * bytes and the peer's close_notify arrive after it. */
+typedef struct openssl_peer {
+  int port;
+  const unsigned char *src;
+  size_t len;
+  char answer[6];
+  int ok;
+} openssl_peer;
+
+static void *openssl_peer_main(void *arg) {
+  openssl_peer *p = arg;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  uv_ip4_addr("127.0.0.1", p->port, &a);
+  SSL *ssl = tls_ctx_session(client_ctx);
+  if (fd < 0 || !ssl || connect(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+      SSL_set1_host(ssl, "127.0.0.1") != 1 || SSL_set_fd(ssl, fd) != 1 || SSL_connect(ssl) != 1)
+    goto out;
+  size_t half = p->len / 2;
+  if (SSL_write(ssl, p->src, (int)half) != (int)half ||
+      SSL_key_update(ssl, SSL_KEY_UPDATE_REQUESTED) != 1 ||
+      SSL_write(ssl, p->src + half, (int)(p->len - half)) != (int)(p->len - half))
+    goto out;
+  size_t got = 0;
+  while (got < 5) {
+    int r = SSL_read(ssl, p->answer + got, (int)(5 - got));
+    /* The context has AUTO_RETRY off: the server's key update comes back
+     * as "want read", and the data follows. */
+    if (r <= 0 && SSL_get_error(ssl, r) == SSL_ERROR_WANT_READ)
+      continue;
+    if (r <= 0)
+      goto out;
+    got += (size_t)r;
+  }
+  p->ok = SSL_shutdown(ssl) >= 0;
+out:
+  SSL_free(ssl);
+  if (fd >= 0)
+    close(fd);
+  return NULL;
+}
+
+static void a_plain_openssl_peer_that_updates_its_keys_midway_is_understood(void **state) {
+  (void)state;
+  fx *f = tls_fx(server_ctx, client_ctx);
+  size_t len = (2u << 20) + 9;
+  unsigned char *src = malloc(len);
+  assert_non_null(src);
+  fill(src, len, 23);
+  openssl_peer p = {.port = addr_port(&f->addr), .src = src, .len = len};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, openssl_peer_main, &p), 0);
+  RUN_UNTIL(f, f->server.st != NULL);
+  reads_into(&f->server, len, 100003);
+  RUN_UNTIL(f, f->server.got == len);
+  assert_memory_equal(f->server.dst, src, len);
+  uv_buf_t b = {.base = "hello", .len = 5};
+  wr w = {0};
+  assert_int_equal(stream_write(f->server.st, &w.req, &b, 1, on_written), 0);
+  RUN_UNTIL(f, w.calls == 1 && f->server.ended);
+  assert_int_equal(w.status, 0);
+  assert_int_equal(f->server.read_status, STREAM_EOF); /* the peer's close_notify */
+  pthread_join(th, NULL);
+  assert_true(p.ok);
+  assert_string_equal(p.answer, "hello");
+  free(src);
+  void *st = f;
+  teardown(&st);
+}
+
+static void contexts_refuse_missing_or_mismatched_files_with_a_sentence(void **state) {
+  (void)state;
+  tls_ctx *c = NULL;
+  char err[256] = "";
+  assert_int_equal(
+      tls_server_new("/nonexistent/server.crt", certs.server_key, NULL, &c, err, sizeof err),
+      ZS_EINVAL);
+  assert_null(c);
+  assert_non_null(strstr(err, "/nonexistent/server.crt"));
+  /* A key that is not the certificate's. */
+  assert_int_equal(tls_server_new(certs.server_crt, certs.client_key, NULL, &c, err, sizeof err),
+                   ZS_EINVAL);
+  assert_non_null(strstr(err, "private key"));
+  assert_int_equal(tls_server_new(certs.server_crt, NULL, NULL, &c, err, sizeof err), ZS_EINVAL);
+  assert_int_equal(tls_client_new(NULL, NULL, NULL, NULL, &c, err, sizeof err), ZS_EINVAL);
+  assert_int_equal(tls_client_new(certs.ca, certs.client_crt, NULL, NULL, &c, err, sizeof err),
+                   ZS_EINVAL);
+  assert_int_equal(tls_client_new(certs.server_key, NULL, NULL, NULL, &c, err, sizeof err),
+                   ZS_EINVAL);
+  assert_non_null(strstr(err, "CA bundle"));
+  /* A client context without a name cannot dial without a host. */
+  c = client_with(certs.ca, NULL, NULL, NULL);
+  uv_loop_t loop;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  struct sockaddr_in a;
+  assert_int_equal(uv_ip4_addr("127.0.0.1", 1, &a), 0);
+  stream_dialer *d = NULL;
+  assert_int_equal(stream_tls_dialer_new(c, &loop, (const struct sockaddr *)&a, NULL, &d),
+                   ZS_EINVAL);
+  assert_int_equal(stream_tls_dialer_new(server_ctx, &loop, (const struct sockaddr *)&a, "x", &d),
+                   ZS_EINVAL);
+  /* A TLS table without its constructors refuses. */
+  stream_listener *l = NULL;
+  assert_int_equal(stream_listen(&stream_tls_ops, &loop, (const struct sockaddr *)&a, 1, on_accept,
+                                 NULL, &l, err, sizeof err),
+                   ZS_EINVAL);
+  assert_int_equal(uv_loop_close(&loop), 0);
+  /* Reloading rereads the files. */
+  assert_int_equal(tls_ctx_reload(c, err, sizeof err), 0);
+  tls_ctx_free(c);
+}
+
 #define CASE(fn, t) cmocka_unit_test_prestate_setup_teardown(fn, setup, teardown, (void *)(t))
 
 int main(void) {
   /* Writes to a reset peer must fail with EPIPE, not kill the test. */
   signal(SIGPIPE, SIG_IGN);
+  char err[256] = "";
+  if (tls_certs_make(&certs) != 0) {
+    fprintf(stderr, "cannot make the test certificates with openssl\n");
+    return 1;
+  }
+  if (tls_server_new(certs.server_crt, certs.server_key, certs.ca, &server_ctx, err, sizeof err) ||
+      tls_client_new(certs.ca, certs.client_crt, certs.client_key, NULL, &client_ctx, err,
+                     sizeof err)) {
+    fprintf(stderr, "%s\n", err);
+    tls_certs_remove(&certs);
+    return 1;
+  }
   int failed = 0;
   for (size_t i = 0; i < sizeof transports / sizeof transports[0]; i++) {
     const transport *t = &transports[i];
@@ -495,9 +923,27 @@ int main(void) {
         CASE(listening_on_an_address_in_use_is_zs_einval_with_the_reason, t),
         CASE(peer_reset_fails_pending_writes_and_the_read_with_zs_econn, t),
         CASE(a_read_without_a_buffer_is_zs_enomem, t),
+        CASE(a_64_mib_transfer_each_way_at_once_arrives_byte_exact, t),
         cmocka_unit_test(libuv_errors_map_to_zs_status_codes),
     };
     failed += cmocka_run_group_tests_name(t->name, tests, NULL, NULL);
   }
+  const struct CMUnitTest tls_tests[] = {
+      cmocka_unit_test(a_server_certificate_from_another_ca_fails_the_connect_with_the_reason),
+      cmocka_unit_test(a_server_certificate_for_another_name_fails_the_connect),
+      cmocka_unit_test(a_client_without_a_certificate_is_refused_by_a_server_that_requires_one),
+      cmocka_unit_test(a_server_without_a_client_ca_admits_clients_without_certificates),
+      cmocka_unit_test(a_plaintext_peer_is_refused_and_the_listener_serves_the_next),
+      cmocka_unit_test(closing_a_client_during_its_handshake_cancels_the_connect_first),
+      cmocka_unit_test(
+          a_peer_gone_mid_handshake_fails_the_accept_and_a_closed_listener_drops_handshakes),
+      cmocka_unit_test(a_handshake_that_never_finishes_times_out_on_both_sides),
+      cmocka_unit_test(a_plain_openssl_peer_that_updates_its_keys_midway_is_understood),
+      cmocka_unit_test(contexts_refuse_missing_or_mismatched_files_with_a_sentence),
+  };
+  failed += cmocka_run_group_tests_name("tls handshakes", tls_tests, NULL, NULL);
+  tls_ctx_free(server_ctx);
+  tls_ctx_free(client_ctx);
+  tls_certs_remove(&certs);
   return failed;
 }

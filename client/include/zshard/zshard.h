@@ -112,6 +112,12 @@ typedef enum zs_dtype {
   ZS_DTYPE_FP32 = 1,
   ZS_DTYPE_FP16 = 2,
   ZS_DTYPE_BF16 = 3,
+  /* Block-quantized int8: blocks of 128 elements, each an fp32 scale then
+   * 128 int8 (the last block of an array may be short); x = q * scale.
+   * 1.03 bytes per element. docs/PROTOCOL.md specifies it. For wire
+   * buffers (push_dtype, pull_dtype, zs_push, zs_pull), not for the shards'
+   * param_dtype. */
+  ZS_DTYPE_INT8_BLOCK = 4,
 } zs_dtype;
 
 /* Optimizers a param group can use. Values match the proto. */
@@ -290,7 +296,9 @@ typedef struct zs_client_options {
   uint64_t split_threshold;
   /* Wire dtypes: gradients are converted to push_dtype before sending and
    * parameters travel as pull_dtype; 0 means "the dtype of the caller's
-   * buffer" (no conversion). Default 0. */
+   * buffer" (no conversion). Default 0. ZS_DTYPE_INT8_BLOCK quantizes on
+   * the wire (see error_feedback); a param group's own wire dtypes
+   * (zs_group_options) win over these for its tensors. */
   zs_dtype push_dtype;
   zs_dtype pull_dtype;
   /* Worker threads issuing calls in parallel; 0: 2*N + 2, at most 32. */
@@ -345,8 +353,15 @@ typedef struct zs_client_options {
   uint32_t checkpoint_timeout_ms;
   /* What zs_open_job may find on the shards; default ZS_OPEN_EITHER. */
   zs_open_mode open_mode;
-  /* Must be 0 (keeps the struct free of tail padding, rule 3). */
-  uint32_t reserved0;
+  /* Error feedback for lossy pushes (1 on, 0 off, the default): when a
+   * push converts an fp32 gradient to a narrower wire dtype (push_dtype
+   * ZS_DTYPE_INT8_BLOCK, or BF16/FP16), the client keeps what the wire
+   * format lost (the residual, per tensor) and adds it to the tensor's next
+   * push, so that no part of a gradient is lost for good, only delayed. It
+   * costs 4 bytes per element of every tensor so pushed, for the life of
+   * the client, plus 4 bytes per element of a push in flight. Was
+   * `reserved0`, which had to be 0: the layout is unchanged. */
+  uint32_t error_feedback;
   /* Security (docs/CLIENT.md, "Security"). Each string is the caller's and
    * only read during zs_client_open, which copies what it needs (a token
    * file is read then, once). A field left NULL (or "") takes its
@@ -404,6 +419,12 @@ typedef struct zs_group_options {
   double momentum, dampening; /* sgd; 0, 0 */
   int nesterov;               /* sgd; 0 */
   int bias_correction;        /* adam/adamw; 1 */
+  /* Wire dtypes of this group's tensors, over the client's push_dtype and
+   * pull_dtype; 0 (default): the client's. E.g. ZS_DTYPE_BF16 for a group
+   * of norms and biases in a job that sends int8 blocks. A trainer's own
+   * choice: not part of the job, the shards accept any wire dtype. */
+  zs_dtype push_dtype;
+  zs_dtype pull_dtype;
 } zs_group_options;
 
 /* Fills `g`, the caller's struct of `size` bytes, with torch's defaults for

@@ -21,7 +21,7 @@ import os
 
 from . import _zshard
 from ._zshard import (  # noqa: F401
-    ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
+    ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, INT8_BLOCK, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
     LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
     Request, StepResult, Timing, dtype_size, err_name, strerror, version)
 
@@ -32,8 +32,8 @@ globals().update(STATUS)
 
 _ENUMS = {
     "param_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
-    "push_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
-    "pull_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
+    "push_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16, "int8": INT8_BLOCK},
+    "pull_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16, "int8": INT8_BLOCK},
     "grad_reduce": {"mean": REDUCE_MEAN, "sum": REDUCE_SUM},
     "loss_scaling": {"none": LOSS_SCALE_NONE, "static": LOSS_SCALE_STATIC,
                      "dynamic": LOSS_SCALE_DYNAMIC},
@@ -61,9 +61,10 @@ class Client(_zshard.Client):
     push_dtype, pull_dtype, threads, reduce_bucket_size, allgather_bucket_size,
     prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
-    data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode, and token,
-    tls_ca, tls_cert, tls_key, tls_server_name for the C fields token,
-    tls_ca_file, tls_cert_file, tls_key_file, tls_server_name) plus the dynamic
+    data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode,
+    error_feedback, and token, tls_ca, tls_cert, tls_key, tls_server_name for
+    the C fields token, tls_ca_file, tls_cert_file, tls_key_file,
+    tls_server_name) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
     loss_scale_window and hysteresis; enums also by name ("bf16", "sum", ...).
     Unset options keep zs_client_options_init's defaults.
@@ -90,7 +91,9 @@ class Client(_zshard.Client):
 
     def add_group(self, optimizer=ADAMW, **options):
         """Adds a param group (torch's defaults for `optimizer`, then the
-        given zs_group_options fields); returns its id."""
+        given zs_group_options fields, push_dtype and pull_dtype also by
+        name); returns its id."""
+        options = {k: _enum(k, v) for k, v in options.items()}
         return super().add_group(optimizer=_enum("optimizer", optimizer), **options)
 
     def push(self, tensor, buffer, micro=0, dtype=0):

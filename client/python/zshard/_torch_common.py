@@ -21,7 +21,10 @@ NOTES = {
 
 _UNUSED, _QUEUED, _DONE = 0, 1, 2
 
-_WIRE = {torch.float32: zshard.FP32, torch.float16: zshard.FP16, torch.bfloat16: zshard.BF16}
+# torch.int8 stands for zshard's int8 blocks (128 elements with an fp32 scale,
+# docs/PROTOCOL.md): the buffers stay fp32, only the wire is quantized.
+_WIRE = {torch.float32: zshard.FP32, torch.float16: zshard.FP16, torch.bfloat16: zshard.BF16,
+         torch.int8: zshard.INT8_BLOCK}
 
 
 def _buffer(t):

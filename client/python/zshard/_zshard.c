@@ -101,6 +101,7 @@ static const kw_field client_fields[] = {
     CO(checkpoint_every, KW_U32),
     CO(checkpoint_timeout_ms, KW_U32),
     CO(open_mode, KW_ENUM),
+    CO(error_feedback, KW_U32),
     /* Security: the Python names drop the C names' "_file". */
     {"token", KW_STR, offsetof(zs_client_options, token)},
     {"tls_ca", KW_STR, offsetof(zs_client_options, tls_ca_file)},
@@ -142,11 +143,10 @@ static int apply_known_kwargs(void *base, const kw_field *fields, PyObject *kw) 
 #define GO(field, kind)                                                                            \
   { #field, kind, offsetof(zs_group_options, field) }
 static const kw_field group_fields[] = {
-    GO(lr_scale, KW_DOUBLE),     GO(beta1, KW_DOUBLE),
-    GO(beta2, KW_DOUBLE),        GO(eps, KW_DOUBLE),
-    GO(weight_decay, KW_DOUBLE), GO(momentum, KW_DOUBLE),
-    GO(dampening, KW_DOUBLE),    GO(nesterov, KW_INT),
-    GO(bias_correction, KW_INT), {NULL, 0, 0},
+    GO(lr_scale, KW_DOUBLE),  GO(beta1, KW_DOUBLE),        GO(beta2, KW_DOUBLE),
+    GO(eps, KW_DOUBLE),       GO(weight_decay, KW_DOUBLE), GO(momentum, KW_DOUBLE),
+    GO(dampening, KW_DOUBLE), GO(nesterov, KW_INT),        GO(bias_correction, KW_INT),
+    GO(push_dtype, KW_ENUM),  GO(pull_dtype, KW_ENUM),     {NULL, 0, 0},
 };
 #undef GO
 
@@ -1212,7 +1212,8 @@ static PyObject *client_exit(client_object *self, PyObject *Py_UNUSED(args)) {
   { #name, (PyCFunction)(void (*)(void))client_##name, METH_VARARGS | METH_KEYWORDS, doc }
 static PyMethodDef client_methods[] = {
     KWM(add_group, "add_group(optimizer=ADAMW, lr_scale=, beta1=, beta2=, eps=, weight_decay=, "
-                   "momentum=, dampening=, nesterov=, bias_correction=) -> group id"),
+                   "momentum=, dampening=, nesterov=, bias_correction=, push_dtype=, pull_dtype=) "
+                   "-> group id"),
     KWM(add_tensor, "add_tensor(name, numel, group=0, shape=None) -> tensor id"),
     KWM(open_job, "open_job(init_weights=None): one fp32 buffer per tensor (rank 0)"),
     KWM(push, "push(tensor, buffer, micro=0, dtype=0) -> Request; buffer held until waited"),
@@ -1390,6 +1391,7 @@ PyMODINIT_FUNC PyInit__zshard(void) {
   if (PyModule_AddIntConstant(m, "FP32", ZS_DTYPE_FP32) < 0 ||
       PyModule_AddIntConstant(m, "FP16", ZS_DTYPE_FP16) < 0 ||
       PyModule_AddIntConstant(m, "BF16", ZS_DTYPE_BF16) < 0 ||
+      PyModule_AddIntConstant(m, "INT8_BLOCK", ZS_DTYPE_INT8_BLOCK) < 0 ||
       PyModule_AddIntConstant(m, "ADAMW", ZS_OPTIM_ADAMW) < 0 ||
       PyModule_AddIntConstant(m, "ADAM", ZS_OPTIM_ADAM) < 0 ||
       PyModule_AddIntConstant(m, "SGD", ZS_OPTIM_SGD) < 0 ||

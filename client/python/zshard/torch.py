@@ -97,7 +97,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._closed = False
         self._optim = self._optimizer_kind(optimizer)
         if wire_dtype not in _WIRE:
-            raise ValueError("wire_dtype must be torch.float32, torch.float16 or torch.bfloat16")
+            raise ValueError("wire_dtype must be torch.float32, torch.float16, torch.bfloat16 or "
+                             "torch.int8 (int8 blocks)")
         rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
         self.rank, self.world_size = rank, world_size
@@ -458,7 +459,9 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
     at `addresses` ("h0:7070,h1:7070" or "zshard-{i}.zshard:7070" with
     num_shards=N) and returns the optimizer to train `model` with.
 
-    wire_dtype: dtype of gradients and parameters on the wire (fp32 is exact).
+    wire_dtype: dtype of gradients and parameters on the wire (fp32 is exact;
+      torch.int8: int8 blocks with a scale per 128 elements, best with
+      error_feedback=1, which costs 4 bytes per parameter on the trainer).
     rank, world_size: default to $RANK and $WORLD_SIZE (torchrun), else 0 and 1.
     prefetch: modules pulled ahead of the one computing.
     release_after_forward: free each parameter after its last use in forward
