@@ -36,6 +36,9 @@ class Shards:
         self.procs, self.logs = [], []
         self.tmp = None
         self.addresses = None
+        # Further environment variables for the servers (the caller's
+        # ZSHARD_* are not passed on); set before entering.
+        self.env = {}
 
     def __enter__(self):
         binary = os.environ.get("ZSHARD_SERVER_BIN")
@@ -43,6 +46,7 @@ class Shards:
             raise RuntimeError("ZSHARD_SERVER_BIN must name the zshard-server binary")
         self.tmp = tempfile.mkdtemp(prefix="zshard-pyt-")
         env = {k: v for k, v in os.environ.items() if not k.startswith("ZSHARD_")}
+        env.update(self.env)
         ports = []
         try:
             for i in range(self.n):

@@ -1,0 +1,315 @@
+"""Issue 10, hostile clients on the data plane (raw sockets, docs/PROTOCOL.md):
+unauthenticated pushes, oversized batches, connection floods from one
+address, answers nobody reads, the 256-pending deadlock, a stalled reader of
+the bf16 copy. One test per row of the issue's attack table
+(tests/python/hostile.py). The attacker connects from 127.0.0.2, the
+legitimate trainer from 127.0.0.1.
+
+Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_hostile_dataplane.py
+"""
+
+import resource
+import socket
+import struct
+
+
+import hostile
+from hostile import MiB, SERVER_RSS_CEILING, DataConn, Shard, stubs
+
+ATTACKER, TRAINER = "127.0.0.2", "127.0.0.1"
+# What the server may hold in copied Pull answers over all connections
+# (dp_server_config.max_answer_bytes_total's default).
+ANSWER_BUDGET = 1 << 30
+NUMELS = [1024, 16]
+
+
+def _enough_fds(n):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(n, hard), hard))
+
+
+def test_row01_dataplane_push_before_real_rank_refused():
+    """Row "push as rank 1 before the real rank 1": on the data plane, a
+    peer that has not authenticated gets no push in; the real rank 1's push
+    is then new, not a duplicate."""
+    pb = stubs().pb
+    with Shard(tokens=True) as s:
+        c = s.client()
+        h = hostile.open_job(c, NUMELS, world_size=2)
+        hostile.init_params(c, h, NUMELS)
+        port = s.data_port()
+        push = hostile.dp_push(h, 1, 0, struct.pack("<f", 1e30) * NUMELS[0], rank=1)
+        bad = DataConn(port, ATTACKER, hello=False)
+        try:
+            bad.send(push)
+            try:
+                ftype, rid, meta, _ = bad.read_frame()
+                assert ftype == hostile.ERROR, "the unauthenticated push was answered %d" % ftype
+                assert bad.error(meta)[0] == hostile.ZS_EUNAUTHENTICATED, bad.error(meta)
+            except hostile.Closed:
+                pass  # closed unanswered: refused as well
+        finally:
+            bad.close()
+        try:
+            bad = DataConn(port, ATTACKER, token="guess")
+            bad.send(push)
+            ftype, _, meta, _ = bad.read_frame()
+            bad.close()
+            raise AssertionError("a wrong token was accepted; the push was answered %d" % ftype)
+        except hostile.Refused as e:
+            assert e.status == hostile.ZS_EUNAUTHENTICATED, e
+        real = c.call("Push", pb.PushRequest(spec_hash=h, step=1, rank=1, micro=0, tensor=0,
+                                             slice=0, dtype=pb.DTYPE_FP32,
+                                             data=struct.pack("<f", 0.25) * NUMELS[0]))
+        assert not real.duplicate, "the attacker's push took rank 1's place"
+        good = DataConn(port, TRAINER, token=s.trainer)
+        try:
+            assert good.ping()
+        finally:
+            good.close()
+
+
+def test_row01_dataplane_unauthenticated_connection_closed():
+    """The data plane closes a connection that has not authenticated within
+    a few seconds, without processing anything it sent."""
+    with Shard(tokens=True) as s:
+        conn = DataConn(s.data_port(), ATTACKER, hello=False)
+        try:
+            assert conn.closed_within(), "an unauthenticated idle connection stayed open"
+        finally:
+            conn.close()
+
+
+def test_row04_push_batch_1gib_no_job_bounded():
+    """Row "PUSH_BATCH declaring 1 GiB, no job, bogus hash, 3 connections":
+    refused before the payload is stored; 3 x 256 MiB of it sent leave the
+    server's memory bounded."""
+    d = stubs().dpb
+    with Shard() as s:
+        port = s.data_port()
+        hostile.reset_peak(s.pid)
+        pieces = [d.DataPiece(tensor=i, slice=0, dtype=stubs().pb.DTYPE_FP32, length=4 * MiB)
+                  for i in range(256)]
+        meta = d.DataPushBatch(spec_hash=0x1234, step=1, rank=0, micro=0,
+                               pieces=pieces).SerializeToString()
+        head = hostile.frame(hostile.PUSH_BATCH, 7, meta, payload_len=1 << 30)
+        conns = [DataConn(port, ATTACKER) for _ in range(3)]
+        chunk = bytes(4 * MiB)
+        try:
+            for conn in conns:
+                conn.send(head)
+            live = list(conns)
+            for _ in range(64):
+                for conn in list(live):
+                    try:
+                        conn.send(chunk, seconds=5)
+                    except (OSError, socket.timeout):
+                        live.remove(conn)  # the server closed or stopped reading: fine
+            peak = hostile.settle(s.pid)
+            assert peak < SERVER_RSS_CEILING, "%d MiB resident" % (peak // MiB)
+        finally:
+            for conn in conns:
+                conn.close()
+
+
+def test_row06_idle_connections_from_one_address_leave_trainer_working():
+    """Row "1100 idle data-plane connections": one address's flood does not
+    lock the trainers out."""
+    _enough_fds(4000)
+    with Shard() as s:
+        c = s.client()
+        h = hostile.open_job(c, NUMELS)
+        hostile.init_params(c, h, NUMELS)
+        port = s.data_port()
+        flood = []
+        try:
+            for _ in range(1100):
+                try:
+                    flood.append(DataConn(port, ATTACKER))
+                except (OSError, hostile.Closed, hostile.Refused):
+                    pass  # refused by a cap: what a cap does
+            good = DataConn(port, TRAINER)
+            try:
+                assert good.ping(), "the trainer's PING was not answered"
+                good.send(hostile.dp_pull(h, 0, 0, 2))
+                ftype, rid, _, payload = good.read_frame()
+                assert (ftype, rid, len(payload)) == (hostile.PULL_DATA, 2, 4 * NUMELS[0])
+            except hostile.Closed:
+                raise AssertionError("the trainer's connection was closed: locked out")
+            finally:
+                good.close()
+        finally:
+            for conn in flood:
+                conn.close()
+
+
+def test_row06_pulls_far_ahead_then_close_leave_trainer_working():
+    """Row "1100 x (connect, Pull far ahead, close)": a closed peer's waiting
+    Pull no longer holds its slot; the trainer gets in."""
+    _enough_fds(4000)
+    with Shard() as s:
+        c = s.client()
+        h = hostile.open_job(c, NUMELS)
+        hostile.init_params(c, h, NUMELS)
+        port = s.data_port()
+        pull = hostile.dp_pull(h, 0, 10**9, 1)
+        for _ in range(1100):
+            try:
+                conn = DataConn(port, ATTACKER)
+            except (OSError, hostile.Closed, hostile.Refused):
+                continue  # refused by a cap: what a cap does
+            try:
+                conn.send(pull)
+            except OSError:
+                pass
+            conn.close()
+        good = DataConn(port, TRAINER)
+        try:
+            assert good.ping(), "the trainer's PING was not answered"
+        except hostile.Closed:
+            raise AssertionError("the trainer's connection was closed: locked out")
+        finally:
+            good.close()
+
+
+def _big_job(c, numel):
+    h = hostile.open_job(c, [numel])
+    hostile.init_params(c, h, [numel])
+    return h
+
+
+def test_row08_unread_fp32_pulls_bounded():
+    """Row "a client that stops reading 64 MiB fp32 Pulls": the answers the
+    server holds for peers that do not read stay within the whole-server
+    budget (ANSWER_BUDGET), however many connections the attacker opens (50
+    here, each asking for 8 x 8 MiB), and the trainer's own Pull is still
+    answered meanwhile (or refused by the budget, clearly)."""
+    numel = 2 * MiB  # 8 MiB of fp32
+    with Shard() as s:
+        c = s.client()
+        h = _big_job(c, numel)
+        port = s.data_port()
+        hostile.reset_peak(s.pid)
+        conns = []
+        try:
+            for _ in range(50):
+                conn = DataConn(port, ATTACKER, rcvbuf=4096)
+                conns.append(conn)
+                conn.send(b"".join(hostile.dp_pull(h, 0, 0, i + 1) for i in range(8)))
+            ceiling = SERVER_RSS_CEILING + ANSWER_BUDGET
+            peak = hostile.settle(s.pid, ceiling=ceiling)
+            assert peak < ceiling, "%d MiB resident" % (peak // MiB)
+            # The trainer is answered: its piece, or a clear refusal by a
+            # budget (ZS_ELIMIT), not a wait for the attacker to go away.
+            good = DataConn(port, TRAINER)
+            try:
+                good.send(hostile.dp_pull(h, 0, 0, 1))
+                ftype, _, meta, payload = good.read_frame()
+                if ftype == hostile.ERROR:
+                    assert good.error(meta)[0] == hostile.ZS_ELIMIT, good.error(meta)
+                else:
+                    assert (ftype, len(payload)) == (hostile.PULL_DATA, 4 * numel), ftype
+            finally:
+                good.close()
+        finally:
+            for conn in conns:
+                conn.close()
+
+
+def test_row08_pull_batch_1gib_bounded():
+    """Row "a 1 GiB PULL_BATCH" nobody reads: refused or bounded, not a
+    1 GiB answer buffer per request."""
+    d, pb = stubs().dpb, stubs().pb
+    numel = 2 * MiB  # 8 MiB of fp32; 128 of them make 1 GiB
+    with Shard() as s:
+        c = s.client()
+        h = _big_job(c, numel)
+        conn = DataConn(s.data_port(), ATTACKER, rcvbuf=4096)
+        try:
+            hostile.reset_peak(s.pid)
+            pieces = [d.DataPiece(tensor=0, slice=0, dtype=pb.DTYPE_FP32, length=4 * numel)] * 128
+            meta = d.DataPullBatch(spec_hash=h, min_version=0, pieces=pieces).SerializeToString()
+            conn.send(hostile.frame(hostile.PULL_BATCH, 1, meta) +
+                      hostile.frame(hostile.PULL_BATCH, 2, meta))
+            peak = hostile.settle(s.pid)
+            assert peak < SERVER_RSS_CEILING, "%d MiB resident" % (peak // MiB)
+            ftype, rid, meta, _ = conn.read_frame()
+            assert (ftype, rid) == (hostile.ERROR, 1), (ftype, rid)
+            assert conn.error(meta)[0] == hostile.ZS_ELIMIT, conn.error(meta)
+        finally:
+            conn.close()
+
+
+def test_row11_300_pulls_then_push_on_one_connection_no_deadlock():
+    """Row "300 Pulls waiting on one data-plane connection, then the Push
+    they wait for": the push is read and acknowledged, the step applies and
+    every Pull is answered."""
+    pb = stubs().pb
+    numels = [256]
+    with Shard() as s:
+        c = s.client()
+        h = hostile.open_job(c, numels)
+        hostile.init_params(c, h, numels)
+        conn = DataConn(s.data_port(), TRAINER)
+        try:
+            conn.send(b"".join(hostile.dp_pull(h, 0, 1, i + 1, timeout_ms=60000)
+                               for i in range(300)))
+            # Every Pull the server reads waits. An answered request (a
+            # PING) makes it look at its bound of 256 requests in progress,
+            # which waiting Pulls must not count against (PROTOCOL.md).
+            hostile.wait_for(lambda: hostile.waiting_pulls(c) >= 300, seconds=5)
+            assert conn.ping(999)
+            conn.send(hostile.dp_push(h, 1, 0, struct.pack("<f", 0.25) * numels[0],
+                                      request_id=1000))
+            ftype, rid, meta, _ = conn.read_frame()
+            assert (ftype, rid) == (hostile.PUSH_ACK, 1000), (ftype, rid, meta)
+            hostile.grad_stats(c, h, 1)
+            c.call("Apply", pb.ApplyRequest(spec_hash=h, step=1, lr=1e-3, coef=1.0))
+            got = set()
+            for _ in range(300):
+                ftype, rid, _, payload = conn.read_frame()
+                assert ftype == hostile.PULL_DATA and len(payload) == 4 * numels[0], (ftype, rid)
+                got.add(rid)
+            assert got == set(range(1, 301))
+        finally:
+            conn.close()
+
+
+def test_row12_stalled_bf16_reader_does_not_hold_the_state_lock():
+    """Row "one peer that stalls reading the bf16 copy": while an Apply
+    deals with the stalled peer's pinned answer, a Pull of the current
+    version is not held back behind it (the apply does not wait with the
+    state lock held)."""
+    pb = stubs().pb
+    numel = MiB  # 2 MiB of bf16 per answer
+    with Shard() as s:
+        c = s.client()
+        h = _big_job(c, numel)
+        stalled = DataConn(s.data_port(), ATTACKER, rcvbuf=4096)
+        try:
+            served = c.call("Stats", pb.StatsRequest()).pulls
+            stalled.send(b"".join(hostile.dp_pull(h, 0, 0, i + 1, dtype=pb.DTYPE_BF16)
+                                  for i in range(8)))
+            assert hostile.wait_for(lambda: c.call("Stats", pb.StatsRequest()).pulls > served)
+            for k in range(1, 4):
+                hostile.push_all(c, h, k, [numel])
+                hostile.grad_stats(c, h, k)
+                apply = c.future("Apply", pb.ApplyRequest(spec_hash=h, step=k, lr=1e-3, coef=1.0))
+                # Give the apply the time to reach the pinned piece; if it is
+                # done by then, it did not wait at all, which is fine too.
+                hostile.wait_for(apply.done, seconds=0.5)
+                if apply.done():
+                    apply.result()
+                    continue
+                order = []
+                apply.add_done_callback(lambda _: order.append("apply"))
+                read = c.future("Pull", pb.PullRequest(spec_hash=h, tensor=0, slice=0,
+                                                       min_version=k - 1, dtype=pb.DTYPE_FP32))
+                read.add_done_callback(lambda _: order.append("pull"))
+                read.result(timeout=hostile.OUTCOME_SECONDS)
+                apply.result(timeout=hostile.OUTCOME_SECONDS)
+                assert order[0] == "pull", "step %d: the Pull waited for the Apply (%s)" % (
+                    k, order)
+        finally:
+            stalled.close()
