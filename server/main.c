@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "common/auth.h"
@@ -761,6 +762,33 @@ static void reload_security(const options *o, shard *s) {
   }
 }
 
+/* Raises the soft limit on open files to the hard limit. Every connection,
+ * checkpoint file and pipe is a descriptor, and gRPC 1.51's listener stops
+ * accepting for good after one accept() that fails with EMFILE (grpc/grpc
+ * issues 16058 and 20418): with the usual soft limit of 1024, a few hundred
+ * idle connections would silence the shard's gRPC port until a restart. The
+ * hard limit is the operator's to raise (LimitNOFILE, ulimit -Hn, the
+ * container runtime); the log line tells what the shard runs with. */
+static void raise_fd_limit(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+    return;
+  rlim_t was = rl.rlim_cur;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+      rl.rlim_cur = was;
+  }
+  if (rl.rlim_cur < 4096)
+    LOG_WARN("fd_limit",
+             "soft=%llu hard=%llu detail=\"fewer than 4096 descriptors: raise the hard "
+             "limit (docs/OPERATIONS.md, Limits)\"",
+             (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max);
+  else
+    LOG_INFO("fd_limit", "soft=%llu hard=%llu was=%llu", (unsigned long long)rl.rlim_cur,
+             (unsigned long long)rl.rlim_max, (unsigned long long)was);
+}
+
 int main(int argc, char **argv) {
   /* Before any thread exists, so that all of them inherit the mask and the
    * signals reach only sigwait() below. */
@@ -787,6 +815,7 @@ int main(int argc, char **argv) {
   if (rc >= 0)
     return rc;
   log_set_level(o.level);
+  raise_fd_limit();
 
   shard s = {0};
   rc = load_security(&o, &s);
