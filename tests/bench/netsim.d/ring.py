@@ -1,0 +1,70 @@
+"""The data-parallel baseline: the same gradient bytes through gloo's ring
+all-reduce (torch.distributed), one process per trainer namespace.
+
+    ring.py --master ADDR --port P --rank R --world W --params P --steps S
+            --iface IF
+
+Each step all-reduces P parameters in bf16 (the bytes zshard pushes; an
+all-reduce also returns the sum, the bytes zshard pulls). The first step
+is a warm-up. Prints one JSON object: the per-step times, the dtype used
+and this process's CPU seconds.
+"""
+import argparse
+import json
+import os
+import resource
+import time
+
+
+def cpu_seconds():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--params", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--iface", default="eth0")
+    ap.add_argument("--timeout", type=float, default=300)
+    a = ap.parse_args()
+
+    # Gloo binds the interface's address: the namespace's veth end.
+    os.environ["GLOO_SOCKET_IFNAME"] = a.iface
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://%s:%d" % (a.master, a.port), rank=a.rank,
+                            world_size=a.world, timeout=datetime.timedelta(seconds=a.timeout))
+    dtype = torch.bfloat16
+    x = torch.full((a.params,), 2.0 ** -7, dtype=dtype)
+    try:
+        dist.all_reduce(x)
+    except RuntimeError:
+        # A gloo without bf16 sums: fp16 moves the same bytes.
+        dtype = torch.float16
+        x = torch.full((a.params,), 2.0 ** -7, dtype=dtype)
+        dist.all_reduce(x)
+    times = []
+    cpu0 = cpu_seconds()
+    for _ in range(a.steps):
+        x.fill_(2.0 ** -7)
+        dist.barrier()
+        t0 = time.monotonic()
+        dist.all_reduce(x)
+        times.append(time.monotonic() - t0)
+    cpu = cpu_seconds() - cpu0
+    dist.destroy_process_group()
+    print(json.dumps({"rank": a.rank, "steps": times, "dtype": str(dtype).replace("torch.", ""),
+                      "bytes": a.params * 2, "cpu_s": cpu}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
