@@ -7,18 +7,14 @@ all-reduce (torch.distributed), one process per trainer namespace.
 Each step all-reduces P parameters in bf16 (the bytes zshard pushes; an
 all-reduce also returns the sum, the bytes zshard pulls). The first step
 is a warm-up. Prints one JSON object: the per-step times, the dtype used
-and this process's CPU seconds.
+and the CPU seconds this process and the machine spent in them.
 """
 import argparse
 import json
 import os
-import resource
 import time
 
-
-def cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+import cpu
 
 
 def main():
@@ -53,17 +49,18 @@ def main():
         x = torch.full((a.params,), 2.0 ** -7, dtype=dtype)
         dist.all_reduce(x)
     times = []
-    cpu0 = cpu_seconds()
+    window = cpu.Window().start()
+    start = time.monotonic()
     for _ in range(a.steps):
         x.fill_(2.0 ** -7)
         dist.barrier()
         t0 = time.monotonic()
         dist.all_reduce(x)
         times.append(time.monotonic() - t0)
-    cpu = cpu_seconds() - cpu0
+    used = window.stop(time.monotonic() - start)
     dist.destroy_process_group()
-    print(json.dumps({"rank": a.rank, "steps": times, "dtype": str(dtype).replace("torch.", ""),
-                      "bytes": a.params * 2, "cpu_s": cpu}), flush=True)
+    print(json.dumps(dict(used, rank=a.rank, steps=times, dtype=str(dtype).replace("torch.", ""),
+                          bytes=a.params * 2)), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,20 +8,17 @@ bf16 gradient (zs_push_many), steps (zs_step: the gated step, clipping to C
 when C > 0) and pulls every tensor back in bf16 (zs_pull_many), S + 1 times;
 the first step is a warm-up. Buffers are bf16 already, so no conversion
 runs on the trainer. Prints one JSON object: per measured step the push,
-step and pull phase times and the whole cycle, the bytes each way, and this
-process's CPU seconds.
+step and pull phase times and the whole cycle, the bytes each way, and the
+CPU seconds this process, the shards (NETSIM_SHARD_PIDS) and the machine
+spent in the measured steps.
 """
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
-
-def cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+import cpu
 
 
 def main():
@@ -54,8 +51,11 @@ def main():
     grads = [np.full(numel, 0x3c00, np.uint16) for _ in ids]
     params = [np.empty(numel, np.uint16) for _ in ids]
 
+    # The shards' processes, whose CPU the measured steps cost.
+    pids = [int(p) for p in os.environ.get("NETSIM_SHARD_PIDS", "").split(",") if p]
+    window = cpu.Window(pids)
     steps = []
-    cpu0 = cpu_seconds()
+    start = time.monotonic()
     for s in range(a.steps + 1):
         t0 = time.monotonic()
         for r in c.push_many(ids, grads, dtype="bf16"):
@@ -69,13 +69,14 @@ def main():
         if s == 0:
             # The warm-up step ends at the same moment (give or take a pull)
             # on every trainer: the gate lines them up.
-            cpu0 = cpu_seconds()
+            window.start()
+            start = time.monotonic()
             continue
         steps.append({"push": t1 - t0, "step": t2 - t1, "pull": t3 - t2, "cycle": t3 - t0})
-    cpu = cpu_seconds() - cpu0
+    used = window.stop(time.monotonic() - start)
     c.close()
-    print(json.dumps({"rank": a.rank, "steps": steps, "push_bytes": numel * a.tensors * 2,
-                      "pull_bytes": numel * a.tensors * 2, "cpu_s": cpu}), flush=True)
+    print(json.dumps(dict(used, rank=a.rank, steps=steps, push_bytes=numel * a.tensors * 2,
+                          pull_bytes=numel * a.tensors * 2)), flush=True)
 
 
 if __name__ == "__main__":
