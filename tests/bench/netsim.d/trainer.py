@@ -1,0 +1,83 @@
+"""One zshard trainer of the emulated cluster (run inside its namespace).
+
+    trainer.py --addresses A,B,.. --rank R --world W --params P --tensors T
+               --steps S [--clip C]
+
+Opens the job (rank 0 gives the initial weights), pushes every tensor's
+bf16 gradient (zs_push_many), steps (zs_step: the gated step, clipping to C
+when C > 0) and pulls every tensor back in bf16 (zs_pull_many), S + 1 times;
+the first step is a warm-up. Buffers are bf16 already, so no conversion
+runs on the trainer. Prints one JSON object: per measured step the push,
+step and pull phase times and the whole cycle, the bytes each way, and the
+CPU seconds this process, the shards (NETSIM_SHARD_PIDS) and the machine
+spent in the measured steps.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import cpu
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--addresses", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--params", type=int, required=True)
+    ap.add_argument("--tensors", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--job", default="netsim")
+    a = ap.parse_args()
+
+    sys.path.insert(0, os.environ["ZSHARD_PYTHONPATH"])
+    import numpy as np
+    import zshard
+
+    numel = a.params // a.tensors
+    c = zshard.Client(a.addresses, rank=a.rank, world_size=a.world, job=a.job, push_dtype="bf16",
+                      pull_dtype="bf16", prefetch_depth=0, open_mode="either")
+    c.add_group("sgd")
+    ids = [c.add_tensor("w%d" % k, numel) for k in range(a.tensors)]
+    if a.rank == 0:
+        c.open_job([np.full(numel, 0.01, np.float32) for _ in ids])
+    else:
+        c.open_job()
+    # 0x3c00 is bf16 for 2^-7: small, so that many SGD steps change nothing
+    # that matters.
+    grads = [np.full(numel, 0x3c00, np.uint16) for _ in ids]
+    params = [np.empty(numel, np.uint16) for _ in ids]
+
+    # The shards' processes, whose CPU the measured steps cost.
+    pids = [int(p) for p in os.environ.get("NETSIM_SHARD_PIDS", "").split(",") if p]
+    window = cpu.Window(pids)
+    steps = []
+    start = time.monotonic()
+    for s in range(a.steps + 1):
+        t0 = time.monotonic()
+        for r in c.push_many(ids, grads, dtype="bf16"):
+            r.wait()
+        t1 = time.monotonic()
+        c.step(lr=1e-3, max_grad_norm=a.clip)
+        t2 = time.monotonic()
+        for r in c.pull_many(ids, params, dtype="bf16"):
+            r.wait()
+        t3 = time.monotonic()
+        if s == 0:
+            # The warm-up step ends at the same moment (give or take a pull)
+            # on every trainer: the gate lines them up.
+            window.start()
+            start = time.monotonic()
+            continue
+        steps.append({"push": t1 - t0, "step": t2 - t1, "pull": t3 - t2, "cycle": t3 - t0})
+    used = window.stop(time.monotonic() - start)
+    c.close()
+    print(json.dumps(dict(used, rank=a.rank, steps=steps, push_bytes=numel * a.tensors * 2,
+                          pull_bytes=numel * a.tensors * 2)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
