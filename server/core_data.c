@@ -230,6 +230,7 @@ void core_unpin_low(core *c, const void *data) {
       c->nretired--;
       gone = b;
     }
+    break; /* *pb may be NULL now: no step to its next */
   }
   pthread_mutex_unlock(&c->low_mu);
   low_buf_free(gone);
