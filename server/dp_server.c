@@ -152,10 +152,11 @@ typedef struct dp_peer {
   struct dp_peer *next;
   int family;
   uint8_t ip[16];
-  uint32_t refs;    /* dp_conn records (open or zombie) pointing here */
-  uint32_t conns;   /* open connections */
-  uint32_t unauth;  /* open connections not yet authenticated */
-  uint64_t waiting; /* Pulls of its connections waiting in the core */
+  uint32_t refs;         /* dp_conn records (open or zombie) pointing here */
+  uint32_t conns;        /* open connections */
+  uint32_t unauth;       /* open connections not yet authenticated */
+  uint64_t waiting;      /* Pulls of its connections waiting in the core */
+  uint64_t answer_bytes; /* copied answer bytes its connections hold now */
 } dp_peer;
 
 typedef struct dp_conn {
@@ -163,7 +164,7 @@ typedef struct dp_conn {
   dp_server *s;
   list_node node;   /* on s->live, then on s->zombies after close */
   list_node fair;   /* on s->fair while paused for the read budget */
-  list_node starve; /* on s->starved while an answer waits for the server's budget */
+  list_node starve; /* on s->starved while an answer waits for the server's or address's budget */
   dp_peer *pe;      /* one reference, dropped in conn_free */
   int authed;       /* a HELLO was accepted */
   int counted;      /* counted in the caps (s->nconns, the peer's counts ...) */
@@ -287,7 +288,7 @@ struct dp_server {
   uint32_t max_pending, stall_ms, max_conns;
   auth_keys *auth;
   uint32_t hello_ms, max_per_peer, max_unauth, max_wait_conn, max_wait, pin_hold_ms;
-  uint64_t max_answer, max_answer_total;
+  uint64_t max_answer, max_answer_total, max_answer_peer;
   uv_timer_t pin_timer;
   int pin_timer_on;
   atomic_int stop;
@@ -613,12 +614,14 @@ static void conn_check(dp_conn *c) {
 /* ------------------------------------------------------------------------ */
 
 /* Copied answer bytes leave the budgets; connections whose next answer
- * waited for the server's budget get their turn, oldest first. */
+ * waited for the server's or their address's budget get their turn, oldest
+ * first. */
 static void budget_release(dp_conn *c, uint64_t n) {
   dp_server *s = c->s;
   if (n == 0)
     return;
   c->answer_bytes -= n;
+  c->pe->answer_bytes -= n;
   s->answer_bytes -= n;
   count(&s->st_answer_bytes, -(int64_t)n);
   if (s->releasing)
@@ -1028,6 +1031,7 @@ static void pull_read(dp_conn *c, dp_pull *p, int pin) {
   if (!pin) {
     w->budget = p->nbytes;
     c->answer_bytes += p->nbytes;
+    c->pe->answer_bytes += p->nbytes;
     s->answer_bytes += p->nbytes;
     count(&s->st_answer_bytes, (int64_t)p->nbytes);
   }
@@ -1059,13 +1063,18 @@ static void conn_produce(dp_conn *c) {
     dp_pull *p = c->ready_head;
     int pin = pull_can_pin(c, p);
     /* A copy waits for room in the connection's budget (its own answers
-     * make it: on_written calls here again) and in the server's (any
-     * connection's answers make it: budget_release calls here again). One
-     * copy is always allowed where nothing is held, which pull_new's size
-     * check keeps within both. */
+     * make it: on_written calls here again), in its peer address's share
+     * and in the server's (any connection's answers make it: budget_release
+     * calls here again). The address's share is what keeps one host that
+     * does not read its answers from holding the whole server's budget, so
+     * that another host's answers still find room. One copy is always
+     * allowed where nothing is held, which pull_new's size check keeps
+     * within all three. */
     if (!pin && c->answer_bytes > 0 && c->answer_bytes + p->nbytes > s->max_answer)
       return;
-    if (!pin && s->answer_bytes > 0 && s->answer_bytes + p->nbytes > s->max_answer_total) {
+    dp_peer *pe = c->pe;
+    if (!pin && ((pe->answer_bytes > 0 && pe->answer_bytes + p->nbytes > s->max_answer_peer) ||
+                 (s->answer_bytes > 0 && s->answer_bytes + p->nbytes > s->max_answer_total))) {
       if (!c->starve.next)
         list_push(&s->starved, &c->starve);
       return;
@@ -1162,6 +1171,8 @@ static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, int c
     return NULL;
   }
   uint64_t budget = s->max_answer < s->max_answer_total ? s->max_answer : s->max_answer_total;
+  if (s->max_answer_peer < budget)
+    budget = s->max_answer_peer;
   if (copied && nbytes > budget) {
     status_say(err, sizeof err,
                "the %s's answer of %" PRIu64 " bytes exceeds the server's budget of %" PRIu64
@@ -1959,6 +1970,12 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->max_answer_total = cfg->max_answer_bytes_total
                             ? cfg->max_answer_bytes_total
                             : env_knob("ZSHARD_DP_MAX_ANSWER_BYTES_TOTAL", DP_DEFAULT_ANSWER_TOTAL);
+  /* A quarter of the server's budget by default, as for waiting pulls: one
+   * address cannot hold it all, so the others' answers still find room. */
+  uint64_t quarter = (s->max_answer_total + 3u) / 4u;
+  s->max_answer_peer = cfg->max_answer_bytes_per_peer
+                           ? cfg->max_answer_bytes_per_peer
+                           : env_knob("ZSHARD_DP_MAX_ANSWER_BYTES_PEER", quarter);
   s->pin_hold_ms = cfg->pin_hold_ms ? cfg->pin_hold_ms : DP_DEFAULT_PIN_HOLD_MS;
   if (cfg->metrics) {
     s->m_push = metrics_rpc_register(cfg->metrics, "data", "Push");

@@ -25,8 +25,11 @@
  * Caps and budgets (each refusal is ZS_ELIMIT with a sentence): connections
  * per peer address and in all; unauthenticated connections; Pulls waiting
  * for their version per connection, per peer address and in all; the bytes
- * of copied Pull answers per connection and in all (answers wait for room
- * rather than being refused, unless one alone is over a budget). An answer
+ * of copied Pull answers per connection, per peer address and in all
+ * (answers wait for room rather than being refused, unless one alone is over
+ * a budget; an address waits only for its own share, a quarter of the
+ * server's budget by default, so a host that does not read cannot keep the
+ * others' answers waiting). An answer
  * sent straight from the shard's low-precision copy keeps that copy pinned
  * only while the peer takes its bytes: a connection that holds a pin and
  * takes no byte for pin_hold_ms is closed, so that an apply never waits for
@@ -109,6 +112,12 @@ typedef struct dp_server_config {
   /* The same bytes over all connections; an answer that does not fit waits
    * until others are sent. 0 means 1 GiB. */
   uint64_t max_answer_bytes_total;
+  /* The same bytes over the connections of one peer address, so that one
+   * host that does not read its answers cannot hold the whole server's
+   * budget; an answer that does not fit waits until that address's answers
+   * are sent (other addresses are not held up by it). 0 means a quarter of
+   * max_answer_bytes_total (256 MiB by default). */
+  uint64_t max_answer_bytes_per_peer;
   /* A connection whose socket holds an answer pinned in the shard's
    * low-precision copy and that takes no byte for this long is closed; 0
    * means 250 ms. */

@@ -406,9 +406,11 @@ static void waiting_pulls_do_not_stop_the_push_they_wait_for(void **state) {
 static void stalled_readers_of_large_answers_hold_at_most_the_answer_budget(void **state) {
   (void)state;
   /* Budgets of 64 MiB per connection and 96 MiB in all (defaults 256 MiB
-   * and 1 GiB), so that the test stays small. */
+   * and 1 GiB), so that the test stays small; the per-address share is the
+   * whole, since every peer here is 127.0.0.1 (the next test has it). */
   const char *env[] = {"ZSHARD_DP_MAX_ANSWER_BYTES=67108864",
-                       "ZSHARD_DP_MAX_ANSWER_BYTES_TOTAL=100663296", NULL};
+                       "ZSHARD_DP_MAX_ANSWER_BYTES_TOTAL=100663296",
+                       "ZSHARD_DP_MAX_ANSWER_BYTES_PEER=100663296", NULL};
   shard s;
   shard_up(&s, env);
   reset_peak(s.srv->pid);
@@ -455,6 +457,62 @@ static void stalled_readers_of_large_answers_hold_at_most_the_answer_budget(void
   for (int k = 0; k < 3; k++)
     raw_free(c[k]);
   raw_free(big);
+  shard_down(&s);
+}
+
+static void one_address_that_reads_nothing_holds_only_its_share_of_the_answer_budget(void **state) {
+  (void)state;
+  /* 64 MiB per connection, 128 MiB in all: the address's share is a
+   * quarter, 32 MiB (two 16 MiB answers). */
+  const char *env[] = {"ZSHARD_DP_MAX_ANSWER_BYTES=67108864",
+                       "ZSHARD_DP_MAX_ANSWER_BYTES_TOTAL=134217728", NULL};
+  shard s;
+  shard_up(&s, env);
+  uint64_t rss0 = proc_bytes(s.srv->pid, "VmRSS");
+  /* The attacker, 127.0.0.2, asks on 8 connections for 16 MiB fp32 copies
+   * and reads nothing: 128 MiB, the whole server's budget, were it let. */
+  enum { NATT = 8 };
+  raw *att[NATT];
+  for (int k = 0; k < NATT; k++) {
+    att[k] = raw_open(s.dport, "127.0.0.2", 4096);
+    wire_msg m = pull_of(&s, 0, 0, 40 + (uint64_t)k, ZS_DTYPE_FP32);
+    send_msg(att[k]->fd, &m);
+  }
+  /* Until the attacker holds its share (the copies are made off the loop). */
+  for (int i = 0; i < 100 && proc_bytes(s.srv->pid, "VmRSS") < rss0 + 32 * MIB; i++)
+    usleep(50 * 1000);
+  usleep(200 * 1000);
+  /* A copy over the address's share alone is refused (48 MiB fits the
+   * connection's and the server's budgets). */
+  wire_piece three[3];
+  for (int i = 0; i < 3; i++)
+    three[i] = (wire_piece){.tensor = 0, .slice = 0, .dtype = ZS_DTYPE_FP32, .length = BIG_BYTES};
+  raw *over = raw_open(s.dport, "127.0.0.2", 0);
+  wire_msg m = {.type = WIRE_PULL_BATCH, .request_id = 50};
+  m.u.pull_batch =
+      (wire_pull_batch){.spec_hash = s.j.hash, .min_version = 0, .npieces = 3, .pieces = three};
+  send_msg(over->fd, &m);
+  wire_msg a;
+  assert_int_equal(read_frame(over, &a), 0);
+  assert_int_equal(a.type, WIRE_ERROR);
+  assert_int_equal(a.u.error.status, ZS_ELIMIT);
+  assert_non_null(strstr(a.u.error.message, "budget"));
+  /* The trainer, another address, has its copy now: without the share it
+   * would wait for the attacker's 60 s stall timeout, past the read bound
+   * of connect_from. */
+  raw *t = raw_open(s.dport, "127.0.0.1", 0);
+  wire_msg p = pull_of(&s, 0, 0, 60, ZS_DTYPE_FP32);
+  send_msg(t->fd, &p);
+  assert_int_equal(read_frame(t, &a), 0);
+  if (a.type == WIRE_ERROR)
+    fail_msg("trainer's pull: %s: %s", zs_err_name(a.u.error.status), a.u.error.message);
+  assert_int_equal(a.type, WIRE_PULL_DATA);
+  assert_int_equal(a.request_id, 60);
+  assert_int_equal(a.payload_len, BIG_BYTES);
+  raw_free(t);
+  raw_free(over);
+  for (int k = 0; k < NATT; k++)
+    raw_free(att[k]);
   shard_down(&s);
 }
 
@@ -529,6 +587,7 @@ int main(void) {
       cmocka_unit_test(connections_that_park_a_pull_and_close_free_their_slots),
       cmocka_unit_test(waiting_pulls_do_not_stop_the_push_they_wait_for),
       cmocka_unit_test(stalled_readers_of_large_answers_hold_at_most_the_answer_budget),
+      cmocka_unit_test(one_address_that_reads_nothing_holds_only_its_share_of_the_answer_budget),
       cmocka_unit_test(a_server_with_a_token_file_lets_only_its_token_on_the_data_plane),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
