@@ -13,8 +13,10 @@
  *
  * The client reaches a shard's data plane at the host of its gRPC address and
  * the port the shard advertises. So the proxy stands on another loopback
- * address, 127.0.0.2, with one listener for gRPC and one on the shard's own
- * data port, and forwards both to the shard on 127.0.0.1.
+ * address, 127.0.0.61, with one listener for gRPC and one on the shard's own
+ * data port, and forwards both to the shard on 127.0.0.1. Not 127.0.0.2: the
+ * hostile-client tests running beside this one connect from there, and an
+ * ephemeral port they hold on it can be the shard's data port.
  *
  * CTest runs the program on the default transport, the data plane, and with
  * ZSHARD_TRANSPORT=grpc; the tests of the data plane alone are skipped on
@@ -51,7 +53,7 @@ static int data_run(void) {
 /* ---- the proxy ----------------------------------------------------------------- */
 
 #define PROXY_MAX_PAIRS 32
-#define PROXY_HOST "127.0.0.2"
+#define PROXY_HOST "127.0.0.61"
 /* Longer than any frame header and meta: a read from the server of at least
  * this many bytes, starting at a frame's start, ends inside that frame's
  * payload. */
