@@ -372,7 +372,7 @@ void core_destroy(core *c) {
   for (int i = 0; i < 4; i++) {
     while (*lists[i]) {
       waiter *w = *lists[i];
-      *lists[i] = w->next;
+      core__unlink(c, w);
       w->status = ZS_ECLOSED;
       w->version = c->version;
       w->stats.step = w->key;
@@ -411,6 +411,7 @@ void core_destroy(core *c) {
     free(b->data);
     free(b);
   }
+  free(c->by_arg);
   if (c->low_mu_inited)
     pthread_mutex_destroy(&c->low_mu);
   if (c->rw_inited)
@@ -633,7 +634,7 @@ static void core_fail_job_waiters(core *c, waiter **fire) {
   for (int i = 0; i < 4; i++) {
     while (*lists[i]) {
       waiter *w = *lists[i];
-      *lists[i] = w->next;
+      core__unlink(c, w);
       w->status = ZS_ENOTOPEN;
       w->version = c->version;
       w->stats.step = w->key;

@@ -148,7 +148,9 @@ int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t dea
  * with `arg`: their callbacks run with ZS_ECANCELED on the calling thread
  * before this returns (one that already fired is not found). For a transport
  * whose caller went away, so that the wait's memory is not kept until its
- * deadline. Call it with no lock the callbacks take. */
+ * deadline. Its cost does not grow with the number of other waits (they
+ * are found by arg), so a mass cancel is linear. Call it with no lock the
+ * callbacks take. */
 void core_cancel_waits(core *c, void *arg);
 
 /* Copies piece (tensor, slice) in `dtype` into dst (exactly numel * dtype size

@@ -69,9 +69,15 @@ typedef enum waiter_kind {
 } waiter_kind;
 
 /* One pending callback. Lives on one of the core's lists until it fires, then
- * on a local fire list until it has been invoked and freed. */
+ * on a local fire list until it has been invoked and freed. pprev points at
+ * whatever points at it (the list head or the previous waiter's next), so
+ * that taking it off its list is O(1) wherever it sits. */
 typedef struct waiter {
-  struct waiter *next;
+  struct waiter *next, **pprev;
+  /* Version and statistics waiters are also in core.by_arg, so that
+   * core_cancel_waits finds them without walking the lists. */
+  struct waiter *hnext;
+  int hashed;
   waiter_kind kind;
   uint64_t key;      /* min_version (version), step (stats, apply) */
   uint64_t deadline; /* absolute clock_now_ms(); apply waiters have none */
@@ -225,7 +231,12 @@ struct core {
   uint64_t pending_cs_step;
   waiter *version_waiters, *stats_waiters, *apply_waiters;
   waiter *snapshot_waiters; /* core_snapshot calls, keyed by step */
-  ckpt_call *restore_call;  /* the core_restore call the worker is to run */
+  /* The version and statistics waiters again, chained by hnext in buckets by
+   * their arg (nbuckets a power of two or 0, grown to keep nhashed below
+   * it), so that a mass cancel costs O(1) per call, not a walk each. */
+  waiter **by_arg;
+  size_t nbuckets, nhashed;
+  ckpt_call *restore_call; /* the core_restore call the worker is to run */
   /* Where the state came from: core_restore sets these (under state_rw
    * exclusive and mu), an apply clears ckpt_untouched. */
   int ckpt_loaded;
@@ -259,6 +270,9 @@ struct core {
 
 static inline void waiter_push(waiter **list, waiter *w) {
   w->next = *list;
+  if (w->next)
+    w->next->pprev = &w->next;
+  w->pprev = list;
   *list = w;
 }
 
@@ -286,7 +300,10 @@ void core__low_release(core *c);
 /* core_wait.c: waiters and the worker thread. */
 uint64_t core__deadline(uint64_t deadline_ms);
 void core__fire(waiter *w);
-void core__add_timed(core *c, waiter **list, waiter *w);
+int core__add_timed(core *c, waiter **list, waiter *w);
+/* Takes w off the core's list it is on (and out of by_arg), in O(1); the
+ * caller then pushes it on a fire list or keeps it. Called with mu held. */
+void core__unlink(core *c, waiter *w);
 void core__collect_versions(core *c, waiter **fire);
 void *core__worker(void *arg);
 

@@ -52,11 +52,11 @@ waiter *core__take_snapshot(core *c, waiter **fire) {
   for (waiter **pw = &c->snapshot_waiters; *pw;) {
     waiter *w = *pw;
     if (w->key < c->version) {
-      *pw = w->next;
+      core__unlink(c, w);
       w->status = ZS_ESTEP;
       waiter_push(fire, w);
     } else if (!ready && w->key == c->version && c->open && c->initialized_pieces == c->npieces) {
-      *pw = w->next;
+      core__unlink(c, w);
       w->next = NULL;
       ready = w;
     } else {
@@ -171,7 +171,7 @@ void core__run_restore(core *c, ckpt_call *call) {
   for (int i = 0; i < 2; i++) {
     while (*lists[i]) {
       waiter *w = *lists[i];
-      *lists[i] = w->next;
+      core__unlink(c, w);
       w->status = ZS_EBEHIND;
       w->stats.step = w->key;
       w->apply = (core_apply_result){.step = w->key, .version = c->version};
@@ -181,7 +181,7 @@ void core__run_restore(core *c, ckpt_call *call) {
   for (waiter **pw = &c->version_waiters; *pw;) {
     waiter *w = *pw;
     if (w->key > c->version) {
-      *pw = w->next;
+      core__unlink(c, w);
       w->status = ZS_EBEHIND;
       w->version = c->version;
       waiter_push(&fire, w);
@@ -224,7 +224,7 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
     w->key = step;
     w->deadline = core__deadline(deadline_ms);
     w->arg = &call;
-    core__add_timed(c, &c->snapshot_waiters, w);
+    (void)core__add_timed(c, &c->snapshot_waiters, w);
     w = NULL;
     pthread_cond_signal(&c->worker_cv);
   }
@@ -281,7 +281,7 @@ int core_snapshot_async(core *c, uint64_t hash, uint64_t step, uint64_t deadline
     w->key = step;
     w->deadline = core__deadline(deadline_ms);
     w->arg = call;
-    core__add_timed(c, &c->snapshot_waiters, w);
+    (void)core__add_timed(c, &c->snapshot_waiters, w);
     pthread_cond_signal(&c->worker_cv);
     rc = CORE_PENDING;
   }
@@ -298,7 +298,7 @@ void core_cancel_snapshots(core *c) {
   pthread_mutex_lock(&c->mu);
   while (c->snapshot_waiters) {
     waiter *w = c->snapshot_waiters;
-    c->snapshot_waiters = w->next;
+    core__unlink(c, w);
     w->status = ZS_ECANCELED;
     waiter_push(&fire, w);
   }

@@ -61,14 +61,76 @@ void core__fire(waiter *w) {
   }
 }
 
+/* The bucket of by_arg that holds the waiters of `arg` (nbuckets > 0). */
+static size_t core_arg_bucket(const core *c, const void *arg) {
+  uint64_t h = (uint64_t)(uintptr_t)arg * 0x9E3779B97F4A7C15ull; /* Fibonacci hashing */
+  return (size_t)(h >> 32) & (c->nbuckets - 1);
+}
+
+/* Doubles by_arg (from 64 buckets) once it holds as many waiters as buckets,
+ * so a chain stays about one waiter long and the rehash is amortized O(1)
+ * per wait. Out of memory it keeps the table it has: chains get longer, the
+ * answers stay right. Called with mu held. */
+static void core_arg_grow(core *c) {
+  size_t n = c->nbuckets ? c->nbuckets * 2 : 64;
+  waiter **t = calloc(n, sizeof *t);
+  if (!t)
+    return;
+  size_t old = c->nbuckets;
+  waiter **from = c->by_arg;
+  c->by_arg = t;
+  c->nbuckets = n;
+  for (size_t b = 0; b < old; b++) {
+    while (from[b]) {
+      waiter *w = from[b];
+      from[b] = w->hnext;
+      size_t i = core_arg_bucket(c, w->arg);
+      w->hnext = t[i];
+      t[i] = w;
+    }
+  }
+  free(from);
+}
+
+void core__unlink(core *c, waiter *w) {
+  *w->pprev = w->next;
+  if (w->next)
+    w->next->pprev = w->pprev;
+  w->next = NULL;
+  if (!w->hashed)
+    return;
+  /* The chain is about one waiter long (core_arg_grow). */
+  waiter **ph = &c->by_arg[core_arg_bucket(c, w->arg)];
+  while (*ph != w)
+    ph = &(*ph)->hnext;
+  *ph = w->hnext;
+  w->hashed = 0;
+  c->nhashed--;
+}
+
 /* Registers a waiter with a deadline and wakes the worker if the deadline is
- * earlier than the one it sleeps towards. Called with mu held. */
-void core__add_timed(core *c, waiter **list, waiter *w) {
+ * earlier than the one it sleeps towards. Version and statistics waiters go
+ * into by_arg too, for core_cancel_waits: ZS_ENOMEM (nothing registered)
+ * when by_arg cannot be made at all; snapshots never fail. Called with mu
+ * held. */
+int core__add_timed(core *c, waiter **list, waiter *w) {
+  if (w->kind == WAITER_VERSION || w->kind == WAITER_STATS) {
+    if (c->nhashed >= c->nbuckets)
+      core_arg_grow(c);
+    if (c->nbuckets == 0)
+      return ZS_ENOMEM;
+    size_t i = core_arg_bucket(c, w->arg);
+    w->hnext = c->by_arg[i];
+    c->by_arg[i] = w;
+    w->hashed = 1;
+    c->nhashed++;
+  }
   waiter_push(list, w);
   if (w->deadline < c->next_deadline) {
     c->next_deadline = w->deadline;
     pthread_cond_signal(&c->worker_cv);
   }
+  return 0;
 }
 
 /* ---------------------------------------------------------------- worker */
@@ -81,7 +143,7 @@ void core__collect_versions(core *c, waiter **fire) {
   for (waiter **pw = &c->version_waiters; *pw;) {
     waiter *w = *pw;
     if (w->key <= c->version) {
-      *pw = w->next;
+      core__unlink(c, w);
       w->status = ZS_OK;
       w->version = c->version;
       waiter_push(fire, w);
@@ -100,7 +162,7 @@ static uint64_t core_collect_expired(core *c, uint64_t now, waiter **fire) {
     for (waiter **pw = lists[i]; *pw;) {
       waiter *w = *pw;
       if (w->deadline <= now) {
-        *pw = w->next;
+        core__unlink(c, w);
         w->status = ZS_ETIMEDOUT;
         w->version = c->version;
         w->stats.step = w->key;
@@ -146,7 +208,7 @@ static void core_compute_stats(core *c) {
   c->stats_phase = STATS_READY;
   while (c->stats_waiters) {
     waiter *w = c->stats_waiters;
-    c->stats_waiters = w->next;
+    core__unlink(c, w);
     w->status = ZS_OK;
     w->stats = c->stats;
     waiter_push(&fire, w);
@@ -249,7 +311,7 @@ static void core_run_apply(core *c) {
   core__begin_step(c);
   while (c->apply_waiters) {
     waiter *w = c->apply_waiters;
-    c->apply_waiters = w->next;
+    core__unlink(c, w);
     w->status = ZS_OK;
     w->apply = c->last_apply;
     waiter_push(&fire, w);
@@ -363,7 +425,11 @@ int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t dea
   w->deadline = deadline;
   w->cb.version = cb;
   w->arg = arg;
-  core__add_timed(c, &c->version_waiters, w);
+  if (core__add_timed(c, &c->version_waiters, w) != 0) {
+    free(w);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    goto done;
+  }
   rc = CORE_PENDING;
 done:
   pthread_mutex_unlock(&c->mu);
@@ -373,15 +439,20 @@ done:
 void core_cancel_waits(core *c, void *arg) {
   waiter *fire = NULL;
   pthread_mutex_lock(&c->mu);
-  waiter **lists[2] = {&c->version_waiters, &c->stats_waiters};
-  for (int i = 0; i < 2; i++) {
-    for (waiter **pw = lists[i]; *pw;) {
-      waiter *w = *pw;
+  /* Only by_arg's bucket of arg is walked (about one waiter), never the
+   * lists: a mass cancel of n parked calls costs O(n), not O(n^2). A waiter
+   * that already fired is on no list and in no bucket, so it is not found,
+   * and its callback ran or runs on the worker instead. Every waiter on
+   * those lists is in by_arg (core__add_timed). */
+  if (c->nbuckets > 0) {
+    waiter **ph = &c->by_arg[core_arg_bucket(c, arg)];
+    while (*ph) {
+      waiter *w = *ph;
       if (w->arg != arg) {
-        pw = &w->next;
+        ph = &w->hnext;
         continue;
       }
-      *pw = w->next;
+      core__unlink(c, w); /* takes it out of *ph too */
       w->status = ZS_ECANCELED;
       w->version = c->version;
       w->stats.step = w->key;
@@ -436,7 +507,11 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
   w->deadline = deadline;
   w->cb.stats = cb;
   w->arg = arg;
-  core__add_timed(c, &c->stats_waiters, w);
+  if (core__add_timed(c, &c->stats_waiters, w) != 0) {
+    free(w);
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+    goto done;
+  }
   rc = CORE_PENDING;
 done:
   pthread_mutex_unlock(&c->mu);

@@ -1793,6 +1793,100 @@ static void test_destroy_fails_pending_waits_with_closed(void **state) {
   job_free(&j);
 }
 
+/* What core_cancel_waits' callbacks saw, per wait's arg: they run on the
+ * cancelling thread, so no lock is needed. */
+typedef struct cancel_slot {
+  int fired, canceled;
+} cancel_slot;
+
+static void on_cancel_version(void *arg, int status, uint64_t version) {
+  (void)version;
+  cancel_slot *s = arg;
+  s->fired++;
+  s->canceled += status == ZS_ECANCELED;
+}
+
+static void on_cancel_stats(void *arg, int status, const core_stats_result *r) {
+  (void)r;
+  on_cancel_version(arg, status, 0);
+}
+
+#define CANCEL_WAITS 50000u
+
+/* A mass cancel (a gRPC connection dropping its parked Pulls at once) ends
+ * every wait of the arg given and only those, in any order; a wait that
+ * already fired is not found again; what is left still fails at destroy, so
+ * the lists stay whole after waits leave from their middle. */
+static void test_cancel_ends_each_wait_of_its_arg_in_any_order(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 51);
+  core *c = open_core(&j, 0, 2);
+  cancel_slot *slots = calloc(CANCEL_WAITS, sizeof *slots);
+  assert_non_null(slots);
+  uint64_t version;
+  core_stats_result st;
+  char err[256];
+  uint64_t deadline = clock_now_ms() + TEST_WAIT_MS;
+  /* Every arg waits for version 1; every other one for the statistics too. */
+  for (uint32_t i = 0; i < CANCEL_WAITS; i++) {
+    assert_int_equal(core_wait_version(c, j.hash, 1, deadline, on_cancel_version, &slots[i],
+                                       &version, err, sizeof err),
+                     CORE_PENDING);
+    if (i % 2 == 0)
+      assert_int_equal(
+          core_grad_stats(c, j.hash, 1, deadline, on_cancel_stats, &slots[i], &st, err, sizeof err),
+          CORE_PENDING);
+  }
+  core_counters k;
+  memset(&k, 0, sizeof k);
+  core_get_counters(c, &k);
+  assert_int_equal(k.waiting_pulls, CANCEL_WAITS);
+  assert_int_equal(k.waiting_stats, CANCEL_WAITS / 2);
+  /* All but the last 10 in a scrambled order (7919 is prime to 50000). */
+  uint32_t left = 10;
+  for (uint32_t n = 0; n < CANCEL_WAITS; n++) {
+    uint32_t i = (uint32_t)(((uint64_t)n * 7919u) % CANCEL_WAITS);
+    if (i >= CANCEL_WAITS - left)
+      continue;
+    core_cancel_waits(c, &slots[i]);
+    int want = i % 2 == 0 ? 2 : 1;
+    assert_int_equal(slots[i].fired, want);
+    assert_int_equal(slots[i].canceled, want);
+    core_cancel_waits(c, &slots[i]); /* gone: nothing fires twice */
+    assert_int_equal(slots[i].fired, want);
+  }
+  core_get_counters(c, &k);
+  assert_int_equal(k.waiting_pulls, left);
+  assert_int_equal(k.waiting_stats, left / 2);
+  for (uint32_t i = CANCEL_WAITS - left; i < CANCEL_WAITS; i++)
+    assert_int_equal(slots[i].fired, 0);
+
+  /* A wait that fired on the worker is on no list: a cancel that comes
+   * after it finds nothing and its callback runs once. */
+  event e;
+  event_init(&e);
+  assert_int_equal(
+      core_wait_version(c, j.hash, 0, deadline, on_version, &e, &version, err, sizeof err),
+      CORE_PENDING);
+  init_all(c, &j, 0);
+  event_wait(&e, 1);
+  core_cancel_waits(c, &e);
+  assert_int_equal(event_fired(&e), 1);
+  assert_int_equal(e.status, 0);
+
+  core_destroy(c);
+  for (uint32_t i = CANCEL_WAITS - left; i < CANCEL_WAITS; i++) {
+    int want = i % 2 == 0 ? 2 : 1;
+    assert_int_equal(slots[i].fired, want);
+    assert_int_equal(slots[i].canceled, 0);
+  }
+  free(slots);
+  event_destroy(&e);
+  job_free(&j);
+}
+
 static void test_apply_repeats_give_the_recorded_outcome_and_conflicts_are_refused(void **state) {
   (void)state;
   job j;
@@ -2344,6 +2438,7 @@ int main(void) {
       cmocka_unit_test(test_stats_waiter_fires_when_the_last_push_arrives),
       cmocka_unit_test(test_timeouts_fire_and_missing_names_the_contributions),
       cmocka_unit_test(test_destroy_fails_pending_waits_with_closed),
+      cmocka_unit_test(test_cancel_ends_each_wait_of_its_arg_in_any_order),
       cmocka_unit_test(test_apply_repeats_give_the_recorded_outcome_and_conflicts_are_refused),
       cmocka_unit_test(test_concurrent_identical_applies_share_one_run_and_outcome),
       cmocka_unit_test(test_each_piece_is_owned_by_exactly_one_of_several_shards),
