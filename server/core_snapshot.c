@@ -199,6 +199,30 @@ void core__run_restore(core *c, ckpt_call *call) {
   core__ckpt_call_finish(call, ZS_OK);
 }
 
+/* Registers `w` as the snapshot waiter of `call` for version `step`, which
+ * the worker runs once the shard reaches it. Returns 0 (w is the core's
+ * now) or the refusal (w still the caller's). */
+static int snapshot_register(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, waiter *w,
+                             ckpt_call *call, char *err, size_t errlen) {
+  pthread_mutex_lock(&c->mu);
+  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
+                   : core__check_job(c, hash, err, errlen);
+  if (rc == 0 && step < c->version)
+    rc = status_fail(err, errlen, ZS_ESTEP,
+                     "version %" PRIu64 " cannot be checkpointed: shard %u is at version %" PRIu64,
+                     step, c->shard_id, c->version);
+  if (rc == 0) {
+    w->kind = WAITER_SNAPSHOT;
+    w->key = step;
+    w->deadline = core__deadline(deadline_ms);
+    w->arg = call;
+    (void)core__add_timed(c, &c->snapshot_waiters, w);
+    pthread_cond_signal(&c->worker_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
 int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_view_fn fn,
                   void *arg, double *fn_seconds, char *err, size_t errlen) {
   if (fn_seconds)
@@ -212,24 +236,9 @@ int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, c
   core__ckpt_call_init(&call);
   call.fn = fn;
   call.fn_arg = arg;
-  pthread_mutex_lock(&c->mu);
-  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
-                   : core__check_job(c, hash, err, errlen);
-  if (rc == 0 && step < c->version)
-    rc = status_fail(err, errlen, ZS_ESTEP,
-                     "version %" PRIu64 " cannot be checkpointed: shard %u is at version %" PRIu64,
-                     step, c->shard_id, c->version);
+  int rc = snapshot_register(c, hash, step, deadline_ms, w, &call, err, errlen);
   if (rc == 0) {
-    w->kind = WAITER_SNAPSHOT;
-    w->key = step;
-    w->deadline = core__deadline(deadline_ms);
-    w->arg = &call;
-    (void)core__add_timed(c, &c->snapshot_waiters, w);
-    w = NULL;
-    pthread_cond_signal(&c->worker_cv);
-  }
-  pthread_mutex_unlock(&c->mu);
-  if (rc == 0) {
+    w = NULL; /* the core's now */
     rc = core__ckpt_call_wait(&call);
     if (rc == 0 && fn_seconds)
       *fn_seconds = call.seconds;
@@ -269,23 +278,9 @@ int core_snapshot_async(core *c, uint64_t hash, uint64_t step, uint64_t deadline
   call->fn_arg = fn_arg;
   call->on_done = done;
   call->on_done_arg = done_arg;
-  pthread_mutex_lock(&c->mu);
-  int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
-                   : core__check_job(c, hash, err, errlen);
-  if (rc == 0 && step < c->version)
-    rc = status_fail(err, errlen, ZS_ESTEP,
-                     "version %" PRIu64 " cannot be checkpointed: shard %u is at version %" PRIu64,
-                     step, c->shard_id, c->version);
-  if (rc == 0) {
-    w->kind = WAITER_SNAPSHOT;
-    w->key = step;
-    w->deadline = core__deadline(deadline_ms);
-    w->arg = call;
-    (void)core__add_timed(c, &c->snapshot_waiters, w);
-    pthread_cond_signal(&c->worker_cv);
+  int rc = snapshot_register(c, hash, step, deadline_ms, w, call, err, errlen);
+  if (rc == 0)
     rc = CORE_PENDING;
-  }
-  pthread_mutex_unlock(&c->mu);
   if (rc != CORE_PENDING) {
     free(w);
     free(call);
