@@ -452,8 +452,14 @@ static void stalled_readers_of_large_answers_hold_at_most_the_answer_budget(void
   printf("stalled readers: server peak %.1f MiB over %.1f MiB before (3 x 64 MiB asked, "
          "budget 96 MiB)\n",
          ((double)peak - (double)rss0) / (double)MIB, (double)rss0 / (double)MIB);
-  /* Three answers at once would be 192 MiB over; one at a time is 64. */
+  /* Three answers at once would be 192 MiB over; one at a time is 64.
+   * Under ThreadSanitizer the server's resident memory also holds the shadow
+   * of every byte it touched (several times the bytes themselves), so the
+   * figure says nothing about the budget there; the refusal and the whole
+   * answers above are still checked. */
+#if !defined(__SANITIZE_THREAD__)
   assert_true(peak < rss0 + 140 * MIB);
+#endif
   for (int k = 0; k < 3; k++)
     raw_free(c[k]);
   raw_free(big);
