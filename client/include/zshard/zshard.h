@@ -98,7 +98,9 @@ extern "C" {
   XX(ERANGE, -22, 11, "value out of range")                                         \
   XX(EUNAUTHENTICATED, -23, 16, "no or a wrong token")                             \
   XX(EPERM, -24, 7, "the token's role may not do this")                           \
-  XX(ELIMIT, -25, 8, "a server limit was reached")
+  XX(ELIMIT, -25, 8, "a server limit was reached")                                 \
+  XX(ENOTPRIMARY, -26, 9, "this replica is not its shard's primary")               \
+  XX(ESTALE, -27, 10, "a newer term of the shard's replica set exists")
 /* clang-format on */
 
 typedef enum zs_status {
