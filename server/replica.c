@@ -61,6 +61,7 @@ typedef struct member {
   uint64_t seen_term, seen_version, seen_hash;
   int seen_has_job, seen_primary, seen_lists_me;
   uint64_t last_ok_ms; /* 0: never */
+  int reachable;       /* the last probe was answered */
   uint64_t behind_since_ms;
 } member;
 
@@ -789,6 +790,7 @@ void replica_fetch_release(Zshard__V1__ReplicaFetchResponse *resp) {
 /* Records what member i answered (info NULL: no answer). */
 static void record_locked(replica *r, uint32_t i, const Zshard__V1__GetInfoResponse *info) {
   member *m = &r->m[i];
+  m->reachable = info != NULL;
   if (!info)
     return;
   m->last_ok_ms = clock_now_ms();
@@ -821,7 +823,7 @@ static void probe_all(replica *r) {
 }
 
 static int fresh(const member *m) {
-  return m->last_ok_ms &&
+  return m->reachable && m->last_ok_ms &&
          clock_now_ms() - m->last_ok_ms < 2 * REPLICA_PROBE_MS + REPLICA_MONITOR_MS;
 }
 
@@ -1089,20 +1091,20 @@ static void monitor_primary_locked(replica *r, const core_info *info) {
     member *m = &r->m[i];
     if (i == r->index || !m->in_sync || !fresh(m))
       continue;
-    int empty = info->has_job && !m->seen_has_job;
-    int behind = m->seen_version + 1 < info->version;
-    int other = m->seen_role == REPLICA_STALE || m->seen_role == REPLICA_JOINING ||
-                (m->seen_term > r->term);
-    if (empty || other) {
-      drop_locked(r, i, ZS_EBEHIND, empty ? "it holds no job" : "it is not a backup of this term");
-      continue;
-    }
-    if (!behind) {
+    /* A probe may race a forward (the job opened here, its Open on the way):
+     * only a state that lasts the failover time counts. */
+    const char *why = info->has_job && !m->seen_has_job ? "it holds no job"
+                      : m->seen_version + 1 < info->version
+                          ? "its version is more than one step behind"
+                      : m->seen_role != REPLICA_BACKUP || m->seen_term != r->term
+                          ? "it is not a backup of this term"
+                          : NULL;
+    if (!why) {
       m->behind_since_ms = 0;
     } else if (!m->behind_since_ms) {
       m->behind_since_ms = now;
     } else if (now - m->behind_since_ms > r->failover_ms) {
-      drop_locked(r, i, ZS_EBEHIND, "its version stayed more than one step behind");
+      drop_locked(r, i, ZS_EBEHIND, why);
     }
   }
 }
