@@ -525,6 +525,99 @@ int replica_forward_push(replica *r, const core_push_args *a, char *err, size_t 
   return forward(r, send_push, a, a->nbytes, err, errlen);
 }
 
+/* The answers to pushes sent at once. */
+typedef struct push_wait {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint32_t pending;
+  int failed;
+} push_wait;
+
+static void on_push_done(void *arg, const dp_result *res) {
+  push_wait *w = arg;
+  pthread_mutex_lock(&w->mu);
+  if (res->status != 0)
+    w->failed = 1;
+  if (--w->pending == 0)
+    pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* Sends n pushes to member m at once (pipelined on its connections) and
+ * waits for every answer: 0 when all were taken. */
+static int send_pushes(replica *r, member *m, uint64_t term, const core_push_args *a, uint32_t n) {
+  dp_client *d = data_client(r, m, term);
+  if (!d)
+    return ZS_ECONN;
+  push_wait w = {.pending = n};
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  for (uint32_t i = 0; i < n; i++) {
+    dp_push_args p = {.spec_hash = a[i].hash,
+                      .step = a[i].step,
+                      .rank = a[i].rank,
+                      .micro = a[i].micro,
+                      .tensor = a[i].tensor,
+                      .slice = a[i].slice,
+                      .dtype = a[i].dtype,
+                      .data = a[i].data,
+                      .nbytes = a[i].nbytes,
+                      .timeout_ms = r->failover_ms};
+    if (dp_client_push(d, &p, on_push_done, &w) != 0) {
+      pthread_mutex_lock(&w.mu);
+      w.failed = 1;
+      w.pending--;
+      pthread_mutex_unlock(&w.mu);
+    }
+  }
+  pthread_mutex_lock(&w.mu);
+  while (w.pending)
+    pthread_cond_wait(&w.cv, &w.mu);
+  int failed = w.failed;
+  pthread_mutex_unlock(&w.mu);
+  pthread_mutex_destroy(&w.mu);
+  pthread_cond_destroy(&w.cv);
+  return failed ? ZS_ECONN : 0;
+}
+
+int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char *err,
+                           size_t errlen) {
+  fwd_target t[REPLICA_MAX_MEMBERS];
+  pthread_mutex_lock(&r->mu);
+  uint64_t term = r->term;
+  uint32_t nt = r->role == REPLICA_PRIMARY ? targets_locked(r, t) : 0;
+  pthread_mutex_unlock(&r->mu);
+  /* The common case at once; any failure takes the one-by-one path, which
+   * retries, drops or steps down (a repeat is acknowledged as a duplicate). */
+  int all = n > 1 && nt > 0;
+  for (uint32_t i = 0; all && i < nt; i++)
+    all = send_pushes(r, &r->m[t[i].idx], term, a, n) == 0;
+  if (all) {
+    pthread_mutex_lock(&r->mu);
+    for (uint32_t i = 0; i < nt; i++) {
+      member *m = &r->m[t[i].idx];
+      if (m->joining || !m->in_sync) /* settle() decides those */
+        all = 0;
+    }
+    if (all && r->term == term) {
+      uint64_t bytes = 0;
+      for (uint32_t k = 0; k < n; k++)
+        bytes += a[k].nbytes;
+      r->forwards += (uint64_t)n * nt;
+      r->forwarded_bytes += bytes * nt;
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (all)
+      return 0;
+  }
+  for (uint32_t k = 0; k < n; k++) {
+    int rc = replica_forward_push(r, &a[k], err, errlen);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
 typedef struct raw_req {
   const char *method;
   const void *msg;
