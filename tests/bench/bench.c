@@ -330,10 +330,25 @@ static void print_log(const char *path) {
   fclose(f);
 }
 
-/* Asks the server for its data port (GetInfo.data_port). */
+/* The TLS files of bench_servers_tls: empty strings for plain TCP. */
+static struct { char cert[256], key[256], ca[256]; } g_tls;
+
+void bench_servers_tls(const char *cert, const char *key, const char *ca) {
+  memset(&g_tls, 0, sizeof g_tls);
+  if (!cert)
+    return;
+  snprintf(g_tls.cert, sizeof g_tls.cert, "%s", cert);
+  snprintf(g_tls.key, sizeof g_tls.key, "%s", key);
+  snprintf(g_tls.ca, sizeof g_tls.ca, "%s", ca);
+}
+
+/* Asks the server for its data port (GetInfo.data_port), over TLS when the
+ * servers speak it. */
 static int query_data_port(const char *addr) {
   rpc_channel *ch = NULL;
-  if (rpc_channel_open(addr, &ch) != 0)
+  rpc_security sec = {.tls_ca_file = g_tls.ca};
+  char err[256];
+  if (rpc_channel_open_secure(addr, g_tls.ca[0] ? &sec : NULL, &ch, err, sizeof err) != 0)
     return 0;
   Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
   Zshard__V1__GetInfoResponse *resp = NULL;
@@ -374,7 +389,7 @@ void bench_servers_start(bench_server *srv, uint32_t n, int threads) {
     snprintf(sid, sizeof sid, "%u", i);
     snprintf(nsh, sizeof nsh, "%u", n);
     snprintf(thr, sizeof thr, "%d", threads);
-    const char *argv[20];
+    const char *argv[24];
     int a = 0;
     argv[a++] = bin;
     argv[a++] = "--listen";
@@ -390,6 +405,12 @@ void bench_servers_start(bench_server *srv, uint32_t n, int threads) {
     if (threads > 0) {
       argv[a++] = "--threads";
       argv[a++] = thr;
+    }
+    if (g_tls.cert[0]) {
+      argv[a++] = "--tls-cert";
+      argv[a++] = g_tls.cert;
+      argv[a++] = "--tls-key";
+      argv[a++] = g_tls.key;
     }
     if (dp) {
       argv[a++] = "--data-listen";

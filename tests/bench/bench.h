@@ -116,6 +116,13 @@ const char *bench_server_bin(void);
  * failure. */
 void bench_servers_start(bench_server *srv, uint32_t n, int threads);
 
+/* Makes the servers that bench_servers_start starts from now on speak TLS
+ * only (gRPC and the data plane: --tls-cert, --tls-key), and its GetInfo
+ * check them against the CA bundle `ca`; cert NULL: plain TCP again. The
+ * strings are copied. Clients find the CA as trainers do, in ZSHARD_TLS_CA,
+ * which the servers' environment never carries. */
+void bench_servers_tls(const char *cert, const char *key, const char *ca);
+
 /* SIGTERM, bounded wait (then SIGKILL) and reaping of every server. */
 void bench_servers_stop(bench_server *srv, uint32_t n);
 
