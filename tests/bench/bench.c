@@ -10,6 +10,7 @@
 #include "bench.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -748,6 +749,49 @@ void bench_pingpong_close(bench_pingpong *p) {
   waitpid(p->pid, NULL, 0);
   free(p->buf);
   free(p);
+}
+
+pid_t bench_pingpong_peer(const bench_pingpong *p) {
+  return p->pid;
+}
+
+/* voluntary_ctxt_switches of one thread: the times it blocked (and so was
+ * woken again). Preemptions (nonvoluntary) count the machine's load, not
+ * the code's wake-ups. */
+static uint64_t task_switches(const char *status_path) {
+  FILE *f = fopen(status_path, "r");
+  if (!f)
+    return 0; /* the thread has just exited */
+  char line[256];
+  uint64_t n = 0;
+  unsigned long long v;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "voluntary_ctxt_switches: %llu", &v) == 1)
+      n += v;
+  fclose(f);
+  return n;
+}
+
+uint64_t bench_switches(pid_t pid) {
+  char dir[64];
+  if (pid)
+    snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+  else
+    snprintf(dir, sizeof dir, "/proc/self/task");
+  DIR *d = opendir(dir);
+  if (!d)
+    bench_die("cannot open %s", dir);
+  uint64_t n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.')
+      continue;
+    char path[sizeof dir + sizeof e->d_name + 8];
+    snprintf(path, sizeof path, "%s/%s/status", dir, e->d_name);
+    n += task_switches(path);
+  }
+  closedir(d);
+  return n;
 }
 
 /* ------------------------------------------------------------------ clients */

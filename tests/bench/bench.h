@@ -165,6 +165,15 @@ double bench_pingpong_once(bench_pingpong *p, size_t req_bytes, size_t resp_byte
 /* Closes the connection, reaps the peer and frees p. */
 void bench_pingpong_close(bench_pingpong *p);
 
+/* The peer's process id, for bench_switches. */
+pid_t bench_pingpong_peer(const bench_pingpong *p);
+
+/* The voluntary context switches of every thread of process `pid` (0: this
+ * one) so far, from /proc/PID/task/ * /status: a thread that blocks and is
+ * woken again counts one; preemptions do not count. Threads that have
+ * exited are not counted. */
+uint64_t bench_switches(pid_t pid);
+
 /* ------------------------------------------------------------------ clients */
 
 /* A synthetic model for the end-to-end benchmarks: `ntensors` tensors of
