@@ -86,7 +86,10 @@ const char *bench_bytes_str(double bytes, char *buf, size_t len);
 const char *bench_label(const char *s, char *buf, size_t len);
 
 /* A buffer of `bytes` bytes, 64-byte aligned, every page touched (so that page
- * faults do not land in a timed region). Exits on failure; free() releases. */
+ * faults do not land in a timed region); from 32 MiB up its whole pages are
+ * kept out of forked children (MADV_DONTFORK: the pumps fork, and a fork
+ * would make the next write to every page fault), so a forked child must not
+ * touch one. Exits on failure; free() releases. */
 void *bench_alloc(size_t bytes);
 
 /* Fills n bf16 values with small pseudo-random numbers in (-0.01, 0.01). */
