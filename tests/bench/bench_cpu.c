@@ -220,6 +220,13 @@ static int parse_cases(char *list, const cpu_case **out) {
   return n;
 }
 
+/* The certificates, removed at exit, bench_die's included. */
+static tls_certs g_certs;
+
+static void remove_certs(void) {
+  tls_certs_remove(&g_certs);
+}
+
 int main(int argc, char **argv) {
   bench_opts o;
   bench_parse_common(&argc, argv, &o);
@@ -238,11 +245,10 @@ int main(int argc, char **argv) {
     }
   }
   int reps = o.reps ? o.reps : (o.quick ? 2 : 4);
-  tls_certs certs;
-  if (tls_certs_make(&certs) != 0)
+  if (tls_certs_make(&g_certs) != 0)
     bench_die("cannot make the certificates with openssl");
+  atexit(remove_certs);
   for (int i = 0; i < ncases; i++)
-    run_case(&o, cases[i], size, reps, &certs);
-  tls_certs_remove(&certs);
+    run_case(&o, cases[i], size, reps, &g_certs);
   return 0;
 }
