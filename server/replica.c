@@ -1191,7 +1191,8 @@ static void monitor_primary_locked(replica *r, const core_info *info) {
     const char *why = info->has_job && !m->seen_has_job ? "it holds no job"
                       : m->seen_version + 1 < info->version
                           ? "its version is more than one step behind"
-                      : m->seen_role != REPLICA_BACKUP || m->seen_term != r->term
+                      : (m->seen_role != REPLICA_BACKUP || m->seen_term != r->term) &&
+                              !(m->seen_role == REPLICA_STARTING && !info->has_job)
                           ? "it is not a backup of this term"
                           : NULL;
     if (!why) {
