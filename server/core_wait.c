@@ -489,9 +489,11 @@ void *core__worker(void *arg) {
       c->restore_call = NULL;
     waiter *snap = do_stats || restore ? NULL : core__take_snapshot(c, &fire);
     int do_apply = !do_stats && !restore && !snap && c->apply_state == APPLY_QUEUED;
-    /* A pipelined step's passes: whenever pieces are ready, and once with
-     * none when the shard owns no piece. */
-    int do_pieces = do_apply && c->pipelined && (c->nready > 0 || c->nahead == c->npieces);
+    /* A pipelined step's passes: whenever pieces are ready (and every
+     * piece has its initial weights, which a trainer's Apply may precede),
+     * and once with none when the shard owns no piece. */
+    int do_pieces = do_apply && c->pipelined && c->initialized_pieces == c->npieces &&
+                    (c->nready > 0 || c->nahead == c->npieces);
     if (c->pipelined)
       do_apply = 0;
     if (fire || do_stats || restore || snap || do_apply || do_pieces) {
@@ -845,7 +847,7 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
       goto done;
     }
   }
-  if (c->apply_state == APPLY_NONE && c->initialized_pieces < c->npieces) {
+  if (c->apply_state == APPLY_NONE && !c->pipelined && c->initialized_pieces < c->npieces) {
     rc = status_fail(err, errlen, ZS_ENOTREADY,
                      "%u of %u pieces of shard %u have no initial weights",
                      c->npieces - c->initialized_pieces, c->npieces, c->shard_id);
