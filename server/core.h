@@ -289,8 +289,9 @@ uint32_t core_missing(core *c, uint64_t step, core_missing_entry *out, uint32_t 
  * once; different arguments are ZS_EEXIST.
  *
  * In a pipelined job (spec.pipelined) the Apply of the pending step comes
- * ahead of its contributions: it is accepted whenever they are in or not
- * (every piece initialised) and answered at once with ZS_OK and
+ * ahead of its contributions: it is accepted whether they are in or not
+ * (even before the initial weights, which the pieces then wait for) and
+ * answered at once with ZS_OK and
  * out->version below step (the callback is never called); the worker then
  * applies each piece when its last contribution lands, with the same
  * kernel, plans and accumulator as the gated apply, and the version
