@@ -19,7 +19,9 @@
  * once every piece is applied; a repeat of the Apply gets the recorded
  * outcome, another lr ZS_EEXIST; GradStats and a skip are refused with a
  * sentence. And the client's refusals: clipping, a clip_coef, zs_grad_norm,
- * dynamic loss scaling, and a gated trainer joining a pipelined job.
+ * dynamic loss scaling, and a gated trainer joining a pipelined job. And the
+ * spec: pipelined is part of the hash, a gated spec encodes (and hashes) as
+ * before the field existed, and a checkpoint's spec section keeps it.
  *
  * CTest runs it on the data plane and again with ZSHARD_TRANSPORT=grpc.
  */
@@ -37,6 +39,7 @@
 #include <cmocka.h>
 
 #include "harness.h"
+#include "server/ckpt_format.h"
 #include "zshard/zshard.h"
 
 #define NT 5
@@ -437,6 +440,41 @@ static void clipping_and_statistics_are_refused_in_a_pipelined_job(void **state)
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
+/* ---- the spec ------------------------------------------------------------------- */
+
+static void pipelined_is_hashed_and_kept_by_checkpoints(void **state) {
+  (void)state;
+  spec gated, piped, back;
+  assert_int_equal(hs_spec_build(&gated, "pipe-spec", 2, 1, 2), 0);
+  assert_int_equal(spec_copy(&piped, &gated), 0);
+  piped.pipelined = 1;
+  assert_int_equal(spec_validate(&piped, NULL, 0), 0);
+  assert_true(spec_hash(&gated) != spec_hash(&piped));
+  unsigned char *eg = NULL, *ep = NULL;
+  size_t lg = 0, lp = 0;
+  assert_int_equal(spec_encode(&gated, &eg, &lg), 0);
+  assert_int_equal(spec_encode(&piped, &ep, &lp), 0);
+  /* The gated encoding is the pipelined one without its last u32 (1). */
+  assert_int_equal(lp, lg + 4);
+  assert_memory_equal(eg, ep, lg);
+  assert_memory_equal(ep + lg, "\x01\0\0\0", 4);
+  char why[256];
+  assert_int_equal(ckpt__dec_spec(ep, lp, &back, why, sizeof why), 0);
+  assert_int_equal(back.pipelined, 1);
+  assert_true(spec_hash(&back) == spec_hash(&piped));
+  spec_free(&back);
+  assert_int_equal(ckpt__dec_spec(eg, lg, &back, why, sizeof why), 0);
+  assert_int_equal(back.pipelined, 0);
+  spec_free(&back);
+  /* Any other trailing value is refused. */
+  ep[lg] = 2;
+  assert_int_not_equal(ckpt__dec_spec(ep, lp, &back, why, sizeof why), 0);
+  free(eg);
+  free(ep);
+  spec_free(&gated);
+  spec_free(&piped);
+}
+
 static int group_setup(void **state) {
   (void)state;
   return hs_init();
@@ -447,6 +485,7 @@ int main(void) {
       cmocka_unit_test(pipelined_training_has_the_bits_of_the_gated_one),
       cmocka_unit_test(a_piece_is_pulled_at_the_new_version_before_the_shard_moves),
       cmocka_unit_test(clipping_and_statistics_are_refused_in_a_pipelined_job),
+      cmocka_unit_test(pipelined_is_hashed_and_kept_by_checkpoints),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);
   hs_finish(failures);
