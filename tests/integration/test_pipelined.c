@@ -21,7 +21,10 @@
  * sentence. And the client's refusals: clipping, a clip_coef, zs_grad_norm,
  * dynamic loss scaling, and a gated trainer joining a pipelined job. And the
  * spec: pipelined is part of the hash, a gated spec encodes (and hashes) as
- * before the field existed, and a checkpoint's spec section keeps it.
+ * before the field existed, and a checkpoint's spec section keeps it. And a
+ * checkpoint of a pipelined job is of one whole version: taken between two
+ * steps, restored after a third, it gives back the bits pulled after the
+ * second, and training goes on from there.
  *
  * CTest runs it on the data plane and again with ZSHARD_TRANSPORT=grpc.
  */
@@ -440,6 +443,65 @@ static void clipping_and_statistics_are_refused_in_a_pipelined_job(void **state)
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
+/* ---- checkpoints ------------------------------------------------------------------ */
+
+/* One pipelined step of a one-trainer job of one tensor "w" (n elements). */
+static void solo_step(zs_client *c, float *param, float *grad, size_t n, float seed) {
+  assert_int_equal(zs_pull(c, 0, param, ZS_DTYPE_FP32, n * sizeof(float), NULL), ZS_OK);
+  for (size_t i = 0; i < n; i++)
+    grad[i] = 0.5f * param[i] + seed * 0.01f * (float)(i % 7);
+  zs_request *req = NULL;
+  assert_int_equal(zs_push(c, 0, 0, grad, ZS_DTYPE_FP32, n * sizeof(float), &req), ZS_OK);
+  assert_int_equal(zs_step(c, 0.05, 0, 0, NULL), ZS_OK);
+  assert_int_equal(zs_wait(req), ZS_OK);
+}
+
+static void a_checkpoint_of_a_pipelined_job_is_one_whole_version(void **state) {
+  (void)state;
+  char dir[600];
+  snprintf(dir, sizeof dir, "%s/pipe-ckpt", hs_tmpdir());
+  const char *extra[] = {"--state-dir", dir, NULL};
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 2, extra), 0);
+  char addrs[128];
+  join_addresses(&cl, addrs, sizeof addrs);
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = addrs;
+  o.job = "pipe-ckpt";
+  o.split_threshold = SPLIT;
+  o.pipelined = 1;
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  zs_group_options go;
+  group_options(0, &go);
+  assert_int_equal(zs_add_group(c, &go, NULL), ZS_OK);
+  enum { n = 200 };
+  assert_int_equal(zs_add_tensor(c, "w", n, 0, NULL, 0, NULL), ZS_OK);
+  float init[n], param[n], grad[n], at2[n], back[n];
+  for (int i = 0; i < n; i++)
+    init[i] = 0.25f + 0.001f * (float)i;
+  const float *inits[1] = {init};
+  assert_int_equal(zs_open_job(c, inits), ZS_OK);
+  solo_step(c, param, grad, n, 1.0f);
+  solo_step(c, param, grad, n, 2.0f);
+  /* Between steps 2 and 3: the shards are at version 2, or get there. */
+  assert_int_equal(zs_checkpoint(c, 2), ZS_OK);
+  assert_int_equal(zs_pull(c, 0, at2, ZS_DTYPE_FP32, sizeof at2, NULL), ZS_OK);
+  solo_step(c, param, grad, n, 3.0f);
+  assert_int_equal(zs_pull(c, 0, back, ZS_DTYPE_FP32, sizeof back, NULL), ZS_OK);
+  assert_true(memcmp(back, at2, sizeof at2) != 0);
+  assert_int_equal(zs_restore(c, 2), ZS_OK);
+  assert_int_equal(zs_pull(c, 0, back, ZS_DTYPE_FP32, sizeof back, NULL), ZS_OK);
+  assert_memory_equal(back, at2, sizeof at2);
+  /* The pipelined steps go on from the restored version. */
+  solo_step(c, param, grad, n, 3.0f);
+  assert_int_equal(zs_pull(c, 0, back, ZS_DTYPE_FP32, sizeof back, NULL), ZS_OK);
+  assert_true(memcmp(back, at2, sizeof at2) != 0);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
 /* ---- the spec ------------------------------------------------------------------- */
 
 static void pipelined_is_hashed_and_kept_by_checkpoints(void **state) {
@@ -486,6 +548,7 @@ int main(void) {
       cmocka_unit_test(a_piece_is_pulled_at_the_new_version_before_the_shard_moves),
       cmocka_unit_test(clipping_and_statistics_are_refused_in_a_pipelined_job),
       cmocka_unit_test(pipelined_is_hashed_and_kept_by_checkpoints),
+      cmocka_unit_test(a_checkpoint_of_a_pipelined_job_is_one_whole_version),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);
   hs_finish(failures);
