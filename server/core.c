@@ -238,8 +238,8 @@ static int core_job_build(core *c) {
   c->block_nonfinite = calloc(c->nblocks + 1, sizeof *c->block_nonfinite);
   if (!c->block_sums || !c->block_nonfinite)
     return ZS_ENOMEM;
-  /* A pipelined pass chunks each piece on its own: at most one chunk more
-   * per piece than the ranges' chunks. */
+  /* The pipelined step's lists; its passes chunk each piece on its own: at
+   * most one chunk more per piece than the ranges' chunks. */
   c->pipelined = c->spec.pipelined;
   c->ready = calloc((size_t)c->npieces + 1, sizeof *c->ready);
   c->batch = calloc((size_t)c->npieces + 1, sizeof *c->batch);
