@@ -58,10 +58,6 @@
 #include "common/log.h"
 #include "common/status.h"
 
-/* Elements per chunk of the optimizer pass: a multiple of LAYOUT_ALIGN_ELEMS so
- * that every chunk starts 64-byte aligned, and large enough that handing out a
- * chunk costs nothing next to running it. */
-#define CORE_APPLY_CHUNK 65536u
 #define CORE_ARENA_ALIGN 64u
 
 /* ---------------------------------------------------------------- helpers */
@@ -110,6 +106,13 @@ static void core_job_free(core *c) {
   free(c->tasks);
   free(c->block_sums);
   free(c->block_nonfinite);
+  free(c->ready);
+  free(c->batch);
+  free(c->ptasks);
+  c->ready = c->batch = NULL;
+  c->ptasks = NULL;
+  c->nready = c->nbatch = c->nahead = 0;
+  c->pipelined = 0;
   free(c->apply_glr);
   free(c->last_glr);
   c->apply_glr = c->last_glr = NULL;
@@ -234,6 +237,14 @@ static int core_job_build(core *c) {
   c->block_sums = calloc(c->nblocks + 1, sizeof *c->block_sums);
   c->block_nonfinite = calloc(c->nblocks + 1, sizeof *c->block_nonfinite);
   if (!c->block_sums || !c->block_nonfinite)
+    return ZS_ENOMEM;
+  /* The pipelined step's lists; its passes chunk each piece on its own: at
+   * most one chunk more per piece than the ranges' chunks. */
+  c->pipelined = c->spec.pipelined;
+  c->ready = calloc((size_t)c->npieces + 1, sizeof *c->ready);
+  c->batch = calloc((size_t)c->npieces + 1, sizeof *c->batch);
+  c->ptasks = calloc((size_t)(c->nelems / CORE_APPLY_CHUNK) + c->npieces + 1, sizeof *c->ptasks);
+  if (!c->ready || !c->batch || !c->ptasks)
     return ZS_ENOMEM;
   c->apply_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->apply_glr);
   c->last_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->last_glr);

@@ -44,6 +44,15 @@ static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state
   return 0;
 }
 
+int core__piece_index(core *c, uint32_t tensor, uint32_t slice, uint32_t *index, char *err,
+                      size_t errlen) {
+  piece_state *ps = NULL;
+  int rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc == 0)
+    *index = (uint32_t)(ps - c->pieces);
+  return rc;
+}
+
 static int core_check_payload(const piece_state *ps, int dtype, size_t nbytes, const void *data,
                               char *err, size_t errlen) {
   int rc = dtype_check(dtype, err, errlen);
@@ -94,6 +103,11 @@ static void piece_low_crc(core *c, uint32_t i) {
 
 void core__low_crc_task(void *arg, size_t i) {
   piece_low_crc(arg, (uint32_t)i);
+}
+
+void core__low_crc_batch_task(void *arg, size_t i) {
+  core *c = arg;
+  piece_low_crc(c, c->batch[i]);
 }
 
 /* zeroed: the first buffer of a job (its padding stays 0); else the caller
@@ -188,7 +202,10 @@ int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dty
   piece_state *ps = NULL;
   pthread_rwlock_rdlock(&c->state_rw);
   int rc = core_find_readable(c, hash, tensor, slice, dtype, nbytes, data, &ps, err, errlen);
-  if (rc == 0 && (dtype != c->spec.param_dtype || !ps->initialized))
+  /* A pipelined job writes one piece's low copy while other pieces' answers
+   * are out, and pins count whole buffers: its answers are copied
+   * (core_read) rather than make every piece's apply copy the buffer. */
+  if (rc == 0 && (dtype != c->spec.param_dtype || !ps->initialized || c->pipelined))
     rc = CORE_NOT_PINNED;
   if (rc == 0) {
     uint32_t i = (uint32_t)(ps - c->pieces);
@@ -477,7 +494,15 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   bit_set(ps->received, k);
   atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
   completed = ps->next_k == c->WM;
-  if (completed) {
+  if (completed && c->pipelined) {
+    /* The worker applies it once the step's Apply is in (core_wait.c). */
+    pthread_mutex_lock(&c->mu);
+    c->complete_pieces++;
+    c->ready[c->nready++] = (uint32_t)(ps - c->pieces);
+    if (c->apply_state == APPLY_QUEUED)
+      pthread_cond_signal(&c->worker_cv);
+    pthread_mutex_unlock(&c->mu);
+  } else if (completed) {
     pthread_mutex_lock(&c->mu);
     if (++c->complete_pieces == c->npieces) {
       c->stats_phase = STATS_COMPUTING;
@@ -560,8 +585,10 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
           *crc = crc32c(*crc, out + b, len);
       }
     }
+    /* A piece a pipelined step applied ahead of the others is at the
+     * pending step's version already. */
     if (version)
-      *version = c->version;
+      *version = c->version + (uint64_t)ps->ahead;
   }
   pthread_rwlock_unlock(&c->state_rw);
   /* Pulls are counted by the transport (core_count_pull), which knows the

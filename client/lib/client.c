@@ -289,6 +289,12 @@ static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
                    (int)o->open_mode);
   if (o->error_feedback > 1)
     return zc_fail(ZS_EINVAL, "zs_client_open: error_feedback must be 0 or 1");
+  if (o->pipelined > 1 || o->reserved1 != 0)
+    return zc_fail(ZS_EINVAL, "zs_client_open: pipelined must be 0 or 1 and reserved1 0");
+  if (o->pipelined && o->loss_scaling == ZS_LOSS_SCALE_DYNAMIC)
+    return zc_fail(ZS_EINVAL, "zs_client_open: the pipelined step has no overflow check, which "
+                              "dynamic loss scaling needs: use the gated step (pipelined 0) or "
+                              "a static loss scale");
   return ZS_OK;
 }
 
@@ -853,6 +859,7 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
   c->sp.split_threshold = c->opt.split_threshold;
   c->sp.reduce = c->opt.grad_reduce == ZS_REDUCE_SUM ? SPEC_REDUCE_SUM : SPEC_REDUCE_MEAN;
   c->sp.param_dtype = c->opt.param_dtype;
+  c->sp.pipelined = c->opt.pipelined != 0;
   rc = spec_validate(&c->sp, err, sizeof err);
   if (rc != ZS_OK) {
     rc = zc_fail(rc, "zs_open_job: invalid model: %s", err);

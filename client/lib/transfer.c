@@ -115,7 +115,9 @@ static void op_finish(zs_request *op) {
     pthread_mutex_lock(&c->mu);
     c->inflight_push--;
     c->bytes_pushed += op->bytes;
-    if (status != ZS_OK && op->step == c->step) {
+    /* A pipelined zs_step returns before its pushes are done (step.c): a
+     * failure of the step before is the next zs_step's to report. */
+    if (status != ZS_OK && (op->step == c->step || op->step + 1 == c->step)) {
       /* The step cannot complete without this contribution: zs_step reports
        * it, and the trainer may push the tensor again. */
       if (c->step_error == ZS_OK) {
@@ -123,7 +125,8 @@ static void op_finish(zs_request *op) {
         snprintf(c->step_err, sizeof c->step_err, "%s", op->err);
       }
       size_t bit = (size_t)op->tensor * c->sp.grad_accum + op->micro;
-      c->pushed[bit / 8] &= (uint8_t) ~(1u << (bit % 8));
+      if (op->step == c->step)
+        c->pushed[bit / 8] &= (uint8_t) ~(1u << (bit % 8));
     }
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);

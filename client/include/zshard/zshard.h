@@ -385,6 +385,17 @@ typedef struct zs_client_options {
    * of their addresses (an IP address, a Service's short name). Default:
    * $ZSHARD_TLS_SERVER_NAME. */
   const char *tls_server_name;
+  /* The pipelined step (1 on, 0 off, the default): the shards apply each
+   * piece as soon as every trainer's contributions to it are in and answer
+   * its pulls at once, so that pulls overlap pushes on a full-duplex link.
+   * Part of the job's spec (every trainer must set the same). zs_step then
+   * has no global gate: no clipping (max_grad_norm and clip_coef must be 0),
+   * no overflow check (loss_scaling must not be ZS_LOSS_SCALE_DYNAMIC); it
+   * sends the step's lr and returns without waiting for the shards, and the
+   * next pulls wait for each piece (docs/CLIENT.md, "The pipelined step").
+   * Its bits equal the gated step's without clipping. */
+  uint32_t pipelined;
+  uint32_t reserved1; /* must be 0 */
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above

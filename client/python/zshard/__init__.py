@@ -62,7 +62,7 @@ class Client(_zshard.Client):
     prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
     data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode,
-    error_feedback, and token, tls_ca, tls_cert, tls_key, tls_server_name for
+    error_feedback, pipelined, and token, tls_ca, tls_cert, tls_key, tls_server_name for
     the C fields token, tls_ca_file, tls_cert_file, tls_key_file,
     tls_server_name) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,

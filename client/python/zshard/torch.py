@@ -480,6 +480,10 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
       TLS files (zshard.Client; default the ZSHARD_TOKEN, ZSHARD_TOKEN_FILE and
       ZSHARD_TLS_* environment variables). close(close_job=True) and
       state_dict loading need the admin token on shards that have one.
+    pipelined: 1 for the pipelined step (docs/CLIENT.md): each piece is
+      applied on its shard as soon as every trainer's gradient of it is in and
+      its pulls overlap the other pushes; no max_grad_norm, no dynamic loss
+      scaling. Not tested through this module yet.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
