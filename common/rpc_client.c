@@ -259,12 +259,21 @@ static int message_slice(grpc_byte_buffer *bb, grpc_slice *out) {
 int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
              uint64_t timeout_ms, rpc_status *st) {
+  return rpc_call_md(ch, method, NULL, 0, req, resp_desc, resp, timeout_ms, st);
+}
+
+int rpc_call_md(rpc_channel *ch, const char *method, const rpc_metadata *md, size_t nmd,
+                const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st) {
   *resp = NULL;
   if (st) {
     st->grpc_code = GRPC_STATUS_OK;
     st->zs_status = ZS_OK;
     st->message[0] = '\0';
   }
+  if (nmd > RPC_MAX_METADATA)
+    return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
+                      "%s: %zu metadata entries, at most %d", method, nmd, RPC_MAX_METADATA);
   size_t req_len = protobuf_c_message_get_packed_size(req);
   if (req_len > RPC_MAX_MESSAGE_BYTES)
     return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
@@ -301,13 +310,25 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
   grpc_op ops[6];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  grpc_metadata auth;
+  /* The token first, then the caller's entries, whose slices are copies
+   * owned by this call (released at done: gRPC may hold them until the call
+   * ends). */
+  grpc_metadata sent[1 + RPC_MAX_METADATA];
+  size_t nsent = 0;
+  memset(sent, 0, sizeof sent);
   if (ch->has_auth) {
-    memset(&auth, 0, sizeof auth);
-    auth.key = grpc_slice_from_static_string(RPC_AUTH_KEY);
-    auth.value = ch->auth_value;
-    ops[0].data.send_initial_metadata.count = 1;
-    ops[0].data.send_initial_metadata.metadata = &auth;
+    sent[nsent].key = grpc_slice_from_static_string(RPC_AUTH_KEY);
+    sent[nsent].value = ch->auth_value;
+    nsent++;
+  }
+  const size_t first_own = nsent;
+  for (size_t i = 0; i < nmd; i++, nsent++) {
+    sent[nsent].key = grpc_slice_from_copied_string(md[i].key);
+    sent[nsent].value = grpc_slice_from_copied_string(md[i].value);
+  }
+  if (nsent > 0) {
+    ops[0].data.send_initial_metadata.count = nsent;
+    ops[0].data.send_initial_metadata.metadata = sent;
   }
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = req_bb;
@@ -371,6 +392,10 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
                     method, resp_desc->name);
 
 done:
+  for (size_t i = first_own; i < nsent; i++) {
+    grpc_slice_unref(sent[i].key);
+    grpc_slice_unref(sent[i].value);
+  }
   grpc_byte_buffer_destroy(req_bb);
   if (resp_bb)
     grpc_byte_buffer_destroy(resp_bb);

@@ -86,4 +86,23 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
              uint64_t timeout_ms, rpc_status *st);
 
+/* One entry of a call's metadata beyond the channel's token: a lowercase
+ * ASCII key and a printable value. Both strings are the caller's and only
+ * read during the call. */
+typedef struct rpc_metadata {
+  const char *key;
+  const char *value;
+} rpc_metadata;
+
+/* The most entries rpc_call_md sends. */
+#define RPC_MAX_METADATA 4
+
+/* As rpc_call, also sending the nmd entries of `md` (at most
+ * RPC_MAX_METADATA; md may be NULL when nmd is 0) as the call's metadata;
+ * rpc_call is rpc_call_md with none. More than RPC_MAX_METADATA entries is
+ * ZS_EINVAL and nothing is sent. */
+int rpc_call_md(rpc_channel *ch, const char *method, const rpc_metadata *md, size_t nmd,
+                const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
+
 #endif
