@@ -1,5 +1,5 @@
 /*
- * test_client_replicas — how a client reads replicated shard addresses
+ * test_client_addresses — how a client reads replicated shard addresses
  * (docs/CLIENT.md, "Replica sets and failover"): shards separated by ',',
  * a shard's replicas by '|', "{i}" expanded in every replica of a pattern;
  * num_shards counts shards; an empty replica, more than 8, or one listed
@@ -8,7 +8,7 @@
  * answers: a call fails within its retries, as a lone dead shard's does.
  *
  * No server runs here; the failover against real servers is
- * tests/integration/test_client_replicas.c.
+ * tests/integration/test_client_failover.c.
  */
 #include <setjmp.h>
 #include <stdarg.h>
