@@ -484,7 +484,8 @@ int zc_replica_call(zs_client *c, uint32_t shard, const char *method, const Prot
                     uint64_t timeout_ms, rpc_status *st) {
   zc_rset *rs = &c->rs[shard];
   uint64_t backoff = c->opt.retry_initial_ms;
-  int looked = 0; /* a member without the job made us search once */
+  int looked = 0;    /* a member without the job made us search once */
+  int confirmed = 0; /* a search found a primary without moving: retried at once */
   for (uint32_t attempt = 0;; attempt++) {
     uint64_t gen;
     rpc_metadata md;
@@ -515,9 +516,12 @@ int zc_replica_call(zs_client *c, uint32_t shard, const char *method, const Prot
     uint64_t wait = UINT64_MAX;
     if (what == 2) {
       int unreachable = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED;
-      zc_replica_failed(c, shard, gen, unreachable, &wait);
-      if (atomic_load(&rs->gen) != gen)
-        continue; /* another member is primary: at once */
+      int found = zc_replica_failed(c, shard, gen, unreachable, &wait);
+      /* Another member is primary, or this one is now (a fresh set's first
+       * promotion): at once, the latter only once per call, so that a
+       * member that keeps refusing what its GetInfo claims backs off. */
+      if (atomic_load(&rs->gen) != gen || (found && !confirmed++))
+        continue;
     }
     if (zc_backoff_wait(c, backoff < wait ? backoff : wait))
       return rc;
