@@ -259,26 +259,39 @@ static int message_slice(grpc_byte_buffer *bb, grpc_slice *out) {
 int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
              uint64_t timeout_ms, rpc_status *st) {
-  return rpc_call_md(ch, method, NULL, 0, req, resp_desc, resp, timeout_ms, st);
+  return rpc_call_md(ch, method, req, NULL, 0, resp_desc, resp, timeout_ms, st);
 }
 
-int rpc_call_md(rpc_channel *ch, const char *method, const rpc_metadata *md, size_t nmd,
-                const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
-                ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st) {
+int rpc_call_md(rpc_channel *ch, const char *method, const ProtobufCMessage *req, const rpc_md *md,
+                size_t nmd, const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+                uint64_t timeout_ms, rpc_status *st) {
+  *resp = NULL;
+  size_t req_len = protobuf_c_message_get_packed_size(req);
+  if (req_len > RPC_MAX_MESSAGE_BYTES)
+    return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
+                      "request of %zu bytes exceeds the %d byte message limit", req_len,
+                      RPC_MAX_MESSAGE_BYTES);
+  grpc_slice req_slice = grpc_slice_malloc(req_len);
+  protobuf_c_message_pack(req, GRPC_SLICE_START_PTR(req_slice));
+  int rc = rpc_call_raw(ch, method, GRPC_SLICE_START_PTR(req_slice), req_len, md, nmd, resp_desc,
+                        resp, timeout_ms, st);
+  grpc_slice_unref(req_slice);
+  return rc;
+}
+
+int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t req_len,
+                 const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
+                 ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st) {
   *resp = NULL;
   if (st) {
     st->grpc_code = GRPC_STATUS_OK;
     st->zs_status = ZS_OK;
     st->message[0] = '\0';
   }
-  if (nmd > RPC_MAX_METADATA)
+  if (req_len > RPC_MAX_MESSAGE_BYTES || nmd > RPC_MAX_MD)
     return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
-                      "%s: %zu metadata entries, at most %d", method, nmd, RPC_MAX_METADATA);
-  size_t req_len = protobuf_c_message_get_packed_size(req);
-  if (req_len > RPC_MAX_MESSAGE_BYTES)
-    return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
-                      "request of %zu bytes exceeds the %d byte message limit", req_len,
-                      RPC_MAX_MESSAGE_BYTES);
+                      "request of %zu bytes (limit %d) with %zu metadata entries (limit %d)",
+                      req_len, RPC_MAX_MESSAGE_BYTES, nmd, RPC_MAX_MD);
 
   /* A timeout beyond a year is no timeout; it also keeps the conversion to
    * gpr_timespec far from overflow. */
@@ -295,8 +308,7 @@ int rpc_call_md(rpc_channel *ch, const char *method, const rpc_metadata *md, siz
   grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
                                              method_slice, NULL, deadline, NULL);
   grpc_slice_unref(method_slice);
-  grpc_slice req_slice = grpc_slice_malloc(req_len);
-  protobuf_c_message_pack(req, GRPC_SLICE_START_PTR(req_slice));
+  grpc_slice req_slice = grpc_slice_from_copied_buffer((const char *)req, req_len);
   grpc_byte_buffer *req_bb = grpc_raw_byte_buffer_create(&req_slice, 1);
   grpc_slice_unref(req_slice);
 
@@ -310,26 +322,21 @@ int rpc_call_md(rpc_channel *ch, const char *method, const rpc_metadata *md, siz
   grpc_op ops[6];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  /* The token first, then the caller's entries, whose slices are copies
-   * owned by this call (released at done: gRPC may hold them until the call
-   * ends). */
-  grpc_metadata sent[1 + RPC_MAX_METADATA];
+  /* The token, then the caller's entries (their slices reference the
+   * caller's strings, which outlive the call). */
+  grpc_metadata sent[RPC_MAX_MD + 1];
   size_t nsent = 0;
   memset(sent, 0, sizeof sent);
   if (ch->has_auth) {
     sent[nsent].key = grpc_slice_from_static_string(RPC_AUTH_KEY);
-    sent[nsent].value = ch->auth_value;
-    nsent++;
+    sent[nsent++].value = ch->auth_value;
   }
-  const size_t first_own = nsent;
-  for (size_t i = 0; i < nmd; i++, nsent++) {
-    sent[nsent].key = grpc_slice_from_copied_string(md[i].key);
-    sent[nsent].value = grpc_slice_from_copied_string(md[i].value);
+  for (size_t i = 0; i < nmd; i++) {
+    sent[nsent].key = grpc_slice_from_static_string(md[i].key);
+    sent[nsent++].value = grpc_slice_from_static_string(md[i].value);
   }
-  if (nsent > 0) {
-    ops[0].data.send_initial_metadata.count = nsent;
-    ops[0].data.send_initial_metadata.metadata = sent;
-  }
+  ops[0].data.send_initial_metadata.count = nsent;
+  ops[0].data.send_initial_metadata.metadata = nsent ? sent : NULL;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = req_bb;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -392,10 +399,6 @@ int rpc_call_md(rpc_channel *ch, const char *method, const rpc_metadata *md, siz
                     method, resp_desc->name);
 
 done:
-  for (size_t i = first_own; i < nsent; i++) {
-    grpc_slice_unref(sent[i].key);
-    grpc_slice_unref(sent[i].value);
-  }
   grpc_byte_buffer_destroy(req_bb);
   if (resp_bb)
     grpc_byte_buffer_destroy(resp_bb);

@@ -86,23 +86,23 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
              uint64_t timeout_ms, rpc_status *st);
 
-/* One entry of a call's metadata beyond the channel's token: a lowercase
- * ASCII key and a printable value. Both strings are the caller's and only
- * read during the call. */
-typedef struct rpc_metadata {
+/* One metadata entry sent with a call: a lower-case key and a printable
+ * value, both the caller's and only read during the call. */
+typedef struct rpc_md {
   const char *key;
   const char *value;
-} rpc_metadata;
+} rpc_md;
+#define RPC_MAX_MD 4
 
-/* The most entries rpc_call_md sends. */
-#define RPC_MAX_METADATA 4
+/* rpc_call with up to RPC_MAX_MD metadata entries besides the token. */
+int rpc_call_md(rpc_channel *ch, const char *method, const ProtobufCMessage *req, const rpc_md *md,
+                size_t nmd, const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+                uint64_t timeout_ms, rpc_status *st);
 
-/* As rpc_call, also sending the nmd entries of `md` (at most
- * RPC_MAX_METADATA; md may be NULL when nmd is 0) as the call's metadata;
- * rpc_call is rpc_call_md with none. More than RPC_MAX_METADATA entries is
- * ZS_EINVAL and nothing is sent. */
-int rpc_call_md(rpc_channel *ch, const char *method, const rpc_metadata *md, size_t nmd,
-                const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
-                ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
+/* rpc_call_md with a request already encoded: req_len bytes at req (copied
+ * once into gRPC's buffer), e.g. a request a server forwards as it came. */
+int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t req_len,
+                 const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
+                 ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
 
 #endif

@@ -233,7 +233,7 @@ static const char *answering_member(zs_client *c, uint32_t i, const Zshard__V1__
   *rgen = 0;
   if (rs->n == 1)
     return c->addr[i];
-  rpc_metadata md;
+  rpc_md md;
   size_t nmd;
   char term_buf[24];
   uint32_t cur = zc_replica_current(c, i, rgen, &md, &nmd, term_buf);
@@ -339,7 +339,7 @@ static void refresh(zs_client *c, uint32_t i, uint64_t seen) {
   Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
   Zshard__V1__GetInfoResponse *info = NULL;
   rpc_status st = {0};
-  rpc_metadata md;
+  rpc_md md;
   size_t nmd = 0;
   char term_buf[24];
   uint32_t member = 0;
@@ -353,7 +353,7 @@ static void refresh(zs_client *c, uint32_t i, uint64_t seen) {
   uint32_t port = 0;
   struct sockaddr_storage addr;
   memset(&addr, 0, sizeof addr);
-  if (looked && rpc_call_md(rs->chan[member], ZC_METHOD("GetInfo"), &md, nmd, &req.base,
+  if (looked && rpc_call_md(rs->chan[member], ZC_METHOD("GetInfo"), &req.base, &md, nmd,
                             &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)&info,
                             c->opt.rpc_timeout_ms, &st) == ZS_OK) {
     if (info->data_port <= 65535 && info->shard_id == i &&

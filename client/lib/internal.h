@@ -406,7 +406,7 @@ int zc_replica_call(struct zs_client *c, uint32_t shard, const char *method,
 /* The member calls to `shard` go to now: its index, channel and the set's
  * generation, and the term metadata to send (md->value points into
  * term_buf, 24 bytes; *nmd is 0 when no term is known yet). */
-uint32_t zc_replica_current(struct zs_client *c, uint32_t shard, uint64_t *gen, rpc_metadata *md,
+uint32_t zc_replica_current(struct zs_client *c, uint32_t shard, uint64_t *gen, rpc_md *md,
                             size_t *nmd, char *term_buf);
 
 /* After a failure of the member of generation `gen` of `shard` (unreachable:

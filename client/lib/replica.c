@@ -209,8 +209,8 @@ void zc_rsets_free(zs_client *c) {
   c->rs = NULL;
 }
 
-uint32_t zc_replica_current(zs_client *c, uint32_t shard, uint64_t *gen, rpc_metadata *md,
-                            size_t *nmd, char *term_buf) {
+uint32_t zc_replica_current(zs_client *c, uint32_t shard, uint64_t *gen, rpc_md *md, size_t *nmd,
+                            char *term_buf) {
   zc_rset *rs = &c->rs[shard];
   pthread_mutex_lock(&rs->mu);
   uint32_t k = rs->cur;
@@ -241,7 +241,7 @@ typedef struct probe {
   zs_client *c;
   uint32_t shard, k;
   rpc_channel *ch;
-  rpc_metadata md;
+  rpc_md md;
   size_t nmd;
   int answered; /* the member answered (anything) */
   int good;     /* ... as member k of this shard's set: usable */
@@ -257,7 +257,7 @@ static void *probe_run(void *arg) {
   rpc_status st = {0};
   uint64_t timeout =
       p->c->opt.rpc_timeout_ms < ZC_PROBE_MS ? p->c->opt.rpc_timeout_ms : ZC_PROBE_MS;
-  int rc = rpc_call_md(p->ch, ZC_METHOD("GetInfo"), &p->md, p->nmd, &req.base,
+  int rc = rpc_call_md(p->ch, ZC_METHOD("GetInfo"), &req.base, &p->md, p->nmd,
                        &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)&r, timeout,
                        &st);
   if (rc != ZS_OK) {
@@ -292,7 +292,7 @@ static void probe_all(zs_client *c, uint32_t shard, probe *p, uint64_t term) {
   snprintf(term_buf, sizeof term_buf, "%" PRIu64, term);
   for (uint32_t k = 0; k < rs->n; k++) {
     p[k] = (probe){.c = c, .shard = shard, .k = k, .ch = rs->chan[k], .primary = -1};
-    p[k].md = (rpc_metadata){ZC_TERM_KEY, term_buf};
+    p[k].md = (rpc_md){ZC_TERM_KEY, term_buf};
     p[k].nmd = term > 0;
   }
   for (uint32_t k = 0; k < rs->n; k++) {
@@ -363,13 +363,13 @@ static int promote(zs_client *c, uint32_t shard, uint32_t k, uint64_t seen, uint
   zc_rset *rs = &c->rs[shard];
   char term_buf[24];
   snprintf(term_buf, sizeof term_buf, "%" PRIu64, seen);
-  rpc_metadata md = {ZC_TERM_KEY, term_buf};
+  rpc_md md = {ZC_TERM_KEY, term_buf};
   Zshard__V1__PromoteRequest req = ZSHARD__V1__PROMOTE_REQUEST__INIT;
   Zshard__V1__PromoteResponse *r = NULL;
   rpc_status st = {0};
   req.term = seen + 1;
   req.index = k;
-  int rc = rpc_call_md(rs->chan[k], ZC_METHOD("Promote"), &md, seen > 0, &req.base,
+  int rc = rpc_call_md(rs->chan[k], ZC_METHOD("Promote"), &req.base, &md, seen > 0,
                        &zshard__v1__promote_response__descriptor, (ProtobufCMessage **)&r,
                        c->opt.rpc_timeout_ms, &st);
   if (rc != ZS_OK)
@@ -488,11 +488,11 @@ int zc_replica_call(zs_client *c, uint32_t shard, const char *method, const Prot
   int confirmed = 0; /* a search found a primary without moving: retried at once */
   for (uint32_t attempt = 0;; attempt++) {
     uint64_t gen;
-    rpc_metadata md;
+    rpc_md md;
     size_t nmd;
     char term_buf[24];
     uint32_t k = zc_replica_current(c, shard, &gen, &md, &nmd, term_buf);
-    int rc = rpc_call_md(rs->chan[k], method, &md, nmd, req, resp_desc, resp, timeout_ms, st);
+    int rc = rpc_call_md(rs->chan[k], method, req, &md, nmd, resp_desc, resp, timeout_ms, st);
     if (rc == ZS_OK) {
       note_answered(rs, k);
       return rc;
