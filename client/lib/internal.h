@@ -356,6 +356,9 @@ int zc_channel_open(const zc_security *s, const char *addr, rpc_channel **out, c
 /* Deadline of one member's GetInfo in a failover search, ms (at most
  * rpc_timeout_ms). */
 #define ZC_PROBE_MS 500u
+/* After a refused Promote, the longest a caller backs off before the next
+ * search, ms: the member may only lag behind what the client saw. */
+#define ZC_PROMOTE_RETRY_MS 100u
 /* gRPC metadata key of the highest term the client has seen for a shard. */
 #define ZC_TERM_KEY "zshard-term"
 

@@ -20,8 +20,9 @@
  *      primary answers but is no longer primary, Promote(highest term + 1)
  *      goes to the best member that answered: the highest job version (no
  *      job counts as 0), ties to the lowest index. A refusal (ENOTPRIMARY,
- *      ESTALE, ENOTREADY) changes nothing: the caller backs off and its next
- *      failure searches again, so max_retries bounds the whole.
+ *      ESTALE, ENOTREADY) changes nothing: the caller backs off (at most
+ *      ZC_PROMOTE_RETRY_MS) and its next failure searches again, so
+ *      max_retries bounds the whole.
  * A failover therefore takes at most failover_ms + one GetInfo round + one
  * Promote after the primary's first failure, plus the caller's backoff
  * granularity, which the search shortens to wake at the failover deadline.
@@ -425,8 +426,12 @@ static int search(zs_client *c, uint32_t shard) {
   pthread_mutex_unlock(&rs->mu);
   uint64_t new_term = v.term;
   int k = promote(c, shard, (uint32_t)v.promote, v.term, &new_term) ? v.promote : -1;
+  /* A refusal may only mean that the member has not yet seen for itself
+   * what the client saw (a dead primary it still counts as alive): the
+   * callers search again soon rather than after a whole backoff. */
+  uint64_t again = k < 0 ? clock_now_ms() + ZC_PROMOTE_RETRY_MS : 0;
   pthread_mutex_lock(&rs->mu);
-  search_end_locked(rs, k, new_term, 0);
+  search_end_locked(rs, k, new_term, again);
   pthread_mutex_unlock(&rs->mu);
   return k;
 }
