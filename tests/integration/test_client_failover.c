@@ -82,6 +82,25 @@ static void free_ports(int *ports, int n) {
     close(fd[i]);
 }
 
+/* Starts member k of shard i (again, after a kill: same flags, same port). */
+static void start_member(rcluster *rc, uint32_t i, uint32_t k) {
+  char replicas[128], listen[32], sid[12], nsh[12], idx[12];
+  snprintf(replicas, sizeof replicas, "127.0.0.1:%d|127.0.0.1:%d", rc->port[i][0], rc->port[i][1]);
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", rc->port[i][k]);
+  snprintf(sid, sizeof sid, "%" PRIu32, i);
+  snprintf(nsh, sizeof nsh, "%u", NSHARDS);
+  snprintf(idx, sizeof idx, "%" PRIu32, k);
+  const char *args[] = {
+      "--listen",      listen,      "--shard-id", sid,      "--shards",        nsh,
+      "--threads",     "1",         "--replicas", replicas, "--replica-index", idx,
+      "--failover-ms", FAILOVER_MS, NULL};
+  if (rc->srv[i][k])
+    hs_stop(rc->srv[i][k]); /* a killed one: reaped, freed */
+  rc->srv[i][k] = hs_start(args, NULL);
+  assert_non_null(rc->srv[i][k]);
+  assert_int_equal(rc->srv[i][k]->port, rc->port[i][k]);
+}
+
 static void rcluster_start(rcluster *rc) {
   int ports[NSHARDS * NREP];
   free_ports(ports, (int)(NSHARDS * NREP));
@@ -92,25 +111,9 @@ static void rcluster_start(rcluster *rc) {
       off += (size_t)snprintf(rc->list + off, sizeof rc->list - off, "%s127.0.0.1:%d",
                               k ? "|" : (i ? "," : ""), rc->port[i][k]);
     }
-  for (uint32_t i = 0; i < NSHARDS; i++) {
-    char replicas[128];
-    snprintf(replicas, sizeof replicas, "127.0.0.1:%d|127.0.0.1:%d", rc->port[i][0],
-             rc->port[i][1]);
-    for (uint32_t k = 0; k < NREP; k++) {
-      char listen[32], sid[12], nsh[12], idx[12];
-      snprintf(listen, sizeof listen, "127.0.0.1:%d", rc->port[i][k]);
-      snprintf(sid, sizeof sid, "%" PRIu32, i);
-      snprintf(nsh, sizeof nsh, "%u", NSHARDS);
-      snprintf(idx, sizeof idx, "%" PRIu32, k);
-      const char *args[] = {
-          "--listen",      listen,      "--shard-id", sid,      "--shards",        nsh,
-          "--threads",     "1",         "--replicas", replicas, "--replica-index", idx,
-          "--failover-ms", FAILOVER_MS, NULL};
-      rc->srv[i][k] = hs_start(args, NULL);
-      assert_non_null(rc->srv[i][k]);
-      assert_int_equal(rc->srv[i][k]->port, rc->port[i][k]);
-    }
-  }
+  for (uint32_t i = 0; i < NSHARDS; i++)
+    for (uint32_t k = 0; k < NREP; k++)
+      start_member(rc, i, k);
 }
 
 static void rcluster_stop(rcluster *rc) {
@@ -178,6 +181,9 @@ typedef enum kill_point {
   KILL_PRIMARY_BEFORE_STEP,
   KILL_PRIMARY_BEFORE_PULL,
   KILL_BACKUP_MID_PUSH,
+  /* The primary before the pulls; once the failover is done it restarts
+   * and rejoins, and then the new primary is killed before the pulls. */
+  KILL_PRIMARY_TWICE,
 } kill_point;
 
 typedef struct run {
@@ -189,6 +195,8 @@ typedef struct run {
   uint32_t victim_shard;
   int armed; /* the sets settled: the kill point fires */
   int killed;
+  int phase;        /* KILL_PRIMARY_TWICE: 0 first kill, 1 restart, 2 second kill */
+  int dead;         /* KILL_PRIMARY_TWICE: the member killed first */
   uint64_t kill_ms; /* clock_now_ms() at the kill, until the step completes */
   float *final[NT]; /* out: version STEPS, owned */
   uint64_t retries; /* out: the calls retried over the run's steps */
@@ -200,19 +208,28 @@ static float grad_value(uint32_t s, uint32_t t, uint64_t i, float w) {
 
 /* SIGKILLs the victim the kill point names: the primary (or the backup) of
  * the victim shard, as the set says now. */
-static void kill_victim(run *r) {
+static int kill_victim(run *r) {
   rcluster *rc = r->rc;
   uint32_t i = r->victim_shard;
   int p = primary_of(rc, i);
   assert_true(p >= 0);
   int k = r->when == KILL_BACKUP_MID_PUSH ? (int)(NREP - 1) - p : p;
   hs_signal(rc->srv[i][k], SIGKILL);
-  /* Reaped by hs_stop at the end: its sockets closed when it died. */
+  /* Reaped here (its sockets closed when it died), freed by hs_stop. */
   waitpid(rc->srv[i][k]->pid, NULL, 0);
   rc->srv[i][k]->pid = 0;
+  return k;
 }
 
 static void maybe_kill(run *r, kill_point here) {
+  if (r->when == KILL_PRIMARY_TWICE && here == KILL_PRIMARY_BEFORE_PULL && r->armed) {
+    r->dead = kill_victim(r);
+    r->kill_ms = clock_now_ms();
+    r->armed = 0;
+    r->killed = r->phase == 2;
+    r->phase++;
+    return;
+  }
   if (r->armed && r->when == here && !r->killed) {
     kill_victim(r);
     r->killed = 1;
@@ -226,6 +243,12 @@ static void maybe_kill(run *r, kill_point here) {
 static void arm(run *r, uint32_t s) {
   if (!r->rc || r->when == KILL_NONE || r->killed || r->armed || s < r->kill_step)
     return;
+  if (r->phase == 1) {
+    /* The step after the first kill completed: the killed member comes
+     * back, empty, and must rejoin before the second kill. */
+    start_member(r->rc, r->victim_shard, (uint32_t)r->dead);
+    r->phase = 2;
+  }
   r->armed = settled(r->rc);
   if (!r->armed)
     usleep(PACE_US);
@@ -420,6 +443,20 @@ static void a_primary_killed_before_the_pulls_fails_over_the_pulls(void **state)
   rcluster_stop(&rc);
 }
 
+/* The old primary restarts, rejoins as a backup while training goes on, and
+ * takes over again when the primary that replaced it is killed in turn. */
+static void a_restarted_primary_rejoins_and_takes_over_at_the_next_failover(void **state) {
+  (void)state;
+  rcluster rc;
+  replicated_run(&rc, KILL_PRIMARY_TWICE, 3, 0);
+  int p = primary_of(&rc, 0);
+  uint64_t term = 0;
+  assert_true(p >= 0);
+  member_role(&rc, 0, (uint32_t)p, &term);
+  assert_true(term >= 3);
+  rcluster_stop(&rc);
+}
+
 static void a_backup_killed_during_the_pushes_changes_nothing(void **state) {
   (void)state;
   rcluster rc;
@@ -434,6 +471,7 @@ int main(void) {
       cmocka_unit_test(a_primary_killed_before_the_step_fails_over_gradstats_and_apply),
       cmocka_unit_test(a_primary_killed_before_the_pulls_fails_over_the_pulls),
       cmocka_unit_test(a_backup_killed_during_the_pushes_changes_nothing),
+      cmocka_unit_test(a_restarted_primary_rejoins_and_takes_over_at_the_next_failover),
   };
   int failed = cmocka_run_group_tests(tests, group_setup, group_teardown);
   hs_finish(failed);
