@@ -126,8 +126,11 @@ static void rcluster_stop(rcluster *rc) {
 }
 
 /* GetInfo.replica of member k of shard i: its role, or -1 when it does not
- * answer (or answers without a replica set). */
-static int member_role(const rcluster *rc, uint32_t i, uint32_t k, uint64_t *term) {
+ * answer (or answers without a replica set); its term in *term and, when
+ * it is the primary, in *in_sync a bit per member it forwards every write
+ * to (both may be NULL). */
+static int member_view(const rcluster *rc, uint32_t i, uint32_t k, uint64_t *term,
+                       uint32_t *in_sync) {
   rpc_channel *ch = NULL;
   Zshard__V1__GetInfoResponse *r = NULL;
   int role = -1;
@@ -138,6 +141,9 @@ static int member_role(const rcluster *rc, uint32_t i, uint32_t k, uint64_t *ter
       role = (int)r->replica->role;
       if (term)
         *term = r->replica->term;
+      for (size_t m = 0; in_sync && m < r->replica->n_members; m++)
+        if (r->replica->members[m]->in_sync && r->replica->members[m]->index < 32)
+          *in_sync |= 1u << r->replica->members[m]->index;
     }
     protobuf_c_message_free_unpacked(&r->base, NULL);
   }
@@ -145,20 +151,31 @@ static int member_role(const rcluster *rc, uint32_t i, uint32_t k, uint64_t *ter
   return role;
 }
 
+static int member_role(const rcluster *rc, uint32_t i, uint32_t k, uint64_t *term) {
+  return member_view(rc, i, k, term, NULL);
+}
+
 /* 1 when every set has one PRIMARY and every other live member is a
- * BACKUP (in sync): the state a failover needs. */
+ * BACKUP that the primary counts in sync: the state a failover needs. */
 static int settled(const rcluster *rc) {
   for (uint32_t i = 0; i < NSHARDS; i++) {
     int primaries = 0, backups = 0, live = 0;
+    uint32_t in_sync = 0, is_backup = 0;
     for (uint32_t k = 0; k < NREP; k++) {
       if (!rc->srv[i][k] || rc->srv[i][k]->pid == 0)
         continue;
       live++;
-      int role = member_role(rc, i, k, NULL);
-      primaries += role == ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_PRIMARY;
-      backups += role == ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_BACKUP;
+      uint32_t view = 0;
+      int role = member_view(rc, i, k, NULL, &view);
+      if (role == ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_PRIMARY) {
+        primaries++;
+        in_sync = view;
+      } else if (role == ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_BACKUP) {
+        backups++;
+        is_backup |= 1u << k;
+      }
     }
-    if (primaries != 1 || primaries + backups != live)
+    if (primaries != 1 || primaries + backups != live || (in_sync & is_backup) != is_backup)
       return 0;
   }
   return 1;
