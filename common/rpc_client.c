@@ -386,6 +386,8 @@ int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t re
     rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: OK status without a message", method);
     goto done;
   }
+  if (!resp_desc) /* the caller wants only the status */
+    goto done;
   grpc_slice msg;
   if (message_slice(resp_bb, &msg) != 0) {
     rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: unreadable response", method);

@@ -100,7 +100,8 @@ int rpc_call_md(rpc_channel *ch, const char *method, const ProtobufCMessage *req
                 uint64_t timeout_ms, rpc_status *st);
 
 /* rpc_call_md with a request already encoded: req_len bytes at req (copied
- * once into gRPC's buffer), e.g. a request a server forwards as it came. */
+ * once into gRPC's buffer), e.g. a request a server forwards as it came.
+ * resp_desc NULL: only the status is wanted (*resp stays NULL). */
 int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t req_len,
                  const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
                  ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
