@@ -25,7 +25,7 @@ ZC_ENDS_AT(zs_group_options, pull_dtype);
 ZC_ENDS_AT(zs_timing, retries);
 ZC_ENDS_AT(zs_step_result, next_loss_scale);
 ZC_ENDS_AT(zs_estimate_input, optimizer_bytes);
-ZC_ENDS_AT(zs_estimate_row, comm_seconds);
+ZC_ENDS_AT(zs_estimate_row, gated_seconds);
 
 int zc_struct_check(size_t size, const char *fn, const char *init) {
   if (size < sizeof(size_t) || size > ZC_STRUCT_SIZE_MAX || size % sizeof(size_t) != 0)

@@ -885,7 +885,24 @@ typedef struct zs_estimate_row {
   double sent_bytes;       /* per trainer per step */
   double received_bytes;   /* per trainer per step */
   double shard_wire_bytes; /* per shard per step, the busier direction */
-  double comm_seconds;     /* lower bound on communication time per step */
+  /* Lower bound on communication time per step when the step's traffic in
+   * both directions overlaps: the busier direction of the busiest link over
+   * its bandwidth (links are full duplex). For zshard, pushes and pulls at
+   * once (the pipelined step); for the ring collectives, their time. */
+  double comm_seconds;
+  /* Per link (appended after 0.2: an older caller's rows end above). */
+  double shard_received_bytes; /* per shard per step, its link's ingress */
+  double shard_sent_bytes;     /* per shard per step, its link's egress */
+  /* zshard's two phases at link speed, each bound by its busiest link: the
+   * gradients (trainers' egress, shards' ingress) and the parameters
+   * (shards' egress, trainers' ingress); 0 for the ring collectives, whose
+   * reduce and gather run in both directions at once. */
+  double push_seconds;
+  double pull_seconds;
+  /* The same bound with the phases one after the other, as in the gated
+   * step (every push is in before any pull is answered): push_seconds +
+   * pull_seconds for zshard, comm_seconds for the ring collectives. */
+  double gated_seconds;
 } zs_estimate_row;
 
 /* Computes one row per strategy into rows[0 .. ZS_STRATEGY_COUNT) (formulas
