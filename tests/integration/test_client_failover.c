@@ -12,7 +12,10 @@
  * releasing it (the harness still reads each server's port back from its
  * port file). The kill points are places in the trainer's loop: during the
  * pushes, between the pushes and zs_step (GradStats and Apply meet the dead
- * primary), and before the pulls; and a backup killed during the pushes.
+ * primary), and before the pulls; a backup killed during the pushes; a
+ * killed primary that restarts, rejoins and takes over again when its
+ * replacement is killed; and a fresh set whose first member is down before
+ * the job opens.
  * A kill happens at the first kill point from its step on at which every set
  * has its backup in sync (GetInfo), the state a failover needs; a backup
  * joins with a copy made at an applied step, so training goes on meanwhile.
@@ -201,6 +204,8 @@ typedef enum kill_point {
   /* The primary before the pulls; once the failover is done it restarts
    * and rejoins, and then the new primary is killed before the pulls. */
   KILL_PRIMARY_TWICE,
+  /* Member 0 before the job opens: a fresh set whose first member is down. */
+  KILL_MEMBER0_BEFORE_OPEN,
 } kill_point;
 
 typedef struct run {
@@ -309,6 +314,14 @@ static void train(run *r) {
     assert_non_null(g[t]);
     for (uint64_t i = 0; i < NUMEL[t]; i++)
       w[t][i] = 0.02f * cosf(0.7f * (float)i + (float)t);
+  }
+  if (r->rc && r->when == KILL_MEMBER0_BEFORE_OPEN) {
+    rcluster *rc = r->rc;
+    hs_server *m0 = rc->srv[r->victim_shard][0];
+    hs_signal(m0, SIGKILL);
+    waitpid(m0->pid, NULL, 0);
+    m0->pid = 0;
+    r->killed = 1;
   }
   check(zs_open_job(c, (const float *const *)w), "zs_open_job", 0);
   for (uint32_t s = 1; s <= STEPS; s++) {
@@ -474,6 +487,17 @@ static void a_restarted_primary_rejoins_and_takes_over_at_the_next_failover(void
   rcluster_stop(&rc);
 }
 
+/* A fresh set (every member STARTING) whose first member is down: the
+ * client promotes the second at once, without waiting failover_ms for a
+ * primary that never was. */
+static void a_fresh_set_without_its_first_member_promotes_the_second(void **state) {
+  (void)state;
+  rcluster rc;
+  replicated_run(&rc, KILL_MEMBER0_BEFORE_OPEN, 0, 1);
+  assert_int_equal(primary_of(&rc, 1), 1);
+  rcluster_stop(&rc);
+}
+
 static void a_backup_killed_during_the_pushes_changes_nothing(void **state) {
   (void)state;
   rcluster rc;
@@ -489,6 +513,7 @@ int main(void) {
       cmocka_unit_test(a_primary_killed_before_the_pulls_fails_over_the_pulls),
       cmocka_unit_test(a_backup_killed_during_the_pushes_changes_nothing),
       cmocka_unit_test(a_restarted_primary_rejoins_and_takes_over_at_the_next_failover),
+      cmocka_unit_test(a_fresh_set_without_its_first_member_promotes_the_second),
   };
   int failed = cmocka_run_group_tests(tests, group_setup, group_teardown);
   hs_finish(failed);
