@@ -98,18 +98,6 @@ const char *replica_role_name(int role) {
   return role >= 0 && role <= REPLICA_STALE ? names[role] : "unknown";
 }
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return rc;
-}
-
 /* "the primary of term 3 is member 1 (h:p)" or why none is known. */
 static void say_primary_locked(const replica *r, char *buf, size_t len) {
   if (r->primary >= 0 && (uint32_t)r->primary < r->n)
@@ -121,7 +109,7 @@ static void say_primary_locked(const replica *r, char *buf, size_t len) {
 
 int replica_parse_members(const char *list, char **out, uint32_t max, char *err, size_t errlen) {
   if (!list || !*list)
-    return fail(err, errlen, ZS_EINVAL, "--replicas needs the members' addresses, \"a|b\"");
+    return status_fail(err, errlen, ZS_EINVAL, "--replicas needs the members' addresses, \"a|b\"");
   uint32_t n = 0;
   const char *p = list;
   int rc = 0;
@@ -130,23 +118,23 @@ int replica_parse_members(const char *list, char **out, uint32_t max, char *err,
     hostport hp;
     char one[HOSTPORT_HOST_MAX + 16];
     if (k == 0 || k >= sizeof one) {
-      rc = fail(err, errlen, ZS_EINVAL, "--replicas: member %u of \"%s\" is empty or too long", n,
-                list);
+      rc = status_fail(err, errlen, ZS_EINVAL,
+                       "--replicas: member %u of \"%s\" is empty or too long", n, list);
       break;
     }
     memcpy(one, p, k);
     one[k] = '\0';
     char herr[200];
     if (hostport_parse(one, &hp, herr, sizeof herr) != 0 || hp.port == 0) {
-      rc = fail(err, errlen, ZS_EINVAL, "--replicas: member %u \"%s\": %s", n, one,
-                hp.port == 0 ? "needs a port" : herr);
+      rc = status_fail(err, errlen, ZS_EINVAL, "--replicas: member %u \"%s\": %s", n, one,
+                       hp.port == 0 ? "needs a port" : herr);
       break;
     }
     for (uint32_t i = 0; i < n && rc == 0; i++)
       if (strcmp(out[i], one) == 0)
-        rc = fail(err, errlen, ZS_EINVAL, "--replicas names %s twice", one);
+        rc = status_fail(err, errlen, ZS_EINVAL, "--replicas names %s twice", one);
     if (rc == 0 && n == max)
-      rc = fail(err, errlen, ZS_EINVAL, "--replicas: at most %u members", max);
+      rc = status_fail(err, errlen, ZS_EINVAL, "--replicas: at most %u members", max);
     if (rc == 0 && !(out[n++] = strdup(one)))
       rc = ZS_ENOMEM;
     if (p[k] == '\0')
@@ -154,8 +142,8 @@ int replica_parse_members(const char *list, char **out, uint32_t max, char *err,
     p += k + 1;
   }
   if (rc == 0 && n < 2)
-    rc =
-        fail(err, errlen, ZS_EINVAL, "--replicas needs at least 2 members, \"%s\" has %u", list, n);
+    rc = status_fail(err, errlen, ZS_EINVAL, "--replicas needs at least 2 members, \"%s\" has %u",
+                     list, n);
   if (rc) {
     for (uint32_t i = 0; i < n; i++)
       free(out[i]);
@@ -170,7 +158,7 @@ int replica_create(const replica_config *cfg, replica **out, char *err, size_t e
   *out = NULL;
   replica *r = calloc(1, sizeof *r);
   if (!r)
-    return fail(err, errlen, ZS_ENOMEM, "out of memory");
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   char *addrs[REPLICA_MAX_MEMBERS];
   int n = replica_parse_members(cfg->members, addrs, REPLICA_MAX_MEMBERS, err, errlen);
   if (n < 0) {
@@ -189,8 +177,8 @@ int replica_create(const replica_config *cfg, replica **out, char *err, size_t e
   }
   int rc = 0;
   if (cfg->index >= r->n)
-    rc = fail(err, errlen, ZS_EINVAL, "--replica-index %u is not below the %u members", cfg->index,
-              r->n);
+    rc = status_fail(err, errlen, ZS_EINVAL, "--replica-index %u is not below the %u members",
+                     cfg->index, r->n);
   r->index = cfg->index;
   r->core = cfg->core;
   r->svc = cfg->svc;
@@ -224,7 +212,7 @@ static void *monitor_main(void *arg);
 
 int replica_start(replica *r, char *err, size_t errlen) {
   if (pthread_create(&r->monitor, NULL, monitor_main, r) != 0)
-    return fail(err, errlen, ZS_ENOMEM, "cannot start the replica monitor thread");
+    return status_fail(err, errlen, ZS_ENOMEM, "cannot start the replica monitor thread");
   r->monitor_started = 1;
   LOG_INFO("replica_started", "index=%u members=%u failover_ms=%u self=%s", r->index, r->n,
            r->failover_ms, r->m[r->index].addr);
@@ -474,7 +462,7 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t bytes, char
   uint32_t n = primary ? targets_locked(r, t) : 0;
   pthread_mutex_unlock(&r->mu);
   if (!primary)
-    return fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
+    return status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
   int deposed = 0;
   for (uint32_t i = 0; i < n && !deposed; i++) {
     uint64_t first_fail = 0;
@@ -490,8 +478,8 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t bytes, char
     }
   }
   if (deposed)
-    return fail(err, errlen, ZS_ENOTPRIMARY,
-                "this replica is no longer its shard's primary (a newer term exists)");
+    return status_fail(err, errlen, ZS_ENOTPRIMARY,
+                       "this replica is no longer its shard's primary (a newer term exists)");
   pthread_mutex_lock(&r->mu);
   r->forwards += n;
   r->forwarded_bytes += bytes * n;
@@ -499,21 +487,27 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t bytes, char
   return 0;
 }
 
+/* A contribution as a forward: the data plane's push of the same bytes,
+ * given the failover time to be answered. */
+static dp_push_args dp_push_of(const replica *r, const core_push_args *a) {
+  return (dp_push_args){.spec_hash = a->hash,
+                        .step = a->step,
+                        .rank = a->rank,
+                        .micro = a->micro,
+                        .tensor = a->tensor,
+                        .slice = a->slice,
+                        .dtype = a->dtype,
+                        .data = a->data,
+                        .nbytes = a->nbytes,
+                        .timeout_ms = r->failover_ms};
+}
+
 static int send_push(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len) {
   const core_push_args *a = arg;
   dp_client *d = data_client(r, m, term);
   if (!d)
-    return fail(msg, len, ZS_ECONN, "no data-plane connection to %s", m->addr);
-  dp_push_args p = {.spec_hash = a->hash,
-                    .step = a->step,
-                    .rank = a->rank,
-                    .micro = a->micro,
-                    .tensor = a->tensor,
-                    .slice = a->slice,
-                    .dtype = a->dtype,
-                    .data = a->data,
-                    .nbytes = a->nbytes,
-                    .timeout_ms = r->failover_ms};
+    return status_fail(msg, len, ZS_ECONN, "no data-plane connection to %s", m->addr);
+  dp_push_args p = dp_push_of(r, a);
   int dup = 0;
   int rc = dp_client_push_sync(d, &p, &dup, msg, len);
   if (rc == ZS_ECONN || rc == ZS_ECLOSED || rc == ZS_EUNAUTHENTICATED)
@@ -553,16 +547,7 @@ static int send_pushes(replica *r, member *m, uint64_t term, const core_push_arg
   pthread_mutex_init(&w.mu, NULL);
   pthread_cond_init(&w.cv, NULL);
   for (uint32_t i = 0; i < n; i++) {
-    dp_push_args p = {.spec_hash = a[i].hash,
-                      .step = a[i].step,
-                      .rank = a[i].rank,
-                      .micro = a[i].micro,
-                      .tensor = a[i].tensor,
-                      .slice = a[i].slice,
-                      .dtype = a[i].dtype,
-                      .data = a[i].data,
-                      .nbytes = a[i].nbytes,
-                      .timeout_ms = r->failover_ms};
+    dp_push_args p = dp_push_of(r, &a[i]);
     if (dp_client_push(d, &p, on_push_done, &w) != 0) {
       pthread_mutex_lock(&w.mu);
       w.failed = 1;
@@ -628,7 +613,7 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
   const raw_req *q = arg;
   rpc_channel *ch = channel(r, m);
   if (!ch)
-    return fail(msg, len, ZS_ECONN, "no channel to %s", m->addr);
+    return status_fail(msg, len, ZS_ECONN, "no channel to %s", m->addr);
   char tbuf[24], ibuf[12];
   snprintf(tbuf, sizeof tbuf, "%" PRIu64, term);
   snprintf(ibuf, sizeof ibuf, "%u", r->index);
@@ -654,9 +639,9 @@ int replica_forward_raw(replica *r, const char *method, const void *msg, size_t 
 /* A forward of term `term` from the primary: follows a newer term. */
 static int admit_forward_locked(replica *r, uint64_t term, char *err, size_t errlen) {
   if (term < r->term)
-    return fail(err, errlen, ZS_ESTALE,
-                "a forward of term %" PRIu64 ", but this replica is at term %" PRIu64, term,
-                r->term);
+    return status_fail(err, errlen, ZS_ESTALE,
+                       "a forward of term %" PRIu64 ", but this replica is at term %" PRIu64, term,
+                       r->term);
   if (term > r->term) {
     LOG_INFO("replica_term", "term=%" PRIu64 " was=%" PRIu64 " role=%s", term, r->term,
              replica_role_name(r->role));
@@ -670,9 +655,10 @@ static int admit_forward_locked(replica *r, uint64_t term, char *err, size_t err
   if (r->role == REPLICA_BACKUP)
     return 0;
   if (r->role == REPLICA_JOINING)
-    return fail(err, errlen, ZS_ENOTREADY, "this replica is still loading the primary's state");
-  return fail(err, errlen, ZS_EBEHIND, "this replica is %s: it must join again",
-              replica_role_name(r->role));
+    return status_fail(err, errlen, ZS_ENOTREADY,
+                       "this replica is still loading the primary's state");
+  return status_fail(err, errlen, ZS_EBEHIND, "this replica is %s: it must join again",
+                     replica_role_name(r->role));
 }
 
 int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admin,
@@ -684,8 +670,9 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
   pthread_mutex_lock(&r->mu);
   int rc = 0;
   if (fwd_term) {
-    rc = fwd_admin ? admit_forward_locked(r, fwd_term, err, errlen)
-                   : fail(err, errlen, ZS_EPERM, "a replica's forward needs the admin token");
+    rc = fwd_admin
+             ? admit_forward_locked(r, fwd_term, err, errlen)
+             : status_fail(err, errlen, ZS_EPERM, "a replica's forward needs the admin token");
     pthread_mutex_unlock(&r->mu);
     return rc;
   }
@@ -696,8 +683,8 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
   if (!serves) {
     char who[200];
     say_primary_locked(r, who, sizeof who);
-    rc = fail(err, errlen, ZS_ENOTPRIMARY, "replica %u (%s) is %s; %s", r->index,
-              r->m[r->index].addr, replica_role_name(r->role), who);
+    rc = status_fail(err, errlen, ZS_ENOTPRIMARY, "replica %u (%s) is %s; %s", r->index,
+                     r->m[r->index].addr, replica_role_name(r->role), who);
   } else if (forward && primary && kind == REPLICA_WRITE) {
     fwd_target t[REPLICA_MAX_MEMBERS];
     *forward = targets_locked(r, t) > 0;
@@ -788,15 +775,15 @@ int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, c
   if (r->role != REPLICA_PRIMARY || term != r->term) {
     char who[200];
     say_primary_locked(r, who, sizeof who);
-    rc = fail(err, errlen, term > r->term ? ZS_ESTALE : ZS_ENOTPRIMARY,
-              "ReplicaJoin for term %" PRIu64 ": this replica is %s of term %" PRIu64 "; %s", term,
-              replica_role_name(r->role), r->term, who);
+    rc = status_fail(err, errlen, term > r->term ? ZS_ESTALE : ZS_ENOTPRIMARY,
+                     "ReplicaJoin for term %" PRIu64 ": this replica is %s of term %" PRIu64 "; %s",
+                     term, replica_role_name(r->role), r->term, who);
   } else if (index >= r->n || index == r->index) {
-    rc = fail(err, errlen, ZS_EINVAL, "ReplicaJoin: member %u is not a peer of member %u", index,
-              r->index);
+    rc = status_fail(err, errlen, ZS_EINVAL, "ReplicaJoin: member %u is not a peer of member %u",
+                     index, r->index);
   } else if (r->snap_busy && (r->snap_member != index || !r->snap_ready)) {
-    rc = fail(err, errlen, ZS_ENOTREADY, "member %u is joining now; try again after it",
-              r->snap_member);
+    rc = status_fail(err, errlen, ZS_ENOTREADY, "member %u is joining now; try again after it",
+                     r->snap_member);
   } else if (!info.has_job) {
     /* Nothing to copy: it is in sync, and the job's Open will reach it. */
     r->m[index].in_sync = 1;
@@ -829,11 +816,11 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
   int rc = 0;
   const core_state *st = &r->snap;
   if (r->role != REPLICA_PRIMARY) {
-    rc = fail(err, errlen, ZS_ENOTPRIMARY, "this replica is no longer the primary");
+    rc = status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica is no longer the primary");
   } else if (!r->snap_busy || !r->snap_ready) {
-    rc = fail(err, errlen, ZS_ENOTREADY, "the copy is made at the next applied step");
+    rc = status_fail(err, errlen, ZS_ENOTREADY, "the copy is made at the next applied step");
   } else if (r->snap_status != 0) {
-    rc = fail(err, errlen, r->snap_status, "the copy of the state failed");
+    rc = status_fail(err, errlen, r->snap_status, "the copy of the state failed");
   } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_META) {
     resp->spec = malloc(sizeof *resp->spec);
     if (resp->spec)
@@ -841,7 +828,7 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
     if (!resp->spec || spec_to_proto(&st->spec, resp->spec) != 0) {
       free(resp->spec);
       resp->spec = NULL;
-      rc = fail(err, errlen, ZS_ENOMEM, "out of memory");
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
     }
     resp->version = st->version;
     resp->optimizer_steps = st->optimizer_steps;
@@ -855,10 +842,10 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
     const float *src = NULL;
     if (fetch_array(st, q->part, &src) != 0 || q->count > REPLICA_FETCH_ELEMS ||
         q->offset > st->nelems || q->count > st->nelems - q->offset) {
-      rc = fail(err, errlen, ZS_ERANGE,
-                "ReplicaFetch part %d elements [%" PRIu64 ", +%" PRIu64 ") of %" PRIu64
-                " (at most %u at once)",
-                (int)q->part, q->offset, q->count, st->nelems, REPLICA_FETCH_ELEMS);
+      rc = status_fail(err, errlen, ZS_ERANGE,
+                       "ReplicaFetch part %d elements [%" PRIu64 ", +%" PRIu64 ") of %" PRIu64
+                       " (at most %u at once)",
+                       (int)q->part, q->offset, q->count, st->nelems, REPLICA_FETCH_ELEMS);
     } else {
       resp->data.data = (uint8_t *)(uintptr_t)(src + q->offset);
       resp->data.len = q->count * sizeof(float);
@@ -939,13 +926,14 @@ static int live_primary_locked(const replica *r, uint64_t min) {
 static int promote_check_locked(replica *r, uint64_t term, const core_info *info, char *err,
                                 size_t errlen) {
   if (term <= r->term)
-    return fail(err, errlen, ZS_ESTALE,
-                "replica %u is at term %" PRIu64 " already, not below %" PRIu64, r->index, r->term,
-                term);
+    return status_fail(err, errlen, ZS_ESTALE,
+                       "replica %u is at term %" PRIu64 " already, not below %" PRIu64, r->index,
+                       r->term, term);
   int p = live_primary_locked(r, r->term);
   if (p >= 0)
-    return fail(err, errlen, ZS_ENOTPRIMARY, "member %d (%s) is the primary of term %" PRIu64, p,
-                r->m[p].addr, r->m[p].seen_term);
+    return status_fail(err, errlen, ZS_ENOTPRIMARY,
+                       "member %d (%s) is the primary of term %" PRIu64, p, r->m[p].addr,
+                       r->m[p].seen_term);
   if (r->role == REPLICA_PRIMARY || r->role == REPLICA_BACKUP)
     return 0;
   /* Not in sync: only when nobody reachable holds more. */
@@ -955,10 +943,10 @@ static int promote_check_locked(replica *r, uint64_t term, const core_info *info
       continue;
     if (!info->has_job || m->seen_version > info->version ||
         (m->seen_version == info->version && m->seen_role == REPLICA_BACKUP))
-      return fail(err, errlen, ZS_ENOTREADY,
-                  "replica %u is %s; member %u (%s) holds the job at version %" PRIu64
-                  ": promote it",
-                  r->index, replica_role_name(r->role), i, m->addr, m->seen_version);
+      return status_fail(err, errlen, ZS_ENOTREADY,
+                         "replica %u is %s; member %u (%s) holds the job at version %" PRIu64
+                         ": promote it",
+                         r->index, replica_role_name(r->role), i, m->addr, m->seen_version);
   }
   return 0;
 }
@@ -1018,7 +1006,7 @@ static int fetch_part(replica *r, member *p, int part, uint64_t offset, uint64_t
   for (;;) {
     rpc_channel *ch = channel(r, p);
     if (!ch)
-      return fail(err, errlen, ZS_ECONN, "no channel to %s", p->addr);
+      return status_fail(err, errlen, ZS_ECONN, "no channel to %s", p->addr);
     Zshard__V1__ReplicaFetchRequest q = ZSHARD__V1__REPLICA_FETCH_REQUEST__INIT;
     q.part = (Zshard__V1__ReplicaPart)part;
     q.offset = offset;
@@ -1029,14 +1017,14 @@ static int fetch_part(replica *r, member *p, int part, uint64_t offset, uint64_t
                       REPLICA_RPC_MS, &st);
     if (rc != ZS_ENOTREADY || clock_now_ms() - start > REPLICA_JOIN_MS) {
       if (rc)
-        fail(err, errlen, rc, "ReplicaFetch from %s: %s", p->addr, st.message);
+        status_fail(err, errlen, rc, "ReplicaFetch from %s: %s", p->addr, st.message);
       return rc;
     }
     pthread_mutex_lock(&r->mu);
     int stop = r->stopping;
     pthread_mutex_unlock(&r->mu);
     if (stop)
-      return fail(err, errlen, ZS_ECANCELED, "stopping");
+      return status_fail(err, errlen, ZS_ECANCELED, "stopping");
     struct timespec ts = {.tv_sec = 0, .tv_nsec = 50 * 1000000L};
     nanosleep(&ts, NULL);
   }
@@ -1052,8 +1040,8 @@ static int fetch_array_into(replica *r, member *p, int part, float *dst, uint64_
       return rc;
     if (a->data.len != k * sizeof(float)) {
       protobuf_c_message_free_unpacked(&a->base, NULL);
-      return fail(err, errlen, ZS_EPROTO, "ReplicaFetch answered %zu bytes, not %" PRIu64,
-                  a->data.len, k * sizeof(float));
+      return status_fail(err, errlen, ZS_EPROTO, "ReplicaFetch answered %zu bytes, not %" PRIu64,
+                         a->data.len, k * sizeof(float));
     }
     memcpy(dst + off, a->data.data, a->data.len);
     protobuf_c_message_free_unpacked(&a->base, NULL);
@@ -1071,12 +1059,12 @@ static int fetch_state(replica *r, member *p, core_state *st, char *err, size_t 
   spec sp;
   memset(&sp, 0, sizeof sp);
   rc = meta->spec ? spec_from_proto(&sp, meta->spec, err, errlen)
-                  : fail(err, errlen, ZS_EPROTO, "the copy's META has no spec");
+                  : status_fail(err, errlen, ZS_EPROTO, "the copy's META has no spec");
   if (rc == 0)
     rc = core_state_init(st, &sp, meta->shard_id, err, errlen);
   if (rc == 0 && st->nelems != meta->elements)
-    rc = fail(err, errlen, ZS_EPROTO, "the copy has %" PRIu64 " elements, the spec %" PRIu64,
-              meta->elements, st->nelems);
+    rc = status_fail(err, errlen, ZS_EPROTO, "the copy has %" PRIu64 " elements, the spec %" PRIu64,
+                     meta->elements, st->nelems);
   if (rc == 0 && meta->client_state.len) {
     st->client_state = malloc(meta->client_state.len);
     if (!st->client_state)
