@@ -289,6 +289,28 @@ class ReplicaCluster:
                             i.replica.term, i.version))
         return out
 
+    def whole(self, shard):
+        """(True, roles) when the shard's set is whole: one PRIMARY, every
+        other member BACKUP of the same term, and the primary counts each
+        of them in sync (a backup cut off and dropped may still call itself
+        BACKUP); (False, what was seen) otherwise."""
+        infos = self.infos(shard)
+        seen = self.roles(shard)
+        if any(i is None or not i.HasField("replica") for i in infos):
+            return False, seen
+        prim = [k for k, i in enumerate(infos) if i.replica.role == ROLE_PRIMARY]
+        if len(prim) != 1:
+            return False, seen
+        p = infos[prim[0]].replica
+        for k, i in enumerate(infos):
+            if k == prim[0]:
+                continue
+            if i.replica.role != ROLE_BACKUP or i.replica.term != p.term:
+                return False, seen
+            if k >= len(p.members) or not p.members[k].in_sync:
+                return False, (seen, "primary's in_sync: %s" % [m.in_sync for m in p.members])
+        return True, seen
+
     def failovers(self):
         """Sum of GetInfo.replica.failovers over the members answering now."""
         total = 0

@@ -235,7 +235,7 @@ class Run:
         self.seed, self.nshards, self.kills, self.calib = seed, nshards, kills, calib
         self.replicas, self.steps, self.restart_after = replicas, steps, restart_after
         self.pending_restarts = []  # (step, shard, index)
-        self.rc = None
+        self.rc = self.tr = None
         self.log = []
 
     def _victim(self, kill):
@@ -269,14 +269,21 @@ class Run:
             for k in self.kills:
                 if k.step == step and k.point == point and k.victim is None:
                     index = self._victim(k)
-                    base = self.calib.get("apply" if point == "during_apply" else "checkpoint",
-                                          0.005)
+                    base = self._duration("apply" if point == "during_apply" else "checkpoint")
                     killer = Timed(base * k.frac, lambda k=k, i=index: self._kill(k, i))
                     killer.kill = k
                     killer.start()
                     return killer
             return None
         return timed
+
+    def _duration(self, call):
+        """The call's median duration in this run so far (replicated calls
+        take longer than the reference's), else the reference's."""
+        seen = sorted(self.tr.durations[call]) if self.tr else []
+        if seen:
+            return seen[len(seen) // 2]
+        return self.calib.get(call, 0.005)
 
     def _restarts(self, step):
         due = [r for r in self.pending_restarts if r[0] <= step]
@@ -286,23 +293,21 @@ class Run:
             self.log.append("step %d: restarted s%dr%d" % (step, r[1], r[2]))
 
     def _set_whole(self, shard):
-        """Before a kill the shard's set must be whole again: one PRIMARY,
-        every other member BACKUP (a restarted member joins at the
-        primary's next applied step, and the kills are planned steps apart).
-        Before the first write no member has a role yet: STARTING counts
-        (and NONE: unreplicated shards)."""
+        """Before a kill the shard's set must be whole again (ReplicaCluster.whole;
+        a restarted member joins at the primary's next applied step, and the
+        kills are planned steps apart). Before the first write no member has
+        a role yet: all STARTING counts (and NONE: unreplicated shards)."""
         roles = self.rc.roles(shard)
         if all(r is not None and r[0] in ("STARTING", "NONE") for r in roles):
             return True
-        return (all(r is not None and r[0] in ("PRIMARY", "BACKUP") for r in roles)
-                and sum(r[0] == "PRIMARY" for r in roles) == 1)
+        return self.rc.whole(shard)[0]
 
-    def run(self, trainer_factory=None):
+    def run(self):
         with ReplicaCluster(self.nshards, self.replicas,
                             failover_ms=SERVER_FAILOVER_MS) as rc:
             self.rc = rc
             try:
-                tr = Trainer(rc.addresses, self.seed)
+                tr = self.tr = Trainer(rc.addresses, self.seed)
                 try:
                     for s in range(1, self.steps + 1):
                         self._restarts(s)
@@ -349,6 +354,7 @@ def main():
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--replicas", type=int, default=2)
     args = ap.parse_args()
     rng = random.Random(args.seed)
     refs = {}
@@ -362,7 +368,7 @@ def main():
             refs[model_seed] = reference(model_seed, args.shards)
         want, calib = refs[model_seed]
         plan = random_kills(random.Random(seed), args.shards)
-        run = Run(model_seed, args.shards, plan, calib)
+        run = Run(model_seed, args.shards, plan, calib, replicas=args.replicas)
         try:
             got = run.run()
             d = diff(want, got)

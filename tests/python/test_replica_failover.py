@@ -59,26 +59,22 @@ def assert_bit_identical(got, want):
     assert not differ, "differs from the uninterrupted run: %s" % differ
 
 
-def assert_one_primary_rest_backup(rc, shard):
-    roles = rc.roles(shard)
-    names = [r and r[0] for r in roles]
-    assert names.count("PRIMARY") == 1 and names.count("BACKUP") == len(names) - 1, roles
-    terms = {r[1] for r in roles}
-    assert len(terms) == 1, "members disagree on the term: %s" % roles
+def assert_whole(rc, shard):
+    whole, seen = rc.whole(shard)
+    assert whole, "shard %d: the set is not whole: %s" % (shard, seen)
 
 
 def wait_whole(rc, tr, shard):
-    """Steps the trainer until the shard's set is whole again: a rejoining
-    member is added at the primary's next applied step. Returns the steps
-    taken (the caller accounts for them)."""
+    """Steps the trainer until the shard's set is whole again
+    (ReplicaCluster.whole): a rejoining member is added at the primary's
+    next applied step. Returns the steps taken (at most 2, then it waits)."""
     taken = 0
     deadline = time.monotonic() + REJOIN_SECONDS
     while True:
-        roles = rc.roles(shard)
-        names = [r and r[0] for r in roles]
-        if names.count("PRIMARY") == 1 and names.count("BACKUP") == len(names) - 1:
+        whole, seen = rc.whole(shard)
+        if whole:
             return taken
-        assert time.monotonic() < deadline, "shard %d not whole again: %s" % (shard, roles)
+        assert time.monotonic() < deadline, "shard %d not whole again: %s" % (shard, seen)
         if taken < 2:
             tr.step()
             taken += 1
@@ -167,7 +163,7 @@ def test_a_killed_backup_is_dropped_and_the_primary_keeps_its_term():
             while tr.step_no <= replica_soak.STEPS:
                 tr.step()
             assert taken <= 2
-            assert_one_primary_rest_backup(rc, 1)
+            assert_whole(rc, 1)
             assert rc.primary(1) == p
             assert rc.info(1, backup).replica.joins >= 1
             assert_members_identical(rc, tr, 1)
@@ -191,7 +187,7 @@ def test_a_replica_killed_and_restarted_three_times_rejoins_with_the_primarys_bi
                 tr.step()
                 rc.restart(0, victim)
                 wait_whole(rc, tr, 0)
-                assert_one_primary_rest_backup(rc, 0)
+                assert_whole(rc, 0)
                 info = rc.info(0, victim).replica
                 assert info.role == replica_cluster.ROLE_BACKUP and info.joins >= 1, info
                 assert_members_identical(rc, tr, 0)
@@ -246,7 +242,7 @@ def test_a_partitioned_replica_heals_and_rejoins(who):
             tr.step()
             wait_whole(rc, tr, 0)
             assert rc.primary(0) == other
-            assert_one_primary_rest_backup(rc, 0)
+            assert_whole(rc, 0)
             while tr.step_no <= replica_soak.STEPS:
                 tr.step()
             assert_members_identical(rc, tr, 0)
