@@ -60,8 +60,8 @@ SERVER_FAILOVER_MS = 1000
 CLIENT_FAILOVER_MS = 1000
 CLIENT_OPTIONS = dict(push_dtype="fp32", pull_dtype="fp32", split_threshold=SPLIT,
                       rpc_timeout_ms=3000, step_timeout_ms=20000, max_retries=6,
-                      retry_initial_ms=20, retry_max_ms=200, checkpoint_timeout_ms=20000)
-os.environ.setdefault("ZSHARD_FAILOVER_MS", str(CLIENT_FAILOVER_MS))
+                      retry_initial_ms=20, retry_max_ms=200, checkpoint_timeout_ms=20000,
+                      failover_ms=CLIENT_FAILOVER_MS)
 
 SEQUENTIAL_POINTS = ("before_push", "mid_push", "between_stats_apply", "mid_pull")
 TIMED_POINTS = ("during_apply", "during_checkpoint")
@@ -119,6 +119,18 @@ def gradient(seed, step, i, w):
     return (w * np.float32(0.5) + noise * np.float32(0.05)).astype(np.float32)
 
 
+def wait_all(reqs):
+    """Waits for every request, then raises the first one's error."""
+    first = None
+    for r in reqs:
+        try:
+            r.wait()
+        except zshard.Error as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
 class Trainer:
     """One trainer (rank 0 of 1) driven step by step; `hook(point)` is
     called at the sequential kill points, `timed(point)` gives the Timed
@@ -144,8 +156,7 @@ class Trainer:
             if k == cut:
                 hook("mid_pull")
             reqs.append(self.c.pull(t, w))
-        for r in reqs:
-            r.wait()
+        wait_all(reqs)
 
     def _push(self, grads, hook, frac):
         reqs, cut = [], int(len(self.ids) * frac)
@@ -153,8 +164,7 @@ class Trainer:
             if k == cut:
                 hook("mid_push")
             reqs.append(self.c.push(t, g))
-        for r in reqs:
-            r.wait()
+        wait_all(reqs)
 
     def _call_timed(self, name, fn, killer):
         t0 = time.monotonic()
