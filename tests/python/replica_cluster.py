@@ -274,7 +274,10 @@ class ReplicaCluster:
         return None if best is None else best[0]
 
     def wait_primary(self, shard, seconds=READY_SECONDS):
-        return wait_for(lambda: self.primary(shard), seconds)
+        """primary(shard), waiting up to `seconds` for one (index 0 is one)."""
+        found = wait_for(lambda: [self.primary(shard)] if self.primary(shard) is not None
+                         else None, seconds)
+        return found[0] if found else None
 
     def roles(self, shard):
         """[(role name, term, version)] per member; None for one not answering."""

@@ -58,9 +58,12 @@ RESTART_AFTER = 1
 # failure (zs_client_options.failover_ms, ZSHARD_FAILOVER_MS).
 SERVER_FAILOVER_MS = 1000
 CLIENT_FAILOVER_MS = 1000
+# A failover search is one of max_retries attempts, and the backoff is cut to
+# wake when a dead primary's failover_ms ends (docs/CLIENT.md): a generous
+# budget, as a loaded 2-core machine may need several searches.
 CLIENT_OPTIONS = dict(push_dtype="fp32", pull_dtype="fp32", split_threshold=SPLIT,
-                      rpc_timeout_ms=3000, step_timeout_ms=20000, max_retries=6,
-                      retry_initial_ms=20, retry_max_ms=200, checkpoint_timeout_ms=20000,
+                      rpc_timeout_ms=5000, step_timeout_ms=20000, max_retries=60,
+                      retry_initial_ms=20, retry_max_ms=500, checkpoint_timeout_ms=20000,
                       failover_ms=CLIENT_FAILOVER_MS)
 
 SEQUENTIAL_POINTS = ("before_push", "mid_push", "between_stats_apply", "mid_pull")
@@ -245,6 +248,7 @@ class Run:
         self.seed, self.nshards, self.kills, self.calib = seed, nshards, kills, calib
         self.replicas, self.steps, self.restart_after = replicas, steps, restart_after
         self.pending_restarts = []  # (step, shard, index)
+        self.unsettled = set()      # shards with a restarted member not yet joining
         self.rc = self.tr = None
         self.log = []
 
@@ -301,6 +305,27 @@ class Run:
             self.pending_restarts.remove(r)
             self.rc.restart(r[1], r[2])
             self.log.append("step %d: restarted s%dr%d" % (step, r[1], r[2]))
+            self.unsettled.add(r[1])
+        for shard in sorted(self.unsettled):
+            # No primary yet: the killed one's death was not seen by any call
+            # (a kill after the step's last answer); the trainer's next call
+            # to the shard promotes a backup, and the member joins after.
+            if self.rc.primary(shard) is not None:
+                self._wait_joining(shard)
+                self.unsettled.discard(shard)
+
+    def _wait_joining(self, shard):
+        """Waits until every member of the shard has a role in the set
+        (PRIMARY, BACKUP or JOINING): a member that asked to join is copied
+        at the primary's next applied step, so after the next step the set
+        is whole. Without this wait a member could ask only after the steps
+        before a kill, and the kill would find its set not whole."""
+        ok = replica_cluster.wait_for(
+            lambda: all(r is not None and r[0] in ("PRIMARY", "BACKUP", "JOINING")
+                        for r in self.rc.roles(shard)), ROLE_WAIT_SECONDS)
+        if not ok:
+            raise AssertionError("shard %d: a member has not asked to join: %s" %
+                                 (shard, self.rc.roles(shard)))
 
     def _set_whole(self, shard):
         """Before a kill the shard's set must be whole again (ReplicaCluster.whole;
@@ -319,6 +344,9 @@ class Run:
             try:
                 tr = self.tr = Trainer(rc.addresses, self.seed)
                 try:
+                    if self.replicas > 1:
+                        for shard in range(self.nshards):
+                            self._wait_joining(shard)
                     for s in range(1, self.steps + 1):
                         self._restarts(s)
                         frac = next((k.frac for k in self.kills if k.step == s), 0.5)
