@@ -17,7 +17,8 @@ plane stays on port 0: clients learn it from GetInfo.
 With replicas=1 the servers get no replica flags: plain shards, as
 zshard_servers.Shards starts them (the uninterrupted reference runs).
 
-Every wait has a deadline; SIGSTOPped members are continued before the stop.
+Every wait has a deadline; SIGSTOPped members are continued before the stop;
+a server gets SIGKILL if the test process dies (setpriv --pdeathsig).
 At the end every live member gets SIGTERM and must exit 0 within
 STOP_SECONDS (else SIGKILL, and the exit codes and logs are raised unless
 the test already failed); killed members are not checked. GetInfo goes
@@ -74,6 +75,14 @@ def stubs():
         _stubs = (importlib.import_module("zs_rpc.v1.zshard_pb2"),
                   importlib.import_module("zs_rpc.v1.zshard_pb2_grpc"), grpc)
     return _stubs
+
+
+# In front of every server when present: SIGKILL when the test process dies
+# (PR_SET_PDEATHSIG, kept across the exec), so that a test killed by its
+# timeout leaves no server behind. setpriv execs the server in its own
+# process: the pid stays the server's.
+SETPRIV = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"] if os.access(
+    "/usr/bin/setpriv", os.X_OK) else []
 
 
 def free_ports(n):
@@ -187,8 +196,8 @@ class ReplicaCluster:
         with open(m.log_path, "a") as log:
             log.write("===== start %d: %s\n" % (m.starts, " ".join(self._args(m))))
             log.flush()
-            m.proc = subprocess.Popen(self._args(m), stdin=subprocess.DEVNULL, stdout=log,
-                                      stderr=log, env=env)
+            m.proc = subprocess.Popen(SETPRIV + self._args(m), stdin=subprocess.DEVNULL,
+                                      stdout=log, stderr=log, env=env)
         m.killed = m.stopped = False
 
     def _wait_ready(self, m):

@@ -15,10 +15,7 @@ uninterrupted run on unreplicated shards, bit for bit, without a restore:
 - one member killed and restarted three times (primary, backup, primary):
   each time it rejoins as BACKUP and holds, read with ReadState from it, the
   primary's bits;
-- a partition, emulated on loopback by SIGSTOP for longer than --failover-ms
-  and SIGCONT (the compose test disconnects a container instead): of the
-  primary (a backup takes over with a higher term, the old primary steps
-  down and rejoins) and of a backup (dropped, then rejoins).
+- (partitions are test_replica_partition.py).
 
 GetInfo.replica shows the roles, terms, primary index and failover counts
 asserted along the way. The long run with random kill points is
@@ -42,7 +39,6 @@ from replica_soak import Kill, Run, Trainer  # noqa: E402
 
 SEED = 7
 SHARDS = 2
-PARTITION_SECONDS = 2.5 * replica_soak.SERVER_FAILOVER_MS / 1000
 REJOIN_SECONDS = 30
 
 _refs = {}
@@ -211,42 +207,5 @@ def test_a_replica_killed_and_restarted_three_times_rejoins_with_the_primarys_bi
             assert_members_identical(rc, tr, 0)
             assert_bit_identical(tr.final_state(), want)
             print("\n  terms %s, failovers %d" % (terms, rc.failovers()), file=sys.stderr)
-        finally:
-            tr.close()
-
-
-@pytest.mark.parametrize("who", ["primary", "backup"])
-def test_a_partitioned_replica_heals_and_rejoins(who):
-    want, _ = reference()
-    with ReplicaCluster(SHARDS, 2, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
-        tr = Trainer(rc.addresses, SEED)
-        try:
-            tr.step()
-            tr.step()
-            p = rc.primary(0)
-            old = rc.info(0, p).replica
-            cut = p if who == "primary" else 1 - p
-            rc.pause(0, cut)
-            t0 = time.monotonic()
-            tr.step()  # goes on without the cut-off member
-            time.sleep(max(0.0, PARTITION_SECONDS - (time.monotonic() - t0)))
-            other = 1 - cut
-            oinfo = rc.info(0, other).replica
-            if who == "primary":
-                assert oinfo.role == replica_cluster.ROLE_PRIMARY and oinfo.term > old.term, \
-                    oinfo
-            else:
-                assert oinfo.role == replica_cluster.ROLE_PRIMARY and oinfo.term == old.term
-                assert not oinfo.members[cut].in_sync, oinfo
-            rc.resume(0, cut)
-            tr.step()
-            wait_whole(rc, tr, 0)
-            assert rc.primary(0) == other
-            assert_whole(rc, 0)
-            while tr.step_no <= replica_soak.STEPS:
-                tr.step()
-            assert_members_identical(rc, tr, 0)
-            assert_bit_identical(tr.final_state(), want)
-            print("\n  after the partition: %s" % rc.roles(0), file=sys.stderr)
         finally:
             tr.close()
