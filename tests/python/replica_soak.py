@@ -374,7 +374,10 @@ class Run:
                     self.failed_checkpoints = tr.failed_checkpoints
                 finally:
                     tr.close()
-                self.failovers = rc.failovers()
+                # Promotions after each set's first one: its term beyond 1
+                # (a restarted member's own failover counter starts again).
+                self.failovers = sum(max(r[1] for r in rc.roles(s) if r) - 1
+                                     for s in range(self.nshards))
                 self.roles = [rc.roles(s) for s in range(self.nshards)]
             except BaseException:
                 sys.stderr.write("run seed %d kills %s\n%s\n" %
