@@ -323,6 +323,14 @@ class ReplicaCluster:
                 return False, (seen, "primary's in_sync: %s" % [m.in_sync for m in p.members])
         return True, seen
 
+    def wait_joined(self, shard, seconds=READY_SECONDS):
+        """Waits until every member of the shard has a place in the set
+        (PRIMARY, BACKUP or JOINING): one that asked to join is copied at the
+        primary's next applied step, so the set is whole after the next step
+        (and in sync with the write after that). True if so in time."""
+        return wait_for(lambda: all(r is not None and r[0] in ("PRIMARY", "BACKUP", "JOINING")
+                                    for r in self.roles(shard)), seconds)
+
     def failovers(self):
         """Sum of GetInfo.replica.failovers over the members answering now."""
         total = 0

@@ -339,10 +339,7 @@ class Run:
         at the primary's next applied step, so after the next step the set
         is whole. Without this wait a member could ask only after the steps
         before a kill, and the kill would find its set not whole."""
-        ok = replica_cluster.wait_for(
-            lambda: all(r is not None and r[0] in ("PRIMARY", "BACKUP", "JOINING")
-                        for r in self.rc.roles(shard)), ROLE_WAIT_SECONDS)
-        if not ok:
+        if not self.rc.wait_joined(shard, ROLE_WAIT_SECONDS):
             raise AssertionError("shard %d: a member has not asked to join: %s" %
                                  (shard, self.rc.roles(shard)))
 

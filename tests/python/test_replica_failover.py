@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import replica_cluster  # noqa: E402
 import replica_soak  # noqa: E402
 from replica_cluster import ReplicaCluster  # noqa: E402
-from replica_soak import Kill, Run, Trainer  # noqa: E402
+from replica_soak import Kill, Run, Trainer  # noqa: E402,F401
 
 SEED = 7
 SHARDS = 2
@@ -55,7 +55,10 @@ def assert_bit_identical(got, want):
     assert not differ, "differs from the uninterrupted run: %s" % differ
 
 
-def assert_whole(rc, shard):
+def assert_whole(rc, shard, seconds=5):
+    """The shard's set is whole (ReplicaCluster.whole), or becomes so within
+    `seconds` without a step (the monitor's view may trail by a probe)."""
+    replica_cluster.wait_for(lambda: rc.whole(shard)[0], seconds)
     whole, seen = rc.whole(shard)
     assert whole, "shard %d: the set is not whole: %s" % (shard, seen)
 
@@ -76,6 +79,16 @@ def wait_whole(rc, tr, shard):
             taken += 1
         else:
             time.sleep(0.1)
+
+
+def open_trainer(rc):
+    """A Trainer on the cluster, once every member has asked to join (a
+    backup that asks only after a few steps would not be whole when the
+    test kills its primary)."""
+    tr = Trainer(rc.addresses, SEED)
+    for shard in range(rc.nshards):
+        assert rc.wait_joined(shard), "shard %d: %s" % (shard, rc.roles(shard))
+    return tr
 
 
 def assert_members_identical(rc, tr, shard):
@@ -141,10 +154,10 @@ def test_a_killed_primary_costs_no_step_and_no_bit(kill):
 def test_a_killed_backup_is_dropped_and_the_primary_keeps_its_term():
     want, _ = reference()
     with ReplicaCluster(SHARDS, 2, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
-        tr = Trainer(rc.addresses, SEED)
+        tr = open_trainer(rc)
         try:
             tr.step()
-            tr.step()
+            wait_whole(rc, tr, 1)
             p = rc.primary(1)
             before = rc.info(1, p).replica
             backup = 1 - p
@@ -172,11 +185,13 @@ def test_a_replica_killed_and_restarted_three_times_rejoins_with_the_primarys_bi
     steps = 11
     want, _ = reference(steps)
     with ReplicaCluster(SHARDS, 2, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
-        tr = Trainer(rc.addresses, SEED)
+        tr = open_trainer(rc)
         try:
             tr.step()
+            wait_whole(rc, tr, 0)
             terms = [rc.info(0, rc.primary(0)).replica.term]
             for round_, which in enumerate(("primary", "backup", "primary")):
+                assert_whole(rc, 0)
                 p = rc.primary(0)
                 victim = p if which == "primary" else 1 - p
                 rc.kill(0, victim)

@@ -29,10 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import replica_cluster  # noqa: E402
 import replica_soak  # noqa: E402
 from replica_cluster import ReplicaCluster  # noqa: E402
-from replica_soak import Trainer  # noqa: E402
 from test_replica_failover import (  # noqa: E402
-    SEED, SHARDS, assert_bit_identical, assert_members_identical, assert_whole, reference,
-    wait_whole)
+    SHARDS, assert_bit_identical, assert_members_identical, assert_whole, open_trainer,
+    reference, wait_whole)
 
 PARTITION_SECONDS = 2.5 * replica_soak.SERVER_FAILOVER_MS / 1000
 
@@ -41,10 +40,11 @@ PARTITION_SECONDS = 2.5 * replica_soak.SERVER_FAILOVER_MS / 1000
 def test_a_partitioned_replica_heals_and_rejoins(who):
     want, _ = reference()
     with ReplicaCluster(SHARDS, 2, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
-        tr = Trainer(rc.addresses, SEED)
+        tr = open_trainer(rc)
         try:
             tr.step()
             tr.step()
+            assert_whole(rc, 0)
             p = rc.primary(0)
             old = rc.info(0, p).replica
             cut = p if who == "primary" else 1 - p

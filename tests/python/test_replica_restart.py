@@ -23,10 +23,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import replica_soak  # noqa: E402
 from replica_cluster import ReplicaCluster  # noqa: E402
-from replica_soak import Trainer  # noqa: E402
 from test_replica_failover import (  # noqa: E402
-    SEED, SHARDS, assert_bit_identical, assert_members_identical, assert_whole, reference,
-    wait_whole)
+    SHARDS, assert_bit_identical, assert_members_identical, assert_whole, open_trainer,
+    reference, wait_whole)
 
 
 @pytest.mark.parametrize("after", [replica_soak.CKPT_EVERY, replica_soak.CKPT_EVERY - 1],
@@ -34,10 +33,11 @@ from test_replica_failover import (  # noqa: E402
 def test_a_primary_restarted_before_any_call_saw_it_die_rejoins(after):
     want, _ = reference()
     with ReplicaCluster(SHARDS, 2, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
-        tr = Trainer(rc.addresses, SEED)
+        tr = open_trainer(rc)
         try:
             while tr.step_no <= after:
                 tr.step()
+            assert_whole(rc, 0)
             p = rc.primary(0)
             term = rc.info(0, p).replica.term
             rc.kill(0, p)
