@@ -224,7 +224,8 @@ int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs
  * pins the arena: the caller sends the bytes from there and calls
  * core_unpin_low(c, *data) once they are out (from any thread; it never
  * blocks). Nobody waits for a pin: an apply, restore, state write or close
- * that finds answers pinned writes a fresh copy (or frees nothing) and the
+ * that finds answers pinned (a pipelined job's piece apply: answers of the
+ * pieces it writes) writes a fresh copy (or frees nothing) and the
  * pinned one stays intact, with its version's bytes, until its last pin is
  * released; a peer that stalls mid-answer costs one copy of the 16-bit
  * weights, never the other trainers' time. Past CORE_LOW_RETIRED_MAX such

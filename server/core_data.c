@@ -191,9 +191,37 @@ void core__low_writable(core *c, const char *what) {
   low_buf *gone = low_retire(c, c->low_cur);
   c->low_cur = fresh;
   c->low = fresh->data;
+  /* The pins are the retired buffer's now. */
+  if (c->piece_pins && c->npieces > 0)
+    memset(c->piece_pins, 0, (size_t)c->npieces * sizeof *c->piece_pins);
   pthread_mutex_unlock(&c->low_mu);
   low_buf_free(gone);
   LOG_DEBUG("low_copy_retired", "shard=%u what=%s answers=%" PRIu64, c->shard_id, what, pins);
+}
+
+void core__low_batch_writable(core *c) {
+  int pinned = 0;
+  pthread_mutex_lock(&c->low_mu);
+  for (uint32_t b = 0; b < c->nbatch && !pinned; b++)
+    pinned = c->piece_pins[c->batch[b]] > 0;
+  pthread_mutex_unlock(&c->low_mu);
+  if (pinned)
+    core__low_writable(c, "piece apply");
+}
+
+/* The local index of the piece whose low copy holds element `off` of the
+ * arena (by_off is sorted; off lies in some piece). Called with low_mu held
+ * while low_cur is set. */
+static uint32_t piece_at(const core *c, uint64_t off) {
+  uint32_t lo = 0, hi = c->npieces; /* the answer is in [lo, hi) */
+  while (hi - lo > 1) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    if (c->by_off[mid].off <= off)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return c->by_off[lo].index;
 }
 
 int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
@@ -202,10 +230,7 @@ int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dty
   piece_state *ps = NULL;
   pthread_rwlock_rdlock(&c->state_rw);
   int rc = core_find_readable(c, hash, tensor, slice, dtype, nbytes, data, &ps, err, errlen);
-  /* A pipelined job writes one piece's low copy while other pieces' answers
-   * are out, and pins count whole buffers: its answers are copied
-   * (core_read) rather than make every piece's apply copy the buffer. */
-  if (rc == 0 && (dtype != c->spec.param_dtype || !ps->initialized || c->pipelined))
+  if (rc == 0 && (dtype != c->spec.param_dtype || !ps->initialized))
     rc = CORE_NOT_PINNED;
   if (rc == 0) {
     uint32_t i = (uint32_t)(ps - c->pieces);
@@ -217,6 +242,7 @@ int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dty
      * *data points into. */
     pthread_mutex_lock(&c->low_mu);
     c->low_cur->pins++;
+    c->piece_pins[i]++; /* a pipelined pass of this piece copies the arena first */
     pthread_mutex_unlock(&c->low_mu);
   }
   pthread_rwlock_unlock(&c->state_rw);
@@ -235,6 +261,9 @@ void core_unpin_low(core *c, const void *data) {
   low_buf *b = c->low_cur;
   if (b && b->pins > 0 && p >= b->data && p < b->data + b->nelems) {
     b->pins--;
+    uint32_t *pp = &c->piece_pins[piece_at(c, (uint64_t)(p - b->data))];
+    if (*pp > 0)
+      (*pp)--;
     found = 1;
   }
   for (low_buf **pb = &c->low_retired; !found && *pb; pb = &(*pb)->next) {

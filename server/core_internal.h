@@ -209,6 +209,16 @@ struct core {
    * over a batch of them: the batch, its optimizer tasks (room for every
    * piece's chunks) and the time its passes took so far in the step. */
   int pipelined;
+  /* Per piece (local index), the answers pinned in low_cur (under low_mu),
+   * so that a piece's apply copies the low arena only when that piece is
+   * being sent from it; and the pieces by arena offset, for core_unpin_low
+   * to find a pinned pointer's piece. Both live while low_cur does:
+   * core_job_free releases low_cur first. */
+  uint32_t *piece_pins;
+  struct core_piece_at {
+    uint64_t off;
+    uint32_t index;
+  } * by_off;
   uint32_t *ready, nready;
   uint32_t nahead;
   uint32_t *batch, nbatch;
@@ -326,6 +336,11 @@ int core__piece_index(core *c, uint32_t tensor, uint32_t slice, uint32_t *index,
 void core__low_writable(core *c, const char *what);
 /* Allocates the job's first low buffer (core_job_build); ZS_ENOMEM. */
 int core__low_create(core *c);
+/* With state_rw exclusive, before a pipelined pass writes the low copy of
+ * the c->nbatch pieces of c->batch: core__low_writable when one of them has
+ * an answer pinned, else nothing (answers of other pieces keep reading the
+ * bytes they pinned, which the pass does not write). */
+void core__low_batch_writable(core *c);
 /* Lets go of the job's low buffer (core_job_free): freed at once without
  * pins, else retired until its last answer is sent. */
 void core__low_release(core *c);

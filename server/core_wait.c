@@ -434,7 +434,7 @@ static void core_run_pieces(core *c) {
   uint64_t t0 = clock_now_ns();
   if (c->nbatch > 0) {
     core_build_plans(c, lr, coef, glr, opt_steps);
-    core__low_writable(c, "apply"); /* never pinned in a pipelined job: a no-op */
+    core__low_batch_writable(c);
     pool_run(c->pool, core_batch_tasks(c), core_apply_piece_chunk, c);
     pool_run(c->pool, c->nbatch, core__low_crc_batch_task, c);
   }

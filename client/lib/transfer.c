@@ -231,9 +231,13 @@ static int is_transfer(const char *method) {
 int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st) {
+  /* A replica set has its own loop: the same retries, plus the term and the
+   * failover (replica.c). A shard that is not replicated takes this one. */
+  if (c->rs[shard].n > 1)
+    return zc_replica_call(c, shard, method, req, resp_desc, resp, timeout_ms, st);
   uint64_t backoff = c->opt.retry_initial_ms;
   for (uint32_t attempt = 0;; attempt++) {
-    int rc = rpc_call(c->chan[shard], method, req, resp_desc, resp, timeout_ms, st);
+    int rc = rpc_call(c->rs[shard].chan[0], method, req, resp_desc, resp, timeout_ms, st);
     /* Only UNAVAILABLE and CANCELLED are retried, and RESOURCE_EXHAUSTED for
      * the transfers: the call did not reach the shard's logic or the shard
      * went away (a server shutting down cancels the calls it no longer

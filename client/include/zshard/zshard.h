@@ -281,9 +281,14 @@ typedef struct zs_client_options {
   size_t struct_size;
   /* Shard addresses in shard-id order, "host:port,host:port", or a pattern
    * with "{i}" replaced by 0..num_shards-1, e.g. "zshard-{i}.zshard:7070".
-   * Required. Copied by zs_client_open. */
+   * A replicated shard lists its replica set's members separated by '|',
+   * in the order of the servers' --replicas: "h:1|h:2,h:3|h:4", or as a
+   * pattern "zshard-a-{i}.zshard:7070|zshard-b-{i}.zshard:7070" (at most 8
+   * members; see failover_ms). Required. Copied by zs_client_open. */
   const char *addresses;
-  uint32_t num_shards; /* with a pattern: required; with a list: 0 or its length */
+  /* The number of shards (not replicas): with a pattern required; with a
+   * list 0 or its length. */
+  uint32_t num_shards;
   uint32_t rank;       /* this trainer, < world_size */
   uint32_t world_size; /* W trainers; default 1 */
   uint32_t grad_accum; /* M micro-batches per step and trainer; default 1 */
@@ -395,7 +400,13 @@ typedef struct zs_client_options {
    * next pulls wait for each piece (docs/CLIENT.md, "The pipelined step").
    * Its bits equal the gated step's without clipping. */
   uint32_t pipelined;
-  uint32_t reserved1; /* must be 0 */
+  /* Replicated shards (addresses "h:p|h:p,..."; docs/CLIENT.md, "Replica
+   * sets and failover"): how long a shard's primary may fail to answer,
+   * counted from its first failure, before the client promotes another
+   * member of its replica set, ms. A failover takes at most this plus one
+   * round of GetInfo (500 ms) and one Promote. 0: $ZSHARD_FAILOVER_MS,
+   * unset 3000. Shards listed without '|' never fail over. */
+  uint32_t failover_ms;
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above

@@ -457,7 +457,8 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
           prefetch=2, release_after_forward=False, max_grad_norm=None, **options):
     """Moves `optimizer`'s parameters and their optimizer to the zshard shards
     at `addresses` ("h0:7070,h1:7070" or "zshard-{i}.zshard:7070" with
-    num_shards=N) and returns the optimizer to train `model` with.
+    num_shards=N; a replicated shard's members separated by "|",
+    "h0a:7070|h0b:7070,...") and returns the optimizer to train `model` with.
 
     wire_dtype: dtype of gradients and parameters on the wire (fp32 is exact;
       torch.int8: int8 blocks with a scale per 128 elements, best with
