@@ -453,8 +453,13 @@ typedef int (*send_fn)(replica *r, member *m, uint64_t term, const void *arg, ch
                        size_t len);
 
 /* Sends one write to every target, each until it answered or was dropped. */
-static int forward(replica *r, send_fn fn, const void *arg, uint64_t bytes, char *err,
-                   size_t errlen) {
+/* The failover time of a forward counts from `since` (when the write began
+ * to wait for its backups; 0: now), so that a dead backup holds a write for
+ * --failover-ms however many attempts it took. */
+static int forward(replica *r, send_fn fn, const void *arg, uint64_t bytes, uint64_t since,
+                   char *err, size_t errlen) {
+  if (!since)
+    since = clock_now_ms();
   fwd_target t[REPLICA_MAX_MEMBERS];
   pthread_mutex_lock(&r->mu);
   uint64_t term = r->term;
@@ -470,7 +475,7 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t bytes, char
       char msg[REPLICA_ERRLEN] = "";
       int rc = fn(r, &r->m[t[i].idx], term, arg, msg, sizeof msg);
       if (rc != 0 && !first_fail)
-        first_fail = clock_now_ms();
+        first_fail = since;
       if (settle(r, &t[i], rc, msg, first_fail, term, &deposed) != FWD_RETRY)
         break;
       struct timespec ts = {.tv_sec = 0, .tv_nsec = REPLICA_RETRY_MS * 1000000L};
@@ -516,7 +521,7 @@ static int send_push(replica *r, member *m, uint64_t term, const void *arg, char
 }
 
 int replica_forward_push(replica *r, const core_push_args *a, char *err, size_t errlen) {
-  return forward(r, send_push, a, a->nbytes, err, errlen);
+  return forward(r, send_push, a, a->nbytes, 0, err, errlen);
 }
 
 /* The answers to pushes sent at once. */
@@ -548,6 +553,9 @@ static int send_pushes(replica *r, member *m, uint64_t term, const core_push_arg
   pthread_cond_init(&w.cv, NULL);
   for (uint32_t i = 0; i < n; i++) {
     dp_push_args p = dp_push_of(r, &a[i]);
+    /* Half the failover time: a failure here still leaves the one-by-one
+     * path time to retry before the member is dropped. */
+    p.timeout_ms = r->failover_ms / 2;
     if (dp_client_push(d, &p, on_push_done, &w) != 0) {
       pthread_mutex_lock(&w.mu);
       w.failed = 1;
@@ -568,6 +576,7 @@ static int send_pushes(replica *r, member *m, uint64_t term, const core_push_arg
 int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char *err,
                            size_t errlen) {
   fwd_target t[REPLICA_MAX_MEMBERS];
+  uint64_t since = clock_now_ms();
   pthread_mutex_lock(&r->mu);
   uint64_t term = r->term;
   uint32_t nt = r->role == REPLICA_PRIMARY ? targets_locked(r, t) : 0;
@@ -596,7 +605,7 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
       return 0;
   }
   for (uint32_t k = 0; k < n; k++) {
-    int rc = replica_forward_push(r, &a[k], err, errlen);
+    int rc = forward(r, send_push, &a[k], a[k].nbytes, since, err, errlen);
     if (rc)
       return rc;
   }
@@ -631,7 +640,7 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
 int replica_forward_raw(replica *r, const char *method, const void *msg, size_t len, char *err,
                         size_t errlen) {
   raw_req q = {.method = method, .msg = msg, .len = len};
-  return forward(r, send_raw, &q, len, err, errlen);
+  return forward(r, send_raw, &q, len, 0, err, errlen);
 }
 
 /* ------------------------------------------------------------ admission */
