@@ -176,6 +176,7 @@ struct dp_client {
   uint64_t max_payload;
   uint8_t token[WIRE_MAX_TOKEN]; /* sent in every HELLO */
   uint32_t token_len;
+  uint64_t replica_term; /* sent in every HELLO */
   /* Loop thread: the server refused the token (auth_status, auth_err): no
    * connection is tried again, every request fails with that status. */
   int auth_status;
@@ -361,6 +362,7 @@ static void on_connect(stream *st, void *data, int status) {
     wire_msg m = {.type = WIRE_HELLO};
     m.u.hello.token = c->token;
     m.u.hello.token_len = c->token_len;
+    m.u.hello.replica_term = c->replica_term;
     status = wire_encode(&m, k->hello, sizeof k->hello, &len);
   }
   if (status == 0) {
@@ -922,6 +924,7 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   if (tlen)
     memcpy(c->token, cfg->token, tlen);
   c->token_len = (uint32_t)tlen;
+  c->replica_term = cfg->replica_term;
   c->nconns = cfg->connections ? cfg->connections : 1;
   c->connect_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DPC_DEFAULT_CONNECT_MS;
   c->max_inflight = cfg->max_inflight ? cfg->max_inflight : DPC_DEFAULT_MAX_INFLIGHT;

@@ -64,6 +64,9 @@ typedef struct dp_client_config {
    * server name, else for the host of `addr`; NULL: plain TCP. Borrowed: it
    * must outlive the client. */
   struct tls_ctx *tls;
+  /* Sent in every HELLO: nonzero only on a replica set primary's connections
+   * to a backup (its term; docs/PROTOCOL.md, "Authentication"). */
+  uint64_t replica_term;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

@@ -259,17 +259,39 @@ static int message_slice(grpc_byte_buffer *bb, grpc_slice *out) {
 int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
              uint64_t timeout_ms, rpc_status *st) {
+  return rpc_call_md(ch, method, req, NULL, 0, resp_desc, resp, timeout_ms, st);
+}
+
+int rpc_call_md(rpc_channel *ch, const char *method, const ProtobufCMessage *req, const rpc_md *md,
+                size_t nmd, const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+                uint64_t timeout_ms, rpc_status *st) {
+  *resp = NULL;
+  size_t req_len = protobuf_c_message_get_packed_size(req);
+  if (req_len > RPC_MAX_MESSAGE_BYTES)
+    return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
+                      "request of %zu bytes exceeds the %d byte message limit", req_len,
+                      RPC_MAX_MESSAGE_BYTES);
+  grpc_slice req_slice = grpc_slice_malloc(req_len);
+  protobuf_c_message_pack(req, GRPC_SLICE_START_PTR(req_slice));
+  int rc = rpc_call_raw(ch, method, GRPC_SLICE_START_PTR(req_slice), req_len, md, nmd, resp_desc,
+                        resp, timeout_ms, st);
+  grpc_slice_unref(req_slice);
+  return rc;
+}
+
+int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t req_len,
+                 const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
+                 ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st) {
   *resp = NULL;
   if (st) {
     st->grpc_code = GRPC_STATUS_OK;
     st->zs_status = ZS_OK;
     st->message[0] = '\0';
   }
-  size_t req_len = protobuf_c_message_get_packed_size(req);
-  if (req_len > RPC_MAX_MESSAGE_BYTES)
+  if (req_len > RPC_MAX_MESSAGE_BYTES || nmd > RPC_MAX_MD)
     return set_status(st, GRPC_STATUS_INVALID_ARGUMENT, ZS_EINVAL,
-                      "request of %zu bytes exceeds the %d byte message limit", req_len,
-                      RPC_MAX_MESSAGE_BYTES);
+                      "request of %zu bytes (limit %d) with %zu metadata entries (limit %d)",
+                      req_len, RPC_MAX_MESSAGE_BYTES, nmd, RPC_MAX_MD);
 
   /* A timeout beyond a year is no timeout; it also keeps the conversion to
    * gpr_timespec far from overflow. */
@@ -286,8 +308,7 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
   grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
                                              method_slice, NULL, deadline, NULL);
   grpc_slice_unref(method_slice);
-  grpc_slice req_slice = grpc_slice_malloc(req_len);
-  protobuf_c_message_pack(req, GRPC_SLICE_START_PTR(req_slice));
+  grpc_slice req_slice = grpc_slice_from_copied_buffer((const char *)req, req_len);
   grpc_byte_buffer *req_bb = grpc_raw_byte_buffer_create(&req_slice, 1);
   grpc_slice_unref(req_slice);
 
@@ -301,14 +322,21 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
   grpc_op ops[6];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  grpc_metadata auth;
+  /* The token, then the caller's entries (their slices reference the
+   * caller's strings, which outlive the call). */
+  grpc_metadata sent[RPC_MAX_MD + 1];
+  size_t nsent = 0;
+  memset(sent, 0, sizeof sent);
   if (ch->has_auth) {
-    memset(&auth, 0, sizeof auth);
-    auth.key = grpc_slice_from_static_string(RPC_AUTH_KEY);
-    auth.value = ch->auth_value;
-    ops[0].data.send_initial_metadata.count = 1;
-    ops[0].data.send_initial_metadata.metadata = &auth;
+    sent[nsent].key = grpc_slice_from_static_string(RPC_AUTH_KEY);
+    sent[nsent++].value = ch->auth_value;
   }
+  for (size_t i = 0; i < nmd; i++) {
+    sent[nsent].key = grpc_slice_from_static_string(md[i].key);
+    sent[nsent++].value = grpc_slice_from_static_string(md[i].value);
+  }
+  ops[0].data.send_initial_metadata.count = nsent;
+  ops[0].data.send_initial_metadata.metadata = nsent ? sent : NULL;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = req_bb;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -358,6 +386,8 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
     rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: OK status without a message", method);
     goto done;
   }
+  if (!resp_desc) /* the caller wants only the status */
+    goto done;
   grpc_slice msg;
   if (message_slice(resp_bb, &msg) != 0) {
     rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: unreadable response", method);

@@ -86,4 +86,24 @@ int rpc_call(rpc_channel *ch, const char *method, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
              uint64_t timeout_ms, rpc_status *st);
 
+/* One metadata entry sent with a call: a lower-case key and a printable
+ * value, both the caller's and only read during the call. */
+typedef struct rpc_md {
+  const char *key;
+  const char *value;
+} rpc_md;
+#define RPC_MAX_MD 4
+
+/* rpc_call with up to RPC_MAX_MD metadata entries besides the token. */
+int rpc_call_md(rpc_channel *ch, const char *method, const ProtobufCMessage *req, const rpc_md *md,
+                size_t nmd, const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+                uint64_t timeout_ms, rpc_status *st);
+
+/* rpc_call_md with a request already encoded: req_len bytes at req (copied
+ * once into gRPC's buffer), e.g. a request a server forwards as it came.
+ * resp_desc NULL: only the status is wanted (*resp stays NULL). */
+int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t req_len,
+                 const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
+                 ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
+
 #endif

@@ -278,6 +278,7 @@ int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
   case WIRE_HELLO:
     hello.token.data = (uint8_t *)(uintptr_t)m->u.hello.token;
     hello.token.len = m->u.hello.token_len;
+    hello.replica_term = m->u.hello.replica_term;
     meta = &hello.base;
     break;
   case WIRE_PING:
@@ -677,6 +678,7 @@ static int dec_hello(meta_dec *d) {
       memcpy(d->store->token, p->token.data, p->token.len);
     o->token = d->store->token;
     o->token_len = (uint32_t)p->token.len;
+    o->replica_term = p->replica_term;
   }
   protobuf_c_message_free_unpacked(&p->base, NULL);
   return rc;

@@ -111,6 +111,8 @@ typedef struct wire_push {
 typedef struct wire_hello {
   const uint8_t *token;
   uint32_t token_len;
+  /* A replica set's primary forwarding writes of this term; 0: a trainer. */
+  uint64_t replica_term;
 } wire_hello;
 
 typedef struct wire_push_ack {

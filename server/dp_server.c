@@ -48,6 +48,7 @@
  *    at its place in it. 0 extra copies.
  */
 #include "server/dp_server.h"
+#include "server/replica.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -167,7 +168,10 @@ typedef struct dp_conn {
   list_node starve; /* on s->starved while an answer waits for the server's or address's budget */
   dp_peer *pe;      /* one reference, dropped in conn_free */
   int authed;       /* a HELLO was accepted */
-  int counted;      /* counted in the caps (s->nconns, the peer's counts ...) */
+  uint64_t replica_term; /* the HELLO's: a replica set primary's forwards */
+  int admin;             /* its token grants the admin role (or tokens are off) */
+  int forward_next;      /* the push whose payload is coming must be forwarded */
+  int counted;           /* counted in the caps (s->nconns, the peer's counts ...) */
   uint64_t accepted_ms;
   uint64_t answer_bytes; /* copied answer bytes of this connection held now */
   /* Answers sent from the low copy and not yet written, and how far the
@@ -242,7 +246,8 @@ typedef struct dp_work {
   uint64_t hash;
   uint32_t tensor, slice;
   zs_dtype dtype;
-  uint64_t budget; /* copied answer bytes counted for this pull's answer */
+  uint64_t budget;  /* copied answer bytes counted for this pull's answer */
+  replica *forward; /* a replicated primary's push: forward once accepted */
   /* A batch: its pieces, owned, in payload order. */
   wire_piece *pieces;
   uint32_t npieces;
@@ -287,6 +292,7 @@ struct dp_server {
   metrics_rpc *m_push, *m_pull, *m_push_batch, *m_pull_batch;
   uint32_t max_pending, stall_ms, max_conns;
   auth_keys *auth;
+  replica *rep; /* NULL: not replicated */
   uint32_t hello_ms, max_per_peer, max_unauth, max_wait_conn, max_wait, pin_hold_ms;
   uint64_t max_answer, max_answer_total, max_answer_peer;
   uv_timer_t pin_timer;
@@ -815,6 +821,8 @@ static void work_run_push_batch(dp_work *w) {
     char err[DP_ERRLEN] = "";
     int dup = 0;
     int rc = service_push(w->svc, &a, &dup, err, sizeof err);
+    if (rc == 0 && w->forward)
+      rc = replica_forward_push(w->forward, &a, err, sizeof err);
     w->piece_status[i] = rc;
     w->piece_dup[i] = rc == 0 && dup;
     if (rc != 0 && w->err[0] == '\0')
@@ -862,6 +870,8 @@ static void work_run(dp_work *w, core *co) {
   } else if (w->type == WIRE_PUSH) {
     w->push.data = w->buf->data;
     w->status = service_push(w->svc, &w->push, &w->duplicate, w->err, sizeof w->err);
+    if (w->status == 0 && w->forward)
+      w->status = replica_forward_push(w->forward, &w->push, w->err, sizeof w->err);
   } else {
     w->crc = 0;
     if (w->buf->cls < 0) {
@@ -981,7 +991,8 @@ static void work_start(dp_work *w) {
   w->svc = s->svc;
   if (w->type == WIRE_PUSH || w->type == WIRE_PUSH_BATCH)
     c->consuming += w->nbytes;
-  if (w->nbytes <= s->inline_bytes) {
+  /* A forward waits for the backups: never on the loop thread. */
+  if (w->nbytes <= s->inline_bytes && !w->forward) {
     work_run(w, s->core);
     work_finish(w);
     return;
@@ -1333,6 +1344,7 @@ static void on_hello(dp_conn *c) {
   const wire_msg *m = &rd->msg;
   char err[DP_ERRLEN];
   int status = ZS_EUNAUTHENTICATED;
+  auth_role role = AUTH_NONE;
   if (m->type != WIRE_HELLO) {
     status_say(err, sizeof err,
                "the first frame on a data-plane connection must be HELLO (frame version 3) with "
@@ -1341,13 +1353,15 @@ static void on_hello(dp_conn *c) {
   } else if (rd->meta_status != 0) {
     status = rd->meta_status;
     status_say(err, sizeof err, "%s", rd->err);
-  } else if (!auth_allows(
-                 auth_keys_check(s->auth, (const char *)m->u.hello.token, m->u.hello.token_len),
-                 AUTH_TRAINER)) {
+  } else if (!auth_allows((role = auth_keys_check(s->auth, (const char *)m->u.hello.token,
+                                                  m->u.hello.token_len)),
+                          AUTH_TRAINER)) {
     status_say(err, sizeof err, "the server refused the token of this data-plane connection (%s)",
                m->u.hello.token_len ? "wrong token" : "no token given");
   } else {
     c->authed = 1;
+    c->replica_term = m->u.hello.replica_term;
+    c->admin = !auth_keys_enabled(s->auth) || auth_allows(role, AUTH_ADMIN);
     if (c->counted) {
       s->nunauth--;
       count(&s->st_unauth, -1);
@@ -1409,6 +1423,23 @@ static int push_batch_refused(dp_conn *c, const wire_msg *m) {
   return 1;
 }
 
+/* A replicated shard's verdict on a push or pull (replica_admit): 1 when
+ * refused (and answered). A trainer's push to the primary is marked to be
+ * forwarded. */
+static int replica_refused(dp_conn *c, const wire_msg *m) {
+  c->forward_next = 0;
+  if (!c->s->rep)
+    return 0;
+  int push = m->type == WIRE_PUSH || m->type == WIRE_PUSH_BATCH;
+  char err[DP_ERRLEN] = "";
+  int rc = replica_admit(c->s->rep, push ? REPLICA_WRITE : REPLICA_READ, c->replica_term, c->admin,
+                         0, &c->forward_next, err, sizeof err);
+  if (rc == 0)
+    return 0;
+  answer_error(c, m->request_id, rc, err);
+  return 1;
+}
+
 /* Header and meta of a frame are in: decide where its payload goes. */
 static void on_meta(dp_conn *c) {
   dp_server *s = c->s;
@@ -1436,6 +1467,8 @@ static void on_meta(dp_conn *c) {
   } else if (m->type == WIRE_PING) {
     wire_msg pong = {.type = WIRE_PONG, .request_id = m->request_id};
     conn_send(c, &pong, NULL, 1, 0);
+  } else if (replica_refused(c, m)) {
+    /* Answered; a push's payload is skipped. */
   } else if (m->type == WIRE_PULL) {
     handle_pull(c, m);
   } else if (m->type == WIRE_PULL_BATCH) {
@@ -1526,6 +1559,7 @@ static void on_done(dp_conn *c) {
     w->nbytes = (size_t)rd->msg.payload_len;
     w->push =
         (core_push_args){.hash = q->spec_hash, .step = q->step, .rank = q->rank, .micro = q->micro};
+    w->forward = c->forward_next ? s->rep : NULL;
     work_start(w);
     return;
   }
@@ -1544,6 +1578,7 @@ static void on_done(dp_conn *c) {
                              .slice = q->slice,
                              .dtype = (zs_dtype)q->dtype,
                              .nbytes = w->nbytes};
+  w->forward = c->forward_next ? s->rep : NULL;
   work_start(w);
 }
 
@@ -1958,6 +1993,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->max_conns = cfg->max_connections ? cfg->max_connections : DP_DEFAULT_MAX_CONNS;
   s->inline_bytes = cfg->inline_bytes ? cfg->inline_bytes : DP_DEFAULT_INLINE;
   s->auth = cfg->auth;
+  s->rep = cfg->replica;
   s->hello_ms = cfg->hello_timeout_ms ? cfg->hello_timeout_ms
                                       : env_knob("ZSHARD_DP_HELLO_TIMEOUT_MS", DP_DEFAULT_HELLO_MS);
   s->max_per_peer = cfg->max_per_peer ? cfg->max_per_peer : DP_DEFAULT_PER_PEER;

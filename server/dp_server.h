@@ -90,6 +90,10 @@ typedef struct dp_server_config {
    * but the HELLO is still required. Borrowed: it must outlive the server;
    * auth_keys_reload may swap its secrets at any time. */
   auth_keys *auth;
+  /* The shard's replica set (server/replica.h), borrowed; NULL: not
+   * replicated. Pushes and pulls are admitted by it; a primary's pushes are
+   * forwarded to its backups on the pool before they are acknowledged. */
+  struct replica *replica;
   /* Longest a connection may take to authenticate; 0 means 5 s (or the
    * environment's ZSHARD_DP_HELLO_TIMEOUT_MS, a knob for tests). */
   uint32_t hello_timeout_ms;

@@ -80,6 +80,7 @@
 #include "common/tsan.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "server/grpc_tls.h"
+#include "server/replica.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 /* Outstanding grpc_server_request_*_call per method: calls that arrive while
@@ -127,6 +128,9 @@ enum {
   M_CLOSE_JOB,
   M_READ_STATE,
   M_WRITE_STATE,
+  M_PROMOTE,
+  M_REPLICA_JOIN,
+  M_REPLICA_FETCH,
   M_HEALTH_CHECK,
   M_HEALTH_WATCH,
   M_COUNT,
@@ -161,6 +165,7 @@ struct gsrv {
   /* Per method, where answered calls are recorded (NULL: not recorded). */
   metrics_rpc *rpc_metric[M_COUNT];
   auth_keys *auth;         /* borrowed; NULL: authentication off */
+  replica *rep;            /* borrowed; NULL: not replicated */
   gtls *tls;               /* owned; NULL: plaintext */
   atomic_ullong refuse_ns; /* when a refusal was last logged */
   atomic_uint refused;     /* refusals not logged since */
@@ -194,6 +199,11 @@ struct gcall {
   gtag close_tag; /* Watch, parked calls: RECV_CLOSE_ON_SERVER */
   gsrv *s;        /* only used while the call is open */
   int method;
+  int admin; /* the caller's token grants the admin role (or tokens are off) */
+  /* A replicated primary's copy of a trainer's write, forwarded to the
+   * backups once it succeeded here, before the answer (finish). */
+  uint8_t *fwd;
+  size_t fwd_len;
   atomic_int refs;
   atomic_int claimed;
   uint64_t start_ns; /* clock_now_ns() when the request arrived */
@@ -262,6 +272,9 @@ static void h_list_checkpoints(gsrv *s, gcall *c, const uint8_t *msg, size_t len
 static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_promote(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_replica_join(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_replica_fetch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 
@@ -292,6 +305,10 @@ static const struct {
     [M_CLOSE_JOB] = {"/zshard.v1.ZShard/CloseJob", h_close_job, GSRV_SMALL_REQUEST_BYTES},
     [M_READ_STATE] = {"/zshard.v1.ZShard/ReadState", h_read_state, GSRV_SMALL_REQUEST_BYTES},
     [M_WRITE_STATE] = {"/zshard.v1.ZShard/WriteState", h_write_state, GSRV_MAX_REQUEST_BYTES},
+    [M_PROMOTE] = {"/zshard.v1.ZShard/Promote", h_promote, GSRV_SMALL_REQUEST_BYTES},
+    [M_REPLICA_JOIN] = {"/zshard.v1.ZShard/ReplicaJoin", h_replica_join, GSRV_SMALL_REQUEST_BYTES},
+    [M_REPLICA_FETCH] = {"/zshard.v1.ZShard/ReplicaFetch", h_replica_fetch,
+                         GSRV_SMALL_REQUEST_BYTES},
     [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check, GSRV_SMALL_REQUEST_BYTES},
     [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch, GSRV_SMALL_REQUEST_BYTES},
 };
@@ -356,6 +373,7 @@ static void gcall_unref(gcall *c) {
   release_grpc(c);
   gpr_free(c->peer);
   free(c->ckpt);
+  free(c->fwd);
   free(c);
 }
 
@@ -487,6 +505,22 @@ static void answer(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail
 /* Answers through answer() or, when the caller already holds the claim (after
  * a hop), through send_final(). */
 static void finish(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const char *detail) {
+  char ferr[GSRV_ERRLEN];
+  if (c->fwd && zs == ZS_OK) {
+    /* The write succeeded here: the backups get it before the trainer hears
+     * of it (server/replica.h). This blocks the polling thread. */
+    int rc = replica_forward_raw(c->s->rep, methods[c->method].path, c->fwd, c->fwd_len, ferr,
+                                 sizeof ferr);
+    if (rc) {
+      if (reply)
+        grpc_byte_buffer_destroy(reply);
+      reply = NULL;
+      zs = rc;
+      detail = ferr;
+    }
+  }
+  free(c->fwd);
+  c->fwd = NULL;
   if (claimed)
     send_final(c, reply, zs, detail);
   else
@@ -1463,6 +1497,13 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.serving = serving != 0;
   resp.data_port = s->data_port;
   resp.optimizer_steps = info.optimizer_steps;
+  Zshard__V1__ReplicaInfo ri = ZSHARD__V1__REPLICA_INFO__INIT;
+  Zshard__V1__ReplicaMember members[REPLICA_MAX_MEMBERS];
+  void *mptr[REPLICA_MAX_MEMBERS];
+  if (s->rep) {
+    replica_info(s->rep, &ri, members, mptr);
+    resp.replica = &ri;
+  }
   finish_msg(c, 0, &resp.base);
 }
 
@@ -1539,6 +1580,86 @@ static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
 /* Answered on the polling thread: the close waits for the worker (at most
  * the apply in progress), as an Open waits for the state lock. Calls of the
  * job parked in the core are answered ENOTOPEN from the worker meanwhile. */
+/* Promote, ReplicaJoin, ReplicaFetch: the replica set's own methods
+ * (server/replica.h). A server that is not replicated answers EUNIMPL. */
+static int no_replica(gsrv *s, gcall *c, const char *what) {
+  if (s->rep)
+    return 0;
+  char err[GSRV_ERRLEN];
+  snprintf(err, sizeof err, "%s: this server is not a member of a replica set (--replicas)", what);
+  finish_err(c, 0, ZS_EUNIMPL, err);
+  return 1;
+}
+
+static void h_promote(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  Zshard__V1__PromoteRequest *r =
+      UNPACK(Zshard__V1__PromoteRequest, zshard__v1__promote_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.PromoteRequest");
+    return;
+  }
+  uint64_t term = r->term;
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (no_replica(s, c, "Promote"))
+    return;
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__PromoteResponse resp = ZSHARD__V1__PROMOTE_RESPONSE__INIT;
+  int role = 0;
+  /* Blocks this polling thread for the peers' GetInfo (a short deadline):
+   * promotions are rare. */
+  int rc = replica_promote(s->rep, term, &resp.term, &role, &resp.version, err, sizeof err);
+  resp.role = (Zshard__V1__ReplicaRole)role;
+  if (rc)
+    finish_err(c, 0, rc, err);
+  else
+    finish_msg(c, 0, &resp.base);
+}
+
+static void h_replica_join(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  Zshard__V1__ReplicaJoinRequest *r = UNPACK(
+      Zshard__V1__ReplicaJoinRequest, zshard__v1__replica_join_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.ReplicaJoinRequest");
+    return;
+  }
+  uint64_t term = r->term;
+  uint32_t index = r->index;
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (no_replica(s, c, "ReplicaJoin"))
+    return;
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__ReplicaJoinResponse resp = ZSHARD__V1__REPLICA_JOIN_RESPONSE__INIT;
+  resp.term = term;
+  int rc = replica_join(s->rep, term, index, &resp.join_id, err, sizeof err);
+  if (rc)
+    finish_err(c, 0, rc, err);
+  else
+    finish_msg(c, 0, &resp.base);
+}
+
+static void h_replica_fetch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  Zshard__V1__ReplicaFetchRequest *r = UNPACK(
+      Zshard__V1__ReplicaFetchRequest, zshard__v1__replica_fetch_request__descriptor, msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.ReplicaFetchRequest");
+    return;
+  }
+  if (no_replica(s, c, "ReplicaFetch")) {
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return;
+  }
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__ReplicaFetchResponse resp = ZSHARD__V1__REPLICA_FETCH_RESPONSE__INIT;
+  /* Up to REPLICA_FETCH_ELEMS elements, packed (copied once) here. */
+  int rc = replica_fetch(s->rep, r, &resp, err, sizeof err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (rc)
+    finish_err(c, 0, rc, err);
+  else
+    finish_msg(c, 0, &resp.base);
+  replica_fetch_release(&resp);
+}
+
 static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   char err[GSRV_ERRLEN] = "";
   Zshard__V1__CloseJobRequest *r =
@@ -2084,6 +2205,9 @@ static const auth_role method_role[M_COUNT + 1] = {
     [M_RESTORE] = AUTH_ADMIN,
     [M_CLOSE_JOB] = AUTH_ADMIN,
     [M_WRITE_STATE] = AUTH_ADMIN,
+    [M_PROMOTE] = AUTH_TRAINER,
+    [M_REPLICA_JOIN] = AUTH_ADMIN,
+    [M_REPLICA_FETCH] = AUTH_ADMIN,
     [M_HEALTH_CHECK] = AUTH_NONE,
     [M_HEALTH_WATCH] = AUTH_NONE,
     /* An unknown method is answered UNIMPLEMENTED only to a caller with a
@@ -2130,12 +2254,14 @@ static void log_refusal(gsrv *s, gcall *c, int zs) {
  * its token does not allow its method; returns 0 otherwise. */
 static int authorize(gsrv *s, gcall *c) {
   auth_role need = method_role[c->method];
-  if (need == AUTH_NONE || !auth_keys_enabled(s->auth))
+  c->admin = !auth_keys_enabled(s->auth);
+  if (c->admin)
     return 0;
   size_t len = 0;
   const char *token = call_token(c, &len);
   auth_role role = auth_keys_check(s->auth, token, token ? len : 0);
-  if (auth_allows(role, need))
+  c->admin = auth_allows(role, AUTH_ADMIN);
+  if (need == AUTH_NONE || auth_allows(role, need))
     return 0;
   int zs = role == AUTH_NONE ? ZS_EUNAUTHENTICATED : ZS_EPERM;
   log_refusal(s, c, zs);
@@ -2145,6 +2271,70 @@ static int authorize(gsrv *s, gcall *c) {
          : token        ? "the call's token is not valid on this server"
                         : "the call carries no \"authorization: Bearer <token>\" metadata and "
                           "this server requires a token");
+  return -1;
+}
+
+/* What each method is to a replica set (server/replica.h). */
+static const replica_kind method_kind[M_COUNT] = {
+    [M_OPEN] = REPLICA_WRITE,
+    [M_INIT_PARAMS] = REPLICA_WRITE,
+    [M_PUSH] = REPLICA_WRITE,
+    [M_PULL] = REPLICA_READ,
+    [M_GRAD_STATS] = REPLICA_READ,
+    [M_APPLY] = REPLICA_WRITE,
+    [M_GET_INFO] = REPLICA_ANY,
+    [M_STATS] = REPLICA_READ,
+    [M_CHECKPOINT] = REPLICA_PRIMARY_ONLY,
+    [M_COMMIT_CHECKPOINT] = REPLICA_PRIMARY_ONLY,
+    [M_RESTORE] = REPLICA_WRITE,
+    [M_LIST_CHECKPOINTS] = REPLICA_READ,
+    [M_CLOSE_JOB] = REPLICA_WRITE,
+    [M_READ_STATE] = REPLICA_READ,
+    [M_WRITE_STATE] = REPLICA_WRITE,
+    [M_PROMOTE] = REPLICA_ANY,
+    [M_REPLICA_JOIN] = REPLICA_ANY,
+    [M_REPLICA_FETCH] = REPLICA_ANY,
+    [M_HEALTH_CHECK] = REPLICA_ANY,
+    [M_HEALTH_WATCH] = REPLICA_ANY,
+};
+
+/* A decimal metadata value of the call, or 0 (absent, malformed). */
+static uint64_t md_u64(const gcall *c, const char *key) {
+  for (size_t i = 0; i < c->md.count; i++) {
+    if (grpc_slice_str_cmp(c->md.metadata[i].key, key) != 0)
+      continue;
+    char buf[24];
+    size_t n = GRPC_SLICE_LENGTH(c->md.metadata[i].value);
+    if (n == 0 || n >= sizeof buf)
+      return 0;
+    memcpy(buf, GRPC_SLICE_START_PTR(c->md.metadata[i].value), n);
+    buf[n] = '\0';
+    char *end;
+    unsigned long long v = strtoull(buf, &end, 10);
+    return *end == '\0' && buf[0] >= '0' && buf[0] <= '9' ? (uint64_t)v : 0;
+  }
+  return 0;
+}
+
+/* The replica set's verdict on the call (replica_admit); a primary keeps a
+ * copy of a trainer's write for its backups (forwarded by finish once it
+ * succeeded here). Returns 0 to serve it, or -1 when answered. */
+static int replica_gate(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  int forward = 0;
+  int rc = replica_admit(s->rep, method_kind[c->method], md_u64(c, "zshard-replica-term"), c->admin,
+                         md_u64(c, "zshard-term"), &forward, err, sizeof err);
+  if (rc == 0 && forward) {
+    c->fwd = malloc(len ? len : 1);
+    c->fwd_len = len;
+    if (c->fwd)
+      memcpy(c->fwd, msg, len);
+    else
+      rc = status_fail(err, sizeof err, ZS_ENOMEM, "out of memory for the backups' copy");
+  }
+  if (rc == 0)
+    return 0;
+  answer(c, NULL, rc, err);
   return -1;
 }
 
@@ -2179,7 +2369,8 @@ static void dispatch(gsrv *s, gcall *c) {
   /* The message is in msg now; the byte buffer is not needed any more. */
   grpc_byte_buffer_destroy(c->payload);
   c->payload = NULL;
-  methods[c->method].fn(s, c, GRPC_SLICE_START_PTR(msg), GRPC_SLICE_LENGTH(msg));
+  if (!s->rep || replica_gate(s, c, GRPC_SLICE_START_PTR(msg), GRPC_SLICE_LENGTH(msg)) == 0)
+    methods[c->method].fn(s, c, GRPC_SLICE_START_PTR(msg), GRPC_SLICE_LENGTH(msg));
   /* The message may share its memory with other calls' messages (slices of
    * one read buffer), and the last unreference frees it on whichever polling
    * thread drops it, ordered by gRPC's own atomic reference count: invisible
@@ -2481,6 +2672,7 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   }
   s->auth = cfg->auth;
+  s->rep = cfg->replica;
   /* A Watch stream lives as long as its client wants: its duration is no
    * latency, so it is not recorded. */
   for (int m = 0; m < M_COUNT; m++)

@@ -134,6 +134,10 @@ typedef struct gsrv_config {
   const char *tls_cert_file;
   const char *tls_key_file;
   const char *tls_client_ca_file;
+  /* The shard's replica set (server/replica.h), borrowed; NULL: not
+   * replicated. Every call is admitted by it first; a primary forwards a
+   * trainer's write to its backups before serving it. */
+  struct replica *replica;
   /* The listener's limits; NULL means gsrv_limits_init's. Read only during
    * gsrv_start. */
   const gsrv_limits *limits;

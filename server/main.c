@@ -37,6 +37,7 @@
 #include "server/grpc_server.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
+#include "server/replica.h"
 #include "server/service.h"
 #include "zshard/zshard.h"
 
@@ -66,6 +67,11 @@ typedef struct options {
   const char *tls_key;
   const char *tls_client_ca;
   long long max_params, max_tensors; /* -1: derived from the memory limit */
+  /* The replica set (docs/OPERATIONS.md, "Replica sets"); NULL: none. */
+  const char *replicas;
+  long replica_index;
+  long failover_ms;
+  const char *peer_ca;
 } options;
 
 static void usage(FILE *f) {
@@ -126,6 +132,15 @@ static void usage(FILE *f) {
           "                     limit at 32 bytes each)\n"
           "  --max-tensors T    refuse a job of more than T tensors (ZSHARD_MAX_TENSORS;\n"
           "                     default: 1/16 of the memory limit at 1 KiB each)\n"
+          "  --replicas LIST    run as a member of this shard's replica set: LIST is the\n"
+          "                     gRPC host:port of every member, separated by '|', the\n"
+          "                     same on every member (ZSHARD_REPLICAS)\n"
+          "  --replica-index K  this server's place in LIST, from 0\n"
+          "                     (ZSHARD_REPLICA_INDEX; needed with --replicas)\n"
+          "  --failover-ms MS   a member that does not answer for MS is dropped by the\n"
+          "                     primary (ZSHARD_FAILOVER_MS, default 2000)\n"
+          "  --peer-ca PATH     PEM CA bundle the other members' certificates chain to\n"
+          "                     (ZSHARD_PEER_CA; default --tls-client-ca)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
@@ -200,6 +215,10 @@ enum {
   OPT_TLS_CLIENT_CA,
   OPT_MAX_PARAMS,
   OPT_MAX_TENSORS,
+  OPT_REPLICAS,
+  OPT_REPLICA_INDEX,
+  OPT_FAILOVER_MS,
+  OPT_PEER_CA,
   OPT_HELP,
   OPT_VERSION
 };
@@ -225,6 +244,7 @@ typedef struct raw_options {
   const char *tls_key;
   const char *tls_client_ca;
   const char *max_params, *max_tensors;
+  const char *replicas, *replica_index, *failover_ms, *peer_ca;
 } raw_options;
 
 static void read_environment(raw_options *r) {
@@ -247,6 +267,10 @@ static void read_environment(raw_options *r) {
   r->tls_client_ca = getenv("ZSHARD_TLS_CLIENT_CA");
   r->max_params = getenv("ZSHARD_MAX_PARAMS");
   r->max_tensors = getenv("ZSHARD_MAX_TENSORS");
+  r->replicas = getenv("ZSHARD_REPLICAS");
+  r->replica_index = getenv("ZSHARD_REPLICA_INDEX");
+  r->failover_ms = getenv("ZSHARD_FAILOVER_MS");
+  r->peer_ca = getenv("ZSHARD_PEER_CA");
 }
 
 /* Lets the flags override what read_environment found. Returns -1 to go on,
@@ -273,6 +297,10 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
       {"max-params", required_argument, NULL, OPT_MAX_PARAMS},
       {"max-tensors", required_argument, NULL, OPT_MAX_TENSORS},
+      {"replicas", required_argument, NULL, OPT_REPLICAS},
+      {"replica-index", required_argument, NULL, OPT_REPLICA_INDEX},
+      {"failover-ms", required_argument, NULL, OPT_FAILOVER_MS},
+      {"peer-ca", required_argument, NULL, OPT_PEER_CA},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
@@ -337,6 +365,18 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       break;
     case OPT_MAX_TENSORS:
       r->max_tensors = optarg;
+      break;
+    case OPT_REPLICAS:
+      r->replicas = optarg;
+      break;
+    case OPT_REPLICA_INDEX:
+      r->replica_index = optarg;
+      break;
+    case OPT_FAILOVER_MS:
+      r->failover_ms = optarg;
+      break;
+    case OPT_PEER_CA:
+      r->peer_ca = optarg;
       break;
     case OPT_HELP:
       usage(stdout);
@@ -495,6 +535,39 @@ static int set_shard_id(const raw_options *r, options *o) {
   return -1;
 }
 
+/* The replica set of `r` into `o` (checked here, so that a bad list is a
+ * usage error). Returns -1 to go on or EXIT_USAGE. */
+static int set_replicas(const raw_options *r, options *o) {
+  o->replicas = r->replicas && *r->replicas ? r->replicas : NULL;
+  o->peer_ca = r->peer_ca && *r->peer_ca ? r->peer_ca : o->tls_client_ca;
+  o->failover_ms = REPLICA_DEFAULT_FAILOVER_MS;
+  if (r->failover_ms && *r->failover_ms &&
+      (o->failover_ms = parse_long(r->failover_ms, 100, 600000)) < 0)
+    return bad_usage("--failover-ms (ZSHARD_FAILOVER_MS) must be a whole number from 100 to "
+                     "600000, not '%s'",
+                     r->failover_ms);
+  if (!o->replicas)
+    return -1;
+  char *addrs[REPLICA_MAX_MEMBERS];
+  char why[300];
+  int n = replica_parse_members(o->replicas, addrs, REPLICA_MAX_MEMBERS, why, sizeof why);
+  if (n < 0)
+    return bad_usage("%s", why);
+  for (int i = 0; i < n; i++)
+    free(addrs[i]);
+  o->replica_index = r->replica_index ? parse_long(r->replica_index, 0, n - 1) : -1;
+  if (o->replica_index < 0)
+    return bad_usage("--replicas needs --replica-index (ZSHARD_REPLICA_INDEX), this server's "
+                     "place in the list: 0 to %s",
+                     n == 2   ? "1"
+                     : n == 3 ? "2"
+                              : "the members' count - 1");
+  if (o->tls_cert && !o->peer_ca)
+    return bad_usage("%s", "a replica with --tls-cert needs the CA of its peers' certificates: "
+                           "--peer-ca or --tls-client-ca");
+  return -1;
+}
+
 /* Fills `o` from the flags and the environment. Returns -1 to go on, or the
  * exit status (0 after --help/--version, EXIT_USAGE on a bad flag). The
  * checks run in a fixed order, so a command line with several mistakes is
@@ -509,6 +582,8 @@ static int parse_options(int argc, char **argv, options *o) {
     rc = set_numbers(&r, o);
   if (rc < 0)
     rc = set_shard_id(&r, o);
+  if (rc < 0)
+    rc = set_replicas(&r, o);
   return rc;
 }
 
@@ -543,6 +618,7 @@ typedef struct shard {
   dp_server *dp;
   gsrv *srv;
   metrics_server *msrv;
+  replica *rep;    /* NULL: not replicated */
   auth_keys *auth; /* read before anything starts; freed last */
   tls_ctx *dp_tls; /* the data plane's TLS context (NULL: plain TCP); freed last */
 } shard;
@@ -583,6 +659,7 @@ static int start_transports(const options *o, shard *s) {
     dc.metrics = s->mx;
     dc.auth = s->auth;
     dc.tls = s->dp_tls;
+    dc.replica = s->rep;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
     if (rc) {
       LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o->data_listen,
@@ -599,7 +676,8 @@ static int start_transports(const options *o, shard *s) {
                     .auth = s->auth,
                     .tls_cert_file = o->tls_cert,
                     .tls_key_file = o->tls_key,
-                    .tls_client_ca_file = o->tls_client_ca};
+                    .tls_client_ca_file = o->tls_client_ca,
+                    .replica = s->rep};
   rc = gsrv_start(&gc, &s->srv, err, sizeof err);
   if (rc) {
     LOG_ERROR("startup_failed", "stage=grpc error=%s detail=\"%s\"", zs_err_name(rc), err);
@@ -635,6 +713,38 @@ static void set_job_limits(const options *o, service *sv) {
            o->max_tensors > 0 ? "flag" : "memory");
 }
 
+/* The replica set, when --replicas is given: its peers are called with the
+ * admin token (forwards need the admin role) and, with TLS, this server's
+ * own certificate. Returns 0 or an error, logged. */
+static int start_replica(const options *o, shard *s) {
+  if (!o->replicas)
+    return 0;
+  char token[4200] = "";
+  char err[600] = "";
+  int rc = 0;
+  /* Without an admin token file the trainers' token is the admin's too. */
+  const char *tf = o->admin_token_file ? o->admin_token_file : o->token_file;
+  if (tf && (rc = auth_read_token_file(tf, token, sizeof token, err, sizeof err)) < 0) {
+    LOG_ERROR("startup_failed", "stage=replica error=%s detail=\"%s\"", zs_err_name(rc), err);
+    return rc;
+  }
+  replica_config rc_cfg = {.members = o->replicas,
+                           .index = (uint32_t)o->replica_index,
+                           .failover_ms = (uint32_t)o->failover_ms,
+                           .core = s->c,
+                           .token = token,
+                           .tls_ca_file = o->tls_cert ? o->peer_ca : NULL,
+                           .tls_cert_file = o->tls_cert,
+                           .tls_key_file = o->tls_key};
+  rc = replica_create(&rc_cfg, &s->rep, err, sizeof err);
+  memset(token, 0, sizeof token);
+  if (rc)
+    LOG_ERROR("startup_failed", "stage=replica error=%s detail=\"%s\"", zs_err_name(rc), err);
+  else if (s->mx)
+    metrics_set_extra(s->mx, replica_metrics, s->rep);
+  return rc;
+}
+
 /* Starts everything in order (see the top of this file). Returns 0, or an
  * error, logged, with what did start left in `s` for shard_stop. */
 static int shard_start(const options *o, shard *s) {
@@ -656,16 +766,25 @@ static int shard_start(const options *o, shard *s) {
     LOG_ERROR("startup_failed", "stage=core error=%s", zs_err_name(rc));
     return rc;
   }
-  /* Nobody observes the service's hooks yet. */
-  rc = service_create(s->c, NULL, &s->sv);
+  rc = start_replica(o, s);
+  if (rc)
+    return rc;
+  /* The replica set hears of every applied step (a join starts at one). */
+  service_observer obs = {.applied = replica_on_applied, .arg = s->rep};
+  rc = service_create(s->c, s->rep ? &obs : NULL, &s->sv);
   if (rc) {
     LOG_ERROR("startup_failed", "stage=service error=%s", zs_err_name(rc));
     return rc;
   }
+  if (s->rep)
+    replica_set_service(s->rep, s->sv);
   set_job_limits(o, s->sv);
   rc = start_checkpoints(o, s);
   if (rc == 0)
     rc = start_transports(o, s);
+  char err[256] = "";
+  if (rc == 0 && s->rep && (rc = replica_start(s->rep, err, sizeof err)) != 0)
+    LOG_ERROR("startup_failed", "stage=replica error=%s detail=\"%s\"", zs_err_name(rc), err);
   return rc;
 }
 
@@ -680,6 +799,8 @@ static void shard_stop(shard *s) {
    * core they read goes away. */
   metrics_server_stop(s->msrv);
   ckpt_svc_destroy(s->svc);
+  /* The replica's forwards ran on the transports' threads, all stopped. */
+  replica_destroy(s->rep);
   service_destroy(s->sv);
   core_destroy(s->c);
   metrics_destroy(s->mx);

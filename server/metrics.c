@@ -49,6 +49,8 @@ struct metrics {
   pthread_mutex_t lock;
   size_t nrpc;
   metrics_rpc rpcs[METRICS_MAX_RPCS];
+  metrics_extra_fn extra; /* set before the endpoint starts */
+  void *extra_arg;
 };
 
 int metrics_create(uint32_t shard_id, metrics **out) {
@@ -212,6 +214,11 @@ static void histogram_lines(sbuf *b, const metrics *m, const char *name, const c
             s.count);
 }
 
+void metrics_set_extra(metrics *m, metrics_extra_fn fn, void *arg) {
+  m->extra = fn;
+  m->extra_arg = arg;
+}
+
 int metrics_render(metrics *m, core *c, char **out, size_t *len) {
   *out = NULL;
   *len = 0;
@@ -317,6 +324,8 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
                 (uint64_t)atomic_load_explicit(&m->rpcs[i].failed, memory_order_relaxed));
   }
 
+  if (m->extra && !b.oom && m->extra(m->extra_arg, &b.p, &b.len, &b.cap) != 0)
+    b.oom = 1;
   if (b.oom) {
     free(b.p);
     return ZS_ENOMEM;

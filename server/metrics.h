@@ -73,4 +73,10 @@ uint64_t metrics_process_rss(void);
  * *out (the caller frees it) and its length in *len, or ZS_ENOMEM. */
 int metrics_render(metrics *m, core *c, char **out, size_t *len);
 
+/* More lines for every render, appended by fn(arg, &buf, &len, &cap) to the
+ * text (realloc'ed; 0 or ZS_ENOMEM), e.g. the replica set's. Set it before
+ * the endpoint starts; fn runs on the rendering thread. */
+typedef int (*metrics_extra_fn)(void *arg, char **buf, size_t *len, size_t *cap);
+void metrics_set_extra(metrics *m, metrics_extra_fn fn, void *arg);
+
 #endif
