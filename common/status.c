@@ -72,6 +72,8 @@ int status_from_grpc(int grpc_code) {
     return ZS_ELIMIT;
   case 9:
     return ZS_ENOTREADY;
+  case 10:
+    return ZS_ESTALE;
   case 11:
     return ZS_ERANGE;
   case 12:

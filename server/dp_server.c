@@ -810,6 +810,8 @@ static void work_free(dp_work *w) {
 static void work_run_push_batch(dp_work *w) {
   size_t off = 0;
   w->err[0] = '\0';
+  core_push_args fwd[WIRE_MAX_BATCH];
+  uint32_t nfwd = 0;
   for (uint32_t i = 0; i < w->npieces; i++) {
     const wire_piece *pc = &w->pieces[i];
     core_push_args a = w->push;
@@ -822,7 +824,7 @@ static void work_run_push_batch(dp_work *w) {
     int dup = 0;
     int rc = service_push(w->svc, &a, &dup, err, sizeof err);
     if (rc == 0 && w->forward)
-      rc = replica_forward_push(w->forward, &a, err, sizeof err);
+      fwd[nfwd++] = a;
     w->piece_status[i] = rc;
     w->piece_dup[i] = rc == 0 && dup;
     if (rc != 0 && w->err[0] == '\0')
@@ -831,6 +833,16 @@ static void work_run_push_batch(dp_work *w) {
                  pc->slice, err[0] ? err : zs_strerror(rc));
     off += (size_t)pc->length;
   }
+  /* The accepted pieces go to the backups together before the batch is
+   * answered; if that fails, so do they. */
+  char err[DP_ERRLEN] = "";
+  int rc = nfwd ? replica_forward_pushes(w->forward, fwd, nfwd, err, sizeof err) : 0;
+  for (uint32_t i = 0; rc && i < w->npieces; i++)
+    if (w->piece_status[i] == 0) {
+      w->piece_status[i] = rc;
+      w->piece_dup[i] = 0;
+      status_say(w->err, sizeof w->err, "%s", err);
+    }
 }
 
 /* All pieces of a pull batch into one answer buffer, of one version. */

@@ -61,6 +61,7 @@ typedef struct member {
   uint64_t seen_term, seen_version, seen_hash;
   int seen_has_job, seen_primary, seen_lists_me;
   uint64_t last_ok_ms; /* 0: never */
+  int reachable;       /* the last probe was answered */
   uint64_t behind_since_ms;
 } member;
 
@@ -524,6 +525,99 @@ int replica_forward_push(replica *r, const core_push_args *a, char *err, size_t 
   return forward(r, send_push, a, a->nbytes, err, errlen);
 }
 
+/* The answers to pushes sent at once. */
+typedef struct push_wait {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint32_t pending;
+  int failed;
+} push_wait;
+
+static void on_push_done(void *arg, const dp_result *res) {
+  push_wait *w = arg;
+  pthread_mutex_lock(&w->mu);
+  if (res->status != 0)
+    w->failed = 1;
+  if (--w->pending == 0)
+    pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* Sends n pushes to member m at once (pipelined on its connections) and
+ * waits for every answer: 0 when all were taken. */
+static int send_pushes(replica *r, member *m, uint64_t term, const core_push_args *a, uint32_t n) {
+  dp_client *d = data_client(r, m, term);
+  if (!d)
+    return ZS_ECONN;
+  push_wait w = {.pending = n};
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  for (uint32_t i = 0; i < n; i++) {
+    dp_push_args p = {.spec_hash = a[i].hash,
+                      .step = a[i].step,
+                      .rank = a[i].rank,
+                      .micro = a[i].micro,
+                      .tensor = a[i].tensor,
+                      .slice = a[i].slice,
+                      .dtype = a[i].dtype,
+                      .data = a[i].data,
+                      .nbytes = a[i].nbytes,
+                      .timeout_ms = r->failover_ms};
+    if (dp_client_push(d, &p, on_push_done, &w) != 0) {
+      pthread_mutex_lock(&w.mu);
+      w.failed = 1;
+      w.pending--;
+      pthread_mutex_unlock(&w.mu);
+    }
+  }
+  pthread_mutex_lock(&w.mu);
+  while (w.pending)
+    pthread_cond_wait(&w.cv, &w.mu);
+  int failed = w.failed;
+  pthread_mutex_unlock(&w.mu);
+  pthread_mutex_destroy(&w.mu);
+  pthread_cond_destroy(&w.cv);
+  return failed ? ZS_ECONN : 0;
+}
+
+int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char *err,
+                           size_t errlen) {
+  fwd_target t[REPLICA_MAX_MEMBERS];
+  pthread_mutex_lock(&r->mu);
+  uint64_t term = r->term;
+  uint32_t nt = r->role == REPLICA_PRIMARY ? targets_locked(r, t) : 0;
+  pthread_mutex_unlock(&r->mu);
+  /* The common case at once; any failure takes the one-by-one path, which
+   * retries, drops or steps down (a repeat is acknowledged as a duplicate). */
+  int all = n > 1 && nt > 0;
+  for (uint32_t i = 0; all && i < nt; i++)
+    all = send_pushes(r, &r->m[t[i].idx], term, a, n) == 0;
+  if (all) {
+    pthread_mutex_lock(&r->mu);
+    for (uint32_t i = 0; i < nt; i++) {
+      member *m = &r->m[t[i].idx];
+      if (m->joining || !m->in_sync) /* settle() decides those */
+        all = 0;
+    }
+    if (all && r->term == term) {
+      uint64_t bytes = 0;
+      for (uint32_t k = 0; k < n; k++)
+        bytes += a[k].nbytes;
+      r->forwards += (uint64_t)n * nt;
+      r->forwarded_bytes += bytes * nt;
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (all)
+      return 0;
+  }
+  for (uint32_t k = 0; k < n; k++) {
+    int rc = replica_forward_push(r, &a[k], err, errlen);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
 typedef struct raw_req {
   const char *method;
   const void *msg;
@@ -789,6 +883,7 @@ void replica_fetch_release(Zshard__V1__ReplicaFetchResponse *resp) {
 /* Records what member i answered (info NULL: no answer). */
 static void record_locked(replica *r, uint32_t i, const Zshard__V1__GetInfoResponse *info) {
   member *m = &r->m[i];
+  m->reachable = info != NULL;
   if (!info)
     return;
   m->last_ok_ms = clock_now_ms();
@@ -821,7 +916,7 @@ static void probe_all(replica *r) {
 }
 
 static int fresh(const member *m) {
-  return m->last_ok_ms &&
+  return m->reachable && m->last_ok_ms &&
          clock_now_ms() - m->last_ok_ms < 2 * REPLICA_PROBE_MS + REPLICA_MONITOR_MS;
 }
 
@@ -1089,20 +1184,20 @@ static void monitor_primary_locked(replica *r, const core_info *info) {
     member *m = &r->m[i];
     if (i == r->index || !m->in_sync || !fresh(m))
       continue;
-    int empty = info->has_job && !m->seen_has_job;
-    int behind = m->seen_version + 1 < info->version;
-    int other = m->seen_role == REPLICA_STALE || m->seen_role == REPLICA_JOINING ||
-                (m->seen_term > r->term);
-    if (empty || other) {
-      drop_locked(r, i, ZS_EBEHIND, empty ? "it holds no job" : "it is not a backup of this term");
-      continue;
-    }
-    if (!behind) {
+    /* A probe may race a forward (the job opened here, its Open on the way):
+     * only a state that lasts the failover time counts. */
+    const char *why = info->has_job && !m->seen_has_job ? "it holds no job"
+                      : m->seen_version + 1 < info->version
+                          ? "its version is more than one step behind"
+                      : m->seen_role != REPLICA_BACKUP || m->seen_term != r->term
+                          ? "it is not a backup of this term"
+                          : NULL;
+    if (!why) {
       m->behind_since_ms = 0;
     } else if (!m->behind_since_ms) {
       m->behind_since_ms = now;
     } else if (now - m->behind_since_ms > r->failover_ms) {
-      drop_locked(r, i, ZS_EBEHIND, "its version stayed more than one step behind");
+      drop_locked(r, i, ZS_EBEHIND, why);
     }
   }
 }

@@ -125,6 +125,11 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
  * a backup knows a newer term (this replica stepped down). */
 int replica_forward_push(replica *r, const core_push_args *a, char *err, size_t errlen);
 
+/* replica_forward_push of n contributions at once: each backup gets all n
+ * pipelined (one wait, not n). */
+int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char *err,
+                           size_t errlen);
+
 /* Forwards a gRPC request as it came (`method` the full path, len bytes at
  * msg) to every backup; as replica_forward_push. */
 int replica_forward_raw(replica *r, const char *method, const void *msg, size_t len, char *err,

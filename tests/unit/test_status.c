@@ -49,6 +49,8 @@ static const struct {
     {ZS_EUNAUTHENTICATED, "ZS_EUNAUTHENTICATED", GRPC_STATUS_UNAUTHENTICATED},
     {ZS_EPERM, "ZS_EPERM", GRPC_STATUS_PERMISSION_DENIED},
     {ZS_ELIMIT, "ZS_ELIMIT", GRPC_STATUS_RESOURCE_EXHAUSTED},
+    {ZS_ENOTPRIMARY, "ZS_ENOTPRIMARY", GRPC_STATUS_FAILED_PRECONDITION},
+    {ZS_ESTALE, "ZS_ESTALE", GRPC_STATUS_ABORTED},
 };
 #define NCODES (sizeof k_codes / sizeof k_codes[0])
 
@@ -81,7 +83,7 @@ static void every_code_has_its_sentence_and_name(void **state) {
 
 static void unknown_codes_get_generic_text(void **state) {
   (void)state;
-  const int unknown[] = {1, 42, -26, -1000, INT32_MIN, INT32_MAX};
+  const int unknown[] = {1, 42, -28, -1000, INT32_MIN, INT32_MAX};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_string_equal(zs_strerror(unknown[i]), "unknown error");
     assert_string_equal(zs_err_name(unknown[i]), "ZS_UNKNOWN");
@@ -119,7 +121,7 @@ static void grpc_codes_map_back_to_the_most_general_status(void **state) {
   /* Codes zshard never sends, and nonsense, are internal errors. */
   assert_int_equal(status_from_grpc(GRPC_STATUS_UNKNOWN), ZS_EINTERNAL);
   assert_int_equal(status_from_grpc(GRPC_STATUS_INTERNAL), ZS_EINTERNAL);
-  assert_int_equal(status_from_grpc(GRPC_STATUS_ABORTED), ZS_EINTERNAL);
+  assert_int_equal(status_from_grpc(GRPC_STATUS_ABORTED), ZS_ESTALE);
   assert_int_equal(status_from_grpc(-1), ZS_EINTERNAL);
   assert_int_equal(status_from_grpc(1000), ZS_EINTERNAL);
   /* Whatever a server sends for a zs code comes back as a code with the same
