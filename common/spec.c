@@ -331,6 +331,8 @@ int spec_validate(spec *s, char *err, size_t errlen) {
   if (s->param_dtype != ZS_DTYPE_BF16 && s->param_dtype != ZS_DTYPE_FP16)
     return status_fail(err, errlen, ZS_EINVAL, "param_dtype %d is neither bf16 (%d) nor fp16 (%d)",
                        (int)s->param_dtype, ZS_DTYPE_BF16, ZS_DTYPE_FP16);
+  if (s->pipelined != 0 && s->pipelined != 1)
+    return status_fail(err, errlen, ZS_EINVAL, "pipelined is %d, not 0 or 1", s->pipelined);
 
   if (s->num_groups < 1 || s->num_groups > SPEC_MAX_GROUPS)
     return status_fail(err, errlen, ZS_EINVAL, "%u param groups, expected 1..%u", s->num_groups,
@@ -390,6 +392,10 @@ int spec_validate(spec *s, char *err, size_t errlen) {
  *   u32 num_tensors, then per tensor:
  *     u32 len(name), name bytes
  *     u64 numel, u32 group, u32 ndim, u64 shape[0 .. ndim)
+ *   u32 1, only for a pipelined job: a gated job's encoding (and so its hash
+ *     and its checkpoints) is what it was before the field existed, and the
+ *     tensors' counted encoding ends where this begins, so no two specs
+ *     share an encoding
  *
  * Lengths precede strings so that no two different specs encode to the same
  * bytes ("ab" + "c" vs "a" + "bc"). Shape entries at and beyond ndim are not
@@ -477,6 +483,8 @@ static void spec_emit(const spec *s, sink *k) {
     for (uint32_t d = 0; d < ndim; d++)
       put_u64(k, t->shape[d]);
   }
+  if (s->pipelined)
+    put_u32(k, (uint32_t)s->pipelined);
 }
 
 static void hash_put(sink *k, const unsigned char *p, size_t n) {

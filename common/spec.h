@@ -123,6 +123,12 @@ typedef struct spec {
   uint64_t split_threshold; /* elements; never 0 after spec_validate */
   spec_reduce reduce;
   zs_dtype param_dtype; /* ZS_DTYPE_BF16 or ZS_DTYPE_FP16 */
+  /* 0 or 1. A pipelined job has no global gate: a shard applies each piece
+   * as soon as its W*M contributions are in (with the step's lr, which the
+   * Apply brings ahead of them) and answers that piece's pulls at once; no
+   * gradient statistics, so no clipping and no overflow check (DESIGN.md,
+   * "A step"). Hashed, so every trainer, shard and replica agrees. */
+  int pipelined;
 } spec;
 
 /* Fills `g` with torch's defaults for `opt` (AdamW: betas 0.9/0.999, eps 1e-8,

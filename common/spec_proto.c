@@ -59,6 +59,7 @@ int spec_from_proto(spec *out, const Zshard__V1__ModelSpec *msg, char *err, size
   out->param_dtype = msg->param_dtype == ZSHARD__V1__DTYPE__DTYPE_UNSPECIFIED
                          ? ZS_DTYPE_BF16
                          : (zs_dtype)msg->param_dtype;
+  out->pipelined = msg->pipelined != 0;
 
   if (!(out->job = strdup(msg->job ? msg->job : "")))
     goto fail_nomem;
@@ -155,6 +156,7 @@ int spec_to_proto(const spec *s, Zshard__V1__ModelSpec *msg) {
   msg->split_threshold = s->split_threshold;
   msg->grad_reduce = (Zshard__V1__GradReduce)s->reduce;
   msg->param_dtype = (Zshard__V1__DType)s->param_dtype;
+  msg->pipelined = s->pipelined != 0;
   return 0;
 
 fail:

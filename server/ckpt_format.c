@@ -186,6 +186,13 @@ int ckpt__dec_spec(const uint8_t *p, size_t n, spec *out, char *why, size_t whyl
     goto oom;
   if (c.bad)
     goto bad;
+  /* A pipelined job's encoding ends in u32 1 (spec.c); a gated one's ends
+   * with its tensors. */
+  if (c.left == 4) {
+    out->pipelined = (int)cur_u32(&c);
+    if (out->pipelined != 1)
+      goto bad;
+  }
   if (c.left != 0) {
     spec_free(out);
     return status_fail(why, whylen, ZS_EPROTO, "the spec section has %zu bytes after its end",

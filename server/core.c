@@ -58,10 +58,6 @@
 #include "common/log.h"
 #include "common/status.h"
 
-/* Elements per chunk of the optimizer pass: a multiple of LAYOUT_ALIGN_ELEMS so
- * that every chunk starts 64-byte aligned, and large enough that handing out a
- * chunk costs nothing next to running it. */
-#define CORE_APPLY_CHUNK 65536u
 #define CORE_ARENA_ALIGN 64u
 
 /* ---------------------------------------------------------------- helpers */
@@ -80,6 +76,9 @@ void *core__arena_alloc(uint64_t bytes) {
 /* ---------------------------------------------------------------- job */
 
 static void core_job_free(core *c) {
+  /* First, so that core_unpin_low, which may run on any thread, no longer
+   * finds low_cur and so never looks at by_off and piece_pins below. */
+  core__low_release(c);
   for (uint32_t i = 0; i < c->pieces_inited; i++) {
     piece_state *ps = &c->pieces[i];
     free(ps->init_chunks);
@@ -97,7 +96,6 @@ static void core_job_free(core *c) {
   free(c->acc);
   free(c->m);
   free(c->v);
-  core__low_release(c);
   free(c->low_crc);
   c->low_crc = NULL;
   free(c->q8);
@@ -110,6 +108,17 @@ static void core_job_free(core *c) {
   free(c->tasks);
   free(c->block_sums);
   free(c->block_nonfinite);
+  free(c->ready);
+  free(c->batch);
+  free(c->ptasks);
+  free(c->piece_pins);
+  free(c->by_off);
+  c->piece_pins = NULL;
+  c->by_off = NULL;
+  c->ready = c->batch = NULL;
+  c->ptasks = NULL;
+  c->nready = c->nbatch = c->nahead = 0;
+  c->pipelined = 0;
   free(c->apply_glr);
   free(c->last_glr);
   c->apply_glr = c->last_glr = NULL;
@@ -131,6 +140,11 @@ static void core_job_free(core *c) {
   c->nranges = 0;
   c->ntasks = 0;
   c->nblocks = 0;
+}
+
+static int core_piece_at_cmp(const void *a, const void *b) {
+  uint64_t x = ((const struct core_piece_at *)a)->off, y = ((const struct core_piece_at *)b)->off;
+  return x < y ? -1 : x > y;
 }
 
 /* Builds everything the job needs on this shard from c->spec. Called under
@@ -194,6 +208,13 @@ static int core_job_build(core *c) {
   }
   c->master = core__arena_alloc(b32);
   c->acc = core__arena_alloc(b32);
+  c->piece_pins = calloc((size_t)c->npieces + 1, sizeof *c->piece_pins);
+  c->by_off = calloc((size_t)c->npieces + 1, sizeof *c->by_off);
+  if (!c->piece_pins || !c->by_off)
+    return ZS_ENOMEM;
+  for (uint32_t i = 0; i < c->npieces; i++)
+    c->by_off[i] = (struct core_piece_at){.off = c->pieces[i].lp->arena_off, .index = i};
+  qsort(c->by_off, c->npieces, sizeof *c->by_off, core_piece_at_cmp);
   int low_rc = core__low_create(c);
   if (need_m)
     c->m = core__arena_alloc(b32);
@@ -234,6 +255,14 @@ static int core_job_build(core *c) {
   c->block_sums = calloc(c->nblocks + 1, sizeof *c->block_sums);
   c->block_nonfinite = calloc(c->nblocks + 1, sizeof *c->block_nonfinite);
   if (!c->block_sums || !c->block_nonfinite)
+    return ZS_ENOMEM;
+  /* The pipelined step's lists; its passes chunk each piece on its own: at
+   * most one chunk more per piece than the ranges' chunks. */
+  c->pipelined = c->spec.pipelined;
+  c->ready = calloc((size_t)c->npieces + 1, sizeof *c->ready);
+  c->batch = calloc((size_t)c->npieces + 1, sizeof *c->batch);
+  c->ptasks = calloc((size_t)(c->nelems / CORE_APPLY_CHUNK) + c->npieces + 1, sizeof *c->ptasks);
+  if (!c->ready || !c->batch || !c->ptasks)
     return ZS_ENOMEM;
   c->apply_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->apply_glr);
   c->last_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->last_glr);

@@ -144,6 +144,23 @@ typedef void (*core_version_cb)(void *arg, int status, uint64_t version);
 int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
                       core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen);
 
+/* One piece a pull reads: core_wait_pieces. */
+typedef struct core_piece_id {
+  uint32_t tensor, slice;
+} core_piece_id;
+
+/* core_wait_version for the pieces a pull reads (n of them; `pieces` is
+ * only read during the call; n 0 is core_wait_version): in a gated job a
+ * piece's version is the shard's, and this is core_wait_version; in a
+ * pipelined job (spec.pipelined) a piece the pending step already applied
+ * is at version + 1 before the shard is, and a wait for it ends then, so
+ * that pulls of applied pieces overlap the pushes of the others. cb gets
+ * the lowest version of the pieces. A piece this shard does not own is
+ * ZS_ENOTFOUND (nothing is registered). */
+int core_wait_pieces(core *c, uint64_t hash, const core_piece_id *pieces, uint32_t n,
+                     uint64_t min_version, uint64_t deadline_ms, core_version_cb cb, void *arg,
+                     uint64_t *version, char *err, size_t errlen);
+
 /* Ends at once the waits of core_wait_version and core_grad_stats registered
  * with `arg`: their callbacks run with ZS_ECANCELED on the calling thread
  * before this returns (one that already fired is not found). For a transport
@@ -154,7 +171,8 @@ int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t dea
 void core_cancel_waits(core *c, void *arg);
 
 /* Copies piece (tensor, slice) in `dtype` into dst (exactly numel * dtype size
- * bytes), consistent with one version, reported in *version. Never blocks on
+ * bytes), consistent with one version, reported in *version: the piece's
+ * (version + 1 for a piece a pipelined step applied ahead). Never blocks on
  * the optimizer longer than one apply. */
 int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
               size_t nbytes, uint64_t *version, char *err, size_t errlen);
@@ -206,7 +224,8 @@ int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs
  * pins the arena: the caller sends the bytes from there and calls
  * core_unpin_low(c, *data) once they are out (from any thread; it never
  * blocks). Nobody waits for a pin: an apply, restore, state write or close
- * that finds answers pinned writes a fresh copy (or frees nothing) and the
+ * that finds answers pinned (a pipelined job's piece apply: answers of the
+ * pieces it writes) writes a fresh copy (or frees nothing) and the
  * pinned one stays intact, with its version's bytes, until its last pin is
  * released; a peer that stalls mid-answer costs one copy of the 16-bit
  * weights, never the other trainers' time. Past CORE_LOW_RETIRED_MAX such
@@ -235,7 +254,7 @@ int64_t core_piece_bytes_err(core *c, uint64_t hash, uint32_t tensor, uint32_t s
  * step already applied, whose statistics are kept). Waits until all W*M
  * contributions of every piece are in and the statistics are computed. On
  * timeout the callback gets ZS_ETIMEDOUT and core_missing() says what is
- * missing. */
+ * missing. A pipelined job has none: ZS_EINVAL with a sentence. */
 typedef struct core_stats_result {
   uint64_t step;
   double sum_squares;
@@ -268,7 +287,18 @@ uint32_t core_missing(core *c, uint64_t step, core_missing_entry *out, uint32_t 
  * touching weights or moments (the accumulator is cleared). Non-finite
  * gradients without skip are ZS_ENONFINITE and change nothing. A repeat for an
  * applied step with the same (lr, coef, skip) returns the recorded outcome at
- * once; different arguments are ZS_EEXIST. */
+ * once; different arguments are ZS_EEXIST.
+ *
+ * In a pipelined job (spec.pipelined) the Apply of the pending step comes
+ * ahead of its contributions: it is accepted whether they are in or not
+ * (even before the initial weights, which the pieces then wait for) and
+ * answered at once with ZS_OK and
+ * out->version below step (the callback is never called); the worker then
+ * applies each piece when its last contribution lands, with the same
+ * kernel, plans and accumulator as the gated apply, and the version
+ * advances once every piece is applied (the applied hook runs then). A
+ * repeat with the same arguments gets the same answer, or the recorded
+ * outcome once the step is applied; skip is ZS_EINVAL. */
 typedef struct core_apply_result {
   uint64_t step, version;
   int skipped;
@@ -365,6 +395,10 @@ const layout *core_layout(core *c);
  * statistics, an apply, or a wait for a version above version + 1) comes from
  * a trainer that is ahead of the restored shard and gets ZS_EBEHIND naming the
  * checkpoint, as do the waits that were pending when the state was replaced.
+ *
+ * In a pipelined job a version is whole only until the next step applies its
+ * first piece: a snapshot of it must be registered before then (the worker
+ * takes it before that piece), later it is ZS_ESTEP like a version passed.
  */
 
 /* The shard's state at exactly one version, as core_snapshot shows it. Every

@@ -44,6 +44,15 @@ static int core_find_piece(core *c, uint32_t tensor, uint32_t slice, piece_state
   return 0;
 }
 
+int core__piece_index(core *c, uint32_t tensor, uint32_t slice, uint32_t *index, char *err,
+                      size_t errlen) {
+  piece_state *ps = NULL;
+  int rc = core_find_piece(c, tensor, slice, &ps, err, errlen);
+  if (rc == 0)
+    *index = (uint32_t)(ps - c->pieces);
+  return rc;
+}
+
 static int core_check_payload(const piece_state *ps, int dtype, size_t nbytes, const void *data,
                               char *err, size_t errlen) {
   int rc = dtype_check(dtype, err, errlen);
@@ -94,6 +103,11 @@ static void piece_low_crc(core *c, uint32_t i) {
 
 void core__low_crc_task(void *arg, size_t i) {
   piece_low_crc(arg, (uint32_t)i);
+}
+
+void core__low_crc_batch_task(void *arg, size_t i) {
+  core *c = arg;
+  piece_low_crc(c, c->batch[i]);
 }
 
 /* zeroed: the first buffer of a job (its padding stays 0); else the caller
@@ -177,9 +191,37 @@ void core__low_writable(core *c, const char *what) {
   low_buf *gone = low_retire(c, c->low_cur);
   c->low_cur = fresh;
   c->low = fresh->data;
+  /* The pins are the retired buffer's now. */
+  if (c->piece_pins && c->npieces > 0)
+    memset(c->piece_pins, 0, (size_t)c->npieces * sizeof *c->piece_pins);
   pthread_mutex_unlock(&c->low_mu);
   low_buf_free(gone);
   LOG_DEBUG("low_copy_retired", "shard=%u what=%s answers=%" PRIu64, c->shard_id, what, pins);
+}
+
+void core__low_batch_writable(core *c) {
+  int pinned = 0;
+  pthread_mutex_lock(&c->low_mu);
+  for (uint32_t b = 0; b < c->nbatch && !pinned; b++)
+    pinned = c->piece_pins[c->batch[b]] > 0;
+  pthread_mutex_unlock(&c->low_mu);
+  if (pinned)
+    core__low_writable(c, "piece apply");
+}
+
+/* The local index of the piece whose low copy holds element `off` of the
+ * arena (by_off is sorted; off lies in some piece). Called with low_mu held
+ * while low_cur is set. */
+static uint32_t piece_at(const core *c, uint64_t off) {
+  uint32_t lo = 0, hi = c->npieces; /* the answer is in [lo, hi) */
+  while (hi - lo > 1) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    if (c->by_off[mid].off <= off)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return c->by_off[lo].index;
 }
 
 int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
@@ -200,6 +242,7 @@ int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dty
      * *data points into. */
     pthread_mutex_lock(&c->low_mu);
     c->low_cur->pins++;
+    c->piece_pins[i]++; /* a pipelined pass of this piece copies the arena first */
     pthread_mutex_unlock(&c->low_mu);
   }
   pthread_rwlock_unlock(&c->state_rw);
@@ -218,6 +261,9 @@ void core_unpin_low(core *c, const void *data) {
   low_buf *b = c->low_cur;
   if (b && b->pins > 0 && p >= b->data && p < b->data + b->nelems) {
     b->pins--;
+    uint32_t *pp = &c->piece_pins[piece_at(c, (uint64_t)(p - b->data))];
+    if (*pp > 0)
+      (*pp)--;
     found = 1;
   }
   for (low_buf **pb = &c->low_retired; !found && *pb; pb = &(*pb)->next) {
@@ -477,7 +523,15 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   bit_set(ps->received, k);
   atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
   completed = ps->next_k == c->WM;
-  if (completed) {
+  if (completed && c->pipelined) {
+    /* The worker applies it once the step's Apply is in (core_wait.c). */
+    pthread_mutex_lock(&c->mu);
+    c->complete_pieces++;
+    c->ready[c->nready++] = (uint32_t)(ps - c->pieces);
+    if (c->apply_state == APPLY_QUEUED)
+      pthread_cond_signal(&c->worker_cv);
+    pthread_mutex_unlock(&c->mu);
+  } else if (completed) {
     pthread_mutex_lock(&c->mu);
     if (++c->complete_pieces == c->npieces) {
       c->stats_phase = STATS_COMPUTING;
@@ -560,8 +614,10 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
           *crc = crc32c(*crc, out + b, len);
       }
     }
+    /* A piece a pipelined step applied ahead of the others is at the
+     * pending step's version already. */
     if (version)
-      *version = c->version;
+      *version = c->version + (uint64_t)ps->ahead;
   }
   pthread_rwlock_unlock(&c->state_rw);
   /* Pulls are counted by the transport (core_count_pull), which knows the

@@ -47,6 +47,11 @@ typedef struct piece_state {
    * have been asked for). Guarded by state_rw like the low copy. */
   uint64_t q8_off;
   int q8_fresh;
+  /* Pipelined jobs: 1 once the piece is applied for the pending step
+   * (version + 1) while others are not yet, so that its version is
+   * version + 1. Written under state_rw exclusive and mu, like the version,
+   * so either lock reads it; 0 again when the step completes. */
+  int ahead;
 } piece_state;
 
 typedef enum stats_phase {
@@ -92,6 +97,10 @@ typedef struct waiter {
   uint64_t version;
   core_stats_result stats;
   core_apply_result apply;
+  /* A version waiter for some pieces (core_wait_pieces): their local
+   * indices; nwait 0 waits for the whole shard's version. */
+  uint32_t nwait;
+  uint32_t wait[];
 } waiter;
 
 /* One low-precision copy of the master weights (the arena core_pin_low
@@ -130,6 +139,11 @@ typedef struct ckpt_call {
   core_snapshot_done on_done;
   void *on_done_arg;
 } ckpt_call;
+
+/* Elements per chunk of the optimizer pass: a multiple of LAYOUT_ALIGN_ELEMS so
+ * that every chunk starts 64-byte aligned, and large enough that handing out a
+ * chunk costs nothing next to running it. */
+#define CORE_APPLY_CHUNK 65536u
 
 /* One chunk of the optimizer pass: n elements from `begin` within range. */
 typedef struct apply_task {
@@ -188,6 +202,28 @@ struct core {
   float **range_v;
   apply_task *tasks;
   size_t ntasks;
+  /* Pipelined jobs (spec.pipelined, DESIGN.md "A step"): the pieces whose
+   * W*M contributions are in but which are not yet applied (ready, nready,
+   * under mu), how many are applied for the pending step (nahead, under
+   * state_rw exclusive and mu), and the worker's own copies for the pass
+   * over a batch of them: the batch, its optimizer tasks (room for every
+   * piece's chunks) and the time its passes took so far in the step. */
+  int pipelined;
+  /* Per piece (local index), the answers pinned in low_cur (under low_mu),
+   * so that a piece's apply copies the low arena only when that piece is
+   * being sent from it; and the pieces by arena offset, for core_unpin_low
+   * to find a pinned pointer's piece. Both live while low_cur does:
+   * core_job_free releases low_cur first. */
+  uint32_t *piece_pins;
+  struct core_piece_at {
+    uint64_t off;
+    uint32_t index;
+  } * by_off;
+  uint32_t *ready, nready;
+  uint32_t nahead;
+  uint32_t *batch, nbatch;
+  apply_task *ptasks;
+  double pipe_seconds;
   double *block_sums; /* per statistics block, written by the pool */
   int *block_nonfinite;
   size_t nblocks;
@@ -284,6 +320,13 @@ int core__behind(const core *c, const char *what, uint64_t step, char *err, size
 
 /* core_data.c: the low copy's CRCs and pins, for the writers of the arena. */
 void core__low_crc_task(void *arg, size_t i);
+/* core__low_crc_task for the i-th piece of c->batch (a pipelined pass). */
+void core__low_crc_batch_task(void *arg, size_t i);
+/* The local index of piece (tensor, slice), or a status with a sentence
+ * (ZS_ENOTFOUND when this shard does not own it). Called with state_rw or
+ * mu held and the job open. */
+int core__piece_index(core *c, uint32_t tensor, uint32_t slice, uint32_t *index, char *err,
+                      size_t errlen);
 /* With state_rw held exclusively, before a writer (apply, restore, state
  * write) changes c->low: when answers are pinned in the current buffer,
  * makes a copy of it current and retires the pinned one, so that nobody
@@ -293,6 +336,11 @@ void core__low_crc_task(void *arg, size_t i);
 void core__low_writable(core *c, const char *what);
 /* Allocates the job's first low buffer (core_job_build); ZS_ENOMEM. */
 int core__low_create(core *c);
+/* With state_rw exclusive, before a pipelined pass writes the low copy of
+ * the c->nbatch pieces of c->batch: core__low_writable when one of them has
+ * an answer pinned, else nothing (answers of other pieces keep reading the
+ * bytes they pinned, which the pass does not write). */
+void core__low_batch_writable(core *c);
 /* Lets go of the job's low buffer (core_job_free): freed at once without
  * pins, else retired until its last answer is sent. */
 void core__low_release(core *c);

@@ -46,12 +46,16 @@ void core__ckpt_call_finish(ckpt_call *call, int status) {
 
 /* Takes the first snapshot waiter whose version is the current one (and whose
  * pieces are all initialised) off the list, and moves those whose version is
- * gone to the fire list with ZS_ESTEP. Called on the worker with mu held. */
+ * gone to the fire list with ZS_ESTEP. A pipelined step that applied a piece
+ * ahead has left the current version behind too: the arenas no longer hold
+ * it whole. The worker takes snapshots before it applies pieces, so a
+ * snapshot registered before the step's first piece completed is taken at
+ * its version. Called on the worker with mu held. */
 waiter *core__take_snapshot(core *c, waiter **fire) {
   waiter *ready = NULL;
   for (waiter **pw = &c->snapshot_waiters; *pw;) {
     waiter *w = *pw;
-    if (w->key < c->version) {
+    if (w->key < c->version || (w->key == c->version && c->nahead > 0)) {
       core__unlink(c, w);
       w->status = ZS_ESTEP;
       waiter_push(fire, w);
@@ -136,6 +140,7 @@ void core__run_restore(core *c, ckpt_call *call) {
     ps->nheld = 0;
     ps->next_k = 0;
     ps->one_before_zero = 0;
+    ps->ahead = 0;
     ps->initialized = 1;
     free(ps->init_chunks);
     ps->init_chunks = NULL;
@@ -158,6 +163,9 @@ void core__run_restore(core *c, ckpt_call *call) {
   c->pending_cs_len = 0;
   c->initialized_pieces = c->npieces;
   c->apply_state = APPLY_NONE;
+  c->nready = 0;
+  c->nahead = 0;
+  c->pipe_seconds = 0;
   c->last_apply_valid = 0;
   c->last_stats_valid = 0;
   c->ckpt_loaded = 1;

@@ -135,6 +135,17 @@ int core__add_timed(core *c, waiter **list, waiter *w) {
 
 /* ---------------------------------------------------------------- worker */
 
+/* The version a version waiter sees: the shard's, or the lowest of its
+ * pieces' (a piece a pipelined step applied ahead is at version + 1).
+ * Called with mu held. */
+static uint64_t core_waiter_version(const core *c, const waiter *w) {
+  uint64_t v = c->version;
+  int all_ahead = w->nwait > 0;
+  for (uint32_t i = 0; i < w->nwait && all_ahead; i++)
+    all_ahead = c->pieces[w->wait[i]].ahead;
+  return v + (uint64_t)all_ahead;
+}
+
 /* Moves every version waiter whose condition holds to the fire list. Called
  * with mu held. */
 void core__collect_versions(core *c, waiter **fire) {
@@ -142,10 +153,11 @@ void core__collect_versions(core *c, waiter **fire) {
     return;
   for (waiter **pw = &c->version_waiters; *pw;) {
     waiter *w = *pw;
-    if (w->key <= c->version) {
+    uint64_t v = core_waiter_version(c, w);
+    if (w->key <= v) {
       core__unlink(c, w);
       w->status = ZS_OK;
-      w->version = c->version;
+      w->version = v;
       waiter_push(fire, w);
     } else {
       pw = &w->next;
@@ -232,6 +244,98 @@ static void core_apply_chunk(void *arg, size_t i) {
               (size_t)t->n);
 }
 
+/* The plans of every range for the queued apply of step opt_steps. Called
+ * on the worker with state_rw exclusive; lr, coef and glr as read under mu. */
+static void core_build_plans(core *c, double lr, float coef, const double *glr,
+                             uint64_t opt_steps) {
+  float grad_scale =
+      c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+  for (uint32_t r = 0; r < c->nranges; r++) {
+    optim_params p = core_group_params(c, c->ranges[r].group);
+    p.lr = glr ? glr[c->ranges[r].group] : lr * c->spec.groups[c->ranges[r].group].lr_scale;
+    p.step = opt_steps;
+    p.grad_scale = grad_scale;
+    optim_plan_init(&c->plans[r], &p);
+  }
+}
+
+/* What finishing a step leaves for after the locks: the hook to tell. */
+typedef struct step_done {
+  core_applied_fn applied;
+  void *applied_arg;
+  core_apply_result result;
+} step_done;
+
+/* The step `step` is applied on every piece (or skipped): resets the pieces'
+ * step state, advances the version, records the outcome and collects the
+ * apply and version waiters. Called on the worker with state_rw exclusive
+ * and mu held. */
+static void core_finish_step(core *c, uint64_t step, int skip, uint64_t opt_steps, double seconds,
+                             waiter **fire, step_done *done) {
+  /* Every piece completed the step, so nothing is held: only the bitmaps and
+   * next_k need resetting. No push runs while state_rw is held exclusively. */
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    c->pieces[i].next_k = 0;
+    c->pieces[i].one_before_zero = 0;
+    c->pieces[i].ahead = 0;
+  }
+  c->nahead = 0;
+  if (c->npieces > 0)
+    memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);
+  atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
+  histogram_observe_seconds(c->apply_hist, seconds);
+  c->version = step;
+  c->optimizer_steps = opt_steps;
+  /* The pending client state cannot change once the apply is queued, so the
+   * one read here is the one recorded for this step, if any. */
+  if (c->pending_cs_step == step && c->pending_cs_len > 0) {
+    memcpy(c->client_state, c->pending_cs, c->pending_cs_len);
+    c->client_state_len = c->pending_cs_len;
+  }
+  c->pending_cs_step = 0;
+  c->pending_cs_len = 0;
+  c->ckpt_untouched = 0;
+  c->applies++;
+  if (skip)
+    c->skipped_steps++;
+  c->apply_seconds_total += seconds;
+  c->last_stats = c->stats;
+  c->last_stats_valid = !c->pipelined; /* a pipelined step has no statistics */
+  c->last_apply_valid = 1;
+  c->last_lr = c->apply_lr;
+  c->last_coef = c->apply_coef;
+  c->last_skip = skip;
+  c->last_nglr = c->apply_nglr;
+  if (c->apply_nglr)
+    memcpy(c->last_glr, c->apply_glr, c->apply_nglr * sizeof *c->last_glr);
+  c->last_apply = (core_apply_result){
+      .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
+  c->apply_state = APPLY_NONE;
+  core__begin_step(c);
+  while (c->apply_waiters) {
+    waiter *w = c->apply_waiters;
+    core__unlink(c, w);
+    w->status = ZS_OK;
+    w->apply = c->last_apply;
+    waiter_push(fire, w);
+  }
+  core__collect_versions(c, fire);
+  done->applied = c->applied_fn;
+  done->applied_arg = c->applied_arg;
+  done->result = c->last_apply;
+}
+
+/* After the locks: the hook, then the callbacks. Called on the worker. */
+static void core_step_tell(core *c, const step_done *done, waiter *fire) {
+  LOG_DEBUG("apply", "shard=%u step=%" PRIu64 " skipped=%d", c->shard_id, done->result.step,
+            done->result.skipped);
+  /* Before the callbacks: whoever hangs on the hook hears of the step no
+   * later than the trainers whose Apply it answers. */
+  if (done->applied)
+    done->applied(done->applied_arg, &done->result);
+  core__fire(fire);
+}
+
 /* Runs the queued apply, advances the version and fires the apply and version
  * waiters. Called on the worker, no lock held. */
 static void core_run_apply(core *c) {
@@ -254,82 +358,107 @@ static void core_run_apply(core *c) {
     if (c->nelems > 0)
       memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
   } else {
-    float grad_scale =
-        c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
-    for (uint32_t r = 0; r < c->nranges; r++) {
-      optim_params p = core_group_params(c, c->ranges[r].group);
-      p.lr = glr ? glr[c->ranges[r].group] : lr * c->spec.groups[c->ranges[r].group].lr_scale;
-      p.step = opt_steps;
-      p.grad_scale = grad_scale;
-      optim_plan_init(&c->plans[r], &p);
-    }
+    core_build_plans(c, lr, coef, glr, opt_steps);
     core__low_writable(c, "apply");
     pool_run(c->pool, c->ntasks, core_apply_chunk, c);
     pool_run(c->pool, c->npieces, core__low_crc_task, c);
   }
   double seconds = (double)(clock_now_ns() - t0) / 1e9;
-  histogram_observe_seconds(c->apply_hist, seconds);
-  /* Every piece completed the step, so nothing is held: only the bitmaps and
-   * next_k need resetting. No push runs while state_rw is held exclusively. */
-  for (uint32_t i = 0; i < c->npieces; i++) {
-    c->pieces[i].next_k = 0;
-    c->pieces[i].one_before_zero = 0;
-  }
-  if (c->npieces > 0)
-    memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);
-  atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
 
   waiter *fire = NULL;
+  step_done done;
   pthread_mutex_lock(&c->mu);
-  c->version = step;
-  c->optimizer_steps = opt_steps;
-  /* The pending client state cannot change once the apply is queued, so the
-   * one read here is the one recorded for this step, if any. */
-  if (c->pending_cs_step == step && c->pending_cs_len > 0) {
-    memcpy(c->client_state, c->pending_cs, c->pending_cs_len);
-    c->client_state_len = c->pending_cs_len;
-  }
-  c->pending_cs_step = 0;
-  c->pending_cs_len = 0;
-  c->ckpt_untouched = 0;
-  c->applies++;
-  if (skip)
-    c->skipped_steps++;
-  c->apply_seconds_total += seconds;
-  c->last_stats = c->stats;
-  c->last_stats_valid = 1;
-  c->last_apply_valid = 1;
-  c->last_lr = lr;
-  c->last_coef = coef;
-  c->last_skip = skip;
-  c->last_nglr = c->apply_nglr;
-  if (c->apply_nglr)
-    memcpy(c->last_glr, c->apply_glr, c->apply_nglr * sizeof *c->last_glr);
-  c->last_apply = (core_apply_result){
-      .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
-  c->apply_state = APPLY_NONE;
-  core__begin_step(c);
-  while (c->apply_waiters) {
-    waiter *w = c->apply_waiters;
-    core__unlink(c, w);
-    w->status = ZS_OK;
-    w->apply = c->last_apply;
-    waiter_push(&fire, w);
-  }
-  core__collect_versions(c, &fire);
-  core_applied_fn applied = c->applied_fn;
-  void *applied_arg = c->applied_arg;
-  core_apply_result done = c->last_apply;
+  core_finish_step(c, step, skip, opt_steps, seconds, &fire, &done);
   pthread_mutex_unlock(&c->mu);
   pthread_rwlock_unlock(&c->state_rw);
+  core_step_tell(c, &done, fire);
+}
 
-  LOG_DEBUG("apply", "shard=%u step=%" PRIu64 " skipped=%d seconds=%.6f", c->shard_id, step, skip,
-            seconds);
-  /* Before the callbacks: whoever hangs on the hook hears of the step no
-   * later than the trainers whose Apply it answers. */
-  if (applied)
-    applied(applied_arg, &done);
-  core__fire(fire);
+/* ------------------------------------------------------- the pipelined step */
+
+static void core_apply_piece_chunk(void *arg, size_t i) {
+  core *c = arg;
+  const apply_task *t = &c->ptasks[i];
+  float *m = c->range_m[t->range] ? c->range_m[t->range] + t->begin : NULL;
+  float *v = c->range_v[t->range] ? c->range_v[t->range] + t->begin : NULL;
+  optim_apply(&c->plans[t->range], c->master + t->begin, m, v, c->acc + t->begin, c->low + t->begin,
+              (size_t)t->n);
+}
+
+/* The range (of this shard's, one per param group) that holds piece i. */
+static uint32_t core_piece_range(const core *c, uint32_t i) {
+  const layout_piece *lp = c->pieces[i].lp;
+  uint32_t r = 0;
+  while (r + 1 < c->nranges &&
+         !(lp->arena_off >= c->ranges[r].begin && lp->arena_off < c->ranges[r].end))
+    r++;
+  return r;
+}
+
+/* Splits the batch's pieces into chunks of at most CORE_APPLY_CHUNK
+ * elements, each from its piece's start (a multiple of 16 elements, so
+ * 64-byte aligned). The kernel is elementwise, so the chunking changes no
+ * bit (the test of the pipelined step compares). Returns the task count. */
+static size_t core_batch_tasks(core *c) {
+  size_t n = 0;
+  for (uint32_t b = 0; b < c->nbatch; b++) {
+    const layout_piece *lp = c->pieces[c->batch[b]].lp;
+    uint32_t r = core_piece_range(c, c->batch[b]);
+    for (uint64_t e = 0; e < lp->numel; e += CORE_APPLY_CHUNK) {
+      uint64_t len = lp->numel - e < CORE_APPLY_CHUNK ? lp->numel - e : CORE_APPLY_CHUNK;
+      c->ptasks[n++] = (apply_task){.range = r, .begin = lp->arena_off + e, .n = len};
+    }
+  }
+  return n;
+}
+
+/* A pipelined job's apply, piece by piece: runs the optimizer over the pieces
+ * that completed since the last pass (with the lr of the step's Apply), makes
+ * them readable at version + 1 at once, and finishes the step once every
+ * piece is applied. The same kernel and plans as core_run_apply, over the
+ * same accumulator, so the bits are the gated step's with coef 1. Called on
+ * the worker, no lock held. */
+static void core_run_pieces(core *c) {
+  pthread_mutex_lock(&c->mu);
+  uint64_t step = c->version + 1;
+  double lr = c->apply_lr;
+  float coef = c->apply_coef;
+  const double *glr = c->apply_nglr ? c->apply_glr : NULL;
+  uint64_t opt_steps = c->optimizer_steps + 1u;
+  memcpy(c->batch, c->ready, (size_t)c->nready * sizeof *c->batch);
+  c->nbatch = c->nready;
+  c->nready = 0;
+  pthread_mutex_unlock(&c->mu);
+
+  pthread_rwlock_wrlock(&c->state_rw);
+  uint64_t t0 = clock_now_ns();
+  if (c->nbatch > 0) {
+    core_build_plans(c, lr, coef, glr, opt_steps);
+    core__low_batch_writable(c);
+    pool_run(c->pool, core_batch_tasks(c), core_apply_piece_chunk, c);
+    pool_run(c->pool, c->nbatch, core__low_crc_batch_task, c);
+  }
+  c->pipe_seconds += (double)(clock_now_ns() - t0) / 1e9;
+
+  waiter *fire = NULL;
+  step_done done = {0};
+  pthread_mutex_lock(&c->mu);
+  for (uint32_t b = 0; b < c->nbatch; b++)
+    c->pieces[c->batch[b]].ahead = 1;
+  c->nahead += c->nbatch;
+  int finished = c->nahead == c->npieces;
+  if (finished) {
+    core_finish_step(c, step, 0, opt_steps, c->pipe_seconds, &fire, &done);
+    c->pipe_seconds = 0;
+  } else {
+    core__collect_versions(c, &fire); /* the pulls of the pieces just applied */
+  }
+  pthread_mutex_unlock(&c->mu);
+  pthread_rwlock_unlock(&c->state_rw);
+  if (finished)
+    core_step_tell(c, &done, fire);
+  else
+    core__fire(fire);
 }
 
 void *core__worker(void *arg) {
@@ -360,7 +489,14 @@ void *core__worker(void *arg) {
       c->restore_call = NULL;
     waiter *snap = do_stats || restore ? NULL : core__take_snapshot(c, &fire);
     int do_apply = !do_stats && !restore && !snap && c->apply_state == APPLY_QUEUED;
-    if (fire || do_stats || restore || snap || do_apply) {
+    /* A pipelined step's passes: whenever pieces are ready (and every
+     * piece has its initial weights, which a trainer's Apply may precede),
+     * and once with none when the shard owns no piece. */
+    int do_pieces = do_apply && c->pipelined && c->initialized_pieces == c->npieces &&
+                    (c->nready > 0 || c->nahead == c->npieces);
+    if (c->pipelined)
+      do_apply = 0;
+    if (fire || do_stats || restore || snap || do_apply || do_pieces) {
       pthread_mutex_unlock(&c->mu);
       core__fire(fire);
       if (do_stats)
@@ -371,6 +507,8 @@ void *core__worker(void *arg) {
         core__run_snapshot(c, snap);
       else if (do_apply)
         core_run_apply(c);
+      else if (do_pieces)
+        core_run_pieces(c);
       pthread_mutex_lock(&c->mu);
       continue;
     }
@@ -393,14 +531,46 @@ void *core__worker(void *arg) {
 
 int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
                       core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen) {
+  return core_wait_pieces(c, hash, NULL, 0, min_version, deadline_ms, cb, arg, version, err,
+                          errlen);
+}
+
+/* A version waiter for n pieces (their local indices, or the whole shard
+ * when n is 0), or a status with a sentence. Called with mu held and the
+ * job open. */
+static int core_version_waiter(core *c, const core_piece_id *pieces, uint32_t n, waiter **out,
+                               char *err, size_t errlen) {
+  waiter *w = calloc(1, sizeof *w + (size_t)n * sizeof w->wait[0]);
+  if (!w)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
+  for (uint32_t i = 0; i < n; i++) {
+    int rc = core__piece_index(c, pieces[i].tensor, pieces[i].slice, &w->wait[i], err, errlen);
+    if (rc != 0) {
+      free(w);
+      return rc;
+    }
+  }
+  w->nwait = n;
+  *out = w;
+  return 0;
+}
+
+int core_wait_pieces(core *c, uint64_t hash, const core_piece_id *pieces, uint32_t n,
+                     uint64_t min_version, uint64_t deadline_ms, core_version_cb cb, void *arg,
+                     uint64_t *version, char *err, size_t errlen) {
+  waiter *w = NULL;
   pthread_mutex_lock(&c->mu);
   int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core__check_job(c, hash, err, errlen);
   if (rc != 0)
     goto done;
-  if (c->initialized_pieces == c->npieces && c->version >= min_version) {
+  /* Only a pipelined job's pieces can be ahead of the shard's version. */
+  if ((rc = core_version_waiter(c, pieces, c->pipelined ? n : 0, &w, err, errlen)) != 0)
+    goto done;
+  uint64_t have = core_waiter_version(c, w);
+  if (c->initialized_pieces == c->npieces && have >= min_version) {
     if (version)
-      *version = c->version;
+      *version = have;
     goto done;
   }
   if (c->ckpt_loaded && min_version > c->version + 1) {
@@ -415,24 +585,20 @@ int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t dea
                      min_version, c->shard_id, c->version, c->initialized_pieces, c->npieces);
     goto done;
   }
-  waiter *w = calloc(1, sizeof *w);
-  if (!w) {
-    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
-    goto done;
-  }
   w->kind = WAITER_VERSION;
   w->key = min_version;
   w->deadline = deadline;
   w->cb.version = cb;
   w->arg = arg;
   if (core__add_timed(c, &c->version_waiters, w) != 0) {
-    free(w);
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
     goto done;
   }
+  w = NULL;
   rc = CORE_PENDING;
 done:
   pthread_mutex_unlock(&c->mu);
+  free(w);
   return rc;
 }
 
@@ -470,6 +636,14 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
                    : core__check_job(c, hash, err, errlen);
   if (rc != 0)
     goto done;
+  if (c->pipelined) {
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "job '%s' is pipelined: each piece is applied as soon as its contributions "
+                     "are in, so there are no gradient statistics (no clipping, no overflow "
+                     "check); open the job without pipelined for those",
+                     c->spec.job);
+    goto done;
+  }
   if (c->last_stats_valid && step == c->version) {
     if (out)
       *out = c->last_stats;
@@ -559,6 +733,20 @@ static int core_apply_check_plans(core *c, double lr, const double *group_lr, ui
   return 0;
 }
 
+/* Queues the apply of the pending step with these arguments and wakes the
+ * worker. Called with mu held. */
+static void core_apply_record(core *c, double lr, const double *group_lr, uint32_t ngroup_lr,
+                              float coef, int skip) {
+  c->apply_state = APPLY_QUEUED;
+  c->apply_lr = lr;
+  c->apply_coef = coef;
+  c->apply_skip = !!skip;
+  c->apply_nglr = ngroup_lr;
+  if (ngroup_lr)
+    memcpy(c->apply_glr, group_lr, ngroup_lr * sizeof *c->apply_glr);
+  pthread_cond_signal(&c->worker_cv);
+}
+
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
   return core_apply_groups(c, hash, step, lr, NULL, 0, coef, skip, cb, arg, out, err, errlen);
@@ -592,6 +780,13 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
                        group_lr[g]);
       goto done;
     }
+  }
+  if (c->pipelined && skip) {
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "job '%s' is pipelined: a step cannot be skipped, its pieces are applied as "
+                     "their contributions arrive",
+                     c->spec.job);
+    goto done;
   }
   if ((rc = core_apply_check_plans(c, lr, group_lr, ngroup_lr, coef, err, errlen)) != 0)
     goto done;
@@ -635,7 +830,7 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
                        lr, (double)coef, !!skip);
       goto done;
     }
-  } else {
+  } else if (!c->pipelined) {
     if (c->stats_phase != STATS_READY) {
       uint64_t want = (uint64_t)c->npieces * c->WM;
       uint64_t have = atomic_load_explicit(&c->contributions, memory_order_relaxed);
@@ -645,18 +840,30 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
                        step, want - (have < want ? have : want), want, c->shard_id);
       goto done;
     }
-    if (c->initialized_pieces < c->npieces) {
-      rc = status_fail(err, errlen, ZS_ENOTREADY,
-                       "%u of %u pieces of shard %u have no initial weights",
-                       c->npieces - c->initialized_pieces, c->npieces, c->shard_id);
-      goto done;
-    }
     if (c->stats.nonfinite && !skip) {
       rc = status_fail(err, errlen, ZS_ENONFINITE,
                        "step %" PRIu64 " has non-finite gradients on shard %u: it must be skipped",
                        step, c->shard_id);
       goto done;
     }
+  }
+  if (c->apply_state == APPLY_NONE && !c->pipelined && c->initialized_pieces < c->npieces) {
+    rc = status_fail(err, errlen, ZS_ENOTREADY,
+                     "%u of %u pieces of shard %u have no initial weights",
+                     c->npieces - c->initialized_pieces, c->npieces, c->shard_id);
+    goto done;
+  }
+  if (c->pipelined) {
+    /* Apply ahead: the arguments are recorded (or a repeat matched them) and
+     * the worker applies each piece once its contributions are in. Nobody
+     * waits for that here: the pulls of each piece do (core_wait_pieces).
+     * version < step tells the caller the step is not applied yet. */
+    if (c->apply_state == APPLY_NONE)
+      core_apply_record(c, lr, group_lr, ngroup_lr, coef, 0);
+    if (out)
+      *out = (core_apply_result){
+          .step = step, .version = c->version, .optimizer_steps = c->optimizer_steps};
+    goto done;
   }
   if (cb) {
     w = calloc(1, sizeof *w);
@@ -670,16 +877,8 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
     w->arg = arg;
     waiter_push(&c->apply_waiters, w);
   }
-  if (c->apply_state == APPLY_NONE) {
-    c->apply_state = APPLY_QUEUED;
-    c->apply_lr = lr;
-    c->apply_coef = coef;
-    c->apply_skip = !!skip;
-    c->apply_nglr = ngroup_lr;
-    if (ngroup_lr)
-      memcpy(c->apply_glr, group_lr, ngroup_lr * sizeof *c->apply_glr);
-    pthread_cond_signal(&c->worker_cv);
-  }
+  if (c->apply_state == APPLY_NONE)
+    core_apply_record(c, lr, group_lr, ngroup_lr, coef, skip);
   rc = CORE_PENDING;
 done:
   pthread_mutex_unlock(&c->mu);

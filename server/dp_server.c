@@ -1314,8 +1314,18 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
   count(&s->st_waiting, 1);
   uint64_t version = 0;
   uint64_t id = p->request_id;
-  int rc = core_wait_version(s->core, p->hash, p->min_version, pull_deadline(timeout_ms),
-                             on_core_version, p, &version, err, sizeof err);
+  /* Per piece: a pipelined job answers each piece once it is applied. */
+  core_piece_id one = {p->tensor, p->slice}, *ids = &one;
+  uint32_t n = p->pieces ? p->npieces : 1;
+  if (p->pieces && (ids = calloc(n, sizeof *ids)) != NULL)
+    for (uint32_t i = 0; i < n; i++)
+      ids[i] = (core_piece_id){p->pieces[i].tensor, p->pieces[i].slice};
+  int rc =
+      ids ? core_wait_pieces(s->core, p->hash, ids, n, p->min_version, pull_deadline(timeout_ms),
+                             on_core_version, p, &version, err, sizeof err)
+          : status_fail(err, sizeof err, ZS_ENOMEM, "out of memory registering a pull");
+  if (ids != &one)
+    free(ids);
   if (rc == CORE_PENDING)
     return;
   c->waiting--;

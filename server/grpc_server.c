@@ -1332,9 +1332,10 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     finish_err(c, 0, rc, err);
     return;
   }
-  gcall_ref(c); /* the core's, released by resume_from_core */
-  rc = core_wait_version(s->core, c->hash, min_version, wait_deadline(c, timeout_ms),
-                         on_core_version, c, &version, err, sizeof err);
+  gcall_ref(c);                                /* the core's, released by resume_from_core */
+  core_piece_id piece = {c->tensor, c->slice}; /* a pipelined job answers it once applied */
+  rc = core_wait_pieces(s->core, c->hash, &piece, 1, min_version, wait_deadline(c, timeout_ms),
+                        on_core_version, c, &version, err, sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);

@@ -900,13 +900,13 @@ static void record_locked(replica *r, uint32_t i, const Zshard__V1__GetInfoRespo
       m->seen_lists_me = ri->members[k]->in_sync || ri->members[k]->joining;
 }
 
-/* GetInfo of every peer, recorded. */
-static void probe_all(replica *r) {
+/* GetInfo of every peer (deadline ms each), recorded. */
+static void probe_all(replica *r, uint32_t ms) {
   for (uint32_t i = 0; i < r->n; i++) {
     if (i == r->index)
       continue;
     Zshard__V1__GetInfoResponse *info = NULL;
-    peer_info(r, &r->m[i], REPLICA_PROBE_MS, &info);
+    peer_info(r, &r->m[i], ms, &info);
     pthread_mutex_lock(&r->mu);
     record_locked(r, i, info);
     pthread_mutex_unlock(&r->mu);
@@ -985,7 +985,9 @@ static void adopt_backups_locked(replica *r, const core_info *info) {
 
 int replica_promote(replica *r, uint64_t term, uint64_t *term_out, int *role_out,
                     uint64_t *version_out, char *err, size_t errlen) {
-  probe_all(r);
+  /* Who is in sync is decided on these answers: a slow peer gets the
+   * failover time to answer rather than be left out. */
+  probe_all(r, r->failover_ms);
   core_info info;
   core_get_info(r->core, &info);
   pthread_mutex_lock(&r->mu);
@@ -1189,7 +1191,8 @@ static void monitor_primary_locked(replica *r, const core_info *info) {
     const char *why = info->has_job && !m->seen_has_job ? "it holds no job"
                       : m->seen_version + 1 < info->version
                           ? "its version is more than one step behind"
-                      : m->seen_role != REPLICA_BACKUP || m->seen_term != r->term
+                      : (m->seen_role != REPLICA_BACKUP || m->seen_term != r->term) &&
+                              !(m->seen_role == REPLICA_STARTING && !info->has_job)
                           ? "it is not a backup of this term"
                           : NULL;
     if (!why) {
@@ -1219,7 +1222,7 @@ static void monitor_backup_locked(replica *r) {
 static void *monitor_main(void *arg) {
   replica *r = arg;
   for (;;) {
-    probe_all(r);
+    probe_all(r, REPLICA_PROBE_MS);
     core_info info;
     core_get_info(r->core, &info);
     pthread_mutex_lock(&r->mu);

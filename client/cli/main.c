@@ -1,7 +1,8 @@
 /*
  * zshard — the operator's command line tool.
  *
- *   zshard status   --shards LIST [--json]     one row per shard
+ *   zshard status   --shards LIST [--json]     one row per shard (per member
+ *                                              of a replicated one)
  *   zshard estimate --params P ... [--json]    memory and traffic, zshard vs
  *                                              DP and ZeRO-1/2/3
  *   zshard checkpoint | restore | checkpoints   checkpoints of a running job
@@ -136,7 +137,8 @@ static void usage(FILE *f) {
   fprintf(f, "usage: zshard <command> [options]\n"
              "\n"
              "commands:\n"
-             "  status     health, version, state size and uptime of every shard\n"
+             "  status     health, version, state size and uptime of every shard; role and\n"
+             "             term of every member of a replicated one (--shards h:p|h:p,...)\n"
              "  estimate   memory per device and per shard, bytes on the wire and the\n"
              "             communication lower bound per step: zshard beside DP and ZeRO-1/2/3\n"
              "  checkpoint checkpoint the running job on every shard\n"

@@ -2,9 +2,11 @@
  * status — `zshard status`: one row per shard with its id, address, health
  * (grpc.health.v1 Check), job, parameter version, state bytes, uptime and,
  * in JSON, the pieces and elements the shard owns (zshard.v1 GetInfo),
- * throughput and resident memory (zshard.v1 Stats). The shards are asked in
- * parallel, one thread each, so a cluster with dead shards answers within
- * one timeout.
+ * throughput and resident memory (zshard.v1 Stats). A replicated shard
+ * ("h:p|h:p" in --shards) has one row per member of its replica set, with
+ * the member's ROLE and TERM (GetInfo.replica); those columns appear when a
+ * shard is replicated. Every server is asked in parallel, one thread each,
+ * so a cluster with dead shards answers within one timeout.
  *
  * Throughput is the difference of two Stats samples of the same shard over
  * the time between them: --sample-ms apart for the first table, the period
@@ -34,6 +36,9 @@
 typedef struct shard_row {
   const char *addr;
   uint32_t timeout_ms;
+  /* The shard this row is of and, for a replica set, which member of its
+   * nmembers (1: not replicated). */
+  uint32_t shard, member, nmembers;
   int health_rc, info_rc, stats_rc;
   int serving; /* the health answer: 1 SERVING, 2 NOT_SERVING, ... */
   char health_err[512], info_err[512];
@@ -44,6 +49,11 @@ typedef struct shard_row {
   uint64_t elements; /* their parameters */
   double uptime_s;
   int has_info;
+  /* GetInfo.replica, when has_replica: the member's view of its set. */
+  int has_replica;
+  int role; /* Zshard__V1__ReplicaRole */
+  uint64_t term, failovers;
+  int32_t primary;
   /* From Stats, when has_stats: counters since the server started. */
   int has_stats;
   uint64_t pushes, pulls, bytes_in, bytes_out, rss_bytes;
@@ -92,6 +102,13 @@ static void *ask_shard(void *arg) {
     r->pieces = info->pieces;
     r->elements = info->elements;
     r->uptime_s = info->uptime_s;
+    if (info->replica) {
+      r->has_replica = 1;
+      r->role = (int)info->replica->role;
+      r->term = info->replica->term;
+      r->primary = info->replica->primary;
+      r->failovers = info->replica->failovers;
+    }
     protobuf_c_message_free_unpacked(&info->base, NULL);
   } else {
     snprintf(r->info_err, sizeof r->info_err, "%s", st.message);
@@ -136,6 +153,27 @@ static void compute_rates(shard_row *cur, const shard_row *prev) {
   cur->in_rate = (double)(cur->bytes_in - prev->bytes_in) / dt;
   cur->out_rate = (double)(cur->bytes_out - prev->bytes_out) / dt;
   cur->has_rates = 1;
+}
+
+static const char *role_name(const shard_row *r) {
+  if (!r->has_replica)
+    return "-";
+  switch (r->role) {
+  case ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_STARTING:
+    return "STARTING";
+  case ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_PRIMARY:
+    return "PRIMARY";
+  case ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_BACKUP:
+    return "BACKUP";
+  case ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_JOINING:
+    return "JOINING";
+  case ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_STALE:
+    return "STALE";
+  case ZSHARD__V1__REPLICA_ROLE__REPLICA_ROLE_NONE:
+    return "NONE";
+  default:
+    return "UNKNOWN";
+  }
 }
 
 static const char *health_name(const shard_row *r) {
@@ -189,7 +227,9 @@ static void sanitize(char *s) {
 static void status_usage(FILE *f) {
   fprintf(f, "usage: zshard status --shards ADDR[,ADDR...] [--num-shards N] [--timeout-ms T]\n"
              "                     [--sample-ms MS] [--watch [SECONDS]] [--count N] [--json]\n"
-             "  --shards      shard addresses in shard-id order, or a pattern with {i}\n"
+             "  --shards      shard addresses in shard-id order, or a pattern with {i};\n"
+             "                a replicated shard lists its members separated by '|'\n"
+             "                and gets one row per member, with its ROLE and TERM\n"
              "  --num-shards  the number of shards, with a pattern\n"
              "  --timeout-ms  per call (default 2000)\n"
              "  --sample-ms   measure the throughput columns over this long: every shard's\n"
@@ -202,8 +242,8 @@ static void status_usage(FILE *f) {
              "  --json        a JSON document instead of the table (one per line with\n"
              "                --watch)\n"
              "\n"
-             "Exit status: 0 when every shard answered SERVING (in the last table, with\n"
-             "--watch), 1 otherwise, 2 on bad usage.\n");
+             "Exit status: 0 when every shard (every member of a replicated one) answered\n"
+             "SERVING (in the last table, with --watch), 1 otherwise, 2 on bad usage.\n");
 }
 
 /* Asks every shard in parallel, one thread each, so that a cluster with dead
@@ -240,9 +280,16 @@ static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
   printf("{\"shards\":[");
   for (uint32_t i = 0; i < n; i++) {
     const shard_row *r = &rows[i];
-    printf("%s{\"index\":%" PRIu32 ",\"address\":", i ? "," : "", i);
+    printf("%s{\"index\":%" PRIu32 ",\"address\":", i ? "," : "", r->shard);
     json_str(stdout, r->addr);
     printf(",\"health\":\"%s\"", health_name(r));
+    if (r->nmembers > 1) {
+      printf(",\"member\":%" PRIu32 ",\"members\":%" PRIu32, r->member, r->nmembers);
+      if (r->has_replica)
+        printf(",\"role\":\"%s\",\"term\":%" PRIu64 ",\"primary\":%" PRId32
+               ",\"failovers\":%" PRIu64,
+               role_name(r), r->term, r->primary, r->failovers);
+    }
     if (r->has_info) {
       printf(",\"shard_id\":%" PRIu32 ",\"num_shards\":%" PRIu32 ",\"job\":", r->shard_id,
              r->num_shards);
@@ -269,8 +316,14 @@ static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
 }
 
 static void print_table(const shard_row *rows, uint32_t n) {
-  printf("%-5s %-24s %-12s %-16s %8s %8s %11s %11s %10s %10s %8s\n", "ID", "ADDRESS", "HEALTH",
-         "JOB", "VERSION", "PUSHES/S", "IN/S", "OUT/S", "STATE", "RSS", "UPTIME");
+  int replicated = 0;
+  for (uint32_t i = 0; i < n; i++)
+    replicated |= rows[i].nmembers > 1;
+  printf("%-5s %-24s %-12s ", "ID", "ADDRESS", "HEALTH");
+  if (replicated)
+    printf("%-9s %5s ", "ROLE", "TERM");
+  printf("%-16s %8s %8s %11s %11s %10s %10s %8s\n", "JOB", "VERSION", "PUSHES/S", "IN/S", "OUT/S",
+         "STATE", "RSS", "UPTIME");
   for (uint32_t i = 0; i < n; i++) {
     const shard_row *r = &rows[i];
     char id[16] = "?", ver[24] = "-", state[32] = "-", up[32] = "-", rss[32] = "-";
@@ -287,13 +340,19 @@ static void print_table(const shard_row *rows, uint32_t n) {
       snprintf(pushes, sizeof pushes, "%.1f", r->push_rate);
     rate_bytes(r, r->in_rate, in, sizeof in);
     rate_bytes(r, r->out_rate, out, sizeof out);
-    printf("%-5s %-24.24s %-12s %-16.16s %8s %8s %11s %11s %10s %10s %8s", id, r->addr,
-           health_name(r), r->has_info && r->job[0] ? r->job : "-", ver, pushes, in, out, state,
-           rss, up);
+    printf("%-5s %-24.24s %-12s ", id, r->addr, health_name(r));
+    if (replicated) {
+      char term[24] = "-";
+      if (r->has_replica && r->term > 0)
+        snprintf(term, sizeof term, "%" PRIu64, r->term);
+      printf("%-9s %5s ", r->nmembers > 1 ? role_name(r) : "-", r->nmembers > 1 ? term : "-");
+    }
+    printf("%-16.16s %8s %8s %11s %11s %10s %10s %8s", r->has_info && r->job[0] ? r->job : "-", ver,
+           pushes, in, out, state, rss, up);
     if (!r->has_info)
       printf("  (%s)", r->info_err[0] ? r->info_err : r->health_err);
-    else if (r->shard_id != i)
-      printf("  (listed at position %" PRIu32 ")", i);
+    else if (r->shard_id != r->shard)
+      printf("  (listed at position %" PRIu32 ")", r->shard);
     printf("\n");
   }
 }
@@ -306,6 +365,46 @@ static int parse_seconds(const char *s, double *out) {
   if (end == s || *end || errno || !(v >= 0.1 && v <= 86400))
     return -1;
   *out = v;
+  return 0;
+}
+
+/* The rows to ask: one per shard of addr (nshards of them), one per member
+ * of a replicated one, into *rows (each with its address, which points into
+ * *members, and timeout) and *n. Returns 0, or -1 after printing why. */
+static int make_rows(char **addr, uint32_t nshards, uint32_t timeout_ms, shard_row **rows,
+                     char ***members, uint32_t *n) {
+  *rows = NULL;
+  *members = NULL;
+  *n = 0;
+  char **m[SPEC_MAX_SHARDS];
+  uint32_t nm[SPEC_MAX_SHARDS], total = 0, i;
+  for (i = 0; i < nshards; i++) {
+    if (zc_shard_members(addr[i], &m[i], &nm[i]) != ZS_OK)
+      break;
+    total += nm[i];
+  }
+  shard_row *r = i == nshards ? calloc(total, sizeof *r) : NULL;
+  char **all = r ? calloc(total, sizeof *all) : NULL;
+  if (all) {
+    uint32_t k = 0;
+    for (uint32_t s = 0; s < nshards; s++)
+      for (uint32_t j = 0; j < nm[s]; j++, k++) {
+        all[k] = m[s][j];
+        m[s][j] = NULL;
+        r[k] = (shard_row){
+            .addr = all[k], .timeout_ms = timeout_ms, .shard = s, .member = j, .nmembers = nm[s]};
+      }
+  }
+  for (uint32_t s = 0; s < i; s++)
+    zc_free_addresses(m[s], nm[s]);
+  if (!all) {
+    fprintf(stderr, "zshard status: out of memory\n");
+    free(r);
+    return -1;
+  }
+  *rows = r;
+  *members = all;
+  *n = total;
   return 0;
 }
 
@@ -374,12 +473,17 @@ int cli_status(int argc, char **argv) {
     status_usage(stderr);
     return 2;
   }
-  char **addr = NULL;
-  uint32_t n = 0;
-  if (zc_parse_addresses(shards, num_shards, &addr, &n) != ZS_OK) {
+  char **addr = NULL, **members = NULL;
+  uint32_t nshards = 0, n = 0;
+  shard_row *rows = NULL;
+  if (zc_parse_addresses(shards, num_shards, &addr, &nshards) != ZS_OK) {
     fprintf(stderr, "zshard status: %s\n", zs_last_error());
     return 2;
   }
+  int made = make_rows(addr, nshards, timeout_ms, &rows, &members, &n);
+  zc_free_addresses(addr, nshards);
+  if (made != 0)
+    return 1;
   shard_row *cur = calloc(n, sizeof *cur);
   shard_row *prev = calloc(n, sizeof *prev);
   pthread_t *th = calloc(n, sizeof *th);
@@ -390,11 +494,12 @@ int cli_status(int argc, char **argv) {
     free(prev);
     free(th);
     free(started);
-    zc_free_addresses(addr, n);
+    free(rows);
+    zc_free_addresses(members, n);
     return 1;
   }
   for (uint32_t i = 0; i < n; i++)
-    prev[i] = (shard_row){.addr = addr[i], .timeout_ms = timeout_ms};
+    prev[i] = rows[i];
   /* The first table's throughput comes from a sample taken sample_ms before
    * it; every later table's from the table before. */
   if (sample_ms > 0) {
@@ -405,7 +510,7 @@ int cli_status(int argc, char **argv) {
   int all_serving = 0;
   for (uint64_t frame = 1;; frame++) {
     for (uint32_t i = 0; i < n; i++)
-      cur[i] = (shard_row){.addr = addr[i], .timeout_ms = timeout_ms};
+      cur[i] = rows[i];
     ask_all(cur, n, th, started);
     all_serving = 1;
     for (uint32_t i = 0; i < n; i++) {
@@ -443,6 +548,7 @@ int cli_status(int argc, char **argv) {
   free(prev);
   free(th);
   free(started);
-  zc_free_addresses(addr, n);
+  free(rows);
+  zc_free_addresses(members, n);
   return all_serving ? 0 : 1;
 }

@@ -19,13 +19,13 @@
                  #type " must end with " #last " and have no tail padding (zshard.h, rule 3)");    \
   _Static_assert(sizeof(type) % sizeof(size_t) == 0, #type)
 ZC_ENDS_AT(zs_loss_scaler, last_overflow_iter);
-ZC_ENDS_AT(zs_client_options, tls_server_name);
+ZC_ENDS_AT(zs_client_options, failover_ms);
 ZC_ENDS_AT(zs_step_options, clip_coef);
 ZC_ENDS_AT(zs_group_options, pull_dtype);
 ZC_ENDS_AT(zs_timing, retries);
 ZC_ENDS_AT(zs_step_result, next_loss_scale);
 ZC_ENDS_AT(zs_estimate_input, optimizer_bytes);
-ZC_ENDS_AT(zs_estimate_row, comm_seconds);
+ZC_ENDS_AT(zs_estimate_row, gated_seconds);
 
 int zc_struct_check(size_t size, const char *fn, const char *init) {
   if (size < sizeof(size_t) || size > ZC_STRUCT_SIZE_MAX || size % sizeof(size_t) != 0)

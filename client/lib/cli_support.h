@@ -26,16 +26,25 @@
 #define ZC_METHOD(name) "/zshard.v1.ZShard/" name
 
 /* Splits a shard address list ("h:p,h:p") or expands a pattern with "{i}"
- * (num_shards required) into *out, an array of *count strings the caller
- * frees with zc_free_addresses. num_shards 0 with a list means "as many as
- * listed". Returns 0 or ZS_EINVAL / ZS_ENOMEM with the last error set. The
- * parser of zs_client_open, so the CLI reads --shards exactly as a trainer
- * reads its addresses. */
+ * (num_shards required; every "{i}" is replaced) into *out, an array of
+ * *count strings the caller frees with zc_free_addresses: one per shard. A
+ * shard's replicas are separated by '|' ("h:p|h:p,h:p|h:p"); its string
+ * then holds them all, trimmed, in the listed order (zc_shard_members splits
+ * it). num_shards counts shards, not replicas; 0 with a list means "as many
+ * as listed". Returns 0 or ZS_EINVAL / ZS_ENOMEM with the last error set.
+ * The parser of zs_client_open, so the CLI reads --shards exactly as a
+ * trainer reads its addresses. */
 int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count);
 void zc_free_addresses(char **addr, uint32_t n);
 
+/* The members of one shard's string as zc_parse_addresses left it ("h:p",
+ * or "h:p|h:p" for a replica set) into *out, *n strings the caller frees
+ * with zc_free_addresses. Returns 0 or ZS_ENOMEM with the last error set. */
+int zc_shard_members(const char *shard, char ***out, uint32_t *n);
+
 /* A call with retries on UNAVAILABLE and backoff (interrupted by close).
- * Same contract as rpc_call. */
+ * Same contract as rpc_call. To a replicated shard it goes to the current
+ * member, carries the term, and fails over (docs/CLIENT.md). */
 int zc_call(zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st);

@@ -9,6 +9,7 @@
  * pool (cancelling queued work), waits for the active calls and the in-flight
  * ops, and only then frees it.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -135,16 +136,79 @@ void zs_group_options_init_sized(zs_group_options *out, zs_optimizer optimizer, 
   zc_struct_write(out, size, g, sizeof *g);
 }
 
+/* Shard i's text from a pattern: every "{i}" replaced by i. NULL on ENOMEM. */
+static char *expand_pattern(const char *spec, uint32_t i) {
+  char num[12];
+  int nlen = snprintf(num, sizeof num, "%" PRIu32, i);
+  size_t count = 0;
+  for (const char *p = spec; (p = strstr(p, "{i}")); p += 3)
+    count++;
+  char *out = malloc(strlen(spec) + count * (size_t)nlen + 1);
+  if (!out)
+    return NULL;
+  char *o = out;
+  for (const char *p = spec;;) {
+    const char *q = strstr(p, "{i}");
+    size_t len = q ? (size_t)(q - p) : strlen(p);
+    memcpy(o, p, len);
+    o += len;
+    if (!q)
+      break;
+    memcpy(o, num, (size_t)nlen);
+    o += nlen;
+    p = q + 3;
+  }
+  *o = '\0';
+  return out;
+}
+
+/* The next shard of a list at *p (up to ',' or the end), trimmed of blanks;
+ * *p moves past it. NULL on ENOMEM. */
+static char *next_listed(const char **p) {
+  const char *s = *p, *end = strchr(s, ',');
+  size_t len = end ? (size_t)(end - s) : strlen(s);
+  *p = end ? end + 1 : s + len;
+  while (len && (*s == ' ' || *s == '\t'))
+    s++, len--;
+  while (len && (s[len - 1] == ' ' || s[len - 1] == '\t'))
+    len--;
+  return strndup(s, len);
+}
+
+/* Checks shard i's text a; a replica set's text is replaced by its
+ * normalised form (members trimmed). */
+static int check_shard_text(uint32_t i, char **a) {
+  if (strchr(*a, '|')) {
+    char *norm = NULL;
+    int rc = zc_shard_text_check(i, *a, &norm);
+    if (rc == ZS_OK) {
+      free(*a);
+      *a = norm;
+    }
+    return rc;
+  }
+  hostport hp;
+  char why[400];
+  if (zc_address_hostport(*a, &hp, why, sizeof why) != ZS_OK)
+    return zc_fail(ZS_EINVAL, "address %" PRIu32 " ('%s'): %s", i, *a, why);
+  return ZS_OK;
+}
+
 int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint32_t *count) {
   *out = NULL;
   *count = 0;
   if (!spec || !*spec)
     return zc_fail(ZS_EINVAL, "no shard addresses given");
-  const char *pat = strstr(spec, "{i}");
+  const int pattern = strstr(spec, "{i}") != NULL;
   uint32_t n = 0;
-  if (pat) {
+  if (pattern) {
     if (num_shards == 0)
       return zc_fail(ZS_EINVAL, "the address pattern '%s' needs num_shards, the number of shards",
+                     spec);
+    if (strchr(spec, ','))
+      return zc_fail(ZS_EINVAL,
+                     "the address pattern '%s' holds a ',': a pattern is one shard's address "
+                     "(or its replicas separated by '|') with {i} for the shard's index",
                      spec);
     n = num_shards;
   } else {
@@ -163,31 +227,8 @@ int zc_parse_addresses(const char *spec, uint32_t num_shards, char ***out, uint3
   int rc = ZS_OK;
   const char *p = spec;
   for (uint32_t i = 0; i < n && rc == ZS_OK; i++) {
-    char *a;
-    if (pat) {
-      size_t pre = (size_t)(pat - spec), post = strlen(pat + 3);
-      a = malloc(pre + 12 + post + 1);
-      if (a)
-        snprintf(a, pre + 12 + post + 1, "%.*s%" PRIu32 "%s", (int)pre, spec, i, pat + 3);
-    } else {
-      const char *end = strchr(p, ',');
-      size_t len = end ? (size_t)(end - p) : strlen(p);
-      while (len && (*p == ' ' || *p == '\t'))
-        p++, len--;
-      while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
-        len--;
-      a = strndup(p, len);
-      p = end ? end + 1 : p + len;
-    }
-    if (!a) {
-      rc = zc_fail(ZS_ENOMEM, "out of memory");
-      break;
-    }
-    addr[i] = a;
-    hostport hp;
-    char why[400];
-    if (zc_address_hostport(a, &hp, why, sizeof why) != ZS_OK)
-      rc = zc_fail(ZS_EINVAL, "address %" PRIu32 " ('%s'): %s", i, a, why);
+    addr[i] = pattern ? expand_pattern(spec, i) : next_listed(&p);
+    rc = addr[i] ? check_shard_text(i, &addr[i]) : zc_fail(ZS_ENOMEM, "out of memory");
   }
   if (rc != ZS_OK) {
     zc_free_addresses(addr, n);
@@ -289,6 +330,30 @@ static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
                    (int)o->open_mode);
   if (o->error_feedback > 1)
     return zc_fail(ZS_EINVAL, "zs_client_open: error_feedback must be 0 or 1");
+  if (o->pipelined > 1)
+    return zc_fail(ZS_EINVAL, "zs_client_open: pipelined must be 0 or 1");
+  if (o->pipelined && o->loss_scaling == ZS_LOSS_SCALE_DYNAMIC)
+    return zc_fail(ZS_EINVAL, "zs_client_open: the pipelined step has no overflow check, which "
+                              "dynamic loss scaling needs: use the gated step (pipelined 0) or "
+                              "a static loss scale");
+  return ZS_OK;
+}
+
+/* failover_ms: the option, else $ZSHARD_FAILOVER_MS, else 3000. */
+static int resolve_failover_ms(uint32_t opt, uint32_t *out) {
+  *out = opt ? opt : 3000;
+  const char *env = getenv("ZSHARD_FAILOVER_MS");
+  if (opt || !env || !*env)
+    return ZS_OK;
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(env, &end, 10);
+  if (*end || errno || v == 0 || v > 86400000ull || env[0] == '-' || env[0] == ' ')
+    return zc_fail(ZS_EINVAL,
+                   "zs_client_open: ZSHARD_FAILOVER_MS is '%.64s'; it must be a number of "
+                   "milliseconds from 1 to 86400000",
+                   env);
+  *out = (uint32_t)v;
   return ZS_OK;
 }
 
@@ -302,11 +367,7 @@ static void client_free(zs_client *c) {
   layout_free(&c->lay);
   spec_free(&c->sp);
   free(c->pushed);
-  if (c->chan)
-    for (uint32_t i = 0; i < c->nshards; i++)
-      if (c->chan[i])
-        rpc_channel_close(c->chan[i]);
-  free(c->chan);
+  zc_rsets_free(c);
   zc_free_addresses(c->addr, c->nshards);
   free(c->job);
   zc_security_free(&c->sec);
@@ -372,6 +433,8 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
   c->scaler = scaler;
   atomic_init(&c->retries, 0);
   rc = zc_transport_resolve(opt.transport, &c->opt.transport);
+  if (rc == ZS_OK)
+    rc = resolve_failover_ms(opt.failover_ms, &c->opt.failover_ms);
   if (rc != ZS_OK)
     goto fail;
   c->job = strdup(opt.job);
@@ -392,16 +455,12 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
                            opt.tls_server_name, &c->sec, "zs_client_open");
   if (rc != ZS_OK)
     goto fail;
-  c->chan = calloc(c->nshards, sizeof *c->chan);
-  if (!c->chan) {
-    rc = zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
+  /* One channel per member of each shard's replica set (one for a shard
+   * that is not replicated), all lazy: a backup is first reached by a
+   * failover search. */
+  rc = zc_rsets_open(c, "zs_client_open");
+  if (rc != ZS_OK)
     goto fail;
-  }
-  for (uint32_t i = 0; i < c->nshards; i++) {
-    rc = zc_channel_open(&c->sec, c->addr[i], &c->chan[i], "zs_client_open");
-    if (rc != ZS_OK)
-      goto fail;
-  }
   uint32_t threads = opt.threads ? opt.threads : 2 * c->nshards + 2;
   if (!opt.threads && threads > 32)
     threads = 32;
@@ -853,6 +912,7 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
   c->sp.split_threshold = c->opt.split_threshold;
   c->sp.reduce = c->opt.grad_reduce == ZS_REDUCE_SUM ? SPEC_REDUCE_SUM : SPEC_REDUCE_MEAN;
   c->sp.param_dtype = c->opt.param_dtype;
+  c->sp.pipelined = c->opt.pipelined != 0;
   rc = spec_validate(&c->sp, err, sizeof err);
   if (rc != ZS_OK) {
     rc = zc_fail(rc, "zs_open_job: invalid model: %s", err);

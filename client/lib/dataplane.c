@@ -28,6 +28,13 @@
  *           and swaps it in; then it submits the piece again. Pushes are
  *           idempotent on the shard, so a push that did arrive before the
  *           connection failed is acknowledged as a duplicate.
+ * Replicated shards: the data client follows the member gRPC calls go to
+ * (replica.c). A failed transfer, or one a member refused as not primary
+ * (ZS_ENOTPRIMARY, ZS_ESTALE), reports the failure to the replica set
+ * (which may fail over) before the retry; and a worker that finds the set's
+ * current member changed since the data client was opened (a gRPC call
+ * failed over first) refreshes before it submits. The refresh asks the
+ * current member for its data port and connects at that member's host.
  * When the client is closing, nothing goes back to the pool: a retry fails
  * with ZS_ECANCELED and a conversion runs on the loop thread.
  *
@@ -80,7 +87,13 @@ typedef struct zc_dp_shard {
   /* (mu) the port and address cur connects to. */
   uint32_t port;
   struct sockaddr_storage addr;
-  char host[DP_HOST_MAX]; /* immutable: the host of the shard's gRPC address */
+  /* The host of the gRPC address of the member cur connects to: immutable
+   * for a shard that is not replicated; (mu) for a replica set, whose
+   * member (index) and generation (zc_rset.gen) it was taken at are kept
+   * too. */
+  char host[DP_HOST_MAX];
+  uint32_t member;
+  uint64_t rgen;
 } zc_dp_shard;
 
 typedef struct zc_dp {
@@ -208,6 +221,29 @@ static int check_info(const zs_client *c, uint32_t shard, const Zshard__V1__GetI
   return ZS_OK;
 }
 
+/* The gRPC address of the member of shard i whose GetInfo answer `r` is:
+ * for a replica set the member the answer names (the call went to the
+ * current member, but a failover may have moved it meanwhile), with its
+ * index and the set's generation in *member and *rgen (0 when it is not the
+ * current member any more: the first transfer refreshes then). */
+static const char *answering_member(zs_client *c, uint32_t i, const Zshard__V1__GetInfoResponse *r,
+                                    uint32_t *member, uint64_t *rgen) {
+  zc_rset *rs = &c->rs[i];
+  *member = 0;
+  *rgen = 0;
+  if (rs->n == 1)
+    return c->addr[i];
+  rpc_md md;
+  size_t nmd;
+  char term_buf[24];
+  uint32_t cur = zc_replica_current(c, i, rgen, &md, &nmd, term_buf);
+  uint32_t k = r->replica && r->replica->index < rs->n ? r->replica->index : cur;
+  if (k != cur)
+    *rgen = 0;
+  *member = k;
+  return rs->member[k];
+}
+
 int zc_dp_open(struct zs_client *c) {
   if (c->dp)
     return ZS_OK;
@@ -242,7 +278,9 @@ int zc_dp_open(struct zs_client *c) {
       break;
     if (s->port == 0)
       continue; /* served over gRPC */
-    if (host_of(c->addr[i], s->host, sizeof s->host) != ZS_OK) {
+    const char *where = answering_member(
+        c, i, (const Zshard__V1__GetInfoResponse *)op->tasks[i].resp, &s->member, &s->rgen);
+    if (host_of(where, s->host, sizeof s->host) != ZS_OK) {
       rc = zc_fail(ZS_EINVAL,
                    "zs_open_job: no data-plane host can be taken from the address of shard "
                    "%" PRIu32 " (%s); use transport ZS_TRANSPORT_GRPC (ZSHARD_TRANSPORT=grpc)",
@@ -271,14 +309,16 @@ int zc_dp_open(struct zs_client *c) {
 /* ---- refreshing a shard's data client --------------------------------------------- */
 
 /* Before a retry on shard i, whose data client of generation `seen` failed:
- * asks the shard for its data port again and, when it moved (another port,
- * or its host now resolves to another address), opens a client there and
- * swaps it in. When nothing moved the old client stays: it reconnects by
- * itself for the next request. Failures leave everything as it was (the
- * retry then fails again and backs off further). Runs on a worker. */
+ * asks the shard (a replica set's current member) for its data port again
+ * and, when it moved (another port, its host now resolves to another
+ * address, or another member), opens a client there and swaps it in. When
+ * nothing moved the old client stays: it reconnects by itself for the next
+ * request. Failures leave everything as it was (the retry then fails again
+ * and backs off further). Runs on a worker. */
 static void refresh(zs_client *c, uint32_t i, uint64_t seen) {
   zc_dp *dp = c->dp;
   zc_dp_shard *s = &dp->shard[i];
+  const zc_rset *rs = &c->rs[i];
   pthread_mutex_lock(&dp->mu);
   while (s->refreshing)
     pthread_cond_wait(&dp->cv, &dp->mu);
@@ -288,33 +328,48 @@ static void refresh(zs_client *c, uint32_t i, uint64_t seen) {
     return;
   }
   s->refreshing = 1;
-  uint32_t old_port = s->port;
+  uint32_t old_port = s->port, old_member = s->member;
   struct sockaddr_storage old_addr = s->addr;
+  char host[DP_HOST_MAX];
+  memcpy(host, s->host, sizeof host);
   pthread_mutex_unlock(&dp->mu);
 
-  /* One attempt, no retries of its own: this runs inside a retry loop. */
+  /* One attempt, no retries of its own: this runs inside a retry loop. A
+   * replica set is asked at its current member, with the term. */
   Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
   Zshard__V1__GetInfoResponse *info = NULL;
   rpc_status st = {0};
-  int moved = 0, ok = 0;
+  rpc_md md;
+  size_t nmd = 0;
+  char term_buf[24];
+  uint32_t member = 0;
+  uint64_t rgen = 0;
+  int moved = 0, ok = 0, looked = 1;
+  if (rs->n > 1) {
+    member = zc_replica_current(c, i, &rgen, &md, &nmd, term_buf);
+    looked = host_of(rs->member[member], host, sizeof host) == ZS_OK;
+  }
   zc_dpconn *fresh = NULL;
   uint32_t port = 0;
   struct sockaddr_storage addr;
   memset(&addr, 0, sizeof addr);
-  if (rpc_call(c->chan[i], ZC_METHOD("GetInfo"), &req.base,
-               &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)&info,
-               c->opt.rpc_timeout_ms, &st) == ZS_OK) {
-    if (info->data_port <= 65535 && info->shard_id == i) {
+  if (looked && rpc_call_md(rs->chan[member], ZC_METHOD("GetInfo"), &req.base, &md, nmd,
+                            &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)&info,
+                            c->opt.rpc_timeout_ms, &st) == ZS_OK) {
+    if (info->data_port <= 65535 && info->shard_id == i &&
+        (rs->n == 1 || (info->replica && info->replica->index == member))) {
       port = info->data_port;
       char err[DP_ERRLEN];
       if (port == 0) {
-        moved = ok = old_port != 0;
+        moved = old_port != 0;
+        ok = 1;
       } else {
         char hp[DP_HOSTPORT_MAX];
-        hostport_format(hp, sizeof hp, s->host, port);
+        hostport_format(hp, sizeof hp, host, port);
         if (dp_resolve(hp, 0, &addr, err, sizeof err) == ZS_OK) {
-          moved = port != old_port || memcmp(&addr, &old_addr, sizeof addr) != 0;
-          ok = !moved || open_client(c, s->host, port, &fresh, &addr, err, sizeof err) == ZS_OK;
+          moved = port != old_port || memcmp(&addr, &old_addr, sizeof addr) != 0 ||
+                  member != old_member;
+          ok = !moved || open_client(c, host, port, &fresh, &addr, err, sizeof err) == ZS_OK;
         }
       }
     }
@@ -333,12 +388,32 @@ static void refresh(zs_client *c, uint32_t i, uint64_t seen) {
     while (old && old->users > 0)
       pthread_cond_wait(&dp->cv, &dp->mu);
   }
+  if (ok && rs->n > 1) {
+    /* The member looked up is the one the data plane follows now. */
+    memcpy(s->host, host, sizeof host);
+    s->member = member;
+    s->rgen = rgen;
+  }
   s->refreshing = 0;
   pthread_cond_broadcast(&dp->cv);
   pthread_mutex_unlock(&dp->mu);
   /* Its requests in flight complete with ZS_ECANCELED and, their generation
    * being stale, are retried on the new client. */
   conn_free(old);
+}
+
+/* For a replica set: 1 when its current member is no longer the one the
+ * data client was opened for (a gRPC call failed over first), with the
+ * data client's generation in *seen for refresh(). */
+static int member_moved(const zs_client *c, uint32_t i, uint64_t *seen) {
+  if (c->rs[i].n == 1)
+    return 0;
+  zc_dp *dp = c->dp;
+  pthread_mutex_lock(&dp->mu);
+  int moved = dp->shard[i].rgen != atomic_load(&c->rs[i].gen);
+  *seen = dp->shard[i].gen;
+  pthread_mutex_unlock(&dp->mu);
+  return moved;
 }
 
 /* ---- tasks ------------------------------------------------------------------------ */
@@ -430,6 +505,7 @@ static int submit(zs_client *c, zc_task *t) {
   if (k) {
     k->users++;
     t->dp_gen = dp->shard[t->shard].gen;
+    t->dp_rgen = dp->shard[t->shard].rgen;
   }
   pthread_mutex_unlock(&dp->mu);
   if (!k) {
@@ -479,12 +555,24 @@ static int submit(zs_client *c, zc_task *t) {
 }
 
 /* 1 if a failed attempt should be made again. */
-static int retryable(zs_client *c, const zc_task *t, int status) {
+static int retryable(zs_client *c, zc_task *t, int status) {
   /* A payload that failed its CRC32C (either way) changed nothing and
    * pushes and pulls are idempotent: the bytes were damaged on the way, or
    * a pull answer was overtaken by an apply (docs/PROTOCOL.md). */
   if (status == ZS_ECONN || status == ZS_ECLOSED || status == ZS_ECRC)
     return 1;
+  if (c->rs[t->shard].n > 1) {
+    /* A member that is not primary (any more) sends us to the set's
+     * primary; one that lacks the job or the version may have been left
+     * behind by a failover we have not seen, which one search tells
+     * (replica.c). */
+    if (status == ZS_ENOTPRIMARY || status == ZS_ESTALE)
+      return 1;
+    if ((status == ZS_ENOTOPEN || status == ZS_ENOTREADY) && !t->dp_looked) {
+      t->dp_looked = 1;
+      return 1;
+    }
+  }
   if (status != ZS_ECANCELED)
     return 0;
   /* Cancelled because its client was replaced (not because we are closing):
@@ -518,6 +606,7 @@ static void on_answer(void *arg, const dp_result *r) {
       pull_finish(c, t);
     }
   } else if (retryable(c, t, r->status) && t->dp_attempt < c->opt.max_retries) {
+    t->dp_failed = r->status;
     t->dp_attempt++;
     atomic_fetch_add(&c->retries, 1);
     if (!requeue(c, t, ZC_DP_RETRY))
@@ -609,8 +698,10 @@ static int batch_submit(zc_dpbatch *b) {
   zc_dpconn *k = dp->shard[shard].cur;
   if (k) {
     k->users++;
-    for (uint32_t i = 0; i < b->n; i++)
+    for (uint32_t i = 0; i < b->n; i++) {
       b->t[i]->dp_gen = dp->shard[shard].gen;
+      b->t[i]->dp_rgen = dp->shard[shard].rgen;
+    }
   }
   pthread_mutex_unlock(&dp->mu);
   if (!k) {
@@ -677,6 +768,7 @@ static void on_batch_answer(void *arg, const dp_result *r) {
     off += nbytes;
     if (r->status != ZS_OK) {
       if (retryable(c, t, r->status) && t->dp_attempt < c->opt.max_retries) {
+        t->dp_failed = r->status;
         t->dp_attempt++;
         atomic_fetch_add(&c->retries, 1);
         if (!requeue(c, t, ZC_DP_RETRY))
@@ -761,6 +853,9 @@ zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list) {
     zc_task *taken[WIRE_MAX_BATCH];
     uint32_t n = b->n;
     memcpy(taken, b->t, n * sizeof taken[0]);
+    uint64_t seen;
+    if (member_moved(c, first->shard, &seen))
+      refresh(c, first->shard, seen);
     if (!batch_submit(b)) {
       /* A shard without a data client: its tasks run over gRPC. */
       for (uint32_t i = 0; i < n; i++) {
@@ -770,6 +865,23 @@ zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list) {
     }
   }
   return rest;
+}
+
+/* Before the retry of task t on a replica set: reports the member's failure
+ * to the set (which may fail over, replica.c) and returns how long to back
+ * off: nothing when another member is primary now, at most until the set
+ * can decide more. */
+static uint64_t replica_failed(zs_client *c, zc_task *t, uint64_t backoff) {
+  int f = t->dp_failed;
+  if (t->dp_rgen == 0 || (f != ZS_ECONN && f != ZS_ECLOSED && f != ZS_ENOTPRIMARY &&
+                          f != ZS_ESTALE && f != ZS_ENOTOPEN && f != ZS_ENOTREADY))
+    return backoff;
+  uint64_t wait;
+  int unreachable = f == ZS_ECONN || f == ZS_ECLOSED;
+  zc_replica_failed(c, t->shard, t->dp_rgen, unreachable, &wait);
+  if (atomic_load(&c->rs[t->shard].gen) != t->dp_rgen)
+    return 0;
+  return wait < backoff ? wait : backoff;
 }
 
 int zc_dp_run(struct zs_client *c, zc_task *t) {
@@ -786,6 +898,8 @@ int zc_dp_run(struct zs_client *c, zc_task *t) {
       backoff *= 2;
     if (backoff > c->opt.retry_max_ms)
       backoff = c->opt.retry_max_ms;
+    if (c->rs[t->shard].n > 1)
+      backoff = replica_failed(c, t, backoff);
     if (zc_backoff_wait(c, backoff)) {
       task_fail(c, t, ZS_ECANCELED, "cancelled: the client is closing");
       return 1;
@@ -793,8 +907,12 @@ int zc_dp_run(struct zs_client *c, zc_task *t) {
     refresh(c, t->shard, t->dp_gen);
     break;
   }
-  default:
+  default: {
+    uint64_t seen;
+    if (member_moved(c, t->shard, &seen))
+      refresh(c, t->shard, seen);
     break;
+  }
   }
   t->dp_phase = ZC_DP_SEND;
   return submit(c, t);

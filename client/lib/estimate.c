@@ -19,6 +19,10 @@
  *   comm time       the busier direction of the busiest NIC over B (links are
  *                   full duplex); for zshard the shards' NICs count too: a
  *                   shard receives WgP/N and sends WpP/N (x2) per step.
+ *                   That is the bound with pushes and pulls overlapping.
+ *   gated time      zshard's phases one after the other (the gated step):
+ *                   push max(gP/Bt, WgP/(N Bs)) + pull max(pP/Bt, WpP/(N Bs))
+ *                   (x2 for the pull); the ring collectives' comm time.
  *
  * With bf16 and K = 12 the model states are the ZeRO paper's (Rajbhandari et
  * al. 2020, figure 1): 16P for DP and 16P/W for ZeRO-3, 1.88 GB for 7.5B
@@ -123,6 +127,7 @@ static void estimate(const zs_estimate_input *in, zs_estimate_row *rows) {
     /* Ring collectives send and receive the same amount on every device. */
     rows[i].received_bytes = rows[i].sent_bytes;
     rows[i].comm_seconds = rows[i].sent_bytes / bt;
+    rows[i].gated_seconds = rows[i].comm_seconds;
   }
 
   zs_estimate_row *z = &rows[ZS_STRATEGY_ZSHARD];
@@ -131,9 +136,15 @@ static void estimate(const zs_estimate_input *in, zs_estimate_row *rows) {
   z->shard_bytes = (K + EST_SHARD_EXTRA) * P / N;
   z->sent_bytes = G * P;
   z->received_bytes = pulls * Pb * P;
-  const double shard_in = W * G * P / N, shard_out = W * pulls * Pb * P / N;
-  z->shard_wire_bytes = max2(shard_in, shard_out);
-  z->comm_seconds = max2(max2(z->sent_bytes, z->received_bytes) / bt, z->shard_wire_bytes / bs);
+  z->shard_received_bytes = W * G * P / N;
+  z->shard_sent_bytes = W * pulls * Pb * P / N;
+  z->shard_wire_bytes = max2(z->shard_received_bytes, z->shard_sent_bytes);
+  /* Each phase is as slow as its busiest link: a trainer's own, or a
+   * shard's when W trainers send to N < W shards (incast). */
+  z->push_seconds = max2(z->sent_bytes / bt, z->shard_received_bytes / bs);
+  z->pull_seconds = max2(z->received_bytes / bt, z->shard_sent_bytes / bs);
+  z->gated_seconds = z->push_seconds + z->pull_seconds;
+  z->comm_seconds = max2(z->push_seconds, z->pull_seconds);
   for (int i = 0; i < ZS_STRATEGY_COUNT; i++)
     rows[i].device_bytes = rows[i].state_bytes + rows[i].working_bytes;
 }

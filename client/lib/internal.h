@@ -11,6 +11,8 @@
  *   state.c     optimizer state: zs_state_read/write, the optimizer step count
  *   dataplane.c pushes and pulls over the data plane (data port discovery,
  *               per-shard data clients, retries)
+ *   replica.c   replicated shards: each shard's members, the current one,
+ *               the failover search
  *   scaler.c    the dynamic loss scaler
  *   estimate.c  the memory and traffic model behind `zshard estimate`
  *   error.c     the per-thread last-error sentence
@@ -26,6 +28,8 @@
  *     A thread holding a later lock never takes an earlier one, and no lock is
  *     held across an rpc_call or a user callback. zc_dp.mu (dataplane.c) is a
  *     leaf: nothing is locked, and nothing blocks, while it is held.
+ *     zc_rset.mu (replica.c, one per shard) is a leaf too: a failover search
+ *     marks itself under it and runs its calls without it.
  *   - After zs_open_job succeeds the spec, the layout and the channels are
  *     immutable and read without locks.
  */
@@ -183,6 +187,11 @@ struct zc_task {
   void *dp_buf;
   uint32_t dp_attempt;
   uint64_t dp_gen;
+  /* Replicated shards: the replica set's generation (zc_rset.gen) of the
+   * member the last attempt went to, and the status it failed with. */
+  uint64_t dp_rgen;
+  int dp_failed;
+  int dp_looked; /* a missing job or version made it search once */
 };
 
 struct zs_request {
@@ -340,6 +349,79 @@ rpc_security zc_security_rpc(const zc_security *s);
 /* rpc_channel_open_secure with `s`, the last error set on failure. */
 int zc_channel_open(const zc_security *s, const char *addr, rpc_channel **out, const char *fn);
 
+/* ---- replica.c: a shard's replica set ------------------------------------------ */
+
+/* The most members of one shard's replica set. */
+#define ZC_MAX_REPLICAS 8u
+/* Deadline of one member's GetInfo in a failover search, ms (at most
+ * rpc_timeout_ms). */
+#define ZC_PROBE_MS 500u
+/* After a refused Promote, the longest a caller backs off before the next
+ * search, ms: the member may only lag behind what the client saw. */
+#define ZC_PROMOTE_RETRY_MS 100u
+/* gRPC metadata key of the highest term the client has seen for a shard. */
+#define ZC_TERM_KEY "zshard-term"
+
+/* One shard's members (docs/CLIENT.md, "Replica sets and failover"). A
+ * shard that is not replicated has n = 1 and is used exactly as before:
+ * member 0's channel, no term, no search. Channels and member addresses are
+ * immutable once zs_client_open returned; the rest is guarded by mu, a leaf
+ * held only for bookkeeping (never across a call). */
+typedef struct zc_rset {
+  uint32_t n;
+  char *member[ZC_MAX_REPLICAS];      /* owned: "host:port" as listed */
+  rpc_channel *chan[ZC_MAX_REPLICAS]; /* owned, one per member */
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* (mu) a search ended */
+  uint32_t cur;      /* (mu) the member calls go to; 0 at first */
+  /* Changes whenever cur does; read without mu by the data plane's check
+   * for a moved member, hence atomic (written under mu). */
+  atomic_uint_least64_t gen;
+  uint64_t term;     /* (mu) the highest term seen */
+  int searching;     /* (mu) a failover search runs */
+  int found;         /* (mu) the last search left a primary current */
+  uint64_t retry_at; /* (mu) clock_now_ms() when the last search's wait ends */
+  /* (mu) clock_now_ms() of each member's first failure to answer since it
+   * last answered; 0: it answers. */
+  uint64_t down_since[ZC_MAX_REPLICAS];
+  uint32_t failover_ms; /* the client's, copied */
+} zc_rset;
+
+/* Opens every shard's replica set from c->addr (already validated by
+ * zc_parse_addresses) into c->rs. Returns 0 or an error with the last error
+ * set; zc_rsets_free frees a partly built array. */
+int zc_rsets_open(struct zs_client *c, const char *fn);
+void zc_rsets_free(struct zs_client *c);
+
+/* Checks one shard's text of a list (already trimmed): its '|'-separated
+ * members, each a host:port zc_address_hostport reads, none empty, at most
+ * ZC_MAX_REPLICAS, no member twice. On success *norm is the text to keep
+ * (members trimmed, rejoined with '|'; the caller frees it). Returns 0 or
+ * ZS_EINVAL / ZS_ENOMEM with the last error set; `shard` names the shard in
+ * the sentence. */
+int zc_shard_text_check(uint32_t shard, const char *text, char **norm);
+
+/* The replicated zc_call (transfer.c calls it for a shard with n > 1). */
+int zc_replica_call(struct zs_client *c, uint32_t shard, const char *method,
+                    const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                    ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
+
+/* The member calls to `shard` go to now: its index, channel and the set's
+ * generation, and the term metadata to send (md->value points into
+ * term_buf, 24 bytes; *nmd is 0 when no term is known yet). */
+uint32_t zc_replica_current(struct zs_client *c, uint32_t shard, uint64_t *gen, rpc_md *md,
+                            size_t *nmd, char *term_buf);
+
+/* After a failure of the member of generation `gen` of `shard` (unreachable:
+ * the failure says it did not answer): makes sure a failover search has run
+ * for it, one at a time per shard (callers arriving during a search wait for
+ * its result). Returns 1 when a primary is current now (another member, or
+ * the same one confirmed): retry at once. Returns 0 otherwise, with
+ * *wait_ms the time until the next search can decide more (UINT64_MAX:
+ * back off as usual). Runs calls: no lock may be held. */
+int zc_replica_failed(struct zs_client *c, uint32_t shard, uint64_t gen, int unreachable,
+                      uint64_t *wait_ms);
+
 /* ---- the client (client.c) ------------------------------------------------- */
 
 struct zs_client {
@@ -348,9 +430,9 @@ struct zs_client {
   zs_client_options opt; /* a copy; its string pointers are not used */
   char *job;             /* owned */
   uint32_t nshards;
-  char **addr;        /* owned, nshards strings */
-  rpc_channel **chan; /* owned, nshards channels */
-  zc_security sec;    /* token and TLS files of every connection */
+  char **addr;     /* owned, nshards strings: a shard's text ("h:p|h:p") */
+  zc_rset *rs;     /* owned, nshards replica sets (n = 1: not replicated) */
+  zc_security sec; /* token and TLS files of every connection */
 
   /* The model description, built under mu until zs_open_job; immutable after. */
   spec sp;

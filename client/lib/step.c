@@ -25,6 +25,15 @@
  *      restore brings the scaler back with the weights (zs_open_job,
  *      zs_restore). The client's own scaler changes only once the Apply
  *      succeeded, so a failed zs_step can be called again.
+ *
+ * The pipelined step (a job opened with zs_client_options.pipelined) has no
+ * gate: it checks that every (tensor, micro) was pushed and no push failed,
+ * sends Apply(step, lr, 1 / loss_scale) to every shard, which accepts it at
+ * once and applies each piece when its last contribution lands, and returns
+ * without waiting for its pushes or the shards: the pulls of the next
+ * forward wait on the shards for each piece (core_wait_pieces), so they
+ * overlap the other trainers' pushes. A push of the step that fails later is
+ * reported by the next zs_step (its pulls wait in vain until step_timeout).
  */
 #include <inttypes.h>
 #include <math.h>
@@ -201,9 +210,12 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
   return rc;
 }
 
-/* `cs` (cs_len bytes, may be 0) becomes the shards' client state of `step`. */
+/* `cs` (cs_len bytes, may be 0) becomes the shards' client state of `step`.
+ * A pipelined job's shards accept the Apply before the step is applied
+ * (version step - 1) or repeat its outcome (version step). */
 static int apply_all(zs_client *c, uint64_t step, double lr, const double *group_lr,
                      uint32_t ngroup_lr, float coef, int skip, const uint8_t *cs, size_t cs_len) {
+  const int ahead = c->sp.pipelined;
   Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
   req.spec_hash = c->hash;
   req.step = step;
@@ -228,7 +240,8 @@ static int apply_all(zs_client *c, uint64_t step, double lr, const double *group
   int rc = zc_call_all(op);
   for (uint32_t i = 0; rc == ZS_OK && i < c->nshards; i++) {
     const Zshard__V1__ApplyResponse *r = (const Zshard__V1__ApplyResponse *)op->tasks[i].resp;
-    if (r->step != step || r->version != step || (r->skipped != 0) != (skip != 0))
+    int version_ok = r->version == step || (ahead && r->version + 1 == step);
+    if (r->step != step || !version_ok || (r->skipped != 0) != (skip != 0))
       rc = zc_fail(ZS_EPROTO,
                    "zs_step: shard %" PRIu32 " (%s) answered Apply of step %" PRIu64
                    " with step %" PRIu64 ", version %" PRIu64 ", skipped %d",
@@ -352,6 +365,55 @@ static double complete_step(zs_client *c, uint64_t step, const zs_loss_scaler *n
   return next_scale;
 }
 
+/* The pipelined step (top of the file), with c->mu held (released on
+ * return) and `stepping` set. */
+static int step_pipelined_unlock(zs_client *c, const zs_step_options *o, uint64_t step,
+                                 double loss_scale, zs_step_result *out) {
+  char msg[ZC_ERR_LEN];
+  int rc = ZS_OK;
+  if (o->max_grad_norm > 0 || o->clip_coef > 0) {
+    rc = ZS_EINVAL;
+    snprintf(msg, sizeof msg,
+             "zs_step: job '%s' is pipelined (zs_client_options.pipelined): it has no global "
+             "gradient norm, so no clipping; max_grad_norm and clip_coef must be 0",
+             c->sp.job);
+  } else if (c->step_error != ZS_OK) {
+    rc = c->step_error;
+    snprintf(msg, sizeof msg, "zs_step: a push of step %" PRIu64 " or %" PRIu64 " failed: %.400s",
+             step - 1, step, c->step_err);
+    c->step_error = ZS_OK;
+    c->step_err[0] = '\0';
+  } else if (find_unpushed_locked(c, msg, sizeof msg)) {
+    rc = ZS_ENOTREADY;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (rc != ZS_OK)
+    return zc_fail_msg(rc, msg);
+  const uint64_t t_begin = clock_now_ns();
+  const float coef = (float)(1.0 / loss_scale);
+  rc = apply_all(c, step, o->lr, o->group_lr, o->num_group_lr, coef, 0, NULL, 0);
+  if (rc != ZS_OK)
+    return rc;
+  complete_step(c, step, NULL, loss_scale, t_begin, 0);
+  if (c->opt.error_feedback)
+    zc_ef_after_step(c, 0, 1.0);
+  if (out) {
+    zs_step_result res;
+    memset(&res, 0, sizeof res);
+    res.step = step;
+    res.version = step;
+    res.applied = 1;
+    res.grad_norm = NAN; /* never computed: no statistics */
+    res.clip_coef = 1.0;
+    res.coef = coef;
+    res.loss_scale = loss_scale;
+    res.next_loss_scale = loss_scale;
+    zc_struct_write(out, out->struct_size, &res, sizeof res);
+  }
+  zc_checkpoint_after_step(c, step);
+  return ZS_OK;
+}
+
 static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out) {
   double lr = o->lr, max_grad_norm = o->max_grad_norm, loss_scale = o->loss_scale;
   int rc = zc_client_enter(c);
@@ -401,6 +463,11 @@ static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out)
       loss_scale = c->scaler.scale;
     else
       loss_scale = 1.0;
+  }
+
+  if (c->sp.pipelined) {
+    rc = step_pipelined_unlock(c, o, step, loss_scale, out);
+    goto done;
   }
 
   /* 1. Drain this client's pushes. */
@@ -487,6 +554,14 @@ int zs_grad_norm(zs_client *c, double loss_scale, double *grad_norm, int *overfl
     zc_client_leave(c);
     return opened ? zc_fail(ZS_EINVAL, "zs_grad_norm: a zs_step is running on this client")
                   : zc_fail(ZS_ENOTOPEN, "zs_grad_norm: the job is not open");
+  }
+  if (c->sp.pipelined) {
+    pthread_mutex_unlock(&c->mu);
+    zc_client_leave(c);
+    return zc_fail(ZS_EINVAL,
+                   "zs_grad_norm: job '%s' is pipelined (zs_client_options.pipelined): "
+                   "the shards keep no gradient statistics",
+                   c->sp.job);
   }
   c->stepping = 1;
   const uint64_t step = c->step;

@@ -115,7 +115,9 @@ static void op_finish(zs_request *op) {
     pthread_mutex_lock(&c->mu);
     c->inflight_push--;
     c->bytes_pushed += op->bytes;
-    if (status != ZS_OK && op->step == c->step) {
+    /* A pipelined zs_step returns before its pushes are done (step.c): a
+     * failure of the step before is the next zs_step's to report. */
+    if (status != ZS_OK && (op->step == c->step || op->step + 1 == c->step)) {
       /* The step cannot complete without this contribution: zs_step reports
        * it, and the trainer may push the tensor again. */
       if (c->step_error == ZS_OK) {
@@ -123,7 +125,8 @@ static void op_finish(zs_request *op) {
         snprintf(c->step_err, sizeof c->step_err, "%s", op->err);
       }
       size_t bit = (size_t)op->tensor * c->sp.grad_accum + op->micro;
-      c->pushed[bit / 8] &= (uint8_t) ~(1u << (bit % 8));
+      if (op->step == c->step)
+        c->pushed[bit / 8] &= (uint8_t) ~(1u << (bit % 8));
     }
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
@@ -228,9 +231,13 @@ static int is_transfer(const char *method) {
 int zc_call(struct zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
             const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
             uint64_t timeout_ms, rpc_status *st) {
+  /* A replica set has its own loop: the same retries, plus the term and the
+   * failover (replica.c). A shard that is not replicated takes this one. */
+  if (c->rs[shard].n > 1)
+    return zc_replica_call(c, shard, method, req, resp_desc, resp, timeout_ms, st);
   uint64_t backoff = c->opt.retry_initial_ms;
   for (uint32_t attempt = 0;; attempt++) {
-    int rc = rpc_call(c->chan[shard], method, req, resp_desc, resp, timeout_ms, st);
+    int rc = rpc_call(c->rs[shard].chan[0], method, req, resp_desc, resp, timeout_ms, st);
     /* Only UNAVAILABLE and CANCELLED are retried, and RESOURCE_EXHAUSTED for
      * the transfers: the call did not reach the shard's logic or the shard
      * went away (a server shutting down cancels the calls it no longer

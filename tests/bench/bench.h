@@ -86,7 +86,10 @@ const char *bench_bytes_str(double bytes, char *buf, size_t len);
 const char *bench_label(const char *s, char *buf, size_t len);
 
 /* A buffer of `bytes` bytes, 64-byte aligned, every page touched (so that page
- * faults do not land in a timed region). Exits on failure; free() releases. */
+ * faults do not land in a timed region); from 32 MiB up its whole pages are
+ * kept out of forked children (MADV_DONTFORK: the pumps fork, and a fork
+ * would make the next write to every page fault), so a forked child must not
+ * touch one. Exits on failure; free() releases. */
 void *bench_alloc(size_t bytes);
 
 /* Fills n bf16 values with small pseudo-random numbers in (-0.01, 0.01). */
@@ -115,6 +118,13 @@ const char *bench_server_bin(void);
  * Logs go to a temporary directory that bench_servers_stop removes. Exits on
  * failure. */
 void bench_servers_start(bench_server *srv, uint32_t n, int threads);
+
+/* Makes the servers that bench_servers_start starts from now on speak TLS
+ * only (gRPC and the data plane: --tls-cert, --tls-key), and its GetInfo
+ * check them against the CA bundle `ca`; cert NULL: plain TCP again. The
+ * strings are copied. Clients find the CA as trainers do, in ZSHARD_TLS_CA,
+ * which the servers' environment never carries. */
+void bench_servers_tls(const char *cert, const char *key, const char *ca);
 
 /* SIGTERM, bounded wait (then SIGKILL) and reaping of every server. */
 void bench_servers_stop(bench_server *srv, uint32_t n);
@@ -157,6 +167,15 @@ double bench_pingpong_once(bench_pingpong *p, size_t req_bytes, size_t resp_byte
 
 /* Closes the connection, reaps the peer and frees p. */
 void bench_pingpong_close(bench_pingpong *p);
+
+/* The peer's process id, for bench_switches. */
+pid_t bench_pingpong_peer(const bench_pingpong *p);
+
+/* The voluntary context switches of every thread of process `pid` (0: this
+ * one) so far, from /proc/PID/task/ * /status: a thread that blocks and is
+ * woken again counts one; preemptions do not count. Threads that have
+ * exited are not counted. */
+uint64_t bench_switches(pid_t pid);
 
 /* ------------------------------------------------------------------ clients */
 

@@ -19,6 +19,13 @@
  * then 64 bytes out, 4 KiB back). The first tenth of the samples warm up and
  * are not counted.
  *
+ * Then, for each contender alone, a few hundred more round trips back to
+ * back count the context switches per round trip of every thread at both
+ * ends (voluntary ones, /proc/PID/task/ * /status): each is a thread that slept and was
+ * woken, which is where a round trip's time goes beyond the wire on a
+ * machine whose cores are shared. The ping-pong's is the limit: one wake-up
+ * at each end.
+ *
  * Usage: bench_latency [--json] [--quick] [--samples K] [--bytes B]
  */
 #include <inttypes.h>
@@ -228,6 +235,44 @@ static void inproc_open(contender *c, uint64_t numel, uint32_t micro) {
     bench_die("dp_client_open: %s", err);
 }
 
+/* Context switches per round trip: `n` more synchronous round trips of one
+ * contender back to back (pushes of micro-batches micro0 ..), counting the
+ * switches of every thread of this process and of the other end's (the
+ * shard's, the ping-pong's peer; for K_INPROC both ends are here). Each one
+ * is a thread that blocked and was woken: on a busy machine, a wait for a
+ * core. */
+typedef struct switches {
+  double here, there;
+} switches;
+
+static switches count_switches(const ctx *x, contender *c, pid_t server, int push, uint32_t micro0,
+                               size_t n) {
+  pid_t other = c->k == K_RAW ? bench_pingpong_peer(x->pp) : c->k == K_INPROC ? 0 : server;
+  uint64_t h0 = bench_switches(0), t0 = other ? bench_switches(other) : 0;
+  for (size_t i = 0; i < n; i++)
+    (void)(push ? push_once(x, c, micro0 + (uint32_t)i) : pull_once(x, c));
+  uint64_t h1 = bench_switches(0), t1 = other ? bench_switches(other) : 0;
+  return (switches){(double)(h1 - h0) / (double)n, (double)(t1 - t0) / (double)n};
+}
+
+/* The switches of every contender, each against the raw ping-pong's. */
+static void report_switches(const bench_opts *o, const char *op, const ctx *x, contender *cs,
+                            int nc, pid_t server, uint32_t micro0, size_t n) {
+  switches sw[MAX_CONTENDERS];
+  for (int k = 0; k < nc; k++)
+    sw[k] = count_switches(x, &cs[k], server, strcmp(op, "push") == 0, micro0, n);
+  double raw = sw[nc - 1].here + sw[nc - 1].there;
+  for (int k = 0; k < nc; k++) {
+    char metric[64];
+    snprintf(metric, sizeof metric, "%s_%s_switches", op, cs[k].name);
+    bench_kv kv[] = {BENCH_S("transport", cs[k].transport), BENCH_S("op", op),
+                     BENCH_N("client_process", sw[k].here), BENCH_N("server_process", sw[k].there),
+                     BENCH_N("round_trips", n)};
+    bench_report(o, "latency", metric, sw[k].here + sw[k].there, "switches",
+                 cs[k].k == K_RAW ? 0 : raw, kv, 5);
+  }
+}
+
 static void report(const bench_opts *o, const char *op, contender *c, contender *raw, size_t n,
                    uint64_t bytes) {
   static const struct {
@@ -268,6 +313,8 @@ int main(int argc, char **argv) {
     samples = o.quick ? 500 : 3000;
   size_t warm = (size_t)samples / 10;
   size_t total = (size_t)samples + warm;
+  /* Round trips counted for the context switches, after the timed ones. */
+  size_t nswitch = o.quick ? 200 : 500;
 
   bench_server srv[1];
   bench_servers_start(srv, 1, 0);
@@ -295,7 +342,7 @@ int main(int argc, char **argv) {
                    .numel = bytes / 2,
                    .optimizer = ZS_OPTIM_ADAMW,
                    .world_size = W,
-                   .grad_accum = (uint32_t)total};
+                   .grad_accum = (uint32_t)(total + nswitch)};
   float *init = bench_alloc((size_t)m.numel * sizeof(float));
   bench_fill_f32(init, (size_t)m.numel, 0.1f, 3);
   ctx x = {.bytes = (size_t)bytes};
@@ -316,7 +363,7 @@ int main(int argc, char **argv) {
       if (rpc_channel_open(srv[0].addr, &c->rpc) != 0)
         bench_die("rpc_channel_open failed");
     } else if (c->k == K_INPROC) {
-      inproc_open(c, m.numel, (uint32_t)total);
+      inproc_open(c, m.numel, (uint32_t)(total + nswitch));
     }
     if (!(c->t = calloc(total, sizeof(double))))
       bench_die("out of memory");
@@ -341,6 +388,7 @@ int main(int argc, char **argv) {
     memmove(cs[k].t, cs[k].t + warm, (size_t)samples * sizeof(double));
     report(&o, "push", &cs[k], raw, (size_t)samples, bytes);
   }
+  report_switches(&o, "push", &x, cs, nc, srv[0].pid, (uint32_t)total, nswitch);
   /* Every rank's contributions are in: the step runs on the shard once a
    * trainer asks (the others' zs_step returns the recorded outcome). */
   for (int k = 0; k < nc; k++)
@@ -356,6 +404,7 @@ int main(int argc, char **argv) {
     memmove(cs[k].t, cs[k].t + warm, (size_t)samples * sizeof(double));
     report(&o, "pull", &cs[k], raw, (size_t)samples, bytes);
   }
+  report_switches(&o, "pull", &x, cs, nc, srv[0].pid, 0, nswitch);
 
   bench_pingpong_close(x.pp);
   for (int k = 0; k < nc; k++) {

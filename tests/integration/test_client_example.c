@@ -314,6 +314,47 @@ static void estimate_separates_states_from_working_memory(void **state) {
   free(json);
 }
 
+/* --link-gbit: the emulated cluster of tests/bench/netsim (16 Mi parameters
+ * in bf16, W = N = 4, 1 Gbit/s links): 32 MiB each way on every link, 0.268
+ * s a phase, 0.537 s gated, and 48 MiB each way for the ring all-reduce. It
+ * sets both links, so --gbps beside it is refused. */
+static void estimate_gives_per_link_bytes_and_time(void **state) {
+  (void)state;
+  char out[600];
+  snprintf(out, sizeof out, "%s/estimate-links.out", hs_tmpdir());
+  char *argv[] = {ZSHARD_CLI_BIN, "estimate", "--params", "16777216",    "--trainers", "4",
+                  "--shards",     "4",        "--json",   "--link-gbit", "1",          NULL,
+                  NULL,           NULL};
+  pid_t p = spawn_to(argv, out);
+  assert_true(p > 0);
+  assert_int_equal(wait_exit(p), 0);
+  char *json = slurp(out);
+  assert_non_null(strstr(json, "\"trainer_gbps\":1,\"shard_gbps\":1,"));
+  assert_non_null(strstr(json,
+                         "\"links\":{\"gbit\":1,\"zshard\":{\"trainer_egress_bytes\":33554432,"
+                         "\"trainer_ingress_bytes\":33554432,\"shard_ingress_bytes\":33554432,"
+                         "\"shard_egress_bytes\":33554432,\"push_seconds\":0.268435456,"
+                         "\"pull_seconds\":0.268435456,\"gated_seconds\":0.536870912,"
+                         "\"overlap_seconds\":0.268435456},\"ring\":{\"trainer_egress_bytes\":"
+                         "50331648,\"trainer_ingress_bytes\":50331648,\"seconds\":0.402653184}}"));
+  free(json);
+  /* Incast: one shard for four trainers carries 128 MiB each way. */
+  argv[7] = "1";
+  p = spawn_to(argv, out);
+  assert_true(p > 0);
+  assert_int_equal(wait_exit(p), 0);
+  json = slurp(out);
+  assert_non_null(strstr(json, "\"shard_ingress_bytes\":134217728,\"shard_egress_bytes\":134217728,"
+                               "\"push_seconds\":1.07374182,\"pull_seconds\":1.07374182,"
+                               "\"gated_seconds\":2.14748365,"));
+  free(json);
+  argv[11] = "--gbps";
+  argv[12] = "10";
+  p = spawn_to(argv, out);
+  assert_true(p > 0);
+  assert_int_equal(wait_exit(p), 2);
+}
+
 static int group_setup(void **state) {
   (void)state;
   return hs_init();
@@ -324,6 +365,7 @@ int main(void) {
       cmocka_unit_test(example_trainer_loss_falls_on_two_shards_two_trainers),
       cmocka_unit_test(example_trains_with_int8_blocks_on_about_half_the_bytes_of_bf16),
       cmocka_unit_test(estimate_separates_states_from_working_memory),
+      cmocka_unit_test(estimate_gives_per_link_bytes_and_time),
   };
   int failures = cmocka_run_group_tests(tests, group_setup, NULL);
   hs_finish(failures);

@@ -228,7 +228,7 @@ def test_forward_marker_needs_the_admin_token():
         # reaches the backup with the primary's next forward.
         promote(rs, 0, 5)
         hostile.init_params(rs.client(0), h, NUMELS)
-        assert rs.info(1).replica.term == 5
+        assert hostile.wait_for(lambda: rs.info(1).replica.term == 5), rs.info(1)
         old = rs.client(1, token="admin", md=(("zshard-replica-term", "1"),))
         st, msg = refused(hostile.init_params, old, h, NUMELS)
         assert st == ZS_ESTALE and "term 1" in msg, msg
@@ -269,6 +269,8 @@ def test_failover_by_hand_and_rejoin():
         hostile.init_params(p, h, NUMELS)
         for s in (1, 2):
             hostile.step(p, h, s, NUMELS)
+        # The backup holds both steps (it was in sync for each write).
+        assert rs.info(0).replica.members[1].in_sync and rs.info(1).version == 2
         rs.kill(0)
         r = promote(rs, 1, 2)
         assert ROLE[r.role] == "primary" and r.version == 2

@@ -536,6 +536,46 @@ static void estimate_counts_slow_shards_and_backward_pulls(void **state) {
   assert_true(r[ZS_STRATEGY_DP].sent_bytes == 0 && r[ZS_STRATEGY_ZERO3].comm_seconds == 0);
 }
 
+/* Per link, W = 4 trainers and N = 2 shards at 8 Gbit/s (10^9 bytes/s, so
+ * that a byte takes a nanosecond), 1000 parameters in bf16: each trainer
+ * sends and receives 2000 bytes; each shard receives 4 x 2000 / 2 = 4000 and
+ * sends as much (incast: the shards' links bound both phases, 4 us each);
+ * the gated step is their sum, the overlapped one either; a ring
+ * all-reduce moves 2 x 2000 x 3/4 = 3000 bytes each way in 3 us. With N = W
+ * the trainers' links bound zshard: 2 us a phase, 4 us gated, 2 us
+ * overlapped, 1.5 times faster than the ring, and the gated step 0.75 times. */
+static void estimate_gives_each_links_bytes_and_time(void **state) {
+  (void)state;
+  zs_estimate_input in;
+  zs_estimate_input_init(&in);
+  in.params = 1000;
+  in.trainers = 4;
+  in.shards = 2;
+  in.trainer_gbps = in.shard_gbps = 8;
+  zs_estimate_row r[ZS_STRATEGY_COUNT];
+  assert_int_equal(zs_estimate(&in, r, ZS_STRATEGY_COUNT), ZS_OK);
+  const zs_estimate_row *z = &r[ZS_STRATEGY_ZSHARD], *ring = &r[ZS_STRATEGY_DP];
+  assert_true(z->sent_bytes == 2000 && z->received_bytes == 2000);
+  assert_true(z->shard_received_bytes == 4000 && z->shard_sent_bytes == 4000);
+  assert_true(z->push_seconds == 4000 / 1e9 && z->pull_seconds == 4000 / 1e9);
+  assert_true(z->gated_seconds == 8000 / 1e9 && z->comm_seconds == 4000 / 1e9);
+  assert_true(ring->sent_bytes == 3000 && ring->received_bytes == 3000);
+  assert_true(ring->comm_seconds == 3000 / 1e9 && ring->gated_seconds == ring->comm_seconds);
+  assert_true(ring->push_seconds == 0 && ring->shard_sent_bytes == 0);
+  in.shards = 4;
+  assert_int_equal(zs_estimate(&in, r, ZS_STRATEGY_COUNT), ZS_OK);
+  assert_true(z->shard_received_bytes == 2000 && z->shard_sent_bytes == 2000);
+  assert_true(z->push_seconds == 2000 / 1e9 && z->pull_seconds == 2000 / 1e9);
+  assert_true(z->gated_seconds == 4000 / 1e9 && z->comm_seconds == 2000 / 1e9);
+  assert_true(ring->comm_seconds / z->comm_seconds == 1.5);
+  assert_true(ring->comm_seconds / z->gated_seconds == 0.75);
+  /* A slower shard link bounds only the phases it carries. */
+  in.shard_gbps = 4;
+  assert_int_equal(zs_estimate(&in, r, ZS_STRATEGY_COUNT), ZS_OK);
+  assert_true(z->push_seconds == 4000 / 1e9 && z->gated_seconds == 8000 / 1e9);
+  assert_true(ring->comm_seconds == 3000 / 1e9);
+}
+
 /* The ZeRO paper (Rajbhandari et al. 2020, figure 1): model states per device
  * for a 7.5B-parameter model on 64 devices with mixed-precision Adam (K = 12):
  * 120 GB baseline, 31.4 GB with Pos, 16.6 GB with Pos+g, 1.88 GB with
@@ -646,6 +686,7 @@ int main(void) {
       cmocka_unit_test(loss_scaler_rejects_garbage),
       cmocka_unit_test(estimate_matches_the_documented_formulas),
       cmocka_unit_test(estimate_counts_slow_shards_and_backward_pulls),
+      cmocka_unit_test(estimate_gives_each_links_bytes_and_time),
       cmocka_unit_test(estimate_reproduces_the_zero_papers_model_states),
       cmocka_unit_test(estimate_rejects_bad_input),
       cmocka_unit_test(shared_library_exports_only_zs_symbols),

@@ -281,9 +281,14 @@ typedef struct zs_client_options {
   size_t struct_size;
   /* Shard addresses in shard-id order, "host:port,host:port", or a pattern
    * with "{i}" replaced by 0..num_shards-1, e.g. "zshard-{i}.zshard:7070".
-   * Required. Copied by zs_client_open. */
+   * A replicated shard lists its replica set's members separated by '|',
+   * in the order of the servers' --replicas: "h:1|h:2,h:3|h:4", or as a
+   * pattern "zshard-a-{i}.zshard:7070|zshard-b-{i}.zshard:7070" (at most 8
+   * members; see failover_ms). Required. Copied by zs_client_open. */
   const char *addresses;
-  uint32_t num_shards; /* with a pattern: required; with a list: 0 or its length */
+  /* The number of shards (not replicas): with a pattern required; with a
+   * list 0 or its length. */
+  uint32_t num_shards;
   uint32_t rank;       /* this trainer, < world_size */
   uint32_t world_size; /* W trainers; default 1 */
   uint32_t grad_accum; /* M micro-batches per step and trainer; default 1 */
@@ -385,6 +390,23 @@ typedef struct zs_client_options {
    * of their addresses (an IP address, a Service's short name). Default:
    * $ZSHARD_TLS_SERVER_NAME. */
   const char *tls_server_name;
+  /* The pipelined step (1 on, 0 off, the default): the shards apply each
+   * piece as soon as every trainer's contributions to it are in and answer
+   * its pulls at once, so that pulls overlap pushes on a full-duplex link.
+   * Part of the job's spec (every trainer must set the same). zs_step then
+   * has no global gate: no clipping (max_grad_norm and clip_coef must be 0),
+   * no overflow check (loss_scaling must not be ZS_LOSS_SCALE_DYNAMIC); it
+   * sends the step's lr and returns without waiting for the shards, and the
+   * next pulls wait for each piece (docs/CLIENT.md, "The pipelined step").
+   * Its bits equal the gated step's without clipping. */
+  uint32_t pipelined;
+  /* Replicated shards (addresses "h:p|h:p,..."; docs/CLIENT.md, "Replica
+   * sets and failover"): how long a shard's primary may fail to answer,
+   * counted from its first failure, before the client promotes another
+   * member of its replica set, ms. A failover takes at most this plus one
+   * round of GetInfo (500 ms) and one Promote. 0: $ZSHARD_FAILOVER_MS,
+   * unset 3000. Shards listed without '|' never fail over. */
+  uint32_t failover_ms;
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above
@@ -870,7 +892,24 @@ typedef struct zs_estimate_row {
   double sent_bytes;       /* per trainer per step */
   double received_bytes;   /* per trainer per step */
   double shard_wire_bytes; /* per shard per step, the busier direction */
-  double comm_seconds;     /* lower bound on communication time per step */
+  /* Lower bound on communication time per step when the step's traffic in
+   * both directions overlaps: the busier direction of the busiest link over
+   * its bandwidth (links are full duplex). For zshard, pushes and pulls at
+   * once (the pipelined step); for the ring collectives, their time. */
+  double comm_seconds;
+  /* Per link (appended after 0.2: an older caller's rows end above). */
+  double shard_received_bytes; /* per shard per step, its link's ingress */
+  double shard_sent_bytes;     /* per shard per step, its link's egress */
+  /* zshard's two phases at link speed, each bound by its busiest link: the
+   * gradients (trainers' egress, shards' ingress) and the parameters
+   * (shards' egress, trainers' ingress); 0 for the ring collectives, whose
+   * reduce and gather run in both directions at once. */
+  double push_seconds;
+  double pull_seconds;
+  /* The same bound with the phases one after the other, as in the gated
+   * step (every push is in before any pull is answered): push_seconds +
+   * pull_seconds for zshard, comm_seconds for the ring collectives. */
+  double gated_seconds;
 } zs_estimate_row;
 
 /* Computes one row per strategy into rows[0 .. ZS_STRATEGY_COUNT) (formulas

@@ -62,12 +62,19 @@ class Client(_zshard.Client):
     prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
     data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode,
-    error_feedback, and token, tls_ca, tls_cert, tls_key, tls_server_name for
+    error_feedback, pipelined, failover_ms, and token, tls_ca, tls_cert, tls_key,
+    tls_server_name for
     the C fields token, tls_ca_file, tls_cert_file, tls_key_file,
     tls_server_name) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
     loss_scale_window and hysteresis; enums also by name ("bf16", "sum", ...).
     Unset options keep zs_client_options_init's defaults.
+
+    A replicated shard lists its replica set's members separated by "|"
+    ("h0a:7070|h0b:7070,h1a:7070|h1b:7070"); failover_ms (default the
+    environment's ZSHARD_FAILOVER_MS, else 3000) is how long its primary may
+    fail to answer before the client promotes another member
+    (docs/CLIENT.md, "Replica sets and failover").
 
     open_mode says what open_job() may find on the shards: "either" (default:
     create the job, or resume the same model where the shards left it,

@@ -102,6 +102,8 @@ static const kw_field client_fields[] = {
     CO(checkpoint_timeout_ms, KW_U32),
     CO(open_mode, KW_ENUM),
     CO(error_feedback, KW_U32),
+    CO(pipelined, KW_U32),
+    CO(failover_ms, KW_U32),
     /* Security: the Python names drop the C names' "_file". */
     {"token", KW_STR, offsetof(zs_client_options, token)},
     {"tls_ca", KW_STR, offsetof(zs_client_options, tls_ca_file)},

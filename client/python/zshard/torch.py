@@ -457,7 +457,8 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
           prefetch=2, release_after_forward=False, max_grad_norm=None, **options):
     """Moves `optimizer`'s parameters and their optimizer to the zshard shards
     at `addresses` ("h0:7070,h1:7070" or "zshard-{i}.zshard:7070" with
-    num_shards=N) and returns the optimizer to train `model` with.
+    num_shards=N; a replicated shard's members separated by "|",
+    "h0a:7070|h0b:7070,...") and returns the optimizer to train `model` with.
 
     wire_dtype: dtype of gradients and parameters on the wire (fp32 is exact;
       torch.int8: int8 blocks with a scale per 128 elements, best with
@@ -480,6 +481,10 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
       TLS files (zshard.Client; default the ZSHARD_TOKEN, ZSHARD_TOKEN_FILE and
       ZSHARD_TLS_* environment variables). close(close_job=True) and
       state_dict loading need the admin token on shards that have one.
+    pipelined: 1 for the pipelined step (docs/CLIENT.md): each piece is
+      applied on its shard as soon as every trainer's gradient of it is in and
+      its pulls overlap the other pushes; no max_grad_norm, no dynamic loss
+      scaling. Not tested through this module yet.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,

@@ -1,12 +1,17 @@
 """One zshard trainer of the emulated cluster (run inside its namespace).
 
     trainer.py --addresses A,B,.. --rank R --world W --params P --tensors T
-               --steps S [--clip C]
+               --steps S [--clip C] [--pipelined]
 
 Opens the job (rank 0 gives the initial weights), pushes every tensor's
 bf16 gradient (zs_push_many), steps (zs_step: the gated step, clipping to C
 when C > 0) and pulls every tensor back in bf16 (zs_pull_many), S + 1 times;
-the first step is a warm-up. Buffers are bf16 already, so no conversion
+the first step is a warm-up. With --pipelined the job is pipelined
+(zs_client_options.pipelined): the pushes are not waited for before the
+step, which sends the lr ahead and returns at once, and the pulls, sent
+right after it, wait on the shards for each piece, so they overlap the
+pushes on the full-duplex link; the push phase then ends when the pushes
+are acknowledged and the pull phase when the pulls are in. Buffers are bf16 already, so no conversion
 runs on the trainer. Prints one JSON object: per measured step the push,
 step and pull phase times and the whole cycle, the bytes each way, and the
 CPU seconds this process, the shards (NETSIM_SHARD_PIDS) and the machine
@@ -31,6 +36,7 @@ def main():
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--job", default="netsim")
+    ap.add_argument("--pipelined", action="store_true")
     a = ap.parse_args()
 
     sys.path.insert(0, os.environ["ZSHARD_PYTHONPATH"])
@@ -39,7 +45,8 @@ def main():
 
     numel = a.params // a.tensors
     c = zshard.Client(a.addresses, rank=a.rank, world_size=a.world, job=a.job, push_dtype="bf16",
-                      pull_dtype="bf16", prefetch_depth=0, open_mode="either")
+                      pull_dtype="bf16", prefetch_depth=0, open_mode="either",
+                      pipelined=1 if a.pipelined else 0)
     c.add_group("sgd")
     ids = [c.add_tensor("w%d" % k, numel) for k in range(a.tensors)]
     if a.rank == 0:
@@ -57,22 +64,37 @@ def main():
     steps = []
     start = time.monotonic()
     for s in range(a.steps + 1):
-        t0 = time.monotonic()
-        for r in c.push_many(ids, grads, dtype="bf16"):
-            r.wait()
-        t1 = time.monotonic()
-        c.step(lr=1e-3, max_grad_norm=a.clip)
-        t2 = time.monotonic()
-        for r in c.pull_many(ids, params, dtype="bf16"):
-            r.wait()
-        t3 = time.monotonic()
+        if a.pipelined:
+            t0 = time.monotonic()
+            pushes = c.push_many(ids, grads, dtype="bf16")
+            c.step(lr=1e-3, max_grad_norm=0.0)
+            t2 = time.monotonic()
+            pulls = c.pull_many(ids, params, dtype="bf16")
+            for r in pushes:
+                r.wait()
+            t1 = time.monotonic()
+            for r in pulls:
+                r.wait()
+            t3 = time.monotonic()
+            phases = {"push": t1 - t0, "step": t2 - t0, "pull": t3 - t2, "cycle": t3 - t0}
+        else:
+            t0 = time.monotonic()
+            for r in c.push_many(ids, grads, dtype="bf16"):
+                r.wait()
+            t1 = time.monotonic()
+            c.step(lr=1e-3, max_grad_norm=a.clip)
+            t2 = time.monotonic()
+            for r in c.pull_many(ids, params, dtype="bf16"):
+                r.wait()
+            t3 = time.monotonic()
+            phases = {"push": t1 - t0, "step": t2 - t1, "pull": t3 - t2, "cycle": t3 - t0}
         if s == 0:
             # The warm-up step ends at the same moment (give or take a pull)
             # on every trainer: the gate lines them up.
             window.start()
             start = time.monotonic()
             continue
-        steps.append({"push": t1 - t0, "step": t2 - t1, "pull": t3 - t2, "cycle": t3 - t0})
+        steps.append(phases)
     used = window.stop(time.monotonic() - start)
     c.close()
     print(json.dumps(dict(used, rank=a.rank, steps=steps, push_bytes=numel * a.tensors * 2,
