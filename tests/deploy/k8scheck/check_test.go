@@ -17,6 +17,9 @@ import (
 const (
 	repoK8s     = "../../../deploy/k8s"
 	repoCompose = "../../../deploy/docker-compose.yml"
+	// The replicated variant: an overlay of repoK8s, and its compose file.
+	repoReplicated        = "../../../deploy/k8s-replicated"
+	repoReplicatedCompose = "../../../deploy/docker-compose.replicated.yml"
 	// The script that makes the Secrets the manifests mount.
 	repoSecretsScript = "../../../deploy/k8s-secrets"
 	trainerProg       = "zshard-mlp"
@@ -48,6 +51,9 @@ const serverHelp = `Usage: zshard-server [OPTION]...
   --tls-key PATH     its key (ZSHARD_TLS_KEY)
   --tls-client-ca PATH
                      verify client certificates against it (ZSHARD_TLS_CLIENT_CA)
+  --replicas LIST    the members of this server's replica set (ZSHARD_REPLICAS)
+  --replica-index K  this server's place in LIST (ZSHARD_REPLICA_INDEX)
+  --failover-ms MS   a peer silent this long is dead (ZSHARD_FAILOVER_MS)
   --help, -h         print this help and exit
 `
 
@@ -495,4 +501,220 @@ func TestEnvironmentNamesMapToFlags(t *testing.T) {
 			t.Errorf("envToFlag(%s) = %s, want %s", env, got, flag)
 		}
 	}
+}
+
+// --- Replicated shards ---------------------------------------------------------
+
+// copyReplicated copies deploy/k8s and deploy/k8s-replicated (which refers to
+// it as ../../k8s) into a temporary directory and returns the copy of the
+// latter.
+func copyReplicated(t *testing.T) string {
+	t.Helper()
+	root := t.TempDir()
+	for _, d := range []string{repoK8s, repoReplicated} {
+		err := filepath.WalkDir(d, func(p string, e os.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			rel, err := filepath.Rel(filepath.Dir(d), p)
+			if err != nil {
+				return err
+			}
+			if e.IsDir() {
+				return os.MkdirAll(filepath.Join(root, rel), 0o755)
+			}
+			b, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			return os.WriteFile(filepath.Join(root, rel), b, 0o644)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return filepath.Join(root, filepath.Base(repoReplicated))
+}
+
+// copyReplicatedCompose copies the replicated compose file.
+func copyReplicatedCompose(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile(repoReplicatedCompose)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := filepath.Join(t.TempDir(), "docker-compose.replicated.yml")
+	if err := os.WriteFile(f, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+func TestReplicatedManifestsAndComposeFilePass(t *testing.T) {
+	mustPass(t, repoReplicated, testPrograms(t, ""), repoReplicatedCompose)
+}
+
+func TestReplicatedManifestsRenderTwoShardStatefulSets(t *testing.T) {
+	rs, err := render(repoReplicated)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := map[string]bool{}
+	for _, r := range rs {
+		ids[r.id] = true
+	}
+	for _, id := range []string{"StatefulSet/zshard-a", "StatefulSet/zshard-b", "Service/zshard",
+		"PodDisruptionBudget/zshard-shard-3", "Job/zshard-train-example", "NetworkPolicy/zshard-trainers-only"} {
+		if !ids[id] {
+			t.Errorf("no %s rendered from %s", id, repoReplicated)
+		}
+	}
+	if ids["StatefulSet/zshard"] || ids["PodDisruptionBudget/zshard"] {
+		t.Errorf("the base's StatefulSet or budget is rendered beside the replicated ones: %v", ids)
+	}
+}
+
+func TestReplicatedWithoutAntiAffinityFails(t *testing.T) {
+	dir := copyReplicated(t)
+	// Required per zone only: two members may still share a node.
+	edit(t, filepath.Join(dir, "replica-set.yaml"), "              topologyKey: kubernetes.io/hostname",
+		"              topologyKey: topology.kubernetes.io/zone")
+	mustFail(t, dir, testPrograms(t, ""), "", "no required podAntiAffinity on kubernetes.io/hostname")
+}
+
+func TestReplicatedAntiAffinityWithoutPairingFails(t *testing.T) {
+	// Without matchLabelKeys the rule keeps every two shard pods apart.
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "replica-set.yaml"),
+		"              matchLabelKeys:\n                - apps.kubernetes.io/pod-index\n              topologyKey: kubernetes.io/hostname",
+		"              topologyKey: kubernetes.io/hostname")
+	mustFail(t, dir, testPrograms(t, ""), "", "a pod of another shard, too")
+}
+
+func TestReplicatedAntiAffinityOnTheWrongPodsFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "replica-set.yaml"),
+		"                  app.kubernetes.io/component: shard\n              matchLabelKeys:",
+		"                  app.kubernetes.io/component: trainer\n              matchLabelKeys:")
+	mustFail(t, dir, testPrograms(t, ""), "",
+		"does not keep pod zshard-a-0 off the nodes of the other members of shard 0")
+}
+
+func TestReplicatedWithoutSpreadOverNodesFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "..", "k8s", "statefulset.yaml"),
+		"topologyKey: kubernetes.io/hostname", "topologyKey: topology.kubernetes.io/region")
+	mustFail(t, dir, testPrograms(t, ""), "", "no topologySpreadConstraints on kubernetes.io/hostname")
+}
+
+func TestReplicatedMemberListInTheWrongOrderFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "replica-set.yaml"),
+		"value: zshard-a-$(POD_INDEX).zshard:7070|zshard-b-$(POD_INDEX).zshard:7070",
+		"value: zshard-b-$(POD_INDEX).zshard:7070|zshard-a-$(POD_INDEX).zshard:7070")
+	mustFail(t, dir, testPrograms(t, ""), "",
+		`ZSHARD_REPLICAS is "zshard-b-0.zshard:7070|zshard-a-0.zshard:7070", want "zshard-a-0.zshard:7070|zshard-b-0.zshard:7070"`)
+}
+
+func TestReplicatedMemberListBeforeTheIndexIsKnownFails(t *testing.T) {
+	// A reference to a variable defined after it stays as it is.
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "replica-set.yaml"), "$(POD_INDEX).zshard:7070|", "$(POD_INDEXX).zshard:7070|")
+	mustFail(t, dir, testPrograms(t, ""), "", "ZSHARD_REPLICAS cannot be worked out ($(POD_INDEXX))")
+}
+
+func TestReplicatedShardIdThatIsNotTheOrdinalFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "replica-set.yaml"), "value: $(POD_INDEX)\n", "value: \"1\"\n")
+	mustFail(t, dir, testPrograms(t, ""), "", `ZSHARD_SHARD_ID is "1", want 0`)
+}
+
+func TestReplicatedSameIndexTwiceFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "replica-b", "kustomization.yaml"), `value: "1"`, `value: "0"`)
+	mustFail(t, dir, testPrograms(t, ""), "", "need the indexes 0 to 1, each once")
+}
+
+func TestReplicatedSetsOfDifferentSizesFail(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "  - name: zshard-b\n    count: 4", "  - name: zshard-b\n    count: 3")
+	mustFail(t, dir, testPrograms(t, ""), "", "replicas=3 but StatefulSet/zshard-a has 4")
+}
+
+func TestReplicatedTrainerListWithMembersSwappedFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "--shards=zshard-a-0.zshard:7070|zshard-b-0.zshard:7070,",
+		"--shards=zshard-b-0.zshard:7070|zshard-a-0.zshard:7070,")
+	mustFail(t, dir, testPrograms(t, ""), "",
+		`--shards entry 0 is "zshard-b-0.zshard:7070|zshard-a-0.zshard:7070", want zshard-a-0.zshard:7070|zshard-b-0.zshard:7070`)
+}
+
+func TestReplicatedTrainerListWithoutTheBackupsFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "|zshard-b-3.zshard:7070\n", "\n")
+	mustFail(t, dir, testPrograms(t, ""), "", `--shards entry 3 is "zshard-a-3.zshard:7070", want`)
+}
+
+func TestReplicatedBudgetThatAllowsBothMembersFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "poddisruptionbudget.yaml"),
+		"  maxUnavailable: 1\n  selector:\n    matchLabels:\n      app.kubernetes.io/name: zshard\n      app.kubernetes.io/component: shard\n      apps.kubernetes.io/pod-index: \"2\"",
+		"  maxUnavailable: 2\n  selector:\n    matchLabels:\n      app.kubernetes.io/name: zshard\n      app.kubernetes.io/component: shard\n      apps.kubernetes.io/pod-index: \"2\"")
+	mustFail(t, dir, testPrograms(t, ""), "", "no PodDisruptionBudget keeps a member of shard 2 up")
+}
+
+func TestReplicatedBaseBudgetKeptBesideThePerShardOnesFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "replica-a", "kustomization.yaml"), "      name: zshard\n    patch: |-\n      $patch: delete",
+		"      name: not-the-budget\n    patch: |-\n      $patch: delete")
+	mustFail(t, dir, testPrograms(t, ""), "", "PodDisruptionBudget/zshard and PodDisruptionBudget/zshard-shard-0 both select pod zshard-a-0")
+}
+
+func TestReplicatedNetworkPolicyThatKeepsMembersApartFails(t *testing.T) {
+	dir := copyReplicated(t)
+	edit(t, filepath.Join(dir, "kustomization.yaml"), "      name: zshard-trainers-only\n", "      name: no-such-policy\n")
+	mustFail(t, dir, testPrograms(t, ""), "", "does not admit the shard pods themselves on their grpc port")
+}
+
+func TestComposeReplicatedPassesWithTheUnreplicatedManifests(t *testing.T) {
+	mustPass(t, repoK8s, testPrograms(t, ""), repoReplicatedCompose)
+}
+
+func TestComposeReplicatedMemberListThatDiffersFails(t *testing.T) {
+	f := copyReplicatedCompose(t)
+	edit(t, f, "ZSHARD_REPLICAS: zshard-a-2:7070|zshard-b-2:7070\n      ZSHARD_REPLICA_INDEX: \"1\"",
+		"ZSHARD_REPLICAS: zshard-b-2:7070|zshard-a-2:7070\n      ZSHARD_REPLICA_INDEX: \"1\"")
+	mustFail(t, repoK8s, testPrograms(t, ""), f,
+		`service zshard-b-2: ZSHARD_REPLICAS is "zshard-b-2:7070|zshard-a-2:7070", want "zshard-a-2:7070|zshard-b-2:7070"`)
+}
+
+func TestComposeReplicatedMemberIndexTwiceFails(t *testing.T) {
+	f := copyReplicatedCompose(t)
+	edit(t, f, "ZSHARD_REPLICAS: zshard-a-3:7070|zshard-b-3:7070\n      ZSHARD_REPLICA_INDEX: \"1\"",
+		"ZSHARD_REPLICAS: zshard-a-3:7070|zshard-b-3:7070\n      ZSHARD_REPLICA_INDEX: \"0\"")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "service zshard-a-3 and service zshard-b-3 both are member 0 of shard 3")
+}
+
+func TestComposeReplicatedMembersSharingAVolumeFail(t *testing.T) {
+	f := copyReplicatedCompose(t)
+	edit(t, f, "      - zshard-b-1-state:/var/lib/zshard\n", "      - zshard-a-1-state:/var/lib/zshard\n")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "services zshard-a-1 and zshard-b-1 keep their state on the same volume zshard-a-1-state")
+}
+
+func TestComposeReplicatedTrainerListWithMembersSwappedFails(t *testing.T) {
+	f := copyReplicatedCompose(t)
+	edit(t, f, "--shards=zshard-a-0:7070|zshard-b-0:7070,", "--shards=zshard-b-0:7070|zshard-a-0:7070,")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, `--shards entry 0 is "zshard-b-0:7070|zshard-a-0:7070", want zshard-a-0:7070|zshard-b-0:7070`)
+}
+
+func TestComposeReplicatedTrainerNotWaitingForABackupFails(t *testing.T) {
+	f := copyReplicatedCompose(t)
+	edit(t, f, "      zshard-b-3:\n        condition: service_healthy", "")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "service trainer must depend on zshard-b-3 with condition: service_healthy")
+}
+
+func TestComposeReplicatedMemberWithoutANetworkFails(t *testing.T) {
+	f := copyReplicatedCompose(t)
+	edit(t, f, "  zshard-a-1:\n    <<: *shard\n", "  zshard-a-1:\n    <<: *shard\n    network_mode: host\n")
+	mustFail(t, repoK8s, testPrograms(t, ""), f, "service zshard-a-1: network_mode host")
 }

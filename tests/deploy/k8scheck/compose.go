@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"regexp"
-	"sort"
 	"strconv"
 	"strings"
 
@@ -13,8 +12,10 @@ import (
 
 // The compose file is checked for what `docker-compose config` cannot know:
 // that the servers get flags they accept, that the shard services are exactly
-// zshard-0..N-1 for the N they are told, that each keeps its state on a named
-// volume, and that the trainer waits for every shard to be healthy.
+// zshard-0..N-1 for the N they are told (or, replicated, that every shard
+// 0..N-1 has the same members, each told the same member list as the
+// trainer), that each keeps its state on a named volume of its own, and that
+// the trainer waits for every shard to be healthy.
 
 // composeFile is the part of the Compose Specification this check reads.
 // Fields may take several shapes (a string or a list, a map or a list), so
@@ -33,6 +34,7 @@ type composeService struct {
 	Volumes     []any          `json:"volumes"`
 	DependsOn   any            `json:"depends_on"`
 	Healthcheck map[string]any `json:"healthcheck"`
+	NetworkMode string         `json:"network_mode"`
 }
 
 // words turns a compose command (a string, split on blanks the way compose
@@ -108,7 +110,21 @@ func dependsOn(v any) (map[string]string, error) {
 	return out, nil
 }
 
-var shardHostname = regexp.MustCompile(`^zshard-([0-9]+)$`)
+// shardHostname: the server takes its shard id from the digits after the
+// last "-" of its host name (zshard-2, zshard-b-2).
+var shardHostname = regexp.MustCompile(`-([0-9]+)$`)
+
+// composeMember is one shard server of a compose file.
+type composeMember struct {
+	service string
+	// shard is the shard id (-1 when none can be found), index the member's
+	// ZSHARD_REPLICA_INDEX (0 when unset).
+	shard, index int
+	// replicas is ZSHARD_REPLICAS ("" when unset), shards ZSHARD_SHARDS.
+	replicas, shards string
+	// volume is the named volume mounted at the state directory.
+	volume string
+}
 
 // checkCompose reads a compose file and checks it; stateDir is where the
 // shards keep their state inside the container.
@@ -129,9 +145,8 @@ func (p *programs) checkCompose(file, trainer, stateDir string) []error {
 		add("no services")
 	}
 
-	shardIDs := map[int]string{}
-	shardCount := map[string]bool{}
-	var shards, trainers []string
+	var shards []composeMember
+	var trainers []string
 	trainerArgs := map[string][]string{}
 	for _, name := range sortedKeys(cf.Services) {
 		s := cf.Services[name]
@@ -153,29 +168,30 @@ func (p *programs) checkCompose(file, trainer, stateDir string) []error {
 
 		switch prog {
 		case p.server:
-			shards = append(shards, name)
-			id := -1
+			m := composeMember{service: name, shard: -1, replicas: env["ZSHARD_REPLICAS"],
+				shards: env["ZSHARD_SHARDS"], index: atoiOr(env["ZSHARD_REPLICA_INDEX"], -1)}
+			if _, ok := env["ZSHARD_REPLICA_INDEX"]; !ok {
+				m.index = 0
+			}
 			if v, ok := env["ZSHARD_SHARD_ID"]; ok {
-				id, _ = strconv.Atoi(v)
-			} else if m := shardHostname.FindStringSubmatch(s.Hostname); m != nil {
-				id, _ = strconv.Atoi(m[1])
+				m.shard = atoiOr(v, -1)
+			} else if g := shardHostname.FindStringSubmatch(s.Hostname); g != nil {
+				m.shard = atoiOr(g[1], -1)
 			} else {
 				add("%s: set hostname: zshard-<i> so the server takes its shard id from it", where)
 			}
-			if other, dup := shardIDs[id]; dup && id >= 0 {
-				add("%s and service %s both are shard %d", where, other, id)
-			}
-			if id >= 0 {
-				shardIDs[id] = name
-			}
-			shardCount[env["ZSHARD_SHARDS"]] = true
-			if !mountsNamedVolume(s.Volumes, cf.Volumes, stateDir) {
+			m.volume = namedVolumeAt(s.Volumes, cf.Volumes, stateDir)
+			if m.volume == "" {
 				add("%s: no named volume mounted at %s for the shard's state", where, stateDir)
 			}
 			if s.Healthcheck != nil && s.Healthcheck["disable"] == true {
 				add("%s: its health check is disabled; the trainer waits on it", where)
 			}
+			if m.replicas != "" && s.NetworkMode != "" {
+				add("%s: network_mode %s: a member of a replica set must be on a compose network, where `docker network disconnect` can cut it off", where, s.NetworkMode)
+			}
 			errs = append(errs, composeSecurity(file+": "+where, env, s.Volumes, serverSecurityVars)...)
+			shards = append(shards, m)
 		case trainer:
 			trainers = append(trainers, name)
 			trainerArgs[name] = args
@@ -183,72 +199,152 @@ func (p *programs) checkCompose(file, trainer, stateDir string) []error {
 		}
 	}
 
-	if len(shards) > 0 {
-		if len(shardCount) != 1 {
-			add("the shard services disagree on ZSHARD_SHARDS (%v)", sortedKeys(shardCount))
-		} else {
-			n, err := strconv.Atoi(sortedKeys(shardCount)[0])
-			if err != nil {
-				add("ZSHARD_SHARDS must be set to the number of shard services")
-			} else if n != len(shards) {
-				add("ZSHARD_SHARDS=%d but there are %d shard services", n, len(shards))
-			} else {
-				for i := 0; i < n; i++ {
-					if _, ok := shardIDs[i]; !ok {
-						add("no service is shard %d of %d", i, n)
-					}
-				}
-			}
-		}
+	members, serrs := composeShards(shards)
+	for _, e := range serrs {
+		add("%v", e)
 	}
 	if trainer != "" && len(trainers) == 0 {
 		add("no service runs the trainer %s", trainer)
 	}
-	// On the compose network a shard is reached by its service name.
-	hosts := make([]string, len(shards))
-	for i := range hosts {
-		hosts[i] = shardIDs[i]
-	}
 	for _, t := range trainers {
 		if list, ok := flagValue(trainerArgs[t], "--shards"); !ok {
 			add("service %s: the trainer is not given --shards", t)
-		} else {
-			errs = append(errs, checkShardList(file+": service "+t, list, hosts, "7070")...)
+		} else if members != nil {
+			errs = append(errs, checkShardList(file+": service "+t, list, members, "7070")...)
 		}
 		deps, err := dependsOn(cf.Services[t].DependsOn)
 		if err != nil {
 			add("service %s: %v", t, err)
 		}
-		sort.Strings(shards)
 		for _, s := range shards {
-			if deps[s] != "service_healthy" {
-				add("service %s must depend on %s with condition: service_healthy", t, s)
+			if deps[s.service] != "service_healthy" {
+				add("service %s must depend on %s with condition: service_healthy", t, s.service)
 			}
 		}
 	}
 	return errs
 }
 
-// mountsNamedVolume reports whether a service mounts one of the file's named
-// volumes at dir, in the short ("name:/dir") or the long syntax.
-func mountsNamedVolume(mounts []any, named map[string]any, dir string) bool {
+// composeShards checks that the shard services are the shards 0..N-1 of
+// ZSHARD_SHARDS, each with the members 0..R-1 (R is 1 without replication)
+// that its ZSHARD_REPLICAS names, each on a volume of its own. It returns
+// the service names by shard and member (as trainers reach them on the
+// compose network), or nil when the services do not make such a layout.
+func composeShards(shards []composeMember) ([][]string, []error) {
+	if len(shards) == 0 {
+		return nil, nil
+	}
+	var errs []error
+	add := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	replicated := false
+	byShard := map[int]map[int]string{}
+	counts := map[string]bool{}
+	volumes := map[string]string{}
+	for _, m := range shards {
+		replicated = replicated || m.replicas != "" || m.index != 0
+		counts[m.shards] = true
+		if other, dup := volumes[m.volume]; dup && m.volume != "" {
+			add("services %s and %s keep their state on the same volume %s", other, m.service, m.volume)
+		}
+		volumes[m.volume] = m.service
+		if m.shard < 0 || m.index < 0 {
+			if m.index < 0 {
+				add("service %s: ZSHARD_REPLICA_INDEX must be a number from 0", m.service)
+			}
+			continue
+		}
+		if byShard[m.shard] == nil {
+			byShard[m.shard] = map[int]string{}
+		}
+		if other, dup := byShard[m.shard][m.index]; dup {
+			if replicated {
+				add("service %s and service %s both are member %d of shard %d", other, m.service, m.index, m.shard)
+			} else {
+				add("service %s and service %s both are shard %d", other, m.service, m.shard)
+			}
+		}
+		byShard[m.shard][m.index] = m.service
+	}
+	if len(counts) != 1 {
+		add("the shard services disagree on ZSHARD_SHARDS (%v)", sortedKeys(counts))
+		return nil, errs
+	}
+	n, err := strconv.Atoi(sortedKeys(counts)[0])
+	switch {
+	case err != nil:
+		add("ZSHARD_SHARDS must be set to the number of shards")
+	case !replicated && n != len(shards):
+		add("ZSHARD_SHARDS=%d but there are %d shard services", n, len(shards))
+	case replicated && n != len(byShard):
+		add("ZSHARD_SHARDS=%d but the shard services are %d shards", n, len(byShard))
+	}
+	if len(errs) > 0 {
+		return nil, errs
+	}
+	r := len(byShard[0])
+	members := make([][]string, n)
+	for i := 0; i < n; i++ {
+		if len(byShard[i]) == 0 {
+			add("no service is shard %d of %d", i, n)
+			continue
+		}
+		if len(byShard[i]) != r {
+			add("shard %d has %d members, shard 0 has %d", i, len(byShard[i]), r)
+		}
+		for k := 0; k < len(byShard[i]); k++ {
+			svc, ok := byShard[i][k]
+			if !ok {
+				add("shard %d has no member %d (ZSHARD_REPLICA_INDEX %d)", i, k, k)
+			}
+			members[i] = append(members[i], svc)
+		}
+	}
+	if len(errs) > 0 {
+		return nil, errs
+	}
+	if replicated {
+		errs = append(errs, checkComposeMemberLists(shards, members)...)
+	}
+	return members, errs
+}
+
+// checkComposeMemberLists: each member's ZSHARD_REPLICAS names its shard's
+// members by service name (their name on the compose network), in order.
+func checkComposeMemberLists(shards []composeMember, members [][]string) []error {
+	var errs []error
+	for _, m := range shards {
+		want := make([]string, len(members[m.shard]))
+		for k, svc := range members[m.shard] {
+			want[k] = svc + ":7070"
+		}
+		if m.replicas != strings.Join(want, "|") {
+			errs = append(errs, fmt.Errorf("service %s: ZSHARD_REPLICAS is %q, want %q", m.service, m.replicas,
+				strings.Join(want, "|")))
+		}
+	}
+	return errs
+}
+
+// namedVolumeAt returns the one of the file's named volumes a service mounts
+// at dir, in the short ("name:/dir") or the long syntax, or "".
+func namedVolumeAt(mounts []any, named map[string]any, dir string) string {
 	for _, m := range mounts {
 		switch t := m.(type) {
 		case string:
 			parts := strings.Split(t, ":")
 			if len(parts) >= 2 && parts[1] == dir {
 				if _, ok := named[parts[0]]; ok {
-					return true
+					return parts[0]
 				}
 			}
 		case map[string]any:
 			src, _ := t["source"].(string)
 			if t["type"] == "volume" && t["target"] == dir {
 				if _, ok := named[src]; ok {
-					return true
+					return src
 				}
 			}
 		}
 	}
-	return false
+	return ""
 }

@@ -150,58 +150,44 @@ func flagValue(args []string, name string) (string, bool) {
 	return "", false
 }
 
-// checkShardList checks a trainer's --shards list: entry i must reach shard i,
-// that is host hosts[i] (or a longer DNS name starting with "hosts[i].") on
-// port, and there must be one entry per shard. A list in the wrong order
-// would pair every tensor slice with the wrong server.
-func checkShardList(where, list string, hosts []string, port string) []error {
+// checkShardList checks a trainer's --shards list: entry i must reach shard
+// i, that is, for each member k of shard i in order, host members[i][k] (or a
+// longer DNS name starting with "members[i][k].") on port; a replicated
+// shard's members are separated by "|". There must be one entry per shard. A
+// list in the wrong order would pair every tensor slice with the wrong
+// server, and members in another order than the servers' ZSHARD_REPLICAS
+// would give a member two different indexes.
+func checkShardList(where, list string, members [][]string, port string) []error {
 	entries := strings.Split(list, ",")
-	if len(entries) != len(hosts) {
+	if len(entries) != len(members) {
 		return []error{fmt.Errorf("%s: --shards lists %d addresses, but there are %d shards",
-			where, len(entries), len(hosts))}
+			where, len(entries), len(members))}
 	}
 	var errs []error
 	for i, e := range entries {
-		host, p, found := strings.Cut(e, ":")
-		if !found || p != port || (host != hosts[i] && !strings.HasPrefix(host, hosts[i]+".")) {
-			errs = append(errs, fmt.Errorf("%s: --shards entry %d is %q, want %s:%s", where, i, e, hosts[i], port))
+		alts := strings.Split(e, "|")
+		good := len(alts) == len(members[i])
+		for k := 0; good && k < len(alts); k++ {
+			host, p, found := strings.Cut(alts[k], ":")
+			want := members[i][k]
+			good = found && p == port && (host == want || strings.HasPrefix(host, want+"."))
+		}
+		if !good {
+			want := make([]string, len(members[i]))
+			for k, h := range members[i] {
+				want[k] = h + ":" + port
+			}
+			errs = append(errs, fmt.Errorf("%s: --shards entry %d is %q, want %s", where, i, e,
+				strings.Join(want, "|")))
 		}
 	}
 	return errs
 }
 
-// statefulShards returns, for the first StatefulSet rendered, the host name
-// of each shard's pod as trainers reach it (<pod>.<service>) and its gRPC
-// port.
-func statefulShards(c *cluster) ([]string, string, bool) {
-	for _, o := range c.objects {
-		s, ok := o.typed.(*appsv1.StatefulSet)
-		if !ok || len(s.Spec.Template.Spec.Containers) == 0 {
-			continue
-		}
-		n := int32(1)
-		if s.Spec.Replicas != nil {
-			n = *s.Spec.Replicas
-		}
-		hosts := make([]string, n)
-		for i := range hosts {
-			hosts[i] = fmt.Sprintf("%s-%d.%s", s.Name, i, s.Spec.ServiceName)
-		}
-		port := ""
-		for _, cp := range s.Spec.Template.Spec.Containers[0].Ports {
-			if cp.Name == "grpc" || port == "" {
-				port = fmt.Sprint(cp.ContainerPort)
-			}
-		}
-		return hosts, port, true
-	}
-	return nil, "", false
-}
-
 // checkManifestFlags checks every container of every rendered workload.
 func (p *programs) checkManifestFlags(c *cluster) []error {
 	var errs []error
-	hosts, port, haveShards := statefulShards(c)
+	members, port, haveShards := p.statefulShards(c)
 	for _, o := range c.objects {
 		var spec *corev1.PodSpec
 		switch t := o.typed.(type) {
@@ -220,7 +206,7 @@ func (p *programs) checkManifestFlags(c *cluster) []error {
 			errs = append(errs, p.checkCommand(where, prog, args, c.envNames(ctr))...)
 			if prog == p.trainer && p.trainer != "" && haveShards {
 				if list, ok := flagValue(args, "--shards"); ok {
-					errs = append(errs, checkShardList(where, list, hosts, port)...)
+					errs = append(errs, checkShardList(where, list, members, port)...)
 				} else {
 					errs = append(errs, fmt.Errorf("%s: the trainer is not given --shards", where))
 				}

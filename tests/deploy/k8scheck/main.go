@@ -126,6 +126,7 @@ func run(dir string, progs *programs, composeFile, trainer, secretsFile string) 
 		problems = append(problems, c.checkRules()...)
 		problems = append(problems, progs.checkManifestFlags(c)...)
 		problems = append(problems, progs.checkSecurity(c)...)
+		problems = append(problems, progs.checkReplicaSets(c)...)
 	}
 	if composeFile != "" {
 		problems = append(problems, progs.checkCompose(composeFile, trainer, "/var/lib/zshard")...)

@@ -33,6 +33,9 @@ type podTemplate struct {
 	// claims are the StatefulSet's volumeClaimTemplates names, which pods
 	// mount like volumes.
 	claims map[string]bool
+	// pods are the labels of the pods made from the template: a
+	// StatefulSet's controller adds each pod's index and name.
+	pods []labels.Set
 }
 
 type cluster struct {
@@ -60,8 +63,13 @@ func newCluster(objs []*object) *cluster {
 			for _, vct := range t.Spec.VolumeClaimTemplates {
 				claims[vct.Name] = true
 			}
+			set := shardSet{id: o.id, sts: t}
+			var pods []labels.Set
+			for i := 0; i < set.replicas(); i++ {
+				pods = append(pods, set.podLabels(i))
+			}
 			c.templates = append(c.templates, podTemplate{owner: o.id,
-				labels: t.Spec.Template.Labels, spec: &t.Spec.Template.Spec, claims: claims})
+				labels: t.Spec.Template.Labels, spec: &t.Spec.Template.Spec, claims: claims, pods: pods})
 		case *appsv1.Deployment:
 			c.templates = append(c.templates, podTemplate{owner: o.id,
 				labels: t.Spec.Template.Labels, spec: &t.Spec.Template.Spec})
@@ -87,6 +95,29 @@ func (c *cluster) selecting(sel *metav1.LabelSelector) ([]podTemplate, error) {
 		}
 	}
 	return out, nil
+}
+
+// selectingPods counts the pods a label selector matches, with the labels
+// their controllers give them (a StatefulSet's pod index and name) besides
+// the template's. Other templates count as one pod.
+func (c *cluster) selectingPods(sel *metav1.LabelSelector) (int, error) {
+	s, err := metav1.LabelSelectorAsSelector(sel)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, t := range c.templates {
+		pods := t.pods
+		if len(pods) == 0 {
+			pods = []labels.Set{t.labels}
+		}
+		for _, l := range pods {
+			if s.Matches(l) {
+				n++
+			}
+		}
+	}
+	return n, nil
 }
 
 // checkRules applies every rule and returns the problems found.
@@ -122,9 +153,9 @@ func (c *cluster) checkRules() []error {
 			if (t.Spec.MinAvailable == nil) == (t.Spec.MaxUnavailable == nil) {
 				add(o.id, "exactly one of spec.minAvailable and spec.maxUnavailable must be set")
 			}
-			if ts, err := c.selecting(t.Spec.Selector); err != nil {
+			if n, err := c.selectingPods(t.Spec.Selector); err != nil {
 				add(o.id, "spec.selector: %v", err)
-			} else if len(ts) == 0 {
+			} else if n == 0 {
 				add(o.id, "spec.selector matches no pod template")
 			}
 		case *networkingv1.NetworkPolicy:
