@@ -770,6 +770,8 @@ void replica_on_applied(void *arg, const core_apply_result *res) {
   char err[REPLICA_ERRLEN];
   int rc = core_snapshot_async(r->core, info.spec_hash, res->version, 0, snap_view, r, snap_done, r,
                                err, sizeof err);
+  LOG_INFO("replica_copy_start", "member=%d version=%" PRIu64 " status=%s", start, res->version,
+           rc == CORE_PENDING ? "pending" : zs_err_name(rc));
   if (rc != CORE_PENDING)
     snap_done(r, rc < 0 ? rc : ZS_EINTERNAL, 0);
 }

@@ -568,6 +568,11 @@ static int retryable(zs_client *c, zc_task *t, int status) {
      * (replica.c). */
     if (status == ZS_ENOTPRIMARY || status == ZS_ESTALE)
       return 1;
+    /* A primary that went silent (its host gone, its process stopped)
+     * fails no connection: its requests time out, and the search tells a
+     * slow primary (it answers GetInfo) from a lost one. */
+    if (status == ZS_ETIMEDOUT)
+      return 1;
     if ((status == ZS_ENOTOPEN || status == ZS_ENOTREADY) && !t->dp_looked) {
       t->dp_looked = 1;
       return 1;
@@ -873,11 +878,12 @@ zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list) {
  * can decide more. */
 static uint64_t replica_failed(zs_client *c, zc_task *t, uint64_t backoff) {
   int f = t->dp_failed;
-  if (t->dp_rgen == 0 || (f != ZS_ECONN && f != ZS_ECLOSED && f != ZS_ENOTPRIMARY &&
-                          f != ZS_ESTALE && f != ZS_ENOTOPEN && f != ZS_ENOTREADY))
+  if (t->dp_rgen == 0 ||
+      (f != ZS_ECONN && f != ZS_ECLOSED && f != ZS_ENOTPRIMARY && f != ZS_ESTALE &&
+       f != ZS_ENOTOPEN && f != ZS_ENOTREADY && f != ZS_ETIMEDOUT))
     return backoff;
   uint64_t wait;
-  int unreachable = f == ZS_ECONN || f == ZS_ECLOSED;
+  int unreachable = f == ZS_ECONN || f == ZS_ECLOSED || f == ZS_ETIMEDOUT;
   zc_replica_failed(c, t->shard, t->dp_rgen, unreachable, &wait);
   if (atomic_load(&c->rs[t->shard].gen) != t->dp_rgen)
     return 0;

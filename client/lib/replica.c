@@ -18,8 +18,9 @@
  *      the callers keep retrying it meanwhile, and search again;
  *   4. then, or at once in a fresh set (no term anywhere) or when the named
  *      primary answers but is no longer primary, Promote(highest term + 1)
- *      goes to the best member that answered: the highest job version (no
- *      job counts as 0), ties to the lowest index. A refusal (ENOTPRIMARY,
+ *      goes to the best member that answered: one in sync (a backup) first,
+ *      then the highest job version (no job counts as 0), ties to the lowest
+ *      index. A refusal (ENOTPRIMARY,
  *      ESTALE, ENOTREADY) changes nothing: the caller backs off (at most
  *      ZC_PROMOTE_RETRY_MS) and its next failure searches again, so
  *      max_retries bounds the whole.
@@ -314,13 +315,27 @@ typedef struct verdict {
   uint64_t retry_at; /* with neither: when deciding may change (0: not known) */
 } verdict;
 
-/* The member to promote: the highest version among the usable answers,
- * ties to the lowest index; -1 when none answered. */
+/* Whether member k was in sync with the set when it answered: a backup (or
+ * a primary) holds every acknowledged write, a starting, stale or joining
+ * one may not, whatever its version (a member restarted from a checkpoint
+ * comes back at the backup's version without its step's pushes). */
+static int in_sync_role(const probe *p) {
+  return p->role == 2 /* PRIMARY */ || p->role == 3 /* BACKUP */;
+}
+
+/* The member to promote: among the usable answers, one in sync before one
+ * that is not, then the highest version, ties to the lowest index; -1 when
+ * none answered. The member refuses if a reachable peer is better
+ * (ENOTREADY), so this order is the server's. */
 static int best_member(const probe *p, uint32_t n) {
   int best = -1;
-  for (uint32_t k = 0; k < n; k++)
-    if (p[k].good && (best < 0 || p[k].version > p[best].version))
+  for (uint32_t k = 0; k < n; k++) {
+    if (!p[k].good)
+      continue;
+    if (best < 0 || in_sync_role(&p[k]) > in_sync_role(&p[best]) ||
+        (in_sync_role(&p[k]) == in_sync_role(&p[best]) && p[k].version > p[best].version))
       best = (int)k;
+  }
   return best;
 }
 

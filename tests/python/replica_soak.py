@@ -49,7 +49,7 @@ import zshard  # noqa: E402
 # the shards, the small ones stay whole on one shard.
 TENSORS = (("embed", 96000), ("w1", 160000), ("b1", 400), ("w2", 120000), ("b2", 10))
 SPLIT = 40000
-STEPS = 8
+STEPS = 12
 CKPT_EVERY = 3
 LR = 1e-2
 MAX_GRAD_NORM = 50.0

@@ -66,7 +66,9 @@ def assert_whole(rc, shard, seconds=5):
 def wait_whole(rc, tr, shard):
     """Steps the trainer until the shard's set is whole again
     (ReplicaCluster.whole): a rejoining member is added at the primary's
-    next applied step. Returns the steps taken (at most 2, then it waits)."""
+    next applied step. Returns the steps taken: at most 2, then more only
+    while a member is JOINING (it asked after those steps and waits for the
+    next one: the copy is made at an applied step), at most 6."""
     taken = 0
     deadline = time.monotonic() + REJOIN_SECONDS
     while True:
@@ -74,7 +76,8 @@ def wait_whole(rc, tr, shard):
         if whole:
             return taken
         assert time.monotonic() < deadline, "shard %d not whole again: %s" % (shard, seen)
-        if taken < 2:
+        joining = any(r[0] == "JOINING" for r in rc.roles(shard))
+        if taken < 2 or (joining and taken < 6):
             tr.step()
             taken += 1
         else:
