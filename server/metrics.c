@@ -145,15 +145,7 @@ uint64_t metrics_process_rss(void) {
 /* Text format                                                              */
 /* ------------------------------------------------------------------------ */
 
-/* A growing text buffer; after a failed allocation it stays failed and
- * appends nothing, so the caller checks once at the end. */
-typedef struct sbuf {
-  char *p;
-  size_t len, cap;
-  int oom;
-} sbuf;
-
-__attribute__((format(printf, 2, 3))) static void sb_printf(sbuf *b, const char *fmt, ...) {
+void metrics_text_printf(metrics_text *b, const char *fmt, ...) {
   if (b->oom)
     return;
   for (;;) {
@@ -182,21 +174,21 @@ __attribute__((format(printf, 2, 3))) static void sb_printf(sbuf *b, const char 
   }
 }
 
-static void family(sbuf *b, const char *name, const char *type, const char *help) {
-  sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+static void family(metrics_text *b, const char *name, const char *type, const char *help) {
+  metrics_text_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void sample_u64(sbuf *b, const metrics *m, const char *name, uint64_t v) {
-  sb_printf(b, "%s{shard=\"%" PRIu32 "\"} %" PRIu64 "\n", name, m->shard_id, v);
+static void sample_u64(metrics_text *b, const metrics *m, const char *name, uint64_t v) {
+  metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\"} %" PRIu64 "\n", name, m->shard_id, v);
 }
 
-static void sample_f(sbuf *b, const metrics *m, const char *name, double v) {
-  sb_printf(b, "%s{shard=\"%" PRIu32 "\"} %.15g\n", name, m->shard_id, v);
+static void sample_f(metrics_text *b, const metrics *m, const char *name, double v) {
+  metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\"} %.15g\n", name, m->shard_id, v);
 }
 
 /* One histogram's _bucket, _sum and _count lines. `labels` are the labels
  * after shard, each written as ,key="value" (may be ""). */
-static void histogram_lines(sbuf *b, const metrics *m, const char *name, const char *labels,
+static void histogram_lines(metrics_text *b, const metrics *m, const char *name, const char *labels,
                             const histogram *h) {
   histogram_snapshot s;
   histogram_read(h, &s);
@@ -206,12 +198,13 @@ static void histogram_lines(sbuf *b, const metrics *m, const char *name, const c
       snprintf(le, sizeof le, "%.6g", histogram_bound_seconds(i));
     else
       snprintf(le, sizeof le, "+Inf");
-    sb_printf(b, "%s_bucket{shard=\"%" PRIu32 "\"%s,le=\"%s\"} %" PRIu64 "\n", name, m->shard_id,
-              labels, le, s.cumulative[i]);
+    metrics_text_printf(b, "%s_bucket{shard=\"%" PRIu32 "\"%s,le=\"%s\"} %" PRIu64 "\n", name,
+                        m->shard_id, labels, le, s.cumulative[i]);
   }
-  sb_printf(b, "%s_sum{shard=\"%" PRIu32 "\"%s} %.9g\n", name, m->shard_id, labels, s.sum_seconds);
-  sb_printf(b, "%s_count{shard=\"%" PRIu32 "\"%s} %" PRIu64 "\n", name, m->shard_id, labels,
-            s.count);
+  metrics_text_printf(b, "%s_sum{shard=\"%" PRIu32 "\"%s} %.9g\n", name, m->shard_id, labels,
+                      s.sum_seconds);
+  metrics_text_printf(b, "%s_count{shard=\"%" PRIu32 "\"%s} %" PRIu64 "\n", name, m->shard_id,
+                      labels, s.count);
 }
 
 void metrics_set_extra(metrics *m, metrics_extra_fn fn, void *arg) {
@@ -222,7 +215,7 @@ void metrics_set_extra(metrics *m, metrics_extra_fn fn, void *arg) {
 int metrics_render(metrics *m, core *c, char **out, size_t *len) {
   *out = NULL;
   *len = 0;
-  sbuf b = {.p = malloc(16384), .cap = 16384};
+  metrics_text b = {.p = malloc(16384), .cap = 16384};
   if (!b.p)
     return ZS_ENOMEM;
   b.p[0] = '\0';
@@ -235,7 +228,8 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
   const uint32_t id = m->shard_id;
 
   family(&b, "zshard_build_info", "gauge", "The zshard release this server runs; always 1.");
-  sb_printf(&b, "zshard_build_info{shard=\"%" PRIu32 "\",version=\"%s\"} 1\n", id, zs_version());
+  metrics_text_printf(&b, "zshard_build_info{shard=\"%" PRIu32 "\",version=\"%s\"} 1\n", id,
+                      zs_version());
   family(&b, "zshard_shards", "gauge", "Number of shard servers in the job (--shards).");
   sample_u64(&b, m, "zshard_shards", info.num_shards);
   family(&b, "zshard_uptime_seconds", "gauge", "Seconds since the server started.");
@@ -291,10 +285,12 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
   family(&b, "zshard_waiting_requests", "gauge",
          "Requests parked in the shard, waiting: Pull for a version, GradStats for the "
          "contributions of the ranks still missing.");
-  sb_printf(&b, "zshard_waiting_requests{shard=\"%" PRIu32 "\",method=\"Pull\"} %" PRIu32 "\n", id,
-            k.waiting_pulls);
-  sb_printf(&b, "zshard_waiting_requests{shard=\"%" PRIu32 "\",method=\"GradStats\"} %" PRIu32 "\n",
-            id, k.waiting_stats);
+  metrics_text_printf(
+      &b, "zshard_waiting_requests{shard=\"%" PRIu32 "\",method=\"Pull\"} %" PRIu32 "\n", id,
+      k.waiting_pulls);
+  metrics_text_printf(
+      &b, "zshard_waiting_requests{shard=\"%" PRIu32 "\",method=\"GradStats\"} %" PRIu32 "\n", id,
+      k.waiting_stats);
 
   family(&b, "zshard_apply_duration_seconds", "histogram",
          "Duration of one step's optimizer pass (or skip) on this shard.");
@@ -317,15 +313,15 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
     family(&b, "zshard_request_errors_total", "counter",
            "Requests answered with an error status, per transport and method.");
     for (size_t i = 0; i < nrpc; i++)
-      sb_printf(&b,
-                "zshard_request_errors_total{shard=\"%" PRIu32
-                "\",transport=\"%s\",method=\"%s\"} %" PRIu64 "\n",
-                id, m->rpcs[i].transport, m->rpcs[i].method,
-                (uint64_t)atomic_load_explicit(&m->rpcs[i].failed, memory_order_relaxed));
+      metrics_text_printf(&b,
+                          "zshard_request_errors_total{shard=\"%" PRIu32
+                          "\",transport=\"%s\",method=\"%s\"} %" PRIu64 "\n",
+                          id, m->rpcs[i].transport, m->rpcs[i].method,
+                          (uint64_t)atomic_load_explicit(&m->rpcs[i].failed, memory_order_relaxed));
   }
 
-  if (m->extra && !b.oom && m->extra(m->extra_arg, &b.p, &b.len, &b.cap) != 0)
-    b.oom = 1;
+  if (m->extra)
+    m->extra(m->extra_arg, &b);
   if (b.oom) {
     free(b.p);
     return ZS_ENOMEM;

@@ -73,10 +73,23 @@ uint64_t metrics_process_rss(void);
  * *out (the caller frees it) and its length in *len, or ZS_ENOMEM. */
 int metrics_render(metrics *m, core *c, char **out, size_t *len);
 
-/* More lines for every render, appended by fn(arg, &buf, &len, &cap) to the
- * text (realloc'ed; 0 or ZS_ENOMEM), e.g. the replica set's. Set it before
- * the endpoint starts; fn runs on the rendering thread. */
-typedef int (*metrics_extra_fn)(void *arg, char **buf, size_t *len, size_t *cap);
+/* The text a render grows: p holds len bytes and a NUL in cap. After a
+ * failed allocation it stays failed (oom) and takes nothing more, so the
+ * render checks once at the end. */
+typedef struct metrics_text {
+  char *p;
+  size_t len, cap;
+  int oom;
+} metrics_text;
+
+/* Appends the formatted line(s) to t. */
+void metrics_text_printf(metrics_text *t, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* More lines for every render, appended by fn(arg, t), e.g. the replica
+ * set's. Set it before the endpoint starts; fn runs on the rendering
+ * thread. */
+typedef void (*metrics_extra_fn)(void *arg, metrics_text *t);
 void metrics_set_extra(metrics *m, metrics_extra_fn fn, void *arg);
 
 #endif

@@ -14,7 +14,6 @@
 
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1294,70 +1293,46 @@ void replica_info(replica *r, Zshard__V1__ReplicaInfo *out, void *members, void 
   pthread_mutex_unlock(&r->mu);
 }
 
-static int append(char **buf, size_t *len, size_t *cap, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int append(char **buf, size_t *len, size_t *cap, const char *fmt, ...) {
-  for (;;) {
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(*buf ? *buf + *len : NULL, *buf ? *cap - *len : 0, fmt, ap);
-    va_end(ap);
-    if (n < 0)
-      return ZS_EINTERNAL;
-    if (*buf && *len + (size_t)n < *cap) {
-      *len += (size_t)n;
-      return 0;
-    }
-    size_t want = (*cap ? *cap * 2 : 4096) + (size_t)n;
-    char *p = realloc(*buf, want);
-    if (!p)
-      return ZS_ENOMEM;
-    *buf = p;
-    *cap = want;
-  }
-}
-
-int replica_metrics(void *arg, char **buf, size_t *len, size_t *cap) {
+void replica_metrics(void *arg, metrics_text *t) {
   replica *r = arg;
   core_info info;
   core_get_info(r->core, &info);
   pthread_mutex_lock(&r->mu);
-  int rc = append(buf, len, cap,
-                  "# HELP zshard_replica_role This replica's role in its shard's replica set.\n"
-                  "# TYPE zshard_replica_role gauge\n");
-  for (int k = REPLICA_STARTING; rc == 0 && k <= REPLICA_STALE; k++)
-    rc = append(buf, len, cap, "zshard_replica_role{shard=\"%u\",role=\"%s\"} %d\n", info.shard_id,
-                replica_role_name(k), r->role == k);
-  if (rc == 0)
-    rc = append(buf, len, cap,
-                "# HELP zshard_replica_term The replica set's term this replica is at.\n"
-                "# TYPE zshard_replica_term gauge\nzshard_replica_term{shard=\"%u\"} %" PRIu64 "\n"
-                "# HELP zshard_replica_failovers_total Promotions this replica took.\n"
-                "# TYPE zshard_replica_failovers_total counter\n"
-                "zshard_replica_failovers_total{shard=\"%u\"} %" PRIu64 "\n"
-                "# HELP zshard_replica_forwards_total Writes forwarded to backups.\n"
-                "# TYPE zshard_replica_forwards_total counter\n"
-                "zshard_replica_forwards_total{shard=\"%u\"} %" PRIu64 "\n"
-                "# HELP zshard_replica_forwarded_bytes_total Bytes of writes forwarded to "
-                "backups.\n"
-                "# TYPE zshard_replica_forwarded_bytes_total counter\n"
-                "zshard_replica_forwarded_bytes_total{shard=\"%u\"} %" PRIu64 "\n"
-                "# HELP zshard_replica_joins_total State copies served or loaded.\n"
-                "# TYPE zshard_replica_joins_total counter\n"
-                "zshard_replica_joins_total{shard=\"%u\"} %" PRIu64 "\n"
-                "# HELP zshard_replica_member_lag_steps Versions a member is behind this one, "
-                "as last seen.\n"
-                "# TYPE zshard_replica_member_lag_steps gauge\n",
-                info.shard_id, r->term, info.shard_id, r->failovers, info.shard_id, r->forwards,
-                info.shard_id, r->forwarded_bytes, info.shard_id, r->joins);
-  for (uint32_t i = 0; rc == 0 && i < r->n; i++) {
+  metrics_text_printf(t,
+                      "# HELP zshard_replica_role This replica's role in its shard's replica set.\n"
+                      "# TYPE zshard_replica_role gauge\n");
+  for (int k = REPLICA_STARTING; k <= REPLICA_STALE; k++)
+    metrics_text_printf(t, "zshard_replica_role{shard=\"%u\",role=\"%s\"} %d\n", info.shard_id,
+                        replica_role_name(k), r->role == k);
+  metrics_text_printf(
+      t,
+      "# HELP zshard_replica_term The replica set's term this replica is at.\n"
+      "# TYPE zshard_replica_term gauge\nzshard_replica_term{shard=\"%u\"} %" PRIu64 "\n"
+      "# HELP zshard_replica_failovers_total Promotions this replica took.\n"
+      "# TYPE zshard_replica_failovers_total counter\n"
+      "zshard_replica_failovers_total{shard=\"%u\"} %" PRIu64 "\n"
+      "# HELP zshard_replica_forwards_total Writes forwarded to backups.\n"
+      "# TYPE zshard_replica_forwards_total counter\n"
+      "zshard_replica_forwards_total{shard=\"%u\"} %" PRIu64 "\n"
+      "# HELP zshard_replica_forwarded_bytes_total Bytes of writes forwarded to "
+      "backups.\n"
+      "# TYPE zshard_replica_forwarded_bytes_total counter\n"
+      "zshard_replica_forwarded_bytes_total{shard=\"%u\"} %" PRIu64 "\n"
+      "# HELP zshard_replica_joins_total State copies served or loaded.\n"
+      "# TYPE zshard_replica_joins_total counter\n"
+      "zshard_replica_joins_total{shard=\"%u\"} %" PRIu64 "\n"
+      "# HELP zshard_replica_member_lag_steps Versions a member is behind this one, "
+      "as last seen.\n"
+      "# TYPE zshard_replica_member_lag_steps gauge\n",
+      info.shard_id, r->term, info.shard_id, r->failovers, info.shard_id, r->forwards,
+      info.shard_id, r->forwarded_bytes, info.shard_id, r->joins);
+  for (uint32_t i = 0; i < r->n; i++) {
     if (i == r->index || !r->m[i].last_ok_ms)
       continue;
     uint64_t v = r->m[i].seen_version;
-    rc = append(buf, len, cap,
-                "zshard_replica_member_lag_steps{shard=\"%u\",member=\"%u\"} %" PRIu64 "\n",
-                info.shard_id, i, info.version > v ? info.version - v : 0);
+    metrics_text_printf(t,
+                        "zshard_replica_member_lag_steps{shard=\"%u\",member=\"%u\"} %" PRIu64 "\n",
+                        info.shard_id, i, info.version > v ? info.version - v : 0);
   }
   pthread_mutex_unlock(&r->mu);
-  return rc;
 }

@@ -44,6 +44,7 @@
 #include <stdint.h>
 
 #include "server/core.h"
+#include "server/metrics.h"
 #include "server/service.h"
 
 struct Zshard__V1__ReplicaInfo;
@@ -161,7 +162,7 @@ void replica_info(replica *r, struct Zshard__V1__ReplicaInfo *out, void *members
 
 /* Appends the replica's Prometheus lines to *buf (realloc'ed, *len bytes
  * used, *cap allocated). Returns 0 or ZS_ENOMEM. */
-int replica_metrics(void *r, char **buf, size_t *len, size_t *cap);
+void replica_metrics(void *r, metrics_text *t);
 
 const char *replica_role_name(int role);
 
