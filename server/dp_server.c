@@ -789,8 +789,6 @@ static void conn_send_budget(dp_conn *c, wire_msg *m, dp_buf *payload, int is_an
     }
     s->npinned++;
     count(&s->st_pinned, 1);
-    if (payload->segs)
-      count(&s->st_pinned_batches, 1);
     pin_timer_update(s);
   }
   count(&s->st_frames_out, 1);
@@ -1049,6 +1047,9 @@ static void work_finish(dp_work *w) {
       lengths[i] = w->pieces[i].length;
       core_count_pull(s->core, w->pieces[i].length + (i == 0 ? WIRE_HEADER_SIZE : 0));
     }
+    /* Counted before the write, which may reach the peer at once. */
+    if (w->buf->segs)
+      count(&s->st_pinned_batches, 1);
     conn_send_budget(c, &m, w->buf, 1, 0, w->budget);
   } else if (w->status != 0) {
     pool_put(s, w->buf);
