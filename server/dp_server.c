@@ -39,13 +39,21 @@
  *    contribution to hold it, the core's own rule). 0 extra copies for large
  *    payloads: on_alloc hands that buffer to the stream layer, which over
  *    plain TCP reads into it as is.
- *  - Pull: core_read converts the piece from the master arena into the
- *    answer buffer (1 pass, which is the dtype conversion), the CRC reads it
- *    once more, and stream_write sends header+meta and that buffer with one
- *    writev (common/stream.h: plain TCP adds no copy). 0 extra copies.
- *  - PUSH_BATCH and PULL_BATCH: as Push and Pull, with one buffer for all
- *    the pieces of the batch; each piece goes through core_push or core_read
- *    at its place in it. 0 extra copies.
+ *  - Pull of the stored dtype: none at all. The piece is pinned in the low
+ *    arena (core_pin_low), its CRC is the one kept beside it, and
+ *    stream_write sends header+meta and the piece from there with one
+ *    writev (common/stream.h: plain TCP adds no copy; TLS encrypts from it).
+ *  - Pull of another dtype (or to a peer whose socket holds unsent bytes):
+ *    core_read converts the piece from the master arena into the answer
+ *    buffer (1 pass, which is the dtype conversion or the copy), the CRC
+ *    reads it once more in cache, and one writev sends it. 1 copy.
+ *  - PUSH_BATCH: as Push, with one buffer for all the pieces of the batch;
+ *    each piece goes through core_push at its place in it. 0 extra copies.
+ *  - PULL_BATCH of the stored dtype: none. Each piece is pinned where it
+ *    lies, the payload CRC is combined from the pieces' stored ones
+ *    (crc32c_combine, no byte read), and one writev sends the header and
+ *    every piece from the arena. Otherwise as a Pull of another dtype, with
+ *    one answer buffer for all the pieces (each read at its place). 1 copy.
  */
 #include "server/dp_server.h"
 #include "server/replica.h"
