@@ -711,10 +711,6 @@ static void zc_spec(spec *s, int pipelined) {
     fail_msg("spec: %s", err);
 }
 
-static dp_client *zc_client(int port) {
-  return dp_connect(port);
-}
-
 static void zc_up(zc *z, int pipelined) {
   memset(z, 0, sizeof *z);
   zc_spec(&z->sp, pipelined);
@@ -748,9 +744,9 @@ static void zc_up(zc *z, int pipelined) {
   if (dp_server_start(&sc, &z->srv, err, sizeof err) != 0)
     fail_msg("dp_server_start: %s", err);
   z->port = dp_server_port(z->srv);
-  z->trainer = zc_client(z->port);
-  z->single = zc_client(z->port);
-  z->batcher = zc_client(z->port);
+  z->trainer = dp_connect(z->port);
+  z->single = dp_connect(z->port);
+  z->batcher = dp_connect(z->port);
 }
 
 /* Answers pinned in the core's low copies, the current one and those
