@@ -132,6 +132,8 @@ static struct {
    * and zeros for lane 3, which is added as it is. The d = 16 pair also
    * takes single 16-byte blocks. */
   _Alignas(64) uint64_t fold_lanes[8];
+  /* x^(8 * 2^i) mod P: appending 2^i bytes, for crc32c_combine. */
+  uint32_t shift_pow2[64];
 } g_k;
 
 static int g_supported[CRC32C_PATH_COUNT];
@@ -155,6 +157,11 @@ static void crc_init(void) {
   for (int i = 0; i < 3; i++)
     fold_constants(&g_k.fold_lanes[2 * i], 16u * (uint64_t)(3 - i));
   g_k.fold_lanes[6] = g_k.fold_lanes[7] = 0;
+  /* By squaring rather than crc32c_gf2_xpow, whose exponent would overflow
+   * for the largest i. */
+  g_k.shift_pow2[0] = crc32c_gf2_xpow(8);
+  for (int i = 1; i < 64; i++)
+    g_k.shift_pow2[i] = crc32c_gf2_mul(g_k.shift_pow2[i - 1], g_k.shift_pow2[i - 1]);
 
   __builtin_cpu_init();
   int sse42 = __builtin_cpu_supports("sse4.2") != 0;
@@ -391,6 +398,20 @@ static uint32_t crc32c_first(uint32_t crc, const void *buf, size_t len) {
 
 uint32_t crc32c(uint32_t crc, const void *buf, size_t len) {
   return atomic_load_explicit(&g_fn, memory_order_acquire)(crc, buf, len);
+}
+
+/* The register after A || B, started from ~0, is r_A * x^(8|B|) + B * x^32;
+ * B's own register, started from ~0 too, is ~0 * x^(8|B|) + B * x^32. Their
+ * sum is (r_A + ~0) * x^(8|B|), and r_A + ~0 is crc_a itself (the inversion
+ * on return), so crc(A || B) = crc_a * x^(8|B|) + crc_b: the inversions
+ * cancel. One multiplication per set bit of len_b. */
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b) {
+  pthread_once(&g_once, crc_init_once);
+  uint32_t r = crc_a;
+  for (int i = 0; len_b != 0 && r != 0; i++, len_b >>= 1)
+    if (len_b & 1u)
+      r = crc32c_gf2_mul(r, g_k.shift_pow2[i]);
+  return r ^ crc_b;
 }
 
 int crc32c_path_supported(crc32c_path path) {

@@ -236,8 +236,10 @@ int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dty
     uint32_t i = (uint32_t)(ps - c->pieces);
     *data = c->low + ps->lp->arena_off;
     *crc = c->low_crc[i];
+    /* As core_read: a piece a pipelined step applied ahead of the others is
+     * at the pending step's version already, and its low copy holds it. */
     if (version)
-      *version = c->version;
+      *version = c->version + (uint64_t)ps->ahead;
     /* low_cur only changes under state_rw exclusive, so it is the buffer
      * *data points into. */
     pthread_mutex_lock(&c->low_mu);

@@ -39,13 +39,21 @@
  *    contribution to hold it, the core's own rule). 0 extra copies for large
  *    payloads: on_alloc hands that buffer to the stream layer, which over
  *    plain TCP reads into it as is.
- *  - Pull: core_read converts the piece from the master arena into the
- *    answer buffer (1 pass, which is the dtype conversion), the CRC reads it
- *    once more, and stream_write sends header+meta and that buffer with one
- *    writev (common/stream.h: plain TCP adds no copy). 0 extra copies.
- *  - PUSH_BATCH and PULL_BATCH: as Push and Pull, with one buffer for all
- *    the pieces of the batch; each piece goes through core_push or core_read
- *    at its place in it. 0 extra copies.
+ *  - Pull of the stored dtype: none at all. The piece is pinned in the low
+ *    arena (core_pin_low), its CRC is the one kept beside it, and
+ *    stream_write sends header+meta and the piece from there with one
+ *    writev (common/stream.h: plain TCP adds no copy; TLS encrypts from it).
+ *  - Pull of another dtype (or to a peer whose socket holds unsent bytes):
+ *    core_read converts the piece from the master arena into the answer
+ *    buffer (1 pass, which is the dtype conversion or the copy), the CRC
+ *    reads it once more in cache, and one writev sends it. 1 copy.
+ *  - PUSH_BATCH: as Push, with one buffer for all the pieces of the batch;
+ *    each piece goes through core_push at its place in it. 0 extra copies.
+ *  - PULL_BATCH of the stored dtype: none. Each piece is pinned where it
+ *    lies, the payload CRC is combined from the pieces' stored ones
+ *    (crc32c_combine, no byte read), and one writev sends the header and
+ *    every piece from the arena. Otherwise as a Pull of another dtype, with
+ *    one answer buffer for all the pieces (each read at its place). 1 copy.
  */
 #include "server/dp_server.h"
 #include "server/replica.h"
@@ -134,6 +142,12 @@
 /* Types                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* One piece of a zero-copy batch answer: its bytes in the low arena. */
+typedef struct dp_seg {
+  const unsigned char *data;
+  size_t len;
+} dp_seg;
+
 /* A payload buffer: capacity is a power of two (its pool class). */
 typedef struct dp_buf {
   struct dp_buf *next; /* in the pool */
@@ -143,6 +157,11 @@ typedef struct dp_buf {
   /* A zero-copy pull answer: data points into this core's low arena, pinned
    * (core_pin_low) until the buffer is released. */
   core *pinned;
+  /* A zero-copy batch answer (segs not NULL, room for every piece): data is
+   * NULL and the first nsegs pieces are pinned in pinned's low arena, each
+   * until the buffer is released. */
+  dp_seg *segs;
+  uint32_t nsegs;
 } dp_buf;
 
 typedef struct dp_server dp_server;
@@ -313,7 +332,7 @@ struct dp_server {
   _Atomic uint64_t st_conns, st_accepted, st_frames_in, st_frames_out, st_bytes_in, st_bytes_out,
       st_req_errors, st_proto_errors, st_crc_errors, st_stalled, st_mid, st_paused, st_waiting,
       st_unauth, st_auth_refused, st_auth_timeouts, st_limit_refused, st_answer_bytes, st_pinned,
-      st_pins_released;
+      st_pins_released, st_pinned_batches;
 };
 
 static void count(_Atomic uint64_t *c, int64_t d) {
@@ -331,12 +350,27 @@ static int size_class(size_t n) {
   return c;
 }
 
+/* Releases the pins of a zero-copy answer (from any thread: core_unpin_low
+ * never blocks). */
+static void buf_unpin(dp_buf *b) {
+  if (b->segs) {
+    for (uint32_t i = 0; i < b->nsegs; i++)
+      core_unpin_low(b->pinned, b->segs[i].data);
+    b->nsegs = 0;
+  } else {
+    core_unpin_low(b->pinned, b->data);
+    b->data = NULL;
+  }
+  b->pinned = NULL;
+}
+
 static void buf_free(dp_buf *b) {
   if (b) {
     if (b->pinned)
-      core_unpin_low(b->pinned, b->data);
+      buf_unpin(b);
     else
       free(b->data);
+    free(b->segs);
     free(b);
   }
 }
@@ -677,6 +711,23 @@ static void on_written(stream_write_req *req, int status) {
 
 static void pin_timer_update(dp_server *s);
 
+/* The payload's place(s) in memory: one buffer, or each piece of a
+ * zero-copy batch where it lies in the low arena (one writev takes them
+ * all, after the header). Returns how many it wrote at out. */
+static unsigned payload_bufs(const dp_buf *payload, uint64_t len, uv_buf_t *out) {
+  /* Set directly: uv_buf_init takes an unsigned int length. */
+  if (!payload->segs) {
+    out[0].base = (char *)payload->data;
+    out[0].len = (size_t)len;
+    return 1;
+  }
+  for (uint32_t i = 0; i < payload->nsegs; i++) {
+    out[i].base = (char *)(uintptr_t)payload->segs[i].data;
+    out[i].len = payload->segs[i].len;
+  }
+  return payload->nsegs;
+}
+
 /* Queues frame `m` (header + meta) and `payload` (may be NULL; ownership
  * passes here) for writing with one writev. `is_answer` says whether it
  * answers a request counted in conn->pending; `budget` is the copied answer
@@ -716,15 +767,11 @@ static void conn_send_budget(dp_conn *c, wire_msg *m, dp_buf *payload, int is_an
   o->is_answer = is_answer;
   o->close_after = close_after;
   o->bytes = hlen + m->payload_len;
-  uv_buf_t bufs[2];
+  uv_buf_t bufs[1 + WIRE_MAX_BATCH];
   bufs[0] = uv_buf_init((char *)o->head, (unsigned)hlen);
   unsigned nbufs = 1;
-  if (m->payload_len) {
-    /* Set directly: uv_buf_init takes an unsigned int length. */
-    bufs[1].base = (char *)payload->data;
-    bufs[1].len = (size_t)m->payload_len;
-    nbufs = 2;
-  }
+  if (m->payload_len)
+    nbufs += payload_bufs(payload, m->payload_len, bufs + 1);
   conn_ref(c);
   c->queued += o->bytes;
   int rc = stream_write(c->st, &o->req, bufs, nbufs, on_written);
@@ -845,8 +892,75 @@ static void work_run_push_batch(dp_work *w) {
     }
 }
 
-/* All pieces of a pull batch into one answer buffer, of one version. */
+/* The pieces of a batch never came out of one version. */
+static void batch_mixed(dp_work *w) {
+  w->status = ZS_EINTERNAL;
+  status_say(w->err, sizeof w->err,
+             "the %" PRIu32 " pieces of the batch kept changing version while being read",
+             w->npieces);
+}
+
+/* A pinned answer that cannot be pinned after all (the job's dtype changed
+ * under us, a restore): a buffer of its own for the copy, outside the pool
+ * and the answer budgets, as the pin would have been. */
+static int buf_own(dp_work *w) {
+  dp_buf *b = w->buf;
+  void *mem = NULL;
+  if (posix_memalign(&mem, 64, w->nbytes ? w->nbytes : 1) != 0) {
+    w->status = ZS_ENOMEM;
+    status_say(w->err, sizeof w->err, "out of memory for the answer buffer");
+    return w->status;
+  }
+  free(b->segs);
+  b->segs = NULL;
+  b->data = mem;
+  b->cap = w->nbytes;
+  return 0;
+}
+
+/* Pins every piece of a batch in the low arena (core_pin_low, one piece at a
+ * time), all of one version, and makes the payload's CRC from the pieces'
+ * stored ones: no byte is read. An apply that lands between two pins gives
+ * two versions; the pins are dropped and taken again, as the copy reads
+ * again. Returns 0 (the buffer holds the pins), CORE_NOT_PINNED (a piece is
+ * not in the stored dtype: nothing is pinned) or w->status's error. */
+static int batch_pin(dp_work *w, core *co) {
+  dp_buf *b = w->buf;
+  for (int attempt = 0; attempt < DP_BATCH_READ_TRIES; attempt++) {
+    int mixed = 0;
+    w->crc = 0;
+    b->pinned = co;
+    for (uint32_t i = 0; i < w->npieces && !mixed; i++) {
+      const wire_piece *pc = &w->pieces[i];
+      const void *p = NULL;
+      uint64_t v = 0;
+      uint32_t crc = 0;
+      w->status = core_pin_low(co, w->hash, pc->tensor, pc->slice, (zs_dtype)pc->dtype,
+                               (size_t)pc->length, &p, &v, &crc, w->err, sizeof w->err);
+      if (w->status != 0) {
+        buf_unpin(b);
+        return w->status;
+      }
+      b->segs[b->nsegs++] = (dp_seg){p, (size_t)pc->length};
+      if (i == 0)
+        w->version = v;
+      else
+        mixed = v != w->version;
+      w->crc = crc32c_combine(w->crc, crc, (size_t)pc->length);
+    }
+    if (!mixed)
+      return 0;
+    buf_unpin(b);
+  }
+  batch_mixed(w);
+  return w->status;
+}
+
+/* A pull batch: pinned where it lies (a buffer with room for the pieces),
+ * else every piece into one answer buffer, of one version. */
 static void work_run_pull_batch(dp_work *w, core *co) {
+  if (w->buf->segs && (batch_pin(w, co) != CORE_NOT_PINNED || buf_own(w) != 0))
+    return;
   for (int attempt = 0; attempt < DP_BATCH_READ_TRIES; attempt++) {
     size_t off = 0;
     int mixed = 0;
@@ -868,10 +982,7 @@ static void work_run_pull_batch(dp_work *w, core *co) {
     if (!mixed)
       return;
   }
-  w->status = ZS_EINTERNAL;
-  status_say(w->err, sizeof w->err,
-             "the %" PRIu32 " pieces of the batch kept changing version while being read",
-             w->npieces);
+  batch_mixed(w);
 }
 
 static void work_run(dp_work *w, core *co) {
@@ -896,17 +1007,8 @@ static void work_run(dp_work *w, core *co) {
         w->buf->pinned = co;
         return;
       }
-      if (w->status != CORE_NOT_PINNED)
+      if (w->status != CORE_NOT_PINNED || buf_own(w) != 0)
         return;
-      /* The job's dtype changed under us (a restore): a buffer of its own. */
-      void *mem = NULL;
-      if (posix_memalign(&mem, 64, w->nbytes ? w->nbytes : 1) != 0) {
-        w->status = ZS_ENOMEM;
-        status_say(w->err, sizeof w->err, "out of memory for the answer buffer");
-        return;
-      }
-      w->buf->data = mem;
-      w->buf->cap = w->nbytes;
     }
     w->status = core_read_crc(co, w->hash, w->tensor, w->slice, w->dtype, w->buf->data, w->nbytes,
                               &w->version, &w->crc, w->err, sizeof w->err);
@@ -953,6 +1055,9 @@ static void work_finish(dp_work *w) {
       lengths[i] = w->pieces[i].length;
       core_count_pull(s->core, w->pieces[i].length + (i == 0 ? WIRE_HEADER_SIZE : 0));
     }
+    /* Counted before the write, which may reach the peer at once. */
+    if (w->buf->segs)
+      count(&s->st_pinned_batches, 1);
     conn_send_budget(c, &m, w->buf, 1, 0, w->budget);
   } else if (w->status != 0) {
     pool_put(s, w->buf);
@@ -1020,13 +1125,24 @@ static void work_start(dp_work *w) {
   conn_check(c);
 }
 
-/* Whether a ready Pull's answer may be sent straight from the low copy: a
- * single piece in the stored dtype, to a peer that is taking its bytes (its
- * socket holds nothing unsent). A slow peer gets copies instead, so that
- * the pins an apply waits for belong to peers that are reading; a copy over
- * the connection's budget is pinned anyway (the pin timer bounds it). */
+/* Whether every piece of a Pull (one, or a batch's) is in `dtype`. */
+static int pull_all_dtype(const dp_pull *p, zs_dtype dtype) {
+  if (!p->pieces)
+    return p->dtype == dtype;
+  for (uint32_t i = 0; i < p->npieces; i++)
+    if ((zs_dtype)p->pieces[i].dtype != dtype)
+      return 0;
+  return 1;
+}
+
+/* Whether a ready Pull's answer may be sent straight from the low copy:
+ * every piece (one, or a batch's) in the stored dtype, to a peer that is
+ * taking its bytes (its socket holds nothing unsent). A slow peer gets
+ * copies instead, so that the pins an apply waits for belong to peers that
+ * are reading; a copy over the connection's budget is pinned anyway (the
+ * pin timer bounds it). */
 static int pull_can_pin(dp_conn *c, const dp_pull *p) {
-  if (p->pieces || p->dtype != core_low_dtype(c->s->core))
+  if (!pull_all_dtype(p, core_low_dtype(c->s->core)))
     return 0;
   return stream_write_queue_size(c->st) == 0 || p->nbytes > c->s->max_answer;
 }
@@ -1038,11 +1154,16 @@ static void pull_read(dp_conn *c, dp_pull *p, int pin) {
   dp_work *w = calloc(1, sizeof *w);
   dp_buf *b = NULL;
   if (w && pin) {
-    /* The stored dtype: the work pins the piece in the low arena and the
-     * answer goes out from there (core_pin_low), no copy. */
+    /* The stored dtype: the work pins the piece (or each piece of the
+     * batch) in the low arena and the answer goes out from there
+     * (core_pin_low), no copy. */
     b = calloc(1, sizeof *b);
     if (b)
       b->cls = -1;
+    if (b && p->pieces && !(b->segs = calloc(p->npieces, sizeof *b->segs))) {
+      free(b);
+      b = NULL;
+    }
   } else if (w) {
     b = pool_get(s, p->nbytes);
   }
@@ -1183,7 +1304,7 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms);
  * frame and, when it must be copied, the answer budgets; there is room for
  * one more waiting pull on the connection, its peer address and the server)
  * and its record; NULL when the request was answered with an error instead.
- * `copied`: the answer can only be a copy (a batch, or not the stored dtype). */
+ * `copied`: the answer can only be a copy (a piece not in the stored dtype). */
 static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, int copied,
                          const char *what) {
   dp_server *s = c->s;
@@ -1266,8 +1387,10 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
   const wire_pull_batch *q = &m->u.pull_batch;
   char err[DP_ERRLEN] = "";
   uint64_t total = 0;
+  int copied = 0;
   for (uint32_t i = 0; i < q->npieces; i++) {
     const wire_piece *pc = &q->pieces[i];
+    copied |= (zs_dtype)pc->dtype != core_low_dtype(s->core);
     int64_t nb = service_batch_piece_bytes(s->svc, q->spec_hash, i, pc->tensor, pc->slice,
                                            (zs_dtype)pc->dtype, pc->length, err, sizeof err);
     if (nb < 0) {
@@ -1276,7 +1399,7 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
     }
     total += (uint64_t)nb; /* at most WIRE_MAX_BATCH pieces below 2^62 bytes: no overflow */
   }
-  dp_pull *p = pull_new(c, m->request_id, total, 1, "batch");
+  dp_pull *p = pull_new(c, m->request_id, total, copied, "batch");
   if (!p)
     return;
   wire_piece *pcs = calloc(q->npieces, sizeof *pcs);
@@ -2128,6 +2251,7 @@ void dp_server_get_stats(const dp_server *s, dp_server_stats *o) {
   o->answer_bytes = atomic_load_explicit(&m->st_answer_bytes, memory_order_relaxed);
   o->pinned_answers = atomic_load_explicit(&m->st_pinned, memory_order_relaxed);
   o->pins_released = atomic_load_explicit(&m->st_pins_released, memory_order_relaxed);
+  o->pinned_batches = atomic_load_explicit(&m->st_pinned_batches, memory_order_relaxed);
 }
 
 void dp_server_stop(dp_server *s) {

@@ -176,6 +176,7 @@ typedef struct dp_server_stats {
   uint64_t answer_bytes;    /* copied Pull answer bytes now held, all connections */
   uint64_t pinned_answers;  /* answers now being sent from the low copy */
   uint64_t pins_released;   /* connections closed for stalling on a pinned answer */
+  uint64_t pinned_batches;  /* PULL_BATCH answers sent from the low copy, since the start */
 } dp_server_stats;
 void dp_server_get_stats(const dp_server *s, dp_server_stats *out);
 

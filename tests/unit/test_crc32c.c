@@ -3,8 +3,9 @@
  * (common/crc32c_impl.h), forced one at a time: the standard check values,
  * every length from 0 to 5000 at all 16 alignments against a bit-by-bit
  * reference, every block-size boundary of the fast paths, chaining
- * crc(a + b) == crc32c(crc32c(0, a), b) within and across paths, and the GF(2)
- * arithmetic the fast paths' constants come from. A path this CPU cannot run
+ * crc(a + b) == crc32c(crc32c(0, a), b) within and across paths, the
+ * combination of two CRCs without the second one's bytes (crc32c_combine),
+ * and the GF(2) arithmetic the fast paths' constants come from. A path this CPU cannot run
  * is reported as skipped; the table path always runs.
  *
  * `test_crc32c -v` also prints each path's throughput, in cache (64 KiB) and
@@ -310,6 +311,87 @@ static void crc_of_a_then_b_equals_crc_of_the_concatenation_on_every_path(void *
   free(buf);
 }
 
+/* A length for the combination tests: 0, 1 and small odd ones often, up to
+ * `max` otherwise. */
+static size_t random_length(size_t max) {
+  switch (rng64() % 5) {
+  case 0:
+    return (size_t)(rng64() % 3); /* 0, 1 or 2 */
+  case 1:
+    return (size_t)(rng64() % 64) | 1u;
+  default:
+    return (size_t)(rng64() % (max + 1));
+  }
+}
+
+static void combining_two_crcs_gives_the_crc_of_the_concatenation(void **state) {
+  (void)state;
+  enum { MAX = 3u << 20 }; /* past every block size, odd sizes included */
+  uint8_t *buf = malloc(2 * MAX);
+  assert_non_null(buf);
+  const uint64_t seeds[] = {1, 0x9e3779b97f4a7c15ull, 0xdeadbeefcafef00dull, 42};
+  for (size_t si = 0; si < sizeof seeds / sizeof *seeds; si++) {
+    rng_state = seeds[si];
+    fill_random(buf, 2 * MAX);
+    for (int i = 0; i < 60; i++) {
+      size_t la = random_length(MAX), lb = random_length(MAX);
+      const uint8_t *a = buf + rng64() % (MAX - la + 1), *b = a + la;
+      uint32_t want = crc32c(0, a, la + lb);
+      uint32_t got = crc32c_combine(crc32c(0, a, la), crc32c(0, b, lb), lb);
+      if (got != want)
+        fail_msg("seed 0x%llx: |A| %zu |B| %zu gave 0x%08x, crc of A||B 0x%08x",
+                 (unsigned long long)seeds[si], la, lb, got, want);
+    }
+  }
+  /* Short ones against the bit-by-bit reference rather than crc32c(). */
+  for (size_t la = 0; la < 40; la++)
+    for (size_t lb = 0; lb < 40; lb++)
+      assert_int_equal(crc32c_combine(ref_crc(0, buf, la), ref_crc(0, buf + la, lb), lb),
+                       ref_crc(0, buf, la + lb));
+  free(buf);
+}
+
+static void combining_piece_by_piece_gives_the_crc_of_the_whole_answer(void **state) {
+  (void)state;
+  /* As the server builds a batch answer: from 0, one piece's stored CRC and
+   * length at a time. */
+  enum { MAXP = 256, PIECE = 40000 };
+  uint8_t *buf = malloc((size_t)MAXP * PIECE);
+  assert_non_null(buf);
+  rng_state = 0x5eedull;
+  fill_random(buf, (size_t)MAXP * PIECE);
+  for (int round = 0; round < 20; round++) {
+    size_t n = 1 + (size_t)(rng64() % MAXP), off = 0;
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++) {
+      size_t len = random_length(PIECE);
+      acc = crc32c_combine(acc, crc32c(0, buf + off, len), len);
+      off += len;
+    }
+    assert_int_equal(acc, crc32c(0, buf, off));
+  }
+  free(buf);
+}
+
+static void combining_is_associative_for_lengths_beyond_memory(void **state) {
+  (void)state;
+  /* (A || B) || C == A || (B || C) for lengths no buffer could hold, up to
+   * the top bit of size_t: the shift table is right at every bit. */
+  rng_state = 0xc0ffeeull;
+  for (int i = 0; i < 2000; i++) {
+    uint32_t a = (uint32_t)rng64(), b = (uint32_t)rng64(), c = (uint32_t)rng64();
+    size_t lb = (size_t)(rng64() >> (rng64() % 64)) >> 1,
+           lc = (size_t)(rng64() >> (rng64() % 64)) >> 1;
+    assert_int_equal(crc32c_combine(crc32c_combine(a, b, lb), c, lc),
+                     crc32c_combine(a, crc32c_combine(b, c, lc), lb + lc));
+  }
+  /* Nothing before B: the combination is B's own CRC. */
+  for (int i = 0; i < 100; i++) {
+    uint32_t b = (uint32_t)rng64();
+    assert_int_equal(crc32c_combine(0, b, (size_t)rng64()), b);
+  }
+}
+
 static void a_single_flipped_bit_changes_the_crc_on_every_path(void **state) {
   (void)state;
   /* 1000 bytes: long enough to go through the folding and three-chain code,
@@ -483,6 +565,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test(every_path_matches_the_reference_on_uniform_data),
       cmocka_unit_test(every_path_matches_the_reference_on_a_one_megabyte_buffer),
       cmocka_unit_test(crc_of_a_then_b_equals_crc_of_the_concatenation_on_every_path),
+      cmocka_unit_test(combining_two_crcs_gives_the_crc_of_the_concatenation),
+      cmocka_unit_test(combining_piece_by_piece_gives_the_crc_of_the_whole_answer),
+      cmocka_unit_test(combining_is_associative_for_lengths_beyond_memory),
       cmocka_unit_test(a_single_flipped_bit_changes_the_crc_on_every_path),
       cmocka_unit_test(the_public_function_uses_the_fastest_supported_path),
       cmocka_unit_test(an_unsupported_or_unknown_path_falls_back_to_the_table),
