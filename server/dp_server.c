@@ -130,7 +130,14 @@
 /* Buffers from this size up are 2 MiB aligned and asked to be backed by huge
  * pages, so that a fresh one costs 512 times fewer page faults. */
 #define DP_HUGE_MIN (UINT64_C(2) << 20)
-#define DP_POOL_PER_CLASS 4
+/* Idle buffers kept per size. DP_POOL_BYTES is what bounds the memory;
+ * this only keeps one size from filling the pool with many small buffers.
+ * Several trainers pushing at once keep tens of same-size buffers in use
+ * (W connections, each up to DP_CONSUME_WINDOW): with four kept, the rest
+ * were freed after every step and came back as fresh memory, a page fault
+ * per 4 KiB (13 us each on the benchmark VM: the shard's largest cost at
+ * W = 4, docs/PERFORMANCE.md). */
+#define DP_POOL_PER_CLASS 64
 #define DP_POOL_IDLE_MS 10000u
 #define DP_SWEEP_MS 1000u
 #define DP_POOL_CLASSES 64
