@@ -84,7 +84,7 @@ static void core_job_free(core *c) {
     free(ps->init_chunks);
     if (ps->held) {
       for (uint32_t k = 0; k < c->WM; k++)
-        free(ps->held[k]);
+        core__held_put(c, ps->held[k]);
       free(ps->held);
     }
     pthread_mutex_destroy(&ps->mu);
@@ -345,6 +345,9 @@ int core_create(const core_config *cfg, core **out) {
   if (pthread_mutex_init(&c->low_mu, NULL) != 0)
     goto fail;
   c->low_mu_inited = 1;
+  if (pthread_mutex_init(&c->held_mu, NULL) != 0)
+    goto fail;
+  c->held_mu_inited = 1;
   /* Deadlines are CLOCK_MONOTONIC milliseconds, so the worker's timed wait
    * must measure the same clock. */
   pthread_condattr_t ca;
@@ -441,6 +444,9 @@ void core_destroy(core *c) {
     free(b);
   }
   free(c->by_arg);
+  core__held_drain(c);
+  if (c->held_mu_inited)
+    pthread_mutex_destroy(&c->held_mu);
   if (c->low_mu_inited)
     pthread_mutex_destroy(&c->low_mu);
   if (c->rw_inited)
@@ -608,6 +614,10 @@ void core_get_counters(core *c, core_counters *out) {
   out->bytes_in = atomic_load_explicit(&c->bytes_in, memory_order_relaxed);
   out->bytes_out = atomic_load_explicit(&c->bytes_out, memory_order_relaxed);
   out->held_bytes = atomic_load_explicit(&c->held_bytes, memory_order_relaxed);
+  pthread_mutex_lock(&c->held_mu);
+  out->held_cached_bytes = c->held_cache_bytes;
+  out->held_reused = c->held_reused;
+  pthread_mutex_unlock(&c->held_mu);
   pthread_mutex_lock(&c->mu);
   out->applies = c->applies;
   out->skipped_steps = c->skipped_steps;

@@ -370,6 +370,9 @@ void core_get_info(core *c, core_info *out);
 typedef struct core_counters {
   uint64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
   uint64_t applies, skipped_steps, version, held_bytes;
+  /* Freed early-contribution buffers kept for reuse, and the early
+   * contributions held in such a buffer rather than fresh memory. */
+  uint64_t held_cached_bytes, held_reused;
   double apply_seconds_total;
   uint32_t waiting_pulls; /* core_wait_version calls not yet answered */
   uint32_t waiting_stats; /* core_grad_stats calls not yet answered */

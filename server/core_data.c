@@ -418,6 +418,51 @@ static void piece_add(core *c, piece_state *ps, zs_dtype dtype, const void *data
   dtype_accumulate(dtype, data, c->acc + ps->lp->arena_off, (size_t)ps->lp->numel);
 }
 
+held_contrib *core__held_get(core *c, size_t nbytes) {
+  pthread_mutex_lock(&c->held_mu);
+  held_contrib **pp = &c->held_cache;
+  while (*pp && ((*pp)->cap < nbytes || (*pp)->cap / 2 > nbytes))
+    pp = &(*pp)->next;
+  held_contrib *h = *pp;
+  if (h) {
+    *pp = h->next;
+    c->held_cache_bytes -= h->cap;
+    c->held_reused++;
+  }
+  pthread_mutex_unlock(&c->held_mu);
+  if (!h && (h = malloc(sizeof *h + nbytes)) != NULL)
+    h->cap = nbytes;
+  return h;
+}
+
+void core__held_put(core *c, held_contrib *h) {
+  if (!h)
+    return;
+  if (!c->held_mu_inited) {
+    free(h); /* a core torn down before it was built */
+    return;
+  }
+  pthread_mutex_lock(&c->held_mu);
+  int keep = c->held_cache_bytes + h->cap <= CORE_HELD_CACHE_BYTES;
+  if (keep) {
+    h->next = c->held_cache;
+    c->held_cache = h;
+    c->held_cache_bytes += h->cap;
+  }
+  pthread_mutex_unlock(&c->held_mu);
+  if (!keep)
+    free(h);
+}
+
+void core__held_drain(core *c) {
+  while (c->held_cache) {
+    held_contrib *h = c->held_cache;
+    c->held_cache = h->next;
+    free(h);
+  }
+  c->held_cache_bytes = 0;
+}
+
 /* The push proper, with state_rw held shared. */
 static int core_push_locked(core *c, const core_push_args *a, int *duplicate, char *err,
                             size_t errlen) {
@@ -488,7 +533,7 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
       piece_add(c, ps, h->dtype, h->data);
       ps->held[ps->next_k] = NULL;
       atomic_fetch_sub_explicit(&c->held_bytes, h->nbytes, memory_order_relaxed);
-      free(h);
+      core__held_put(c, h);
       ps->nheld--;
       ps->next_k++;
     }
@@ -506,7 +551,7 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
         return status_fail(err, errlen, ZS_ENOMEM, "out of memory holding an early push");
       }
     }
-    held_contrib *h = malloc(sizeof *h + a->nbytes);
+    held_contrib *h = core__held_get(c, a->nbytes);
     if (!h) {
       if (ps->nheld == 0) {
         free(ps->held);

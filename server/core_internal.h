@@ -17,12 +17,22 @@
 #include "server/optim.h"
 #include "server/pool.h"
 
-/* A contribution that arrived before its turn: a raw copy of the payload. */
+/* A contribution that arrived before its turn: a raw copy of the payload
+ * (nbytes of the cap bytes of data). Once added, the buffer goes to the
+ * core's cache of such buffers (core__held_put), linked by next. */
 typedef struct held_contrib {
+  struct held_contrib *next;
   zs_dtype dtype;
-  size_t nbytes;
+  size_t nbytes, cap;
   unsigned char data[];
 } held_contrib;
+
+/* Bytes of freed early-contribution buffers kept for the next ones. Several
+ * trainers hold about a third of a step's contributions early (W = 4), and
+ * a fresh buffer for each costs a page fault per 4 KiB (13 us on the
+ * benchmark VM: the shard's largest remaining cost at W = 4 once its pull
+ * answers were zero-copy, docs/PERFORMANCE.md). */
+#define CORE_HELD_CACHE_BYTES (UINT64_C(32) << 20)
 
 typedef struct piece_state {
   pthread_mutex_t mu;
@@ -114,6 +124,16 @@ typedef struct low_buf {
   uint64_t nelems;
   uint64_t pins;
 } low_buf;
+
+/* A buffer for an early contribution of nbytes, from the cache when one
+ * there is large enough (and not more than twice that), else malloc'ed;
+ * NULL when out of memory. */
+held_contrib *core__held_get(core *c, size_t nbytes);
+/* Gives h (may be NULL) back: kept in the cache while it has room, else
+ * freed. */
+void core__held_put(core *c, held_contrib *h);
+/* Frees every cached buffer (core_destroy). */
+void core__held_drain(core *c);
 
 /* Retired buffers at most (each still pinned by an answer being sent): a
  * reader that never finishes keeps one copy of the 16-bit weights alive,
@@ -286,6 +306,14 @@ struct core {
    * taking mu; the others change only with an apply, under mu. */
   atomic_uint_fast64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
   atomic_uint_fast64_t held_bytes;
+  /* Freed early-contribution buffers (core__held_get / put), at most
+   * CORE_HELD_CACHE_BYTES of them. held_mu is a leaf lock, taken under a
+   * piece's mu. */
+  pthread_mutex_t held_mu;
+  int held_mu_inited;
+  held_contrib *held_cache;
+  uint64_t held_cache_bytes;
+  uint64_t held_reused;
   atomic_uint_fast64_t contributions; /* added or held in the pending step */
   /* The pins of the low copies: low_cur's and the retired ones' counts and
    * the retired list. A leaf lock: nothing else is taken while it is held,

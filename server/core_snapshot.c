@@ -133,7 +133,7 @@ void core__run_restore(core *c, ckpt_call *call) {
     piece_state *ps = &c->pieces[i];
     if (ps->held) {
       for (uint32_t k = 0; k < c->WM; k++)
-        free(ps->held[k]);
+        core__held_put(c, ps->held[k]);
       free(ps->held);
       ps->held = NULL;
     }

@@ -1145,11 +1145,15 @@ test_an_early_contribution_is_held_until_its_turn_but_one_before_zero_is_not(voi
   core_get_counters(c, &cnt);
   assert_int_equal(cnt.held_bytes, 2 * nb);
   assert_int_equal(cnt.duplicate_pushes, 2);
-  /* k = 0 adds itself and drains k = 2 and k = 3. */
+  /* k = 0 adds itself and drains k = 2 and k = 3, whose buffers are kept
+   * for the next early ones. */
+  assert_int_equal(cnt.held_reused, 0);
   assert_int_equal(push_one(c, &j, 1, 1, 0, 0, &dup), 0);
   assert_int_equal(dup, 0);
   core_get_counters(c, &cnt);
   assert_int_equal(cnt.held_bytes, 0);
+  assert_int_equal(cnt.held_cached_bytes, 2 * nb);
+  assert_int_equal(cnt.held_reused, 0);
   /* A repeat of one already added is a duplicate too. */
   assert_int_equal(push_one(c, &j, 1, 1, 0, 0, &dup), 0);
   assert_int_equal(dup, 1);
@@ -1170,6 +1174,16 @@ test_an_early_contribution_is_held_until_its_turn_but_one_before_zero_is_not(voi
   assert_int_equal(apply_sync(c, &j, 1, 1e-2, 1.0f, 0, &ar), 0);
   job_ref_step(&j, 1e-2, 1.0f, 0);
   check_shard_matches_reference(c, &j, 0, 1);
+  /* The next step's early contribution of the same piece is held in one of
+   * the two buffers kept from this one, not in fresh memory. */
+  core_get_counters(c, &cnt);
+  uint64_t reused = cnt.held_reused;
+  assert_int_equal(cnt.held_cached_bytes, 2 * nb);
+  assert_int_equal(push_one(c, &j, 2, 1, 0, 3, &dup), 0);
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.held_bytes, nb);
+  assert_int_equal(cnt.held_reused, reused + 1);
+  assert_int_equal(cnt.held_cached_bytes, nb);
   core_destroy(c);
   job_free(&j);
 }
