@@ -96,7 +96,8 @@ typedef struct zc_dp_shard {
 } zc_dp_shard;
 
 typedef struct zc_dp {
-  atomic_uint_least64_t batches; /* batch requests submitted */
+  atomic_uint_least64_t batches;        /* batch requests submitted */
+  atomic_uint_least64_t inline_submits; /* tasks zc_dp_submit_inline took */
   pthread_mutex_t mu;
   pthread_cond_t cv; /* (mu) users dropped to 0, a refresh ended */
   uint64_t next_gen; /* (mu) */
@@ -475,30 +476,18 @@ static void pull_finish(zs_client *c, zc_task *t) {
   task_finish(t, ZS_OK, NULL, dtype_bytes(op->wire_dtype, pc->numel));
 }
 
-/* Submits the task's piece to the shard's current data client. Returns 0
- * when the shard has none (the caller falls back to gRPC). */
-static int submit(zs_client *c, zc_task *t) {
+/* Hands the task's piece (converted into t->dp_buf already when its dtypes
+ * differ) to the shard's current data client. Returns 0 when the shard has
+ * none (t->dp_buf is released), else 1 with the data client's verdict in
+ * *rc: 0, the answer will finish the task (which may already have happened:
+ * t is not the caller's any more); an error, nothing was sent and t is still
+ * the caller's. */
+static int hand_to_client(zs_client *c, zc_task *t, int *rc) {
   zc_dp *dp = c->dp;
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
   size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
   size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
-  const int push = op->kind == ZC_OP_PUSH;
-  const int convert = op->buf_dtype != op->wire_dtype;
-
-  /* The conversion runs before the client is taken, so that a refresh never
-   * waits for it; a retry reuses the converted push. */
-  if (convert && !t->dp_buf) {
-    t->dp_buf = malloc(nbytes);
-    if (!t->dp_buf) {
-      task_fail(c, t, ZS_ENOMEM, "out of memory for the piece in its wire dtype");
-      return 1;
-    }
-    if (push)
-      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + boff, op->buf_dtype,
-                 pc->numel);
-  }
-
   pthread_mutex_lock(&dp->mu);
   zc_dpconn *k = dp->shard[t->shard].cur;
   if (k) {
@@ -512,9 +501,7 @@ static int submit(zs_client *c, zc_task *t) {
     t->dp_buf = NULL;
     return 0;
   }
-
-  int rc;
-  if (push) {
+  if (op->kind == ZC_OP_PUSH) {
     dp_push_args a = {
         .spec_hash = c->hash,
         .step = op->step,
@@ -523,11 +510,11 @@ static int submit(zs_client *c, zc_task *t) {
         .tensor = pc->tensor,
         .slice = pc->slice,
         .dtype = op->wire_dtype,
-        .data = convert ? t->dp_buf : (const unsigned char *)op->src + boff,
+        .data = t->dp_buf ? t->dp_buf : (const unsigned char *)op->src + boff,
         .nbytes = nbytes,
         .timeout_ms = c->opt.rpc_timeout_ms,
     };
-    rc = dp_client_push(k->cli, &a, on_answer, t);
+    *rc = dp_client_push(k->cli, &a, on_answer, t);
   } else {
     dp_pull_args a = {
         .spec_hash = c->hash,
@@ -535,21 +522,66 @@ static int submit(zs_client *c, zc_task *t) {
         .tensor = pc->tensor,
         .slice = pc->slice,
         .dtype = op->wire_dtype,
-        .dst = convert ? t->dp_buf : (unsigned char *)op->dst + boff,
+        .dst = t->dp_buf ? t->dp_buf : (unsigned char *)op->dst + boff,
         .nbytes = nbytes,
         /* The shard waits up to step_timeout for the version. */
         .timeout_ms = c->opt.step_timeout_ms,
     };
-    rc = dp_client_pull(k->cli, &a, on_answer, t);
+    *rc = dp_client_pull(k->cli, &a, on_answer, t);
   }
-  /* From here on t belongs to the answer (when rc is 0), which may already
+  /* From here on t belongs to the answer (when *rc is 0), which may already
    * have finished it: only k is touched. */
   pthread_mutex_lock(&dp->mu);
   if (--k->users == 0)
     pthread_cond_broadcast(&dp->cv);
   pthread_mutex_unlock(&dp->mu);
+  return 1;
+}
+
+/* Submits the task's piece to the shard's current data client. Returns 0
+ * when the shard has none (the caller falls back to gRPC). */
+static int submit(zs_client *c, zc_task *t) {
+  zs_request *op = t->op;
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
+  size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
+
+  /* The conversion runs before the client is taken, so that a refresh never
+   * waits for it; a retry reuses the converted push. */
+  if (op->buf_dtype != op->wire_dtype && !t->dp_buf) {
+    t->dp_buf = malloc(nbytes);
+    if (!t->dp_buf) {
+      task_fail(c, t, ZS_ENOMEM, "out of memory for the piece in its wire dtype");
+      return 1;
+    }
+    if (op->kind == ZC_OP_PUSH)
+      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + boff, op->buf_dtype,
+                 pc->numel);
+  }
+  int rc = ZS_OK;
+  if (!hand_to_client(c, t, &rc))
+    return 0;
   if (rc != ZS_OK)
     task_fail(c, t, rc, "the data-plane client refused the request");
+  return 1;
+}
+
+int zc_dp_submit_inline(struct zs_client *c, zc_task *t) {
+  const zs_request *op = t->op;
+  /* A conversion is work for a worker; a replica set may have to look its
+   * primary up (refresh: a blocking call); a loop thread must not wait on
+   * another data client's lock while its own connections wait. */
+  if (!c->dp || (op->kind != ZC_OP_PUSH && op->kind != ZC_OP_PULL) ||
+      op->buf_dtype != op->wire_dtype || t->dp_phase != ZC_DP_SEND || c->rs[t->shard].n > 1 ||
+      tls_in_callback)
+    return 0;
+  int rc = ZS_OK;
+  /* A refusal (the client closing, out of memory) goes to the pool, whose
+   * worker submits again and fails the task there: never inside the call
+   * that started the transfer. */
+  if (!hand_to_client(c, t, &rc) || rc != ZS_OK)
+    return 0;
+  atomic_fetch_add(&c->dp->inline_submits, 1);
   return 1;
 }
 
@@ -806,6 +838,10 @@ static void on_batch_answer(void *arg, const dp_result *r) {
 
 uint64_t zc_dp_batches(const struct zs_client *c) {
   return c->dp ? atomic_load(&c->dp->batches) : 0;
+}
+
+uint64_t zc_dp_inline_submits(const struct zs_client *c) {
+  return c->dp ? atomic_load(&c->dp->inline_submits) : 0;
 }
 
 zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list) {

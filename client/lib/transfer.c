@@ -84,12 +84,29 @@ struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntas
 
 void zc_op_register_locked(struct zs_request *op) {
   op->c->inflight++;
+  atomic_fetch_add(&op->c->unfinished, 1);
   if (op->kind == ZC_OP_PUSH)
     op->c->inflight_push++;
 }
 
+/* The fast path of a transfer (zc_dp_submit_inline): an op of one task that
+ * is the client's only transfer in flight, while the pool is not held, is
+ * submitted to its data client on the calling thread. The pool's hand-off
+ * costs an isolated round trip a wake-up of a worker (docs/PERFORMANCE.md,
+ * "Where a 4 KiB round trip's time goes"); a burst of transfers, each with
+ * others in flight, goes through the pool, whose workers coalesce their
+ * small pieces into batches. Returns 1 when the op was taken. */
+static int submit_inline(zs_request *op) {
+  zs_client *c = op->c;
+  if (op->ntasks != 1 || (op->kind != ZC_OP_PUSH && op->kind != ZC_OP_PULL) || !c->dp)
+    return 0;
+  return atomic_load(&c->unfinished) == 1 && !zc_pool_held(&c->pool) &&
+         zc_dp_submit_inline(c, &op->tasks[0]);
+}
+
 void zc_op_submit(struct zs_request *op) {
-  zc_pool_submit(&op->c->pool, op->tasks, op->ntasks);
+  if (!submit_inline(op))
+    zc_pool_submit(&op->c->pool, op->tasks, op->ntasks);
 }
 
 void zc_op_release(struct zs_request *op) {
@@ -108,6 +125,7 @@ static void op_finish(zs_request *op) {
   zs_client *c = op->c;
   /* No task of op runs any more, so its fields are stable without op->mu. */
   int status = op->status;
+  atomic_fetch_sub(&c->unfinished, 1);
   switch (op->kind) {
   case ZC_OP_PUSH:
     free(op->owned_src);
