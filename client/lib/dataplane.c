@@ -13,7 +13,9 @@
  *   SEND    the worker prepares the piece (a conversion into the task's own
  *           buffer when the wire dtype differs from the caller's), submits it
  *           to the shard's data client (which computes the payload CRC on
- *           this thread) and returns;
+ *           this thread) and returns; for an isolated one-piece transfer
+ *           without conversion the caller's thread does this instead
+ *           (zc_dp_submit_inline, from transfer.c's zc_op_submit);
  *   FINISH  the answer arrives on the data client's loop thread, which must
  *           not block: a plain push or pull finishes there; a pull that needs
  *           a conversion, and any prefetch (whose last piece copies the whole

@@ -3,10 +3,12 @@
  * prefetches, and the control calls made to every shard at once.
  *
  * An op is split into tasks, one per piece (or per shard for a control call),
- * which the pool runs in parallel. Each task finishes one part of the op; the
- * last part finishes the op: the client's bookkeeping is updated, the
- * callback (if any) runs, waiters wake, and the op's in-flight reference is
- * dropped. The caller's handle is the other reference, dropped by zs_wait.
+ * which the pool runs in parallel; an isolated push or pull of one piece in
+ * its wire dtype skips the pool over the data plane (submit_inline). Each
+ * task finishes one part of the op; the last part finishes the op: the
+ * client's bookkeeping is updated, the callback (if any) runs, waiters wake,
+ * and the op's in-flight reference is dropped. The caller's handle is the
+ * other reference, dropped by zs_wait.
  *
  * Copies over gRPC: a push whose buffer dtype is the wire dtype is packed
  * straight from the caller's buffer (protobuf-c's pack is the one copy; gRPC
