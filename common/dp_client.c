@@ -26,9 +26,12 @@
  *
  * Copies of tensor bytes: none over plain TCP (common/stream.h). Push
  * payloads go from the caller's buffer to the socket by one vectored write;
- * Pull payloads come from the socket into the caller's destination, handed
- * out by on_alloc, except the bytes that arrive in the same read as their
- * header (at most DPC_STAGING, copied once from the staging buffer).
+ * Pull payloads come from the socket into the caller's destination (a pull
+ * batch's: each piece's own), handed out by on_alloc, except the bytes read
+ * into the staging buffer and copied once from it: those that arrive in the
+ * same read as their header, and those read while less than DPC_DIRECT_MIN
+ * bytes of the current destination (a batch piece) are awaited, which one
+ * read takes many of at once.
  */
 #include "common/dp_client.h"
 #include "common/hostport.h"
@@ -123,6 +126,10 @@ typedef struct dp_req {
   const void *data; /* Push payload, the caller's */
   void *dst;        /* Pull destination, the caller's */
   size_t nbytes;
+  /* A pull batch's destinations in payload order (owned array, the caller's
+   * memory): one per piece, or one for the whole payload. */
+  wire_seg *segs;
+  uint32_t nsegs;
   uint32_t timeout_ms;
   uint64_t deadline_ms; /* set when the loop takes the request */
   dp_cconn *conn;
@@ -141,6 +148,7 @@ typedef struct dp_req {
 } dp_req;
 
 static void req_free(dp_req *r) {
+  free(r->segs);
   free(r->pieces);
   free(r->piece_data);
   free(r->big_head);
@@ -559,10 +567,10 @@ static void conn_protocol_error(dp_cconn *k, const char *what) {
 
 /* The answer to a batch request r of its own type: a push batch completes
  * with each piece's outcome; a pull batch whose pieces are the ones asked
- * for has its payload go to r->dst (*dst). The answer is untrusted: its
- * piece count and lengths must be the request's. Returns 0, or -1 if the
- * connection failed. */
-static int batch_answer(dp_cconn *k, dp_req *r, void **dst) {
+ * for becomes k->rx, its payload going to r->segs. The answer is untrusted:
+ * its piece count and lengths must be the request's, which r->segs add up
+ * to. Returns 0, or -1 if the connection failed. */
+static int batch_answer(dp_cconn *k, dp_req *r) {
   dp_client *c = k->c;
   const wire_msg *m = &k->rd.msg;
   char msg[DP_ERRLEN];
@@ -599,7 +607,6 @@ static int batch_answer(dp_cconn *k, dp_req *r, void **dst) {
     return k->state == C_READY ? 0 : -1;
   }
   k->rx = r;
-  *dst = r->dst;
   return 0;
 }
 
@@ -646,7 +653,7 @@ static int on_meta(dp_cconn *k) {
     req_detach(c, r);
     req_complete(r, m->u.error.status, 0, 0, m->u.error.message);
   } else if (m->type == WIRE_PUSH_BATCH_ACK || m->type == WIRE_PULL_BATCH_DATA) {
-    if (batch_answer(k, r, &dst) != 0)
+    if (batch_answer(k, r) != 0)
       return -1;
   } else if (m->type == WIRE_PUSH_ACK || m->type == WIRE_PONG) {
     req_detach(c, r);
@@ -669,7 +676,10 @@ static int on_meta(dp_cconn *k) {
   }
   if (k->state != C_READY)
     return -1; /* a callback closed the client's connection */
-  wire_reader_set_payload(rd, dst);
+  if (k->rx && k->rx->segs)
+    wire_reader_set_payload_segs(rd, k->rx->segs, k->rx->nsegs);
+  else
+    wire_reader_set_payload(rd, dst);
   return 0;
 }
 
@@ -1151,13 +1161,34 @@ int dp_client_push_batch(dp_client *c, const dp_push_batch_args *a, dp_done_cb c
   return submit(c, r);
 }
 
+/* A pull batch's destinations as the reader's segments: a->dsts[i] for
+ * piece i, or a->dst for them all. Returns 0 or ZS_EINVAL / ZS_ENOMEM. */
+static int batch_segs(dp_req *r, const dp_pull_batch_args *a) {
+  uint32_t n = a->dsts ? a->npieces : 1;
+  if (!(r->segs = malloc(n * sizeof *r->segs)))
+    return ZS_ENOMEM;
+  r->nsegs = n;
+  if (!a->dsts) {
+    r->segs[0] = (wire_seg){.base = a->dst, .len = r->nbytes};
+    return 0;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    if (!a->dsts[i])
+      return ZS_EINVAL;
+    r->segs[i] = (wire_seg){.base = a->dsts[i], .len = a->pieces[i].nbytes};
+  }
+  return 0;
+}
+
 int dp_client_pull_batch(dp_client *c, const dp_pull_batch_args *a, dp_done_cb cb, void *arg) {
-  if (!c || !a || !cb || !a->dst)
+  if (!c || !a || !cb || !a->dst == !a->dsts)
     return ZS_EINVAL;
   dp_req *r = req_new(cb, arg, a->timeout_ms);
   if (!r)
     return ZS_ENOMEM;
   int rc = batch_prepare(c, r, WIRE_PULL_BATCH, a->pieces, a->npieces);
+  if (rc == 0)
+    rc = batch_segs(r, a);
   if (rc != 0) {
     req_free(r);
     return rc;

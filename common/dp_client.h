@@ -13,7 +13,10 @@
  * Tensor bytes are never copied by the client: a Push is written to the
  * socket straight from the caller's buffer (scatter/gather with the frame
  * header), and a Pull's payload is read from the socket straight into the
- * caller's destination, its CRC32C computed as it arrives.
+ * caller's destination (a pull batch's pieces each into its own), its CRC32C
+ * computed as it arrives. Only the bytes that come in a read with others
+ * (a header, small pieces) are copied once, out of the client's staging
+ * buffer.
  *
  * Every connection authenticates first (a HELLO with the configured token,
  * docs/PROTOCOL.md). A token the server refuses fails dp_client_open, or
@@ -182,13 +185,20 @@ typedef struct dp_pull_batch_args {
   /* 1 .. WIRE_MAX_BATCH pieces, only read during the call. */
   const dp_batch_piece *pieces;
   uint32_t npieces;
-  /* Receives the pieces concatenated in order (the sum of their nbytes).
-   * Borrowed as dp_pull_args.dst is. */
+  /* Where the pieces go; exactly one of the two is given. dst receives them
+   * concatenated in order (the sum of their nbytes); dsts[i] (npieces
+   * entries, none NULL) receives piece i, its nbytes bytes, so that each
+   * piece lands where the caller wants it without a copy. The dsts array is
+   * only read during the call; the buffers are borrowed as dp_pull_args.dst
+   * is: valid until the callback ran, their contents unspecified if the
+   * status is not 0 (a failed batch may have written any of them). */
   void *dst;
+  void *const *dsts;
   uint32_t timeout_ms; /* as dp_pull_args.timeout_ms */
 } dp_pull_batch_args;
 
-/* Submits a pull batch; returns as dp_client_push_batch does. */
+/* Submits a pull batch; returns as dp_client_push_batch does (ZS_EINVAL
+ * also for both or neither of dst and dsts, or a NULL entry in dsts). */
 int dp_client_pull_batch(dp_client *c, const dp_pull_batch_args *a, dp_done_cb cb, void *arg);
 
 /* Submits a PING (a round trip through the server's loop, nothing else). */

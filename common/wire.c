@@ -811,7 +811,40 @@ void wire_reader_free(wire_reader *r) {
   free(r->batch);
   r->batch = NULL;
   r->meta_cap = 0;
-  r->dst = NULL;
+  r->keep = 0;
+  r->segs = NULL;
+}
+
+/* The segment being filled. */
+static const wire_seg *cur_seg(const wire_reader *r) {
+  return r->segs ? &r->segs[r->seg] : &r->one;
+}
+
+/* Moves past the segments that are full, zero-length ones included, so that
+ * the current one has room whenever payload bytes are missing. */
+static void seg_settle(wire_reader *r) {
+  while (r->seg < r->nsegs && r->seg_have == cur_seg(r)->len) {
+    r->seg++;
+    r->seg_have = 0;
+  }
+}
+
+/* Copies n payload bytes from p into the segments, across their boundaries
+ * (n is at most what the payload still misses), and runs the CRC over them
+ * in payload order. */
+static void seg_put(wire_reader *r, const uint8_t *p, size_t n) {
+  while (n > 0) {
+    const wire_seg *s = cur_seg(r);
+    size_t k = s->len - r->seg_have;
+    if (k > n)
+      k = n;
+    memcpy((uint8_t *)s->base + r->seg_have, p, k);
+    r->crc = crc32c(r->crc, p, k);
+    r->seg_have += k;
+    p += k;
+    n -= k;
+    seg_settle(r);
+  }
 }
 
 static wire_event reader_fatal(wire_reader *r, int status) {
@@ -823,13 +856,14 @@ static wire_event reader_fatal(wire_reader *r, int status) {
 /* The payload is complete: check its CRC and go back to the next header. */
 static wire_event reader_finish(wire_reader *r) {
   r->payload_status = 0;
-  if (r->dst && r->crc != r->h.payload_crc)
+  if (r->keep && r->crc != r->h.payload_crc)
     r->payload_status = status_fail(r->err, sizeof r->err, ZS_ECRC,
                                     "%s frame (request id %" PRIu64 ") payload CRC 0x%08" PRIx32
                                     " does not match its %" PRIu64 " bytes (0x%08" PRIx32 ")",
                                     wire_type_name(r->h.type), r->h.request_id, r->h.payload_crc,
                                     r->h.payload_len, r->crc);
-  r->dst = NULL;
+  r->keep = 0;
+  r->segs = NULL;
   r->state = R_HEAD;
   r->head_have = 0;
   return WIRE_EV_DONE;
@@ -846,7 +880,8 @@ static wire_event reader_meta(wire_reader *r) {
   r->payload_status = 0;
   r->have = 0;
   r->crc = 0;
-  r->dst = NULL;
+  r->keep = 0;
+  r->segs = NULL;
   r->state = R_WAIT_DST;
   return WIRE_EV_META;
 }
@@ -939,12 +974,11 @@ size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *
         *ev = WIRE_EV_NONE;
         return used;
       }
-      if (r->dst) {
-        /* The only copy of payload bytes made here: those that came in the
-         * same read as their header. */
-        memcpy(r->dst + r->have, p + used, take);
-        r->crc = crc32c(r->crc, p + used, take);
-      }
+      /* The only copy of payload bytes made here: those that came through a
+       * staging buffer (in the same read as their header, or into a segment
+       * with too little room left for a direct read). */
+      if (r->keep)
+        seg_put(r, p + used, take);
       r->have += take;
       used += take;
       break;
@@ -956,23 +990,53 @@ size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *
   }
 }
 
-int wire_reader_set_payload(wire_reader *r, void *dst) {
-  if (r->state != R_WAIT_DST || (dst && r->meta_status != 0))
-    return ZS_EINVAL;
-  r->dst = r->h.payload_len ? dst : NULL;
+/* Starts receiving the payload into segs[0 .. nsegs) (NULL: into `one`), or
+ * skipping it when nsegs is 0 or there is nothing to receive. */
+static void payload_start(wire_reader *r, const wire_seg *segs, uint32_t nsegs) {
+  r->keep = nsegs > 0 && r->h.payload_len > 0;
+  r->segs = r->keep ? segs : NULL;
+  r->nsegs = r->keep ? nsegs : 0;
+  r->seg = 0;
+  r->seg_have = 0;
   r->have = 0;
   r->crc = 0;
   r->state = R_PAYLOAD;
+  seg_settle(r);
+}
+
+int wire_reader_set_payload(wire_reader *r, void *dst) {
+  if (r->state != R_WAIT_DST || (dst && (r->meta_status != 0 || r->h.payload_len > SIZE_MAX)))
+    return ZS_EINVAL;
+  r->one = (wire_seg){.base = dst, .len = (size_t)r->h.payload_len};
+  payload_start(r, NULL, dst ? 1 : 0);
+  return 0;
+}
+
+int wire_reader_set_payload_segs(wire_reader *r, const wire_seg *segs, uint32_t nsegs) {
+  if (r->state != R_WAIT_DST || r->meta_status != 0 || !segs || nsegs == 0 ||
+      nsegs > WIRE_MAX_BATCH)
+    return ZS_EINVAL;
+  uint64_t sum = 0;
+  for (uint32_t i = 0; i < nsegs; i++) {
+    if ((segs[i].len && !segs[i].base) || (uint64_t)segs[i].len > r->h.payload_len - sum)
+      return ZS_EINVAL;
+    sum += segs[i].len;
+  }
+  if (sum != r->h.payload_len)
+    return ZS_EINVAL;
+  payload_start(r, segs, nsegs);
   return 0;
 }
 
 void *wire_reader_space(wire_reader *r, size_t *len) {
   *len = 0;
-  if (r->state != R_PAYLOAD || !r->dst || r->have >= r->h.payload_len)
+  if (r->state != R_PAYLOAD || !r->keep || r->have >= r->h.payload_len)
     return NULL;
-  uint64_t left = r->h.payload_len - r->have;
-  *len = left > SIZE_MAX ? SIZE_MAX : (size_t)left;
-  return r->dst + r->have;
+  /* seg_settle keeps the current segment one with room while bytes are
+   * missing. */
+  const wire_seg *s = cur_seg(r);
+  *len = s->len - r->seg_have;
+  return (uint8_t *)s->base + r->seg_have;
 }
 
 void *wire_reader_read_buf(wire_reader *r, void *staging, size_t staging_len, size_t direct_min,
@@ -988,19 +1052,25 @@ void *wire_reader_read_buf(wire_reader *r, void *staging, size_t staging_len, si
 }
 
 wire_event wire_reader_commit(wire_reader *r, size_t n) {
-  if (r->state != R_PAYLOAD || !r->dst || (uint64_t)n > r->h.payload_len - r->have) {
+  size_t room = 0;
+  const uint8_t *at = wire_reader_space(r, &room);
+  if (!at || n > room) {
     status_fail(r->err, sizeof r->err, ZS_EINVAL, "wire_reader_commit of %zu bytes out of range",
                 n);
     return reader_fatal(r, ZS_EINVAL);
   }
-  r->crc = crc32c(r->crc, r->dst + r->have, n);
+  r->crc = crc32c(r->crc, at, n);
   r->have += n;
+  r->seg_have += n;
+  seg_settle(r);
   return r->have == r->h.payload_len ? reader_finish(r) : WIRE_EV_NONE;
 }
 
 void wire_reader_skip_rest(wire_reader *r) {
-  if (r->state == R_PAYLOAD)
-    r->dst = NULL;
+  if (r->state == R_PAYLOAD) {
+    r->keep = 0;
+    r->segs = NULL;
+  }
 }
 
 int wire_reader_mid_frame(const wire_reader *r) {

@@ -270,16 +270,27 @@ int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_ms
 
 /* ------------------------------------------------------------------ reader */
 
+/* One place a part of a payload goes: `len` bytes at `base`. base may be NULL
+ * only when len is 0. There is no "drop these bytes" segment: a payload is
+ * either wanted whole (every byte lands somewhere and the CRC is checked) or
+ * skipped whole (wire_reader_set_payload(r, NULL), wire_reader_skip_rest). */
+typedef struct wire_seg {
+  void *base;
+  size_t len;
+} wire_seg;
+
 /*
  * A reader cuts a byte stream into frames incrementally, whatever the sizes of
  * the pieces it is fed. The caller owns the payload memory: at each frame's
- * META event it says where the payload goes (wire_reader_set_payload), and
- * may then let the socket write the payload there directly
- * (wire_reader_space / wire_reader_commit), so that the payload bytes are
- * copied only by the kernel. Bytes of a payload that arrive through
- * wire_reader_feed (in the same read as the header) are copied once into the
- * destination. The payload CRC is computed as the bytes arrive, while they are
- * still in cache.
+ * META event it says where the payload goes (wire_reader_set_payload, or
+ * wire_reader_set_payload_segs for a payload that goes to several places, such
+ * as a batch's pieces), and may then let the socket write the payload there
+ * directly (wire_reader_space / wire_reader_commit), so that the payload bytes
+ * are copied only by the kernel. Bytes of a payload that arrive through
+ * wire_reader_feed (in the same read as the header, or read into a staging
+ * buffer because the current segment has little room left) are copied once
+ * into the destination. The payload CRC is computed as the bytes arrive, in
+ * payload order across the segments, while they are still in cache.
  *
  * Events (wire_reader_feed stops at each one):
  *   WIRE_EV_NONE   all input was consumed and no frame boundary was reached.
@@ -287,7 +298,8 @@ int wire_decode_frame(const void *buf, size_t len, uint64_t max_payload, wire_ms
  *                  r->msg is the frame; r->meta_status is 0 or a per-request
  *                  error (sentence in r->err). The caller must now call
  *                  wire_reader_set_payload (NULL to skip the payload; it must
- *                  skip when meta_status is not 0).
+ *                  skip when meta_status is not 0) or
+ *                  wire_reader_set_payload_segs.
  *   WIRE_EV_DONE   the payload is complete (or skipped): r->payload_status is
  *                  0 or ZS_ECRC. r->msg stays valid until the next feed.
  *   WIRE_EV_FATAL  the stream is broken: r->status and r->err say why; every
@@ -317,7 +329,11 @@ typedef struct wire_reader {
   uint8_t *meta;     /* owned, meta_cap bytes */
   wire_batch *batch; /* owned, allocated at the first batch frame */
   size_t meta_cap, meta_have;
-  uint8_t *dst; /* the caller's, or NULL when skipping */
+  int keep;             /* the payload is received (else skipped) */
+  const wire_seg *segs; /* the caller's; NULL: the single segment `one` */
+  wire_seg one;         /* wire_reader_set_payload's destination */
+  uint32_t nsegs, seg;  /* seg: the segment being filled (nsegs once all are) */
+  size_t seg_have;      /* bytes of segment seg received */
   uint64_t have;
   uint32_t crc;
 } wire_reader;
@@ -341,12 +357,25 @@ size_t wire_reader_feed(wire_reader *r, const void *in, size_t len, wire_event *
 
 /* After WIRE_EV_META: the payload (r->msg.payload_len bytes) goes to dst, or
  * is skipped if dst is NULL. dst is the caller's and must stay valid until
- * WIRE_EV_DONE or wire_reader_free. Returns 0, or ZS_EINVAL if the reader is
- * not waiting for a destination or dst is given for a refused frame. */
+ * WIRE_EV_DONE, wire_reader_skip_rest or wire_reader_free. Returns 0, or
+ * ZS_EINVAL if the reader is not waiting for a destination or dst is given
+ * for a refused frame. The one-segment case of wire_reader_set_payload_segs. */
 int wire_reader_set_payload(wire_reader *r, void *dst);
 
-/* Where the next payload bytes may be written directly, and how many are
- * still missing (*len); NULL (and *len 0) unless a kept payload is being
+/* After WIRE_EV_META: the payload is scattered over segs[0 .. nsegs) in
+ * order, segment i receiving the next segs[i].len bytes (zero-length
+ * segments receive nothing). 1 <= nsegs <= WIRE_MAX_BATCH and the lengths must
+ * add up to r->msg.payload_len exactly. The CRC covers the whole payload as
+ * one, as the sender computed it. The array and the memory it points at are
+ * the caller's and must stay valid and unchanged (the array) until
+ * WIRE_EV_DONE, wire_reader_skip_rest or wire_reader_free. Returns 0, or
+ * ZS_EINVAL (nothing changed: the reader still waits for a destination) if
+ * the reader is not waiting for one, the frame was refused, the count is out
+ * of range, a segment with bytes has no base, or the lengths do not add up. */
+int wire_reader_set_payload_segs(wire_reader *r, const wire_seg *segs, uint32_t nsegs);
+
+/* Where the next payload bytes may be written directly: the room left in the
+ * current segment (*len); NULL (and *len 0) unless a kept payload is being
  * received. */
 void *wire_reader_space(wire_reader *r, size_t *len);
 
@@ -358,14 +387,15 @@ void *wire_reader_space(wire_reader *r, size_t *len);
 void *wire_reader_read_buf(wire_reader *r, void *staging, size_t staging_len, size_t direct_min,
                            size_t chunk, size_t *len);
 
-/* Accounts n bytes written at wire_reader_space() (n <= *len given there).
+/* Accounts n bytes written at wire_reader_space() (n <= *len given there);
+ * filling the current segment moves on to the next one that has room.
  * Returns WIRE_EV_DONE when that completed the payload, else WIRE_EV_NONE
  * (WIRE_EV_FATAL if n is out of range, which is a caller bug). */
 wire_event wire_reader_commit(wire_reader *r, size_t n);
 
 /* The payload being received is no longer wanted (its request was given
- * up): the rest of it is skipped, the destination is released at once and no
- * CRC is checked. Does nothing outside a payload. */
+ * up): the rest of it is skipped, the destination (every segment) is
+ * released at once and no CRC is checked. Does nothing outside a payload. */
 void wire_reader_skip_rest(wire_reader *r);
 
 /* 1 while part of a frame has been received, 0 at a frame boundary. */

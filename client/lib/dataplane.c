@@ -13,7 +13,9 @@
  *   SEND    the worker prepares the piece (a conversion into the task's own
  *           buffer when the wire dtype differs from the caller's), submits it
  *           to the shard's data client (which computes the payload CRC on
- *           this thread) and returns;
+ *           this thread) and returns; for an isolated one-piece transfer
+ *           without conversion the caller's thread does this instead
+ *           (zc_dp_submit_inline, from transfer.c's zc_op_submit);
  *   FINISH  the answer arrives on the data client's loop thread, which must
  *           not block: a plain push or pull finishes there; a pull that needs
  *           a conversion, and any prefetch (whose last piece copies the whole
@@ -43,8 +45,7 @@
  * buffer); a pull in the caller's dtype none (the socket writes into the
  * caller's buffer at the piece's offset), with a conversion one; a prefetch
  * none into its slot, and the pull served from the slot one more. Pieces sent
- * as a batch (see "batches" below) copy as single ones, except a pulled
- * piece: one more, out of the batch's buffer.
+ * as a batch (see "batches" below) copy as single ones.
  *
  * Threads and locks: zc_dp.mu guards each shard's current data client, the
  * number of workers submitting to it and its generation. It is a leaf: no
@@ -97,7 +98,8 @@ typedef struct zc_dp_shard {
 } zc_dp_shard;
 
 typedef struct zc_dp {
-  atomic_uint_least64_t batches; /* batch requests submitted */
+  atomic_uint_least64_t batches;        /* batch requests submitted */
+  atomic_uint_least64_t inline_submits; /* tasks zc_dp_submit_inline took */
   pthread_mutex_t mu;
   pthread_cond_t cv; /* (mu) users dropped to 0, a refresh ended */
   uint64_t next_gen; /* (mu) */
@@ -476,30 +478,18 @@ static void pull_finish(zs_client *c, zc_task *t) {
   task_finish(t, ZS_OK, NULL, dtype_bytes(op->wire_dtype, pc->numel));
 }
 
-/* Submits the task's piece to the shard's current data client. Returns 0
- * when the shard has none (the caller falls back to gRPC). */
-static int submit(zs_client *c, zc_task *t) {
+/* Hands the task's piece (converted into t->dp_buf already when its dtypes
+ * differ) to the shard's current data client. Returns 0 when the shard has
+ * none (t->dp_buf is released), else 1 with the data client's verdict in
+ * *rc: 0, the answer will finish the task (which may already have happened:
+ * t is not the caller's any more); an error, nothing was sent and t is still
+ * the caller's. */
+static int hand_to_client(zs_client *c, zc_task *t, int *rc) {
   zc_dp *dp = c->dp;
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
   size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
   size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
-  const int push = op->kind == ZC_OP_PUSH;
-  const int convert = op->buf_dtype != op->wire_dtype;
-
-  /* The conversion runs before the client is taken, so that a refresh never
-   * waits for it; a retry reuses the converted push. */
-  if (convert && !t->dp_buf) {
-    t->dp_buf = malloc(nbytes);
-    if (!t->dp_buf) {
-      task_fail(c, t, ZS_ENOMEM, "out of memory for the piece in its wire dtype");
-      return 1;
-    }
-    if (push)
-      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + boff, op->buf_dtype,
-                 pc->numel);
-  }
-
   pthread_mutex_lock(&dp->mu);
   zc_dpconn *k = dp->shard[t->shard].cur;
   if (k) {
@@ -513,9 +503,7 @@ static int submit(zs_client *c, zc_task *t) {
     t->dp_buf = NULL;
     return 0;
   }
-
-  int rc;
-  if (push) {
+  if (op->kind == ZC_OP_PUSH) {
     dp_push_args a = {
         .spec_hash = c->hash,
         .step = op->step,
@@ -524,11 +512,11 @@ static int submit(zs_client *c, zc_task *t) {
         .tensor = pc->tensor,
         .slice = pc->slice,
         .dtype = op->wire_dtype,
-        .data = convert ? t->dp_buf : (const unsigned char *)op->src + boff,
+        .data = t->dp_buf ? t->dp_buf : (const unsigned char *)op->src + boff,
         .nbytes = nbytes,
         .timeout_ms = c->opt.rpc_timeout_ms,
     };
-    rc = dp_client_push(k->cli, &a, on_answer, t);
+    *rc = dp_client_push(k->cli, &a, on_answer, t);
   } else {
     dp_pull_args a = {
         .spec_hash = c->hash,
@@ -536,21 +524,66 @@ static int submit(zs_client *c, zc_task *t) {
         .tensor = pc->tensor,
         .slice = pc->slice,
         .dtype = op->wire_dtype,
-        .dst = convert ? t->dp_buf : (unsigned char *)op->dst + boff,
+        .dst = t->dp_buf ? t->dp_buf : (unsigned char *)op->dst + boff,
         .nbytes = nbytes,
         /* The shard waits up to step_timeout for the version. */
         .timeout_ms = c->opt.step_timeout_ms,
     };
-    rc = dp_client_pull(k->cli, &a, on_answer, t);
+    *rc = dp_client_pull(k->cli, &a, on_answer, t);
   }
-  /* From here on t belongs to the answer (when rc is 0), which may already
+  /* From here on t belongs to the answer (when *rc is 0), which may already
    * have finished it: only k is touched. */
   pthread_mutex_lock(&dp->mu);
   if (--k->users == 0)
     pthread_cond_broadcast(&dp->cv);
   pthread_mutex_unlock(&dp->mu);
+  return 1;
+}
+
+/* Submits the task's piece to the shard's current data client. Returns 0
+ * when the shard has none (the caller falls back to gRPC). */
+static int submit(zs_client *c, zc_task *t) {
+  zs_request *op = t->op;
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
+  size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
+
+  /* The conversion runs before the client is taken, so that a refresh never
+   * waits for it; a retry reuses the converted push. */
+  if (op->buf_dtype != op->wire_dtype && !t->dp_buf) {
+    t->dp_buf = malloc(nbytes);
+    if (!t->dp_buf) {
+      task_fail(c, t, ZS_ENOMEM, "out of memory for the piece in its wire dtype");
+      return 1;
+    }
+    if (op->kind == ZC_OP_PUSH)
+      zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + boff, op->buf_dtype,
+                 pc->numel);
+  }
+  int rc = ZS_OK;
+  if (!hand_to_client(c, t, &rc))
+    return 0;
   if (rc != ZS_OK)
     task_fail(c, t, rc, "the data-plane client refused the request");
+  return 1;
+}
+
+int zc_dp_submit_inline(struct zs_client *c, zc_task *t) {
+  const zs_request *op = t->op;
+  /* A conversion is work for a worker; a replica set may have to look its
+   * primary up (refresh: a blocking call); a loop thread must not wait on
+   * another data client's lock while its own connections wait. */
+  if (!c->dp || (op->kind != ZC_OP_PUSH && op->kind != ZC_OP_PULL) ||
+      op->buf_dtype != op->wire_dtype || t->dp_phase != ZC_DP_SEND || c->rs[t->shard].n > 1 ||
+      tls_in_callback)
+    return 0;
+  int rc = ZS_OK;
+  /* A refusal (the client closing, out of memory) goes to the pool, whose
+   * worker submits again and fails the task there: never inside the call
+   * that started the transfer. */
+  if (!hand_to_client(c, t, &rc) || rc != ZS_OK)
+    return 0;
+  atomic_fetch_add(&c->dp->inline_submits, 1);
   return 1;
 }
 
@@ -589,36 +622,49 @@ static int retryable(zs_client *c, zc_task *t, int status) {
   return stale;
 }
 
+/* A failed attempt of task t: retried through the pool when another may
+ * succeed, else the task fails with it. On a loop thread. */
+static void attempt_failed(zs_client *c, zc_task *t, int status, const char *msg) {
+  if (retryable(c, t, status) && t->dp_attempt < c->opt.max_retries) {
+    t->dp_failed = status;
+    t->dp_attempt++;
+    atomic_fetch_add(&c->retries, 1);
+    if (!requeue(c, t, ZC_DP_RETRY))
+      task_fail(c, t, ZS_ECANCELED, "cancelled: the client is closing");
+  } else {
+    task_fail(c, t, status, msg);
+  }
+}
+
+/* A pull task's piece arrived at its destination in the wire dtype, of
+ * `version`: a plain pull finishes here; a conversion, and any prefetch
+ * (whose last piece copies the whole tensor into a waiting pull), on a
+ * worker. On a loop thread. */
+static void pull_answered(zs_client *c, zc_task *t, uint64_t version) {
+  if (version < t->op->step) {
+    char why[160];
+    snprintf(why, sizeof why, "the shard answered with version %" PRIu64, version);
+    task_fail(c, t, ZS_EPROTO, why);
+  } else if ((!t->dp_buf && t->op->kind == ZC_OP_PULL) || !requeue(c, t, ZC_DP_FINISH)) {
+    /* Here, or because the client is closing: no worker is left to do it. */
+    pull_finish(c, t);
+  }
+}
+
 /* The answer of a data-plane request, on the data client's loop thread. */
 static void on_answer(void *arg, const dp_result *r) {
   zc_task *t = arg;
   zs_request *op = t->op;
   zs_client *c = op->c;
   tls_in_callback = 1;
-  if (r->status == ZS_OK) {
-    if (op->kind == ZC_OP_PUSH) {
-      /* A duplicate means an earlier attempt of this very contribution
-       * arrived: the shard has it, which is what the push wanted. */
-      task_finish(t, ZS_OK, NULL, dtype_bytes(op->wire_dtype, c->lay.pieces[t->piece].numel));
-    } else if (r->version < op->step) {
-      char why[160];
-      snprintf(why, sizeof why, "the shard answered with version %" PRIu64, r->version);
-      task_fail(c, t, ZS_EPROTO, why);
-    } else if (!t->dp_buf && op->kind == ZC_OP_PULL) {
-      pull_finish(c, t);
-    } else if (!requeue(c, t, ZC_DP_FINISH)) {
-      /* Closing: no worker is left to do it. */
-      pull_finish(c, t);
-    }
-  } else if (retryable(c, t, r->status) && t->dp_attempt < c->opt.max_retries) {
-    t->dp_failed = r->status;
-    t->dp_attempt++;
-    atomic_fetch_add(&c->retries, 1);
-    if (!requeue(c, t, ZC_DP_RETRY))
-      task_fail(c, t, ZS_ECANCELED, "cancelled: the client is closing");
-  } else {
-    task_fail(c, t, r->status, r->message);
-  }
+  if (r->status != ZS_OK)
+    attempt_failed(c, t, r->status, r->message);
+  else if (op->kind == ZC_OP_PUSH)
+    /* A duplicate means an earlier attempt of this very contribution
+     * arrived: the shard has it, which is what the push wanted. */
+    task_finish(t, ZS_OK, NULL, dtype_bytes(op->wire_dtype, c->lay.pieces[t->piece].numel));
+  else
+    pull_answered(c, t, r->version);
   tls_in_callback = 0;
 }
 
@@ -631,15 +677,18 @@ static void on_answer(void *arg, const dp_result *r) {
  * and a batch that fails as a whole (connection lost, shard closing) sends
  * each task back to the pool for the single-piece retry path.
  *
- * Copies: a push batch as single pushes (none, or one conversion into the
- * task's buffer); a pull batch is read into one buffer of the batch and each
- * piece copied out of it once (converted, or copied into the task's buffer
- * first when it finishes on a worker as a single pull would). */
+ * Copies: as single pieces. A push batch is written from the callers'
+ * buffers (or a task's converted one); a pull batch's payload is scattered
+ * by the data client over the pieces' destinations, each the one a single
+ * pull of the piece would have: the caller's buffer (or prefetch slot) at the
+ * piece's offset, or the task's buffer when a worker converts it after. A
+ * batch that fails may have written any of them: they are rewritten by the
+ * retries, and a request that fails leaves its buffer unspecified, as a
+ * single pull does (docs/CLIENT.md). */
 typedef struct zc_dpbatch {
   zs_client *c;
   int push;
   uint32_t n;
-  unsigned char *buf; /* pull: the pieces in the wire dtype, concatenated; owned */
   zc_task *t[WIRE_MAX_BATCH];
 } zc_dpbatch;
 
@@ -663,7 +712,7 @@ static int batch_submit(zc_dpbatch *b) {
   zc_dp *dp = c->dp;
   const uint32_t shard = b->t[0]->shard;
   dp_batch_piece pieces[WIRE_MAX_BATCH];
-  size_t total = 0;
+  void *dsts[WIRE_MAX_BATCH];
   int rc = ZS_OK;
   for (uint32_t i = 0; i < b->n; i++) {
     zc_task *t = b->t[i];
@@ -673,15 +722,17 @@ static int batch_submit(zc_dpbatch *b) {
     size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
     pieces[i] = (dp_batch_piece){
         .tensor = pc->tensor, .slice = pc->slice, .dtype = op->wire_dtype, .nbytes = nbytes};
-    total += nbytes;
-    if (!b->push)
-      continue;
-    /* As submit(): the conversion happens before the client is taken. */
-    if (op->buf_dtype != op->wire_dtype) {
-      if (!t->dp_buf && !(t->dp_buf = malloc(nbytes))) {
-        rc = ZS_ENOMEM;
-        break;
-      }
+    /* As submit(): a piece in another dtype goes through the task's buffer,
+     * converted before the client is taken (push) or after the answer, on
+     * a worker (pull). */
+    const int convert = op->buf_dtype != op->wire_dtype;
+    if (convert && !t->dp_buf && !(t->dp_buf = malloc(nbytes))) {
+      rc = ZS_ENOMEM;
+      break;
+    }
+    if (!b->push) {
+      dsts[i] = convert ? t->dp_buf : (unsigned char *)op->dst + boff;
+    } else if (convert) {
       zc_convert(t->dp_buf, op->wire_dtype, (const unsigned char *)op->src + boff, op->buf_dtype,
                  pc->numel);
       pieces[i].data = t->dp_buf;
@@ -689,12 +740,9 @@ static int batch_submit(zc_dpbatch *b) {
       pieces[i].data = (const unsigned char *)op->src + boff;
     }
   }
-  if (rc == ZS_OK && !b->push && !(b->buf = malloc(total)))
-    rc = ZS_ENOMEM;
   if (rc != ZS_OK) {
     for (uint32_t i = 0; i < b->n; i++)
       task_fail(c, b->t[i], rc, "out of memory for a batch");
-    free(b->buf);
     free(b);
     return 1;
   }
@@ -714,7 +762,6 @@ static int batch_submit(zc_dpbatch *b) {
       free(b->t[i]->dp_buf);
       b->t[i]->dp_buf = NULL;
     }
-    free(b->buf);
     free(b);
     return 0;
   }
@@ -736,7 +783,7 @@ static int batch_submit(zc_dpbatch *b) {
                             .min_version = op0->step,
                             .pieces = pieces,
                             .npieces = n,
-                            .dst = b->buf,
+                            .dsts = dsts,
                             .timeout_ms = c->opt.step_timeout_ms};
     rc = dp_client_pull_batch(k->cli, &a, on_batch_answer, b);
   }
@@ -750,71 +797,53 @@ static int batch_submit(zc_dpbatch *b) {
   if (rc != ZS_OK) {
     for (uint32_t i = 0; i < n; i++)
       task_fail(c, tasks[i], rc, "the data-plane client refused the batch");
-    free(b->buf);
     free(b);
   }
   return 1;
 }
 
+/* Piece i of a push batch the shard answered: its task finishes with the
+ * piece's own status. The sentence names the first refused piece
+ * (*first_refusal, cleared once used); the others get their status's own. */
+static void push_piece_answered(zs_client *c, zc_task *t, const dp_result *r, uint32_t i,
+                                int *first_refusal) {
+  int st = i < r->npieces ? r->piece_status[i] : ZS_EPROTO;
+  if (st == ZS_OK) {
+    task_finish(t, ZS_OK, NULL, dtype_bytes(t->op->wire_dtype, c->lay.pieces[t->piece].numel));
+    return;
+  }
+  task_fail(c, t, st, *first_refusal ? r->message : zs_strerror(st));
+  *first_refusal = 0;
+}
+
 /* The answer of a batch, on the data client's loop thread: each task
- * finishes (or is retried) as its single request would have. */
+ * finishes (or is retried) as its single request would have. A pull batch's
+ * pieces are already where single pulls would have put them. */
 static void on_batch_answer(void *arg, const dp_result *r) {
   zc_dpbatch *b = arg;
   zs_client *c = b->c;
   tls_in_callback = 1;
-  size_t off = 0;
   int first_refusal = 1;
   for (uint32_t i = 0; i < b->n; i++) {
     zc_task *t = b->t[i];
-    zs_request *op = t->op;
-    const layout_piece *pc = &c->lay.pieces[t->piece];
-    size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
-    const unsigned char *src = b->buf ? b->buf + off : NULL;
-    off += nbytes;
     if (r->status != ZS_OK) {
-      if (retryable(c, t, r->status) && t->dp_attempt < c->opt.max_retries) {
-        t->dp_failed = r->status;
-        t->dp_attempt++;
-        atomic_fetch_add(&c->retries, 1);
-        if (!requeue(c, t, ZC_DP_RETRY))
-          task_fail(c, t, ZS_ECANCELED, "cancelled: the client is closing");
-      } else {
-        task_fail(c, t, r->status, r->message);
-      }
-    } else if (b->push) {
-      int st = i < r->npieces ? r->piece_status[i] : ZS_EPROTO;
-      if (st == ZS_OK) {
-        task_finish(t, ZS_OK, NULL, nbytes);
-      } else {
-        /* The sentence names the first refused piece; the others get their
-         * status's own. */
-        task_fail(c, t, st, first_refusal ? r->message : zs_strerror(st));
-        first_refusal = 0;
-      }
-    } else if (r->version < op->step) {
-      char why[160];
-      snprintf(why, sizeof why, "the shard answered with version %" PRIu64, r->version);
-      task_fail(c, t, ZS_EPROTO, why);
-    } else if (op->buf_dtype == op->wire_dtype) {
-      memcpy((unsigned char *)op->dst + dtype_bytes(op->buf_dtype, pc->offset), src, nbytes);
-      if (op->kind == ZC_OP_PULL || !requeue(c, t, ZC_DP_FINISH))
-        pull_finish(c, t);
-    } else if (!(t->dp_buf = malloc(nbytes))) {
-      task_fail(c, t, ZS_ENOMEM, "out of memory for the piece in its wire dtype");
+      attempt_failed(c, t, r->status, r->message);
+    } else if (!b->push) {
+      pull_answered(c, t, r->version);
     } else {
-      /* The conversion runs on a worker, as for a single pull. */
-      memcpy(t->dp_buf, src, nbytes);
-      if (!requeue(c, t, ZC_DP_FINISH))
-        pull_finish(c, t);
+      push_piece_answered(c, t, r, i, &first_refusal);
     }
   }
-  free(b->buf);
   free(b);
   tls_in_callback = 0;
 }
 
 uint64_t zc_dp_batches(const struct zs_client *c) {
   return c->dp ? atomic_load(&c->dp->batches) : 0;
+}
+
+uint64_t zc_dp_inline_submits(const struct zs_client *c) {
+  return c->dp ? atomic_load(&c->dp->inline_submits) : 0;
 }
 
 zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list) {

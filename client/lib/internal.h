@@ -149,6 +149,9 @@ void zc_pool_wake(zc_pool *p);
 /* For tests: while held, workers take no task, so that everything submitted
  * meanwhile is queued (and coalesced) as if it had all arrived at once. */
 void zc_pool_hold(zc_pool *p, int hold);
+/* 1 while zc_pool_hold holds the pool: what is submitted then must wait in
+ * it (the transfer fast path, zc_dp_submit_inline, is not taken). */
+int zc_pool_held(zc_pool *p);
 
 /* Cancels every queued task (with the cancel function), waits for the running
  * ones, joins the workers. Idempotent; tolerates a pool that never started. */
@@ -251,7 +254,11 @@ struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntas
  * Called with c->mu held, once per op, before it is submitted. */
 void zc_op_register_locked(struct zs_request *op);
 
-/* Submits the op's tasks to the pool. */
+/* Submits the op's tasks to the pool, or, for an isolated one-task push or
+ * pull in its wire dtype, straight to its data client on the calling thread
+ * (transfer.c, submit_inline). Either way no task finishes inside the call,
+ * unless the pool is stopping (the tasks are then cancelled). Called without
+ * c->mu. */
 void zc_op_submit(struct zs_request *op);
 
 /* Finishes one part (task, or the prefetch a pull waits on) of an op with
@@ -448,6 +455,11 @@ struct zs_client {
   int stepping;      /* a zs_step is running */
   uint8_t *pushed;   /* num_tensors * M flags: pushed in this step */
   uint32_t inflight; /* ops not yet finished (all kinds) */
+  /* Ops not yet finished, counted down as their last part is done, before
+   * their callback and waiters (inflight is counted down after them): what
+   * the transfer fast path reads to tell an isolated transfer (transfer.c,
+   * submit_inline). No lock. */
+  atomic_uint_least32_t unfinished;
   uint32_t inflight_push;
   int step_error; /* first push failure of this step */
   char step_err[ZC_ERR_LEN];
@@ -548,8 +560,20 @@ int zc_dp_run(struct zs_client *c, zc_task *t);
  * Called by zc_task_run. */
 zc_task *zc_dp_run_batch(struct zs_client *c, zc_task *list);
 
-/* Batch requests this client has submitted. For tests. */
+/* Submits the task of a one-task op on the calling thread (the one that
+ * started the transfer), sparing the pool's hand-off: a push or pull in its
+ * wire dtype, on a shard that is not a replica set and has a data client,
+ * off the data clients' loop threads. Returns 1 when the data client took
+ * it (its answer finishes it later, on the loop thread), 0 when it is still
+ * the caller's for the pool (nothing of it has run: a refused submission is
+ * left to the pool's worker to fail, so that no completion runs inside the
+ * caller's call). */
+int zc_dp_submit_inline(struct zs_client *c, zc_task *t);
+
+/* Batch requests this client has submitted, and tasks it submitted inline
+ * (zc_dp_submit_inline). For tests. */
 uint64_t zc_dp_batches(const struct zs_client *c);
+uint64_t zc_dp_inline_submits(const struct zs_client *c);
 
 /* 1 on a thread that is running a data-plane completion (where
  * zs_client_close must be refused), else 0. */

@@ -151,6 +151,13 @@ void zc_pool_hold(zc_pool *p, int hold) {
   pthread_mutex_unlock(&p->mu);
 }
 
+int zc_pool_held(zc_pool *p) {
+  pthread_mutex_lock(&p->mu);
+  int held = p->held;
+  pthread_mutex_unlock(&p->mu);
+  return held;
+}
+
 /* Queues the tasks under p->mu; returns 0 when the pool is stopping (the
  * tasks are then neither queued nor cancelled). */
 static int queue_locked(zc_pool *p, zc_task *tasks, uint32_t n) {

@@ -3,10 +3,12 @@
  * prefetches, and the control calls made to every shard at once.
  *
  * An op is split into tasks, one per piece (or per shard for a control call),
- * which the pool runs in parallel. Each task finishes one part of the op; the
- * last part finishes the op: the client's bookkeeping is updated, the
- * callback (if any) runs, waiters wake, and the op's in-flight reference is
- * dropped. The caller's handle is the other reference, dropped by zs_wait.
+ * which the pool runs in parallel; an isolated push or pull of one piece in
+ * its wire dtype skips the pool over the data plane (submit_inline). Each
+ * task finishes one part of the op; the last part finishes the op: the
+ * client's bookkeeping is updated, the callback (if any) runs, waiters wake,
+ * and the op's in-flight reference is dropped. The caller's handle is the
+ * other reference, dropped by zs_wait.
  *
  * Copies over gRPC: a push whose buffer dtype is the wire dtype is packed
  * straight from the caller's buffer (protobuf-c's pack is the one copy; gRPC
@@ -84,12 +86,29 @@ struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntas
 
 void zc_op_register_locked(struct zs_request *op) {
   op->c->inflight++;
+  atomic_fetch_add(&op->c->unfinished, 1);
   if (op->kind == ZC_OP_PUSH)
     op->c->inflight_push++;
 }
 
+/* The fast path of a transfer (zc_dp_submit_inline): an op of one task that
+ * is the client's only transfer in flight, while the pool is not held, is
+ * submitted to its data client on the calling thread. The pool's hand-off
+ * costs an isolated round trip a wake-up of a worker (docs/PERFORMANCE.md,
+ * "Where a 4 KiB round trip's time goes"); a burst of transfers, each with
+ * others in flight, goes through the pool, whose workers coalesce their
+ * small pieces into batches. Returns 1 when the op was taken. */
+static int submit_inline(zs_request *op) {
+  zs_client *c = op->c;
+  if (op->ntasks != 1 || (op->kind != ZC_OP_PUSH && op->kind != ZC_OP_PULL) || !c->dp)
+    return 0;
+  return atomic_load(&c->unfinished) == 1 && !zc_pool_held(&c->pool) &&
+         zc_dp_submit_inline(c, &op->tasks[0]);
+}
+
 void zc_op_submit(struct zs_request *op) {
-  zc_pool_submit(&op->c->pool, op->tasks, op->ntasks);
+  if (!submit_inline(op))
+    zc_pool_submit(&op->c->pool, op->tasks, op->ntasks);
 }
 
 void zc_op_release(struct zs_request *op) {
@@ -108,6 +127,7 @@ static void op_finish(zs_request *op) {
   zs_client *c = op->c;
   /* No task of op runs any more, so its fields are stable without op->mu. */
   int status = op->status;
+  atomic_fetch_sub(&c->unfinished, 1);
   switch (op->kind) {
   case ZC_OP_PUSH:
     free(op->owned_src);

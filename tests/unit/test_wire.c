@@ -8,6 +8,9 @@
  * values that are not ours, each with its status and a sentence naming it.
  * Batch frames (version 2): round trips up to the largest batch, and every
  * count, length and list in their metas checked against the payload.
+ * Scattered payloads (wire_reader_set_payload_segs): the stream cut at every
+ * offset, fed a byte at a time or written directly, zero-length segments, a
+ * CRC mismatch, and segment lists that do not cover the payload exactly.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -1012,6 +1015,222 @@ static void a_reader_limited_to_a_small_meta_refuses_a_longer_one_from_the_heade
   wire_reader_free(&r);
 }
 
+/* ------------------------------------------------------------ scatter */
+
+/* A payload scattered over segments of separate buffers, zero-length ones
+ * first, in the middle and last, as a pull batch's pieces are. */
+enum { SC_N = 7, SC_TOTAL = 321 };
+static const size_t SC_LEN[SC_N] = {0, 7, 1, 0, 300, 13, 0};
+
+/* A PULL_BATCH_DATA frame (id 21) of SC_TOTAL random bytes cut as SC_LEN,
+ * then a PUSH (id 22) of 5 bytes, in one stream. */
+typedef struct scatter_case {
+  uint8_t stream[2 * BIG];
+  size_t total;
+  uint8_t payload[SC_TOTAL];
+} scatter_case;
+
+static void scatter_case_build(scatter_case *k, int corrupt) {
+  uint64_t lens[SC_N];
+  for (int i = 0; i < SC_N; i++)
+    lens[i] = SC_LEN[i];
+  for (size_t i = 0; i < SC_TOTAL; i++)
+    k->payload[i] = (uint8_t)rng32();
+  wire_msg a = {.type = WIRE_PULL_BATCH_DATA, .request_id = 21};
+  a.u.pull_batch_data = (wire_pull_batch_data){.version = 4, .npieces = SC_N, .length = lens};
+  wire_msg b = push_msg(22);
+  k->total = frame(k->stream, sizeof k->stream, &a, k->payload, SC_TOTAL);
+  if (corrupt)
+    k->stream[k->total - SC_TOTAL + 310] ^= 0x01; /* inside segment 5 */
+  k->total += frame(k->stream + k->total, sizeof k->stream - k->total, &b, "hello", 5);
+}
+
+/* One step of a feed loop: n bytes at p go in through wire_reader_feed, or
+ * with `direct` (when the reader offers room) are written at
+ * wire_reader_space and committed, as a socket read would. Returns how many
+ * were taken and the event. */
+static size_t scatter_step(wire_reader *r, const uint8_t *p, size_t n, int direct, wire_event *ev) {
+  size_t space = 0;
+  uint8_t *sp = direct ? wire_reader_space(r, &space) : NULL;
+  if (!sp)
+    return wire_reader_feed(r, p, n, ev);
+  assert_true(space > 0); /* room offered is room to fill: no spinning on an empty segment */
+  size_t k = space < n ? space : n;
+  memcpy(sp, p, k);
+  *ev = wire_reader_commit(r, k);
+  return k;
+}
+
+/* Feeds k's stream to a fresh reader: its first `first` bytes in one piece,
+ * then pieces of `chunk` bytes (0: random sizes). The first frame's payload
+ * goes to SC_N separately allocated segments (a zero-length one has a guard
+ * byte, or no base at all, behind it); the second must come out whole after
+ * it. Returns the first frame's payload_status, its bytes checked when 0. */
+static int scatter_feed(const scatter_case *k, size_t first, size_t chunk, int direct) {
+  uint8_t *mem[SC_N];
+  uint8_t guard = 0xa5, small[5];
+  wire_seg segs[SC_N];
+  for (int i = 0; i < SC_N; i++) {
+    mem[i] = SC_LEN[i] ? malloc(SC_LEN[i]) : NULL;
+    segs[i] = (wire_seg){.base = SC_LEN[i] ? mem[i] : i == 0 ? NULL : &guard, .len = SC_LEN[i]};
+  }
+  wire_reader r;
+  wire_reader_init(&r, 0);
+  int done = 0, st = -1;
+  size_t off = 0;
+  while (off < k->total) {
+    size_t n = off == 0 ? first : chunk ? chunk : 1 + rng32() % 97;
+    if (n > k->total - off)
+      n = k->total - off;
+    for (size_t used = 0; used < n;) {
+      wire_event ev;
+      used += scatter_step(&r, k->stream + off + used, n - used, direct, &ev);
+      assert_int_not_equal(ev, WIRE_EV_FATAL);
+      if (ev == WIRE_EV_META && r.msg.request_id == 21)
+        assert_int_equal(wire_reader_set_payload_segs(&r, segs, SC_N), 0);
+      else if (ev == WIRE_EV_META)
+        assert_int_equal(wire_reader_set_payload(&r, small), 0);
+      else if (ev == WIRE_EV_DONE && done++ == 0)
+        st = r.payload_status;
+      else if (ev == WIRE_EV_DONE)
+        assert_int_equal(r.payload_status, 0);
+    }
+    off += n;
+  }
+  assert_int_equal(done, 2);
+  assert_memory_equal(small, "hello", 5);
+  assert_int_equal(guard, 0xa5);
+  size_t at = 0;
+  for (int i = 0; i < SC_N; i++) {
+    if (st == 0 && SC_LEN[i])
+      assert_memory_equal(mem[i], k->payload + at, SC_LEN[i]);
+    at += SC_LEN[i];
+    free(mem[i]);
+  }
+  assert_false(wire_reader_mid_frame(&r));
+  wire_reader_free(&r);
+  return st;
+}
+
+static void a_scattered_payload_lands_in_its_segments_however_the_stream_is_cut(void **state) {
+  (void)state;
+  static scatter_case k;
+  scatter_case_build(&k, 0);
+  /* A cut at every offset: before, at and after every segment boundary and
+   * inside every segment, the rest in one piece, fed or written directly. */
+  for (size_t first = 1; first < k.total; first++) {
+    assert_int_equal(scatter_feed(&k, first, k.total, 0), 0);
+    assert_int_equal(scatter_feed(&k, first, k.total, 1), 0);
+  }
+  assert_int_equal(scatter_feed(&k, 1, 1, 0), 0);
+  assert_int_equal(scatter_feed(&k, 1, 1, 1), 0);
+  for (int i = 0; i < 20; i++) {
+    assert_int_equal(scatter_feed(&k, 1 + rng32() % 97, 0, 0), 0);
+    assert_int_equal(scatter_feed(&k, 1 + rng32() % 97, 0, 1), 0);
+  }
+}
+
+static void
+a_scattered_payload_that_fails_its_crc_is_refused_and_the_next_frame_decodes(void **state) {
+  (void)state;
+  static scatter_case k;
+  scatter_case_build(&k, 1);
+  assert_int_equal(scatter_feed(&k, k.total, k.total, 0), ZS_ECRC);
+  assert_int_equal(scatter_feed(&k, 1, 1, 0), ZS_ECRC);
+  assert_int_equal(scatter_feed(&k, 1, 1, 1), ZS_ECRC);
+  assert_int_equal(scatter_feed(&k, 50, 0, 1), ZS_ECRC);
+}
+
+/* A fresh reader at the META event of a 10-byte PUSH frame in f. */
+static size_t reader_at_meta(wire_reader *r, uint8_t *f, size_t cap, size_t *len) {
+  wire_msg m = push_msg(5);
+  *len = frame(f, cap, &m, "0123456789", 10);
+  wire_reader_init(r, 0);
+  wire_event ev;
+  size_t off = wire_reader_feed(r, f, *len, &ev);
+  assert_int_equal(ev, WIRE_EV_META);
+  return off;
+}
+
+static void segments_that_do_not_cover_the_payload_exactly_are_refused(void **state) {
+  (void)state;
+  uint8_t f[BIG], a[10], b[10];
+  size_t len = 0;
+  wire_reader r;
+  size_t off = reader_at_meta(&r, f, sizeof f, &len);
+  static wire_seg many[WIRE_MAX_BATCH + 1];
+  for (uint32_t i = 0; i < WIRE_MAX_BATCH + 1; i++)
+    many[i] = (wire_seg){.base = a, .len = 0};
+  const wire_seg short_[] = {{a, 4}, {b, 5}};
+  const wire_seg long_[] = {{a, 4}, {b, 7}};
+  const wire_seg wrapping[] = {{a, 4}, {b, SIZE_MAX - 1}};
+  const wire_seg no_base[] = {{a, 4}, {NULL, 6}};
+  assert_int_equal(wire_reader_set_payload_segs(&r, short_, 2), ZS_EINVAL);
+  assert_int_equal(wire_reader_set_payload_segs(&r, long_, 2), ZS_EINVAL);
+  assert_int_equal(wire_reader_set_payload_segs(&r, wrapping, 2), ZS_EINVAL);
+  assert_int_equal(wire_reader_set_payload_segs(&r, no_base, 2), ZS_EINVAL);
+  assert_int_equal(wire_reader_set_payload_segs(&r, short_, 0), ZS_EINVAL);
+  assert_int_equal(wire_reader_set_payload_segs(&r, NULL, 1), ZS_EINVAL);
+  many[WIRE_MAX_BATCH].len = 10;
+  assert_int_equal(wire_reader_set_payload_segs(&r, many, WIRE_MAX_BATCH + 1), ZS_EINVAL);
+  /* Refusals changed nothing: the reader still waits, and the most
+   * segments allowed (all but the last empty) are taken. */
+  many[WIRE_MAX_BATCH - 1].len = 10;
+  many[WIRE_MAX_BATCH - 1].base = b;
+  assert_int_equal(wire_reader_set_payload_segs(&r, many, WIRE_MAX_BATCH), 0);
+  assert_int_equal(wire_reader_set_payload_segs(&r, many, WIRE_MAX_BATCH), ZS_EINVAL);
+  wire_event ev;
+  assert_int_equal(wire_reader_feed(&r, f + off, len - off, &ev), len - off);
+  assert_int_equal(ev, WIRE_EV_DONE);
+  assert_int_equal(r.payload_status, 0);
+  assert_memory_equal(b, "0123456789", 10);
+  wire_reader_free(&r);
+}
+
+static void a_commit_never_runs_past_the_current_segment(void **state) {
+  (void)state;
+  uint8_t f[BIG], a[4], b[6];
+  size_t len = 0;
+  wire_reader r;
+  reader_at_meta(&r, f, sizeof f, &len);
+  const wire_seg segs[] = {{a, 4}, {b, 6}};
+  assert_int_equal(wire_reader_set_payload_segs(&r, segs, 2), 0);
+  size_t room = 0;
+  assert_ptr_equal(wire_reader_space(&r, &room), a);
+  assert_int_equal(room, 4);
+  assert_int_equal(wire_reader_commit(&r, 3), WIRE_EV_NONE);
+  assert_ptr_equal(wire_reader_space(&r, &room), a + 3);
+  assert_int_equal(room, 1);
+  /* Two bytes would run into memory that is not the payload's. */
+  assert_int_equal(wire_reader_commit(&r, 2), WIRE_EV_FATAL);
+  assert_int_equal(r.status, ZS_EINVAL);
+  wire_reader_free(&r);
+}
+
+static void skipping_the_rest_releases_every_segment(void **state) {
+  (void)state;
+  uint8_t f[BIG], a[4], b[6] = {0};
+  size_t len = 0;
+  wire_reader r;
+  size_t off = reader_at_meta(&r, f, sizeof f, &len);
+  const wire_seg segs[] = {{a, 4}, {b, 6}};
+  assert_int_equal(wire_reader_set_payload_segs(&r, segs, 2), 0);
+  wire_event ev;
+  off += wire_reader_feed(&r, f + off, 5, &ev); /* segment 0 and one byte of 1 */
+  assert_int_equal(ev, WIRE_EV_NONE);
+  assert_int_equal(b[0], '4');
+  wire_reader_skip_rest(&r);
+  size_t room = 1;
+  assert_null(wire_reader_space(&r, &room));
+  assert_int_equal(room, 0);
+  off += wire_reader_feed(&r, f + off, len - off, &ev);
+  assert_int_equal(ev, WIRE_EV_DONE);
+  assert_int_equal(off, len);
+  assert_int_equal(r.payload_status, 0); /* a skipped payload is not checked */
+  assert_int_equal(b[1], 0);
+  wire_reader_free(&r);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(header_fields_sit_at_their_documented_little_endian_offsets),
@@ -1044,6 +1263,12 @@ int main(void) {
       cmocka_unit_test(malformed_push_batches_are_refused_per_request),
       cmocka_unit_test(malformed_batch_answers_and_pull_batches_are_refused),
       cmocka_unit_test(encoder_refuses_a_batch_without_pieces_or_over_the_bound),
+      cmocka_unit_test(a_scattered_payload_lands_in_its_segments_however_the_stream_is_cut),
+      cmocka_unit_test(
+          a_scattered_payload_that_fails_its_crc_is_refused_and_the_next_frame_decodes),
+      cmocka_unit_test(segments_that_do_not_cover_the_payload_exactly_are_refused),
+      cmocka_unit_test(a_commit_never_runs_past_the_current_segment),
+      cmocka_unit_test(skipping_the_rest_releases_every_segment),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -546,7 +546,9 @@ typedef struct zs_request zs_request;
 
 /* Completion callback: runs once, with the request's status, on a library
  * thread: a worker, a data-plane I/O thread, or, for a transfer cancelled by
- * zs_client_close, the thread closing the client. It must not block (no
+ * zs_client_close, the thread closing the client. It may run before the call
+ * that started the transfer returns (on one of those threads), never inside
+ * it on the caller's thread. It must not block (no
  * zs_wait, no synchronous transfer, no zs_step, no zs_client_close) but may
  * start new transfers. When status is not ZS_OK, zs_last_error() called in
  * the callback returns the failure's sentence (naming the tensor and shard),
