@@ -64,6 +64,14 @@
 #define DPC_STAGING (64u << 10)
 #define DPC_DIRECT_MIN (16u << 10)
 #define DPC_READ_CHUNK (512u << 10)
+/* Push payload bytes a connection may have handed to its stream and not yet
+ * seen taken by the kernel, before further pushes wait in the client's
+ * queue. Requests without a payload (pulls, pings) never wait behind pushes
+ * held back this way: a pipelined step's pulls go out while its pushes are
+ * still being sent, rather than behind all of them (a trainer's 8 MiB of
+ * pushes to one shard is 67 ms at 1 Gbit/s). The kernel's socket buffer
+ * still sits ahead of any request; this bounds what libuv queues on top. */
+#define DPC_UNSENT_MAX (UINT64_C(1) << 20)
 
 /* ------------------------------------------------------------------------ */
 /* Address resolution                                                       */
@@ -133,6 +141,11 @@ typedef struct dp_req {
   uint32_t timeout_ms;
   uint64_t deadline_ms; /* set when the loop takes the request */
   dp_cconn *conn;
+  /* A push's payload bytes counted in wconn->unsent until its write is
+   * done, for the connection's generation wgen. */
+  dp_cconn *wconn;
+  uint64_t wgen;
+  size_t unsent;
   int in_table;
   int writing;   /* the stream still holds wreq */
   int completed; /* the callback ran */
@@ -165,6 +178,10 @@ struct dp_cconn {
   list_node inflight;
   uint32_t ninflight;
   uint64_t bytes_inflight;
+  /* Push payload bytes written to the stream whose writes are not done
+   * (DPC_UNSENT_MAX); gen counts the connection's streams, so that a write
+   * finishing after its stream was replaced counts against nothing. */
+  uint64_t unsent, gen;
   dp_req *rx; /* the Pull whose payload is arriving */
   /* The HELLO being written (its bytes live here until hello_req's callback). */
   stream_write_req hello_req;
@@ -199,7 +216,9 @@ struct dp_client {
   int connect_status; /* the status of connect_err */
   /* Loop thread only. */
   int shut;
-  list_node pending;
+  /* Requests waiting for a connection: pushes (payload-carrying) apart from
+   * the rest, which may overtake them (DPC_UNSENT_MAX). */
+  list_node pending, pending_bulk;
   dp_req *table[DPC_BUCKETS];
   uint64_t next_id;
   uint32_t nconns;
@@ -249,6 +268,15 @@ static void req_detach(dp_client *c, dp_req *r) {
       r->conn->rx = NULL;
     r->conn = NULL;
   }
+}
+
+/* The first waiting request, the others before the pushes; NULL when none
+ * waits. */
+static dp_req *pending_first(dp_client *c) {
+  list_node *l = !list_empty(&c->pending)        ? c->pending.next
+                 : !list_empty(&c->pending_bulk) ? c->pending_bulk.next
+                                                 : NULL;
+  return l ? container_of(l, dp_req, node) : NULL;
 }
 
 /* Runs the callback once; frees the request unless libuv still holds its
@@ -329,8 +357,8 @@ static void conn_fail(dp_cconn *k, int status, const char *msg, dp_req *victim, 
     if (c->conns[i].state == C_READY || connecting(c->conns[i].state))
       viable = 1;
   if ((!viable && was_connecting) || c->auth_status) {
-    while (!list_empty(&c->pending)) {
-      dp_req *r = container_of(c->pending.next, dp_req, node);
+    dp_req *r;
+    while ((r = pending_first(c)) != NULL) {
       req_detach(c, r);
       req_complete(r, c->auth_status ? c->auth_status : ZS_ECONN, 0, 0,
                    c->auth_status ? c->auth_err : msg);
@@ -429,6 +457,8 @@ static void conn_start(dp_cconn *k) {
   char msg[DP_ERRLEN];
   wire_reader_init(&k->rd, c->max_payload);
   k->rx = NULL;
+  k->gen++;
+  k->unsent = 0;
   k->state = C_CONNECTING;
   k->connect_deadline_ms = clock_now_ms() + c->connect_ms;
   int rc = stream_dial(c->dialer, on_connect, k, &k->st);
@@ -443,11 +473,23 @@ static void conn_start(dp_cconn *k) {
 /* Writing (loop thread)                                                    */
 /* ------------------------------------------------------------------------ */
 
+static void dispatch(dp_client *c);
+
 static void on_written(stream_write_req *w, int status) {
   dp_req *r = container_of(w, dp_req, wreq);
   r->writing = 0;
+  dp_cconn *k = r->wconn;
+  int more = 0;
+  if (r->unsent && k->gen == r->wgen) {
+    /* Room for the pushes held back, if they were. */
+    k->unsent -= r->unsent;
+    more = k->state == C_READY;
+  }
+  r->unsent = 0;
   if (r->completed) {
     req_free(r);
+    if (more)
+      dispatch(k->c);
     return;
   }
   if (status < 0 && r->conn) {
@@ -456,6 +498,12 @@ static void on_written(stream_write_req *w, int status) {
                stream_detail(w->s));
     conn_fail(r->conn, ZS_ECONN, msg, NULL, 0);
   }
+  if (more && k->state == C_READY)
+    dispatch(k->c);
+}
+
+static int is_bulk(const dp_req *r) {
+  return r->msg.type == WIRE_PUSH || r->msg.type == WIRE_PUSH_BATCH;
 }
 
 static void conn_write(dp_cconn *k, dp_req *r) {
@@ -471,6 +519,12 @@ static void conn_write(dp_cconn *k, dp_req *r) {
   r->conn = k;
   k->ninflight++;
   k->bytes_inflight += r->nbytes;
+  if (is_bulk(r)) {
+    r->wconn = k;
+    r->wgen = k->gen;
+    r->unsent = r->nbytes;
+    k->unsent += r->nbytes;
+  }
   list_push(&k->inflight, &r->node);
   table_put(c, r);
   /* One vectored write: the header, then each payload straight from the
@@ -503,12 +557,13 @@ static void conn_write(dp_cconn *k, dp_req *r) {
 }
 
 /* The ready connection with the fewest bytes in flight and room for one more
- * request, or NULL. */
-static dp_cconn *pick(dp_client *c) {
+ * request (for a push: below DPC_UNSENT_MAX unsent bytes), or NULL. */
+static dp_cconn *pick(dp_client *c, int bulk) {
   dp_cconn *best = NULL;
   for (uint32_t i = 0; i < c->nconns; i++) {
     dp_cconn *k = &c->conns[i];
-    if (k->state != C_READY || k->ninflight >= c->max_inflight)
+    if (k->state != C_READY || k->ninflight >= c->max_inflight ||
+        (bulk && k->unsent >= DPC_UNSENT_MAX))
       continue;
     if (!best || k->bytes_inflight < best->bytes_inflight)
       best = k;
@@ -516,27 +571,35 @@ static dp_cconn *pick(dp_client *c) {
   return best;
 }
 
+/* The next request that may be written now and its connection: a waiting
+ * pull (or ping) first, then the oldest push while a connection has room
+ * for it (DPC_UNSENT_MAX). */
+static dp_req *sendable(dp_client *c, dp_cconn **k) {
+  if (!list_empty(&c->pending) && (*k = pick(c, 0)) != NULL)
+    return container_of(c->pending.next, dp_req, node);
+  if (!list_empty(&c->pending_bulk) && (*k = pick(c, 1)) != NULL)
+    return container_of(c->pending_bulk.next, dp_req, node);
+  return NULL;
+}
+
 /* Writes waiting requests to connections with room; reconnects idle
  * connections when requests wait. */
 static void dispatch(dp_client *c) {
+  dp_req *r;
   if (c->auth_status) {
-    while (!list_empty(&c->pending)) {
-      dp_req *r = container_of(c->pending.next, dp_req, node);
+    while ((r = pending_first(c)) != NULL) {
       req_detach(c, r);
       req_complete(r, c->auth_status, 0, 0, c->auth_err);
     }
     timer_update(c);
     return;
   }
-  while (!list_empty(&c->pending)) {
-    dp_cconn *k = pick(c);
-    if (!k)
-      break;
-    dp_req *r = container_of(c->pending.next, dp_req, node);
+  dp_cconn *k = NULL;
+  while ((r = sendable(c, &k)) != NULL) {
     list_remove(&r->node);
     conn_write(k, r);
   }
-  if (!list_empty(&c->pending)) {
+  if (pending_first(c)) {
     for (uint32_t i = 0; i < c->nconns; i++)
       if (c->conns[i].state == C_IDLE)
         conn_start(&c->conns[i]);
@@ -775,15 +838,18 @@ static void on_tick(uv_timer_t *t) {
         break;
     }
   }
-  for (list_node *l = c->pending.next; l != &c->pending;) {
-    dp_req *r = container_of(l, dp_req, node);
-    l = l->next;
-    if (now < r->deadline_ms)
-      continue;
-    status_say(msg, sizeof msg, "%s request to %s timed out after %u ms waiting for a connection",
-               wire_type_name(r->msg.type), c->addr_text, r->timeout_ms);
-    req_detach(c, r);
-    req_complete(r, ZS_ETIMEDOUT, 0, 0, msg);
+  list_node *lists[2] = {&c->pending, &c->pending_bulk};
+  for (int i = 0; i < 2; i++) {
+    for (list_node *l = lists[i]->next; l != lists[i];) {
+      dp_req *r = container_of(l, dp_req, node);
+      l = l->next;
+      if (now < r->deadline_ms)
+        continue;
+      status_say(msg, sizeof msg, "%s request to %s timed out after %u ms waiting for a connection",
+                 wire_type_name(r->msg.type), c->addr_text, r->timeout_ms);
+      req_detach(c, r);
+      req_complete(r, ZS_ETIMEDOUT, 0, 0, msg);
+    }
   }
   timer_update(c);
 }
@@ -792,7 +858,7 @@ static void on_tick(uv_timer_t *t) {
 static void timer_update(dp_client *c) {
   if (c->shut)
     return;
-  int busy = !list_empty(&c->pending);
+  int busy = pending_first(c) != NULL;
   for (uint32_t i = 0; i < c->nconns && !busy; i++)
     busy = c->conns[i].ninflight > 0 || connecting(c->conns[i].state);
   if (busy && !c->timer_on) {
@@ -821,8 +887,8 @@ static void shutdown_loop(dp_client *c) {
       req_complete(r, ZS_ECANCELED, 0, 0, msg);
     }
   }
-  while (!list_empty(&c->pending)) {
-    dp_req *r = container_of(c->pending.next, dp_req, node);
+  dp_req *r;
+  while ((r = pending_first(c)) != NULL) {
     req_detach(c, r);
     req_complete(r, ZS_ECANCELED, 0, 0, msg);
   }
@@ -847,7 +913,7 @@ static void on_async(uv_async_t *h) {
     if (r->msg.type == WIRE_PULL)
       t += DPC_PULL_GRACE_MS;
     r->deadline_ms = now + t;
-    list_push(&c->pending, &r->node);
+    list_push(is_bulk(r) ? &c->pending_bulk : &c->pending, &r->node);
   }
   if (closing)
     shutdown_loop(c);
@@ -940,6 +1006,7 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
   c->max_inflight = cfg->max_inflight ? cfg->max_inflight : DPC_DEFAULT_MAX_INFLIGHT;
   c->max_payload = cfg->max_payload ? cfg->max_payload : WIRE_DEFAULT_MAX_PAYLOAD;
   list_init(&c->pending);
+  list_init(&c->pending_bulk);
   for (uint32_t i = 0; i < c->nconns; i++) {
     c->conns[i].c = c;
     c->conns[i].index = (int)i;

@@ -786,6 +786,78 @@ static void a_pull_waits_for_its_version_and_then_returns_it(void **state) {
   free(want);
 }
 
+/* What a_pull_overtakes_pushes_waiting_to_be_written saw. */
+typedef struct order_rec {
+  pthread_mutex_t mu;
+  uint32_t pushes_done, pushes_failed, pushes_before_pull;
+  int pull_done, pull_status;
+} order_rec;
+
+#define ORDER_PUSHES 800u
+
+static void on_order_push(void *arg, const dp_result *r) {
+  order_rec *o = arg;
+  pthread_mutex_lock(&o->mu);
+  if (r->status == 0)
+    o->pushes_done++;
+  else
+    o->pushes_failed++;
+  pthread_mutex_unlock(&o->mu);
+}
+
+static void on_order_pull(void *arg, const dp_result *r) {
+  order_rec *o = arg;
+  pthread_mutex_lock(&o->mu);
+  o->pull_done = 1;
+  o->pull_status = r->status;
+  o->pushes_before_pull = o->pushes_done;
+  pthread_mutex_unlock(&o->mu);
+}
+
+static int order_all_done(void *arg) {
+  order_rec *o = arg;
+  pthread_mutex_lock(&o->mu);
+  int done = o->pull_done && o->pushes_done + o->pushes_failed == ORDER_PUSHES;
+  pthread_mutex_unlock(&o->mu);
+  return done;
+}
+
+/* A pipelined step's pulls are sent while its pushes are: a pull submitted
+ * behind 100 MiB of pushes is written once a bounded part of them is (the
+ * client holds the rest back, DPC_UNSENT_MAX), so its answer arrives while
+ * most pushes are still to come. Sent in submission order, it would be
+ * answered after all of them. */
+static void a_pull_overtakes_pushes_waiting_to_be_written(void **state) {
+  (void)state;
+  const layout_piece *p = piece(BIG_TENSOR, 0);
+  size_t nb = 0;
+  void *g = gradient(p, 1, 0, 0, ZS_DTYPE_BF16, &nb);
+  core_push_args a = push_args(p, 1, 0, 0, ZS_DTYPE_BF16, g, nb);
+  dp_push_args da = dp_push_of(&a);
+  order_rec o = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  /* The same contribution each time: the first is added, the rest are
+   * duplicates, every one of them carried in full. */
+  for (uint32_t i = 0; i < ORDER_PUSHES; i++)
+    assert_int_equal(dp_client_push(fx.cli[p->shard], &da, on_order_push, &o), 0);
+  void *dst = malloc(nb);
+  assert_non_null(dst);
+  dp_pull_args q = {.spec_hash = fx.hash,
+                    .min_version = 0,
+                    .tensor = p->tensor,
+                    .slice = p->slice,
+                    .dtype = ZS_DTYPE_BF16,
+                    .dst = dst,
+                    .nbytes = nb,
+                    .timeout_ms = WAIT_MS};
+  assert_int_equal(dp_client_pull(fx.cli[p->shard], &q, on_order_pull, &o), 0);
+  assert_true(wait_until(order_all_done, &o));
+  assert_int_equal(o.pull_status, 0);
+  assert_int_equal(o.pushes_failed, 0);
+  assert_true(o.pushes_before_pull < ORDER_PUSHES / 2);
+  free(dst);
+  free(g);
+}
+
 /* ----------------------------------------------------------------- batches */
 
 /* What a batch's callback saw, copied for the test thread. */
@@ -2031,6 +2103,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(refused_pulls_get_clear_statuses, setup_default, teardown),
       cmocka_unit_test_setup_teardown(a_pull_waits_for_its_version_and_then_returns_it,
                                       setup_default, teardown),
+      cmocka_unit_test_setup_teardown(a_pull_overtakes_pushes_waiting_to_be_written, setup_default,
+                                      teardown),
       cmocka_unit_test_setup_teardown(
           pipelined_requests_from_several_threads_complete_with_their_own_answers, setup_default,
           teardown),
