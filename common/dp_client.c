@@ -824,7 +824,7 @@ static void on_tick(uv_timer_t *t) {
         continue;
       status_say(msg, sizeof msg, "%s request to %s timed out after %u ms",
                  wire_type_name(r->msg.type), c->addr_text, r->timeout_ms);
-      if (r->writing && (r->msg.type == WIRE_PUSH || r->msg.type == WIRE_PUSH_BATCH)) {
+      if (r->writing && is_bulk(r)) {
         /* The socket still reads the caller's buffer: only closing it stops
          * that. The other requests on it fail as a lost connection. */
         conn_fail(k, ZS_ECONN, msg, r, ZS_ETIMEDOUT);
