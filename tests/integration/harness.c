@@ -279,9 +279,29 @@ fail:
   return NULL;
 }
 
+/* 1 once the process is stopped (state T in /proc/PID/stat). */
+static int is_stopped(pid_t pid) {
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *close = strrchr(buf, ')');
+  return close && close[1] == ' ' && close[2] == 'T';
+}
+
 void hs_signal(hs_server *s, int sig) {
-  if (s && s->pid > 0)
-    kill(s->pid, sig);
+  if (!s || s->pid <= 0)
+    return;
+  kill(s->pid, sig);
+  /* kill returns before the target stops: a server busy on another CPU
+   * could still answer a request sent right after. Wait (up to 5 s) until it
+   * no longer runs. */
+  for (int i = 0; sig == SIGSTOP && i < 5000 && !is_stopped(s->pid); i++)
+    usleep(1000);
 }
 
 int hs_stop(hs_server *s) {

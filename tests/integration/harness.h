@@ -63,7 +63,8 @@ hs_server *hs_start(const char *const *args, const char *const *env);
  * it had to be killed. Frees `s`. */
 int hs_stop(hs_server *s);
 
-/* Sends `sig` to the server without waiting. */
+/* Sends `sig` to the server; for SIGSTOP, waits (up to 5 s) until it is
+ * stopped, otherwise returns at once. */
 void hs_signal(hs_server *s, int sig);
 
 /* Runs zshard-server with exactly `args` (no --listen added) and `env` as in
