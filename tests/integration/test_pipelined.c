@@ -354,10 +354,21 @@ static void a_piece_is_pulled_at_the_new_version_before_the_shard_moves(void **s
     assert_int_equal(hs_push(ch, j.hash, 1, 0, 0, t, 0, ZS_DTYPE_FP32, gt, nt * 4, &dup, &st), 0);
     free(gt);
   }
+  /* Each pull waits for its own piece only: the shard's version is 1 once
+   * every piece has been pulled at 1 (the pass that applies the last piece
+   * finishes the step under the same lock). */
   float *p1 = calloc(n1, sizeof(float));
   assert_int_equal(hs_pull(ch, j.hash, 1, 0, 1, ZS_DTYPE_FP32, 30000, p1, n1 * 4, &version, &st),
                    0);
   assert_int_equal(version, 1);
+  for (uint32_t t = 2; t < j.sp.num_tensors; t++) {
+    uint64_t nt = j.sp.tensors[t].numel;
+    float *pt = calloc(nt, sizeof(float));
+    assert_int_equal(hs_pull(ch, j.hash, t, 0, 1, ZS_DTYPE_FP32, 30000, pt, nt * 4, &version, &st),
+                     0);
+    assert_int_equal(version, 1);
+    free(pt);
+  }
   assert_int_equal(hs_get_info(ch, &info, &st), 0);
   assert_int_equal(info->version, 1);
   protobuf_c_message_free_unpacked(&info->base, NULL);
