@@ -50,6 +50,7 @@
 
 #include "common/auth.h"
 #include "server/core.h"
+#include "server/metrics.h"
 #include "server/service.h"
 
 /* Longest a Pull waits for its version, whatever its timeout says (the same
@@ -179,6 +180,10 @@ typedef struct dp_server_stats {
   uint64_t pinned_batches;  /* PULL_BATCH answers sent from the low copy, since the start */
 } dp_server_stats;
 void dp_server_get_stats(const dp_server *s, dp_server_stats *out);
+
+/* The stats above as /metrics families zshard_dp_* (a metrics_extra_fn;
+ * arg is the dp_server). */
+void dp_server_metrics(void *arg, metrics_text *t);
 
 /* Stops serving and frees the server: the listener closes, every connection
  * is closed (answers not yet sent are dropped), thread-pool work in progress

@@ -661,6 +661,8 @@ static int start_transports(const options *o, shard *s) {
     dc.tls = s->dp_tls;
     dc.replica = s->rep;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
+    if (rc == 0)
+      rc = metrics_add_extra(s->mx, dp_server_metrics, s->dp);
     if (rc) {
       LOG_ERROR("startup_failed", "stage=data_plane addr=%s error=%s detail=\"%s\"", o->data_listen,
                 zs_err_name(rc), err);
@@ -741,7 +743,7 @@ static int start_replica(const options *o, shard *s) {
   if (rc)
     LOG_ERROR("startup_failed", "stage=replica error=%s detail=\"%s\"", zs_err_name(rc), err);
   else if (s->mx)
-    metrics_set_extra(s->mx, replica_metrics, s->rep);
+    rc = metrics_add_extra(s->mx, replica_metrics, s->rep);
   return rc;
 }
 
@@ -791,13 +793,13 @@ static int shard_start(const options *o, shard *s) {
 /* Stops whatever `s` holds, in the stop order. */
 static void shard_stop(shard *s) {
   gsrv_destroy(s->srv);
+  /* Scrapes are answered while the gRPC calls drain, then stop before the
+   * data plane and the core they read go away. */
+  metrics_server_stop(s->msrv);
   /* The data plane serves until the gRPC calls drained; its own connections
    * are then closed (clients retry elsewhere or after the restart), and
    * Pulls it left waiting in the core are released by core_destroy. */
   dp_server_stop(s->dp);
-  /* Scrapes are answered while the gRPC calls drain, then stop before the
-   * core they read goes away. */
-  metrics_server_stop(s->msrv);
   ckpt_svc_destroy(s->svc);
   /* The replica's forwards ran on the transports' threads, all stopped. */
   replica_destroy(s->rep);

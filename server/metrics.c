@@ -49,8 +49,11 @@ struct metrics {
   pthread_mutex_t lock;
   size_t nrpc;
   metrics_rpc rpcs[METRICS_MAX_RPCS];
-  metrics_extra_fn extra; /* set before the endpoint starts */
-  void *extra_arg;
+  size_t nextra; /* set before the endpoint starts */
+  struct {
+    metrics_extra_fn fn;
+    void *arg;
+  } extra[METRICS_MAX_EXTRA];
 };
 
 int metrics_create(uint32_t shard_id, metrics **out) {
@@ -207,9 +210,13 @@ static void histogram_lines(metrics_text *b, const metrics *m, const char *name,
                       labels, s.count);
 }
 
-void metrics_set_extra(metrics *m, metrics_extra_fn fn, void *arg) {
-  m->extra = fn;
-  m->extra_arg = arg;
+int metrics_add_extra(metrics *m, metrics_extra_fn fn, void *arg) {
+  if (m->nextra == METRICS_MAX_EXTRA)
+    return ZS_ENOMEM;
+  m->extra[m->nextra].fn = fn;
+  m->extra[m->nextra].arg = arg;
+  m->nextra++;
+  return 0;
 }
 
 int metrics_render(metrics *m, core *c, char **out, size_t *len) {
@@ -320,8 +327,8 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
                           (uint64_t)atomic_load_explicit(&m->rpcs[i].failed, memory_order_relaxed));
   }
 
-  if (m->extra)
-    m->extra(m->extra_arg, &b);
+  for (size_t i = 0; i < m->nextra; i++)
+    m->extra[i].fn(m->extra[i].arg, &b);
   if (b.oom) {
     free(b.p);
     return ZS_ENOMEM;

@@ -86,10 +86,12 @@ typedef struct metrics_text {
 void metrics_text_printf(metrics_text *t, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
-/* More lines for every render, appended by fn(arg, t), e.g. the replica
- * set's. Set it before the endpoint starts; fn runs on the rendering
- * thread. */
+/* More lines for every render, appended by fn(arg, t): the replica set's,
+ * the data plane's. Add them before the endpoint starts and stop the
+ * endpoint before freeing arg; fn runs on the rendering thread, in the
+ * order added. Returns 0, or ZS_ENOMEM when METRICS_MAX_EXTRA are set. */
+#define METRICS_MAX_EXTRA 4
 typedef void (*metrics_extra_fn)(void *arg, metrics_text *t);
-void metrics_set_extra(metrics *m, metrics_extra_fn fn, void *arg);
+int metrics_add_extra(metrics *m, metrics_extra_fn fn, void *arg);
 
 #endif

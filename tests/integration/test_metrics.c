@@ -679,10 +679,39 @@ static void data_plane_requests_are_timed_per_method(void **state) {
   assert_int_equal(n[0] + n[2] >= 2, 1);
   assert_int_equal(n[1] + n[3] >= 2, 1);
   assert_true(n[0] + n[2] <= 3 && n[1] + n[3] <= 3);
+  /* The data plane's own families: this client's connection, its frames
+   * and bytes (the 1.6 MB push at least, both ways), no errors. */
+  assert_true(count_of(page, "zshard_dp_connections{shard=\"0\"}") >= 1);
+  assert_true(count_of(page, "zshard_dp_accepted_total{shard=\"0\"}") >= 1);
+  assert_true(count_of(page, "zshard_dp_frames_received_total{shard=\"0\"}") >=
+              n[0] + n[1] + n[2] + n[3]);
+  assert_true(count_of(page, "zshard_dp_frames_sent_total{shard=\"0\"}") >=
+              n[0] + n[1] + n[2] + n[3]);
+  assert_true(count_of(page, "zshard_dp_received_bytes_total{shard=\"0\"}") >= numel[0] * 4);
+  assert_true(count_of(page, "zshard_dp_sent_bytes_total{shard=\"0\"}") >= numel[0] * 4);
+  const char *zero[] = {"protocol_errors_total", "crc_errors_total",    "stalled_closed_total",
+                        "auth_refused_total",    "limit_refused_total", "pins_released_total"};
+  for (size_t i = 0; i < sizeof zero / sizeof zero[0]; i++) {
+    char series[96];
+    snprintf(series, sizeof series, "zshard_dp_%s{shard=\"0\"}", zero[i]);
+    assert_int_equal(count_of(page, series), 0);
+  }
   free(page);
+  assert_int_equal(zs_client_close(c), ZS_OK);
+  c = NULL;
+  /* The connection's close is counted once the shard's loop has seen it. */
+  uint64_t t0 = clock_now_ms();
+  for (;;) {
+    page = scrape(m.metrics_port);
+    uint64_t open = count_of(page, "zshard_dp_connections{shard=\"0\"}");
+    free(page);
+    if (open == 0)
+      break;
+    assert_true(clock_now_ms() - t0 < WAIT_MS);
+    pause_10ms();
+  }
   for (uint32_t t = 0; t < 3; t++)
     free(w[t]);
-  assert_int_equal(zs_client_close(c), ZS_OK);
   mserver_stop(&m);
 }
 
