@@ -2283,8 +2283,7 @@ static const dp_metric dp_metrics[] = {
     DP_METRIC("protocol_errors_total", "counter", protocol_errors,
               "Connections closed for a broken stream (a frame the decoder refused)."),
     DP_METRIC("crc_errors_total", "counter", crc_errors,
-              "Frames whose header or payload CRC "
-              "did not match."),
+              "Frames whose header or payload CRC did not match."),
     DP_METRIC("stalled_closed_total", "counter", stalled_closed,
               "Connections closed by the stall timeout (inside a frame, or not reading "
               "their answers)."),
