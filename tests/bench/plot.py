@@ -190,11 +190,13 @@ def markdown(rows):
                      "round's ratio)\n\n" + table(
             ["shards", "size", "raw TCP", "gRPC push", "gRPC pull", "data push", "data pull"],
             lines))
-    if by["latency"]:
+    # The percentiles; the context-switch figures beside them have none.
+    quantiles = [r for r in by["latency"] if "quantile" in r]
+    if quantiles:
         lat = {(r["op"], r["metric"].rsplit("_", 1)[0][len(r["op"]) + 1:], r["quantile"]): r
-               for r in by["latency"]}
+               for r in quantiles}
         names = []
-        for r in by["latency"]:
+        for r in quantiles:
             n = r["metric"].rsplit("_", 1)[0][len(r["op"]) + 1:]
             if n not in names:
                 names.append(n)
