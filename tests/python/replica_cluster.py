@@ -3,9 +3,9 @@
 ReplicaCluster(shards=N, replicas=R) starts N shards x R replicas on
 127.0.0.1 (docs/OPERATIONS.md, "Replica sets"; the contract in issue 13).
 The members of a set must know each other's gRPC addresses before any of
-them starts (--replicas), so every member's port is picked first: bound to
-port 0 while all are picked, read back, released, and then given to the
-server. Each member has its own state directory (checkpoints are written by
+them starts (--replicas), so every member's port is picked first
+(ports.free_ports: below the kernel's ephemeral range, all bound while they
+are picked, then released and given to the servers). Each member has its own state directory (checkpoints are written by
 the primary; a restarted member comes back with the same flags). The data
 plane stays on port 0: clients learn it from GetInfo.
 
@@ -31,7 +31,6 @@ import importlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zshard_servers  # noqa: E402
+from ports import free_ports  # noqa: E402
 
 SOURCE_DIR = os.environ.get(
     "ZS_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -83,21 +83,6 @@ def stubs():
 # process: the pid stays the server's.
 SETPRIV = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"] if os.access(
     "/usr/bin/setpriv", os.X_OK) else []
-
-
-def free_ports(n):
-    """n distinct ports that were free a moment ago (all bound at once, so
-    none is picked twice, then released for the servers)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def wait_for(what, seconds, poll=0.05):

@@ -3,8 +3,9 @@ terms, Promote's refusals, what a backup refuses and serves, the forward
 marker that needs the admin token, ReplicaJoin/ReplicaFetch bounds, a failover
 by hand and a rejoin whose state equals the primary's bit for bit.
 
-Real zshard-server processes on 127.0.0.1 (ports picked by binding port 0 and
-releasing it: --replicas needs every member's address before it starts).
+Real zshard-server processes on 127.0.0.1 (ports picked below the ephemeral
+range by ports.free_ports: --replicas needs every member's address before it
+starts).
 The trainer-side failover (libzshard) and the kill -9 matrix are tested in
 test_replica_*.py.
 
@@ -14,7 +15,6 @@ Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_host
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import tempfile
@@ -25,6 +25,7 @@ import grpc
 
 import hostile
 from hostile import stubs
+from ports import free_ports
 
 NUMELS = [1000, 24]
 ZS_ENOTPRIMARY, ZS_ESTALE, ZS_ENOTREADY = -26, -27, -15
@@ -32,20 +33,12 @@ ZS_EPERM, ZS_ERANGE, ZS_EINVAL, ZS_EUNIMPL = -24, -22, -1, -19
 ROLE = {0: "none", 1: "starting", 2: "primary", 3: "backup", 4: "joining", 5: "stale"}
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 class ReplicaSet:
     """n members of one shard's replica set; member i is self.procs[i]."""
 
     def __init__(self, n=2, tokens=False, metrics=False):
         self.tmp = tempfile.mkdtemp(prefix="zshard-rs-")
-        self.ports = [free_port() for _ in range(n)]
+        self.ports = free_ports(n)
         self.addrs = ["127.0.0.1:%d" % p for p in self.ports]
         self.members = "|".join(self.addrs)
         self.trainer = self.admin = None
