@@ -6,8 +6,8 @@
  * transport, and then waits in sigwait(); the signal is handled there, in
  * ordinary code, never in a signal handler. SIGHUP rereads the token files
  * and the TLS files (rotation without a restart); the others stop. The core, the transports and the
- * metrics endpoint own their threads (see server/core.h, server/grpc_server.c, server/dp_server.c
- * and server/metrics_http.c).
+ * metrics endpoint own their threads (see server/core/core.h, server/transport/grpc/grpc_server.c,
+ * server/transport/dp/dp_server.c and server/metrics/metrics_http.c).
  *
  * Start order: core, data plane, gRPC (which advertises the data port in
  * GetInfo); stop order: gRPC (its calls drain), data plane, core.
@@ -24,22 +24,22 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include "common/auth.h"
-#include "common/cpu.h"
-#include "common/hostport.h"
-#include "common/log.h"
-#include "common/rpc_client.h"
-#include "common/spec.h"
-#include "common/tls.h"
-#include "server/ckpt_svc.h"
-#include "server/core.h"
-#include "server/dp_server.h"
-#include "server/grpc_server.h"
-#include "server/metrics.h"
-#include "server/metrics_http.h"
-#include "server/replica.h"
-#include "server/service.h"
-#include "zshard/zshard.h"
+#include "common/base/cpu.h"
+#include "common/base/log.h"
+#include "common/model/spec.h"
+#include "common/net/auth.h"
+#include "common/net/hostport.h"
+#include "common/net/rpc_client.h"
+#include "common/net/tls.h"
+#include "server/ckpt/ckpt_svc.h"
+#include "server/core/core.h"
+#include "server/metrics/metrics.h"
+#include "server/metrics/metrics_http.h"
+#include "server/replica/replica.h"
+#include "server/service/service.h"
+#include "server/transport/dp/dp_server.h"
+#include "server/transport/grpc/grpc_server.h"
+#include "zshard/types.h"
 
 #define EXIT_USAGE 2
 #define DEFAULT_LISTEN "0.0.0.0:7070"
@@ -751,7 +751,7 @@ static int start_replica(const options *o, shard *s) {
  * error, logged, with what did start left in `s` for shard_stop. */
 static int shard_start(const options *o, shard *s) {
   /* The registry outlives everything that records into it: the core records
-   * applies until core_destroy returns (see server/metrics.h). */
+   * applies until core_destroy returns (see server/metrics/metrics.h). */
   int rc = metrics_create((uint32_t)o->shard_id, &s->mx);
   if (rc) {
     LOG_ERROR("startup_failed", "stage=metrics error=%s", zs_err_name(rc));

@@ -37,7 +37,7 @@
 
 #include "cli.h"
 #include "cli_support.h"
-#include "common/clock.h"
+#include "common/base/clock.h"
 #include "zshard/zshard.h"
 
 #define BENCH_MAX_TRAINERS 64u

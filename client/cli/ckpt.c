@@ -9,7 +9,7 @@
  *
  * The online commands drive the shards like a trainer would, with the spec
  * hash the shards report (GetInfo) instead of an opened job. The offline ones
- * read and write checkpoint files with the server's own code (server/ckpt.h),
+ * read and write checkpoint files with the server's own code (server/ckpt/ckpt.h),
  * so they verify every file they read exactly as a shard would. IN is a state
  * directory (the newest complete checkpoint, or --step) or a step directory
  * ".../step-<s>".
@@ -27,8 +27,8 @@
 #include "ckpt_client.h"
 #include "cli.h"
 #include "cli_support.h"
-#include "common/clock.h"
-#include "server/ckpt.h"
+#include "common/base/clock.h"
+#include "server/ckpt/ckpt.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define CKPT_CLI_TIMEOUT_MS 10000u

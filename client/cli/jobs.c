@@ -18,7 +18,7 @@
 
 #include "cli.h"
 #include "cli_support.h"
-#include "common/spec.h"
+#include "common/model/spec.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define CLOSE_CLI_TIMEOUT_MS 30000u

@@ -28,8 +28,8 @@
 
 #include "cli.h"
 #include "cli_support.h"
-#include "common/clock.h"
-#include "common/spec.h"
+#include "common/base/clock.h"
+#include "common/model/spec.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "zshard/v1/zshard.pb-c.h"
 

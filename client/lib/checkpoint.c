@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "ckpt_client.h"
-#include "common/clock.h"
+#include "common/base/clock.h"
 #include "internal.h"
 
 #define CKPT_DEFAULT_TIMEOUT_MS 600000u

@@ -20,7 +20,7 @@
 
 #include <stdint.h>
 
-#include "common/rpc_client.h"
+#include "common/net/rpc_client.h"
 #include "zshard/zshard.h"
 
 #define ZC_METHOD(name) "/zshard.v1.ZShard/" name

@@ -17,10 +17,10 @@
 #include <string.h>
 
 #include "ckpt_client.h"
-#include "common/clock.h"
-#include "common/dp_client.h"
-#include "common/dtype.h"
-#include "common/status.h"
+#include "common/base/clock.h"
+#include "common/base/dtype.h"
+#include "common/base/status.h"
+#include "common/net/dp_client.h"
 #include "internal.h"
 
 /* ---- registry ------------------------------------------------------------- */

@@ -1,5 +1,5 @@
 /*
- * dataplane — pushes and pulls over the data plane (common/dp_client.h,
+ * dataplane — pushes and pulls over the data plane (common/net/dp_client.h,
  * docs/PROTOCOL.md): finding each shard's data port, one data client per
  * shard, and the tasks that run on them.
  *
@@ -61,11 +61,11 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "common/dp_client.h"
-#include "common/dtype.h"
-#include "common/hostport.h"
-#include "common/status.h"
-#include "common/wire.h"
+#include "common/base/dtype.h"
+#include "common/base/status.h"
+#include "common/net/dp_client.h"
+#include "common/net/hostport.h"
+#include "common/net/wire.h"
 #include "internal.h"
 
 #define DP_HOST_MAX HOSTPORT_HOST_MAX

@@ -31,7 +31,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "common/dtype.h"
+#include "common/base/dtype.h"
 #include "internal.h"
 
 #define EST_OPTIM_BYTES 12u /* K by default: fp32 master + m + v */

@@ -47,10 +47,10 @@
 #include <stdint.h>
 
 #include "cli_support.h"
-#include "common/hostport.h"
-#include "common/layout.h"
-#include "common/rpc_client.h"
-#include "common/spec.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "common/net/hostport.h"
+#include "common/net/rpc_client.h"
 #include "zshard/v1/zshard.pb-c.h"
 #include "zshard/zshard.h"
 

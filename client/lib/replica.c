@@ -39,8 +39,8 @@
 #include <string.h>
 #include <strings.h>
 
-#include "common/clock.h"
-#include "common/status.h"
+#include "common/base/clock.h"
+#include "common/base/status.h"
 #include "internal.h"
 
 /* ---- addresses ---------------------------------------------------------------- */

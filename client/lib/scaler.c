@@ -17,7 +17,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "common/le.h"
+#include "common/base/le.h"
 #include "internal.h"
 
 #define SCALER_BLOB_MAGIC "ZSLS"

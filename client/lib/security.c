@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/auth.h"
-#include "common/tls.h"
+#include "common/net/auth.h"
+#include "common/net/tls.h"
 #include "internal.h"
 
 /* The option if set, else the environment variable's value, else NULL. */

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "internal.h"
 
 /* The checks both directions share; the spec and layout are immutable once

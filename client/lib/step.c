@@ -42,7 +42,7 @@
 #include <string.h>
 
 #include "ckpt_client.h"
-#include "common/clock.h"
+#include "common/base/clock.h"
 #include "internal.h"
 
 #define STEP_MAX_EXAMPLES 6 /* missing contributions quoted in an error */

@@ -25,9 +25,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "common/clock.h"
-#include "common/dtype.h"
-#include "common/status.h"
+#include "common/base/clock.h"
+#include "common/base/dtype.h"
+#include "common/base/status.h"
 #include "internal.h"
 
 /* ---- conversion ----------------------------------------------------------- */

@@ -283,25 +283,29 @@ static void sizes_that_no_struct_has_are_refused(void **state) {
  * the library exports no other function. */
 static void exports_match_the_header(void **state) {
   (void)state;
-  char path[1024];
-  snprintf(path, sizeof path, "%s/client/include/zshard/zshard.h", ZS_SOURCE_DIR);
-  FILE *h = fopen(path, "r");
-  assert_non_null(h);
   char declared[64][64];
   int nd = 0;
   char line[512];
-  while (fgets(line, sizeof line, h)) {
-    if (strncmp(line, "ZS_EXTERN ", 10) != 0)
-      continue;
-    char *paren = strchr(line, '(');
-    assert_non_null(paren);
-    char *name = paren;
-    while (name > line && (name[-1] == '_' || (name[-1] >= 'a' && name[-1] <= 'z')))
-      name--;
-    assert_true(nd < 64);
-    snprintf(declared[nd++], sizeof declared[0], "%.*s", (int)(paren - name), name);
+  /* The public header and the vocabulary it includes. */
+  static const char *const headers[] = {"zshard.h", "types.h"};
+  for (size_t hi = 0; hi < sizeof headers / sizeof headers[0]; hi++) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/include/zshard/%s", ZS_SOURCE_DIR, headers[hi]);
+    FILE *h = fopen(path, "r");
+    assert_non_null(h);
+    while (fgets(line, sizeof line, h)) {
+      if (strncmp(line, "ZS_EXTERN ", 10) != 0)
+        continue;
+      char *paren = strchr(line, '(');
+      assert_non_null(paren);
+      char *name = paren;
+      while (name > line && (name[-1] == '_' || (name[-1] >= 'a' && name[-1] <= 'z')))
+        name--;
+      assert_true(nd < 64);
+      snprintf(declared[nd++], sizeof declared[0], "%.*s", (int)(paren - name), name);
+    }
+    fclose(h);
   }
-  fclose(h);
   assert_true(nd > 30);
 
   char cmd[1200];

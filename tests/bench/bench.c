@@ -31,9 +31,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/clock.h"
-#include "common/dtype.h"
-#include "common/rpc_client.h"
+#include "common/base/clock.h"
+#include "common/base/dtype.h"
+#include "common/net/rpc_client.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #ifndef ZSHARD_SERVER_BIN

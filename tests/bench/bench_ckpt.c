@@ -19,10 +19,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common/clock.h"
-#include "common/spec.h"
-#include "server/ckpt.h"
-#include "server/core.h"
+#include "common/base/clock.h"
+#include "common/model/spec.h"
+#include "server/ckpt/ckpt.h"
+#include "server/core/core.h"
 
 #define TENSOR_ELEMS (UINT64_C(1) << 20)
 

@@ -1,5 +1,5 @@
 /*
- * bench_codec — the INT8_BLOCK kernels (common/dtype.h) against STREAM-like
+ * bench_codec — the INT8_BLOCK kernels (common/base/dtype.h) against STREAM-like
  * kernels with the same streams (stream_codec.h), single-threaded, on arrays
  * far larger than the caches: encode (what a trainer does to each gradient
  * and a shard to each piece once per version), decode (a trainer's pull),
@@ -19,8 +19,8 @@
 #include <string.h>
 
 #include "bench.h"
-#include "common/cpu.h"
-#include "common/dtype.h"
+#include "common/base/cpu.h"
+#include "common/base/dtype.h"
 #include "stream_codec.h"
 
 #define MAX_REPS 64

@@ -34,11 +34,11 @@
 #include <string.h>
 
 #include "bench.h"
-#include "common/dp_client.h"
-#include "common/rpc_client.h"
-#include "common/spec.h"
-#include "server/core.h"
-#include "server/dp_server.h"
+#include "common/model/spec.h"
+#include "common/net/dp_client.h"
+#include "common/net/rpc_client.h"
+#include "server/core/core.h"
+#include "server/transport/dp/dp_server.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define SMALL_BYTES 64u

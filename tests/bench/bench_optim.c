@@ -28,7 +28,7 @@
  *                    [--no-torch]
  *
  * Threads: the main thread, plus T - 1 helper threads created per timed
- * pass; the core's own threads (server/core.h) for the core figures.
+ * pass; the core's own threads (server/core/core.h) for the core figures.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -41,11 +41,11 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "common/cpu.h"
-#include "common/dtype.h"
-#include "common/spec.h"
-#include "server/core.h"
-#include "server/optim.h"
+#include "common/base/cpu.h"
+#include "common/base/dtype.h"
+#include "common/model/spec.h"
+#include "server/core/core.h"
+#include "server/optim/optim.h"
 #include "stream.h"
 
 #ifndef ZS_SOURCE_DIR

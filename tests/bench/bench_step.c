@@ -47,7 +47,7 @@
 #include <string.h>
 
 #include "bench.h"
-#include "common/rpc_client.h"
+#include "common/net/rpc_client.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define MAX_REPS 100

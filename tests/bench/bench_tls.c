@@ -1,6 +1,6 @@
 /*
  * bench_tls — the data plane's transport with TLS 1.3 against plain TCP:
- * bulk throughput through the stream layer (common/stream.h), the path every
+ * bulk throughput through the stream layer (common/net/stream.h), the path every
  * data-plane byte takes, over loopback, each round measuring both.
  *
  * A round, for one transport: a receiver thread runs its own libuv loop with
@@ -38,8 +38,8 @@
 #include <openssl/evp.h>
 
 #include "bench.h"
-#include "common/stream.h"
-#include "common/tls.h"
+#include "common/net/stream.h"
+#include "common/net/tls.h"
 #include "tests/unit/tls_certs.h"
 
 #define WRITE_BYTES (4u << 20)

@@ -1,12 +1,12 @@
 /*
  * stream — see stream.h. The ISA variants are the same loop compiled with -O3
  * for each instruction set (stream_body.h); this file picks the one the
- * optimizer would use on this CPU (common/cpu.h), so that both sides of the
+ * optimizer would use on this CPU (common/base/cpu.h), so that both sides of the
  * roofline ratio use the same vector width.
  */
 #include "stream.h"
 
-#include "common/cpu.h"
+#include "common/base/cpu.h"
 
 #define STREAM_NAME stream_mix_scalar
 #include "stream_body.h"

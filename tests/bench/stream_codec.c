@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "common/dtype.h"
+#include "common/base/dtype.h"
 
 #define B DTYPE_INT8_BLOCK
 

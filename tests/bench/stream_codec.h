@@ -1,6 +1,6 @@
 /*
  * stream_codec — STREAM-like kernels with the memory traffic of the INT8_BLOCK
- * codec (common/dtype.h) and none of its arithmetic beyond a plain
+ * codec (common/base/dtype.h) and none of its arithmetic beyond a plain
  * conversion, the limits of bench_codec: what the memory system allows for
  * each kernel's mix of streams.
  *

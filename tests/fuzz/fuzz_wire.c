@@ -1,6 +1,6 @@
 /*
  * fuzz_wire — libFuzzer target for the data-plane frame decoder
- * (common/wire.h), the code that reads untrusted bytes off the network.
+ * (common/net/wire.h), the code that reads untrusted bytes off the network.
  *
  * Each input is a byte stream. It is decoded twice, and the two decoders must
  * agree (a differential oracle, beside ASan and UBSan):
@@ -26,8 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/status.h"
-#include "common/wire.h"
+#include "common/base/status.h"
+#include "common/net/wire.h"
 
 /* Payload bound of the receiving side: small, so that inputs explore the
  * "oversized" path cheaply and the fuzzer never allocates much. */

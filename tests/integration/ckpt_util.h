@@ -32,7 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/clock.h"
+#include "common/base/clock.h"
 #include "harness.h"
 #include "zshard/zshard.h"
 

@@ -26,7 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/clock.h"
+#include "common/base/clock.h"
 #include "grpc/health/v1/health.pb-c.h"
 
 extern char **environ;

@@ -19,9 +19,9 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "common/layout.h"
-#include "common/rpc_client.h"
-#include "common/spec.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "common/net/rpc_client.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define HS_MAX_SHARDS 8

@@ -48,10 +48,10 @@
 
 #include <cmocka.h>
 
-#include "common/dtype.h"
+#include "common/base/dtype.h"
 #include "harness.h"
 #include "internal.h"
-#include "server/optim.h"
+#include "server/optim/optim.h"
 #include "zshard/zshard.h"
 
 extern char **environ;

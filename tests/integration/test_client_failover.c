@@ -41,7 +41,7 @@
 
 #include <cmocka.h>
 
-#include "common/clock.h"
+#include "common/base/clock.h"
 #include "harness.h"
 #include "zshard/zshard.h"
 

@@ -27,7 +27,7 @@
 
 #include <cmocka.h>
 
-#include "common/rpc_client.h"
+#include "common/net/rpc_client.h"
 #include "harness.h"
 #include "internal.h"
 #include "zshard/zshard.h"

@@ -30,9 +30,9 @@
 
 #include <cmocka.h>
 
-#include "common/crc32c.h"
-#include "common/dp_client.h"
-#include "common/wire.h"
+#include "common/base/crc32c.h"
+#include "common/net/dp_client.h"
+#include "common/net/wire.h"
 #include "harness.h"
 #include "internal.h"
 #include "zshard/zshard.h"

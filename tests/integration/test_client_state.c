@@ -21,9 +21,9 @@
 
 #include <cmocka.h>
 
-#include "common/dtype.h"
+#include "common/base/dtype.h"
 #include "harness.h"
-#include "server/optim.h"
+#include "server/optim/optim.h"
 #include "zshard/zshard.h"
 
 #define NT 5

@@ -35,18 +35,18 @@
 
 #include <cmocka.h>
 
-#include "common/auth.h"
-#include "common/clock.h"
-#include "common/crc32c.h"
-#include "common/dp_client.h"
-#include "common/dtype.h"
-#include "common/layout.h"
-#include "common/log.h"
-#include "common/spec.h"
-#include "common/status.h"
-#include "common/wire.h"
-#include "server/core.h"
-#include "server/dp_server.h"
+#include "common/base/clock.h"
+#include "common/base/crc32c.h"
+#include "common/base/dtype.h"
+#include "common/base/log.h"
+#include "common/base/status.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "common/net/auth.h"
+#include "common/net/dp_client.h"
+#include "common/net/wire.h"
+#include "server/core/core.h"
+#include "server/transport/dp/dp_server.h"
 
 #define NSHARDS 2u
 #define W 2u

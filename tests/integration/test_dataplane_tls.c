@@ -23,13 +23,13 @@
 
 #include <cmocka.h>
 
-#include "common/dp_client.h"
-#include "common/layout.h"
-#include "common/log.h"
-#include "common/spec.h"
-#include "common/tls.h"
-#include "server/core.h"
-#include "server/dp_server.h"
+#include "common/base/log.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "common/net/dp_client.h"
+#include "common/net/tls.h"
+#include "server/core/core.h"
+#include "server/transport/dp/dp_server.h"
 #include "tests/unit/tls_certs.h"
 
 /* 4 Mi fp32 parameters: 16 MiB each way, in many TLS records. */

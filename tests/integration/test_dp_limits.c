@@ -38,10 +38,10 @@
 
 #include <cmocka.h>
 
-#include "common/crc32c.h"
-#include "common/dp_client.h"
-#include "common/status.h"
-#include "common/wire.h"
+#include "common/base/crc32c.h"
+#include "common/base/status.h"
+#include "common/net/dp_client.h"
+#include "common/net/wire.h"
 #include "tests/integration/harness.h"
 
 #define BIG_NUMEL (UINT64_C(4) << 20) /* 16 MiB in fp32 */

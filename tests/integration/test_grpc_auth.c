@@ -27,7 +27,7 @@
 
 #include <cmocka.h>
 
-#include "common/clock.h"
+#include "common/base/clock.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "harness.h"
 #include "zshard/zshard.h"

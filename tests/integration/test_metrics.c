@@ -38,8 +38,8 @@
 
 #include <cmocka.h>
 
-#include "common/clock.h"
-#include "common/status.h"
+#include "common/base/clock.h"
+#include "common/base/status.h"
 #include "internal.h"
 #include "tests/integration/harness.h"
 #include "zshard/zshard.h"

@@ -43,7 +43,7 @@
 #include <cmocka.h>
 
 #include "harness.h"
-#include "server/ckpt_format.h"
+#include "server/ckpt/ckpt_format.h"
 #include "zshard/zshard.h"
 
 #define NT 5

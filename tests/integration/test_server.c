@@ -23,9 +23,9 @@
 
 #include <cmocka.h>
 
-#include "common/dtype.h"
-#include "common/status.h"
-#include "server/optim.h"
+#include "common/base/dtype.h"
+#include "common/base/status.h"
+#include "server/optim/optim.h"
 #include "tests/integration/harness.h"
 
 #define LR 1e-2

@@ -35,14 +35,14 @@
 
 #include <cmocka.h>
 
-#include "common/clock.h"
-#include "common/crc32c.h"
-#include "common/dp_client.h"
-#include "common/dtype.h"
-#include "common/wire.h"
-#include "server/core.h"
-#include "server/core_internal.h"
-#include "server/dp_server.h"
+#include "common/base/clock.h"
+#include "common/base/crc32c.h"
+#include "common/base/dtype.h"
+#include "common/net/dp_client.h"
+#include "common/net/wire.h"
+#include "server/core/core.h"
+#include "server/core/core_internal.h"
+#include "server/transport/dp/dp_server.h"
 #include "tests/integration/harness.h"
 
 #define N 2u

@@ -16,7 +16,7 @@
 
 #include <cmocka.h>
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "tests/integration/harness.h"
 

@@ -24,7 +24,7 @@
 
 #include <cmocka.h>
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "tests/integration/harness.h"
 
 /* Growth a refused Open may cause: gRPC's buffers and the transient count;

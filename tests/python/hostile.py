@@ -15,7 +15,7 @@ The gRPC stubs come from test_grpc_interop.generate_stubs, plus the data
 plane's meta messages (proto/zshard/v1/data.proto). The data plane is spoken
 through raw sockets; every frame is built by frame() and every connection
 that authenticates does it in DataConn.authenticate(), the only places that
-know the frame format (docs/PROTOCOL.md, common/wire.h).
+know the frame format (docs/PROTOCOL.md, common/net/wire.h).
 
 ZS_HOSTILE_PRE_ISSUE10=1 runs the suite against a server from before issue
 10: the flags it added (NEW_FLAGS) are dropped with their values and data-plane
@@ -46,7 +46,7 @@ CALL_TIMEOUT = 30
 # How long an outcome (a refusal, a close, a release) may take to show.
 OUTCOME_SECONDS = 20
 
-# zs_status values (client/include/zshard/zshard.h) that the data plane's ERROR
+# zs_status values (include/zshard/zshard.h) that the data plane's ERROR
 # frames carry.
 ZS_EUNAUTHENTICATED = -23
 ZS_ELIMIT = -25

@@ -142,7 +142,7 @@ def read_zsc(path):
         body = blob[off:off + length]
         assert len(body) == length and crc32c(body) == crc, (path, kind)
         sections[kind] = body
-    # The spec's canonical encoding (common/spec.c).
+    # The spec's canonical encoding (common/model/spec.c).
     c = Cursor(sections[1])
     assert c.buf[:14] == b"zshard.spec.v1"
     c.pos = 14

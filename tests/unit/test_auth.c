@@ -1,5 +1,5 @@
 /*
- * test_auth — token files and roles (common/auth.h): each configuration of
+ * test_auth — token files and roles (common/net/auth.h): each configuration of
  * the two files grants the roles auth.h promises, bad files are refused with
  * a sentence naming the file, a FIFO in a token file's place is refused
  * without blocking, and a reload swaps the secrets only when every file is
@@ -17,7 +17,7 @@
 
 #include <cmocka.h>
 
-#include "common/auth.h"
+#include "common/net/auth.h"
 #include "zshard/zshard.h"
 
 #define TRAINER "trainer-secret-0123456789"

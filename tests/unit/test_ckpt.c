@@ -1,6 +1,6 @@
 /*
  * ckpt: the checkpoint files (server/ckpt_*.c) and the core's snapshot and
- * restore (server/core.c), in process.
+ * restore (server/core/core.c), in process.
  *
  * The files are written from states filled with random bits (every element
  * distinct), so that an element landing in the wrong place, a wrong section or
@@ -28,14 +28,14 @@
 
 #include <cmocka.h>
 
-#include "common/clock.h"
-#include "common/dtype.h"
-#include "common/layout.h"
-#include "common/le.h"
-#include "common/spec.h"
-#include "server/ckpt.h"
-#include "server/ckpt_svc.h"
-#include "server/core.h"
+#include "common/base/clock.h"
+#include "common/base/dtype.h"
+#include "common/base/le.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "server/ckpt/ckpt.h"
+#include "server/ckpt/ckpt_svc.h"
+#include "server/core/core.h"
 
 #define WAIT_MS 30000u
 

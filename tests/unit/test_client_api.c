@@ -201,7 +201,7 @@ static void open_accepts_an_address_pattern_and_a_list(void **state) {
   assert_int_equal(zs_client_close(c), ZS_OK);
 }
 
-/* Shard addresses are read by the one host:port parser (common/hostport.h),
+/* Shard addresses are read by the one host:port parser (common/net/hostport.h),
  * after an optional gRPC scheme: every form it reads opens, every other is
  * refused with its sentence and the address's index. */
 static void open_reads_every_address_form_and_refuses_the_others(void **state) {

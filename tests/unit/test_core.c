@@ -23,15 +23,15 @@
 
 #include <cmocka.h>
 
-#include "common/clock.h"
-#include "common/crc32c.h"
-#include "common/dtype.h"
-#include "common/layout.h"
-#include "common/log.h"
-#include "common/spec.h"
-#include "server/core.h"
-#include "server/core_internal.h" /* the int8 copy's freshness, for one test */
-#include "server/optim.h"
+#include "common/base/clock.h"
+#include "common/base/crc32c.h"
+#include "common/base/dtype.h"
+#include "common/base/log.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "server/core/core.h"
+#include "server/core/core_internal.h" /* the int8 copy's freshness, for one test */
+#include "server/optim/optim.h"
 
 /* Long enough never to fire on a healthy run, short enough that a lost
  * wake-up shows up as ZS_ETIMEDOUT instead of a hang. */

@@ -1,6 +1,6 @@
 /*
- * test_crc32c — CRC-32C (common/crc32c.h) and each of its implementations
- * (common/crc32c_impl.h), forced one at a time: the standard check values,
+ * test_crc32c — CRC-32C (common/base/crc32c.h) and each of its implementations
+ * (common/base/crc32c_impl.h), forced one at a time: the standard check values,
  * every length from 0 to 5000 at all 16 alignments against a bit-by-bit
  * reference, every block-size boundary of the fast paths, chaining
  * crc(a + b) == crc32c(crc32c(0, a), b) within and across paths, the
@@ -22,9 +22,9 @@
 
 #include <cmocka.h>
 
-#include "common/crc32c.h"
-#include "common/crc32c_impl.h"
-#include "common/tsan.h"
+#include "common/base/crc32c.h"
+#include "common/base/crc32c_impl.h"
+#include "common/base/tsan.h"
 
 #define POLY 0x82f63b78u
 #define MAXLEN 5000

@@ -1,5 +1,5 @@
 /*
- * test_dtype — the fp32 <-> fp16/bf16 conversions (common/dtype.h).
+ * test_dtype — the fp32 <-> fp16/bf16 conversions (common/base/dtype.h).
  *
  * The scalar functions are checked against references written here from the
  * formats' definitions (ldexp-based decoding, rounding in double with rint),
@@ -23,8 +23,8 @@
 #include <cmocka.h>
 #include <xmmintrin.h>
 
-#include "common/cpu.h"
-#include "common/dtype.h"
+#include "common/base/cpu.h"
+#include "common/base/dtype.h"
 
 /* ------------------------------------------------------------------------ */
 /* Helpers and independent references                                        */
@@ -518,7 +518,7 @@ static void every_isa_accumulates_like_scalar_at_all_lengths_and_offsets(void **
 }
 
 /* The shard core adds contribution 1 before contribution 0 when it arrives
- * first (server/core.c): that relies on (0 + g1) + g0 having the bits of
+ * first (server/core/core.c): that relies on (0 + g1) + g0 having the bits of
  * (0 + g0) + g1 for every pair of inputs but NaNs, on every ISA and dtype. */
 static void the_first_two_contributions_commute_bit_for_bit(void **state) {
   (void)state;

@@ -18,9 +18,9 @@
 
 #include <cmocka.h>
 
-#include "server/core.h"
-#include "server/histogram.h"
-#include "server/metrics.h"
+#include "server/core/core.h"
+#include "server/core/histogram.h"
+#include "server/metrics/metrics.h"
 
 static void bucket_bounds_are_inclusive_like_prometheus_le(void **state) {
   (void)state;

@@ -1,5 +1,5 @@
 /*
- * test_hostport — the one "host:port" reader (common/hostport.h): IPv4,
+ * test_hostport — the one "host:port" reader (common/net/hostport.h): IPv4,
  * names, bracketed IPv6 and an empty host are read; every malformed form is
  * refused with a sentence that names the text; hostport_format writes what
  * the parser reads back.
@@ -13,7 +13,7 @@
 
 #include <cmocka.h>
 
-#include "common/hostport.h"
+#include "common/net/hostport.h"
 #include "zshard/zshard.h"
 
 static void good_forms_give_host_and_port(void **state) {

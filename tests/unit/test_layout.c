@@ -1,5 +1,5 @@
 /*
- * test_layout — who owns which element (common/layout.h).
+ * test_layout — who owns which element (common/model/layout.h).
  *
  * check_layout() states every documented property of a layout and verifies it
  * against an independent re-computation (a linear scan for the least-loaded
@@ -16,8 +16,8 @@
 
 #include <cmocka.h>
 
-#include "common/layout.h"
-#include "common/spec.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
 
 /* ------------------------------------------------------------------------ */
 /* Spec construction                                                         */

@@ -1,5 +1,5 @@
 /*
- * test_le — the little-endian loads and stores of common/le.h: the byte order
+ * test_le — the little-endian loads and stores of common/base/le.h: the byte order
  * of each width, any alignment, the n-byte forms and doubles bit for bit.
  */
 #include <math.h>
@@ -11,7 +11,7 @@
 
 #include <cmocka.h>
 
-#include "common/le.h"
+#include "common/base/le.h"
 
 static void stores_put_the_least_significant_byte_first(void **state) {
   (void)state;

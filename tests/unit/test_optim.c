@@ -21,9 +21,9 @@
 
 #include <cmocka.h>
 
-#include "common/cpu.h"
-#include "common/dtype.h"
-#include "server/optim.h"
+#include "common/base/cpu.h"
+#include "common/base/dtype.h"
+#include "server/optim/optim.h"
 
 /* Defined in optim.c but not (yet) declared in optim.h. */
 

@@ -12,7 +12,7 @@
 
 #include <cmocka.h>
 
-#include "server/pool.h"
+#include "server/core/pool.h"
 
 typedef struct coverage {
   atomic_int *hits;

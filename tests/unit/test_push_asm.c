@@ -15,7 +15,7 @@
 
 #include <cmocka.h>
 
-#include "server/push_asm.h"
+#include "server/transport/grpc/push_asm.h"
 
 #define CHUNK 16u
 

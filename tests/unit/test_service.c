@@ -25,13 +25,13 @@
 
 #include <cmocka.h>
 
-#include "common/clock.h"
-#include "common/dtype.h"
-#include "common/layout.h"
-#include "common/spec.h"
-#include "common/status.h"
-#include "server/core.h"
-#include "server/service.h"
+#include "common/base/clock.h"
+#include "common/base/dtype.h"
+#include "common/base/status.h"
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "server/core/core.h"
+#include "server/service/service.h"
 
 #define W 2u
 #define M 2u

@@ -1,5 +1,5 @@
 /*
- * test_spec — the model spec (common/spec.h): torch's defaults, validation of
+ * test_spec — the model spec (common/model/spec.h): torch's defaults, validation of
  * every field with a readable reason, the canonical hash (sensitive to every
  * field, stable across copies, proto round trips and machines) and the proto
  * conversion.
@@ -15,7 +15,7 @@
 
 #include <cmocka.h>
 
-#include "common/spec.h"
+#include "common/model/spec.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 /* ------------------------------------------------------------------------ */

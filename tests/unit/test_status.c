@@ -1,5 +1,5 @@
 /*
- * test_status — the status codes (zshard.h's ZS_STATUS_MAP, common/status.h):
+ * test_status — the status codes (zshard.h's ZS_STATUS_MAP, common/base/status.h):
  * sentences and names for every code and for unknown ones, the gRPC mapping
  * in both directions, and zs_dtype_size / zs_version.
  */
@@ -13,7 +13,7 @@
 #include <cmocka.h>
 #include <grpc/status.h>
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "zshard/zshard.h"
 
 /* The expected gRPC code of every zs_status, written out against grpc's own

@@ -1,5 +1,5 @@
 /*
- * test_stream — the byte-stream layer (common/stream.h) as a conformance
+ * test_stream — the byte-stream layer (common/net/stream.h) as a conformance
  * suite: every case takes the implementation's ops table from its state, and
  * main runs the whole suite once per table (plain TCP today; a TLS table
  * would be one more row in `transports`).
@@ -32,9 +32,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "common/list.h"
-#include "common/stream.h"
-#include "common/tls.h"
+#include "common/base/list.h"
+#include "common/net/stream.h"
+#include "common/net/tls.h"
 #include "tests/unit/tls_certs.h"
 
 /* The TLS contexts of the "tls" row and of the TLS cases: a server that

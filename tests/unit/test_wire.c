@@ -1,5 +1,5 @@
 /*
- * test_wire — the data-plane frame format (common/wire.h): the header layout
+ * test_wire — the data-plane frame format (common/net/wire.h): the header layout
  * byte by byte, encode/decode round trips of every frame type (whole, and
  * through the incremental reader in pieces of every size and with direct
  * payload writes), and every malformed input: bad magic, version, type, flags
@@ -22,9 +22,9 @@
 
 #include <cmocka.h>
 
-#include "common/crc32c.h"
-#include "common/le.h"
-#include "common/wire.h"
+#include "common/base/crc32c.h"
+#include "common/base/le.h"
+#include "common/net/wire.h"
 #include "zshard/v1/data.pb-c.h"
 #include "zshard/zshard.h"
 

@@ -1,0 +1,493 @@
+"""zshard.torch: train a PyTorch model with its weights and optimizer on zshard shards.
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = zshard.torch.shard(model, opt, addresses="h0:7070,h1:7070")
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # gradients are pushed during backward
+        opt.step()                        # the shards run the optimizer
+    opt.close()                           # the model keeps the trained weights
+
+How it works (ZeRO-3 on a parameter server):
+
+* Every parameter of the optimizer's param groups becomes a zshard tensor (in
+  param-group order, named after the model's parameter names); every param
+  group becomes a zshard group with its hyper-parameters. Every step() sends
+  each group's current lr (so any lr scheduler works, one lambda per group
+  included).
+* The model's forward runs under a torch function mode that sees every
+  operation's tensor arguments. A parameter (or a view of one: tied weights,
+  `w.t()`, MultiheadAttention reading `out_proj.weight` without calling
+  `out_proj`) is made current before the first operation that reads it. The
+  first forward records the order in which parameters are first used; later
+  forwards pull `prefetch` units (the parameters of one module) ahead of use.
+* Gradients are pushed as autograd accumulates them (a hook on each
+  parameter's AccumulateGrad node), so the network overlaps backward: a
+  unit's gradients go out together once they are all there.
+* Transfers that start together are submitted as one batch
+  (client.push_many / pull_many: one wake-up of the client's workers): a
+  unit's prefetch, a unit's pushes, step()'s pushes, the initial pulls.
+* With `release_after_forward=True` a parameter's storage is freed (resized to
+  0, the tensor keeps its shape) after its last use in forward, and pulled
+  again when backward unpacks a saved tensor that refers to it (saved tensor
+  hooks), `prefetch` units ahead in reverse order; it is freed again once its
+  gradient has been pushed.
+  The gradient is not kept in `p.grad` either: it is freed once pushed. The
+  parameters' storage is freed at shard() already (the shards hold the
+  weights); mmap_threshold= makes glibc return freed parameters to the
+  system at once (at a cost in page faults).
+* A pull of a new version bumps the parameter's version counter, so a graph
+  built before step() can never silently run backward on new data.
+
+Semantics to know: the gradient pushed is `p.grad` as accumulated by one
+backward pass: one backward per step, or `grad_accum=M` backward passes (the
+shards add the M micro-batch gradients in order, as torch's accumulation in
+p.grad does; p.grad is then not kept). Use the shards' `max_grad_norm` rather
+than clipping `p.grad` yourself, which would happen after the push. A
+parameter that gets no gradient in a step is pushed zeros (torch would skip
+it; see NOTES below). Parameters read outside forward are current after
+`gather()`, `close()`, `model.state_dict()` or a forward.
+
+state_dict() returns torch.optim's state_dict() of the same optimizer, read
+from the shards; load_state_dict() and model.load_state_dict() write torch's
+to them. Every rank loads the same dicts between the same two steps (no
+barrier needed: every rank writes the same values).
+"""
+
+import collections
+import os
+
+import torch
+
+import zshard
+
+# The optimizer's transfers and its state_dict live in modules of their own
+# (_transfers.py, _state.py), mixed into ShardedOptimizer.
+from ._common import NOTES, _WIRE, _buffer, _limit_mmap_threshold, _Param
+from ._state import _StateDict
+from ._transfers import _Transfers
+
+__all__ = ["shard", "ShardedOptimizer", "NOTES"]
+
+
+class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
+    """The optimizer-like object shard() returns. It is a torch.optim.Optimizer
+    (so lr schedulers accept it) whose param_groups are the wrapped
+    optimizer's; the wrapped optimizer itself is not stepped."""
+
+    def __init__(self, model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None,
+                 world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
+                 grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
+                 mmap_threshold=None, **client_options):
+        # Deliberately not Optimizer.__init__: the parameters are the wrapped
+        # optimizer's, in its groups and with its hyper-parameters.
+        self.defaults = dict(optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = collections.defaultdict(dict)
+        self._inner = optimizer
+        self._model = model
+        self.prefetch = int(prefetch)
+        self.release_after_forward = bool(release_after_forward)
+        self.max_grad_norm = max_grad_norm
+        self.grad_accum = int(grad_accum)
+        if self.grad_accum < 1:
+            raise ValueError("zshard.torch: grad_accum must be at least 1")
+        self.last_result = None
+        self._closed = False
+        self._optim = self._optimizer_kind(optimizer)
+        if wire_dtype not in _WIRE:
+            raise ValueError("wire_dtype must be torch.float32, torch.float16, torch.bfloat16 or "
+                             "torch.int8 (int8 blocks)")
+        rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
+        self.rank, self.world_size = rank, world_size
+
+        names = {}
+        for n, p in model.named_parameters():
+            names.setdefault(id(p), n)
+        self._params = []
+        self._by_id = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if id(p) in self._by_id:
+                    raise ValueError("a parameter appears twice in the param groups")
+                if p.dtype != torch.float32 or p.device.type != "cpu":
+                    raise ValueError("zshard.torch: parameter %s is %s on %s; fp32 CPU parameters "
+                                     "only" % (names.get(id(p), "?"), p.dtype, p.device))
+                if not p.is_contiguous() or p.storage_offset() != 0 or \
+                        p.storage().size() != p.numel():
+                    raise ValueError("zshard.torch: parameter %s does not own a contiguous storage"
+                                     % names.get(id(p), "?"))
+                P = _Param(len(self._params), p, names.get(id(p), "group%d.param%d" % (gi, len(
+                    self._params))), gi)
+                self._params.append(P)
+                self._by_id[id(p)] = P
+        self._by_key = {P.key: P for P in self._params}
+        self._groups = [self._group_options(g) for g in self.param_groups]
+        self._check_group_lrs()
+
+        self.client = zshard.Client(addresses, rank=rank, world_size=world_size, job=job,
+                                    push_dtype=_WIRE[wire_dtype], pull_dtype=_WIRE[wire_dtype],
+                                    split_threshold=split_threshold, grad_reduce=grad_reduce,
+                                    grad_accum=self.grad_accum,
+                                    **client_options)
+        try:
+            for g in self._groups:
+                self.client.add_group(**g)
+            for P in self._params:
+                self.client.add_tensor(P.name, P.numel, P.group, tuple(P.p.shape))
+            init = [_buffer(P.p) for P in self._params] if rank == 0 else None
+            self.client.open_job(init)
+        except BaseException:
+            self.client.close()
+            raise
+        self._version = self.client.current_step - 1
+        self._zeros = None         # pushed for parameters without a gradient
+        self._op = 0
+        self._trace = None         # params in order of first use during the first forward
+        self._units = []           # lists of _Param, in forward order
+        self._release_at = None    # op number -> params last used by it
+        self._in_forward = False
+        # (param, micro, gradient, request) of the pushes in flight, oldest first.
+        self._inflight = collections.deque()
+        self._push_error = None
+        # Gradients accumulated but not pushed yet, by unit: a unit's pushes
+        # go out together (zs_push_many) once all its gradients are there,
+        # the rest at the end of backward.
+        self._ready = collections.defaultdict(list)
+        self._unit_grads = {}      # unit -> how many of its parameters get a gradient
+        self._flush_queued = False
+        self._hooks = []
+        self._loading = []         # params model.load_state_dict() is copying into
+        self._install()
+        # The parameters of each module, pulled together when the first
+        # forward (which has no unit order yet) reaches one of them.
+        self._siblings = {}
+        for m in model.modules():
+            mine = [self._by_id[id(p)] for p in m.parameters(recurse=False) if id(p) in self._by_id]
+            for P in mine:
+                self._siblings.setdefault(P.idx, mine)
+        if self.release_after_forward:
+            if mmap_threshold:
+                _limit_mmap_threshold(mmap_threshold)
+            # ZeRO-3 from the start: the fp32 weights the model was built
+            # with are on the shards now (rank 0 wrote them; the others' are
+            # not used), so the trainer lets go of them here rather than
+            # after the first forward. The first forward pulls them.
+            for P in self._params:
+                self._release(P)
+        else:
+            # The shards' weights (bf16 on the wire: not bit for bit the
+            # model's fp32 ones; a resumed job: another version), in one batch
+            # that overlaps whatever the program does before its forward.
+            self._issue_many(self._params)
+
+    # ---- setup -----------------------------------------------------------------
+
+    @staticmethod
+    def _optimizer_kind(optimizer):
+        if type(optimizer) is torch.optim.AdamW:
+            return "adamw"
+        if type(optimizer) is torch.optim.Adam:
+            return "adam"
+        if type(optimizer) is torch.optim.SGD:
+            return "sgd"
+        raise TypeError("zshard.torch: optimizer %s is not supported (torch.optim.AdamW, Adam or "
+                        "SGD)" % type(optimizer).__name__)
+
+    def _group_options(self, g):
+        bad = [k for k in ("amsgrad", "maximize", "capturable", "differentiable", "fused", "foreach")
+               if g.get(k)]
+        if bad:
+            raise ValueError("zshard.torch: unsupported optimizer option(s) %s (the shards run "
+                             "torch's default single-tensor algorithm)" %
+                             ", ".join("%s=%r" % (k, g[k]) for k in bad))
+        if isinstance(g["lr"], torch.Tensor):
+            raise ValueError("zshard.torch: a tensor lr is not supported")
+        if self._optim == "sgd":
+            return dict(optimizer="sgd", momentum=float(g["momentum"]),
+                        dampening=float(g["dampening"]), weight_decay=float(g["weight_decay"]),
+                        nesterov=int(bool(g["nesterov"])))
+        b1, b2 = g["betas"]
+        return dict(optimizer=self._optim, beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
+                    weight_decay=float(g["weight_decay"]))
+
+    def _check_group_lrs(self):
+        """Every step sends each group's lr as it stands in param_groups
+        (zs_step_ex's group_lr), so any scheduler works; only the values
+        must be plain non-negative numbers."""
+        lrs = []
+        for gi, g in enumerate(self.param_groups):
+            lr = g["lr"]
+            if isinstance(lr, torch.Tensor):
+                raise ValueError("zshard.torch: param group %d: a tensor lr is not supported" % gi)
+            lr = float(lr)
+            if not lr >= 0.0 or lr == float("inf"):
+                raise ValueError("zshard.torch: param group %d's lr %r is not a finite number >= 0"
+                                 % (gi, g["lr"]))
+            lrs.append(lr)
+        return lrs
+
+    def _install(self):
+        for P in self._params:
+            p = P.p
+            if not p.requires_grad:
+                continue
+            # The AccumulateGrad node: its post-hook runs once p.grad holds
+            # this backward's summed gradient (torch 1.13 has no
+            # post-accumulate-grad hook on tensors).
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
+            P.node = node
+            self._hooks.append(node.register_hook(self._grad_hook(P)))
+        # model.state_dict() holds tensors sharing the parameters' storage:
+        # making them current at the end (the root's hook runs last) makes
+        # the returned tensors current and never released memory.
+        self._hooks.append(self._model._register_state_dict_hook(
+            lambda module, state_dict, prefix, meta: self.gather()))
+        # model.load_state_dict(): each module's pre-hook makes the parameters
+        # it is about to load allocated and current (torch copies into them;
+        # the keys the dict lacks keep the current weights), its post-hook
+        # writes them to the shards as the master weights.
+        for m in self._model.modules():
+            mine = [(n, self._by_id[id(p)]) for n, p in m._parameters.items()
+                    if p is not None and id(p) in self._by_id]
+            if mine:
+                self._hooks.append(m._register_load_state_dict_pre_hook(self._load_pre_hook(mine)))
+                self._hooks.append(m.register_load_state_dict_post_hook(
+                    self._load_post_hook(mine)))
+        # A submodule called on its own (model.head(h)) runs outside the
+        # wrapped forward: its parameters are made current first.
+        for m in self._model.modules():
+            mine = [self._by_id[id(p)] for p in m.parameters() if id(p) in self._by_id]
+            if m is not self._model and mine:
+                self._hooks.append(m.register_forward_pre_hook(self._outside_hook(mine)))
+        model, inner = self._model, self._model.forward
+        self._orig_forward = inner
+
+        def forward(*args, **kwargs):
+            return self._forward(inner, args, kwargs)
+        model.forward = forward
+
+    def _outside_hook(self, params):
+        def hook(module, inputs):
+            if not self._in_forward and not self._closed:
+                for P in params:
+                    self._issue(P)
+                for P in params:
+                    self._ensure(P)
+        return hook
+
+    def _step_lrs(self):
+        lrs = self._check_group_lrs()
+        for gi, g in enumerate(self.param_groups):
+            now = self._group_options(g)
+            for k, v in now.items():
+                if self._groups[gi][k] != v:
+                    raise NotImplementedError("zshard.torch: param group %d's %s changed from %r "
+                                              "to %r (%s)" % (gi, k, self._groups[gi][k], v,
+                                                              NOTES["group_options"]))
+        return lrs
+
+    def step(self, closure=None, clip_coef=None):
+        """Pushes what backward has not (gradients set by hand, zeros for
+        parameters without one), waits for the pushes, and runs the step on
+        the shards with every param group's current lr (zs_step_ex's
+        group_lr). clip_coef: a clipping coefficient computed elsewhere
+        (e.g. from grad_norm() and other parameters' norms), used instead of
+        max_grad_norm's. Returns the loss of `closure` if given."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lrs = self._step_lrs()
+        self._prepare_step()
+        self.last_result = self.client.step(lrs[0], float(self.max_grad_norm or 0.0), 0.0,
+                                            group_lr=lrs, clip_coef=float(clip_coef or 0.0))
+        self._version = self.client.current_step - 1
+        for P in self._params:
+            P.micro = 0
+            P.current = False
+        self._prefetch_units(-1, +1)
+        return loss
+
+    def _prepare_step(self):
+        """Every gradient of the step pushed and waited for."""
+        self._flush_pushes()
+        self._wait_pulls()
+        retry = []
+        for P in self._params:
+            failed, P.failed = P.failed, []
+            retry.extend(self._prepare_push(P, g, micro) for micro, g in failed)
+        self._submit_pushes(retry)
+        passes = max(P.micro for P in self._params)
+        if 0 < passes < self.grad_accum:
+            raise RuntimeError("zshard.torch: step() after %d backward pass(es), grad_accum is %d"
+                               % (passes, self.grad_accum))
+        # Gradients set by hand; zeros for parameters without one: one batch
+        # per micro-batch.
+        rest = []
+        for P in self._params:
+            while P.micro < self.grad_accum:
+                rest.append(self._prepare_push(P, P.p.grad))
+        self._submit_pushes(rest)
+        self._wait_pushes()
+
+    def grad_norm(self):
+        """The global norm of this step's gradient (over every trainer's
+        contributions, divided by the loss scale, before clipping) and
+        whether it overflowed, without stepping: (norm, overflow). Waits for
+        this step's pushes and for the other trainers'. For a clipping
+        coefficient computed together with parameters outside this job:
+        pass it to step(clip_coef=...)."""
+        self._check_open()
+        self._prepare_step()
+        return self.client.grad_norm()
+
+    def zero_grad(self, set_to_none=False):
+        """torch's zero_grad, after waiting for the pushes in flight (which
+        read p.grad)."""
+        self._wait_pushes()
+        for P in self._params:
+            p = P.p
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    def gather(self):
+        """Makes every parameter hold the current version (pulling what is
+        stale or released), e.g. before reading parameters outside the
+        model's forward (model.state_dict() does it by itself)."""
+        self._check_open()
+        for P in self._params:
+            self._issue(P)
+        for P in self._params:
+            self._ensure(P)
+
+    @property
+    def loss_scale(self):
+        """The loss scale to multiply the loss by before backward for the
+        current step (1 unless the client option loss_scaling is "static" or
+        "dynamic"; the dynamic scaler follows DeepSpeed's rules)."""
+        return self.client.loss_scale
+
+    def timing(self):
+        """Where the last step's time went (zshard.Timing)."""
+        return self.client.last_timing()
+
+    def checkpoint(self, step=0):
+        """Checkpoints the job on every shard (from one trainer, rank 0)."""
+        self._check_open()
+        self._wait_pulls()
+        self.client.checkpoint(step)
+
+    def restore(self, step=0):
+        """Restores every shard to checkpoint `step` (0: the newest common
+        one); the parameters are pulled again before their next use. Returns
+        the step training continues at."""
+        self._check_open()
+        self._wait_pulls()
+        try:
+            self._wait_pushes()
+        except zshard.Error:
+            pass
+        cur = self.client.restore(step)
+        self._version = cur - 1
+        for P in self._params:
+            P.micro = 0
+            P.failed = []
+            P.current = False
+        return cur
+
+    def add_param_group(self, param_group):
+        raise NotImplementedError("zshard.torch: the model's tensors are fixed when the job opens")
+
+    def close(self, close_job=False):
+        """Leaves the model with the current weights in its parameters,
+        removes the hooks and closes the client.
+
+        close_job=True also closes the job on the shards (zs_close_job): they
+        free its weights and optimizer state and take the next job (another
+        model, open_mode="create") without a restart. One trainer does it,
+        rank 0, once every other trainer has closed (zshard has no barrier:
+        use the launcher's, e.g. torch.distributed.barrier(), or close the
+        others first); a trainer still using the job then fails with
+        ENOTOPEN. Without it (the default) the job stays on the shards, to be
+        resumed (open_mode "either" or "resume") or restored from a
+        checkpoint."""
+        if self._closed:
+            return
+        try:
+            self._wait_pushes()
+        except zshard.Error:
+            pass
+        try:
+            self.gather()
+            if close_job:
+                self.client.close_job()
+        finally:
+            self._closed = True
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            if self._model.__dict__.get("forward") is not None:
+                del self._model.forward
+            self.client.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("zshard.torch: the sharded optimizer is closed")
+
+    def __getstate__(self):
+        raise TypeError("a zshard.torch.ShardedOptimizer cannot be pickled")
+
+    def __repr__(self):
+        return "zshard.torch.ShardedOptimizer(%s, %d tensors, step %d)" % (
+            self._optim, len(self._params), self._version + 1)
+
+
+def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, world_size=None,
+          prefetch=2, release_after_forward=False, max_grad_norm=None, **options):
+    """Moves `optimizer`'s parameters and their optimizer to the zshard shards
+    at `addresses` ("h0:7070,h1:7070" or "zshard-{i}.zshard:7070" with
+    num_shards=N; a replicated shard's members separated by "|",
+    "h0a:7070|h0b:7070,...") and returns the optimizer to train `model` with.
+
+    wire_dtype: dtype of gradients and parameters on the wire (fp32 is exact;
+      torch.int8: int8 blocks with a scale per 128 elements, best with
+      error_feedback=1, which costs 4 bytes per parameter on the trainer).
+    rank, world_size: default to $RANK and $WORLD_SIZE (torchrun), else 0 and 1.
+    prefetch: modules pulled ahead of the one computing.
+    release_after_forward: free each parameter after its last use in forward
+      and pull it again for backward (ZeRO-3 memory).
+    max_grad_norm: global gradient clipping on the shards (None: none).
+    grad_accum: backward passes (micro-batches) per step.
+    open_mode: "either" (default), "create" (a new run: refuses shards holding
+      another job or this one already trained) or "resume" (refuses shards
+      without the job); close(close_job=True) ends the job on the shards.
+    mmap_threshold: with release_after_forward, set glibc's mmap threshold to
+      this many bytes (e.g. 1 << 20) so that released parameters leave the
+      resident set at once, at the price of page faults on every pull (the
+      22M-parameter benchmark: peak 12 % lower, steps 60 % slower). None
+      (default): the allocator is left alone.
+    token, tls_ca, tls_cert, tls_key, tls_server_name: the shards' token and
+      TLS files (zshard.Client; default the ZSHARD_TOKEN, ZSHARD_TOKEN_FILE and
+      ZSHARD_TLS_* environment variables). close(close_job=True) and
+      state_dict loading need the admin token on shards that have one.
+    pipelined: 1 for the pipelined step (docs/CLIENT.md): each piece is
+      applied on its shard as soon as every trainer's gradient of it is in and
+      its pulls overlap the other pushes; no max_grad_norm, no dynamic loss
+      scaling. Not tested through this module yet.
+    Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
+    and any zshard.Client option."""
+    return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
+                            world_size=world_size, prefetch=prefetch,
+                            release_after_forward=release_after_forward,
+                            max_grad_norm=max_grad_norm, **options)

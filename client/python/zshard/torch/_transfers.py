@@ -1,0 +1,293 @@
+"""The transfers of zshard.torch's ShardedOptimizer: pulls ahead of use
+(prefetch in first-forward order, release after forward and re-pull for
+backward) and the pushes of gradients as backward produces them, batched.
+A mixin: the state it uses is set up by ShardedOptimizer.__init__."""
+
+import collections
+
+import torch
+
+import zshard
+
+from ._common import _Mode, _buffer, _storage_key
+
+
+class _Transfers:
+    def _issue(self, P):
+        """Starts a pull of the current version into P's storage (if needed)."""
+        self._issue_many((P,))
+
+    def _issue_many(self, params):
+        """Starts pulls of the current version into the storage of those of
+        `params` that need one, submitted as one batch (zs_pull_many: one
+        wake-up of the client's workers for all of them)."""
+        todo = []
+        for P in params:
+            if P.pull is not None or (P.alloc and P.current) or P in todo:
+                continue
+            if not P.alloc:
+                P.p.storage().resize_(P.numel)
+                P.alloc = True
+            P.bump = P.pulled_version != self._version
+            todo.append(P)
+        if len(todo) == 1:
+            P = todo[0]
+            P.pull = self.client.pull(P.idx, _buffer(P.p))
+        elif todo:
+            reqs = self.client.pull_many([P.idx for P in todo], [_buffer(P.p) for P in todo])
+            for P, r in zip(todo, reqs):
+                P.pull = r
+
+    def _ensure(self, P):
+        if P.alloc and P.current and P.pull is None:
+            return
+        self._issue(P)
+        req, P.pull = P.pull, None
+        try:
+            req.wait()
+        except zshard.Error:
+            P.current = False
+            raise
+        P.current = True
+        if P.bump:
+            # An in-place no-op on a tensor sharing P's version counter: any
+            # graph that saved P before this pull now fails to run backward
+            # instead of silently using the new data.
+            with torch.no_grad():
+                d = P.p.detach()
+                d.as_strided_(d.size(), d.stride(), d.storage_offset())
+            P.pulled_version = self._version
+
+    def _release(self, P):
+        if P.pull is not None:
+            self._ensure(P)
+        if P.alloc:
+            P.p.storage().resize_(0)
+            P.alloc = False
+
+    def _prefetch_units(self, first, direction):
+        if not self._units or self.prefetch <= 0:
+            return
+        u, batch = first, []
+        for _ in range(self.prefetch):
+            u += direction
+            if u < 0 or u >= len(self._units):
+                break
+            batch.extend(self._units[u])
+        self._issue_many(batch)
+
+    def _touch(self, a):
+        if isinstance(a, torch.Tensor):
+            P = self._by_key.get(_storage_key(a)) if self._by_key else None
+            if P is None:
+                return
+            if self._trace is not None and P.last_op < 0:
+                self._trace.append(P)
+            if self._trace is not None:
+                P.last_op = self._op
+            fresh = not (P.alloc and P.current and P.pull is None)
+            if fresh and P.unit is None:
+                self._issue_many(self._siblings.get(P.idx, (P,)))
+            self._ensure(P)
+            if fresh and P.unit is not None:
+                self._prefetch_units(P.unit, +1)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                self._touch(x)
+
+    def _forward(self, inner, args, kwargs):
+        if self._closed:
+            return inner(*args, **kwargs)
+        if self._in_forward:
+            raise RuntimeError("zshard.torch: the model's forward is re-entered")
+        self._in_forward = True
+        first = not self._units
+        if first:
+            self._trace = []
+            self._release_at = None
+        elif self._units:
+            self._prefetch_units(-1, +1)
+        self._op = 0
+        try:
+            with _Mode(self):
+                if self.release_after_forward:
+                    with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                        out = inner(*args, **kwargs)
+                else:
+                    out = inner(*args, **kwargs)
+        finally:
+            self._in_forward = False
+            if first:
+                self._finish_trace()
+        if self.release_after_forward:
+            for P in self._params:
+                self._release(P)
+        return out
+
+    def _finish_trace(self):
+        trace, self._trace = self._trace, None
+        owner = {}
+        for mname, m in self._model.named_modules():
+            for p in m.parameters(recurse=False):
+                owner.setdefault(id(p), mname)
+        # A unit is the parameters of one module, in the order of first use.
+        units, where = [], {}
+        for P in trace:
+            m = owner.get(id(P.p), P.name)
+            if m not in where:
+                where[m] = len(units)
+                units.append([])
+            units[where[m]].append(P)
+        for P in self._params:      # never used in forward: a unit at the end
+            if P.last_op < 0:
+                if "" not in where:
+                    where[""] = len(units)
+                    units.append([])
+                units[where[""]].append(P)
+        for u, ps in enumerate(units):
+            for P in ps:
+                P.unit = u
+            self._unit_grads[u] = sum(P.node is not None for P in ps)
+        self._units = units
+        if self.release_after_forward:
+            rel = collections.defaultdict(list)
+            for P in trace:
+                rel[P.last_op].append(P)
+            self._release_at = dict(rel)
+
+    # ---- backward -----------------------------------------------------------------------
+
+    def _pack(self, t):
+        P = self._by_key.get(_storage_key(t))
+        if P is None:
+            return t
+        return (P, self._version, t)
+
+    def _unpack(self, x):
+        if not isinstance(x, tuple):
+            return x
+        P, version, t = x
+        if version != self._version:
+            raise RuntimeError("zshard.torch: backward of a forward from before step(): parameter "
+                               "%s has changed since" % P.name)
+        fresh = not (P.alloc and P.current and P.pull is None)
+        self._ensure(P)
+        if fresh and P.unit is not None:
+            self._prefetch_units(P.unit, -1)
+        return t
+
+    def _grad_hook(self, P):
+        def hook(grad_inputs, grad_outputs):
+            self._queue_push(P, P.p.grad)
+            if self.release_after_forward or self.grad_accum > 1:
+                # The push holds the gradient until it completes. With
+                # micro-batches the next backward must start from nothing
+                # (the shards add the micro-batches, in order); with release
+                # the trainer keeps no gradient (ZeRO-3).
+                P.p.grad = None
+            if self.release_after_forward:
+                self._release(P)
+            self._reap()
+        return hook
+
+    def _queue_push(self, P, g):
+        """Queues P's gradient from backward: pushed together with the rest
+        of its unit once they are all there (usually at once: a module's
+        AccumulateGrad nodes run one after the other), whatever is left at
+        the end of backward."""
+        e = self._prepare_push(P, g)
+        if P.unit is None:
+            self._submit_pushes([e])
+            return
+        ready = self._ready[P.unit]
+        ready.append(e)
+        if len(ready) >= self._unit_grads.get(P.unit, 1):
+            del self._ready[P.unit]
+            self._submit_pushes(ready)
+        elif not self._flush_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_pushes)
+            self._flush_queued = True
+
+    def _flush_pushes(self):
+        """Pushes every queued gradient (end of backward, step, zero_grad)."""
+        self._flush_queued = False
+        ready, self._ready = self._ready, collections.defaultdict(list)
+        for entries in ready.values():
+            self._submit_pushes(entries)
+
+    def _push(self, P, g, micro=None):
+        """Pushes `g` (None: zeros) as P's gradient of micro-batch `micro`
+        (None: the next one of this step)."""
+        self._submit_pushes([self._prepare_push(P, g, micro)])
+
+    def _prepare_push(self, P, g, micro=None):
+        """(P, micro, gradient) for a push, counting the micro-batch."""
+        if micro is None:
+            if P.micro >= self.grad_accum:
+                raise RuntimeError(
+                    "zshard.torch: the gradient of %s was already pushed %d time(s) this step: "
+                    "call step() after every %d backward pass(es) (shard(..., grad_accum=M) for "
+                    "micro-batches)" % (P.name, P.micro, self.grad_accum))
+            micro = P.micro
+            P.micro += 1
+        if g is None:
+            if self._zeros is None:
+                self._zeros = torch.zeros(max(Q.numel for Q in self._params))
+            g = self._zeros[:P.numel]
+        else:
+            if g.dtype != torch.float32 or g.is_sparse:
+                raise RuntimeError("zshard.torch: gradient of %s is %s; dense fp32 only" %
+                                   (P.name, g.dtype))
+            g = g.detach()
+            if not g.is_contiguous():
+                g = g.contiguous()
+        return (P, micro, g)
+
+    def _submit_pushes(self, entries):
+        """Submits pushes, those of one micro-batch as one zs_push_many. Each
+        gradient stays referenced with its request until the push is waited."""
+        by_micro = collections.defaultdict(list)
+        for e in entries:
+            by_micro[e[1]].append(e)
+        for micro, es in by_micro.items():
+            if len(es) == 1:
+                P, _, g = es[0]
+                self._inflight.append((P, micro, g, self.client.push(P.idx, _buffer(g), micro)))
+                continue
+            reqs = self.client.push_many([P.idx for P, _, _ in es],
+                                         [_buffer(g) for _, _, g in es], micro)
+            for (P, _, g), r in zip(es, reqs):
+                self._inflight.append((P, micro, g, r))
+
+    def _finish_push(self, entry):
+        """Waits for one push; a failed one is kept (with its gradient) to be
+        pushed again by the next step() and its error raised by this one."""
+        P, micro, g, req = entry
+        try:
+            req.wait()
+        except zshard.Error as e:
+            P.failed.append((micro, g))
+            self._push_error = self._push_error or e
+
+    def _reap(self):
+        """Finishes the pushes that have completed, oldest first, so that
+        their gradients are freed during backward."""
+        q = self._inflight
+        while q and q[0][3].test():
+            self._finish_push(q.popleft())
+
+    def _wait_pushes(self):
+        self._flush_pushes()
+        q = self._inflight
+        while q:
+            self._finish_push(q.popleft())
+        err, self._push_error = self._push_error, None
+        if err is not None:
+            raise err
+
+    def _wait_pulls(self):
+        for P in self._params:
+            if P.pull is not None:
+                self._ensure(P)
+
+    # ---- the optimizer interface ----------------------------------------------------------

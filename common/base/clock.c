@@ -1,0 +1,13 @@
+#include "common/base/clock.h"
+
+#include <time.h>
+
+uint64_t clock_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t clock_now_ms(void) {
+  return clock_now_ns() / 1000000u;
+}

@@ -1,0 +1,184 @@
+/*
+ * auth — token files, their reload, and the constant-time check (auth.h).
+ *
+ * Threads: `lock` guards the two secrets; checks take it shared, a reload
+ * takes it exclusive only to swap in secrets read beforehand, so a reload
+ * never holds up a check while it reads files.
+ */
+#include "common/net/auth.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/base/status.h"
+
+typedef struct secret {
+  size_t len; /* 0: none configured */
+  char bytes[AUTH_MAX_TOKEN];
+} secret;
+
+struct auth_keys {
+  pthread_rwlock_t lock;
+  char *trainer_path, *admin_path; /* NULL: not configured */
+  secret trainer, admin;
+};
+
+static int say(char *err, size_t errlen, const char *path, const char *what) {
+  if (err && errlen)
+    snprintf(err, errlen, "token file '%s': %s", path, what);
+  return ZS_EINVAL;
+}
+
+/* The file's first line, trimmed. O_NONBLOCK and the regular-file check keep
+ * a FIFO or a device put in the file's place from hanging the caller. */
+int auth_read_token_file(const char *path, char *buf, size_t buflen, char *err, size_t errlen) {
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0)
+    return say(err, errlen, path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return say(err, errlen, path, "not a regular file");
+  }
+  char raw[AUTH_MAX_TOKEN + 2];
+  ssize_t n = read(fd, raw, sizeof raw);
+  int read_errno = errno;
+  close(fd);
+  if (n < 0)
+    return say(err, errlen, path, strerror(read_errno));
+  size_t start = 0, end = (size_t)n;
+  while (start < end &&
+         (raw[start] == ' ' || raw[start] == '\t' || raw[start] == '\r' || raw[start] == '\n'))
+    start++;
+  size_t line_end = start;
+  while (line_end < end && raw[line_end] != '\n')
+    line_end++;
+  if (line_end == end && (size_t)n == sizeof raw)
+    return say(err, errlen, path, "longer than 4096 bytes");
+  end = line_end;
+  while (end > start && (raw[end - 1] == ' ' || raw[end - 1] == '\t' || raw[end - 1] == '\r'))
+    end--;
+  size_t len = end - start;
+  if (len < AUTH_MIN_TOKEN)
+    return say(err, errlen, path, "the token must be at least 16 bytes");
+  if (len > AUTH_MAX_TOKEN)
+    return say(err, errlen, path, "longer than 4096 bytes");
+  for (size_t i = start; i < end; i++)
+    if ((unsigned char)raw[i] < 0x21 || (unsigned char)raw[i] > 0x7e)
+      return say(err, errlen, path, "the token must be printable ASCII without spaces");
+  if (len + 1 > buflen)
+    return say(err, errlen, path, "no room for the token");
+  memcpy(buf, raw + start, len);
+  buf[len] = '\0';
+  return (int)len;
+}
+
+static int load(const char *path, secret *out, char *err, size_t errlen) {
+  out->len = 0;
+  if (!path)
+    return 0;
+  char buf[AUTH_MAX_TOKEN + 1];
+  int n = auth_read_token_file(path, buf, sizeof buf, err, errlen);
+  if (n < 0)
+    return n;
+  memcpy(out->bytes, buf, (size_t)n);
+  out->len = (size_t)n;
+  memset(buf, 0, sizeof buf);
+  return 0;
+}
+
+static int load_both(const auth_keys *k, secret *trainer, secret *admin, char *err, size_t errlen) {
+  int rc = load(k->trainer_path, trainer, err, errlen);
+  if (rc == 0)
+    rc = load(k->admin_path, admin, err, errlen);
+  return rc;
+}
+
+int auth_keys_new(const char *token_file, const char *admin_token_file, auth_keys **out, char *err,
+                  size_t errlen) {
+  *out = NULL;
+  auth_keys *k = calloc(1, sizeof *k);
+  if (!k)
+    return ZS_ENOMEM;
+  pthread_rwlock_init(&k->lock, NULL);
+  if ((token_file && !(k->trainer_path = strdup(token_file))) ||
+      (admin_token_file && !(k->admin_path = strdup(admin_token_file)))) {
+    auth_keys_free(k);
+    return ZS_ENOMEM;
+  }
+  int rc = load_both(k, &k->trainer, &k->admin, err, errlen);
+  if (rc != 0) {
+    auth_keys_free(k);
+    return rc;
+  }
+  *out = k;
+  return 0;
+}
+
+int auth_keys_reload(auth_keys *k, char *err, size_t errlen) {
+  secret *fresh = calloc(2, sizeof *fresh);
+  if (!fresh)
+    return ZS_ENOMEM;
+  int rc = load_both(k, &fresh[0], &fresh[1], err, errlen);
+  if (rc == 0) {
+    pthread_rwlock_wrlock(&k->lock);
+    k->trainer = fresh[0];
+    k->admin = fresh[1];
+    pthread_rwlock_unlock(&k->lock);
+  }
+  memset(fresh, 0, 2 * sizeof *fresh);
+  free(fresh);
+  return rc;
+}
+
+int auth_keys_enabled(const auth_keys *k) {
+  return k && (k->trainer_path || k->admin_path);
+}
+
+/* 1 when the presented bytes equal the secret. The loop always runs over the
+ * whole secret, so the time depends on the secret's length only, never on
+ * how many leading bytes a guess got right. */
+static int same(const secret *s, const char *token, size_t len) {
+  if (s->len == 0)
+    return 0;
+  volatile unsigned char diff = (unsigned char)(len != s->len);
+  for (size_t i = 0; i < s->len; i++) {
+    unsigned char t = i < len ? (unsigned char)token[i] : 0;
+    diff |= (unsigned char)(t ^ (unsigned char)s->bytes[i]);
+  }
+  return diff == 0;
+}
+
+auth_role auth_keys_check(const auth_keys *k, const char *token, size_t len) {
+  if (!auth_keys_enabled(k))
+    return AUTH_ADMIN;
+  if (!token)
+    len = 0;
+  auth_role role = AUTH_NONE;
+  pthread_rwlock_rdlock((pthread_rwlock_t *)&k->lock);
+  int admin = same(&k->admin, token, len);
+  int trainer = same(&k->trainer, token, len);
+  if (admin || (trainer && k->admin.len == 0))
+    role = AUTH_ADMIN;
+  else if (trainer || k->trainer.len == 0)
+    role = AUTH_TRAINER;
+  pthread_rwlock_unlock((pthread_rwlock_t *)&k->lock);
+  return role;
+}
+
+void auth_keys_free(auth_keys *k) {
+  if (!k)
+    return;
+  memset(&k->trainer, 0, sizeof k->trainer);
+  memset(&k->admin, 0, sizeof k->admin);
+  free(k->trainer_path);
+  free(k->admin_path);
+  pthread_rwlock_destroy(&k->lock);
+  free(k);
+}

@@ -1,0 +1,90 @@
+/*
+ * ckpt_format — private to server/ckpt_*.c: what the checkpoint writer, the
+ * reader and the manifest share (the section encodings of ckpt_format.c and
+ * the file and path helpers of ckpt_manifest.c). The public API is ckpt.h.
+ *
+ * Every multi-byte integer of the header, the table and the small sections is
+ * encoded little-endian byte by byte; the fp32 arenas are written as they lie
+ * in memory, which is little-endian on every host this builds on (checked
+ * below), so a reader on any machine can decode them as '<f4'.
+ */
+#ifndef ZSHARD_SERVER_CKPT_FORMAT_H
+#define ZSHARD_SERVER_CKPT_FORMAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+#include "server/ckpt/ckpt.h"
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+               "checkpoint arenas are written as little-endian fp32 straight from memory");
+
+#define CKPT_MAX_SECTIONS 16u
+#define CKPT_IO_BLOCK ((size_t)8 << 20) /* bytes per write/read call */
+
+/* ------------------------------------------------------------------------ */
+/* Section encodings (ckpt_format.c)                                         */
+/* ------------------------------------------------------------------------ */
+
+/* A growable byte string for the small sections. Zero-initialise it; the
+ * caller owns p and frees it. A failed allocation sets oom and makes every
+ * later append a no-op, so a sequence of appends is checked once at its end. */
+typedef struct bytes {
+  uint8_t *p;
+  size_t len, cap;
+  int oom;
+} bytes;
+
+/* Appends n bytes copied from src (borrowed for the call). */
+void ckpt__bytes_raw(bytes *b, const void *src, size_t n);
+
+/* Appends the spec section of s: the spec's canonical encoding. */
+void ckpt__enc_spec(bytes *b, const spec *s);
+
+/* Decodes and validates an untrusted spec section of n bytes at p into *out,
+ * which the caller then owns (spec_free) on success; on failure *out holds
+ * nothing and why says what is wrong. Returns 0 or a ZS_ status. */
+int ckpt__dec_spec(const uint8_t *p, size_t n, spec *out, char *why, size_t whylen);
+
+/* Appends the optimizer section of s at optimizer_steps. */
+void ckpt__enc_optimizer(bytes *b, const spec *s, uint64_t optimizer_steps);
+
+/* Appends the pieces section of shard `shard` under layout l. */
+void ckpt__enc_pieces(bytes *b, const layout *l, uint32_t shard);
+
+/* Sets *m and *v to whether shard `shard` keeps m and v arenas. */
+void ckpt__shard_uses(const spec *s, const layout *l, uint32_t shard, int *m, int *v);
+
+/* The name of a section kind for messages (a static string). */
+const char *ckpt__section_name(uint32_t kind);
+
+/* ------------------------------------------------------------------------ */
+/* Files and paths (ckpt_manifest.c)                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Reads exactly n bytes at off into buf; 0, or -1 with errno (ENODATA when
+ * the file ends first). */
+int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off);
+
+/* fsyncs directory dir; 0, or -1 with errno. */
+int ckpt__fsync_dir(const char *dir);
+
+/* Opens a state file for reading without ever blocking in open(): a FIFO
+ * or a device named like a checkpoint file or MANIFEST would hang a plain
+ * open() (and startup with it, deaf to SIGTERM), so the file is opened
+ * O_NONBLOCK and fstat'ed to be a regular file. Returns 0 and the fd in
+ * *fd, ZS_ENOTFOUND when it does not exist, or ZS_EIO with a sentence. */
+int ckpt__open_read(const char *path, int *fd, char *err, size_t errlen);
+
+/* open(path, O_WRONLY | O_CREAT | O_TRUNC) for a file this process is about
+ * to write, with the same guard: a FIFO in its place fails (ENXIO without a
+ * reader, EINVAL once fstat sees it) instead of blocking. Returns the fd, or
+ * -1 with errno. */
+int ckpt__open_write(const char *path);
+
+/* Writes "<dir>/<name>" into buf; ZS_EINVAL when it does not fit in len. */
+int ckpt__join_path(char *buf, size_t len, const char *dir, const char *name);
+
+#endif

@@ -1,0 +1,493 @@
+/*
+ * core — the shard core: one job's state on one shard, independent of any
+ * transport. A transport decodes a request and calls the service layer
+ * (service.h), which checks what needs no job state and calls in here; the
+ * core checks everything that depends on the job (hash,
+ * step, tensor, slice, sizes, dtype), owns the state, its locking and the
+ * optimizer, and runs long work (gradient statistics, apply) on its own worker
+ * thread, never on the caller's.
+ *
+ * Asynchronous calls follow one contract: a function taking a callback returns
+ *   - ZS_OK when the result is available at once (the callback is never called
+ *     and the result is in the out parameter),
+ *   - CORE_PENDING when the callback will be called exactly once later, from a
+ *     core thread, with the outcome (ZS_OK, ZS_ETIMEDOUT, ZS_ECLOSED ...),
+ *   - a negative zs_status on error (the callback is never called).
+ * Callbacks must not block and must not call back into the core except for the
+ * non-blocking readers (core_read, core_get_info, core_get_counters).
+ *
+ * Deadlines are absolute clock_now_ms() values; 0 means the core's default
+ * (60 s from now).
+ */
+#ifndef ZSHARD_SERVER_CORE_H
+#define ZSHARD_SERVER_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/model/layout.h"
+#include "common/model/spec.h"
+
+#define CORE_PENDING 1
+#define CORE_MAX_MISSING 64
+/* The gradient statistics are summed over fixed blocks of this many arena
+ * elements (optim_sum_squares per block), and the block sums are added in block
+ * order, so that the result does not depend on the thread count. */
+#define CORE_STATS_BLOCK 65536u
+
+typedef struct core core;
+
+typedef struct core_config {
+  uint32_t shard_id;
+  uint32_t num_shards;
+  int threads; /* optimizer threads; <= 0 means the number of CPUs */
+  /* Each apply's duration is recorded here (server/core/histogram.h) when not
+   * NULL. Borrowed: it must outlive the core. */
+  struct histogram *apply_hist;
+} core_config;
+
+/* Creates an empty shard (no job). Returns 0 or ZS_ENOMEM / ZS_EINVAL. */
+int core_create(const core_config *cfg, core **out);
+
+/* Fails every pending wait with ZS_ECLOSED (their callbacks run before this
+ * returns), stops the threads and frees everything. */
+void core_destroy(core *c);
+
+/* Registers the job. The first call creates it (copying `s`); later calls with
+ * an identical spec are accepted; any other spec is ZS_EHASH. The spec's shard
+ * count must equal the shard's. err gets a sentence on error (may be NULL). */
+typedef struct core_open_result {
+  uint64_t spec_hash;
+  uint64_t version;
+  int created;
+  int initialized;
+} core_open_result;
+int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t errlen);
+
+/* core_open with an open mode (the proto's OpenMode), decided under the same
+ * lock as the creation, so that two opens racing a close cannot both win:
+ *  - CORE_OPEN_EITHER: core_open.
+ *  - CORE_OPEN_CREATE: creates the job, or joins it when the shard holds the
+ *    same spec still at version 0 (the other trainers of the run opening
+ *    after the first); another job, or the same one at a version above 0,
+ *    is ZS_EEXIST with a sentence naming it. Initial weights that differ
+ *    from those already written at version 0 are then refused by
+ *    core_init_params (ZS_EEXIST), so a new run never trains on an old
+ *    run's weights.
+ *  - CORE_OPEN_RESUME: joins the job on the shard (another spec: ZS_EHASH);
+ *    no job is ZS_ENOTOPEN, and nothing is created.
+ * Any other mode is treated as CORE_OPEN_EITHER (the service refuses it). */
+enum { CORE_OPEN_EITHER = 0, CORE_OPEN_CREATE = 1, CORE_OPEN_RESUME = 2 };
+int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err, size_t errlen);
+
+/* Closes the shard's job: fails every wait of it (version, statistics,
+ * apply) with ZS_ENOTOPEN (their callbacks run on the worker before this
+ * returns), frees its state and leaves the shard empty, as core_create left
+ * it, for the next core_open of any job. Every later request of the closed
+ * job gets ZS_ENOTOPEN. hash (0: any) and job (NULL or "": any) must name
+ * the shard's job (ZS_EHASH, ZS_ENOTFOUND). Refused with ZS_ENOTREADY while a
+ * restore is queued; on any error nothing changes. Snapshots still waiting
+ * for their version fail with ZS_ENOTOPEN like the other waits.
+ * Pull answers pinned in the low arena (core_pin_low) keep their buffer
+ * alive until they are released; the close does not wait for them. With no job open it returns 0
+ * with out->closed 0. Blocks its caller until the worker ran it, i.e. for at most the apply or
+ * statistics pass in progress. The job's spec and layout
+ * stay allocated until the next core_open or core_destroy, so that what
+ * core_spec returned before the close remains readable (core_spec itself
+ * returns NULL once closed). out may be NULL. */
+typedef struct core_close_result {
+  int closed;
+  char job[SPEC_MAX_NAME + 1];
+  uint64_t spec_hash, version, state_bytes;
+} core_close_result;
+int core_close(core *c, uint64_t hash, const char *job, core_close_result *out, char *err,
+               size_t errlen);
+
+/* Initial fp32 weights of one piece. Written once while the version is 0; an
+ * identical repeat is accepted (written = 0); different data is ZS_EEXIST;
+ * after the first applied step the call changes nothing (written = 0). */
+int core_init_params(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, const float *data,
+                     size_t nbytes, int *written, uint64_t *version, char *err, size_t errlen);
+
+/* Part of a piece's initial weights: elements [offset, offset + nbytes / 4).
+ * offset must be a multiple of LAYOUT_INIT_CHUNK_ELEMS and the range must end
+ * on a multiple of it or at the piece's end, so that a range is a run of whole
+ * chunks; chunks may come in any order and ranges may overlap. Every chunk of
+ * the range that is already written must hold the same data (else ZS_EEXIST
+ * and nothing is written); the others are written (written = 1). The piece is
+ * initialized once every chunk is written. core_init_params is the range of
+ * the whole piece. */
+int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, uint64_t offset,
+                           const float *data, size_t nbytes, int *written, uint64_t *version,
+                           char *err, size_t errlen);
+
+/* One contribution. Only step == version + 1 is added; a well-formed push for
+ * an already applied step is a retry and is acknowledged as a duplicate; any
+ * other step is ZS_ESTEP;
+ * rank < W, micro < M; the piece must be this shard's; nbytes must equal
+ * numel * dtype size. A repeat of a contribution already received sets
+ * *duplicate and changes nothing. Contributions are added in the fixed order
+ * (micro, rank); one that arrives early is copied and held until its turn.
+ * `data` is only read during the call. */
+typedef struct core_push_args {
+  uint64_t hash, step;
+  uint32_t rank, micro, tensor, slice;
+  zs_dtype dtype;
+  const void *data;
+  size_t nbytes;
+} core_push_args;
+int core_push(core *c, const core_push_args *a, int *duplicate, char *err, size_t errlen);
+
+/* Waits until every piece of this shard is initialised and the version is at
+ * least min_version. cb(arg, status, version). */
+typedef void (*core_version_cb)(void *arg, int status, uint64_t version);
+int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
+                      core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen);
+
+/* One piece a pull reads: core_wait_pieces. */
+typedef struct core_piece_id {
+  uint32_t tensor, slice;
+} core_piece_id;
+
+/* core_wait_version for the pieces a pull reads (n of them; `pieces` is
+ * only read during the call; n 0 is core_wait_version): in a gated job a
+ * piece's version is the shard's, and this is core_wait_version; in a
+ * pipelined job (spec.pipelined) a piece the pending step already applied
+ * is at version + 1 before the shard is, and a wait for it ends then, so
+ * that pulls of applied pieces overlap the pushes of the others. cb gets
+ * the lowest version of the pieces. A piece this shard does not own is
+ * ZS_ENOTFOUND (nothing is registered). */
+int core_wait_pieces(core *c, uint64_t hash, const core_piece_id *pieces, uint32_t n,
+                     uint64_t min_version, uint64_t deadline_ms, core_version_cb cb, void *arg,
+                     uint64_t *version, char *err, size_t errlen);
+
+/* Ends at once the waits of core_wait_version and core_grad_stats registered
+ * with `arg`: their callbacks run with ZS_ECANCELED on the calling thread
+ * before this returns (one that already fired is not found). For a transport
+ * whose caller went away, so that the wait's memory is not kept until its
+ * deadline. Its cost does not grow with the number of other waits (they
+ * are found by arg), so a mass cancel is linear. Call it with no lock the
+ * callbacks take. */
+void core_cancel_waits(core *c, void *arg);
+
+/* Copies piece (tensor, slice) in `dtype` into dst (exactly numel * dtype size
+ * bytes), consistent with one version, reported in *version: the piece's
+ * (version + 1 for a piece a pipelined step applied ahead). Never blocks on
+ * the optimizer longer than one apply. */
+int core_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype, void *dst,
+              size_t nbytes, uint64_t *version, char *err, size_t errlen);
+
+/* core_read that also extends *crc (CRC32C, as crc32c(*crc, dst, nbytes)) over
+ * the bytes it writes, chunk by chunk while each chunk is still in cache: one
+ * pass over the answer instead of a copy and then a second read of it. */
+int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                  void *dst, size_t nbytes, uint64_t *version, uint32_t *crc, char *err,
+                  size_t errlen);
+
+/* ------------------------------------------------------- optimizer state
+ *
+ * The arrays of one piece (zs_state_array: master weights, exp_avg / SGD's
+ * momentum buffer, exp_avg_sq) in element ranges [offset, offset + nbytes / 4)
+ * of the piece, fp32. Both check the job (hash), the piece (this shard's,
+ * ZS_ENOTFOUND), that the piece's param group keeps the array
+ * (optim_state_needs; ZS_EINVAL otherwise), that the range is inside the
+ * piece (ZS_ERANGE), that nbytes is a whole number of float32 (ZS_ESIZE) and
+ * that the piece has its initial weights (ZS_ENOTREADY); on any error
+ * nothing is read or written. */
+
+/* Copies the range into dst with state_rw held shared, so that it is one
+ * version's: *version and *optimizer_steps (either may be NULL) are read
+ * under the same lock. Never waits longer than one apply. */
+int core_state_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_state_array which,
+                    uint64_t offset, float *dst, size_t nbytes, uint64_t *version,
+                    uint64_t *optimizer_steps, char *err, size_t errlen);
+
+/* Overwrites the range from src (only read during the call) with state_rw
+ * held exclusively, so that no apply, push, pull or snapshot overlaps it; a
+ * master write also recomputes the low-precision copy of the range (and the
+ * piece's CRC), into a fresh copy when pull answers are pinned in the low
+ * arena, as an apply does. With set_steps not NULL the optimizer step count becomes
+ * *set_steps; with nbytes 0 and set_steps, only the count is written and
+ * tensor, slice and which are not looked at. Refused with ZS_ENOTREADY while
+ * a step is in progress (a contribution of the pending step received, or its
+ * apply queued). The version stays: a write is not a step. A state that came
+ * from a checkpoint no longer counts as untouched (core_checkpoint_origin),
+ * so restoring that checkpoint loads it again. *version and
+ * *optimizer_steps (may be NULL) get the values after the write. */
+int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_state_array which,
+                     uint64_t offset, const float *src, size_t nbytes, const uint64_t *set_steps,
+                     uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen);
+
+/* Zero-copy pulls of the stored low-precision copy. When dtype is the job's
+ * param_dtype and the piece is initialised, sets *data to the piece's bytes
+ * in the low arena (nbytes of them), *crc to their CRC32C and *version, and
+ * pins the arena: the caller sends the bytes from there and calls
+ * core_unpin_low(c, *data) once they are out (from any thread; it never
+ * blocks). Nobody waits for a pin: an apply, restore, state write or close
+ * that finds answers pinned (a pipelined job's piece apply: answers of the
+ * pieces it writes) writes a fresh copy (or frees nothing) and the
+ * pinned one stays intact, with its version's bytes, until its last pin is
+ * released; a peer that stalls mid-answer costs one copy of the 16-bit
+ * weights, never the other trainers' time. Past CORE_LOW_RETIRED_MAX such
+ * copies the current one is overwritten under its readers, whose CRC32C
+ * check refuses the torn answers. Returns 0, a negative
+ * status with a message (the checks of core_read), or CORE_NOT_PINNED when
+ * the piece must be read with core_read (another dtype). */
+#define CORE_NOT_PINNED 2 /* never CORE_PENDING's value: both are "not an error" */
+int core_pin_low(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype,
+                 size_t nbytes, const void **data, uint64_t *version, uint32_t *crc, char *err,
+                 size_t errlen);
+/* data is the *data core_pin_low gave. */
+void core_unpin_low(core *c, const void *data);
+/* The dtype core_pin_low serves (the job's param_dtype), 0 before a job is
+ * open. Lock-free, for transports deciding how to answer. */
+zs_dtype core_low_dtype(core *c);
+
+/* Size in bytes of piece (tensor, slice) in dtype, or a negative status;
+ * core_piece_bytes_err also gives the status's sentence (the one the other
+ * calls give for it) in err (may be NULL). */
+int64_t core_piece_bytes(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dtype dtype);
+int64_t core_piece_bytes_err(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
+                             zs_dtype dtype, char *err, size_t errlen);
+
+/* Gradient statistics of step `step` (== version + 1, or == version for a
+ * step already applied, whose statistics are kept). Waits until all W*M
+ * contributions of every piece are in and the statistics are computed. On
+ * timeout the callback gets ZS_ETIMEDOUT and core_missing() says what is
+ * missing. A pipelined job has none: ZS_EINVAL with a sentence. */
+typedef struct core_stats_result {
+  uint64_t step;
+  double sum_squares;
+  int nonfinite;
+} core_stats_result;
+typedef void (*core_stats_cb)(void *arg, int status, const core_stats_result *r);
+int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
+                    void *arg, core_stats_result *out, char *err, size_t errlen);
+
+/* For a trainer that had every contribution of `rank` to this shard for
+ * `step` acknowledged: 0 when the shard holds them all (or the step's
+ * statistics are done, or step is not the pending one: core_grad_stats
+ * answers those), else ZS_EBEHIND naming the checkpoint the shard restarted
+ * from (or was restored to), which lost them; ZS_EINTERNAL if it never
+ * restarted. */
+int core_check_acked(core *c, uint64_t hash, uint64_t step, uint32_t rank, char *err,
+                     size_t errlen);
+
+/* What step `step` still lacks: up to `max` entries in ascending (tensor,
+ * slice, micro, rank) order; returns the total count missing (0 if complete or
+ * the step is not the pending one). */
+typedef struct core_missing_entry {
+  uint32_t rank, micro, tensor, slice;
+} core_missing_entry;
+uint32_t core_missing(core *c, uint64_t step, core_missing_entry *out, uint32_t max);
+
+/* Runs the optimizer for step `step` (== version + 1) once all contributions
+ * are in: gradient = acc * coef (coef / W under GRAD_REDUCE_MEAN, rounded once
+ * to float), lr per group = lr * lr_scale. skip advances the version without
+ * touching weights or moments (the accumulator is cleared). Non-finite
+ * gradients without skip are ZS_ENONFINITE and change nothing. A repeat for an
+ * applied step with the same (lr, coef, skip) returns the recorded outcome at
+ * once; different arguments are ZS_EEXIST.
+ *
+ * In a pipelined job (spec.pipelined) the Apply of the pending step comes
+ * ahead of its contributions: it is accepted whether they are in or not
+ * (even before the initial weights, which the pieces then wait for) and
+ * answered at once with ZS_OK and
+ * out->version below step (the callback is never called); the worker then
+ * applies each piece when its last contribution lands, with the same
+ * kernel, plans and accumulator as the gated apply, and the version
+ * advances once every piece is applied (the applied hook runs then). A
+ * repeat with the same arguments gets the same answer, or the recorded
+ * outcome once the step is applied; skip is ZS_EINVAL. */
+typedef struct core_apply_result {
+  uint64_t step, version;
+  int skipped;
+  uint64_t optimizer_steps;
+} core_apply_result;
+typedef void (*core_apply_cb)(void *arg, int status, const core_apply_result *r);
+int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,
+               core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen);
+
+/* core_apply with per-group learning rates: ngroup_lr 0 is core_apply (lr *
+ * lr_scale per group); otherwise group_lr holds exactly one finite value >= 0
+ * per param group of the spec (else ZS_EINVAL, nothing changes), used as
+ * that group's lr (lr_scale is not applied; lr is only compared). A repeat of
+ * the step must carry the same values (else ZS_EEXIST). group_lr is copied. */
+int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                      uint32_t ngroup_lr, float coef, int skip, core_apply_cb cb, void *arg,
+                      core_apply_result *out, char *err, size_t errlen);
+
+/* Installs the one hook told of every applied step (a skipped one included),
+ * whoever asked for it: fn(arg, r) runs once per step on the core's worker
+ * thread, after the apply released every core lock and before the apply's
+ * callbacks answer anyone. It follows the callbacks' rules (no blocking, only
+ * the non-blocking readers). A restore is not an applied step. Set it before
+ * anything can call core_apply; NULL clears it. `arg` is borrowed until the
+ * hook is cleared or the core destroyed. */
+typedef void (*core_applied_fn)(void *arg, const core_apply_result *r);
+void core_set_applied_hook(core *c, core_applied_fn fn, void *arg);
+
+/* ------------------------------------------------------------- client state
+ *
+ * An opaque blob the trainers hand the shard with each Apply (libzshard's
+ * dynamic loss scaler), kept with the version it belongs to so that
+ * checkpoints, restarts and restores carry it like the weights. The shard
+ * never looks inside. */
+#define CORE_MAX_CLIENT_STATE 1024u
+
+/* The client state that the apply of `step` is to commit: called by a
+ * transport right before core_apply for the same step. It is recorded while
+ * step is version + 1 and that step's apply is not yet queued (identical
+ * trainers send identical blobs, so the one recorded last before the apply
+ * is queued is as good as the first), and ignored otherwise (a repeat of an
+ * applied or queued step). When the apply of `step` runs, a non-empty blob
+ * becomes the client state of version `step`; an empty one (len 0) leaves
+ * the previous version's in place. `data` is copied. Returns 0, ZS_ESIZE
+ * (len above CORE_MAX_CLIENT_STATE) or the job checks' status, with a
+ * sentence in err; on error nothing changes. */
+int core_set_apply_client_state(core *c, uint64_t hash, uint64_t step, const void *data, size_t len,
+                                char *err, size_t errlen);
+
+/* Copies the client state of the current version into buf (cap bytes, at
+ * least CORE_MAX_CLIENT_STATE to be sure it fits; a longer state is cut to
+ * cap) and returns its length (0: none); *version (may be NULL) gets that
+ * version, read under the same lock. Non-blocking. */
+size_t core_get_client_state(core *c, void *buf, size_t cap, uint64_t *version);
+
+typedef struct core_info {
+  uint32_t shard_id, num_shards;
+  int has_job;
+  char job[SPEC_MAX_NAME + 1];
+  uint64_t spec_hash, version;
+  uint64_t state_bytes;
+  uint32_t pieces;
+  uint64_t elements;
+  int initialized;
+  uint64_t optimizer_steps;
+} core_info;
+void core_get_info(core *c, core_info *out);
+
+typedef struct core_counters {
+  uint64_t pushes, duplicate_pushes, rejected, pulls, bytes_in, bytes_out;
+  uint64_t applies, skipped_steps, version, held_bytes;
+  /* Freed early-contribution buffers kept for reuse, and the early
+   * contributions held in such a buffer rather than fresh memory. */
+  uint64_t held_cached_bytes, held_reused;
+  double apply_seconds_total;
+  uint32_t waiting_pulls; /* core_wait_version calls not yet answered */
+  uint32_t waiting_stats; /* core_grad_stats calls not yet answered */
+} core_counters;
+void core_get_counters(core *c, core_counters *out);
+/* Counts one pull and the bytes the transport sent for it. core_read does not
+ * count, so a transport calls this once per answered pull. */
+void core_count_pull(core *c, uint64_t bytes_out);
+
+/* The spec of the open job (NULL without one); valid until core_destroy, or
+ * until the core_open that follows a core_close. */
+const spec *core_spec(core *c);
+const layout *core_layout(core *c);
+
+/* ---------------------------------------------------------------- checkpoints
+ *
+ * The two calls below block their caller until the core's worker thread has
+ * done the work, so that they are ordered with every apply: call them from a
+ * thread of your own (the checkpoint service's), never from a transport
+ * thread or a core callback.
+ *
+ * After a core_restore, a request for a step beyond version + 1 (a push,
+ * statistics, an apply, or a wait for a version above version + 1) comes from
+ * a trainer that is ahead of the restored shard and gets ZS_EBEHIND naming the
+ * checkpoint, as do the waits that were pending when the state was replaced.
+ *
+ * In a pipelined job a version is whole only until the next step applies its
+ * first piece: a snapshot of it must be registered before then (the worker
+ * takes it before that piece), later it is ZS_ESTEP like a version passed.
+ */
+
+/* The shard's state at exactly one version, as core_snapshot shows it. Every
+ * pointer is borrowed from the core and valid only during the call that
+ * received the view; m and v are NULL when no param group on this shard uses
+ * them. Padding between pieces is part of the arenas (zeros). */
+typedef struct core_view {
+  const spec *spec;
+  uint32_t shard_id, num_shards;
+  uint64_t hash, version, optimizer_steps, nelems;
+  const float *master, *m, *v;
+  /* The client state of `version` (NULL with length 0 when there is none). */
+  const unsigned char *client_state;
+  size_t client_state_len;
+} core_view;
+
+typedef int (*core_view_fn)(void *arg, const core_view *view);
+
+/* Waits until the shard is at version `step` with every piece initialised and
+ * calls fn(arg, view) once, on the core's worker thread, with the state lock
+ * held shared: pushes and pulls go on meanwhile and only the next apply waits
+ * until fn returns, so fn should copy and return. A step above the version
+ * waits for the applies that reach it (until deadline_ms, as in core.h's
+ * deadlines: ZS_ETIMEDOUT); a step below it is ZS_ESTEP. Returns what fn
+ * returned, or a negative status when fn was not called. *fn_seconds (may be
+ * NULL) gets how long fn ran, i.e. how long it held an apply back. */
+int core_snapshot(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_view_fn fn,
+                  void *arg, double *fn_seconds, char *err, size_t errlen);
+
+/* core_snapshot without blocking its caller: fn(fn_arg, view) runs on the
+ * worker as core_snapshot's does, and done(done_arg, status, fn_seconds)
+ * follows exactly once: on the worker, or on the thread of the
+ * core_cancel_snapshots or core_destroy that ended the wait. status is what
+ * fn returned, or ZS_ETIMEDOUT, ZS_ESTEP (the shard moved past the step),
+ * ZS_ECANCELED or ZS_ECLOSED. done follows the callbacks' rules. Returns
+ * CORE_PENDING, or a negative status with a sentence (done is then never
+ * called). A snapshot waiting for a later version thus holds no thread. */
+typedef void (*core_snapshot_done)(void *arg, int status, double fn_seconds);
+int core_snapshot_async(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
+                        core_view_fn fn, void *fn_arg, core_snapshot_done done, void *done_arg,
+                        char *err, size_t errlen);
+
+/* Fails every core_snapshot still waiting for its version with ZS_ECANCELED
+ * (for a checkpoint service that stops). */
+void core_cancel_snapshots(core *c);
+
+/* A complete replacement state for one shard: what a checkpoint holds. */
+typedef struct core_state {
+  spec spec; /* owned; num_shards is the shard count the state is laid out for */
+  uint32_t shard_id;
+  uint64_t version, optimizer_steps;
+  uint64_t nelems; /* arena length in elements of shard_id under spec's layout */
+  /* Owned, 64-byte aligned, nelems elements each and zeroed by
+   * core_state_init; m (exp_avg, SGD's momentum) and v (exp_avg_sq) are NULL
+   * when no param group with a piece on the shard uses them. */
+  float *master, *m, *v;
+  /* Owned (malloc), NULL when empty: the client state of `version`, at most
+   * CORE_MAX_CLIENT_STATE bytes (core_set_apply_client_state). */
+  unsigned char *client_state;
+  size_t client_state_len;
+} core_state;
+
+/* Copies and validates `s` into st and allocates its arenas for shard
+ * `shard_id` (version and optimizer_steps 0). Returns 0, or ZS_EINVAL /
+ * ZS_ENOMEM with a sentence in err (st is then empty). */
+int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err, size_t errlen);
+
+/* Frees what st owns and zeroes it; tolerates a zeroed state. */
+void core_state_free(core_state *st);
+
+/* Replaces the shard's state by st: version, optimizer step count, master, m,
+ * v and the client state (copied; an empty one clears the shard's); the
+ * low-precision copy is recomputed from the master, the
+ * accumulator and every contribution of the pending step are dropped. With no
+ * job open, st->spec's job is opened first; otherwise st->spec must have the
+ * job's hash (ZS_EHASH). st->spec.num_shards and st->shard_id must be the
+ * shard's own, and the client state at most CORE_MAX_CLIENT_STATE bytes
+ * (ZS_EINVAL). On success the arenas are exchanged, so st holds
+ * the shard's previous ones, for the caller to free with core_state_free; on
+ * failure the shard is unchanged. The shard then reports (core_checkpoint_origin)
+ * that its state is checkpoint `ckpt_step`. */
+int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t errlen);
+
+/* 1 if the shard's state was last replaced by core_restore, with *step (may
+ * be NULL) the checkpoint's step and *untouched (may be NULL) 1 while no step
+ * has been applied since; 0 otherwise. */
+int core_checkpoint_origin(core *c, uint64_t *step, int *untouched);
+
+#endif

@@ -1,0 +1,169 @@
+/*
+ * replica — a shard run as a replica set: a primary and its backups that
+ * hold the same state, bit for bit (docs/DESIGN.md, "Replica sets";
+ * docs/OPERATIONS.md, "Replica sets").
+ *
+ * Contract:
+ *  - Sits between the transports and the service. A transport asks
+ *    replica_admit before it serves a request: a trainer's write is taken only
+ *    by the primary, a forwarded write (marked with the primary's term: gRPC
+ *    metadata "zshard-replica-term", or the data plane's HELLO) only by a
+ *    backup of that term. The primary then forwards the write to every backup
+ *    in sync (replica_forward_push, replica_forward_raw) and answers the
+ *    trainer only when each has acknowledged it or was dropped after
+ *    --failover-ms without an answer. Every write is idempotent and every
+ *    replica adds contributions in the fixed order, so the replicas' bits
+ *    are equal whatever order the forwards arrive in.
+ *  - Terms: a replica never makes itself primary. A client that finds no
+ *    primary sends Promote(term) to the best member (replica_promote). A
+ *    replica refuses a forward of an older term (ZS_ESTALE, and the sender
+ *    steps down) and follows a newer one; a trainer's call carrying a newer
+ *    term ("zshard-term") deposes a primary that missed it.
+ *  - Joining: a replica without the set's state (started empty, dropped,
+ *    deposed) asks the primary (ReplicaJoin). At its next applied step the
+ *    primary adds it to the forwards and copies its state at that version
+ *    (core_snapshot_async); the joiner reads the copy (ReplicaFetch), loads it
+ *    (core_restore) and becomes a backup. Forwards it gets before that are
+ *    answered ZS_ENOTREADY and retried by the primary, so a join holds the
+ *    trainers' next pushes for at most the copy.
+ *  - Threads: replica_admit and the forwards run on the transports' threads
+ *    (a forward blocks its thread for the backups' answers: the data plane
+ *    runs every push of a replicated primary on libuv's pool); the applied
+ *    hook on the core's worker (it only marks and queues); a monitor thread of
+ *    its own asks the peers' GetInfo every REPLICA_MONITOR_MS, drops a backup
+ *    that fell behind, steps down before a newer primary and joins.
+ *  - Locks: replica.mu guards roles, terms and the member table; it is a leaf
+ *    never held across a call to a peer or into the core. member.conn_mu guards
+ *    a member's connections and is held while one is opened (a blocking
+ *    connect), never with replica.mu.
+ */
+#ifndef ZSHARD_SERVER_REPLICA_H
+#define ZSHARD_SERVER_REPLICA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "server/core/core.h"
+#include "server/metrics/metrics.h"
+#include "server/service/service.h"
+
+struct Zshard__V1__ReplicaInfo;
+struct Zshard__V1__ReplicaFetchRequest;
+struct Zshard__V1__ReplicaFetchResponse;
+
+#define REPLICA_MAX_MEMBERS 8u
+#define REPLICA_DEFAULT_FAILOVER_MS 2000u
+#define REPLICA_MONITOR_MS 250u
+/* Elements of one ReplicaFetch answer (4 MiB). */
+#define REPLICA_FETCH_ELEMS (1u << 20)
+
+/* The roles (the proto's ReplicaRole). */
+typedef enum replica_role {
+  REPLICA_NONE = 0,
+  REPLICA_STARTING = 1,
+  REPLICA_PRIMARY = 2,
+  REPLICA_BACKUP = 3,
+  REPLICA_JOINING = 4,
+  REPLICA_STALE = 5,
+} replica_role;
+
+/* What a request does, for replica_admit. */
+typedef enum replica_kind {
+  REPLICA_ANY,          /* GetInfo, health, Promote: any role */
+  REPLICA_READ,         /* Pull, GradStats, Stats, ReadState, ListCheckpoints */
+  REPLICA_WRITE,        /* Open, InitParams, Push, Apply, WriteState, CloseJob, Restore */
+  REPLICA_PRIMARY_ONLY, /* Checkpoint, CommitCheckpoint: the primary's files */
+} replica_kind;
+
+typedef struct replica replica;
+
+typedef struct replica_config {
+  const char *members;  /* "host:port|host:port..." (or ','), every member's gRPC address */
+  uint32_t index;       /* this server's place in members */
+  uint32_t failover_ms; /* 0: REPLICA_DEFAULT_FAILOVER_MS */
+  core *core;           /* borrowed, outlives the replica */
+  service *svc;         /* borrowed, outlives the replica; or replica_set_service */
+  /* Peers are called with this token (the admin token: forwards need it);
+   * NULL: none. Copied. */
+  const char *token;
+  /* TLS to peers: the CA their certificates chain to, and this server's own
+   * certificate and key for servers that ask for one; NULL: plaintext. */
+  const char *tls_ca_file, *tls_cert_file, *tls_key_file;
+} replica_config;
+
+/* Splits a member list into its addresses (each checked with hostport_parse;
+ * 2..REPLICA_MAX_MEMBERS of them, no repeats). Returns the count, or a
+ * negative status with a sentence in err. `out` gets malloc'ed strings. */
+int replica_parse_members(const char *list, char **out, uint32_t max, char *err, size_t errlen);
+
+/* Checks the configuration and creates the replica as STARTING. Nothing is
+ * contacted yet. Returns 0, or ZS_EINVAL / ZS_ENOMEM with a sentence. */
+int replica_create(const replica_config *cfg, replica **out, char *err, size_t errlen);
+
+/* The service (created after the replica, whose applied hook it calls);
+ * before replica_start. */
+void replica_set_service(replica *r, service *svc);
+
+/* Starts the monitor thread. Call after the transports started. */
+int replica_start(replica *r, char *err, size_t errlen);
+
+/* Stops the monitor, closes the peers' connections and frees. Call after the
+ * transports stopped. NULL is accepted. */
+void replica_destroy(replica *r);
+
+/* Whether a request of `kind` may be served here. fwd_term > 0: a forward
+ * from the primary of that term, whose caller held the admin role (fwd_admin)
+ * when tokens are on. client_term: the "zshard-term" a trainer sent (0:
+ * none). On 0, *forward (may be NULL) says the caller is the primary and must
+ * forward the write once it is accepted. Otherwise the status (ZS_ENOTPRIMARY
+ * naming the primary, ZS_ESTALE, ZS_ENOTREADY while joining, ZS_EBEHIND out
+ * of sync, ZS_EPERM) with a sentence. NULL r admits everything. */
+int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admin,
+                  uint64_t client_term, int *forward, char *err, size_t errlen);
+
+/* Forwards a contribution the primary accepted to every backup, over the
+ * data plane; blocks until each answered or was dropped. ZS_ENOTPRIMARY when
+ * a backup knows a newer term (this replica stepped down). */
+int replica_forward_push(replica *r, const core_push_args *a, char *err, size_t errlen);
+
+/* replica_forward_push of n contributions at once: each backup gets all n
+ * pipelined (one wait, not n). */
+int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char *err,
+                           size_t errlen);
+
+/* Forwards a gRPC request as it came (`method` the full path, len bytes at
+ * msg) to every backup; as replica_forward_push. */
+int replica_forward_raw(replica *r, const char *method, const void *msg, size_t len, char *err,
+                        size_t errlen);
+
+/* The service's applied hook: starts a pending join at this version. */
+void replica_on_applied(void *arg, const core_apply_result *res);
+
+/* Promote (see the proto): 0 with the term, role and version after it, or a
+ * refusal with a sentence. Blocks for the peers' GetInfo (a short deadline). */
+int replica_promote(replica *r, uint64_t term, uint64_t *term_out, int *role_out,
+                    uint64_t *version_out, char *err, size_t errlen);
+
+/* ReplicaJoin on the primary: 0 and the join's id (0: nothing to copy, the
+ * member is in sync already), or a refusal. */
+int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, char *err,
+                 size_t errlen);
+
+/* ReplicaFetch on the primary: fills *resp (its data points into the
+ * replica's copy, valid until the next join; the spec's strings are
+ * allocated: free with replica_fetch_release). */
+int replica_fetch(replica *r, const struct Zshard__V1__ReplicaFetchRequest *q,
+                  struct Zshard__V1__ReplicaFetchResponse *resp, char *err, size_t errlen);
+void replica_fetch_release(struct Zshard__V1__ReplicaFetchResponse *resp);
+
+/* GetInfo's replica field: fills *out with pointers into `members` (an array
+ * of REPLICA_MAX_MEMBERS entries) and `mptr`; strings borrowed from r. */
+void replica_info(replica *r, struct Zshard__V1__ReplicaInfo *out, void *members, void **mptr);
+
+/* Appends the replica's Prometheus lines to *buf (realloc'ed, *len bytes
+ * used, *cap allocated). Returns 0 or ZS_ENOMEM. */
+void replica_metrics(void *r, metrics_text *t);
+
+const char *replica_role_name(int role);
+
+#endif
