@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ckpt_client.h"
 #include "common/base/clock.h"
@@ -801,11 +802,17 @@ done:
  * elements (1 MiB), so that neither end holds more than a chunk per call in
  * flight however large a piece is: a whole 8M-parameter piece in one message
  * used to exist several times over in the shard while it was received. */
-static int init_params(zs_client *c, const float *const *init) {
+static uint32_t piece_calls(const layout_piece *pc) {
+  return (uint32_t)((pc->numel + LAYOUT_INIT_CHUNK_ELEMS - 1) / LAYOUT_INIT_CHUNK_ELEMS);
+}
+
+/* `only`: the one tensor to send (init[only] its weights), or UINT32_MAX for
+ * every tensor. */
+static int init_params(zs_client *c, const float *const *init, uint32_t only) {
   size_t ncalls = 0;
   for (uint32_t i = 0; i < c->lay.num_pieces; i++)
-    ncalls +=
-        (size_t)((c->lay.pieces[i].numel + LAYOUT_INIT_CHUNK_ELEMS - 1) / LAYOUT_INIT_CHUNK_ELEMS);
+    if (only == UINT32_MAX || c->lay.pieces[i].tensor == only)
+      ncalls += piece_calls(&c->lay.pieces[i]);
   Zshard__V1__InitParamsRequest *reqs = calloc(ncalls ? ncalls : 1, sizeof *reqs);
   zs_request *op = zc_op_new(c, ZC_OP_CALL, (uint32_t)ncalls);
   int rc;
@@ -818,6 +825,8 @@ static int init_params(zs_client *c, const float *const *init) {
   size_t n = 0;
   for (uint32_t i = 0; i < c->lay.num_pieces; i++) {
     const layout_piece *pc = &c->lay.pieces[i];
+    if (only != UINT32_MAX && pc->tensor != only)
+      continue;
     for (uint64_t e = 0; e < pc->numel; e += LAYOUT_INIT_CHUNK_ELEMS, n++) {
       uint64_t len =
           pc->numel - e < LAYOUT_INIT_CHUNK_ELEMS ? pc->numel - e : LAYOUT_INIT_CHUNK_ELEMS;
@@ -839,12 +848,12 @@ static int init_params(zs_client *c, const float *const *init) {
       t->bytes = r.data.len;
     }
   }
-  rc = zc_call_all(op);
+  rc = ncalls ? zc_call_all(op) : ZS_OK;
   if (rc == ZS_EEXIST)
     rc = zc_fail(rc,
-                 "zs_open_job: the shards already hold different initial weights for this "
+                 "%s: the shards already hold different initial weights for this "
                  "job (%s)",
-                 op->err);
+                 only == UINT32_MAX ? "zs_open_job" : "zs_init_tensor", op->err);
   for (uint32_t i = 0; i < op->ntasks; i++)
     if (op->tasks[i].resp)
       protobuf_c_message_free_unpacked(op->tasks[i].resp, NULL);
@@ -853,7 +862,7 @@ static int init_params(zs_client *c, const float *const *init) {
   return rc;
 }
 
-int zs_open_job(zs_client *c, const float *const *init_weights) {
+static int open_job(zs_client *c, const float *const *init_weights, int deferred) {
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
@@ -878,7 +887,7 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
     rc = zc_fail(ZS_EINVAL, "zs_open_job: the model has no tensors (zs_add_tensor)");
     goto fail;
   }
-  if (c->opt.rank == 0) {
+  if (c->opt.rank == 0 && !deferred) {
     if (!init_weights) {
       rc = zc_fail(ZS_EINVAL, "zs_open_job: rank 0 must pass the initial weights");
       goto fail;
@@ -951,8 +960,8 @@ int zs_open_job(zs_client *c, const float *const *init_weights) {
   rc = open_on_shards(c, &version, cs, &cs_len);
   if (rc != ZS_OK)
     goto fail;
-  if (c->opt.rank == 0 && version == 0) {
-    rc = init_params(c, init_weights);
+  if (c->opt.rank == 0 && version == 0 && !deferred) {
+    rc = init_params(c, init_weights, UINT32_MAX);
     if (rc != ZS_OK)
       goto fail;
   }
@@ -981,6 +990,110 @@ fail:
   pthread_mutex_lock(&c->mu);
   c->opening = 0;
   pthread_mutex_unlock(&c->mu);
+  zc_client_leave(c);
+  return rc;
+}
+
+int zs_open_job(zs_client *c, const float *const *init_weights) {
+  return open_job(c, init_weights, 0);
+}
+
+int zs_open_job_deferred(zs_client *c) {
+  return open_job(c, NULL, 1);
+}
+
+/* ---- deferred initial weights ----------------------------------------------------- */
+
+int zs_init_tensor(zs_client *c, uint32_t tensor, const float *weights) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  int opened = c->opened;
+  pthread_mutex_unlock(&c->mu);
+  if (!opened)
+    rc = zc_fail(ZS_ENOTOPEN, "zs_init_tensor: the job is not open (zs_open_job_deferred)");
+  else if (tensor >= c->sp.num_tensors)
+    rc = zc_fail(ZS_ENOTFOUND, "zs_init_tensor: no tensor %" PRIu32 " (the job has %" PRIu32 ")",
+                 tensor, c->sp.num_tensors);
+  else if (!weights)
+    rc = zc_fail(ZS_EINVAL, "zs_init_tensor: the weights of tensor '%s' are NULL",
+                 c->sp.tensors[tensor].name);
+  else {
+    /* init_params reads init[tensor] only. */
+    const float **init = calloc(c->sp.num_tensors, sizeof *init);
+    if (!init)
+      rc = zc_fail(ZS_ENOMEM, "zs_init_tensor: out of memory");
+    else {
+      init[tensor] = weights;
+      rc = init_params(c, init, tensor);
+      free(init);
+    }
+  }
+  zc_client_leave(c);
+  return rc;
+}
+
+/* How many shards answer GetInfo with every piece initialised; ZS_OK or a
+ * failure of the calls. */
+static int count_initialized(zs_client *c, uint32_t *ready) {
+  Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  if (!op)
+    return zc_fail(ZS_ENOMEM, "zs_wait_initialized: out of memory");
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    zc_task *t = &op->tasks[i];
+    t->shard = i;
+    t->method = ZC_METHOD("GetInfo");
+    t->msg = &req.base; /* shared: packing only reads it */
+    t->resp_desc = &zshard__v1__get_info_response__descriptor;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+  }
+  int rc = zc_call_all(op);
+  *ready = 0;
+  for (uint32_t i = 0; i < op->ntasks; i++) {
+    const Zshard__V1__GetInfoResponse *r = (const Zshard__V1__GetInfoResponse *)op->tasks[i].resp;
+    if (r && r->spec_hash == c->hash && r->initialized)
+      (*ready)++;
+    if (r)
+      protobuf_c_message_free_unpacked(op->tasks[i].resp, NULL);
+  }
+  zc_op_release(op);
+  return rc;
+}
+
+int zs_wait_initialized(zs_client *c, uint64_t timeout_ms) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  int opened = c->opened;
+  pthread_mutex_unlock(&c->mu);
+  if (!opened) {
+    zc_client_leave(c);
+    return zc_fail(ZS_ENOTOPEN, "zs_wait_initialized: the job is not open");
+  }
+  uint64_t start = clock_now_ms(), pause_ms = 10;
+  uint32_t ready = 0;
+  for (;;) {
+    rc = count_initialized(c, &ready);
+    if (rc != ZS_OK || ready == c->nshards)
+      break;
+    uint64_t now = clock_now_ms();
+    if (timeout_ms && now - start >= timeout_ms) {
+      rc = zc_fail(ZS_ETIMEDOUT,
+                   "zs_wait_initialized: %" PRIu32 " of %" PRIu32
+                   " shards still lack initial weights after %" PRIu64
+                   " ms (rank 0 sends them with zs_init_tensor after zs_open_job_deferred)",
+                   c->nshards - ready, c->nshards, now - start);
+      break;
+    }
+    /* Polling, backing off to 200 ms: initialising a large model takes
+     * seconds to minutes, and GetInfo is cheap for the shard. */
+    struct timespec ts = {0, (long)(pause_ms * 1000000)};
+    nanosleep(&ts, NULL);
+    pause_ms = pause_ms * 2 > 200 ? 200 : pause_ms * 2;
+  }
   zc_client_leave(c);
   return rc;
 }

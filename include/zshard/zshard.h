@@ -390,6 +390,30 @@ ZS_EXTERN int zs_add_tensor(zs_client *c, const char *name, uint64_t numel, uint
  * shard's advertised data port cannot be reached. */
 ZS_EXTERN int zs_open_job(zs_client *c, const float *const *init_weights);
 
+/* Deferred initialisation, for a model too large to hold whole on one
+ * trainer: opens the job as zs_open_job does, but sends no initial weights.
+ * The job's creator (rank 0 by convention) then sends each tensor's with
+ * zs_init_tensor, one tensor at a time, and may free it in between; the
+ * shards serve pulls and take pushes once every piece has its weights
+ * (until then a pull waits, up to its deadline: the other ranks call
+ * zs_wait_initialized first). Resuming a job the shards already trained
+ * (zs_current_step > 1) needs no initial weights. */
+ZS_EXTERN int zs_open_job_deferred(zs_client *c);
+
+/* Sends tensor `tensor`'s initial weights (zs_tensor_numel floats, fp32, at
+ * `weights`, which the call only reads and the caller owns) to the shards
+ * that own its slices, in chunks of 1 MiB, and returns once they hold them.
+ * Sending the same weights again is harmless; different ones for a tensor a
+ * shard already initialised fail with ZS_EEXIST, and a job that has moved
+ * past version 0 ignores them. Needs an open job (ZS_ENOTOPEN);
+ * ZS_ENOTFOUND for a tensor that does not exist. */
+ZS_EXTERN int zs_init_tensor(zs_client *c, uint32_t tensor, const float *weights);
+
+/* Waits until every shard holds the job's initial weights (GetInfo, polled
+ * every 10 to 200 ms), at most `timeout_ms` (0: without limit); ZS_ETIMEDOUT
+ * then, with the number of shards still waiting. */
+ZS_EXTERN int zs_wait_initialized(zs_client *c, uint64_t timeout_ms);
+
 /* Closes the job on every shard (the CloseJob call): each shard frees the
  * job's state and is empty again, ready for the next job, without a restart;
  * `zshard status` then shows no job. For the end of a run: call it from one

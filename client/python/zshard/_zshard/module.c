@@ -481,11 +481,17 @@ static PyObject *client_add_tensor(client_object *self, PyObject *args, PyObject
 }
 
 static PyObject *client_open_job(client_object *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"init_weights", NULL};
+  static char *kwlist[] = {"init_weights", "deferred", NULL};
   PyObject *init = Py_None;
+  int deferred = 0;
   zs_client *c = client_get(self);
-  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "|O:open_job", kwlist, &init))
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "|Op:open_job", kwlist, &init, &deferred))
     return NULL;
+  if (deferred && init != Py_None) {
+    PyErr_SetString(PyExc_ValueError, "open_job: deferred=True takes no init_weights "
+                                      "(send them with init_tensor)");
+    return NULL;
+  }
   PyObject *seq = NULL, *ret = NULL;
   Py_buffer *views = NULL;
   const float **ptrs = NULL;
@@ -522,7 +528,7 @@ static PyObject *client_open_job(client_object *self, PyObject *args, PyObject *
   }
   int rc;
   GIL_RELEASE();
-  rc = zs_open_job(c, ptrs);
+  rc = deferred ? zs_open_job_deferred(c) : zs_open_job(c, ptrs);
   GIL_ACQUIRE();
   if (rc != ZS_OK)
     raise_status(rc);
@@ -1045,6 +1051,55 @@ static PyObject *client_close_job(client_object *self, PyObject *Py_UNUSED(ignor
   return call_blocking(self, zs_close_job);
 }
 
+/* ---- deferred initialisation -------------------------------------------------- */
+
+static PyObject *client_init_tensor(client_object *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"tensor", "buffer", NULL};
+  unsigned int t = 0;
+  Py_buffer view;
+  zs_client *c = client_get(self);
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "Iy*:init_tensor", kwlist, &t, &view))
+    return NULL;
+  PyObject *ret = NULL;
+  uint64_t want = zs_tensor_numel(c, t) * sizeof(float);
+  if (t >= zs_num_tensors(c))
+    PyErr_Format(PyExc_ValueError, "init_tensor: no tensor %u (the job has %u)", t,
+                 zs_num_tensors(c));
+  else if ((uint64_t)view.len != want || !PyBuffer_IsContiguous(&view, 'C'))
+    PyErr_Format(PyExc_ValueError,
+                 "init_tensor: the buffer has %zd bytes, tensor %u needs %llu contiguous (fp32)",
+                 view.len, t, (unsigned long long)want);
+  else {
+    int rc;
+    GIL_RELEASE();
+    rc = zs_init_tensor(c, t, view.buf);
+    GIL_ACQUIRE();
+    if (rc != ZS_OK)
+      raise_status(rc);
+    else {
+      Py_INCREF(Py_None);
+      ret = Py_None;
+    }
+  }
+  PyBuffer_Release(&view);
+  return ret;
+}
+
+static PyObject *client_wait_initialized(client_object *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"timeout_ms", NULL};
+  unsigned long long timeout_ms = 0;
+  zs_client *c = client_get(self);
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "|K:wait_initialized", kwlist, &timeout_ms))
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_wait_initialized(c, (uint64_t)timeout_ms);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
 static PyObject *client_tensor_slices(client_object *self, PyObject *arg) {
   zs_client *c = client_get(self);
   if (!c)
@@ -1252,6 +1307,13 @@ static PyMethodDef client_methods[] = {
     {"set_optimizer_steps", (PyCFunction)client_set_optimizer_steps, METH_O,
      "set_optimizer_steps(n): sets the count on every shard (zs_set_optimizer_steps; the rules "
      "of state_write)"},
+    KWM(init_tensor,
+        "init_tensor(tensor, buffer): the tensor's initial weights (fp32, whole) to the shards "
+        "after open_job(deferred=True) (zs_init_tensor; GIL released). Returns once the shards "
+        "hold them: the buffer may be freed then"),
+    KWM(wait_initialized,
+        "wait_initialized(timeout_ms=0): waits until every shard holds the job's initial "
+        "weights (zs_wait_initialized; 0: no limit)"),
     {"tensor_slices", (PyCFunction)client_tensor_slices, METH_O,
      "tensor_slices(t) -> [(shard, offset, numel)]: where tensor t lives (after open_job)"},
     KWM(checkpoint, "checkpoint(step=0) -> current step"),

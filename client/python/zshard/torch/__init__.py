@@ -64,11 +64,13 @@ import zshard
 
 # The optimizer's transfers and its state_dict live in modules of their own
 # (_transfers.py, _state.py), mixed into ShardedOptimizer.
+from . import _deferred
 from ._common import NOTES, _WIRE, _buffer, _limit_mmap_threshold, _Param
+from ._deferred import init_empty
 from ._state import _StateDict
 from ._transfers import _Transfers
 
-__all__ = ["shard", "ShardedOptimizer", "NOTES"]
+__all__ = ["shard", "ShardedOptimizer", "NOTES", "init_empty"]
 
 
 class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
@@ -79,7 +81,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
     def __init__(self, model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None,
                  world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
                  grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
-                 mmap_threshold=None, **client_options):
+                 mmap_threshold=None, param_init_fn=None, init_timeout_s=None,
+                 **client_options):
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -103,6 +106,11 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
         self.rank, self.world_size = rank, world_size
 
+        # Deferred initialisation (_deferred.py): meta parameters become CPU
+        # parameters with empty storage, initialised after the job opens.
+        deferred = set()
+        if _deferred.has_meta(self.param_groups):
+            deferred = _deferred.materialize_empty(model, self.param_groups)
         names = {}
         for n, p in model.named_parameters():
             names.setdefault(id(p), n)
@@ -115,12 +123,13 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 if p.dtype != torch.float32 or p.device.type != "cpu":
                     raise ValueError("zshard.torch: parameter %s is %s on %s; fp32 CPU parameters "
                                      "only" % (names.get(id(p), "?"), p.dtype, p.device))
-                if not p.is_contiguous() or p.storage_offset() != 0 or \
-                        p.storage().size() != p.numel():
+                if id(p) not in deferred and (not p.is_contiguous() or p.storage_offset() != 0
+                                              or p.storage().size() != p.numel()):
                     raise ValueError("zshard.torch: parameter %s does not own a contiguous storage"
                                      % names.get(id(p), "?"))
                 P = _Param(len(self._params), p, names.get(id(p), "group%d.param%d" % (gi, len(
                     self._params))), gi)
+                P.alloc = id(p) not in deferred
                 self._params.append(P)
                 self._by_id[id(p)] = P
         self._by_key = {P.key: P for P in self._params}
@@ -137,8 +146,12 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 self.client.add_group(**g)
             for P in self._params:
                 self.client.add_tensor(P.name, P.numel, P.group, tuple(P.p.shape))
-            init = [_buffer(P.p) for P in self._params] if rank == 0 else None
-            self.client.open_job(init)
+            if deferred:
+                self.client.open_job(deferred=True)
+                self._init_deferred(model, deferred, param_init_fn, init_timeout_s)
+            else:
+                init = [_buffer(P.p) for P in self._params] if rank == 0 else None
+                self.client.open_job(init)
         except BaseException:
             self.client.close()
             raise
@@ -184,6 +197,26 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             self._issue_many(self._params)
 
     # ---- setup -----------------------------------------------------------------
+
+    def _init_deferred(self, model, deferred, param_init_fn, init_timeout_s):
+        """After open_job(deferred=True): rank 0 of a new job writes every
+        parameter's initial weights, the deferred ones one unit at a time;
+        every rank materialises its meta buffers; then every rank waits for
+        the shards to hold all initial weights."""
+        mods = {id(m): n or "(the model)" for n, m in model.named_modules()}
+        fresh = self.rank == 0 and self.client.current_step == 1
+        write = None
+        if fresh:
+            def write(P):
+                self.client.init_tensor(P.idx, _buffer(P.p))
+            for P in self._params:
+                if P.alloc:  # built on the CPU: written as it is
+                    write(P)
+            _deferred.warn_unreplayable(model, deferred, mods)
+        units = _deferred.plan_units(model, deferred)
+        _deferred.replay(units, self._by_id, mods, param_init_fn, write)
+        timeout = 0 if init_timeout_s is None else max(1, int(init_timeout_s * 1000))
+        self.client.wait_initialized(timeout)
 
     @staticmethod
     def _optimizer_kind(optimizer):
@@ -237,7 +270,13 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             # The AccumulateGrad node: its post-hook runs once p.grad holds
             # this backward's summed gradient (torch 1.13 has no
             # post-accumulate-grad hook on tensors).
+            # A view needs the storage's size (deferred parameters have
+            # none yet): it is lent for the moment, one parameter at a time.
+            if not P.alloc:
+                p.storage().resize_(P.numel)
             node = p.expand_as(p).grad_fn.next_functions[0][0]
+            if not P.alloc:
+                p.storage().resize_(0)
             P.node = node
             self._hooks.append(node.register_hook(self._grad_hook(P)))
         # model.state_dict() holds tensors sharing the parameters' storage:
@@ -485,6 +524,13 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
       applied on its shard as soon as every trainer's gradient of it is in and
       its pulls overlap the other pushes; no max_grad_norm, no dynamic loss
       scaling. Not tested through this module yet.
+    param_init_fn: for parameters on the meta device (deferred
+      initialisation: rank 0 initialises one module at a time and writes it
+      to the shards; docs/PYTORCH.md, "A model bigger than a trainer"):
+      fn(module) initialises the module's own parameters in place instead of
+      its reset_parameters().
+    init_timeout_s: with meta parameters, how long the other ranks wait for
+      rank 0's initial weights (None: no limit).
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
