@@ -1,6 +1,6 @@
 /*
  * test_dp_limits — the data plane of a real zshard-server against hostile
- * peers (issue 10's attack table): each test runs one attack through raw
+ * peers (docs/OPERATIONS.md, "Limits"): each test runs one attack through raw
  * sockets and checks the bounded outcome, memory measured as the server's
  * resident set (/proc/<pid>/status) and never as a time.
  *

@@ -1,5 +1,5 @@
 /*
- * test_server_limits — issue 10's attacks on a shard's memory through the
+ * test_server_limits — attacks on a shard's memory through the
  * job it is asked to open: an Open of 80M parameters from a 70-byte request
  * held 1.4 GiB for the server's life, one of a million tensors 715 MiB.
  * With --max-params / --max-tensors (or their variables) the Open is refused

@@ -1,7 +1,7 @@
-"""Hostile clients for the issue-10 suite, tests/python/test_hostile_*.py
+"""Hostile clients for the attack suite, tests/python/test_hostile_*.py
 (not a test itself).
 
-Each test runs one attack of issue 10's table against a real zshard-server
+Each test runs one attack against a real zshard-server
 (zshard_servers.Shards) and asserts the bounded outcome: a refusal with the
 right gRPC code or data-plane status, memory under a ceiling read from
 /proc/<pid>/status, a legitimate trainer still served. Waits are deadlines
@@ -17,11 +17,11 @@ through raw sockets; every frame is built by frame() and every connection
 that authenticates does it in DataConn.authenticate(), the only places that
 know the frame format (docs/PROTOCOL.md, common/net/wire.h).
 
-ZS_HOSTILE_PRE_ISSUE10=1 runs the suite against a server from before issue
-10: the flags it added (NEW_FLAGS) are dropped with their values and data-plane
-connections do not say HELLO, so that the attack itself, not an unknown flag
-or frame, is what a test sees fail. It exists to record which rows fail
-without the fixes; a normal run leaves it unset.
+ZS_HOSTILE_UNBOUNDED_SERVER=1 runs the suite against a server from before the
+limits and tokens (0.1): the flags they added (NEW_FLAGS) are dropped with their
+values and data-plane connections do not say HELLO, so that the attack itself,
+not an unknown flag or frame, is what a test sees fail. It exists to record
+which attacks succeed without the defences; a normal run leaves it unset.
 """
 
 import importlib
@@ -134,12 +134,12 @@ def wait_for(what, seconds=OUTCOME_SECONDS, poll=0.05):
 
 # ------------------------------------------------------------------ servers
 
-PRE_ISSUE10 = os.environ.get("ZS_HOSTILE_PRE_ISSUE10") == "1"
+UNBOUNDED_SERVER = os.environ.get("ZS_HOSTILE_UNBOUNDED_SERVER") == "1"
 NEW_FLAGS = ("--token-file", "--admin-token-file", "--max-params", "--max-tensors")
 
 
 def _drop_flags(args):
-    drop = NEW_FLAGS if PRE_ISSUE10 else ()
+    drop = NEW_FLAGS if UNBOUNDED_SERVER else ()
     out, i = [], 0
     while i < len(args):
         if args[i] in drop:
@@ -401,7 +401,7 @@ class DataConn:
         self.sock.bind((source, 0))
         self.sock.connect((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if hello and not PRE_ISSUE10:
+        if hello and not UNBOUNDED_SERVER:
             try:
                 self.authenticate(token)
             except BaseException:

@@ -16,7 +16,7 @@ from zshard_servers import Shards
 NUMELS = [1000, 24]
 
 
-def test_row02_apply_lr_1e300_refused_weights_unchanged():
+def test_apply_lr_1e300_refused_weights_unchanged():
     """Row "Apply with lr = 1e300 (finite double, infinite float)": refused
     with INVALID_ARGUMENT, the step not taken, the weights as they were."""
     pb = stubs().pb
@@ -49,7 +49,7 @@ def _checkpoint_bytes(state_dir):
     return total
 
 
-def test_row03_uncommitted_checkpoints_respect_keep_checkpoints():
+def test_uncommitted_checkpoints_respect_keep_checkpoints():
     """Row "30 Checkpoints into new directories ... uncommitted checkpoints
     escape --keep-checkpoints", same directory: 30 steps each checkpointed
     and never committed keep the disk at a few checkpoints, not 30."""
@@ -69,7 +69,7 @@ def test_row03_uncommitted_checkpoints_respect_keep_checkpoints():
             total // one, total, one)
 
 
-def test_row03_checkpoints_into_new_directories_bounded():
+def test_checkpoints_into_new_directories_bounded():
     """Row "30 Checkpoints into new directories": each into its own
     directory, never committed, with --keep-checkpoints 2; the disk holds a
     few checkpoints' worth, not 31."""
@@ -92,7 +92,7 @@ def test_row03_checkpoints_into_new_directories_bounded():
             total // one, total)
 
 
-def test_row09_open_80m_params_refused():
+def test_open_80m_params_refused():
     """Row "an Open of 80M parameters from a 70-byte request": beyond
     --max-params it is RESOURCE_EXHAUSTED, nothing is allocated, and a job
     within the limit still opens."""
@@ -113,7 +113,7 @@ def test_row09_open_80m_params_refused():
         hostile.open_job(c, NUMELS)
 
 
-def test_row09_open_1m_tensors_refused():
+def test_open_1m_tensors_refused():
     """Row "an Open of 1M tensors" (300k here, to keep the test short; the
     limit is 1000): beyond --max-tensors it is RESOURCE_EXHAUSTED and the
     server's memory stays bounded."""
@@ -131,7 +131,7 @@ def test_row09_open_1m_tensors_refused():
         assert c.call("GetInfo", pb.GetInfoRequest()).job == ""
 
 
-def test_row10_far_ahead_checkpoints_do_not_block_real_ones():
+def test_far_ahead_checkpoints_do_not_block_real_ones():
     """Row "3 Checkpoints for step 1e9, then cancelled": the real Checkpoint,
     its commit and a Restore still go through."""
     pb = stubs().pb
@@ -187,12 +187,12 @@ def _fifo_startup(tmp, name):
         return code
 
 
-def test_row13_fifo_named_like_a_checkpoint_file(tmp_path):
+def test_fifo_named_like_a_checkpoint_file(tmp_path):
     """Row "a FIFO named like a checkpoint file ... in the state directory":
     the server starts (or refuses to start) instead of hanging in open()."""
     _fifo_startup(str(tmp_path), "shard")
 
 
-def test_row13_fifo_named_manifest(tmp_path):
+def test_fifo_named_manifest(tmp_path):
     """Row "a FIFO named like ... MANIFEST in the state directory"."""
     _fifo_startup(str(tmp_path), "MANIFEST")

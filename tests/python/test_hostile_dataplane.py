@@ -29,7 +29,7 @@ def _enough_fds(n):
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(n, hard), hard))
 
 
-def test_row01_dataplane_push_before_real_rank_refused():
+def test_dataplane_push_before_real_rank_refused():
     """Row "push as rank 1 before the real rank 1": on the data plane, a
     peer that has not authenticated gets no push in; the real rank 1's push
     is then new, not a duplicate."""
@@ -70,7 +70,7 @@ def test_row01_dataplane_push_before_real_rank_refused():
             good.close()
 
 
-def test_row01_dataplane_unauthenticated_connection_closed():
+def test_dataplane_unauthenticated_connection_closed():
     """The data plane closes a connection that has not authenticated within
     a few seconds, without processing anything it sent."""
     with Shard(tokens=True) as s:
@@ -81,7 +81,7 @@ def test_row01_dataplane_unauthenticated_connection_closed():
             conn.close()
 
 
-def test_row04_push_batch_1gib_no_job_bounded():
+def test_push_batch_1gib_no_job_bounded():
     """Row "PUSH_BATCH declaring 1 GiB, no job, bogus hash, 3 connections":
     refused before the payload is stored; 3 x 256 MiB of it sent leave the
     server's memory bounded."""
@@ -113,7 +113,7 @@ def test_row04_push_batch_1gib_no_job_bounded():
                 conn.close()
 
 
-def test_row06_idle_connections_from_one_address_leave_trainer_working():
+def test_idle_connections_from_one_address_leave_trainer_working():
     """Row "1100 idle data-plane connections": one address's flood does not
     lock the trainers out."""
     _enough_fds(4000)
@@ -144,7 +144,7 @@ def test_row06_idle_connections_from_one_address_leave_trainer_working():
                 conn.close()
 
 
-def test_row06_pulls_far_ahead_then_close_leave_trainer_working():
+def test_pulls_far_ahead_then_close_leave_trainer_working():
     """Row "1100 x (connect, Pull far ahead, close)": a closed peer's waiting
     Pull no longer holds its slot; the trainer gets in."""
     _enough_fds(4000)
@@ -179,7 +179,7 @@ def _big_job(c, numel):
     return h
 
 
-def test_row08_unread_fp32_pulls_bounded():
+def test_unread_fp32_pulls_bounded():
     """Row "a client that stops reading 64 MiB fp32 Pulls": the answers the
     server holds for peers that do not read stay within the whole-server
     budget (ANSWER_BUDGET), however many connections the attacker opens (50
@@ -217,7 +217,7 @@ def test_row08_unread_fp32_pulls_bounded():
                 conn.close()
 
 
-def test_row08_pull_batch_1gib_bounded():
+def test_pull_batch_1gib_bounded():
     """Row "a 1 GiB PULL_BATCH" nobody reads: refused or bounded, not a
     1 GiB answer buffer per request."""
     d, pb = stubs().dpb, stubs().pb
@@ -241,7 +241,7 @@ def test_row08_pull_batch_1gib_bounded():
             conn.close()
 
 
-def test_row11_300_pulls_then_push_on_one_connection_no_deadlock():
+def test_300_pulls_then_push_on_one_connection_no_deadlock():
     """Row "300 Pulls waiting on one data-plane connection, then the Push
     they wait for": the push is read and acknowledged, the step applies and
     every Pull is answered."""
@@ -276,7 +276,7 @@ def test_row11_300_pulls_then_push_on_one_connection_no_deadlock():
             conn.close()
 
 
-def test_row12_stalled_bf16_reader_does_not_hold_the_state_lock():
+def test_stalled_bf16_reader_does_not_hold_the_state_lock():
     """Row "one peer that stalls reading the bf16 copy": while an Apply
     deals with the stalled peer's pinned answer, a Pull of the current
     version is not held back behind it (the apply does not wait with the

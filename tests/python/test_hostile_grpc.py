@@ -34,7 +34,7 @@ def _job(s):
     return c, h
 
 
-def test_row01_grpc_push_before_real_rank_refused():
+def test_grpc_push_before_real_rank_refused():
     """Row "push as rank 1 before the real rank 1 (the spec hash is public
     through GetInfo)": without the trainers' token neither GetInfo nor the
     push gets through, so the real rank 1's push is new."""
@@ -51,7 +51,7 @@ def test_row01_grpc_push_before_real_rank_refused():
         assert not c.call("Push", push).duplicate, "the attacker's push took rank 1's place"
 
 
-def test_row03_restore_to_an_old_step_needs_the_admin_token():
+def test_restore_to_an_old_step_needs_the_admin_token():
     """Row "Restore to an old step": no token is UNAUTHENTICATED, the
     trainers' token PERMISSION_DENIED, and the version stays; the admin's
     token restores."""
@@ -72,7 +72,7 @@ def test_row03_restore_to_an_old_step_needs_the_admin_token():
         assert admin.call("Restore", restore).version == 0
 
 
-def test_row03_open_squatting_job_needs_a_token():
+def test_open_squatting_job_needs_a_token():
     """Row "Open a squatting job on a fresh shard": refused without the
     trainers' token; the shard stays empty for the real job."""
     pb = stubs().pb
@@ -88,7 +88,7 @@ def test_row03_open_squatting_job_needs_a_token():
         hostile.open_job(c, NUMELS)
 
 
-def test_row03_checkpoints_and_admin_methods_need_the_admin_token():
+def test_checkpoints_and_admin_methods_need_the_admin_token():
     """Row "30 Checkpoints into new directories, no credentials asked":
     Checkpoint, CommitCheckpoint, CloseJob and WriteState are the admin's;
     without a token or with the trainers' they are refused and nothing is
@@ -131,7 +131,7 @@ def _raw_push(size):
     return tag + bytes(out) + bytes(size)
 
 
-def test_row05_grpc_request_of_100mib_refused():
+def test_grpc_request_of_100mib_refused():
     """Row "one gRPC request of 100 MiB": RESOURCE_EXHAUSTED, the server's
     memory bounded."""
     with Shard() as s:
@@ -154,7 +154,7 @@ def test_row05_grpc_request_of_100mib_refused():
 REQUEST_QUOTA = 1 << 30
 
 
-def test_row05_grpc_two_huge_requests_refused():
+def test_grpc_two_huge_requests_refused():
     """Row "two of 900 MiB" (400 MiB here, to spare the test machine): both
     RESOURCE_EXHAUSTED, the server's memory bounded by the listener's quota
     for requests being read (REQUEST_QUOTA), not by what the clients send."""
@@ -228,7 +228,7 @@ def _abandoned_rounds(s, c, abandon, rounds=4, n=3 * PER_CONNECTION):
 ROUND_CEILING = 90 * MiB
 
 
-def test_row07_parked_pulls_released_when_the_client_exits():
+def test_parked_pulls_released_when_the_client_exits():
     """Row "80k gRPC Pulls parked ahead, then the client exits": the calls of
     a client that is gone are released with their memory (4 clients x 3000
     Pulls, one after the other)."""
@@ -248,7 +248,7 @@ def test_row07_parked_pulls_released_when_the_client_exits():
         _abandoned_rounds(s, c, park)
 
 
-def test_row07_parked_pulls_released_on_cancel():
+def test_parked_pulls_released_on_cancel():
     """Row "80k gRPC Pulls parked ahead": cancelled calls are released with
     their memory (4 x 3000 Pulls)."""
     with Shard() as s:
@@ -270,7 +270,7 @@ def _refused(calls):
     return [f for f in calls if f.done() and f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
 
 
-def test_row07_parked_pulls_budgeted():
+def test_parked_pulls_budgeted():
     """Row "80k gRPC Pulls parked ahead": one connection cannot park more
     than its budget (2000 tried), the server not more than its own (18
     connections x 1000 tried): beyond, RESOURCE_EXHAUSTED, and the memory
@@ -303,7 +303,7 @@ def test_row07_parked_pulls_budgeted():
         assert released, "%d cancelled Pulls still wait" % hostile.waiting_pulls(c)
 
 
-def test_row07_watch_streams_capped():
+def test_watch_streams_capped():
     """Row "Watch streams uncapped too": beyond a cap they are
     RESOURCE_EXHAUSTED; Check still answers."""
     hpb = stubs().hpb
@@ -352,7 +352,7 @@ def _closed(sock):
         return True
 
 
-def test_row14_connections_that_never_handshake_closed():
+def test_connections_that_never_handshake_closed():
     """Row "idle HTTP/2 connections": connections that never send their
     HTTP/2 preface are closed by the server."""
     with Shard() as s:
@@ -366,7 +366,7 @@ def test_row14_connections_that_never_handshake_closed():
                 k.close()
 
 
-def test_row14_idle_http2_connections_closed():
+def test_idle_http2_connections_closed():
     """Row "idle HTTP/2 connections ... never closed": after the preface and
     SETTINGS, a connection with no call is closed once idle (the idle time
     made short through the server's ZSHARD_GRPC_IDLE_MS test knob)."""
@@ -389,7 +389,7 @@ def _soft_fd_limit(pid):
     raise AssertionError("no 'Max open files' in /proc/%d/limits" % pid)
 
 
-def test_row14_idle_connections_with_a_low_fd_limit_leave_checkpoints_working():
+def test_idle_connections_with_a_low_fd_limit_leave_checkpoints_working():
     """Row "with a low fd limit, Checkpoint fails with EMFILE": a server
     started with a soft limit of 256 descriptors (the hard limit as it is),
     300 silent connections from one address; the admin's Checkpoint goes

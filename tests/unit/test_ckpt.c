@@ -28,6 +28,8 @@
 
 #include <cmocka.h>
 
+#include "tests/common/privileged.h"
+
 #include "common/base/clock.h"
 #include "common/base/dtype.h"
 #include "common/base/le.h"
@@ -772,9 +774,8 @@ static void full_disk_fails_clearly_and_keeps_the_previous_checkpoint(void **sta
   core_state_free(&probe);
   /* Room for one checkpoint and a half. */
   if (mount_tmpfs(root, (unsigned)((one * 3 / 2) / 1024 + 8)) != 0) {
-    fprintf(stderr, "cannot mount a tmpfs (%s): skipped\n", strerror(errno));
     spec_free(&s);
-    skip();
+    privileged_unavailable("cannot mount a tmpfs");
   }
   model md;
   model_random(&md, 10);
@@ -805,8 +806,7 @@ static void read_only_directory_fails_clearly_and_keeps_the_previous_checkpoint(
   char root[512], err[512];
   fresh_dir(root, sizeof root, "readonly");
   if (mount_tmpfs(root, 1024) != 0) {
-    fprintf(stderr, "cannot mount a tmpfs (%s): skipped\n", strerror(errno));
-    skip();
+    privileged_unavailable("cannot mount a tmpfs");
   }
   spec s;
   build_spec(&s, "readonly", 1);
