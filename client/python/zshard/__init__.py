@@ -25,9 +25,11 @@ from ._zshard import (  # noqa: F401
     LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
     Request, StepResult, Timing, dtype_size, err_name, strerror, version)
 
-# Every status code as a constant: zshard.EINVAL == -1 ...
+# Every status code as a constant: zshard.EINVAL == -1 ... Status codes are
+# 0 and below; EXP_AVG and EXP_AVG_SQ (state arrays) also start with E.
 STATUS = {name: getattr(_zshard, name) for name in dir(_zshard)
-          if name.isupper() and (name == "OK" or name.startswith("E"))}
+          if name.isupper() and (name == "OK" or name.startswith("E"))
+          and isinstance(getattr(_zshard, name), int) and getattr(_zshard, name) <= 0}
 globals().update(STATUS)
 
 _ENUMS = {

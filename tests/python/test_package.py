@@ -1,0 +1,32 @@
+"""The zshard module's constants match the C vocabulary (include/zshard/types.h)."""
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zshard_servers  # noqa: E402
+
+zshard_servers.use_build_tree_package()
+import zshard  # noqa: E402
+
+SRC = os.environ.get("ZS_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def status_list():
+    with open(os.path.join(SRC, "include", "zshard", "types.h")) as f:
+        text = f.read()
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"XX\((\w+), (-?\d+),", text)}
+
+
+def test_status_holds_every_status_code_and_nothing_else():
+    want = status_list()
+    assert len(want) >= 28
+    assert zshard.STATUS == want
+    assert "EXP_AVG" not in zshard.STATUS and "EXP_AVG_SQ" not in zshard.STATUS
+
+
+def test_every_status_code_has_its_name_and_sentence():
+    for name, value in zshard.STATUS.items():
+        assert getattr(zshard, name) == value
+        assert zshard.err_name(value) == "ZS_" + name
+        assert zshard.strerror(value)
