@@ -30,3 +30,29 @@ def test_every_status_code_has_its_name_and_sentence():
         assert getattr(zshard, name) == value
         assert zshard.err_name(value) == "ZS_" + name
         assert zshard.strerror(value)
+
+
+def test_a_failed_request_dropped_unwaited_warns_with_a_hint():
+    import array
+    import gc
+    import warnings
+
+    with zshard_servers.Shards(1) as shards:
+        c = zshard.Client(",".join(shards.addresses) if isinstance(shards.addresses, list)
+                          else shards.addresses, max_retries=0, rpc_timeout_ms=2000,
+                          transport="grpc")
+        c.add_group("sgd")
+        t = c.add_tensor("w", 64)
+        w = array.array("f", [1.0] * 64)
+        c.open_job([w])
+        shards.kill(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            r = c.pull(t, w)
+            del r
+            gc.collect()
+        c.close()
+    msgs = [str(x.message) for x in caught if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1, msgs
+    assert "a pull of tensor 0 dropped without wait() failed: ZS_ECONN" in msgs[0]
+    assert "wait() every Request" in msgs[0]

@@ -605,19 +605,26 @@ static PyObject *request_get_pending(request_object *self, void *Py_UNUSED(closu
 static void request_dealloc(request_object *self) {
   /* A request dropped unwaited still owns a transfer that reads or writes
    * its buffer: wait for it here, so the buffer is never released early. A
-   * failure cannot be raised from a destructor; it is reported as
-   * unraisable. */
+   * failure cannot be raised from a destructor: it becomes a RuntimeWarning
+   * with a hint (a traceback-less "Exception ignored" at exit told users
+   * nothing they could act on), or, when the warning filters turn warnings
+   * into errors, an unraisable error as before. */
   if (self->req && !self->waiting) {
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
     int rc = request_finish(self);
-    if (rc != ZS_OK) {
+    if (rc != ZS_OK &&
+        PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "zshard: a %s of tensor %u dropped without wait() failed: %s: %s "
+                         "(wait() every Request, or close() the client or the sharded "
+                         "optimizer, before letting go of it)",
+                         self->push ? "push" : "pull", (unsigned)self->tensor, zs_err_name(rc),
+                         zs_last_error()) < 0) {
       /* Not `self` as the context: the unraisable hook may keep its object
        * (pytest's does, to report it after the test), and self is being
        * freed; a sentence naming the transfer instead. */
       PyObject *where = PyUnicode_FromFormat("an unwaited zshard.Request (%s of tensor %u)",
                                              self->push ? "push" : "pull", (unsigned)self->tensor);
-      raise_status(rc);
       PyErr_WriteUnraisable(where);
       Py_XDECREF(where);
     }

@@ -43,8 +43,9 @@ How it works (ZeRO-3 on a parameter server):
 Semantics to know: the gradient pushed is `p.grad` as accumulated by one
 backward pass: one backward per step, or `grad_accum=M` backward passes (the
 shards add the M micro-batch gradients in order, as torch's accumulation in
-p.grad does; p.grad is then not kept). Use the shards' `max_grad_norm` rather
-than clipping `p.grad` yourself, which would happen after the push. A
+p.grad does; p.grad is then not kept). torch.nn.utils.clip_grad_norm_ on the
+sharded parameters goes to opt.clip_grad_norm_ (the gradients are on the
+shards). A
 parameter that gets no gradient in a step is pushed zeros (torch would skip
 it; see NOTES below). Parameters read outside forward are current after
 `gather()`, `close()`, `model.state_dict()` or a forward.
@@ -56,7 +57,10 @@ barrier needed: every rank writes the same values).
 """
 
 import collections
+import copy
 import os
+import sys
+import weakref
 
 import torch
 
@@ -73,6 +77,37 @@ from ._transfers import _Transfers
 __all__ = ["shard", "ShardedOptimizer", "NOTES", "init_empty"]
 
 
+# The parameters of the open sharded optimizers (id(param) -> optimizer), for
+# torch.nn.utils.clip_grad_norm_, which shard() routes to
+# ShardedOptimizer.clip_grad_norm_ for them.
+_OWNERS = weakref.WeakValueDictionary()
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, *args, **kwargs):
+    """torch.nn.utils.clip_grad_norm_, except that parameters of a sharded
+    optimizer are clipped by it: their gradients are on the shards, so
+    clipping p.grad here would silently do nothing."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = {id(_OWNERS.get(id(p))): _OWNERS.get(id(p)) for p in params}
+    if None not in owners.values():
+        if len(owners) == 1:
+            return next(iter(owners.values())).clip_grad_norm_(max_norm, norm_type)
+        raise RuntimeError("zshard.torch: clip_grad_norm_ over parameters of several sharded "
+                           "optimizers: call each optimizer's clip_grad_norm_")
+    if len(owners) > 1:
+        raise RuntimeError("zshard.torch: clip_grad_norm_ over sharded and unsharded parameters "
+                           "together: the sharded ones' gradients are on the shards; combine "
+                           "opt.grad_norm() with the others' norm and pass step(clip_coef=...)")
+    return _TORCH_CLIP(params, max_norm, norm_type, *args, **kwargs)
+
+
+def _route_clipping():
+    if torch.nn.utils.clip_grad_norm_ is not _clip_grad_norm_:
+        torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_
+        torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
+
+
 class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
     """The optimizer-like object shard() returns. It is a torch.optim.Optimizer
     (so lr schedulers accept it) whose param_groups are the wrapped
@@ -82,7 +117,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                  world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
                  grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
                  mmap_threshold=None, param_init_fn=None, init_timeout_s=None,
-                 **client_options):
+                 push_window=None, **client_options):
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -97,6 +132,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         if self.grad_accum < 1:
             raise ValueError("zshard.torch: grad_accum must be at least 1")
         self.last_result = None
+        self._clip_once = None     # clip_grad_norm_'s coefficient for the coming step
         self._closed = False
         self._optim = self._optimizer_kind(optimizer)
         if wire_dtype not in _WIRE:
@@ -156,6 +192,15 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             self.client.close()
             raise
         self._version = self.client.current_step - 1
+        if self._version > 0 and rank == 0:
+            # Re-running a script against trained shards resumes them
+            # (open_mode "either"): say so, once, rather than silently.
+            print("zshard.torch: resumed job '%s' at step %d from the shards (open_mode='create' "
+                  "starts a new run; close(close_job=True) ends this one)"
+                  % (job, self._version + 1), file=sys.stderr, flush=True)
+        for P in self._params:
+            _OWNERS[id(P.p)] = self
+        _route_clipping()
         self._zeros = None         # pushed for parameters without a gradient
         self._op = 0
         self._trace = None         # params in order of first use during the first forward
@@ -164,6 +209,16 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._in_forward = False
         # (param, micro, gradient, request) of the pushes in flight, oldest first.
         self._inflight = collections.deque()
+        self._inflight_bytes = 0
+        # The gradient bytes pushes in flight may hold before backward waits
+        # (_bound_pushes): by default, with release_after_forward (bounded
+        # memory is the point), 64 MiB or two of the largest tensors;
+        # otherwise no bound (the trainer holds p.grad for every parameter
+        # anyway). 0: no bound.
+        if push_window is None:
+            push_window = max(64 << 20, 8 * max(P.numel for P in self._params)) \
+                if self.release_after_forward else 0
+        self._push_window = int(push_window)
         self._push_error = None
         # Gradients accumulated but not pushed yet, by unit: a unit's pushes
         # go out together (zs_push_many) once all its gradients are there,
@@ -220,14 +275,28 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
 
     @staticmethod
     def _optimizer_kind(optimizer):
-        if type(optimizer) is torch.optim.AdamW:
-            return "adamw"
-        if type(optimizer) is torch.optim.Adam:
-            return "adam"
-        if type(optimizer) is torch.optim.SGD:
-            return "sgd"
+        """AdamW, Adam, SGD, or a subclass of one that keeps its step(): the
+        shards run that step; a subclass with its own step() would not be
+        what runs, so it is refused."""
+        def unwrap(f):
+            # torch.optim wraps a class's step() for the profiler the first
+            # time one of its instances is built (functools.wraps).
+            while hasattr(f, "__wrapped__"):
+                f = f.__wrapped__
+            return f
+
+        for base, kind in ((torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"),
+                           (torch.optim.SGD, "sgd")):
+            if isinstance(optimizer, base):
+                if unwrap(type(optimizer).step) is not unwrap(base.step):
+                    raise TypeError("zshard.torch: %s overrides step(), which the shards would "
+                                    "not run; subclasses of torch.optim.%s are supported when "
+                                    "they keep its step()" % (type(optimizer).__name__,
+                                                              base.__name__))
+                return kind
         raise TypeError("zshard.torch: optimizer %s is not supported (torch.optim.AdamW, Adam or "
-                        "SGD)" % type(optimizer).__name__)
+                        "SGD, or a subclass of one that keeps its step())"
+                        % type(optimizer).__name__)
 
     def _group_options(self, g):
         bad = [k for k in ("amsgrad", "maximize", "capturable", "differentiable", "fused", "foreach")
@@ -307,6 +376,28 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         def forward(*args, **kwargs):
             return self._forward(inner, args, kwargs)
         model.forward = forward
+        # copy.deepcopy(model) (an EMA copy) looks __deepcopy__ up on the
+        # instance: the copy is an ordinary model with the current weights.
+        model.__deepcopy__ = self._deepcopy_model
+
+    def _uninstall(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for k in ("forward", "__deepcopy__"):
+            self._model.__dict__.pop(k, None)
+
+    def _deepcopy_model(self, memo):
+        """copy.deepcopy(model): every parameter made current, then a copy
+        without zshard's hooks and forward: an ordinary, unsharded model
+        holding the current weights, which the sharded one never touches."""
+        self._check_open()
+        self.gather()
+        self._uninstall()
+        try:
+            return copy.deepcopy(self._model, memo)
+        finally:
+            self._install()
 
     def _outside_hook(self, params):
         def hook(module, inputs):
@@ -342,6 +433,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 loss = closure()
         lrs = self._step_lrs()
         self._prepare_step()
+        if clip_coef is None and self._clip_once is not None:
+            clip_coef = self._clip_once  # from clip_grad_norm_
+        self._clip_once = None
         self.last_result = self.client.step(lrs[0], float(self.max_grad_norm or 0.0), 0.0,
                                             group_lr=lrs, clip_coef=float(clip_coef or 0.0))
         self._version = self.client.current_step - 1
@@ -446,7 +540,38 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         return cur
 
     def add_param_group(self, param_group):
-        raise NotImplementedError("zshard.torch: the model's tensors are fixed when the job opens")
+        raise NotImplementedError(
+            "zshard.torch: add_param_group() after shard(): the model's tensors and groups are "
+            "fixed when the job opens. Build the optimizer with every param group before "
+            "shard() (a group can start with lr=0 and be enabled later by a scheduler, which "
+            "zshard follows step by step)")
+
+    # ---- clipping ----------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """torch.nn.utils.clip_grad_norm_ for the sharded parameters (FSDP's
+        pattern): returns this step's global gradient norm (over every
+        trainer's gradient, as an fp32 tensor) and makes the coming step()
+        scale the gradient by torch's coefficient, max_norm / (norm + 1e-6)
+        capped at 1. Call it after backward and before step(); torch's own
+        clip_grad_norm_ on these parameters comes here. The norm is exact
+        (rounded once); torch's sums fp32 per-tensor norms, so the two can
+        differ in the last bits (docs/PYTORCH.md)."""
+        self._check_open()
+        if float(norm_type) != 2.0:
+            raise NotImplementedError("zshard.torch: clip_grad_norm_ with norm_type=%r: the "
+                                      "shards compute the 2-norm only" % (norm_type,))
+        max_norm = float(max_norm)
+        if not max_norm > 0.0:
+            raise ValueError("zshard.torch: clip_grad_norm_: max_norm must be positive")
+        norm, _ = self.grad_norm()
+        total = torch.tensor(norm, dtype=torch.float32)
+        # torch's coefficient, computed as torch computes it (fp32, clamped
+        # at 1), from the shards' norm: that norm is the exact one rounded
+        # once, where torch sums fp32 norms, so the two can differ in the
+        # last bits, and then so do the clipped weights.
+        self._clip_once = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
 
     def close(self, close_job=False):
         """Leaves the model with the current weights in its parameters,
@@ -473,11 +598,10 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 self.client.close_job()
         finally:
             self._closed = True
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
-            if self._model.__dict__.get("forward") is not None:
-                del self._model.forward
+            self._uninstall()
+            for P in self._params:
+                if _OWNERS.get(id(P.p)) is self:
+                    del _OWNERS[id(P.p)]
             self.client.close()
 
     def _check_open(self):
@@ -531,6 +655,9 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
       its reset_parameters().
     init_timeout_s: with meta parameters, how long the other ranks wait for
       rank 0's initial weights (None: no limit).
+    push_window: the gradient bytes pushes in flight may hold before backward
+      waits for the oldest (None: with release_after_forward 64 MiB or two of
+      the largest tensors, whichever is more, else no bound; 0: no bound).
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,

@@ -188,7 +188,17 @@ class _Transfers:
             if self.release_after_forward:
                 self._release(P)
             self._reap()
+            self._bound_pushes()
         return hook
+
+    def _bound_pushes(self):
+        """Backpressure: while the gradients held by pushes in flight exceed
+        the window, backward waits for the oldest. Without it a trainer
+        whose network (or shards) is slower than its backward holds every
+        gradient of the step at once: memory that grows with the model."""
+        q = self._inflight
+        while self._push_window and q and self._inflight_bytes > self._push_window:
+            self._finish_push(q.popleft())
 
     def _queue_push(self, P, g):
         """Queues P's gradient from backward: pushed together with the rest
@@ -253,16 +263,19 @@ class _Transfers:
             if len(es) == 1:
                 P, _, g = es[0]
                 self._inflight.append((P, micro, g, self.client.push(P.idx, _buffer(g), micro)))
+                self._inflight_bytes += 4 * P.numel
                 continue
             reqs = self.client.push_many([P.idx for P, _, _ in es],
                                          [_buffer(g) for _, _, g in es], micro)
             for (P, _, g), r in zip(es, reqs):
                 self._inflight.append((P, micro, g, r))
+                self._inflight_bytes += 4 * P.numel
 
     def _finish_push(self, entry):
         """Waits for one push; a failed one is kept (with its gradient) to be
         pushed again by the next step() and its error raised by this one."""
         P, micro, g, req = entry
+        self._inflight_bytes -= 4 * P.numel
         try:
             req.wait()
         except zshard.Error as e:
