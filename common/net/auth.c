@@ -35,6 +35,29 @@ static int say(char *err, size_t errlen, const char *path, const char *what) {
   return ZS_EINVAL;
 }
 
+/* A token anyone may read is no secret, and one that others may rewrite
+ * lets them grant themselves access: such a file is refused, as ssh refuses
+ * an unprotected key. Group read is allowed: Kubernetes mounts secrets
+ * readable by the pod's fsGroup (mode 0440). The mode checked is that of the
+ * file opened, so a symbolic link (Kubernetes' secret volumes are made of
+ * them) is judged by its target. */
+static int check_mode(const struct stat *st, const char *path, char *err, size_t errlen) {
+  char why[160];
+  unsigned mode = (unsigned)(st->st_mode & 07777);
+  if (st->st_mode & (S_IWGRP | S_IWOTH))
+    snprintf(why, sizeof why,
+             "mode %04o lets the group or others rewrite the token: chmod go-w (0600 or 0400)",
+             mode);
+  else if (st->st_mode & S_IROTH)
+    snprintf(why, sizeof why,
+             "mode %04o lets anyone read the token: chmod o-r (0600, 0400, or 0440 for a "
+             "shared group)",
+             mode);
+  else
+    return 0;
+  return say(err, errlen, path, why);
+}
+
 /* The file's first line, trimmed. O_NONBLOCK and the regular-file check keep
  * a FIFO or a device put in the file's place from hanging the caller. */
 int auth_read_token_file(const char *path, char *buf, size_t buflen, char *err, size_t errlen) {
@@ -45,6 +68,11 @@ int auth_read_token_file(const char *path, char *buf, size_t buflen, char *err, 
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     close(fd);
     return say(err, errlen, path, "not a regular file");
+  }
+  int bad = check_mode(&st, path, err, errlen);
+  if (bad) {
+    close(fd);
+    return bad;
   }
   char raw[AUTH_MAX_TOKEN + 2];
   ssize_t n = read(fd, raw, sizeof raw);

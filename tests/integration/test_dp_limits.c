@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <unistd.h>
 
@@ -531,6 +532,7 @@ static void a_server_with_a_token_file_lets_only_its_token_on_the_data_plane(voi
   assert_non_null(f);
   fprintf(f, "%s\n", token);
   fclose(f);
+  assert_int_equal(chmod(path, 0600), 0); /* others may not read a token file */
   const char *args[] = {"--shard-id",   "0",  "--shards", "1", "--threads", "1",
                         "--token-file", path, NULL};
   hs_server *srv = hs_start(args, NULL);

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -40,11 +41,13 @@ static const uint64_t NUMEL[NT] = {100, 7};
 
 static char trainer_file[600], admin_file[600], certdir[600];
 
+/* Mode 0600: a token file others may read is refused. */
 static void write_file(const char *path, const char *text) {
   FILE *f = fopen(path, "w");
   assert_non_null(f);
   assert_true(fputs(text, f) >= 0);
   assert_int_equal(fclose(f), 0);
+  assert_int_equal(chmod(path, 0600), 0);
 }
 
 /* Runs a shell command (the openssl CLI); fails the test if it fails. */

@@ -47,6 +47,7 @@ class Tokens(unittest.TestCase):
             path = os.path.join(tmp, "token")
             with open(path, "w") as f:
                 f.write(TOKEN + "\n")
+            os.chmod(path, 0o600)  # others may not read a token file
             args = ["--token-file", path, "--data-listen", "off"]
             with zshard_servers.Shards(1, extra_args=args) as shards:
                 saved = {k: os.environ.pop(k) for k in list(os.environ)

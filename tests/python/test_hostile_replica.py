@@ -50,6 +50,7 @@ class ReplicaSet:
                 path = os.path.join(self.tmp, flag[2:])
                 with open(path, "w") as f:
                     f.write(token + "\n")
+                os.chmod(path, 0o600)  # others may not read a token file
                 self.extra += [flag, path]
         self.metrics = metrics
         self.procs = [None] * n

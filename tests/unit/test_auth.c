@@ -48,6 +48,7 @@ static const char *put(const char *name, const char *text) {
   assert_non_null(f);
   fputs(text, f);
   fclose(f);
+  assert_int_equal(chmod(p, 0600), 0);
   return p;
 }
 
@@ -140,6 +141,49 @@ static void a_fifo_is_refused_without_blocking(void **state) {
   assert_non_null(strstr(err, "not a regular file"));
 }
 
+/* As ssh refuses an unprotected key: a token others may read or rewrite is
+ * refused, naming the mode and the fix; group read is allowed (Kubernetes'
+ * fsGroup, 0440); a symbolic link is judged by the file it points to. */
+static void token_files_others_can_read_or_write_are_refused(void **state) {
+  (void)state;
+  static const struct {
+    mode_t mode;
+    const char *words; /* NULL: accepted */
+  } cases[] = {
+      {0600, NULL},         {0400, NULL},         {0440, NULL},         {0640, NULL},
+      {0644, "chmod o-r"},  {0604, "chmod o-r"},  {0620, "chmod go-w"}, {0602, "chmod go-w"},
+      {0666, "chmod go-w"}, {0660, "chmod go-w"},
+  };
+  char err[512];
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const char *p = put("moded", TRAINER "\n");
+    assert_int_equal(chmod(p, cases[i].mode), 0);
+    auth_keys *k = NULL;
+    int rc = auth_keys_new(p, NULL, &k, err, sizeof err);
+    if (!cases[i].words) {
+      assert_int_equal(rc, ZS_OK);
+      auth_keys_free(k);
+      continue;
+    }
+    assert_int_equal(rc, ZS_EINVAL);
+    assert_null(k);
+    assert_non_null(strstr(err, p));
+    assert_non_null(strstr(err, cases[i].words));
+  }
+  /* A link to a protected file is fine; a link to an unprotected one is not. */
+  const char *target = put("target", TRAINER "\n");
+  char link[160];
+  snprintf(link, sizeof link, "%s/link", dir);
+  assert_int_equal(symlink(target, link), 0);
+  auth_keys *k = NULL;
+  assert_int_equal(auth_keys_new(link, NULL, &k, err, sizeof err), ZS_OK);
+  assert_int_not_equal(check(k, TRAINER), AUTH_NONE);
+  auth_keys_free(k);
+  assert_int_equal(chmod(target, 0644), 0);
+  assert_int_equal(auth_keys_new(link, NULL, &k, err, sizeof err), ZS_EINVAL);
+  assert_non_null(strstr(err, "chmod o-r"));
+}
+
 static void reload_rotates_and_keeps_old_keys_on_error(void **state) {
   (void)state;
   auth_keys *k;
@@ -163,6 +207,7 @@ int main(void) {
       cmocka_unit_test(one_file_configurations),
       cmocka_unit_test(bad_files_are_refused_with_their_name),
       cmocka_unit_test(a_fifo_is_refused_without_blocking),
+      cmocka_unit_test(token_files_others_can_read_or_write_are_refused),
       cmocka_unit_test(reload_rotates_and_keeps_old_keys_on_error),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
