@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "common/base/status.h"
 #include "common/model/layout.h"
@@ -150,6 +151,12 @@ uint64_t service_memory_limit(const char *root) {
   if (f)
     fclose(f);
   lim = min_u64(lim, total);
+  /* The process's own address-space limit (ulimit -v, prlimit --as) bounds
+   * what it can map, whatever the machine has; only for the real process
+   * (a test's `root` describes another machine). */
+  struct rlimit as;
+  if (!root[0] && getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY)
+    lim = min_u64(lim, (uint64_t)as.rlim_cur);
   return lim == UINT64_MAX ? 0 : lim;
 }
 

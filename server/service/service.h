@@ -98,8 +98,9 @@ typedef struct service_limits {
 
 /* The memory this process may use, in bytes: the smallest of the cgroup's
  * limit (v2 memory.max, v1 memory.limit_in_bytes; at the cgroup root and at
- * this process's cgroup as /proc/self/cgroup names it) and MemTotal from
- * /proc/meminfo. `root` (NULL or "" for "/") is prefixed to every path, for
+ * this process's cgroup as /proc/self/cgroup names it), MemTotal from
+ * /proc/meminfo and, for the real root only, the address-space limit
+ * (RLIMIT_AS). `root` (NULL or "" for "/") is prefixed to every path, for
  * tests. 0 when none of them can be read. */
 uint64_t service_memory_limit(const char *root);
 

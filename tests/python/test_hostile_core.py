@@ -196,3 +196,49 @@ def test_fifo_named_like_a_checkpoint_file(tmp_path):
 def test_fifo_named_manifest(tmp_path):
     """Row "a FIFO named like ... MANIFEST in the state directory"."""
     _fifo_startup(str(tmp_path), "MANIFEST")
+
+
+def test_the_default_job_limits_honour_the_address_space_limit(tmp_path):
+    """A server under `ulimit -v` (RLIMIT_AS) of 4 GiB (or half the machine's
+    memory) derives its default --max-params from that, not from the machine:
+    an Open that would not fit in its address space is refused at once."""
+    import resource
+    import subprocess
+    import time
+
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    limit = min(4 << 30, total // 2 // 4096 * 4096)  # below the machine's memory
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    port_file = tmp_path / "port"
+    log = open(tmp_path / "log", "w")
+    proc = subprocess.Popen([os.environ["ZSHARD_SERVER_BIN"], "--listen", "127.0.0.1:0",
+                             "--port-file", str(port_file), "--data-listen", "off"],
+                            stderr=log, preexec_fn=cap)
+    try:
+        deadline = time.monotonic() + 20
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert proc.poll() is None, (tmp_path / "log").read_text()
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        text = (tmp_path / "log").read_text()
+        assert "memory_limit_bytes=%d" % limit in text, text
+        pb = stubs().pb
+        c = hostile.Client("127.0.0.1:" + port_file.read_text().strip())
+        try:
+            spec = pb.ModelSpec(job="big", world_size=1, grad_accum=1, num_shards=1,
+                                groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW,
+                                                      lr_scale=1.0, beta1=0.9, beta2=0.999,
+                                                      eps=1e-8)],
+                                tensors=[pb.TensorSpec(name="w", numel=300_000_000, group=0)])
+            code = c.code("Open", pb.OpenRequest(spec=spec))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, code
+        finally:
+            c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
