@@ -88,6 +88,43 @@ class Memory(unittest.TestCase):
         self.assertLess(released["after_forward"], held["after_forward"] - 0.75 * params)
         self.assertLess(released["peak_growth"], held["peak_growth"])
 
+class WorkingSet(unittest.TestCase):
+
+    def test_every_forward_holds_a_few_layers_not_the_model(self):
+        """With release_after_forward, the parameters holding storage while
+        each layer runs are a few layers' worth, in the first forward (which
+        has no unit order yet) as in the later ones: counted, not timed."""
+        import zshard.torch
+        layers = 8
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(layers)])
+        layer_bytes = 4 * (256 * 256 + 256)
+        seen = []
+
+        def held(module, inputs):
+            # The package's own record of which parameters hold storage:
+            # reading p.storage() here would go through its function mode,
+            # which makes the parameter current first.
+            seen.append(sum(4 * P.numel for P in opt._params if P.alloc))
+
+        for m in model:
+            m.register_forward_pre_hook(held)
+        with zshard_servers.Shards(1) as shards:
+            opt = zshard.torch.shard(model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                                     addresses=shards.addresses, wire_dtype=torch.float32,
+                                     release_after_forward=True, prefetch=1, job="ws")
+            try:
+                for step in range(3):
+                    del seen[:]
+                    opt.zero_grad(set_to_none=True)
+                    model(torch.randn(4, 256)).square().mean().backward()
+                    opt.step()
+                    self.assertEqual(len(seen), layers)
+                    self.assertLessEqual(max(seen), 4 * layer_bytes, (step, seen))
+            finally:
+                opt.close()
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "worker":
         worker(sys.argv[2], sys.argv[3] == "1")

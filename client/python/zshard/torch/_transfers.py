@@ -91,9 +91,32 @@ class _Transfers:
             self._ensure(P)
             if fresh and P.unit is not None:
                 self._prefetch_units(P.unit, +1)
+            if self._trace is not None and self.release_after_forward:
+                self._first_forward_window(P)
         elif isinstance(a, (list, tuple)):
             for x in a:
                 self._touch(x)
+
+    def _first_forward_window(self, P):
+        """The first forward has no unit order to release by: it keeps the
+        parameters of the last few modules it touched and releases older
+        ones (never one the current operation reads), so that even the
+        first forward holds a working set, not the model. A parameter read
+        again later (a tied weight, a module called twice) is pulled again."""
+        group = self._siblings.get(P.idx, (P,))
+        win = self._first_window
+        win[id(group)] = group
+        win.move_to_end(id(group))
+        keep = max(2, self.prefetch + 1)
+        for key in list(win):
+            if len(win) <= keep:
+                break
+            old = win[key]
+            if any(Q.last_op == self._op for Q in old):
+                continue  # read by the operation running now
+            del win[key]
+            for Q in old:
+                self._release(Q)
 
     def _forward(self, inner, args, kwargs):
         if self._closed:
@@ -105,6 +128,7 @@ class _Transfers:
         if first:
             self._trace = []
             self._release_at = None
+            self._first_window = collections.OrderedDict()
         elif self._units:
             self._prefetch_units(-1, +1)
         self._op = 0
