@@ -1,0 +1,330 @@
+"""Pretrained weights are imported onto the shards one tensor at a time.
+
+zshard.torch.load_pretrained() reads a safetensors file or torch.save's zip
+format (.pt/.bin) and writes each tensor to its shards' fp32 masters: the
+masters then hold exactly what model.load_state_dict() gives torch (fp32,
+bf16 and fp16 files), and the next forward pulls them. Missing, unexpected and
+mis-shaped names, a corrupt file and a pickle that names a global other than
+torch's tensor rebuilders are refused before anything is written (the masters
+are compared before and after). The importer's peak memory is measured in a
+subprocess: it stays under the largest tensor plus a constant, well under the
+file. `zshard import` (the CLI) writes a file `zshard export` wrote back to
+the same bits.
+
+Two real zshard-server processes on port 0; fp32 on the wire.
+Run with Debian's interpreter (CTest does): /usr/bin/python3 -m pytest tests/python/test_import.py
+"""
+
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+import zipfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zshard_servers  # noqa: E402
+
+zshard_servers.use_build_tree_package()
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import zshard  # noqa: E402
+import zshard.torch  # noqa: E402
+
+ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+            torch.int64: "I64"}
+
+
+class Net(nn.Module):
+    """Parameters large enough to be split over both shards, a tied weight
+    and a BatchNorm's buffers (one of them int64)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(96, 64)
+        self.fc = nn.Linear(64, 80)
+        self.norm = nn.BatchNorm1d(80)
+        self.out = nn.Linear(80, 64, bias=False)
+        with torch.no_grad():
+            self.norm.running_mean.normal_()
+            self.norm.running_var.uniform_(0.5, 2)
+            self.norm.num_batches_tracked.fill_(seed)
+
+    def forward(self, x):
+        return self.out(self.norm(self.fc(self.emb(x))))
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """The format, written here by hand: 8-byte length, JSON header, data."""
+    header, blobs, off = {}, [], 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for b in blobs:
+            f.write(b)
+
+
+def masters(opt):
+    """{name: the fp32 master weights on the shards}."""
+    out = {}
+    for P in opt._params:
+        t = torch.empty(P.p.shape)
+        opt.client.state_read(P.idx, zshard.MASTER, zshard.torch._common._buffer(t))
+        out[P.name] = t
+    return out
+
+
+def shard(model, shards, **kw):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return zshard.torch.shard(model, opt, addresses=shards.addresses, wire_dtype=torch.float32,
+                              rank=0, world_size=1, split_threshold=1024, job="import", **kw)
+
+
+class LoadPretrained(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="zshard-import-")
+        cls.shards = zshard_servers.Shards(2).__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.shards.__exit__(None, None, None)
+        cls.tmp.cleanup()
+
+    def path(self, name):
+        return os.path.join(self.tmp.name, name)
+
+    def setUp(self):
+        self.model = Net(seed=2)
+        self.opt = shard(self.model, self.shards)
+
+    def tearDown(self):
+        self.opt.close(close_job=True)
+
+    def assertMastersAre(self, ref, what):
+        got = masters(self.opt)
+        for n, p in ref.named_parameters():
+            self.assertTrue(torch.equal(got[n].view(torch.int32), p.detach().view(torch.int32)),
+                            "%s: %s differs" % (what, n))
+
+    def assertLoadsLikeTorch(self, sd, path):
+        """load_pretrained(path) leaves the masters, the model's weights
+        after a gather and its buffers as model.load_state_dict(sd)."""
+        want = Net(seed=2)
+        want.load_state_dict(sd)
+        n = zshard.torch.load_pretrained(self.opt, path)
+        self.assertEqual(n, sum(t.numel() * t.element_size() for t in sd.values()))
+        self.assertMastersAre(want, path)
+        self.opt.gather()
+        for (k, a), b in zip(self.model.state_dict().items(), want.state_dict().values()):
+            self.assertTrue(torch.equal(a, b), "%s: model's %s after gather" % (path, k))
+
+    def test_torch_save_state_dict_imports_like_load_state_dict(self):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                sd = {k: v.to(dtype) if v.is_floating_point() else v
+                      for k, v in Net(seed=7).state_dict().items()}
+                torch.save(sd, self.path("sd.pt"))
+                self.assertLoadsLikeTorch(sd, self.path("sd.pt"))
+
+    def test_safetensors_imports_like_load_state_dict(self):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                sd = {k: v.to(dtype) if v.is_floating_point() else v
+                      for k, v in Net(seed=8).state_dict().items()}
+                write_safetensors(self.path("sd.safetensors"), sd, {"format": "pt"})
+                self.assertLoadsLikeTorch(sd, self.path("sd.safetensors"))
+
+    def test_a_saved_module_view_and_parameter_objects_import(self):
+        """torch.save of a dict with nn.Parameter values and a transposed
+        view (not contiguous in its storage)."""
+        ref = Net(seed=9)
+        sd = ref.state_dict(keep_vars=True)
+        w = ref.fc.weight.detach().t().contiguous().t()  # a transpose of a contiguous tensor
+        sd["fc.weight"] = w
+        torch.save(sd, self.path("params.bin"))
+        self.assertLoadsLikeTorch({k: v.detach() for k, v in sd.items()}, self.path("params.bin"))
+
+    def test_wrong_names_and_shapes_are_reported_like_torch_and_nothing_is_written(self):
+        before = masters(self.opt)
+        sd = Net(seed=3).state_dict()
+        del sd["fc.bias"]
+        sd["head.weight"] = torch.zeros(3)
+        sd["out.weight"] = torch.zeros(64, 81)
+        torch.save(sd, self.path("bad.pt"))
+        write_safetensors(self.path("bad.safetensors"), sd)
+        for p in (self.path("bad.pt"), self.path("bad.safetensors")):
+            with self.assertRaises(RuntimeError) as cm:
+                zshard.torch.load_pretrained(self.opt, p)
+            msg = str(cm.exception)
+            self.assertIn('Missing key(s) in state_dict: "fc.bias"', msg)
+            self.assertIn('Unexpected key(s) in state_dict: "head.weight"', msg)
+            self.assertIn("size mismatch for out.weight: copying a param with shape "
+                          "torch.Size([64, 81]) from checkpoint, the shape in current model is "
+                          "torch.Size([64, 80])", msg)
+            # torch's own words, for the same dict.
+            with self.assertRaises(RuntimeError) as ref:
+                Net(seed=2).load_state_dict(sd)
+            for line in str(ref.exception).split("\n\t")[1:]:
+                self.assertIn(line.strip(), msg)
+            after = masters(self.opt)
+            for n in before:
+                self.assertTrue(torch.equal(before[n], after[n]), n)
+        # strict=False: the names are skipped, a shape mismatch still refused.
+        with self.assertRaisesRegex(RuntimeError, "size mismatch for out.weight"):
+            zshard.torch.load_pretrained(self.opt, self.path("bad.pt"), strict=False)
+        del sd["out.weight"]
+        torch.save(sd, self.path("partial.pt"))
+        zshard.torch.load_pretrained(self.opt, self.path("partial.pt"), strict=False)
+        got = masters(self.opt)
+        self.assertTrue(torch.equal(got["fc.weight"], sd["fc.weight"]))
+        self.assertTrue(torch.equal(got["fc.bias"], before["fc.bias"]))
+        self.assertTrue(torch.equal(got["out.weight"], before["out.weight"]))
+
+    def test_corrupt_safetensors_are_refused_and_nothing_is_written(self):
+        before = masters(self.opt)
+        sd = Net(seed=4).state_dict()
+        good = self.path("good.safetensors")
+        write_safetensors(good, sd)
+        raw = open(good, "rb").read()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+
+        def with_header(h, tail=None):
+            head = json.dumps(h).encode()
+            return struct.pack("<Q", len(head)) + head + (raw[8 + n:] if tail is None else tail)
+
+        def edit(name, key, value):
+            h = json.loads(json.dumps(header))
+            h[name][key] = value
+            return with_header(h)
+
+        first, second = "emb.weight", "fc.weight"
+        cases = {
+            "short": (raw[:5], "too short"),
+            "length past the end": (struct.pack("<Q", len(raw)) + raw[8:], "beyond the file"),
+            "not json": (struct.pack("<Q", 4) + b"{{{{" + raw[8 + n:], "not JSON"),
+            "a list": (with_header([1, 2]), "not a JSON object"),
+            "truncated data": (raw[:-100], "data_offsets"),
+            "offsets past the data": (edit(first, "data_offsets", [0, 1 << 40]), "data_offsets"),
+            "offsets backwards": (edit(first, "data_offsets", [8, 4]), "data_offsets"),
+            "size disagrees with shape": (edit(first, "shape", [96, 63]), "needs"),
+            "overlap": (edit(second, "data_offsets",
+                             [header[first]["data_offsets"][0] + 4,
+                              header[first]["data_offsets"][0] + 4 +
+                              header[second]["data_offsets"][1] -
+                              header[second]["data_offsets"][0]]), "overlap"),
+            "unknown dtype": (edit(first, "dtype", "F8_E4M3"), "dtype"),
+            "negative size": (edit(first, "shape", [-96, -64]), "shape"),
+            "extra field": (edit(first, "crc", 1), "exactly"),
+        }
+        for what, (data, want) in cases.items():
+            with self.subTest(what):
+                p = self.path("corrupt.safetensors")
+                with open(p, "wb") as f:
+                    f.write(data)
+                with self.assertRaisesRegex(zshard.torch.PretrainedError, want):
+                    zshard.torch.load_pretrained(self.opt, p)
+                after = masters(self.opt)
+                for k in before:
+                    self.assertTrue(torch.equal(before[k], after[k]), (what, k))
+
+    def test_a_pickle_naming_another_global_is_refused_without_running_it(self):
+        marker = self.path("ran")
+
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("touch " + marker,))
+
+        p = self.path("evil.pt")
+        with zipfile.ZipFile(p, "w") as z:
+            z.writestr("archive/data.pkl", pickle.dumps({"fc.weight": Evil()}, protocol=2))
+            z.writestr("archive/version", "3\n")
+        with self.assertRaisesRegex(zshard.torch.PretrainedError,
+                                    r"global (posix|os)\.system is not allowed"):
+            zshard.torch.load_pretrained(self.opt, p)
+        self.assertFalse(os.path.exists(marker))
+
+
+PEAK_SCRIPT = r"""
+import os, sys
+sys.path.insert(0, os.environ["ZSHARD_PYTHONPATH"])
+import torch, zshard.torch
+from torch import nn
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmHWM", "VmRSS")):
+            yield int(line.split()[1]) * 1024
+
+model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)])
+opt = zshard.torch.shard(model, torch.optim.AdamW(model.parameters()),
+                         addresses=sys.argv[1], wire_dtype=torch.float32, rank=0, world_size=1,
+                         job="peak", release_after_forward=True)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+peak0, rss0 = hwm()
+n = zshard.torch.load_pretrained(opt, sys.argv[2])
+peak, _ = hwm()
+print(n, rss0, peak, flush=True)
+opt.close(close_job=True)
+"""
+
+
+class PeakMemory(unittest.TestCase):
+    LARGEST = 2048 * 2048 * 4           # one layer's fp32 weights: 16 MiB
+    CONSTANT = 32 << 20             # the reads, the write messages in flight, malloc
+
+    def measure(self, shards, path):
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1",
+                   ZSHARD_PYTHONPATH=sys.path[0] if "ZSHARD_PYTHONPATH" not in os.environ
+                   else os.environ["ZSHARD_PYTHONPATH"])
+        out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, shards.addresses, path],
+                             env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        n, rss0, peak = (int(x) for x in out.stdout.split())
+        return n, peak - rss0
+
+    def test_the_importer_holds_one_tensor_at_a_time(self):
+        if not os.path.exists("/proc/self/clear_refs"):
+            self.skipTest("no /proc/self/clear_refs to reset the peak")
+        torch.manual_seed(0)
+        sd = {"%d.weight" % i: torch.randn(2048, 2048) for i in range(8)}
+        with tempfile.TemporaryDirectory(prefix="zshard-peak-") as tmp, \
+                zshard_servers.Shards(2) as shards:
+            for fmt in ("pt", "safetensors", "bf16.safetensors"):
+                path = os.path.join(tmp, "model." + fmt)
+                if fmt == "pt":
+                    torch.save(sd, path)
+                elif fmt == "safetensors":
+                    write_safetensors(path, sd)
+                else:
+                    write_safetensors(path, {k: v.bfloat16() for k, v in sd.items()})
+                n, grew = self.measure(shards, path)
+                print("%s: %.1f MiB of tensors, the peak grew by %.1f MiB" %
+                      (fmt, n / 2**20, grew / 2**20))
+                self.assertEqual(n, 8 * 2048 * 2048 * (2 if fmt.startswith("bf16") else 4))
+                # The whole file (128 MiB in fp32, 64 MiB in bf16) would not fit.
+                self.assertLess(grew, self.LARGEST + self.CONSTANT,
+                                "%s: the peak grew by %.1f MiB" % (fmt, grew / 2**20))
+                os.unlink(path)
+
+
+if __name__ == "__main__":
+    unittest.main()
