@@ -262,6 +262,118 @@ class LoadPretrained(unittest.TestCase):
         self.assertFalse(os.path.exists(marker))
 
 
+class CliImport(unittest.TestCase):
+    """`zshard import` (ZSHARD_CLI_BIN) into a job a trainer opened: it asks
+    the shards for the spec, joins the job and writes the masters."""
+
+    def setUp(self):
+        self.cli = os.environ.get("ZSHARD_CLI_BIN")
+        if not self.cli:
+            self.skipTest("ZSHARD_CLI_BIN is not set")
+        self.tmp = tempfile.TemporaryDirectory(prefix="zshard-cli-import-")
+        self.state = os.path.join(self.tmp.name, "state")
+        os.mkdir(self.state)
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def run_cli(self, *argv, ok=True):
+        p = subprocess.run([self.cli] + list(argv), capture_output=True, text=True, timeout=120)
+        if ok:
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return p
+
+    def read_safetensors(self, path):
+        raw = open(path, "rb").read()
+        (n,) = struct.unpack("<Q", raw[:8])
+        out = {}
+        for k, v in json.loads(raw[8:8 + n]).items():
+            if k == "__metadata__":
+                continue
+            b, e = v["data_offsets"]
+            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[
+                v["dtype"]]
+            out[k] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]), dtype=dtype).view(
+                v["shape"])
+        return out
+
+    def test_export_then_import_gives_the_same_bits_and_bad_files_change_nothing(self):
+        with zshard_servers.Shards(2, extra_args=["--state-dir", self.state]) as shards:
+            opt = shard(Net(seed=2), shards)
+            try:
+                # One step, so that a trainer joining later resumes (at version
+                # 0 a rank 0 would bring initial weights of its own).
+                opt.zero_grad()
+                opt._model(torch.arange(8)).square().mean().backward()
+                opt.step()
+                self.run_cli("checkpoint", "--shards", shards.addresses)
+                exported = {}
+                for dtype in ("fp32", "bf16", "fp16"):
+                    exported[dtype] = os.path.join(self.tmp.name, "%s.safetensors" % dtype)
+                    self.run_cli("export", self.state, exported[dtype], "--dtype", dtype)
+                want = masters(opt)
+                for dtype, path in exported.items():
+                    with self.subTest(dtype=dtype):
+                        # Other weights first, so that the import has work to do.
+                        torch.save(Net(seed=5).state_dict(), self.path("other.pt"))
+                        zshard.torch.load_pretrained(opt, self.path("other.pt"))
+                        out = self.run_cli("import", "--shards", shards.addresses, path).stdout
+                        self.assertRegex(out, r"imported 6 tensors .* GB/s")
+                        got = masters(opt)
+                        ref = self.read_safetensors(path)
+                        for n in want:
+                            self.assertTrue(torch.equal(got[n], ref[n].float()), (dtype, n))
+                            if dtype == "fp32":
+                                self.assertTrue(torch.equal(got[n].view(torch.int32),
+                                                            want[n].view(torch.int32)), n)
+                before = masters(opt)
+                sd = {k: v.detach() for k, v in Net(seed=6).named_parameters()}
+                del sd["fc.bias"]
+                sd["head.weight"] = torch.zeros(3)
+                sd["out.weight"] = torch.zeros(64, 81)
+                write_safetensors(self.path("bad.safetensors"), sd)
+                p = self.run_cli("import", "--shards", shards.addresses,
+                                 self.path("bad.safetensors"), ok=False)
+                self.assertEqual(p.returncode, 1)
+                self.assertIn('Missing key(s) in state_dict: "fc.bias"', p.stderr)
+                self.assertIn('Unexpected key(s) in state_dict: "head.weight"', p.stderr)
+                self.assertIn("size mismatch for out.weight: copying a param with shape [64, 81] "
+                              "from checkpoint, the shape in current model is [64, 80]", p.stderr)
+                self.assertIn("nothing was written", p.stderr)
+                raw = open(exported["fp32"], "rb").read()
+                with open(self.path("cut.safetensors"), "wb") as f:
+                    f.write(raw[:-1])
+                p = self.run_cli("import", "--shards", shards.addresses,
+                                 self.path("cut.safetensors"), ok=False)
+                self.assertEqual(p.returncode, 1)
+                self.assertIn("not a range inside the", p.stderr)
+                after = masters(opt)
+                for n in before:
+                    self.assertTrue(torch.equal(before[n], after[n]), n)
+                # --partial: missing names keep their weights.
+                del sd["head.weight"]
+                sd["out.weight"] = torch.ones(64, 80)
+                write_safetensors(self.path("part.safetensors"), sd)
+                self.run_cli("import", "--shards", shards.addresses, "--partial", "--quiet",
+                             self.path("part.safetensors"))
+                got = masters(opt)
+                self.assertTrue(torch.equal(got["out.weight"], torch.ones(64, 80)))
+                self.assertTrue(torch.equal(got["fc.bias"], before["fc.bias"]))
+
+                # A trainer that joins the job after an import pulls its weights.
+                self.run_cli("import", "--shards", shards.addresses, exported["fp32"])
+                opt.close()
+                opt = shard(Net(seed=9), shards)
+                opt.gather()
+                for n, p in opt._model.named_parameters():
+                    self.assertTrue(torch.equal(p.detach(), want[n]), n)
+            finally:
+                opt.close(close_job=True)
+
+    def path(self, name):
+        return os.path.join(self.tmp.name, name)
+
+
 PEAK_SCRIPT = r"""
 import os, sys
 sys.path.insert(0, os.environ["ZSHARD_PYTHONPATH"])

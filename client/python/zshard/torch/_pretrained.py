@@ -311,12 +311,13 @@ def _check_names(opt, entries, strict):
     if strict:
         unexpected = [e.name for e in entries if e.name not in keys]
         missing = [k for k in keys if k not in have]
-        if unexpected:
-            errors.append("Unexpected key(s) in state_dict: %s. " %
-                          ", ".join('"%s"' % k for k in unexpected))
+        # torch's order: missing, unexpected, then the size mismatches.
         if missing:
             errors.append("Missing key(s) in state_dict: %s. " %
                           ", ".join('"%s"' % k for k in missing))
+        if unexpected:
+            errors.append("Unexpected key(s) in state_dict: %s. " %
+                          ", ".join('"%s"' % k for k in unexpected))
     for k, (kind, P, t) in keys.items():
         e = have.get(k)
         if e is not None and e.shape != tuple(t.shape):
