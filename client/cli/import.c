@@ -408,6 +408,22 @@ static int write_all(const import_args *a, zs_client *c, const mapped *m, const 
   return rc;
 }
 
+/* This process's peak resident set (VmHWM), bytes; 0 when unknown. Its
+ * own mapping's: unlike getrusage's maxrss, it does not carry the peak of
+ * the process that forked this one across exec. */
+static uint64_t peak_rss(void) {
+  FILE *f = fopen("/proc/self/status", "re");
+  if (!f)
+    return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmHWM: %llu kB", &kib) == 1)
+      break;
+  fclose(f);
+  return (uint64_t)kib * 1024;
+}
+
 int cli_import(int argc, char **argv) {
   import_args a;
   int rc = parse_args(argc, argv, &a);
@@ -446,12 +462,13 @@ int cli_import(int argc, char **argv) {
   uint64_t fp32 = 0;
   for (size_t i = 0; i < h.n; i++)
     fp32 += h.tensors[i].numel * sizeof(float);
-  char b[32];
+  char b[32], r[32];
   /* GB/s of fp32 masters written: the figure to set beside a push's. */
   printf("imported %zu tensors from %s into job '%s': %s of tensor data, %" PRIu64
-         " bytes of fp32 masters in %.3f s: %.3f GB/s\n",
+         " bytes of fp32 masters in %.3f s: %.3f GB/s; peak resident set %s (%" PRIu64 " bytes)\n",
          h.n, a.path, sp.job, cli_bytes((double)bytes, b, sizeof b), fp32, s,
-         s > 0 ? (double)fp32 / s / 1e9 : 0.0);
+         s > 0 ? (double)fp32 / s / 1e9 : 0.0, cli_bytes((double)peak_rss(), r, sizeof r),
+         peak_rss());
   status = 0;
 out:
   free(map);

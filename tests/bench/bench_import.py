@@ -21,6 +21,9 @@ Figures (JSON lines as the other benchmarks print them, bench "import"):
                 goal ratio >= 1.
   import_wall_gbps  the same bytes over the command's whole wall time
                 (asking the spec, joining the job, mapping and checking).
+  import_peak_rss_mib  the command's own peak resident set (VmHWM, from its
+                last line), the highest of the rounds; one tensor is
+                --gib / --tensors GiB.
 """
 
 import argparse
@@ -109,15 +112,17 @@ def main():
             push = max(push, nbytes / (time.perf_counter() - t0) / 1e9)
             c.step(lr=0.0)
         emit(args, "push_gbps", push, "GB/s")
-        best, wall = 0.0, 0.0
+        best, wall, rss = 0.0, 0.0, 0
         for _ in range(args.rounds):
             t0 = time.perf_counter()
             out = subprocess.run([cli, "import", "--shards", shards.addresses, "--quiet", path],
                                  capture_output=True, text=True, check=True).stdout
             wall = max(wall, nbytes / (time.perf_counter() - t0) / 1e9)
             best = max(best, float(re.search(r"([0-9.]+) GB/s", out).group(1)))
+            rss = max(rss, int(re.search(r"peak resident set .* \(([0-9]+) bytes\)", out).group(1)))
         emit(args, "import_gbps", best, "GB/s", 0.5 * push)
         emit(args, "import_wall_gbps", wall, "GB/s")
+        emit(args, "import_peak_rss_mib", rss / 2**20, "MiB")
         c.close()
 
 

@@ -18,6 +18,7 @@ Run with Debian's interpreter (CTest does): /usr/bin/python3 -m pytest tests/pyt
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -437,6 +438,51 @@ class PeakMemory(unittest.TestCase):
                                 "%s: the peak grew by %.1f MiB" % (fmt, grew / 2**20))
                 os.unlink(path)
 
+    def test_the_cli_holds_one_tensor_at_a_time(self):
+        """`zshard import`'s own peak resident set (the VmHWM its last line
+        reports) over that of an import of no tensor after the same
+        connections (its baseline)."""
+        cli = os.environ.get("ZSHARD_CLI_BIN")
+        if not cli:
+            self.skipTest("ZSHARD_CLI_BIN is not set")
+        torch.manual_seed(0)
+        names = ["%d.weight" % i for i in range(8)]
+        sd = {n: torch.randn(2048, 2048) for n in names}
+
+        def peak(shards, *argv):
+            p = subprocess.run([cli, "import", "--shards", shards.addresses, "--quiet"] +
+                               list(argv), capture_output=True, text=True, timeout=300)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            return int(re.search(r"peak resident set .* \(([0-9]+) bytes\)", p.stdout).group(1))
+
+        with tempfile.TemporaryDirectory(prefix="zshard-cli-peak-") as tmp, \
+                zshard_servers.Shards(2) as shards:
+            c = zshard.Client(shards.addresses, job="cli-peak", rank=0, world_size=1)
+            c.add_group(optimizer=zshard.SGD)
+            for n in names:
+                c.add_tensor(n, 2048 * 2048, 0, (2048, 2048))
+            zeros = torch.zeros(2048 * 2048).numpy()
+            c.open_job([zeros] * len(names))
+            try:
+                empty = os.path.join(tmp, "empty.safetensors")
+                write_safetensors(empty, {})
+                base = peak(shards, "--partial", empty)
+                self.assertGreater(base, 0)
+                for fmt in ("F32", "BF16"):
+                    path = os.path.join(tmp, "model.safetensors")
+                    write_safetensors(path, {n: t if fmt == "F32" else t.bfloat16()
+                                             for n, t in sd.items()})
+                    grew = peak(shards, path) - base
+                    print("zshard import of %s: %.1f MiB file, the peak grew by %.1f MiB over "
+                          "the baseline's %.1f MiB" % (fmt, os.path.getsize(path) / 2**20,
+                                                      grew / 2**20, base / 2**20))
+                    self.assertLess(grew, self.LARGEST + self.CONSTANT, fmt)
+                    got = torch.empty(2048, 2048)
+                    c.state_read(3, zshard.MASTER, zshard.torch._common._buffer(got))
+                    want = sd["3.weight"] if fmt == "F32" else sd["3.weight"].bfloat16().float()
+                    self.assertTrue(torch.equal(got, want), fmt)
+            finally:
+                c.close()
 
 if __name__ == "__main__":
     unittest.main()
