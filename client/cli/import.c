@@ -27,6 +27,7 @@
 #include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -424,11 +425,26 @@ static uint64_t peak_rss(void) {
   return (uint64_t)kib * 1024;
 }
 
+/* The library's workers allocate and free each 512 KiB write message on
+ * their own glibc arenas, which by default hand the memory back (madvise)
+ * and fault it in again for the next message (page faults led the
+ * profile on the development VM). Fixed thresholds keep the freed messages
+ * for reuse: importing 256 MiB of 16 MiB tensors ran 1.7 times as fast in
+ * two interleaved pairs of runs, with the same peak resident set (37 and
+ * 39 MiB). The environment's MALLOC_*_ settings win, as in the server. */
+static void keep_freed_messages(void) {
+  if (!getenv("MALLOC_MMAP_THRESHOLD_"))
+    mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  if (!getenv("MALLOC_TRIM_THRESHOLD_"))
+    mallopt(M_TRIM_THRESHOLD, 64 << 20);
+}
+
 int cli_import(int argc, char **argv) {
   import_args a;
   int rc = parse_args(argc, argv, &a);
   if (rc >= 0)
     return rc;
+  keep_freed_messages();
   mapped m = {0};
   st_header h = {0};
   spec sp = {0};

@@ -66,13 +66,13 @@ class PretrainedError(ValueError):
 
 class _Entry:
     """One tensor of the file: where its elements are and how to read them."""
-    __slots__ = ("name", "dtype", "shape", "offset", "stride", "member", "key")
+    __slots__ = ("name", "dtype", "shape", "offset", "stride", "member")
 
-    def __init__(self, name, dtype, shape, offset, stride=None, member=None, key=None):
+    def __init__(self, name, dtype, shape, offset, stride=None, member=None):
         self.name, self.dtype, self.shape = name, dtype, tuple(shape)
-        self.offset = offset    # bytes into the file (safetensors) or the storage
+        self.offset = offset    # safetensors: bytes into the file; torch: elements into the storage
         self.stride = stride    # torch: the tensor's strides; None: contiguous
-        self.member, self.key = member, key
+        self.member = member    # torch: the zip member of its storage
 
     @property
     def numel(self):
@@ -213,11 +213,11 @@ def _torch_entries(z, path):
         if not isinstance(name, str) or not isinstance(t, _Tensor):
             raise PretrainedError("%s: entry %r is not a tensor" % (path, name))
         s = t.storage
-        e = _Entry(name, s.dtype, t.shape, t.offset, t.stride, prefix + "data/" + s.key, s.key)
+        e = _Entry(name, s.dtype, t.shape, t.offset, t.stride, prefix + "data/" + s.key)
         if len(t.stride) != len(t.shape) or any(st < 0 for st in t.stride) or t.offset < 0:
             raise PretrainedError("%s: tensor %r: bad strides %r" % (path, name, t.stride))
         last = t.offset + sum((d - 1) * st for d, st in zip(t.shape, t.stride)) if e.numel else 0
-        if e.member not in members or last >= max(s.numel, 1) and e.numel:
+        if e.member not in members or (e.numel and last >= s.numel):
             raise PretrainedError("%s: tensor %r reaches past its storage %s" % (path, name, s.key))
         if z.getinfo(e.member).file_size != s.numel * _SIZES[s.dtype]:
             raise PretrainedError("%s: storage %s has %d bytes, not %d" % (
@@ -265,13 +265,21 @@ def _read_fp32(f, dtype, numel):
     return out
 
 
+def _contiguous_strides(shape):
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
+
+
 def _read_entry(src, e):
     """Entry e of the open file src as an fp32 tensor of its shape."""
     if e.member is None:
         src.seek(e.offset)
         return _read_fp32(src, e.dtype, e.numel).view(e.shape)
     size = _SIZES[e.dtype]
-    contiguous = torch.empty(e.shape).stride() == e.stride if e.numel else True
+    contiguous = e.numel == 0 or e.stride == _contiguous_strides(e.shape)
     with src.open(e.member) as f:
         if contiguous:
             f.seek(e.offset * size)
