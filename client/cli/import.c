@@ -284,23 +284,54 @@ static void end_list(size_t k) {
     fputs(". \n", stderr);
 }
 
+static const spec *names_spec; /* for by_name: qsort has no argument */
+
+static int by_name(const void *a, const void *b) {
+  return strcmp(names_spec->tensors[*(const uint32_t *)a].name,
+                names_spec->tensors[*(const uint32_t *)b].name);
+}
+
+/* The model tensor called `name` (its index, which is the client's: the
+ * job was described in spec order), or UINT32_MAX; `sorted` holds the
+ * tensors' indices in name order. */
+static uint32_t find_tensor(const spec *sp, const uint32_t *sorted, const char *name) {
+  size_t lo = 0, hi = sp->num_tensors;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    int d = strcmp(sp->tensors[sorted[mid]].name, name);
+    if (d == 0)
+      return sorted[mid];
+    if (d < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return UINT32_MAX;
+}
+
 /* The model tensor of each file tensor into map[] (UINT32_MAX: none);
  * prints every mismatch as torch's load_state_dict(strict=True) words it.
  * Returns the number of mismatches. */
-static size_t match_names(zs_client *c, const spec *sp, const st_header *h, int partial,
-                          uint32_t *map) {
+static size_t match_names(const spec *sp, const st_header *h, int partial, uint32_t *map) {
   uint8_t *seen = calloc(sp->num_tensors ? sp->num_tensors : 1, 1);
-  if (!seen) {
+  uint32_t *sorted = calloc(sp->num_tensors ? sp->num_tensors : 1, sizeof *sorted);
+  if (!seen || !sorted) {
+    free(seen);
+    free(sorted);
     fprintf(stderr, "zshard import: out of memory\n");
     return 1;
   }
+  for (uint32_t t = 0; t < sp->num_tensors; t++)
+    sorted[t] = t;
+  names_spec = sp;
+  qsort(sorted, sp->num_tensors, sizeof *sorted, by_name);
   size_t unexpected = 0, missing = 0, mismatched = 0;
   for (size_t i = 0; i < h->n; i++) {
-    if (zs_find_tensor(c, h->tensors[i].name, &map[i]) == ZS_OK)
+    map[i] = find_tensor(sp, sorted, h->tensors[i].name);
+    if (map[i] != UINT32_MAX)
       seen[map[i]] = 1;
-    else
-      map[i] = UINT32_MAX;
   }
+  free(sorted);
   /* torch's order: missing, unexpected, then each size mismatch. */
   for (uint32_t t = 0; t < sp->num_tensors && !partial; t++)
     if (!seen[t])
@@ -465,7 +496,7 @@ int cli_import(int argc, char **argv) {
     fprintf(stderr, "zshard import: out of memory\n");
     goto out;
   }
-  size_t errors = match_names(c, &sp, &h, a.partial, map);
+  size_t errors = match_names(&sp, &h, a.partial, map);
   if (errors) {
     fprintf(stderr, "zshard import: %s does not fit job '%s' (above); nothing was written\n",
             a.path, sp.job);
