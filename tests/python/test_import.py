@@ -6,7 +6,8 @@ masters then hold exactly what model.load_state_dict() gives torch (fp32,
 bf16 and fp16 files), and the next forward pulls them. Missing, unexpected and
 mis-shaped names, a corrupt file and a pickle that names a global other than
 torch's tensor rebuilders are refused before anything is written (the masters
-are compared before and after). The importer's peak memory is measured in a
+are compared before and after). With two trainers each loads the same file
+and both pull it. The importer's peak memory is measured in a
 subprocess: it stays under the largest tensor plus a constant, well under the
 file. `zshard import` (the CLI) writes a file `zshard export` wrote back to
 the same bits.
@@ -261,6 +262,35 @@ class LoadPretrained(unittest.TestCase):
                                     r"global (posix|os)\.system is not allowed"):
             zshard.torch.load_pretrained(self.opt, p)
         self.assertFalse(os.path.exists(marker))
+
+
+class EveryRankLoads(unittest.TestCase):
+
+    def test_two_trainers_load_the_same_file_and_both_pull_it(self):
+        """W = 2: each rank calls load_pretrained with the same file (each
+        writes the same values, no barrier), then each pulls them."""
+        with tempfile.TemporaryDirectory(prefix="zshard-import-w2-") as tmp, \
+                zshard_servers.Shards(2) as shards:
+            path = os.path.join(tmp, "sd.safetensors")
+            ref = Net(seed=11)
+            write_safetensors(path, ref.state_dict())
+            opts = []
+            try:
+                for rank in (0, 1):
+                    model = Net(seed=2)
+                    opts.append(zshard.torch.shard(
+                        model, torch.optim.AdamW(model.parameters()), addresses=shards.addresses,
+                        wire_dtype=torch.float32, rank=rank, world_size=2, split_threshold=1024,
+                        job="import-w2"))
+                for opt in opts:
+                    zshard.torch.load_pretrained(opt, path)
+                for opt in opts:
+                    opt.gather()
+                    for (n, p), q in zip(opt._model.named_parameters(), ref.parameters()):
+                        self.assertTrue(torch.equal(p.detach(), q.detach()), (opt.rank, n))
+            finally:
+                for opt in reversed(opts):
+                    opt.close(close_job=opt.rank == 0)
 
 
 class CliImport(unittest.TestCase):
