@@ -5,7 +5,7 @@
  *
  * The CLI never described the job: it asks shard 0 for the spec (GetInfo
  * with_spec), describes the same job from it and joins it (ZS_OPEN_RESUME,
- * no initial weights: zc_client_join_only), which checks the spec hash on
+ * no initial weights: zs_open_job_deferred), which checks the spec hash on
  * every shard. Then every check comes before the first write: the header
  * whole (safetensors.c), and the names against the model's as torch's
  * load_state_dict(strict=True) words them (missing, unexpected, size
@@ -176,23 +176,33 @@ static int fetch_spec(const import_args *a, spec *out) {
       zc_call(c, 0, ZC_METHOD("GetInfo"), &req.base, &zshard__v1__get_info_response__descriptor,
               (ProtobufCMessage **)&r, a->timeout_ms, &st);
   char err[256] = "";
+  int parsed = 0;
   if (rc != ZS_OK)
     fprintf(stderr, "zshard import: shard 0 (%s): %s: %s\n", zc_client_address(c, 0),
             zs_err_name(rc), st.message[0] ? st.message : zs_strerror(rc));
+  else if (!r->spec && !(r->job && r->job[0]))
+    fprintf(stderr,
+            "zshard import: shard 0 (%s) holds no job (open the job first: a trainer's "
+            "zs_open_job or zshard.torch.shard)\n",
+            zc_client_address(c, 0));
   else if (!r->spec)
     fprintf(stderr,
-            "zshard import: shard 0 (%s) holds no job%s (open the job first: a trainer's "
-            "zs_open_job or zshard.torch.shard)\n",
-            zc_client_address(c, 0), r->job && r->job[0] ? " it can describe" : "");
+            "zshard import: shard 0 (%s) did not describe its job '%.64s' (closed or replaced "
+            "during the call, or a server without GetInfo's with_spec)\n",
+            zc_client_address(c, 0), r->job);
   else if (spec_from_proto(out, r->spec, err, sizeof err) != 0)
     fprintf(stderr, "zshard import: shard 0 (%s) answered a spec this tool cannot take: %s\n",
             zc_client_address(c, 0), err);
-  else if (spec_hash(out) != r->spec_hash)
-    fprintf(stderr, "zshard import: shard 0's spec does not hash to its spec hash %016" PRIx64 "\n",
-            r->spec_hash);
-  else
-    rc = 1;
-  if (rc != 1 && r && r->spec)
+  else {
+    parsed = 1; /* from here on the spec is ours to free unless returned */
+    if (spec_hash(out) == r->spec_hash)
+      rc = 1;
+    else
+      fprintf(stderr,
+              "zshard import: shard 0's spec does not hash to its spec hash %016" PRIx64 "\n",
+              r->spec_hash);
+  }
+  if (parsed && rc != 1)
     spec_free(out);
   if (r)
     protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -219,8 +229,6 @@ static int join_job(const import_args *a, const spec *sp, zs_client **out) {
   co.transport = ZS_TRANSPORT_GRPC; /* state writes travel over gRPC only */
   zs_client *c = NULL;
   int rc = zs_client_open(&co, &c);
-  if (rc == ZS_OK)
-    rc = zc_client_join_only(c);
   for (uint32_t g = 0; rc == ZS_OK && g < sp->num_groups; g++) {
     const spec_group *sg = &sp->groups[g];
     zs_group_options go;
@@ -235,8 +243,10 @@ static int join_job(const import_args *a, const spec *sp, zs_client **out) {
     rc = zs_add_tensor(c, st->name, st->numel, st->group, st->ndim ? st->shape : NULL, st->ndim,
                        NULL);
   }
+  /* Deferred: no initial weights to send (the job has them, or gets them
+   * from its trainers); ZS_OPEN_RESUME: join, never create. */
   if (rc == ZS_OK)
-    rc = zs_open_job(c, NULL);
+    rc = zs_open_job_deferred(c);
   if (rc != ZS_OK) {
     fprintf(stderr, "zshard import: joining job '%s': %s\n", sp->job, zs_last_error());
     if (c)

@@ -56,14 +56,6 @@ uint32_t zc_client_num_shards(const zs_client *c);
 const char *zc_client_address(const zs_client *c, uint32_t shard);
 uint32_t zc_client_rpc_timeout_ms(const zs_client *c);
 
-/* Makes zs_open_job of this client (opened with ZS_OPEN_RESUME, not yet
- * zs_open_job'ed) join the job on the shards without writing initial
- * weights, whatever its rank: for `zshard import`, which describes a job
- * from the spec the shards hold (GetInfo with_spec) and then writes its
- * masters with zs_state_write. zs_open_job then needs no init_weights.
- * Returns 0 or ZS_EINVAL with the last error set. */
-int zc_client_join_only(zs_client *c);
-
 /* Opens a channel to `addr` with the token and TLS files of the environment
  * (ZSHARD_TOKEN, ZSHARD_TOKEN_FILE, ZSHARD_TLS_*), as zs_client_open would
  * with those options unset. Returns 0 and the channel in *out (the

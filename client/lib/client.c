@@ -283,19 +283,6 @@ uint32_t zc_client_rpc_timeout_ms(const zs_client *c) {
   return c->opt.rpc_timeout_ms;
 }
 
-int zc_client_join_only(zs_client *c) {
-  pthread_mutex_lock(&c->mu);
-  int rc = ZS_OK;
-  if (c->opened || c->opening)
-    rc = zc_fail(ZS_EINVAL, "zc_client_join_only: the job is already open (or being opened)");
-  else if (c->opt.open_mode != ZS_OPEN_RESUME)
-    rc = zc_fail(ZS_EINVAL, "zc_client_join_only: the client must open with ZS_OPEN_RESUME");
-  else
-    c->joins_only = 1;
-  pthread_mutex_unlock(&c->mu);
-  return rc;
-}
-
 static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
   if (!o->addresses || !*o->addresses)
     return zc_fail(ZS_EINVAL, "zs_client_open: addresses are required");
@@ -900,7 +887,7 @@ static int open_job(zs_client *c, const float *const *init_weights, int deferred
     rc = zc_fail(ZS_EINVAL, "zs_open_job: the model has no tensors (zs_add_tensor)");
     goto fail;
   }
-  if (c->opt.rank == 0 && !deferred && !c->joins_only) {
+  if (c->opt.rank == 0 && !deferred) {
     if (!init_weights) {
       rc = zc_fail(ZS_EINVAL, "zs_open_job: rank 0 must pass the initial weights");
       goto fail;
@@ -973,7 +960,7 @@ static int open_job(zs_client *c, const float *const *init_weights, int deferred
   rc = open_on_shards(c, &version, cs, &cs_len);
   if (rc != ZS_OK)
     goto fail;
-  if (c->opt.rank == 0 && version == 0 && !deferred && !c->joins_only) {
+  if (c->opt.rank == 0 && version == 0 && !deferred) {
     rc = init_params(c, init_weights, UINT32_MAX);
     if (rc != ZS_OK)
       goto fail;

@@ -447,7 +447,6 @@ struct zs_client {
   int opened;     /* (mu) */
   int opening;    /* (mu) a zs_open_job is running */
   int job_closed; /* (mu) zs_close_job succeeded: no job can be opened again */
-  int joins_only; /* zc_client_join_only: zs_open_job writes no initial weights */
   layout lay;
   uint64_t hash;
 
