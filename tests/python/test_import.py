@@ -293,6 +293,34 @@ class EveryRankLoads(unittest.TestCase):
                     opt.close(close_job=opt.rank == 0)
 
 
+class ModelBuiltEmpty(unittest.TestCase):
+
+    def test_a_model_built_on_meta_takes_the_files_weights(self):
+        """init_empty() + release_after_forward: the trainer never holds the
+        model; load_pretrained overwrites the weights shard() initialised
+        and the first forward computes with the file's."""
+        with tempfile.TemporaryDirectory(prefix="zshard-import-meta-") as tmp, \
+                zshard_servers.Shards(2) as shards:
+            ref = Net(seed=12)
+            path = os.path.join(tmp, "sd.pt")
+            torch.save(ref.state_dict(), path)
+            with zshard.torch.init_empty():
+                model = Net(seed=2)
+            opt = shard(model, shards, release_after_forward=True)
+            try:
+                zshard.torch.load_pretrained(opt, path)
+                got = masters(opt)
+                for n, p in ref.named_parameters():
+                    self.assertTrue(torch.equal(got[n], p.detach()), n)
+                model.eval()
+                ref.eval()
+                x = torch.arange(16)
+                with torch.no_grad():
+                    self.assertTrue(torch.equal(model(x), ref(x)))
+            finally:
+                opt.close(close_job=True)
+
+
 class CliImport(unittest.TestCase):
     """`zshard import` (ZSHARD_CLI_BIN) into a job a trainer opened: it asks
     the shards for the spec, joins the job and writes the masters."""
