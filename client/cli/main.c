@@ -8,6 +8,8 @@
  *   zshard checkpoint | restore | checkpoints   checkpoints of a running job
  *   zshard close-job --shards LIST              frees the job on every shard
  *   zshard reshard | export                     checkpoint files, offline
+ *   zshard import   --shards LIST FILE          a safetensors file into the
+ *                                              open job's master weights
  */
 #include <errno.h>
 #include <math.h>
@@ -147,6 +149,7 @@ static void usage(FILE *f) {
              "  close-job  close the job on every shard, ready for the next one\n"
              "  reshard    rewrite a checkpoint for another shard count (offline)\n"
              "  export     write a checkpoint as one safetensors file (offline)\n"
+             "  import     write a safetensors file into the open job's master weights\n"
              "  bench      load-test a running cluster: push/pull throughput and latency\n"
              "  version    print the library version\n"
              "\n"
@@ -159,6 +162,8 @@ static void usage(FILE *f) {
 int cli_bench(int argc, char **argv);
 /* jobs.c */
 int cli_close_job(int argc, char **argv);
+/* import.c */
+int cli_import(int argc, char **argv);
 
 int main(int argc, char **argv) {
   if (argc < 2) {
@@ -187,6 +192,8 @@ int main(int argc, char **argv) {
     return cli_reshard(argc - 1, argv + 1);
   if (strcmp(cmd, "export") == 0)
     return cli_export(argc - 1, argv + 1);
+  if (strcmp(cmd, "import") == 0)
+    return cli_import(argc - 1, argv + 1);
   if (strcmp(cmd, "close-job") == 0)
     return cli_close_job(argc - 1, argv + 1);
   if (strcmp(cmd, "bench") == 0)

@@ -1478,6 +1478,7 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     bad_message(c, "zshard.v1.GetInfoRequest");
     return;
   }
+  int with_spec = r->with_spec;
   protobuf_c_message_free_unpacked(&r->base, NULL);
   core_info info;
   core_get_info(s->core, &info);
@@ -1505,7 +1506,16 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     replica_info(s->rep, &ri, members, mptr);
     resp.replica = &ri;
   }
+  /* The spec as core_spec lends it (it stays allocated until the next
+   * open); sent only when it is the job the info describes, so that a job
+   * closed and replaced in between is not answered with the new one's. */
+  Zshard__V1__ModelSpec ms = ZSHARD__V1__MODEL_SPEC__INIT;
+  const spec *sp = with_spec && info.has_job ? core_spec(s->core) : NULL;
+  if (sp && spec_hash(sp) == info.spec_hash && spec_to_proto(sp, &ms) == 0)
+    resp.spec = &ms;
   finish_msg(c, 0, &resp.base);
+  if (resp.spec)
+    spec_proto_release(&ms);
 }
 
 /* ReadState and WriteState are rare (a state_dict, a load_state_dict), so

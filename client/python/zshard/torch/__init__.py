@@ -71,10 +71,11 @@ import zshard
 from . import _deferred
 from ._common import NOTES, _WIRE, _buffer, _limit_mmap_threshold, _Param
 from ._deferred import init_empty
+from ._pretrained import PretrainedError, load_pretrained
 from ._state import _StateDict
 from ._transfers import _Transfers
 
-__all__ = ["shard", "ShardedOptimizer", "NOTES", "init_empty"]
+__all__ = ["shard", "ShardedOptimizer", "NOTES", "init_empty", "load_pretrained", "PretrainedError"]
 
 
 # The parameters of the open sharded optimizers (id(param) -> optimizer), for
