@@ -213,15 +213,26 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
 /* `cs` (cs_len bytes, may be 0) becomes the shards' client state of `step`.
  * A pipelined job's shards accept the Apply before the step is applied
  * (version step - 1) or repeat its outcome (version step). */
-static int apply_all(zs_client *c, uint64_t step, double lr, const double *group_lr,
-                     uint32_t ngroup_lr, float coef, int skip, const uint8_t *cs, size_t cs_len) {
+static int apply_all(zs_client *c, uint64_t step, const zs_step_options *o, float coef, int skip,
+                     const uint8_t *cs, size_t cs_len) {
   const int ahead = c->sp.pipelined;
   Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
   req.spec_hash = c->hash;
   req.step = step;
-  req.lr = lr;
-  req.group_lr = (double *)(uintptr_t)group_lr; /* packing only reads it */
-  req.n_group_lr = ngroup_lr;
+  req.lr = o->lr;
+  req.group_lr = (double *)(uintptr_t)o->group_lr; /* packing only reads it */
+  req.n_group_lr = o->num_group_lr;
+  /* The step's group hyper-parameters: one per group, or none. */
+#define STEP_HPARAM(name)                                                                          \
+  req.group_##name = (double *)(uintptr_t)o->group_##name;                                         \
+  req.n_group_##name = o->group_##name ? c->sp.num_groups : 0;
+  STEP_HPARAM(beta1)
+  STEP_HPARAM(beta2)
+  STEP_HPARAM(eps)
+  STEP_HPARAM(weight_decay)
+  STEP_HPARAM(momentum)
+  STEP_HPARAM(dampening)
+#undef STEP_HPARAM
   req.coef = coef;
   req.skip = skip != 0;
   req.client_state.data = (uint8_t *)(uintptr_t)cs; /* packing only reads it */
@@ -391,7 +402,7 @@ static int step_pipelined_unlock(zs_client *c, const zs_step_options *o, uint64_
     return zc_fail_msg(rc, msg);
   const uint64_t t_begin = clock_now_ns();
   const float coef = (float)(1.0 / loss_scale);
-  rc = apply_all(c, step, o->lr, o->group_lr, o->num_group_lr, coef, 0, NULL, 0);
+  rc = apply_all(c, step, o, coef, 0, NULL, 0);
   if (rc != ZS_OK)
     return rc;
   complete_step(c, step, NULL, loss_scale, t_begin, 0);
@@ -507,7 +518,7 @@ static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out)
     zc_scaler_encode(&next_scaler, cs);
     cs_len = sizeof cs;
   }
-  rc = apply_all(c, step, lr, o->group_lr, o->num_group_lr, coef, overflow, cs, cs_len);
+  rc = apply_all(c, step, o, coef, overflow, cs, cs_len);
   if (rc != ZS_OK)
     goto done;
 

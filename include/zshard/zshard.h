@@ -622,6 +622,25 @@ typedef struct zs_step_options {
    * gives; finite. The gradient is multiplied by clip_coef / loss_scale.
    * 0 (default): computed from max_grad_norm. */
   double clip_coef;
+  /* This step's values of the groups' other hyper-parameters, as a
+   * scheduler sets them in torch's param_groups (OneCycleLR and CyclicLR
+   * cycle SGD's momentum or Adam's beta1): each NULL (default: every group
+   * keeps its zs_group_options value) or an array of one double per param
+   * group (the job's group count, in zs_add_group order), used for this
+   * step only. The caller's, read during the call. Every trainer passes the
+   * same values. The shards refuse (ZS_EINVAL, nothing applied) a value
+   * outside torch's ranges (0 <= beta1, beta2 < 1; eps, weight_decay,
+   * momentum >= 0; dampening in [0, 1]; all finite), an SGD group's momentum
+   * that is 0 when its zs_group_options momentum is not or the reverse (the
+   * momentum buffer exists from the first step or never), and a nesterov
+   * group without momentum > 0 and dampening 0. Checkpoints keep none of
+   * them: the trainer sends the values every step. */
+  const double *group_beta1;
+  const double *group_beta2;
+  const double *group_eps;
+  const double *group_weight_decay;
+  const double *group_momentum;
+  const double *group_dampening;
 } zs_step_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above

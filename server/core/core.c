@@ -123,6 +123,10 @@ static void core_job_free(core *c) {
   free(c->last_glr);
   c->apply_glr = c->last_glr = NULL;
   c->apply_nglr = c->last_nglr = 0;
+  free(c->apply_hp);
+  free(c->last_hp);
+  c->apply_hp = c->last_hp = NULL;
+  c->apply_hp_mask = c->last_hp_mask = 0;
   layout_free(&c->layout);
   spec_free(&c->spec);
   c->pieces = NULL;
@@ -267,6 +271,10 @@ static int core_job_build(core *c) {
   c->apply_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->apply_glr);
   c->last_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->last_glr);
   if (!c->apply_glr || !c->last_glr)
+    return ZS_ENOMEM;
+  c->apply_hp = calloc((size_t)CORE_NHP * c->spec.num_groups + 1, sizeof *c->apply_hp);
+  c->last_hp = calloc((size_t)CORE_NHP * c->spec.num_groups + 1, sizeof *c->last_hp);
+  if (!c->apply_hp || !c->last_hp)
     return ZS_ENOMEM;
   return 0;
 }

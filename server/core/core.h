@@ -317,6 +317,42 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
                       uint32_t ngroup_lr, float coef, int skip, core_apply_cb cb, void *arg,
                       core_apply_result *out, char *err, size_t errlen);
 
+/* The param-group hyper-parameters an Apply may set for its step alone
+ * (ApplyRequest.group_beta1 ... group_dampening), in that order: the
+ * scheduled values of torch's param_groups (OneCycleLR's cycled momentum or
+ * beta1, say). nesterov, the optimizer and bias_correction stay the spec's. */
+#define CORE_STEP_HPARAMS(X)                                                                       \
+  X(BETA1, beta1) /* adam, adamw */                                                                \
+  X(BETA2, beta2) /* adam, adamw */                                                                \
+  X(EPS, eps)     /* adam, adamw */                                                                \
+  X(WEIGHT_DECAY, weight_decay)                                                                    \
+  X(MOMENTUM, momentum)   /* sgd */                                                                \
+  X(DAMPENING, dampening) /* sgd */
+
+#define CORE_HP_ENUM(up, name) CORE_HP_##up,
+enum { CORE_STEP_HPARAMS(CORE_HP_ENUM) CORE_NHP };
+#undef CORE_HP_ENUM
+
+/* One step's values: v[k] NULL with n[k] 0 keeps the spec's value of
+ * hyper-parameter k in every group; otherwise v[k] holds n[k] values, one
+ * per param group, borrowed for the call. */
+typedef struct core_step_hparams {
+  const double *v[CORE_NHP];
+  uint32_t n[CORE_NHP];
+} core_step_hparams;
+
+/* core_apply_groups with hyper-parameters for this step (hp may be NULL: the
+ * spec's). Each given array must hold one value per param group (ZS_EINVAL
+ * otherwise; the ranges are the service's to check), and a group keeps
+ * what torch requires of it for its state: an SGD group's momentum stays 0
+ * if the spec's is 0 and above 0 if the spec's is (the momentum buffer exists
+ * or not from the start), and with nesterov momentum > 0 and dampening 0.
+ * Nothing changes on a refusal. The values are copied, used for this step
+ * only, and a repeat of the step must carry the same (else ZS_EEXIST). */
+int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                    uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
+                    core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen);
+
 /* Installs the one hook told of every applied step (a skipped one included),
  * whoever asked for it: fn(arg, r) runs once per step on the core's worker
  * thread, after the apply released every core lock and before the apply's

@@ -271,6 +271,12 @@ struct core {
    * job; a count of 0 means lr * lr_scale. Under mu. */
   double *apply_glr, *last_glr;
   uint32_t apply_nglr, last_nglr;
+  /* The step hyper-parameters (core_step_hparams) of the queued apply and of
+   * the last applied step: CORE_NHP arrays of num_groups values each,
+   * allocated with the job, and a mask of the given ones (bit k: array k;
+   * a clear bit means the spec's values). Under mu, like apply_glr. */
+  double *apply_hp, *last_hp;
+  unsigned apply_hp_mask, last_hp_mask;
   /* The core_close call the worker is to run (under mu), and whether spec
    * and layout still hold a closed job's, kept so that a pointer core_spec
    * handed out before the close stays readable until the next core_open. */

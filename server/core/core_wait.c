@@ -235,6 +235,99 @@ static optim_params core_group_params(const core *c, uint32_t g) {
   return optim_params_of_group(&c->spec.groups[g], c->spec.param_dtype);
 }
 
+/* ------------------------------------------------- a step's hyper-parameters */
+
+/* p with group g's values of this step's hyper-parameters (hp may be NULL:
+ * the spec's; its counts are checked, core_check_hparams). */
+static void core_step_override(optim_params *p, const core_step_hparams *hp, uint32_t g) {
+  if (!hp)
+    return;
+#define CORE_HP_SET(up, name)                                                                      \
+  if (hp->n[CORE_HP_##up])                                                                         \
+    p->name = hp->v[CORE_HP_##up][g];
+  CORE_STEP_HPARAMS(CORE_HP_SET)
+#undef CORE_HP_SET
+}
+
+/* The queued apply's hyper-parameters as a view of apply_hp. Called with mu
+ * held or on the worker while the apply is queued or running (apply_hp does
+ * not change then). */
+static core_step_hparams core_queued_hparams(const core *c) {
+  core_step_hparams hp;
+  memset(&hp, 0, sizeof hp);
+  for (unsigned k = 0; k < CORE_NHP; k++)
+    if (c->apply_hp_mask & (1u << k)) {
+      hp.v[k] = c->apply_hp + (size_t)k * c->spec.num_groups;
+      hp.n[k] = c->spec.num_groups;
+    }
+  return hp;
+}
+
+/* Copies hp into dst (CORE_NHP arrays of num_groups) and returns the mask of
+ * the given arrays. hp is checked (core_check_hparams). */
+static unsigned core_store_hparams(const core *c, double *dst, const core_step_hparams *hp) {
+  unsigned mask = 0;
+  for (unsigned k = 0; hp && k < CORE_NHP; k++)
+    if (hp->n[k]) {
+      memcpy(dst + (size_t)k * c->spec.num_groups, hp->v[k], hp->n[k] * sizeof *dst);
+      mask |= 1u << k;
+    }
+  return mask;
+}
+
+/* 1 if hp carries the values stored in `stored` under `mask`. */
+static int core_same_hparams(const core *c, const core_step_hparams *hp, const double *stored,
+                             unsigned mask) {
+  for (unsigned k = 0; k < CORE_NHP; k++) {
+    uint32_t n = hp ? hp->n[k] : 0;
+    if (!n != !(mask & (1u << k)))
+      return 0;
+    for (uint32_t g = 0; g < n; g++)
+      if (hp->v[k][g] != stored[(size_t)k * c->spec.num_groups + g])
+        return 0;
+  }
+  return 1;
+}
+
+static const char *const core_hparam_names[CORE_NHP] = {
+#define CORE_HP_NAME(up, name) #name,
+    CORE_STEP_HPARAMS(CORE_HP_NAME)
+#undef CORE_HP_NAME
+};
+
+/* Refuses (ZS_EINVAL) a count other than 0 or the group count, and values
+ * that torch's state rules forbid: the spec decided whether an SGD group has
+ * a momentum buffer, so its momentum stays 0 or above 0 with it, and
+ * nesterov keeps torch's "momentum > 0 and dampening 0". The ranges are the
+ * service's. Called with mu held and the job open. */
+static int core_check_hparams(const core *c, const core_step_hparams *hp, char *err,
+                              size_t errlen) {
+  for (unsigned k = 0; hp && k < CORE_NHP; k++)
+    if (hp->n[k] != 0 && (hp->n[k] != c->spec.num_groups || !hp->v[k]))
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "apply carries %u values of group_%s but job '%s' has %u param groups",
+                         hp->n[k], core_hparam_names[k], c->spec.job, c->spec.num_groups);
+  for (uint32_t g = 0; hp && g < c->spec.num_groups; g++) {
+    const spec_group *sg = &c->spec.groups[g];
+    if (sg->optimizer != ZS_OPTIM_SGD)
+      continue;
+    optim_params p = core_group_params(c, g);
+    core_step_override(&p, hp, g);
+    if ((p.momentum != 0) != (sg->momentum != 0))
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "param group %u was created with momentum %g, so it %s momentum "
+                         "buffer: its momentum cannot become %g (it may change only between "
+                         "values above 0); nothing was applied",
+                         g, sg->momentum, sg->momentum != 0 ? "has a" : "has no", p.momentum);
+    if (sg->nesterov && !(p.momentum > 0 && p.dampening == 0))
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "param group %u uses nesterov, which requires momentum > 0 and "
+                         "dampening 0 (momentum %g, dampening %g); nothing was applied",
+                         g, p.momentum, p.dampening);
+  }
+  return 0;
+}
+
 static void core_apply_chunk(void *arg, size_t i) {
   core *c = arg;
   const apply_task *t = &c->tasks[i];
@@ -250,8 +343,10 @@ static void core_build_plans(core *c, double lr, float coef, const double *glr,
                              uint64_t opt_steps) {
   float grad_scale =
       c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+  const core_step_hparams hp = core_queued_hparams(c);
   for (uint32_t r = 0; r < c->nranges; r++) {
     optim_params p = core_group_params(c, c->ranges[r].group);
+    core_step_override(&p, &hp, c->ranges[r].group);
     p.lr = glr ? glr[c->ranges[r].group] : lr * c->spec.groups[c->ranges[r].group].lr_scale;
     p.step = opt_steps;
     p.grad_scale = grad_scale;
@@ -308,6 +403,8 @@ static void core_finish_step(core *c, uint64_t step, int skip, uint64_t opt_step
   c->last_nglr = c->apply_nglr;
   if (c->apply_nglr)
     memcpy(c->last_glr, c->apply_glr, c->apply_nglr * sizeof *c->last_glr);
+  c->last_hp_mask = c->apply_hp_mask;
+  memcpy(c->last_hp, c->apply_hp, (size_t)CORE_NHP * c->spec.num_groups * sizeof *c->last_hp);
   c->last_apply = (core_apply_result){
       .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
   c->apply_state = APPLY_NONE;
@@ -713,11 +810,13 @@ static int core_same_glr(const double *a, uint32_t na, const double *b, uint32_t
  * be. Checked for a skip too, so that a refusal does not depend on it. Called
  * with mu held, the job open and group_lr already checked. */
 static int core_apply_check_plans(core *c, double lr, const double *group_lr, uint32_t ngroup_lr,
-                                  float coef, char *err, size_t errlen) {
+                                  const core_step_hparams *hp, float coef, char *err,
+                                  size_t errlen) {
   float grad_scale =
       c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
   for (uint32_t g = 0; g < c->spec.num_groups; g++) {
     optim_params p = core_group_params(c, g);
+    core_step_override(&p, hp, g);
     p.lr = ngroup_lr ? group_lr[g] : lr * c->spec.groups[g].lr_scale;
     p.step = c->optimizer_steps + 1;
     p.grad_scale = grad_scale;
@@ -736,7 +835,7 @@ static int core_apply_check_plans(core *c, double lr, const double *group_lr, ui
 /* Queues the apply of the pending step with these arguments and wakes the
  * worker. Called with mu held. */
 static void core_apply_record(core *c, double lr, const double *group_lr, uint32_t ngroup_lr,
-                              float coef, int skip) {
+                              const core_step_hparams *hp, float coef, int skip) {
   c->apply_state = APPLY_QUEUED;
   c->apply_lr = lr;
   c->apply_coef = coef;
@@ -744,6 +843,7 @@ static void core_apply_record(core *c, double lr, const double *group_lr, uint32
   c->apply_nglr = ngroup_lr;
   if (ngroup_lr)
     memcpy(c->apply_glr, group_lr, ngroup_lr * sizeof *c->apply_glr);
+  c->apply_hp_mask = core_store_hparams(c, c->apply_hp, hp);
   pthread_cond_signal(&c->worker_cv);
 }
 
@@ -755,6 +855,13 @@ int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int
 int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
                       uint32_t ngroup_lr, float coef, int skip, core_apply_cb cb, void *arg,
                       core_apply_result *out, char *err, size_t errlen) {
+  return core_apply_step(c, hash, step, lr, group_lr, ngroup_lr, NULL, coef, skip, cb, arg, out,
+                         err, errlen);
+}
+
+int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                    uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
+                    core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
   waiter *w = NULL;
   pthread_mutex_lock(&c->mu);
   int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
@@ -788,11 +895,13 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
                      c->spec.job);
     goto done;
   }
-  if ((rc = core_apply_check_plans(c, lr, group_lr, ngroup_lr, coef, err, errlen)) != 0)
+  if ((rc = core_check_hparams(c, hp, err, errlen)) != 0 ||
+      (rc = core_apply_check_plans(c, lr, group_lr, ngroup_lr, hp, coef, err, errlen)) != 0)
     goto done;
   if (c->last_apply_valid && step == c->version) {
     if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip) &&
-        core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)) {
+        core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr) &&
+        core_same_hparams(c, hp, c->last_hp, c->last_hp_mask)) {
       if (out)
         *out = c->last_apply;
     } else {
@@ -801,7 +910,9 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
                        "coef=%g skip=%d",
                        step, c->last_lr, (double)c->last_coef, c->last_skip,
                        core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)
-                           ? ""
+                           ? (core_same_hparams(c, hp, c->last_hp, c->last_hp_mask)
+                                  ? ""
+                                  : " and other group hyper-parameters")
                            : " and other group learning rates",
                        lr, (double)coef, !!skip);
     }
@@ -819,13 +930,16 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
   }
   if (c->apply_state != APPLY_NONE) {
     if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip) ||
-        !core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr)) {
+        !core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr) ||
+        !core_same_hparams(c, hp, c->apply_hp, c->apply_hp_mask)) {
       rc = status_fail(err, errlen, ZS_EEXIST,
                        "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d%s, not "
                        "lr=%g coef=%g skip=%d",
                        step, c->apply_lr, (double)c->apply_coef, c->apply_skip,
                        core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr)
-                           ? ""
+                           ? (core_same_hparams(c, hp, c->apply_hp, c->apply_hp_mask)
+                                  ? ""
+                                  : " and other group hyper-parameters")
                            : " and other group learning rates",
                        lr, (double)coef, !!skip);
       goto done;
@@ -859,7 +973,7 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
      * waits for that here: the pulls of each piece do (core_wait_pieces).
      * version < step tells the caller the step is not applied yet. */
     if (c->apply_state == APPLY_NONE)
-      core_apply_record(c, lr, group_lr, ngroup_lr, coef, 0);
+      core_apply_record(c, lr, group_lr, ngroup_lr, hp, coef, 0);
     if (out)
       *out = (core_apply_result){
           .step = step, .version = c->version, .optimizer_steps = c->optimizer_steps};
@@ -878,7 +992,7 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
     waiter_push(&c->apply_waiters, w);
   }
   if (c->apply_state == APPLY_NONE)
-    core_apply_record(c, lr, group_lr, ngroup_lr, coef, skip);
+    core_apply_record(c, lr, group_lr, ngroup_lr, hp, coef, skip);
   rc = CORE_PENDING;
 done:
   pthread_mutex_unlock(&c->mu);

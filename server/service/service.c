@@ -395,6 +395,47 @@ int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
                          const double *group_lr, uint32_t ngroup_lr, float coef, int skip,
                          const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                          core_apply_result *out, char *err, size_t errlen) {
+  return service_apply_step(s, hash, step, lr, group_lr, ngroup_lr, NULL, coef, skip, cs, cs_len,
+                            cb, arg, out, err, errlen);
+}
+
+/* The ranges torch's optimizers accept for each of a step's group
+ * hyper-parameters (core_step_hparams order): [lo, hi], or [lo, hi) where
+ * hi_open. */
+static const struct {
+  const char *name;
+  double lo, hi;
+  int hi_open;
+} step_hparam_range[CORE_NHP] = {
+    {"beta1", 0, 1, 1},           {"beta2", 0, 1, 1},
+    {"eps", 0, INFINITY, 0},      {"weight_decay", 0, INFINITY, 0},
+    {"momentum", 0, INFINITY, 0}, {"dampening", 0, 1, 0},
+};
+
+/* Refuses (ZS_EINVAL, naming the array and the group) a value outside its
+ * range or beyond a float32's: the kernels see each rounded to float. */
+static int step_hparams_check(const core_step_hparams *hp, char *err, size_t errlen) {
+  for (unsigned k = 0; hp && k < CORE_NHP; k++) {
+    if (hp->n[k] > 0 && !hp->v[k])
+      return status_fail(err, errlen, ZS_EINVAL, "no values of group_%s given",
+                         step_hparam_range[k].name);
+    for (uint32_t g = 0; g < hp->n[k]; g++) {
+      double x = hp->v[k][g], lo = step_hparam_range[k].lo, hi = step_hparam_range[k].hi;
+      int open = step_hparam_range[k].hi_open;
+      if (!finite_f32(x) || x < lo || (open ? x >= hi : x > hi))
+        return status_fail(err, errlen, ZS_EINVAL,
+                           "Apply's group_%s[%" PRIu32 "] is %g: it must be finite and in "
+                           "[%g, %g%s; nothing was applied",
+                           step_hparam_range[k].name, g, x, lo, hi, open ? ")" : "]");
+    }
+  }
+  return 0;
+}
+
+int service_apply_step(service *s, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                       uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
+                       const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
+                       core_apply_result *out, char *err, size_t errlen) {
   /* The core refuses these too; checked first so that the client state of a
    * refused apply is never recorded. */
   /* The kernels see lr as a float: a finite double beyond FLT_MAX (1e300)
@@ -412,13 +453,16 @@ int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
                          "Apply's group_lr[%" PRIu32
                          "] is %g: each must be finite as a float32 and >= 0",
                          g, group_lr[g]);
-  /* Recorded before the apply is queued, so that the apply commits it; an
-   * oversized one is refused here and the apply never starts. */
-  int rc = core_set_apply_client_state(s->core, hash, step, cs, cs_len, err, errlen);
+  int rc = step_hparams_check(hp, err, errlen);
   if (rc != 0)
     return rc;
-  return core_apply_groups(s->core, hash, step, lr, group_lr, ngroup_lr, coef, skip, cb, arg, out,
-                           err, errlen);
+  /* Recorded before the apply is queued, so that the apply commits it; an
+   * oversized one is refused here and the apply never starts. */
+  rc = core_set_apply_client_state(s->core, hash, step, cs, cs_len, err, errlen);
+  if (rc != 0)
+    return rc;
+  return core_apply_step(s->core, hash, step, lr, group_lr, ngroup_lr, hp, coef, skip, cb, arg, out,
+                         err, errlen);
 }
 
 /* ------------------------------------------------------------ optimizer state */

@@ -201,6 +201,17 @@ int service_apply_groups(service *s, uint64_t hash, uint64_t step, double lr,
                          const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                          core_apply_result *out, char *err, size_t errlen);
 
+/* service_apply_groups with this step's group hyper-parameters
+ * (ApplyRequest.group_beta1 ... group_dampening; hp may be NULL). Each value
+ * must be finite as a float32 and in the range torch accepts: 0 <= beta1,
+ * beta2 < 1; eps, weight_decay, momentum >= 0; dampening in [0, 1]
+ * (ZS_EINVAL with a sentence naming the array and group, nothing recorded);
+ * the counts and the state rules are core_apply_step's to check. */
+int service_apply_step(service *s, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                       uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
+                       const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
+                       core_apply_result *out, char *err, size_t errlen);
+
 /* ReadState: `count` elements of array `which` of piece (tensor, slice) from
  * element `offset` into dst (count * 4 bytes, the caller's). `which` must be
  * a zs_state_array (ZS_EINVAL) and count * 4 at most max_bytes (ZS_ERANGE:

@@ -148,7 +148,8 @@ static int trainer_open(const run_cfg *cfg, uint32_t rank, zs_client **out) {
 }
 
 /* One step of rank `rank`: gradients from the pulled parameters, pushed
- * without waiting, then zs_step (per-group learning rates in step 3), then
+ * without waiting, then zs_step (per-group learning rates and
+ * hyper-parameters in step 3), then
  * the pushes' outcomes. */
 static int trainer_step(zs_client *c, uint32_t rank, uint64_t s, float **param,
                         float *(*grad)[NT]) {
@@ -169,12 +170,21 @@ static int trainer_step(zs_client *c, uint32_t rank, uint64_t s, float **param,
   if (rc != ZS_OK)
     return rc;
   if (s == 3) {
+    /* The groups' hyper-parameters of this step only (a scheduler's beta1
+     * and momentum): a pipelined shard applies every piece with them, as a
+     * gated one applies the step. */
     double glr[NG] = {2e-2, 1e-3, 5e-2};
+    const double beta1[NG] = {0.8, 0.95, 0.9}, momentum[NG] = {0, 0, 0.7};
+    const double wd[NG] = {0.1, 0.02, 0.0}, eps[NG] = {1e-6, 1e-8, 1e-8};
     zs_step_options o;
     zs_step_options_init(&o);
     o.lr = lr_of(s);
     o.group_lr = glr;
     o.num_group_lr = NG;
+    o.group_beta1 = beta1;
+    o.group_momentum = momentum;
+    o.group_weight_decay = wd;
+    o.group_eps = eps;
     rc = zs_step_ex(c, &o, NULL);
   } else {
     rc = zs_step(c, lr_of(s), 0, 0, NULL);

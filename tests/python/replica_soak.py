@@ -195,7 +195,12 @@ class Trainer:
         self._push(grads, hook, frac)
         self.c.grad_norm()
         hook("between_stats_apply")
-        r = self._call_timed("apply", lambda: self.c.step(LR, max_grad_norm=MAX_GRAD_NORM),
+        # beta1 and weight_decay change every step, as a scheduler's would
+        # (OneCycleLR cycles beta1): a forwarded Apply carries them, so a
+        # backup applies the primary's bits.
+        hp = dict(group_beta1=[0.9 - 0.05 * (s % 3)], group_weight_decay=[0.01 * (1 + s % 2)])
+        r = self._call_timed("apply",
+                             lambda: self.c.step(LR, max_grad_norm=MAX_GRAD_NORM, **hp),
                              timed("during_apply"))
         if r.step != s:
             raise AssertionError("step() completed step %d, expected %d" % (r.step, s))

@@ -195,13 +195,14 @@ class TorchMisuse(unittest.TestCase):
                 self.assertEqual([g["lr"] for g in sd["param_groups"]], [0.1, 0.2])
                 opt.load_state_dict(sd)
                 loss_of(m).backward()
-                # Group lrs change freely (each is sent every step); other
-                # hyper-parameters are fixed when the job opens, and an lr
-                # the shards cannot use is refused before anything happens.
-                opt.param_groups[1]["weight_decay"] = 0.1
-                with self.assertRaisesRegex(NotImplementedError, "weight_decay"):
+                # Group lrs and hyper-parameters change freely (each is sent
+                # every step, test_torch_schedulers.py); nesterov is fixed
+                # when the job opens, and an lr the shards cannot use is
+                # refused before anything happens.
+                opt.param_groups[1]["nesterov"] = True
+                with self.assertRaisesRegex(ValueError, "group 1's nesterov changed"):
                     opt.step()
-                opt.param_groups[1]["weight_decay"] = 0.0
+                opt.param_groups[1]["nesterov"] = False
                 opt.param_groups[1]["lr"] = -0.3
                 with self.assertRaisesRegex(ValueError, "group 1's lr"):
                     opt.step()

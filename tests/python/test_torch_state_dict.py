@@ -5,9 +5,10 @@ split over both shards). opt.state_dict() has torch.optim's format exactly
 (compared with torch's own dict), torch.optim.AdamW / SGD load it and go on
 as if they had trained all along, and opt.load_state_dict() /
 model.load_state_dict() write torch's state and weights to the shards. Every
-parameter is compared (torch.equal) after every step. Misuse: hyper-parameters
-that differ from the shards' and a load in the middle of a step are refused,
-changing nothing.
+parameter is compared (torch.equal) after every step; a dict with other betas
+goes on with them. Misuse: a nesterov that differs from the shards', a state
+they cannot hold and a load in the middle of a step are refused, changing
+nothing.
 
 Run with Debian's interpreter (CTest does): /usr/bin/python3 tests/python/test_torch_state_dict.py
 """
@@ -219,23 +220,53 @@ class StateDictMovesRuns(unittest.TestCase):
             finally:
                 opt.close()
 
+    def test_other_betas_load_and_apply_from_the_next_step(self):
+        # The dict's betas become param_groups' and every step sends them
+        # (zs_step_ex's group_beta1, group_beta2), so the run goes on as
+        # torch's does.
+        torch.manual_seed(7)
+        ref = bits.TinyTransformer()
+        ref_opt = adamw(ref, betas=(0.8, 0.99))
+        for x, y in bits.batches(6, 2):
+            train_step(ref, ref_opt, x, y)
+        model = copy.deepcopy(ref)
+        with zshard_servers.Shards(2) as shards:
+            opt = shard(model, adamw(model), shards)
+            try:
+                opt.load_state_dict(ref_opt.state_dict())
+                self.assertEqual(opt.param_groups[0]["betas"], (0.8, 0.99))
+                self.continue_both(model, opt, ref, ref_opt, 9, 3)
+            finally:
+                opt.close()
+
+
 class StateDictMisuse(unittest.TestCase):
 
-    def test_other_betas_and_a_load_mid_step_are_refused(self):
+    def test_other_nesterov_is_refused(self):
+        # nesterov is fixed when the job opens; momentum and the rest are
+        # sent with every step (StateDictMovesRuns).
+        torch.manual_seed(7)
+        model = bits.TinyTransformer()
+        ref_opt = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1, momentum=0.9,
+                                  nesterov=True)
+        with zshard_servers.Shards(1) as shards:
+            opt = shard(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), shards)
+            try:
+                with self.assertRaisesRegex(ValueError, "param group 0's nesterov"):
+                    opt.load_state_dict(ref_opt.state_dict())
+                self.assertFalse(opt.param_groups[0]["nesterov"])
+            finally:
+                opt.close()
+
+    def test_a_bad_state_and_a_load_mid_step_are_refused(self):
         torch.manual_seed(7)
         model = bits.TinyTransformer()
         ref = copy.deepcopy(model)
-        ref_opt = adamw(ref, betas=(0.8, 0.999))
         x, y = next(bits.batches(6, 1))
-        train_step(ref, ref_opt, x, y)
+        train_step(ref, adamw(ref), x, y)
         with zshard_servers.Shards(1) as shards:
             opt = shard(model, adamw(model), shards)
             try:
-                with self.assertRaisesRegex(ValueError, "param group 0's betas"):
-                    opt.load_state_dict(ref_opt.state_dict())
-                self.assertEqual(opt.client.optimizer_steps(), 0)
-                self.assertEqual(opt.param_groups[0]["betas"], (0.9, 0.999))
-
                 ref2 = copy.deepcopy(ref)
                 ref2_opt = adamw(ref2)
                 train_step(ref2, ref2_opt, x, y)

@@ -2347,6 +2347,91 @@ static void test_group_learning_rates_replace_lr_times_lr_scale(void **state) {
   job_free(&j);
 }
 
+/* A step's group hyper-parameters (core_apply_step) are used for that step
+ * only: the bits are the reference's with those values, the next step's
+ * with the spec's again. Counts other than the group count and values that
+ * break torch's state rules (an SGD momentum of 0 for a group with a
+ * momentum buffer, nesterov with dampening) are refused with nothing
+ * applied, and a repeat must carry the same values. */
+static void test_step_hyper_parameters_apply_to_their_step_only(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 73);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  job_make_grads(&j, 74);
+  push_all_in_order(c, &j, 1);
+  core_stats_result st;
+  assert_int_equal(stats_sync(c, &j, 1, &st), 0);
+  /* Group 0 is AdamW, group 1 SGD with nesterov momentum 0.9. */
+  const double beta1[2] = {0.5, 0.9}, momentum[2] = {0.0, 0.7}, zero[2] = {0.0, 0.0};
+  const double one[1] = {0.5}, no_momentum[2] = {0.0, 0.0}, damp[2] = {0.0, 0.1};
+  core_step_hparams hp = {0};
+  char err[256] = "";
+  core_apply_result ar;
+  hp.v[CORE_HP_BETA1] = one;
+  hp.n[CORE_HP_BETA1] = 1;
+  assert_int_equal(
+      core_apply_step(c, j.hash, 1, 1e-2, NULL, 0, &hp, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+      ZS_EINVAL);
+  assert_non_null(strstr(err, "1 values of group_beta1"));
+  hp.v[CORE_HP_BETA1] = NULL;
+  hp.n[CORE_HP_BETA1] = 0;
+  hp.v[CORE_HP_MOMENTUM] = no_momentum;
+  hp.n[CORE_HP_MOMENTUM] = 2;
+  assert_int_equal(
+      core_apply_step(c, j.hash, 1, 1e-2, NULL, 0, &hp, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+      ZS_EINVAL);
+  assert_non_null(strstr(err, "has a momentum buffer"));
+  hp.v[CORE_HP_MOMENTUM] = momentum;
+  hp.v[CORE_HP_DAMPENING] = damp;
+  hp.n[CORE_HP_DAMPENING] = 2;
+  assert_int_equal(
+      core_apply_step(c, j.hash, 1, 1e-2, NULL, 0, &hp, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+      ZS_EINVAL);
+  assert_non_null(strstr(err, "nesterov"));
+  core_counters cnt;
+  core_get_counters(c, &cnt);
+  assert_int_equal(cnt.version, 0);
+
+  hp.v[CORE_HP_DAMPENING] = zero;
+  hp.v[CORE_HP_BETA1] = beta1;
+  hp.n[CORE_HP_BETA1] = 2;
+  event e;
+  event_init(&e);
+  assert_int_equal(core_apply_step(c, j.hash, 1, 1e-2, NULL, 0, &hp, 1.0f, 0, on_apply, &e, &ar,
+                                   err, sizeof err),
+                   CORE_PENDING);
+  event_wait(&e, 1);
+  assert_int_equal(e.status, 0);
+  event_destroy(&e);
+  j.spec.groups[0].beta1 = 0.5;
+  j.spec.groups[1].momentum = 0.7;
+  job_ref_step(&j, 1e-2, 1.0f, 0);
+  j.spec.groups[0].beta1 = 0.9;
+  j.spec.groups[1].momentum = 0.9;
+  check_shard_matches_reference(c, &j, 0, 1);
+  /* Repeats: the same values are the recorded outcome, others a conflict. */
+  assert_int_equal(
+      core_apply_step(c, j.hash, 1, 1e-2, NULL, 0, &hp, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+      0);
+  assert_int_equal(ar.version, 1);
+  assert_int_equal(core_apply(c, j.hash, 1, 1e-2, 1.0f, 0, NULL, NULL, &ar, err, sizeof err),
+                   ZS_EEXIST);
+  assert_non_null(strstr(err, "other group hyper-parameters"));
+
+  /* The next step without them runs with the spec's values. */
+  job_make_grads(&j, 75);
+  push_all_in_order(c, &j, 2);
+  assert_int_equal(stats_sync(c, &j, 2, &st), 0);
+  assert_int_equal(apply_sync(c, &j, 2, 1e-2, 1.0f, 0, &ar), 0);
+  job_ref_step(&j, 1e-2, 1.0f, 0);
+  check_shard_matches_reference(c, &j, 0, 2);
+  core_destroy(c);
+  job_free(&j);
+}
+
 /* core_state_write: a master range refreshes the low copy the pulls serve
  * (bytes and CRC; a pinned answer keeps its bytes, as under an apply), keeps the version, marks a
  * restored state as touched, and is refused while the pending step has a contribution, changing
@@ -2461,6 +2546,7 @@ int main(void) {
       cmocka_unit_test(test_close_fails_waits_and_empties_the_shard),
       cmocka_unit_test(test_close_goes_ahead_while_an_answer_is_pinned),
       cmocka_unit_test(test_group_learning_rates_replace_lr_times_lr_scale),
+      cmocka_unit_test(test_step_hyper_parameters_apply_to_their_step_only),
       cmocka_unit_test(test_state_writes_refresh_the_low_copy_and_wait_for_idle),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -741,6 +741,24 @@ static void job_life_requests_are_checked_and_refusals_change_nothing(void **sta
                                         &w, &w.apply, err, sizeof err),
                    ZS_EINVAL);
   assert_has(err, "has 1 param groups");
+  /* A step's hyper-parameters outside torch's ranges (beta1 of 1.5, a
+   * negative dampening) are refused before the core sees them. */
+  const double bad_beta[1] = {1.5}, bad_damp[1] = {-0.5};
+  core_step_hparams hp = {0};
+  hp.v[CORE_HP_BETA1] = bad_beta;
+  hp.n[CORE_HP_BETA1] = 1;
+  assert_int_equal(service_apply_step(fx.svc, fx.hash, 1, 0.1, NULL, 0, &hp, 1.0f, 0, NULL, 0,
+                                      on_apply, &w, &w.apply, err, sizeof err),
+                   ZS_EINVAL);
+  assert_has(err, "group_beta1[0] is 1.5: it must be finite and in [0, 1)");
+  hp.v[CORE_HP_BETA1] = NULL;
+  hp.n[CORE_HP_BETA1] = 0;
+  hp.v[CORE_HP_DAMPENING] = bad_damp;
+  hp.n[CORE_HP_DAMPENING] = 1;
+  assert_int_equal(service_apply_step(fx.svc, fx.hash, 1, 0.1, NULL, 0, &hp, 1.0f, 0, NULL, 0,
+                                      on_apply, &w, &w.apply, err, sizeof err),
+                   ZS_EINVAL);
+  assert_has(err, "group_dampening[0] is -0.5");
   assert_int_equal(w.done, 0);
   core_get_info(fx.core, &info);
   assert_int_equal(info.version, 0);

@@ -1456,9 +1456,15 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   /* protobuf-c bounds n_group_lr by the message's length; the core checks
    * it against the job's group count. */
   uint32_t nglr = r->n_group_lr > UINT32_MAX ? UINT32_MAX : (uint32_t)r->n_group_lr;
-  int rc = service_apply_groups(s->svc, r->spec_hash, r->step, r->lr, r->group_lr, nglr, r->coef,
-                                r->skip, r->client_state.data, r->client_state.len, on_core_apply,
-                                c, &c->apply, err, sizeof err);
+  core_step_hparams hp;
+#define HP_FROM_REQUEST(up, name)                                                                  \
+  hp.v[CORE_HP_##up] = r->group_##name;                                                            \
+  hp.n[CORE_HP_##up] = r->n_group_##name > UINT32_MAX ? UINT32_MAX : (uint32_t)r->n_group_##name;
+  CORE_STEP_HPARAMS(HP_FROM_REQUEST)
+#undef HP_FROM_REQUEST
+  int rc = service_apply_step(s->svc, r->spec_hash, r->step, r->lr, r->group_lr, nglr, &hp, r->coef,
+                              r->skip, r->client_state.data, r->client_state.len, on_core_apply, c,
+                              &c->apply, err, sizeof err);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   if (rc == CORE_PENDING)
     return;

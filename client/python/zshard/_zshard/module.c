@@ -314,6 +314,7 @@ static PyObject *step_result_new(const zs_step_result *r, const zs_timing *t) {
 
 typedef struct client_object {
   PyObject_HEAD zs_client *c; /* NULL once closed */
+  uint32_t ngroups;           /* groups added so far: step's per-group arrays hold as many */
 } client_object;
 
 static PyTypeObject client_type;
@@ -438,6 +439,8 @@ static PyObject *client_add_group(client_object *self, PyObject *args, PyObject 
   int rc = zs_add_group(c, &g, &id);
   if (rc != ZS_OK)
     return raise_status(rc);
+  if (id >= self->ngroups)
+    self->ngroups = id + 1;
   return PyLong_FromUnsignedLong(id);
 }
 
@@ -884,14 +887,77 @@ static PyObject *client_pull_many(client_object *self, PyObject *args, PyObject 
 
 /* ---- step, checkpoints, inspection ---------------------------------------------------- */
 
+/* The step's per-group hyper-parameters (zs_step_options.group_beta1 ...
+ * group_dampening): step()'s keywords of the same names, each None or one
+ * float per param group. */
+enum { STEP_NHP = 6 };
+static const char *const step_hp_names[STEP_NHP] = {"group_beta1",    "group_beta2",
+                                                    "group_eps",      "group_weight_decay",
+                                                    "group_momentum", "group_dampening"};
+
+/* Points o's per-group arrays at copies of the sequences in seqs (None
+ * leaves the array NULL), held in *vals (PyMem, STEP_NHP * ngroups doubles,
+ * the caller frees it). zs_step_ex cannot see the arrays' lengths, so each
+ * must hold exactly ngroups floats (ValueError otherwise). -1 with an
+ * exception set on failure. */
+static int step_hparams_read(PyObject *const seqs[STEP_NHP], uint32_t ngroups, zs_step_options *o,
+                             double **vals) {
+  const double **dst[STEP_NHP] = {&o->group_beta1,        &o->group_beta2,    &o->group_eps,
+                                  &o->group_weight_decay, &o->group_momentum, &o->group_dampening};
+  *vals = PyMem_Malloc(((size_t)STEP_NHP * ngroups + 1) * sizeof **vals);
+  if (!*vals) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (int k = 0; k < STEP_NHP; k++) {
+    if (seqs[k] == Py_None)
+      continue;
+    PyObject *seq = PySequence_Fast(seqs[k], "step: group hyper-parameters must be sequences");
+    if (!seq)
+      return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n != (Py_ssize_t)ngroups) {
+      PyErr_Format(PyExc_ValueError, "step: %s has %zd values but the job has %u param groups",
+                   step_hp_names[k], n, (unsigned)ngroups);
+      Py_DECREF(seq);
+      return -1;
+    }
+    double *v = *vals + (size_t)k * ngroups;
+    for (Py_ssize_t i = 0; i < n; i++) {
+      v[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+      if (v[i] == -1.0 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        return -1;
+      }
+    }
+    Py_DECREF(seq);
+    *dst[k] = v;
+  }
+  return 0;
+}
+
 static PyObject *client_step(client_object *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"lr", "max_grad_norm", "loss_scale", "group_lr", "clip_coef", NULL};
+  static char *kwlist[] = {"lr",
+                           "max_grad_norm",
+                           "loss_scale",
+                           "group_lr",
+                           "clip_coef",
+                           "group_beta1",
+                           "group_beta2",
+                           "group_eps",
+                           "group_weight_decay",
+                           "group_momentum",
+                           "group_dampening",
+                           NULL};
   zs_step_options o;
   zs_step_options_init(&o);
   PyObject *group_lr = Py_None, *ret = NULL;
+  PyObject *hps[STEP_NHP] = {Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
+  double *hp_vals = NULL;
   zs_client *c = client_get(self);
-  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "d|ddOd:step", kwlist, &o.lr, &o.max_grad_norm,
-                                         &o.loss_scale, &group_lr, &o.clip_coef))
+  if (!c || !PyArg_ParseTupleAndKeywords(args, kw, "d|ddOdOOOOOO:step", kwlist, &o.lr,
+                                         &o.max_grad_norm, &o.loss_scale, &group_lr, &o.clip_coef,
+                                         &hps[0], &hps[1], &hps[2], &hps[3], &hps[4], &hps[5]))
     return NULL;
   /* group_lr: one lr per group, used as given (zs_step_ex checks the count
    * and the values, and names the offender). */
@@ -916,6 +982,8 @@ static PyObject *client_step(client_object *self, PyObject *args, PyObject *kw) 
     o.group_lr = lrs;
     o.num_group_lr = (uint32_t)n;
   }
+  if (step_hparams_read(hps, self->ngroups, &o, &hp_vals) < 0)
+    goto out;
   zs_step_result r;
   zs_step_result_init(&r);
   zs_timing t;
@@ -937,6 +1005,7 @@ static PyObject *client_step(client_object *self, PyObject *args, PyObject *kw) 
   ret = step_result_new(&r, &t);
 out:
   PyMem_Free(lrs);
+  PyMem_Free(hp_vals);
   return ret;
 }
 
@@ -1289,11 +1358,14 @@ static PyMethodDef client_methods[] = {
         "submits nothing"),
     KWM(pull_many, "pull_many(tensors, buffers, dtype=0) -> [Request]: zs_pull_many, as "
                    "push_many; each buffer is written until its Request is waited"),
-    KWM(step, "step(lr, max_grad_norm=0, loss_scale=0, group_lr=None, clip_coef=0) -> "
+    KWM(step, "step(lr, max_grad_norm=0, loss_scale=0, group_lr=None, clip_coef=0, "
+              "group_beta1=None, ...) -> "
               "StepResult (zs_step_ex). group_lr: one learning rate per group, used as given "
               "for this step instead of lr x lr_scale (what a scheduler sets in torch's "
               "param_groups); clip_coef > 0: the clipping coefficient computed elsewhere, "
-              "instead of max_grad_norm's"),
+              "instead of max_grad_norm's. group_beta1, group_beta2, group_eps, "
+              "group_weight_decay, group_momentum, group_dampening: None or one value per group "
+              "for this step only (zs_step_options' arrays)"),
     KWM(grad_norm, "grad_norm(loss_scale=0) -> (norm, overflow): the current step's global "
                    "gradient norm (zs_grad_norm) without applying it; waits for every trainer's "
                    "contributions. The client stays at its step"),

@@ -14,8 +14,9 @@ How it works (ZeRO-3 on a parameter server):
 * Every parameter of the optimizer's param groups becomes a zshard tensor (in
   param-group order, named after the model's parameter names); every param
   group becomes a zshard group with its hyper-parameters. Every step() sends
-  each group's current lr (so any lr scheduler works, one lambda per group
-  included).
+  each group's current lr and hyper-parameters (so any scheduler works, one
+  lambda per group included, and OneCycleLR's or CyclicLR's cycled momentum
+  or beta1 too).
 * The model's forward runs under a torch function mode that sees every
   operation's tensor arguments. A parameter (or a view of one: tied weights,
   `w.t()`, MultiheadAttention reading `out_proj.weight` without calling
@@ -409,36 +410,64 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                     self._ensure(P)
         return hook
 
-    def _step_lrs(self):
+    # torch's ranges for the hyper-parameters a step sends (zs_step_options'
+    # group_* arrays): (low, high, high excluded).
+    _HPARAM_RANGES = dict(beta1=(0.0, 1.0, True), beta2=(0.0, 1.0, True),
+                          eps=(0.0, float("inf"), False), weight_decay=(0.0, float("inf"), False),
+                          momentum=(0.0, float("inf"), False), dampening=(0.0, 1.0, False))
+
+    def _step_options(self):
+        """The keywords of client.step() that carry every group's current
+        lr and hyper-parameters as they stand in param_groups (a scheduler's
+        values, for this step only); raises ValueError, before anything is
+        pushed, for a value torch's optimizers would refuse or one the
+        shards cannot follow (nesterov, or an SGD momentum that starts or
+        stops the momentum buffer)."""
         lrs = self._check_group_lrs()
+        hps = {}
         for gi, g in enumerate(self.param_groups):
-            now = self._group_options(g)
+            now, first = self._group_options(g), self._groups[gi]
             for k, v in now.items():
-                if self._groups[gi][k] != v:
-                    raise NotImplementedError("zshard.torch: param group %d's %s changed from %r "
-                                              "to %r (%s)" % (gi, k, self._groups[gi][k], v,
-                                                              NOTES["group_options"]))
-        return lrs
+                if k in self._HPARAM_RANGES:
+                    lo, hi, open_hi = self._HPARAM_RANGES[k]
+                    if not (lo <= v and (v < hi if open_hi else v <= hi)) or v == float("inf"):
+                        raise ValueError("zshard.torch: param group %d's %s is %r: it must be "
+                                         "finite and in [%g, %g%s" %
+                                         (gi, k, v, lo, hi, ")" if open_hi else "]"))
+                    hps.setdefault("group_" + k, []).append(v)
+                elif first[k] != v:
+                    raise ValueError("zshard.torch: param group %d's %s changed from %r to %r: "
+                                     "it is fixed when the job opens" % (gi, k, first[k], v))
+            if self._optim == "sgd" and (now["momentum"] != 0) != (first["momentum"] != 0):
+                raise ValueError("zshard.torch: param group %d's momentum changed from %r to %r: "
+                                 "the momentum buffer exists from the first step or never, so "
+                                 "momentum may change only between values above 0" %
+                                 (gi, first["momentum"], now["momentum"]))
+            if now.get("nesterov") and not (now["momentum"] > 0 and now["dampening"] == 0):
+                raise ValueError("zshard.torch: param group %d: nesterov momentum requires a "
+                                 "momentum and zero dampening" % gi)
+        return dict(group_lr=lrs, **hps)
 
     def step(self, closure=None, clip_coef=None):
         """Pushes what backward has not (gradients set by hand, zeros for
         parameters without one), waits for the pushes, and runs the step on
-        the shards with every param group's current lr (zs_step_ex's
-        group_lr). clip_coef: a clipping coefficient computed elsewhere
-        (e.g. from grad_norm() and other parameters' norms), used instead of
-        max_grad_norm's. Returns the loss of `closure` if given."""
+        the shards with every param group's current lr and hyper-parameters
+        (zs_step_ex's group_lr, group_beta1...). clip_coef: a clipping
+        coefficient computed elsewhere (e.g. from grad_norm() and other
+        parameters' norms), used instead of max_grad_norm's. Returns the
+        loss of `closure` if given."""
         self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        lrs = self._step_lrs()
+        opts = self._step_options()
         self._prepare_step()
         if clip_coef is None and self._clip_once is not None:
             clip_coef = self._clip_once  # from clip_grad_norm_
         self._clip_once = None
-        self.last_result = self.client.step(lrs[0], float(self.max_grad_norm or 0.0), 0.0,
-                                            group_lr=lrs, clip_coef=float(clip_coef or 0.0))
+        self.last_result = self.client.step(opts["group_lr"][0], float(self.max_grad_norm or 0.0),
+                                            0.0, clip_coef=float(clip_coef or 0.0), **opts)
         self._version = self.client.current_step - 1
         for P in self._params:
             P.micro = 0

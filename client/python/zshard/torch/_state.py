@@ -7,7 +7,7 @@ import torch
 
 import zshard
 
-from ._common import NOTES, _buffer
+from ._common import _buffer
 
 
 class _StateDict:
@@ -155,10 +155,10 @@ class _StateDict:
         """Loads torch.optim's state_dict() of the same optimizer (from torch,
         or from state_dict() here) onto the shards: the moments or momentum
         buffers and the step count; lr and the groups' other keys into
-        param_groups. The groups' hyper-parameters (betas, eps,
-        weight_decay, momentum, dampening, nesterov) must equal the shards',
-        fixed when the job opened (ValueError naming the difference); lr may
-        differ (it is sent every step).
+        param_groups. lr, betas, eps, weight_decay, momentum and dampening
+        may differ from the shards' (they are sent every step); nesterov and
+        whether SGD's momentum is 0, fixed when the job opened, must agree
+        (ValueError naming the difference).
 
         Every rank calls it with the same dict between the same two steps
         (after step() or shard(), before the next backward; RuntimeError
@@ -176,11 +176,14 @@ class _StateDict:
                                  "in the state_dict, %d here" % (gi, len(sg["params"]),
                                                                  len(g["params"])))
             mine, theirs = self._hparams(gi), self._hparams(gi, sg)
-            for k in mine:
-                if mine[k] != theirs[k]:
+            # Every step sends the groups' current values, so the state_dict's
+            # become the next step's; only what decides the shards' state
+            # (nesterov, whether SGD keeps a momentum buffer) must agree.
+            for k in ("nesterov", "momentum"):
+                if k in mine and (mine[k] != 0) != (theirs[k] != 0):
                     raise ValueError("zshard.torch.load_state_dict: param group %d's %s is %r in "
-                                     "the state_dict, %r on the shards (%s)" %
-                                     (gi, k, theirs[k], mine[k], NOTES["group_options"]))
+                                     "the state_dict, %r on the shards: it is fixed when the job "
+                                     "opens" % (gi, k, theirs[k], mine[k]))
             self._group_options(dict(g, **{k: v for k, v in sg.items() if k != "params"}))
             for i, p in zip(sg["params"], g["params"]):
                 index[i] = self._by_id[id(p)]
