@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
@@ -1854,11 +1855,13 @@ static void connecting_to_a_closed_port_fails_with_econn(void **state) {
 static auth_keys *g_keys;
 static char g_token_dir[64];
 
+/* Mode 0600: a token file others may read is refused. */
 static void write_file(const char *path, const char *text) {
   FILE *f = fopen(path, "w");
   assert_non_null(f);
   fputs(text, f);
   fclose(f);
+  assert_int_equal(chmod(path, 0600), 0);
 }
 
 /* Shards that want the trainers' token (and know the admins'); the

@@ -603,9 +603,15 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._clip_once = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
-    def close(self, close_job=False):
+    def close(self, close_job=False, gather=True):
         """Leaves the model with the current weights in its parameters,
         removes the hooks and closes the client.
+
+        gather=False leaves the parameters as they are (with
+        release_after_forward: shapes without storage) instead of pulling
+        every weight: for a model larger than this trainer can hold, whose
+        weights stay on the shards (zshard export, or state_dict() before
+        close, reads them).
 
         close_job=True also closes the job on the shards (zs_close_job): they
         free its weights and optimizer state and take the next job (another
@@ -623,7 +629,10 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         except zshard.Error:
             pass
         try:
-            self.gather()
+            if gather:
+                self.gather()
+            else:
+                self._wait_pulls()  # no transfer writes a parameter after close
             if close_job:
                 self.client.close_job()
         finally:
