@@ -459,7 +459,14 @@ typedef void (*zs_request_cb)(void *arg, int status);
  * micro) is pushed once per step (ZS_EEXIST otherwise). With `req` NULL the
  * call waits for completion; otherwise *req is a request the caller must
  * zs_wait.
- * Must not be called while zs_step runs on the same client. */
+ * Must not be called while zs_step runs on the same client.
+ *
+ * grad NULL with nbytes 0 pushes "no gradient" (dtype is not looked at;
+ * error feedback keeps the tensor's residual): when no trainer gave the
+ * tensor a gradient in any micro-batch of the step, the shards skip it (its
+ * weights, moments and step count stay, as torch skips a parameter whose
+ * .grad is None); when one did, this push counts as zeros (DDP's
+ * find_unused_parameters). A server of 0.2 or before refuses it (ZS_ESIZE). */
 ZS_EXTERN int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request **req);
 
@@ -495,6 +502,8 @@ ZS_EXTERN int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtyp
  * batch fails half-way (another thread pushed one of its tensors meanwhile),
  * the requests of the entries before it are in reqs and must be waited; the
  * rest are NULL. */
+/* An entry of a push batch with grads[i] NULL and nbytes[i] 0 is "no
+ * gradient", as in zs_push. */
 ZS_EXTERN int zs_push_many(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t micro,
                            const void *const *grads, zs_dtype dtype, const size_t *nbytes,
                            zs_request **reqs);

@@ -123,7 +123,7 @@ int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t sli
 
 /* One contribution. nbytes 0 (every piece has at least one element) is a
  * contribution without a gradient: it counts towards the step's W*M like
- * any other and adds nothing (its dtype and data are not looked at), and a
+ * any other and adds nothing (data is not looked at), and a
  * piece whose contributions all came without one is skipped by the apply
  * (weights, moments, low copy and its tensor's step count stay), as torch
  * skips a parameter whose .grad is None. One with a gradient among them

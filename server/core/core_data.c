@@ -486,10 +486,11 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   if ((rc = core_find_piece(c, a->tensor, a->slice, &ps, err, errlen)) != 0)
     return rc;
   /* Every piece has at least one element, so an empty payload is never a
-   * gradient: it is the trainer saying it has none (its dtype is not
-   * looked at). */
-  if (a->nbytes > 0 &&
-      (rc = core_check_payload(ps, (int)a->dtype, a->nbytes, a->data, err, errlen)) != 0)
+   * gradient: it is the trainer saying it has none (its dtype must still be
+   * one of ours, since replicas forward it). */
+  rc = a->nbytes > 0 ? core_check_payload(ps, (int)a->dtype, a->nbytes, a->data, err, errlen)
+                     : dtype_check((int)a->dtype, err, errlen);
+  if (rc != 0)
     return rc;
   if (a->step <= c->version) {
     /* A step is applied only after every contribution arrived, so a push for

@@ -680,15 +680,20 @@ static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int
   request_object *r = request_new(self, push, tensor);
   if (!r)
     return NULL;
-  if (PyObject_GetBuffer(buf, &r->view,
-                         PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) < 0) {
+  int rc = 0;
+  if (push && buf == Py_None) {
+    /* No gradient this step: zs_push with no buffer. */
+    memset(&r->view, 0, sizeof r->view);
+    dtype = ZS_DTYPE_FP32;
+  } else if (PyObject_GetBuffer(buf, &r->view,
+                                PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) <
+             0) {
     r->view.obj = NULL;
     Py_DECREF(r);
     return NULL;
-  }
-  int rc = 0;
-  if (!(dtype = buffer_dtype(&r->view, dtype, push ? "push" : "pull")))
+  } else if (!(dtype = buffer_dtype(&r->view, dtype, push ? "push" : "pull"))) {
     goto fail;
+  }
   zs_request *req = NULL;
   /* Submission does not wait for the network, but may wait for a lock the
    * library's threads hold: release the GIL anyway. */
@@ -790,6 +795,14 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     if (!r)
       goto fail;
     PyList_SET_ITEM(list, i, (PyObject *)r); /* the list owns it from here */
+    if (push && PySequence_Fast_GET_ITEM(bseq, i) == Py_None) {
+      /* No gradient this step: an entry with no buffer (zs_push_many). */
+      memset(&r->view, 0, sizeof r->view);
+      ids[i] = (uint32_t)t;
+      ptrs[i] = NULL;
+      nbytes[i] = 0;
+      continue;
+    }
     if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(bseq, i), &r->view,
                            PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) < 0) {
       r->view.obj = NULL;
@@ -800,7 +813,7 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     int d = buffer_dtype(&r->view, given, what);
     if (!d)
       goto fail;
-    if (i == 0)
+    if (!dtype)
       dtype = d;
     else if (d != dtype) {
       PyErr_Format(PyExc_TypeError, "%s: buffer %zd's dtype differs from buffer 0's", what, i);
@@ -810,6 +823,8 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     ptrs[i] = r->view.buf;
     nbytes[i] = (size_t)r->view.len;
   }
+  if (!dtype)
+    dtype = ZS_DTYPE_FP32; /* every entry without a gradient */
   int rc;
   GIL_RELEASE();
   if (push)

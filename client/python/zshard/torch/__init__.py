@@ -143,7 +143,6 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             self.client.close()
             raise
         self._version = self.client.current_step - 1
-        self._zeros = None         # pushed for parameters without a gradient
         self._op = 0
         self._trace = None         # params in order of first use during the first forward
         self._units = []           # lists of _Param, in forward order
@@ -325,7 +324,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         if 0 < passes < self.grad_accum:
             raise RuntimeError("zshard.torch: step() after %d backward pass(es), grad_accum is %d"
                                % (passes, self.grad_accum))
-        # Gradients set by hand; zeros for parameters without one: one batch
+        # Gradients set by hand; "no gradient" for parameters without one
+        # (skipped by the shards unless another trainer has one): one batch
         # per micro-batch.
         rest = []
         for P in self._params:

@@ -37,6 +37,12 @@ def _buffer(t):
     return (ctypes.c_float * t.numel()).from_address(t.data_ptr())
 
 
+def _grad_buffer(g):
+    """_buffer(g) for a push, None for a parameter without a gradient (the
+    push then says so: zs_push with no buffer)."""
+    return None if g is None else _buffer(g)
+
+
 def _limit_mmap_threshold(nbytes):
     """glibc only: serve allocations of `nbytes` and more with mmap, so that
     the memory of a released parameter leaves the process when it is freed.

@@ -9,7 +9,7 @@ import torch
 
 import zshard
 
-from ._common import _Mode, _buffer, _storage_key
+from ._common import _Mode, _buffer, _grad_buffer, _storage_key
 
 
 class _Transfers:
@@ -216,7 +216,7 @@ class _Transfers:
             self._submit_pushes(entries)
 
     def _push(self, P, g, micro=None):
-        """Pushes `g` (None: zeros) as P's gradient of micro-batch `micro`
+        """Pushes `g` (None: no gradient) as P's gradient of micro-batch `micro`
         (None: the next one of this step)."""
         self._submit_pushes([self._prepare_push(P, g, micro)])
 
@@ -231,9 +231,10 @@ class _Transfers:
             micro = P.micro
             P.micro += 1
         if g is None:
-            if self._zeros is None:
-                self._zeros = torch.zeros(max(Q.numel for Q in self._params))
-            g = self._zeros[:P.numel]
+            # No gradient: the shards skip the parameter when no trainer has
+            # one (torch skips a .grad of None), and count this push as zeros
+            # when another does.
+            pass
         else:
             if g.dtype != torch.float32 or g.is_sparse:
                 raise RuntimeError("zshard.torch: gradient of %s is %s; dense fp32 only" %
@@ -252,10 +253,11 @@ class _Transfers:
         for micro, es in by_micro.items():
             if len(es) == 1:
                 P, _, g = es[0]
-                self._inflight.append((P, micro, g, self.client.push(P.idx, _buffer(g), micro)))
+                self._inflight.append((P, micro, g, self.client.push(P.idx, _grad_buffer(g),
+                                                                     micro)))
                 continue
             reqs = self.client.push_many([P.idx for P, _, _ in es],
-                                         [_buffer(g) for _, _, g in es], micro)
+                                         [_grad_buffer(g) for _, _, g in es], micro)
             for (P, _, g), r in zip(es, reqs):
                 self._inflight.append((P, micro, g, r))
 
