@@ -731,7 +731,8 @@ ZS_EXTERN int zs_state_write(zs_client *c, uint32_t tensor, zs_state_array which
                              size_t nbytes);
 
 /* The optimizer step count of the job (applied, not skipped, steps; a
- * restore or zs_set_optimizer_steps sets it) into *steps: every shard's, which
+ * restore or zs_set_optimizer_steps sets it; each tensor also has its own,
+ * zs_tensor_steps) into *steps: every shard's, which
  * must agree (ZS_EBEHIND names the shard that does not). */
 ZS_EXTERN int zs_optimizer_steps(zs_client *c, uint64_t *steps);
 
@@ -743,6 +744,21 @@ ZS_EXTERN int zs_optimizer_steps(zs_client *c, uint64_t *steps);
  * as zs_state_write (between steps only, ZS_ENOTREADY otherwise); the
  * version stays. */
 ZS_EXTERN int zs_set_optimizer_steps(zs_client *c, uint64_t steps);
+
+/* Tensor `tensor`'s own step count into *steps: the applied steps that gave
+ * it a gradient (a push of "no gradient" from every trainer skips a step:
+ * see zs_push), torch's per-parameter state['step'], which its bias
+ * corrections (Adam, AdamW) and SGD's first momentum step follow. Every
+ * shard holding a slice of it must agree (ZS_EBEHIND names the one that
+ * does not). zs_set_optimizer_steps sets every tensor's count too. */
+ZS_EXTERN int zs_tensor_steps(zs_client *c, uint32_t tensor, uint64_t *steps);
+
+/* Sets tensor `tensor`'s step count on its shards, under the rules of
+ * zs_state_write (between steps only, ZS_ENOTREADY otherwise); the version
+ * stays. For a torch state whose parameters are at different 'step's: call
+ * zs_set_optimizer_steps first (it sets every tensor's), then this for
+ * those that differ. A server without per-tensor counts is ZS_EUNIMPL. */
+ZS_EXTERN int zs_set_tensor_steps(zs_client *c, uint32_t tensor, uint64_t steps);
 
 /* ======================================================================== */
 /* Memory and traffic estimates (`zshard estimate`)                          */

@@ -472,6 +472,16 @@ int service_state_write(service *s, uint64_t hash, uint32_t tensor, uint32_t sli
   return rc;
 }
 
+int service_tensor_steps(service *s, uint64_t hash, uint32_t tensor, uint64_t *steps, char *err,
+                         size_t errlen) {
+  return core_tensor_steps(s->core, hash, tensor, steps, err, errlen);
+}
+
+int service_set_tensor_steps(service *s, uint64_t hash, uint32_t tensor, uint64_t steps, char *err,
+                             size_t errlen) {
+  return core_set_tensor_steps(s->core, hash, tensor, steps, err, errlen);
+}
+
 /* ------------------------------------------------ sentences of the transports */
 
 int service_too_large(const char *what, uint64_t nbytes, uint64_t limit, const char *limit_name,

@@ -137,6 +137,132 @@ class WithoutGradients(unittest.TestCase):
         self.run_case(lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), late_from=1)
 
 
+# ---- state_dict: a step count per parameter ---------------------------------------------
+
+def same_state(test, got, want, what):
+    """torch.optim state_dicts equal: the same parameters with state, the
+    same keys, steps and tensors (torch.equal), the same groups."""
+    test.assertEqual(sorted(got["state"]), sorted(want["state"]), what)
+    for i, w in want["state"].items():
+        g = got["state"][i]
+        test.assertEqual(sorted(g), sorted(w), "%s: parameter %d" % (what, i))
+        for k, v in w.items():
+            if isinstance(v, torch.Tensor):
+                test.assertTrue(torch.equal(g[k], v), "%s: parameter %d's %s (%r, %r)" %
+                                (what, i, k, g[k] if k == "step" else "", v if k == "step" else ""))
+            else:
+                test.assertEqual(g[k], v, "%s: parameter %d's %s" % (what, i, k))
+    test.assertEqual([sorted(g["params"]) for g in got["param_groups"]],
+                     [sorted(g["params"]) for g in want["param_groups"]], what)
+
+
+class StateDictPerParameterStep(unittest.TestCase):
+
+    def test_state_dict_steps_equal_torchs_per_parameter_steps(self):
+        def check(opt, ref_opt, step):
+            same_state(self, opt.state_dict(), ref_opt.state_dict(), "after step %d" % step)
+        WithoutGradients.run_case(self, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2,
+                                                                    weight_decay=0.01),
+                                  use_branch=odd, late_from=3, check_state=check)
+
+    def round_trip(self, make_opt):
+        """torch trains 3 steps (branch on odd steps, `late` unused): zshard
+        loads its state (parameters at different steps, some without state)
+        and both go on; then a fresh torch optimizer loads zshard's state and
+        both go on again, every parameter compared after every step."""
+        import zshard.torch
+        model, ref = Net(), Net()
+        ref_opt = make_opt(ref)
+        late_from = 5
+
+        def train(m, o, step):
+            o.zero_grad(set_to_none=True)
+            loss_of(m, step, 0, odd, late_from).backward()
+            o.step()
+        for step in range(3):
+            train(ref, ref_opt, step)
+        with zshard_servers.Shards(2) as shards:
+            opt = zshard.torch.shard(model, make_opt(model), addresses=shards.addresses,
+                                     wire_dtype=torch.float32, rank=0, world_size=1,
+                                     split_threshold=64, job="nograd-sd")
+            try:
+                model.load_state_dict(ref.state_dict())
+                opt.load_state_dict(ref_opt.state_dict())
+                same_state(self, opt.state_dict(), ref_opt.state_dict(), "loaded")
+                for step in range(3, 8):
+                    train(model, opt, step)
+                    train(ref, ref_opt, step)
+                    want = dict(ref.named_parameters())
+                    for P in opt._params:
+                        w, q = pulled(opt, P), want[P.name].detach()
+                        self.assertTrue(torch.equal(w, q), "step %d: %s differs from torch's by "
+                                        "up to %g" % (step, P.name, (w - q).abs().max().item()))
+                    same_state(self, opt.state_dict(), ref_opt.state_dict(), "step %d" % step)
+                sd = opt.state_dict()
+                ref2 = Net()
+                ref2.load_state_dict(model.state_dict())
+                ref2_opt = make_opt(ref2)
+                ref2_opt.load_state_dict(sd)
+                for step in range(8, 11):
+                    train(model, opt, step)
+                    train(ref2, ref2_opt, step)
+                    want = dict(ref2.named_parameters())
+                    for P in opt._params:
+                        w, q = pulled(opt, P), want[P.name].detach()
+                        self.assertTrue(torch.equal(w, q), "step %d: %s differs from torch's by "
+                                        "up to %g" % (step, P.name, (w - q).abs().max().item()))
+            finally:
+                opt.close()
+
+    def test_checkpoint_and_restore_keep_per_parameter_steps(self):
+        # The checkpoint files carry the counts (the branch and `late` are
+        # behind the job): after a restore both runs go on from step 4.
+        import zshard.torch
+        model, ref = Net(), Net()
+
+        def make(m):
+            return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
+        ref_opt = make(ref)
+
+        def train(m, o, step):
+            o.zero_grad(set_to_none=True)
+            loss_of(m, step, 0, odd, 6).backward()
+            o.step()
+        with zshard_servers.Shards(2, state_dirs=True) as shards:
+            opt = zshard.torch.shard(model, make(model), addresses=shards.addresses,
+                                     wire_dtype=torch.float32, rank=0, world_size=1,
+                                     split_threshold=64, job="nograd-ckpt")
+            try:
+                for step in range(4):
+                    train(model, opt, step)
+                    train(ref, ref_opt, step)
+                opt.checkpoint()
+                saved = copy.deepcopy((ref, ref_opt))
+                for step in range(4, 7):
+                    train(model, opt, step)
+                self.assertEqual(opt.restore(), 5)
+                ref, ref_opt = saved
+                same_state(self, opt.state_dict(), ref_opt.state_dict(), "restored")
+                for step in range(4, 8):
+                    train(model, opt, step)
+                    train(ref, ref_opt, step)
+                    want = dict(ref.named_parameters())
+                    for P in opt._params:
+                        w, q = pulled(opt, P), want[P.name].detach()
+                        self.assertTrue(torch.equal(w, q), "step %d: %s differs from torch's by "
+                                        "up to %g" % (step, P.name, (w - q).abs().max().item()))
+                same_state(self, opt.state_dict(), ref_opt.state_dict(), "at the end")
+            finally:
+                opt.close()
+
+    def test_load_state_dict_round_trip_adamw(self):
+        self.round_trip(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01))
+
+    def test_load_state_dict_round_trip_sgd_momentum(self):
+        self.round_trip(lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
+                                                  weight_decay=0.01))
+
+
 # ---- two trainers -----------------------------------------------------------------------
 
 def rank_uses_branch(rank, step):

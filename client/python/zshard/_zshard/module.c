@@ -1041,6 +1041,44 @@ static PyObject *client_set_optimizer_steps(client_object *self, PyObject *arg) 
   Py_RETURN_NONE;
 }
 
+/* ---- per-tensor step counts (zs_tensor_steps, zs_set_tensor_steps) ---- */
+
+static PyObject *client_tensor_steps(client_object *self, PyObject *arg) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  unsigned long t = PyLong_AsUnsignedLong(arg);
+  if (t == (unsigned long)-1 && PyErr_Occurred())
+    return NULL;
+  if (t > UINT32_MAX)
+    return PyErr_Format(PyExc_OverflowError, "tensor_steps: tensor id %lu out of range", t);
+  uint64_t steps = 0;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_tensor_steps(c, (uint32_t)t, &steps);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLongLong(steps);
+}
+
+static PyObject *client_set_tensor_steps(client_object *self, PyObject *args) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  unsigned int t;
+  unsigned long long steps;
+  if (!PyArg_ParseTuple(args, "IK:set_tensor_steps", &t, &steps))
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_set_tensor_steps(c, t, (uint64_t)steps);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
 /* A blocking call that takes only the client: the GIL released around it,
  * None or the raised zshard.Error. */
 static PyObject *call_blocking(client_object *self, int (*fn)(zs_client *)) {
@@ -1267,6 +1305,12 @@ static PyMethodDef client_methods[] = {
     {"set_optimizer_steps", (PyCFunction)client_set_optimizer_steps, METH_O,
      "set_optimizer_steps(n): sets the count on every shard (zs_set_optimizer_steps; the rules "
      "of state_write)"},
+    {"tensor_steps", (PyCFunction)client_tensor_steps, METH_O,
+     "tensor_steps(t) -> tensor t's own step count: the applied steps that gave it a gradient, "
+     "torch's per-parameter state 'step' (zs_tensor_steps)"},
+    {"set_tensor_steps", (PyCFunction)client_set_tensor_steps, METH_VARARGS,
+     "set_tensor_steps(t, n): sets tensor t's step count on its shards (zs_set_tensor_steps; the "
+     "rules of state_write)"},
     {"tensor_slices", (PyCFunction)client_tensor_slices, METH_O,
      "tensor_slices(t) -> [(shard, offset, numel)]: where tensor t lives (after open_job)"},
     KWM(checkpoint, "checkpoint(step=0) -> current step"),
