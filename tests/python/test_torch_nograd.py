@@ -275,12 +275,12 @@ def make_opt2(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
-def worker(addresses, out):
+def worker(addresses, out, reduce):
     import zshard.torch
     rank = int(os.environ["RANK"])
     model = Net()
     opt = zshard.torch.shard(model, make_opt2(model), addresses=addresses,
-                             wire_dtype=torch.float32, split_threshold=64, grad_reduce="sum",
+                             wire_dtype=torch.float32, split_threshold=64, grad_reduce=reduce,
                              job="nograd2")
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -293,6 +293,12 @@ def worker(addresses, out):
 class TwoTrainers(unittest.TestCase):
 
     def test_a_rank_without_a_gradient_counts_as_zeros_and_nobody_skips(self):
+        self.run_two("sum")
+
+    def test_the_same_with_the_mean_of_the_ranks(self):
+        self.run_two("mean")
+
+    def run_two(self, reduce):
         tmp = tempfile.mkdtemp(prefix="zshard-nograd-")
         with zshard_servers.Shards(2) as shards:
             procs = []
@@ -300,13 +306,14 @@ class TwoTrainers(unittest.TestCase):
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2")
                 procs.append(subprocess.Popen(
                     [sys.executable, os.path.abspath(__file__), "worker", shards.addresses,
-                     os.path.join(tmp, "rank%d.pt" % rank)], env=env))
+                     os.path.join(tmp, "rank%d.pt" % rank), reduce], env=env))
             codes = [p.wait(300) for p in procs]
         self.assertEqual(codes, [0, 0])
 
-        # torch fed the rank-ordered sum, a rank without a gradient as zeros,
-        # and None where neither rank had one (DDP find_unused_parameters
-        # gives zeros there instead; torch's own step skips None).
+        # torch fed the rank-ordered sum (times 1/2 for the mean, as DDP
+        # averages), a rank without a gradient as zeros, and None where
+        # neither rank had one (DDP find_unused_parameters gives zeros there
+        # instead; torch's own step skips None).
         ref = Net()
         opt = make_opt2(ref)
         for step in range(STEPS):
@@ -321,6 +328,8 @@ class TwoTrainers(unittest.TestCase):
                 else:
                     p.grad = (g0 if g0 is not None else torch.zeros_like(p)) + \
                         (g1 if g1 is not None else torch.zeros_like(p))
+                    if reduce == "mean":
+                        p.grad = p.grad * 0.5
             opt.step()
         want = dict(ref.named_parameters())
         for rank in range(2):
@@ -333,7 +342,7 @@ class TwoTrainers(unittest.TestCase):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    if len(sys.argv) == 4 and sys.argv[1] == "worker":
-        worker(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 5 and sys.argv[1] == "worker":
+        worker(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         unittest.main(verbosity=2)
