@@ -1271,13 +1271,15 @@ static PyMethodDef client_methods[] = {
                    "-> group id"),
     KWM(add_tensor, "add_tensor(name, numel, group=0, shape=None) -> tensor id"),
     KWM(open_job, "open_job(init_weights=None): one fp32 buffer per tensor (rank 0)"),
-    KWM(push, "push(tensor, buffer, micro=0, dtype=0) -> Request; buffer held until waited"),
+    KWM(push, "push(tensor, buffer, micro=0, dtype=0) -> Request; buffer held until waited. "
+              "buffer None: no gradient this step (zs_push with no buffer; skipped by the "
+              "shards when no trainer has one)"),
     KWM(pull, "pull(tensor, buffer, dtype=0) -> Request; buffer written until waited"),
     KWM(push_many,
         "push_many(tensors, buffers, micro=0, dtype=0) -> [Request]: one push per entry, "
         "submitted in one call (zs_push_many: one wake-up of the workers for the batch); every "
-        "buffer is held by its Request until waited; all buffers of one dtype. A refused batch "
-        "submits nothing"),
+        "buffer is held by its Request until waited; all buffers of one dtype (None: no "
+        "gradient, as in push). A refused batch submits nothing"),
     KWM(pull_many, "pull_many(tensors, buffers, dtype=0) -> [Request]: zs_pull_many, as "
                    "push_many; each buffer is written until its Request is waited"),
     KWM(step, "step(lr, max_grad_norm=0, loss_scale=0, group_lr=None, clip_coef=0) -> "
