@@ -45,8 +45,10 @@ backward pass: one backward per step, or `grad_accum=M` backward passes (the
 shards add the M micro-batch gradients in order, as torch's accumulation in
 p.grad does; p.grad is then not kept). Use the shards' `max_grad_norm` rather
 than clipping `p.grad` yourself, which would happen after the push. A
-parameter that gets no gradient in a step is pushed zeros (torch would skip
-it; see NOTES below). Parameters read outside forward are current after
+parameter whose .grad is None at step() is skipped as torch skips it (the
+trainer pushes "no gradient"; with W trainers it is skipped when no rank had
+one, and a rank without one counts as zeros otherwise, as DDP's
+find_unused_parameters). Parameters read outside forward are current after
 `gather()`, `close()`, `model.state_dict()` or a forward.
 
 state_dict() returns torch.optim's state_dict() of the same optimizer, read
@@ -289,8 +291,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         return lrs
 
     def step(self, closure=None, clip_coef=None):
-        """Pushes what backward has not (gradients set by hand, zeros for
-        parameters without one), waits for the pushes, and runs the step on
+        """Pushes what backward has not (gradients set by hand, "no
+        gradient" for parameters without one), waits for the pushes, and runs the step on
         the shards with every param group's current lr (zs_step_ex's
         group_lr). clip_coef: a clipping coefficient computed elsewhere
         (e.g. from grad_norm() and other parameters' norms), used instead of

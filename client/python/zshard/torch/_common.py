@@ -15,8 +15,6 @@ NOTES = {
     "group_options": "group hyper-parameters (betas, eps, weight_decay, momentum...) cannot "
                      "change after zs_open_job: the shards fix them when the job opens, and "
                      "zs_state_write reaches only the arrays and the step count",
-    "skip_tensor": "a tensor must be pushed every step; there is no way to say 'no gradient' "
-                   "(torch skips such parameters, zshard applies a zero gradient)",
 }
 
 _UNUSED, _QUEUED, _DONE = 0, 1, 2
