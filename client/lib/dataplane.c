@@ -489,7 +489,8 @@ static int hand_to_client(zs_client *c, zc_task *t, int *rc) {
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
   size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
-  size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
+  size_t nbytes = op->kind == ZC_OP_PUSH ? zc_op_piece_bytes(op, pc)
+                                         : (size_t)dtype_bytes(op->wire_dtype, pc->numel);
   pthread_mutex_lock(&dp->mu);
   zc_dpconn *k = dp->shard[t->shard].cur;
   if (k) {
@@ -512,7 +513,7 @@ static int hand_to_client(zs_client *c, zc_task *t, int *rc) {
         .tensor = pc->tensor,
         .slice = pc->slice,
         .dtype = op->wire_dtype,
-        .data = t->dp_buf ? t->dp_buf : (const unsigned char *)op->src + boff,
+        .data = t->dp_buf ? t->dp_buf : zc_op_piece_src(op, pc),
         .nbytes = nbytes,
         .timeout_ms = c->opt.rpc_timeout_ms,
     };
@@ -719,7 +720,8 @@ static int batch_submit(zc_dpbatch *b) {
     zs_request *op = t->op;
     const layout_piece *pc = &c->lay.pieces[t->piece];
     size_t boff = (size_t)dtype_bytes(op->buf_dtype, pc->offset);
-    size_t nbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
+    size_t nbytes =
+        b->push ? zc_op_piece_bytes(op, pc) : (size_t)dtype_bytes(op->wire_dtype, pc->numel);
     pieces[i] = (dp_batch_piece){
         .tensor = pc->tensor, .slice = pc->slice, .dtype = op->wire_dtype, .nbytes = nbytes};
     /* As submit(): a piece in another dtype goes through the task's buffer,
@@ -737,7 +739,7 @@ static int batch_submit(zc_dpbatch *b) {
                  pc->numel);
       pieces[i].data = t->dp_buf;
     } else {
-      pieces[i].data = (const unsigned char *)op->src + boff;
+      pieces[i].data = zc_op_piece_src(op, pc);
     }
   }
   if (rc != ZS_OK) {

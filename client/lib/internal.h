@@ -47,6 +47,7 @@
 #include <stdint.h>
 
 #include "cli_support.h"
+#include "common/base/dtype.h"
 #include "common/model/layout.h"
 #include "common/model/spec.h"
 #include "common/net/hostport.h"
@@ -221,9 +222,25 @@ struct zs_request {
   void *dst;          /* pull: the caller's buffer; prefetch: the slot's */
   zs_dtype buf_dtype; /* the caller's buffer (prefetch: = wire_dtype) */
   zs_dtype wire_dtype;
+  /* push: no gradient this step (zs_push with grad NULL and nbytes 0):
+   * every piece goes as an empty payload, src is NULL and nothing is
+   * converted (buf_dtype = wire_dtype). */
+  int nograd;
   uint32_t ntasks;
   zc_task tasks[];
 };
+
+/* The bytes of piece pc of op on the wire: none for a push without a
+ * gradient, else numel elements of the wire dtype. */
+static inline size_t zc_op_piece_bytes(const struct zs_request *op, const layout_piece *pc) {
+  return op->nograd ? 0 : (size_t)dtype_bytes(op->wire_dtype, pc->numel);
+}
+/* The piece's bytes in the caller's buffer (NULL for a push without a
+ * gradient). */
+static inline const unsigned char *zc_op_piece_src(const struct zs_request *op,
+                                                   const layout_piece *pc) {
+  return op->src ? (const unsigned char *)op->src + dtype_bytes(op->buf_dtype, pc->offset) : NULL;
+}
 
 /* A prefetch slot: one per tensor, created lazily. */
 typedef enum zc_slot_state {

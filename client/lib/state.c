@@ -1,8 +1,8 @@
 /*
  * state — the optimizer state of the job's tensors on the shards: reading and
  * writing master weights and moments (zs_state_read, zs_state_write) and the
- * optimizer step count, for a trainer that moves a run between zshard and
- * another optimizer (torch's state_dict and load_state_dict).
+ * optimizer step counts (the job's, and each tensor's: zs_tensor_steps), for a trainer that moves a
+ * run between zshard and another optimizer (torch's state_dict and load_state_dict).
  *
  * A tensor's state is one ReadState / WriteState call per chunk of each of its
  * pieces (STATE_CHUNK_ELEMS elements, 512 KiB), run in parallel by the pool
@@ -56,6 +56,19 @@ static int check_state_args(zs_client *c, const char *fn, uint32_t tensor, zs_st
                    "%s: tensor '%s' has %" PRIu64 " elements = %" PRIu64
                    " bytes of float32, the buffer is %zu bytes",
                    fn, name, numel, numel * (uint64_t)sizeof(float), nbytes);
+  return ZS_OK;
+}
+
+/* The job is open and has tensor `tensor`. */
+static int check_tensor_open(zs_client *c, const char *fn, uint32_t tensor) {
+  pthread_mutex_lock(&c->mu);
+  int opened = c->opened;
+  pthread_mutex_unlock(&c->mu);
+  if (!opened)
+    return zc_fail(ZS_ENOTOPEN, "%s: the job is not open (call zs_open_job first)", fn);
+  if (tensor >= c->sp.num_tensors)
+    return zc_fail(ZS_ENOTFOUND, "%s: no tensor %" PRIu32 " (the model has %" PRIu32 ")", fn,
+                   tensor, c->sp.num_tensors);
   return ZS_OK;
 }
 
@@ -387,6 +400,151 @@ int zs_set_optimizer_steps(zs_client *c, uint64_t steps) {
   if (rc != ZS_OK)
     return rc;
   rc = set_optimizer_steps(c, steps);
+  zc_client_leave(c);
+  return rc;
+}
+
+/* ---- a tensor's step count ------------------------------------------------------ */
+
+/* One call per piece of tensor t (reqs: one request each, filled by the
+ * caller), run in parallel; the responses are in op's tasks. */
+static zs_request *piece_calls(zs_client *c, uint32_t tensor, const char *method,
+                               ProtobufCMessage *const *reqs,
+                               const ProtobufCMessageDescriptor *resp_desc) {
+  uint32_t first = c->lay.tensor_first[tensor], np = layout_tensor_pieces(&c->lay, tensor);
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, np);
+  for (uint32_t i = 0; op && i < np; i++) {
+    zc_task *t = &op->tasks[i];
+    t->shard = c->lay.pieces[first + i].shard;
+    t->piece = first + i;
+    t->method = method;
+    t->msg = reqs[i];
+    t->resp_desc = resp_desc;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+  }
+  return op;
+}
+
+static int tensor_steps(zs_client *c, uint32_t tensor, uint64_t *steps) {
+  int rc = check_tensor_open(c, "zs_tensor_steps", tensor);
+  if (rc != ZS_OK)
+    return rc;
+  uint32_t first = c->lay.tensor_first[tensor], np = layout_tensor_pieces(&c->lay, tensor);
+  Zshard__V1__ReadStateRequest *reqs = calloc(np, sizeof *reqs);
+  ProtobufCMessage **msgs = calloc(np, sizeof *msgs);
+  zs_request *op = NULL;
+  if (reqs && msgs) {
+    for (uint32_t i = 0; i < np; i++) {
+      /* No elements: the answer carries the count alone. */
+      zshard__v1__read_state_request__init(&reqs[i]);
+      reqs[i].spec_hash = c->hash;
+      reqs[i].tensor = tensor;
+      reqs[i].slice = c->lay.pieces[first + i].slice;
+      reqs[i].array = ZSHARD__V1__STATE_ARRAY__STATE_ARRAY_MASTER;
+      msgs[i] = &reqs[i].base;
+    }
+    op = piece_calls(c, tensor, ZC_METHOD("ReadState"), msgs,
+                     &zshard__v1__read_state_response__descriptor);
+  }
+  if (!op) {
+    free(reqs);
+    free(msgs);
+    return zc_fail(ZS_ENOMEM, "zs_tensor_steps: out of memory");
+  }
+  const char *name = c->sp.tensors[tensor].name;
+  rc = zc_call_all(op);
+  if (rc != ZS_OK) {
+    char why[ZC_ERR_LEN];
+    snprintf(why, sizeof why, "%s", zs_last_error());
+    rc = zc_fail(rc, "zs_tensor_steps of tensor '%s': %.400s", name, why);
+  }
+  uint64_t n0 = 0;
+  for (uint32_t i = 0; i < np && rc == ZS_OK; i++) {
+    uint64_t n = ((const Zshard__V1__ReadStateResponse *)op->tasks[i].resp)->tensor_steps;
+    if (i == 0)
+      n0 = n;
+    else if (n != n0)
+      rc = zc_fail(ZS_EBEHIND,
+                   "zs_tensor_steps: slice %" PRIu32 " of tensor '%s' counts %" PRIu64
+                   " steps on shard %" PRIu32 ", slice %" PRIu32 " %" PRIu64 " on shard %" PRIu32
+                   ": a shard is behind the cluster",
+                   c->lay.pieces[first].slice, name, n0, op->tasks[0].shard,
+                   c->lay.pieces[first + i].slice, n, op->tasks[i].shard);
+  }
+  if (rc == ZS_OK && steps)
+    *steps = n0;
+  free_responses(op);
+  zc_op_release(op);
+  free(reqs);
+  free(msgs);
+  return rc;
+}
+
+int zs_tensor_steps(zs_client *c, uint32_t tensor, uint64_t *steps) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  rc = tensor_steps(c, tensor, steps);
+  zc_client_leave(c);
+  return rc;
+}
+
+static int set_tensor_steps(zs_client *c, uint32_t tensor, uint64_t steps) {
+  int rc = check_tensor_open(c, "zs_set_tensor_steps", tensor);
+  if (rc != ZS_OK)
+    return rc;
+  uint32_t first = c->lay.tensor_first[tensor], np = layout_tensor_pieces(&c->lay, tensor);
+  Zshard__V1__WriteStateRequest *reqs = calloc(np, sizeof *reqs);
+  ProtobufCMessage **msgs = calloc(np, sizeof *msgs);
+  zs_request *op = NULL;
+  if (reqs && msgs) {
+    for (uint32_t i = 0; i < np; i++) {
+      zshard__v1__write_state_request__init(&reqs[i]);
+      reqs[i].spec_hash = c->hash;
+      reqs[i].tensor = tensor;
+      reqs[i].slice = c->lay.pieces[first + i].slice;
+      reqs[i].set_tensor_steps = 1;
+      reqs[i].tensor_steps = steps;
+      msgs[i] = &reqs[i].base;
+    }
+    op = piece_calls(c, tensor, ZC_METHOD("WriteState"), msgs,
+                     &zshard__v1__write_state_response__descriptor);
+  }
+  if (!op) {
+    free(reqs);
+    free(msgs);
+    return zc_fail(ZS_ENOMEM, "zs_set_tensor_steps: out of memory");
+  }
+  const char *name = c->sp.tensors[tensor].name;
+  if ((rc = begin_write(c, "zs_set_tensor_steps")) == ZS_OK) {
+    rc = zc_call_all(op);
+    if (rc != ZS_OK) {
+      char why[ZC_ERR_LEN];
+      snprintf(why, sizeof why, "%s", zs_last_error());
+      rc = zc_fail(rc, "zs_set_tensor_steps of tensor '%s': %.400s", name, why);
+    }
+    /* A server from before the counts ignores the request's fields and
+     * answers 0. */
+    for (uint32_t i = 0; i < np && rc == ZS_OK; i++)
+      if (((const Zshard__V1__WriteStateResponse *)op->tasks[i].resp)->tensor_steps != steps)
+        rc = zc_fail(ZS_EUNIMPL,
+                     "zs_set_tensor_steps: shard %" PRIu32
+                     " (%s) keeps no step count per tensor (a server from before 0.3?)",
+                     op->tasks[i].shard, c->addr[op->tasks[i].shard]);
+    end_write(c, 0);
+    free_responses(op);
+  }
+  zc_op_release(op);
+  free(reqs);
+  free(msgs);
+  return rc;
+}
+
+int zs_set_tensor_steps(zs_client *c, uint32_t tensor, uint64_t steps) {
+  int rc = zc_client_enter(c);
+  if (rc != ZS_OK)
+    return rc;
+  rc = set_tensor_steps(c, tensor, steps);
   zc_client_leave(c);
   return rc;
 }

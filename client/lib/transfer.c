@@ -290,9 +290,8 @@ static const char *tensor_name(const zs_client *c, uint32_t t) {
 static int run_push(zs_client *c, zc_task *t, char *err, size_t errlen, uint64_t *bytes) {
   zs_request *op = t->op;
   const layout_piece *pc = &c->lay.pieces[t->piece];
-  size_t wbytes = (size_t)dtype_bytes(op->wire_dtype, pc->numel);
-  const unsigned char *src =
-      (const unsigned char *)op->src + dtype_bytes(op->buf_dtype, pc->offset);
+  size_t wbytes = zc_op_piece_bytes(op, pc);
+  const unsigned char *src = zc_op_piece_src(op, pc);
   void *tmp = NULL;
   Zshard__V1__PushRequest req = ZSHARD__V1__PUSH_REQUEST__INIT;
   Zshard__V1__PushResponse *resp = NULL;
@@ -572,9 +571,8 @@ static zs_dtype pull_wire(const zs_client *c, uint32_t t, zs_dtype buf) {
   return zc_wire_dtype(g ? g : c->opt.pull_dtype, buf);
 }
 
-/* Checks the arguments shared by push and pull. */
-static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const void *buf,
-                        zs_dtype dtype, size_t nbytes) {
+/* Checks that the job is open and has the tensor. */
+static int check_tensor(zs_client *c, const char *fn, uint32_t tensor) {
   pthread_mutex_lock(&c->mu);
   int opened = c->opened;
   pthread_mutex_unlock(&c->mu);
@@ -584,6 +582,20 @@ static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const voi
   if (tensor >= c->sp.num_tensors)
     return zc_fail(ZS_ENOTFOUND, "%s: no tensor %" PRIu32 " (the model has %" PRIu32 ")", fn,
                    tensor, c->sp.num_tensors);
+  return ZS_OK;
+}
+
+/* A push of no gradient: grad NULL and nbytes 0 (zs_push). */
+static int is_nograd(const void *grad, size_t nbytes) {
+  return !grad && nbytes == 0;
+}
+
+/* Checks the arguments shared by push and pull. */
+static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const void *buf,
+                        zs_dtype dtype, size_t nbytes) {
+  int rc = check_tensor(c, fn, tensor);
+  if (rc != ZS_OK)
+    return rc;
   if (!dtype_valid((int)dtype))
     return zc_fail(ZS_EDTYPE, "%s: dtype %d is not %s", fn, (int)dtype, dtype_names());
   if (!buf)
@@ -704,7 +716,9 @@ static int ef_wanted(const zs_client *c, zs_dtype buf, zs_dtype wire) {
 static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg, zs_request **out,
                       int defer) {
-  int rc = check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
+  const int nograd = is_nograd(grad, nbytes);
+  int rc = nograd ? check_tensor(c, "zs_push", tensor)
+                  : check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
   if (rc != ZS_OK)
     return rc;
   if (micro >= c->sp.grad_accum)
@@ -720,7 +734,12 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   op->src = grad;
   op->buf_dtype = dtype;
   op->wire_dtype = push_wire(c, tensor, dtype);
-  if (ef_wanted(c, dtype, op->wire_dtype)) {
+  if (nograd) {
+    /* The residual of error feedback stays for the tensor's next gradient. */
+    op->nograd = 1;
+    op->src = NULL;
+    op->buf_dtype = op->wire_dtype = ZS_DTYPE_FP32;
+  } else if (ef_wanted(c, dtype, op->wire_dtype)) {
     /* Before the duplicate check below: a push refused there has then
      * changed the residual, but it is a caller's bug that zs_step reports
      * anyway, and the check needs mu, which ef_mu is never held with. */
@@ -740,7 +759,7 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
     const layout_piece *pc = &c->lay.pieces[first + i];
     op->tasks[i].shard = pc->shard;
     op->tasks[i].piece = first + i;
-    op->tasks[i].bytes = dtype_bytes(op->wire_dtype, pc->numel);
+    op->tasks[i].bytes = zc_op_piece_bytes(op, pc);
   }
   size_t bit = (size_t)tensor * c->sp.grad_accum + micro;
   pthread_mutex_lock(&c->mu);
@@ -945,7 +964,9 @@ static int check_batch(zs_client *c, const char *fn, uint32_t n, const uint32_t 
   if (!tensors || !bufs || !nbytes)
     return zc_fail(ZS_EINVAL, "%s: tensors, buffers and sizes must not be NULL", fn);
   for (uint32_t i = 0; i < n; i++) {
-    int rc = check_buffer(c, fn, tensors[i], bufs[i], dtype, nbytes[i]);
+    int rc = push && is_nograd(bufs[i], nbytes[i])
+                 ? check_tensor(c, fn, tensors[i])
+                 : check_buffer(c, fn, tensors[i], bufs[i], dtype, nbytes[i]);
     if (rc != ZS_OK) {
       /* zs_last_error() is the buffer zc_fail writes: copy it out first. */
       char why[400];

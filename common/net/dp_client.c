@@ -540,6 +540,8 @@ static void conn_write(dp_cconn *k, dp_req *r) {
     n = 2;
   } else if (r->msg.type == WIRE_PUSH_BATCH) {
     for (uint32_t i = 0; i < r->msg.u.push_batch.npieces; i++) {
+      if (r->msg.u.push_batch.pieces[i].length == 0)
+        continue; /* no gradient: nothing to send */
       bufs[n].base = (char *)r->piece_data[i];
       bufs[n].len = (size_t)r->msg.u.push_batch.pieces[i].length;
       n++;
@@ -1183,8 +1185,10 @@ static int batch_prepare(dp_client *c, dp_req *r, wire_type type, const dp_batch
   size_t total = 0;
   for (uint32_t i = 0; i < n; i++) {
     const dp_batch_piece *p = &pieces[i];
-    if (!dtype_valid((int)p->dtype) || p->nbytes == 0 || p->nbytes > c->max_payload - total ||
-        (type == WIRE_PUSH_BATCH && !p->data))
+    /* A push piece may be empty (no gradient, data NULL); a pull piece
+     * never is. */
+    if (!dtype_valid((int)p->dtype) || (p->nbytes == 0 && type != WIRE_PUSH_BATCH) ||
+        p->nbytes > c->max_payload - total || (type == WIRE_PUSH_BATCH && p->nbytes && !p->data))
       return ZS_EINVAL;
     total += p->nbytes;
     out[i].tensor = p->tensor;
@@ -1221,7 +1225,8 @@ int dp_client_push_batch(dp_client *c, const dp_push_batch_args *a, dp_done_cb c
   uint32_t crc = 0;
   for (uint32_t i = 0; i < a->npieces; i++) {
     r->piece_data[i] = a->pieces[i].data;
-    crc = crc32c(crc, a->pieces[i].data, a->pieces[i].nbytes);
+    if (a->pieces[i].nbytes)
+      crc = crc32c(crc, a->pieces[i].data, a->pieces[i].nbytes);
   }
   r->msg.payload_len = r->nbytes;
   r->msg.payload_crc = crc;

@@ -147,7 +147,8 @@ typedef struct dp_pull_args {
 int dp_client_pull(dp_client *c, const dp_pull_args *a, dp_done_cb cb, void *arg);
 
 /* One piece of a batch. Push: `data` holds its nbytes little-endian elements
- * of dtype, borrowed as dp_push_args.data is. Pull: nbytes is the piece's
+ * of dtype, borrowed as dp_push_args.data is; nbytes 0 (data may be NULL) is
+ * a contribution without a gradient, as an empty PUSH. Pull: nbytes is the piece's
  * size in dtype (the shard checks it) and data is not used. */
 typedef struct dp_batch_piece {
   uint32_t tensor, slice;

@@ -483,7 +483,14 @@ typedef void (*zs_request_cb)(void *arg, int status);
  * micro) is pushed once per step (ZS_EEXIST otherwise). With `req` NULL the
  * call waits for completion; otherwise *req is a request the caller must
  * zs_wait.
- * Must not be called while zs_step runs on the same client. */
+ * Must not be called while zs_step runs on the same client.
+ *
+ * grad NULL with nbytes 0 pushes "no gradient" (dtype is not looked at;
+ * error feedback keeps the tensor's residual): when no trainer gave the
+ * tensor a gradient in any micro-batch of the step, the shards skip it (its
+ * weights, moments and step count stay, as torch skips a parameter whose
+ * .grad is None); when one did, this push counts as zeros (DDP's
+ * find_unused_parameters). A server of 0.2 or before refuses it (ZS_ESIZE). */
 ZS_EXTERN int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request **req);
 
@@ -519,6 +526,8 @@ ZS_EXTERN int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtyp
  * batch fails half-way (another thread pushed one of its tensors meanwhile),
  * the requests of the entries before it are in reqs and must be waited; the
  * rest are NULL. */
+/* An entry of a push batch with grads[i] NULL and nbytes[i] 0 is "no
+ * gradient", as in zs_push. */
 ZS_EXTERN int zs_push_many(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t micro,
                            const void *const *grads, zs_dtype dtype, const size_t *nbytes,
                            zs_request **reqs);
@@ -765,7 +774,8 @@ ZS_EXTERN int zs_state_write(zs_client *c, uint32_t tensor, zs_state_array which
                              size_t nbytes);
 
 /* The optimizer step count of the job (applied, not skipped, steps; a
- * restore or zs_set_optimizer_steps sets it) into *steps: every shard's, which
+ * restore or zs_set_optimizer_steps sets it; each tensor also has its own,
+ * zs_tensor_steps) into *steps: every shard's, which
  * must agree (ZS_EBEHIND names the shard that does not). */
 ZS_EXTERN int zs_optimizer_steps(zs_client *c, uint64_t *steps);
 
@@ -777,6 +787,21 @@ ZS_EXTERN int zs_optimizer_steps(zs_client *c, uint64_t *steps);
  * as zs_state_write (between steps only, ZS_ENOTREADY otherwise); the
  * version stays. */
 ZS_EXTERN int zs_set_optimizer_steps(zs_client *c, uint64_t steps);
+
+/* Tensor `tensor`'s own step count into *steps: the applied steps that gave
+ * it a gradient (a push of "no gradient" from every trainer skips a step:
+ * see zs_push), torch's per-parameter state['step'], which its bias
+ * corrections (Adam, AdamW) and SGD's first momentum step follow. Every
+ * shard holding a slice of it must agree (ZS_EBEHIND names the one that
+ * does not). zs_set_optimizer_steps sets every tensor's count too. */
+ZS_EXTERN int zs_tensor_steps(zs_client *c, uint32_t tensor, uint64_t *steps);
+
+/* Sets tensor `tensor`'s step count on its shards, under the rules of
+ * zs_state_write (between steps only, ZS_ENOTREADY otherwise); the version
+ * stays. For a torch state whose parameters are at different 'step's: call
+ * zs_set_optimizer_steps first (it sets every tensor's), then this for
+ * those that differ. A server without per-tensor counts is ZS_EUNIMPL. */
+ZS_EXTERN int zs_set_tensor_steps(zs_client *c, uint32_t tensor, uint64_t steps);
 
 /* ======================================================================== */
 /* Memory and traffic estimates (`zshard estimate`)                          */

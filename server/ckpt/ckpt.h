@@ -54,6 +54,12 @@ typedef enum ckpt_section {
    * bytes. Files without it (older ones, or jobs that never sent one) load
    * with an empty client state. */
   CKPT_SEC_CLIENT_STATE = 7,
+  /* Optional, written when a tensor of the shard's is at another step count
+   * than the job (a parameter that went without a gradient): u64 per tensor
+   * of the spec, its count (core_state.tensor_steps; meaningful for the
+   * tensors with a piece in the file, the others hold the job's count).
+   * Files without it load with every tensor at the job's count. */
+  CKPT_SEC_TENSOR_STEPS = 8,
 } ckpt_section;
 
 /* The three state arrays a reader can read from. */
@@ -174,6 +180,10 @@ const layout *ckpt_reader_layout(const ckpt_reader *r);
 /* The file's client state section (*len 0 and NULL without one); valid until
  * ckpt_reader_close. */
 const unsigned char *ckpt_reader_client_state(const ckpt_reader *r, size_t *len);
+/* The file's per-tensor step counts (spec.num_tensors of them, valid until
+ * ckpt_reader_close), or NULL when it has none: every tensor is then at the
+ * header's optimizer_steps. */
+const uint64_t *ckpt_reader_tensor_steps(const ckpt_reader *r);
 
 /* Reads n elements of array `a` from arena element `first` into dst. */
 int ckpt_reader_read(ckpt_reader *r, ckpt_array a, uint64_t first, uint64_t n, float *dst,

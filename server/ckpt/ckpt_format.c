@@ -281,6 +281,8 @@ const char *ckpt__section_name(uint32_t kind) {
     return "exp_avg_sq";
   case CKPT_SEC_CLIENT_STATE:
     return "client_state";
+  case CKPT_SEC_TENSOR_STEPS:
+    return "tensor_steps";
   default:
     return "unknown";
   }

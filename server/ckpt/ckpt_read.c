@@ -43,6 +43,7 @@ struct ckpt_reader {
   int has[3];
   unsigned char client_state[CORE_MAX_CLIENT_STATE];
   size_t client_state_len;
+  uint64_t *tensor_steps; /* spec.num_tensors, or NULL without the section */
 };
 
 const ckpt_header *ckpt_reader_header(const ckpt_reader *r) {
@@ -59,11 +60,16 @@ const unsigned char *ckpt_reader_client_state(const ckpt_reader *r, size_t *len)
   return r->client_state_len ? r->client_state : NULL;
 }
 
+const uint64_t *ckpt_reader_tensor_steps(const ckpt_reader *r) {
+  return r->tensor_steps;
+}
+
 void ckpt_reader_close(ckpt_reader *r) {
   if (!r)
     return;
   if (r->fd >= 0)
     close(r->fd);
+  free(r->tensor_steps);
   layout_free(&r->lay);
   spec_free(&r->spec);
   free(r);
@@ -130,7 +136,7 @@ typedef struct reader_scan {
   uint64_t table_end; /* first byte after the section table */
   uint32_t nsec, table_crc;
   in_section sec[CKPT_MAX_SECTIONS]; /* sorted by offset once verified */
-  const in_section *spec, *optimizer, *pieces, *client_state;
+  const in_section *spec, *optimizer, *pieces, *client_state, *tensor_steps;
 } reader_scan;
 
 /* Opens the file and checks that it is a regular file of the size the
@@ -205,7 +211,7 @@ static int reader_read_table(ckpt_reader *r, reader_scan *s, char *err, size_t e
   if (crc32c(0, table, tlen) != s->table_crc)
     return status_fail(err, errlen, ZS_ECRC,
                        "%s: section table CRC32C mismatch (the file is damaged)", path);
-  int seen[CKPT_SEC_CLIENT_STATE + 1] = {0};
+  int seen[CKPT_SEC_TENSOR_STEPS + 1] = {0};
   for (uint32_t i = 0; i < s->nsec; i++) {
     const uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
     in_section *sec = &s->sec[i];
@@ -214,7 +220,7 @@ static int reader_read_table(ckpt_reader *r, reader_scan *s, char *err, size_t e
                         .len = le_load64(e + 16),
                         .crc = le_load32(e + 24),
                         .got = 0};
-    if (sec->kind < CKPT_SEC_SPEC || sec->kind > CKPT_SEC_CLIENT_STATE || seen[sec->kind]++ ||
+    if (sec->kind < CKPT_SEC_SPEC || sec->kind > CKPT_SEC_TENSOR_STEPS || seen[sec->kind]++ ||
         le_load32(e + 4) != 0 || le_load32(e + 28) != 0)
       return status_fail(err, errlen, ZS_EPROTO,
                          "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path,
@@ -296,6 +302,9 @@ static int reader_index_sections(ckpt_reader *r, reader_scan *s, char *err, size
       break;
     case CKPT_SEC_CLIENT_STATE:
       s->client_state = sec;
+      break;
+    case CKPT_SEC_TENSOR_STEPS:
+      s->tensor_steps = sec;
       break;
     }
     if (sec->kind >= CKPT_SEC_MASTER && sec->kind <= CKPT_SEC_EXP_AVG_SQ &&
@@ -405,6 +414,28 @@ static int reader_load_rest(ckpt_reader *r, const reader_scan *s, char *err, siz
     if (ckpt__pread_full(r->fd, r->client_state, (size_t)sc->len, sc->off) != 0)
       return status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
     r->client_state_len = (size_t)sc->len;
+  }
+  const in_section *ts = s->tensor_steps;
+  if (ts) {
+    uint64_t n = r->spec.num_tensors;
+    if (ts->len != n * sizeof(uint64_t))
+      return status_fail(err, errlen, ZS_EPROTO,
+                         "%s: the tensor_steps section has %" PRIu64
+                         " bytes, not 8 per tensor (%" PRIu64 ")",
+                         path, ts->len, n * sizeof(uint64_t));
+    uint8_t *raw = malloc((size_t)ts->len + 1);
+    r->tensor_steps = malloc((size_t)n * sizeof *r->tensor_steps + 1);
+    if (!raw || !r->tensor_steps) {
+      free(raw);
+      return status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", path);
+    }
+    if (ckpt__pread_full(r->fd, raw, (size_t)ts->len, ts->off) != 0) {
+      free(raw);
+      return status_fail(err, errlen, ZS_EIO, "%s: read error: %s", path, strerror(errno));
+    }
+    for (uint64_t t = 0; t < n; t++)
+      r->tensor_steps[t] = le_load64(raw + t * 8);
+    free(raw);
   }
   return 0;
 }
@@ -519,6 +550,27 @@ static int copy_overlaps(ckpt_reader *r, const layout_piece *q, const layout *nl
 }
 
 /* Copies the reader's client state into st (which owns the copy). */
+/* Gives st a step count per tensor, every one at `steps` (the job's), for
+ * take_tensor_steps to overwrite from the files. */
+static int init_tensor_steps(core_state *st, uint64_t steps, char *err, size_t errlen) {
+  st->tensor_steps = malloc((size_t)st->spec.num_tensors * sizeof *st->tensor_steps + 1);
+  if (!st->tensor_steps)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
+  for (uint32_t t = 0; t < st->spec.num_tensors; t++)
+    st->tensor_steps[t] = steps;
+  return 0;
+}
+
+/* The counts of the tensors that file r (of shard `shard` under the old
+ * layout) holds pieces of, when it has them. */
+static void take_tensor_steps(const ckpt_reader *r, const layout *old, uint32_t shard,
+                              core_state *st) {
+  const uint64_t *ts = ckpt_reader_tensor_steps(r);
+  for (uint32_t i = 0; ts && i < old->num_pieces; i++)
+    if (old->pieces[i].shard == shard)
+      st->tensor_steps[old->pieces[i].tensor] = ts[old->pieces[i].tensor];
+}
+
 static int take_client_state(const ckpt_reader *r, core_state *st, char *err, size_t errlen) {
   size_t len = 0;
   const unsigned char *cs = ckpt_reader_client_state(r, &len);
@@ -566,8 +618,10 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     if ((rc = open_shard_file(dir, &m, shard_id, &r, err, errlen)) != 0)
       goto done;
     if ((rc = core_state_init(out, ckpt_reader_spec(r), shard_id, err, errlen)) != 0 ||
-        (rc = take_client_state(r, out, err, errlen)) != 0)
+        (rc = take_client_state(r, out, err, errlen)) != 0 ||
+        (rc = init_tensor_steps(out, m.optimizer_steps, err, errlen)) != 0)
       goto done;
+    take_tensor_steps(r, ckpt_reader_layout(r), shard_id, out);
     float *dst[3] = {out->master, out->m, out->v};
     for (int a = 0; a < 3 && rc == 0; a++)
       if (dst[a])
@@ -594,7 +648,8 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     spec ns = *ckpt_reader_spec(r); /* shallow: core_state_init deep-copies it */
     ns.num_shards = num_shards;
     if ((rc = core_state_init(out, &ns, shard_id, err, errlen)) != 0 ||
-        (rc = take_client_state(r, out, err, errlen)) != 0)
+        (rc = take_client_state(r, out, err, errlen)) != 0 ||
+        (rc = init_tensor_steps(out, m.optimizer_steps, err, errlen)) != 0)
       goto done;
     if (layout_build(ckpt_reader_spec(r), &old) != 0) {
       rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory computing a layout");
@@ -646,6 +701,7 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
         if ((rc = open_shard_file(dir, &m, j, &r, err, errlen)) != 0)
           break;
       }
+      take_tensor_steps(r, &old, j, out);
       for (uint32_t i = 0; i < old.num_pieces && rc == 0; i++)
         if (old.pieces[i].shard == j)
           rc = copy_overlaps(r, &old.pieces[i], &nl, shard_id, out, err, errlen);

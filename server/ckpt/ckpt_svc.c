@@ -297,7 +297,8 @@ static int job_alloc_copy(job *j, const spec *sp, uint32_t shard_id, char *err, 
   if (rc != 0)
     return rc;
   j->st.client_state = malloc(CORE_MAX_CLIENT_STATE);
-  if (!j->st.client_state) {
+  j->st.tensor_steps = calloc((size_t)sp->num_tensors + 1, sizeof *j->st.tensor_steps);
+  if (!j->st.client_state || !j->st.tensor_steps) {
     core_state_free(&j->st);
     return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   }
@@ -329,6 +330,8 @@ static int copy_view(void *arg, const core_view *v) {
   st->client_state_len = v->client_state_len;
   st->version = v->version;
   st->optimizer_steps = v->optimizer_steps;
+  for (uint32_t t = 0; t < st->spec.num_tensors; t++)
+    st->tensor_steps[t] = v->tensor_steps ? v->tensor_steps[t] : v->optimizer_steps;
   return 0;
 }
 

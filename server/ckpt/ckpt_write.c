@@ -99,8 +99,8 @@ static int w_zeros(writer *w, uint64_t n, char *err, size_t errlen) {
  * computed first, in memory (the whole state is in memory anyway), so that
  * the table can precede the data and the file is written in one pass. */
 static uint64_t plan_sections(const core_state *st, int need_m, int need_v, const bytes *bspec,
-                              const bytes *bopt, const bytes *bpieces, out_section *sec,
-                              uint32_t *nsec_out) {
+                              const bytes *bopt, const bytes *bpieces, const bytes *bsteps,
+                              out_section *sec, uint32_t *nsec_out) {
   uint32_t nsec = 0;
   uint64_t arena_bytes = st->nelems * sizeof(float);
   sec[nsec++] = (out_section){CKPT_SEC_SPEC, bspec->p, bspec->len, 0, 0};
@@ -116,6 +116,9 @@ static uint64_t plan_sections(const core_state *st, int need_m, int need_v, cons
   if (st->client_state_len > 0)
     sec[nsec++] =
         (out_section){CKPT_SEC_CLIENT_STATE, st->client_state, st->client_state_len, 0, 0};
+  /* The same rule: only when a tensor's count is not the job's. */
+  if (bsteps->len > 0)
+    sec[nsec++] = (out_section){CKPT_SEC_TENSOR_STEPS, bsteps->p, bsteps->len, 0, 0};
   uint64_t off = align_up(CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES);
   for (uint32_t i = 0; i < nsec; i++) {
     sec[i].off = off;
@@ -124,6 +127,29 @@ static uint64_t plan_sections(const core_state *st, int need_m, int need_v, cons
   }
   *nsec_out = nsec;
   return sec[nsec - 1].off + sec[nsec - 1].len;
+}
+
+/* Appends the tensor_steps section of st to b when one of the shard's
+ * tensors is at another count than the job; nothing otherwise. A tensor
+ * without a piece here is written at the job's count. */
+static void enc_tensor_steps(bytes *b, const core_state *st, const layout *l) {
+  if (!st->tensor_steps)
+    return;
+  int differs = 0;
+  for (uint32_t i = 0; i < l->num_pieces && !differs; i++)
+    differs = l->pieces[i].shard == st->shard_id &&
+              st->tensor_steps[l->pieces[i].tensor] != st->optimizer_steps;
+  if (!differs)
+    return;
+  for (uint32_t t = 0; t < st->spec.num_tensors; t++) {
+    uint64_t n = st->optimizer_steps;
+    for (uint32_t i = l->tensor_first[t]; i < l->tensor_first[t + 1]; i++)
+      if (l->pieces[i].shard == st->shard_id)
+        n = st->tensor_steps[t];
+    uint8_t le[8];
+    le_store64(le, n);
+    ckpt__bytes_raw(b, le, sizeof le);
+  }
 }
 
 /* Encodes the section table and the header that covers it (docs/CHECKPOINTS.md
@@ -241,7 +267,7 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   const spec *s = &st->spec;
   layout l;
   memset(&l, 0, sizeof l);
-  bytes bspec = {0}, bopt = {0}, bpieces = {0};
+  bytes bspec = {0}, bopt = {0}, bpieces = {0}, bsteps = {0};
   shard_paths p;
   int rc;
   memset(info, 0, sizeof *info);
@@ -275,14 +301,15 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   ckpt__enc_spec(&bspec, s);
   ckpt__enc_optimizer(&bopt, s, st->optimizer_steps);
   ckpt__enc_pieces(&bpieces, &l, st->shard_id);
-  if (bspec.oom || bopt.oom || bpieces.oom) {
+  enc_tensor_steps(&bsteps, st, &l);
+  if (bspec.oom || bopt.oom || bpieces.oom || bsteps.oom) {
     rc =
         status_fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", p.final);
     goto done;
   }
-  out_section sec[7];
+  out_section sec[8];
   uint32_t nsec;
-  uint64_t total = plan_sections(st, need_m, need_v, &bspec, &bopt, &bpieces, sec, &nsec);
+  uint64_t total = plan_sections(st, need_m, need_v, &bspec, &bopt, &bpieces, &bsteps, sec, &nsec);
   uint8_t table[CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES], hdr[CKPT_HEADER_BYTES];
   encode_table_header(st, sec, nsec, table, hdr);
   if ((rc = prepare_step_dir(root, p.dir, err, errlen)) == 0)
@@ -291,6 +318,7 @@ done:
   free(bspec.p);
   free(bopt.p);
   free(bpieces.p);
+  free(bsteps.p);
   layout_free(&l);
   return rc;
 }

@@ -103,6 +103,10 @@ static void core_job_free(core *c) {
   c->q8 = NULL;
   c->q8_crc = NULL;
   free(c->plans);
+  free(c->pplans);
+  free(c->tensor_steps);
+  c->pplans = NULL;
+  c->tensor_steps = NULL;
   free(c->range_m);
   free(c->range_v);
   free(c->tasks);
@@ -266,7 +270,9 @@ static int core_job_build(core *c) {
   c->ready = calloc((size_t)c->npieces + 1, sizeof *c->ready);
   c->batch = calloc((size_t)c->npieces + 1, sizeof *c->batch);
   c->ptasks = calloc((size_t)(c->nelems / CORE_APPLY_CHUNK) + c->npieces + 1, sizeof *c->ptasks);
-  if (!c->ready || !c->batch || !c->ptasks)
+  c->pplans = calloc((size_t)c->npieces + 1, sizeof *c->pplans);
+  c->tensor_steps = calloc((size_t)c->spec.num_tensors + 1, sizeof *c->tensor_steps);
+  if (!c->ready || !c->batch || !c->ptasks || !c->pplans || !c->tensor_steps)
     return ZS_ENOMEM;
   c->apply_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->apply_glr);
   c->last_glr = calloc((size_t)c->spec.num_groups + 1, sizeof *c->last_glr);

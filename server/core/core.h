@@ -121,7 +121,13 @@ int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t sli
                            const float *data, size_t nbytes, int *written, uint64_t *version,
                            char *err, size_t errlen);
 
-/* One contribution. Only step == version + 1 is added; a well-formed push for
+/* One contribution. nbytes 0 (every piece has at least one element) is a
+ * contribution without a gradient: it counts towards the step's W*M like
+ * any other and adds nothing (data is not looked at), and a
+ * piece whose contributions all came without one is skipped by the apply
+ * (weights, moments, low copy and its tensor's step count stay), as torch
+ * skips a parameter whose .grad is None. One with a gradient among them
+ * makes the others count as zeros. Only step == version + 1 is added; a well-formed push for
  * an already applied step is a retry and is acknowledged as a duplicate; any
  * other step is ZS_ESTEP;
  * rank < W, micro < M; the piece must be this shard's; nbytes must equal
@@ -195,6 +201,17 @@ int core_read_crc(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_dt
  * that the piece has its initial weights (ZS_ENOTREADY); on any error
  * nothing is read or written. */
 
+/* A tensor's optimizer step count on this shard: the applied steps that gave
+ * it a gradient (torch's per-parameter state['step']), which its Adam bias
+ * corrections and SGD's first momentum step follow. The shard must own a
+ * piece of the tensor (ZS_ENOTFOUND). core_set_tensor_steps sets it under
+ * the rules of core_state_write (between steps only, ZS_ENOTREADY; the
+ * version stays). */
+int core_tensor_steps(core *c, uint64_t hash, uint32_t tensor, uint64_t *steps, char *err,
+                      size_t errlen);
+int core_set_tensor_steps(core *c, uint64_t hash, uint32_t tensor, uint64_t steps, char *err,
+                          size_t errlen);
+
 /* Copies the range into dst with state_rw held shared, so that it is one
  * version's: *version and *optimizer_steps (either may be NULL) are read
  * under the same lock. Never waits longer than one apply. */
@@ -207,12 +224,11 @@ int core_state_read(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_
  * master write also recomputes the low-precision copy of the range (and the
  * piece's CRC), into a fresh copy when pull answers are pinned in the low
  * arena, as an apply does. With set_steps not NULL the optimizer step count becomes
- * *set_steps; with nbytes 0 and set_steps, only the count is written and
- * tensor, slice and which are not looked at. Refused with ZS_ENOTREADY while
- * a step is in progress (a contribution of the pending step received, or its
- * apply queued). The version stays: a write is not a step. A state that came
- * from a checkpoint no longer counts as untouched (core_checkpoint_origin),
- * so restoring that checkpoint loads it again. *version and
+ * *set_steps, the job's and every tensor's; with nbytes 0 and set_steps, only the count is written
+ * and tensor, slice and which are not looked at. Refused with ZS_ENOTREADY while a step is in
+ * progress (a contribution of the pending step received, or its apply queued). The version stays: a
+ * write is not a step. A state that came from a checkpoint no longer counts as untouched
+ * (core_checkpoint_origin), so restoring that checkpoint loads it again. *version and
  * *optimizer_steps (may be NULL) get the values after the write. */
 int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs_state_array which,
                      uint64_t offset, const float *src, size_t nbytes, const uint64_t *set_steps,
@@ -448,6 +464,9 @@ typedef struct core_view {
   const spec *spec;
   uint32_t shard_id, num_shards;
   uint64_t hash, version, optimizer_steps, nelems;
+  /* Per tensor of the spec: its step count (core_tensor_steps); meaningful
+   * for the tensors with a piece on this shard. */
+  const uint64_t *tensor_steps;
   const float *master, *m, *v;
   /* The client state of `version` (NULL with length 0 when there is none). */
   const unsigned char *client_state;
@@ -494,6 +513,10 @@ typedef struct core_state {
    * core_state_init; m (exp_avg, SGD's momentum) and v (exp_avg_sq) are NULL
    * when no param group with a piece on the shard uses them. */
   float *master, *m, *v;
+  /* Owned (malloc), spec.num_tensors entries: each tensor's step count
+   * (core_tensor_steps); NULL (as core_state_init leaves it) gives every
+   * tensor optimizer_steps, as a checkpoint from before per-tensor counts. */
+  uint64_t *tensor_steps;
   /* Owned (malloc), NULL when empty: the client state of `version`, at most
    * CORE_MAX_CLIENT_STATE bytes (core_set_apply_client_state). */
   unsigned char *client_state;
@@ -508,7 +531,7 @@ int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err,
 /* Frees what st owns and zeroes it; tolerates a zeroed state. */
 void core_state_free(core_state *st);
 
-/* Replaces the shard's state by st: version, optimizer step count, master, m,
+/* Replaces the shard's state by st: version, optimizer step counts, master, m,
  * v and the client state (copied; an empty one clears the shard's); the
  * low-precision copy is recomputed from the master, the
  * accumulator and every contribution of the pending step are dropped. With no

@@ -413,9 +413,12 @@ static void bit_set(uint64_t *bits, uint32_t k) {
   bits[k / 64] |= UINT64_C(1) << (k % 64);
 }
 
-/* Adds contribution data into the piece's accumulator range. */
-static void piece_add(core *c, piece_state *ps, zs_dtype dtype, const void *data) {
-  dtype_accumulate(dtype, data, c->acc + ps->lp->arena_off, (size_t)ps->lp->numel);
+/* Adds contribution data into the piece's accumulator range; an empty one
+ * (no gradient) adds nothing, which has the bits of adding zeros (x + 0 is
+ * x, -0 aside). */
+static void piece_add(core *c, piece_state *ps, zs_dtype dtype, const void *data, size_t nbytes) {
+  if (nbytes > 0)
+    dtype_accumulate(dtype, data, c->acc + ps->lp->arena_off, (size_t)ps->lp->numel);
 }
 
 held_contrib *core__held_get(core *c, size_t nbytes) {
@@ -482,7 +485,12 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   piece_state *ps = NULL;
   if ((rc = core_find_piece(c, a->tensor, a->slice, &ps, err, errlen)) != 0)
     return rc;
-  if ((rc = core_check_payload(ps, (int)a->dtype, a->nbytes, a->data, err, errlen)) != 0)
+  /* Every piece has at least one element, so an empty payload is never a
+   * gradient: it is the trainer saying it has none (its dtype must still be
+   * one of ours, since replicas forward it). */
+  rc = a->nbytes > 0 ? core_check_payload(ps, (int)a->dtype, a->nbytes, a->data, err, errlen)
+                     : dtype_check((int)a->dtype, err, errlen);
+  if (rc != 0)
     return rc;
   if (a->step <= c->version) {
     /* A step is applied only after every contribution arrived, so a push for
@@ -518,11 +526,11 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   }
   if (k == 1 && ps->next_k == 0) {
     /* Before 0, which it commutes with: added now, next_k stays. */
-    piece_add(c, ps, a->dtype, a->data);
+    piece_add(c, ps, a->dtype, a->data, a->nbytes);
     ps->one_before_zero = 1;
   } else if (k == ps->next_k) {
     /* In turn: added straight from the caller's buffer, no copy. */
-    piece_add(c, ps, a->dtype, a->data);
+    piece_add(c, ps, a->dtype, a->data, a->nbytes);
     ps->next_k++;
     if (ps->one_before_zero) {
       ps->one_before_zero = 0;
@@ -530,7 +538,7 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
     }
     while (ps->nheld > 0 && ps->next_k < c->WM && ps->held[ps->next_k]) {
       held_contrib *h = ps->held[ps->next_k];
-      piece_add(c, ps, h->dtype, h->data);
+      piece_add(c, ps, h->dtype, h->data, h->nbytes);
       ps->held[ps->next_k] = NULL;
       atomic_fetch_sub_explicit(&c->held_bytes, h->nbytes, memory_order_relaxed);
       core__held_put(c, h);
@@ -562,12 +570,15 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
     }
     h->dtype = a->dtype;
     h->nbytes = a->nbytes;
-    memcpy(h->data, a->data, a->nbytes);
+    if (a->nbytes > 0)
+      memcpy(h->data, a->data, a->nbytes);
     ps->held[k] = h;
     ps->nheld++;
     atomic_fetch_add_explicit(&c->held_bytes, a->nbytes, memory_order_relaxed);
   }
   bit_set(ps->received, k);
+  if (a->nbytes > 0)
+    ps->has_grad = 1;
   atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
   completed = ps->next_k == c->WM;
   if (completed && c->pipelined) {
@@ -896,8 +907,11 @@ int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs
     }
   }
   pthread_mutex_lock(&c->mu);
-  if (set_steps)
+  if (set_steps) {
     c->optimizer_steps = *set_steps;
+    for (uint32_t t = 0; t < c->spec.num_tensors; t++)
+      c->tensor_steps[t] = *set_steps;
+  }
   /* The state is no longer the checkpoint's it was restored from. */
   c->ckpt_untouched = 0;
   pthread_mutex_unlock(&c->mu);
@@ -907,6 +921,49 @@ done:
       *version = c->version;
     if (optimizer_steps)
       *optimizer_steps = c->optimizer_steps;
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+/* The checks of core_tensor_steps and core_set_tensor_steps: the job, and a
+ * tensor with a piece on this shard. With state_rw held. */
+static int tensor_steps_check(core *c, uint64_t hash, uint32_t tensor, char *err, size_t errlen) {
+  int rc = core__check_job(c, hash, err, errlen);
+  if (rc != 0)
+    return rc;
+  if (tensor >= c->layout.num_tensors)
+    return status_fail(err, errlen, ZS_ENOTFOUND, "no tensor %u (the model has %u)", tensor,
+                       c->layout.num_tensors);
+  uint32_t first = c->layout.tensor_first[tensor], end = c->layout.tensor_first[tensor + 1];
+  for (uint32_t i = first; i < end; i++)
+    if (c->local_of[i] != UINT32_MAX)
+      return 0;
+  return status_fail(err, errlen, ZS_ENOTFOUND, "shard %u holds no slice of tensor %u", c->shard_id,
+                     tensor);
+}
+
+int core_tensor_steps(core *c, uint64_t hash, uint32_t tensor, uint64_t *steps, char *err,
+                      size_t errlen) {
+  pthread_rwlock_rdlock(&c->state_rw);
+  int rc = tensor_steps_check(c, hash, tensor, err, errlen);
+  if (rc == 0 && steps)
+    *steps = c->tensor_steps[tensor];
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
+}
+
+int core_set_tensor_steps(core *c, uint64_t hash, uint32_t tensor, uint64_t steps, char *err,
+                          size_t errlen) {
+  pthread_rwlock_wrlock(&c->state_rw);
+  int rc = tensor_steps_check(c, hash, tensor, err, errlen);
+  if (rc == 0)
+    rc = state_write_idle(c, err, errlen);
+  if (rc == 0) {
+    pthread_mutex_lock(&c->mu);
+    c->tensor_steps[tensor] = steps;
+    c->ckpt_untouched = 0;
+    pthread_mutex_unlock(&c->mu);
   }
   pthread_rwlock_unlock(&c->state_rw);
   return rc;

@@ -18,7 +18,8 @@
 #include "server/optim/optim.h"
 
 /* A contribution that arrived before its turn: a raw copy of the payload
- * (nbytes of the cap bytes of data). Once added, the buffer goes to the
+ * (nbytes of the cap bytes of data; 0 for a contribution without a
+ * gradient, which adds nothing). Once added, the buffer goes to the
  * core's cache of such buffers (core__held_put), linked by next. */
 typedef struct held_contrib {
   struct held_contrib *next;
@@ -62,6 +63,12 @@ typedef struct piece_state {
    * version + 1. Written under state_rw exclusive and mu, like the version,
    * so either lock reads it; 0 again when the step completes. */
   int ahead;
+  /* 1 once a contribution of the pending step carried a gradient (an empty
+   * one says the trainer has none). A piece whose W*M contributions all
+   * came without one is skipped by the apply: torch skips a parameter
+   * whose .grad is None. Written under mu by the push, read by the worker
+   * once the piece is complete; 0 again when the step completes. */
+  int has_grad;
 } piece_state;
 
 typedef enum stats_phase {
@@ -165,9 +172,12 @@ typedef struct ckpt_call {
  * chunk costs nothing next to running it. */
 #define CORE_APPLY_CHUNK 65536u
 
-/* One chunk of the optimizer pass: n elements from `begin` within range. */
+/* One chunk of the optimizer pass: n elements from `begin` within range.
+ * A pass over whole ranges runs plans[range]; a pass over pieces (a
+ * pipelined one, or a gated one whose pieces differ in step count or
+ * gradient) runs pplans[plan], the plan of the plan-th piece of batch. */
 typedef struct apply_task {
-  uint32_t range;
+  uint32_t range, plan;
   uint64_t begin, n;
 } apply_task;
 
@@ -217,8 +227,15 @@ struct core {
   uint64_t state_bytes;
   const layout_range *ranges; /* this shard's ranges, into layout */
   uint32_t nranges;
-  optim_plan *plans; /* per range, rebuilt by every apply */
-  float **range_m;   /* per range: m arena base or NULL when the group has no use */
+  optim_plan *plans;  /* per range, rebuilt by every apply */
+  optim_plan *pplans; /* per piece of batch, for a pass over pieces */
+  /* Per tensor of the spec (num_tensors): the applied steps that gave the
+   * tensor a gradient, torch's per-parameter state['step']; Adam's bias
+   * corrections and SGD's first momentum step use it. Every slice of a
+   * tensor receives the same contributions, so the shards agree. Written
+   * under state_rw exclusive and mu, so either lock reads it. */
+  uint64_t *tensor_steps;
+  float **range_m; /* per range: m arena base or NULL when the group has no use */
   float **range_v;
   apply_task *tasks;
   size_t ntasks;
@@ -242,6 +259,7 @@ struct core {
   uint32_t *ready, nready;
   uint32_t nahead;
   uint32_t *batch, nbatch;
+  uint32_t nwork; /* the first nwork of batch have a gradient; the rest are skipped */
   apply_task *ptasks;
   double pipe_seconds;
   double *block_sums; /* per statistics block, written by the pool */

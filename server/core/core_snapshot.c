@@ -84,6 +84,7 @@ void core__run_snapshot(core *c, waiter *w) {
       .hash = c->hash,
       .version = c->version,
       .optimizer_steps = c->optimizer_steps,
+      .tensor_steps = c->tensor_steps,
       .nelems = c->nelems,
       .master = c->master,
       .m = c->m,
@@ -141,6 +142,7 @@ void core__run_restore(core *c, ckpt_call *call) {
     ps->next_k = 0;
     ps->one_before_zero = 0;
     ps->ahead = 0;
+    ps->has_grad = 0;
     ps->initialized = 1;
     free(ps->init_chunks);
     ps->init_chunks = NULL;
@@ -155,6 +157,8 @@ void core__run_restore(core *c, ckpt_call *call) {
   pthread_mutex_lock(&c->mu);
   c->version = st->version;
   c->optimizer_steps = st->optimizer_steps;
+  for (uint32_t t = 0; t < c->spec.num_tensors; t++)
+    c->tensor_steps[t] = st->tensor_steps ? st->tensor_steps[t] : st->optimizer_steps;
   /* core_restore checked the length. */
   if (st->client_state_len > 0)
     memcpy(c->client_state, st->client_state, st->client_state_len);
@@ -363,6 +367,7 @@ void core_state_free(core_state *st) {
   free(st->master);
   free(st->m);
   free(st->v);
+  free(st->tensor_steps);
   free(st->client_state);
   memset(st, 0, sizeof *st);
 }

@@ -337,21 +337,64 @@ static void core_apply_chunk(void *arg, size_t i) {
               (size_t)t->n);
 }
 
-/* The plans of every range for the queued apply of step opt_steps. Called
- * on the worker with state_rw exclusive; lr, coef and glr as read under mu. */
-static void core_build_plans(core *c, double lr, float coef, const double *glr,
-                             uint64_t opt_steps) {
-  float grad_scale =
-      c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+/* gradient = acc * this: coef, or coef / W rounded once under
+ * GRAD_REDUCE_MEAN. */
+static float core_grad_scale(const core *c, float coef) {
+  return c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+}
+
+/* The optimizer parameters of group g for this step: the step's
+ * hyper-parameters where the queued apply carries them (core_step_override),
+ * its lr (glr[g], or lr times the group's lr_scale), the step count and the
+ * gradient scale. Every plan of a step, whole-range or per piece, is built
+ * here. */
+static optim_params core_step_params(const core *c, uint32_t g, double lr, const double *glr,
+                                     uint64_t step, float grad_scale) {
+  optim_params p = core_group_params(c, g);
   const core_step_hparams hp = core_queued_hparams(c);
+  core_step_override(&p, &hp, g);
+  p.lr = glr ? glr[g] : lr * c->spec.groups[g].lr_scale;
+  p.step = step;
+  p.grad_scale = grad_scale;
+  return p;
+}
+
+/* The plans of every range for the queued apply, every tensor at step
+ * `step`. Called on the worker with state_rw exclusive; lr, coef and glr as
+ * read under mu. */
+static void core_build_plans(core *c, double lr, float coef, const double *glr, uint64_t step) {
+  float grad_scale = core_grad_scale(c, coef);
   for (uint32_t r = 0; r < c->nranges; r++) {
-    optim_params p = core_group_params(c, c->ranges[r].group);
-    core_step_override(&p, &hp, c->ranges[r].group);
-    p.lr = glr ? glr[c->ranges[r].group] : lr * c->spec.groups[c->ranges[r].group].lr_scale;
-    p.step = opt_steps;
-    p.grad_scale = grad_scale;
+    optim_params p = core_step_params(c, c->ranges[r].group, lr, glr, step, grad_scale);
     optim_plan_init(&c->plans[r], &p);
   }
+}
+
+/* 1 when the pass may run over whole ranges with one plan each: every piece
+ * has a gradient and every tensor of the shard the same step count (put in
+ * *steps), as in every step of a job whose parameters all get gradients. */
+static int core_uniform(const core *c, uint64_t *steps) {
+  *steps = c->npieces > 0 ? c->tensor_steps[c->pieces[0].lp->tensor] : 0;
+  for (uint32_t i = 0; i < c->npieces; i++)
+    if (!c->pieces[i].has_grad || c->tensor_steps[c->pieces[i].lp->tensor] != *steps)
+      return 0;
+  return 1;
+}
+
+/* Reorders c->batch so that its pieces with a gradient come first and sets
+ * c->nwork to their count (the order of the pieces changes no bit: the
+ * kernel is elementwise and they are disjoint). With state_rw exclusive,
+ * every piece of the batch complete. */
+static void core_batch_partition(core *c) {
+  uint32_t w = 0;
+  for (uint32_t b = 0; b < c->nbatch; b++) {
+    if (c->pieces[c->batch[b]].has_grad) {
+      uint32_t t = c->batch[w];
+      c->batch[w++] = c->batch[b];
+      c->batch[b] = t;
+    }
+  }
+  c->nwork = w;
 }
 
 /* What finishing a step leaves for after the locks: the hook to tell. */
@@ -378,6 +421,17 @@ static void core_finish_step(core *c, uint64_t step, int skip, uint64_t opt_step
   if (c->npieces > 0)
     memset(c->bitmaps, 0, (size_t)c->npieces * c->bitmap_words * sizeof *c->bitmaps);
   atomic_store_explicit(&c->contributions, 0, memory_order_relaxed);
+  /* A tensor's count advances with the steps that gave it a gradient; its
+   * pieces on this shard are next to each other ((tensor, slice) order). */
+  uint32_t counted = UINT32_MAX;
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    uint32_t t = c->pieces[i].lp->tensor;
+    if (!skip && c->pieces[i].has_grad && t != counted) {
+      c->tensor_steps[t]++;
+      counted = t;
+    }
+    c->pieces[i].has_grad = 0;
+  }
   histogram_observe_seconds(c->apply_hist, seconds);
   c->version = step;
   c->optimizer_steps = opt_steps;
@@ -433,6 +487,8 @@ static void core_step_tell(core *c, const step_done *done, waiter *fire) {
   core__fire(fire);
 }
 
+static void core_pass_pieces(core *c, double lr, float coef, const double *glr);
+
 /* Runs the queued apply, advances the version and fires the apply and version
  * waiters. Called on the worker, no lock held. */
 static void core_run_apply(core *c) {
@@ -443,7 +499,7 @@ static void core_run_apply(core *c) {
   int skip = c->apply_skip;
   /* apply_glr does not change while the apply is queued or running. */
   const double *glr = c->apply_nglr ? c->apply_glr : NULL;
-  uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u);
+  uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u), tsteps = 0;
   c->apply_state = APPLY_RUNNING;
   pthread_mutex_unlock(&c->mu);
 
@@ -454,11 +510,20 @@ static void core_run_apply(core *c) {
      * gradient is dropped. */
     if (c->nelems > 0)
       memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
-  } else {
-    core_build_plans(c, lr, coef, glr, opt_steps);
+  } else if (core_uniform(c, &tsteps)) {
+    core_build_plans(c, lr, coef, glr, tsteps + 1);
     core__low_writable(c, "apply");
     pool_run(c->pool, c->ntasks, core_apply_chunk, c);
     pool_run(c->pool, c->npieces, core__low_crc_task, c);
+  } else {
+    /* Pieces without a gradient, or tensors at different step counts: the
+     * pass over pieces, each with its tensor's plan, skipping the former. */
+    for (uint32_t i = 0; i < c->npieces; i++)
+      c->batch[i] = i;
+    c->nbatch = c->npieces;
+    core_batch_partition(c);
+    core_pass_pieces(c, lr, coef, glr);
+    c->nbatch = 0;
   }
   double seconds = (double)(clock_now_ns() - t0) / 1e9;
 
@@ -478,7 +543,7 @@ static void core_apply_piece_chunk(void *arg, size_t i) {
   const apply_task *t = &c->ptasks[i];
   float *m = c->range_m[t->range] ? c->range_m[t->range] + t->begin : NULL;
   float *v = c->range_v[t->range] ? c->range_v[t->range] + t->begin : NULL;
-  optim_apply(&c->plans[t->range], c->master + t->begin, m, v, c->acc + t->begin, c->low + t->begin,
+  optim_apply(&c->pplans[t->plan], c->master + t->begin, m, v, c->acc + t->begin, c->low + t->begin,
               (size_t)t->n);
 }
 
@@ -503,10 +568,45 @@ static size_t core_batch_tasks(core *c) {
     uint32_t r = core_piece_range(c, c->batch[b]);
     for (uint64_t e = 0; e < lp->numel; e += CORE_APPLY_CHUNK) {
       uint64_t len = lp->numel - e < CORE_APPLY_CHUNK ? lp->numel - e : CORE_APPLY_CHUNK;
-      c->ptasks[n++] = (apply_task){.range = r, .begin = lp->arena_off + e, .n = len};
+      c->ptasks[n++] = (apply_task){.range = r, .plan = b, .begin = lp->arena_off + e, .n = len};
     }
   }
   return n;
+}
+
+/* The plan of every piece of the batch: its group's, at its tensor's next
+ * step. Consecutive pieces of one group at one count share the values, so
+ * the plan is copied rather than computed again. */
+static void core_build_piece_plans(core *c, double lr, float coef, const double *glr) {
+  float grad_scale = core_grad_scale(c, coef);
+  for (uint32_t b = 0; b < c->nbatch; b++) {
+    uint32_t t = c->pieces[c->batch[b]].lp->tensor, g = c->spec.tensors[t].group;
+    if (b > 0) {
+      uint32_t pt = c->pieces[c->batch[b - 1]].lp->tensor;
+      if (c->spec.tensors[pt].group == g && c->tensor_steps[pt] == c->tensor_steps[t]) {
+        c->pplans[b] = c->pplans[b - 1];
+        continue;
+      }
+    }
+    optim_params p = core_step_params(c, g, lr, glr, c->tensor_steps[t] + 1, grad_scale);
+    optim_plan_init(&c->pplans[b], &p);
+  }
+}
+
+/* The optimizer over the first c->nwork pieces of c->batch, each with its
+ * tensor's plan; the rest of the batch (no gradient) is left as it is:
+ * weights, moments and low copy. Called on the worker with state_rw
+ * exclusive. */
+static void core_pass_pieces(core *c, double lr, float coef, const double *glr) {
+  if (c->nwork == 0)
+    return;
+  uint32_t all = c->nbatch;
+  c->nbatch = c->nwork;
+  core_build_piece_plans(c, lr, coef, glr);
+  core__low_batch_writable(c);
+  pool_run(c->pool, core_batch_tasks(c), core_apply_piece_chunk, c);
+  pool_run(c->pool, c->nbatch, core__low_crc_batch_task, c);
+  c->nbatch = all;
 }
 
 /* A pipelined job's apply, piece by piece: runs the optimizer over the pieces
@@ -529,12 +629,8 @@ static void core_run_pieces(core *c) {
 
   pthread_rwlock_wrlock(&c->state_rw);
   uint64_t t0 = clock_now_ns();
-  if (c->nbatch > 0) {
-    core_build_plans(c, lr, coef, glr, opt_steps);
-    core__low_batch_writable(c);
-    pool_run(c->pool, core_batch_tasks(c), core_apply_piece_chunk, c);
-    pool_run(c->pool, c->nbatch, core__low_crc_batch_task, c);
-  }
+  core_batch_partition(c);
+  core_pass_pieces(c, lr, coef, glr);
   c->pipe_seconds += (double)(clock_now_ns() - t0) / 1e9;
 
   waiter *fire = NULL;

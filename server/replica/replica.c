@@ -713,6 +713,12 @@ static int snap_view(void *arg, const core_view *v) {
     return rc;
   st->version = v->version;
   st->optimizer_steps = v->optimizer_steps;
+  if (v->tensor_steps) {
+    size_t n = (size_t)v->spec->num_tensors * sizeof *st->tensor_steps;
+    if (!(st->tensor_steps = malloc(n + 1)))
+      return ZS_ENOMEM;
+    memcpy(st->tensor_steps, v->tensor_steps, n);
+  }
   memcpy(st->master, v->master, v->nelems * sizeof(float));
   if (st->m && v->m)
     memcpy(st->m, v->m, v->nelems * sizeof(float));
@@ -842,6 +848,8 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
     }
     resp->version = st->version;
     resp->optimizer_steps = st->optimizer_steps;
+    resp->n_tensor_steps = st->tensor_steps ? st->spec.num_tensors : 0;
+    resp->tensor_steps = st->tensor_steps;
     resp->client_state.data = st->client_state;
     resp->client_state.len = st->client_state_len;
     resp->elements = st->nelems;
@@ -1082,6 +1090,16 @@ static int fetch_state(replica *r, member *p, core_state *st, char *err, size_t 
     else
       memcpy(st->client_state, meta->client_state.data, meta->client_state.len);
     st->client_state_len = meta->client_state.len;
+  }
+  if (rc == 0 && meta->n_tensor_steps) {
+    if (meta->n_tensor_steps != st->spec.num_tensors)
+      rc = status_fail(err, errlen, ZS_EPROTO,
+                       "the copy has %zu tensor step counts, the spec %u tensors",
+                       meta->n_tensor_steps, st->spec.num_tensors);
+    else if (!(st->tensor_steps = malloc(meta->n_tensor_steps * sizeof *st->tensor_steps)))
+      rc = ZS_ENOMEM;
+    else
+      memcpy(st->tensor_steps, meta->tensor_steps, meta->n_tensor_steps * sizeof *st->tensor_steps);
   }
   if (rc == 0) {
     st->version = meta->version;

@@ -340,9 +340,16 @@ int service_push(service *s, const core_push_args *a, int *duplicate, char *err,
 }
 
 int service_push_check(service *s, const core_push_args *a, char *err, size_t errlen) {
-  int64_t nb = core_piece_bytes(s->core, a->hash, a->tensor, a->slice, a->dtype);
-  if (nb >= 0 && (uint64_t)nb == (uint64_t)a->nbytes)
+  /* An empty payload is a contribution without a gradient (core_push): it
+   * needs only the piece (any dtype's size says whether it is this
+   * shard's); the push itself judges the rest. Never pushed from here. */
+  int64_t nb = core_piece_bytes(s->core, a->hash, a->tensor, a->slice,
+                                a->nbytes == 0 ? ZS_DTYPE_FP32 : a->dtype);
+  if (nb >= 0 && (a->nbytes == 0 || (uint64_t)nb == (uint64_t)a->nbytes))
     return 0;
+  if (a->nbytes == 0)
+    return (int)core_piece_bytes_err(s->core, a->hash, a->tensor, a->slice, ZS_DTYPE_FP32, err,
+                                     errlen);
   /* The core refuses this push whatever the payload holds, and its verdict is
    * the answer: core_push checks in its order (job, step, ranges, piece,
    * dtype, size) and fails before it would look at the missing data. */
@@ -514,6 +521,16 @@ int service_state_write(service *s, uint64_t hash, uint32_t tensor, uint32_t sli
                         set_steps, version, optimizer_steps, err, errlen);
   free(aligned);
   return rc;
+}
+
+int service_tensor_steps(service *s, uint64_t hash, uint32_t tensor, uint64_t *steps, char *err,
+                         size_t errlen) {
+  return core_tensor_steps(s->core, hash, tensor, steps, err, errlen);
+}
+
+int service_set_tensor_steps(service *s, uint64_t hash, uint32_t tensor, uint64_t steps, char *err,
+                             size_t errlen) {
+  return core_set_tensor_steps(s->core, hash, tensor, steps, err, errlen);
 }
 
 /* ------------------------------------------------ sentences of the transports */

@@ -232,6 +232,13 @@ int service_state_write(service *s, uint64_t hash, uint32_t tensor, uint32_t sli
                         uint64_t offset, const void *data, size_t nbytes, const uint64_t *set_steps,
                         uint64_t *version, uint64_t *optimizer_steps, char *err, size_t errlen);
 
+/* A tensor's step count on this shard (core_tensor_steps), and setting it
+ * (core_set_tensor_steps: between steps only). */
+int service_tensor_steps(service *s, uint64_t hash, uint32_t tensor, uint64_t *steps, char *err,
+                         size_t errlen);
+int service_set_tensor_steps(service *s, uint64_t hash, uint32_t tensor, uint64_t steps, char *err,
+                             size_t errlen);
+
 /* ------------------------------------------------ sentences of the transports
  *
  * Errors a transport finds itself but words like the other transport. */

@@ -10,13 +10,16 @@ model, data and batch. See docs/PERFORMANCE.md, "PyTorch: zshard against DDP".
 (tests/bench/run --only torch builds what it needs and runs this.)
 
 Figures (bench "torch"; JSON lines as the other benchmarks print them):
-  step_s_ddp, step_s_zshard, step_s_zshard_raf   median step time of rank 0
+  step_s_ddp, step_s_zshard, step_s_zshard_raf, step_s_zshard_meta   median
+      step time of rank 0
       (zero_grad, forward, backward, optimizer step), s. The zshard lines
       have DDP's figure as `limit`: goal ratio <= 1.0.
-  rss_growth_ddp, rss_growth_zshard, rss_growth_zshard_raf   the largest
-      trainer's peak resident set (VmHWM) minus the peak of an idle process
-      that imported torch (measured in the same run), MiB. Limit: DDP's
-      growth; goal for release_after_forward: ratio <= 0.25.
+  rss_growth_ddp, rss_growth_zshard, rss_growth_zshard_raf,
+  rss_growth_zshard_meta   the largest trainer's peak resident set (VmHWM)
+      minus the peak of an idle process that imported torch (measured in the
+      same run), MiB. Limit: DDP's growth; goal for release_after_forward:
+      ratio <= 0.25; for zshard_meta (the model built on the meta device,
+      initialised by shard(), with release_after_forward): ratio <= 0.1.
   submit_us_per_tensor_zshard[_raf]   time spent inside the package's
       client.push()/client.pull() calls (the submissions; the waits are
       elsewhere) divided by the number of tensors submitted, rank 0, timed
@@ -61,6 +64,22 @@ def vmhwm():
 
 # ---------------------------------------------------------------------- worker
 
+def gpt_init(m):
+    """train_gpt.GPT's initialisation as a param_init_fn: N(0, 0.02) weights
+    and zero biases for Linear and Embedding, LayerNorm's own reset, and the
+    causal mask buffer."""
+    import torch
+    from torch import nn
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, 0.0, 0.02)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        m.reset_parameters()
+    if "mask" in m._buffers:
+        m.mask.copy_(torch.full(m.mask.shape, float("-inf")).triu(1))
+
+
 def worker(a):
     import torch
     import torch.nn.functional as F
@@ -77,7 +96,14 @@ def worker(a):
     rank, world = a.rank, a.world
     torch.manual_seed(a.seed)
     train, _, vocab = load_text("/usr/share/common-licenses/GPL-3")
-    model = GPT(vocab, a.block, a.d_model, a.layers, a.heads, "manual")
+    if a.worker == "zshard_meta":
+        # Built on the meta device: shard() initialises it module by module
+        # (rank 0 only) with GPT's own rule, written as a param_init_fn.
+        import zshard.torch
+        with zshard.torch.init_empty():
+            model = GPT(vocab, a.block, a.d_model, a.layers, a.heads, "manual")
+    else:
+        model = GPT(vocab, a.block, a.d_model, a.layers, a.heads, "manual")
     nparams = sum(p.numel() for p in model.parameters())
     base = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
     sub = {"n": 0, "s": 0.0, "each": []}
@@ -92,7 +118,8 @@ def worker(a):
         net = model
         opt = zshard.torch.shard(model, base, addresses=a.addresses, wire_dtype=torch.bfloat16,
                                  rank=rank, world_size=world,
-                                 release_after_forward=(a.worker == "zshard_raf"),
+                                 release_after_forward=(a.worker != "zshard"),
+                                 param_init_fn=gpt_init if a.worker == "zshard_meta" else None,
                                  job="bench-torch")
         # Time every submission the package makes (client.push / client.pull
         # return at once with a request; the waits happen elsewhere). Batch
@@ -232,8 +259,8 @@ def driver(a):
     server = os.path.join(a.build_dir, "server", "zshard-server")
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
-        if m not in ("ddp", "zshard", "zshard_raf"):
-            sys.exit("bench_torch: unknown mode %r (ddp, zshard, zshard_raf)" % m)
+        if m not in ("ddp", "zshard", "zshard_raf", "zshard_meta"):
+            sys.exit("bench_torch: unknown mode %r (ddp, zshard, zshard_raf, zshard_meta)" % m)
     if any(m.startswith("zshard") for m in modes):
         if not os.access(server, os.X_OK):
             sys.exit("bench_torch: no %s (--build-dir)" % server)
@@ -305,7 +332,8 @@ def driver(a):
                if lim_step else None, **cfg, **sh)
         report(a, "rss_growth_" + m, growth, "MiB", lim_rss, idle_mib=idle / MiB,
                built_growth_mib=(max(x["built"] for x in o) - idle) / MiB,
-               goal="<= 0.25" if m == "zshard_raf" and lim_rss else None, **cfg, **sh)
+               goal={"zshard_raf": "<= 0.25", "zshard_meta": "<= 0.1"}.get(m) if lim_rss
+               else None, **cfg, **sh)
         if m != "ddp" and o[0]["submit_calls"]:
             report(a, "submit_us_per_tensor_" + m, 1e6 * o[0]["submit_s"] / o[0]["submit_calls"],
                    "us", None, calls=o[0]["submit_calls"],
@@ -324,7 +352,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer steps")
     ap.add_argument("--build-dir", default=os.path.join(SRC, "build-bench"))
-    ap.add_argument("--modes", default="ddp,zshard,zshard_raf")
+    ap.add_argument("--modes", default="ddp,zshard,zshard_raf,zshard_meta")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 12, quick 5)")
@@ -338,7 +366,7 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     # Internal: one trainer process.
-    ap.add_argument("--worker", choices=("idle", "ddp", "zshard", "zshard_raf"))
+    ap.add_argument("--worker", choices=("idle", "ddp", "zshard", "zshard_raf", "zshard_meta"))
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--store")
     ap.add_argument("--addresses")

@@ -122,37 +122,42 @@ static void assert_bits(float **a, float **b) {
     assert_memory_equal(a[t], b[t], NUMEL[t] * sizeof(float));
 }
 
-/* One step of the shards' kernel over whole tensors: master, m, v in place,
- * with `step` the optimizer step count including this one. */
+/* One step of the shards' kernel over whole tensor t: master, m, v in
+ * place, with `step` the tensor's step count including this one. */
+static void reference_tensor(uint32_t t, float **master, float **m, float **v, float **g,
+                             uint64_t step) {
+  zs_group_options go;
+  group_opts(GROUP[t], &go);
+  optim_params p = {
+      .optimizer = go.optimizer,
+      .lr = LR * go.lr_scale,
+      .beta1 = go.beta1,
+      .beta2 = go.beta2,
+      .eps = go.eps,
+      .weight_decay = go.weight_decay,
+      .momentum = go.momentum,
+      .dampening = go.dampening,
+      .nesterov = go.nesterov,
+      .bias_correction = go.bias_correction,
+      .step = step,
+      .grad_scale = 1.0f,
+      .low_dtype = ZS_DTYPE_BF16,
+  };
+  optim_plan plan;
+  optim_plan_init(&plan, &p);
+  float *acc = fbuf(t);
+  memcpy(acc, g[t], NUMEL[t] * sizeof(float));
+  uint16_t *low = calloc(NUMEL[t], sizeof(uint16_t));
+  optim_apply(&plan, master[t], GROUP[t] == 1 ? NULL : m[t], GROUP[t] == 0 ? v[t] : NULL, acc, low,
+              NUMEL[t]);
+  free(acc);
+  free(low);
+}
+
+/* One step over every tensor, all at count `step`. */
 static void reference_step(float **master, float **m, float **v, float **g, uint64_t step) {
-  for (uint32_t t = 0; t < NT; t++) {
-    zs_group_options go;
-    group_opts(GROUP[t], &go);
-    optim_params p = {
-        .optimizer = go.optimizer,
-        .lr = LR * go.lr_scale,
-        .beta1 = go.beta1,
-        .beta2 = go.beta2,
-        .eps = go.eps,
-        .weight_decay = go.weight_decay,
-        .momentum = go.momentum,
-        .dampening = go.dampening,
-        .nesterov = go.nesterov,
-        .bias_correction = go.bias_correction,
-        .step = step,
-        .grad_scale = 1.0f,
-        .low_dtype = ZS_DTYPE_BF16,
-    };
-    optim_plan plan;
-    optim_plan_init(&plan, &p);
-    float *acc = fbuf(t);
-    memcpy(acc, g[t], NUMEL[t] * sizeof(float));
-    uint16_t *low = calloc(NUMEL[t], sizeof(uint16_t));
-    optim_apply(&plan, master[t], GROUP[t] == 1 ? NULL : m[t], GROUP[t] == 0 ? v[t] : NULL, acc,
-                low, NUMEL[t]);
-    free(acc);
-    free(low);
-  }
+  for (uint32_t t = 0; t < NT; t++)
+    reference_tensor(t, master, m, v, g, step);
 }
 
 static uint64_t shard_version(uint32_t i) {
@@ -478,6 +483,82 @@ static void split_tensors_round_trip(void **state) {
   close_job(c);
 }
 
+/* A tensor every trainer pushed "no gradient" for (zs_push and
+ * zs_push_many with no buffer) is skipped by the shards: weights and
+ * moments stay, and so does its own step count, which the next step's bias
+ * correction then follows. */
+static void a_tensor_without_a_gradient_is_skipped_and_keeps_its_count(void **state) {
+  (void)state;
+  float *w[NT], *g[NT], *master[NT], *m[NT], *v[NT], *rw[NT], *rm[NT];
+  fill(w, 1.0f, 1.0f);
+  zs_client *c = new_client("nograd");
+  assert_int_equal(zs_open_job(c, (const float *const *)w), ZS_OK);
+  for (uint32_t t = 0; t < NT; t++) {
+    master[t] = fbuf(t);
+    memcpy(master[t], w[t], NUMEL[t] * sizeof(float));
+    m[t] = fbuf(t);
+    v[t] = fbuf(t);
+  }
+  uint64_t tsteps[NT] = {0};
+  /* Step 1: t0 (split) and t1 without a gradient, one push each; step 2:
+   * t1 again, in a batch with the others. */
+  for (uint64_t step = 1; step <= 2; step++) {
+    grads(g, step);
+    int has[NT] = {step == 2, 0, 1, 1, 1};
+    if (step == 1) {
+      for (uint32_t t = 0; t < NT; t++)
+        assert_int_equal(zs_push(c, t, 0, has[t] ? g[t] : NULL, ZS_DTYPE_FP32,
+                                 has[t] ? NUMEL[t] * sizeof(float) : 0, NULL),
+                         ZS_OK);
+    } else {
+      uint32_t ids[NT];
+      const void *bufs[NT];
+      size_t nbytes[NT];
+      for (uint32_t t = 0; t < NT; t++) {
+        ids[t] = t;
+        bufs[t] = has[t] ? g[t] : NULL;
+        nbytes[t] = has[t] ? NUMEL[t] * sizeof(float) : 0;
+      }
+      assert_int_equal(zs_push_many(c, NT, ids, 0, bufs, ZS_DTYPE_FP32, nbytes, NULL), ZS_OK);
+    }
+    assert_int_equal(zs_step(c, LR, 0, 0, NULL), ZS_OK);
+    for (uint32_t t = 0; t < NT; t++)
+      if (has[t])
+        reference_tensor(t, master, m, v, g, ++tsteps[t]);
+    read_all(c, ZS_STATE_MASTER, rw);
+    read_all(c, ZS_STATE_EXP_AVG, rm);
+    assert_bits(rw, master);
+    for (uint32_t t = 0; t < NT; t++)
+      if (GROUP[t] != 1)
+        assert_memory_equal(rm[t], m[t], NUMEL[t] * sizeof(float));
+    for (uint32_t t = 0; t < NT; t++) {
+      uint64_t n = 99;
+      assert_int_equal(zs_tensor_steps(c, t, &n), ZS_OK);
+      assert_int_equal(n, tsteps[t]);
+    }
+    free_all(rw);
+    free_all(rm);
+    free_all(g);
+  }
+  assert_memory_equal(master[1], w[1], NUMEL[1] * sizeof(float));
+  uint64_t steps = 0;
+  assert_int_equal(zs_optimizer_steps(c, &steps), ZS_OK);
+  assert_int_equal(steps, 2);
+  /* Setting a tensor's count; the job's sets every tensor's. */
+  assert_int_equal(zs_set_tensor_steps(c, 4, 9), ZS_OK);
+  assert_int_equal(zs_tensor_steps(c, 4, &steps), ZS_OK);
+  assert_int_equal(steps, 9);
+  assert_int_equal(zs_set_optimizer_steps(c, 3), ZS_OK);
+  assert_int_equal(zs_tensor_steps(c, 1, &steps), ZS_OK);
+  assert_int_equal(steps, 3);
+  assert_int_equal(zs_tensor_steps(c, NT, &steps), ZS_ENOTFOUND);
+  free_all(master);
+  free_all(m);
+  free_all(v);
+  free_all(w);
+  close_job(c);
+}
+
 static int setup(void **state) {
   (void)state;
   return hs_cluster_start(&cl, 2, NULL);
@@ -496,6 +577,7 @@ int main(void) {
       cmocka_unit_test(written_state_is_what_the_next_step_starts_from),
       cmocka_unit_test(refusals_change_nothing),
       cmocka_unit_test(split_tensors_round_trip),
+      cmocka_unit_test(a_tensor_without_a_gradient_is_skipped_and_keeps_its_count),
   };
   int failures = cmocka_run_group_tests(tests, setup, teardown);
   hs_finish(failures);

@@ -1250,7 +1250,8 @@ static void a_malformed_push_batch_is_refused_and_the_connection_survives(void *
   m = (wire_msg){.type = WIRE_PUSH_BATCH, .request_id = 41};
   m.u.push_batch = (wire_push_batch){.spec_hash = fx.hash, .step = 1, .npieces = 2, .pieces = pcs};
   raw_send(rc->fd, f, raw_frame(f, sizeof f, &m, payload, sizeof payload));
-  /* Pieces of no bytes at all. */
+  /* Pieces of no bytes at all are contributions without a gradient (the
+   * same one twice: the second is a duplicate). */
   m.request_id = 42;
   pcs[0].length = 0;
   pcs[1].length = 0;
@@ -1264,14 +1265,19 @@ static void a_malformed_push_batch_is_refused_and_the_connection_survives(void *
   assert_int_equal(ans.u.error.status, ZS_ERANGE);
   assert_non_null(strstr(ans.u.error.message, "pieces add up to 32 bytes but the payload has 64"));
   assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
-  assert_int_equal(ans.type, WIRE_ERROR);
+  assert_int_equal(ans.type, WIRE_PUSH_BATCH_ACK);
   assert_int_equal(ans.request_id, 42);
-  assert_int_equal(ans.u.error.status, ZS_EINVAL);
+  assert_int_equal(ans.u.push_batch_ack.npieces, 2);
+  assert_int_equal(ans.u.push_batch_ack.status[0], 0);
+  assert_int_equal(ans.u.push_batch_ack.status[1], 0);
+  assert_int_equal(ans.u.push_batch_ack.duplicate[0], 0);
+  assert_int_equal(ans.u.push_batch_ack.duplicate[1], 1);
   assert_int_equal(raw_read_frame(rc, &ans, NULL, 0), 0);
   assert_int_equal(ans.type, WIRE_PONG);
   assert_int_equal(ans.request_id, 43);
   raw_close(rc);
-  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), missing);
+  /* Only the empty contribution was taken. */
+  assert_int_equal(core_missing(fx.dpc[0], 1, NULL, 0), missing - 1);
 }
 
 /* -------------------------------------------------------------- pipelining */

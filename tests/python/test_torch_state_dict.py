@@ -272,9 +272,10 @@ class StateDictMisuse(unittest.TestCase):
                 train_step(ref2, ref2_opt, x, y)
                 sd = ref2_opt.state_dict()
                 # A state the shards cannot hold is refused before any write.
+                # (Parameters at different steps, or without state, are
+                # fine: the shards keep a count per parameter,
+                # test_torch_nograd.py.)
                 for edit, word in (
-                        (lambda b: b["state"][0].update(step=torch.tensor(5.0)), "steps differ"),
-                        (lambda b: b["state"].pop(1), "no state for"),
                         (lambda b: b["state"][0].update(exp_avg=torch.zeros(3)), "shape"),
                         (lambda b: b["param_groups"][0].update(amsgrad=True), "amsgrad")):
                     bad = copy.deepcopy(sd)

@@ -571,6 +571,92 @@ static void client_state_travels_with_the_files_and_files_without_it_still_load(
   spec_free(&s2);
 }
 
+/* The count of tensor t in the per-tensor test below: some at the job's 5,
+ * some below (parameters that went without a gradient). */
+static uint64_t steps_of(uint32_t t) {
+  return 5 - t % 3;
+}
+
+/* Every tensor with a piece on shard `shard` of spec s has steps_of(t). */
+static void assert_tensor_steps(const core_state *st, const spec *s, uint32_t shard) {
+  layout l;
+  assert_int_equal(layout_build(s, &l), 0);
+  assert_non_null(st->tensor_steps);
+  for (uint32_t i = 0; i < l.num_pieces; i++)
+    if (l.pieces[i].shard == shard)
+      assert_int_equal(st->tensor_steps[l.pieces[i].tensor], steps_of(l.pieces[i].tensor));
+  layout_free(&l);
+}
+
+static void tensor_step_counts_travel_with_the_files_and_old_files_give_the_jobs(void **state) {
+  (void)state;
+  char with[512], without[512], same[512], err[512];
+  fresh_dir(with, sizeof with, "ts-with");
+  fresh_dir(without, sizeof without, "ts-without");
+  fresh_dir(same, sizeof same, "ts-same");
+  spec s2, s3;
+  build_spec(&s2, "tensor-steps", 2);
+  build_spec(&s3, "tensor-steps", 3);
+  model md;
+  model_random(&md, 6);
+  /* A file from before the counts: no section (write_checkpoint passes
+   * none), as one whose counts all equal the job's. */
+  write_checkpoint(without, &s2, &md, 6, 1);
+  const char *roots[2] = {with, same};
+  for (int r = 0; r < 2; r++) {
+    ckpt_manifest m = {.step = 6,
+                       .version = 6,
+                       .optimizer_steps = 5,
+                       .spec_hash = spec_hash(&s2),
+                       .num_shards = 2};
+    m.files = calloc(2, sizeof *m.files);
+    for (uint32_t i = 0; i < 2; i++) {
+      core_state st;
+      state_from_model(&st, &s2, i, &md, 6, 5);
+      st.tensor_steps = calloc(K_NT, sizeof *st.tensor_steps);
+      for (uint32_t t = 0; t < K_NT; t++)
+        st.tensor_steps[t] = r == 0 ? steps_of(t) : 5;
+      assert_int_equal(ckpt_write_shard(roots[r], &st, NULL, &m.files[i], err, sizeof err), 0);
+      core_state_free(&st);
+    }
+    assert_int_equal(ckpt_manifest_write(roots[r], &m, 0, err, sizeof err), 0);
+    ckpt_manifest_free(&m);
+  }
+  char pw[600], po[600], ps[600];
+  shard_path(pw, sizeof pw, with, 6, 0, 2);
+  shard_path(po, sizeof po, without, 6, 0, 2);
+  shard_path(ps, sizeof ps, same, 6, 0, 2);
+  assert_int_equal(file_sections(pw), file_sections(po) + 1);
+  assert_int_equal(file_sections(ps), file_sections(po));
+  assert_int_equal(file_size(ps), file_size(po));
+
+  /* Same shard count, and resharded to 3: every shard has its tensors'
+   * counts, each from the old file that held the tensor. */
+  core_state st2[2], st3[3];
+  load_all(with, 6, 2, st2);
+  load_all(with, 6, 3, st3);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(st2[i].optimizer_steps, 5);
+    assert_tensor_steps(&st2[i], &s2, i);
+    core_state_free(&st2[i]);
+  }
+  for (uint32_t i = 0; i < 3; i++) {
+    assert_tensor_steps(&st3[i], &s3, i);
+    core_state_free(&st3[i]);
+  }
+  /* A file without the section loads with every tensor at the job's count. */
+  load_all(without, 6, 2, st2);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_non_null(st2[i].tensor_steps);
+    for (uint32_t t = 0; t < K_NT; t++)
+      assert_int_equal(st2[i].tensor_steps[t], 5);
+    core_state_free(&st2[i]);
+  }
+  model_free(&md);
+  spec_free(&s2);
+  spec_free(&s3);
+}
+
 /* Every damaged copy of `good` at `path` must be refused, with the path in
  * the message, by ckpt_load (manifest bound) and by a reader without the
  * manifest's size and CRC. */
@@ -1554,6 +1640,7 @@ int main(void) {
       cmocka_unit_test(listing_orders_steps_numerically_and_ignores_other_names),
       cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),
       cmocka_unit_test(client_state_travels_with_the_files_and_files_without_it_still_load),
+      cmocka_unit_test(tensor_step_counts_travel_with_the_files_and_old_files_give_the_jobs),
       cmocka_unit_test(one_flipped_byte_anywhere_is_refused_naming_the_file),
       cmocka_unit_test(truncated_file_is_refused_at_any_length),
       cmocka_unit_test(file_of_another_job_or_step_is_refused),

@@ -2510,6 +2510,174 @@ static void test_state_writes_refresh_the_low_copy_and_wait_for_idle(void **stat
   job_free(&j);
 }
 
+/* ------------------------------------------------------------------ no gradient */
+
+/* Which contributions of a step carry a gradient: has[t * WM + k]. */
+typedef struct grad_mask {
+  int has[K_NT * 4];
+} grad_mask;
+
+/* The reference step of torch with .grad None: a tensor without any
+ * gradient is skipped (weights, moments and its step count stay); one with
+ * some sums only the contributions that have one (the others count as
+ * zeros), at its own step count tsteps[t]. */
+static void job_ref_step_masked(job *j, double lr, const grad_mask *mask, uint64_t *tsteps) {
+  for (uint32_t t = 0; t < j->nt; t++) {
+    size_t n = (size_t)j->spec.tensors[t].numel;
+    float *acc = calloc(n, sizeof(float));
+    assert_non_null(acc);
+    int any = 0;
+    for (uint32_t k = 0; k < j->WM; k++) {
+      if (!mask->has[t * j->WM + k])
+        continue;
+      dtype_accumulate(j->gdt, j->grad[t * j->WM + k], acc, n);
+      any = 1;
+    }
+    if (any) {
+      const spec_group *g = &j->spec.groups[j->spec.tensors[t].group];
+      optim_params p = optim_params_of_group(g, j->spec.param_dtype);
+      p.lr = lr * g->lr_scale;
+      p.step = ++tsteps[t];
+      p.grad_scale = (float)(1.0 / j->W);
+      optim_plan plan;
+      optim_plan_init(&plan, &p);
+      optim_apply(&plan, j->ref_master[t], j->ref_m[t], j->ref_v[t], acc, j->ref_low[t], n);
+    }
+    free(acc);
+  }
+}
+
+/* Pushes every contribution of the shard's pieces, those the mask marks
+ * without a gradient as empty pushes, in reverse k order (so that empty ones
+ * are held early too). */
+static void push_masked(core *c, job *j, uint32_t shard, uint64_t step, const grad_mask *mask) {
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *p = &j->layout.pieces[i];
+    if (p->shard != shard)
+      continue;
+    for (uint32_t k = j->WM; k-- > 0;) {
+      core_push_args a = push_args(j, step, p, k);
+      if (!mask->has[p->tensor * j->WM + k]) {
+        a.data = NULL;
+        a.nbytes = 0;
+      }
+      char err[256] = "";
+      int dup = 1;
+      assert_int_equal(core_push(c, &a, &dup, err, sizeof err), 0);
+      assert_int_equal(dup, 0);
+    }
+  }
+}
+
+static void wait_version(core *c, job *j, uint64_t version) {
+  event e;
+  event_init(&e);
+  char err[256] = "";
+  uint64_t v = 0;
+  int rc = core_wait_version(c, j->hash, version, clock_now_ms() + TEST_WAIT_MS, on_version, &e, &v,
+                             err, sizeof err);
+  if (rc == CORE_PENDING) {
+    event_wait(&e, 1);
+    rc = e.status;
+    v = e.version;
+  }
+  assert_int_equal(rc, 0);
+  assert_int_equal(v, version);
+  event_destroy(&e);
+}
+
+/* The shard's moments of every piece equal the reference's. */
+static void check_moments(core *c, job *j, uint32_t shard) {
+  for (uint32_t i = 0; i < j->layout.num_pieces; i++) {
+    const layout_piece *p = &j->layout.pieces[i];
+    if (p->shard != shard)
+      continue;
+    float *f = malloc((size_t)p->numel * sizeof(float));
+    assert_non_null(f);
+    char err[256] = "";
+    assert_int_equal(core_state_read(c, j->hash, p->tensor, p->slice, ZS_STATE_EXP_AVG, 0, f,
+                                     (size_t)p->numel * sizeof(float), NULL, NULL, err, sizeof err),
+                     0);
+    assert_memory_equal(f, j->ref_m[p->tensor] + p->offset, (size_t)p->numel * sizeof(float));
+    free(f);
+  }
+}
+
+static void run_without_some_gradients(int pipelined) {
+  job j;
+  job_start(&j, k_tensors, K_NT, 2, 1, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  j.spec.pipelined = pipelined;
+  job_finish(&j, 81);
+  core *c = open_core(&j, 0, 2);
+  init_all(c, &j, 0);
+  uint64_t tsteps[K_NT] = {0};
+  const double lr = 1e-2;
+  for (uint64_t step = 1; step <= 4; step++) {
+    grad_mask mask;
+    for (size_t i = 0; i < sizeof mask.has / sizeof mask.has[0]; i++)
+      mask.has[i] = 1;
+    if (step == 1) {
+      mask.has[1 * 2 + 0] = mask.has[1 * 2 + 1] = 0; /* b0: nobody, first used at step 2 */
+      mask.has[2 * 2 + 0] = 0;                       /* w1 (SGD, split): rank 1 only */
+    } else if (step == 3) {
+      mask.has[0 * 2 + 0] = mask.has[0 * 2 + 1] = 0; /* w0 (AdamW, split): nobody */
+      mask.has[5 * 2 + 0] = mask.has[5 * 2 + 1] = 0; /* n2 (SGD): nobody */
+    }
+    job_make_grads(&j, 100 + step);
+    core_apply_result ar;
+    if (pipelined) {
+      /* The Apply comes first; each piece is applied when its last
+       * contribution lands. */
+      assert_int_equal(apply_sync(c, &j, step, lr, 1.0f, 0, &ar), 0);
+      push_masked(c, &j, 0, step, &mask);
+      wait_version(c, &j, step);
+    } else {
+      push_masked(c, &j, 0, step, &mask);
+      core_stats_result st;
+      assert_int_equal(stats_sync(c, &j, step, &st), 0);
+      assert_int_equal(apply_sync(c, &j, step, lr, 1.0f, 0, &ar), 0);
+      assert_int_equal(ar.version, step);
+    }
+    job_ref_step_masked(&j, lr, &mask, tsteps);
+    check_shard_matches_reference(c, &j, 0, step);
+    check_moments(c, &j, 0);
+    for (uint32_t t = 0; t < K_NT; t++) {
+      uint64_t got = 99;
+      char err[256] = "";
+      int rc = core_tensor_steps(c, j.hash, t, &got, err, sizeof err);
+      if (layout_find(&j.layout, t, 0)->shard != 0 && layout_tensor_pieces(&j.layout, t) == 1) {
+        assert_int_equal(rc, ZS_ENOTFOUND);
+        continue;
+      }
+      assert_int_equal(rc, 0);
+      assert_int_equal(got, tsteps[t]);
+    }
+  }
+  /* A job-wide count written sets every tensor's; a tensor's own then. */
+  char err[256] = "";
+  uint64_t seven = 7, got = 0;
+  assert_int_equal(
+      core_state_write(c, j.hash, 0, 0, 0, 0, NULL, 0, &seven, NULL, NULL, err, sizeof err), 0);
+  assert_int_equal(core_tensor_steps(c, j.hash, 0, &got, err, sizeof err), 0);
+  assert_int_equal(got, 7);
+  assert_int_equal(core_set_tensor_steps(c, j.hash, 0, 3, err, sizeof err), 0);
+  assert_int_equal(core_tensor_steps(c, j.hash, 0, &got, err, sizeof err), 0);
+  assert_int_equal(got, 3);
+  assert_int_equal(core_set_tensor_steps(c, j.hash, K_NT, 3, err, sizeof err), ZS_ENOTFOUND);
+  core_destroy(c);
+  job_free(&j);
+}
+
+static void test_a_piece_nobody_gave_a_gradient_keeps_its_state_and_step_count(void **state) {
+  (void)state;
+  run_without_some_gradients(0);
+}
+
+static void test_a_pipelined_piece_nobody_gave_a_gradient_is_skipped_too(void **state) {
+  (void)state;
+  run_without_some_gradients(1);
+}
+
 int main(void) {
   /* One "apply" line per step on stderr would drown the test output. */
   log_set_level(LOG_LEVEL_WARN);
@@ -2548,6 +2716,8 @@ int main(void) {
       cmocka_unit_test(test_group_learning_rates_replace_lr_times_lr_scale),
       cmocka_unit_test(test_step_hyper_parameters_apply_to_their_step_only),
       cmocka_unit_test(test_state_writes_refresh_the_low_copy_and_wait_for_idle),
+      cmocka_unit_test(test_a_piece_nobody_gave_a_gradient_keeps_its_state_and_step_count),
+      cmocka_unit_test(test_a_pipelined_piece_nobody_gave_a_gradient_is_skipped_too),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

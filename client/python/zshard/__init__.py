@@ -106,6 +106,9 @@ class Client(_zshard.Client):
         return super().add_group(optimizer=_enum("optimizer", optimizer), **options)
 
     def push(self, tensor, buffer, micro=0, dtype=0):
+        """Pushes `buffer` as the tensor's gradient of micro-batch `micro`
+        (zs_push); None pushes "no gradient": the shards skip the tensor
+        when no trainer has one, and count it as zeros when one does."""
         return super().push(tensor, buffer, micro, _enum("dtype", dtype))
 
     def pull(self, tensor, buffer, dtype=0):
@@ -113,7 +116,8 @@ class Client(_zshard.Client):
 
     def push_many(self, tensors, buffers, micro=0, dtype=0):
         """Pushes buffers[i] as tensors[i]'s gradient, all in one submission
-        (zs_push_many); returns one Request per entry."""
+        (zs_push_many; None: no gradient, as in push); returns one Request
+        per entry."""
         return super().push_many(tensors, buffers, micro, _enum("dtype", dtype))
 
     def pull_many(self, tensors, buffers, dtype=0):

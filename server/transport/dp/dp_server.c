@@ -1629,9 +1629,9 @@ static void on_meta(dp_conn *c) {
   } else if (m->type == WIRE_PUSH_BATCH) {
     /* The decoder checked that the pieces tile the payload exactly; the core
      * judges each piece once the bytes are in (on_done). */
-    if (m->payload_len == 0) {
-      answer_error(c, m->request_id, ZS_EINVAL, "a PUSH_BATCH must carry its pieces' bytes");
-    } else if (push_batch_refused(c, m)) {
+    /* An empty payload is a batch of pieces without a gradient (each piece
+     * empty, as the decoder checked). */
+    if (push_batch_refused(c, m)) {
       /* Answered; the payload is skipped. */
     } else {
       c->rx = pool_get(s, (size_t)m->payload_len);

@@ -1555,6 +1555,10 @@ static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   if (rc == 0)
     rc = service_state_read(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,
                             count, max_bytes, buf, &version, &steps, err, sizeof err);
+  /* The piece was found, so the shard holds a slice of the tensor. */
+  uint64_t tsteps = 0;
+  if (rc == 0)
+    rc = service_tensor_steps(s->svc, r->spec_hash, r->tensor, &tsteps, err, sizeof err);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   if (rc != 0) {
     free(buf);
@@ -1564,6 +1568,7 @@ static void h_read_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   Zshard__V1__ReadStateResponse resp = ZSHARD__V1__READ_STATE_RESPONSE__INIT;
   resp.version = version;
   resp.optimizer_steps = steps;
+  resp.tensor_steps = tsteps;
   /* Little-endian float32 is the wire format, and the host's. */
   resp.data.data = (uint8_t *)buf;
   resp.data.len = (size_t)count * sizeof(float);
@@ -1579,10 +1584,25 @@ static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     bad_message(c, "zshard.v1.WriteStateRequest");
     return;
   }
-  uint64_t version = 0, steps = 0, set = r->optimizer_steps;
-  int rc = service_state_write(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,
-                               r->data.data, r->data.len, r->set_optimizer_steps ? &set : NULL,
-                               &version, &steps, err, sizeof err);
+  uint64_t version = 0, steps = 0, set = r->optimizer_steps, tsteps = 0;
+  int rc = 0;
+  /* A tensor's count alone, or after the data and the job's count. */
+  if (!r->set_tensor_steps || r->data.len > 0 || r->set_optimizer_steps)
+    rc = service_state_write(s->svc, r->spec_hash, r->tensor, r->slice, (int)r->array, r->offset,
+                             r->data.data, r->data.len, r->set_optimizer_steps ? &set : NULL,
+                             &version, &steps, err, sizeof err);
+  if (rc == 0 && r->set_tensor_steps)
+    rc =
+        service_set_tensor_steps(s->svc, r->spec_hash, r->tensor, r->tensor_steps, err, sizeof err);
+  if (rc == 0) /* stays 0 when the shard holds no slice of the tensor */
+    (void)service_tensor_steps(s->svc, r->spec_hash, r->tensor, &tsteps, NULL, 0);
+  if (rc == 0 && r->set_tensor_steps && !r->set_optimizer_steps && r->data.len == 0) {
+    /* The version and job count of an answer that wrote only the tensor's. */
+    core_info info;
+    core_get_info(s->core, &info);
+    version = info.version;
+    steps = info.optimizer_steps;
+  }
   protobuf_c_message_free_unpacked(&r->base, NULL);
   if (rc != 0) {
     finish_err(c, 0, rc, err);
@@ -1591,6 +1611,7 @@ static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   Zshard__V1__WriteStateResponse resp = ZSHARD__V1__WRITE_STATE_RESPONSE__INIT;
   resp.version = version;
   resp.optimizer_steps = steps;
+  resp.tensor_steps = tsteps;
   finish_msg(c, 0, &resp.base);
 }
 

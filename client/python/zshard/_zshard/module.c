@@ -696,15 +696,20 @@ static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int
   request_object *r = request_new(self, push, tensor);
   if (!r)
     return NULL;
-  if (PyObject_GetBuffer(buf, &r->view,
-                         PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) < 0) {
+  int rc = 0;
+  if (push && buf == Py_None) {
+    /* No gradient this step: zs_push with no buffer. */
+    memset(&r->view, 0, sizeof r->view);
+    dtype = ZS_DTYPE_FP32;
+  } else if (PyObject_GetBuffer(buf, &r->view,
+                                PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) <
+             0) {
     r->view.obj = NULL;
     Py_DECREF(r);
     return NULL;
-  }
-  int rc = 0;
-  if (!(dtype = buffer_dtype(&r->view, dtype, push ? "push" : "pull")))
+  } else if (!(dtype = buffer_dtype(&r->view, dtype, push ? "push" : "pull"))) {
     goto fail;
+  }
   zs_request *req = NULL;
   /* Submission does not wait for the network, but may wait for a lock the
    * library's threads hold: release the GIL anyway. */
@@ -806,6 +811,14 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     if (!r)
       goto fail;
     PyList_SET_ITEM(list, i, (PyObject *)r); /* the list owns it from here */
+    if (push && PySequence_Fast_GET_ITEM(bseq, i) == Py_None) {
+      /* No gradient this step: an entry with no buffer (zs_push_many). */
+      memset(&r->view, 0, sizeof r->view);
+      ids[i] = (uint32_t)t;
+      ptrs[i] = NULL;
+      nbytes[i] = 0;
+      continue;
+    }
     if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(bseq, i), &r->view,
                            PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (push ? 0 : PyBUF_WRITABLE)) < 0) {
       r->view.obj = NULL;
@@ -816,7 +829,7 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     int d = buffer_dtype(&r->view, given, what);
     if (!d)
       goto fail;
-    if (i == 0)
+    if (!dtype)
       dtype = d;
     else if (d != dtype) {
       PyErr_Format(PyExc_TypeError, "%s: buffer %zd's dtype differs from buffer 0's", what, i);
@@ -826,6 +839,8 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     ptrs[i] = r->view.buf;
     nbytes[i] = (size_t)r->view.len;
   }
+  if (!dtype)
+    dtype = ZS_DTYPE_FP32; /* every entry without a gradient */
   int rc;
   GIL_RELEASE();
   if (push)
@@ -1108,6 +1123,44 @@ static PyObject *client_set_optimizer_steps(client_object *self, PyObject *arg) 
   Py_RETURN_NONE;
 }
 
+/* ---- per-tensor step counts (zs_tensor_steps, zs_set_tensor_steps) ---- */
+
+static PyObject *client_tensor_steps(client_object *self, PyObject *arg) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  unsigned long t = PyLong_AsUnsignedLong(arg);
+  if (t == (unsigned long)-1 && PyErr_Occurred())
+    return NULL;
+  if (t > UINT32_MAX)
+    return PyErr_Format(PyExc_OverflowError, "tensor_steps: tensor id %lu out of range", t);
+  uint64_t steps = 0;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_tensor_steps(c, (uint32_t)t, &steps);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  return PyLong_FromUnsignedLongLong(steps);
+}
+
+static PyObject *client_set_tensor_steps(client_object *self, PyObject *args) {
+  zs_client *c = client_get(self);
+  if (!c)
+    return NULL;
+  unsigned int t;
+  unsigned long long steps;
+  if (!PyArg_ParseTuple(args, "IK:set_tensor_steps", &t, &steps))
+    return NULL;
+  int rc;
+  GIL_RELEASE();
+  rc = zs_set_tensor_steps(c, t, (uint64_t)steps);
+  GIL_ACQUIRE();
+  if (rc != ZS_OK)
+    return raise_status(rc);
+  Py_RETURN_NONE;
+}
+
 /* A blocking call that takes only the client: the GIL released around it,
  * None or the raised zshard.Error. */
 static PyObject *call_blocking(client_object *self, int (*fn)(zs_client *)) {
@@ -1349,13 +1402,15 @@ static PyMethodDef client_methods[] = {
                    "-> group id"),
     KWM(add_tensor, "add_tensor(name, numel, group=0, shape=None) -> tensor id"),
     KWM(open_job, "open_job(init_weights=None): one fp32 buffer per tensor (rank 0)"),
-    KWM(push, "push(tensor, buffer, micro=0, dtype=0) -> Request; buffer held until waited"),
+    KWM(push, "push(tensor, buffer, micro=0, dtype=0) -> Request; buffer held until waited. "
+              "buffer None: no gradient this step (zs_push with no buffer; skipped by the "
+              "shards when no trainer has one)"),
     KWM(pull, "pull(tensor, buffer, dtype=0) -> Request; buffer written until waited"),
     KWM(push_many,
         "push_many(tensors, buffers, micro=0, dtype=0) -> [Request]: one push per entry, "
         "submitted in one call (zs_push_many: one wake-up of the workers for the batch); every "
-        "buffer is held by its Request until waited; all buffers of one dtype. A refused batch "
-        "submits nothing"),
+        "buffer is held by its Request until waited; all buffers of one dtype (None: no "
+        "gradient, as in push). A refused batch submits nothing"),
     KWM(pull_many, "pull_many(tensors, buffers, dtype=0) -> [Request]: zs_pull_many, as "
                    "push_many; each buffer is written until its Request is waited"),
     KWM(step, "step(lr, max_grad_norm=0, loss_scale=0, group_lr=None, clip_coef=0, "
@@ -1393,6 +1448,12 @@ static PyMethodDef client_methods[] = {
     KWM(wait_initialized,
         "wait_initialized(timeout_ms=0): waits until every shard holds the job's initial "
         "weights (zs_wait_initialized; 0: no limit)"),
+    {"tensor_steps", (PyCFunction)client_tensor_steps, METH_O,
+     "tensor_steps(t) -> tensor t's own step count: the applied steps that gave it a gradient, "
+     "torch's per-parameter state 'step' (zs_tensor_steps)"},
+    {"set_tensor_steps", (PyCFunction)client_set_tensor_steps, METH_VARARGS,
+     "set_tensor_steps(t, n): sets tensor t's step count on its shards (zs_set_tensor_steps; the "
+     "rules of state_write)"},
     {"tensor_slices", (PyCFunction)client_tensor_slices, METH_O,
      "tensor_slices(t) -> [(shard, offset, numel)]: where tensor t lives (after open_job)"},
     KWM(checkpoint, "checkpoint(step=0) -> current step"),

@@ -46,9 +46,10 @@ backward pass: one backward per step, or `grad_accum=M` backward passes (the
 shards add the M micro-batch gradients in order, as torch's accumulation in
 p.grad does; p.grad is then not kept). torch.nn.utils.clip_grad_norm_ on the
 sharded parameters goes to opt.clip_grad_norm_ (the gradients are on the
-shards). A
-parameter that gets no gradient in a step is pushed zeros (torch would skip
-it; see NOTES below). Parameters read outside forward are current after
+shards). A parameter whose .grad is None at step() is skipped as torch skips
+it (the trainer pushes "no gradient"; with W trainers it is skipped when no
+rank had one, and a rank without one counts as zeros otherwise, as DDP's
+find_unused_parameters). Parameters read outside forward are current after
 `gather()`, `close()`, `model.state_dict()` or a forward.
 
 state_dict() returns torch.optim's state_dict() of the same optimizer, read
@@ -203,7 +204,6 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         for P in self._params:
             _OWNERS[id(P.p)] = self
         _route_clipping()
-        self._zeros = None         # pushed for parameters without a gradient
         self._op = 0
         self._trace = None         # params in order of first use during the first forward
         self._units = []           # lists of _Param, in forward order
@@ -449,13 +449,13 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         return dict(group_lr=lrs, **hps)
 
     def step(self, closure=None, clip_coef=None):
-        """Pushes what backward has not (gradients set by hand, zeros for
-        parameters without one), waits for the pushes, and runs the step on
-        the shards with every param group's current lr and hyper-parameters
-        (zs_step_ex's group_lr, group_beta1...). clip_coef: a clipping
-        coefficient computed elsewhere (e.g. from grad_norm() and other
-        parameters' norms), used instead of max_grad_norm's. Returns the
-        loss of `closure` if given."""
+        """Pushes what backward has not (gradients set by hand, "no
+        gradient" for parameters without one), waits for the pushes, and
+        runs the step on the shards with every param group's current lr and
+        hyper-parameters (zs_step_ex's group_lr, group_beta1...). clip_coef:
+        a clipping coefficient computed elsewhere (e.g. from grad_norm() and
+        other parameters' norms), used instead of max_grad_norm's. Returns
+        the loss of `closure` if given."""
         self._check_open()
         loss = None
         if closure is not None:
@@ -488,7 +488,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         if 0 < passes < self.grad_accum:
             raise RuntimeError("zshard.torch: step() after %d backward pass(es), grad_accum is %d"
                                % (passes, self.grad_accum))
-        # Gradients set by hand; zeros for parameters without one: one batch
+        # Gradients set by hand; "no gradient" for parameters without one
+        # (skipped by the shards unless another trainer has one): one batch
         # per micro-batch.
         rest = []
         for P in self._params:

@@ -11,10 +11,7 @@ from torch.overrides import TorchFunctionMode
 import zshard
 
 # What the current C API cannot do yet (each raises a clear error here).
-NOTES = {
-    "skip_tensor": "a tensor must be pushed every step; there is no way to say 'no gradient' "
-                   "(torch skips such parameters, zshard applies a zero gradient)",
-}
+NOTES = {}
 
 _UNUSED, _QUEUED, _DONE = 0, 1, 2
 
@@ -32,6 +29,12 @@ def _buffer(t):
     if t.numel() == 0:
         return bytearray()
     return (ctypes.c_float * t.numel()).from_address(t.data_ptr())
+
+
+def _grad_buffer(g):
+    """_buffer(g) for a push, None for a parameter without a gradient (the
+    push then says so: zs_push with no buffer)."""
+    return None if g is None else _buffer(g)
 
 
 def _limit_mmap_threshold(nbytes):

@@ -95,27 +95,28 @@ class _StateDict:
         shards: {'state': {index: per-parameter state}, 'param_groups': the
         groups with torch's keys and parameter indices}. Per parameter:
         AdamW/Adam {'step': tensor(float(steps)), 'exp_avg', 'exp_avg_sq'},
-        SGD {'momentum_buffer': tensor, or None without momentum}; 'state' is
-        empty before the first applied step, as torch's. So
+        SGD {'momentum_buffer': tensor, or None without momentum}, from the
+        parameter's own step count (the steps that gave it a gradient): a
+        parameter that never had one has no state, as in torch. So
         torch.optim.AdamW(model.parameters()).load_state_dict(opt.state_dict())
         continues the run (bit for bit with an fp32 wire). Call it between
         steps: a read while another trainer steps may fail with ESTEP. The
         weights are model.state_dict()."""
         self._check_open()
         self._wait_pulls()
-        steps = self.client.optimizer_steps()
         state = {}
-        if steps > 0:
-            step = torch.tensor(float(steps))
-            for P in self._params:
-                g = self.param_groups[P.group]
-                if self._optim == "sgd":
-                    state[P.p] = {"momentum_buffer": self._read_state(P, zshard.EXP_AVG)
-                                  if g["momentum"] else None}
-                else:
-                    state[P.p] = {"step": step.clone(),
-                                  "exp_avg": self._read_state(P, zshard.EXP_AVG),
-                                  "exp_avg_sq": self._read_state(P, zshard.EXP_AVG_SQ)}
+        for P in self._params:
+            steps = self.client.tensor_steps(P.idx)
+            if steps == 0:
+                continue
+            g = self.param_groups[P.group]
+            if self._optim == "sgd":
+                state[P.p] = {"momentum_buffer": self._read_state(P, zshard.EXP_AVG)
+                              if g["momentum"] else None}
+            else:
+                state[P.p] = {"step": torch.tensor(float(steps)),
+                              "exp_avg": self._read_state(P, zshard.EXP_AVG),
+                              "exp_avg_sq": self._read_state(P, zshard.EXP_AVG_SQ)}
         # torch's own packing (indices, group keys), over this state.
         saved, self.state = self.state, state
         try:
@@ -187,12 +188,16 @@ class _StateDict:
             self._group_options(dict(g, **{k: v for k, v in sg.items() if k != "params"}))
             for i, p in zip(sg["params"], g["params"]):
                 index[i] = self._by_id[id(p)]
-        writes, steps = self._check_state(state_dict["state"], index)
+        writes, counts = self._check_state(state_dict["state"], index)
         self._check_between_steps("load_state_dict")
+        # The job's count is the highest; the parameters at another one
+        # (torch keeps a count per parameter) get theirs after it.
+        steps = max(counts.values(), default=0)
         if self._optim == "sgd" and steps:
             # torch keeps no count for SGD: keep the shards' unless it is 0,
             # at which the next step would start the momentum buffers anew.
             steps = self.client.optimizer_steps() or 1
+            counts = {P: steps if c else 0 for P, c in counts.items()}
         for P, which, t in writes:
             self._write_state(P, which, t)
         try:
@@ -201,13 +206,23 @@ class _StateDict:
             if e.status != zshard.ENOTREADY or self.world_size == 1 or \
                     self.client.optimizer_steps() != steps:
                 raise
+        for P, c in counts.items():
+            if c != steps:
+                try:
+                    self.client.set_tensor_steps(P.idx, c)
+                except zshard.Error as e:
+                    if e.status != zshard.ENOTREADY or self.world_size == 1 or \
+                            self.client.tensor_steps(P.idx) != c:
+                        raise
         # Keep the wrapped optimizer's group dicts (schedulers hold them).
         for g, sg in zip(groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
 
     def _check_state(self, state, index):
-        """The writes a torch state makes, [(P, array, fp32 tensor)], and the
-        step count; raises naming the first thing the shards cannot hold."""
+        """The writes a torch state makes, [(P, array, fp32 tensor)], and
+        each parameter's step count {P: count} (0 for a parameter without
+        state: it never had a gradient); raises naming the first thing the
+        shards cannot hold."""
         def fp32(P, key, v):
             if not isinstance(v, torch.Tensor) or v.shape != P.p.shape:
                 raise ValueError("zshard.torch.load_state_dict: %s's %s is %s, not a tensor of "
@@ -221,28 +236,23 @@ class _StateDict:
                                  "param group has" % (i,))
         have = {index[i]: s for i, s in state.items()}
         if self._optim == "sgd":
+            # A parameter with a buffer continues it (count 1 or more); one
+            # without starts it from its next gradient (count 0), as torch.
             with_buf = [P for P in self._params if self.param_groups[P.group]["momentum"]]
             bufs = [P for P in with_buf if have.get(P, {}).get("momentum_buffer") is not None]
-            if bufs and len(bufs) != len(with_buf):
-                lack = [P.name for P in with_buf if P not in bufs]
-                raise ValueError("zshard.torch.load_state_dict: no momentum_buffer for %s while "
-                                 "other parameters have one: the shards start every buffer at "
-                                 "the same step" % ", ".join(lack[:5]))
             writes = [(P, zshard.EXP_AVG, fp32(P, "momentum_buffer", have[P]["momentum_buffer"]))
                       for P in bufs]
-            return writes, 1 if have else 0
-        if not state:
-            # torch's state before its first step: zero moments, count 0.
-            zeros = [torch.zeros(P.p.shape) for P in self._params]
-            return [(P, w, z) for P, z in zip(self._params, zeros)
-                    for w in (zshard.EXP_AVG, zshard.EXP_AVG_SQ)], 0
-        lack = [P.name for P in self._params if P not in have]
-        if lack:
-            raise ValueError("zshard.torch.load_state_dict: no state for %s (torch keeps none for "
-                             "a parameter that never had a gradient): the shards keep one step "
-                             "count for every parameter" % ", ".join(lack[:5]))
+            stepped = set(bufs) | {P for P in self._params if P in have and P not in with_buf}
+            return writes, {P: int(P in stepped) for P in self._params}
         writes, counts = [], {}
         for P in self._params:
+            if P not in have:
+                # No state: torch's before the parameter's first gradient,
+                # zero moments and count 0.
+                z = torch.zeros(P.p.shape)
+                writes += [(P, zshard.EXP_AVG, z), (P, zshard.EXP_AVG_SQ, z)]
+                counts[P] = 0
+                continue
             s = have[P]
             extra = sorted(set(s) - {"step", "exp_avg", "exp_avg_sq"})
             if extra or "step" not in s:
@@ -253,11 +263,7 @@ class _StateDict:
             if step != int(step) or step < 0:
                 raise ValueError("zshard.torch.load_state_dict: %s's step %r is not a count" %
                                  (P.name, step))
-            counts.setdefault(int(step), P.name)
+            counts[P] = int(step)
             writes.append((P, zshard.EXP_AVG, fp32(P, "exp_avg", s["exp_avg"])))
             writes.append((P, zshard.EXP_AVG_SQ, fp32(P, "exp_avg_sq", s["exp_avg_sq"])))
-        if len(counts) > 1:
-            raise ValueError("zshard.torch.load_state_dict: the parameters' steps differ (%s): the "
-                             "shards keep one step count for every parameter" %
-                             ", ".join("%s %d" % (n, c) for c, n in sorted(counts.items())))
-        return writes, next(iter(counts))
+        return writes, counts

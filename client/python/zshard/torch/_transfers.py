@@ -9,7 +9,12 @@ import torch
 
 import zshard
 
-from ._common import _Mode, _buffer, _storage_key
+from ._common import _Mode, _buffer, _grad_buffer, _storage_key
+
+
+def _held(P, g):
+    """Gradient bytes a push in flight holds (none for "no gradient")."""
+    return 0 if g is None else 4 * P.numel
 
 
 class _Transfers:
@@ -250,7 +255,7 @@ class _Transfers:
             self._submit_pushes(entries)
 
     def _push(self, P, g, micro=None):
-        """Pushes `g` (None: zeros) as P's gradient of micro-batch `micro`
+        """Pushes `g` (None: no gradient) as P's gradient of micro-batch `micro`
         (None: the next one of this step)."""
         self._submit_pushes([self._prepare_push(P, g, micro)])
 
@@ -265,9 +270,10 @@ class _Transfers:
             micro = P.micro
             P.micro += 1
         if g is None:
-            if self._zeros is None:
-                self._zeros = torch.zeros(max(Q.numel for Q in self._params))
-            g = self._zeros[:P.numel]
+            # No gradient: the shards skip the parameter when no trainer has
+            # one (torch skips a .grad of None), and count this push as zeros
+            # when another does.
+            pass
         else:
             if g.dtype != torch.float32 or g.is_sparse:
                 raise RuntimeError("zshard.torch: gradient of %s is %s; dense fp32 only" %
@@ -286,20 +292,21 @@ class _Transfers:
         for micro, es in by_micro.items():
             if len(es) == 1:
                 P, _, g = es[0]
-                self._inflight.append((P, micro, g, self.client.push(P.idx, _buffer(g), micro)))
-                self._inflight_bytes += 4 * P.numel
+                self._inflight.append((P, micro, g, self.client.push(P.idx, _grad_buffer(g),
+                                                                     micro)))
+                self._inflight_bytes += _held(P, g)
                 continue
             reqs = self.client.push_many([P.idx for P, _, _ in es],
-                                         [_buffer(g) for _, _, g in es], micro)
+                                         [_grad_buffer(g) for _, _, g in es], micro)
             for (P, _, g), r in zip(es, reqs):
                 self._inflight.append((P, micro, g, r))
-                self._inflight_bytes += 4 * P.numel
+                self._inflight_bytes += _held(P, g)
 
     def _finish_push(self, entry):
         """Waits for one push; a failed one is kept (with its gradient) to be
         pushed again by the next step() and its error raised by this one."""
         P, micro, g, req = entry
-        self._inflight_bytes -= 4 * P.numel
+        self._inflight_bytes -= _held(P, g)
         try:
             req.wait()
         except zshard.Error as e:
