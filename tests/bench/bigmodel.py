@@ -46,12 +46,8 @@ MiB = 1 << 20
 CGROUP = "/sys/fs/cgroup/memory"
 
 
-def vmhwm():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+sys.path.insert(0, HERE)
+from bench_torch import note, start_shards, vmhwm  # noqa: E402  (one copy of each)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -154,10 +150,6 @@ def worker(a):
 
 # ---------------------------------------------------------------- the driver
 
-def note(msg):
-    print("# " + msg, file=sys.stderr, flush=True)
-
-
 def report(a, metric, value, unit, limit=None, **extra):
     ratio = value / limit if limit else None
     r = {"bench": "bigmodel", "metric": metric, "value": value, "unit": unit,
@@ -200,8 +192,6 @@ def read_int(path):
 
 
 def run_config(a, tmp, procs, d, layers):
-    sys.path.insert(0, HERE)
-    from bench_torch import start_shards
     server = os.path.join(a.build_dir, "server", "zshard-server")
     # A folder per configuration: start_shards names its port files by the
     # number of processes started, which restarts at 0 here.
@@ -250,8 +240,8 @@ def run_config(a, tmp, procs, d, layers):
 
 
 def driver(a):
-    idle_p = subprocess.run([sys.executable, "-c", "import torch, json, sys; sys.path.insert(0, %r);"
-                             "import bigmodel; print(bigmodel.vmhwm())" % HERE],
+    idle_p = subprocess.run([sys.executable, "-c", "import torch, sys; sys.path.insert(0, %r);"
+                             "import bench_torch; print(bench_torch.vmhwm())" % HERE],
                             capture_output=True, text=True, check=True)
     idle = int(idle_p.stdout.strip())
     note("idle python3 + torch: VmHWM %.1f MiB" % (idle / MiB))
