@@ -1038,17 +1038,9 @@ int zs_init_tensor(zs_client *c, uint32_t tensor, const float *weights) {
  * failure of the calls. */
 static int count_initialized(zs_client *c, uint32_t *ready) {
   Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
-  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  zs_request *op = zc_op_get_info(c, &req);
   if (!op)
     return zc_fail(ZS_ENOMEM, "zs_wait_initialized: out of memory");
-  for (uint32_t i = 0; i < c->nshards; i++) {
-    zc_task *t = &op->tasks[i];
-    t->shard = i;
-    t->method = ZC_METHOD("GetInfo");
-    t->msg = &req.base; /* shared: packing only reads it */
-    t->resp_desc = &zshard__v1__get_info_response__descriptor;
-    t->timeout_ms = c->opt.rpc_timeout_ms;
-  }
   int rc = zc_call_all(op);
   *ready = 0;
   for (uint32_t i = 0; i < op->ntasks; i++) {

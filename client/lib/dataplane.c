@@ -251,7 +251,7 @@ int zc_dp_open(struct zs_client *c) {
     return ZS_OK;
   zc_dp *dp = calloc(1, sizeof *dp + (size_t)c->nshards * sizeof dp->shard[0]);
   Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
-  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  zs_request *op = zc_op_get_info(c, &req);
   int rc;
   if (!dp || !op) {
     free(dp);
@@ -263,14 +263,6 @@ int zc_dp_open(struct zs_client *c) {
   pthread_cond_init(&dp->cv, NULL);
   dp->n = c->nshards;
   dp->next_gen = 1;
-  for (uint32_t i = 0; i < c->nshards; i++) {
-    zc_task *t = &op->tasks[i];
-    t->shard = i;
-    t->method = ZC_METHOD("GetInfo");
-    t->msg = &req.base; /* shared: packing only reads it */
-    t->resp_desc = &zshard__v1__get_info_response__descriptor;
-    t->timeout_ms = c->opt.rpc_timeout_ms;
-  }
   rc = zc_call_all(op);
   for (uint32_t i = 0; i < c->nshards && rc == ZS_OK; i++) {
     zc_dp_shard *s = &dp->shard[i];

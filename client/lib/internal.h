@@ -296,6 +296,11 @@ void zc_op_release(struct zs_request *op);
  * failure. */
 int zc_call_all(struct zs_request *op);
 
+/* A ZC_OP_CALL op of GetInfo on every shard with `req`, which its tasks share
+ * (the caller keeps it alive until the op is released), for zc_call_all; NULL
+ * on ENOMEM, with the last error set. */
+struct zs_request *zc_op_get_info(struct zs_client *c, const Zshard__V1__GetInfoRequest *req);
+
 /* Converts n elements from src (dtype sd) to dst (dtype dd); src may be
  * unaligned, dst must be aligned to its element size. */
 void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n);

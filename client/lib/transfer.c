@@ -84,6 +84,19 @@ struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntas
   return op;
 }
 
+struct zs_request *zc_op_get_info(struct zs_client *c, const Zshard__V1__GetInfoRequest *req) {
+  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  for (uint32_t i = 0; op && i < c->nshards; i++) {
+    zc_task *t = &op->tasks[i];
+    t->shard = i;
+    t->method = ZC_METHOD("GetInfo");
+    t->msg = &req->base; /* shared: packing only reads it */
+    t->resp_desc = &zshard__v1__get_info_response__descriptor;
+    t->timeout_ms = c->opt.rpc_timeout_ms;
+  }
+  return op;
+}
+
 void zc_op_register_locked(struct zs_request *op) {
   op->c->inflight++;
   atomic_fetch_add(&op->c->unfinished, 1);
