@@ -806,9 +806,10 @@ static uint32_t piece_calls(const layout_piece *pc) {
   return (uint32_t)((pc->numel + LAYOUT_INIT_CHUNK_ELEMS - 1) / LAYOUT_INIT_CHUNK_ELEMS);
 }
 
-/* `only`: the one tensor to send (init[only] its weights), or UINT32_MAX for
- * every tensor. */
-static int init_params(zs_client *c, const float *const *init, uint32_t only) {
+/* Sends every tensor's weights (only == UINT32_MAX: init[t] those of tensor
+ * t, `one` unused), or those of tensor `only` alone (`one` its weights, init
+ * unused). */
+static int init_params(zs_client *c, const float *const *init, uint32_t only, const float *one) {
   size_t ncalls = 0;
   for (uint32_t i = 0; i < c->lay.num_pieces; i++)
     if (only == UINT32_MAX || c->lay.pieces[i].tensor == only)
@@ -836,7 +837,8 @@ static int init_params(zs_client *c, const float *const *init, uint32_t only) {
       r.slice = pc->slice;
       r.offset = e;
       /* Little-endian float32 is the wire format, and the host's. */
-      r.data.data = (uint8_t *)(uintptr_t)(init[pc->tensor] + pc->offset + e);
+      const float *w = only == UINT32_MAX ? init[pc->tensor] : one;
+      r.data.data = (uint8_t *)(uintptr_t)(w + pc->offset + e);
       r.data.len = (size_t)len * sizeof(float);
       reqs[n] = r;
       zc_task *t = &op->tasks[n];
@@ -961,7 +963,7 @@ static int open_job(zs_client *c, const float *const *init_weights, int deferred
   if (rc != ZS_OK)
     goto fail;
   if (c->opt.rank == 0 && version == 0 && !deferred) {
-    rc = init_params(c, init_weights, UINT32_MAX);
+    rc = init_params(c, init_weights, UINT32_MAX, NULL);
     if (rc != ZS_OK)
       goto fail;
   }
@@ -1019,17 +1021,8 @@ int zs_init_tensor(zs_client *c, uint32_t tensor, const float *weights) {
   else if (!weights)
     rc = zc_fail(ZS_EINVAL, "zs_init_tensor: the weights of tensor '%s' are NULL",
                  c->sp.tensors[tensor].name);
-  else {
-    /* init_params reads init[tensor] only. */
-    const float **init = calloc(c->sp.num_tensors, sizeof *init);
-    if (!init)
-      rc = zc_fail(ZS_ENOMEM, "zs_init_tensor: out of memory");
-    else {
-      init[tensor] = weights;
-      rc = init_params(c, init, tensor);
-      free(init);
-    }
-  }
+  else
+    rc = init_params(c, NULL, tensor, weights);
   zc_client_leave(c);
   return rc;
 }

@@ -364,19 +364,25 @@ static void on_snapshot_done(void *arg, int status, double seconds) {
 /* Registers the snapshot; CORE_PENDING when it is (the job is then the
  * snapshot's until on_snapshot_done), else the outcome in r. */
 static int run_checkpoint(ckpt_svc *s, job *j, ckpt_svc_result *r) {
-  const spec *sp = core_spec(s->core);
+  /* A copy: the core's spec may be freed by a close and an open meanwhile. */
+  spec sp;
+  uint64_t hash = 0;
   core_info info;
   core_get_info(s->core, &info);
-  if (!sp)
+  if (core_spec_copy(s->core, &sp, &hash) != 0)
     return r->status = status_fail(r->err, sizeof r->err, ZS_ENOTOPEN,
                                    "shard %u has no job to checkpoint", info.shard_id);
-  if (j->hash != info.spec_hash)
+  if (j->hash != hash) {
+    spec_free(&sp);
     return r->status = status_fail(r->err, sizeof r->err, ZS_EHASH,
                                    "checkpoint request for spec hash %016" PRIx64
                                    " but the job's is %016" PRIx64,
-                                   j->hash, info.spec_hash);
-  if (j->step <= info.version &&
-      (r->status = job_alloc_copy(j, sp, info.shard_id, r->err, sizeof r->err)) != 0)
+                                   j->hash, hash);
+  }
+  if (j->step <= info.version)
+    r->status = job_alloc_copy(j, &sp, info.shard_id, r->err, sizeof r->err);
+  spec_free(&sp);
+  if (j->step <= info.version && r->status != 0)
     return r->status;
   pthread_mutex_lock(&s->mu);
   s->parked++;

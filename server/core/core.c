@@ -658,6 +658,23 @@ const spec *core_spec(core *c) {
   return s;
 }
 
+int core_spec_copy(core *c, spec *out, uint64_t *hash) {
+  /* open is cleared under mu before a close touches the spec, and set under
+   * mu only after an open has built the new one: under mu with open set, the
+   * spec is whole and stays so until we let go. */
+  int rc = 0;
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&c->mu);
+  if (!c->open)
+    rc = ZS_ENOTOPEN;
+  else if (spec_copy(out, &c->spec) != 0)
+    rc = ZS_ENOMEM;
+  else if (hash)
+    *hash = c->hash;
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
 const layout *core_layout(core *c) {
   pthread_mutex_lock(&c->mu);
   const layout *l = c->open ? &c->layout : NULL;

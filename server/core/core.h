@@ -438,6 +438,12 @@ void core_count_pull(core *c, uint64_t bytes_out);
  * until the core_open that follows a core_close. */
 const spec *core_spec(core *c);
 const layout *core_layout(core *c);
+/* Copies the open job's spec into *out (which the caller frees with
+ * spec_free) and its hash into *hash (may be NULL); ZS_ENOTOPEN without a job,
+ * ZS_ENOMEM. Unlike core_spec's pointer, the copy stays valid whatever
+ * happens to the job, so a transport thread can read it while the job is
+ * closed and another opened. */
+int core_spec_copy(core *c, spec *out, uint64_t *hash);
 
 /* ---------------------------------------------------------------- checkpoints
  *

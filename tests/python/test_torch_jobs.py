@@ -56,6 +56,16 @@ class Batches(unittest.TestCase):
                 with self.assertRaises(zshard.Error) as cm:
                     c.tensor_slices(7)
                 self.assertEqual(cm.exception.status, zshard.ENOTFOUND)
+                # Ids and counts outside their C types are refused, not
+                # wrapped around onto another tensor or step count.
+                for bad in (2**32 + a, -1):
+                    for call in (c.tensor_slices, c.tensor_steps,
+                                 lambda t: c.set_tensor_steps(t, 0)):
+                        with self.assertRaises(OverflowError):
+                            call(bad)
+                with self.assertRaises(OverflowError):
+                    c.set_tensor_steps(a, -1)
+                self.assertEqual(c.tensor_steps(a), 0)
 
                 x, y = np.empty_like(a0), np.empty_like(b0)
                 reqs = c.pull_many([a, b], [x, y])

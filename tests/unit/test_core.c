@@ -2198,6 +2198,10 @@ static void test_close_fails_waits_and_empties_the_shard(void **state) {
   core *c = open_core(&j, 0, 2);
   const spec *before = core_spec(c);
   assert_non_null(before);
+  spec copy;
+  uint64_t copy_hash = 0;
+  assert_int_equal(core_spec_copy(c, &copy, &copy_hash), 0);
+  assert_int_equal(copy_hash, j.hash);
   event ev0, ev1, es;
   event_init(&ev0);
   event_init(&ev1);
@@ -2238,6 +2242,8 @@ static void test_close_fails_waits_and_empties_the_shard(void **state) {
   assert_int_equal(k.waiting_stats, 0);
   assert_null(core_spec(c));
   assert_string_equal(before->job, "core-test"); /* still readable */
+  spec none;
+  assert_int_equal(core_spec_copy(c, &none, NULL), ZS_ENOTOPEN);
   assert_int_equal(push_one(c, &j, 1, 0, 0, 0, NULL), ZS_ENOTOPEN);
   assert_int_equal(core_close(c, j.hash, NULL, &cr, err, sizeof err), 0);
   assert_int_equal(cr.closed, 0);
@@ -2248,6 +2254,10 @@ static void test_close_fails_waits_and_empties_the_shard(void **state) {
   assert_int_equal(r.created, 1);
   assert_int_equal(r.version, 0);
   assert_int_equal(r.initialized, 0);
+  /* core_spec's pointer is gone with the next open; a copy is the caller's. */
+  assert_string_equal(copy.job, "core-test");
+  assert_int_equal(spec_hash(&copy), j.hash);
+  spec_free(&copy);
   init_all(c, &other, 0);
   job_make_grads(&other, 65);
   push_all_in_order(c, &other, 1);

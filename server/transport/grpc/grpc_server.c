@@ -1356,6 +1356,8 @@ static void stats_finish(gcall *c, int claimed) {
   Zshard__V1__MissingContribution miss[CORE_MAX_MISSING];
   Zshard__V1__MissingContribution *missp[CORE_MAX_MISSING];
   core_missing_entry ent[CORE_MAX_MISSING];
+  spec sp; /* a copy, for the missing tensors' names: see h_get_info */
+  int have = 0;
   if (c->async_status == ZS_OK) {
     resp.step = c->stats.step;
     resp.complete = 1;
@@ -1367,15 +1369,16 @@ static void stats_finish(gcall *c, int claimed) {
     resp.complete = 0;
     uint32_t total = core_missing(s->core, c->step, ent, CORE_MAX_MISSING);
     uint32_t n = total < CORE_MAX_MISSING ? total : CORE_MAX_MISSING;
-    const spec *sp = core_spec(s->core);
+    have = n > 0 && core_spec_copy(s->core, &sp, NULL) == 0;
     for (uint32_t i = 0; i < n; i++) {
       zshard__v1__missing_contribution__init(&miss[i]);
       miss[i].rank = ent[i].rank;
       miss[i].micro = ent[i].micro;
       miss[i].tensor = ent[i].tensor;
       miss[i].slice = ent[i].slice;
-      miss[i].tensor_name = sp && ent[i].tensor < sp->num_tensors ? sp->tensors[ent[i].tensor].name
-                                                                  : (char *)protobuf_c_empty_string;
+      miss[i].tensor_name = have && ent[i].tensor < sp.num_tensors
+                                ? sp.tensors[ent[i].tensor].name
+                                : (char *)protobuf_c_empty_string;
       missp[i] = &miss[i];
     }
     resp.n_missing = n;
@@ -1388,6 +1391,8 @@ static void stats_finish(gcall *c, int claimed) {
     return;
   }
   finish_msg(c, claimed, &resp.base);
+  if (have)
+    spec_free(&sp);
 }
 
 static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
@@ -1512,16 +1517,21 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     replica_info(s->rep, &ri, members, mptr);
     resp.replica = &ri;
   }
-  /* The spec as core_spec lends it (it stays allocated until the next
-   * open); sent only when it is the job the info describes, so that a job
-   * closed and replaced in between is not answered with the new one's. */
+  /* A copy of the spec (the core's own may be freed by a close and an open
+   * on another thread meanwhile); sent only when it is the job the info
+   * describes, so that a job closed and replaced in between is not answered
+   * with the new one's. The message borrows the copy's strings. */
   Zshard__V1__ModelSpec ms = ZSHARD__V1__MODEL_SPEC__INIT;
-  const spec *sp = with_spec && info.has_job ? core_spec(s->core) : NULL;
-  if (sp && spec_hash(sp) == info.spec_hash && spec_to_proto(sp, &ms) == 0)
+  spec sp;
+  uint64_t hash = 0;
+  int have = with_spec && info.has_job && core_spec_copy(s->core, &sp, &hash) == 0;
+  if (have && hash == info.spec_hash && spec_to_proto(&sp, &ms) == 0)
     resp.spec = &ms;
   finish_msg(c, 0, &resp.base);
   if (resp.spec)
     spec_proto_release(&ms);
+  if (have)
+    spec_free(&sp);
 }
 
 /* ReadState and WriteState are rare (a state_dict, a load_state_dict), so

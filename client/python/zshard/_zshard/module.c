@@ -1125,19 +1125,30 @@ static PyObject *client_set_optimizer_steps(client_object *self, PyObject *arg) 
 
 /* ---- per-tensor step counts (zs_tensor_steps, zs_set_tensor_steps) ---- */
 
+/* A tensor id from Python: a non-negative int below 2^32 (OverflowError
+ * naming fn otherwise; whether the job has that tensor is libzshard's to
+ * say). 0 or -1 with the exception set. */
+static int tensor_id_of(PyObject *o, const char *fn, uint32_t *out) {
+  unsigned long long t = PyLong_AsUnsignedLongLong(o);
+  if (t == (unsigned long long)-1 && PyErr_Occurred())
+    return -1;
+  if (t > UINT32_MAX) {
+    PyErr_Format(PyExc_OverflowError, "%s: tensor id %llu out of range", fn, t);
+    return -1;
+  }
+  *out = (uint32_t)t;
+  return 0;
+}
+
 static PyObject *client_tensor_steps(client_object *self, PyObject *arg) {
   zs_client *c = client_get(self);
-  if (!c)
+  uint32_t t;
+  if (!c || tensor_id_of(arg, "tensor_steps", &t) != 0)
     return NULL;
-  unsigned long t = PyLong_AsUnsignedLong(arg);
-  if (t == (unsigned long)-1 && PyErr_Occurred())
-    return NULL;
-  if (t > UINT32_MAX)
-    return PyErr_Format(PyExc_OverflowError, "tensor_steps: tensor id %lu out of range", t);
   uint64_t steps = 0;
   int rc;
   GIL_RELEASE();
-  rc = zs_tensor_steps(c, (uint32_t)t, &steps);
+  rc = zs_tensor_steps(c, t, &steps);
   GIL_ACQUIRE();
   if (rc != ZS_OK)
     return raise_status(rc);
@@ -1148,9 +1159,14 @@ static PyObject *client_set_tensor_steps(client_object *self, PyObject *args) {
   zs_client *c = client_get(self);
   if (!c)
     return NULL;
-  unsigned int t;
-  unsigned long long steps;
-  if (!PyArg_ParseTuple(args, "IK:set_tensor_steps", &t, &steps))
+  PyObject *id, *count;
+  uint32_t t;
+  if (!PyArg_ParseTuple(args, "OO:set_tensor_steps", &id, &count) ||
+      tensor_id_of(id, "set_tensor_steps", &t) != 0)
+    return NULL;
+  /* Unlike the "K" format, this refuses negative and too large counts. */
+  unsigned long long steps = PyLong_AsUnsignedLongLong(count);
+  if (steps == (unsigned long long)-1 && PyErr_Occurred())
     return NULL;
   int rc;
   GIL_RELEASE();
@@ -1231,17 +1247,11 @@ static PyObject *client_wait_initialized(client_object *self, PyObject *args, Py
 
 static PyObject *client_tensor_slices(client_object *self, PyObject *arg) {
   zs_client *c = client_get(self);
-  if (!c)
+  uint32_t t;
+  if (!c || tensor_id_of(arg, "tensor_slices", &t) != 0)
     return NULL;
-  unsigned long t = PyLong_AsUnsignedLong(arg);
-  if (t == (unsigned long)-1 && PyErr_Occurred())
-    return NULL;
-  if (t > UINT32_MAX) {
-    PyErr_Format(PyExc_OverflowError, "tensor_slices: tensor id %lu out of range", t);
-    return NULL;
-  }
   uint32_t n = 0;
-  int rc = zs_tensor_slices(c, (uint32_t)t, &n);
+  int rc = zs_tensor_slices(c, t, &n);
   if (rc != ZS_OK)
     return raise_status(rc);
   PyObject *list = PyList_New(n);
@@ -1250,7 +1260,7 @@ static PyObject *client_tensor_slices(client_object *self, PyObject *arg) {
   for (uint32_t i = 0; i < n; i++) {
     uint32_t shard = 0;
     uint64_t off = 0, numel = 0;
-    if ((rc = zs_tensor_slice(c, (uint32_t)t, i, &shard, &off, &numel)) != ZS_OK) {
+    if ((rc = zs_tensor_slice(c, t, i, &shard, &off, &numel)) != ZS_OK) {
       Py_DECREF(list);
       return raise_status(rc);
     }
