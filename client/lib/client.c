@@ -21,6 +21,7 @@
 #include "common/base/clock.h"
 #include "common/base/dtype.h"
 #include "common/base/status.h"
+#include "common/model/spec_optim.h"
 #include "common/net/dp_client.h"
 #include "internal.h"
 
@@ -592,8 +593,7 @@ int zs_add_group(zs_client *c, const zs_group_options *caller_g, uint32_t *id) {
     zc_client_leave(c);
     return rc;
   }
-  if (g->optimizer != ZS_OPTIM_ADAMW && g->optimizer != ZS_OPTIM_ADAM &&
-      g->optimizer != ZS_OPTIM_SGD) {
+  if (!spec_optim_of(g->optimizer)) {
     zc_client_leave(c);
     return zc_fail(ZS_EINVAL, "zs_add_group: optimizer %d is not a zs_optimizer",
                    (int)g->optimizer);

@@ -8,6 +8,7 @@
  * further checks.
  */
 #include "common/model/spec.h"
+#include "common/model/spec_optim.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -26,26 +27,11 @@ void spec_group_defaults(spec_group *g, zs_optimizer opt) {
   g->optimizer = opt;
   g->lr_scale = 1.0;
   /* Bias correction is on for every optimizer, as the proto's default
-   * (disable_bias_correction = false) says; SGD ignores it. */
+   * (disable_bias_correction = false) says; the ones without one ignore it. */
   g->bias_correction = 1;
-  switch (opt) {
-  case ZS_OPTIM_ADAMW:
-    /* torch.optim.AdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2) */
-    g->beta1 = 0.9;
-    g->beta2 = 0.999;
-    g->eps = 1e-8;
-    g->weight_decay = 1e-2;
-    break;
-  case ZS_OPTIM_ADAM:
-    /* torch.optim.Adam: the same but weight_decay=0 */
-    g->beta1 = 0.9;
-    g->beta2 = 0.999;
-    g->eps = 1e-8;
-    break;
-  case ZS_OPTIM_SGD:
-    /* torch.optim.SGD: momentum, dampening, weight_decay 0, nesterov off */
-    break;
-  }
+  const spec_optim *o = spec_optim_of(opt);
+  if (o)
+    o->defaults(g);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -167,39 +153,11 @@ static int check_group(const spec_group *g, uint32_t i, char *err, size_t errlen
 #undef CHECK_FLAG
 #undef CHECK_FLAG_NEGATED
 
-  switch (g->optimizer) {
-  case ZS_OPTIM_ADAMW:
-  case ZS_OPTIM_ADAM:
-    if (!(g->beta1 >= 0 && g->beta1 < 1))
-      return status_fail(err, errlen, ZS_EINVAL, "param group %u: beta1 %g is outside [0, 1)", i,
-                         g->beta1);
-    if (!(g->beta2 >= 0 && g->beta2 < 1))
-      return status_fail(err, errlen, ZS_EINVAL, "param group %u: beta2 %g is outside [0, 1)", i,
-                         g->beta2);
-    if (!(g->eps > 0))
-      return status_fail(err, errlen, ZS_EINVAL, "param group %u: eps %g is not positive", i,
-                         g->eps);
-    break;
-  case ZS_OPTIM_SGD:
-    if (g->momentum < 0)
-      return status_fail(err, errlen, ZS_EINVAL, "param group %u: momentum %g is negative", i,
-                         g->momentum);
-    if (!(g->dampening >= 0 && g->dampening <= 1))
-      return status_fail(err, errlen, ZS_EINVAL, "param group %u: dampening %g is outside [0, 1]",
-                         i, g->dampening);
-    /* torch.optim.SGD: "Nesterov momentum requires a momentum and zero
-     * dampening". */
-    if (g->nesterov && !(g->momentum > 0 && g->dampening == 0))
-      return status_fail(err, errlen, ZS_EINVAL,
-                         "param group %u: nesterov requires momentum > 0 and dampening 0 "
-                         "(momentum %g, dampening %g)",
-                         i, g->momentum, g->dampening);
-    break;
-  default:
+  const spec_optim *o = spec_optim_of(g->optimizer);
+  if (!o)
     return status_fail(err, errlen, ZS_EINVAL, "param group %u: unknown optimizer %d", i,
                        (int)g->optimizer);
-  }
-  return 0;
+  return o->check(g, i, err, errlen);
 }
 
 static int check_tensor(const spec *s, uint32_t i, char *err, size_t errlen) {

@@ -89,6 +89,9 @@ typedef enum zs_optimizer {
   ZS_OPTIM_ADAMW = 0,
   ZS_OPTIM_ADAM = 1,
   ZS_OPTIM_SGD = 2,
+  /* Lion (Chen et al. 2023): the sign of an interpolated momentum, decoupled
+   * weight decay; beta1, beta2 and weight_decay are its hyper-parameters. */
+  ZS_OPTIM_LION = 3,
 } zs_optimizer;
 
 /* The arrays of a tensor's optimizer state on the shards (zs_state_read,

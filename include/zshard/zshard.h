@@ -334,8 +334,8 @@ typedef struct zs_group_options {
   size_t struct_size;
   zs_optimizer optimizer;
   double lr_scale;            /* this group's lr = the step's lr * lr_scale; default 1 */
-  double beta1, beta2, eps;   /* adam/adamw; torch's 0.9, 0.999, 1e-8 */
-  double weight_decay;        /* adamw 0.01, adam 0, sgd 0 (torch's defaults) */
+  double beta1, beta2, eps;   /* adam/adamw 0.9, 0.999, 1e-8; lion 0.9, 0.99 (no eps) */
+  double weight_decay;        /* adamw 0.01, adam 0, sgd 0 (torch's defaults), lion 0 */
   double momentum, dampening; /* sgd; 0, 0 */
   int nesterov;               /* sgd; 0 */
   int bias_correction;        /* adam/adamw; 1 */
@@ -732,16 +732,16 @@ ZS_EXTERN int zs_last_checkpoint(const zs_client *c, uint64_t *step);
 /* ======================================================================== */
 /*
  * The shards' optimizer state of one tensor, whole, in fp32: the master
- * weights, Adam(W)'s exp_avg and exp_avg_sq, SGD's momentum buffer
- * (ZS_STATE_EXP_AVG), and the optimizer step count the bias corrections use
+ * weights, Adam(W)'s exp_avg and exp_avg_sq, SGD's momentum buffer and
+ * Lion's exp_avg (ZS_STATE_EXP_AVG), and the optimizer step count the bias corrections use
  * (torch's state 'step'): what a trainer needs to hand a run to another
  * optimizer and take one over (torch's state_dict / load_state_dict). The
  * library splits a tensor per piece and each piece in chunks of 1 MiB (gRPC
  * ReadState / WriteState, whatever the transport of pushes and pulls).
  *
  * Which arrays exist follows the tensor's param group: master always,
- * exp_avg for Adam, AdamW and SGD with momentum, exp_avg_sq for Adam and
- * AdamW; asking for another is ZS_EINVAL. Failures name the tensor, the
+ * exp_avg for Adam, AdamW, Lion and SGD with momentum, exp_avg_sq for Adam
+ * and AdamW; asking for another is ZS_EINVAL. Failures name the tensor, the
  * shard and the server's reason.
  */
 

@@ -142,14 +142,11 @@ static int list_outputs(const spec *s, zs_dtype dtype, int moments, out_tensor *
       largest = st->numel;
     outs[nouts++] = (out_tensor){t, CKPT_ARRAY_MASTER, NULL, dtype, 0, 0};
     if (moments && (needs & OPTIM_STATE_M))
-      outs[nouts++] = (out_tensor){t,
-                                   CKPT_ARRAY_EXP_AVG,
-                                   g->optimizer == ZS_OPTIM_SGD ? ".momentum_buffer" : ".exp_avg",
-                                   ZS_DTYPE_FP32,
-                                   0,
-                                   0};
+      outs[nouts++] = (out_tensor){
+          t, CKPT_ARRAY_EXP_AVG, spec_optim_of(g->optimizer)->m_name, ZS_DTYPE_FP32, 0, 0};
     if (moments && (needs & OPTIM_STATE_V))
-      outs[nouts++] = (out_tensor){t, CKPT_ARRAY_EXP_AVG_SQ, ".exp_avg_sq", ZS_DTYPE_FP32, 0, 0};
+      outs[nouts++] = (out_tensor){
+          t, CKPT_ARRAY_EXP_AVG_SQ, spec_optim_of(g->optimizer)->v_name, ZS_DTYPE_FP32, 0, 0};
   }
   *nouts_out = nouts;
   *largest_out = largest;

@@ -16,6 +16,7 @@
 #include "common/base/crc32c.h"
 #include "common/base/dtype.h"
 #include "common/base/log.h"
+#include "common/model/spec_optim.h"
 
 /* ---------------------------------------------------------------- lookups */
 
@@ -810,15 +811,14 @@ static int state_range(core *c, uint64_t hash, uint32_t tensor, uint32_t slice,
                        "state array %d is none of master (1), exp_avg (2) "
                        "and exp_avg_sq (3)",
                        (int)which);
-  if (!base)
+  if (!base) {
+    const spec_optim *o = spec_optim_of(g->optimizer);
     return status_fail(err, errlen, ZS_EINVAL, "tensor %u's param group %u (%s%s) keeps no %s",
-                       tensor, c->spec.tensors[tensor].group,
-                       g->optimizer == ZS_OPTIM_SGD    ? "SGD"
-                       : g->optimizer == ZS_OPTIM_ADAM ? "Adam"
-                                                       : "AdamW",
+                       tensor, c->spec.tensors[tensor].group, o ? o->title : "?",
                        g->optimizer == ZS_OPTIM_SGD && g->momentum == 0.0 ? " without momentum"
                                                                           : "",
                        zs_state_array_name((int)which));
+  }
   if (nbytes % sizeof(float) != 0)
     return status_fail(err, errlen, ZS_ESIZE,
                        "%s of slice %u of tensor %u: %zu bytes are not a whole number of float32",

@@ -15,6 +15,7 @@
 
 #include "common/base/clock.h"
 #include "common/base/log.h"
+#include "common/model/spec_optim.h"
 
 #define CORE_DEFAULT_WAIT_MS 60000u
 
@@ -309,21 +310,26 @@ static int core_check_hparams(const core *c, const core_step_hparams *hp, char *
                          hp->n[k], core_hparam_names[k], c->spec.job, c->spec.num_groups);
   for (uint32_t g = 0; hp && g < c->spec.num_groups; g++) {
     const spec_group *sg = &c->spec.groups[g];
-    if (sg->optimizer != ZS_OPTIM_SGD)
-      continue;
     optim_params p = core_group_params(c, g);
     core_step_override(&p, hp, g);
-    if ((p.momentum != 0) != (sg->momentum != 0))
+    /* The step's values as a group: the spec's checks apply to them too,
+     * and they may not change which state arrays the group keeps (the
+     * arenas were sized from the spec). */
+    spec_group now = *sg;
+#define COPY_FIELD(kind, name, proto) now.name = p.name;
+    SPEC_OPTIM_FIELDS(COPY_FIELD)
+#undef COPY_FIELD
+    const spec_optim *o = spec_optim_of(sg->optimizer);
+    /* Only SGD's arrays depend on a hyper-parameter (its momentum). */
+    if (o && o->state(&now) != o->state(sg))
       return status_fail(err, errlen, ZS_EINVAL,
                          "param group %u was created with momentum %g, so it %s momentum "
                          "buffer: its momentum cannot become %g (it may change only between "
                          "values above 0); nothing was applied",
                          g, sg->momentum, sg->momentum != 0 ? "has a" : "has no", p.momentum);
-    if (sg->nesterov && !(p.momentum > 0 && p.dampening == 0))
-      return status_fail(err, errlen, ZS_EINVAL,
-                         "param group %u uses nesterov, which requires momentum > 0 and "
-                         "dampening 0 (momentum %g, dampening %g); nothing was applied",
-                         g, p.momentum, p.dampening);
+    char why[256];
+    if (o && o->check(&now, g, why, sizeof why) != 0)
+      return status_fail(err, errlen, ZS_EINVAL, "%s; nothing was applied", why);
   }
   return 0;
 }

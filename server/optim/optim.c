@@ -37,6 +37,10 @@
  *          momentum != 0: buf = step 1 ? d : fmaf(d, (float)(1 - dampening), buf * (float)mom)
  *                         d = nesterov ? fmaf(buf, (float)mom, d) : buf
  *          p = fmaf(d, (float)(-lr), p)
+ *   Lion   p = p * (float)(1 - lr*wd)
+ *          c = fmaf(g, (float)(1 - b1), m * (float)b1)
+ *          p = fmaf(sign(c), (float)(-lr), p)
+ *          m = fmaf(g, (float)(1 - b2), m * (float)b2)
  *
  * where bc1 = 1 - b1**step, bc2 = 1 - b2**step (both 1 when bias_correction
  * is off, as in DeepSpeedCPUAdam). The "only when wd != 0" matters: adding
@@ -49,6 +53,17 @@
  * -ffp-contract=off keeps the compiler from fusing on its own), so they give
  * the same bits as each other and as torch. tests/golden/gen_optim.py
  * records torch's trajectories; tests/unit/test_optim.c replays them.
+ *
+ * Lion is its paper's update (Chen et al. 2023, Algorithm 2) written with
+ * the torch ops above: p.mul_(1 - lr*wd); c = m.mul(b1).add_(g, alpha=1 - b1);
+ * p.add_(c.sign(), alpha=-lr); m.mul_(b2).add_(g, alpha=1 - b2), where
+ * torch.sign() gives 1, -1, or +0 for a zero of either sign and for NaN.
+ * zshard.torch.Lion runs exactly that in torch. It has a scalar kernel only
+ * (the vector ISAs fall back to it; the bits are the same by construction).
+ *
+ * Each optimizer is one entry of k_kernels below: its plan (the scalars of a
+ * step) and its kernel per ISA; what it shares with the client is in
+ * common/model/spec_optim.c's table.
  */
 #include "server/optim/optim.h"
 
@@ -63,66 +78,102 @@
 /* Plan                                                                      */
 /* ------------------------------------------------------------------------ */
 
+static void adam_plan(optim_plan *plan, const optim_params *p, uint64_t step) {
+  double bc1 = 1.0, bc2 = 1.0;
+  if (p->bias_correction) {
+    bc1 = 1.0 - pow(p->beta1, (double)step);
+    bc2 = 1.0 - pow(p->beta2, (double)step);
+  }
+  double step_size = p->lr / bc1;
+  if (p->optimizer == ZS_OPTIM_ADAMW)
+    plan->variant = OPTIM_V_ADAMW;
+  else
+    plan->variant = p->weight_decay != 0 ? OPTIM_V_ADAM_L2 : OPTIM_V_ADAM;
+  plan->decay = (float)(1.0 - p->lr * p->weight_decay);
+  plan->weight_decay = (float)p->weight_decay;
+  plan->beta1 = (float)p->beta1;
+  plan->one_minus_beta1 = (float)(1.0 - p->beta1);
+  plan->beta2 = (float)p->beta2;
+  plan->one_minus_beta2 = (float)(1.0 - p->beta2);
+  plan->bias_correction2_sqrt = (float)sqrt(bc2);
+  plan->eps = (float)p->eps;
+  plan->neg_step_size = (float)(-step_size);
+}
+
+static void sgd_plan(optim_plan *plan, const optim_params *p, uint64_t step) {
+  unsigned v = OPTIM_V_SGD;
+  if (p->weight_decay != 0)
+    v |= OPTIM_V_SGD_L2;
+  if (p->momentum != 0) {
+    v |= OPTIM_V_SGD_MOMENTUM;
+    if (step == 1)
+      v |= OPTIM_V_SGD_FIRST;
+    if (p->nesterov)
+      v |= OPTIM_V_SGD_NESTEROV;
+  }
+  plan->variant = (enum optim_variant)v;
+  plan->weight_decay = (float)p->weight_decay;
+  plan->momentum = (float)p->momentum;
+  plan->one_minus_dampening = (float)(1.0 - p->dampening);
+  plan->neg_lr = (float)(-p->lr);
+}
+
+static void lion_plan(optim_plan *plan, const optim_params *p, uint64_t step) {
+  (void)step; /* Lion has no bias correction */
+  plan->variant = OPTIM_V_LION;
+  plan->decay = (float)(1.0 - p->lr * p->weight_decay);
+  plan->beta1 = (float)p->beta1;
+  plan->one_minus_beta1 = (float)(1.0 - p->beta1);
+  plan->beta2 = (float)p->beta2;
+  plan->one_minus_beta2 = (float)(1.0 - p->beta2);
+  plan->neg_lr = (float)(-p->lr);
+}
+
+/* An optimizer's part on the shards: its plan and its kernel per ISA (NULL:
+ * none for that ISA, the scalar one runs; every kernel gives the same bits). */
+typedef void (*optim_kernel)(const optim_plan *plan, float *master, float *m, float *v, float *acc,
+                             void *low, size_t n);
+typedef struct optim_kind {
+  zs_optimizer id;
+  void (*plan)(optim_plan *plan, const optim_params *p, uint64_t step);
+  optim_kernel scalar, avx2, avx512;
+} optim_kind;
+
+static void scalar_apply(const optim_plan *pl, float *master, float *m, float *v, float *acc,
+                         void *low, size_t n);
+static void scalar_lion(const optim_plan *pl, float *master, float *m, float *v, float *acc,
+                        void *low, size_t n);
+
+static const optim_kind k_kernels[] = {
+    {ZS_OPTIM_ADAMW, adam_plan, scalar_apply, optim_avx2_apply, optim_avx512_apply},
+    {ZS_OPTIM_ADAM, adam_plan, scalar_apply, optim_avx2_apply, optim_avx512_apply},
+    {ZS_OPTIM_SGD, sgd_plan, scalar_apply, optim_avx2_apply, optim_avx512_apply},
+    {ZS_OPTIM_LION, lion_plan, scalar_lion, NULL, NULL},
+};
+
+static const optim_kind *kind_of(zs_optimizer id) {
+  for (size_t i = 0; i < sizeof k_kernels / sizeof k_kernels[0]; i++)
+    if (k_kernels[i].id == id)
+      return &k_kernels[i];
+  return NULL;
+}
+
 void optim_plan_init(optim_plan *plan, const optim_params *p) {
   memset(plan, 0, sizeof *plan);
   plan->p = *p;
   plan->low_fp16 = p->low_dtype == ZS_DTYPE_FP16;
   plan->grad_scale = p->grad_scale;
-
   /* torch counts steps from 1; a step of 0 would divide by a zero bias
    * correction and poison every master weight with NaN, so it is treated as
    * the first step (callers are expected never to pass it). */
   uint64_t step = p->step ? p->step : 1;
-
-  switch (p->optimizer) {
-  case ZS_OPTIM_ADAMW:
-  case ZS_OPTIM_ADAM: {
-    double bc1 = 1.0, bc2 = 1.0;
-    if (p->bias_correction) {
-      bc1 = 1.0 - pow(p->beta1, (double)step);
-      bc2 = 1.0 - pow(p->beta2, (double)step);
-    }
-    double step_size = p->lr / bc1;
-    if (p->optimizer == ZS_OPTIM_ADAMW)
-      plan->variant = OPTIM_V_ADAMW;
-    else
-      plan->variant = p->weight_decay != 0 ? OPTIM_V_ADAM_L2 : OPTIM_V_ADAM;
-    plan->decay = (float)(1.0 - p->lr * p->weight_decay);
-    plan->weight_decay = (float)p->weight_decay;
-    plan->beta1 = (float)p->beta1;
-    plan->one_minus_beta1 = (float)(1.0 - p->beta1);
-    plan->beta2 = (float)p->beta2;
-    plan->one_minus_beta2 = (float)(1.0 - p->beta2);
-    plan->bias_correction2_sqrt = (float)sqrt(bc2);
-    plan->eps = (float)p->eps;
-    plan->neg_step_size = (float)(-step_size);
-    break;
-  }
-  case ZS_OPTIM_SGD: {
-    unsigned v = OPTIM_V_SGD;
-    if (p->weight_decay != 0)
-      v |= OPTIM_V_SGD_L2;
-    if (p->momentum != 0) {
-      v |= OPTIM_V_SGD_MOMENTUM;
-      if (step == 1)
-        v |= OPTIM_V_SGD_FIRST;
-      if (p->nesterov)
-        v |= OPTIM_V_SGD_NESTEROV;
-    }
-    plan->variant = (enum optim_variant)v;
-    plan->weight_decay = (float)p->weight_decay;
-    plan->momentum = (float)p->momentum;
-    plan->one_minus_dampening = (float)(1.0 - p->dampening);
-    plan->neg_lr = (float)(-p->lr);
-    break;
-  }
-  default:
-    /* An optimizer this build does not know: spec validation rejects it
-     * before a plan is made; should one slip through, the pass leaves every
-     * array, the accumulator included, untouched rather than guess. */
-    plan->variant = OPTIM_V_NONE;
-    break;
-  }
+  const optim_kind *k = kind_of(p->optimizer);
+  /* An optimizer this build does not know: spec validation rejects it
+   * before a plan is made; should one slip through, the pass leaves every
+   * array, the accumulator included, untouched (OPTIM_V_NONE) rather than
+   * guess. */
+  if (k)
+    k->plan(plan, p, step);
 }
 
 const char *optim_plan_bad_scalar(const optim_plan *plan) {
@@ -156,16 +207,8 @@ const char *optim_plan_bad_scalar(const optim_plan *plan) {
 }
 
 unsigned optim_state_needs(const spec_group *g) {
-  switch (g->optimizer) {
-  case ZS_OPTIM_ADAMW:
-  case ZS_OPTIM_ADAM:
-    return OPTIM_STATE_M | OPTIM_STATE_V;
-  case ZS_OPTIM_SGD:
-    /* torch keeps no momentum buffer when momentum is 0. */
-    return g->momentum != 0 ? OPTIM_STATE_M : 0u;
-  default:
-    return 0;
-  }
+  const spec_optim *o = spec_optim_of(g->optimizer);
+  return o ? o->state(g) : 0u;
 }
 
 optim_params optim_params_of_group(const spec_group *g, zs_dtype low) {
@@ -306,25 +349,50 @@ static void scalar_apply(const optim_plan *pl, float *master, float *m, float *v
 #undef SGD_CASE
 }
 
+/* torch.sign as torch 1.13 computes it, (0 < c) - (c < 0): +0 for either
+ * zero and for NaN (checked against Debian's build, vector and scalar). */
+static inline float sign_of(float c) {
+  return c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : 0.0f;
+}
+
+static void scalar_lion(const optim_plan *pl, float *master, float *m, float *v, float *acc,
+                        void *low, size_t n) {
+  (void)v;
+  const int fp16 = pl->low_fp16;
+  for (size_t i = 0; i < n; i++) {
+    float g = acc[i] * pl->grad_scale;
+    float p = master[i] * pl->decay;
+    float mi = m[i];
+    float c = fmaf(g, pl->one_minus_beta1, mi * pl->beta1);
+    p = fmaf(sign_of(c), pl->neg_lr, p);
+    m[i] = fmaf(g, pl->one_minus_beta2, mi * pl->beta2);
+    master[i] = p;
+    acc[i] = 0.0f;
+    store_low(low, i, p, fp16);
+  }
+}
+
 /* ------------------------------------------------------------------------ */
 /* Dispatch                                                                  */
 /* ------------------------------------------------------------------------ */
 
 void optim_apply_isa(cpu_isa isa, const optim_plan *plan, float *master, float *m, float *v,
                      float *acc, void *low, size_t n) {
-  if (n == 0 || plan->variant == OPTIM_V_NONE)
+  const optim_kind *k = kind_of(plan->p.optimizer);
+  if (n == 0 || plan->variant == OPTIM_V_NONE || !k)
     return;
+  optim_kernel fn = k->scalar;
   switch (cpu_clamp_isa(isa)) {
   case CPU_ISA_AVX512:
-    optim_avx512_apply(plan, master, m, v, acc, low, n);
+    fn = k->avx512 ? k->avx512 : k->avx2 ? k->avx2 : fn;
     break;
   case CPU_ISA_AVX2:
-    optim_avx2_apply(plan, master, m, v, acc, low, n);
+    fn = k->avx2 ? k->avx2 : fn;
     break;
   default:
-    scalar_apply(plan, master, m, v, acc, low, n);
     break;
   }
+  fn(plan, master, m, v, acc, low, n);
 }
 
 void optim_apply(const optim_plan *plan, float *master, float *m, float *v, float *acc, void *low,

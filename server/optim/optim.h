@@ -6,7 +6,9 @@
  *
  * Numerics follow torch 1.13's single-tensor (foreach=False) implementations of
  * torch.optim.AdamW, Adam and SGD on this machine's CPU build, operation for
- * operation, so that with a grad_scale of 1 the result is bit-identical to torch.
+ * operation, so that with a grad_scale of 1 the result is bit-identical to torch;
+ * Lion, which torch 1.13 lacks, follows the same rules for its update written
+ * with torch's ops (optim.c).
  * Scalars that torch computes in double (1 - lr*wd, bias corrections, step size)
  * are computed in double here and rounded to float where torch rounds them.
  * The scalar, AVX2 and AVX-512 paths give identical bits.
@@ -19,6 +21,7 @@
 
 #include "common/base/cpu.h"
 #include "common/model/spec.h"
+#include "common/model/spec_optim.h"
 #include "zshard/types.h"
 
 typedef struct optim_params {
@@ -52,16 +55,17 @@ typedef struct optim_plan {
     OPTIM_V_SGD_MOMENTUM = 2, /* momentum != 0 */
     OPTIM_V_SGD_FIRST = 4,    /* step 1: the buffer becomes the gradient */
     OPTIM_V_SGD_NESTEROV = 8,
+    OPTIM_V_LION = 32,
   } variant;
   int low_fp16; /* 1: the low copy is fp16, 0: bf16 */
   float grad_scale;
-  float decay;        /* AdamW: 1 - lr * weight_decay */
+  float decay;        /* AdamW, Lion: 1 - lr * weight_decay */
   float weight_decay; /* Adam, SGD: the L2 coefficient */
   float beta1, one_minus_beta1, beta2, one_minus_beta2;
   float bias_correction2_sqrt, eps;
   float neg_step_size; /* Adam(W): -lr / bias_correction1 */
   float momentum, one_minus_dampening;
-  float neg_lr; /* SGD */
+  float neg_lr; /* SGD, Lion */
 } optim_plan;
 
 void optim_plan_init(optim_plan *plan, const optim_params *p);
@@ -84,11 +88,11 @@ void optim_apply_isa(cpu_isa isa, const optim_plan *plan, float *master, float *
                      float *acc, void *low, size_t n);
 
 /* The moment arrays an optimizer configuration updates: OPTIM_STATE_M
- * (Adam's exp_avg, SGD's momentum buffer) and OPTIM_STATE_V (Adam's
- * exp_avg_sq). The one rule by which the core allocates its arenas,
- * checkpoints write and expect their moment sections and exports name their
- * tensors; `g` is only read. */
-enum { OPTIM_STATE_M = 1u, OPTIM_STATE_V = 2u };
+ * (Adam's and Lion's exp_avg, SGD's momentum buffer) and OPTIM_STATE_V
+ * (Adam's exp_avg_sq), as common/model/spec_optim.h's table says. The one
+ * rule by which the core allocates its arenas, checkpoints write and expect
+ * their moment sections and exports name their tensors; `g` is only read. */
+enum { OPTIM_STATE_M = SPEC_STATE_M, OPTIM_STATE_V = SPEC_STATE_V };
 unsigned optim_state_needs(const spec_group *g);
 
 /* 1 if the optimizer needs the m (resp. v) arena: optim_state_needs for the

@@ -20,6 +20,7 @@
 
 #include "common/base/status.h"
 #include "common/model/layout.h"
+#include "common/model/spec_optim.h"
 
 struct service {
   core *core;
@@ -276,8 +277,8 @@ static int groups_check_f32(const spec *sp, char *err, size_t errlen) {
 #undef CHECK_F64
 #undef CHECK_FLAG
 #undef CHECK_FLAG_NEGATED
-    if ((grp->optimizer == ZS_OPTIM_ADAM || grp->optimizer == ZS_OPTIM_ADAMW) &&
-        !((float)grp->eps > 0.0f))
+    const spec_optim *o = spec_optim_of(grp->optimizer);
+    if (o && o->eps_divides && !((float)grp->eps > 0.0f))
       return status_fail(err, errlen, ZS_EINVAL,
                          "param group %" PRIu32 ": eps %g is 0 as a float32", g, grp->eps);
   }

@@ -467,7 +467,17 @@ static void reference_apply(const optim_params *p, float *master, float *m, floa
   for (size_t i = 0; i < n; i++) {
     float g = acc[i] * p->grad_scale;
     float w = master[i];
-    if (p->optimizer == ZS_OPTIM_SGD) {
+    if (p->optimizer == ZS_OPTIM_LION) {
+      /* The paper's update (Chen et al. 2023, Algorithm 2) with decoupled
+       * weight decay and torch's sign (NaN and -0 give +0): c interpolates
+       * the momentum and the gradient, the weight moves by lr * sign(c), the
+       * momentum then follows beta2. */
+      w = w * (float)(1.0 - p->lr * p->weight_decay);
+      float c = fmaf(g, (float)(1.0 - p->beta1), m[i] * (float)p->beta1);
+      float sign = (float)((c > 0) - (c < 0));
+      w = fmaf(sign, (float)(-p->lr), w);
+      m[i] = fmaf(g, (float)(1.0 - p->beta2), m[i] * (float)p->beta2);
+    } else if (p->optimizer == ZS_OPTIM_SGD) {
       if (p->weight_decay != 0)
         g = fmaf(w, (float)p->weight_decay, g);
       if (p->momentum != 0) {
@@ -496,7 +506,9 @@ static void reference_apply(const optim_params *p, float *master, float *m, floa
   }
 }
 
-/* Every optimizer variant the kernels specialise for. */
+/* Every optimizer variant the kernels specialise for: Adam(W) 0-3, SGD 4-15,
+ * Lion the last two. */
+#define N_VARIANTS 18
 static optim_params variant_params(int k, uint64_t step, float grad_scale, zs_dtype low) {
   optim_params p;
   memset(&p, 0, sizeof p);
@@ -526,6 +538,18 @@ static optim_params variant_params(int k, uint64_t step, float grad_scale, zs_dt
     p.weight_decay = 0.1;
     p.beta2 = 0.95;
     break;
+  case N_VARIANTS - 2:
+    p.optimizer = ZS_OPTIM_LION;
+    p.lr = 1e-4;
+    p.beta2 = 0.99;
+    break;
+  case N_VARIANTS - 1:
+    p.optimizer = ZS_OPTIM_LION;
+    p.lr = 3e-4;
+    p.beta1 = 0.95;
+    p.beta2 = 0.98;
+    p.weight_decay = 0.1;
+    break;
   default: {
     /* SGD: k - 4 enumerates weight decay x momentum (none, plain, nesterov)
      * x dampening. */
@@ -542,7 +566,6 @@ static optim_params variant_params(int k, uint64_t step, float grad_scale, zs_dt
   }
   return p;
 }
-#define N_VARIANTS 16
 
 typedef struct state_arrays {
   float *master, *m, *v, *acc;

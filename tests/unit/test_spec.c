@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "common/model/spec.h"
+#include "common/model/spec_optim.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 /* ------------------------------------------------------------------------ */
@@ -95,6 +96,19 @@ static void defaults_match_torch(void **state) {
   assert_int_equal(g.optimizer, ZS_OPTIM_SGD);
   assert_true(g.lr_scale == 1.0 && g.momentum == 0 && g.dampening == 0 && g.weight_decay == 0);
   assert_int_equal(g.nesterov, 0);
+  /* Lion, which torch 1.13 lacks: the paper's betas=(0.9, 0.99), no decay. */
+  spec_group_defaults(&g, ZS_OPTIM_LION);
+  assert_int_equal(g.optimizer, ZS_OPTIM_LION);
+  assert_true(g.lr_scale == 1.0 && g.beta1 == 0.9 && g.beta2 == 0.99 && g.weight_decay == 0);
+  /* Every optimizer the table lists is findable by its id and its name. */
+  size_t n = 0;
+  for (const spec_optim *o; (o = spec_optim_at(n)); n++) {
+    assert_ptr_equal(spec_optim_of(o->id), o);
+    assert_ptr_equal(spec_optim_named(o->name), o);
+  }
+  assert_int_equal(n, 4);
+  assert_null(spec_optim_of((zs_optimizer)4));
+  assert_null(spec_optim_named("adagrad"));
 }
 
 static void validation_fills_default_split_threshold(void **state) {
@@ -139,7 +153,8 @@ MUT(m_dtype_0, s->param_dtype = (zs_dtype)0)
 MUT(m_groups_0, s->num_groups = 0)
 MUT(m_groups_big, s->num_groups = SPEC_MAX_GROUPS + 1)
 MUT(m_groups_null, (free(s->groups), s->groups = NULL))
-MUT(m_optimizer, s->groups[1].optimizer = (zs_optimizer)3)
+MUT(m_optimizer, s->groups[1].optimizer = (zs_optimizer)4)
+MUT(m_lion_beta2, s->groups[2].optimizer = ZS_OPTIM_LION; s->groups[2].beta2 = 1.0)
 MUT(m_lr_nan, s->groups[0].lr_scale = NAN)
 MUT(m_lr_inf, s->groups[0].lr_scale = INFINITY)
 MUT(m_lr_neg, s->groups[0].lr_scale = -1)
@@ -206,7 +221,8 @@ static const bad_case k_bad[] = {
     {"no groups", m_groups_0, "0 param groups"},
     {"too many groups", m_groups_big, "1025 param groups"},
     {"groups missing", m_groups_null, "none given"},
-    {"bad optimizer", m_optimizer, "param group 1: unknown optimizer 3"},
+    {"bad optimizer", m_optimizer, "param group 1: unknown optimizer 4"},
+    {"lion beta2 of 1", m_lion_beta2, "param group 2: beta2 1 is outside [0, 1)"},
     {"lr_scale NaN", m_lr_nan, "param group 0: lr_scale is not finite"},
     {"lr_scale Inf", m_lr_inf, "lr_scale is not finite"},
     {"lr_scale negative", m_lr_neg, "param group 0: lr_scale -1 is negative"},

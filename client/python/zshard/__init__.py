@@ -21,7 +21,7 @@ import os
 
 from . import _zshard
 from ._zshard import (  # noqa: F401
-    ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, INT8_BLOCK, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
+    ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, INT8_BLOCK, LION, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
     LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
     Request, StepResult, Timing, dtype_size, err_name, strerror, version)
 
@@ -41,7 +41,7 @@ _ENUMS = {
                      "dynamic": LOSS_SCALE_DYNAMIC},
     "transport": {"default": TRANSPORT_DEFAULT, "data": TRANSPORT_DATA, "grpc": TRANSPORT_GRPC},
     "open_mode": {"either": OPEN_EITHER, "create": OPEN_CREATE, "resume": OPEN_RESUME},
-    "optimizer": {"adamw": ADAMW, "adam": ADAM, "sgd": SGD},
+    "optimizer": {"adamw": ADAMW, "adam": ADAM, "sgd": SGD, "lion": LION},
     "dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
 }
 

@@ -1609,6 +1609,7 @@ PyMODINIT_FUNC PyInit__zshard(void) {
       PyModule_AddIntConstant(m, "ADAMW", ZS_OPTIM_ADAMW) < 0 ||
       PyModule_AddIntConstant(m, "ADAM", ZS_OPTIM_ADAM) < 0 ||
       PyModule_AddIntConstant(m, "SGD", ZS_OPTIM_SGD) < 0 ||
+      PyModule_AddIntConstant(m, "LION", ZS_OPTIM_LION) < 0 ||
       PyModule_AddIntConstant(m, "REDUCE_MEAN", ZS_REDUCE_MEAN) < 0 ||
       PyModule_AddIntConstant(m, "REDUCE_SUM", ZS_REDUCE_SUM) < 0 ||
       PyModule_AddIntConstant(m, "LOSS_SCALE_NONE", ZS_LOSS_SCALE_NONE) < 0 ||
