@@ -44,76 +44,120 @@ enum {
  * overflows a 64-bit size. */
 #define WIRE_PAYLOAD_CEILING (UINT64_C(1) << 62)
 
+/* Scratch for one wire_encode: the meta message of the frame's type and the
+ * arrays a batch's meta points into (on the stack: a few KiB, no
+ * allocation). */
+typedef struct enc_box {
+  char msg[WIRE_MAX_MESSAGE + 1];
+  Zshard__V1__DataPiece pc[WIRE_MAX_BATCH];
+  Zshard__V1__DataPiece *pcp[WIRE_MAX_BATCH];
+  int32_t st[WIRE_MAX_BATCH];
+  protobuf_c_boolean dup[WIRE_MAX_BATCH];
+  uint64_t lens[WIRE_MAX_BATCH];
+  union {
+    Zshard__V1__DataPush push;
+    Zshard__V1__DataPushAck ack;
+    Zshard__V1__DataPull pull;
+    Zshard__V1__DataPullData pd;
+    Zshard__V1__DataError er;
+    Zshard__V1__DataPushBatch pb;
+    Zshard__V1__DataPushBatchAck pba;
+    Zshard__V1__DataPullBatch qb;
+    Zshard__V1__DataPullBatchData qbd;
+    Zshard__V1__DataHello hello;
+  } u;
+} enc_box;
+
+/* One meta decode: the frame and its meta, where the result goes, and what
+ * the per-type decoders report back. */
+typedef struct meta_dec {
+  const wire_header *h;
+  const uint8_t *meta;
+  wire_msg *out;
+  wire_batch *store; /* a batch's arrays; NULL: out of memory */
+  int dtype;         /* the frame's dtype field, checked by decode_meta */
+  const char *what;  /* set when the meta does not parse: the message's name */
+  char *err;
+  size_t errlen;
+} meta_dec;
+
+#define FRAME_CODEC(name)                                                                          \
+  static const ProtobufCMessage *enc_##name(const wire_msg *m, enc_box *b);                        \
+  static int dec_##name(meta_dec *d);
+FRAME_CODEC(push)
+FRAME_CODEC(push_ack)
+FRAME_CODEC(pull)
+FRAME_CODEC(pull_data)
+FRAME_CODEC(error)
+FRAME_CODEC(push_batch)
+FRAME_CODEC(push_batch_ack)
+FRAME_CODEC(pull_batch)
+FRAME_CODEC(pull_batch_data)
+FRAME_CODEC(hello)
+#undef FRAME_CODEC
+static uint32_t count_push_batch(const wire_msg *m);
+static uint32_t count_push_batch_ack(const wire_msg *m);
+static uint32_t count_pull_batch(const wire_msg *m);
+static uint32_t count_pull_batch_data(const wire_msg *m);
+static int ready_push_batch(const wire_msg *m);
+static int ready_push_batch_ack(const wire_msg *m);
+static int ready_pull_batch(const wire_msg *m);
+static int ready_pull_batch_data(const wire_msg *m);
+static int ready_hello(const wire_msg *m);
+
+/* Everything a frame type is, one entry per type: a new frame is an entry,
+ * its wire_msg member, its proto message and its encode and decode. */
+typedef struct frame_type {
+  const char *name;
+  uint8_t version;     /* the protocol version that defined it, which its frames carry */
+  uint8_t has_meta;    /* 0: meta_len must be 0 (PING, PONG, HELLO_ACK) */
+  uint8_t has_payload; /* 0: payload_len must be 0 */
+  uint8_t uses_store;  /* its decode keeps arrays in a wire_batch (the reader's) */
+  /* A batch's piece count (1 .. WIRE_MAX_BATCH to be sent); NULL for the
+   * types that are not batches. */
+  uint32_t (*count)(const wire_msg *m);
+  /* Whether the caller filled what encode reads beyond the count (arrays,
+   * the token); NULL: nothing to check. */
+  int (*ready)(const wire_msg *m);
+  /* The meta message for m, built in b; NULL only for a type without meta. */
+  const ProtobufCMessage *(*encode)(const wire_msg *m, enc_box *b);
+  /* Unpacks the meta into d->out (a batch's arrays into d->store), sets
+   * d->what when it does not parse and d->dtype when the type has a dtype
+   * field; returns the status of the checks of its own fields. NULL: no
+   * meta. */
+  int (*decode)(meta_dec *d);
+} frame_type;
+
+static const frame_type k_types[] = {
+    [WIRE_PUSH] = {"PUSH", 1, 1, 1, 0, NULL, NULL, enc_push, dec_push},
+    [WIRE_PUSH_ACK] = {"PUSH_ACK", 1, 1, 0, 0, NULL, NULL, enc_push_ack, dec_push_ack},
+    [WIRE_PULL] = {"PULL", 1, 1, 0, 0, NULL, NULL, enc_pull, dec_pull},
+    [WIRE_PULL_DATA] = {"PULL_DATA", 1, 1, 1, 0, NULL, NULL, enc_pull_data, dec_pull_data},
+    [WIRE_ERROR] = {"ERROR", 1, 1, 0, 0, NULL, NULL, enc_error, dec_error},
+    [WIRE_PING] = {"PING", 1, 0, 0, 0, NULL, NULL, NULL, NULL},
+    [WIRE_PONG] = {"PONG", 1, 0, 0, 0, NULL, NULL, NULL, NULL},
+    [WIRE_PUSH_BATCH] = {"PUSH_BATCH", 2, 1, 1, 1, count_push_batch, ready_push_batch,
+                         enc_push_batch, dec_push_batch},
+    [WIRE_PUSH_BATCH_ACK] = {"PUSH_BATCH_ACK", 2, 1, 0, 1, count_push_batch_ack,
+                             ready_push_batch_ack, enc_push_batch_ack, dec_push_batch_ack},
+    [WIRE_PULL_BATCH] = {"PULL_BATCH", 2, 1, 0, 1, count_pull_batch, ready_pull_batch,
+                         enc_pull_batch, dec_pull_batch},
+    [WIRE_PULL_BATCH_DATA] = {"PULL_BATCH_DATA", 2, 1, 1, 1, count_pull_batch_data,
+                              ready_pull_batch_data, enc_pull_batch_data, dec_pull_batch_data},
+    [WIRE_HELLO] = {"HELLO", 3, 1, 0, 1, NULL, ready_hello, enc_hello, dec_hello},
+    [WIRE_HELLO_ACK] = {"HELLO_ACK", 3, 0, 0, 0, NULL, NULL, NULL, NULL},
+};
+
+/* The entry of a known type, NULL for any other byte. */
+static const frame_type *type_of(int type) {
+  if (type < 0 || (size_t)type >= sizeof k_types / sizeof k_types[0] || !k_types[type].name)
+    return NULL;
+  return &k_types[type];
+}
+
 const char *wire_type_name(int type) {
-  switch (type) {
-  case WIRE_PUSH:
-    return "PUSH";
-  case WIRE_PUSH_ACK:
-    return "PUSH_ACK";
-  case WIRE_PULL:
-    return "PULL";
-  case WIRE_PULL_DATA:
-    return "PULL_DATA";
-  case WIRE_ERROR:
-    return "ERROR";
-  case WIRE_PING:
-    return "PING";
-  case WIRE_PONG:
-    return "PONG";
-  case WIRE_PUSH_BATCH:
-    return "PUSH_BATCH";
-  case WIRE_PUSH_BATCH_ACK:
-    return "PUSH_BATCH_ACK";
-  case WIRE_PULL_BATCH:
-    return "PULL_BATCH";
-  case WIRE_PULL_BATCH_DATA:
-    return "PULL_BATCH_DATA";
-  case WIRE_HELLO:
-    return "HELLO";
-  case WIRE_HELLO_ACK:
-    return "HELLO_ACK";
-  }
-  return "UNKNOWN";
-}
-
-static int type_known(int type) {
-  return type >= WIRE_PUSH && type <= WIRE_HELLO_ACK;
-}
-
-static int type_has_payload(int type) {
-  return type == WIRE_PUSH || type == WIRE_PULL_DATA || type == WIRE_PUSH_BATCH ||
-         type == WIRE_PULL_BATCH_DATA;
-}
-
-static int type_is_batch(int type) {
-  return type >= WIRE_PUSH_BATCH && type <= WIRE_PULL_BATCH_DATA;
-}
-
-/* The version that defines a type, which its frames carry. */
-static unsigned type_version(int type) {
-  if (type == WIRE_HELLO || type == WIRE_HELLO_ACK)
-    return 3u;
-  return type_is_batch(type) ? 2u : 1u;
-}
-
-/* The piece count of a batch message (0 for the other types). */
-static uint32_t batch_count(const wire_msg *m) {
-  switch (m->type) {
-  case WIRE_PUSH_BATCH:
-    return m->u.push_batch.npieces;
-  case WIRE_PUSH_BATCH_ACK:
-    return m->u.push_batch_ack.npieces;
-  case WIRE_PULL_BATCH:
-    return m->u.pull_batch.npieces;
-  case WIRE_PULL_BATCH_DATA:
-    return m->u.pull_batch_data.npieces;
-  default:
-    return 0;
-  }
-}
-
-static int type_has_meta(int type) {
-  return type != WIRE_PING && type != WIRE_PONG && type != WIRE_HELLO_ACK;
+  const frame_type *t = type_of(type);
+  return t ? t->name : "UNKNOWN";
 }
 
 static uint32_t header_crc(const uint8_t *head, const uint8_t *meta, size_t meta_len) {
@@ -136,163 +180,198 @@ static size_t utf8_cut(const char *s, size_t n, size_t max) {
   return n;
 }
 
+/* A caller's message field, which it may not have terminated (never read
+ * past its end), cut to WIRE_MAX_MESSAGE on a character boundary into b. */
+static char *enc_message(enc_box *b, const char *src, size_t cap) {
+  size_t n = utf8_cut(src, strnlen(src, cap), WIRE_MAX_MESSAGE);
+  memcpy(b->msg, src, n);
+  b->msg[n] = '\0';
+  return b->msg;
+}
+
+/* A batch's pieces as the meta's DataPiece list, in b. */
+static Zshard__V1__DataPiece **enc_pieces(enc_box *b, const wire_piece *src, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++) {
+    b->pc[i] = (Zshard__V1__DataPiece)ZSHARD__V1__DATA_PIECE__INIT;
+    b->pc[i].tensor = src[i].tensor;
+    b->pc[i].slice = src[i].slice;
+    b->pc[i].dtype = (Zshard__V1__DType)src[i].dtype;
+    b->pc[i].length = src[i].length;
+    b->pcp[i] = &b->pc[i];
+  }
+  return b->pcp;
+}
+
+static const ProtobufCMessage *enc_push(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPush *o = &b->u.push;
+  *o = (Zshard__V1__DataPush)ZSHARD__V1__DATA_PUSH__INIT;
+  o->spec_hash = m->u.push.spec_hash;
+  o->step = m->u.push.step;
+  o->rank = m->u.push.rank;
+  o->micro = m->u.push.micro;
+  o->tensor = m->u.push.tensor;
+  o->slice = m->u.push.slice;
+  o->dtype = (Zshard__V1__DType)m->u.push.dtype;
+  return &o->base;
+}
+
+static const ProtobufCMessage *enc_push_ack(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPushAck *o = &b->u.ack;
+  *o = (Zshard__V1__DataPushAck)ZSHARD__V1__DATA_PUSH_ACK__INIT;
+  o->duplicate = m->u.push_ack.duplicate != 0;
+  return &o->base;
+}
+
+static const ProtobufCMessage *enc_pull(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPull *o = &b->u.pull;
+  *o = (Zshard__V1__DataPull)ZSHARD__V1__DATA_PULL__INIT;
+  o->spec_hash = m->u.pull.spec_hash;
+  o->tensor = m->u.pull.tensor;
+  o->slice = m->u.pull.slice;
+  o->min_version = m->u.pull.min_version;
+  o->dtype = (Zshard__V1__DType)m->u.pull.dtype;
+  o->timeout_ms = m->u.pull.timeout_ms;
+  return &o->base;
+}
+
+static const ProtobufCMessage *enc_pull_data(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPullData *o = &b->u.pd;
+  *o = (Zshard__V1__DataPullData)ZSHARD__V1__DATA_PULL_DATA__INIT;
+  o->version = m->u.pull_data.version;
+  o->dtype = (Zshard__V1__DType)m->u.pull_data.dtype;
+  return &o->base;
+}
+
+static const ProtobufCMessage *enc_error(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataError *o = &b->u.er;
+  *o = (Zshard__V1__DataError)ZSHARD__V1__DATA_ERROR__INIT;
+  o->status = m->u.error.status;
+  o->message = enc_message(b, m->u.error.message, sizeof m->u.error.message);
+  return &o->base;
+}
+
+static uint32_t count_push_batch(const wire_msg *m) {
+  return m->u.push_batch.npieces;
+}
+
+static int ready_push_batch(const wire_msg *m) {
+  return m->u.push_batch.pieces != NULL;
+}
+
+static const ProtobufCMessage *enc_push_batch(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPushBatch *o = &b->u.pb;
+  *o = (Zshard__V1__DataPushBatch)ZSHARD__V1__DATA_PUSH_BATCH__INIT;
+  o->spec_hash = m->u.push_batch.spec_hash;
+  o->step = m->u.push_batch.step;
+  o->rank = m->u.push_batch.rank;
+  o->micro = m->u.push_batch.micro;
+  o->n_pieces = m->u.push_batch.npieces;
+  o->pieces = enc_pieces(b, m->u.push_batch.pieces, m->u.push_batch.npieces);
+  return &o->base;
+}
+
+static uint32_t count_push_batch_ack(const wire_msg *m) {
+  return m->u.push_batch_ack.npieces;
+}
+
+static int ready_push_batch_ack(const wire_msg *m) {
+  return m->u.push_batch_ack.status && m->u.push_batch_ack.duplicate;
+}
+
+static const ProtobufCMessage *enc_push_batch_ack(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPushBatchAck *o = &b->u.pba;
+  *o = (Zshard__V1__DataPushBatchAck)ZSHARD__V1__DATA_PUSH_BATCH_ACK__INIT;
+  uint32_t n = m->u.push_batch_ack.npieces;
+  for (uint32_t i = 0; i < n; i++) {
+    b->st[i] = m->u.push_batch_ack.status[i];
+    b->dup[i] = m->u.push_batch_ack.duplicate[i] != 0;
+  }
+  o->n_status = n;
+  o->status = b->st;
+  o->n_duplicate = n;
+  o->duplicate = b->dup;
+  o->message = enc_message(b, m->u.push_batch_ack.message, sizeof m->u.push_batch_ack.message);
+  return &o->base;
+}
+
+static uint32_t count_pull_batch(const wire_msg *m) {
+  return m->u.pull_batch.npieces;
+}
+
+static int ready_pull_batch(const wire_msg *m) {
+  return m->u.pull_batch.pieces != NULL;
+}
+
+static const ProtobufCMessage *enc_pull_batch(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPullBatch *o = &b->u.qb;
+  *o = (Zshard__V1__DataPullBatch)ZSHARD__V1__DATA_PULL_BATCH__INIT;
+  o->spec_hash = m->u.pull_batch.spec_hash;
+  o->min_version = m->u.pull_batch.min_version;
+  o->timeout_ms = m->u.pull_batch.timeout_ms;
+  o->n_pieces = m->u.pull_batch.npieces;
+  o->pieces = enc_pieces(b, m->u.pull_batch.pieces, m->u.pull_batch.npieces);
+  return &o->base;
+}
+
+static uint32_t count_pull_batch_data(const wire_msg *m) {
+  return m->u.pull_batch_data.npieces;
+}
+
+static int ready_pull_batch_data(const wire_msg *m) {
+  return m->u.pull_batch_data.length != NULL;
+}
+
+static const ProtobufCMessage *enc_pull_batch_data(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataPullBatchData *o = &b->u.qbd;
+  *o = (Zshard__V1__DataPullBatchData)ZSHARD__V1__DATA_PULL_BATCH_DATA__INIT;
+  uint32_t n = m->u.pull_batch_data.npieces;
+  for (uint32_t i = 0; i < n; i++)
+    b->lens[i] = m->u.pull_batch_data.length[i];
+  o->version = m->u.pull_batch_data.version;
+  o->n_length = n;
+  o->length = b->lens;
+  return &o->base;
+}
+
+static int ready_hello(const wire_msg *m) {
+  return m->u.hello.token_len <= WIRE_MAX_TOKEN && (m->u.hello.token_len == 0 || m->u.hello.token);
+}
+
+static const ProtobufCMessage *enc_hello(const wire_msg *m, enc_box *b) {
+  Zshard__V1__DataHello *o = &b->u.hello;
+  *o = (Zshard__V1__DataHello)ZSHARD__V1__DATA_HELLO__INIT;
+  o->token.data = (uint8_t *)(uintptr_t)m->u.hello.token;
+  o->token.len = m->u.hello.token_len;
+  o->replica_term = m->u.hello.replica_term;
+  return &o->base;
+}
+
 /* Whether wire_encode can frame `m`: a known type, a payload only where the
- * type has one, a batch's count and arrays, a HELLO's token. */
+ * type has one, a batch's count, and what the type's `ready` checks. */
 static int encodable(const wire_msg *m) {
-  if (!type_known((int)m->type))
+  const frame_type *t = type_of((int)m->type);
+  if (!t)
     return 0;
-  if (!type_has_payload((int)m->type) && m->payload_len != 0)
+  if (!t->has_payload && m->payload_len != 0)
     return 0;
-  if (type_is_batch((int)m->type) && (batch_count(m) == 0 || batch_count(m) > WIRE_MAX_BATCH))
+  if (t->count && (t->count(m) == 0 || t->count(m) > WIRE_MAX_BATCH))
     return 0;
-  if ((m->type == WIRE_PUSH_BATCH && !m->u.push_batch.pieces) ||
-      (m->type == WIRE_PULL_BATCH && !m->u.pull_batch.pieces) ||
-      (m->type == WIRE_PUSH_BATCH_ACK &&
-       (!m->u.push_batch_ack.status || !m->u.push_batch_ack.duplicate)) ||
-      (m->type == WIRE_PULL_BATCH_DATA && !m->u.pull_batch_data.length))
-    return 0;
-  if (m->type == WIRE_HELLO &&
-      (m->u.hello.token_len > WIRE_MAX_TOKEN || (m->u.hello.token_len && !m->u.hello.token)))
-    return 0;
-  return 1;
+  return !t->ready || t->ready(m);
 }
 
 int wire_encode(const wire_msg *m, uint8_t *out, size_t cap, size_t *len) {
   if (!m || !out || !len || !encodable(m))
     return ZS_EINVAL;
-  char msgbuf[WIRE_MAX_MESSAGE + 1];
-  /* Batch metas point into these (on the stack: a few KiB, no allocation). */
-  Zshard__V1__DataPiece pc[WIRE_MAX_BATCH];
-  Zshard__V1__DataPiece *pcp[WIRE_MAX_BATCH];
-  int32_t st[WIRE_MAX_BATCH];
-  protobuf_c_boolean dup[WIRE_MAX_BATCH];
-  uint64_t lens[WIRE_MAX_BATCH];
-  const wire_piece *src = NULL;
-  Zshard__V1__DataPushBatch pb = ZSHARD__V1__DATA_PUSH_BATCH__INIT;
-  Zshard__V1__DataPushBatchAck pba = ZSHARD__V1__DATA_PUSH_BATCH_ACK__INIT;
-  Zshard__V1__DataPullBatch qb = ZSHARD__V1__DATA_PULL_BATCH__INIT;
-  Zshard__V1__DataPullBatchData qbd = ZSHARD__V1__DATA_PULL_BATCH_DATA__INIT;
-  uint32_t n = batch_count(m);
-  if (m->type == WIRE_PUSH_BATCH)
-    src = m->u.push_batch.pieces;
-  else if (m->type == WIRE_PULL_BATCH)
-    src = m->u.pull_batch.pieces;
-  for (uint32_t i = 0; src && i < n; i++) {
-    pc[i] = (Zshard__V1__DataPiece)ZSHARD__V1__DATA_PIECE__INIT;
-    pc[i].tensor = src[i].tensor;
-    pc[i].slice = src[i].slice;
-    pc[i].dtype = (Zshard__V1__DType)src[i].dtype;
-    pc[i].length = src[i].length;
-    pcp[i] = &pc[i];
-  }
-  Zshard__V1__DataPush push = ZSHARD__V1__DATA_PUSH__INIT;
-  Zshard__V1__DataPushAck ack = ZSHARD__V1__DATA_PUSH_ACK__INIT;
-  Zshard__V1__DataPull pull = ZSHARD__V1__DATA_PULL__INIT;
-  Zshard__V1__DataPullData pd = ZSHARD__V1__DATA_PULL_DATA__INIT;
-  Zshard__V1__DataError er = ZSHARD__V1__DATA_ERROR__INIT;
-  Zshard__V1__DataHello hello = ZSHARD__V1__DATA_HELLO__INIT;
-  const ProtobufCMessage *meta = NULL;
-  switch (m->type) {
-  case WIRE_PUSH:
-    push.spec_hash = m->u.push.spec_hash;
-    push.step = m->u.push.step;
-    push.rank = m->u.push.rank;
-    push.micro = m->u.push.micro;
-    push.tensor = m->u.push.tensor;
-    push.slice = m->u.push.slice;
-    push.dtype = (Zshard__V1__DType)m->u.push.dtype;
-    meta = &push.base;
-    break;
-  case WIRE_PUSH_ACK:
-    ack.duplicate = m->u.push_ack.duplicate != 0;
-    meta = &ack.base;
-    break;
-  case WIRE_PULL:
-    pull.spec_hash = m->u.pull.spec_hash;
-    pull.tensor = m->u.pull.tensor;
-    pull.slice = m->u.pull.slice;
-    pull.min_version = m->u.pull.min_version;
-    pull.dtype = (Zshard__V1__DType)m->u.pull.dtype;
-    pull.timeout_ms = m->u.pull.timeout_ms;
-    meta = &pull.base;
-    break;
-  case WIRE_PULL_DATA:
-    pd.version = m->u.pull_data.version;
-    pd.dtype = (Zshard__V1__DType)m->u.pull_data.dtype;
-    meta = &pd.base;
-    break;
-  case WIRE_ERROR: {
-    /* The message field is a fixed array, but a caller may not have
-     * terminated it: never read past its end. */
-    size_t n = strnlen(m->u.error.message, sizeof m->u.error.message);
-    n = utf8_cut(m->u.error.message, n, WIRE_MAX_MESSAGE);
-    memcpy(msgbuf, m->u.error.message, n);
-    msgbuf[n] = '\0';
-    er.status = m->u.error.status;
-    er.message = msgbuf;
-    meta = &er.base;
-    break;
-  }
-  case WIRE_PUSH_BATCH:
-    pb.spec_hash = m->u.push_batch.spec_hash;
-    pb.step = m->u.push_batch.step;
-    pb.rank = m->u.push_batch.rank;
-    pb.micro = m->u.push_batch.micro;
-    pb.n_pieces = n;
-    pb.pieces = pcp;
-    meta = &pb.base;
-    break;
-  case WIRE_PUSH_BATCH_ACK: {
-    for (uint32_t i = 0; i < n; i++) {
-      st[i] = m->u.push_batch_ack.status[i];
-      dup[i] = m->u.push_batch_ack.duplicate[i] != 0;
-    }
-    size_t k = strnlen(m->u.push_batch_ack.message, sizeof m->u.push_batch_ack.message);
-    k = utf8_cut(m->u.push_batch_ack.message, k, WIRE_MAX_MESSAGE);
-    memcpy(msgbuf, m->u.push_batch_ack.message, k);
-    msgbuf[k] = '\0';
-    pba.n_status = n;
-    pba.status = st;
-    pba.n_duplicate = n;
-    pba.duplicate = dup;
-    pba.message = msgbuf;
-    meta = &pba.base;
-    break;
-  }
-  case WIRE_PULL_BATCH:
-    qb.spec_hash = m->u.pull_batch.spec_hash;
-    qb.min_version = m->u.pull_batch.min_version;
-    qb.timeout_ms = m->u.pull_batch.timeout_ms;
-    qb.n_pieces = n;
-    qb.pieces = pcp;
-    meta = &qb.base;
-    break;
-  case WIRE_PULL_BATCH_DATA:
-    for (uint32_t i = 0; i < n; i++)
-      lens[i] = m->u.pull_batch_data.length[i];
-    qbd.version = m->u.pull_batch_data.version;
-    qbd.n_length = n;
-    qbd.length = lens;
-    meta = &qbd.base;
-    break;
-  case WIRE_HELLO:
-    hello.token.data = (uint8_t *)(uintptr_t)m->u.hello.token;
-    hello.token.len = m->u.hello.token_len;
-    hello.replica_term = m->u.hello.replica_term;
-    meta = &hello.base;
-    break;
-  case WIRE_PING:
-  case WIRE_PONG:
-  case WIRE_HELLO_ACK:
-    break;
-  }
+  const frame_type *t = type_of((int)m->type);
+  enc_box box;
+  const ProtobufCMessage *meta = t->encode ? t->encode(m, &box) : NULL;
   size_t mlen = meta ? protobuf_c_message_get_packed_size(meta) : 0;
   if (mlen > WIRE_MAX_META || cap < WIRE_HEADER_SIZE + mlen)
     return ZS_EINVAL;
   if (meta && protobuf_c_message_pack(meta, out + WIRE_HEADER_SIZE) != mlen)
     return ZS_EINVAL;
   le_store32(out + OFF_MAGIC, WIRE_MAGIC);
-  out[OFF_VERSION] = (uint8_t)type_version((int)m->type);
+  out[OFF_VERSION] = t->version;
   out[OFF_TYPE] = (uint8_t)m->type;
   le_store16(out + OFF_FLAGS, 0);
   le_store64(out + OFF_REQUEST_ID, m->request_id);
@@ -333,14 +412,15 @@ int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload,
     return status_fail(err, errlen, ZS_EPROTO,
                        "unsupported frame version %u (this side speaks %u to %u)", h->version,
                        WIRE_VERSION_MIN, WIRE_VERSION);
-  if (!type_known(h->type))
+  const frame_type *t = type_of(h->type);
+  if (!t)
     return status_fail(err, errlen, ZS_EPROTO, "unknown frame type %u (request id %" PRIu64 ")",
                        h->type, h->request_id);
-  if (h->version < type_version(h->type))
+  if (h->version < t->version)
     return status_fail(err, errlen, ZS_EPROTO,
                        "%s frame (request id %" PRIu64
                        ") says version %u; the type needs version %u",
-                       wire_type_name(h->type), h->request_id, h->version, type_version(h->type));
+                       t->name, h->request_id, h->version, t->version);
   if (h->flags != 0)
     return status_fail(err, errlen, ZS_EPROTO,
                        "%s frame has flags 0x%04x set; version 1 defines no flag",
@@ -357,11 +437,11 @@ int wire_decode_header(const uint8_t in[WIRE_HEADER_SIZE], uint64_t max_payload,
                        "%s frame payload of %" PRIu64
                        " bytes exceeds this side's limit of %" PRIu64,
                        wire_type_name(h->type), h->payload_len, max_payload);
-  if (!type_has_payload(h->type) && h->payload_len != 0)
+  if (!t->has_payload && h->payload_len != 0)
     return status_fail(err, errlen, ZS_EPROTO,
                        "%s frame carries a payload of %" PRIu64 " bytes; it has none",
                        wire_type_name(h->type), h->payload_len);
-  if (!type_has_meta(h->type) && h->meta_len != 0)
+  if (!t->has_meta && h->meta_len != 0)
     return status_fail(err, errlen, ZS_EPROTO,
                        "%s frame carries a meta of %" PRIu32 " bytes; it has none",
                        wire_type_name(h->type), h->meta_len);
@@ -437,23 +517,7 @@ static int take_pieces(const wire_header *h, size_t n, Zshard__V1__DataPiece *co
 #define UNPACK(type, desc, h, meta)                                                                \
   ((type *)protobuf_c_message_unpack(&(desc), NULL, (h)->meta_len, (meta)))
 
-/* One meta decode: the frame and its meta, where the result goes, and what
- * the per-type decoders below report back. */
-typedef struct meta_dec {
-  const wire_header *h;
-  const uint8_t *meta;
-  wire_msg *out;
-  wire_batch *store; /* a batch's arrays; NULL: out of memory */
-  int dtype;         /* the frame's dtype field, checked by decode_meta */
-  const char *what;  /* set when the meta does not parse: the message's name */
-  char *err;
-  size_t errlen;
-} meta_dec;
-
-/* The per-type decoders: each unpacks its message into d->out (a batch's
- * arrays into d->store), sets d->what when the meta does not parse and
- * d->dtype when the type has a dtype field, and returns a status for the
- * checks of its own fields. */
+/* The per-type decoders of k_types (see frame_type.decode). */
 
 static int dec_push(meta_dec *d) {
   Zshard__V1__DataPush *p =
@@ -698,41 +762,8 @@ static int decode_meta(const wire_header *h, const uint8_t *meta, wire_msg *out,
                 .dtype = ZS_DTYPE_FP32,
                 .err = err,
                 .errlen = errlen};
-  int rc = 0;
-  switch (h->type) {
-  case WIRE_PUSH:
-    rc = dec_push(&d);
-    break;
-  case WIRE_PUSH_ACK:
-    rc = dec_push_ack(&d);
-    break;
-  case WIRE_PULL:
-    rc = dec_pull(&d);
-    break;
-  case WIRE_PULL_DATA:
-    rc = dec_pull_data(&d);
-    break;
-  case WIRE_ERROR:
-    rc = dec_error(&d);
-    break;
-  case WIRE_PUSH_BATCH:
-    rc = dec_push_batch(&d);
-    break;
-  case WIRE_PUSH_BATCH_ACK:
-    rc = dec_push_batch_ack(&d);
-    break;
-  case WIRE_PULL_BATCH:
-    rc = dec_pull_batch(&d);
-    break;
-  case WIRE_PULL_BATCH_DATA:
-    rc = dec_pull_batch_data(&d);
-    break;
-  case WIRE_HELLO:
-    rc = dec_hello(&d);
-    break;
-  default: /* PING, PONG, HELLO_ACK: nothing to decode */
-    break;
-  }
+  const frame_type *t = type_of(h->type);
+  int rc = t && t->decode ? t->decode(&d) : 0;
   if (d.what)
     return status_fail(err, errlen, ZS_EPROTO,
                        "%s frame (request id %" PRIu64 ") meta of %" PRIu32
@@ -874,7 +905,8 @@ static wire_event reader_meta(wire_reader *r) {
   int rc = wire_check_header_crc(&r->h, r->head, r->meta, r->err, sizeof r->err);
   if (rc)
     return reader_fatal(r, rc);
-  if ((type_is_batch(r->h.type) || r->h.type == WIRE_HELLO) && !r->batch)
+  /* The header was checked: the type is known. */
+  if (type_of(r->h.type)->uses_store && !r->batch)
     r->batch = malloc(sizeof *r->batch); /* NULL: decode_meta says out of memory */
   r->meta_status = decode_meta(&r->h, r->meta, &r->msg, r->batch, r->err, sizeof r->err);
   r->payload_status = 0;
