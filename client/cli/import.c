@@ -1,13 +1,16 @@
 /*
- * import — `zshard import`: writes a safetensors file's tensors into the
- * master weights of the job the shards hold (pretrained weights, or a file
- * `zshard export` wrote), one tensor at a time.
+ * import — `zshard import`: writes the tensors of a safetensors file or of
+ * a torch.save'd state dict (.pt, .bin: torch's zip format) into the master
+ * weights of the job the shards hold (pretrained weights, or a file `zshard
+ * export` wrote), one tensor at a time.
  *
  * The CLI never described the job: it asks shard 0 for the spec (GetInfo
  * with_spec), describes the same job from it and joins it (ZS_OPEN_RESUME,
  * no initial weights: zs_open_job_deferred), which checks the spec hash on
- * every shard. Then every check comes before the first write: the header
- * whole (safetensors.c), and the names against the model's as torch's
+ * every shard. Then every check comes before the first write: the file's
+ * index whole (safetensors.c, or torchzip.c for a zip file, which fills the
+ * same index: the name, dtype, shape and byte range of each tensor, so that
+ * everything below serves both), and the names against the model's as torch's
  * load_state_dict(strict=True) words them (missing, unexpected, size
  * mismatch). Each tensor is then written with zs_state_write (which also
  * recomputes the low-precision copy that pulls serve) and the next one read.
@@ -39,8 +42,10 @@
 #include "cli_support.h"
 #include "common/base/clock.h"
 #include "common/base/dtype.h"
+#include "common/base/status.h"
 #include "common/model/spec.h"
 #include "safetensors.h"
+#include "torchzip.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define IMPORT_CLI_TIMEOUT_MS 30000u
@@ -48,11 +53,12 @@
 #define IMPORT_MAX_LISTED 20
 
 static const char import_usage[] =
-    "usage: zshard import --shards ADDR[,ADDR...] FILE.safetensors [--partial] [--quiet]\n"
+    "usage: zshard import --shards ADDR[,ADDR...] FILE [--partial] [--quiet]\n"
     "                     [--num-shards N] [--timeout-ms T]\n"
-    "  Writes the tensors of a safetensors file (F32, F16 or BF16; converted to fp32\n"
-    "  exactly) into the master weights of the job the shards hold, by name, one\n"
-    "  tensor at a time; the low-precision copy that pulls serve follows. The job must\n"
+    "  Writes the tensors of FILE, a safetensors file or a torch.save'd state dict\n"
+    "  (.pt, .bin; F32, F16 or BF16, converted to fp32 exactly) into the master\n"
+    "  weights of the job the shards hold, by name, one tensor at a time; the\n"
+    "  low-precision copy that pulls serve follows. The job must\n"
     "  be open and idle (between steps: no trainer pushing); trainers that open or\n"
     "  resume the job afterwards pull the new weights. Missing, unexpected and\n"
     "  mis-shaped names are reported before anything is written; --partial allows\n"
@@ -150,6 +156,21 @@ static int map_file(const char *path, mapped *m) {
   m->base = p;
   m->size = (uint64_t)sb.st_size;
   return 0;
+}
+
+/* The file's tensors, whichever its format: a zip archive is torch.save's,
+ * anything else is taken for safetensors. */
+static int read_index(const mapped *m, st_header *h, char *err, size_t errlen) {
+  if (tz_is_zip(m->base, m->size))
+    return tz_parse(m->base, m->size, h, err, errlen);
+  /* A pickle's PROTO 2 opcode: torch.save before torch 1.6 (or with
+   * _use_new_zipfile_serialization=False), whose tensors cannot be found
+   * without running the pickle's storage objects. */
+  if (m->size >= 2 && m->base[0] == 0x80 && m->base[1] == 2)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "a torch.save file in the format before torch 1.6 (a bare pickle): save "
+                       "it again with torch.save to get the zip format");
+  return st_parse(m->base, m->size, h, err, errlen);
 }
 
 /* ---- the job ---------------------------------------------------------------- */
@@ -495,7 +516,7 @@ int cli_import(int argc, char **argv) {
   int status = 1;
   if (map_file(a.path, &m) != 0)
     return 1;
-  if (st_parse(m.base, m.size, &h, err, sizeof err) != 0) {
+  if (read_index(&m, &h, err, sizeof err) != 0) {
     fprintf(stderr, "zshard import: %s: %s\n", a.path, err);
     goto out;
   }
