@@ -9,8 +9,13 @@ torch's tensor rebuilders are refused before anything is written (the masters
 are compared before and after). With two trainers each loads the same file
 and both pull it. The importer's peak memory is measured in a
 subprocess: it stays under the largest tensor plus a constant, well under the
-file. `zshard import` (the CLI) writes a file `zshard export` wrote back to
-the same bits.
+file. shard(..., state_dict_path=) loads the file once the model is sharded
+(CPU and meta models), and leaves a resumed job's trained weights.
+`zshard import` (the CLI) writes a file `zshard export` wrote back to the
+same bits, writes a torch.save'd state dict (fp32, bf16, fp16, nn.Parameter
+values) to the bits model.load_state_dict() gives, refuses bad .pt files
+(names, a view, a hostile global, a compressed member, a cut file, the
+pre-1.6 format) with nothing written, and holds one tensor at a time.
 
 Two real zshard-server processes on port 0; fp32 on the wire.
 Run with Debian's interpreter (CTest does): /usr/bin/python3 -m pytest tests/python/test_import.py
