@@ -497,7 +497,8 @@ static int pk_global(pk *k, const uint8_t *op) {
     return pk_fail(k, op, "a GLOBAL runs past the pickle");
   char mod[64] = "", name[64] = "";
   size_t ml = (size_t)(nl1 - k->p), nml = (size_t)(nl2 - nl1 - 1);
-  if (ml < sizeof mod && nml < sizeof name) {
+  /* A NUL inside a name would make it compare equal to its prefix. */
+  if (ml < sizeof mod && nml < sizeof name && !memchr(k->p, 0, (size_t)(nl2 - k->p))) {
     memcpy(mod, k->p, ml);
     mod[ml] = '\0';
     memcpy(name, nl1 + 1, nml);

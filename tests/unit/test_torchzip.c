@@ -455,6 +455,10 @@ static void a_hostile_or_foreign_pickle_is_refused_naming_what(void **state) {
   pb_state_dict(&p, good, 2);
   pb_patch(&p, "_rebuild_tensor_v2", "_rebuild_tensor_v3");
   expect(&p, NULL, ZS_EPROTO, "global torch._utils._rebuild_tensor_v3 is not allowed");
+  /* A NUL in a global's name does not make it one of the allowed. */
+  memset(&p, 0, sizeof p);
+  pb_bytes(&p, "ccollections\0x\nOrderedDict\n)R.", 30);
+  expect(&p, NULL, ZS_EPROTO, "is not allowed in a state dict");
   /* A list is not a state dict. */
   memset(&p, 0, sizeof p);
   pb_op(&p, 0x80), pb_op(&p, 2), pb_op(&p, ']'), pb_op(&p, '.');
