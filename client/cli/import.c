@@ -17,8 +17,9 @@
  *
  * Copies and memory: the file is mapped read-only. An fp32 tensor whose
  * bytes are 4-byte aligned in the mapping is written from it (0 copies
- * here); otherwise it is converted (bf16/fp16, exactly) or copied into one
- * buffer of the largest tensor's fp32 size. After each tensor its pages of
+ * here); otherwise it is converted (bf16/fp16, exactly), gathered (a view
+ * torch.save wrote with its strides) or copied into one buffer of the
+ * largest tensor's fp32 size. After each tensor its pages of
  * the mapping are dropped (MADV_DONTNEED), so that the resident set holds
  * at most one tensor of the file besides that buffer.
  *
@@ -390,10 +391,43 @@ static size_t match_names(const spec *sp, const st_header *h, int partial, uint3
 
 /* ---- the writes -------------------------------------------------------------- */
 
+/* A view saved whole (st_tensor.strided): its elements in row-major order
+ * into buf as fp32, 16-bit ones through a small stage converted a batch at
+ * a time. One copy, as for a converted tensor. */
+static const float *gather_fp32(const uint8_t *src, const st_tensor *t, float *buf) {
+  uint64_t idx[ST_MAX_DIMS] = {0}, off = 0;
+  unsigned size = st_dtype_size(t->dtype);
+  uint16_t stage[4096];
+  size_t staged = 0;
+  for (uint64_t e = 0; e < t->numel; e++) {
+    if (size == 4)
+      memcpy(&buf[e], src + off * 4, 4);
+    else
+      memcpy(&stage[staged++], src + off * 2, 2);
+    if (staged == 4096 || (staged && e + 1 == t->numel)) {
+      dtype_to_f32(t->dtype, stage, buf + e + 1 - staged, staged);
+      staged = 0;
+    }
+    /* The next index, the last dimension fastest; tz_parse checked that
+     * every element lies inside [begin, end). */
+    for (uint32_t d = t->ndim; d-- > 0;) {
+      if (++idx[d] < t->shape[d]) {
+        off += t->stride[d];
+        break;
+      }
+      off -= (t->shape[d] - 1) * t->stride[d];
+      idx[d] = 0;
+    }
+  }
+  return buf;
+}
+
 /* Tensor i's elements as fp32: straight from the mapping when they are
- * fp32 and aligned, else converted into buf. */
+ * fp32, row-major and aligned, else gathered or converted into buf. */
 static const float *as_fp32(const mapped *m, const st_header *h, const st_tensor *t, float *buf) {
   const uint8_t *src = m->base + h->data_start + t->begin;
+  if (t->strided)
+    return gather_fp32(src, t, buf);
   if (t->dtype == ZS_DTYPE_FP32 && (uintptr_t)src % _Alignof(float) == 0)
     return (const float *)(const void *)src;
   if (t->dtype == ZS_DTYPE_FP32) {

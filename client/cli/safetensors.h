@@ -35,6 +35,12 @@ typedef struct st_tensor {
   uint64_t shape[ST_MAX_DIMS];
   uint64_t numel;
   uint64_t begin, end; /* bytes of the data section (after the header) */
+  /* A view saved as it was (torchzip only: a transpose, a slice): its
+   * elements lie at begin + (i0 * stride[0] + i1 * stride[1] + ...) elements,
+   * every one inside [begin, end); 0 for the row-major tensors of both
+   * formats, whose elements are [begin, end) in order. */
+  int strided;
+  uint64_t stride[ST_MAX_DIMS];
 } st_tensor;
 
 typedef struct st_header {

@@ -801,17 +801,25 @@ static int tensor_place(const zip *z, const char *prefix, const pv *key, const p
   if (st_shape_numel(t->shape, t->ndim, &t->numel) != 0)
     return status_fail(err, errlen, ZS_EPROTO, "torch zip: tensor '%.200s': its shape overflows",
                        name);
-  /* Contiguous: each dimension's stride is the product of the sizes after
-   * it (a dimension of size 1 may have any stride; so may an empty tensor). */
-  uint64_t want = 1;
+  /* Row-major when each dimension's stride is the product of the sizes
+   * after it (a dimension of size 1 may have any stride; so may an empty
+   * tensor); anything else is a view saved whole (a transpose, a slice of a
+   * larger storage, an expanded stride 0), gathered as it is written. Its
+   * span: one past its furthest element, in elements from its offset. */
+  uint64_t want = 1, span = 1;
   for (uint32_t d = t->ndim; d-- > 0 && t->numel;) {
-    if (t->shape[d] != 1 && (uint64_t)stride->u.seq.v[d]->u.i != want)
-      return status_fail(err, errlen, ZS_EPROTO,
-                         "tensor '%.200s' is not contiguous in its storage (a view such as a "
-                         "transpose was saved): save it with .contiguous()",
-                         name);
+    uint64_t st = (uint64_t)stride->u.seq.v[d]->u.i, reach;
+    t->stride[d] = st;
+    if (t->shape[d] != 1 && st != want)
+      t->strided = 1;
     want *= t->shape[d];
+    if (__builtin_mul_overflow(t->shape[d] - 1, st, &reach) ||
+        __builtin_add_overflow(span, reach, &span) || span > UINT64_MAX / 8)
+      return status_fail(err, errlen, ZS_EPROTO, "torch zip: tensor '%.200s': its strides overflow",
+                         name);
   }
+  if (!t->numel)
+    span = 0;
   char member[512];
   int n = snprintf(member, sizeof member, "%sdata/%s", prefix, s->u.storage.key);
   const zip_member *m = n > 0 && (size_t)n < sizeof member ? zip_find(z, member) : NULL;
@@ -829,13 +837,13 @@ static int tensor_place(const zip *z, const char *prefix, const pv *key, const p
                        " elements of %s need %" PRIu64,
                        s->u.storage.key, m->size, snumel, ty->name, snumel * ty->size);
   uint64_t off = val->u.tensor.offset;
-  if (t->numel && (off > snumel || t->numel > snumel - off))
+  if (t->numel && (off > snumel || span > snumel - off))
     return status_fail(err, errlen, ZS_EPROTO,
                        "torch zip: tensor '%.200s': %" PRIu64 " elements at offset %" PRIu64
                        " reach past its storage '%.64s' of %" PRIu64,
-                       name, t->numel, off, s->u.storage.key, snumel);
+                       name, span, off, s->u.storage.key, snumel);
   t->begin = t->numel ? at + off * ty->size : at;
-  t->end = t->begin + t->numel * ty->size;
+  t->end = t->begin + span * ty->size;
   if (!(t->name = strdup(name)))
     return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   return 0;

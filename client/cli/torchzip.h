@@ -22,9 +22,11 @@
  * opcode or global is refused with a sentence naming it: nothing is ever
  * called or imported. Every length, offset and index in the file is
  * checked against what holds it; a compressed or encrypted member, a
- * tensor that reaches past its storage, a storage whose member is missing
- * or of another size, and a tensor that is not contiguous in its storage
- * (save it with .contiguous()) are refused before tz_parse returns.
+ * tensor whose furthest element lies past its storage, and a storage whose
+ * member is missing or of another size are refused before tz_parse
+ * returns. A tensor saved as a view (strides other than row-major: a
+ * transpose, a slice) is taken with its strides (st_tensor.strided), for
+ * the importer to gather.
  */
 #ifndef ZSHARD_CLI_TORCHZIP_H
 #define ZSHARD_CLI_TORCHZIP_H
@@ -45,7 +47,9 @@ int tz_is_zip(const uint8_t *file, uint64_t size);
  * file, typically mapped; only read) into the tensor index the safetensors
  * reader fills, so that `zshard import` checks and writes both formats
  * alike: out->data_start is 0 and each tensor's [begin, end) are bytes of
- * the file (ranges of tensors that share a storage may overlap). A name
+ * the file that hold all its elements (ranges of tensors that share a
+ * storage may overlap; a strided tensor's elements are spread over its
+ * range). A name
  * given twice keeps its last tensor, as unpickling the dict does. FP32,
  * FP16 and BF16 storages are taken; a tensor of another one is refused
  * (ZS_EDTYPE, naming it). Returns 0 and fills *out (freed with

@@ -13,8 +13,8 @@ file. shard(..., state_dict_path=) loads the file once the model is sharded
 (CPU and meta models), and leaves a resumed job's trained weights.
 `zshard import` (the CLI) writes a file `zshard export` wrote back to the
 same bits, writes a torch.save'd state dict (fp32, bf16, fp16, nn.Parameter
-values) to the bits model.load_state_dict() gives, refuses bad .pt files
-(names, a view, a hostile global, a compressed member, a cut file, the
+values, views saved with their strides) to the bits model.load_state_dict()
+gives, refuses bad .pt files (names, a mis-shaped view, a hostile global, a compressed member, a cut file, the
 pre-1.6 format) with nothing written, and holds one tensor at a time.
 
 Two real zshard-server processes on port 0; fp32 on the wire.
@@ -495,11 +495,13 @@ class CliImport(unittest.TestCase):
         """torch.save(model.state_dict()) (its parameters: the shards hold
         no buffers) -> `zshard import` -> the masters are what
         model.load_state_dict() gives the model, for fp32, bf16 and fp16
-        files; a dict of nn.Parameter objects (keep_vars) too."""
+        files; a dict of nn.Parameter objects (keep_vars) and one of views
+        (transposed, expanded, sliced) too."""
         with zshard_servers.Shards(2) as shards:
             opt = shard(Net(seed=2), shards)
             try:
-                for dtype in (torch.float32, torch.bfloat16, torch.float16, "params"):
+                for dtype in (torch.float32, torch.bfloat16, torch.float16, "params", "views",
+                              "bf16 views"):
                     with self.subTest(dtype=dtype):
                         ref = Net(seed=13)
                         # model.state_dict() itself (an OrderedDict with its
@@ -509,6 +511,15 @@ class CliImport(unittest.TestCase):
                             del sd[k]
                         if dtype in (torch.bfloat16, torch.float16):
                             sd = {k: v.to(dtype) for k, v in sd.items()}
+                        if dtype in ("views", "bf16 views"):
+                            # Views saved with their strides, gathered by the
+                            # importer: a transpose, an expand (stride 0), a
+                            # slice (an offset and a row stride).
+                            d = torch.bfloat16 if dtype == "bf16 views" else torch.float32
+                            sd = {k: v.to(d) for k, v in sd.items()}
+                            sd["fc.weight"] = sd["fc.weight"].t().contiguous().t()
+                            sd["fc.bias"] = torch.randn(1).to(d).expand(80)
+                            sd["out.weight"] = torch.randn(64, 100).to(d)[:, 10:90]
                         path = self.path("sd.pt")
                         torch.save(sd, path)
                         want = Net(seed=2)
@@ -551,9 +562,10 @@ class CliImport(unittest.TestCase):
                                      "[64, 81] from checkpoint, the shape in current model is "
                                      "[64, 80]", "nothing was written")
                 sd = params(3)
-                sd["fc.weight"] = sd["fc.weight"].t().contiguous().t()
+                sd["fc.weight"] = torch.randn(80, 100)[:, :65]
                 torch.save(sd, self.path("view.pt"))
-                files["view.pt"] = ("tensor 'fc.weight' is not contiguous",)
+                files["view.pt"] = ("size mismatch for fc.weight: copying a param with shape "
+                                    "[80, 65]",)
                 with zipfile.ZipFile(self.path("evil.pt"), "w") as z:
                     z.writestr("archive/data.pkl", pickle.dumps({"fc.weight": Evil()},
                                                                 protocol=2))

@@ -4,9 +4,9 @@
  * torch.save lays them out (STORED members aligned to 64 bytes, a protocol 2
  * pickle of an OrderedDict with _metadata, storages as persistent ids), so
  * that each test can change one thing: a good file's tensors come back with
- * their names, dtypes, shapes and byte ranges; a hostile global, an opcode
- * outside torch.save's, a compressed member, a non-contiguous tensor, a
- * tensor past its storage and more are refused with a sentence naming the
+ * their names, dtypes, shapes and byte ranges (a saved view with its
+ * strides); a hostile global, an opcode outside torch.save's, a compressed
+ * member, a tensor past its storage and more are refused with a sentence naming the
  * problem; every prefix of the pickle and of the file, and every byte of the
  * pickle changed, is refused or read inside the file (run under ASan: no
  * read past a buffer of exactly the file's size).
@@ -348,6 +348,43 @@ static void a_state_dict_gives_every_tensor_in_place(void **state) {
   }
 }
 
+/* A view saved with its strides (a transpose, a slice, an expand) comes
+ * back with them, its range covering its furthest element. */
+static void a_saved_view_keeps_its_strides(void **state) {
+  (void)state;
+  tensor_spec t[3] = {good[0], good[0], good[1]};
+  t[0].stride[0] = 1, t[0].stride[1] = 2; /* [2, 3] transposed from [3, 2] */
+  t[1].name = "slice";
+  t[1].offset = 1, t[1].shape[0] = 2, t[1].shape[1] = 2, t[1].stride[0] = 3, t[1].stride[1] = 1;
+  t[2].name = "expanded";
+  t[2].offset = 5, t[2].ndim = 2, t[2].shape[0] = 3, t[2].shape[1] = 2;
+  t[2].stride[0] = 0, t[2].stride[1] = 0;
+  st_header h;
+  uint8_t *f = parse_good(t, 3, 0, &h);
+  assert_int_equal(h.n, 3);
+  assert_true(h.tensors[0].strided);
+  assert_int_equal(h.tensors[0].stride[0], 1);
+  assert_int_equal(h.tensors[0].stride[1], 2);
+  assert_int_equal(h.tensors[0].end - h.tensors[0].begin, 24);
+  /* Elements 1, 2, 4, 5 of the storage: bytes 4 to 24. */
+  assert_true(h.tensors[1].strided);
+  assert_int_equal(h.tensors[1].numel, 4);
+  assert_int_equal(h.tensors[1].begin % 64, 4);
+  assert_int_equal(h.tensors[1].end - h.tensors[1].begin, 20);
+  /* Six elements, all of them element 5: two bytes. */
+  assert_true(h.tensors[2].strided);
+  assert_int_equal(h.tensors[2].numel, 6);
+  assert_int_equal(h.tensors[2].begin % 64, 10);
+  assert_int_equal(h.tensors[2].end - h.tensors[2].begin, 2);
+  st_header_free(&h);
+  free(f);
+  /* ...and a row-major one is not strided. */
+  f = parse_good(good, 1, 0, &h);
+  assert_false(h.tensors[0].strided);
+  st_header_free(&h);
+  free(f);
+}
+
 static void a_name_given_twice_keeps_its_last_tensor(void **state) {
   (void)state;
   tensor_spec t[3] = {good[0], good[1], good[3]};
@@ -391,8 +428,8 @@ static void expect_tensor(const tensor_spec *t0, int status, const char *phrase)
 static void bad_tensors_are_refused_with_a_sentence(void **state) {
   (void)state;
   tensor_spec t = good[0];
-  t.stride[0] = 1, t.stride[1] = 2; /* a transpose */
-  expect_tensor(&t, ZS_EPROTO, "not contiguous");
+  t.stride[0] = 3, t.stride[1] = 2; /* its last element would be 3 + 4 */
+  expect_tensor(&t, ZS_EPROTO, "8 elements at offset 0 reach past its storage");
   t = good[0];
   t.offset = 1; /* 6 elements from element 1 of 6 */
   expect_tensor(&t, ZS_EPROTO, "reach past its storage");
@@ -581,6 +618,7 @@ int main(void) {
   f16_data[0] = 0x00, f16_data[1] = 0x3c;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(a_state_dict_gives_every_tensor_in_place),
+      cmocka_unit_test(a_saved_view_keeps_its_strides),
       cmocka_unit_test(a_name_given_twice_keeps_its_last_tensor),
       cmocka_unit_test(bad_tensors_are_refused_with_a_sentence),
       cmocka_unit_test(a_hostile_or_foreign_pickle_is_refused_naming_what),
