@@ -1,21 +1,25 @@
 /*
- * import — `zshard import`: writes a safetensors file's tensors into the
- * master weights of the job the shards hold (pretrained weights, or a file
- * `zshard export` wrote), one tensor at a time.
+ * import — `zshard import`: writes the tensors of a safetensors file or of
+ * a torch.save'd state dict (.pt, .bin: torch's zip format) into the master
+ * weights of the job the shards hold (pretrained weights, or a file `zshard
+ * export` wrote), one tensor at a time.
  *
  * The CLI never described the job: it asks shard 0 for the spec (GetInfo
  * with_spec), describes the same job from it and joins it (ZS_OPEN_RESUME,
  * no initial weights: zs_open_job_deferred), which checks the spec hash on
- * every shard. Then every check comes before the first write: the header
- * whole (safetensors.c), and the names against the model's as torch's
+ * every shard. Then every check comes before the first write: the file's
+ * index whole (safetensors.c, or torchzip.c for a zip file, which fills the
+ * same index: the name, dtype, shape and byte range of each tensor, so that
+ * everything below serves both), and the names against the model's as torch's
  * load_state_dict(strict=True) words them (missing, unexpected, size
  * mismatch). Each tensor is then written with zs_state_write (which also
  * recomputes the low-precision copy that pulls serve) and the next one read.
  *
  * Copies and memory: the file is mapped read-only. An fp32 tensor whose
  * bytes are 4-byte aligned in the mapping is written from it (0 copies
- * here); otherwise it is converted (bf16/fp16, exactly) or copied into one
- * buffer of the largest tensor's fp32 size. After each tensor its pages of
+ * here); otherwise it is converted (bf16/fp16, exactly), gathered (a view
+ * torch.save wrote with its strides) or copied into one buffer of the
+ * largest tensor's fp32 size. After each tensor its pages of
  * the mapping are dropped (MADV_DONTNEED), so that the resident set holds
  * at most one tensor of the file besides that buffer.
  *
@@ -39,8 +43,10 @@
 #include "cli_support.h"
 #include "common/base/clock.h"
 #include "common/base/dtype.h"
+#include "common/base/status.h"
 #include "common/model/spec.h"
 #include "safetensors.h"
+#include "torchzip.h"
 #include "zshard/v1/zshard.pb-c.h"
 
 #define IMPORT_CLI_TIMEOUT_MS 30000u
@@ -48,11 +54,12 @@
 #define IMPORT_MAX_LISTED 20
 
 static const char import_usage[] =
-    "usage: zshard import --shards ADDR[,ADDR...] FILE.safetensors [--partial] [--quiet]\n"
+    "usage: zshard import --shards ADDR[,ADDR...] FILE [--partial] [--quiet]\n"
     "                     [--num-shards N] [--timeout-ms T]\n"
-    "  Writes the tensors of a safetensors file (F32, F16 or BF16; converted to fp32\n"
-    "  exactly) into the master weights of the job the shards hold, by name, one\n"
-    "  tensor at a time; the low-precision copy that pulls serve follows. The job must\n"
+    "  Writes the tensors of FILE, a safetensors file or a torch.save'd state dict\n"
+    "  (.pt, .bin; F32, F16 or BF16, converted to fp32 exactly) into the master\n"
+    "  weights of the job the shards hold, by name, one tensor at a time; the\n"
+    "  low-precision copy that pulls serve follows. The job must\n"
     "  be open and idle (between steps: no trainer pushing); trainers that open or\n"
     "  resume the job afterwards pull the new weights. Missing, unexpected and\n"
     "  mis-shaped names are reported before anything is written; --partial allows\n"
@@ -150,6 +157,21 @@ static int map_file(const char *path, mapped *m) {
   m->base = p;
   m->size = (uint64_t)sb.st_size;
   return 0;
+}
+
+/* The file's tensors, whichever its format: a zip archive is torch.save's,
+ * anything else is taken for safetensors. */
+static int read_index(const mapped *m, st_header *h, char *err, size_t errlen) {
+  if (tz_is_zip(m->base, m->size))
+    return tz_parse(m->base, m->size, h, err, errlen);
+  /* A pickle's PROTO 2 opcode: torch.save before torch 1.6 (or with
+   * _use_new_zipfile_serialization=False), whose tensors cannot be found
+   * without running the pickle's storage objects. */
+  if (m->size >= 2 && m->base[0] == 0x80 && m->base[1] == 2)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "a torch.save file in the format before torch 1.6 (a bare pickle): save "
+                       "it again with torch.save to get the zip format");
+  return st_parse(m->base, m->size, h, err, errlen);
 }
 
 /* ---- the job ---------------------------------------------------------------- */
@@ -369,10 +391,43 @@ static size_t match_names(const spec *sp, const st_header *h, int partial, uint3
 
 /* ---- the writes -------------------------------------------------------------- */
 
+/* A view saved whole (st_tensor.strided): its elements in row-major order
+ * into buf as fp32, 16-bit ones through a small stage converted a batch at
+ * a time. One copy, as for a converted tensor. */
+static const float *gather_fp32(const uint8_t *src, const st_tensor *t, float *buf) {
+  uint64_t idx[ST_MAX_DIMS] = {0}, off = 0;
+  unsigned size = st_dtype_size(t->dtype);
+  uint16_t stage[4096];
+  size_t staged = 0;
+  for (uint64_t e = 0; e < t->numel; e++) {
+    if (size == 4)
+      memcpy(&buf[e], src + off * 4, 4);
+    else
+      memcpy(&stage[staged++], src + off * 2, 2);
+    if (staged == 4096 || (staged && e + 1 == t->numel)) {
+      dtype_to_f32(t->dtype, stage, buf + e + 1 - staged, staged);
+      staged = 0;
+    }
+    /* The next index, the last dimension fastest; tz_parse checked that
+     * every element lies inside [begin, end). */
+    for (uint32_t d = t->ndim; d-- > 0;) {
+      if (++idx[d] < t->shape[d]) {
+        off += t->stride[d];
+        break;
+      }
+      off -= (t->shape[d] - 1) * t->stride[d];
+      idx[d] = 0;
+    }
+  }
+  return buf;
+}
+
 /* Tensor i's elements as fp32: straight from the mapping when they are
- * fp32 and aligned, else converted into buf. */
+ * fp32, row-major and aligned, else gathered or converted into buf. */
 static const float *as_fp32(const mapped *m, const st_header *h, const st_tensor *t, float *buf) {
   const uint8_t *src = m->base + h->data_start + t->begin;
+  if (t->strided)
+    return gather_fp32(src, t, buf);
   if (t->dtype == ZS_DTYPE_FP32 && (uintptr_t)src % _Alignof(float) == 0)
     return (const float *)(const void *)src;
   if (t->dtype == ZS_DTYPE_FP32) {
@@ -495,7 +550,7 @@ int cli_import(int argc, char **argv) {
   int status = 1;
   if (map_file(a.path, &m) != 0)
     return 1;
-  if (st_parse(m.base, m.size, &h, err, sizeof err) != 0) {
+  if (read_index(&m, &h, err, sizeof err) != 0) {
     fprintf(stderr, "zshard import: %s: %s\n", a.path, err);
     goto out;
   }

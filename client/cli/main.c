@@ -8,7 +8,7 @@
  *   zshard checkpoint | restore | checkpoints   checkpoints of a running job
  *   zshard close-job --shards LIST              frees the job on every shard
  *   zshard reshard | export                     checkpoint files, offline
- *   zshard import   --shards LIST FILE          a safetensors file into the
+ *   zshard import   --shards LIST FILE          a safetensors or .pt file into the
  *                                              open job's master weights
  */
 #include <errno.h>
@@ -149,7 +149,7 @@ static void usage(FILE *f) {
              "  close-job  close the job on every shard, ready for the next one\n"
              "  reshard    rewrite a checkpoint for another shard count (offline)\n"
              "  export     write a checkpoint as one safetensors file (offline)\n"
-             "  import     write a safetensors file into the open job's master weights\n"
+             "  import     write a safetensors or .pt file into the open job's master weights\n"
              "  bench      load-test a running cluster: push/pull throughput and latency\n"
              "  version    print the library version\n"
              "\n"

@@ -216,6 +216,21 @@ const char *st_dtype_name(zs_dtype d) {
   return d == ZS_DTYPE_BF16 ? "BF16" : d == ZS_DTYPE_FP16 ? "F16" : "F32";
 }
 
+unsigned st_dtype_size(zs_dtype d) {
+  return d == ZS_DTYPE_FP32 ? 4 : 2;
+}
+
+int st_shape_numel(const uint64_t *shape, uint32_t ndim, uint64_t *numel) {
+  uint64_t n = 1;
+  for (uint32_t d = 0; d < ndim; d++) {
+    if (shape[d] && n > UINT64_MAX / 8 / shape[d])
+      return -1;
+    n *= shape[d];
+  }
+  *numel = n;
+  return 0;
+}
+
 static int dtype_of(const char *s, zs_dtype *out) {
   if (strcmp(s, "F32") == 0)
     *out = ZS_DTYPE_FP32;
@@ -340,15 +355,12 @@ static int check_tensors(st_header *h, char *err, size_t errlen) {
     st_tensor *t = &h->tensors[i];
     if (!t->name[0])
       return status_fail(err, errlen, ZS_EPROTO, "safetensors header: a tensor has an empty name");
-    uint64_t numel = 1;
-    for (uint32_t d = 0; d < t->ndim; d++) {
-      if (t->shape[d] && numel > UINT64_MAX / 8 / t->shape[d])
-        return status_fail(err, errlen, ZS_EPROTO,
-                           "safetensors header: tensor '%.200s': its shape overflows", t->name);
-      numel *= t->shape[d];
-    }
+    uint64_t numel;
+    if (st_shape_numel(t->shape, t->ndim, &numel) != 0)
+      return status_fail(err, errlen, ZS_EPROTO,
+                         "safetensors header: tensor '%.200s': its shape overflows", t->name);
     t->numel = numel;
-    uint64_t bytes = numel * (t->dtype == ZS_DTYPE_FP32 ? 4 : 2);
+    uint64_t bytes = numel * st_dtype_size(t->dtype);
     if (t->begin > t->end || t->end > h->data_len)
       return status_fail(err, errlen, ZS_EPROTO,
                          "safetensors header: tensor '%.200s': data_offsets [%" PRIu64 ", %" PRIu64

@@ -35,6 +35,12 @@ typedef struct st_tensor {
   uint64_t shape[ST_MAX_DIMS];
   uint64_t numel;
   uint64_t begin, end; /* bytes of the data section (after the header) */
+  /* A view saved as it was (torchzip only: a transpose, a slice): its
+   * elements lie at begin + (i0 * stride[0] + i1 * stride[1] + ...) elements,
+   * every one inside [begin, end); 0 for the row-major tensors of both
+   * formats, whose elements are [begin, end) in order. */
+  int strided;
+  uint64_t stride[ST_MAX_DIMS];
 } st_tensor;
 
 typedef struct st_header {
@@ -55,5 +61,13 @@ void st_header_free(st_header *h);
 
 /* "F32", "F16", "BF16". */
 const char *st_dtype_name(zs_dtype d);
+
+/* Bytes per element of an imported dtype: 4 for FP32, 2 for FP16 and BF16. */
+unsigned st_dtype_size(zs_dtype d);
+
+/* The element count of a shape into *numel; -1 when it, or its bytes at 8
+ * per element, would not fit in 64 bits (a shape from a file that cannot
+ * be a tensor), else 0. Both readers size their tensors with it. */
+int st_shape_numel(const uint64_t *shape, uint32_t ndim, uint64_t *numel);
 
 #endif

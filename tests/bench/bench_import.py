@@ -1,10 +1,12 @@
 #!/usr/bin/python3
-"""bench_import: `zshard import` of a ~1 GiB fp32 safetensors file against the
-data plane's push throughput, measured in the same run on the same shards
-and the same model (issue 21's goal: import >= 0.5 of push).
+"""bench_import: `zshard import` of a ~1 GiB fp32 safetensors file, and of the
+same tensors torch.save'd (.pt), against the data plane's push throughput,
+measured in the same run on the same shards and the same model (issue 21's
+goal: import >= 0.5 of push).
 
     ZSHARD_SERVER_BIN=build/server/zshard-server PYTHONPATH=build/python \\
         /usr/bin/python3 tests/bench/bench_import.py --build-dir build [--gib 1] [--json]
+        [--formats safetensors,pt]
 
 The model: --tensors tensors (default 64) of equal size, --gib GiB of fp32 in
 all, one SGD group (10 bytes of shard memory per parameter), N = 2 shards
@@ -24,6 +26,10 @@ Figures (JSON lines as the other benchmarks print them, bench "import"):
   import_peak_rss_mib  the command's own peak resident set (VmHWM, from its
                 last line), the highest of the rounds; one tensor is
                 --gib / --tensors GiB.
+  import_pt_gbps, import_pt_wall_gbps, import_pt_peak_rss_mib  the same for
+                the .pt file (torch.save of the same tensors; needs torch),
+                imported in the same rounds as the safetensors file, turn
+                about, so that both see the same machine.
 """
 
 import argparse
@@ -59,6 +65,15 @@ def write_file(path, names, numel):
             f.write(rng.standard_normal(numel, dtype=np.float32).tobytes())
 
 
+def write_pt(path, names, numel):
+    """The same tensors as write_file's (the same generator), torch.save'd:
+    the whole dict is built in memory first, as torch.save needs it."""
+    import torch
+    rng = np.random.default_rng(0)
+    torch.save({n: torch.from_numpy(rng.standard_normal(numel, dtype=np.float32))
+                for n in names}, path)
+
+
 def emit(args, metric, value, unit, limit=None):
     r = {"bench": "import", "metric": metric, "value": round(value, 4), "unit": unit}
     if limit:
@@ -78,6 +93,8 @@ def main():
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--formats", default="safetensors,pt",
+                    help="files to import, comma-separated: safetensors, pt")
     args = ap.parse_args()
     os.environ.setdefault("ZSHARD_SERVER_BIN", os.path.join(args.build_dir, "server",
                                                             "zshard-server"))
@@ -91,11 +108,13 @@ def main():
     nbytes = numel * 4 * args.tensors
     with tempfile.TemporaryDirectory(prefix="zshard-bench-import-") as tmp, \
             zshard_servers.Shards(2, threads=2) as shards:
-        path = os.path.join(tmp, "model.safetensors")
-        write_file(path, names, numel)
-        with open(path, "rb") as f:        # into the page cache, as for every import below
-            while f.read(64 << 20):
-                pass
+        paths = {}
+        for fmt in args.formats.split(","):
+            paths[fmt] = os.path.join(tmp, "model." + fmt)
+            (write_file if fmt == "safetensors" else write_pt)(paths[fmt], names, numel)
+            with open(paths[fmt], "rb") as f:   # into the page cache, as for every import below
+                while f.read(64 << 20):
+                    pass
         c = zshard.Client(shards.addresses, job="bench-import", rank=0, world_size=1)
         c.add_group(optimizer=zshard.SGD)
         for n in names:
@@ -112,17 +131,22 @@ def main():
             push = max(push, nbytes / (time.perf_counter() - t0) / 1e9)
             c.step(lr=0.0)
         emit(args, "push_gbps", push, "GB/s")
-        best, wall, rss = 0.0, 0.0, 0
+        best, wall, rss = ({fmt: 0.0 for fmt in paths}, {fmt: 0.0 for fmt in paths},
+                           {fmt: 0 for fmt in paths})
         for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            out = subprocess.run([cli, "import", "--shards", shards.addresses, "--quiet", path],
-                                 capture_output=True, text=True, check=True).stdout
-            wall = max(wall, nbytes / (time.perf_counter() - t0) / 1e9)
-            best = max(best, float(re.search(r"([0-9.]+) GB/s", out).group(1)))
-            rss = max(rss, int(re.search(r"peak resident set .* \(([0-9]+) bytes\)", out).group(1)))
-        emit(args, "import_gbps", best, "GB/s", 0.5 * push)
-        emit(args, "import_wall_gbps", wall, "GB/s")
-        emit(args, "import_peak_rss_mib", rss / 2**20, "MiB")
+            for fmt, path in paths.items():
+                t0 = time.perf_counter()
+                out = subprocess.run([cli, "import", "--shards", shards.addresses, "--quiet",
+                                      path], capture_output=True, text=True, check=True).stdout
+                wall[fmt] = max(wall[fmt], nbytes / (time.perf_counter() - t0) / 1e9)
+                best[fmt] = max(best[fmt], float(re.search(r"([0-9.]+) GB/s", out).group(1)))
+                rss[fmt] = max(rss[fmt], int(re.search(r"peak resident set .* \(([0-9]+) bytes\)",
+                                                       out).group(1)))
+        for fmt in paths:
+            name = "import" if fmt == "safetensors" else "import_" + fmt
+            emit(args, name + "_gbps", best[fmt], "GB/s", 0.5 * push)
+            emit(args, name + "_wall_gbps", wall[fmt], "GB/s")
+            emit(args, name + "_peak_rss_mib", rss[fmt] / 2**20, "MiB")
         c.close()
 
 

@@ -9,8 +9,13 @@ torch's tensor rebuilders are refused before anything is written (the masters
 are compared before and after). With two trainers each loads the same file
 and both pull it. The importer's peak memory is measured in a
 subprocess: it stays under the largest tensor plus a constant, well under the
-file. `zshard import` (the CLI) writes a file `zshard export` wrote back to
-the same bits.
+file. shard(..., state_dict_path=) loads the file once the model is sharded
+(CPU and meta models), and leaves a resumed job's trained weights.
+`zshard import` (the CLI) writes a file `zshard export` wrote back to the
+same bits, writes a torch.save'd state dict (fp32, bf16, fp16, nn.Parameter
+values, views saved with their strides) to the bits model.load_state_dict()
+gives, refuses bad .pt files (names, a mis-shaped view, a hostile global, a compressed member, a cut file, the
+pre-1.6 format) with nothing written, and holds one tensor at a time.
 
 Two real zshard-server processes on port 0; fp32 on the wire.
 Run with Debian's interpreter (CTest does): /usr/bin/python3 -m pytest tests/python/test_import.py
@@ -321,6 +326,60 @@ class ModelBuiltEmpty(unittest.TestCase):
                 opt.close(close_job=True)
 
 
+class ShardFromAFile(unittest.TestCase):
+
+    def test_shard_with_state_dict_path_starts_from_the_files_bits_unless_resumed(self):
+        """shard(..., state_dict_path=) loads the file once the model is
+        sharded, for a model built on the CPU and one built on meta: the
+        masters and the buffers are the file's. A job already stepped keeps
+        its trained weights; a file that does not fit raises like
+        load_state_dict."""
+        with tempfile.TemporaryDirectory(prefix="zshard-shard-path-") as tmp, \
+                zshard_servers.Shards(2) as shards:
+            ref = Net(seed=14)
+            path = os.path.join(tmp, "sd.pt")
+            torch.save(ref.state_dict(), path)
+
+            def open_(model, job):
+                return zshard.torch.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                          addresses=shards.addresses, wire_dtype=torch.float32,
+                                          rank=0, world_size=1, split_threshold=1024, job=job,
+                                          state_dict_path=path)
+
+            for how in ("cpu", "meta"):
+                with self.subTest(how):
+                    if how == "meta":
+                        with zshard.torch.init_empty():
+                            model = Net(seed=2)
+                    else:
+                        model = Net(seed=2)
+                    opt = open_(model, "from-file-" + how)
+                    try:
+                        got = masters(opt)
+                        for n, p in ref.named_parameters():
+                            self.assertTrue(torch.equal(got[n].view(torch.int32),
+                                                        p.detach().view(torch.int32)), n)
+                        for (n, b), c in zip(model.named_buffers(), ref.buffers()):
+                            self.assertTrue(torch.equal(b, c), n)
+                        opt.zero_grad()
+                        model(torch.arange(8)).square().mean().backward()
+                        opt.step()
+                        trained = masters(opt)
+                        self.assertFalse(torch.equal(trained["fc.weight"], got["fc.weight"]))
+                        opt.close()
+                        opt = open_(Net(seed=2), "from-file-" + how)
+                        again = masters(opt)
+                        for n in trained:
+                            self.assertTrue(torch.equal(again[n], trained[n]), n)
+                    finally:
+                        opt.close(close_job=True)
+            sd = ref.state_dict()
+            del sd["fc.bias"]
+            torch.save(sd, path)
+            with self.assertRaisesRegex(RuntimeError, r'Missing key\(s\) in state_dict: "fc\.bias"'):
+                open_(Net(seed=2), "from-file-bad")
+
+
 class CliImport(unittest.TestCase):
     """`zshard import` (ZSHARD_CLI_BIN) into a job a trainer opened: it asks
     the shards for the spec, joins the job and writes the masters."""
@@ -432,6 +491,112 @@ class CliImport(unittest.TestCase):
     def path(self, name):
         return os.path.join(self.tmp.name, name)
 
+    def test_a_torch_save_state_dict_imports_to_the_bits_load_state_dict_gives(self):
+        """torch.save(model.state_dict()) (its parameters: the shards hold
+        no buffers) -> `zshard import` -> the masters are what
+        model.load_state_dict() gives the model, for fp32, bf16 and fp16
+        files; a dict of nn.Parameter objects (keep_vars) and one of views
+        (transposed, expanded, sliced) too."""
+        with zshard_servers.Shards(2) as shards:
+            opt = shard(Net(seed=2), shards)
+            try:
+                for dtype in (torch.float32, torch.bfloat16, torch.float16, "params", "views",
+                              "bf16 views"):
+                    with self.subTest(dtype=dtype):
+                        ref = Net(seed=13)
+                        # model.state_dict() itself (an OrderedDict with its
+                        # _metadata), less the buffers; others as plain dicts.
+                        sd = ref.state_dict(keep_vars=dtype == "params")
+                        for k, _ in ref.named_buffers():
+                            del sd[k]
+                        if dtype in (torch.bfloat16, torch.float16):
+                            sd = {k: v.to(dtype) for k, v in sd.items()}
+                        if dtype in ("views", "bf16 views"):
+                            # Views saved with their strides, gathered by the
+                            # importer: a transpose, an expand (stride 0), a
+                            # slice (an offset and a row stride).
+                            d = torch.bfloat16 if dtype == "bf16 views" else torch.float32
+                            sd = {k: v.to(d) for k, v in sd.items()}
+                            sd["fc.weight"] = sd["fc.weight"].t().contiguous().t()
+                            sd["fc.bias"] = torch.randn(1).to(d).expand(80)
+                            sd["out.weight"] = torch.randn(64, 100).to(d)[:, 10:90]
+                        path = self.path("sd.pt")
+                        torch.save(sd, path)
+                        want = Net(seed=2)
+                        want.load_state_dict(sd, strict=False)
+                        out = self.run_cli("import", "--shards", shards.addresses, path).stdout
+                        self.assertRegex(out, r"imported 6 tensors from .*sd\.pt")
+                        self.assertMastersAre(opt, want, dtype)
+            finally:
+                opt.close(close_job=True)
+
+    def assertMastersAre(self, opt, ref, what):
+        got = masters(opt)
+        for n, p in ref.named_parameters():
+            self.assertTrue(torch.equal(got[n].view(torch.int32), p.detach().view(torch.int32)),
+                            "%s: %s differs" % (what, n))
+
+    def test_bad_torch_files_are_refused_naming_the_problem_and_nothing_is_written(self):
+        marker = self.path("ran")
+
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("touch " + marker,))
+
+        def params(seed):
+            return {k: v.detach() for k, v in Net(seed=seed).named_parameters()}
+
+        with zshard_servers.Shards(2) as shards:
+            opt = shard(Net(seed=2), shards)
+            try:
+                before = masters(opt)
+                files = {}
+                sd = params(3)
+                del sd["fc.bias"]
+                sd["head.weight"] = torch.zeros(3)
+                sd["out.weight"] = torch.zeros(64, 81)
+                torch.save(sd, self.path("names.pt"))
+                files["names.pt"] = ('Missing key(s) in state_dict: "fc.bias"',
+                                     'Unexpected key(s) in state_dict: "head.weight"',
+                                     "size mismatch for out.weight: copying a param with shape "
+                                     "[64, 81] from checkpoint, the shape in current model is "
+                                     "[64, 80]", "nothing was written")
+                sd = params(3)
+                sd["fc.weight"] = torch.randn(80, 100)[:, :65]
+                torch.save(sd, self.path("view.pt"))
+                files["view.pt"] = ("size mismatch for fc.weight: copying a param with shape "
+                                    "[80, 65]",)
+                with zipfile.ZipFile(self.path("evil.pt"), "w") as z:
+                    z.writestr("archive/data.pkl", pickle.dumps({"fc.weight": Evil()},
+                                                                protocol=2))
+                files["evil.pt"] = ("global posix.system is not allowed",)
+                torch.save(params(3), self.path("good.pt"))
+                with zipfile.ZipFile(self.path("good.pt")) as src, \
+                        zipfile.ZipFile(self.path("deflated.pt"), "w",
+                                        zipfile.ZIP_DEFLATED) as dst:
+                    for info in src.infolist():
+                        dst.writestr(info.filename, src.read(info.filename))
+                files["deflated.pt"] = ("is compressed (method 8)",)
+                raw = open(self.path("good.pt"), "rb").read()
+                with open(self.path("cut.pt"), "wb") as f:
+                    f.write(raw[:len(raw) // 2])
+                files["cut.pt"] = ("no end of central directory record",)
+                torch.save(params(3), self.path("legacy.pt"), _use_new_zipfile_serialization=False)
+                files["legacy.pt"] = ("format before torch 1.6",)
+                for name, phrases in files.items():
+                    with self.subTest(name):
+                        p = self.run_cli("import", "--shards", shards.addresses, self.path(name),
+                                         ok=False)
+                        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+                        for phrase in phrases:
+                            self.assertIn(phrase, p.stderr)
+                        after = masters(opt)
+                        for n in before:
+                            self.assertTrue(torch.equal(before[n], after[n]), (name, n))
+                self.assertFalse(os.path.exists(marker))
+            finally:
+                opt.close(close_job=True)
+
 
 PEAK_SCRIPT = r"""
 import os, sys
@@ -526,10 +691,14 @@ class PeakMemory(unittest.TestCase):
                 write_safetensors(empty, {})
                 base = peak(shards, "--partial", empty)
                 self.assertGreater(base, 0)
-                for fmt in ("F32", "BF16"):
+                for fmt in ("F32", "BF16", "torch.save"):
                     path = os.path.join(tmp, "model.safetensors")
-                    write_safetensors(path, {n: t if fmt == "F32" else t.bfloat16()
-                                             for n, t in sd.items()})
+                    if fmt == "torch.save":
+                        path = os.path.join(tmp, "model.pt")
+                        torch.save(sd, path)
+                    else:
+                        write_safetensors(path, {n: t if fmt == "F32" else t.bfloat16()
+                                                 for n, t in sd.items()})
                     grew = peak(shards, path) - base
                     print("zshard import of %s: %.1f MiB file, the peak grew by %.1f MiB over "
                           "the baseline's %.1f MiB" % (fmt, os.path.getsize(path) / 2**20,
@@ -537,7 +706,7 @@ class PeakMemory(unittest.TestCase):
                     self.assertLess(grew, self.LARGEST + self.CONSTANT, fmt)
                     got = torch.empty(2048, 2048)
                     c.state_read(3, zshard.MASTER, zshard.torch._common._buffer(got))
-                    want = sd["3.weight"] if fmt == "F32" else sd["3.weight"].bfloat16().float()
+                    want = sd["3.weight"] if fmt != "BF16" else sd["3.weight"].bfloat16().float()
                     self.assertTrue(torch.equal(got, want), fmt)
             finally:
                 c.close()

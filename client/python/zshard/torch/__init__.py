@@ -657,7 +657,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
 
 
 def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, world_size=None,
-          prefetch=2, release_after_forward=False, max_grad_norm=None, **options):
+          prefetch=2, release_after_forward=False, max_grad_norm=None, state_dict_path=None,
+          **options):
     """Moves `optimizer`'s parameters and their optimizer to the zshard shards
     at `addresses` ("h0:7070,h1:7070" or "zshard-{i}.zshard:7070" with
     num_shards=N; a replicated shard's members separated by "|",
@@ -698,9 +699,22 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
     push_window: the gradient bytes pushes in flight may hold before backward
       waits for the oldest (None: with release_after_forward 64 MiB or two of
       the largest tensors, whichever is more, else no bound; 0: no bound).
+    state_dict_path: a safetensors file or torch.save'd state dict to start
+      from: load_pretrained(opt, state_dict_path) once the model is sharded
+      (strict names; every rank reads it, one tensor at a time). Parameters
+      are initialised first (meta ones too) and then overwritten: the file's
+      bits, whatever the initialisation was. A job the shards have already
+      stepped (a resumed run) keeps its trained weights: the file is not read.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
-    return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
-                            world_size=world_size, prefetch=prefetch,
-                            release_after_forward=release_after_forward,
-                            max_grad_norm=max_grad_norm, **options)
+    opt = ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
+                           world_size=world_size, prefetch=prefetch,
+                           release_after_forward=release_after_forward,
+                           max_grad_norm=max_grad_norm, **options)
+    if state_dict_path is not None and opt._version == 0:
+        try:
+            load_pretrained(opt, state_dict_path)
+        except BaseException:
+            opt.close()
+            raise
+    return opt
