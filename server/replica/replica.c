@@ -67,6 +67,7 @@ typedef struct member {
   int reachable;       /* the last probe was answered */
   uint64_t behind_since_ms;
   char seen_config[REPLICA_CONFIG_LEN]; /* why its member list differs; "": it agrees */
+  uint64_t heard_term;                  /* the highest term its probes of this replica carried */
 } member;
 
 struct replica {
@@ -296,6 +297,9 @@ static int peer_info(replica *r, member *m, uint32_t ms, Zshard__V1__GetInfoResp
   Zshard__V1__GetInfoRequest q = ZSHARD__V1__GET_INFO_REQUEST__INIT;
   q.replica_members = r->members_list; /* the peer checks it against its own */
   q.replica_index = r->index;
+  pthread_mutex_lock(&r->mu);
+  q.replica_term = r->term;
+  pthread_mutex_unlock(&r->mu);
   rpc_status st;
   return rpc_call(ch, REPLICA_METHOD("GetInfo"), &q.base,
                   &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)out, ms, &st);
@@ -1036,9 +1040,12 @@ static int config_error_locked(const replica *r, char *buf, size_t len) {
  * one of those was reached one promotion at a time. */
 static uint64_t known_term_locked(const replica *r) {
   uint64_t t = r->term;
-  for (uint32_t i = 0; i < r->n; i++)
+  for (uint32_t i = 0; i < r->n; i++) {
     if (i != r->index && r->m[i].last_ok_ms && r->m[i].seen_term > t)
       t = r->m[i].seen_term;
+    if (i != r->index && r->m[i].heard_term > t)
+      t = r->m[i].heard_term;
+  }
   return t;
 }
 
@@ -1136,6 +1143,11 @@ int replica_promote(replica *r, uint64_t term, int admin, uint64_t *term_out, in
   *role_out = r->role;
   *version_out = info.version;
   pthread_mutex_unlock(&r->mu);
+  /* Every reachable peer hears the new term before any trainer does (the
+   * probe carries it): should this member die at once, the next Promote a
+   * trainer sends with the term it learnt here is one the peers know. */
+  if (rc == 0)
+    probe_all(r, REPLICA_PROBE_MS);
   /* The primary this one replaces may have acknowledged steps that never
    * reached it (it was dropped, or cut off, and cannot know): a trainer past
    * its version is told ZS_EBEHIND and to restore, as after a restart. */
@@ -1407,7 +1419,8 @@ static void *monitor_main(void *arg) {
   return NULL;
 }
 
-void replica_check_caller(replica *r, const char *members, uint32_t index, int admin) {
+void replica_check_caller(replica *r, const char *members, uint32_t index, uint64_t term,
+                          int admin) {
   /* Only a peer holds the admin token: a trainer's list would let it refuse
    * the set for everyone. */
   if (!r || !admin || !members || !members[0])
@@ -1427,6 +1440,14 @@ void replica_check_caller(replica *r, const char *members, uint32_t index, int a
   pthread_mutex_lock(&r->mu);
   uint64_t now = clock_now_ms();
   int held = r->caller_config_ms && now - r->caller_config_ms < REPLICA_CONFIG_HOLD_MS;
+  if (!why[0] && term <= REPLICA_TERM_MAX && term > r->m[index].heard_term) {
+    /* A peer of a newer term (just promoted): look at it now. */
+    r->m[index].heard_term = term;
+    if (term > r->term) {
+      r->probe_now = 1;
+      pthread_cond_broadcast(&r->cv);
+    }
+  }
   if (why[0]) {
     if (!held || strcmp(why, r->caller_config) != 0)
       LOG_ERROR("replica_config_mismatch",

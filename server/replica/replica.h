@@ -168,10 +168,13 @@ int replica_promote(replica *r, uint64_t term, int admin, uint64_t *term_out, in
                     uint64_t *version_out, char *err, size_t errlen);
 
 /* GetInfo from a caller that sent its member list (`members`, '|'-separated;
- * NULL or "": none) and place: a peer's probe. Counted only with the admin
- * role (admin != 0): a list that differs from this replica's is remembered
- * for a few probe rounds (config_error, Promote refused) and logged. */
-void replica_check_caller(replica *r, const char *members, uint32_t index, int admin);
+ * NULL or "": none), place and term: a peer's probe. Counted only with the
+ * admin role (admin != 0): a list that differs from this replica's is
+ * remembered for a few probe rounds (config_error, Promote refused) and
+ * logged; from a peer whose list agrees, the term counts as one seen (see
+ * replica_promote). */
+void replica_check_caller(replica *r, const char *members, uint32_t index, uint64_t term,
+                          int admin);
 
 /* ReplicaJoin on the primary: 0 and the join's id (0: nothing to copy, the
  * member is in sync already), or a refusal. */

@@ -405,6 +405,24 @@ def test_failover_terms_move_by_one_and_cannot_be_exhausted():
         assert r.term == 3 and ROLE[r.role] == "primary"
 
 
+def test_a_term_dies_with_its_primary_only_once_the_peers_heard_it():
+    """The admin moves the live primary to term 2 and it is killed at once,
+    before its backup's next probe round could read the new term: the
+    promoted primary told its peers before it answered, so a trainer that
+    learnt term 2 from that answer can promote the backup to term 3."""
+    with ReplicaSet(tokens=True) as rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        # Both reach each other (member 0 started first: its channel to
+        # member 1 may still be backing off from the start).
+        assert hostile.wait_for(lambda: rs.info(0).replica.members[1].last_seen_s >= 0,
+                                seconds=30), rs.info(0)
+        assert promote(rs, 0, 2, token="admin").term == 2
+        rs.kill(0)
+        r = promote(rs, 1, 3)
+        assert r.term == 3 and ROLE[r.role] == "primary"
+
+
 def test_replica_methods_refuse_a_trainers_token():
     """ReplicaJoin and ReplicaFetch need the admin token (the members call
     each other with it); a forward marker with a trainer's token is refused;

@@ -1486,7 +1486,7 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   }
   int with_spec = r->with_spec;
   /* A peer's probe carries its member list: the replica compares it. */
-  replica_check_caller(s->rep, r->replica_members, r->replica_index, c->admin);
+  replica_check_caller(s->rep, r->replica_members, r->replica_index, r->replica_term, c->admin);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   core_info info;
   core_get_info(s->core, &info);
