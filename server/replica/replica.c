@@ -1143,16 +1143,16 @@ int replica_promote(replica *r, uint64_t term, int admin, uint64_t *term_out, in
   *role_out = r->role;
   *version_out = info.version;
   pthread_mutex_unlock(&r->mu);
-  /* Every reachable peer hears the new term before any trainer does (the
-   * probe carries it): should this member die at once, the next Promote a
-   * trainer sends with the term it learnt here is one the peers know. */
-  if (rc == 0)
-    probe_all(r, REPLICA_PROBE_MS);
   /* The primary this one replaces may have acknowledged steps that never
    * reached it (it was dropped, or cut off, and cannot know): a trainer past
    * its version is told ZS_EBEHIND and to restore, as after a restart. */
   if (rc == 0 && info.has_job)
     core_mark_behind(r->core);
+  /* Every reachable peer hears the new term before any trainer does (the
+   * probe carries it): should this member die at once, the next Promote a
+   * trainer sends with the term it learnt here is one the peers know. */
+  if (rc == 0)
+    probe_all(r, REPLICA_PROBE_MS);
   return rc;
 }
 

@@ -471,7 +471,9 @@ def test_a_stale_backup_that_takes_over_answers_ebehind():
         finally:
             rs.procs[1].send_signal(signal.SIGCONT)
         r = promote(rs, 1, 2)
-        assert ROLE[r.role] == "primary" and r.version == 2
+        # Version 2, or 3 when step 3's forwards queued while it was stopped
+        # were taken after it continued (seen once on a loaded machine).
+        assert ROLE[r.role] == "primary" and r.version in (2, 3), r
         b = rs.client(1)
         pb = stubs().pb
         st, msg = refused(b.call, "GradStats", pb.GradStatsRequest(spec_hash=h, step=6,
