@@ -314,6 +314,13 @@ int core__check_job(const core *c, uint64_t hash, char *err, size_t errlen) {
  * checkpoint this shard was restored to, and must restore the job to a common
  * checkpoint before going on. Called with state_rw or mu held. */
 int core__behind(const core *c, const char *what, uint64_t step, char *err, size_t errlen) {
+  if (c->ckpt_taken_over)
+    return status_fail(err, errlen, ZS_EBEHIND,
+                       "%s for step %" PRIu64 " but shard %u is at version %" PRIu64
+                       ": this replica took over as primary without the steps after it (the "
+                       "primary it replaced had acknowledged them); restore the job to a "
+                       "checkpoint (zs_restore, zshard restore) to resume",
+                       what, step, c->shard_id, c->version);
   return status_fail(err, errlen, ZS_EBEHIND,
                      "%s for step %" PRIu64 " but shard %u holds checkpoint step %" PRIu64
                      " (version %" PRIu64
@@ -772,6 +779,7 @@ void core__run_close(core *c, ckpt_call *call) {
   c->ckpt_loaded = 0;
   c->ckpt_step = 0;
   c->ckpt_untouched = 0;
+  c->ckpt_taken_over = 0;
   c->version_event = 0;
   c->state_bytes = 0;
   pthread_mutex_unlock(&c->mu);

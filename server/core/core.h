@@ -555,4 +555,13 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
  * has been applied since; 0 otherwise. */
 int core_checkpoint_origin(core *c, uint64_t *step, int *untouched);
 
+/* Marks the open job's state as possibly behind the cluster at its current
+ * version, as a restored checkpoint is: a request for a step beyond
+ * version + 1 is then answered ZS_EBEHIND with the hint to restore, not
+ * ZS_ESTEP. A replica set's member calls it when it takes over as primary
+ * (the primary it replaces may have acknowledged steps it never got). Until
+ * the next open, close or restore; nothing when no job is open or the state
+ * came from a checkpoint already. */
+void core_mark_behind(core *c);
+
 #endif

@@ -322,6 +322,7 @@ struct core {
   int ckpt_loaded;
   uint64_t ckpt_step;
   int ckpt_untouched;
+  int ckpt_taken_over;    /* core_mark_behind, not a checkpoint, set ckpt_loaded */
   uint64_t next_deadline; /* the worker's next wake-up; UINT64_MAX when none */
   int version_event;      /* initialisation finished: version waiters may fire */
   int stop;

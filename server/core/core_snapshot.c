@@ -175,6 +175,7 @@ void core__run_restore(core *c, ckpt_call *call) {
   c->ckpt_loaded = 1;
   c->ckpt_step = call->ckpt_step;
   c->ckpt_untouched = 1;
+  c->ckpt_taken_over = 0;
   core__begin_step(c);
   /* Statistics and applies in progress belong to a step that no longer
    * exists here, and so do waits for a version beyond the restored one:
@@ -412,6 +413,19 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
   }
   core__ckpt_call_destroy(&call);
   return rc;
+}
+
+void core_mark_behind(core *c) {
+  pthread_rwlock_wrlock(&c->state_rw);
+  pthread_mutex_lock(&c->mu);
+  if (c->open && !c->ckpt_loaded) {
+    c->ckpt_loaded = 1;
+    c->ckpt_step = c->version;
+    c->ckpt_untouched = 0; /* not a checkpoint: a Restore must not be skipped */
+    c->ckpt_taken_over = 1;
+  }
+  pthread_mutex_unlock(&c->mu);
+  pthread_rwlock_unlock(&c->state_rw);
 }
 
 int core_checkpoint_origin(core *c, uint64_t *step, int *untouched) {

@@ -37,6 +37,10 @@
 #define REPLICA_RETRY_MS 20u
 #define REPLICA_METHOD(m) "/zshard.v1.ZShard/" m
 #define REPLICA_ERRLEN 256
+/* How long a peer's probe with a member list unlike this one's keeps the
+ * set refused after it (peers probe every REPLICA_MONITOR_MS). */
+#define REPLICA_CONFIG_HOLD_MS 5000u
+#define REPLICA_CONFIG_LEN 200
 
 typedef struct member {
   char *addr; /* gRPC host:port, owned */
@@ -62,6 +66,8 @@ typedef struct member {
   uint64_t last_ok_ms; /* 0: never */
   int reachable;       /* the last probe was answered */
   uint64_t behind_since_ms;
+  char seen_config[REPLICA_CONFIG_LEN]; /* why its member list differs; "": it agrees */
+  uint64_t heard_term;                  /* the highest term its probes of this replica carried */
 } member;
 
 struct replica {
@@ -72,6 +78,7 @@ struct replica {
   uint32_t index, n, failover_ms;
   member m[REPLICA_MAX_MEMBERS];
   char *token;
+  char *members_list; /* the members' addresses joined by '|', sent with every probe */
   rpc_security sec;
   tls_ctx *dp_tls; /* client context for the peers' data planes; NULL: plain */
 
@@ -79,6 +86,10 @@ struct replica {
   uint64_t term;
   int primary; /* -1: unknown */
   uint64_t failovers, forwards, forwarded_bytes, joins;
+  int probe_now; /* a trainer hinted at a newer term: the monitor probes at once */
+  /* A peer probed with a member list unlike this one's (replica_check_caller). */
+  char caller_config[REPLICA_CONFIG_LEN];
+  uint64_t caller_config_ms;
 
   /* The primary's copy for a joiner (one join at a time). */
   core_state snap;
@@ -165,6 +176,15 @@ int replica_create(const replica_config *cfg, replica **out, char *err, size_t e
     return n;
   }
   r->n = (uint32_t)n;
+  size_t listlen = 1;
+  for (uint32_t i = 0; i < r->n; i++)
+    listlen += strlen(addrs[i]) + 1;
+  r->members_list = calloc(1, listlen);
+  for (uint32_t i = 0; i < r->n && r->members_list; i++) {
+    if (i)
+      strcat(r->members_list, "|");
+    strcat(r->members_list, addrs[i]);
+  }
   for (uint32_t i = 0; i < r->n; i++) {
     member *m = &r->m[i];
     m->addr = addrs[i];
@@ -184,6 +204,8 @@ int replica_create(const replica_config *cfg, replica **out, char *err, size_t e
   r->failover_ms = cfg->failover_ms ? cfg->failover_ms : REPLICA_DEFAULT_FAILOVER_MS;
   r->role = REPLICA_STARTING;
   r->primary = -1;
+  if (rc == 0 && !r->members_list)
+    rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   if (rc == 0 && cfg->token && *cfg->token && !(r->token = strdup(cfg->token)))
     rc = ZS_ENOMEM;
   r->sec.token = r->token;
@@ -246,6 +268,7 @@ void replica_destroy(replica *r) {
   core_state_free(&r->snap);
   tls_ctx_free(r->dp_tls);
   free(r->token);
+  free(r->members_list);
   pthread_mutex_destroy(&r->mu);
   pthread_cond_destroy(&r->cv);
   free(r);
@@ -272,6 +295,11 @@ static int peer_info(replica *r, member *m, uint32_t ms, Zshard__V1__GetInfoResp
   if (!ch)
     return ZS_ECONN;
   Zshard__V1__GetInfoRequest q = ZSHARD__V1__GET_INFO_REQUEST__INIT;
+  q.replica_members = r->members_list; /* the peer checks it against its own */
+  q.replica_index = r->index;
+  pthread_mutex_lock(&r->mu);
+  q.replica_term = r->term;
+  pthread_mutex_unlock(&r->mu);
   rpc_status st;
   return rpc_call(ch, REPLICA_METHOD("GetInfo"), &q.base,
                   &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)out, ms, &st);
@@ -646,6 +674,10 @@ int replica_forward_raw(replica *r, const char *method, const void *msg, size_t 
 
 /* A forward of term `term` from the primary: follows a newer term. */
 static int admit_forward_locked(replica *r, uint64_t term, char *err, size_t errlen) {
+  if (term > REPLICA_TERM_MAX)
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "a forward of term %" PRIu64 ", above the highest term %" PRIu64, term,
+                       REPLICA_TERM_MAX);
   if (term < r->term)
     return status_fail(err, errlen, ZS_ESTALE,
                        "a forward of term %" PRIu64 ", but this replica is at term %" PRIu64, term,
@@ -684,8 +716,13 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
     pthread_mutex_unlock(&r->mu);
     return rc;
   }
-  if (client_term > r->term && r->role == REPLICA_PRIMARY)
-    step_down_locked(r, "a trainer knows a newer term");
+  if (client_term > r->term && !r->probe_now) {
+    /* A trainer's word is no proof (any token holder can send any number):
+     * the monitor asks the peers now, and a primary steps down only when it
+     * sees a newer primary itself. */
+    r->probe_now = 1;
+    pthread_cond_broadcast(&r->cv);
+  }
   int primary = r->role == REPLICA_PRIMARY;
   int serves = primary || (kind == REPLICA_READ && r->role == REPLICA_BACKUP);
   if (!serves) {
@@ -885,19 +922,62 @@ void replica_fetch_release(Zshard__V1__ReplicaFetchResponse *resp) {
 
 /* ------------------------------------------------------------ probing */
 
+/* Why the set member i describes in its answer differs from this
+ * replica's, into buf; "" when it agrees. */
+static void config_diff(const replica *r, uint32_t i, const Zshard__V1__ReplicaInfo *ri, char *buf,
+                        size_t len) {
+  buf[0] = '\0';
+  if (!ri) {
+    snprintf(buf, len, "answers as a server without --replicas");
+    return;
+  }
+  if (ri->index != i) {
+    snprintf(buf, len, "counts itself member %u of its --replicas, this member counts it %u",
+             ri->index, i);
+    return;
+  }
+  if (ri->n_members != r->n) {
+    snprintf(buf, len, "lists %zu members in its --replicas, this member %u", ri->n_members, r->n);
+    return;
+  }
+  for (uint32_t k = 0; k < r->n; k++) {
+    const char *a = ri->members[k]->address;
+    if (!a || strcmp(a, r->m[k].addr) != 0) {
+      snprintf(buf, len, "names '%.64s' as member %u, this member names %s", a ? a : "", k,
+               r->m[k].addr);
+      return;
+    }
+  }
+}
+
 /* Records what member i answered (info NULL: no answer). */
 static void record_locked(replica *r, uint32_t i, const Zshard__V1__GetInfoResponse *info) {
   member *m = &r->m[i];
   m->reachable = info != NULL;
   if (!info)
     return;
+  char why[REPLICA_CONFIG_LEN];
+  config_diff(r, i, info->replica, why, sizeof why);
+  if (strcmp(why, m->seen_config) != 0) {
+    /* One line when the verdict changes, not one a probe. */
+    if (why[0])
+      LOG_ERROR("replica_config_mismatch",
+                "member=%u addr=%s detail=\"%s\" action=\"no set is formed with it: fix "
+                "--replicas/--replica-index so that every member has the same list\"",
+                i, m->addr, why);
+    else
+      LOG_INFO("replica_config_agrees", "member=%u addr=%s", i, m->addr);
+    snprintf(m->seen_config, sizeof m->seen_config, "%s", why);
+  }
   m->last_ok_ms = clock_now_ms();
   m->seen_version = info->version;
   m->seen_hash = info->spec_hash;
   m->seen_has_job = info->job && info->job[0];
   const Zshard__V1__ReplicaInfo *ri = info->replica;
   m->seen_role = ri ? (int)ri->role : REPLICA_NONE;
-  m->seen_term = ri ? ri->term : 0;
+  /* No replica takes a term above REPLICA_TERM_MAX: a peer that claims one
+   * is not believed. */
+  m->seen_term = ri && ri->term <= REPLICA_TERM_MAX ? ri->term : 0;
   m->seen_primary = ri ? ri->primary : -1;
   m->seen_lists_me = 0;
   for (size_t k = 0; ri && k < ri->n_members; k++)
@@ -930,7 +1010,7 @@ static int live_primary_locked(const replica *r, uint64_t min) {
   int best = -1;
   for (uint32_t i = 0; i < r->n; i++) {
     const member *m = &r->m[i];
-    if (i == r->index || !fresh(m) || m->seen_role != REPLICA_PRIMARY)
+    if (i == r->index || !fresh(m) || m->seen_role != REPLICA_PRIMARY || m->seen_config[0])
       continue;
     if (m->seen_term >= min && (best < 0 || m->seen_term > r->m[best].seen_term))
       best = (int)i;
@@ -940,13 +1020,63 @@ static int live_primary_locked(const replica *r, uint64_t min) {
 
 /* ------------------------------------------------------------ promotion */
 
-/* Why this replica may not become primary now, or 0. */
-static int promote_check_locked(replica *r, uint64_t term, const core_info *info, char *err,
-                                size_t errlen) {
+/* Why this replica refuses to form a set (a peer's member list differs),
+ * into buf; 0 when nothing does. */
+static int config_error_locked(const replica *r, char *buf, size_t len) {
+  buf[0] = '\0';
+  for (uint32_t i = 0; i < r->n; i++)
+    if (i != r->index && r->m[i].seen_config[0]) {
+      snprintf(buf, len, "member %u (%s) %s", i, r->m[i].addr, r->m[i].seen_config);
+      return 1;
+    }
+  if (r->caller_config_ms && clock_now_ms() - r->caller_config_ms < REPLICA_CONFIG_HOLD_MS) {
+    snprintf(buf, len, "%s", r->caller_config);
+    return 1;
+  }
+  return 0;
+}
+
+/* The highest term this replica has seen: its own or a peer's answer. Every
+ * one of those was reached one promotion at a time. */
+static uint64_t known_term_locked(const replica *r) {
+  uint64_t t = r->term;
+  for (uint32_t i = 0; i < r->n; i++) {
+    if (i != r->index && r->m[i].last_ok_ms && r->m[i].seen_term > t)
+      t = r->m[i].seen_term;
+    if (i != r->index && r->m[i].heard_term > t)
+      t = r->m[i].heard_term;
+  }
+  return t;
+}
+
+/* Why this replica may not become primary now, or 0 with the term it takes
+ * in *next. */
+static int promote_check_locked(replica *r, uint64_t term, int admin, const core_info *info,
+                                uint64_t *next, char *err, size_t errlen) {
+  char why[REPLICA_CONFIG_LEN + 64];
+  if (config_error_locked(r, why, sizeof why))
+    return status_fail(err, errlen, ZS_EINVAL, "replica %u refuses to form a set: %s", r->index,
+                       why);
   if (term <= r->term)
     return status_fail(err, errlen, ZS_ESTALE,
                        "replica %u is at term %" PRIu64 " already, not below %" PRIu64, r->index,
                        r->term, term);
+  uint64_t known = known_term_locked(r);
+  *next = known + 1;
+  if (term > known + 1 || known >= REPLICA_TERM_MAX)
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "Promote to term %" PRIu64 ": replica %u is at term %" PRIu64
+                       " and knows no term above %" PRIu64
+                       "; a promotion moves the term by one, to %" PRIu64 " at most",
+                       term, r->index, r->term, known, known + 1);
+  if (r->role == REPLICA_PRIMARY && !admin)
+    return status_fail(err, errlen, ZS_EPERM,
+                       "replica %u is the primary of term %" PRIu64
+                       " and answers; only the admin token moves a live primary's term",
+                       r->index, r->term);
+  /* A Promote asks the member to take over from a primary it no longer
+   * sees: it has just probed its peers (replica_promote). The admin token
+   * does not skip this: with tokens off every caller holds it. */
   int p = live_primary_locked(r, r->term);
   if (p >= 0)
     return status_fail(err, errlen, ZS_ENOTPRIMARY,
@@ -977,7 +1107,7 @@ static void adopt_backups_locked(replica *r, const core_info *info) {
     member *m = &r->m[i];
     m->join_pending = m->joining = 0;
     m->in_sync = 0;
-    if (i == r->index || !fresh(m))
+    if (i == r->index || !fresh(m) || m->seen_config[0])
       continue;
     int synced = m->seen_role == REPLICA_BACKUP || m->seen_role == REPLICA_PRIMARY ||
                  m->seen_role == REPLICA_STARTING;
@@ -989,7 +1119,7 @@ static void adopt_backups_locked(replica *r, const core_info *info) {
   }
 }
 
-int replica_promote(replica *r, uint64_t term, uint64_t *term_out, int *role_out,
+int replica_promote(replica *r, uint64_t term, int admin, uint64_t *term_out, int *role_out,
                     uint64_t *version_out, char *err, size_t errlen) {
   /* Who is in sync is decided on these answers: a slow peer gets the
    * failover time to answer rather than be left out. */
@@ -997,12 +1127,13 @@ int replica_promote(replica *r, uint64_t term, uint64_t *term_out, int *role_out
   core_info info;
   core_get_info(r->core, &info);
   pthread_mutex_lock(&r->mu);
-  int rc = promote_check_locked(r, term, &info, err, errlen);
+  uint64_t next = 0;
+  int rc = promote_check_locked(r, term, admin, &info, &next, err, errlen);
   if (rc == 0) {
     LOG_WARN("replica_promoted",
-             "term=%" PRIu64 " was_term=%" PRIu64 " was_role=%s version=%" PRIu64, term, r->term,
-             replica_role_name(r->role), info.version);
-    r->term = term;
+             "term=%" PRIu64 " was_term=%" PRIu64 " was_role=%s version=%" PRIu64 " by=%s", next,
+             r->term, replica_role_name(r->role), info.version, admin ? "admin" : "trainer");
+    r->term = next;
     r->role = REPLICA_PRIMARY;
     r->primary = (int)r->index;
     r->failovers++;
@@ -1012,6 +1143,16 @@ int replica_promote(replica *r, uint64_t term, uint64_t *term_out, int *role_out
   *role_out = r->role;
   *version_out = info.version;
   pthread_mutex_unlock(&r->mu);
+  /* The primary this one replaces may have acknowledged steps that never
+   * reached it (it was dropped, or cut off, and cannot know): a trainer past
+   * its version is told ZS_EBEHIND and to restore, as after a restart. */
+  if (rc == 0 && info.has_job)
+    core_mark_behind(r->core);
+  /* Every reachable peer hears the new term before any trainer does (the
+   * probe carries it): should this member die at once, the next Promote a
+   * trainer sends with the term it learnt here is one the peers know. */
+  if (rc == 0)
+    probe_all(r, REPLICA_PROBE_MS);
   return rc;
 }
 
@@ -1204,7 +1345,8 @@ static void monitor_primary_locked(replica *r, const core_info *info) {
       continue;
     /* A probe may race a forward (the job opened here, its Open on the way):
      * only a state that lasts the failover time counts. */
-    const char *why = info->has_job && !m->seen_has_job ? "it holds no job"
+    const char *why = m->seen_config[0] ? "its --replicas list differs from this member's"
+                      : info->has_job && !m->seen_has_job ? "it holds no job"
                       : m->seen_version + 1 < info->version
                           ? "its version is more than one step behind"
                       : (m->seen_role != REPLICA_BACKUP || m->seen_term != r->term) &&
@@ -1264,8 +1406,9 @@ static void *monitor_main(void *arg) {
       ts.tv_sec++;
       ts.tv_nsec -= 1000000000L;
     }
-    if (join < 0 && !r->stopping)
+    if (join < 0 && !r->stopping && !r->probe_now)
       pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+    r->probe_now = 0;
     pthread_mutex_unlock(&r->mu);
     if (join >= 0 && join_primary(r, (uint32_t)join, term) != 0) {
       /* Not again before the next round (the peer may be gone). */
@@ -1276,9 +1419,52 @@ static void *monitor_main(void *arg) {
   return NULL;
 }
 
+void replica_check_caller(replica *r, const char *members, uint32_t index, uint64_t term,
+                          int admin) {
+  /* Only a peer holds the admin token: a trainer's list would let it refuse
+   * the set for everyone. */
+  if (!r || !admin || !members || !members[0])
+    return;
+  char why[REPLICA_CONFIG_LEN] = "";
+  if (strcmp(members, r->members_list) != 0) {
+    char shown[72];
+    size_t k = 0;
+    for (const char *p = members; *p && k + 1 < sizeof shown; p++)
+      shown[k++] = *p >= 0x20 && *p < 0x7f && *p != '"' && *p != '\'' ? *p : '?';
+    shown[k] = '\0';
+    snprintf(why, sizeof why, "a peer (its member %u) probes with --replicas '%s%s'", index, shown,
+             members[k] ? "..." : "");
+  } else if (index == r->index || index >= r->n) {
+    snprintf(why, sizeof why, "a peer with the same --replicas counts itself member %u", index);
+  }
+  pthread_mutex_lock(&r->mu);
+  uint64_t now = clock_now_ms();
+  int held = r->caller_config_ms && now - r->caller_config_ms < REPLICA_CONFIG_HOLD_MS;
+  if (!why[0] && term <= REPLICA_TERM_MAX && term > r->m[index].heard_term) {
+    /* A peer of a newer term (just promoted): look at it now. */
+    r->m[index].heard_term = term;
+    if (term > r->term) {
+      r->probe_now = 1;
+      pthread_cond_broadcast(&r->cv);
+    }
+  }
+  if (why[0]) {
+    if (!held || strcmp(why, r->caller_config) != 0)
+      LOG_ERROR("replica_config_mismatch",
+                "detail=\"%s; this member's is '%s' (index %u)\" action=\"no set is "
+                "formed with it: fix --replicas/--replica-index so that every member has the same "
+                "list\"",
+                why, r->members_list, r->index);
+    snprintf(r->caller_config, sizeof r->caller_config, "%s", why);
+    r->caller_config_ms = now;
+  }
+  pthread_mutex_unlock(&r->mu);
+}
+
 /* ------------------------------------------------------------ observability */
 
-void replica_info(replica *r, Zshard__V1__ReplicaInfo *out, void *members, void **mptr) {
+void replica_info(replica *r, Zshard__V1__ReplicaInfo *out, void *members, void **mptr,
+                  char *config_error, size_t config_len) {
   Zshard__V1__ReplicaMember *mem = members;
   Zshard__V1__ReplicaMember **ptr = (Zshard__V1__ReplicaMember **)mptr;
   core_info info;
@@ -1293,6 +1479,8 @@ void replica_info(replica *r, Zshard__V1__ReplicaInfo *out, void *members, void 
   out->forwarded_bytes = r->forwarded_bytes;
   out->forwards = r->forwards;
   out->joins = r->joins;
+  config_error_locked(r, config_error, config_len);
+  out->config_error = config_error;
   for (uint32_t i = 0; i < r->n; i++) {
     const member *m = &r->m[i];
     zshard__v1__replica_member__init(&mem[i]);

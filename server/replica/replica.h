@@ -16,9 +16,20 @@
  *    are equal whatever order the forwards arrive in.
  *  - Terms: a replica never makes itself primary. A client that finds no
  *    primary sends Promote(term) to the best member (replica_promote). A
- *    replica refuses a forward of an older term (ZS_ESTALE, and the sender
- *    steps down) and follows a newer one; a trainer's call carrying a newer
- *    term ("zshard-term") deposes a primary that missed it.
+ *    term moves by one: a promotion takes the highest term the member has
+ *    seen (its own, its peers' answers) plus one, and refuses a request for
+ *    more, so that no caller can push the term out of reach. A trainer's
+ *    Promote is a request to check: the member probes its peers and takes
+ *    over only when it sees no live primary; only the admin token may move
+ *    a live primary's own term. A replica refuses a forward of an older term
+ *    (ZS_ESTALE, and the sender steps down) and follows a newer one; a
+ *    trainer's call carrying a newer term ("zshard-term") only makes the
+ *    member probe its peers at once: a primary steps down when it sees a
+ *    newer primary, never on a trainer's word.
+ *  - Configuration: every member probes its peers with its own member list
+ *    (GetInfo's replica_members) and reads theirs in the answer; a member
+ *    whose list or place differs is neither followed, adopted nor joined,
+ *    Promote is refused, and ReplicaInfo.config_error says why.
  *  - Joining: a replica without the set's state (started empty, dropped,
  *    deposed) asks the primary (ReplicaJoin). At its next applied step the
  *    primary adds it to the forwards and copies its state at that version
@@ -54,6 +65,9 @@ struct Zshard__V1__ReplicaFetchResponse;
 #define REPLICA_MAX_MEMBERS 8u
 #define REPLICA_DEFAULT_FAILOVER_MS 2000u
 #define REPLICA_MONITOR_MS 250u
+/* The highest term a replica takes (from a Promote, a forward or a peer):
+ * far beyond what one-by-one promotions reach, far below UINT64_MAX. */
+#define REPLICA_TERM_MAX (UINT64_C(1) << 48)
 /* Elements of one ReplicaFetch answer (4 MiB). */
 #define REPLICA_FETCH_ELEMS (1u << 20)
 
@@ -114,10 +128,11 @@ void replica_destroy(replica *r);
 /* Whether a request of `kind` may be served here. fwd_term > 0: a forward
  * from the primary of that term, whose caller held the admin role (fwd_admin)
  * when tokens are on. client_term: the "zshard-term" a trainer sent (0:
- * none). On 0, *forward (may be NULL) says the caller is the primary and must
- * forward the write once it is accepted. Otherwise the status (ZS_ENOTPRIMARY
- * naming the primary, ZS_ESTALE, ZS_ENOTREADY while joining, ZS_EBEHIND out
- * of sync, ZS_EPERM) with a sentence. NULL r admits everything. */
+ * none); one above this replica's term wakes the monitor to probe the peers
+ * now, and changes nothing else. On 0, *forward (may be NULL) says the caller is the primary and
+ * must forward the write once it is accepted. Otherwise the status (ZS_ENOTPRIMARY naming the
+ * primary, ZS_ESTALE, ZS_ENOTREADY while joining, ZS_EBEHIND out of sync, ZS_EPERM) with a
+ * sentence. NULL r admits everything. */
 int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admin,
                   uint64_t client_term, int *forward, char *err, size_t errlen);
 
@@ -140,9 +155,26 @@ int replica_forward_raw(replica *r, const char *method, const void *msg, size_t 
 void replica_on_applied(void *arg, const core_apply_result *res);
 
 /* Promote (see the proto): 0 with the term, role and version after it, or a
- * refusal with a sentence. Blocks for the peers' GetInfo (a short deadline). */
-int replica_promote(replica *r, uint64_t term, uint64_t *term_out, int *role_out,
+ * refusal with a sentence. admin: the caller holds the admin token (or
+ * tokens are off). `term` must lie above this replica's term and at most one
+ * above the highest term it has seen (ZS_ESTALE, ZS_ERANGE); the term taken
+ * is that highest plus one. Refused while a peer answers as primary
+ * (ZS_ENOTPRIMARY); a trainer's also by the primary itself (ZS_EPERM): only
+ * the admin token moves a live primary's term (by one). Blocks for the
+ * peers' GetInfo (the failover time at most). A member that takes over a
+ * job marks its state as possibly behind (core_mark_behind): a trainer past
+ * its version is told ZS_EBEHIND and to restore. */
+int replica_promote(replica *r, uint64_t term, int admin, uint64_t *term_out, int *role_out,
                     uint64_t *version_out, char *err, size_t errlen);
+
+/* GetInfo from a caller that sent its member list (`members`, '|'-separated;
+ * NULL or "": none), place and term: a peer's probe. Counted only with the
+ * admin role (admin != 0): a list that differs from this replica's is
+ * remembered for a few probe rounds (config_error, Promote refused) and
+ * logged; from a peer whose list agrees, the term counts as one seen (see
+ * replica_promote). */
+void replica_check_caller(replica *r, const char *members, uint32_t index, uint64_t term,
+                          int admin);
 
 /* ReplicaJoin on the primary: 0 and the join's id (0: nothing to copy, the
  * member is in sync already), or a refusal. */
@@ -157,8 +189,11 @@ int replica_fetch(replica *r, const struct Zshard__V1__ReplicaFetchRequest *q,
 void replica_fetch_release(struct Zshard__V1__ReplicaFetchResponse *resp);
 
 /* GetInfo's replica field: fills *out with pointers into `members` (an array
- * of REPLICA_MAX_MEMBERS entries) and `mptr`; strings borrowed from r. */
-void replica_info(replica *r, struct Zshard__V1__ReplicaInfo *out, void *members, void **mptr);
+ * of REPLICA_MAX_MEMBERS entries), `mptr` and `config_error` (config_len
+ * bytes, the caller's: why the set is refused); other strings borrowed from
+ * r. */
+void replica_info(replica *r, struct Zshard__V1__ReplicaInfo *out, void *members, void **mptr,
+                  char *config_error, size_t config_len);
 
 /* Appends the replica's Prometheus lines to *buf (realloc'ed, *len bytes
  * used, *cap allocated). Returns 0 or ZS_ENOMEM. */

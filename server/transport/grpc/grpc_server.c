@@ -1490,6 +1490,8 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   int with_spec = r->with_spec;
+  /* A peer's probe carries its member list: the replica compares it. */
+  replica_check_caller(s->rep, r->replica_members, r->replica_index, r->replica_term, c->admin);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   core_info info;
   core_get_info(s->core, &info);
@@ -1513,8 +1515,9 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   Zshard__V1__ReplicaInfo ri = ZSHARD__V1__REPLICA_INFO__INIT;
   Zshard__V1__ReplicaMember members[REPLICA_MAX_MEMBERS];
   void *mptr[REPLICA_MAX_MEMBERS];
+  char config_error[256];
   if (s->rep) {
-    replica_info(s->rep, &ri, members, mptr);
+    replica_info(s->rep, &ri, members, mptr, config_error, sizeof config_error);
     resp.replica = &ri;
   }
   /* A copy of the spec (the core's own may be freed by a close and an open
@@ -1654,8 +1657,10 @@ static void h_promote(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   Zshard__V1__PromoteResponse resp = ZSHARD__V1__PROMOTE_RESPONSE__INIT;
   int role = 0;
   /* Blocks this polling thread for the peers' GetInfo (a short deadline):
-   * promotions are rare. */
-  int rc = replica_promote(s->rep, term, &resp.term, &role, &resp.version, err, sizeof err);
+   * promotions are rare. A trainer may call it (the client's failover), but
+   * only the admin token moves a live primary's term. */
+  int rc =
+      replica_promote(s->rep, term, c->admin, &resp.term, &role, &resp.version, err, sizeof err);
   resp.role = (Zshard__V1__ReplicaRole)role;
   if (rc)
     finish_err(c, 0, rc, err);
@@ -2253,7 +2258,11 @@ static const auth_role method_role[M_COUNT + 1] = {
     [M_RESTORE] = AUTH_ADMIN,
     [M_CLOSE_JOB] = AUTH_ADMIN,
     [M_WRITE_STATE] = AUTH_ADMIN,
+    /* The client's failover promotes a member, so a trainer may ask; the
+     * member takes over only when it sees no live primary itself and moves
+     * the term by one (replica_promote). */
     [M_PROMOTE] = AUTH_TRAINER,
+    /* Between members, which call each other with the admin token. */
     [M_REPLICA_JOIN] = AUTH_ADMIN,
     [M_REPLICA_FETCH] = AUTH_ADMIN,
     [M_HEALTH_CHECK] = AUTH_NONE,
