@@ -313,3 +313,111 @@ def test_stalled_bf16_reader_does_not_hold_the_state_lock():
                     k, order)
         finally:
             stalled.close()
+
+
+class _Flood:
+    """Strangers that connect and never say HELLO, from `addresses`, `per`
+    connections each, reconnecting whatever the server closes (as the
+    issue's attacker did every 4.5 s) until stopped."""
+
+    def __init__(self, port, addresses, per):
+        self.port, self.addresses, self.per = port, addresses, per
+        self.socks = {a: [] for a in addresses}
+        self.connects = 0
+
+    def _connect(self, address):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(True)
+        s.settimeout(2)
+        try:
+            s.bind((address, 0))
+            s.connect(("127.0.0.1", self.port))
+            s.setblocking(False)
+            self.connects += 1
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    def refill(self):
+        """Drops the connections the server closed and opens new ones up to
+        `per` per address."""
+        for a, socks in self.socks.items():
+            alive = []
+            for s in socks:
+                try:
+                    if s.recv(1 << 16) == b"":
+                        s.close()
+                        continue
+                    # An ERROR frame (evicted or refused): the close follows.
+                    s.close()
+                    continue
+                except BlockingIOError:
+                    alive.append(s)
+                except OSError:
+                    s.close()
+            while len(alive) < self.per:
+                s = self._connect(a)
+                if s is None:
+                    break
+                alive.append(s)
+            self.socks[a] = alive
+
+    def open_count(self):
+        return sum(len(v) for v in self.socks.values())
+
+    def close(self):
+        for socks in self.socks.values():
+            for s in socks:
+                s.close()
+
+
+def test_unauthenticated_flood_from_20_addresses_leaves_trainer_working():
+    """Issue 24 item 1: 20 loopback addresses x 24 connections that never
+    say HELLO, held open and refilled as the server closes them. Before, the
+    first 128 filled the server's budget of unauthenticated connections and
+    every trainer connection after them was refused. Now each address holds
+    at most its share, a newer connection evicts the oldest stranger, and a
+    trainer connecting in the middle of the flood authenticates and pushes."""
+    _enough_fds(4000)
+    numels = [1024]
+    with Shard(tokens=True) as s:
+        c = s.client()
+        h = hostile.open_job(c, numels)
+        hostile.init_params(c, h, numels)
+        port = s.data_port()
+        flood = _Flood(port, ["127.0.0.%d" % i for i in range(2, 22)], 24)
+        try:
+            flood.refill()
+            flood.refill()
+            # The flood is in place: at least the old budget's worth of
+            # strangers were accepted (the rest were refused or evicted).
+            assert flood.connects >= 128, flood.connects
+            outcomes = []
+            for attempt in range(5):
+                flood.refill()
+                try:
+                    good = DataConn(port, TRAINER, token=s.trainer)
+                except (hostile.Refused, hostile.Closed, OSError) as e:
+                    outcomes.append(repr(e))
+                    continue
+                try:
+                    good.send(hostile.dp_push(h, 1, 0, struct.pack("<f", 0.5) * numels[0],
+                                              request_id=7))
+                    ftype, rid, meta, _ = good.read_frame()
+                    if ftype == hostile.ERROR:
+                        outcomes.append(good.error(meta))
+                        continue
+                    assert (ftype, rid) == (hostile.PUSH_ACK, 7), (ftype, rid)
+                    break
+                except hostile.Closed as e:
+                    outcomes.append(repr(e))
+                finally:
+                    good.close()
+            else:
+                raise AssertionError("the trainer was locked out by the flood: %s" % outcomes)
+            # The trainer's first try is the expected one; retries only
+            # absorb a connection accepted in the same instant as >128 others.
+            assert len(outcomes) <= 1, outcomes
+        finally:
+            flood.close()
