@@ -20,6 +20,7 @@ ATTACKER, TRAINER = "127.0.0.2", "127.0.0.1"
 # What the server may hold in copied Pull answers over all connections
 # (dp_server_config.max_answer_bytes_total's default).
 ANSWER_BUDGET = 1 << 30
+ZS_ERANGE = -22
 NUMELS = [1024, 16]
 
 
@@ -421,3 +422,83 @@ def test_unauthenticated_flood_from_20_addresses_leaves_trainer_working():
             assert len(outcomes) <= 1, outcomes
         finally:
             flood.close()
+
+
+def test_full_pull_budget_never_refuses_a_pull_answerable_now():
+    """Issue 24 item 2 on the data plane: a connection parks its whole
+    budget (4096) of Pulls of the next version; a Pull of the current
+    version on the same connection is answered (before: refused, "4096
+    pulls already wait"), and a Pull more than two versions ahead is refused
+    at once with ZS_ERANGE."""
+    with Shard(tokens=True) as s:
+        c = s.client()
+        h = hostile.open_job(c, NUMELS)
+        hostile.init_params(c, h, NUMELS)
+        conn = DataConn(s.data_port(), TRAINER, token=s.trainer)
+        try:
+            conn.send(hostile.dp_pull(h, 0, 10**9, 1))
+            ftype, rid, meta, _ = conn.read_frame()
+            assert (ftype, rid) == (hostile.ERROR, 1), (ftype, rid)
+            status, message = conn.error(meta)
+            assert status == ZS_ERANGE and "at most 2 versions past" in message, (status, message)
+            budget = 4096
+            conn.send(b"".join(hostile.dp_pull(h, 0, 1, 100 + i) for i in range(budget)))
+            assert hostile.wait_for(lambda: hostile.waiting_pulls(c) >= budget)
+            conn.send(hostile.dp_pull(h, 0, 1, 2))  # would wait: over the budget
+            conn.send(hostile.dp_pull(h, 0, 0, 3))  # answerable now
+            seen = {}
+            while len(seen) < 2:
+                ftype, rid, meta, payload = conn.read_frame()
+                seen[rid] = (ftype, conn.error(meta)[0] if ftype == hostile.ERROR else len(payload))
+            assert seen[2] == (hostile.ERROR, hostile.ZS_ELIMIT), seen
+            assert seen[3] == (hostile.PULL_DATA, 4 * NUMELS[0]), seen
+        finally:
+            conn.close()
+
+
+def test_connections_of_a_rotated_token_are_closed_after_sighup():
+    """Issue 24 item 4: the trainer token is rotated (file rewritten, then
+    SIGHUP). A data-plane connection that authenticated with the old token
+    is told and closed within a bounded time (before: it kept pushing and
+    pulling indefinitely); one authenticated with the admin token, which did
+    not change, keeps working; the new token gets in, the old one does not."""
+    import os
+    import signal
+    with Shard(tokens=True) as s:
+        c = s.client()
+        h = hostile.open_job(c, NUMELS)
+        hostile.init_params(c, h, NUMELS)
+        port = s.data_port()
+        old = DataConn(port, TRAINER, token=s.trainer)
+        admin = DataConn(port, TRAINER, token=s.admin)
+        try:
+            assert old.ping() and admin.ping()
+            new_token = "trainer-" + os.urandom(16).hex()
+            path = os.path.join(s.tmp, "token-file")
+            with open(path + ".new", "w") as f:
+                f.write(new_token + "\n")
+            os.chmod(path + ".new", 0o600)
+            os.rename(path + ".new", path)
+            os.kill(s.pid, signal.SIGHUP)
+            # The old connection gets an ERROR (UNAUTHENTICATED) and is
+            # closed; frames it is sent meanwhile are not served.
+            ftype, rid, meta, _ = old.read_frame(seconds=hostile.OUTCOME_SECONDS)
+            assert ftype == hostile.ERROR, ftype
+            status, message = old.error(meta)
+            assert status == hostile.ZS_EUNAUTHENTICATED and "no longer accepted" in message, \
+                (status, message)
+            assert old.closed_within(), "the connection of a revoked token stayed open"
+            assert admin.ping(), "the admin's connection was closed though its token is unchanged"
+            fresh = DataConn(port, TRAINER, token=new_token)
+            try:
+                assert fresh.ping()
+            finally:
+                fresh.close()
+            try:
+                DataConn(port, TRAINER, token=s.trainer).close()
+                raise AssertionError("the old token still opens a connection")
+            except hostile.Refused as e:
+                assert e.status == hostile.ZS_EUNAUTHENTICATED
+        finally:
+            old.close()
+            admin.close()

@@ -205,8 +205,13 @@ typedef struct dp_conn {
   int authed;       /* a HELLO was accepted */
   uint64_t replica_term; /* the HELLO's: a replica set primary's forwards */
   int admin;             /* its token grants the admin role (or tokens are off) */
-  int forward_next;      /* the push whose payload is coming must be forwarded */
-  int counted;           /* counted in the caps (s->nconns, the peer's counts ...) */
+  /* The token its HELLO presented (tokens on only; wiped when freed): a
+   * reload of the token files (SIGHUP) checks it again, and a connection
+   * whose token no longer grants the trainer role is closed. */
+  char *token;
+  size_t token_len;
+  int forward_next; /* the push whose payload is coming must be forwarded */
+  int counted;      /* counted in the caps (s->nconns, the peer's counts ...) */
   uint64_t accepted_ms;
   uint64_t answer_bytes; /* copied answer bytes of this connection held now */
   /* Answers sent from the low copy and not yet written, and how far the
@@ -336,7 +341,8 @@ struct dp_server {
   atomic_int stop;
   dp_mailbox *mb;
   list_node live, zombies, fair, starved;
-  list_node unauth_q; /* connections not yet authenticated, oldest first */
+  list_node unauth_q;          /* connections not yet authenticated, oldest first */
+  unsigned long long auth_gen; /* auth_keys_generation last seen by the sweep */
   dp_peer *peers;
   uint64_t nconns, nunauth, nwaiting, answer_bytes, npinned;
   int releasing;                        /* budget_release is walking s->starved */
@@ -350,7 +356,7 @@ struct dp_server {
   _Atomic uint64_t st_conns, st_accepted, st_frames_in, st_frames_out, st_bytes_in, st_bytes_out,
       st_req_errors, st_proto_errors, st_crc_errors, st_stalled, st_mid, st_paused, st_waiting,
       st_unauth, st_auth_refused, st_auth_timeouts, st_limit_refused, st_answer_bytes, st_pinned,
-      st_pins_released, st_pinned_batches, st_unauth_evicted;
+      st_pins_released, st_pinned_batches, st_unauth_evicted, st_auth_revoked;
 };
 
 static void count(_Atomic uint64_t *c, int64_t d) {
@@ -541,6 +547,10 @@ static void peer_unref(dp_server *s, dp_peer *p) {
 }
 
 static void conn_free(dp_conn *c) {
+  if (c->token) {
+    explicit_bzero(c->token, c->token_len);
+    free(c->token);
+  }
   list_remove(&c->node);
   wire_reader_free(&c->rd);
   buf_free(c->rx);
@@ -1320,12 +1330,14 @@ static uint64_t pull_deadline(uint32_t timeout_ms) {
 static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms);
 
 /* What every Pull and pull batch passes before it may wait (its answer fits a
- * frame and, when it must be copied, the answer budgets; there is room for
- * one more waiting pull on the connection, its peer address and the server)
+ * frame and, when it must be copied, the answer budgets; when it may wait
+ * (its version is not there yet; the core refuses one too far ahead), there is
+ * room for one more waiting pull on the connection, its peer address and the
+ * server: one whose version is there is never refused for lack of that room)
  * and its record; NULL when the request was answered with an error instead.
  * `copied`: the answer can only be a copy (a piece not in the stored dtype). */
-static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, int copied,
-                         const char *what) {
+static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t hash, uint64_t min_version,
+                         uint64_t nbytes, int copied, const char *what) {
   dp_server *s = c->s;
   char err[DP_ERRLEN];
   if (nbytes > s->max_payload) {
@@ -1344,9 +1356,12 @@ static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, int c
     answer_error(c, request_id, ZS_ELIMIT, err);
     return NULL;
   }
+  int now = service_wait_admission(s->svc, hash, min_version);
   const char *full = NULL;
   uint64_t cap = 0;
-  if (c->waiting >= s->max_wait_conn) {
+  if (now) {
+    /* Answered without waiting: no parking room needed. */
+  } else if (c->waiting >= s->max_wait_conn) {
     full = "on this connection";
     cap = s->max_wait_conn;
   } else if (c->pe->waiting >= (s->max_wait + 3u) / 4u) {
@@ -1386,7 +1401,8 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
     answer_error(c, m->request_id, (int)nb, err);
     return;
   }
-  dp_pull *p = pull_new(c, m->request_id, (uint64_t)nb, dtype != core_low_dtype(s->core), "piece");
+  dp_pull *p = pull_new(c, m->request_id, q->spec_hash, q->min_version, (uint64_t)nb,
+                        dtype != core_low_dtype(s->core), "piece");
   if (!p)
     return;
   p->hash = q->spec_hash;
@@ -1418,7 +1434,7 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
     }
     total += (uint64_t)nb; /* at most WIRE_MAX_BATCH pieces below 2^62 bytes: no overflow */
   }
-  dp_pull *p = pull_new(c, m->request_id, total, copied, "batch");
+  dp_pull *p = pull_new(c, m->request_id, q->spec_hash, q->min_version, total, copied, "batch");
   if (!p)
     return;
   wire_piece *pcs = calloc(q->npieces, sizeof *pcs);
@@ -1523,6 +1539,16 @@ static void on_hello(dp_conn *c) {
     status_say(err, sizeof err, "the server refused the token of this data-plane connection (%s)",
                m->u.hello.token_len ? "wrong token" : "no token given");
   } else {
+    if (auth_keys_enabled(s->auth) && m->u.hello.token_len > 0 &&
+        (c->token = malloc(m->u.hello.token_len)) == NULL) {
+      status = ZS_ENOMEM;
+      status_say(err, sizeof err, "out of memory keeping the connection's token");
+      goto refuse;
+    }
+    if (c->token) {
+      memcpy(c->token, m->u.hello.token, m->u.hello.token_len);
+      c->token_len = m->u.hello.token_len;
+    }
     c->authed = 1;
     c->replica_term = m->u.hello.replica_term;
     c->admin = !auth_keys_enabled(s->auth) || auth_allows(role, AUTH_ADMIN);
@@ -1538,6 +1564,7 @@ static void on_hello(dp_conn *c) {
     conn_send(c, &ack, NULL, 0, 0);
     return;
   }
+refuse:
   count(&s->st_auth_refused, 1);
   uint64_t quiet = 0;
   if (refusal_logged(s, &quiet))
@@ -1984,9 +2011,43 @@ static void on_connection(stream_listener *l, void *data, int status, stream *st
   conn_update_reading(c);
 }
 
+/* After a reload of the token files: every authenticated connection's token
+ * is checked again; one that no longer grants the trainer role is told so
+ * and closed, one that lost the admin role keeps the trainer's. */
+static void recheck_tokens(dp_server *s) {
+  for (list_node *l = s->live.next; l != &s->live;) {
+    dp_conn *c = container_of(l, dp_conn, node);
+    l = l->next; /* conn_close moves c to the zombies */
+    if (!c->authed || c->fatal || !auth_keys_enabled(s->auth))
+      continue;
+    auth_role role = auth_keys_check(s->auth, c->token, c->token_len);
+    c->admin = auth_allows(role, AUTH_ADMIN);
+    if (auth_allows(role, AUTH_TRAINER))
+      continue;
+    count(&s->st_auth_revoked, 1);
+    LOG_WARN("dp_unauthenticated", "peer=%s detail=\"token revoked by a reload\"", c->peer);
+    c->fatal = 1;
+    conn_set_mid(c, 0);
+    conn_update_reading(c);
+    wire_msg e = {.type = WIRE_ERROR, .request_id = 0};
+    e.u.error.status = ZS_EUNAUTHENTICATED;
+    status_say(e.u.error.message, sizeof e.u.error.message,
+               "the token of this data-plane connection is no longer accepted (the server reread "
+               "its token files); reconnect with the current token");
+    conn_send(c, &e, NULL, 0, 1);
+  }
+}
+
 static void on_sweep(uv_timer_t *t) {
   dp_server *s = t->data;
   uint64_t now = clock_now_ms();
+  /* Token files reread (SIGHUP): within a sweep, no connection keeps a
+   * token that is no longer valid. */
+  unsigned long long gen = auth_keys_generation(s->auth);
+  if (gen != s->auth_gen) {
+    s->auth_gen = gen;
+    recheck_tokens(s);
+  }
   /* Under pressure strangers get a short deadline, so that even a flood
    * that outpaces eviction turns over within about a sweep. */
   uint32_t hello_ms = s->nunauth * 2 > s->max_unauth && s->hello_ms > DP_PRESSED_HELLO_MS
@@ -2191,6 +2252,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->max_conns = cfg->max_connections ? cfg->max_connections : DP_DEFAULT_MAX_CONNS;
   s->inline_bytes = cfg->inline_bytes ? cfg->inline_bytes : DP_DEFAULT_INLINE;
   s->auth = cfg->auth;
+  s->auth_gen = auth_keys_generation(s->auth);
   s->rep = cfg->replica;
   s->hello_ms = cfg->hello_timeout_ms ? cfg->hello_timeout_ms
                                       : env_knob("ZSHARD_DP_HELLO_TIMEOUT_MS", DP_DEFAULT_HELLO_MS);
@@ -2309,6 +2371,7 @@ void dp_server_get_stats(const dp_server *s, dp_server_stats *o) {
   o->pins_released = atomic_load_explicit(&m->st_pins_released, memory_order_relaxed);
   o->pinned_batches = atomic_load_explicit(&m->st_pinned_batches, memory_order_relaxed);
   o->unauth_evicted = atomic_load_explicit(&m->st_unauth_evicted, memory_order_relaxed);
+  o->auth_revoked = atomic_load_explicit(&m->st_auth_revoked, memory_order_relaxed);
 }
 
 /* One /metrics family: a name under zshard_dp_, its type, its help, and
@@ -2344,6 +2407,8 @@ static const dp_metric dp_metrics[] = {
               "Connections refused by a connection cap."),
     DP_METRIC("unauthenticated_evicted_total", "counter", unauth_evicted,
               "Connections closed before their HELLO to make room for a newer one."),
+    DP_METRIC("auth_revoked_total", "counter", auth_revoked,
+              "Connections closed because a reload of the token files revoked their token."),
     DP_METRIC("paused_connections", "gauge", paused,
               "Connections not read now, for backpressure (answers or memory)."),
     DP_METRIC("answer_bytes", "gauge", answer_bytes,

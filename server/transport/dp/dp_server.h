@@ -184,6 +184,7 @@ typedef struct dp_server_stats {
   uint64_t pins_released;   /* connections closed for stalling on a pinned answer */
   uint64_t pinned_batches;  /* PULL_BATCH answers sent from the low copy, since the start */
   uint64_t unauth_evicted;  /* connections closed before HELLO to make room for a newer one */
+  uint64_t auth_revoked;    /* connections closed because a token reload revoked their token */
 } dp_server_stats;
 void dp_server_get_stats(const dp_server *s, dp_server_stats *out);
 
