@@ -794,11 +794,11 @@ static void on_park_close(gtag *t, int ok) {
 
 /* Before a call may wait in the core for version `want` (a Pull's
  * min_version, a GradStats' step): counts one that may wait against the
- * budgets (service_wait_admission: one whose version is there is not
- * counted, nor refused), and starts its RECV_CLOSE_ON_SERVER. Returns 0, or a status with the
- * sentence in err (the caller answers it). The count ends when the call
- * closes (on_park_close), or earlier by park_uncount when it does not
- * wait. */
+ * budgets (service_wait_admission: one whose version is there is neither
+ * counted nor refused) and starts its RECV_CLOSE_ON_SERVER. Returns 0, or a
+ * status with the sentence in err (the caller answers it). The count ends
+ * when the call closes (on_park_close), or earlier by park_uncount when it
+ * does not wait. */
 static int park_begin(gsrv *s, gcall *c, uint64_t want, char *err, size_t errlen) {
   int now = service_wait_admission(s->svc, c->hash, want);
   if (!c->peer)
