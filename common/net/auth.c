@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,7 @@ struct auth_keys {
   pthread_rwlock_t lock;
   char *trainer_path, *admin_path; /* NULL: not configured */
   secret trainer, admin;
+  atomic_ullong generation; /* successful reloads */
 };
 
 static int say(char *err, size_t errlen, const char *path, const char *what) {
@@ -159,10 +161,15 @@ int auth_keys_reload(auth_keys *k, char *err, size_t errlen) {
     k->trainer = fresh[0];
     k->admin = fresh[1];
     pthread_rwlock_unlock(&k->lock);
+    atomic_fetch_add(&k->generation, 1);
   }
   memset(fresh, 0, 2 * sizeof *fresh);
   free(fresh);
   return rc;
+}
+
+unsigned long long auth_keys_generation(const auth_keys *k) {
+  return k ? atomic_load(&((auth_keys *)k)->generation) : 0;
 }
 
 int auth_keys_enabled(const auth_keys *k) {

@@ -55,6 +55,11 @@ int auth_keys_new(const char *token_file, const char *admin_token_file, auth_key
  * stay as they were and err says why; returns 0 or ZS_EINVAL. */
 int auth_keys_reload(auth_keys *k, char *err, size_t errlen);
 
+/* How many reloads have succeeded: a holder of a long-lived session (a
+ * data-plane connection) that sees it change checks its token again. Any
+ * thread. */
+unsigned long long auth_keys_generation(const auth_keys *k);
+
 /* 1 when at least one token is configured (callers must present one). */
 int auth_keys_enabled(const auth_keys *k);
 

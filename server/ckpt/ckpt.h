@@ -95,6 +95,20 @@ int ckpt_valid_subdir(const char *rel);
  * a sentence naming the directory. */
 int ckpt_mkdirs(const char *dir, char *err, size_t errlen);
 
+/* ------------------------------------------------------------ confinement */
+
+/* Confines every checkpoint path below `dir` (the server's state
+ * directory): from now on the ckpt_* calls resolve such paths from a
+ * descriptor of dir opened here, never following a symbolic link below it
+ * (the link is refused with ZS_EPERM and a sentence naming it), for reads,
+ * writes, listings and removals alike. dir itself may be a link; it is
+ * resolved once, here. Counted: each call needs one ckpt_fs_release(dir).
+ * Paths under no confined directory (the CLI's offline commands) are used
+ * as given. Returns 0, ZS_EIO when dir cannot be opened, or ZS_ELIMIT past
+ * 16 distinct directories in one process. */
+int ckpt_fs_confine(const char *dir, char *err, size_t errlen);
+void ckpt_fs_release(const char *dir);
+
 /* ------------------------------------------------------------ writing */
 
 typedef struct ckpt_write_opts {

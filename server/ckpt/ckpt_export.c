@@ -281,7 +281,7 @@ int ckpt_export_safetensors(const char *root, uint64_t step, const char *path,
     goto done;
   }
   fd = -1;
-  if (rename(tmp, path) != 0) {
+  if (ckpt__fs_rename(tmp, path) != 0) {
     rc = status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
     goto done;
   }
@@ -290,7 +290,7 @@ done:
   if (fd >= 0)
     close(fd);
   if (rc != 0)
-    unlink(tmp);
+    ckpt__fs_unlink(tmp, 0);
   if (readers)
     for (uint32_t j = 0; j < m.num_shards; j++)
       ckpt_reader_close(readers[j]);

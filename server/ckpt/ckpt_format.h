@@ -11,8 +11,11 @@
 #ifndef ZSHARD_SERVER_CKPT_FORMAT_H
 #define ZSHARD_SERVER_CKPT_FORMAT_H
 
+#include <dirent.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 
 #include "common/model/layout.h"
 #include "common/model/spec.h"
@@ -86,5 +89,30 @@ int ckpt__open_write(const char *path);
 
 /* Writes "<dir>/<name>" into buf; ZS_EINVAL when it does not fit in len. */
 int ckpt__join_path(char *buf, size_t len, const char *dir, const char *name);
+
+/* ------------------------------------------------------------------------ */
+/* Confined file operations (ckpt_fs.c)                                      */
+/* ------------------------------------------------------------------------ */
+
+/* The ckpt__fs_* calls take whole paths. A path below a directory confined
+ * with ckpt_fs_confine is resolved from that directory's descriptor without
+ * following any symbolic link (ELOOP instead); any other path behaves as the
+ * plain call would. Each returns what the plain call returns, with errno. */
+int ckpt__fs_open(const char *path, int flags, mode_t mode);
+int ckpt__fs_lstat(const char *path, struct stat *sb);
+int ckpt__fs_unlink(const char *path, int flags); /* flags: 0 or AT_REMOVEDIR */
+int ckpt__fs_rename(const char *from, const char *to);
+DIR *ckpt__fs_opendir(const char *path);
+/* Creates a confined directory and its missing parents below the anchor:
+ * 0, -1 with errno, or 1 when dir is under no anchor (nothing done). */
+int ckpt__fs_mkdirs(const char *dir);
+/* strerror, with a sentence naming the link for ELOOP. */
+const char *ckpt__fs_strerror(int e);
+/* The status for a failed confined open: ZS_EPERM for a link, ZS_ENOTFOUND
+ * for ENOENT, ZS_EIO otherwise. */
+int ckpt__fs_status(int e);
+/* Test hook: 1 makes every resolution walk component by component, as on a
+ * kernel without openat2. */
+void ckpt__fs_force_component_walk(int on);
 
 #endif

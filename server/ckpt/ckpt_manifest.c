@@ -62,7 +62,7 @@ int ckpt__pread_full(int fd, void *buf, size_t n, uint64_t off) {
 }
 
 int ckpt__fsync_dir(const char *dir) {
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int fd = ckpt__fs_open(dir, O_RDONLY | O_DIRECTORY, 0);
   if (fd < 0)
     return -1;
   int rc = fsync(fd);
@@ -82,10 +82,10 @@ int ckpt_step_dir(const char *root, uint64_t step, char *buf, size_t len) {
 }
 
 int ckpt__open_read(const char *path, int *fd, char *err, size_t errlen) {
-  *fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  *fd = ckpt__fs_open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0);
   if (*fd < 0)
-    return status_fail(err, errlen, errno == ENOENT ? ZS_ENOTFOUND : ZS_EIO, "cannot open %s: %s",
-                       path, strerror(errno));
+    return status_fail(err, errlen, ckpt__fs_status(errno), "cannot open %s: %s", path,
+                       ckpt__fs_strerror(errno));
   struct stat sb;
   if (fstat(*fd, &sb) == 0 && S_ISREG(sb.st_mode))
     return 0; /* O_NONBLOCK means nothing to a regular file's reads */
@@ -98,7 +98,7 @@ int ckpt__open_read(const char *path, int *fd, char *err, size_t errlen) {
 }
 
 int ckpt__open_write(const char *path) {
-  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+  int fd = ckpt__fs_open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_NOCTTY, 0644);
   if (fd < 0)
     return -1;
   struct stat sb;
@@ -142,6 +142,12 @@ int ckpt_valid_subdir(const char *rel) {
 }
 
 int ckpt_mkdirs(const char *dir, char *err, size_t errlen) {
+  int crc = ckpt__fs_mkdirs(dir);
+  if (crc == 0)
+    return 0;
+  if (crc < 0)
+    return status_fail(err, errlen, errno == ELOOP || errno == EXDEV ? ZS_EPERM : ZS_EIO,
+                       "cannot create directory %s: %s", dir, ckpt__fs_strerror(errno));
   char path[CKPT_PATH_MAX];
   if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path)
     return status_fail(err, errlen, ZS_EINVAL, "path too long: %.200s...", dir);
@@ -226,11 +232,11 @@ int ckpt_manifest_write(const char *root, const ckpt_manifest *m, uint32_t write
       rc = status_fail(err, errlen, ZS_EIO, "cannot fsync %s: %s", tmp, strerror(errno));
     if (close(fd) != 0 && rc == 0)
       rc = status_fail(err, errlen, ZS_EIO, "cannot close %s: %s", tmp, strerror(errno));
-    if (rc == 0 && rename(tmp, path) != 0)
+    if (rc == 0 && ckpt__fs_rename(tmp, path) != 0)
       rc = status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", tmp, path,
                        strerror(errno));
     if (rc != 0)
-      unlink(tmp);
+      ckpt__fs_unlink(tmp, 0);
     else if (ckpt__fsync_dir(dir) != 0)
       rc = status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
   }
@@ -424,11 +430,11 @@ static int cmp_entry(const void *a, const void *b) {
 int ckpt_list(const char *root, ckpt_entry **out, size_t *n, char *err, size_t errlen) {
   *out = NULL;
   *n = 0;
-  DIR *d = opendir(root);
+  DIR *d = ckpt__fs_opendir(root);
   if (!d)
-    return errno == ENOENT
-               ? 0
-               : status_fail(err, errlen, ZS_EIO, "cannot list %s: %s", root, strerror(errno));
+    return errno == ENOENT ? 0
+                           : status_fail(err, errlen, ckpt__fs_status(errno), "cannot list %s: %s",
+                                         root, ckpt__fs_strerror(errno));
   ckpt_entry *v = NULL;
   size_t len = 0, cap = 0;
   int rc = 0;
@@ -439,9 +445,9 @@ int ckpt_list(const char *root, ckpt_entry **out, size_t *n, char *err, size_t e
       continue;
     char path[CKPT_PATH_MAX];
     struct stat sb;
-    if (ckpt__join_path(path, sizeof path, root, e->d_name) != 0 || stat(path, &sb) != 0 ||
-        !S_ISDIR(sb.st_mode))
-      continue;
+    if (ckpt__join_path(path, sizeof path, root, e->d_name) != 0 ||
+        ckpt__fs_lstat(path, &sb) != 0 || !S_ISDIR(sb.st_mode))
+      continue; /* a link named like a step is not a checkpoint of this directory */
     if (len == cap) {
       size_t nc = cap ? 2 * cap : 16;
       ckpt_entry *nv = realloc(v, nc * sizeof *nv);
@@ -485,18 +491,19 @@ int ckpt_remove(const char *root, uint64_t step, char *err, size_t errlen) {
   if (ckpt_step_dir(root, step, dir, sizeof dir) != 0 ||
       ckpt__join_path(path, sizeof path, dir, CKPT_MANIFEST) != 0)
     return status_fail(err, errlen, ZS_EINVAL, "checkpoint path too long under %.200s", root);
-  if (unlink(path) == 0) {
+  if (ckpt__fs_unlink(path, 0) == 0) {
     if (ckpt__fsync_dir(dir) != 0)
       return status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir,
                          strerror(errno));
   } else if (errno != ENOENT) {
-    return status_fail(err, errlen, ZS_EIO, "cannot remove %s: %s", path, strerror(errno));
+    return status_fail(err, errlen, ckpt__fs_status(errno), "cannot remove %s: %s", path,
+                       ckpt__fs_strerror(errno));
   }
-  DIR *d = opendir(dir);
+  DIR *d = ckpt__fs_opendir(dir);
   if (!d)
-    return errno == ENOENT
-               ? 0
-               : status_fail(err, errlen, ZS_EIO, "cannot list %s: %s", dir, strerror(errno));
+    return errno == ENOENT ? 0
+                           : status_fail(err, errlen, ckpt__fs_status(errno), "cannot list %s: %s",
+                                         dir, ckpt__fs_strerror(errno));
   struct dirent *e;
   int rc = 0;
   while ((e = readdir(d)) != NULL) {
@@ -508,13 +515,13 @@ int ckpt_remove(const char *root, uint64_t step, char *err, size_t errlen) {
     if (!ours)
       continue;
     if (ckpt__join_path(path, sizeof path, dir, nm) != 0 ||
-        (unlink(path) != 0 && errno != ENOENT)) {
+        (ckpt__fs_unlink(path, 0) != 0 && errno != ENOENT)) {
       rc = status_fail(err, errlen, ZS_EIO, "cannot remove %s: %s", path, strerror(errno));
       break;
     }
   }
   closedir(d);
-  if (rc == 0 && rmdir(dir) != 0 && errno != ENOENT)
+  if (rc == 0 && ckpt__fs_unlink(dir, AT_REMOVEDIR) != 0 && errno != ENOENT)
     rc = status_fail(err, errlen, ZS_EIO, "cannot remove directory %s: %s", dir, strerror(errno));
   if (rc == 0)
     ckpt__fsync_dir(root);

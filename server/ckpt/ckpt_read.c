@@ -635,7 +635,8 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     for (; j0 < m.num_shards; j0++) {
       char path[CKPT_PATH_MAX];
       struct stat sb;
-      if (ckpt__join_path(path, sizeof path, dir, m.files[j0].name) == 0 && stat(path, &sb) == 0)
+      if (ckpt__join_path(path, sizeof path, dir, m.files[j0].name) == 0 &&
+          ckpt__fs_lstat(path, &sb) == 0)
         break;
     }
     if (j0 == m.num_shards) {
@@ -675,8 +676,8 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     for (uint32_t j = 0; j < m.num_shards; j++) {
       char path[CKPT_PATH_MAX];
       struct stat sb;
-      if (!needed[j] ||
-          (ckpt__join_path(path, sizeof path, dir, m.files[j].name) == 0 && stat(path, &sb) == 0))
+      if (!needed[j] || (ckpt__join_path(path, sizeof path, dir, m.files[j].name) == 0 &&
+                         ckpt__fs_lstat(path, &sb) == 0))
         continue;
       if (ml < sizeof missing - 80)
         ml += (size_t)snprintf(missing + ml, sizeof missing - ml, "%s%s", ml ? ", " : "",

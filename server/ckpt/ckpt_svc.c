@@ -94,6 +94,7 @@ struct ckpt_svc {
   /* The root the shard's state was last loaded or restored from, for the
    * "already restored" check (service thread only). */
   char loaded_root[CKPT_PATH_MAX];
+  int confined; /* ckpt_fs_confine(dir) holds a reference */
 };
 
 const char *ckpt_svc_state_dir(const ckpt_svc *s) {
@@ -589,10 +590,17 @@ static void run_commit(ckpt_svc *s, job *j, ckpt_svc_result *r) {
   }
   pthread_mutex_unlock(&s->mu);
   struct stat sb;
-  if (stat(path, &sb) != 0) {
-    r->status = status_fail(r->err, sizeof r->err, ZS_ENOTFOUND,
-                            "cannot commit checkpoint step %" PRIu64 ": %s: %s", m->step, path,
-                            strerror(errno));
+  int st = ckpt__fs_lstat(path, &sb);
+  if (st != 0 || !S_ISREG(sb.st_mode)) {
+    const char *why = st != 0               ? ckpt__fs_strerror(errno)
+                      : S_ISLNK(sb.st_mode) ? ckpt__fs_strerror(ELOOP)
+                                            : "not a regular file";
+    r->status =
+        status_fail(r->err, sizeof r->err,
+                    st != 0               ? ckpt__fs_status(errno)
+                    : S_ISLNK(sb.st_mode) ? ZS_EPERM
+                                          : ZS_ENOTFOUND,
+                    "cannot commit checkpoint step %" PRIu64 ": %s: %s", m->step, path, why);
     return;
   }
   if (known <= 0) {
@@ -775,7 +783,7 @@ int ckpt_svc_list(ckpt_svc *s, const char *dir, ckpt_svc_entry **out, size_t *n,
       struct stat sb;
       ckpt_file_name(k, e[i].num_shards, name, sizeof name);
       all = snprintf(path, sizeof path, "%s/%s", sdir, name) < (int)sizeof path &&
-            stat(path, &sb) == 0;
+            ckpt__fs_lstat(path, &sb) == 0 && S_ISREG(sb.st_mode);
     }
     v[i].loadable = all;
   }
@@ -826,6 +834,11 @@ int ckpt_svc_create(const ckpt_svc_config *cfg, ckpt_svc **out, char *err, size_
   }
   if ((rc = ckpt_mkdirs(s->dir, err, errlen)) != 0)
     goto fail;
+  /* Every path a request names lies below the state directory; from here on
+   * none of them follows a symbolic link out of it. */
+  if ((rc = ckpt_fs_confine(s->dir, err, errlen)) != 0)
+    goto fail;
+  s->confined = 1;
   if (access(s->dir, W_OK | X_OK) != 0)
     LOG_WARN("state_dir_not_writable", "dir=%s error=\"%s\"", s->dir, strerror(errno));
   if (pthread_create(&s->thread, NULL, svc_main, s) != 0) {
@@ -868,6 +881,8 @@ void ckpt_svc_destroy(ckpt_svc *s) {
   /* The thread drained the queue (failing each job with ZS_ECLOSED). */
   pthread_cond_destroy(&s->cv);
   pthread_mutex_destroy(&s->mu);
+  if (s->confined)
+    ckpt_fs_release(s->dir);
   free(s->dir);
   free(s);
 }

@@ -196,7 +196,7 @@ static int prepare_step_dir(const char *root, const char *dir, char *err, size_t
     return status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", root, strerror(errno));
   char manifest[CKPT_PATH_MAX];
   if (ckpt__join_path(manifest, sizeof manifest, dir, CKPT_MANIFEST) == 0 &&
-      unlink(manifest) == 0 && ckpt__fsync_dir(dir) != 0)
+      ckpt__fs_unlink(manifest, 0) == 0 && ckpt__fsync_dir(dir) != 0)
     return status_fail(err, errlen, ZS_EIO, "cannot fsync directory %s: %s", dir, strerror(errno));
   return 0;
 }
@@ -216,7 +216,8 @@ static int write_and_publish(const shard_paths *p, const core_state *st, const c
   int rc, tmp_made = 0;
   int fd = ckpt__open_write(p->tmp);
   if (fd < 0)
-    return status_fail(err, errlen, ZS_EIO, "cannot create %s: %s", p->tmp, strerror(errno));
+    return status_fail(err, errlen, ckpt__fs_status(errno), "cannot create %s: %s", p->tmp,
+                       ckpt__fs_strerror(errno));
   tmp_made = 1;
   writer w = {.fd = fd, .path = p->tmp, .o = o, .total = total, .version = st->version};
   if (o && o->stall && o->stall_step == st->version)
@@ -239,9 +240,9 @@ static int write_and_publish(const shard_paths *p, const core_state *st, const c
     rc = status_fail(err, errlen, ZS_EIO, "cannot close %s: %s", p->tmp, strerror(errno));
     goto done;
   }
-  if (rename(p->tmp, p->final) != 0) {
-    rc = status_fail(err, errlen, ZS_EIO, "cannot rename %s to %s: %s", p->tmp, p->final,
-                     strerror(errno));
+  if (ckpt__fs_rename(p->tmp, p->final) != 0) {
+    rc = status_fail(err, errlen, ckpt__fs_status(errno), "cannot rename %s to %s: %s", p->tmp,
+                     p->final, ckpt__fs_strerror(errno));
     goto done;
   }
   tmp_made = 0;
@@ -258,7 +259,7 @@ done:
   if (fd >= 0)
     close(fd);
   if (tmp_made)
-    unlink(p->tmp);
+    ckpt__fs_unlink(p->tmp, 0);
   return rc;
 }
 

@@ -150,6 +150,10 @@ typedef void (*core_version_cb)(void *arg, int status, uint64_t version);
 int core_wait_version(core *c, uint64_t hash, uint64_t min_version, uint64_t deadline_ms,
                       core_version_cb cb, void *arg, uint64_t *version, char *err, size_t errlen);
 
+/* How far past the shard's version core_wait_pieces waits; further ahead is
+ * ZS_ERANGE at once. */
+#define CORE_MAX_WAIT_AHEAD 2u
+
 /* One piece a pull reads: core_wait_pieces. */
 typedef struct core_piece_id {
   uint32_t tensor, slice;
@@ -162,7 +166,9 @@ typedef struct core_piece_id {
  * is at version + 1 before the shard is, and a wait for it ends then, so
  * that pulls of applied pieces overlap the pushes of the others. cb gets
  * the lowest version of the pieces. A piece this shard does not own is
- * ZS_ENOTFOUND (nothing is registered). */
+ * ZS_ENOTFOUND (nothing is registered); a min_version more than
+ * CORE_MAX_WAIT_AHEAD past the shard's version is ZS_ERANGE (or
+ * ZS_EBEHIND after a checkpoint load, as for any wait ahead). */
 int core_wait_pieces(core *c, uint64_t hash, const core_piece_id *pieces, uint32_t n,
                      uint64_t min_version, uint64_t deadline_ms, core_version_cb cb, void *arg,
                      uint64_t *version, char *err, size_t errlen);

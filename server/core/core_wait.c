@@ -776,6 +776,16 @@ int core_wait_pieces(core *c, uint64_t hash, const core_piece_id *pieces, uint32
     rc = core__behind(c, "wait", min_version, err, errlen);
     goto done;
   }
+  /* A trainer waits for the version it is about to reach, one more when it
+   * prefetches; a wait further ahead would only hold a parking slot of the
+   * transports for minutes (issue 24). */
+  if (min_version > c->version && min_version - c->version > CORE_MAX_WAIT_AHEAD) {
+    rc = status_fail(err, errlen, ZS_ERANGE,
+                     "wait for version %" PRIu64 " refused: shard %u is at version %" PRIu64
+                     ", and a call may wait for at most %u versions past it",
+                     min_version, c->shard_id, c->version, CORE_MAX_WAIT_AHEAD);
+    goto done;
+  }
   uint64_t deadline = core__deadline(deadline_ms);
   if (deadline <= clock_now_ms()) {
     rc = status_fail(err, errlen, ZS_ETIMEDOUT,

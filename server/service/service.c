@@ -381,6 +381,12 @@ int64_t service_batch_piece_bytes(service *s, uint64_t hash, uint32_t index, uin
   return nb;
 }
 
+int service_wait_admission(service *s, uint64_t hash, uint64_t want) {
+  core_info info;
+  core_get_info(s->core, &info);
+  return !info.has_job || info.spec_hash != hash || want <= info.version;
+}
+
 int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_rank,
                        uint64_t deadline_ms, core_stats_cb cb, void *arg, core_stats_result *out,
                        char *err, size_t errlen) {

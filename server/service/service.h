@@ -165,6 +165,15 @@ int service_push(service *s, const core_push_args *a, int *duplicate, char *err,
  * transport can skip the payload unread. a->data is not used. */
 int service_push_check(service *s, const core_push_args *a, char *err, size_t errlen);
 
+/* Admission of a call that may wait for version `want` of job `hash` (a
+ * Pull's min_version, a GradStats' step): 1 when the job is at want or
+ * later, so that the call needs no parking room and must never be refused
+ * for lack of it (a pipelined piece may still wait for its apply, briefly),
+ * else 0: the call may wait and needs room. A job other than `hash` is left
+ * to the call itself to refuse (1). Non-blocking. How far ahead a call may
+ * wait at all is the core's rule (CORE_MAX_WAIT_AHEAD). */
+int service_wait_admission(service *s, uint64_t hash, uint64_t want);
+
 /* Size in bytes of piece (tensor, slice) in dtype, or a negative status with
  * the core's sentence: what a pull checks before it waits. */
 int64_t service_piece_bytes(service *s, uint64_t hash, uint32_t tensor, uint32_t slice,

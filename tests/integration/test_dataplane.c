@@ -719,10 +719,14 @@ static void refused_pulls_get_clear_statuses(void **state) {
   assert_non_null(strstr(err, "the destination"));
   /* A version that does not come within the timeout. */
   a = base;
-  a.min_version = 5;
+  a.min_version = 2;
   a.timeout_ms = 50;
   assert_int_equal(dp_client_pull_sync(fx.cli[0], &a, NULL, err, sizeof err), ZS_ETIMEDOUT);
-  assert_non_null(strstr(err, "timed out waiting for version 5"));
+  assert_non_null(strstr(err, "timed out waiting for version 2"));
+  /* One further ahead than a wait may be is refused at once. */
+  a.min_version = 5;
+  assert_int_equal(dp_client_pull_sync(fx.cli[0], &a, NULL, err, sizeof err), ZS_ERANGE);
+  assert_non_null(strstr(err, "at most 2 versions past"));
   /* And the connection is still good. */
   uint64_t v = 99;
   assert_int_equal(dp_client_pull_sync(fx.cli[0], &base, &v, err, sizeof err), 0);
@@ -1613,7 +1617,7 @@ static void closing_the_client_cancels_its_requests_in_flight(void **state) {
   assert_non_null(dst);
   pull_rec rec = {.mu = PTHREAD_MUTEX_INITIALIZER};
   dp_pull_args a = {.spec_hash = fx.hash,
-                    .min_version = 100,
+                    .min_version = 2, /* as far ahead as a wait may be; never comes */
                     .tensor = p->tensor,
                     .slice = p->slice,
                     .dtype = ZS_DTYPE_FP32,
@@ -1638,7 +1642,7 @@ static void stopping_the_server_fails_its_connections_and_leaves_waits_to_the_co
   assert_non_null(dst);
   pull_rec rec = {.mu = PTHREAD_MUTEX_INITIALIZER};
   dp_pull_args a = {.spec_hash = fx.hash,
-                    .min_version = 100,
+                    .min_version = 2, /* as far ahead as a wait may be; never comes */
                     .tensor = p->tensor,
                     .slice = p->slice,
                     .dtype = ZS_DTYPE_FP32,
@@ -2007,9 +2011,11 @@ static int setup_caps(void **state) {
 
 static void one_address_cannot_take_every_connection_slot(void **state) {
   (void)state;
-  /* Shard 0's fixture client holds one connection from 127.0.0.1; two more
-   * silent ones reach the cap of 3 for that address. */
+  /* Shard 0's fixture client holds one connection from 127.0.0.1; an
+   * authenticated one and a silent one reach the cap of 3 for that address,
+   * and a fourth is refused. */
   int a = raw_connect_from(fx.port[0], "127.0.0.1", 0);
+  raw_hello(a, NULL);
   int b = raw_connect_from(fx.port[0], "127.0.0.1", 0);
   int c = raw_connect_from(fx.port[0], "127.0.0.1", 0);
   expect_closed_with(c, ZS_ELIMIT, "from one address");
@@ -2019,18 +2025,27 @@ static void one_address_cannot_take_every_connection_slot(void **state) {
   raw_hello(d, NULL);
   int e = raw_connect_from(fx.port[0], "127.0.0.3", 0);
   int f = raw_connect_from(fx.port[0], "127.0.0.4", 0);
-  /* a, b, e and f have not authenticated: the fifth is over the cap of 4. */
   int g = raw_connect_from(fx.port[0], "127.0.0.5", 0);
-  expect_closed_with(g, ZS_ELIMIT, "not yet authenticated");
-  close(g);
+  /* b, e, f and g have not authenticated, the cap of 4: a fifth is kept and
+   * the oldest stranger, b, makes room. */
+  int h = raw_connect_from(fx.port[0], "127.0.0.6", 0);
+  expect_closed_with(b, ZS_ELIMIT, "needed the room");
+  /* One address holds one of them (4 / 16, at least 1): its own next one
+   * pushes out h, not another address's. */
+  int i = raw_connect_from(fx.port[0], "127.0.0.6", 0);
+  expect_closed_with(h, ZS_ELIMIT, "needed the room");
   char err[DP_ERRLEN] = "";
   assert_int_equal(dp_client_ping_sync(fx.cli[0], WAIT_MS, err, sizeof err), 0);
-  assert_int_equal(stats_of(0).limit_refused, 2);
+  assert_int_equal(stats_of(0).limit_refused, 1);
+  assert_int_equal(stats_of(0).unauth_evicted, 2);
   close(a);
   close(b);
   close(d);
   close(e);
   close(f);
+  close(g);
+  close(h);
+  close(i);
 }
 
 /* ------------------------------------------------------- pinned answers */

@@ -163,7 +163,7 @@ def open_job(pb, stub):
 
 def pull_far_ahead(pb, stub, h, timeout_ms):
     """A Pull of a version that never comes: it parks until timeout_ms."""
-    return stub.Pull.future(pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=1000000,
+    return stub.Pull.future(pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=2,
                                            dtype=pb.DTYPE_FP32, timeout_ms=timeout_ms),
                             timeout=OUTCOME_SECONDS * 10)
 
@@ -174,7 +174,7 @@ def probe(pb, stub, h):
     and the detail."""
     import grpc
     with pytest.raises(grpc.RpcError) as e:
-        stub.Pull(pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=1000000,
+        stub.Pull(pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=2,
                                  dtype=pb.DTYPE_FP32, timeout_ms=20),
                   timeout=OUTCOME_SECONDS)
     return e.value.code(), e.value.details()
@@ -242,7 +242,7 @@ ch = grpc.insecure_channel(sys.argv[2])
 stub = pbg.ZShardStub(ch)
 h = int(sys.argv[3])
 def pull():
-    return stub.Pull.future(pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=1000000,
+    return stub.Pull.future(pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=2,
                                            dtype=pb.DTYPE_FP32, timeout_ms=250000), timeout=300)
 fs = [pull() for _ in range(int(sys.argv[4]))]
 print("parked", flush=True)

@@ -20,6 +20,7 @@ ATTACKER, TRAINER = "127.0.0.2", "127.0.0.1"
 # What the server may hold in copied Pull answers over all connections
 # (dp_server_config.max_answer_bytes_total's default).
 ANSWER_BUDGET = 1 << 30
+ZS_ERANGE = -22
 NUMELS = [1024, 16]
 
 
@@ -313,3 +314,191 @@ def test_stalled_bf16_reader_does_not_hold_the_state_lock():
                     k, order)
         finally:
             stalled.close()
+
+
+class _Flood:
+    """Strangers that connect and never say HELLO, from `addresses`, `per`
+    connections each, reconnecting whatever the server closes (as the
+    issue's attacker did every 4.5 s) until stopped."""
+
+    def __init__(self, port, addresses, per):
+        self.port, self.addresses, self.per = port, addresses, per
+        self.socks = {a: [] for a in addresses}
+        self.connects = 0
+
+    def _connect(self, address):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(True)
+        s.settimeout(2)
+        try:
+            s.bind((address, 0))
+            s.connect(("127.0.0.1", self.port))
+            s.setblocking(False)
+            self.connects += 1
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    def refill(self):
+        """Drops the connections the server closed and opens new ones up to
+        `per` per address."""
+        for a, socks in self.socks.items():
+            alive = []
+            for s in socks:
+                try:
+                    if s.recv(1 << 16) == b"":
+                        s.close()
+                        continue
+                    # An ERROR frame (evicted or refused): the close follows.
+                    s.close()
+                    continue
+                except BlockingIOError:
+                    alive.append(s)
+                except OSError:
+                    s.close()
+            while len(alive) < self.per:
+                s = self._connect(a)
+                if s is None:
+                    break
+                alive.append(s)
+            self.socks[a] = alive
+
+    def open_count(self):
+        return sum(len(v) for v in self.socks.values())
+
+    def close(self):
+        for socks in self.socks.values():
+            for s in socks:
+                s.close()
+
+
+def test_unauthenticated_flood_from_20_addresses_leaves_trainer_working():
+    """Issue 24 item 1: 20 loopback addresses x 24 connections that never
+    say HELLO, held open and refilled as the server closes them. Before, the
+    first 128 filled the server's budget of unauthenticated connections and
+    every trainer connection after them was refused. Now each address holds
+    at most its share, a newer connection evicts the oldest stranger, and a
+    trainer connecting in the middle of the flood authenticates and pushes."""
+    _enough_fds(4000)
+    numels = [1024]
+    with Shard(tokens=True) as s:
+        c = s.client()
+        h = hostile.open_job(c, numels)
+        hostile.init_params(c, h, numels)
+        port = s.data_port()
+        flood = _Flood(port, ["127.0.0.%d" % i for i in range(2, 22)], 24)
+        try:
+            flood.refill()
+            flood.refill()
+            # The flood is in place: at least the old budget's worth of
+            # strangers were accepted (the rest were refused or evicted).
+            assert flood.connects >= 128, flood.connects
+            outcomes = []
+            for attempt in range(5):
+                flood.refill()
+                try:
+                    good = DataConn(port, TRAINER, token=s.trainer)
+                except (hostile.Refused, hostile.Closed, OSError) as e:
+                    outcomes.append(repr(e))
+                    continue
+                try:
+                    good.send(hostile.dp_push(h, 1, 0, struct.pack("<f", 0.5) * numels[0],
+                                              request_id=7))
+                    ftype, rid, meta, _ = good.read_frame()
+                    if ftype == hostile.ERROR:
+                        outcomes.append(good.error(meta))
+                        continue
+                    assert (ftype, rid) == (hostile.PUSH_ACK, 7), (ftype, rid)
+                    break
+                except hostile.Closed as e:
+                    outcomes.append(repr(e))
+                finally:
+                    good.close()
+            else:
+                raise AssertionError("the trainer was locked out by the flood: %s" % outcomes)
+            # The trainer's first try is the expected one; retries only
+            # absorb a connection accepted in the same instant as >128 others.
+            assert len(outcomes) <= 1, outcomes
+        finally:
+            flood.close()
+
+
+def test_full_pull_budget_never_refuses_a_pull_answerable_now():
+    """Issue 24 item 2 on the data plane: a connection parks its whole
+    budget (4096) of Pulls of the next version; a Pull of the current
+    version on the same connection is answered (before: refused, "4096
+    pulls already wait"), and a Pull more than two versions ahead is refused
+    at once with ZS_ERANGE."""
+    with Shard(tokens=True) as s:
+        c = s.client()
+        h = hostile.open_job(c, NUMELS)
+        hostile.init_params(c, h, NUMELS)
+        conn = DataConn(s.data_port(), TRAINER, token=s.trainer)
+        try:
+            conn.send(hostile.dp_pull(h, 0, 10**9, 1))
+            ftype, rid, meta, _ = conn.read_frame()
+            assert (ftype, rid) == (hostile.ERROR, 1), (ftype, rid)
+            status, message = conn.error(meta)
+            assert status == ZS_ERANGE and "at most 2 versions past" in message, (status, message)
+            budget = 4096
+            conn.send(b"".join(hostile.dp_pull(h, 0, 1, 100 + i) for i in range(budget)))
+            assert hostile.wait_for(lambda: hostile.waiting_pulls(c) >= budget)
+            conn.send(hostile.dp_pull(h, 0, 1, 2))  # would wait: over the budget
+            conn.send(hostile.dp_pull(h, 0, 0, 3))  # answerable now
+            seen = {}
+            while len(seen) < 2:
+                ftype, rid, meta, payload = conn.read_frame()
+                seen[rid] = (ftype, conn.error(meta)[0] if ftype == hostile.ERROR else len(payload))
+            assert seen[2] == (hostile.ERROR, hostile.ZS_ELIMIT), seen
+            assert seen[3] == (hostile.PULL_DATA, 4 * NUMELS[0]), seen
+        finally:
+            conn.close()
+
+
+def test_connections_of_a_rotated_token_are_closed_after_sighup():
+    """Issue 24 item 4: the trainer token is rotated (file rewritten, then
+    SIGHUP). A data-plane connection that authenticated with the old token
+    is told and closed within a bounded time (before: it kept pushing and
+    pulling indefinitely); one authenticated with the admin token, which did
+    not change, keeps working; the new token gets in, the old one does not."""
+    import os
+    import signal
+    with Shard(tokens=True) as s:
+        c = s.client()
+        h = hostile.open_job(c, NUMELS)
+        hostile.init_params(c, h, NUMELS)
+        port = s.data_port()
+        old = DataConn(port, TRAINER, token=s.trainer)
+        admin = DataConn(port, TRAINER, token=s.admin)
+        try:
+            assert old.ping() and admin.ping()
+            new_token = "trainer-" + os.urandom(16).hex()
+            path = os.path.join(s.tmp, "token-file")
+            with open(path + ".new", "w") as f:
+                f.write(new_token + "\n")
+            os.chmod(path + ".new", 0o600)
+            os.rename(path + ".new", path)
+            os.kill(s.pid, signal.SIGHUP)
+            # The old connection gets an ERROR (UNAUTHENTICATED) and is
+            # closed; frames it is sent meanwhile are not served.
+            ftype, rid, meta, _ = old.read_frame(seconds=hostile.OUTCOME_SECONDS)
+            assert ftype == hostile.ERROR, ftype
+            status, message = old.error(meta)
+            assert status == hostile.ZS_EUNAUTHENTICATED and "no longer accepted" in message, \
+                (status, message)
+            assert old.closed_within(), "the connection of a revoked token stayed open"
+            assert admin.ping(), "the admin's connection was closed though its token is unchanged"
+            fresh = DataConn(port, TRAINER, token=new_token)
+            try:
+                assert fresh.ping()
+            finally:
+                fresh.close()
+            try:
+                DataConn(port, TRAINER, token=s.trainer).close()
+                raise AssertionError("the old token still opens a connection")
+            except hostile.Refused as e:
+                assert e.status == hostile.ZS_EUNAUTHENTICATED
+        finally:
+            old.close()
+            admin.close()

@@ -177,7 +177,9 @@ def test_grpc_two_huge_requests_refused():
 
 def _far_pull(h):
     pb = stubs().pb
-    return pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=10**9, dtype=pb.DTYPE_FP32)
+    # Two versions ahead of the job (at 0, and kept there): the furthest a
+    # call may wait (issue 24 refuses anything beyond at once).
+    return pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=2, dtype=pb.DTYPE_FP32)
 
 
 # A client parking argv[3] Pulls (argv[2], serialized) on connections of
@@ -431,3 +433,46 @@ def _checkpoint_through_300_idle_connections(s, pb):
     finally:
         for k in conns:
             k.close()
+
+
+def test_full_parking_budget_never_refuses_a_pull_answerable_now():
+    """Issue 24 item 2: one trainer-token holder fills the server's budget
+    of parked calls (here 64, ZSHARD_GRPC_MAX_PARKED) with Pulls of the next
+    version. Another trainer's Pull of the current version needs no wait and
+    is answered (before: RESOURCE_EXHAUSTED); a Pull or GradStats more than
+    two versions ahead is refused at once, OUT_OF_RANGE, saying so (before:
+    parked until its deadline)."""
+    pb = stubs().pb
+    with Shard(tokens=True, env={"ZSHARD_GRPC_MAX_PARKED": "64"}) as s:
+        attacker, trainer = s.client(), s.client()
+        h = hostile.open_job(trainer, NUMELS)
+        hostile.init_params(trainer, h, NUMELS)
+        far = pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=10**9,
+                             dtype=pb.DTYPE_FP32, timeout_ms=3000)
+        try:
+            attacker.call("Pull", far, timeout=hostile.OUTCOME_SECONDS)
+            raise AssertionError("a Pull of version 1e9 was answered")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.OUT_OF_RANGE, (e.code(), e.details())
+            assert "at most 2 versions past" in e.details(), e.details()
+        code = attacker.code("GradStats", pb.GradStatsRequest(spec_hash=h, step=10**9,
+                                                              timeout_ms=3000))
+        assert code == grpc.StatusCode.OUT_OF_RANGE, code
+        nxt = pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=1, dtype=pb.DTYPE_FP32)
+        parked = [attacker.future("Pull", nxt, timeout=120) for _ in range(64)]
+        try:
+            assert hostile.wait_for(lambda: hostile.waiting_pulls(trainer) >= 64), \
+                hostile.waiting_pulls(trainer)
+            # The budget is full: one more call that would wait is refused.
+            assert trainer.code("Pull", nxt) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # A Pull of the version the job is at is answered all the same.
+            now = trainer.call("Pull", pb.PullRequest(spec_hash=h, tensor=0, slice=0,
+                                                      min_version=0, dtype=pb.DTYPE_FP32))
+            assert len(now.data) == 4 * NUMELS[0]
+            # The parked ones are real waits: the step answers them.
+            hostile.step(trainer, h, 1, NUMELS)
+            for f in parked:
+                assert f.result(timeout=hostile.OUTCOME_SECONDS).version >= 1
+        finally:
+            for f in parked:
+                f.cancel()

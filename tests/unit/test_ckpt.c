@@ -36,6 +36,7 @@
 #include "common/model/layout.h"
 #include "common/model/spec.h"
 #include "server/ckpt/ckpt.h"
+#include "server/ckpt/ckpt_format.h"
 #include "server/ckpt/ckpt_svc.h"
 #include "server/core/core.h"
 
@@ -391,6 +392,89 @@ static void fifos_named_like_state_files_are_refused_without_blocking(void **sta
   snprintf(path, sizeof path, "%s/out.safetensors", root);
   assert_int_not_equal(ckpt_export_safetensors(root, 3, path, NULL, err, sizeof err), 0);
   assert_non_null(strstr(err, "not a regular file"));
+  model_free(&md);
+  spec_free(&s);
+}
+
+/* One pass of the confinement checks: a link to `outside` as the checkpoint
+ * directory, as a step directory, and as a MANIFEST. */
+static void confined_links_refused_once(const char *root, const char *outside) {
+  char err[512], path[700], target[700];
+  ckpt_entry *e;
+  size_t n;
+  core_state st;
+  /* root/lnk -> outside: nothing below it is listed, loaded or created. */
+  snprintf(path, sizeof path, "%s/lnk", root);
+  assert_int_equal(ckpt_list(path, &e, &n, err, sizeof err), ZS_EPERM);
+  assert_non_null(strstr(err, "symbolic link"));
+  assert_int_equal(ckpt_load(path, 1, 0, 1, &st, err, sizeof err), ZS_EPERM);
+  snprintf(path, sizeof path, "%s/lnk/sub", root);
+  assert_int_equal(ckpt_mkdirs(path, err, sizeof err), ZS_EPERM);
+  snprintf(target, sizeof target, "%s/sub", outside);
+  assert_int_equal(access(target, F_OK), -1);
+  /* root/step-7 -> outside/step-1: not listed, not removed through. */
+  assert_int_equal(ckpt_list(root, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 1); /* root's own step-1 */
+  free(e);
+  assert_int_not_equal(ckpt_remove(root, 7, err, sizeof err), 0);
+  snprintf(target, sizeof target, "%s/step-1/%s", outside, CKPT_MANIFEST);
+  assert_int_equal(access(target, F_OK), 0);
+  /* root/m/step-1/MANIFEST -> outside's: incomplete, not loaded. */
+  snprintf(path, sizeof path, "%s/m", root);
+  ckpt_manifest m;
+  assert_int_equal(ckpt_manifest_read(path, 1, &m, err, sizeof err), ZS_EPERM);
+  assert_int_equal(ckpt_list(path, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 1);
+  assert_false(e[0].complete);
+  free(e);
+}
+
+static void links_below_a_confined_root_are_never_followed(void **state) {
+  (void)state;
+  char base[512], root[600], outside[600], path[700], target[700];
+  fresh_dir(base, sizeof base, "confined");
+  snprintf(root, sizeof root, "%s/state", base);
+  snprintf(outside, sizeof outside, "%s/outside", base);
+  assert_int_equal(mkdir(root, 0755), 0);
+  spec s;
+  build_spec(&s, "confined", 1);
+  model md;
+  model_random(&md, 9);
+  write_checkpoint(outside, &s, &md, 1, 1);
+  write_checkpoint(root, &s, &md, 1, 1);
+  snprintf(path, sizeof path, "%s/lnk", root);
+  assert_int_equal(symlink(outside, path), 0);
+  snprintf(path, sizeof path, "%s/step-7", root);
+  snprintf(target, sizeof target, "%s/step-1", outside);
+  assert_int_equal(symlink(target, path), 0);
+  snprintf(path, sizeof path, "%s/m/step-1", root);
+  char err[512];
+  assert_int_equal(ckpt_mkdirs(path, err, sizeof err), 0);
+  snprintf(path, sizeof path, "%s/m/step-1/%s", root, CKPT_MANIFEST);
+  snprintf(target, sizeof target, "%s/step-1/%s", outside, CKPT_MANIFEST);
+  assert_int_equal(symlink(target, path), 0);
+
+  /* Unconfined, the links are followed (the CLI's offline commands). */
+  snprintf(path, sizeof path, "%s/lnk", root);
+  ckpt_entry *e;
+  size_t n;
+  assert_int_equal(ckpt_list(path, &e, &n, err, sizeof err), 0);
+  assert_int_equal(n, 1);
+  free(e);
+
+  assert_int_equal(ckpt_fs_confine(root, err, sizeof err), 0);
+  confined_links_refused_once(root, outside);
+  /* The same without openat2, as on kernels before 5.6. */
+  ckpt__fs_force_component_walk(1);
+  confined_links_refused_once(root, outside);
+  /* Real checkpoints below the root still load either way. */
+  core_state st;
+  assert_int_equal(ckpt_load(root, 1, 0, 1, &st, err, sizeof err), 0);
+  core_state_free(&st);
+  ckpt__fs_force_component_walk(0);
+  assert_int_equal(ckpt_load(root, 1, 0, 1, &st, err, sizeof err), 0);
+  core_state_free(&st);
+  ckpt_fs_release(root);
   model_free(&md);
   spec_free(&s);
 }
@@ -1637,6 +1721,7 @@ int main(void) {
       cmocka_unit_test(file_bytes_of_a_fixed_state_are_pinned),
       cmocka_unit_test(checkpoint_without_manifest_is_never_loaded),
       cmocka_unit_test(fifos_named_like_state_files_are_refused_without_blocking),
+      cmocka_unit_test(links_below_a_confined_root_are_never_followed),
       cmocka_unit_test(listing_orders_steps_numerically_and_ignores_other_names),
       cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),
       cmocka_unit_test(client_state_travels_with_the_files_and_files_without_it_still_load),

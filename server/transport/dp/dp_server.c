@@ -89,6 +89,13 @@
 #define DP_DEFAULT_HELLO_MS 5000u
 #define DP_DEFAULT_PER_PEER 64u
 #define DP_DEFAULT_UNAUTH 128u
+/* One address's share of the connections not yet authenticated is this
+ * fraction of the server's (at least 1): a stranger's flood from a few
+ * addresses evicts only its own connections. */
+#define DP_UNAUTH_SHARE_DIV 16u
+/* The HELLO deadline while more than half the unauthenticated budget is in
+ * use: a trainer sends HELLO at once, so only a flood needs more. */
+#define DP_PRESSED_HELLO_MS 1000u
 /* Pulls parked in the core, per connection and in all. They hold no buffer,
  * so they are not part of the backpressure bound (a client may prefetch the
  * next version's pieces while still pushing this step's gradients, and
@@ -193,12 +200,18 @@ typedef struct dp_conn {
   list_node node;   /* on s->live, then on s->zombies after close */
   list_node fair;   /* on s->fair while paused for the read budget */
   list_node starve; /* on s->starved while an answer waits for the server's or address's budget */
+  list_node unode;  /* on s->unauth_q (oldest first) while counted and not authenticated */
   dp_peer *pe;      /* one reference, dropped in conn_free */
   int authed;       /* a HELLO was accepted */
   uint64_t replica_term; /* the HELLO's: a replica set primary's forwards */
   int admin;             /* its token grants the admin role (or tokens are off) */
-  int forward_next;      /* the push whose payload is coming must be forwarded */
-  int counted;           /* counted in the caps (s->nconns, the peer's counts ...) */
+  /* The token its HELLO presented (tokens on only; wiped when freed): a
+   * reload of the token files (SIGHUP) checks it again, and a connection
+   * whose token no longer grants the trainer role is closed. */
+  char *token;
+  size_t token_len;
+  int forward_next; /* the push whose payload is coming must be forwarded */
+  int counted;      /* counted in the caps (s->nconns, the peer's counts ...) */
   uint64_t accepted_ms;
   uint64_t answer_bytes; /* copied answer bytes of this connection held now */
   /* Answers sent from the low copy and not yet written, and how far the
@@ -320,13 +333,16 @@ struct dp_server {
   uint32_t max_pending, stall_ms, max_conns;
   auth_keys *auth;
   replica *rep; /* NULL: not replicated */
-  uint32_t hello_ms, max_per_peer, max_unauth, max_wait_conn, max_wait, pin_hold_ms;
+  uint32_t hello_ms, max_per_peer, max_unauth, max_unauth_peer, max_wait_conn, max_wait,
+      pin_hold_ms;
   uint64_t max_answer, max_answer_total, max_answer_peer;
   uv_timer_t pin_timer;
   int pin_timer_on;
   atomic_int stop;
   dp_mailbox *mb;
   list_node live, zombies, fair, starved;
+  list_node unauth_q;          /* connections not yet authenticated, oldest first */
+  unsigned long long auth_gen; /* auth_keys_generation last seen by the sweep */
   dp_peer *peers;
   uint64_t nconns, nunauth, nwaiting, answer_bytes, npinned;
   int releasing;                        /* budget_release is walking s->starved */
@@ -340,7 +356,7 @@ struct dp_server {
   _Atomic uint64_t st_conns, st_accepted, st_frames_in, st_frames_out, st_bytes_in, st_bytes_out,
       st_req_errors, st_proto_errors, st_crc_errors, st_stalled, st_mid, st_paused, st_waiting,
       st_unauth, st_auth_refused, st_auth_timeouts, st_limit_refused, st_answer_bytes, st_pinned,
-      st_pins_released, st_pinned_batches;
+      st_pins_released, st_pinned_batches, st_unauth_evicted, st_auth_revoked;
 };
 
 static void count(_Atomic uint64_t *c, int64_t d) {
@@ -531,6 +547,10 @@ static void peer_unref(dp_server *s, dp_peer *p) {
 }
 
 static void conn_free(dp_conn *c) {
+  if (c->token) {
+    explicit_bzero(c->token, c->token_len);
+    free(c->token);
+  }
   list_remove(&c->node);
   wire_reader_free(&c->rd);
   buf_free(c->rx);
@@ -574,6 +594,7 @@ static void conn_uncount(dp_conn *c) {
     s->nunauth--;
     count(&s->st_unauth, -1);
     c->pe->unauth--;
+    list_remove(&c->unode);
   }
 }
 
@@ -1309,12 +1330,14 @@ static uint64_t pull_deadline(uint32_t timeout_ms) {
 static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms);
 
 /* What every Pull and pull batch passes before it may wait (its answer fits a
- * frame and, when it must be copied, the answer budgets; there is room for
- * one more waiting pull on the connection, its peer address and the server)
+ * frame and, when it must be copied, the answer budgets; when it may wait
+ * (its version is not there yet; the core refuses one too far ahead), there is
+ * room for one more waiting pull on the connection, its peer address and the
+ * server: one whose version is there is never refused for lack of that room)
  * and its record; NULL when the request was answered with an error instead.
  * `copied`: the answer can only be a copy (a piece not in the stored dtype). */
-static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, int copied,
-                         const char *what) {
+static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t hash, uint64_t min_version,
+                         uint64_t nbytes, int copied, const char *what) {
   dp_server *s = c->s;
   char err[DP_ERRLEN];
   if (nbytes > s->max_payload) {
@@ -1333,9 +1356,12 @@ static dp_pull *pull_new(dp_conn *c, uint64_t request_id, uint64_t nbytes, int c
     answer_error(c, request_id, ZS_ELIMIT, err);
     return NULL;
   }
+  int now = service_wait_admission(s->svc, hash, min_version);
   const char *full = NULL;
   uint64_t cap = 0;
-  if (c->waiting >= s->max_wait_conn) {
+  if (now) {
+    /* Answered without waiting: no parking room needed. */
+  } else if (c->waiting >= s->max_wait_conn) {
     full = "on this connection";
     cap = s->max_wait_conn;
   } else if (c->pe->waiting >= (s->max_wait + 3u) / 4u) {
@@ -1375,7 +1401,8 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
     answer_error(c, m->request_id, (int)nb, err);
     return;
   }
-  dp_pull *p = pull_new(c, m->request_id, (uint64_t)nb, dtype != core_low_dtype(s->core), "piece");
+  dp_pull *p = pull_new(c, m->request_id, q->spec_hash, q->min_version, (uint64_t)nb,
+                        dtype != core_low_dtype(s->core), "piece");
   if (!p)
     return;
   p->hash = q->spec_hash;
@@ -1407,7 +1434,7 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
     }
     total += (uint64_t)nb; /* at most WIRE_MAX_BATCH pieces below 2^62 bytes: no overflow */
   }
-  dp_pull *p = pull_new(c, m->request_id, total, copied, "batch");
+  dp_pull *p = pull_new(c, m->request_id, q->spec_hash, q->min_version, total, copied, "batch");
   if (!p)
     return;
   wire_piece *pcs = calloc(q->npieces, sizeof *pcs);
@@ -1512,6 +1539,16 @@ static void on_hello(dp_conn *c) {
     status_say(err, sizeof err, "the server refused the token of this data-plane connection (%s)",
                m->u.hello.token_len ? "wrong token" : "no token given");
   } else {
+    if (auth_keys_enabled(s->auth) && m->u.hello.token_len > 0 &&
+        (c->token = malloc(m->u.hello.token_len)) == NULL) {
+      status = ZS_ENOMEM;
+      status_say(err, sizeof err, "out of memory keeping the connection's token");
+      goto refuse;
+    }
+    if (c->token) {
+      memcpy(c->token, m->u.hello.token, m->u.hello.token_len);
+      c->token_len = m->u.hello.token_len;
+    }
     c->authed = 1;
     c->replica_term = m->u.hello.replica_term;
     c->admin = !auth_keys_enabled(s->auth) || auth_allows(role, AUTH_ADMIN);
@@ -1519,6 +1556,7 @@ static void on_hello(dp_conn *c) {
       s->nunauth--;
       count(&s->st_unauth, -1);
       c->pe->unauth--;
+      list_remove(&c->unode);
     }
     wire_reader_limit_meta(rd, WIRE_MAX_META);
     wire_reader_set_payload(rd, NULL);
@@ -1526,6 +1564,7 @@ static void on_hello(dp_conn *c) {
     conn_send(c, &ack, NULL, 0, 0);
     return;
   }
+refuse:
   count(&s->st_auth_refused, 1);
   uint64_t quiet = 0;
   if (refusal_logged(s, &quiet))
@@ -1870,7 +1909,6 @@ static int peer_name(dp_conn *c) {
 /* A connection over a cap: told why (request id 0), then closed. */
 static void conn_refuse(dp_conn *c, const char *why) {
   dp_server *s = c->s;
-  count(&s->st_limit_refused, 1);
   uint64_t quiet = 0;
   if (refusal_logged(s, &quiet))
     LOG_WARN("dp_accept", "peer=%s refused_since_last_line=%" PRIu64 " detail=\"%s\"", c->peer,
@@ -1883,6 +1921,28 @@ static void conn_refuse(dp_conn *c, const char *why) {
   m.u.error.status = ZS_ELIMIT;
   status_say(m.u.error.message, sizeof m.u.error.message, "%s", why);
   conn_send(c, &m, NULL, 0, 1);
+}
+
+/* Closes the oldest connection not yet authenticated (from peer `pe`, or
+ * from anyone when pe is NULL), other than `keep`, telling it why. */
+static void unauth_evict_oldest(dp_server *s, const dp_peer *pe, const dp_conn *keep) {
+  for (list_node *l = s->unauth_q.next; l != &s->unauth_q; l = l->next) {
+    dp_conn *v = container_of(l, dp_conn, unode);
+    if (v == keep || (pe && v->pe != pe))
+      continue;
+    count(&s->st_unauth_evicted, 1);
+    if (v->fatal) {
+      conn_close(v); /* already refused: its ERROR frame was on its way */
+      return;
+    }
+    char why[200];
+    status_say(why, sizeof why,
+               "closed without HELLO: a newer connection needed the room (%u data-plane "
+               "connections not yet authenticated, %u from one address)",
+               s->max_unauth, s->max_unauth_peer);
+    conn_refuse(v, why);
+    return;
+  }
 }
 
 static void on_connection(stream_listener *l, void *data, int status, stream *st) {
@@ -1912,6 +1972,7 @@ static void on_connection(stream_listener *l, void *data, int status, stream *st
     return;
   }
   list_push(&s->live, &c->node);
+  list_push(&s->unauth_q, &c->unode);
   c->counted = 1;
   s->nconns++;
   s->nunauth++;
@@ -1931,28 +1992,73 @@ static void on_connection(stream_listener *l, void *data, int status, stream *st
     status_say(why, sizeof why,
                "the limit of %u data-plane connections from one address is reached",
                s->max_per_peer);
-  else if (s->nunauth > s->max_unauth)
-    status_say(why, sizeof why,
-               "the limit of %u data-plane connections not yet authenticated is reached",
-               s->max_unauth);
   else
     why[0] = '\0';
-  if (why[0])
+  if (why[0]) {
+    count(&s->st_limit_refused, 1);
     conn_refuse(c, why);
-  else
+    return;
+  }
+  /* Over its address's share, or the server's budget, of connections that
+   * have not said HELLO: the oldest such connection (of that address, or
+   * any) makes room, never the new one. A trainer says HELLO at once, so
+   * strangers that connect and wait can no longer keep it out; they only
+   * push each other out. */
+  if (c->pe->unauth > s->max_unauth_peer)
+    unauth_evict_oldest(s, c->pe, c);
+  if (s->nunauth > s->max_unauth)
+    unauth_evict_oldest(s, NULL, c);
+  conn_update_reading(c);
+}
+
+/* After a reload of the token files: every authenticated connection's token
+ * is checked again; one that no longer grants the trainer role is told so
+ * and closed, one that lost the admin role keeps the trainer's. */
+static void recheck_tokens(dp_server *s) {
+  for (list_node *l = s->live.next; l != &s->live;) {
+    dp_conn *c = container_of(l, dp_conn, node);
+    l = l->next; /* conn_close moves c to the zombies */
+    if (!c->authed || c->fatal || !auth_keys_enabled(s->auth))
+      continue;
+    auth_role role = auth_keys_check(s->auth, c->token, c->token_len);
+    c->admin = auth_allows(role, AUTH_ADMIN);
+    if (auth_allows(role, AUTH_TRAINER))
+      continue;
+    count(&s->st_auth_revoked, 1);
+    LOG_WARN("dp_unauthenticated", "peer=%s detail=\"token revoked by a reload\"", c->peer);
+    c->fatal = 1;
+    conn_set_mid(c, 0);
     conn_update_reading(c);
+    wire_msg e = {.type = WIRE_ERROR, .request_id = 0};
+    e.u.error.status = ZS_EUNAUTHENTICATED;
+    status_say(e.u.error.message, sizeof e.u.error.message,
+               "the token of this data-plane connection is no longer accepted (the server reread "
+               "its token files); reconnect with the current token");
+    conn_send(c, &e, NULL, 0, 1);
+  }
 }
 
 static void on_sweep(uv_timer_t *t) {
   dp_server *s = t->data;
   uint64_t now = clock_now_ms();
+  /* Token files reread (SIGHUP): within a sweep, no connection keeps a
+   * token that is no longer valid. */
+  unsigned long long gen = auth_keys_generation(s->auth);
+  if (gen != s->auth_gen) {
+    s->auth_gen = gen;
+    recheck_tokens(s);
+  }
+  /* Under pressure strangers get a short deadline, so that even a flood
+   * that outpaces eviction turns over within about a sweep. */
+  uint32_t hello_ms = s->nunauth * 2 > s->max_unauth && s->hello_ms > DP_PRESSED_HELLO_MS
+                          ? DP_PRESSED_HELLO_MS
+                          : s->hello_ms;
   for (list_node *l = s->live.next; l != &s->live;) {
     dp_conn *c = container_of(l, dp_conn, node);
     l = l->next; /* conn_close moves c to the zombies */
-    if (!c->authed && !c->fatal && now - c->accepted_ms >= s->hello_ms) {
+    if (!c->authed && !c->fatal && now - c->accepted_ms >= hello_ms) {
       count(&s->st_auth_timeouts, 1);
-      LOG_WARN("dp_unauthenticated", "peer=%s detail=\"no HELLO within %u ms\"", c->peer,
-               s->hello_ms);
+      LOG_WARN("dp_unauthenticated", "peer=%s detail=\"no HELLO within %u ms\"", c->peer, hello_ms);
       conn_close(c);
       continue;
     }
@@ -2146,11 +2252,14 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->max_conns = cfg->max_connections ? cfg->max_connections : DP_DEFAULT_MAX_CONNS;
   s->inline_bytes = cfg->inline_bytes ? cfg->inline_bytes : DP_DEFAULT_INLINE;
   s->auth = cfg->auth;
+  s->auth_gen = auth_keys_generation(s->auth);
   s->rep = cfg->replica;
   s->hello_ms = cfg->hello_timeout_ms ? cfg->hello_timeout_ms
                                       : env_knob("ZSHARD_DP_HELLO_TIMEOUT_MS", DP_DEFAULT_HELLO_MS);
   s->max_per_peer = cfg->max_per_peer ? cfg->max_per_peer : DP_DEFAULT_PER_PEER;
   s->max_unauth = cfg->max_unauthenticated ? cfg->max_unauthenticated : DP_DEFAULT_UNAUTH;
+  s->max_unauth_peer =
+      s->max_unauth / DP_UNAUTH_SHARE_DIV ? s->max_unauth / DP_UNAUTH_SHARE_DIV : 1;
   s->max_wait_conn =
       cfg->max_waiting_per_conn ? cfg->max_waiting_per_conn : DP_DEFAULT_WAITING_CONN;
   s->max_wait = cfg->max_waiting ? cfg->max_waiting : DP_DEFAULT_WAITING;
@@ -2174,6 +2283,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   }
   atomic_init(&s->stop, 0);
   list_init(&s->live);
+  list_init(&s->unauth_q);
   list_init(&s->zombies);
   list_init(&s->fair);
   list_init(&s->starved);
@@ -2260,6 +2370,8 @@ void dp_server_get_stats(const dp_server *s, dp_server_stats *o) {
   o->pinned_answers = atomic_load_explicit(&m->st_pinned, memory_order_relaxed);
   o->pins_released = atomic_load_explicit(&m->st_pins_released, memory_order_relaxed);
   o->pinned_batches = atomic_load_explicit(&m->st_pinned_batches, memory_order_relaxed);
+  o->unauth_evicted = atomic_load_explicit(&m->st_unauth_evicted, memory_order_relaxed);
+  o->auth_revoked = atomic_load_explicit(&m->st_auth_revoked, memory_order_relaxed);
 }
 
 /* One /metrics family: a name under zshard_dp_, its type, its help, and
@@ -2293,6 +2405,10 @@ static const dp_metric dp_metrics[] = {
               "Connections closed for not authenticating in time."),
     DP_METRIC("limit_refused_total", "counter", limit_refused,
               "Connections refused by a connection cap."),
+    DP_METRIC("unauthenticated_evicted_total", "counter", unauth_evicted,
+              "Connections closed before their HELLO to make room for a newer one."),
+    DP_METRIC("auth_revoked_total", "counter", auth_revoked,
+              "Connections closed because a reload of the token files revoked their token."),
     DP_METRIC("paused_connections", "gauge", paused,
               "Connections not read now, for backpressure (answers or memory)."),
     DP_METRIC("answer_bytes", "gauge", answer_bytes,

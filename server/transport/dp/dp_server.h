@@ -96,12 +96,17 @@ typedef struct dp_server_config {
    * forwarded to its backups on the pool before they are acknowledged. */
   struct replica *replica;
   /* Longest a connection may take to authenticate; 0 means 5 s (or the
-   * environment's ZSHARD_DP_HELLO_TIMEOUT_MS, a knob for tests). */
+   * environment's ZSHARD_DP_HELLO_TIMEOUT_MS, a knob for tests). While more
+   * than half of max_unauthenticated is in use it is at most 1 s. */
   uint32_t hello_timeout_ms;
   /* Connections from one peer address (authenticated or not), so that one
    * host cannot take every slot; 0 means 64. */
   uint32_t max_per_peer;
-  /* Connections not yet authenticated, in all; 0 means 128. */
+  /* Connections not yet authenticated, in all; 0 means 128. One address
+   * may hold 1/16 of them (at least 1). A new connection over either count
+   * is not refused: the oldest connection not yet authenticated (of that
+   * address, or of any) is closed to make room, so strangers cannot keep a
+   * trainer, who says HELLO at once, from connecting. */
   uint32_t max_unauthenticated;
   /* Pulls waiting for their version: per connection (0 means 4096) and in
    * all (0 means 65536; a Pull of a connection that closed still counts
@@ -178,6 +183,8 @@ typedef struct dp_server_stats {
   uint64_t pinned_answers;  /* answers now being sent from the low copy */
   uint64_t pins_released;   /* connections closed for stalling on a pinned answer */
   uint64_t pinned_batches;  /* PULL_BATCH answers sent from the low copy, since the start */
+  uint64_t unauth_evicted;  /* connections closed before HELLO to make room for a newer one */
+  uint64_t auth_revoked;    /* connections closed because a token reload revoked their token */
 } dp_server_stats;
 void dp_server_get_stats(const dp_server *s, dp_server_stats *out);
 

@@ -696,10 +696,35 @@ static void peer_put_locked(gsrv *s, const char *peer) {
   }
 }
 
+/* The key of a connection's address in s->peers: "@" and grpc's peer name
+ * without its port ("@ipv4:10.0.0.7"), so that one host's connections share
+ * one count. */
+static void peer_addr_key(const char *peer, char *buf, size_t len) {
+  snprintf(buf, len, "@%s", peer);
+  char *colon = strrchr(buf, ':');
+  if ((strncmp(peer, "ipv4:", 5) == 0 || strncmp(peer, "ipv6:", 5) == 0) && colon &&
+      colon > buf + 5)
+    *colon = '\0';
+}
+
+/* One address may park a quarter of the server's budget (at least one
+ * connection's), so that a single host opening many connections cannot take
+ * every slot from the others. */
+static uint32_t park_addr_cap(const gsrv *s) {
+  uint32_t q = s->lim.max_parked / 4u;
+  return q > s->lim.max_parked_per_conn ? q : s->lim.max_parked_per_conn;
+}
+
 /* Counts the call against the budgets; returns 0, or ZS_ELIMIT with the
- * sentence in err when one is full. s->lock held. */
-static int park_count_locked(gsrv *s, gcall *c, char *err, size_t errlen) {
+ * sentence in err when one is full. A call whose version is there already
+ * (`now`) does not park: it is never refused and never counted. s->lock
+ * held. */
+static int park_count_locked(gsrv *s, gcall *c, int now, char *err, size_t errlen) {
+  if (now)
+    return 0;
   const char *peer = c->peer ? c->peer : "unknown";
+  char addr[160];
+  peer_addr_key(peer, addr, sizeof addr);
   if (s->nparked >= s->lim.max_parked)
     return status_fail(err, errlen, ZS_ELIMIT,
                        "the server already holds %" PRIu32
@@ -711,10 +736,20 @@ static int park_count_locked(gsrv *s, gcall *c, char *err, size_t errlen) {
                        "this connection already has %" PRIu32
                        " waiting calls (Pull, GradStats), the server's limit per connection",
                        s->lim.max_parked_per_conn);
-  peer_count *e = peer_get_locked(s, peer);
-  if (!e)
+  pp = peer_find_locked(s, addr);
+  if (*pp && (*pp)->n >= park_addr_cap(s))
+    return status_fail(err, errlen, ZS_ELIMIT,
+                       "this address already has %" PRIu32
+                       " waiting calls (Pull, GradStats), the server's limit per address",
+                       park_addr_cap(s));
+  peer_count *e = peer_get_locked(s, peer), *a = e ? peer_get_locked(s, addr) : NULL;
+  if (!a) {
+    if (e)
+      peer_put_locked(s, peer);
     return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory counting a waiting call");
+  }
   e->n++;
+  a->n++;
   s->nparked++;
   c->parked = 1;
   return 0;
@@ -728,10 +763,16 @@ static void park_uncount(gcall *c) {
     c->parked = 0;
     s->nparked--;
     const char *peer = c->peer ? c->peer : "unknown";
+    char addr[160];
+    peer_addr_key(peer, addr, sizeof addr);
     peer_count **pp = peer_find_locked(s, peer);
     if (*pp)
       (*pp)->n--;
     peer_put_locked(s, peer);
+    pp = peer_find_locked(s, addr);
+    if (*pp)
+      (*pp)->n--;
+    peer_put_locked(s, addr);
   }
   pthread_mutex_unlock(&s->lock);
 }
@@ -751,15 +792,19 @@ static void on_park_close(gtag *t, int ok) {
   gcall_unref(c);
 }
 
-/* Before a call may wait in the core: counts it against the budgets and
- * starts its RECV_CLOSE_ON_SERVER. Returns 0, or a status with the sentence
- * in err (the caller answers it). The count ends when the call closes
- * (on_park_close), or earlier by park_uncount when it does not wait. */
-static int park_begin(gsrv *s, gcall *c, char *err, size_t errlen) {
+/* Before a call may wait in the core for version `want` (a Pull's
+ * min_version, a GradStats' step): counts one that may wait against the
+ * budgets (service_wait_admission: one whose version is there is neither
+ * counted nor refused) and starts its RECV_CLOSE_ON_SERVER. Returns 0, or a
+ * status with the sentence in err (the caller answers it). The count ends
+ * when the call closes (on_park_close), or earlier by park_uncount when it
+ * does not wait. */
+static int park_begin(gsrv *s, gcall *c, uint64_t want, char *err, size_t errlen) {
+  int now = service_wait_admission(s->svc, c->hash, want);
   if (!c->peer)
     c->peer = grpc_call_get_peer(c->call);
   pthread_mutex_lock(&s->lock);
-  int rc = park_count_locked(s, c, err, errlen);
+  int rc = park_count_locked(s, c, now, err, errlen);
   if (rc == 0)
     c->waiting = 1;
   pthread_mutex_unlock(&s->lock);
@@ -1327,7 +1372,7 @@ static void h_pull(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   c->nbytes = (size_t)nb;
 
   uint64_t version = 0;
-  int rc = park_begin(s, c, err, sizeof err);
+  int rc = park_begin(s, c, min_version, err, sizeof err);
   if (rc) {
     finish_err(c, 0, rc, err);
     return;
@@ -1409,7 +1454,24 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   uint32_t acked_rank = r->acked_rank;
   protobuf_c_message_free_unpacked(&r->base, NULL);
 
-  int rc = park_begin(s, c, err, sizeof err);
+  int rc = park_begin(s, c, c->step, err, sizeof err);
+  if (rc == ZS_ELIMIT) {
+    /* No room to wait, but statistics that are ready need none: asked with
+     * a deadline already passed, the core answers them or says
+     * ZS_ETIMEDOUT at once, never parking the call. */
+    char now_err[GSRV_ERRLEN] = "";
+    int now = service_grad_stats(s->svc, c->hash, c->step, acked_rank, clock_now_ms(),
+                                 on_core_stats, c, &c->stats, now_err, sizeof now_err);
+    if (now == ZS_OK) {
+      c->async_status = ZS_OK;
+      stats_finish(c, 0);
+      return;
+    }
+    if (now != ZS_ETIMEDOUT && now != CORE_PENDING) {
+      finish_err(c, 0, now, now_err);
+      return;
+    }
+  }
   if (rc) {
     finish_err(c, 0, rc, err);
     return;
