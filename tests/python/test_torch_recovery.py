@@ -71,6 +71,31 @@ class Recovery(unittest.TestCase):
             finally:
                 opt.close()
 
+    def test_restore_after_restarting_a_killed_shard_works_the_first_time(self):
+        # The pulls step() started (prefetch) were bound for the killed
+        # shard's data port; the restarted shard listens on another one.
+        model = make_model()
+        with zshard_servers.Shards(2, state_dirs=True) as shards:
+            opt = zshard.torch.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     addresses=shards.addresses, wire_dtype=torch.float32,
+                                     split_threshold=1000, **FAST_FAIL)
+            try:
+                for s in range(1, 4):
+                    train_step(model, opt, s)
+                opt.checkpoint()
+                at3 = shard_weights(opt)
+                train_step(model, opt, 4)
+                shards.kill(1)
+                shards.restart(1)
+                self.assertEqual(opt.restore(), 4)
+                opt.gather()
+                for P, w in zip(opt._params, at3):
+                    self.assertTrue(torch.equal(P.p.detach(), w), P.name)
+                train_step(model, opt, 4)
+                self.assertEqual(opt.last_result.step, 4)
+            finally:
+                opt.close()
+
     def test_a_killed_shard_raises_naming_it(self):
         model = make_model()
         with zshard_servers.Shards(2) as shards:

@@ -70,7 +70,7 @@ import zshard
 
 # The optimizer's transfers and its state_dict live in modules of their own
 # (_transfers.py, _state.py), mixed into ShardedOptimizer.
-from . import _deferred
+from . import _buffers, _deferred
 from ._common import NOTES, _WIRE, _buffer, _limit_mmap_threshold, _Param
 from ._deferred import init_empty
 from ._pretrained import PretrainedError, load_pretrained
@@ -120,7 +120,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                  world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
                  grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
                  mmap_threshold=None, param_init_fn=None, init_timeout_s=None,
-                 push_window=None, **client_options):
+                 push_window=None, broadcast_buffers=True, **client_options):
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -174,6 +174,15 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._by_key = {P.key: P for P in self._params}
         self._groups = [self._group_options(g) for g in self.param_groups]
         self._check_group_lrs()
+        # broadcast_buffers (_buffers.py): one more tensor and group, only
+        # with W > 1 and buffers to send (a single trainer pays nothing).
+        self._bufs = None
+        if broadcast_buffers and world_size > 1 and _buffers.model_buffers(model):
+            if client_options.get("pipelined"):
+                raise ValueError("zshard.torch: broadcast_buffers with pipelined=1: the pipelined "
+                                 "step returns before the shards apply it, so rank 0's buffers "
+                                 "could be read a step late; pass broadcast_buffers=False")
+            self._bufs = _buffers.Broadcast(model, rank)
 
         self.client = zshard.Client(addresses, rank=rank, world_size=world_size, job=job,
                                     push_dtype=_WIRE[wire_dtype], pull_dtype=_WIRE[wire_dtype],
@@ -185,11 +194,18 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 self.client.add_group(**g)
             for P in self._params:
                 self.client.add_tensor(P.name, P.numel, P.group, tuple(P.p.shape))
+            if self._bufs is not None:
+                self._bufs.group = self.client.add_group(**_buffers.GROUP)
+                self._bufs.tensor = self.client.add_tensor(_buffers.BUFFERS_TENSOR,
+                                                           self._bufs.numel, self._bufs.group)
             if deferred:
                 self.client.open_job(deferred=True)
                 self._init_deferred(model, deferred, param_init_fn, init_timeout_s)
             else:
                 init = [_buffer(P.p) for P in self._params] if rank == 0 else None
+                if init is not None and self._bufs is not None:
+                    first = self._bufs.initial()
+                    init.append(_buffer(first))
                 self.client.open_job(init)
         except BaseException:
             self.client.close()
@@ -272,6 +288,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             _deferred.warn_unreplayable(model, deferred, mods)
         units = _deferred.plan_units(model, deferred)
         _deferred.replay(units, self._by_id, mods, param_init_fn, write)
+        if fresh and self._bufs is not None:
+            # The buffers are materialised and initialised by now.
+            self.client.init_tensor(self._bufs.tensor, _buffer(self._bufs.initial()))
         timeout = 0 if init_timeout_s is None else max(1, int(init_timeout_s * 1000))
         self.client.wait_initialized(timeout)
 
@@ -446,6 +465,11 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             if now.get("nesterov") and not (now["momentum"] > 0 and now["dampening"] == 0):
                 raise ValueError("zshard.torch: param group %d: nesterov momentum requires a "
                                  "momentum and zero dampening" % gi)
+        if self._bufs is not None:
+            # The buffer group's constant values (lr 0: its weights never move).
+            lrs = lrs + [0.0]
+            for k, v in hps.items():
+                v.append(_buffers.STEP_VALUES[k[len("group_"):]])
         return dict(group_lr=lrs, **hps)
 
     def step(self, closure=None, clip_coef=None):
@@ -497,6 +521,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 rest.append(self._prepare_push(P, P.p.grad))
         self._submit_pushes(rest)
         self._wait_pushes()
+        if self._bufs is not None:
+            for _, req in self._bufs.push(self.client, self.grad_accum, self._version):
+                req.wait()
 
     def grad_norm(self):
         """The global norm of this step's gradient (over every trainer's
@@ -564,6 +591,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             pass
         cur = self.client.restore(step)
         self._version = cur - 1
+        if self._bufs is not None:
+            self._bufs.pushed = -1
+            self._bufs.taken = None
         for P in self._params:
             P.micro = 0
             P.failed = []

@@ -128,6 +128,10 @@ class _Transfers:
             return inner(*args, **kwargs)
         if self._in_forward:
             raise RuntimeError("zshard.torch: the model's forward is re-entered")
+        if self._bufs is not None:
+            # broadcast_buffers: rank 0's buffers of the last step, before
+            # the first forward after it (DDP syncs them before forward).
+            self._bufs.take(self.client, self._version)
         self._in_forward = True
         first = not self._units
         if first:
