@@ -9,6 +9,7 @@ Run with Debian's interpreter (CTest does): /usr/bin/python3 tests/python/test_t
 
 import os
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +24,10 @@ import zshard.torch  # noqa: E402
 
 FAST_FAIL = dict(max_retries=2, retry_initial_ms=10, retry_max_ms=20, rpc_timeout_ms=3000,
                  step_timeout_ms=3000)
+# Retries long enough (about 13 s) for gRPC's channel to reconnect to a
+# restarted shard, short enough that a test can wait for them to run out.
+RESTART_RETRIES = dict(max_retries=10, retry_initial_ms=100, retry_max_ms=2000,
+                       rpc_timeout_ms=3000, step_timeout_ms=20000)
 
 
 def make_model():
@@ -73,19 +78,27 @@ class Recovery(unittest.TestCase):
 
     def test_restore_after_restarting_a_killed_shard_works_the_first_time(self):
         # The pulls step() started (prefetch) were bound for the killed
-        # shard's data port; the restarted shard listens on another one.
+        # shard's data port and failed once their retries ran out; the
+        # restarted shard listens on another data port.
         model = make_model()
         with zshard_servers.Shards(2, state_dirs=True) as shards:
             opt = zshard.torch.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                      addresses=shards.addresses, wire_dtype=torch.float32,
-                                     split_threshold=1000, **FAST_FAIL)
+                                     split_threshold=1000, **RESTART_RETRIES)
             try:
                 for s in range(1, 4):
                     train_step(model, opt, s)
                 opt.checkpoint()
                 at3 = shard_weights(opt)
                 train_step(model, opt, 4)
+                self.assertTrue(any(P.pull is not None for P in opt._params))
                 shards.kill(1)
+                # The operator restarts the shard once the pulls have failed
+                # (a bounded wait: the retries end after about 13 s).
+                deadline = time.monotonic() + 120
+                while any(P.pull is not None and not P.pull.test() for P in opt._params):
+                    self.assertLess(time.monotonic(), deadline, "pulls still in flight")
+                    time.sleep(0.1)
                 shards.restart(1)
                 self.assertEqual(opt.restore(), 4)
                 opt.gather()

@@ -584,7 +584,12 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         one); the parameters are pulled again before their next use. Returns
         the step training continues at."""
         self._check_open()
-        self._wait_pulls()
+        # The transfers in flight belong to the timeline being abandoned:
+        # they are waited for (they write the parameters' storage) and
+        # their failures dropped. A shard killed and restarted since failed
+        # the pulls step() started ahead (bound for its old data port);
+        # raising those here made restore() fail once per such pull.
+        self._drop_pulls()
         try:
             self._wait_pushes()
         except zshard.Error:

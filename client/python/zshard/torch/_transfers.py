@@ -333,6 +333,18 @@ class _Transfers:
         if err is not None:
             raise err
 
+    def _drop_pulls(self):
+        """Waits for every pull in flight and forgets them, failed or not:
+        their parameters are pulled again before their next use."""
+        for P in self._params:
+            req, P.pull = P.pull, None
+            if req is not None:
+                try:
+                    req.wait()
+                except zshard.Error:
+                    pass
+            P.current = False
+
     def _wait_pulls(self):
         for P in self._params:
             if P.pull is not None:
