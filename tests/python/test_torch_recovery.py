@@ -8,6 +8,8 @@ Run with Debian's interpreter (CTest does): /usr/bin/python3 tests/python/test_t
 """
 
 import os
+import signal
+import subprocess
 import sys
 import time
 import unittest
@@ -49,6 +51,22 @@ def shard_weights(opt):
         opt.client.pull(P.idx, zshard.torch._buffer(w)).wait()
         out.append(w)
     return out
+
+
+def close_worker(addresses, pid):
+    """Trains a step, SIGKILLs shard 1 (its pid), then close(): prints what
+    close() raised."""
+    model = make_model()
+    opt = zshard.torch.shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             addresses=addresses, wire_dtype=torch.float32, split_threshold=1000,
+                             rpc_timeout_ms=2000)
+    train_step(model, opt, 1)
+    os.kill(pid, signal.SIGKILL)
+    try:
+        opt.close()
+        print("close() returned")
+    except zshard.Error as e:
+        print("close() raised %s: %s" % (e.name, e))
 
 
 class Recovery(unittest.TestCase):
@@ -109,6 +127,25 @@ class Recovery(unittest.TestCase):
             finally:
                 opt.close()
 
+    def test_close_after_a_shard_is_killed_ends_within_the_rpc_timeout(self):
+        # The library retries a lost connection for about 30 s; close() gives
+        # up once nothing has completed for rpc_timeout_ms (2 s here). The
+        # bound is the subprocess's timeout, well below those 30 s.
+        with zshard_servers.Shards(2) as shards:
+            try:
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "close-worker",
+                                      shards.addresses, str(shards.procs[1].pid)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     timeout=25, text=True).stdout
+            finally:
+                shards.kill(1)
+        print("\n  " + out.strip().splitlines()[-1], file=sys.stderr)
+        dead = shards.addresses.split(",")[1]
+        self.assertIn("close() raised ZS_ETIMEDOUT", out)
+        # The error names the shard's index and the address it was given.
+        self.assertIn("from shard 1 (%s)" % dead, out)
+        self.assertNotIn("unwaited", out)
+
     def test_a_killed_shard_raises_naming_it(self):
         model = make_model()
         with zshard_servers.Shards(2) as shards:
@@ -121,15 +158,21 @@ class Recovery(unittest.TestCase):
                 dead = shards.addresses.split(",")[1]
                 with self.assertRaises(zshard.Error) as cm:
                     train_step(model, opt, 2)
-                self.assertIn(dead, str(cm.exception))
+                # The shard's index and the address it was given, not only
+                # the data-plane port that refused.
+                self.assertIn("shard 1 (%s)" % dead, str(cm.exception))
                 print("\n  raised: %s: %s" % (cm.exception.name, cm.exception), file=sys.stderr)
                 self.assertIn(cm.exception.status, (zshard.ECONN, zshard.ETIMEDOUT,
                                                     zshard.ECLOSED))
             finally:
                 opt._closed = True  # nothing to gather from a dead shard
                 opt.client.close()
+                opt._forget_requests()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    unittest.main(verbosity=2)
+    if len(sys.argv) == 4 and sys.argv[1] == "close-worker":
+        close_worker(sys.argv[2], int(sys.argv[3]))
+    else:
+        unittest.main(verbosity=2)

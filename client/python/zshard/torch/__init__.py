@@ -184,6 +184,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                                  "could be read a step late; pass broadcast_buffers=False")
             self._bufs = _buffers.Broadcast(model, rank)
 
+        # close() gives up on transfers that make no progress for one call's
+        # deadline (zs_client_options.rpc_timeout_ms, 0: its 30 s default).
+        self._stall_s = (client_options.get("rpc_timeout_ms") or 30000) / 1000.0
         self.client = zshard.Client(addresses, rank=rank, world_size=world_size, job=job,
                                     push_dtype=_WIRE[wire_dtype], pull_dtype=_WIRE[wire_dtype],
                                     split_threshold=split_threshold, grad_reduce=grad_reduce,
@@ -660,24 +663,46 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         checkpoint."""
         if self._closed:
             return
+        stuck = []
         try:
-            self._wait_pushes()
-        except zshard.Error:
-            pass
-        try:
-            if gather:
-                self.gather()
-            else:
-                self._wait_pulls()  # no transfer writes a parameter after close
-            if close_job:
-                self.client.close_job()
+            # A transfer to a shard that is gone fails only after the
+            # library's retries (about 30 s); close() gives up once no
+            # transfer has completed for rpc_timeout_ms.
+            stuck = self._settle(self._stall_s)
+            if not stuck:
+                try:
+                    self._wait_pushes()
+                except zshard.Error:
+                    pass
+                if gather:
+                    for P in self._params:
+                        self._issue(P)
+                # No transfer writes a parameter after close.
+                stuck = self._settle(self._stall_s)
+            if not stuck:
+                if gather:
+                    self.gather()
+                else:
+                    self._wait_pulls()
+                if close_job:
+                    self.client.close_job()
         finally:
             self._closed = True
             self._uninstall()
             for P in self._params:
                 if _OWNERS.get(id(P.p)) is self:
                     del _OWNERS[id(P.p)]
-            self.client.close()
+            self.client.close()   # cancels what is still in flight
+            waiting = self._forget_requests()
+        if stuck:
+            more = len(waiting) - 3
+            err = zshard.Error("zshard.torch: close() gave up after %g s without a transfer "
+                               "completing (the client's rpc_timeout_ms); the parameters keep "
+                               "what they held. Still waiting: %s%s" %
+                               (self._stall_s, "; ".join(waiting[:3]),
+                                " and %d more" % more if more > 0 else ""))
+            err.status, err.name = zshard.ETIMEDOUT, "ZS_ETIMEDOUT"
+            raise err
 
     def _check_open(self):
         if self._closed:
