@@ -292,8 +292,10 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         units = _deferred.plan_units(model, deferred)
         _deferred.replay(units, self._by_id, mods, param_init_fn, write)
         if fresh and self._bufs is not None:
-            # The buffers are materialised and initialised by now.
-            self.client.init_tensor(self._bufs.tensor, _buffer(self._bufs.initial()))
+            # The buffers are materialised and initialised by now. (_buffer
+            # does not keep its tensor alive: `first` does.)
+            first = self._bufs.initial()
+            self.client.init_tensor(self._bufs.tensor, _buffer(first))
         timeout = 0 if init_timeout_s is None else max(1, int(init_timeout_s * 1000))
         self.client.wait_initialized(timeout)
 
@@ -525,8 +527,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._submit_pushes(rest)
         self._wait_pushes()
         if self._bufs is not None:
-            for _, req in self._bufs.push(self.client, self.grad_accum, self._version):
-                req.wait()
+            self._bufs.push(self.client, self.grad_accum, self._version)
 
     def grad_norm(self):
         """The global norm of this step's gradient (over every trainer's

@@ -83,7 +83,8 @@ class Broadcast:
         self.bytes = 4 * self.numel
         self.tensor = None          # its zshard tensor id, once added
         self.group = None
-        self.pushed = -1            # the version whose step has our push
+        self.pushed = -1            # the version whose step push() prepares
+        self.todo = set()           # its micro-batches not pushed yet
         self.taken = None           # the version whose buffers this rank holds
 
     def _current(self):
@@ -133,20 +134,29 @@ class Broadcast:
     # ---- the trainer's side ------------------------------------------------------------
 
     def push(self, client, grad_accum, version):
-        """This rank's pushes of the buffer tensor for the coming step (once
-        per step: grad_norm() and step() both prepare it): rank 0's payload
-        at micro-batch 0, "no gradient" otherwise. Returns the requests."""
-        if self.pushed == version:
-            return []
-        self.pushed = version
+        """This rank's pushes of the buffer tensor for the coming step, each
+        micro-batch once (grad_norm() and step() both prepare the step, and
+        a step() that failed is called again): rank 0's payload at
+        micro-batch 0, "no gradient" otherwise. Waits for them; raises the
+        first failure, after which the next call pushes what failed."""
+        if self.pushed != version:
+            self.pushed, self.todo = version, set(range(grad_accum))
         reqs = []
-        for micro in range(grad_accum):
+        for micro in sorted(self.todo):
             if self.rank == 0 and micro == 0:
                 payload = self.encode()
-                reqs.append((payload, client.push(self.tensor, _buffer(payload), micro)))
+                reqs.append((micro, payload, client.push(self.tensor, _buffer(payload), micro)))
             else:
-                reqs.append((None, client.push(self.tensor, None, micro)))
-        return reqs
+                reqs.append((micro, None, client.push(self.tensor, None, micro)))
+        err = None
+        for micro, _, req in reqs:
+            try:
+                req.wait()
+                self.todo.discard(micro)
+            except zshard.Error as e:
+                err = err or e
+        if err is not None:
+            raise err
 
     def take(self, client, version):
         """Before a forward on a rank other than 0: rank 0's buffers as of
