@@ -281,8 +281,9 @@ class _Transfers:
             pass
         else:
             if g.dtype != torch.float32 or g.is_sparse:
-                raise RuntimeError("zshard.torch: gradient of %s is %s; dense fp32 only" %
-                                   (P.name, g.dtype))
+                raise RuntimeError("zshard.torch: gradient of %s is %s%s; dense fp32 only (an "
+                                   "nn.Embedding or EmbeddingBag needs sparse=False)" %
+                                   (P.name, "sparse " if g.is_sparse else "", g.dtype))
             g = g.detach()
             if not g.is_contiguous():
                 g = g.contiguous()
