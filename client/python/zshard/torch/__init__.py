@@ -50,7 +50,9 @@ shards). A parameter whose .grad is None at step() is skipped as torch skips
 it (the trainer pushes "no gradient"; with W trainers it is skipped when no
 rank had one, and a rank without one counts as zeros otherwise, as DDP's
 find_unused_parameters). Parameters read outside forward are current after
-`gather()`, `close()`, `model.state_dict()` or a forward.
+`gather()`, `close()`, `model.state_dict()` or a forward. With W trainers,
+rank 0's module buffers reach the others before their first forward after
+each step (broadcast_buffers, as DDP's).
 
 state_dict() returns torch.optim's state_dict() of the same optimizer, read
 from the shards; load_state_dict() and model.load_state_dict() write torch's
@@ -759,6 +761,11 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
     push_window: the gradient bytes pushes in flight may hold before backward
       waits for the oldest (None: with release_after_forward 64 MiB or two of
       the largest tensors, whichever is more, else no bound; 0: no bound).
+    broadcast_buffers: with W > 1, rank 0's module buffers (BatchNorm's
+      running statistics...) become every rank's before its first forward
+      after each step(), through the shards, as DDP's broadcast_buffers
+      (_buffers.py; docs/PYTORCH.md, "Buffers across ranks"). False: each
+      rank keeps its own. W = 1 adds nothing.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     return ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,
