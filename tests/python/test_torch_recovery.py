@@ -55,11 +55,13 @@ def shard_weights(opt):
 
 def close_worker(addresses, pid):
     """Trains a step, SIGKILLs shard 1 (its pid), then close(): prints what
-    close() raised."""
+    close() raised. With release_after_forward and no prefetch the trainer
+    holds no weights after step(), so close() must pull from shard 1 (with
+    weights pulled ahead it could return without asking the dead shard)."""
     model = make_model()
     opt = zshard.torch.shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
                              addresses=addresses, wire_dtype=torch.float32, split_threshold=1000,
-                             rpc_timeout_ms=2000)
+                             release_after_forward=True, prefetch=0, rpc_timeout_ms=2000)
     train_step(model, opt, 1)
     os.kill(pid, signal.SIGKILL)
     try:

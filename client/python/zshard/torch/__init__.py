@@ -663,7 +663,12 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         others first); a trainer still using the job then fails with
         ENOTOPEN. Without it (the default) the job stays on the shards, to be
         resumed (open_mode "either" or "resume") or restored from a
-        checkpoint."""
+        checkpoint.
+
+        Once no transfer has completed for the client's rpc_timeout_ms (a
+        shard that died: the library would retry for about 30 s), close()
+        closes the client anyway and raises zshard.Error ETIMEDOUT naming
+        the transfers it gave up on (tensor, shard index, address)."""
         if self._closed:
             return
         stuck = []
@@ -700,8 +705,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         if stuck:
             more = len(waiting) - 3
             err = zshard.Error("zshard.torch: close() gave up after %g s without a transfer "
-                               "completing (the client's rpc_timeout_ms); the parameters keep "
-                               "what they held. Still waiting: %s%s" %
+                               "completing (the client's rpc_timeout_ms); a parameter whose "
+                               "pull was cut short holds unspecified values. Still waiting: "
+                               "%s%s" %
                                (self._stall_s, "; ".join(waiting[:3]),
                                 " and %d more" % more if more > 0 else ""))
             err.status, err.name = zshard.ETIMEDOUT, "ZS_ETIMEDOUT"

@@ -31,8 +31,9 @@ after the model's tensors and groups) that rank 0 pushes at every step():
   previous step's payload.
 
 The payload's 2**-64 scale keeps it out of the gradient norm in practice:
-its squares (at most 2**-96 each) vanish in the double sum of squares
-unless the model's own sum is below about 1e-13 (docs/PYTORCH.md). A step
+its squares (at most 2**-96 each, n of them) vanish in the double sum of
+squares (53 bits) unless the model's own sum of squares (loss-scaled) is
+below about n * 1e-13 (docs/PYTORCH.md). A step
 skipped for overflow (dynamic loss scaling) leaves the previous payload,
 so the ranks take rank 0's buffers of the step before.
 """
