@@ -165,6 +165,19 @@ class Optimizers(unittest.TestCase):
             finally:
                 opt.close()
 
+    def test_sparse_gradients_and_complex_parameters_are_refused_by_name(self):
+        with zshard_servers.Shards(1) as shards:
+            model = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+            opt = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), shards)
+            try:
+                with self.assertRaisesRegex(RuntimeError, "sparse.*sparse=False"):
+                    model(torch.tensor([1, 2])).sum().backward()
+            finally:
+                opt.close()
+            model = nn.Linear(2, 2).to(torch.complex64)
+            with self.assertRaisesRegex(ValueError, "complex64 on cpu; fp32 CPU parameters only"):
+                shard(model, torch.optim.SGD(model.parameters(), lr=0.1), shards)
+
 
 class Resume(unittest.TestCase):
 

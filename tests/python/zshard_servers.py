@@ -34,6 +34,8 @@ class Shards:
         self.extra_args = list(extra_args)
         self.killed = set()
         self.procs, self.logs = [], []
+        self.args, self.ports = [], []
+        self._env = None
         self.tmp = None
         self.addresses = None
         # Further environment variables for the servers (the caller's
@@ -47,7 +49,8 @@ class Shards:
         self.tmp = tempfile.mkdtemp(prefix="zshard-pyt-")
         env = {k: v for k, v in os.environ.items() if not k.startswith("ZSHARD_")}
         env.update(self.env)
-        ports = []
+        self._env = env
+        ports = self.ports
         try:
             for i in range(self.n):
                 port_file = os.path.join(self.tmp, "port%d" % i)
@@ -60,6 +63,7 @@ class Shards:
                     os.mkdir(state)
                     args += ["--state-dir", state]
                 args += self.extra_args
+                self.args.append(args)
                 self.procs.append(subprocess.Popen(
                     args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
             for i, proc in enumerate(self.procs):
@@ -98,6 +102,18 @@ class Shards:
         self.killed.add(i)
         self.procs[i].kill()
         self.procs[i].wait()
+
+    def restart(self, i):
+        """Starts killed shard i again on the same gRPC address (and state
+        directory); its data port is a new one. Returns once it listens."""
+        args = list(self.args[i])
+        args[args.index("--listen") + 1] = "127.0.0.1:%d" % self.ports[i]
+        port_file = os.path.join(self.tmp, "port%d" % i)
+        os.unlink(port_file)
+        self.procs[i] = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.logs[i],
+                                         stderr=self.logs[i], env=self._env)
+        self.killed.discard(i)
+        self._wait_port(self.procs[i], port_file)
 
     def _stop(self):
         codes = []

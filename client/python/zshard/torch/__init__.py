@@ -50,7 +50,9 @@ shards). A parameter whose .grad is None at step() is skipped as torch skips
 it (the trainer pushes "no gradient"; with W trainers it is skipped when no
 rank had one, and a rank without one counts as zeros otherwise, as DDP's
 find_unused_parameters). Parameters read outside forward are current after
-`gather()`, `close()`, `model.state_dict()` or a forward.
+`gather()`, `close()`, `model.state_dict()` or a forward. With W trainers,
+rank 0's module buffers reach the others before their first forward after
+each step (broadcast_buffers, as DDP's).
 
 state_dict() returns torch.optim's state_dict() of the same optimizer, read
 from the shards; load_state_dict() and model.load_state_dict() write torch's
@@ -70,7 +72,7 @@ import zshard
 
 # The optimizer's transfers and its state_dict live in modules of their own
 # (_transfers.py, _state.py), mixed into ShardedOptimizer.
-from . import _deferred
+from . import _buffers, _deferred
 from ._common import NOTES, _WIRE, _buffer, _limit_mmap_threshold, _Param
 from ._deferred import init_empty
 from ._pretrained import PretrainedError, load_pretrained
@@ -120,7 +122,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                  world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
                  grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
                  mmap_threshold=None, param_init_fn=None, init_timeout_s=None,
-                 push_window=None, **client_options):
+                 push_window=None, broadcast_buffers=True, **client_options):
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -174,7 +176,19 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._by_key = {P.key: P for P in self._params}
         self._groups = [self._group_options(g) for g in self.param_groups]
         self._check_group_lrs()
+        # broadcast_buffers (_buffers.py): one more tensor and group, only
+        # with W > 1 and buffers to send (a single trainer pays nothing).
+        self._bufs = None
+        if broadcast_buffers and world_size > 1 and _buffers.model_buffers(model):
+            if client_options.get("pipelined"):
+                raise ValueError("zshard.torch: broadcast_buffers with pipelined=1: the pipelined "
+                                 "step returns before the shards apply it, so rank 0's buffers "
+                                 "could be read a step late; pass broadcast_buffers=False")
+            self._bufs = _buffers.Broadcast(model, rank)
 
+        # close() gives up on transfers that make no progress for one call's
+        # deadline (zs_client_options.rpc_timeout_ms, 0: its 30 s default).
+        self._stall_s = (client_options.get("rpc_timeout_ms") or 30000) / 1000.0
         self.client = zshard.Client(addresses, rank=rank, world_size=world_size, job=job,
                                     push_dtype=_WIRE[wire_dtype], pull_dtype=_WIRE[wire_dtype],
                                     split_threshold=split_threshold, grad_reduce=grad_reduce,
@@ -185,11 +199,18 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 self.client.add_group(**g)
             for P in self._params:
                 self.client.add_tensor(P.name, P.numel, P.group, tuple(P.p.shape))
+            if self._bufs is not None:
+                self._bufs.group = self.client.add_group(**_buffers.GROUP)
+                self._bufs.tensor = self.client.add_tensor(_buffers.BUFFERS_TENSOR,
+                                                           self._bufs.numel, self._bufs.group)
             if deferred:
                 self.client.open_job(deferred=True)
                 self._init_deferred(model, deferred, param_init_fn, init_timeout_s)
             else:
                 init = [_buffer(P.p) for P in self._params] if rank == 0 else None
+                if init is not None and self._bufs is not None:
+                    first = self._bufs.initial()
+                    init.append(_buffer(first))
                 self.client.open_job(init)
         except BaseException:
             self.client.close()
@@ -272,6 +293,11 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             _deferred.warn_unreplayable(model, deferred, mods)
         units = _deferred.plan_units(model, deferred)
         _deferred.replay(units, self._by_id, mods, param_init_fn, write)
+        if fresh and self._bufs is not None:
+            # The buffers are materialised and initialised by now. (_buffer
+            # does not keep its tensor alive: `first` does.)
+            first = self._bufs.initial()
+            self.client.init_tensor(self._bufs.tensor, _buffer(first))
         timeout = 0 if init_timeout_s is None else max(1, int(init_timeout_s * 1000))
         self.client.wait_initialized(timeout)
 
@@ -446,6 +472,11 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             if now.get("nesterov") and not (now["momentum"] > 0 and now["dampening"] == 0):
                 raise ValueError("zshard.torch: param group %d: nesterov momentum requires a "
                                  "momentum and zero dampening" % gi)
+        if self._bufs is not None:
+            # The buffer group's constant values (lr 0: its weights never move).
+            lrs = lrs + [0.0]
+            for k, v in hps.items():
+                v.append(_buffers.STEP_VALUES[k[len("group_"):]])
         return dict(group_lr=lrs, **hps)
 
     def step(self, closure=None, clip_coef=None):
@@ -497,6 +528,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 rest.append(self._prepare_push(P, P.p.grad))
         self._submit_pushes(rest)
         self._wait_pushes()
+        if self._bufs is not None:
+            self._bufs.push(self.client, self.grad_accum, self._version)
 
     def grad_norm(self):
         """The global norm of this step's gradient (over every trainer's
@@ -557,13 +590,21 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         one); the parameters are pulled again before their next use. Returns
         the step training continues at."""
         self._check_open()
-        self._wait_pulls()
+        # The transfers in flight belong to the timeline being abandoned:
+        # they are waited for (they write the parameters' storage) and
+        # their failures dropped. A shard killed and restarted since failed
+        # the pulls step() started ahead (bound for its old data port);
+        # raising those here made restore() fail once per such pull.
+        self._drop_pulls()
         try:
             self._wait_pushes()
         except zshard.Error:
             pass
         cur = self.client.restore(step)
         self._version = cur - 1
+        if self._bufs is not None:
+            self._bufs.pushed = -1
+            self._bufs.taken = None
         for P in self._params:
             P.micro = 0
             P.failed = []
@@ -622,27 +663,55 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         others first); a trainer still using the job then fails with
         ENOTOPEN. Without it (the default) the job stays on the shards, to be
         resumed (open_mode "either" or "resume") or restored from a
-        checkpoint."""
+        checkpoint.
+
+        Once no transfer has completed for the client's rpc_timeout_ms (a
+        shard that died: the library would retry for about 30 s), close()
+        closes the client anyway and raises zshard.Error ETIMEDOUT naming
+        the transfers it gave up on (tensor, shard index, address)."""
         if self._closed:
             return
+        stuck = []
         try:
-            self._wait_pushes()
-        except zshard.Error:
-            pass
-        try:
-            if gather:
-                self.gather()
-            else:
-                self._wait_pulls()  # no transfer writes a parameter after close
-            if close_job:
-                self.client.close_job()
+            # A transfer to a shard that is gone fails only after the
+            # library's retries (about 30 s); close() gives up once no
+            # transfer has completed for rpc_timeout_ms.
+            stuck = self._settle(self._stall_s)
+            if not stuck:
+                try:
+                    self._wait_pushes()
+                except zshard.Error:
+                    pass
+                if gather:
+                    for P in self._params:
+                        self._issue(P)
+                # No transfer writes a parameter after close.
+                stuck = self._settle(self._stall_s)
+            if not stuck:
+                if gather:
+                    self.gather()
+                else:
+                    self._wait_pulls()
+                if close_job:
+                    self.client.close_job()
         finally:
             self._closed = True
             self._uninstall()
             for P in self._params:
                 if _OWNERS.get(id(P.p)) is self:
                     del _OWNERS[id(P.p)]
-            self.client.close()
+            self.client.close()   # cancels what is still in flight
+            waiting = self._forget_requests()
+        if stuck:
+            more = len(waiting) - 3
+            err = zshard.Error("zshard.torch: close() gave up after %g s without a transfer "
+                               "completing (the client's rpc_timeout_ms); a parameter whose "
+                               "pull was cut short holds unspecified values. Still waiting: "
+                               "%s%s" %
+                               (self._stall_s, "; ".join(waiting[:3]),
+                                " and %d more" % more if more > 0 else ""))
+            err.status, err.name = zshard.ETIMEDOUT, "ZS_ETIMEDOUT"
+            raise err
 
     def _check_open(self):
         if self._closed:
@@ -705,6 +774,11 @@ def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, wor
       are initialised first (meta ones too) and then overwritten: the file's
       bits, whatever the initialisation was. A job the shards have already
       stepped (a resumed run) keeps its trained weights: the file is not read.
+    broadcast_buffers: with W > 1, rank 0's module buffers (BatchNorm's
+      running statistics...) become every rank's before its first forward
+      after each step(), through the shards, as DDP's broadcast_buffers
+      (_buffers.py; docs/PYTORCH.md, "Buffers across ranks"). False: each
+      rank keeps its own. W = 1 adds nothing.
     Other keywords: job (name), split_threshold, grad_reduce ("mean" or "sum"),
     and any zshard.Client option."""
     opt = ShardedOptimizer(model, optimizer, addresses, wire_dtype=wire_dtype, rank=rank,

@@ -4,6 +4,7 @@ backward) and the pushes of gradients as backward produces them, batched.
 A mixin: the state it uses is set up by ShardedOptimizer.__init__."""
 
 import collections
+import time
 
 import torch
 
@@ -128,6 +129,10 @@ class _Transfers:
             return inner(*args, **kwargs)
         if self._in_forward:
             raise RuntimeError("zshard.torch: the model's forward is re-entered")
+        if self._bufs is not None:
+            # broadcast_buffers: rank 0's buffers of the last step, before
+            # the first forward after it (DDP syncs them before forward).
+            self._bufs.take(self.client, self._version)
         self._in_forward = True
         first = not self._units
         if first:
@@ -276,8 +281,9 @@ class _Transfers:
             pass
         else:
             if g.dtype != torch.float32 or g.is_sparse:
-                raise RuntimeError("zshard.torch: gradient of %s is %s; dense fp32 only" %
-                                   (P.name, g.dtype))
+                raise RuntimeError("zshard.torch: gradient of %s is %s%s; dense fp32 only (an "
+                                   "nn.Embedding or EmbeddingBag needs sparse=False)" %
+                                   (P.name, "sparse " if g.is_sparse else "", g.dtype))
             g = g.detach()
             if not g.is_contiguous():
                 g = g.contiguous()
@@ -328,6 +334,63 @@ class _Transfers:
         err, self._push_error = self._push_error, None
         if err is not None:
             raise err
+
+    def _open_requests(self):
+        return [e[3] for e in self._inflight] + [P.pull for P in self._params
+                                                 if P.pull is not None]
+
+    def _settle(self, limit_s):
+        """Waits until every push and pull in flight has completed, or until
+        none has completed for `limit_s` seconds (a shard that is gone: the
+        library retries a lost connection for about 30 s whatever the
+        deadline of one call). Returns the requests still open then."""
+        pending = [r for r in self._open_requests() if not r.test()]
+        last, pause = time.monotonic(), 0.001
+        while pending:
+            if time.monotonic() - last > limit_s:
+                return pending
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+            still = [r for r in pending if not r.test()]
+            if len(still) < len(pending):
+                last = time.monotonic()
+            pending = still
+        return []
+
+    def _forget_requests(self):
+        """Waits for every push and pull in flight, dropping their results
+        (after the client is closed they end at once, cancelled). Returns
+        what the failed ones were, in the library's words (the transfer,
+        the shard's index and its configured address)."""
+        reqs = [e[3] for e in self._inflight]
+        self._inflight.clear()
+        self._inflight_bytes = 0
+        for P in self._params:
+            if P.pull is not None:
+                reqs.append(P.pull)
+                P.pull = None
+            P.current = False
+        what = []
+        for r in reqs:
+            try:
+                r.wait()
+            except zshard.Error as e:
+                w = str(e).split(" failed: ")[0]
+                if w not in what:
+                    what.append(w)
+        return what
+
+    def _drop_pulls(self):
+        """Waits for every pull in flight and forgets them, failed or not:
+        their parameters are pulled again before their next use."""
+        for P in self._params:
+            req, P.pull = P.pull, None
+            if req is not None:
+                try:
+                    req.wait()
+                except zshard.Error:
+                    pass
+            P.current = False
 
     def _wait_pulls(self):
         for P in self._params:
