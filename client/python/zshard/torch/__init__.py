@@ -75,11 +75,13 @@ import zshard
 from . import _buffers, _deferred
 from ._common import NOTES, _WIRE, _buffer, _limit_mmap_threshold, _Param
 from ._deferred import init_empty
+from ._lion import Lion
 from ._pretrained import PretrainedError, load_pretrained
 from ._state import _StateDict
 from ._transfers import _Transfers
 
-__all__ = ["shard", "ShardedOptimizer", "NOTES", "init_empty", "load_pretrained", "PretrainedError"]
+__all__ = ["shard", "ShardedOptimizer", "NOTES", "init_empty", "load_pretrained", "PretrainedError",
+           "Lion"]
 
 
 # The parameters of the open sharded optimizers (id(param) -> optimizer), for
@@ -303,9 +305,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
 
     @staticmethod
     def _optimizer_kind(optimizer):
-        """AdamW, Adam, SGD, or a subclass of one that keeps its step(): the
-        shards run that step; a subclass with its own step() would not be
-        what runs, so it is refused."""
+        """AdamW, Adam, SGD, zshard.torch.Lion, or a subclass of one that
+        keeps its step(): the shards run that step; a subclass with its own
+        step() would not be what runs, so it is refused."""
         def unwrap(f):
             # torch.optim wraps a class's step() for the profiler the first
             # time one of its instances is built (functools.wraps).
@@ -314,16 +316,17 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             return f
 
         for base, kind in ((torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"),
-                           (torch.optim.SGD, "sgd")):
+                           (torch.optim.SGD, "sgd"), (Lion, "lion")):
             if isinstance(optimizer, base):
                 if unwrap(type(optimizer).step) is not unwrap(base.step):
                     raise TypeError("zshard.torch: %s overrides step(), which the shards would "
-                                    "not run; subclasses of torch.optim.%s are supported when "
-                                    "they keep its step()" % (type(optimizer).__name__,
-                                                              base.__name__))
+                                    "not run; subclasses of %s.%s are supported when they keep "
+                                    "its step()" % (type(optimizer).__name__,
+                                                    "zshard.torch" if base is Lion else
+                                                    "torch.optim", base.__name__))
                 return kind
         raise TypeError("zshard.torch: optimizer %s is not supported (torch.optim.AdamW, Adam or "
-                        "SGD, or a subclass of one that keeps its step())"
+                        "SGD, zshard.torch.Lion, or a subclass of one that keeps its step())"
                         % type(optimizer).__name__)
 
     def _group_options(self, g):
@@ -340,6 +343,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                         dampening=float(g["dampening"]), weight_decay=float(g["weight_decay"]),
                         nesterov=int(bool(g["nesterov"])))
         b1, b2 = g["betas"]
+        if self._optim == "lion":
+            return dict(optimizer="lion", beta1=float(b1), beta2=float(b2),
+                        weight_decay=float(g["weight_decay"]))
         return dict(optimizer=self._optim, beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
                     weight_decay=float(g["weight_decay"]))
 

@@ -94,7 +94,8 @@ class _StateDict:
         """torch.optim's state_dict() of the same optimizer, read from the
         shards: {'state': {index: per-parameter state}, 'param_groups': the
         groups with torch's keys and parameter indices}. Per parameter:
-        AdamW/Adam {'step': tensor(float(steps)), 'exp_avg', 'exp_avg_sq'},
+        AdamW/Adam {'step': tensor(float(steps)), 'exp_avg', 'exp_avg_sq'}, Lion
+        {'step', 'exp_avg'},
         SGD {'momentum_buffer': tensor, or None without momentum}, from the
         parameter's own step count (the steps that gave it a gradient): a
         parameter that never had one has no state, as in torch. So
@@ -114,15 +115,22 @@ class _StateDict:
                 state[P.p] = {"momentum_buffer": self._read_state(P, zshard.EXP_AVG)
                               if g["momentum"] else None}
             else:
-                state[P.p] = {"step": torch.tensor(float(steps)),
-                              "exp_avg": self._read_state(P, zshard.EXP_AVG),
-                              "exp_avg_sq": self._read_state(P, zshard.EXP_AVG_SQ)}
+                state[P.p] = {"step": torch.tensor(float(steps))}
+                for key, which in self._moments():
+                    state[P.p][key] = self._read_state(P, which)
         # torch's own packing (indices, group keys), over this state.
         saved, self.state = self.state, state
         try:
             return torch.optim.Optimizer.state_dict(self)
         finally:
             self.state = saved
+
+    def _moments(self):
+        """The moments of Adam(W) and Lion: [(state key, shards' array)]."""
+        out = [("exp_avg", zshard.EXP_AVG)]
+        if self._optim != "lion":
+            out.append(("exp_avg_sq", zshard.EXP_AVG_SQ))
+        return out
 
     def _read_state(self, P, which):
         t = torch.empty(P.p.shape, dtype=torch.float32)
@@ -137,10 +145,13 @@ class _StateDict:
             if self._optim == "sgd":
                 return dict(momentum=s["momentum"], dampening=s["dampening"],
                             weight_decay=s["weight_decay"], nesterov=bool(s["nesterov"]))
+            if self._optim == "lion":
+                return dict(betas=(s["beta1"], s["beta2"]), weight_decay=s["weight_decay"])
             return dict(betas=(s["beta1"], s["beta2"]), eps=s["eps"],
                         weight_decay=s["weight_decay"])
-        keys = (("momentum", "dampening", "weight_decay", "nesterov") if self._optim == "sgd"
-                else ("betas", "eps", "weight_decay"))
+        keys = {"sgd": ("momentum", "dampening", "weight_decay", "nesterov"),
+                "lion": ("betas", "weight_decay")}.get(self._optim,
+                                                       ("betas", "eps", "weight_decay"))
         missing = [k for k in keys if k not in g]
         if missing:
             raise ValueError("zshard.torch.load_state_dict: param group %d has no %s (a state_dict "
@@ -149,6 +160,9 @@ class _StateDict:
         if self._optim == "sgd":
             return dict(momentum=float(g["momentum"]), dampening=float(g["dampening"]),
                         weight_decay=float(g["weight_decay"]), nesterov=bool(g["nesterov"]))
+        if self._optim == "lion":
+            return dict(betas=tuple(float(b) for b in g["betas"]),
+                        weight_decay=float(g["weight_decay"]))
         return dict(betas=tuple(float(b) for b in g["betas"]), eps=float(g["eps"]),
                     weight_decay=float(g["weight_decay"]))
 
@@ -250,20 +264,20 @@ class _StateDict:
                 # No state: torch's before the parameter's first gradient,
                 # zero moments and count 0.
                 z = torch.zeros(P.p.shape)
-                writes += [(P, zshard.EXP_AVG, z), (P, zshard.EXP_AVG_SQ, z)]
+                writes += [(P, which, z) for _, which in self._moments()]
                 counts[P] = 0
                 continue
             s = have[P]
-            extra = sorted(set(s) - {"step", "exp_avg", "exp_avg_sq"})
+            keys = ["step"] + [key for key, _ in self._moments()]
+            extra = sorted(set(s) - set(keys))
             if extra or "step" not in s:
                 raise ValueError("zshard.torch.load_state_dict: %s's state has keys %s; %s keeps "
-                                 "step, exp_avg, exp_avg_sq" % (P.name, sorted(s),
-                                                              type(self._inner).__name__))
+                                 "%s" % (P.name, sorted(s), type(self._inner).__name__,
+                                         ", ".join(keys)))
             step = float(s["step"])
             if step != int(step) or step < 0:
                 raise ValueError("zshard.torch.load_state_dict: %s's step %r is not a count" %
                                  (P.name, step))
             counts[P] = int(step)
-            writes.append((P, zshard.EXP_AVG, fp32(P, "exp_avg", s["exp_avg"])))
-            writes.append((P, zshard.EXP_AVG_SQ, fp32(P, "exp_avg_sq", s["exp_avg_sq"])))
+            writes += [(P, which, fp32(P, key, s[key])) for key, which in self._moments()]
         return writes, counts
