@@ -117,10 +117,10 @@ def init_weights(seed):
     return [(rng.standard_normal(n, dtype=np.float32) * np.float32(0.1)) for _, n in TENSORS]
 
 
-def gradient(seed, step, i, w):
+def gradient(seed, step, i, w, rank=0):
     """The gradient of tensor i at `step` from its pulled weights w: every
-    bit follows from (seed, step, w)."""
-    rng = np.random.default_rng([seed, step, i])
+    bit follows from (seed, step, w) and the trainer's rank."""
+    rng = np.random.default_rng([seed, step, i] + ([rank] if rank else []))
     noise = rng.standard_normal(w.size, dtype=np.float32)
     return (w * np.float32(0.5) + noise * np.float32(0.05)).astype(np.float32)
 
@@ -142,12 +142,16 @@ class Trainer:
     called at the sequential kill points, `timed(point)` gives the Timed
     killer to start around a call (or None)."""
 
-    def __init__(self, addresses, seed, job="replica-kill"):
-        self.seed = seed
-        self.c = zshard.Client(addresses, job=job, open_mode="create", **CLIENT_OPTIONS)
+    def __init__(self, addresses, seed, job="replica-kill", rank=0, world=1, options=None):
+        self.seed, self.rank, self.world = seed, rank, world
+        opts = dict(CLIENT_OPTIONS, **(options or {}))
+        if world > 1:
+            opts.update(rank=rank, world_size=world)
+        self.c = zshard.Client(addresses, job=job, open_mode="create" if rank == 0 else "either",
+                               **opts)
         self.c.add_group("adamw", weight_decay=0.01)
         self.ids = [self.c.add_tensor(name, n) for name, n in TENSORS]
-        self.c.open_job(init_weights(seed))
+        self.c.open_job(init_weights(seed) if rank == 0 else None)
         self.w = [np.empty(n, dtype=np.float32) for _, n in TENSORS]
         self.step_no = 1
         self.durations = {"apply": [], "checkpoint": []}
@@ -190,7 +194,7 @@ class Trainer:
     def step(self, hook=lambda p: None, timed=lambda p: None, frac=0.5):
         s = self.step_no
         self._pull(hook, frac)
-        grads = [gradient(self.seed, s, i, w) for i, w in enumerate(self.w)]
+        grads = [gradient(self.seed, s, i, w, self.rank) for i, w in enumerate(self.w)]
         hook("before_push")
         self._push(grads, hook, frac)
         self.c.grad_norm()
@@ -204,7 +208,7 @@ class Trainer:
                              timed("during_apply"))
         if r.step != s:
             raise AssertionError("step() completed step %d, expected %d" % (r.step, s))
-        if s % CKPT_EVERY == 0:
+        if s % CKPT_EVERY == 0 and self.rank == 0:
             killer = timed("during_checkpoint")
             try:
                 self._call_timed("checkpoint", lambda: self.c.checkpoint(), killer)
@@ -230,14 +234,80 @@ class Trainer:
         return out
 
 
+# A step of several trainers runs one thread each; a step that has not ended
+# after this long (every client call is bounded by its own timeouts and
+# retries, far below it) is a hang.
+TEAM_STEP_SECONDS = 180
+
+
+def run_parallel(fns, seconds=TEAM_STEP_SECONDS):
+    """Runs every fn() in a thread of its own; returns their results once
+    all ended, raises the first error, or AssertionError if one is still
+    running after `seconds` (its thread is left behind, a daemon)."""
+    out, errors = [None] * len(fns), [None] * len(fns)
+
+    def one(k):
+        try:
+            out[k] = fns[k]()
+        except BaseException as e:  # re-raised below
+            errors[k] = e
+    threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [k for k, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        raise AssertionError("trainers %s still in their call after %d s" % (hung, seconds))
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return out
+
+
+class Team:
+    """`world` trainers of one job (ranks 0..world-1) that run each step
+    together, one thread each, as data-parallel trainers do; rank 0's calls
+    carry the kill points and its view is the team's (step_no, c, ids,
+    durations, final_state). world=1 is one Trainer, called directly."""
+
+    def __init__(self, addresses, seed, world=1, job="replica-kill", options=None):
+        if world == 1:
+            self.trainers = [Trainer(addresses, seed, job, options=options)]
+        else:
+            # Every rank's open waits for the others' (the job is opened by
+            # all of them), so they open at once.
+            self.trainers = run_parallel(
+                [lambda k=k: Trainer(addresses, seed, job, k, world, options)
+                 for k in range(world)])
+
+    def __getattr__(self, name):  # step_no, c, ids, durations, failed_checkpoints
+        return getattr(self.trainers[0], name)
+
+    def step(self, hook=lambda p: None, timed=lambda p: None, frac=0.5):
+        if len(self.trainers) == 1:
+            return self.trainers[0].step(hook, timed, frac)
+        fns = [lambda: self.trainers[0].step(hook, timed, frac)]
+        fns += [lambda t=t: t.step(frac=frac) for t in self.trainers[1:]]
+        return run_parallel(fns)[0]
+
+    def final_state(self):
+        return self.trainers[0].final_state()
+
+    def close(self):
+        for t in reversed(self.trainers):
+            t.close()
+
+
 # ------------------------------------------------------------------ runs
 
 
-def reference(seed, nshards, steps=STEPS):
+def reference(seed, nshards, steps=STEPS, world=1):
     """The uninterrupted run on unreplicated shards: (final state, the
     median durations of step() and checkpoint() for placing timed kills)."""
     with ReplicaCluster(nshards, 1) as rc:
-        tr = Trainer(rc.addresses, seed)
+        tr = Team(rc.addresses, seed, world)
         try:
             for _ in range(steps):
                 tr.step()
@@ -252,8 +322,9 @@ class Run:
     """One replicated run with planned kills; .stats after run()."""
 
     def __init__(self, seed, nshards, kills, calib, replicas=2, steps=STEPS,
-                 restart_after=RESTART_AFTER):
+                 restart_after=RESTART_AFTER, world=1):
         self.seed, self.nshards, self.kills, self.calib = seed, nshards, kills, calib
+        self.world = world
         self.replicas, self.steps, self.restart_after = replicas, steps, restart_after
         self.pending_restarts = []  # (step, shard, index)
         self.unsettled = set()      # shards with a restarted member not yet joining
@@ -363,7 +434,7 @@ class Run:
                             failover_ms=SERVER_FAILOVER_MS) as rc:
             self.rc = rc
             try:
-                tr = self.tr = Trainer(rc.addresses, self.seed)
+                tr = self.tr = Team(rc.addresses, self.seed, self.world)
                 try:
                     if self.replicas > 1:
                         for shard in range(self.nshards):
