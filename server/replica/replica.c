@@ -96,6 +96,9 @@ struct replica {
   int snap_busy, snap_ready, snap_status;
   uint32_t snap_packing; /* ReplicaFetch answers pointing into snap, not yet sent */
   uint64_t join_seq;
+  /* The version the applied hook saw last (replica_wait_applied). */
+  uint64_t hooked_version;
+  pthread_cond_t hooked_cv;
 
   pthread_t monitor;
   int monitor_started, stopping;
@@ -209,6 +212,7 @@ int replica_create(const replica_config *cfg, replica **out, char *err, size_t e
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&r->cv, &ca);
+  pthread_cond_init(&r->hooked_cv, &ca);
   pthread_condattr_destroy(&ca);
   if (rc) {
     replica_destroy(r);
@@ -239,6 +243,7 @@ void replica_destroy(replica *r) {
   pthread_mutex_lock(&r->mu);
   r->stopping = 1;
   pthread_cond_broadcast(&r->cv);
+  pthread_cond_broadcast(&r->hooked_cv);
   int pending = r->snap_busy && !r->snap_ready;
   pthread_mutex_unlock(&r->mu);
   if (pending) /* the core calls snap_done before this returns */
@@ -259,6 +264,7 @@ void replica_destroy(replica *r) {
   free(r->token);
   pthread_mutex_destroy(&r->mu);
   pthread_cond_destroy(&r->cv);
+  pthread_cond_destroy(&r->hooked_cv);
   free(r);
 }
 
@@ -802,6 +808,8 @@ static void snap_done(void *arg, int status, double fn_seconds) {
 void replica_on_applied(void *arg, const core_apply_result *res) {
   replica *r = arg;
   pthread_mutex_lock(&r->mu);
+  r->hooked_version = res->version;
+  pthread_cond_broadcast(&r->hooked_cv);
   /* Only the Apply of the copy's own step can still be forwarded after it
    * (the trainers' Applies of a step are answered before the next one is
    * applied); a restore may also take the version back below it. */
@@ -840,6 +848,24 @@ void replica_on_applied(void *arg, const core_apply_result *res) {
            rc == CORE_PENDING ? "pending" : zs_err_name(rc));
   if (rc != CORE_PENDING)
     snap_done(r, rc < 0 ? rc : ZS_EINTERNAL, 0);
+}
+
+void replica_wait_applied(replica *r, uint64_t version) {
+  if (!r || version == 0)
+    return;
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  ts.tv_sec += r->failover_ms / 1000;
+  ts.tv_nsec += (long)(r->failover_ms % 1000) * 1000000L;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&r->mu);
+  while (r->role == REPLICA_PRIMARY && r->hooked_version < version && !r->stopping)
+    if (pthread_cond_timedwait(&r->hooked_cv, &r->mu, &ts) != 0)
+      break;
+  pthread_mutex_unlock(&r->mu);
 }
 
 int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, char *err,

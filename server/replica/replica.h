@@ -25,7 +25,8 @@
  *    (core_snapshot_async); the joiner reads the copy (ReplicaFetch), loads it
  *    (core_restore) and becomes a backup. The copy and the forwards meet
  *    exactly at V: no push for a step after V can be taken before the hook
- *    that starts the join has run (the trainers hear of V only after it),
+ *    that starts the join has run (the trainers hear of V only after it:
+ *    a repeated Apply of V waits for it, replica_wait_applied),
  *    so the joiner gets every one of them; a write of a step up to V (the
  *    trainers' Applies of V, answered after the hook) is in the copy and is
  *    not sent to it. Forwards it gets before it loaded the copy are answered
@@ -146,6 +147,15 @@ int replica_forward_raw(replica *r, const char *method, uint64_t step, const voi
 
 /* The service's applied hook: starts a pending join at this version. */
 void replica_on_applied(void *arg, const core_apply_result *res);
+
+/* Before a primary answers an Apply of `version` that the core answered at
+ * once (a repeat of the step just applied, from a second trainer): waits,
+ * at most --failover-ms, until the applied hook saw that version. The
+ * core bumps its version before the hook runs, and a trainer told of the
+ * step in between would push the next step's gradients before a joiner
+ * copied at that version is added to the forwards: it would miss them.
+ * NULL r, or a replica that is not primary, returns at once. */
+void replica_wait_applied(replica *r, uint64_t version);
 
 /* Promote (see the proto): 0 with the term, role and version after it, or a
  * refusal with a sentence. Blocks for the peers' GetInfo (a short deadline). */

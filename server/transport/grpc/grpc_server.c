@@ -1475,6 +1475,9 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     finish_err(c, 0, rc, err);
     return;
   }
+  /* Answered at once: a repeat of the step just applied, maybe before the
+   * replica's applied hook ran (replica.h). */
+  replica_wait_applied(s->rep, c->apply.version);
   c->async_status = ZS_OK;
   apply_finish(c, 0);
 }
