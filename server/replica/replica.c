@@ -1372,9 +1372,20 @@ static void monitor_backup_locked(replica *r) {
   const member *m = &r->m[p];
   if (m->seen_term == r->term)
     r->primary = p;
-  if (!m->seen_lists_me)
+  if (!m->seen_lists_me) {
     step_down_locked(r, m->seen_term > r->term ? "a newer primary does not count this replica"
                                                : "the primary dropped this replica");
+  } else if (m->seen_term > r->term) {
+    /* A backup promoted over a dead primary counts this one in sync: follow
+     * it now, as its next forward would make this replica do. Until then
+     * the new primary sees a backup of an older term and, after the
+     * failover time without a write (three members, the trainers between
+     * steps), drops it. */
+    LOG_INFO("replica_term", "term=%" PRIu64 " was=%" PRIu64 " role=%s primary=%d", m->seen_term,
+             r->term, replica_role_name(r->role), p);
+    r->term = m->seen_term;
+    r->primary = p;
+  }
 }
 
 static void *monitor_main(void *arg) {
