@@ -66,6 +66,7 @@
 #define ZC_GRPC_UNAVAILABLE 14
 #define ZC_GRPC_CANCELLED 1
 #define ZC_GRPC_RESOURCE_EXHAUSTED 8
+#define ZC_GRPC_DEADLINE_EXCEEDED 4
 
 /* ---- error.c -------------------------------------------------------------- */
 

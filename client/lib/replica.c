@@ -490,13 +490,44 @@ static int is_transfer(const char *method) {
   return m && (strcmp(m, "/Push") == 0 || strcmp(m, "/Pull") == 0);
 }
 
-/* What a failed attempt calls for: 2 a failover search (the member did not
- * answer, or is not primary), 1 a plain retry, 0 nothing. */
+/* What a failed attempt calls for: 3 a failover search for a member that
+ * was silent for the call's whole deadline (stopped, partitioned, or only
+ * slow: the search tells), 2 a failover search (the member did not answer,
+ * or is not primary), 1 a plain retry, 0 nothing. */
 static int after_failure(int rc, const rpc_status *st, const char *method) {
+  if (st->grpc_code == ZC_GRPC_DEADLINE_EXCEEDED)
+    return 3;
   if (st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED ||
       rc == ZS_ENOTPRIMARY || rc == ZS_ESTALE)
     return 2;
   return st->grpc_code == ZC_GRPC_RESOURCE_EXHAUSTED && is_transfer(method);
+}
+
+/* After a call's deadline passed without an answer: the member counts as
+ * down from now (a primary SIGSTOPped during an Apply answers nothing, and
+ * only a failover ends the wait), and the searches run without calling it
+ * again (each call would wait a whole deadline) until another member is
+ * primary, or the member answers GetInfo as primary: then the call is made
+ * once more, and a second silence is its answer (slow, not gone). Returns
+ * 0 to call again, -1 to give up with the call's status. */
+static int after_silence(zs_client *c, uint32_t shard, uint64_t gen, uint32_t *attempt,
+                         int *confirmed) {
+  zc_rset *rs = &c->rs[shard];
+  uint64_t backoff = c->opt.retry_initial_ms;
+  for (;;) {
+    uint64_t wait = UINT64_MAX;
+    int found = zc_replica_failed(c, shard, gen, 1, &wait);
+    if (atomic_load(&rs->gen) != gen)
+      return 0;
+    if (found)
+      return (*confirmed)++ ? -1 : 0;
+    if (++*attempt >= c->opt.max_retries || zc_backoff_wait(c, backoff < wait ? backoff : wait))
+      return -1;
+    atomic_fetch_add(&c->retries, 1);
+    backoff *= 2;
+    if (backoff > c->opt.retry_max_ms)
+      backoff = c->opt.retry_max_ms;
+  }
 }
 
 int zc_replica_call(zs_client *c, uint32_t shard, const char *method, const ProtobufCMessage *req,
@@ -534,6 +565,12 @@ int zc_replica_call(zs_client *c, uint32_t shard, const char *method, const Prot
       return rc;
     atomic_fetch_add(&c->retries, 1);
     uint64_t wait = UINT64_MAX;
+    if (what == 3) {
+      int r = after_silence(c, shard, gen, &attempt, &confirmed);
+      if (r < 0)
+        return rc;
+      continue;
+    }
     if (what == 2) {
       int unreachable = st->grpc_code == ZC_GRPC_UNAVAILABLE || st->grpc_code == ZC_GRPC_CANCELLED;
       int found = zc_replica_failed(c, shard, gen, unreachable, &wait);

@@ -150,19 +150,31 @@ int rpc_channel_open_secure(const char *target, const rpc_security *sec, rpc_cha
 
   /* Bulk messages (a Pull of a large slice, an InitParams of a large piece)
    * exceed gRPC's 4 MiB default receive limit; both ends agree on one bound. */
-  grpc_arg args[3];
+  grpc_arg args[5];
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
   args[0].value.integer = RPC_MAX_MESSAGE_BYTES;
   args[1].type = GRPC_ARG_INTEGER;
   args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
   args[1].value.integer = RPC_MAX_MESSAGE_BYTES;
-  grpc_channel_args chargs = {.num_args = 2, .args = args};
+  /* A server that was down (killed, restarted by its supervisor) is tried
+   * again within RPC_RECONNECT_MAX_MS, not after gRPC's default backoff
+   * (up to 120 s): until then every call to it fails at once, and a
+   * replica set would drop the restarted member it cannot reach.
+   * GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is left alone: gRPC takes it as the
+   * least time a connection attempt (TLS handshake included) may take. */
+  args[2].type = GRPC_ARG_INTEGER;
+  args[2].key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
+  args[2].value.integer = RPC_RECONNECT_MIN_MS;
+  args[3].type = GRPC_ARG_INTEGER;
+  args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
+  args[3].value.integer = RPC_RECONNECT_MAX_MS;
+  grpc_channel_args chargs = {.num_args = 4, .args = args};
   if (sec->tls_ca_file && sec->tls_ca_file[0] && sec->tls_server_name && sec->tls_server_name[0]) {
-    args[2].type = GRPC_ARG_STRING;
-    args[2].key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
-    args[2].value.string = (char *)sec->tls_server_name;
-    chargs.num_args = 3;
+    args[4].type = GRPC_ARG_STRING;
+    args[4].key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+    args[4].value.string = (char *)sec->tls_server_name;
+    chargs.num_args = 5;
   }
 
   grpc_channel_credentials *creds = NULL;

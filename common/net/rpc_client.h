@@ -16,6 +16,9 @@
 /* Bulk messages: both ends raise gRPC's 4 MiB default to this for what they
  * send, and a client for what it receives (a Pull of a large piece). */
 #define RPC_MAX_MESSAGE_BYTES (1024 * 1024 * 1024)
+/* Reconnect backoff of every channel to a server that went away. */
+#define RPC_RECONNECT_MIN_MS 50
+#define RPC_RECONNECT_MAX_MS 500
 /* A Push payload larger than this travels in chunks of exactly this many bytes
  * (PushRequest.offset and total); the server receives no message larger than
  * this plus RPC_HEADROOM_BYTES for the other fields of a message. */

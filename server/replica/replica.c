@@ -58,6 +58,15 @@ typedef struct member {
   int join_pending; /* asked to join: starts at the next applied step */
   int joining;      /* receives every write; not yet loaded its copy */
   uint64_t join_started_ms;
+  /* The version of the copy it joined with: a write of a step up to it is
+   * in the copy already (an Apply of that step would be refused, the core
+   * having no record of it), so it is not sent. 0: it joined empty. */
+  uint64_t covered;
+  /* A joiner's last sign of life of its own: its ReplicaJoin, a ReplicaFetch,
+   * an answer to a forward (the probes may fail for a while after it
+   * restarted: the channel's reconnect backoff). */
+  uint64_t heard_ms;
+  uint64_t join_id; /* its ReplicaFetch calls name it; 0: none */
 
   /* replica.mu: the monitor's view. */
   int seen_role;
@@ -91,11 +100,16 @@ struct replica {
   char caller_config[REPLICA_CONFIG_LEN];
   uint64_t caller_config_ms;
 
-  /* The primary's copy for a joiner (one join at a time). */
+  /* The primary's copy for its joiners: every member that asked to join
+   * before a step is copied at that step, from one copy; members that ask
+   * while it is read wait for the step after the last of them loaded it. */
   core_state snap;
   int snap_busy, snap_ready, snap_status;
-  uint64_t join_seq, snap_join_id;
-  uint32_t snap_member;
+  uint32_t snap_packing; /* ReplicaFetch answers pointing into snap, not yet sent */
+  uint64_t join_seq;
+  /* The version the applied hook saw last (replica_wait_applied). */
+  uint64_t hooked_version;
+  pthread_cond_t hooked_cv;
 
   pthread_t monitor;
   int monitor_started, stopping;
@@ -220,6 +234,7 @@ int replica_create(const replica_config *cfg, replica **out, char *err, size_t e
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&r->cv, &ca);
+  pthread_cond_init(&r->hooked_cv, &ca);
   pthread_condattr_destroy(&ca);
   if (rc) {
     replica_destroy(r);
@@ -250,6 +265,7 @@ void replica_destroy(replica *r) {
   pthread_mutex_lock(&r->mu);
   r->stopping = 1;
   pthread_cond_broadcast(&r->cv);
+  pthread_cond_broadcast(&r->hooked_cv);
   int pending = r->snap_busy && !r->snap_ready;
   pthread_mutex_unlock(&r->mu);
   if (pending) /* the core calls snap_done before this returns */
@@ -271,6 +287,7 @@ void replica_destroy(replica *r) {
   free(r->members_list);
   pthread_mutex_destroy(&r->mu);
   pthread_cond_destroy(&r->cv);
+  pthread_cond_destroy(&r->hooked_cv);
   free(r);
 }
 
@@ -405,13 +422,37 @@ typedef struct fwd_target {
   int joining;
 } fwd_target;
 
-/* The members a write goes to, and the term, under mu. */
-static uint32_t targets_locked(const replica *r, fwd_target *t) {
+/* The members a write of `step` (0: a write of no step) goes to, under mu.
+ * A member that joined with a copy of version V already holds every write of
+ * a step up to V: the forward would only be refused (an Apply the joiner's
+ * core has no record of) and the member dropped, so it is left out. */
+static uint32_t targets_locked(const replica *r, uint64_t step, fwd_target *t) {
   uint32_t n = 0;
-  for (uint32_t i = 0; i < r->n; i++)
-    if (i != r->index && (r->m[i].in_sync || r->m[i].joining))
-      t[n++] = (fwd_target){.idx = i, .joining = r->m[i].joining};
+  for (uint32_t i = 0; i < r->n; i++) {
+    const member *m = &r->m[i];
+    if (i == r->index || !(m->in_sync || m->joining) || (step && step <= m->covered))
+      continue;
+    t[n++] = (fwd_target){.idx = i, .joining = m->joining};
+  }
   return n;
+}
+
+static int any_joining_locked(const replica *r) {
+  for (uint32_t i = 0; i < r->n; i++)
+    if (r->m[i].joining)
+      return 1;
+  return 0;
+}
+
+/* After a joiner loaded the copy or was dropped: once no member reads it,
+ * the copy is free for the next join (and its memory released, unless an
+ * answer still points into it: then the next copy replaces it). */
+static void snap_release_locked(replica *r) {
+  if (!r->snap_busy || !r->snap_ready || any_joining_locked(r))
+    return;
+  r->snap_busy = 0;
+  if (r->snap_packing == 0)
+    core_state_free(&r->snap);
 }
 
 static void drop_locked(replica *r, uint32_t i, int rc, const char *why) {
@@ -419,8 +460,9 @@ static void drop_locked(replica *r, uint32_t i, int rc, const char *why) {
   if (!m->in_sync && !m->joining)
     return;
   m->in_sync = m->joining = m->join_pending = 0;
-  if (r->snap_busy && r->snap_member == i && r->snap_ready)
-    r->snap_busy = 0; /* its copy is freed by the next join or at the end */
+  m->covered = 0;
+  m->join_id = 0; /* its ReplicaFetch calls are refused: its join failed */
+  snap_release_locked(r);
   LOG_WARN("replica_dropped", "member=%u addr=%s term=%" PRIu64 " error=%s detail=\"%s\"", i,
            m->addr, r->term, zs_err_name(rc), why);
 }
@@ -448,15 +490,14 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, uint
     *deposed = 1;
     return FWD_DONE;
   }
+  if (rc != ZS_ECONN && rc != ZS_ECLOSED && rc != ZS_ETIMEDOUT && rc != ZS_ECANCELED)
+    m->heard_ms = clock_now_ms();
   if (k == FWD_DONE && m->joining) {
     /* A joiner answers only once it loaded its copy, which it no longer
      * reads. */
     m->joining = 0;
     m->in_sync = 1;
-    if (r->snap_busy && r->snap_member == t->idx && r->snap_ready) {
-      r->snap_busy = 0;
-      core_state_free(&r->snap);
-    }
+    snap_release_locked(r);
     LOG_INFO("replica_joined", "member=%u addr=%s term=%" PRIu64, t->idx, m->addr, r->term);
   } else if (k == FWD_DEPOSED) {
     step_down_locked(r, msg);
@@ -464,10 +505,19 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, uint
   } else if (k == FWD_DROP) {
     drop_locked(r, t->idx, rc, msg);
   } else if (k == FWD_RETRY) {
-    uint64_t limit = m->joining ? REPLICA_JOIN_MS : r->failover_ms;
+    uint64_t now = clock_now_ms();
     if (!m->in_sync && !m->joining) {
       k = FWD_DONE; /* dropped meanwhile */
-    } else if (clock_now_ms() - first_fail_ms >= limit) {
+    } else if (m->joining && rc == ZS_ENOTREADY) {
+      /* The joiner answered: it is alive and still loading its copy, which
+       * gets the join's own limit. A joiner that stops answering is dropped
+       * after the failover time like any backup (the caller restarts that
+       * clock at each of these answers). */
+      if (now - m->join_started_ms >= REPLICA_JOIN_MS) {
+        drop_locked(r, t->idx, rc, "the join did not end within its time limit");
+        k = FWD_DONE;
+      }
+    } else if (now - first_fail_ms >= r->failover_ms) {
       drop_locked(r, t->idx, rc, "no answer within the failover time");
       k = FWD_DONE;
     }
@@ -483,26 +533,28 @@ typedef int (*send_fn)(replica *r, member *m, uint64_t term, const void *arg, ch
 /* The failover time of a forward counts from `since` (when the write began
  * to wait for its backups; 0: now), so that a dead backup holds a write for
  * --failover-ms however many attempts it took. */
-static int forward(replica *r, send_fn fn, const void *arg, uint64_t bytes, uint64_t since,
-                   char *err, size_t errlen) {
+static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint64_t bytes,
+                   uint64_t since, char *err, size_t errlen) {
   if (!since)
     since = clock_now_ms();
   fwd_target t[REPLICA_MAX_MEMBERS];
   pthread_mutex_lock(&r->mu);
   uint64_t term = r->term;
   int primary = r->role == REPLICA_PRIMARY;
-  uint32_t n = primary ? targets_locked(r, t) : 0;
+  uint32_t n = primary ? targets_locked(r, step, t) : 0;
   pthread_mutex_unlock(&r->mu);
   if (!primary)
     return status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
   int deposed = 0;
   for (uint32_t i = 0; i < n && !deposed; i++) {
-    uint64_t first_fail = 0;
+    uint64_t first_fail = 0, from = since;
     for (;;) {
       char msg[REPLICA_ERRLEN] = "";
       int rc = fn(r, &r->m[t[i].idx], term, arg, msg, sizeof msg);
       if (rc != 0 && !first_fail)
-        first_fail = since;
+        first_fail = from;
+      if (rc == ZS_ENOTREADY && t[i].joining) /* alive: a silence counts from here */
+        first_fail = 0, from = clock_now_ms();
       if (settle(r, &t[i], rc, msg, first_fail, term, &deposed) != FWD_RETRY)
         break;
       struct timespec ts = {.tv_sec = 0, .tv_nsec = REPLICA_RETRY_MS * 1000000L};
@@ -548,7 +600,7 @@ static int send_push(replica *r, member *m, uint64_t term, const void *arg, char
 }
 
 int replica_forward_push(replica *r, const core_push_args *a, char *err, size_t errlen) {
-  return forward(r, send_push, a, a->nbytes, 0, err, errlen);
+  return forward(r, send_push, a, a->step, a->nbytes, 0, err, errlen);
 }
 
 /* The answers to pushes sent at once. */
@@ -606,7 +658,7 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
   uint64_t since = clock_now_ms();
   pthread_mutex_lock(&r->mu);
   uint64_t term = r->term;
-  uint32_t nt = r->role == REPLICA_PRIMARY ? targets_locked(r, t) : 0;
+  uint32_t nt = r->role == REPLICA_PRIMARY ? targets_locked(r, 0, t) : 0;
   pthread_mutex_unlock(&r->mu);
   /* The common case at once; any failure takes the one-by-one path, which
    * retries, drops or steps down (a repeat is acknowledged as a duplicate). */
@@ -632,7 +684,7 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
       return 0;
   }
   for (uint32_t k = 0; k < n; k++) {
-    int rc = forward(r, send_push, &a[k], a[k].nbytes, since, err, errlen);
+    int rc = forward(r, send_push, &a[k], a[k].step, a[k].nbytes, since, err, errlen);
     if (rc)
       return rc;
   }
@@ -656,18 +708,23 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
   rpc_md md[2] = {{"zshard-replica-term", tbuf}, {"zshard-replica-from", ibuf}};
   rpc_status st;
   ProtobufCMessage *resp = NULL;
-  /* An Apply may wait for the backup's running apply: the request's own
-   * deadline is the failover time plus the time an apply may take. */
-  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, REPLICA_RPC_MS, &st);
+  /* An Apply may wait for a backup's running apply: a backup's deadline is
+   * the time an apply may take. A joiner runs no apply before it loaded its
+   * copy (it answers ZS_ENOTREADY at once): one that is silent for the
+   * failover time is gone. */
+  pthread_mutex_lock(&r->mu);
+  uint32_t ms = m->joining ? r->failover_ms : REPLICA_RPC_MS;
+  pthread_mutex_unlock(&r->mu);
+  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, ms, &st);
   if (rc)
     snprintf(msg, len, "%s", st.message);
   return rc;
 }
 
-int replica_forward_raw(replica *r, const char *method, const void *msg, size_t len, char *err,
-                        size_t errlen) {
+int replica_forward_raw(replica *r, const char *method, uint64_t step, const void *msg, size_t len,
+                        char *err, size_t errlen) {
   raw_req q = {.method = method, .msg = msg, .len = len};
-  return forward(r, send_raw, &q, len, 0, err, errlen);
+  return forward(r, send_raw, &q, step, len, 0, err, errlen);
 }
 
 /* ------------------------------------------------------------ admission */
@@ -732,7 +789,7 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
                      r->m[r->index].addr, replica_role_name(r->role), who);
   } else if (forward && primary && kind == REPLICA_WRITE) {
     fwd_target t[REPLICA_MAX_MEMBERS];
-    *forward = targets_locked(r, t) > 0;
+    *forward = targets_locked(r, 0, t) > 0;
   }
   pthread_mutex_unlock(&r->mu);
   return rc;
@@ -776,46 +833,76 @@ static void snap_done(void *arg, int status, double fn_seconds) {
   pthread_mutex_lock(&r->mu);
   r->snap_ready = 1;
   r->snap_status = status;
-  if (status != 0)
-    drop_locked(r, r->snap_member, status, "the copy of the state failed");
-  if (!r->m[r->snap_member].joining)
-    r->snap_busy = 0; /* dropped while the copy was made */
+  for (uint32_t i = 0; i < r->n && status != 0; i++)
+    if (r->m[i].joining)
+      drop_locked(r, i, status, "the copy of the state failed");
+  snap_release_locked(r); /* all dropped while the copy was made */
   pthread_cond_broadcast(&r->cv);
   pthread_mutex_unlock(&r->mu);
-  LOG_INFO("replica_copy", "member=%u status=%s copy_s=%.3f", r->snap_member, zs_err_name(status),
-           fn_seconds);
+  LOG_INFO("replica_copy", "status=%s copy_s=%.3f", zs_err_name(status), fn_seconds);
 }
 
 void replica_on_applied(void *arg, const core_apply_result *res) {
   replica *r = arg;
   pthread_mutex_lock(&r->mu);
-  int start = -1;
-  for (uint32_t i = 0; i < r->n && start < 0; i++)
-    if (r->m[i].join_pending && r->role == REPLICA_PRIMARY && !r->stopping)
-      start = (int)i;
-  if (start >= 0) {
-    member *m = &r->m[start];
+  r->hooked_version = res->version;
+  pthread_cond_broadcast(&r->hooked_cv);
+  /* Only the Apply of the copy's own step can still be forwarded after it
+   * (the trainers' Applies of a step are answered before the next one is
+   * applied); a restore may also take the version back below it. */
+  for (uint32_t i = 0; i < r->n; i++)
+    if (r->m[i].covered != res->version)
+      r->m[i].covered = 0;
+  /* A member that joined or was dropped meanwhile (a promotion, a step
+   * down) leaves the copy to the next joiners. */
+  snap_release_locked(r);
+  uint32_t start = 0;
+  int can = r->role == REPLICA_PRIMARY && !r->stopping && !r->snap_busy;
+  for (uint32_t i = 0; i < r->n && can; i++) {
+    member *m = &r->m[i];
+    if (!m->join_pending)
+      continue;
     m->join_pending = 0;
     m->joining = 1; /* every write from now on goes to it too */
+    m->covered = res->version;
     m->join_started_ms = clock_now_ms();
+    r->joins++;
+    start++;
+  }
+  if (start) {
     r->snap_busy = 1;
     r->snap_ready = 0;
-    r->snap_member = (uint32_t)start;
-    r->snap_join_id = ++r->join_seq;
-    r->joins++;
   }
   pthread_mutex_unlock(&r->mu);
-  if (start < 0)
+  if (!start)
     return;
   core_info info;
   core_get_info(r->core, &info);
   char err[REPLICA_ERRLEN];
   int rc = core_snapshot_async(r->core, info.spec_hash, res->version, 0, snap_view, r, snap_done, r,
                                err, sizeof err);
-  LOG_INFO("replica_copy_start", "member=%d version=%" PRIu64 " status=%s", start, res->version,
+  LOG_INFO("replica_copy_start", "members=%u version=%" PRIu64 " status=%s", start, res->version,
            rc == CORE_PENDING ? "pending" : zs_err_name(rc));
   if (rc != CORE_PENDING)
     snap_done(r, rc < 0 ? rc : ZS_EINTERNAL, 0);
+}
+
+void replica_wait_applied(replica *r, uint64_t version) {
+  if (!r || version == 0)
+    return;
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  ts.tv_sec += r->failover_ms / 1000;
+  ts.tv_nsec += (long)(r->failover_ms % 1000) * 1000000L;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&r->mu);
+  while (r->role == REPLICA_PRIMARY && r->hooked_version < version && !r->stopping)
+    if (pthread_cond_timedwait(&r->hooked_cv, &r->mu, &ts) != 0)
+      break;
+  pthread_mutex_unlock(&r->mu);
 }
 
 int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, char *err,
@@ -834,19 +921,24 @@ int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, c
   } else if (index >= r->n || index == r->index) {
     rc = status_fail(err, errlen, ZS_EINVAL, "ReplicaJoin: member %u is not a peer of member %u",
                      index, r->index);
-  } else if (r->snap_busy && (r->snap_member != index || !r->snap_ready)) {
-    rc = status_fail(err, errlen, ZS_ENOTREADY, "member %u is joining now; try again after it",
-                     r->snap_member);
   } else if (!info.has_job) {
     /* Nothing to copy: it is in sync, and the job's Open will reach it. */
-    r->m[index].in_sync = 1;
-    r->m[index].joining = r->m[index].join_pending = 0;
+    member *m = &r->m[index];
+    m->in_sync = 1;
+    m->joining = m->join_pending = 0;
+    m->covered = m->join_id = 0;
+    snap_release_locked(r);
   } else {
+    /* A joiner that came back starts again: the copy it read, if any, is
+     * not its copy any more. It called: it is alive now. */
     member *m = &r->m[index];
     m->in_sync = m->joining = 0;
+    m->covered = 0;
     m->join_pending = 1;
-    r->snap_busy = r->snap_ready = 0; /* a joiner that came back starts again */
-    *join_id = UINT64_MAX;            /* known at the next applied step: fetch META */
+    m->join_id = ++r->join_seq;
+    m->heard_ms = clock_now_ms();
+    snap_release_locked(r);
+    *join_id = m->join_id; /* its ReplicaFetch calls carry it */
   }
   pthread_mutex_unlock(&r->mu);
   if (rc == 0)
@@ -868,9 +960,20 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
   pthread_mutex_lock(&r->mu);
   int rc = 0;
   const core_state *st = &r->snap;
+  member *m = NULL;
+  for (uint32_t i = 0; i < r->n && q->join_id; i++)
+    if (i != r->index && r->m[i].join_id == q->join_id && (r->m[i].joining || r->m[i].join_pending))
+      m = &r->m[i];
+  if (m)
+    m->heard_ms = clock_now_ms();
   if (r->role != REPLICA_PRIMARY) {
     rc = status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica is no longer the primary");
-  } else if (!r->snap_busy || !r->snap_ready) {
+  } else if (!m) {
+    /* Its join ended (dropped, or it asked again): a copy loaded now would
+     * miss the writes since, which nobody forwards to it. */
+    rc = status_fail(err, errlen, ZS_ECANCELED,
+                     "join %" PRIu64 " is not in progress here (dropped): join again", q->join_id);
+  } else if (!m->joining || !r->snap_busy || !r->snap_ready) {
     rc = status_fail(err, errlen, ZS_ENOTREADY, "the copy is made at the next applied step");
   } else if (r->snap_status != 0) {
     rc = status_fail(err, errlen, r->snap_status, "the copy of the state failed");
@@ -906,13 +1009,21 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
       resp->data.len = q->count * sizeof(float);
     }
   }
+  /* The copy is only replaced by the next join, which waits for its
+   * joiners to end (snap_busy), and is freed only with no answer pointing
+   * into it (snap_packing): the pointers stay valid while it is packed. */
+  if (rc == 0)
+    r->snap_packing++;
   pthread_mutex_unlock(&r->mu);
-  /* The copy is only replaced by the next join, which waits for this one to
-   * end (snap_busy): the pointers stay valid while the answer is packed. */
   return rc;
 }
 
-void replica_fetch_release(Zshard__V1__ReplicaFetchResponse *resp) {
+void replica_fetch_release(replica *r, Zshard__V1__ReplicaFetchResponse *resp, int served) {
+  if (served) {
+    pthread_mutex_lock(&r->mu);
+    r->snap_packing--;
+    pthread_mutex_unlock(&r->mu);
+  }
   if (resp->spec) {
     spec_proto_release(resp->spec);
     free(resp->spec);
@@ -1159,14 +1270,16 @@ int replica_promote(replica *r, uint64_t term, int admin, uint64_t *term_out, in
 /* ------------------------------------------------------------ joining (joiner) */
 
 /* One ReplicaFetch from member p, retried while the copy is not made yet. */
-static int fetch_part(replica *r, member *p, int part, uint64_t offset, uint64_t count,
-                      Zshard__V1__ReplicaFetchResponse **out, char *err, size_t errlen) {
+static int fetch_part(replica *r, member *p, uint64_t join_id, int part, uint64_t offset,
+                      uint64_t count, Zshard__V1__ReplicaFetchResponse **out, char *err,
+                      size_t errlen) {
   uint64_t start = clock_now_ms();
   for (;;) {
     rpc_channel *ch = channel(r, p);
     if (!ch)
       return status_fail(err, errlen, ZS_ECONN, "no channel to %s", p->addr);
     Zshard__V1__ReplicaFetchRequest q = ZSHARD__V1__REPLICA_FETCH_REQUEST__INIT;
+    q.join_id = join_id;
     q.part = (Zshard__V1__ReplicaPart)part;
     q.offset = offset;
     q.count = count;
@@ -1189,12 +1302,12 @@ static int fetch_part(replica *r, member *p, int part, uint64_t offset, uint64_t
   }
 }
 
-static int fetch_array_into(replica *r, member *p, int part, float *dst, uint64_t n, char *err,
-                            size_t errlen) {
+static int fetch_array_into(replica *r, member *p, uint64_t join_id, int part, float *dst,
+                            uint64_t n, char *err, size_t errlen) {
   for (uint64_t off = 0; off < n;) {
     uint64_t k = n - off < REPLICA_FETCH_ELEMS ? n - off : REPLICA_FETCH_ELEMS;
     Zshard__V1__ReplicaFetchResponse *a = NULL;
-    int rc = fetch_part(r, p, part, off, k, &a, err, errlen);
+    int rc = fetch_part(r, p, join_id, part, off, k, &a, err, errlen);
     if (rc)
       return rc;
     if (a->data.len != k * sizeof(float)) {
@@ -1210,9 +1323,11 @@ static int fetch_array_into(replica *r, member *p, int part, float *dst, uint64_
 }
 
 /* Reads the primary's copy into st (initialised from its META). */
-static int fetch_state(replica *r, member *p, core_state *st, char *err, size_t errlen) {
+static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, char *err,
+                       size_t errlen) {
   Zshard__V1__ReplicaFetchResponse *meta = NULL;
-  int rc = fetch_part(r, p, ZSHARD__V1__REPLICA_PART__REPLICA_PART_META, 0, 0, &meta, err, errlen);
+  int rc = fetch_part(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_META, 0, 0, &meta, err,
+                      errlen);
   if (rc)
     return rc;
   spec sp;
@@ -1245,14 +1360,14 @@ static int fetch_state(replica *r, member *p, core_state *st, char *err, size_t 
   if (rc == 0) {
     st->version = meta->version;
     st->optimizer_steps = meta->optimizer_steps;
-    rc = fetch_array_into(r, p, ZSHARD__V1__REPLICA_PART__REPLICA_PART_MASTER, st->master,
+    rc = fetch_array_into(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_MASTER, st->master,
                           st->nelems, err, errlen);
   }
   if (rc == 0 && st->m)
-    rc = fetch_array_into(r, p, ZSHARD__V1__REPLICA_PART__REPLICA_PART_EXP_AVG, st->m, st->nelems,
-                          err, errlen);
+    rc = fetch_array_into(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_EXP_AVG, st->m,
+                          st->nelems, err, errlen);
   if (rc == 0 && st->v)
-    rc = fetch_array_into(r, p, ZSHARD__V1__REPLICA_PART__REPLICA_PART_EXP_AVG_SQ, st->v,
+    rc = fetch_array_into(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_EXP_AVG_SQ, st->v,
                           st->nelems, err, errlen);
   spec_free(&sp);
   protobuf_c_message_free_unpacked(&meta->base, NULL);
@@ -1308,7 +1423,7 @@ static int join_primary(replica *r, uint32_t p, uint64_t term) {
     if (info.has_job)
       rc = service_close(r->svc, 0, NULL, &cr, err, sizeof err);
   } else if (rc == 0) {
-    rc = fetch_state(r, pm, &cs, err, sizeof err);
+    rc = fetch_state(r, pm, join_id, &cs, err, sizeof err);
     if (rc == 0)
       rc = load_state(r, &cs, err, sizeof err);
   }
@@ -1330,8 +1445,34 @@ static int join_primary(replica *r, uint32_t p, uint64_t term) {
 
 /* ------------------------------------------------------------ the monitor */
 
+/* A member asked to join (or joining) that neither answered GetInfo nor
+ * called (heard_ms) for the failover time is dropped: a joiner holds the
+ * trainers' writes, and one that is gone would hold them until the join's
+ * limit. One whose join
+ * failed asks again (which starts its join afresh), or is dropped by the
+ * forwards it refuses. */
+static void monitor_joiners_locked(replica *r, uint64_t now) {
+  for (uint32_t i = 0; i < r->n; i++) {
+    member *m = &r->m[i];
+    if (i == r->index || !(m->joining || m->join_pending))
+      continue;
+    uint64_t seen = m->heard_ms > m->last_ok_ms ? m->heard_ms : m->last_ok_ms;
+    if (fresh(m) || now - seen <= r->failover_ms)
+      continue;
+    const char *why = "it stopped answering while it joined";
+    if (m->joining) {
+      drop_locked(r, i, ZS_ECONN, why);
+    } else {
+      m->join_pending = 0;
+      LOG_WARN("replica_join_dropped", "member=%u addr=%s term=%" PRIu64 " detail=\"%s\"", i,
+               m->addr, r->term, why);
+    }
+  }
+}
+
 /* The primary's round: a newer primary deposes it; a backup that fell
- * behind, or came back empty, is dropped (it joins again). */
+ * behind, or came back empty, is dropped (it joins again); so is a joiner
+ * that is gone. */
 static void monitor_primary_locked(replica *r, const core_info *info) {
   int p = live_primary_locked(r, r->term + 1);
   if (p >= 0) {
@@ -1339,6 +1480,7 @@ static void monitor_primary_locked(replica *r, const core_info *info) {
     return;
   }
   uint64_t now = clock_now_ms();
+  monitor_joiners_locked(r, now);
   for (uint32_t i = 0; i < r->n; i++) {
     member *m = &r->m[i];
     if (i == r->index || !m->in_sync || !fresh(m))
@@ -1372,9 +1514,20 @@ static void monitor_backup_locked(replica *r) {
   const member *m = &r->m[p];
   if (m->seen_term == r->term)
     r->primary = p;
-  if (!m->seen_lists_me)
+  if (!m->seen_lists_me) {
     step_down_locked(r, m->seen_term > r->term ? "a newer primary does not count this replica"
                                                : "the primary dropped this replica");
+  } else if (m->seen_term > r->term) {
+    /* A backup promoted over a dead primary counts this one in sync: follow
+     * it now, as its next forward would make this replica do. Until then
+     * the new primary sees a backup of an older term and, after the
+     * failover time without a write (three members, the trainers between
+     * steps), drops it. */
+    LOG_INFO("replica_term", "term=%" PRIu64 " was=%" PRIu64 " role=%s primary=%d", m->seen_term,
+             r->term, replica_role_name(r->role), p);
+    r->term = m->seen_term;
+    r->primary = p;
+  }
 }
 
 static void *monitor_main(void *arg) {

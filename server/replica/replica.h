@@ -31,12 +31,19 @@
  *    whose list or place differs is neither followed, adopted nor joined,
  *    Promote is refused, and ReplicaInfo.config_error says why.
  *  - Joining: a replica without the set's state (started empty, dropped,
- *    deposed) asks the primary (ReplicaJoin). At its next applied step the
+ *    deposed) asks the primary (ReplicaJoin). At its next applied step V the
  *    primary adds it to the forwards and copies its state at that version
  *    (core_snapshot_async); the joiner reads the copy (ReplicaFetch), loads it
- *    (core_restore) and becomes a backup. Forwards it gets before that are
- *    answered ZS_ENOTREADY and retried by the primary, so a join holds the
- *    trainers' next pushes for at most the copy.
+ *    (core_restore) and becomes a backup. The copy and the forwards meet
+ *    exactly at V: no push for a step after V can be taken before the hook
+ *    that starts the join has run (the trainers hear of V only after it:
+ *    a repeated Apply of V waits for it, replica_wait_applied),
+ *    so the joiner gets every one of them; a write of a step up to V (the
+ *    trainers' Applies of V, answered after the hook) is in the copy and is
+ *    not sent to it. Forwards it gets before it loaded the copy are answered
+ *    ZS_ENOTREADY and retried by the primary, so a join holds the trainers'
+ *    next pushes for at most the copy. A joiner that stops answering (the
+ *    forwards, or the monitor's GetInfo, for --failover-ms) is dropped.
  *  - Threads: replica_admit and the forwards run on the transports' threads
  *    (a forward blocks its thread for the backups' answers: the data plane
  *    runs every push of a replicated primary on libuv's pool); the applied
@@ -147,12 +154,23 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
                            size_t errlen);
 
 /* Forwards a gRPC request as it came (`method` the full path, len bytes at
- * msg) to every backup; as replica_forward_push. */
-int replica_forward_raw(replica *r, const char *method, const void *msg, size_t len, char *err,
-                        size_t errlen);
+ * msg) to every backup; as replica_forward_push. `step`: the step the write
+ * belongs to (an Apply's), so that a joiner whose copy holds that step
+ * already is not sent it; 0: a write of no step, sent to every backup. */
+int replica_forward_raw(replica *r, const char *method, uint64_t step, const void *msg, size_t len,
+                        char *err, size_t errlen);
 
 /* The service's applied hook: starts a pending join at this version. */
 void replica_on_applied(void *arg, const core_apply_result *res);
+
+/* Before a primary answers an Apply of `version` that the core answered at
+ * once (a repeat of the step just applied, from a second trainer): waits,
+ * at most --failover-ms, until the applied hook saw that version. The
+ * core bumps its version before the hook runs, and a trainer told of the
+ * step in between would push the next step's gradients before a joiner
+ * copied at that version is added to the forwards: it would miss them.
+ * NULL r, or a replica that is not primary, returns at once. */
+void replica_wait_applied(replica *r, uint64_t version);
 
 /* Promote (see the proto): 0 with the term, role and version after it, or a
  * refusal with a sentence. admin: the caller holds the admin token (or
@@ -177,16 +195,20 @@ void replica_check_caller(replica *r, const char *members, uint32_t index, uint6
                           int admin);
 
 /* ReplicaJoin on the primary: 0 and the join's id (0: nothing to copy, the
- * member is in sync already), or a refusal. */
+ * member is in sync already; else its ReplicaFetch calls carry it), or a
+ * refusal. */
 int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, char *err,
                  size_t errlen);
 
-/* ReplicaFetch on the primary: fills *resp (its data points into the
- * replica's copy, valid until the next join; the spec's strings are
- * allocated: free with replica_fetch_release). */
+/* ReplicaFetch on the primary for the join q->join_id: fills *resp (its
+ * data points into the replica's copy, kept until replica_fetch_release;
+ * the spec's strings are allocated). ZS_ENOTREADY until the copy is made,
+ * ZS_ECANCELED once that join ended (the member was dropped). Every call,
+ * served or not, is followed by replica_fetch_release with served = (the
+ * return was 0). */
 int replica_fetch(replica *r, const struct Zshard__V1__ReplicaFetchRequest *q,
                   struct Zshard__V1__ReplicaFetchResponse *resp, char *err, size_t errlen);
-void replica_fetch_release(struct Zshard__V1__ReplicaFetchResponse *resp);
+void replica_fetch_release(replica *r, struct Zshard__V1__ReplicaFetchResponse *resp, int served);
 
 /* GetInfo's replica field: fills *out with pointers into `members` (an array
  * of REPLICA_MAX_MEMBERS entries), `mptr` and `config_error` (config_len

@@ -117,10 +117,10 @@ def init_weights(seed):
     return [(rng.standard_normal(n, dtype=np.float32) * np.float32(0.1)) for _, n in TENSORS]
 
 
-def gradient(seed, step, i, w):
+def gradient(seed, step, i, w, rank=0):
     """The gradient of tensor i at `step` from its pulled weights w: every
-    bit follows from (seed, step, w)."""
-    rng = np.random.default_rng([seed, step, i])
+    bit follows from (seed, step, w) and the trainer's rank."""
+    rng = np.random.default_rng([seed, step, i] + ([rank] if rank else []))
     noise = rng.standard_normal(w.size, dtype=np.float32)
     return (w * np.float32(0.5) + noise * np.float32(0.05)).astype(np.float32)
 
@@ -142,12 +142,16 @@ class Trainer:
     called at the sequential kill points, `timed(point)` gives the Timed
     killer to start around a call (or None)."""
 
-    def __init__(self, addresses, seed, job="replica-kill"):
-        self.seed = seed
-        self.c = zshard.Client(addresses, job=job, open_mode="create", **CLIENT_OPTIONS)
+    def __init__(self, addresses, seed, job="replica-kill", rank=0, world=1, options=None):
+        self.seed, self.rank, self.world = seed, rank, world
+        opts = dict(CLIENT_OPTIONS, **(options or {}))
+        if world > 1:
+            opts.update(rank=rank, world_size=world)
+        self.c = zshard.Client(addresses, job=job, open_mode="create" if rank == 0 else "either",
+                               **opts)
         self.c.add_group("adamw", weight_decay=0.01)
         self.ids = [self.c.add_tensor(name, n) for name, n in TENSORS]
-        self.c.open_job(init_weights(seed))
+        self.c.open_job(init_weights(seed) if rank == 0 else None)
         self.w = [np.empty(n, dtype=np.float32) for _, n in TENSORS]
         self.step_no = 1
         self.durations = {"apply": [], "checkpoint": []}
@@ -190,7 +194,7 @@ class Trainer:
     def step(self, hook=lambda p: None, timed=lambda p: None, frac=0.5):
         s = self.step_no
         self._pull(hook, frac)
-        grads = [gradient(self.seed, s, i, w) for i, w in enumerate(self.w)]
+        grads = [gradient(self.seed, s, i, w, self.rank) for i, w in enumerate(self.w)]
         hook("before_push")
         self._push(grads, hook, frac)
         self.c.grad_norm()
@@ -204,7 +208,7 @@ class Trainer:
                              timed("during_apply"))
         if r.step != s:
             raise AssertionError("step() completed step %d, expected %d" % (r.step, s))
-        if s % CKPT_EVERY == 0:
+        if s % CKPT_EVERY == 0 and self.rank == 0:
             killer = timed("during_checkpoint")
             try:
                 self._call_timed("checkpoint", lambda: self.c.checkpoint(), killer)
@@ -230,14 +234,80 @@ class Trainer:
         return out
 
 
+# A step of several trainers runs one thread each; a step that has not ended
+# after this long (every client call is bounded by its own timeouts and
+# retries, far below it) is a hang.
+TEAM_STEP_SECONDS = 180
+
+
+def run_parallel(fns, seconds=TEAM_STEP_SECONDS):
+    """Runs every fn() in a thread of its own; returns their results once
+    all ended, raises the first error, or AssertionError if one is still
+    running after `seconds` (its thread is left behind, a daemon)."""
+    out, errors = [None] * len(fns), [None] * len(fns)
+
+    def one(k):
+        try:
+            out[k] = fns[k]()
+        except BaseException as e:  # re-raised below
+            errors[k] = e
+    threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [k for k, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        raise AssertionError("trainers %s still in their call after %d s" % (hung, seconds))
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return out
+
+
+class Team:
+    """`world` trainers of one job (ranks 0..world-1) that run each step
+    together, one thread each, as data-parallel trainers do; rank 0's calls
+    carry the kill points and its view is the team's (step_no, c, ids,
+    durations, final_state). world=1 is one Trainer, called directly."""
+
+    def __init__(self, addresses, seed, world=1, job="replica-kill", options=None):
+        if world == 1:
+            self.trainers = [Trainer(addresses, seed, job, options=options)]
+        else:
+            # Every rank's open waits for the others' (the job is opened by
+            # all of them), so they open at once.
+            self.trainers = run_parallel(
+                [lambda k=k: Trainer(addresses, seed, job, k, world, options)
+                 for k in range(world)])
+
+    def __getattr__(self, name):  # step_no, c, ids, durations, failed_checkpoints
+        return getattr(self.trainers[0], name)
+
+    def step(self, hook=lambda p: None, timed=lambda p: None, frac=0.5):
+        if len(self.trainers) == 1:
+            return self.trainers[0].step(hook, timed, frac)
+        fns = [lambda: self.trainers[0].step(hook, timed, frac)]
+        fns += [lambda t=t: t.step(frac=frac) for t in self.trainers[1:]]
+        return run_parallel(fns)[0]
+
+    def final_state(self):
+        return self.trainers[0].final_state()
+
+    def close(self):
+        for t in reversed(self.trainers):
+            t.close()
+
+
 # ------------------------------------------------------------------ runs
 
 
-def reference(seed, nshards, steps=STEPS):
+def reference(seed, nshards, steps=STEPS, world=1):
     """The uninterrupted run on unreplicated shards: (final state, the
     median durations of step() and checkpoint() for placing timed kills)."""
     with ReplicaCluster(nshards, 1) as rc:
-        tr = Trainer(rc.addresses, seed)
+        tr = Team(rc.addresses, seed, world)
         try:
             for _ in range(steps):
                 tr.step()
@@ -252,8 +322,18 @@ class Run:
     """One replicated run with planned kills; .stats after run()."""
 
     def __init__(self, seed, nshards, kills, calib, replicas=2, steps=STEPS,
-                 restart_after=RESTART_AFTER):
+                 restart_after=RESTART_AFTER, world=1, wait_whole=True, join_kill_rate=0.0):
         self.seed, self.nshards, self.kills, self.calib = seed, nshards, kills, calib
+        self.world = world
+        # wait_whole=False fires a kill whatever the set's state (a member
+        # may still be joining); join_kill_rate: the chance that a restarted
+        # member is SIGKILLed again as soon as it is JOINING (and restarted
+        # at the next step).
+        self.wait_whole, self.join_kill_rate = wait_whole, join_kill_rate
+        self.rng = random.Random(seed * 7919 + len(kills))
+        self.join_kills = 0
+        self.join_ms = []         # the joiners' took_ms (replica_loaded with a copy)
+        self.drops_after_join = []  # replica_dropped lines not caused by a kill
         self.replicas, self.steps, self.restart_after = replicas, steps, restart_after
         self.pending_restarts = []  # (step, shard, index)
         self.unsettled = set()      # shards with a restarted member not yet joining
@@ -264,7 +344,8 @@ class Run:
         """The member to kill, or None when the shard's set is not whole
         (a member joins only at the next applied step, which waiting here
         would hold up): the kill moves to the same point of the next step."""
-        whole = replica_cluster.wait_for(lambda: self._set_whole(kill.shard), WHOLE_WAIT_SECONDS)
+        whole = not self.wait_whole or replica_cluster.wait_for(
+            lambda: self._set_whole(kill.shard), WHOLE_WAIT_SECONDS)
         if not whole:
             later = kill.step + (CKPT_EVERY if kill.point == "during_checkpoint" else 1)
             self.log.append("step %d %s: s%d not whole (%s), the kill moves to step %d" %
@@ -278,7 +359,8 @@ class Run:
                                  (kill.shard, self.rc.roles(kill.shard)))
         if not kill.backup:
             return p
-        return next(k for k in range(self.replicas) if k != p and self.rc.alive(kill.shard, k))
+        return next((k for k in range(self.replicas) if k != p and self.rc.alive(kill.shard, k)),
+                    p)
 
     def _kill(self, kill, index):
         self.rc.kill(kill.shard, index)
@@ -329,6 +411,9 @@ class Run:
             self.pending_restarts.remove(r)
             self.rc.restart(r[1], r[2])
             self.log.append("step %d: restarted s%dr%d" % (step, r[1], r[2]))
+            if self.join_kill_rate and self.rng.random() < self.join_kill_rate and \
+                    self._kill_when_joining(step, r[1], r[2]):
+                continue
             self.unsettled.add(r[1])
         for shard in sorted(self.unsettled):
             # No primary yet: the killed one's death was not seen by any call
@@ -337,6 +422,40 @@ class Run:
             if self.rc.primary(shard) is not None:
                 self._wait_joining(shard)
                 self.unsettled.discard(shard)
+
+    def _kill_when_joining(self, step, shard, index):
+        """SIGKILLs the restarted member as soon as GetInfo shows it JOINING
+        (it waits for the primary's next applied step, so it stays so until
+        the step runs) and plans its restart at the next step. False when it
+        was not seen joining within ROLE_WAIT_SECONDS."""
+        joining = replica_cluster.wait_for(
+            lambda: (lambda i: i is not None and i.HasField("replica") and
+                     i.replica.role == replica_cluster.ROLE_JOINING)(
+                         self.rc.info(shard, index, timeout=0.5)), ROLE_WAIT_SECONDS, poll=0.005)
+        if not joining:
+            return False
+        self.rc.kill(shard, index)
+        self.join_kills += 1
+        self.pending_restarts.append((step + 1, shard, index))
+        self.log.append("step %d: killed s%dr%d while it joined" % (step, shard, index))
+        return True
+
+    def _join_stats(self):
+        """join_ms and drops_after_join from every member's log: a drop
+        whose reason is not a silence (a kill: ZS_ECONN, ZS_ETIMEDOUT,
+        ZS_ECLOSED, ZS_ECANCELED) is a member dropped while it answered, as
+        the ZS_ESTEP drops right after a join were."""
+        silent = ("error=ZS_ECONN", "error=ZS_ETIMEDOUT", "error=ZS_ECLOSED", "error=ZS_ECANCELED")
+        for m in self.rc.all_members():
+            try:
+                with open(m.log_path, errors="replace") as f:
+                    for line in f:
+                        if "event=replica_loaded" in line and "copy=yes" in line:
+                            self.join_ms.append(int(line.rsplit("took_ms=", 1)[1].split()[0]))
+                        elif "event=replica_dropped" in line and not any(k in line for k in silent):
+                            self.drops_after_join.append(line.strip())
+            except (OSError, ValueError, IndexError):
+                pass
 
     def _wait_joining(self, shard):
         """Waits until every member of the shard has a role in the set
@@ -363,7 +482,7 @@ class Run:
                             failover_ms=SERVER_FAILOVER_MS) as rc:
             self.rc = rc
             try:
-                tr = self.tr = Trainer(rc.addresses, self.seed)
+                tr = self.tr = Team(rc.addresses, self.seed, self.world)
                 try:
                     if self.replicas > 1:
                         for shard in range(self.nshards):
@@ -376,6 +495,7 @@ class Run:
                     self.failed_checkpoints = tr.failed_checkpoints
                 finally:
                     tr.close()
+                    self._join_stats()
                 # Promotions after each set's first one: its term beyond 1
                 # (a restarted member's own failover counter starts again).
                 self.failovers = sum(max(r[1] for r in rc.roles(s) if r) - 1
@@ -416,43 +536,74 @@ def main():
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--replicas", default="2",
+                    help="members per set, or a list to pick from per run (\"2,3\")")
+    ap.add_argument("--world", type=int, default=1, help="trainers of the job (ranks)")
+    ap.add_argument("--no-wait-whole", action="store_true",
+                    help="fire each kill whatever the set's state (a member may be joining)")
+    ap.add_argument("--join-kills", type=float, default=0.0,
+                    help="chance that a restarted member is killed again while JOINING")
     args = ap.parse_args()
+    choices = [int(x) for x in args.replicas.split(",")]
     os.environ.setdefault("ZSHARD_SERVER_BIN", os.path.join(
         replica_cluster.SOURCE_DIR, "build", "server", "zshard-server"))
     # SIGTERM (a timeout's) unwinds like ^C: the clusters stop their servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(args.seed)
     refs = {}
-    runs = kills = failovers = 0
-    bad = []
+    runs = kills = failovers = join_kills = documented = 0
+    bad, join_ms, drops = [], [], 0
     t0 = time.monotonic()
     for i in range(args.runs):
         seed = rng.randrange(1 << 30)
         model_seed = seed % 4  # a few models, so the references are reused
         if model_seed not in refs:
-            refs[model_seed] = reference(model_seed, args.shards)
+            refs[model_seed] = reference(model_seed, args.shards, world=args.world)
         want, calib = refs[model_seed]
         plan = random_kills(random.Random(seed), args.shards)
-        run = Run(model_seed, args.shards, plan, calib, replicas=args.replicas)
+        replicas = random.Random(seed).choice(choices)
+        run = Run(model_seed, args.shards, plan, calib, replicas=replicas, world=args.world,
+                  wait_whole=not args.no_wait_whole, join_kill_rate=args.join_kills)
         try:
             got = run.run()
             d = diff(want, got)
             verdict = "bit-identical" if not d else "DIFFERS in %s" % d[:4]
+        except zshard.Error as e:
+            # A set that lost every member holding its state (a kill before
+            # the set was whole again): the trainers are told to restore
+            # (docs/OPERATIONS.md, "Replica sets").
+            if e.name in ("ZS_EBEHIND", "ZS_ENOTOPEN", "EBEHIND", "ENOTOPEN"):
+                d, verdict = [], "documented error %s: %s" % (e.name, str(e)[:200])
+                documented += 1
+            else:
+                d = ["error: %s: %s" % (e.name, e)]
+                verdict = "FAILED: %s" % d[0]
         except Exception as e:  # noqa: BLE001 - the summary counts it
             d = ["error: %s: %s" % (type(e).__name__, e)]
             verdict = "FAILED: %s" % d[0]
+        join_kills += run.join_kills
+        join_ms += run.join_ms
+        drops += len(run.drops_after_join)
         runs += 1
         kills += sum(1 for k in plan if k.victim is not None)
         failovers += getattr(run, "failovers", 0)
         landed = ["%s%s" % (k, "" if k.landed is None else (" in" if k.landed else " after"))
                   for k in plan]
-        print("run %2d seed %d kills %s: %s (%.0f s)" %
-              (i + 1, seed, landed, verdict, time.monotonic() - t0), flush=True)
+        print("run %2d seed %d R=%d W=%d kills %s join-kills %d joins %d drops-after-join %d%s: "
+              "%s (%.0f s)" %
+              (i + 1, seed, replicas, args.world, landed, run.join_kills, len(run.join_ms),
+               len(run.drops_after_join),
+               " (%s)" % run.drops_after_join[:2] if run.drops_after_join else "", verdict,
+               time.monotonic() - t0), flush=True)
         if d:
             bad.append((i + 1, seed, d[:4]))
-    print("summary: runs %d, kills %d, failovers %d, all bit-identical %s (%.0f s)" %
-          (runs, kills, failovers, "yes" if not bad else "no", time.monotonic() - t0))
+    js = sorted(join_ms)
+    print("summary: runs %d, kills %d, kills during joins %d, failovers %d, joins %d "
+          "(join time median %s ms, max %s ms), drops after a join %d, documented errors %d, "
+          "failed or differing %d, all bit-identical or documented %s (%.0f s)" %
+          (runs, kills, join_kills, failovers, len(js), js[len(js) // 2] if js else "-",
+           js[-1] if js else "-", drops, documented, len(bad), "yes" if not bad else "no",
+           time.monotonic() - t0))
     return 0 if not bad else 1
 
 

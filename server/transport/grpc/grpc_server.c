@@ -204,6 +204,7 @@ struct gcall {
    * backups once it succeeded here, before the answer (finish). */
   uint8_t *fwd;
   size_t fwd_len;
+  uint64_t fwd_step; /* the write's step (an Apply's), 0: none */
   atomic_int refs;
   atomic_int claimed;
   uint64_t start_ns; /* clock_now_ns() when the request arrived */
@@ -509,8 +510,8 @@ static void finish(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const
   if (c->fwd && zs == ZS_OK) {
     /* The write succeeded here: the backups get it before the trainer hears
      * of it (server/replica/replica.h). This blocks the polling thread. */
-    int rc = replica_forward_raw(c->s->rep, methods[c->method].path, c->fwd, c->fwd_len, ferr,
-                                 sizeof ferr);
+    int rc = replica_forward_raw(c->s->rep, methods[c->method].path, c->fwd_step, c->fwd,
+                                 c->fwd_len, ferr, sizeof ferr);
     if (rc) {
       if (reply)
         grpc_byte_buffer_destroy(reply);
@@ -1517,6 +1518,7 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   c->step = r->step;
+  c->fwd_step = r->step;
   /* The apply runs on a core thread; this call is work in progress, not a
    * wait, so shutdown gives it the grace period. */
   gcall_ref(c);
@@ -1540,6 +1542,9 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     finish_err(c, 0, rc, err);
     return;
   }
+  /* Answered at once: a repeat of the step just applied, maybe before the
+   * replica's applied hook ran (replica.h). */
+  replica_wait_applied(s->rep, c->apply.version);
   c->async_status = ZS_OK;
   apply_finish(c, 0);
 }
@@ -1772,7 +1777,7 @@ static void h_replica_fetch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     finish_err(c, 0, rc, err);
   else
     finish_msg(c, 0, &resp.base);
-  replica_fetch_release(&resp);
+  replica_fetch_release(s->rep, &resp, rc == 0);
 }
 
 static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {

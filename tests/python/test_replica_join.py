@@ -1,0 +1,194 @@
+"""Replicated shards: a join sticks, and a join that loses a member ends.
+
+Shards of two or three replicas train the deterministic model of
+replica_soak.py with one or two trainer processes' worth of clients
+(ranks 0 and 1 of one job, each step run by both at once). A member killed
+and restarted joins again: the primary copies its state at its next applied
+step and forwards every later write. These tests hold the issue 23 promises:
+
+- a joiner that loaded its copy is never dropped for a write the copy
+  already holds (the trainers' Applies of the copy's step reach the primary
+  after the copy was taken: with two trainers, or with a third member in
+  sync, they used to be forwarded to the joiner, which refused them with
+  ZS_ESTEP, and was dropped right after joining);
+- a joiner SIGKILLed while it joins is dropped by the primary within the
+  failover time, and the trainers go on;
+- with three members, the primary SIGKILLed while a member joins: the join
+  fails cleanly, a backup is promoted, and the member joins it.
+
+Every run ends bit-identical to the uninterrupted run of the same trainers
+on unreplicated shards. Every wait is bounded (replica_cluster.wait_for,
+replica_soak.run_parallel).
+
+Run with Debian's interpreter (CTest does, through pytest):
+/usr/bin/python3 -m pytest -q tests/python/test_replica_join.py
+"""
+
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import replica_cluster  # noqa: E402
+import replica_soak  # noqa: E402
+from replica_cluster import ReplicaCluster  # noqa: E402
+from replica_soak import Team  # noqa: E402
+from test_replica_failover import (  # noqa: E402
+    SEED, SHARDS, assert_bit_identical, assert_members_identical, assert_whole, wait_whole)
+
+STEPS = 16
+JOINING_SECONDS = 20
+DROP_SECONDS = 20
+
+_refs = {}
+
+
+def reference(world, steps=STEPS):
+    if (world, steps) not in _refs:
+        _refs[(world, steps)] = replica_soak.reference(SEED, SHARDS, steps, world)[0]
+    return _refs[(world, steps)]
+
+
+def open_team(rc, world):
+    tr = Team(rc.addresses, SEED, world)
+    for shard in range(rc.nshards):
+        assert rc.wait_joined(shard), "shard %d: %s" % (shard, rc.roles(shard))
+    return tr
+
+
+def log_sizes(rc):
+    sizes = {}
+    for m in rc.all_members():
+        sizes[m.log_path] = os.path.getsize(m.log_path) if os.path.exists(m.log_path) else 0
+    return sizes
+
+
+def drops_since(rc, sizes):
+    """The replica_dropped lines every member logged after `sizes`."""
+    out = []
+    for m in rc.all_members():
+        with open(m.log_path, errors="replace") as f:
+            f.seek(sizes.get(m.log_path, 0))
+            out += ["s%dr%d: %s" % (m.shard, m.index, line.strip())
+                    for line in f if "replica_dropped" in line]
+    return out
+
+
+def backup_of(rc, shard):
+    p = rc.primary(shard)
+    return next(k for k in range(rc.nreplicas) if k != p and rc.alive(shard, k))
+
+
+def wait_role(rc, shard, index, role, seconds=JOINING_SECONDS):
+    info = replica_cluster.wait_for(
+        lambda: (lambda i: i if i is not None and i.HasField("replica") and
+                 i.replica.role == role else None)(rc.info(shard, index, timeout=0.5)),
+        seconds, poll=0.005)
+    assert info is not None, "s%dr%d never %s: %s" % (
+        shard, index, replica_cluster.ROLE_NAMES[role], rc.roles(shard))
+    return info
+
+
+@pytest.mark.parametrize("world,replicas", [(2, 2), (1, 3), (2, 3)],
+                         ids=["W2_R2", "W1_R3", "W2_R3"])
+def test_a_rejoined_backup_is_never_dropped_for_a_write_its_copy_holds(world, replicas):
+    want = reference(world)
+    with ReplicaCluster(SHARDS, replicas, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
+        tr = open_team(rc, world)
+        try:
+            tr.step()
+            wait_whole(rc, tr, 0)
+            for round_ in range(2):
+                victim = backup_of(rc, 0)
+                rc.kill(0, victim)
+                tr.step()
+                rc.restart(0, victim)
+                sizes = log_sizes(rc)
+                wait_whole(rc, tr, 0)
+                for _ in range(2):  # the forwards after the copy's step
+                    tr.step()
+                assert_whole(rc, 0)
+                drops = drops_since(rc, sizes)
+                assert not drops, "dropped after the join (round %d): %s" % (round_, drops)
+                assert rc.info(0, victim).replica.joins >= 1
+            assert tr.step_no <= STEPS
+            while tr.step_no <= STEPS:
+                tr.step()
+            assert_members_identical(rc, tr, 0)
+            assert_bit_identical(tr.final_state(), want)
+        finally:
+            tr.close()
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W1", "W2"])
+def test_a_joiner_killed_while_it_joins_is_dropped_and_the_trainers_go_on(world):
+    want = reference(world)
+    with ReplicaCluster(SHARDS, 2, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
+        tr = open_team(rc, world)
+        try:
+            tr.step()
+            wait_whole(rc, tr, 0)
+            p = rc.primary(0)
+            victim = 1 - p
+            rc.kill(0, victim)
+            tr.step()
+            rc.restart(0, victim)
+            wait_role(rc, 0, victim, replica_cluster.ROLE_JOINING)
+            rc.kill(0, victim)
+            # The trainers' steps go on (each bounded by run_parallel and the
+            # client's own timeouts), and the primary stops counting the
+            # joiner: neither joining nor in sync.
+            tr.step()
+            tr.step()
+            gone = replica_cluster.wait_for(
+                lambda: (lambda i: i is not None and not i.replica.members[victim].joining and
+                         not i.replica.members[victim].in_sync)(rc.info(0, p)), DROP_SECONDS)
+            assert gone, "the primary still counts the killed joiner: %s" % rc.info(0, p)
+            assert rc.primary(0) == p
+            rc.restart(0, victim)
+            wait_whole(rc, tr, 0)
+            assert tr.step_no <= STEPS
+            while tr.step_no <= STEPS:
+                tr.step()
+            assert_whole(rc, 0)
+            assert_members_identical(rc, tr, 0)
+            assert_bit_identical(tr.final_state(), want)
+        finally:
+            tr.close()
+
+
+def test_three_members_lose_the_primary_while_one_joins_and_recover():
+    want = reference(2)
+    with ReplicaCluster(SHARDS, 3, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
+        tr = open_team(rc, 2)
+        try:
+            tr.step()
+            wait_whole(rc, tr, 0)
+            p = rc.primary(0)
+            joiner = backup_of(rc, 0)
+            rc.kill(0, joiner)
+            tr.step()
+            rc.restart(0, joiner)
+            wait_role(rc, 0, joiner, replica_cluster.ROLE_JOINING)
+            rc.kill(0, p)
+            # The joiner's ReplicaFetch fails: it gives the join up (and
+            # joins the next primary); the trainers' next call promotes the
+            # backup that is still in sync.
+            tr.step()
+            now = rc.primary(0)
+            assert now not in (None, p, joiner), rc.roles(0)
+            with open(rc.member(0, joiner).log_path, errors="replace") as f:
+                log = f.read()
+            assert re.search(r"replica_join_failed|replica_loaded", log), log[-2000:]
+            rc.restart(0, p)
+            wait_whole(rc, tr, 0)
+            assert tr.step_no <= STEPS
+            while tr.step_no <= STEPS:
+                tr.step()
+            assert_whole(rc, 0)
+            assert_members_identical(rc, tr, 0)
+            assert_bit_identical(tr.final_state(), want)
+        finally:
+            tr.close()
