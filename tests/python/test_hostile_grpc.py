@@ -469,8 +469,14 @@ def test_full_parking_budget_never_refuses_a_pull_answerable_now():
             now = trainer.call("Pull", pb.PullRequest(spec_hash=h, tensor=0, slice=0,
                                                       min_version=0, dtype=pb.DTYPE_FP32))
             assert len(now.data) == 4 * NUMELS[0]
-            # The parked ones are real waits: the step answers them.
-            hostile.step(trainer, h, 1, NUMELS)
+            # The parked ones are real waits: the step answers them. Its
+            # GradStats is answered at once only when the shard has summed the
+            # statistics already; until then it would wait, and the full
+            # budget refuses it: the trainer retries, as libzshard does.
+            hostile.push_all(trainer, h, 1, NUMELS)
+            assert hostile.wait_for(lambda: trainer.code("GradStats", pb.GradStatsRequest(
+                spec_hash=h, step=1, timeout_ms=1000)) == grpc.StatusCode.OK)
+            trainer.call("Apply", pb.ApplyRequest(spec_hash=h, step=1, lr=1e-3, coef=1.0))
             for f in parked:
                 assert f.result(timeout=hostile.OUTCOME_SECONDS).version >= 1
         finally:
