@@ -63,6 +63,8 @@ typedef struct options {
   /* Security (docs/OPERATIONS.md, "Security"); NULL: not given. */
   const char *token_file;
   const char *admin_token_file;
+  const char *rank_key_file; /* the key of per-rank tokens (rank_token.h) */
+  int require_rank_tokens;   /* pushes need a rank token (or the admin's) */
   const char *tls_cert;
   const char *tls_key;
   const char *tls_client_ca;
@@ -120,6 +122,14 @@ static void usage(FILE *f) {
           "                     CloseJob and WriteState (ZSHARD_ADMIN_TOKEN_FILE); a\n"
           "                     token file holds one token of 16 to 4096 printable\n"
           "                     bytes; SIGHUP rereads both files\n"
+          "  --rank-key-file PATH\n"
+          "                     the key that signs per-rank tokens (zshard\n"
+          "                     mint-rank-token): a trainer presenting one may push\n"
+          "                     only as its job and rank (ZSHARD_RANK_KEY_FILE;\n"
+          "                     needs a token file; SIGHUP rereads it)\n"
+          "  --require-rank-tokens\n"
+          "                     refuse pushes under the plain trainers' token (needs\n"
+          "                     --rank-key-file and --admin-token-file)\n"
           "  --tls-cert PATH    PEM certificate chain: gRPC and the data plane speak\n"
           "                     TLS only (ZSHARD_TLS_CERT; needs --tls-key)\n"
           "  --tls-key PATH     PEM private key of --tls-cert (ZSHARD_TLS_KEY)\n"
@@ -210,6 +220,8 @@ enum {
   OPT_KEEP_CHECKPOINTS,
   OPT_TOKEN_FILE,
   OPT_ADMIN_TOKEN_FILE,
+  OPT_RANK_KEY_FILE,
+  OPT_REQUIRE_RANK_TOKENS,
   OPT_TLS_CERT,
   OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA,
@@ -240,6 +252,8 @@ typedef struct raw_options {
   const char *data_listen;
   const char *token_file;
   const char *admin_token_file;
+  const char *rank_key_file;
+  int require_rank_tokens;
   const char *tls_cert;
   const char *tls_key;
   const char *tls_client_ca;
@@ -262,6 +276,7 @@ static void read_environment(raw_options *r) {
   r->data_listen = getenv("ZSHARD_DATA_LISTEN");
   r->token_file = getenv("ZSHARD_TOKEN_FILE");
   r->admin_token_file = getenv("ZSHARD_ADMIN_TOKEN_FILE");
+  r->rank_key_file = getenv("ZSHARD_RANK_KEY_FILE");
   r->tls_cert = getenv("ZSHARD_TLS_CERT");
   r->tls_key = getenv("ZSHARD_TLS_KEY");
   r->tls_client_ca = getenv("ZSHARD_TLS_CLIENT_CA");
@@ -292,6 +307,8 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"keep-checkpoints", required_argument, NULL, OPT_KEEP_CHECKPOINTS},
       {"token-file", required_argument, NULL, OPT_TOKEN_FILE},
       {"admin-token-file", required_argument, NULL, OPT_ADMIN_TOKEN_FILE},
+      {"rank-key-file", required_argument, NULL, OPT_RANK_KEY_FILE},
+      {"require-rank-tokens", no_argument, NULL, OPT_REQUIRE_RANK_TOKENS},
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
       {"tls-key", required_argument, NULL, OPT_TLS_KEY},
       {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
@@ -350,6 +367,12 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       break;
     case OPT_ADMIN_TOKEN_FILE:
       r->admin_token_file = optarg;
+      break;
+    case OPT_RANK_KEY_FILE:
+      r->rank_key_file = optarg;
+      break;
+    case OPT_REQUIRE_RANK_TOKENS:
+      r->require_rank_tokens = 1;
       break;
     case OPT_TLS_CERT:
       r->tls_cert = optarg;
@@ -445,6 +468,8 @@ static int set_endpoints(const raw_options *r, options *o) {
   o->state_dir = r->state_dir && *r->state_dir ? r->state_dir : NULL;
   o->token_file = r->token_file && *r->token_file ? r->token_file : NULL;
   o->admin_token_file = r->admin_token_file && *r->admin_token_file ? r->admin_token_file : NULL;
+  o->rank_key_file = r->rank_key_file && *r->rank_key_file ? r->rank_key_file : NULL;
+  o->require_rank_tokens = r->require_rank_tokens;
   o->tls_cert = r->tls_cert && *r->tls_cert ? r->tls_cert : NULL;
   o->tls_key = r->tls_key && *r->tls_key ? r->tls_key : NULL;
   o->tls_client_ca = r->tls_client_ca && *r->tls_client_ca ? r->tls_client_ca : NULL;
@@ -573,7 +598,7 @@ static int set_replicas(const raw_options *r, options *o) {
  * checks run in a fixed order, so a command line with several mistakes is
  * always told about the same one first. */
 static int parse_options(int argc, char **argv, options *o) {
-  raw_options r;
+  raw_options r = {0};
   read_environment(&r);
   int rc = read_flags(argc, argv, &r);
   if (rc < 0)
@@ -835,6 +860,14 @@ static int load_security(const options *o, shard *s) {
   char err[600] = "";
   if (auth_keys_new(o->token_file, o->admin_token_file, &s->auth, err, sizeof err) != 0)
     return bad_usage("%s", err);
+  /* Without an admin token of its own the trainers' token is the admin's,
+   * and the admin role may push as any rank (replica forwards need it). */
+  if (o->require_rank_tokens && !o->admin_token_file)
+    return bad_usage("%s", "--require-rank-tokens needs --admin-token-file: otherwise the "
+                           "trainers' token is the admin's and may push as any rank");
+  if (auth_keys_set_rank_key(s->auth, o->rank_key_file, o->require_rank_tokens, err, sizeof err) !=
+      0)
+    return bad_usage("--rank-key-file: %s", err);
   const char *files[] = {o->tls_cert, o->tls_key, o->tls_client_ca};
   const char *names[] = {"--tls-cert", "--tls-key", "--tls-client-ca"};
   for (int i = 0; i < 3; i++) {

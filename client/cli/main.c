@@ -151,6 +151,8 @@ static void usage(FILE *f) {
              "  export     write a checkpoint as one safetensors file (offline)\n"
              "  import     write a safetensors or .pt file into the open job's master weights\n"
              "  bench      load-test a running cluster: push/pull throughput and latency\n"
+             "  mint-rank-token\n"
+             "             print a token that may push only as one rank of one job\n"
              "  version    print the library version\n"
              "\n"
              "`zshard <command> --help` describes a command's options.\n"
@@ -164,6 +166,8 @@ int cli_bench(int argc, char **argv);
 int cli_close_job(int argc, char **argv);
 /* import.c */
 int cli_import(int argc, char **argv);
+/* mint.c */
+int cli_mint_rank_token(int argc, char **argv);
 
 int main(int argc, char **argv) {
   if (argc < 2) {
@@ -198,6 +202,8 @@ int main(int argc, char **argv) {
     return cli_close_job(argc - 1, argv + 1);
   if (strcmp(cmd, "bench") == 0)
     return cli_bench(argc - 1, argv + 1);
+  if (strcmp(cmd, "mint-rank-token") == 0)
+    return cli_mint_rank_token(argc - 1, argv + 1);
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
     printf("zshard %s\n", zs_version());
     return 0;

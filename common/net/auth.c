@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/base/status.h"
@@ -26,8 +27,9 @@ typedef struct secret {
 
 struct auth_keys {
   pthread_rwlock_t lock;
-  char *trainer_path, *admin_path; /* NULL: not configured */
-  secret trainer, admin;
+  char *trainer_path, *admin_path, *rank_path; /* NULL: not configured */
+  secret trainer, admin, rank_key;
+  int require_rank;         /* pushes need a rank token (or the admin's) */
   atomic_ullong generation; /* successful reloads */
 };
 
@@ -123,10 +125,13 @@ static int load(const char *path, secret *out, char *err, size_t errlen) {
   return 0;
 }
 
-static int load_both(const auth_keys *k, secret *trainer, secret *admin, char *err, size_t errlen) {
-  int rc = load(k->trainer_path, trainer, err, errlen);
+/* fresh[0], [1], [2]: the trainer's, the admin's and the rank key. */
+static int load_all(const auth_keys *k, secret *fresh, char *err, size_t errlen) {
+  int rc = load(k->trainer_path, &fresh[0], err, errlen);
   if (rc == 0)
-    rc = load(k->admin_path, admin, err, errlen);
+    rc = load(k->admin_path, &fresh[1], err, errlen);
+  if (rc == 0)
+    rc = load(k->rank_path, &fresh[2], err, errlen);
   return rc;
 }
 
@@ -142,7 +147,11 @@ int auth_keys_new(const char *token_file, const char *admin_token_file, auth_key
     auth_keys_free(k);
     return ZS_ENOMEM;
   }
-  int rc = load_both(k, &k->trainer, &k->admin, err, errlen);
+  secret fresh[3];
+  int rc = load_all(k, fresh, err, errlen);
+  k->trainer = fresh[0];
+  k->admin = fresh[1];
+  explicit_bzero(fresh, sizeof fresh);
   if (rc != 0) {
     auth_keys_free(k);
     return rc;
@@ -151,19 +160,54 @@ int auth_keys_new(const char *token_file, const char *admin_token_file, auth_key
   return 0;
 }
 
+int auth_keys_set_rank_key(auth_keys *k, const char *key_file, int require, char *err,
+                           size_t errlen) {
+  if (!key_file && !require)
+    return 0;
+  if (!k->trainer_path && !k->admin_path) {
+    if (err && errlen)
+      snprintf(err, errlen,
+               "--rank-key-file and --require-rank-tokens need --token-file or "
+               "--admin-token-file: rank tokens alone leave the admin methods open");
+    return ZS_EINVAL;
+  }
+  if (require && !key_file) {
+    if (err && errlen)
+      snprintf(err, errlen, "--require-rank-tokens needs --rank-key-file");
+    return ZS_EINVAL;
+  }
+  secret *key = calloc(1, sizeof *key);
+  char *path = strdup(key_file);
+  int rc = key && path ? load(key_file, key, err, errlen) : ZS_ENOMEM;
+  if (rc == 0) {
+    pthread_rwlock_wrlock(&k->lock);
+    k->rank_key = *key;
+    k->rank_path = path;
+    k->require_rank = require;
+    pthread_rwlock_unlock(&k->lock);
+    path = NULL;
+  }
+  if (key)
+    explicit_bzero(key, sizeof *key);
+  free(key);
+  free(path);
+  return rc;
+}
+
 int auth_keys_reload(auth_keys *k, char *err, size_t errlen) {
-  secret *fresh = calloc(2, sizeof *fresh);
+  secret *fresh = calloc(3, sizeof *fresh);
   if (!fresh)
     return ZS_ENOMEM;
-  int rc = load_both(k, &fresh[0], &fresh[1], err, errlen);
+  int rc = load_all(k, fresh, err, errlen);
   if (rc == 0) {
     pthread_rwlock_wrlock(&k->lock);
     k->trainer = fresh[0];
     k->admin = fresh[1];
+    k->rank_key = fresh[2];
     pthread_rwlock_unlock(&k->lock);
     atomic_fetch_add(&k->generation, 1);
   }
-  memset(fresh, 0, 2 * sizeof *fresh);
+  explicit_bzero(fresh, 3 * sizeof *fresh);
   free(fresh);
   return rc;
 }
@@ -191,12 +235,42 @@ static int same(const secret *s, const char *token, size_t len) {
 }
 
 auth_role auth_keys_check(const auth_keys *k, const char *token, size_t len) {
+  return auth_keys_check_bound(k, token, len, NULL);
+}
+
+/* A rank token's verdict, under the read lock. A token of the rank shape is
+ * judged only here, so a shared secret that happens to start "zsr1." cannot
+ * be mistaken for a bound credential or the reverse. */
+static auth_role check_rank(const auth_keys *k, const char *token, size_t len, auth_binding *b) {
+  rank_claim claim;
+  char why[128];
+  if (rank_token_verify((const unsigned char *)k->rank_key.bytes, k->rank_key.len, token, len,
+                        (uint64_t)time(NULL), &claim, why, sizeof why) != 0)
+    return AUTH_NONE;
+  if (b) {
+    b->bound = 1;
+    memcpy(b->job, claim.job, sizeof b->job);
+    b->rank = claim.rank;
+    b->expiry = claim.expiry;
+  }
+  return AUTH_TRAINER;
+}
+
+auth_role auth_keys_check_bound(const auth_keys *k, const char *token, size_t len,
+                                auth_binding *b) {
+  if (b)
+    memset(b, 0, sizeof *b);
   if (!auth_keys_enabled(k))
     return AUTH_ADMIN;
   if (!token)
     len = 0;
   auth_role role = AUTH_NONE;
   pthread_rwlock_rdlock((pthread_rwlock_t *)&k->lock);
+  if (k->rank_key.len && rank_token_is(token, len)) {
+    role = check_rank(k, token, len, b);
+    pthread_rwlock_unlock((pthread_rwlock_t *)&k->lock);
+    return role;
+  }
   int admin = same(&k->admin, token, len);
   int trainer = same(&k->trainer, token, len);
   if (admin || (trainer && k->admin.len == 0))
@@ -207,13 +281,49 @@ auth_role auth_keys_check(const auth_keys *k, const char *token, size_t len) {
   return role;
 }
 
+int auth_push_admit(const auth_keys *k, auth_role role, const auth_binding *b, int job_matches,
+                    uint32_t rank, char *err, size_t errlen) {
+  if (b && b->bound) {
+    if (!job_matches) {
+      snprintf(err, errlen,
+               "this rank token is for job '%s' and rank %u: it may not push to "
+               "another job",
+               b->job, (unsigned)b->rank);
+      return ZS_EPERM;
+    }
+    if (b->expiry != 0 && (uint64_t)time(NULL) > b->expiry) {
+      snprintf(err, errlen, "the rank token of rank %u of job '%s' has expired: mint a new one",
+               (unsigned)b->rank, b->job);
+      return ZS_EPERM;
+    }
+    if (rank != b->rank) {
+      snprintf(err, errlen,
+               "this rank token is for rank %u of job '%s': it may not push as "
+               "rank %u",
+               (unsigned)b->rank, b->job, (unsigned)rank);
+      return ZS_EPERM;
+    }
+    return 0;
+  }
+  if (k && k->require_rank && !auth_allows(role, AUTH_ADMIN)) {
+    snprintf(err, errlen,
+             "this server requires a rank token for pushes "
+             "(--require-rank-tokens); the caller presented a plain trainer token: "
+             "mint one with `zshard mint-rank-token`");
+    return ZS_EPERM;
+  }
+  return 0;
+}
+
 void auth_keys_free(auth_keys *k) {
   if (!k)
     return;
-  memset(&k->trainer, 0, sizeof k->trainer);
-  memset(&k->admin, 0, sizeof k->admin);
+  explicit_bzero(&k->trainer, sizeof k->trainer);
+  explicit_bzero(&k->admin, sizeof k->admin);
+  explicit_bzero(&k->rank_key, sizeof k->rank_key);
   free(k->trainer_path);
   free(k->admin_path);
+  free(k->rank_path);
   pthread_rwlock_destroy(&k->lock);
   free(k);
 }

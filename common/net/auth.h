@@ -28,6 +28,9 @@
 #define ZSHARD_COMMON_AUTH_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#include "common/net/rank_token.h"
 
 /* The longest token accepted, in bytes; files and frames longer are refused. */
 #define AUTH_MAX_TOKEN 4096u
@@ -73,6 +76,41 @@ auth_role auth_keys_check(const auth_keys *k, const char *token, size_t len);
 static inline int auth_allows(auth_role role, auth_role need) {
   return role >= need;
 }
+
+/* Per-rank credentials (rank_token.h). With a rank key configured, a token
+ * that starts "zsr1." is never compared with the shared secrets: it grants
+ * the trainer role when its HMAC under the key is right and it has not
+ * expired, bound to the (job, rank) it names; otherwise AUTH_NONE. */
+typedef struct auth_binding {
+  int bound; /* 1: a valid rank token; job and rank say for what */
+  char job[RANK_TOKEN_MAX_JOB + 1];
+  uint32_t rank;
+  uint64_t expiry; /* Unix seconds; 0: never. Pushes check it too, so a
+                      long-lived data-plane connection does not outlive it */
+} auth_binding;
+
+/* Adds a rank key read from key_file (a file as auth_read_token_file reads
+ * it: mode checked, AUTH_MIN_TOKEN to AUTH_MAX_TOKEN bytes; reloaded with
+ * the token files), and whether pushes need a rank token (require: a push
+ * under a plain trainer token is refused; the admin token's are not, since
+ * replica forwards carry it). Call once, before any check; key_file may be
+ * NULL (no rank tokens). Needs a token file given to auth_keys_new (rank
+ * tokens alone would leave the admin methods without a secret): ZS_EINVAL
+ * with the reason in err otherwise. */
+int auth_keys_set_rank_key(auth_keys *k, const char *key_file, int require, char *err,
+                           size_t errlen);
+
+/* As auth_keys_check, and fills *b (may be NULL) with the binding of a rank
+ * token; b->bound is 0 for every other token. */
+auth_role auth_keys_check_bound(const auth_keys *k, const char *token, size_t len, auth_binding *b);
+
+/* Whether a push for `rank` of job `job_matches` (1 when the push's job is
+ * the job named by the binding, which the caller checks against its open
+ * job) may go on, for a caller whose token granted `role` and *b: 0, or
+ * ZS_EPERM with a sentence in err. A bound caller pushes for its own job and
+ * rank only; an unbound trainer is refused when rank tokens are required. */
+int auth_push_admit(const auth_keys *k, auth_role role, const auth_binding *b, int job_matches,
+                    uint32_t rank, char *err, size_t errlen);
 
 /* NULL is accepted. */
 void auth_keys_free(auth_keys *k);

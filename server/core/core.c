@@ -682,6 +682,13 @@ int core_spec_copy(core *c, spec *out, uint64_t *hash) {
   return rc;
 }
 
+int core_job_named(core *c, uint64_t hash, const char *name) {
+  pthread_mutex_lock(&c->mu);
+  int yes = c->open && c->hash == hash && c->spec.job && name && strcmp(c->spec.job, name) == 0;
+  pthread_mutex_unlock(&c->mu);
+  return yes;
+}
+
 const layout *core_layout(core *c) {
   pthread_mutex_lock(&c->mu);
   const layout *l = c->open ? &c->layout : NULL;

@@ -450,6 +450,9 @@ const layout *core_layout(core *c);
  * happens to the job, so a transport thread can read it while the job is
  * closed and another opened. */
 int core_spec_copy(core *c, spec *out, uint64_t *hash);
+/* 1 when the open job's hash is `hash` and its name is `name` (a job a rank
+ * token names); 0 otherwise, or without a job. Any thread; no copy. */
+int core_job_named(core *c, uint64_t hash, const char *name);
 
 /* ---------------------------------------------------------------- checkpoints
  *

@@ -210,6 +210,10 @@ typedef struct dp_conn {
    * whose token no longer grants the trainer role is closed. */
   char *token;
   size_t token_len;
+  /* What the token granted: a rank token binds every push on the connection
+   * to its (job, rank); verified once, at HELLO and again on each reload. */
+  auth_role role;
+  auth_binding bind;
   int forward_next; /* the push whose payload is coming must be forwarded */
   int counted;      /* counted in the caps (s->nconns, the peer's counts ...) */
   uint64_t accepted_ms;
@@ -1533,8 +1537,8 @@ static void on_hello(dp_conn *c) {
   } else if (rd->meta_status != 0) {
     status = rd->meta_status;
     status_say(err, sizeof err, "%s", rd->err);
-  } else if (!auth_allows((role = auth_keys_check(s->auth, (const char *)m->u.hello.token,
-                                                  m->u.hello.token_len)),
+  } else if (!auth_allows((role = auth_keys_check_bound(s->auth, (const char *)m->u.hello.token,
+                                                        m->u.hello.token_len, &c->bind)),
                           AUTH_TRAINER)) {
     status_say(err, sizeof err, "the server refused the token of this data-plane connection (%s)",
                m->u.hello.token_len ? "wrong token" : "no token given");
@@ -1552,6 +1556,7 @@ static void on_hello(dp_conn *c) {
     c->authed = 1;
     c->replica_term = m->u.hello.replica_term;
     c->admin = !auth_keys_enabled(s->auth) || auth_allows(role, AUTH_ADMIN);
+    c->role = role;
     if (c->counted) {
       s->nunauth--;
       count(&s->st_unauth, -1);
@@ -1632,6 +1637,26 @@ static int replica_refused(dp_conn *c, const wire_msg *m) {
   return 1;
 }
 
+/* A push under a rank token must be for the token's job and rank; with
+ * --require-rank-tokens a plain trainer token may not push at all. Checked
+ * on every PUSH and PUSH_BATCH (a batch has one rank) before any byte of the
+ * payload is kept: 1 when refused (answered ZS_EPERM; the payload is
+ * skipped and nothing changes). No HMAC here: the token was verified at
+ * HELLO. */
+static int rank_refused(dp_conn *c, const wire_msg *m) {
+  if (m->type != WIRE_PUSH && m->type != WIRE_PUSH_BATCH)
+    return 0;
+  uint64_t hash = m->type == WIRE_PUSH ? m->u.push.spec_hash : m->u.push_batch.spec_hash;
+  uint32_t rank = m->type == WIRE_PUSH ? m->u.push.rank : m->u.push_batch.rank;
+  int job_ok = !c->bind.bound || core_job_named(c->s->core, hash, c->bind.job);
+  char err[DP_ERRLEN] = "";
+  int rc = auth_push_admit(c->s->auth, c->role, &c->bind, job_ok, rank, err, sizeof err);
+  if (rc == 0)
+    return 0;
+  answer_error(c, m->request_id, rc, err);
+  return 1;
+}
+
 /* Header and meta of a frame are in: decide where its payload goes. */
 static void on_meta(dp_conn *c) {
   dp_server *s = c->s;
@@ -1659,7 +1684,7 @@ static void on_meta(dp_conn *c) {
   } else if (m->type == WIRE_PING) {
     wire_msg pong = {.type = WIRE_PONG, .request_id = m->request_id};
     conn_send(c, &pong, NULL, 1, 0);
-  } else if (replica_refused(c, m)) {
+  } else if (rank_refused(c, m) || replica_refused(c, m)) {
     /* Answered; a push's payload is skipped. */
   } else if (m->type == WIRE_PULL) {
     handle_pull(c, m);
@@ -2020,8 +2045,9 @@ static void recheck_tokens(dp_server *s) {
     l = l->next; /* conn_close moves c to the zombies */
     if (!c->authed || c->fatal || !auth_keys_enabled(s->auth))
       continue;
-    auth_role role = auth_keys_check(s->auth, c->token, c->token_len);
+    auth_role role = auth_keys_check_bound(s->auth, c->token, c->token_len, &c->bind);
     c->admin = auth_allows(role, AUTH_ADMIN);
+    c->role = role;
     if (auth_allows(role, AUTH_TRAINER))
       continue;
     count(&s->st_auth_revoked, 1);

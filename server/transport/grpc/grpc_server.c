@@ -200,6 +200,10 @@ struct gcall {
   gsrv *s;        /* only used while the call is open */
   int method;
   int admin; /* the caller's token grants the admin role (or tokens are off) */
+  /* The role its token granted and, for a rank token, the (job, rank) its
+   * pushes are bound to: set by authorize, per call (no cache per channel). */
+  auth_role role;
+  auth_binding bind;
   /* A replicated primary's copy of a trainer's write, forwarded to the
    * backups once it succeeded here, before the answer (finish). */
   uint8_t *fwd;
@@ -1238,8 +1242,10 @@ static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
       .nbytes = r.len,
   };
   void *whole = NULL;
-  int rc = 0;
-  if (r.total) {
+  int job_ok = !c->bind.bound || core_job_named(service_core(s->svc), r.hash, c->bind.job);
+  /* Before any chunk is kept: a refused push changes nothing. */
+  int rc = auth_push_admit(s->auth, c->role, &c->bind, job_ok, r.rank, err, sizeof err);
+  if (rc == 0 && r.total) {
     rc = push_chunk(s, &a, r.offset, r.total, &whole, err, sizeof err);
     if (rc == 0 && !whole) { /* more chunks to come: this one is kept */
       Zshard__V1__PushResponse resp = ZSHARD__V1__PUSH_RESPONSE__INIT;
@@ -2378,13 +2384,16 @@ static void log_refusal(gsrv *s, gcall *c, int zs) {
  * its token does not allow its method; returns 0 otherwise. */
 static int authorize(gsrv *s, gcall *c) {
   auth_role need = method_role[c->method];
+  memset(&c->bind, 0, sizeof c->bind);
   c->admin = !auth_keys_enabled(s->auth);
+  c->role = AUTH_ADMIN;
   if (c->admin)
     return 0;
   size_t len = 0;
   const char *token = call_token(c, &len);
-  auth_role role = auth_keys_check(s->auth, token, token ? len : 0);
+  auth_role role = auth_keys_check_bound(s->auth, token, token ? len : 0, &c->bind);
   c->admin = auth_allows(role, AUTH_ADMIN);
+  c->role = role;
   if (need == AUTH_NONE || auth_allows(role, need))
     return 0;
   int zs = role == AUTH_NONE ? ZS_EUNAUTHENTICATED : ZS_EPERM;
