@@ -17,22 +17,47 @@ calls release the GIL. A Request holds its buffer until wait(); dropping an
 unwaited Request waits for it. PyTorch integration: zshard.torch.
 """
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 from . import _zshard
 from ._zshard import (  # noqa: F401
     ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, INT8_BLOCK, LION, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
-    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error,
-    Request, StepResult, Timing, dtype_size, err_name, strerror, version)
+    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD,
+    TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error, Request, StepResult, Timing, dtype_size,
+    err_name, strerror, version)
+# The status codes, named so that a type checker sees them (module.c adds
+# them from ZS_STATUS_MAP; STATUS below collects the same names at run time).
+from ._zshard import (  # noqa: F401
+    OK, EINVAL, ENOMEM, ENOTFOUND, EHASH, ESTEP, ESIZE, EDTYPE, ETIMEDOUT, ECONN, EPROTO, ECRC, ECLOSED,
+    EEXIST, ENOTOPEN, ENOTREADY, ENONFINITE, EIO, EINTERNAL, EUNIMPL, EBEHIND, ECANCELED, ERANGE,
+    EUNAUTHENTICATED, EPERM, ELIMIT, ENOTPRIMARY, ESTALE)
+
+if TYPE_CHECKING:
+    from ._zshard import _Buffer
+
+__all__ = [
+    "Client", "STATUS", "ADAM", "ADAMW", "BF16", "EXP_AVG", "EXP_AVG_SQ", "FP16", "FP32", "INT8_BLOCK",
+    "LION", "LOSS_SCALE_DYNAMIC", "LOSS_SCALE_NONE", "LOSS_SCALE_STATIC", "MASTER", "OPEN_CREATE",
+    "OPEN_EITHER", "OPEN_RESUME", "REDUCE_MEAN", "REDUCE_SUM", "SGD", "TRANSPORT_DATA", "TRANSPORT_DEFAULT",
+    "TRANSPORT_GRPC", "Error", "Request", "StepResult", "Timing", "dtype_size", "err_name", "strerror",
+    "version", "OK", "EINVAL", "ENOMEM", "ENOTFOUND", "EHASH", "ESTEP", "ESIZE", "EDTYPE", "ETIMEDOUT",
+    "ECONN", "EPROTO", "ECRC", "ECLOSED", "EEXIST", "ENOTOPEN", "ENOTREADY", "ENONFINITE", "EIO", "EINTERNAL",
+    "EUNIMPL", "EBEHIND", "ECANCELED", "ERANGE", "EUNAUTHENTICATED", "EPERM", "ELIMIT", "ENOTPRIMARY",
+    "ESTALE",
+]
 
 # Every status code as a constant: zshard.EINVAL == -1 ... Status codes are
 # 0 and below; EXP_AVG and EXP_AVG_SQ (state arrays) also start with E.
-STATUS = {name: getattr(_zshard, name) for name in dir(_zshard)
-          if name.isupper() and (name == "OK" or name.startswith("E"))
-          and isinstance(getattr(_zshard, name), int) and getattr(_zshard, name) <= 0}
+STATUS: Dict[str, int] = {
+    name: getattr(_zshard, name) for name in dir(_zshard)
+    if name.isupper() and (name == "OK" or name.startswith("E"))
+    and isinstance(getattr(_zshard, name), int) and getattr(_zshard, name) <= 0}
 globals().update(STATUS)
 
-_ENUMS = {
+_ENUMS: Dict[str, Dict[str, int]] = {
     "param_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
     "push_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16, "int8": INT8_BLOCK},
     "pull_dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16, "int8": INT8_BLOCK},
@@ -46,7 +71,7 @@ _ENUMS = {
 }
 
 
-def _enum(key, value):
+def _enum(key: str, value: Any) -> Any:
     names = _ENUMS.get(key)
     if names is None or not isinstance(value, str):
         return value
@@ -92,40 +117,43 @@ class Client(_zshard.Client):
     certificates carry (defaults ZSHARD_TLS_CA, _CERT, _KEY, _SERVER_NAME).
     Paths may be str or os.PathLike."""
 
-    def __init__(self, addresses, **options):
+    def __init__(self, addresses: str, **options: Any) -> None:
         for k in ("tls_ca", "tls_cert", "tls_key"):
             if options.get(k) is not None:
                 options[k] = os.fspath(options[k])
         super().__init__(addresses, **{k: _enum(k, v) for k, v in options.items()})
 
-    def add_group(self, optimizer=ADAMW, **options):
+    def add_group(self, optimizer: Union[int, str] = ADAMW, **options: Any) -> int:
         """Adds a param group (torch's defaults for `optimizer`, then the
         given zs_group_options fields, push_dtype and pull_dtype also by
         name); returns its id."""
         options = {k: _enum(k, v) for k, v in options.items()}
         return super().add_group(optimizer=_enum("optimizer", optimizer), **options)
 
-    def push(self, tensor, buffer, micro=0, dtype=0):
+    def push(self, tensor: int, buffer: Optional[_Buffer], micro: int = 0,
+             dtype: Union[int, str] = 0) -> Request:
         """Pushes `buffer` as the tensor's gradient of micro-batch `micro`
         (zs_push); None pushes "no gradient": the shards skip the tensor
         when no trainer has one, and count it as zeros when one does."""
         return super().push(tensor, buffer, micro, _enum("dtype", dtype))
 
-    def pull(self, tensor, buffer, dtype=0):
+    def pull(self, tensor: int, buffer: _Buffer, dtype: Union[int, str] = 0) -> Request:
         return super().pull(tensor, buffer, _enum("dtype", dtype))
 
-    def push_many(self, tensors, buffers, micro=0, dtype=0):
+    def push_many(self, tensors: Sequence[int], buffers: Sequence[Optional[_Buffer]], micro: int = 0,
+                  dtype: Union[int, str] = 0) -> List[Request]:
         """Pushes buffers[i] as tensors[i]'s gradient, all in one submission
         (zs_push_many; None: no gradient, as in push); returns one Request
         per entry."""
         return super().push_many(tensors, buffers, micro, _enum("dtype", dtype))
 
-    def pull_many(self, tensors, buffers, dtype=0):
+    def pull_many(self, tensors: Sequence[int], buffers: Sequence[_Buffer],
+                  dtype: Union[int, str] = 0) -> List[Request]:
         """Pulls tensors[i] into buffers[i], all in one submission
         (zs_pull_many); returns one Request per entry."""
         return super().pull_many(tensors, buffers, _enum("dtype", dtype))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.closed:
             return "<zshard.Client closed>"
         return "<zshard.Client %d tensors, step %d>" % (self.num_tensors, self.current_step)

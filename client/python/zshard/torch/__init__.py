@@ -60,11 +60,14 @@ to them. Every rank loads the same dicts between the same two steps (no
 barrier needed: every rank writes the same values).
 """
 
+from __future__ import annotations
+
 import collections
 import copy
 import os
 import sys
 import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -87,7 +90,7 @@ __all__ = ["shard", "ShardedOptimizer", "NOTES", "init_empty", "load_pretrained"
 # The parameters of the open sharded optimizers (id(param) -> optimizer), for
 # torch.nn.utils.clip_grad_norm_, which shard() routes to
 # ShardedOptimizer.clip_grad_norm_ for them.
-_OWNERS = weakref.WeakValueDictionary()
+_OWNERS: weakref.WeakValueDictionary[int, ShardedOptimizer] = weakref.WeakValueDictionary()
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 
 
@@ -120,11 +123,15 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
     (so lr schedulers accept it) whose param_groups are the wrapped
     optimizer's; the wrapped optimizer itself is not stepped."""
 
-    def __init__(self, model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None,
-                 world_size=None, prefetch=2, release_after_forward=False, max_grad_norm=None,
-                 grad_accum=1, job="zshard", split_threshold=0, grad_reduce="mean",
-                 mmap_threshold=None, param_init_fn=None, init_timeout_s=None,
-                 push_window=None, broadcast_buffers=True, **client_options):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, addresses: str,
+                 wire_dtype: torch.dtype = torch.bfloat16, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, prefetch: int = 2,
+                 release_after_forward: bool = False, max_grad_norm: Optional[float] = None,
+                 grad_accum: int = 1, job: str = "zshard", split_threshold: int = 0,
+                 grad_reduce: Union[str, int] = "mean", mmap_threshold: Optional[int] = None,
+                 param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+                 init_timeout_s: Optional[float] = None, push_window: Optional[int] = None,
+                 broadcast_buffers: bool = True, **client_options: Any) -> None:
         # Deliberately not Optimizer.__init__: the parameters are the wrapped
         # optimizer's, in its groups and with its hyper-parameters.
         self.defaults = dict(optimizer.defaults)
@@ -138,8 +145,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self.grad_accum = int(grad_accum)
         if self.grad_accum < 1:
             raise ValueError("zshard.torch: grad_accum must be at least 1")
-        self.last_result = None
-        self._clip_once = None     # clip_grad_norm_'s coefficient for the coming step
+        self.last_result: Optional[zshard.StepResult] = None
+        self._clip_once: Optional[float] = None  # clip_grad_norm_'s coefficient for the coming step
         self._closed = False
         self._optim = self._optimizer_kind(optimizer)
         if wire_dtype not in _WIRE:
@@ -154,11 +161,11 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         deferred = set()
         if _deferred.has_meta(self.param_groups):
             deferred = _deferred.materialize_empty(model, self.param_groups)
-        names = {}
+        names: Dict[int, str] = {}
         for n, p in model.named_parameters():
             names.setdefault(id(p), n)
-        self._params = []
-        self._by_id = {}
+        self._params: List[_Param] = []
+        self._by_id: Dict[int, _Param] = {}
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 if id(p) in self._by_id:
@@ -176,7 +183,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 self._params.append(P)
                 self._by_id[id(p)] = P
         self._by_key = {P.key: P for P in self._params}
-        self._groups = [self._group_options(g) for g in self.param_groups]
+        self._groups: List[Dict[str, Any]] = [self._group_options(g) for g in self.param_groups]
         self._check_group_lrs()
         # broadcast_buffers (_buffers.py): one more tensor and group, only
         # with W > 1 and buffers to send (a single trainer pays nothing).
@@ -233,7 +240,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._release_at = None    # op number -> params last used by it
         self._in_forward = False
         # (param, micro, gradient, request) of the pushes in flight, oldest first.
-        self._inflight = collections.deque()
+        self._inflight: collections.deque[Any] = collections.deque()
         self._inflight_bytes = 0
         # The gradient bytes pushes in flight may hold before backward waits
         # (_bound_pushes): by default, with release_after_forward (bounded
@@ -249,14 +256,14 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         # go out together (zs_push_many) once all its gradients are there,
         # the rest at the end of backward.
         self._ready = collections.defaultdict(list)
-        self._unit_grads = {}      # unit -> how many of its parameters get a gradient
+        self._unit_grads: Dict[int, int] = {}  # unit -> how many of its parameters get a gradient
         self._flush_queued = False
-        self._hooks = []
+        self._hooks: List[Any] = []
         self._loading = []         # params model.load_state_dict() is copying into
         self._install()
         # The parameters of each module, pulled together when the first
         # forward (which has no unit order yet) reaches one of them.
-        self._siblings = {}
+        self._siblings: Dict[Any, Any] = {}
         for m in model.modules():
             mine = [self._by_id[id(p)] for p in m.parameters(recurse=False) if id(p) in self._by_id]
             for P in mine:
@@ -485,7 +492,8 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 v.append(_buffers.STEP_VALUES[k[len("group_"):]])
         return dict(group_lr=lrs, **hps)
 
-    def step(self, closure=None, clip_coef=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None,
+             clip_coef: Optional[float] = None) -> Any:
         """Pushes what backward has not (gradients set by hand, "no
         gradient" for parameters without one), waits for the pushes, and
         runs the step on the shards with every param group's current lr and
@@ -537,7 +545,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         if self._bufs is not None:
             self._bufs.push(self.client, self.grad_accum, self._version)
 
-    def grad_norm(self):
+    def grad_norm(self) -> Tuple[float, bool]:
         """The global norm of this step's gradient (over every trainer's
         contributions, divided by the loss scale, before clipping) and
         whether it overflowed, without stepping: (norm, overflow). Waits for
@@ -548,7 +556,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._prepare_step()
         return self.client.grad_norm()
 
-    def zero_grad(self, set_to_none=False):
+    def zero_grad(self, set_to_none: bool = False) -> None:
         """torch's zero_grad, after waiting for the pushes in flight (which
         read p.grad)."""
         self._wait_pushes()
@@ -564,7 +572,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
 
-    def gather(self):
+    def gather(self) -> None:
         """Makes every parameter hold the current version (pulling what is
         stale or released), e.g. before reading parameters outside the
         model's forward (model.state_dict() does it by itself)."""
@@ -575,23 +583,23 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             self._ensure(P)
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         """The loss scale to multiply the loss by before backward for the
         current step (1 unless the client option loss_scaling is "static" or
         "dynamic"; the dynamic scaler follows DeepSpeed's rules)."""
         return self.client.loss_scale
 
-    def timing(self):
+    def timing(self) -> zshard.Timing:
         """Where the last step's time went (zshard.Timing)."""
         return self.client.last_timing()
 
-    def checkpoint(self, step=0):
+    def checkpoint(self, step: int = 0) -> None:
         """Checkpoints the job on every shard (from one trainer, rank 0)."""
         self._check_open()
         self._wait_pulls()
         self.client.checkpoint(step)
 
-    def restore(self, step=0):
+    def restore(self, step: int = 0) -> int:
         """Restores every shard to checkpoint `step` (0: the newest common
         one); the parameters are pulled again before their next use. Returns
         the step training continues at."""
@@ -617,7 +625,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             P.current = False
         return cur
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise NotImplementedError(
             "zshard.torch: add_param_group() after shard(): the model's tensors and groups are "
             "fixed when the job opens. Build the optimizer with every param group before "
@@ -626,7 +634,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
 
     # ---- clipping ----------------------------------------------------------------
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ for the sharded parameters (FSDP's
         pattern): returns this step's global gradient norm (over every
         trainer's gradient, as an fp32 tensor) and makes the coming step()
@@ -651,7 +659,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self._clip_once = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
-    def close(self, close_job=False, gather=True):
+    def close(self, close_job: bool = False, gather: bool = True) -> None:
         """Leaves the model with the current weights in its parameters,
         removes the hooks and closes the client.
 
@@ -731,9 +739,12 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             self._optim, len(self._params), self._version + 1)
 
 
-def shard(model, optimizer, addresses, wire_dtype=torch.bfloat16, rank=None, world_size=None,
-          prefetch=2, release_after_forward=False, max_grad_norm=None, state_dict_path=None,
-          **options):
+def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, addresses: str,
+          wire_dtype: torch.dtype = torch.bfloat16, rank: Optional[int] = None,
+          world_size: Optional[int] = None, prefetch: int = 2, release_after_forward: bool = False,
+          max_grad_norm: Optional[float] = None,
+          state_dict_path: Union[str, os.PathLike[str], None] = None,
+          **options: Any) -> ShardedOptimizer:
     """Moves `optimizer`'s parameters and their optimizer to the zshard shards
     at `addresses` ("h0:7070,h1:7070" or "zshard-{i}.zshard:7070" with
     num_shards=N; a replicated shard's members separated by "|",

@@ -38,6 +38,8 @@ skipped for overflow (dynamic loss scaling) leaves the previous payload,
 so the ranks take rank 0's buffers of the step before.
 """
 
+from typing import Any, Dict
+
 import torch
 
 import zshard
@@ -49,8 +51,8 @@ _SCALE = 2.0 ** -64
 _REF = 2.0 ** 16
 # The buffer group's SGD hyper-parameters, also sent with every step.
 _MOMENTUM = 2.0 ** -149
-GROUP = dict(optimizer="sgd", momentum=_MOMENTUM, dampening=0.0, weight_decay=0.0, nesterov=0,
-             push_dtype=zshard.FP32, pull_dtype=zshard.FP32)
+GROUP: Dict[str, Any] = dict(optimizer="sgd", momentum=_MOMENTUM, dampening=0.0, weight_decay=0.0,
+                             nesterov=0, push_dtype=zshard.FP32, pull_dtype=zshard.FP32)
 STEP_VALUES = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, momentum=_MOMENTUM,
                    dampening=0.0)
 

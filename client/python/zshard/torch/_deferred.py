@@ -25,6 +25,7 @@ it did when that module built its own weight.
 """
 
 import contextlib
+from typing import Iterator
 import warnings
 
 import torch
@@ -45,7 +46,7 @@ class _MetaFactories(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def init_empty():
+def init_empty() -> Iterator[None]:
     """Builds a model on the `meta` device (no memory, no draw from the
     generator), for shard() to initialise one module at a time:
 

@@ -16,6 +16,8 @@ whose .grad is None is skipped (no decay, no momentum change), as torch's own
 optimizers skip it.
 """
 
+from typing import Any, Callable, Iterable, Optional, Tuple
+
 import torch
 
 __all__ = ["Lion"]
@@ -29,7 +31,8 @@ class Lion(torch.optim.Optimizer):
     defaults; its advice is an lr 3-10x smaller and a weight decay 3-10x
     larger than AdamW's."""
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4,
+                 betas: Tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> None:
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if not 0.0 <= betas[0] < 1.0:
@@ -41,7 +44,7 @@ class Lion(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -31,6 +31,7 @@ import pickle
 import struct
 import sys
 import zipfile
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -94,8 +95,8 @@ def _safetensors_entries(f, path):
                               "(%d)" % (path, n, size, MAX_HEADER_BYTES))
     try:
         header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise PretrainedError("%s: the safetensors header is not JSON: %s" % (path, e)) from None
+    except (UnicodeDecodeError, ValueError) as err:
+        raise PretrainedError("%s: the safetensors header is not JSON: %s" % (path, err)) from None
     if not isinstance(header, dict):
         raise PretrainedError("%s: the safetensors header is not a JSON object" % path)
     data_start, data_len = 8 + n, size - 8 - n
@@ -201,8 +202,8 @@ def _torch_entries(z, path):
         with z.open(pkls[0]) as f:
             obj = _SafeUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, IndexError,
-            ValueError) as e:
-        raise PretrainedError("%s: cannot read %s: %s" % (path, pkls[0], e)) from None
+            ValueError) as err:
+        raise PretrainedError("%s: cannot read %s: %s" % (path, pkls[0], err)) from None
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]   # a training checkpoint {"state_dict": ..., ...}
     if not isinstance(obj, dict):
@@ -368,7 +369,8 @@ _malloc_trim = None
 # ---- the entry point --------------------------------------------------------------------------
 
 
-def load_pretrained(opt, path, strict=True, progress=None):
+def load_pretrained(opt: Any, path: Union[str, os.PathLike[str]], strict: bool = True,
+                    progress: Optional[Callable[[str, int], Any]] = None) -> int:
     """Loads the weights of a safetensors file or a torch.save'd state dict
     (.pt, .bin) onto the shards of `opt` (zshard.torch.shard()'s optimizer),
     one tensor at a time: the file is never held whole in memory.
@@ -396,7 +398,7 @@ def load_pretrained(opt, path, strict=True, progress=None):
     with open(path, "rb") as f:
         magic = f.read(4)
     zipped = magic == b"PK\x03\x04"
-    src = zipfile.ZipFile(path) if zipped else open(path, "rb")
+    src: Any = zipfile.ZipFile(path) if zipped else open(path, "rb")
     try:
         entries = _torch_entries(src, path) if zipped else _safetensors_entries(src, path)
     except BaseException:

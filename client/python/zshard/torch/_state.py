@@ -3,6 +3,8 @@ torch.optim's own format, and model.load_state_dict() after shard(): reads
 and writes of the shards' weights, moments and step count between steps.
 A mixin: the state it uses is set up by ShardedOptimizer.__init__."""
 
+from typing import TYPE_CHECKING, Any, Dict, List
+
 import torch
 
 import zshard
@@ -11,6 +13,24 @@ from ._common import _buffer
 
 
 class _StateDict:
+    if TYPE_CHECKING:
+        # A mixin of ShardedOptimizer (zshard/torch/__init__.py): what its
+        # methods use of the optimizer, declared for the type checker only.
+        client: zshard.Client
+        world_size: int
+        param_groups: List[Dict[str, Any]]
+        state: Dict[Any, Any]
+        _closed: bool
+        _optim: str
+        _inner: torch.optim.Optimizer
+        _params: List[Any]
+        _by_id: Dict[int, Any]
+        _groups: List[Dict[str, Any]]
+
+        def _check_open(self) -> None: ...
+        def _wait_pulls(self) -> None: ...
+        def _group_options(self, g: Dict[str, Any]) -> Dict[str, Any]: ...
+
     def _load_pre_hook(self, mine):
         def hook(state_dict, prefix, *args):
             if self._closed:
@@ -90,7 +110,7 @@ class _StateDict:
 
     # ---- parameters' data ---------------------------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, Any]:
         """torch.optim's state_dict() of the same optimizer, read from the
         shards: {'state': {index: per-parameter state}, 'param_groups': the
         groups with torch's keys and parameter indices}. Per parameter:
@@ -121,7 +141,8 @@ class _StateDict:
         # torch's own packing (indices, group keys), over this state.
         saved, self.state = self.state, state
         try:
-            return torch.optim.Optimizer.state_dict(self)
+            # self is a ShardedOptimizer, so an Optimizer; the mixin alone is not.
+            return torch.optim.Optimizer.state_dict(self)  # type: ignore[arg-type]
         finally:
             self.state = saved
 
@@ -166,7 +187,7 @@ class _StateDict:
         return dict(betas=tuple(float(b) for b in g["betas"]), eps=float(g["eps"]),
                     weight_decay=float(g["weight_decay"]))
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads torch.optim's state_dict() of the same optimizer (from torch,
         or from state_dict() here) onto the shards: the moments or momentum
         buffers and the step count; lr and the groups' other keys into
