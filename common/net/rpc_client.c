@@ -252,9 +252,7 @@ static int trailer_status(const grpc_metadata_array *md) {
   return 1;
 }
 
-/* The received message as one contiguous slice (a new reference). A message
- * that gRPC holds in one uncompressed slice is referenced, not copied. */
-static int message_slice(grpc_byte_buffer *bb, grpc_slice *out) {
+int rpc_message_slice(grpc_byte_buffer *bb, grpc_slice *out) {
   if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE &&
       bb->data.raw.slice_buffer.count == 1) {
     *out = grpc_slice_ref(bb->data.raw.slice_buffer.slices[0]);
@@ -401,7 +399,7 @@ int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t re
   if (!resp_desc) /* the caller wants only the status */
     goto done;
   grpc_slice msg;
-  if (message_slice(resp_bb, &msg) != 0) {
+  if (rpc_message_slice(resp_bb, &msg) != 0) {
     rc = set_status(st, GRPC_STATUS_INTERNAL, ZS_EPROTO, "%s: unreadable response", method);
     goto done;
   }

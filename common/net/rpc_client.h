@@ -35,6 +35,18 @@
 
 typedef struct rpc_channel rpc_channel;
 
+/* gRPC's types, declared here so that only the files calling
+ * rpc_message_slice include gRPC's headers. */
+struct grpc_byte_buffer;
+struct grpc_slice;
+
+/* The message in `bb` (the caller's, only read) as one contiguous slice in
+ * *out, a new reference the caller releases with grpc_slice_unref: a message
+ * that gRPC holds in one uncompressed slice is referenced, not copied;
+ * otherwise it is gathered (one copy). Returns 0, or -1 if the buffer cannot
+ * be read (*out untouched). Used by both ends of a call. */
+int rpc_message_slice(struct grpc_byte_buffer *bb, struct grpc_slice *out);
+
 /* How a channel proves who it talks to and who it is. Every string is the
  * caller's and only read during rpc_channel_open_secure (the channel keeps
  * its own copies). */

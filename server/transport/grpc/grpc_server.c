@@ -50,6 +50,7 @@
  *  - InitParams (once per job): gather (0-1 copy) + protobuf-c unpack (1).
  */
 #include "server/transport/grpc/grpc_server.h"
+#include "server/transport/grpc/pb_inplace.h"
 #include "server/transport/grpc/push_asm.h"
 
 #include <grpc/byte_buffer.h>
@@ -72,7 +73,6 @@
 
 #include "common/base/clock.h"
 #include "common/base/dtype.h"
-#include "common/base/le.h"
 #include "common/base/list.h"
 #include "common/base/log.h"
 #include "common/base/status.h"
@@ -976,129 +976,6 @@ static void bad_message(gcall *c, const char *type) {
   answer(c, NULL, ZS_EPROTO, err);
 }
 
-static int read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
-  uint64_t x = 0;
-  for (unsigned shift = 0; shift < 64; shift += 7) {
-    if (*p == end)
-      return -1;
-    uint8_t b = *(*p)++;
-    x |= (uint64_t)(b & 0x7f) << shift;
-    if (!(b & 0x80)) {
-      *v = x;
-      return 0;
-    }
-  }
-  return -1; /* more than 10 bytes */
-}
-
-/* A PushRequest decoded in place: data points into the message. */
-typedef struct push_req {
-  uint64_t hash, step;
-  uint32_t rank, micro, tensor, slice;
-  int dtype; /* 0 when absent or not a zs_dtype value */
-  const uint8_t *data;
-  size_t len;
-  uint64_t offset, total; /* a chunk of the payload when total > 0 */
-} push_req;
-
-/* Decodes zshard.v1.PushRequest by the protobuf wire rules (fields in any
- * order, the last occurrence wins, unknown fields skipped) without copying
- * the payload, which protobuf-c's unpack would. Stricter than protobuf in
- * one way: a uint32 field whose value does not fit is malformed rather than
- * truncated, since no honest encoder produces it. Returns 0 or -1. */
-static int push_decode(const uint8_t *p, size_t n, push_req *r) {
-  const uint8_t *end = p + n;
-  memset(r, 0, sizeof *r);
-  while (p < end) {
-    uint64_t key, v = 0;
-    const uint8_t *bytes = NULL;
-    if (read_varint(&p, end, &key))
-      return -1;
-    uint64_t field = key >> 3;
-    unsigned wire = (unsigned)(key & 7);
-    if (field == 0 || field > 536870911u)
-      return -1;
-    switch (wire) {
-    case 0:
-      if (read_varint(&p, end, &v))
-        return -1;
-      break;
-    case 1:
-      if (end - p < 8)
-        return -1;
-      v = le_load64(p);
-      p += 8;
-      break;
-    case 2:
-      if (read_varint(&p, end, &v) || v > (uint64_t)(end - p))
-        return -1;
-      bytes = p;
-      p += v;
-      break;
-    case 5:
-      if (end - p < 4)
-        return -1;
-      v = le_load32(p);
-      p += 4;
-      break;
-    default: /* groups (3, 4) are not proto3; 6 and 7 do not exist */
-      return -1;
-    }
-    switch (field) {
-    case 1:
-      if (wire != 1)
-        return -1;
-      r->hash = v;
-      break;
-    case 2:
-      if (wire != 0)
-        return -1;
-      r->step = v;
-      break;
-    case 3:
-    case 4:
-    case 5:
-    case 6:
-      if (wire != 0 || v > UINT32_MAX)
-        return -1;
-      if (field == 3)
-        r->rank = (uint32_t)v;
-      else if (field == 4)
-        r->micro = (uint32_t)v;
-      else if (field == 5)
-        r->tensor = (uint32_t)v;
-      else
-        r->slice = (uint32_t)v;
-      break;
-    case 7:
-      if (wire != 0)
-        return -1;
-      /* An enum is an int32 on the wire; anything outside our values is
-       * kept as 0 and rejected as an unknown dtype by the caller. */
-      r->dtype = dtype_from_varint(v);
-      break;
-    case 8:
-      if (wire != 2)
-        return -1;
-      r->data = bytes;
-      r->len = (size_t)v;
-      break;
-    case 9:
-    case 10:
-      if (wire != 0)
-        return -1;
-      if (field == 9)
-        r->offset = v;
-      else
-        r->total = v;
-      break;
-    default:
-      break; /* unknown field: skipped */
-    }
-  }
-  return 0;
-}
-
 /* ------------------------------------------------------------------------ */
 /* ZShard methods                                                           */
 /* ------------------------------------------------------------------------ */
@@ -1220,8 +1097,8 @@ static int push_chunk(gsrv *s, const core_push_args *a, uint64_t offset, uint64_
 
 static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   char err[GSRV_ERRLEN] = "";
-  push_req r;
-  if (push_decode(msg, len, &r)) {
+  pb_push r;
+  if (pb_push_decode(msg, len, &r) != PB_OK) {
     bad_message(c, "zshard.v1.PushRequest");
     return;
   }
@@ -1268,29 +1145,9 @@ static void h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   finish_msg(c, 0, &resp.base);
 }
 
-static size_t put_varint(uint8_t *p, uint64_t v) {
-  size_t n = 0;
-  while (v >= 0x80) {
-    p[n++] = (uint8_t)(v | 0x80);
-    v >>= 7;
-  }
-  p[n++] = (uint8_t)v;
-  return n;
-}
-
-static size_t varint_len(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    n++;
-  }
-  return n;
-}
-
-/* Builds the PullResponse by hand in one slice so that core_read writes the
- * piece straight into the message: dtype (field 2), data (field 3) and then
- * version (field 1), which is known only once the data is read. Protobuf
- * parsers accept fields in any order. */
+/* Builds the PullResponse by hand (pb_inplace.h) in one slice so that
+ * core_read writes the piece straight into the message, the one copy of the
+ * piece on this path before gRPC sends it. */
 static void pull_finish(gcall *c, int claimed) {
   char err[GSRV_ERRLEN] = "";
   gsrv *s = c->s;
@@ -1312,14 +1169,9 @@ static void pull_finish(gcall *c, int claimed) {
 static void pull_build(gcall *c, int claimed) {
   char err[GSRV_ERRLEN] = "";
   gsrv *s = c->s;
-  size_t cap = 2 + varint_len((uint64_t)c->dtype) + varint_len(c->nbytes) + c->nbytes + 1 + 10;
-  grpc_slice sl = grpc_slice_malloc(cap);
+  grpc_slice sl = grpc_slice_malloc(pb_pull_cap((int)c->dtype, c->nbytes));
   uint8_t *p = GRPC_SLICE_START_PTR(sl);
-  size_t off = 0;
-  p[off++] = (2 << 3) | 0;
-  off += put_varint(p + off, (uint64_t)c->dtype);
-  p[off++] = (3 << 3) | 2;
-  off += put_varint(p + off, c->nbytes);
+  size_t off = pb_pull_head(p, (int)c->dtype, c->nbytes);
   uint64_t version = 0;
   int rc = core_read(s->core, c->hash, c->tensor, c->slice, c->dtype, p + off, c->nbytes, &version,
                      err, sizeof err);
@@ -1328,9 +1180,7 @@ static void pull_build(gcall *c, int claimed) {
     finish_err(c, claimed, rc, err);
     return;
   }
-  off += c->nbytes;
-  p[off++] = (1 << 3) | 0;
-  off += put_varint(p + off, version);
+  off = pb_pull_tail(p, off + c->nbytes, version);
   GRPC_SLICE_SET_LENGTH(sl, off);
   grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
   grpc_slice_unref(sl);
@@ -2289,22 +2139,6 @@ static int post_slot_locked(gsrv *s, int method) {
   return 0;
 }
 
-/* The request message as one contiguous slice (a new reference): a message in
- * one uncompressed slice is referenced, otherwise gathered (one copy). */
-static int request_slice(grpc_byte_buffer *bb, grpc_slice *out) {
-  if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE &&
-      bb->data.raw.slice_buffer.count == 1) {
-    *out = grpc_slice_ref(bb->data.raw.slice_buffer.slices[0]);
-    return 0;
-  }
-  grpc_byte_buffer_reader reader;
-  if (!grpc_byte_buffer_reader_init(&reader, bb))
-    return -1;
-  *out = grpc_byte_buffer_reader_readall(&reader);
-  grpc_byte_buffer_reader_destroy(&reader);
-  return 0;
-}
-
 /* ------------------------------------------------------------------------ */
 /* Authentication                                                           */
 /* ------------------------------------------------------------------------ */
@@ -2495,7 +2329,7 @@ static void dispatch(gsrv *s, gcall *c) {
     return;
   }
   grpc_slice msg;
-  if (request_slice(c->payload, &msg) != 0) {
+  if (rpc_message_slice(c->payload, &msg) != 0) {
     answer(c, NULL, ZS_EPROTO, "the request message cannot be read");
     return;
   }
