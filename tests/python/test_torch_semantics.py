@@ -175,7 +175,7 @@ class Optimizers(unittest.TestCase):
             finally:
                 opt.close()
             model = nn.Linear(2, 2).to(torch.complex64)
-            with self.assertRaisesRegex(ValueError, "complex64 on cpu; fp32 CPU parameters only"):
+            with self.assertRaisesRegex(ValueError, "complex64 on cpu; fp32 parameters only"):
                 shard(model, torch.optim.SGD(model.parameters(), lr=0.1), shards)
 
 

@@ -75,7 +75,7 @@ import zshard
 
 # The optimizer's transfers and its state_dict live in modules of their own
 # (_transfers.py, _state.py), mixed into ShardedOptimizer.
-from . import _buffers, _deferred
+from . import _buffers, _deferred, _device
 from ._common import NOTES, _WIRE, _buffer, _limit_mmap_threshold, _Param
 from ._deferred import init_empty
 from ._lion import Lion
@@ -156,12 +156,23 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
         self.rank, self.world_size = rank, world_size
 
+        # One device for every parameter (_device.py: the one seam that
+        # knows about GPUs); meta parameters become CPU ones.
+        names: Dict[int, str] = {}
+        for n, p in model.named_parameters():
+            names.setdefault(id(p), n)
+        self.device = _device.params_device(
+            [(names.get(id(p), "?"), p) for g in self.param_groups for p in g["params"]])
+        deferred = set()
+        if self.device.type != "cpu" and _deferred.has_meta(self.param_groups):
+            raise ValueError("zshard.torch: meta parameters are initialised on the CPU, and the "
+                             "others are on %s: build the whole model on the meta device (a CPU "
+                             "model) or on %s" % (self.device, self.device))
         # Deferred initialisation (_deferred.py): meta parameters become CPU
         # parameters with empty storage, initialised after the job opens.
-        deferred = set()
         if _deferred.has_meta(self.param_groups):
             deferred = _deferred.materialize_empty(model, self.param_groups)
-        names: Dict[int, str] = {}
+        names = {}
         for n, p in model.named_parameters():
             names.setdefault(id(p), n)
         self._params: List[_Param] = []
@@ -170,9 +181,10 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             for p in g["params"]:
                 if id(p) in self._by_id:
                     raise ValueError("a parameter appears twice in the param groups")
-                if p.dtype != torch.float32 or p.device.type != "cpu":
-                    raise ValueError("zshard.torch: parameter %s is %s on %s; fp32 CPU parameters "
-                                     "only" % (names.get(id(p), "?"), p.dtype, p.device))
+                if p.dtype != torch.float32:
+                    raise ValueError("zshard.torch: parameter %s is %s on %s; fp32 parameters "
+                                     "only (on the CPU or a CUDA device)"
+                                     % (names.get(id(p), "?"), p.dtype, p.device))
                 if id(p) not in deferred and (not p.is_contiguous() or p.storage_offset() != 0
                                               or p.storage().size() != p.numel()):
                     raise ValueError("zshard.torch: parameter %s does not own a contiguous storage"
@@ -195,6 +207,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                                  "could be read a step late; pass broadcast_buffers=False")
             self._bufs = _buffers.Broadcast(model, rank)
 
+        staging_bytes = client_options.pop("staging_bytes", None)  # _device.py's pool bound
         # close() gives up on transfers that make no progress for one call's
         # deadline (zs_client_options.rpc_timeout_ms, 0: its 30 s default).
         self._stall_s = (client_options.get("rpc_timeout_ms") or 30000) / 1000.0
@@ -216,7 +229,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                 self.client.open_job(deferred=True)
                 self._init_deferred(model, deferred, param_init_fn, init_timeout_s)
             else:
-                init = [_buffer(P.p) for P in self._params] if rank == 0 else None
+                # Host copies of device parameters (a CPU one is its own).
+                host = [P.p.detach().cpu() for P in self._params] if rank == 0 else []
+                init = [_buffer(h) for h in host] if rank == 0 else None
                 if init is not None and self._bufs is not None:
                     first = self._bufs.initial()
                     init.append(_buffer(first))
@@ -251,6 +266,18 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             push_window = max(64 << 20, 8 * max(P.numel for P in self._params)) \
                 if self.release_after_forward else 0
         self._push_window = int(push_window)
+        # Staging for device parameters (_device.py; the CPU path: HostPath,
+        # no staging), its pool bounded by the prefetch window.
+        units = [sum(p.numel() for p in m.parameters(recurse=False) if id(p) in self._by_id)
+                 for m in model.modules()]
+        self._dev = _device.choose(self.device, wire_dtype, int(staging_bytes) if staging_bytes
+                                   else _device.staging_limit(units, self.prefetch,
+                                                              self._push_window, wire_dtype))
+        if self._dev.staged:
+            self._dev.reclaim = self._reclaim_staging
+        self._push_dtype = self._dev.zs_wire if self._dev.staged else 0
+        # Staged pushes waiting for their copies to the host, in order.
+        self._staged_q: collections.deque[Any] = collections.deque()
         self._push_error = None
         # Gradients accumulated but not pushed yet, by unit: a unit's pushes
         # go out together (zs_push_many) once all its gradients are there,
@@ -593,6 +620,17 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         """Where the last step's time went (zshard.Timing)."""
         return self.client.last_timing()
 
+    def staging_stats(self) -> Dict[str, float]:
+        """The device path's staging and copies (_device.py), cumulative
+        since shard(): pinned_bytes (staging blocks held now),
+        pinned_peak_bytes, staging_limit_bytes (the pool's bound),
+        staging_allocs, staging_reuses, staging_over_limit (blocks allocated
+        past the bound), d2h_bytes and h2d_bytes (PCIe bytes copied),
+        compute_wait_ms (time the compute stream waited on copy events,
+        measured only when the backend times them). All 0 for CPU
+        parameters: they are pushed and pulled in place."""
+        return self._dev.stats()
+
     def checkpoint(self, step: int = 0) -> None:
         """Checkpoints the job on every shard (from one trainer, rank 0)."""
         self._check_open()
@@ -621,6 +659,9 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
             self._bufs.taken = None
         for P in self._params:
             P.micro = 0
+            for _, g in P.failed:
+                if isinstance(g, _device.Staged):
+                    self._dev.drop(g)
             P.failed = []
             P.current = False
         return cur
@@ -782,6 +823,8 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, addresses: s
       its reset_parameters().
     init_timeout_s: with meta parameters, how long the other ranks wait for
       rank 0's initial weights (None: no limit).
+    staging_bytes: CUDA parameters: the bound on the pinned staging blocks
+      (None: sized by the prefetch window, _device.staging_limit).
     push_window: the gradient bytes pushes in flight may hold before backward
       waits for the oldest (None: with release_after_forward 64 MiB or two of
       the largest tensors, whichever is more, else no bound; 0: no bound).

@@ -104,7 +104,7 @@ class Broadcast:
         out[0] = _REF * _SCALE
         at = 1
         for b in self._current():
-            raw = b.detach().contiguous().view(-1).view(torch.uint8)
+            raw = b.detach().cpu().contiguous().view(-1).view(torch.uint8)
             if raw.numel() % 2:
                 raw = torch.cat([raw, raw.new_zeros(1)])
             w = raw.view(torch.int16).to(torch.int32) & 0xFFFF

@@ -26,6 +26,11 @@ def _buffer(t):
     Not t.numpy(): that marks the storage non-resizable for good, and
     release_after_forward resizes parameters' storage. The buffer does not
     keep `t` alive: the caller holds `t` until the transfer is waited."""
+    if t.device.type != "cpu":
+        # A device pointer read as host memory would be garbage or a crash:
+        # device tensors go through _device.py's staging blocks.
+        raise RuntimeError("zshard.torch: a %s tensor handed to the extension as host memory"
+                           % t.device)
     if t.numel() == 0:
         return bytearray()
     return (ctypes.c_float * t.numel()).from_address(t.data_ptr())
@@ -68,7 +73,8 @@ def _storage_key(t):
 class _Param:
     """One managed parameter: its zshard tensor id and where its data is."""
     __slots__ = ("idx", "p", "name", "numel", "group", "unit", "alloc", "pulled_version",
-                 "current", "pull", "bump", "micro", "failed", "node", "key", "last_op")
+                 "current", "pull", "bump", "micro", "failed", "node", "key", "last_op",
+                 "stage")
 
     def __init__(self, idx, p, name, group):
         self.idx, self.p, self.name, self.group = idx, p, name, group
@@ -84,6 +90,7 @@ class _Param:
         self.node = None           # the AccumulateGrad node (kept alive for its hook)
         self.key = _storage_key(p)
         self.last_op = -1
+        self.stage = None          # _device.Staged of the pull in flight (staged path)
 
 
 class _Mode(TorchFunctionMode):

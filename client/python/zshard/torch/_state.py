@@ -94,7 +94,7 @@ class _StateDict:
         contribution comes from a trainer that finished its own load first,
         so the shards hold these values already: that is checked by reading
         them back, and only a difference is an error."""
-        t = t.contiguous()
+        t = t.detach().to("cpu").contiguous()   # no copy for a CPU tensor
         try:
             self.client.state_write(P.idx, which, _buffer(t))
         except zshard.Error as e:

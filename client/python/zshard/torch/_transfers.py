@@ -1,7 +1,14 @@
 """The transfers of zshard.torch's ShardedOptimizer: pulls ahead of use
 (prefetch in first-forward order, release after forward and re-pull for
 backward) and the pushes of gradients as backward produces them, batched.
-A mixin: the state it uses is set up by ShardedOptimizer.__init__."""
+A mixin: the state it uses is set up by ShardedOptimizer.__init__.
+
+Parameters on a device (self._dev.staged, _device.py) differ in three places
+only: a pull lands in a staging block and is copied to the device when it
+has arrived (_ensure), a gradient is staged to a pinned block as it is
+queued (_prepare_push) and its push is submitted once that copy has run
+(_drain_staged, polled from every gradient hook, waited at the end of
+backward). On the CPU path none of those branches runs."""
 
 import collections
 import time
@@ -11,6 +18,7 @@ import torch
 import zshard
 
 from ._common import _Mode, _buffer, _grad_buffer, _storage_key
+from ._device import Staged
 
 
 def _held(P, g):
@@ -36,7 +44,9 @@ class _Transfers:
                 P.alloc = True
             P.bump = P.pulled_version != self._version
             todo.append(P)
-        if len(todo) == 1:
+        if self._dev.staged:
+            self._issue_staged(todo)
+        elif len(todo) == 1:
             P = todo[0]
             P.pull = self.client.pull(P.idx, _buffer(P.p))
         elif todo:
@@ -44,16 +54,46 @@ class _Transfers:
             for P, r in zip(todo, reqs):
                 P.pull = r
 
+    def _issue_staged(self, todo):
+        """_issue_many's pulls on the staged path: into staging blocks, in
+        the wire dtype (landed on the device by _ensure)."""
+        if not todo:
+            return
+        for P in todo:
+            P.stage = self._dev.pull_target(P.numel)
+        try:
+            reqs = self.client.pull_many([P.idx for P in todo], [P.stage.buffer for P in todo],
+                                         self._dev.zs_wire)
+        except BaseException:
+            for P in todo:
+                st, P.stage = P.stage, None
+                self._dev.drop(st)
+            raise
+        for P, r in zip(todo, reqs):
+            P.pull = r
+
+    def _land_arrived(self):
+        """Staged path: the pulls that have arrived go to the device now
+        (their copy queued on the copy stream), ahead of their use."""
+        for P in self._params:
+            if P.stage is not None and P.pull is not None and P.pull.test():
+                self._ensure(P)
+
     def _ensure(self, P):
         if P.alloc and P.current and P.pull is None:
             return
         self._issue(P)
         req, P.pull = P.pull, None
+        st, P.stage = P.stage, None
         try:
             req.wait()
         except zshard.Error:
             P.current = False
+            if st is not None:
+                self._dev.drop(st)
             raise
+        if st is not None:
+            self._dev.land(P.p, st)
         P.current = True
         if P.bump:
             # An in-place no-op on a tensor sharing P's version counter: any
@@ -72,6 +112,8 @@ class _Transfers:
             P.alloc = False
 
     def _prefetch_units(self, first, direction):
+        if self._dev.staged:
+            self._land_arrived()
         if not self._units or self.prefetch <= 0:
             return
         u, batch = first, []
@@ -258,6 +300,8 @@ class _Transfers:
         ready, self._ready = self._ready, collections.defaultdict(list)
         for entries in ready.values():
             self._submit_pushes(entries)
+        if self._dev.staged:
+            self._drain_staged(True)
 
     def _push(self, P, g, micro=None):
         """Pushes `g` (None: no gradient) as P's gradient of micro-batch `micro`
@@ -265,7 +309,9 @@ class _Transfers:
         self._submit_pushes([self._prepare_push(P, g, micro)])
 
     def _prepare_push(self, P, g, micro=None):
-        """(P, micro, gradient) for a push, counting the micro-batch."""
+        """(P, micro, gradient) for a push, counting the micro-batch. On the
+        staged path the gradient becomes a Staged (its copy to the host
+        started)."""
         if micro is None:
             if P.micro >= self.grad_accum:
                 raise RuntimeError(
@@ -279,6 +325,8 @@ class _Transfers:
             # one (torch skips a .grad of None), and count this push as zeros
             # when another does.
             pass
+        elif isinstance(g, Staged):
+            pass        # a failed push retried: staged already
         else:
             if g.dtype != torch.float32 or g.is_sparse:
                 raise RuntimeError("zshard.torch: gradient of %s is %s%s; dense fp32 only (an "
@@ -287,23 +335,74 @@ class _Transfers:
             g = g.detach()
             if not g.is_contiguous():
                 g = g.contiguous()
+            if self._dev.staged:
+                g = self._dev.stage_grad(g)
         return (P, micro, g)
 
     def _submit_pushes(self, entries):
         """Submits pushes, those of one micro-batch as one zs_push_many. Each
-        gradient stays referenced with its request until the push is waited."""
+        gradient stays referenced with its request until the push is waited.
+        Staged path: queued until their copies to the host have run."""
+        if self._dev.staged:
+            if entries:
+                self._staged_q.append(entries)
+                self._drain_staged(False)
+            return
+        self._push_now(entries)
+
+    def _drain_staged(self, block):
+        """Submits the queued staged pushes whose copies have run, oldest
+        first (block: all of them, waiting for each copy's event, never for
+        the whole device)."""
+        q = self._staged_q
+        while q:
+            if not block and not all(g is None or g.ready() for _, _, g in q[0]):
+                return
+            entries = q.popleft()
+            for _, _, g in entries:
+                if g is not None:
+                    g.wait()
+            self._push_now(entries)
+
+    def _reclaim_staging(self):
+        """The staging pool is full: finishes this trainer's oldest transfer
+        holding a block (a push, a queued push, a pull). False: none."""
+        if self._inflight:
+            self._finish_push(self._inflight.popleft())
+            return True
+        if self._staged_q:
+            entries = self._staged_q.popleft()
+            for _, _, g in entries:
+                if g is not None:
+                    g.wait()
+            self._push_now(entries)
+            return True
+        for P in self._params:
+            if P.stage is not None and P.pull is not None:
+                self._ensure(P)
+                return True
+        return False
+
+    @staticmethod
+    def _gbuf(g):
+        """The buffer a push sends: a staging block's, or the gradient's own
+        memory (None: no gradient)."""
+        return g.buffer if isinstance(g, Staged) else _grad_buffer(g)
+
+    def _push_now(self, entries):
         by_micro = collections.defaultdict(list)
         for e in entries:
             by_micro[e[1]].append(e)
         for micro, es in by_micro.items():
             if len(es) == 1:
                 P, _, g = es[0]
-                self._inflight.append((P, micro, g, self.client.push(P.idx, _grad_buffer(g),
-                                                                     micro)))
+                self._inflight.append((P, micro, g, self.client.push(P.idx, self._gbuf(g),
+                                                                     micro, self._push_dtype)))
                 self._inflight_bytes += _held(P, g)
                 continue
             reqs = self.client.push_many([P.idx for P, _, _ in es],
-                                         [_grad_buffer(g) for _, _, g in es], micro)
+                                         [self._gbuf(g) for _, _, g in es], micro,
+                                         self._push_dtype)
             for (P, _, g), r in zip(es, reqs):
                 self._inflight.append((P, micro, g, r))
                 self._inflight_bytes += _held(P, g)
@@ -318,6 +417,9 @@ class _Transfers:
         except zshard.Error as e:
             P.failed.append((micro, g))
             self._push_error = self._push_error or e
+            return
+        if isinstance(g, Staged):
+            self._dev.done(g)
 
     def _reap(self):
         """Finishes the pushes that have completed, oldest first, so that
@@ -325,6 +427,8 @@ class _Transfers:
         q = self._inflight
         while q and q[0][3].test():
             self._finish_push(q.popleft())
+        if self._dev.staged:
+            self._drain_staged(False)
 
     def _wait_pushes(self):
         self._flush_pushes()
@@ -363,12 +467,19 @@ class _Transfers:
         what the failed ones were, in the library's words (the transfer,
         the shard's index and its configured address)."""
         reqs = [e[3] for e in self._inflight]
+        stages = [e[2] for e in self._inflight if isinstance(e[2], Staged)]
+        stages += [g for es in self._staged_q for _, _, g in es if isinstance(g, Staged)]
+        stages += [g for P in self._params for _, g in P.failed if isinstance(g, Staged)]
+        self._staged_q.clear()
         self._inflight.clear()
         self._inflight_bytes = 0
         for P in self._params:
             if P.pull is not None:
                 reqs.append(P.pull)
                 P.pull = None
+            if P.stage is not None:
+                stages.append(P.stage)
+                P.stage = None
             P.current = False
         what = []
         for r in reqs:
@@ -378,6 +489,8 @@ class _Transfers:
                 w = str(e).split(" failed: ")[0]
                 if w not in what:
                     what.append(w)
+        for st in stages:   # every transfer has ended: the blocks are idle
+            self._dev.drop(st)
         return what
 
     def _drop_pulls(self):
@@ -390,6 +503,9 @@ class _Transfers:
                     req.wait()
                 except zshard.Error:
                     pass
+            st, P.stage = P.stage, None
+            if st is not None:
+                self._dev.drop(st)
             P.current = False
 
     def _wait_pulls(self):
