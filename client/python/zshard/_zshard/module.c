@@ -26,11 +26,27 @@
 
 #include <zshard/zshard.h>
 
+#ifdef Py_LIMITED_API
+#include "limited.h" /* the abi3 build (tests/gpu/bundle) */
+#endif
+
 static PyObject *zs_error_type; /* zshard.Error */
 
 /* Py_BEGIN/END_ALLOW_THREADS as statements (one pair per function). */
 #define GIL_RELEASE() PyThreadState *gil_state_ = PyEval_SaveThread()
 #define GIL_ACQUIRE() PyEval_RestoreThread(gil_state_)
+
+/* Frees an instance of one of this module's types (tp_free). A type of the
+ * abi3 build is a heap type, which each of its instances holds a reference to. */
+static void free_instance(PyObject *o) {
+#ifdef Py_LIMITED_API
+  PyTypeObject *t = Py_TYPE(o);
+  ((freefunc)PyType_GetSlot(t, Py_tp_free))(o);
+  Py_DECREF(t);
+#else
+  Py_TYPE(o)->tp_free(o);
+#endif
+}
 
 /* Raises zshard.Error(zs_last_error()) with .status and .name. Must be
  * called on the thread that made the failing call, before anything else
@@ -403,7 +419,7 @@ static void client_close_now(client_object *self) {
 
 static void client_dealloc(client_object *self) {
   client_close_now(self);
-  Py_TYPE(self)->tp_free((PyObject *)self);
+  free_instance((PyObject *)self);
 }
 
 static PyObject *client_close(client_object *self, PyObject *Py_UNUSED(ignored)) {
@@ -637,7 +653,7 @@ static void request_dealloc(request_object *self) {
   if (!self->req && self->view.obj)
     PyBuffer_Release(&self->view);
   Py_CLEAR(self->client);
-  Py_TYPE(self)->tp_free((PyObject *)self);
+  free_instance((PyObject *)self);
 }
 
 static PyObject *request_repr(request_object *self) {
@@ -1493,6 +1509,20 @@ static PyGetSetDef client_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+#ifdef Py_LIMITED_API
+static PyType_Slot client_slots[] = {
+    {Py_tp_doc, "Client(addresses, **options): one trainer's connection to a job's shards "
+                "(zs_client_options fields as keywords)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, client_init},
+    {Py_tp_dealloc, client_dealloc},
+    {Py_tp_methods, client_methods},
+    {Py_tp_getset, client_getset},
+    {0, NULL},
+};
+static PyType_Spec client_spec = {"zshard._zshard.Client", sizeof(client_object), 0,
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, client_slots};
+#else
 static PyTypeObject client_type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zshard._zshard.Client",
     .tp_basicsize = sizeof(client_object),
@@ -1505,6 +1535,7 @@ static PyTypeObject client_type = {
     .tp_methods = client_methods,
     .tp_getset = client_getset,
 };
+#endif
 
 static PyMethodDef request_methods[] = {
     {"wait", (PyCFunction)request_wait, METH_NOARGS,
@@ -1518,6 +1549,18 @@ static PyGetSetDef request_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+#ifdef Py_LIMITED_API
+static PyType_Slot request_slots[] = {
+    {Py_tp_doc, "A pending push or pull; holds its buffer until wait()."},
+    {Py_tp_dealloc, request_dealloc},
+    {Py_tp_repr, request_repr},
+    {Py_tp_methods, request_methods},
+    {Py_tp_getset, request_getset},
+    {0, NULL},
+};
+static PyType_Spec request_spec = {"zshard._zshard.Request", sizeof(request_object), 0,
+                                   Py_TPFLAGS_DEFAULT, request_slots};
+#else
 static PyTypeObject request_type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zshard._zshard.Request",
     .tp_basicsize = sizeof(request_object),
@@ -1528,6 +1571,7 @@ static PyTypeObject request_type = {
     .tp_methods = request_methods,
     .tp_getset = request_getset,
 };
+#endif
 
 /* ---- module ----------------------------------------------------------------------- */
 
@@ -1581,10 +1625,18 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__zshard(void) {
+#ifdef Py_LIMITED_API
+  if (!(zs_timing_type = PyStructSequence_NewType(&timing_desc)) ||
+      !(zs_step_result_type = PyStructSequence_NewType(&step_result_desc)) ||
+      !(zs_client_type = (PyTypeObject *)PyType_FromSpec(&client_spec)) ||
+      !(zs_request_type = (PyTypeObject *)PyType_FromSpec(&request_spec)))
+    return NULL;
+#else
   if (PyStructSequence_InitType2(&timing_type, &timing_desc) < 0 ||
       PyStructSequence_InitType2(&step_result_type, &step_result_desc) < 0 ||
       PyType_Ready(&client_type) < 0 || PyType_Ready(&request_type) < 0)
     return NULL;
+#endif
   PyObject *m = PyModule_Create(&module_def);
   if (!m)
     return NULL;
