@@ -192,8 +192,12 @@ class Ordering(unittest.TestCase):
         st = path.pull_target(300)
         src = torch.randn(300).to(torch.bfloat16)
         st.host.copy_(src)                      # what the library wrote
+        version = p._version
         path.land(p, st)
         self.assertTrue(torch.equal(p, src.float()))     # widened on the "device"
+        # Written as the library writes a CPU parameter: the version counter
+        # moves only when _ensure says the pull brought a new version.
+        self.assertEqual(p._version, version)
         order = [w for w, _ in backend.log]
         self.assertEqual(order, ["copy waits", "compute waits"])
         self.assertEqual(path.h2d_bytes, 600)
@@ -281,6 +285,8 @@ def train(addresses, wire, release=False, backend=None, steps=STEPS, job="dev"):
         stats = opt.staging_stats()
     finally:
         opt.close(close_job=True)
+    # close() gives the pinned blocks back.
+    stats["after_close_bytes"] = opt.staging_stats()["pinned_bytes"]
     return weights, stats
 
 
@@ -334,6 +340,8 @@ class StagedTraining(unittest.TestCase):
         self.assertGreater(stats["staging_reuses"], stats["staging_allocs"])
         self.assertLessEqual(stats["pinned_peak_bytes"], stats["staging_limit_bytes"])
         self.assertEqual(stats["staging_over_limit"], 0)
+        self.assertGreater(stats["pinned_bytes"], 0)
+        self.assertEqual(stats["after_close_bytes"], 0)
         return stats
 
     def test_fp32_wire_staged_trains_bit_for_bit_like_torch(self):

@@ -137,6 +137,12 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         self.defaults = dict(optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = collections.defaultdict(dict)
+        # torch 2.x's Optimizer methods (state_dict()'s hooks, schedulers)
+        # read these, which its __init__ would set (torch 1.13 has none).
+        for k in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, k, collections.OrderedDict())
         self._inner = optimizer
         self._model = model
         self.prefetch = int(prefetch)
@@ -757,6 +763,7 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
                     del _OWNERS[id(P.p)]
             self.client.close()   # cancels what is still in flight
             waiting = self._forget_requests()
+            self._dev.close()
         if stuck:
             more = len(waiting) - 3
             err = zshard.Error("zshard.torch: close() gave up after %g s without a transfer "

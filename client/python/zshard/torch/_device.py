@@ -294,6 +294,9 @@ class HostPath:
     def trim(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class Staged:
     """One transfer's staging block: `buffer` (what the extension reads or
@@ -312,8 +315,11 @@ class Staged:
         return self.event is None or self.event.query()
 
     def wait(self) -> None:
+        """Waits for the copy's event (that copy only, not the device); the
+        device tensor it read is not needed after it."""
         if self.event is not None:
             self.event.synchronize()
+        self.keep = None
 
 
 # The wire dtypes a gradient is cast to on the device: narrower than fp32
@@ -329,6 +335,15 @@ def _host_bytes(t: torch.Tensor) -> Any:
     if t.device.type != "cpu":
         raise RuntimeError("zshard.torch: a staging block on %s" % t.device)
     return (ctypes.c_uint8 * (t.numel() * t.element_size())).from_address(t.data_ptr())
+
+
+def _alias(p: torch.Tensor) -> torch.Tensor:
+    """A flat tensor over p's storage with a version counter of its own:
+    writing a pull through it leaves p's counter alone, as the library's
+    write into a CPU parameter does (_transfers._ensure bumps it when the
+    pull brought a new version, on both paths)."""
+    storage = p.untyped_storage() if hasattr(p, "untyped_storage") else p.storage()
+    return torch.empty(0, dtype=p.dtype, device=p.device).set_(storage, 0, (p.numel(),), (1,))
 
 
 class StagedPath:
@@ -392,7 +407,7 @@ class StagedPath:
 
         def copy() -> None:
             with torch.no_grad():
-                dst = p.detach().view(-1)
+                dst = _alias(p)
                 if host.dtype == dst.dtype:
                     dst.copy_(host, non_blocking=True)
                 else:
@@ -421,6 +436,14 @@ class StagedPath:
         self.pool.release(st.block, st.event)
 
     def trim(self) -> None:
+        self.pool.trim()
+
+    def close(self) -> None:
+        """Every transfer has ended: frees the idle blocks (pinned memory
+        goes back now, not when the optimizer is collected)."""
+        self.pool.limit = 0
+        while self.pool._collect(block_on_oldest=True):
+            pass
         self.pool.trim()
 
     def stats(self) -> Dict[str, float]:
