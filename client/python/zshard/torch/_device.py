@@ -36,7 +36,8 @@ bounded by a byte limit sized by the prefetch window (shard(...,
 staging_bytes=N) overrides it). When a new block would pass the limit the
 pool first frees idle blocks, then waits for blocks whose copies are still
 running, then asks its owner to finish the oldest transfer in flight; only
-when nothing is left to give back (one transfer bigger than the whole pool)
+when nothing is left to give back (the batch being submitted, a prefetch
+window's pulls or a module's gradients, does not fit in the whole pool)
 does it go over, and counts that.
 
 The pool and every ordering decision are device-agnostic: they talk to a
