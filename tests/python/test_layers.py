@@ -1,9 +1,12 @@
 """The layers link and include only downward, and the server builds without client/.
 
 scripts/layers reads the link graph from the CMakeLists.txt files and checks
-every #include against it; these tests run it on the tree, show that it
-catches a wrong-way include, a client header in the server and a link cycle,
-and build zshard-server from a copy of the tree that has no client/ folder.
+every #include against it, and every core function a transport names against
+docs/DESIGN.md's table of direct calls; these tests run it on the tree, show
+that it catches a wrong-way include, a client header in the server, a link
+cycle, a transport calling the core around the service and a stale row of
+that table, and build zshard-server from a copy of the tree that has no
+client/ folder.
 """
 import os
 import shutil
@@ -25,6 +28,9 @@ def copy_tree(dst, without=()):
             shutil.copy(src, dst)
     # tests/fuzz is added by the top-level CMakeLists.txt whatever is built.
     shutil.copytree(os.path.join(SRC, "tests", "fuzz"), os.path.join(dst, "tests", "fuzz"))
+    # DESIGN.md's table of the core functions a transport may call.
+    os.makedirs(os.path.join(dst, "docs"), exist_ok=True)
+    shutil.copy(os.path.join(SRC, "docs", "DESIGN.md"), os.path.join(dst, "docs"))
 
 
 def run_layers(root):
@@ -70,6 +76,45 @@ def test_a_link_cycle_is_reported(tmp_path):
     r = run_layers(tmp_path)
     assert r.returncode == 1
     assert "link cycle:" in r.stdout and "zs_core" in r.stdout and "zs_optim" in r.stdout
+
+
+def replace_in(path, old, new):
+    with open(path) as f:
+        text = f.read()
+    assert old in text, f"{old!r} not in {path}"
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
+
+
+def test_a_transport_calling_the_core_directly_is_reported(tmp_path):
+    copy_tree(tmp_path)
+    # GetInfo's reader, sent back around the service: a call the table does
+    # not list for the gRPC transport.
+    replace_in(tmp_path / "server" / "transport" / "grpc" / "grpc_server.c",
+               "service_counters(s->svc, &k)", "core_get_counters(s->core, &k)")
+    # A call named only in a comment or a string is not a call.
+    prepend(tmp_path / "server" / "transport" / "dp" / "dp_server.c",
+            '/* core_push(c, ...) */ static const char *zs_note_ = "core_apply(";')
+    r = run_layers(tmp_path)
+    assert r.returncode == 1, r.stdout
+    lines = [l for l in r.stdout.splitlines() if "violation" not in l]
+    assert len(lines) == 1, r.stdout
+    assert "server/transport/grpc/grpc_server.c:" in lines[0]
+    assert "calls core_get_counters, which docs/DESIGN.md" in lines[0]
+    assert "does not list for transport/grpc" in lines[0]
+
+
+def test_the_table_of_direct_calls_may_not_go_stale(tmp_path):
+    copy_tree(tmp_path)
+    design = tmp_path / "docs" / "DESIGN.md"
+    # A row for a call no transport makes, and a function the core lacks.
+    replace_in(design, "| `core_missing` | grpc |", "| `core_missing` | grpc, dp |")
+    replace_in(design, "| `core_low_dtype` | dp |", "| `core_low_dtype`, `core_teleport` | dp |")
+    r = run_layers(tmp_path)
+    assert r.returncode == 1, r.stdout
+    assert "docs/DESIGN.md: lists core_missing for transport/dp, which does not call it" in r.stdout
+    assert "docs/DESIGN.md: lists core_teleport, which server/core/core.h does not declare" in r.stdout
+    assert "2 violation(s)" in r.stdout
 
 
 def test_the_server_builds_without_the_client_folder(tmp_path):
