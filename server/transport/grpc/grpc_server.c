@@ -2143,12 +2143,13 @@ static int post_slot_locked(gsrv *s, int method) {
 /* Authentication                                                           */
 /* ------------------------------------------------------------------------ */
 
-/* The role each method needs (docs/OPERATIONS.md, "Security"). Admin: the
- * methods that write checkpoints, roll the state back, overwrite it or end
- * the job, outside of a training step. Trainer: a step's work and what only
- * reads. None: the health service, which load balancers and probes call
- * without a secret. A method added later needs a row here: the default, 0,
- * is AUTH_NONE only by value, hence the check in gsrv_start. */
+/* The role each method needs (docs/SECURITY.md, "Roles", which
+ * python.test_security_doc holds to this table). Admin: the methods that
+ * write checkpoints, roll the state back, overwrite it or end the job,
+ * outside of a training step. Trainer: a step's work and what only reads.
+ * None: the health service, which load balancers and probes call without a
+ * secret. A method added later needs a row here: the default, 0, is
+ * AUTH_NONE only by value, hence the check in gsrv_start. */
 static const auth_role method_role[M_COUNT + 1] = {
     [M_OPEN] = AUTH_TRAINER,
     [M_INIT_PARAMS] = AUTH_TRAINER,
