@@ -352,7 +352,7 @@ static void checkpoint_without_manifest_is_never_loaded(void **state) {
   spec_free(&s);
 }
 
-/* Issue 10: a FIFO named like a checkpoint file or MANIFEST hung open() and
+/* A FIFO named like a checkpoint file or MANIFEST hung open() and
  * with it startup, deaf to SIGTERM. Each is refused at once, as not a
  * regular file, and the rest of the directory stays usable. */
 static void fifos_named_like_state_files_are_refused_without_blocking(void **state) {
@@ -1566,7 +1566,7 @@ static int box_done(waitbox *b) {
   return d;
 }
 
-/* Issue 10: three checkpoints of step 1e9, then gone, blocked the single
+/* Three checkpoints of step 1e9, then gone, blocked the single
  * checkpoint thread, and a real Checkpoint or Restore timed out behind
  * them. A step far ahead is refused at once; one within reach waits in the
  * core, not on the thread, so a checkpoint of the current version is
@@ -1636,7 +1636,7 @@ static int step_dir_exists(const char *root, const char *sub, uint64_t step) {
   return stat(path, &sb) == 0;
 }
 
-/* Issue 10: thirty checkpoints into new directories, never committed,
+/* Thirty checkpoints into new directories, never committed,
  * escaped --keep-checkpoints and grew the disk thirty-fold. Files written
  * and not committed are bounded wherever they are, and an uncommitted
  * checkpoint older than a committed one counts toward keep: it goes at the
