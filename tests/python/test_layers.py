@@ -6,9 +6,11 @@ docs/DESIGN.md's table of direct calls; these tests run it on the tree, show
 that it catches a wrong-way include, a client header in the server, a link
 cycle, a transport calling the core around the service and a stale row of
 that table, and build zshard-server from a copy of the tree that has no
-client/ folder.
+client/ folder. DESIGN.md's statements about what the CLI uses are checked
+against its includes.
 """
 import os
+import re
 import shutil
 import subprocess
 
@@ -131,3 +133,35 @@ def test_the_server_builds_without_the_client_folder(tmp_path):
     v = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
     assert v.returncode == 0, v.stderr
     assert "0." in v.stdout + v.stderr
+
+
+def includes_of(folder):
+    found = {}
+    for fn in sorted(os.listdir(folder)):
+        if fn.endswith((".c", ".h")):
+            with open(os.path.join(folder, fn), encoding="utf-8") as f:
+                for line in f:
+                    m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+                    if m:
+                        found.setdefault(m.group(1), []).append(fn)
+    return found
+
+
+def test_the_cli_uses_what_design_md_says():
+    """DESIGN.md: the CLI uses the public headers, two internal headers of the
+    library (cli_support.h, ckpt_client.h), common/, the generated protobuf-c
+    messages and the server's checkpoint library; and `zshard estimate` takes
+    the optimizer's bytes as an input rather than asking optim_state_needs()."""
+    cli = os.path.join(SRC, "client", "cli")
+    local = {fn for fn in os.listdir(cli) if fn.endswith(".h")}
+    allowed = re.compile(r"^(zshard/(zshard|types)\.h|cli_support\.h|ckpt_client\.h|common/[a-z]+/\w+\.h|"
+                         r"(zshard/v1|grpc/health/v1)/\w+\.pb-c\.h|server/ckpt/ckpt\.h)$")
+    other = {inc: who for inc, who in includes_of(cli).items() if inc not in local and not allowed.match(inc)}
+    assert not other, other
+    with open(os.path.join(SRC, "docs", "DESIGN.md"), encoding="utf-8") as f:
+        design = f.read()
+    for name in ("cli_support.h", "ckpt_client.h", "`zs_proto`", "`zs_ckpt`"):
+        assert name in design, name
+    for path in (("client", "lib", "estimate.c"), ("client", "cli", "estimate.c")):
+        with open(os.path.join(SRC, *path), encoding="utf-8") as f:
+            assert "optim_state_needs" not in f.read(), path
