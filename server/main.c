@@ -60,7 +60,7 @@ typedef struct options {
   const char *data_listen; /* NULL: no data plane */
   char data_listen_buf[300];
   char metrics_listen_buf[300];
-  /* Security (docs/OPERATIONS.md, "Security"); NULL: not given. */
+  /* Security (docs/SECURITY.md); NULL: not given. */
   const char *token_file;
   const char *admin_token_file;
   const char *rank_key_file; /* the key of per-rank tokens (rank_token.h) */

@@ -70,6 +70,28 @@ core *service_core(const service *s) {
   return s->core;
 }
 
+/* ------------------------------------------------------- the shard's state */
+
+void service_info(service *s, core_info *out) {
+  core_get_info(s->core, out);
+}
+
+void service_counters(service *s, core_counters *out) {
+  core_get_counters(s->core, out);
+}
+
+size_t service_client_state(service *s, void *buf, size_t cap, uint64_t *version) {
+  return core_get_client_state(s->core, buf, cap, version);
+}
+
+int service_spec_copy(service *s, spec *out, uint64_t *hash) {
+  return core_spec_copy(s->core, out, hash);
+}
+
+int service_checkpoint_origin(service *s, uint64_t *step, int *untouched) {
+  return core_checkpoint_origin(s->core, step, untouched);
+}
+
 /* ------------------------------------------------------------- job limits */
 
 /* The first line of file root + path, or "" when it cannot be read. */

@@ -122,9 +122,39 @@ service_limits service_get_limits(const service *s);
  * accepted. */
 void service_destroy(service *s);
 
-/* The core the service drives (for the readers and waits that carry no
- * checks of their own: core_read, core_wait_version, core_pin_low ...). */
+/* The core the service drives. The transports keep it too, for the calls
+ * docs/DESIGN.md ("What the transports call in the core") lists with the
+ * reason each goes direct (the data path's reads, pins and waits, and the
+ * step handlers' readers); scripts/layers refuses any other core function in
+ * a transport. */
 core *service_core(const service *s);
+
+/* ------------------------------------------------------- the shard's state
+ *
+ * What the control plane's answers report (Open's version and client state,
+ * GetInfo, Stats, CloseJob, WriteState, the checkpoint calls, the data
+ * plane's metrics). Each reads the core under its own lock, so two calls may
+ * see two versions; the client state's own version is read with it. None
+ * blocks; any thread. */
+
+/* The shard and its job (core_get_info). */
+void service_info(service *s, core_info *out);
+
+/* The shard's counters (core_get_counters). */
+void service_counters(service *s, core_counters *out);
+
+/* The client state of the current version into buf (cap bytes), its length
+ * returned and *version (may be NULL) that version (core_get_client_state). */
+size_t service_client_state(service *s, void *buf, size_t cap, uint64_t *version);
+
+/* A copy of the open job's spec, freed by the caller with spec_free, and its
+ * hash (may be NULL): 0, ZS_ENOTOPEN or ZS_ENOMEM (core_spec_copy). */
+int service_spec_copy(service *s, spec *out, uint64_t *hash);
+
+/* 1 when the state was last replaced by a restore, with *step (may be NULL)
+ * its checkpoint's step and *untouched (may be NULL) 1 while no step was
+ * applied since; else 0 (core_checkpoint_origin). */
+int service_checkpoint_origin(service *s, uint64_t *step, int *untouched);
 
 /* ------------------------------------------------------------ job requests */
 

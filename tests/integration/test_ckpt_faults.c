@@ -11,7 +11,8 @@
  *    with the disk's own words and the shard named, nothing is committed,
  *    and the previous checkpoint is what the shards restart from;
  *  - no --state-dir: checkpoints are refused as not enabled.
- * The disk tests mount tmpfs and are skipped (saying so) without root.
+ * The disk tests mount tmpfs; without root they skip (saying so) outside CI
+ * and fail in CI (tests/common/privileged.h).
  */
 #include <setjmp.h>
 #include <stdarg.h>

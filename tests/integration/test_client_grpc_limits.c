@@ -157,7 +157,7 @@ static void a_pull_answerable_now_is_served_while_the_parking_budget_is_full(voi
   assert_int_equal(waiting_pulls(f.ch), 1);
 
   /* The client's Pull is of the version the job is at: it needs no parking
-   * room, so the full budget does not refuse it (issue 24); before, it was
+   * room, so the full budget does not refuse it; before, it was
    * refused RESOURCE_EXHAUSTED and served on a retry. */
   uint64_t retries = atomic_load(&c->retries);
   assert_int_equal(zs_pull(c, 0, out, ZS_DTYPE_FP32, sizeof out, NULL), ZS_OK);

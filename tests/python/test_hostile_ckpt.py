@@ -1,4 +1,4 @@
-"""Issue 24 item 3, checkpoints confined to the state directory: a symbolic
+"""Checkpoints confined to the state directory: a symbolic
 link at any level below it (a checkpoint directory, a component on its way,
 a step directory, a shard file, the MANIFEST) is never followed by
 Checkpoint, CommitCheckpoint, Restore, ListCheckpoints or the retention that

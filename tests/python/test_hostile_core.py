@@ -1,6 +1,7 @@
-"""Issue 10, hostile clients against the shard core's limits: Apply's lr, the
+"""Hostile clients against the shard core's limits: Apply's lr, the
 size of a job, checkpoint retention and queue, state files that are not
-files. One test per row of the issue's attack table (tests/python/hostile.py).
+files. One test per attack, named in its docstring; the harness is
+tests/python/hostile.py.
 
 Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_hostile_core.py
 """
@@ -17,7 +18,7 @@ NUMELS = [1000, 24]
 
 
 def test_apply_lr_1e300_refused_weights_unchanged():
-    """Row "Apply with lr = 1e300 (finite double, infinite float)": refused
+    """The attack "Apply with lr = 1e300 (finite double, infinite float)": refused
     with INVALID_ARGUMENT, the step not taken, the weights as they were."""
     pb = stubs().pb
     with Shard() as s:
@@ -50,7 +51,7 @@ def _checkpoint_bytes(state_dir):
 
 
 def test_uncommitted_checkpoints_respect_keep_checkpoints():
-    """Row "30 Checkpoints into new directories ... uncommitted checkpoints
+    """The attack "30 Checkpoints into new directories ... uncommitted checkpoints
     escape --keep-checkpoints", same directory: 30 steps each checkpointed
     and never committed keep the disk at a few checkpoints, not 30."""
     pb = stubs().pb
@@ -70,7 +71,7 @@ def test_uncommitted_checkpoints_respect_keep_checkpoints():
 
 
 def test_checkpoints_into_new_directories_bounded():
-    """Row "30 Checkpoints into new directories": each into its own
+    """The attack "30 Checkpoints into new directories": each into its own
     directory, never committed, with --keep-checkpoints 2; the disk holds a
     few checkpoints' worth, not 31."""
     pb = stubs().pb
@@ -93,7 +94,7 @@ def test_checkpoints_into_new_directories_bounded():
 
 
 def test_open_80m_params_refused():
-    """Row "an Open of 80M parameters from a 70-byte request": beyond
+    """The attack "an Open of 80M parameters from a 70-byte request": beyond
     --max-params it is RESOURCE_EXHAUSTED, nothing is allocated, and a job
     within the limit still opens."""
     pb = stubs().pb
@@ -114,7 +115,7 @@ def test_open_80m_params_refused():
 
 
 def test_open_1m_tensors_refused():
-    """Row "an Open of 1M tensors" (300k here, to keep the test short; the
+    """The attack "an Open of 1M tensors" (300k here, to keep the test short; the
     limit is 1000): beyond --max-tensors it is RESOURCE_EXHAUSTED and the
     server's memory stays bounded."""
     pb = stubs().pb
@@ -132,7 +133,7 @@ def test_open_1m_tensors_refused():
 
 
 def test_far_ahead_checkpoints_do_not_block_real_ones():
-    """Row "3 Checkpoints for step 1e9, then cancelled": the real Checkpoint,
+    """The attack "3 Checkpoints for step 1e9, then cancelled": the real Checkpoint,
     its commit and a Restore still go through."""
     pb = stubs().pb
     with Shard(tokens=True, state_dir=True) as s:
@@ -188,13 +189,13 @@ def _fifo_startup(tmp, name):
 
 
 def test_fifo_named_like_a_checkpoint_file(tmp_path):
-    """Row "a FIFO named like a checkpoint file ... in the state directory":
+    """The attack "a FIFO named like a checkpoint file ... in the state directory":
     the server starts (or refuses to start) instead of hanging in open()."""
     _fifo_startup(str(tmp_path), "shard")
 
 
 def test_fifo_named_manifest(tmp_path):
-    """Row "a FIFO named like ... MANIFEST in the state directory"."""
+    """The attack "a FIFO named like ... MANIFEST in the state directory"."""
     _fifo_startup(str(tmp_path), "MANIFEST")
 
 

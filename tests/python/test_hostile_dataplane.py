@@ -1,8 +1,8 @@
-"""Issue 10, hostile clients on the data plane (raw sockets, docs/PROTOCOL.md):
+"""Hostile clients on the data plane (raw sockets, docs/PROTOCOL.md):
 unauthenticated pushes, oversized batches, connection floods from one
 address, answers nobody reads, the 256-pending deadlock, a stalled reader of
-the bf16 copy. One test per row of the issue's attack table
-(tests/python/hostile.py). The attacker connects from 127.0.0.2, the
+the bf16 copy. One test per attack, named in its docstring (the harness is
+tests/python/hostile.py). The attacker connects from 127.0.0.2, the
 legitimate trainer from 127.0.0.1.
 
 Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_hostile_dataplane.py
@@ -31,7 +31,7 @@ def _enough_fds(n):
 
 
 def test_dataplane_push_before_real_rank_refused():
-    """Row "push as rank 1 before the real rank 1": on the data plane, a
+    """The attack "push as rank 1 before the real rank 1": on the data plane, a
     peer that has not authenticated gets no push in; the real rank 1's push
     is then new, not a duplicate."""
     pb = stubs().pb
@@ -83,7 +83,7 @@ def test_dataplane_unauthenticated_connection_closed():
 
 
 def test_push_batch_1gib_no_job_bounded():
-    """Row "PUSH_BATCH declaring 1 GiB, no job, bogus hash, 3 connections":
+    """The attack "PUSH_BATCH declaring 1 GiB, no job, bogus hash, 3 connections":
     refused before the payload is stored; 3 x 256 MiB of it sent leave the
     server's memory bounded."""
     d = stubs().dpb
@@ -115,7 +115,7 @@ def test_push_batch_1gib_no_job_bounded():
 
 
 def test_idle_connections_from_one_address_leave_trainer_working():
-    """Row "1100 idle data-plane connections": one address's flood does not
+    """The attack "1100 idle data-plane connections": one address's flood does not
     lock the trainers out."""
     _enough_fds(4000)
     with Shard() as s:
@@ -146,7 +146,7 @@ def test_idle_connections_from_one_address_leave_trainer_working():
 
 
 def test_pulls_far_ahead_then_close_leave_trainer_working():
-    """Row "1100 x (connect, Pull far ahead, close)": a closed peer's waiting
+    """The attack "1100 x (connect, Pull far ahead, close)": a closed peer's waiting
     Pull no longer holds its slot; the trainer gets in."""
     _enough_fds(4000)
     with Shard() as s:
@@ -181,7 +181,7 @@ def _big_job(c, numel):
 
 
 def test_unread_fp32_pulls_bounded():
-    """Row "a client that stops reading 64 MiB fp32 Pulls": the answers the
+    """The attack "a client that stops reading 64 MiB fp32 Pulls": the answers the
     server holds for peers that do not read stay within the whole-server
     budget (ANSWER_BUDGET), however many connections the attacker opens (50
     here, each asking for 8 x 8 MiB), and the trainer's own Pull is still
@@ -219,7 +219,7 @@ def test_unread_fp32_pulls_bounded():
 
 
 def test_pull_batch_1gib_bounded():
-    """Row "a 1 GiB PULL_BATCH" nobody reads: refused or bounded, not a
+    """The attack "a 1 GiB PULL_BATCH" nobody reads: refused or bounded, not a
     1 GiB answer buffer per request."""
     d, pb = stubs().dpb, stubs().pb
     numel = 2 * MiB  # 8 MiB of fp32; 128 of them make 1 GiB
@@ -243,7 +243,7 @@ def test_pull_batch_1gib_bounded():
 
 
 def test_300_pulls_then_push_on_one_connection_no_deadlock():
-    """Row "300 Pulls waiting on one data-plane connection, then the Push
+    """The attack "300 Pulls waiting on one data-plane connection, then the Push
     they wait for": the push is read and acknowledged, the step applies and
     every Pull is answered."""
     pb = stubs().pb
@@ -278,7 +278,7 @@ def test_300_pulls_then_push_on_one_connection_no_deadlock():
 
 
 def test_stalled_bf16_reader_does_not_hold_the_state_lock():
-    """Row "one peer that stalls reading the bf16 copy": while an Apply
+    """The attack "one peer that stalls reading the bf16 copy": while an Apply
     deals with the stalled peer's pinned answer, a Pull of the current
     version is not held back behind it (the apply does not wait with the
     state lock held)."""
@@ -374,7 +374,7 @@ class _Flood:
 
 
 def test_unauthenticated_flood_from_20_addresses_leaves_trainer_working():
-    """Issue 24 item 1: 20 loopback addresses x 24 connections that never
+    """20 loopback addresses x 24 connections that never
     say HELLO, held open and refilled as the server closes them. Before, the
     first 128 filled the server's budget of unauthenticated connections and
     every trainer connection after them was refused. Now each address holds
@@ -425,7 +425,7 @@ def test_unauthenticated_flood_from_20_addresses_leaves_trainer_working():
 
 
 def test_full_pull_budget_never_refuses_a_pull_answerable_now():
-    """Issue 24 item 2 on the data plane: a connection parks its whole
+    """On the data plane, a connection parks its whole
     budget (4096) of Pulls of the next version; a Pull of the current
     version on the same connection is answered (before: refused, "4096
     pulls already wait"), and a Pull more than two versions ahead is refused
@@ -457,7 +457,7 @@ def test_full_pull_budget_never_refuses_a_pull_answerable_now():
 
 
 def test_connections_of_a_rotated_token_are_closed_after_sighup():
-    """Issue 24 item 4: the trainer token is rotated (file rewritten, then
+    """The trainer token is rotated (file rewritten, then
     SIGHUP). A data-plane connection that authenticated with the old token
     is told and closed within a bounded time (before: it kept pushing and
     pulling indefinitely); one authenticated with the admin token, which did

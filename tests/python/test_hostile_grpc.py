@@ -1,7 +1,7 @@
-"""Issue 10, hostile clients on gRPC: calls without or with the wrong token,
+"""Hostile clients on gRPC: calls without or with the wrong token,
 oversized requests, parked calls and Watch streams by the thousand, clients
-that vanish, connections that never speak or go idle. One test per row of
-the issue's attack table (tests/python/hostile.py).
+that vanish, connections that never speak or go idle. One test per attack,
+named in its docstring (the harness is tests/python/hostile.py).
 
 Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_hostile_grpc.py
 """
@@ -35,7 +35,7 @@ def _job(s):
 
 
 def test_grpc_push_before_real_rank_refused():
-    """Row "push as rank 1 before the real rank 1 (the spec hash is public
+    """The attack "push as rank 1 before the real rank 1 (the spec hash is public
     through GetInfo)": without the trainers' token neither GetInfo nor the
     push gets through, so the real rank 1's push is new."""
     pb = stubs().pb
@@ -52,7 +52,7 @@ def test_grpc_push_before_real_rank_refused():
 
 
 def test_restore_to_an_old_step_needs_the_admin_token():
-    """Row "Restore to an old step": no token is UNAUTHENTICATED, the
+    """The attack "Restore to an old step": no token is UNAUTHENTICATED, the
     trainers' token PERMISSION_DENIED, and the version stays; the admin's
     token restores."""
     pb = stubs().pb
@@ -73,7 +73,7 @@ def test_restore_to_an_old_step_needs_the_admin_token():
 
 
 def test_open_squatting_job_needs_a_token():
-    """Row "Open a squatting job on a fresh shard": refused without the
+    """The attack "Open a squatting job on a fresh shard": refused without the
     trainers' token; the shard stays empty for the real job."""
     pb = stubs().pb
     with Shard(tokens=True) as s:
@@ -89,7 +89,7 @@ def test_open_squatting_job_needs_a_token():
 
 
 def test_checkpoints_and_admin_methods_need_the_admin_token():
-    """Row "30 Checkpoints into new directories, no credentials asked":
+    """The attack "30 Checkpoints into new directories, no credentials asked":
     Checkpoint, CommitCheckpoint, CloseJob and WriteState are the admin's;
     without a token or with the trainers' they are refused and nothing is
     written."""
@@ -132,7 +132,7 @@ def _raw_push(size):
 
 
 def test_grpc_request_of_100mib_refused():
-    """Row "one gRPC request of 100 MiB": RESOURCE_EXHAUSTED, the server's
+    """The attack "one gRPC request of 100 MiB": RESOURCE_EXHAUSTED, the server's
     memory bounded."""
     with Shard() as s:
         c = s.client()
@@ -155,7 +155,7 @@ REQUEST_QUOTA = 1 << 30
 
 
 def test_grpc_two_huge_requests_refused():
-    """Row "two of 900 MiB" (400 MiB here, to spare the test machine): both
+    """The attack "two of 900 MiB" (400 MiB here, to spare the test machine): both
     RESOURCE_EXHAUSTED, the server's memory bounded by the listener's quota
     for requests being read (REQUEST_QUOTA), not by what the clients send."""
     with Shard() as s:
@@ -178,7 +178,7 @@ def test_grpc_two_huge_requests_refused():
 def _far_pull(h):
     pb = stubs().pb
     # Two versions ahead of the job (at 0, and kept there): the furthest a
-    # call may wait (issue 24 refuses anything beyond at once).
+    # call may wait (anything beyond is refused at once).
     return pb.PullRequest(spec_hash=h, tensor=0, slice=0, min_version=2, dtype=pb.DTYPE_FP32)
 
 
@@ -231,7 +231,7 @@ ROUND_CEILING = 90 * MiB
 
 
 def test_parked_pulls_released_when_the_client_exits():
-    """Row "80k gRPC Pulls parked ahead, then the client exits": the calls of
+    """The attack "80k gRPC Pulls parked ahead, then the client exits": the calls of
     a client that is gone are released with their memory (4 clients x 3000
     Pulls, one after the other)."""
     with Shard() as s:
@@ -251,7 +251,7 @@ def test_parked_pulls_released_when_the_client_exits():
 
 
 def test_parked_pulls_released_on_cancel():
-    """Row "80k gRPC Pulls parked ahead": cancelled calls are released with
+    """The attack "80k gRPC Pulls parked ahead": cancelled calls are released with
     their memory (4 x 3000 Pulls)."""
     with Shard() as s:
         c = s.client()
@@ -273,7 +273,7 @@ def _refused(calls):
 
 
 def test_parked_pulls_budgeted():
-    """Row "80k gRPC Pulls parked ahead": one connection cannot park more
+    """The attack "80k gRPC Pulls parked ahead": one connection cannot park more
     than its budget (2000 tried), the server not more than its own (18
     connections x 1000 tried): beyond, RESOURCE_EXHAUSTED, and the memory
     they hold is bounded."""
@@ -306,7 +306,7 @@ def test_parked_pulls_budgeted():
 
 
 def test_watch_streams_capped():
-    """Row "Watch streams uncapped too": beyond a cap they are
+    """The attack "Watch streams uncapped too": beyond a cap they are
     RESOURCE_EXHAUSTED; Check still answers."""
     hpb = stubs().hpb
     with Shard() as s:
@@ -355,7 +355,7 @@ def _closed(sock):
 
 
 def test_connections_that_never_handshake_closed():
-    """Row "idle HTTP/2 connections": connections that never send their
+    """The attack "idle HTTP/2 connections": connections that never send their
     HTTP/2 preface are closed by the server."""
     with Shard() as s:
         conns = _raw_connections(s.port, 200, b"")
@@ -369,7 +369,7 @@ def test_connections_that_never_handshake_closed():
 
 
 def test_idle_http2_connections_closed():
-    """Row "idle HTTP/2 connections ... never closed": after the preface and
+    """The attack "idle HTTP/2 connections ... never closed": after the preface and
     SETTINGS, a connection with no call is closed once idle (the idle time
     made short through the server's ZSHARD_GRPC_IDLE_MS test knob)."""
     with Shard(env={"ZSHARD_GRPC_IDLE_MS": "2000"}) as s:
@@ -392,7 +392,7 @@ def _soft_fd_limit(pid):
 
 
 def test_idle_connections_with_a_low_fd_limit_leave_checkpoints_working():
-    """Row "with a low fd limit, Checkpoint fails with EMFILE": a server
+    """The attack "with a low fd limit, Checkpoint fails with EMFILE": a server
     started with a soft limit of 256 descriptors (the hard limit as it is),
     300 silent connections from one address; the admin's Checkpoint goes
     through. gRPC 1.51's listener stops accepting for good after one EMFILE
@@ -436,7 +436,7 @@ def _checkpoint_through_300_idle_connections(s, pb):
 
 
 def test_full_parking_budget_never_refuses_a_pull_answerable_now():
-    """Issue 24 item 2: one trainer-token holder fills the server's budget
+    """One trainer-token holder fills the server's budget
     of parked calls (here 64, ZSHARD_GRPC_MAX_PARKED) with Pulls of the next
     version. Another trainer's Pull of the current version needs no wait and
     is answered (before: RESOURCE_EXHAUSTED); a Pull or GradStats more than

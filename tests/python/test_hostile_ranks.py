@@ -1,4 +1,4 @@
-"""Issue 24 item 5, ranks are authenticated: a trainer that holds a rank token
+"""Ranks are authenticated: a trainer that holds a rank token
 (`zshard mint-rank-token`, signed with the shards' --rank-key-file) may push
 only as its own rank of its own job, on gRPC and on the data plane; a forged,
 another job's or an expired token gets nothing in; --require-rank-tokens

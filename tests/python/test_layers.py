@@ -1,11 +1,16 @@
 """The layers link and include only downward, and the server builds without client/.
 
 scripts/layers reads the link graph from the CMakeLists.txt files and checks
-every #include against it; these tests run it on the tree, show that it
-catches a wrong-way include, a client header in the server and a link cycle,
-and build zshard-server from a copy of the tree that has no client/ folder.
+every #include against it, and every core function a transport names against
+docs/DESIGN.md's table of direct calls; these tests run it on the tree, show
+that it catches a wrong-way include, a client header in the server, a link
+cycle, a transport calling the core around the service and a stale row of
+that table, and build zshard-server from a copy of the tree that has no
+client/ folder. DESIGN.md's statements about what the CLI uses are checked
+against its includes.
 """
 import os
+import re
 import shutil
 import subprocess
 
@@ -25,6 +30,9 @@ def copy_tree(dst, without=()):
             shutil.copy(src, dst)
     # tests/fuzz is added by the top-level CMakeLists.txt whatever is built.
     shutil.copytree(os.path.join(SRC, "tests", "fuzz"), os.path.join(dst, "tests", "fuzz"))
+    # DESIGN.md's table of the core functions a transport may call.
+    os.makedirs(os.path.join(dst, "docs"), exist_ok=True)
+    shutil.copy(os.path.join(SRC, "docs", "DESIGN.md"), os.path.join(dst, "docs"))
 
 
 def run_layers(root):
@@ -72,6 +80,45 @@ def test_a_link_cycle_is_reported(tmp_path):
     assert "link cycle:" in r.stdout and "zs_core" in r.stdout and "zs_optim" in r.stdout
 
 
+def replace_in(path, old, new):
+    with open(path) as f:
+        text = f.read()
+    assert old in text, f"{old!r} not in {path}"
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
+
+
+def test_a_transport_calling_the_core_directly_is_reported(tmp_path):
+    copy_tree(tmp_path)
+    # GetInfo's reader, sent back around the service: a call the table does
+    # not list for the gRPC transport.
+    replace_in(tmp_path / "server" / "transport" / "grpc" / "grpc_server.c",
+               "service_counters(s->svc, &k)", "core_get_counters(s->core, &k)")
+    # A call named only in a comment or a string is not a call.
+    prepend(tmp_path / "server" / "transport" / "dp" / "dp_server.c",
+            '/* core_push(c, ...) */ static const char *zs_note_ = "core_apply(";')
+    r = run_layers(tmp_path)
+    assert r.returncode == 1, r.stdout
+    lines = [l for l in r.stdout.splitlines() if "violation" not in l]
+    assert len(lines) == 1, r.stdout
+    assert "server/transport/grpc/grpc_server.c:" in lines[0]
+    assert "calls core_get_counters, which docs/DESIGN.md" in lines[0]
+    assert "does not list for transport/grpc" in lines[0]
+
+
+def test_the_table_of_direct_calls_may_not_go_stale(tmp_path):
+    copy_tree(tmp_path)
+    design = tmp_path / "docs" / "DESIGN.md"
+    # A row for a call no transport makes, and a function the core lacks.
+    replace_in(design, "| `core_missing` | grpc |", "| `core_missing` | grpc, dp |")
+    replace_in(design, "| `core_low_dtype` | dp |", "| `core_low_dtype`, `core_teleport` | dp |")
+    r = run_layers(tmp_path)
+    assert r.returncode == 1, r.stdout
+    assert "docs/DESIGN.md: lists core_missing for transport/dp, which does not call it" in r.stdout
+    assert "docs/DESIGN.md: lists core_teleport, which server/core/core.h does not declare" in r.stdout
+    assert "2 violation(s)" in r.stdout
+
+
 def test_the_server_builds_without_the_client_folder(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -86,3 +133,35 @@ def test_the_server_builds_without_the_client_folder(tmp_path):
     v = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
     assert v.returncode == 0, v.stderr
     assert "0." in v.stdout + v.stderr
+
+
+def includes_of(folder):
+    found = {}
+    for fn in sorted(os.listdir(folder)):
+        if fn.endswith((".c", ".h")):
+            with open(os.path.join(folder, fn), encoding="utf-8") as f:
+                for line in f:
+                    m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+                    if m:
+                        found.setdefault(m.group(1), []).append(fn)
+    return found
+
+
+def test_the_cli_uses_what_design_md_says():
+    """DESIGN.md: the CLI uses the public headers, two internal headers of the
+    library (cli_support.h, ckpt_client.h), common/, the generated protobuf-c
+    messages and the server's checkpoint library; and `zshard estimate` takes
+    the optimizer's bytes as an input rather than asking optim_state_needs()."""
+    cli = os.path.join(SRC, "client", "cli")
+    local = {fn for fn in os.listdir(cli) if fn.endswith(".h")}
+    allowed = re.compile(r"^(zshard/(zshard|types)\.h|cli_support\.h|ckpt_client\.h|common/[a-z]+/\w+\.h|"
+                         r"(zshard/v1|grpc/health/v1)/\w+\.pb-c\.h|server/ckpt/ckpt\.h)$")
+    other = {inc: who for inc, who in includes_of(cli).items() if inc not in local and not allowed.match(inc)}
+    assert not other, other
+    with open(os.path.join(SRC, "docs", "DESIGN.md"), encoding="utf-8") as f:
+        design = f.read()
+    for name in ("cli_support.h", "ckpt_client.h", "`zs_proto`", "`zs_ckpt`"):
+        assert name in design, name
+    for path in (("client", "lib", "estimate.c"), ("client", "cli", "estimate.c")):
+        with open(os.path.join(SRC, *path), encoding="utf-8") as f:
+            assert "optim_state_needs" not in f.read(), path

@@ -1,7 +1,7 @@
 """Which TLS a shard speaks: the data plane TLS 1.3 only; the gRPC port
 TLS 1.3, and TLS 1.2 with AEAD cipher suites (ECDHE with AES-GCM or
 ChaCha20-Poly1305) only, since gRPC core's C API here has no way to set a
-minimum version (docs/OPERATIONS.md, "TLS"). Each handshake is made with
+minimum version (docs/SECURITY.md, "TLS and mTLS"). Each handshake is made with
 Python's ssl module against a real zshard-server started with
 deploy/gen-certs' files.
 

@@ -1,5 +1,5 @@
 """A real two-trainer run (zshard.torch, W=2) where each trainer holds its own
-rank token (issue 24 item 5): the shards started with --rank-key-file and
+rank token: the shards started with --rank-key-file and
 --require-rank-tokens accept each rank's pushes, and the weights come out
 bit for bit as in test_torch_two_trainers (torch fed the rank-ordered sum).
 

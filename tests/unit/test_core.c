@@ -1237,7 +1237,7 @@ static core *open_core_pins(job *j) {
 
 /* core_pin_low: answers of the stored dtype straight from the low arena with
  * the CRC kept beside it, other dtypes and uninitialised pieces left to
- * core_read, the usual refusals. Issue 10: one peer stalled reading the bf16
+ * core_read, the usual refusals. One peer stalled reading the bf16
  * copy made every apply wait 2 s with the state lock held. An answer still
  * pinned holds nothing back now: the apply runs to completion while it is
  * pinned, and the pinned bytes stay those of the version they were pinned

@@ -515,7 +515,7 @@ static void refused_applies_record_no_client_state_and_apply_nothing(void **stat
   pthread_mutex_unlock(&fx.obs.mu);
 }
 
-/* Issue 10: lr = 1e300 is a finite double, but the kernels see it as a
+/* lr = 1e300 is a finite double, but the kernels see it as a
  * float, where it is infinite: every weight became -inf. Any lr, group lr or
  * derived scalar that is not a finite float32 is refused, nothing changes. */
 static void applies_whose_scalars_overflow_a_float_are_refused_and_change_nothing(void **state) {

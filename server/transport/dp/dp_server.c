@@ -2452,7 +2452,7 @@ void dp_server_metrics(void *arg, metrics_text *t) {
   dp_server_stats st;
   dp_server_get_stats(s, &st);
   core_info info;
-  core_get_info(s->core, &info);
+  service_info(s->svc, &info);
   for (size_t i = 0; i < sizeof dp_metrics / sizeof dp_metrics[0]; i++) {
     const dp_metric *m = &dp_metrics[i];
     uint64_t v;

@@ -1024,13 +1024,13 @@ static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
              r->rank);
   }
   core_info info;
-  core_get_info(s->core, &info);
+  service_info(s->svc, &info);
   /* The version is read again with the client state, so that the trainer
    * gets the state of the version it resumes at even if an apply ran since
    * core_open looked. */
   uint8_t cs[CORE_MAX_CLIENT_STATE];
   uint64_t cs_version = 0;
-  size_t cs_len = core_get_client_state(s->core, cs, sizeof cs, &cs_version);
+  size_t cs_len = service_client_state(s->svc, cs, sizeof cs, &cs_version);
   Zshard__V1__OpenResponse resp = ZSHARD__V1__OPEN_RESPONSE__INIT;
   resp.spec_hash = res.spec_hash;
   resp.version = cs_version;
@@ -1417,7 +1417,7 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   replica_check_caller(s->rep, r->replica_members, r->replica_index, r->replica_term, c->admin);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   core_info info;
-  core_get_info(s->core, &info);
+  service_info(s->svc, &info);
   pthread_mutex_lock(&s->lock);
   int serving = s->serving;
   pthread_mutex_unlock(&s->lock);
@@ -1450,7 +1450,7 @@ static void h_get_info(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   Zshard__V1__ModelSpec ms = ZSHARD__V1__MODEL_SPEC__INIT;
   spec sp;
   uint64_t hash = 0;
-  int have = with_spec && info.has_job && core_spec_copy(s->core, &sp, &hash) == 0;
+  int have = with_spec && info.has_job && service_spec_copy(s->svc, &sp, &hash) == 0;
   if (have && hash == info.spec_hash && spec_to_proto(&sp, &ms) == 0)
     resp.spec = &ms;
   finish_msg(c, 0, &resp.base);
@@ -1535,7 +1535,7 @@ static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   if (rc == 0 && r->set_tensor_steps && !r->set_optimizer_steps && r->data.len == 0) {
     /* The version and job count of an answer that wrote only the tensor's. */
     core_info info;
-    core_get_info(s->core, &info);
+    service_info(s->svc, &info);
     version = info.version;
     steps = info.optimizer_steps;
   }
@@ -1652,7 +1652,7 @@ static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   core_info info;
-  core_get_info(s->core, &info);
+  service_info(s->svc, &info);
   if (res.closed) {
     char job[65];
     log_safe(job, sizeof job, res.job);
@@ -1678,7 +1678,7 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
   core_counters k;
-  core_get_counters(s->core, &k);
+  service_counters(s->svc, &k);
   Zshard__V1__StatsResponse resp = ZSHARD__V1__STATS_RESPONSE__INIT;
   resp.pushes = k.pushes;
   resp.duplicate_pushes = k.duplicate_pushes;
@@ -1742,7 +1742,7 @@ static void ckpt_finish(gcall *c, int claimed) {
     return;
   }
   core_info info;
-  core_get_info(c->s->core, &info);
+  service_info(c->s->svc, &info);
   if (c->method == M_CHECKPOINT) {
     Zshard__V1__CheckpointFile file = ZSHARD__V1__CHECKPOINT_FILE__INIT;
     file.shard_id = r->file.shard_id;
@@ -1765,7 +1765,7 @@ static void ckpt_finish(gcall *c, int claimed) {
   } else {
     uint8_t cs[CORE_MAX_CLIENT_STATE];
     uint64_t cs_version = 0;
-    size_t cs_len = core_get_client_state(c->s->core, cs, sizeof cs, &cs_version);
+    size_t cs_len = service_client_state(c->s->svc, cs, sizeof cs, &cs_version);
     Zshard__V1__RestoreResponse resp = ZSHARD__V1__RESTORE_RESPONSE__INIT;
     resp.step = r->step;
     resp.version = cs_version; /* read with the client state */
@@ -1906,10 +1906,10 @@ static void h_list_checkpoints(gsrv *s, gcall *c, const uint8_t *msg, size_t len
     resp.n_checkpoints = n;
     resp.checkpoints = ptrs;
     uint64_t step = 0;
-    resp.from_checkpoint = core_checkpoint_origin(s->core, &step, NULL) != 0;
+    resp.from_checkpoint = service_checkpoint_origin(s->svc, &step, NULL) != 0;
     resp.checkpoint_step = step;
     core_info info;
-    core_get_info(s->core, &info);
+    service_info(s->svc, &info);
     resp.version = info.version;
     resp.state_dir = (char *)ckpt_svc_state_dir(s->ckpt);
     finish_msg(c, 0, &resp.base);
@@ -2143,12 +2143,13 @@ static int post_slot_locked(gsrv *s, int method) {
 /* Authentication                                                           */
 /* ------------------------------------------------------------------------ */
 
-/* The role each method needs (docs/OPERATIONS.md, "Security"). Admin: the
- * methods that write checkpoints, roll the state back, overwrite it or end
- * the job, outside of a training step. Trainer: a step's work and what only
- * reads. None: the health service, which load balancers and probes call
- * without a secret. A method added later needs a row here: the default, 0,
- * is AUTH_NONE only by value, hence the check in gsrv_start. */
+/* The role each method needs (docs/SECURITY.md, "Roles", which
+ * python.test_security_doc holds to this table). Admin: the methods that
+ * write checkpoints, roll the state back, overwrite it or end the job,
+ * outside of a training step. Trainer: a step's work and what only reads.
+ * None: the health service, which load balancers and probes call without a
+ * secret. A method added later needs a row here: the default, 0, is
+ * AUTH_NONE only by value, hence the check in gsrv_start. */
 static const auth_role method_role[M_COUNT + 1] = {
     [M_OPEN] = AUTH_TRAINER,
     [M_INIT_PARAMS] = AUTH_TRAINER,
