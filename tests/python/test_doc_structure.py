@@ -67,7 +67,9 @@ def test_performance_opens_with_the_current_goal_table():
         goal, figure, met, date, source, _ = cells
         if not goal or not figure or not met or not source:
             bad.append(f"an empty goal, figure, verdict or source: {row[:80]}")
-        if not re.match(r"20\d\d-\d\d-\d\d", date):
+        # A goal no run could measure yet (no GPU was lent) says so and has no date.
+        unmeasured = figure.startswith("not measured") and date in ("–", "-")
+        if not unmeasured and not re.match(r"20\d\d-\d\d-\d\d", date):
             bad.append(f"no run date: {row[:80]}")
     assert not bad, "\n".join(bad)
 
