@@ -72,6 +72,7 @@ typedef struct member {
   int seen_role;
   uint64_t seen_term, seen_version, seen_hash;
   int seen_has_job, seen_primary, seen_lists_me;
+  int seen_counts_me;  /* it counts this replica in sync (its members[] entry) */
   uint64_t last_ok_ms; /* 0: never */
   int reachable;       /* the last probe was answered */
   uint64_t behind_since_ms;
@@ -734,6 +735,7 @@ int replica_forward_raw(replica *r, const char *method, uint64_t step, const voi
 
 static int live_primary_locked(const replica *r, uint64_t min);
 static int config_error_locked(const replica *r, char *buf, size_t len);
+static void probe_all(replica *r, uint32_t ms);
 
 /* Whether a STARTING replica may follow the primary of `term`, whose forward
  * came (has_job: this replica holds a job). It has checked no configuration
@@ -820,10 +822,16 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
      * lock (replica.mu is never held into the core) is enough. */
     int has_job = 0;
     if (fwd_admin && r->role == REPLICA_STARTING) {
+      /* A new set's first forward (the job's Open) often comes before this
+       * member's monitor saw the promotion: it looks now, once, rather than
+       * keep the primary retrying (and dropping it) until the next round. */
+      int seen = live_primary_locked(r, fwd_term) >= 0;
       pthread_mutex_unlock(&r->mu);
       core_info info;
       core_get_info(r->core, &info);
       has_job = info.has_job;
+      if (!seen && !has_job) /* a data-plane push needs a job: never on its loop */
+        probe_all(r, REPLICA_PROBE_MS);
       pthread_mutex_lock(&r->mu);
     }
     rc = fwd_admin
@@ -1148,10 +1156,12 @@ static void record_locked(replica *r, uint32_t i, const Zshard__V1__GetInfoRespo
    * is not believed. */
   m->seen_term = ri && ri->term <= REPLICA_TERM_MAX ? ri->term : 0;
   m->seen_primary = ri ? ri->primary : -1;
-  m->seen_lists_me = 0;
+  m->seen_lists_me = m->seen_counts_me = 0;
   for (size_t k = 0; ri && k < ri->n_members; k++)
-    if (ri->members[k]->index == r->index)
+    if (ri->members[k]->index == r->index) {
       m->seen_lists_me = ri->members[k]->in_sync || ri->members[k]->joining;
+      m->seen_counts_me = ri->members[k]->in_sync;
+    }
 }
 
 /* GetInfo of every peer (deadline ms each), recorded. */
@@ -1601,6 +1611,17 @@ static void monitor_backup_locked(replica *r) {
   }
 }
 
+/* A new set: the primary p that this STARTING replica sees counts it in
+ * sync and neither holds a job (the primary adopted it at its promotion).
+ * It is a backup already: a ReplicaJoin would only make it JOINING, and
+ * refuse the job's Open forward meanwhile, for nothing to copy. */
+static int starting_counted_locked(const replica *r, uint32_t p, int has_job) {
+  char why[REPLICA_CONFIG_LEN + 64];
+  const member *m = &r->m[p];
+  return r->role == REPLICA_STARTING && !has_job && m->seen_counts_me && !m->seen_has_job &&
+         !config_error_locked(r, why, sizeof why);
+}
+
 static void *monitor_main(void *arg) {
   replica *r = arg;
   for (;;) {
@@ -1622,6 +1643,14 @@ static void *monitor_main(void *arg) {
     if (r->role == REPLICA_STARTING || r->role == REPLICA_STALE) {
       join = live_primary_locked(r, r->term);
       term = join >= 0 ? r->m[join].seen_term : 0;
+    }
+    if (join >= 0 && starting_counted_locked(r, (uint32_t)join, info.has_job)) {
+      LOG_INFO("replica_term", "term=%" PRIu64 " was=%" PRIu64 " role=starting primary=%d", term,
+               r->term, join);
+      r->role = REPLICA_BACKUP;
+      r->term = term;
+      r->primary = join;
+      join = -1;
     }
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
