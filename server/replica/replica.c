@@ -737,6 +737,14 @@ static int live_primary_locked(const replica *r, uint64_t min);
 static int config_error_locked(const replica *r, char *buf, size_t len);
 static void probe_all(replica *r, uint32_t ms);
 
+/* Whether a peer whose list agrees probed this replica with `term`. */
+static int heard_term_locked(const replica *r, uint64_t term) {
+  for (uint32_t i = 0; i < r->n; i++)
+    if (i != r->index && r->m[i].heard_term == term)
+      return 1;
+  return 0;
+}
+
 /* Whether a STARTING replica may follow the primary of `term`, whose forward
  * came (has_job: this replica holds a job). It has checked no configuration
  * when a forward reaches it first: it follows only a primary its own probe
@@ -758,6 +766,13 @@ static int starting_may_follow_locked(replica *r, uint64_t term, int has_job, ch
                        r->index);
   int p = live_primary_locked(r, term);
   if (p < 0 || r->m[p].seen_term != term) {
+    /* A peer whose probe carried this term with the same list (a new
+     * primary probes every peer before it answers Promote) was checked as
+     * well: the primary's own index is learnt at the next probe. */
+    if (heard_term_locked(r, term)) {
+      r->primary = -1;
+      return 0;
+    }
     r->probe_now = 1;
     pthread_cond_broadcast(&r->cv);
     return status_fail(err, errlen, ZS_ENOTREADY,
@@ -825,7 +840,7 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
       /* A new set's first forward (the job's Open) often comes before this
        * member's monitor saw the promotion: it looks now, once, rather than
        * keep the primary retrying (and dropping it) until the next round. */
-      int seen = live_primary_locked(r, fwd_term) >= 0;
+      int seen = live_primary_locked(r, fwd_term) >= 0 || heard_term_locked(r, fwd_term);
       pthread_mutex_unlock(&r->mu);
       core_info info;
       core_get_info(r->core, &info);
