@@ -54,6 +54,9 @@ typedef struct shard_row {
   int role; /* Zshard__V1__ReplicaRole */
   uint64_t term, failovers;
   int32_t primary;
+  /* Why the member refuses to form a set with its peers (their --replicas
+   * lists differ from its own); "": none. The server's text, sanitized. */
+  char config_error[256];
   /* From Stats, when has_stats: counters since the server started. */
   int has_stats;
   uint64_t pushes, pulls, bytes_in, bytes_out, rss_bytes;
@@ -64,6 +67,8 @@ typedef struct shard_row {
   int has_rates;
   double push_rate, in_rate, out_rate;
 } shard_row;
+
+static void sanitize(char *s);
 
 static void *ask_shard(void *arg) {
   shard_row *r = arg;
@@ -108,6 +113,9 @@ static void *ask_shard(void *arg) {
       r->term = info->replica->term;
       r->primary = info->replica->primary;
       r->failovers = info->replica->failovers;
+      snprintf(r->config_error, sizeof r->config_error, "%s",
+               info->replica->config_error ? info->replica->config_error : "");
+      sanitize(r->config_error);
     }
     protobuf_c_message_free_unpacked(&info->base, NULL);
   } else {
@@ -229,7 +237,9 @@ static void status_usage(FILE *f) {
              "                     [--sample-ms MS] [--watch [SECONDS]] [--count N] [--json]\n"
              "  --shards      shard addresses in shard-id order, or a pattern with {i};\n"
              "                a replicated shard lists its members separated by '|'\n"
-             "                and gets one row per member, with its ROLE and TERM\n"
+             "                and gets one row per member, with its ROLE and TERM (and,\n"
+             "                when its peers' --replicas lists differ from its own, why it\n"
+             "                refuses to form a set: config_error in --json)\n"
              "  --num-shards  the number of shards, with a pattern\n"
              "  --timeout-ms  per call (default 2000)\n"
              "  --sample-ms   measure the throughput columns over this long: every shard's\n"
@@ -289,6 +299,10 @@ static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
         printf(",\"role\":\"%s\",\"term\":%" PRIu64 ",\"primary\":%" PRId32
                ",\"failovers\":%" PRIu64,
                role_name(r), r->term, r->primary, r->failovers);
+      if (r->has_replica) {
+        printf(",\"config_error\":");
+        json_str(stdout, r->config_error);
+      }
     }
     if (r->has_info) {
       printf(",\"shard_id\":%" PRIu32 ",\"num_shards\":%" PRIu32 ",\"job\":", r->shard_id,
@@ -353,6 +367,8 @@ static void print_table(const shard_row *rows, uint32_t n) {
       printf("  (%s)", r->info_err[0] ? r->info_err : r->health_err);
     else if (r->shard_id != r->shard)
       printf("  (listed at position %" PRIu32 ")", r->shard);
+    if (r->has_replica && r->config_error[0])
+      printf("  (refuses to form a set: %s)", r->config_error);
     printf("\n");
   }
 }

@@ -32,7 +32,8 @@
 
 #define REPLICA_PROBE_MS 500u
 #define REPLICA_RPC_MS 10000u
-/* How long a joining member may keep the primary's forwards waiting. */
+/* How long a joiner waits for the primary's copy (made at the primary's
+ * next applied step: trainers may be between steps for long). */
 #define REPLICA_JOIN_MS 120000u
 #define REPLICA_RETRY_MS 20u
 #define REPLICA_METHOD(m) "/zshard.v1.ZShard/" m
@@ -57,7 +58,6 @@ typedef struct member {
   int in_sync;      /* receives every write */
   int join_pending; /* asked to join: starts at the next applied step */
   int joining;      /* receives every write; not yet loaded its copy */
-  uint64_t join_started_ms;
   /* The version of the copy it joined with: a write of a step up to it is
    * in the copy already (an Apply of that step would be refused, the core
    * having no record of it), so it is not sent. 0: it joined empty. */
@@ -72,6 +72,7 @@ typedef struct member {
   int seen_role;
   uint64_t seen_term, seen_version, seen_hash;
   int seen_has_job, seen_primary, seen_lists_me;
+  int seen_counts_me;  /* it counts this replica in sync (its members[] entry) */
   uint64_t last_ok_ms; /* 0: never */
   int reachable;       /* the last probe was answered */
   uint64_t behind_since_ms;
@@ -508,17 +509,22 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, uint
     uint64_t now = clock_now_ms();
     if (!m->in_sync && !m->joining) {
       k = FWD_DONE; /* dropped meanwhile */
+    } else if (m->joining && rc == ZS_ENOTREADY && now - first_fail_ms >= r->failover_ms) {
+      /* Alive but still reading or loading its copy: a write waits for a
+       * joiner as long as for any backup, then the joiner is dropped and
+       * asks again (a copy made at a later step). */
+      drop_locked(r, t->idx, rc,
+                  "it was still loading its copy when a write had waited the failover time for "
+                  "it: it joins again");
+      k = FWD_DONE;
     } else if (m->joining && rc == ZS_ENOTREADY) {
-      /* The joiner answered: it is alive and still loading its copy, which
-       * gets the join's own limit. A joiner that stops answering is dropped
-       * after the failover time like any backup (the caller restarts that
-       * clock at each of these answers). */
-      if (now - m->join_started_ms >= REPLICA_JOIN_MS) {
-        drop_locked(r, t->idx, rc, "the join did not end within its time limit");
-        k = FWD_DONE;
-      }
+      /* retried until the failover time */
     } else if (now - first_fail_ms >= r->failover_ms) {
-      drop_locked(r, t->idx, rc, "no answer within the failover time");
+      /* The member's last answer says why (a refusal is not a silence). */
+      char why[REPLICA_ERRLEN + 64];
+      snprintf(why, sizeof why, "no answer within the failover time; the last: %s",
+               msg && msg[0] ? msg : zs_err_name(rc));
+      drop_locked(r, t->idx, rc, why);
       k = FWD_DONE;
     }
   }
@@ -547,14 +553,12 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint6
     return status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
   int deposed = 0;
   for (uint32_t i = 0; i < n && !deposed; i++) {
-    uint64_t first_fail = 0, from = since;
+    uint64_t first_fail = 0;
     for (;;) {
       char msg[REPLICA_ERRLEN] = "";
       int rc = fn(r, &r->m[t[i].idx], term, arg, msg, sizeof msg);
       if (rc != 0 && !first_fail)
-        first_fail = from;
-      if (rc == ZS_ENOTREADY && t[i].joining) /* alive: a silence counts from here */
-        first_fail = 0, from = clock_now_ms();
+        first_fail = since;
       if (settle(r, &t[i], rc, msg, first_fail, term, &deposed) != FWD_RETRY)
         break;
       struct timespec ts = {.tv_sec = 0, .tv_nsec = REPLICA_RETRY_MS * 1000000L};
@@ -729,8 +733,61 @@ int replica_forward_raw(replica *r, const char *method, uint64_t step, const voi
 
 /* ------------------------------------------------------------ admission */
 
-/* A forward of term `term` from the primary: follows a newer term. */
-static int admit_forward_locked(replica *r, uint64_t term, char *err, size_t errlen) {
+static int live_primary_locked(const replica *r, uint64_t min);
+static int config_error_locked(const replica *r, char *buf, size_t len);
+static void probe_all(replica *r, uint32_t ms);
+
+/* Whether a peer whose list agrees probed this replica with `term`. */
+static int heard_term_locked(const replica *r, uint64_t term) {
+  for (uint32_t i = 0; i < r->n; i++)
+    if (i != r->index && r->m[i].heard_term == term)
+      return 1;
+  return 0;
+}
+
+/* Whether a STARTING replica may follow the primary of `term`, whose forward
+ * came (has_job: this replica holds a job). It has checked no configuration
+ * when a forward reaches it first: it follows only a primary its own probe
+ * saw as primary of that term with the same member list, and only while it
+ * holds no job (a primary counts a starting member in sync only when
+ * neither holds one; one that loaded its checkpoint at a restart joins and
+ * copies). 0, or ZS_ENOTREADY (not probed yet: the monitor probes now and
+ * the primary retries), ZS_EBEHIND or ZS_EINVAL with a sentence. */
+static int starting_may_follow_locked(replica *r, uint64_t term, int has_job, char *err,
+                                      size_t errlen) {
+  char why[REPLICA_CONFIG_LEN + 64];
+  if (config_error_locked(r, why, sizeof why))
+    return status_fail(err, errlen, ZS_EINVAL, "replica %u refuses to form a set: %s", r->index,
+                       why);
+  if (has_job)
+    return status_fail(err, errlen, ZS_EBEHIND,
+                       "replica %u is starting with a job's state it loaded itself: it joins "
+                       "(copies the primary's state) before it takes forwards",
+                       r->index);
+  int p = live_primary_locked(r, term);
+  if (p < 0 || r->m[p].seen_term != term) {
+    /* A peer whose probe carried this term with the same list (a new
+     * primary probes every peer before it answers Promote) was checked as
+     * well: the primary's own index is learnt at the next probe. */
+    if (heard_term_locked(r, term)) {
+      r->primary = -1;
+      return 0;
+    }
+    r->probe_now = 1;
+    pthread_cond_broadcast(&r->cv);
+    return status_fail(err, errlen, ZS_ENOTREADY,
+                       "replica %u is starting and has not yet seen the primary of term %" PRIu64
+                       " in its probes",
+                       r->index, term);
+  }
+  r->primary = p;
+  return 0;
+}
+
+/* A forward of term `term` from the primary: follows a newer term. has_job:
+ * whether this replica holds a job (read for a STARTING one only; else
+ * unused). */
+static int admit_forward_locked(replica *r, uint64_t term, int has_job, char *err, size_t errlen) {
   if (term > REPLICA_TERM_MAX)
     return status_fail(err, errlen, ZS_ERANGE,
                        "a forward of term %" PRIu64 ", above the highest term %" PRIu64, term,
@@ -739,12 +796,20 @@ static int admit_forward_locked(replica *r, uint64_t term, char *err, size_t err
     return status_fail(err, errlen, ZS_ESTALE,
                        "a forward of term %" PRIu64 ", but this replica is at term %" PRIu64, term,
                        r->term);
-  if (term > r->term) {
+  if (r->role == REPLICA_STARTING) {
+    int rc = starting_may_follow_locked(r, term, has_job, err, errlen);
+    if (rc)
+      return rc;
+    LOG_INFO("replica_term", "term=%" PRIu64 " was=%" PRIu64 " role=starting primary=%d", term,
+             r->term, r->primary);
+    r->term = term;
+    r->role = REPLICA_BACKUP; /* both checked the other's list; neither holds a job */
+  } else if (term > r->term) {
     LOG_INFO("replica_term", "term=%" PRIu64 " was=%" PRIu64 " role=%s", term, r->term,
              replica_role_name(r->role));
     r->term = term;
     r->primary = -1;
-    if (r->role == REPLICA_PRIMARY || r->role == REPLICA_STARTING)
+    if (r->role == REPLICA_PRIMARY)
       r->role = REPLICA_BACKUP; /* the new primary judged this replica in sync */
     else if (r->role == REPLICA_JOINING)
       r->role = REPLICA_STALE; /* its copy was of an older term's primary */
@@ -767,8 +832,25 @@ int replica_admit(replica *r, replica_kind kind, uint64_t fwd_term, int fwd_admi
   pthread_mutex_lock(&r->mu);
   int rc = 0;
   if (fwd_term) {
+    /* Only a STARTING replica needs to know whether it holds a job; no
+     * replica becomes STARTING again, so a first look outside the core's
+     * lock (replica.mu is never held into the core) is enough. */
+    int has_job = 0;
+    if (fwd_admin && r->role == REPLICA_STARTING) {
+      /* A new set's first forward (the job's Open) often comes before this
+       * member's monitor saw the promotion: it looks now, once, rather than
+       * keep the primary retrying (and dropping it) until the next round. */
+      int seen = live_primary_locked(r, fwd_term) >= 0 || heard_term_locked(r, fwd_term);
+      pthread_mutex_unlock(&r->mu);
+      core_info info;
+      core_get_info(r->core, &info);
+      has_job = info.has_job;
+      if (!seen && !has_job) /* a data-plane push needs a job: never on its loop */
+        probe_all(r, REPLICA_PROBE_MS);
+      pthread_mutex_lock(&r->mu);
+    }
     rc = fwd_admin
-             ? admit_forward_locked(r, fwd_term, err, errlen)
+             ? admit_forward_locked(r, fwd_term, has_job, err, errlen)
              : status_fail(err, errlen, ZS_EPERM, "a replica's forward needs the admin token");
     pthread_mutex_unlock(&r->mu);
     return rc;
@@ -865,7 +947,6 @@ void replica_on_applied(void *arg, const core_apply_result *res) {
     m->join_pending = 0;
     m->joining = 1; /* every write from now on goes to it too */
     m->covered = res->version;
-    m->join_started_ms = clock_now_ms();
     r->joins++;
     start++;
   }
@@ -1090,10 +1171,12 @@ static void record_locked(replica *r, uint32_t i, const Zshard__V1__GetInfoRespo
    * is not believed. */
   m->seen_term = ri && ri->term <= REPLICA_TERM_MAX ? ri->term : 0;
   m->seen_primary = ri ? ri->primary : -1;
-  m->seen_lists_me = 0;
+  m->seen_lists_me = m->seen_counts_me = 0;
   for (size_t k = 0; ri && k < ri->n_members; k++)
-    if (ri->members[k]->index == r->index)
+    if (ri->members[k]->index == r->index) {
       m->seen_lists_me = ri->members[k]->in_sync || ri->members[k]->joining;
+      m->seen_counts_me = ri->members[k]->in_sync;
+    }
 }
 
 /* GetInfo of every peer (deadline ms each), recorded. */
@@ -1220,10 +1303,14 @@ static void adopt_backups_locked(replica *r, const core_info *info) {
     m->in_sync = 0;
     if (i == r->index || !fresh(m) || m->seen_config[0])
       continue;
-    int synced = m->seen_role == REPLICA_BACKUP || m->seen_role == REPLICA_PRIMARY ||
-                 m->seen_role == REPLICA_STARTING;
+    int synced = m->seen_role == REPLICA_BACKUP || m->seen_role == REPLICA_PRIMARY;
+    /* A STARTING member counts only while neither holds a job (a new set:
+     * the job's Open is forwarded to it). One that holds a job loaded it
+     * from its own checkpoint at a restart: it has none of the pushes of
+     * the step in progress, maybe not the last steps either, however close
+     * its version; it joins and copies this member's state. */
     if (!info->has_job)
-      m->in_sync = synced && !m->seen_has_job;
+      m->in_sync = (synced || m->seen_role == REPLICA_STARTING) && !m->seen_has_job;
     else
       m->in_sync = synced && m->seen_has_job && m->seen_hash == info->spec_hash &&
                    m->seen_version + 1 >= info->version && m->seen_version <= info->version + 1;
@@ -1241,14 +1328,23 @@ int replica_promote(replica *r, uint64_t term, int admin, uint64_t *term_out, in
   uint64_t next = 0;
   int rc = promote_check_locked(r, term, admin, &info, &next, err, errlen);
   if (rc == 0) {
-    LOG_WARN("replica_promoted",
-             "term=%" PRIu64 " was_term=%" PRIu64 " was_role=%s version=%" PRIu64 " by=%s", next,
-             r->term, replica_role_name(r->role), info.version, admin ? "admin" : "trainer");
+    uint64_t was_term = r->term;
+    int was_role = r->role;
     r->term = next;
     r->role = REPLICA_PRIMARY;
     r->primary = (int)r->index;
     r->failovers++;
     adopt_backups_locked(r, &info);
+    /* The members counted in sync at once ("1,2"; "": none, they join). */
+    char backups[REPLICA_MAX_MEMBERS * 4] = "";
+    for (uint32_t i = 0, k = 0; i < r->n; i++)
+      if (r->m[i].in_sync)
+        k += (uint32_t)snprintf(backups + k, sizeof backups - k, "%s%u", k ? "," : "", i);
+    LOG_WARN("replica_promoted",
+             "term=%" PRIu64 " was_term=%" PRIu64 " was_role=%s version=%" PRIu64
+             " by=%s backups=\"%s\"",
+             next, was_term, replica_role_name(was_role), info.version, admin ? "admin" : "trainer",
+             backups);
   }
   *term_out = r->term;
   *role_out = r->role;
@@ -1530,6 +1626,17 @@ static void monitor_backup_locked(replica *r) {
   }
 }
 
+/* A new set: the primary p that this STARTING replica sees counts it in
+ * sync and neither holds a job (the primary adopted it at its promotion).
+ * It is a backup already: a ReplicaJoin would only make it JOINING, and
+ * refuse the job's Open forward meanwhile, for nothing to copy. */
+static int starting_counted_locked(const replica *r, uint32_t p, int has_job) {
+  char why[REPLICA_CONFIG_LEN + 64];
+  const member *m = &r->m[p];
+  return r->role == REPLICA_STARTING && !has_job && m->seen_counts_me && !m->seen_has_job &&
+         !config_error_locked(r, why, sizeof why);
+}
+
 static void *monitor_main(void *arg) {
   replica *r = arg;
   for (;;) {
@@ -1551,6 +1658,14 @@ static void *monitor_main(void *arg) {
     if (r->role == REPLICA_STARTING || r->role == REPLICA_STALE) {
       join = live_primary_locked(r, r->term);
       term = join >= 0 ? r->m[join].seen_term : 0;
+    }
+    if (join >= 0 && starting_counted_locked(r, (uint32_t)join, info.has_job)) {
+      LOG_INFO("replica_term", "term=%" PRIu64 " was=%" PRIu64 " role=starting primary=%d", term,
+               r->term, join);
+      r->role = REPLICA_BACKUP;
+      r->term = term;
+      r->primary = join;
+      join = -1;
     }
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -42,8 +42,14 @@
  *    trainers' Applies of V, answered after the hook) is in the copy and is
  *    not sent to it. Forwards it gets before it loaded the copy are answered
  *    ZS_ENOTREADY and retried by the primary, so a join holds the trainers'
- *    next pushes for at most the copy. A joiner that stops answering (the
- *    forwards, or the monitor's GetInfo, for --failover-ms) is dropped.
+ *    next pushes for the copy, and at most --failover-ms: a joiner still
+ *    loading then, or one that stops answering (the forwards, or the
+ *    monitor's GetInfo, for --failover-ms), is dropped and joins again.
+ *  - A new primary counts in sync the peers it found BACKUP or PRIMARY of
+ *    its job within one version, and STARTING ones only while neither holds
+ *    a job: a member that restarted with its own checkpoint joins. A
+ *    STARTING member follows a forward only from a primary its own probes
+ *    saw, with the same list, while it holds no job.
  *  - Threads: replica_admit and the forwards run on the transports' threads
  *    (a forward blocks its thread for the backups' answers: the data plane
  *    runs every push of a replicated primary on libuv's pool); the applied

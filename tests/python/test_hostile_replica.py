@@ -14,12 +14,14 @@ test_replica_*.py.
 Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_hostile_replica.py
 """
 
+import json
 import os
 import shutil
 import signal
 import struct
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -143,6 +145,19 @@ class ReplicaSet:
         return urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5).read().decode()
 
 
+def cli_status(rs, json_out=True):
+    """`zshard status` (ZSHARD_CLI_BIN, as CTest sets it) over the set: the
+    parsed --json document, or the table's text."""
+    cli = os.environ.get("ZSHARD_CLI_BIN")
+    assert cli, "ZSHARD_CLI_BIN must name the zshard CLI"
+    args = [cli, "status", "--sample-ms", "0", "--shards", rs.members] + (["--json"] if json_out
+                                                                          else [])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZSHARD_")}
+    p = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode in (0, 1), (p.returncode, p.stdout, p.stderr)
+    return json.loads(p.stdout) if json_out else p.stdout
+
+
 def zs_status(e):
     for k, v in e.trailing_metadata() or ():
         if k == "zs-status":
@@ -169,10 +184,10 @@ def read_state(c, h, tensor, n):
     return bytes(r.data)
 
 
-def all_state(c, h):
+def all_state(c, h, numels=NUMELS):
     pb = stubs().pb
     out = []
-    for t, n in enumerate(NUMELS):
+    for t, n in enumerate(numels):
         for a in (pb.STATE_ARRAY_MASTER, pb.STATE_ARRAY_EXP_AVG, pb.STATE_ARRAY_EXP_AVG_SQ):
             out.append(bytes(c.call("ReadState", pb.ReadStateRequest(
                 spec_hash=h, tensor=t, slice=0, array=a, offset=0, count=n)).data))
@@ -199,6 +214,9 @@ def test_fresh_set_has_no_primary_until_promoted():
         assert info.term == 1 and info.primary == 0 and info.failovers == 1
         assert [m.address for m in info.members] == rs.addrs
         assert info.members[1].in_sync
+        rows = cli_status(rs)["shards"]
+        assert [(r["role"], r["config_error"]) for r in rows] == [("PRIMARY", ""), ("BACKUP", "")]
+        assert "refuses to form a set" not in cli_status(rs, json_out=False)
 
 
 def test_writes_reach_the_backup_bit_for_bit():
@@ -241,6 +259,28 @@ def test_forward_marker_needs_the_admin_token():
         old = rs.client(1, token="admin", md=(("zshard-replica-term", "1"),))
         st, msg = refused(hostile.init_params, old, h, NUMELS)
         assert st == ZS_ESTALE and "term 1" in msg, msg
+
+
+def test_a_starting_member_follows_no_forward_of_a_primary_it_has_not_seen():
+    """Issue 23, a STARTING member and a newer term's forward: it follows
+    only a primary its own probes saw as primary of that term with the same
+    member list. A forward of term 1 (the admin token: tokens are off here,
+    so any caller holds it) reaching a fresh member whose peer is not
+    primary is refused ENOTREADY and changes nothing: the member stays
+    STARTING at term 0 with no job. Once member 0 is promoted the set
+    forms as before."""
+    with ReplicaSet() as rs:
+        forged = rs.client(1, md=(("zshard-replica-term", "1"),))
+        st, msg = refused(hostile.open_job, forged, NUMELS)
+        assert st == ZS_ENOTREADY and "has not yet seen the primary of term 1" in msg, msg
+        info = rs.info(1)
+        assert ROLE[info.replica.role] == "starting" and info.replica.term == 0, info.replica
+        assert info.job == "", info.job
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        hostile.open_job(rs.client(0), NUMELS)
+        assert hostile.wait_for(lambda: rs.info(1).job != ""), rs.info(1)
+        assert terms(rs) == [1, 1]
 
 
 def test_join_and_fetch_refuse_bad_requests():
@@ -309,6 +349,75 @@ def test_failover_by_hand_and_rejoin():
         assert 'zshard_replica_term{shard="0"} 2' in text
         assert 'zshard_replica_failovers_total{shard="0"} 1' in text
         assert rs.info(1).replica.joins >= 1
+
+
+class Throttle:
+    """Runs a member in short bursts (SIGSTOP for `stopped` s, SIGCONT for
+    `running` s, again and again) until stopped: a member that is alive and
+    answers, but slowly, as one loading a large copy on a busy node."""
+
+    def __init__(self, proc, stopped=0.1, running=0.02):
+        self.proc, self.stopped, self.running = proc, stopped, running
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.done.is_set():
+            self.proc.send_signal(signal.SIGSTOP)
+            self.done.wait(self.stopped)
+            self.proc.send_signal(signal.SIGCONT)
+            time.sleep(self.running)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join(10)
+        self.proc.send_signal(signal.SIGCONT)
+
+
+# 8M parameters: a copy that takes a throttled joiner seconds to read and
+# load; the small first tensor's push is the first write forwarded to it
+# (answered at once, "still loading").
+BIG = [1024] + [1 << 21] * 4
+
+
+def test_a_joiner_still_loading_holds_a_write_at_most_the_failover_time():
+    """Issue 23: a joiner that answers "still loading" (ENOTREADY) held the
+    primary's writes up to 120 s. It is held to --failover-ms like any
+    backup: the write that waited that long is answered, the joiner is
+    dropped (the log says it was still loading) and joins again, and ends
+    with the primary's bits."""
+    with ReplicaSet() as rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        h = hostile.open_job(p, BIG)
+        hostile.init_params(p, h, BIG)
+        hostile.step(p, h, 1, BIG)
+        rs.kill(1)
+        hostile.step(p, h, 2, BIG)
+        rs.start(1)
+        assert hostile.wait_for(lambda: rs.role(1) == "joining"), rs.info(1)
+        with Throttle(rs.procs[1]):
+            hostile.step(p, h, 3, BIG)  # the copy is made at this step: the joiner loads it
+            hostile.push_all(p, h, 4, BIG)  # forwarded to the joiner, still loading
+            dropped = hostile.wait_for(
+                lambda: "still loading its copy" in rs.log(0), seconds=60)
+        assert dropped, rs.log(0)[-3000:]
+        hostile.grad_stats(p, h, 4)
+        p.call("Apply", stubs().pb.ApplyRequest(spec_hash=h, step=4, lr=1e-3, coef=1.0))
+        # It asks again; the copy is made at the next applied step. With no
+        # write after that step until it loaded the copy, none waits for it,
+        # however long the load takes on a busy machine.
+        assert hostile.wait_for(lambda: rs.role(1) == "joining", seconds=60), rs.info(1)
+        hostile.step(p, h, 5, BIG)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup", seconds=60), rs.info(1).replica
+        hostile.step(p, h, 6, BIG)  # its first forward: the primary counts it in sync
+        assert rs.info(0).replica.members[1].in_sync
+        assert all_state(rs.client(1), h, BIG) == all_state(p, h, BIG)
 
 
 # ------------------------------------------------------------ issue 23, item 8: terms
@@ -509,6 +618,12 @@ def assert_refused_set(rs, expect):
         lines = [l for l in rs.log(i).splitlines() if "event=replica_config_mismatch" in l]
         assert 1 <= len(lines) <= 2, lines
     assert [rs.role(i) for i in range(len(rs.addrs))] == ["starting", "starting"]
+    # `zshard status` shows each member's reason, as GetInfo does.
+    rows = cli_status(rs)["shards"]
+    assert len(rows) == 2 and all(r["config_error"] for r in rows), rows
+    assert any(expect in r["config_error"] for r in rows), rows
+    table = cli_status(rs, json_out=False)
+    assert table.count("refuses to form a set: ") == 2, table
 
 
 def test_lists_with_an_unused_address_are_refused():

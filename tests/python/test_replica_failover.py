@@ -76,7 +76,7 @@ def wait_whole(rc, tr, shard):
         if whole:
             return taken
         assert time.monotonic() < deadline, "shard %d not whole again: %s" % (shard, seen)
-        joining = any(r[0] == "JOINING" for r in rc.roles(shard))
+        joining = any(r is not None and r[0] == "JOINING" for r in rc.roles(shard))
         if taken < 2 or (joining and taken < 6):
             tr.step()
             taken += 1

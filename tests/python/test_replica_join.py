@@ -192,3 +192,63 @@ def test_three_members_lose_the_primary_while_one_joins_and_recover():
             assert_bit_identical(tr.final_state(), want)
         finally:
             tr.close()
+
+
+def test_a_restarted_member_holding_its_checkpoint_joins_and_is_not_counted_in_sync():
+    """Three members, one trainer. The primary is SIGKILLed after the
+    step's GradStats (every contribution acknowledged, so both backups hold
+    them) and restarted at once: it loads its own checkpoint of the step
+    before and comes back STARTING with the job at nearly the backups'
+    version, but with none of the step's contributions. The trainers' Apply
+    finds no primary and promotes a backup, which must not count the
+    restarted member in sync (a forward would make it a backup missing the
+    step: its Apply refused ZS_ENOTREADY, and the member dropped right after
+    the failover, the soak's remaining drops): it joins and copies instead.
+    No member is dropped, the set is whole again, and the run ends
+    bit-identical."""
+    want = reference(1)
+    with ReplicaCluster(SHARDS, 3, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
+        tr = open_team(rc, 1)
+        try:
+            while tr.step_no <= replica_soak.CKPT_EVERY:  # the primary checkpoints the last one
+                tr.step()
+            wait_whole(rc, tr, 0)
+            tr.step()  # the checkpoint is now a step behind
+            assert_whole(rc, 0)
+            p = rc.primary(0)
+            sizes = log_sizes(rc)
+            seen = []
+
+            def hook(point):
+                if point == "between_stats_apply" and not seen:
+                    rc.kill(0, p)
+                    rc.restart(0, p)
+                    seen.append(rc.roles(0))
+            tr.step(hook)
+            assert seen and seen[0][p][0] == "STARTING", seen
+            now = rc.primary(0)
+            assert now not in (None, p), rc.roles(0)
+            with open(rc.member(0, now).log_path, errors="replace") as f:
+                f.seek(sizes[rc.member(0, now).log_path])
+                promoted = [l for l in f if "event=replica_promoted" in l]
+            assert promoted, "s0r%d logged no promotion" % now
+            backups = re.search(r'backups="([0-9,]*)"', promoted[-1])
+            assert backups, promoted[-1]
+            counted = [int(k) for k in backups.group(1).split(",") if k]
+            assert p not in counted and len(counted) == 1, promoted[-1]
+            wait_whole(rc, tr, 0)
+            for _ in range(2):  # the forwards after the copy's step
+                tr.step()
+            assert_whole(rc, 0)
+            drops = drops_since(rc, sizes)
+            assert not drops, "members dropped: %s" % drops
+            with open(rc.member(0, p).log_path, errors="replace") as f:
+                f.seek(sizes[rc.member(0, p).log_path])
+                loaded = [l for l in f if "event=replica_loaded" in l and "copy=yes" in l]
+            assert loaded, "s0r%d never loaded a copy after its restart" % p
+            while tr.step_no <= STEPS:
+                tr.step()
+            assert_members_identical(rc, tr, 0)
+            assert_bit_identical(tr.final_state(), want)
+        finally:
+            tr.close()
