@@ -44,6 +44,7 @@ EPERM: int  # -24
 ELIMIT: int  # -25
 ENOTPRIMARY: int  # -26
 ESTALE: int  # -27
+ELEFT: int  # -28
 # Dtypes (zs_dtype).
 FP32: int
 FP16: int
