@@ -440,7 +440,7 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
  * decided by a timeout, and the timeout itself. Non-blocking. */
 typedef struct core_membership {
   int elastic;
-  uint32_t trainer_timeout_ms;
+  uint32_t trainer_timeout_ms, world_size;
   uint64_t epoch, leaves, timeouts;
   core_members members;
 } core_membership;

@@ -69,6 +69,7 @@ void core_get_membership(core *c, core_membership *out) {
   out->trainer_timeout_ms = c->trainer_timeout_ms;
   if (c->open) {
     out->elastic = c->elastic;
+    out->world_size = c->W;
     out->epoch = c->member_epoch;
     out->leaves = c->member_leaves;
     out->timeouts = c->member_timeouts;

@@ -131,6 +131,7 @@ def run(transport, mode):
             if mode == "stall":
                 # The others finished every step while it slept; it wakes up.
                 os.kill(procs[VICTIM].pid, signal.SIGCONT)
+            logs["status"] = status(s.addresses)
             out, err = procs[VICTIM].communicate(input="go\n", timeout=120)
             if mode in ("before", "during", "after"):
                 assert procs[VICTIM].returncode == -signal.SIGKILL, err[-3000:]
@@ -143,6 +144,16 @@ def run(transport, mode):
                     p.kill()
                     p.wait()
     return logs
+
+
+def status(addresses):
+    """`zshard status --json`: every shard's membership counters."""
+    cli = os.path.join(os.path.dirname(os.path.dirname(os.environ["ZSHARD_SERVER_BIN"])),
+                       "client", "zshard")
+    out = subprocess.run([cli, "status", "--shards", addresses, "--sample-ms", "0", "--json"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)["shards"]
 
 
 def reference(leave=K):
@@ -174,6 +185,13 @@ def check_survivors(logs, expected, leave=K):
                 assert num_members == (W if step < leave else W - 1), log["steps"]
                 assert member_rank == rank, log["steps"]
         assert log["weights"] == expected, "rank %d's weights differ" % rank
+    # What an operator sees: every shard goes on with W - 1 members, one rank
+    # left out, and at least one shard decided a step at the timeout.
+    rows = logs["status"]
+    assert [(r["members"], r["world_size"], r["membership_epoch"], r["member_leaves"])
+            for r in rows] == [(W - 1, W, 1, 1)] * 2, rows
+    assert all(r["trainer_timeout_ms"] == TIMEOUT_MS for r in rows), rows
+    assert sum(r["trainer_timeouts"] for r in rows) >= 1, rows
 
 
 def test_a_killed_trainer_leaves_and_the_run_matches_its_replay_on_the_data_plane():

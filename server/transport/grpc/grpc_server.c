@@ -1719,6 +1719,14 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.waiting_pulls = k.waiting_pulls;
   resp.waiting_stats = k.waiting_stats;
   resp.rss_bytes = metrics_process_rss();
+  core_membership mb;
+  core_get_membership(s->core, &mb);
+  resp.members = mb.members.n;
+  resp.world_size = mb.world_size;
+  resp.membership_epoch = mb.epoch;
+  resp.member_leaves = mb.leaves;
+  resp.trainer_timeouts = mb.timeouts;
+  resp.trainer_timeout_ms = mb.trainer_timeout_ms;
   finish_msg(c, 0, &resp.base);
 }
 
