@@ -298,6 +298,7 @@ void core__begin_step(core *c) {
   c->complete_pieces = 0;
   memset(&c->stats, 0, sizeof c->stats);
   c->stats.step = c->version + 1;
+  c->stats.members = c->stat_members; /* a shard without pieces answers at once */
   c->stats_phase = c->npieces == 0 ? STATS_READY : STATS_WAITING;
 }
 

@@ -493,13 +493,8 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
                      : dtype_check((int)a->dtype, err, errlen);
   if (rc != 0)
     return rc;
-  if (a->step <= c->version && c->elastic && !core_members_has(&c->members, a->rank))
-    /* Not a duplicate: a rank left out of the job was not summed. */
-    return status_fail(err, errlen, ZS_ELEFT,
-                       "rank %u was left out of job '%s' after the trainer timeout (%u ms): its "
-                       "push for step %" PRIu64 " is refused (the shard is at version %" PRIu64
-                       "); open the job again to rejoin",
-                       a->rank, c->spec.job, c->trainer_timeout_ms, a->step, c->version);
+  if (a->step <= c->version && (rc = core__push_left(c, a->rank, a->step, err, errlen)) != 0)
+    return rc;
   if (a->step <= c->version) {
     /* A step is applied only after every contribution arrived, so a push for
      * an applied step is a retry whose first copy got through (its answer was

@@ -436,6 +436,10 @@ void *core__worker(void *arg);
 /* core_members.c: the elastic membership's helpers. */
 /* The members of a fresh job: all W ranks. Called with mu held. */
 void core__members_reset(core *c);
+/* A push of an applied step (step <= version) by a rank that is no longer
+ * a member: ZS_ELEFT with a sentence (it would otherwise be acknowledged as
+ * a duplicate, though it was never summed); 0 otherwise. state_rw held. */
+int core__push_left(core *c, uint32_t rank, uint64_t step, char *err, size_t errlen);
 /* Elastic push of contribution k of piece ps (mu of ps held, k not yet
  * received): keeps a copy in held[k], marks it received and completes the
  * piece (and the step) when it holds every member's; or refuses a rank that

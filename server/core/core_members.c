@@ -78,6 +78,16 @@ void core_get_membership(core *c, core_membership *out) {
   pthread_mutex_unlock(&c->mu);
 }
 
+int core__push_left(core *c, uint32_t rank, uint64_t step, char *err, size_t errlen) {
+  if (!c->elastic || core_members_has(&c->members, rank))
+    return 0;
+  return status_fail(err, errlen, ZS_ELEFT,
+                     "rank %u was left out of job '%s' after the trainer timeout (%u ms): its "
+                     "push for step %" PRIu64 " is refused (the shard is at version %" PRIu64
+                     "); open the job again to rejoin",
+                     rank, c->spec.job, c->trainer_timeout_ms, step, c->version);
+}
+
 int core__push_keep(core *c, piece_state *ps, uint32_t k, uint32_t rank, zs_dtype dtype,
                     const void *data, size_t nbytes, char *err, size_t errlen) {
   if (!core_members_has(&c->members, rank))

@@ -90,9 +90,10 @@ def trainer(cfg):
         if going and mode == "after":
             c.wait_pushes()
             os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
         r = c.step(LR)
-        log["steps"].append([r.step, getattr(r, "num_members", None),
-                             getattr(r, "member_rank", None)])
+        log["steps"].append([r.step, r.num_members, r.member_rank,
+                             round((time.monotonic() - t0) * 1000.0, 1)])
     weights = []
     for t, n in enumerate(NUMELS):
         buf = array.array("f", [0.0] * n)
@@ -180,10 +181,9 @@ def check_survivors(logs, expected, leave=K):
             continue
         log = logs[rank]
         assert [s[0] for s in log["steps"]] == list(range(1, STEPS + 1)), log["steps"]
-        for step, num_members, member_rank in log["steps"]:
-            if num_members is not None:
-                assert num_members == (W if step < leave else W - 1), log["steps"]
-                assert member_rank == rank, log["steps"]
+        for step, num_members, member_rank, _ in log["steps"]:
+            assert num_members == (W if step < leave else W - 1), log["steps"]
+            assert member_rank == rank, log["steps"]
         assert log["weights"] == expected, "rank %d's weights differ" % rank
     # What an operator sees: every shard goes on with W - 1 members, one rank
     # left out, and at least one shard decided a step at the timeout.
