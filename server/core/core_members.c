@@ -224,6 +224,17 @@ void core__members_release(core *c) {
   atomic_store_explicit(&c->held_bytes, 0, memory_order_relaxed);
 }
 
+int core__members_complete_for(core *c, const core_members *want) {
+  pthread_rwlock_rdlock(&c->state_rw);
+  int elastic = c->open && c->elastic && want->n < c->members.n;
+  pthread_rwlock_unlock(&c->state_rw);
+  if (!elastic)
+    return 0;
+  core_members done;
+  core__members_complete(c, &done);
+  return core__members_subset(want, &done);
+}
+
 int core__members_subset(const core_members *a, const core_members *b) {
   for (uint32_t i = 0; i < CORE_MEMBER_WORDS; i++)
     if (a->bits[i] & ~b->bits[i])

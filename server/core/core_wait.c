@@ -1088,11 +1088,35 @@ static int core_apply_check_members(const core *c, uint64_t step, const core_mem
                      step, members ? members->n : c->members.n, c->shard_id, have->n);
 }
 
+/* The membership side of an Apply of the pending step (gated job, mu
+ * held): a backup of a replica set is never asked for statistics, so the
+ * Apply makes it sum the agreed set (a subset of what it summed, or of the
+ * ranks complete here while it still waits for others: `decided`), setting
+ * *narrowed; otherwise, once the set cannot change any more, `members` must
+ * be it. Before the statistics are ready the set may still change: the
+ * Apply then waits (ENOTREADY, in the caller) rather than be compared. */
+static int core_apply_narrow(core *c, uint64_t step, const core_members *members, int decided,
+                             int *narrowed, char *err, size_t errlen) {
+  if (c->elastic && members && c->apply_state == APPLY_NONE &&
+      ((c->stats_phase == STATS_READY && !core_members_equal(members, &c->stat_members) &&
+        core__members_subset(members, &c->stat_members)) ||
+       (c->stats_phase == STATS_WAITING && !c->frozen && decided))) {
+    core__members_narrow(c, members);
+    *narrowed = 1;
+    return 0;
+  }
+  if (c->apply_state != APPLY_NONE || c->stats_phase == STATS_READY)
+    return core_apply_check_members(c, step, members, &c->stat_members, err, errlen);
+  return 0;
+}
+
 int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
                        uint32_t ngroup_lr, const core_step_hparams *hp, const core_members *members,
                        float coef, int skip, core_apply_cb cb, void *arg, core_apply_result *out,
                        char *err, size_t errlen) {
   waiter *w = NULL;
+  /* Every named rank complete here (core_apply_narrow), read before mu. */
+  int decided = members && core__members_complete_for(c, members);
   pthread_mutex_lock(&c->mu);
   int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core__check_job(c, hash, err, errlen);
@@ -1160,10 +1184,9 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
                      c->shard_id, c->version + 1);
     goto done;
   }
-  /* Before the statistics are ready the set may still change: the Apply
-   * then waits (ENOTREADY, below) rather than be compared. */
-  if (!c->pipelined && (c->apply_state != APPLY_NONE || c->stats_phase == STATS_READY) &&
-      (rc = core_apply_check_members(c, step, members, &c->stat_members, err, errlen)) != 0)
+  int narrowed = 0;
+  if (!c->pipelined &&
+      (rc = core_apply_narrow(c, step, members, decided, &narrowed, err, errlen)) != 0)
     goto done;
   if (c->apply_state != APPLY_NONE) {
     if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip) ||
@@ -1182,7 +1205,9 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
       goto done;
     }
   } else if (!c->pipelined) {
-    if (c->stats_phase != STATS_READY) {
+    /* Narrowed: the statistics over `members` run first, then this apply
+     * (the worker's order); the trainers checked their overflow already. */
+    if (!narrowed && c->stats_phase != STATS_READY) {
       uint64_t want = (uint64_t)c->npieces * c->WM;
       uint64_t have = atomic_load_explicit(&c->contributions, memory_order_relaxed);
       rc = status_fail(err, errlen, ZS_ENOTREADY,
@@ -1191,7 +1216,7 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
                        step, want - (have < want ? have : want), want, c->shard_id);
       goto done;
     }
-    if (c->stats.nonfinite && !skip) {
+    if (!narrowed && c->stats.nonfinite && !skip) {
       rc = status_fail(err, errlen, ZS_ENONFINITE,
                        "step %" PRIu64 " has non-finite gradients on shard %u: it must be skipped",
                        step, c->shard_id);
