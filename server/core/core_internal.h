@@ -464,9 +464,11 @@ uint64_t core__members_deadline(const core *c);
 /* Frees the kept contributions of every piece (after an apply or a
  * restore); state_rw held exclusively. */
 void core__members_release(core *c);
-/* 1 when c is elastic, want holds fewer ranks than the pending step's
- * members and each of them gave every contribution to this shard. Takes
- * state_rw shared and the pieces' locks: call it with no lock held. */
+/* 1 when c is elastic, still waits for the pending step's contributions
+ * (nothing decided, no apply queued), want holds fewer ranks than the
+ * step's members and each of them gave every contribution to this shard.
+ * Takes mu, then (only in that case) state_rw shared and the pieces' locks:
+ * call it with no lock held. */
 int core__members_complete_for(core *c, const core_members *want);
 /* 1 when a is a non-empty subset of b. */
 int core__members_subset(const core_members *a, const core_members *b);

@@ -225,10 +225,14 @@ void core__members_release(core *c) {
 }
 
 int core__members_complete_for(core *c, const core_members *want) {
-  pthread_rwlock_rdlock(&c->state_rw);
-  int elastic = c->open && c->elastic && want->n < c->members.n;
-  pthread_rwlock_unlock(&c->state_rw);
-  if (!elastic)
+  /* Only a shard still waiting for the step's contributions needs the walk
+   * over its pieces; checked under mu first so that no other Apply (which
+   * may come while an apply holds state_rw) waits on state_rw here. */
+  pthread_mutex_lock(&c->mu);
+  int waiting = c->open && c->elastic && want->n < c->members.n &&
+                c->stats_phase == STATS_WAITING && !c->frozen && c->apply_state == APPLY_NONE;
+  pthread_mutex_unlock(&c->mu);
+  if (!waiting)
     return 0;
   core_members done;
   core__members_complete(c, &done);
