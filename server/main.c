@@ -73,6 +73,7 @@ typedef struct options {
   const char *replicas;
   long replica_index;
   long failover_ms;
+  long trainer_timeout_ms; /* 0: a fixed membership */
   const char *peer_ca;
 } options;
 
@@ -149,6 +150,12 @@ static void usage(FILE *f) {
           "                     (ZSHARD_REPLICA_INDEX; needed with --replicas)\n"
           "  --failover-ms MS   a member that does not answer for MS is dropped by the\n"
           "                     primary (ZSHARD_FAILOVER_MS, default 2000)\n"
+          "  --trainer-timeout-ms MS\n"
+          "                     a trainer that has not given all of a step's\n"
+          "                     contributions MS after another one asked for the step's\n"
+          "                     statistics is left out of the step, which goes on with\n"
+          "                     the others (ZSHARD_TRAINER_TIMEOUT_MS; 0, the default:\n"
+          "                     every trainer is awaited; docs/OPERATIONS.md)\n"
           "  --peer-ca PATH     PEM CA bundle the other members' certificates chain to\n"
           "                     (ZSHARD_PEER_CA; default --tls-client-ca)\n"
           "  --help             print this help and exit\n"
@@ -230,6 +237,7 @@ enum {
   OPT_REPLICAS,
   OPT_REPLICA_INDEX,
   OPT_FAILOVER_MS,
+  OPT_TRAINER_TIMEOUT_MS,
   OPT_PEER_CA,
   OPT_HELP,
   OPT_VERSION
@@ -259,6 +267,7 @@ typedef struct raw_options {
   const char *tls_client_ca;
   const char *max_params, *max_tensors;
   const char *replicas, *replica_index, *failover_ms, *peer_ca;
+  const char *trainer_timeout_ms;
 } raw_options;
 
 static void read_environment(raw_options *r) {
@@ -285,6 +294,7 @@ static void read_environment(raw_options *r) {
   r->replicas = getenv("ZSHARD_REPLICAS");
   r->replica_index = getenv("ZSHARD_REPLICA_INDEX");
   r->failover_ms = getenv("ZSHARD_FAILOVER_MS");
+  r->trainer_timeout_ms = getenv("ZSHARD_TRAINER_TIMEOUT_MS");
   r->peer_ca = getenv("ZSHARD_PEER_CA");
 }
 
@@ -317,6 +327,7 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"replicas", required_argument, NULL, OPT_REPLICAS},
       {"replica-index", required_argument, NULL, OPT_REPLICA_INDEX},
       {"failover-ms", required_argument, NULL, OPT_FAILOVER_MS},
+      {"trainer-timeout-ms", required_argument, NULL, OPT_TRAINER_TIMEOUT_MS},
       {"peer-ca", required_argument, NULL, OPT_PEER_CA},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
@@ -397,6 +408,9 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       break;
     case OPT_FAILOVER_MS:
       r->failover_ms = optarg;
+      break;
+    case OPT_TRAINER_TIMEOUT_MS:
+      r->trainer_timeout_ms = optarg;
       break;
     case OPT_PEER_CA:
       r->peer_ca = optarg;
@@ -565,6 +579,12 @@ static int set_shard_id(const raw_options *r, options *o) {
 static int set_replicas(const raw_options *r, options *o) {
   o->replicas = r->replicas && *r->replicas ? r->replicas : NULL;
   o->peer_ca = r->peer_ca && *r->peer_ca ? r->peer_ca : o->tls_client_ca;
+  o->trainer_timeout_ms = 0;
+  if (r->trainer_timeout_ms && *r->trainer_timeout_ms &&
+      (o->trainer_timeout_ms = parse_long(r->trainer_timeout_ms, 0, 3600000)) < 0)
+    return bad_usage("--trainer-timeout-ms (ZSHARD_TRAINER_TIMEOUT_MS) must be a whole number "
+                     "from 0 to 3600000, not '%s'",
+                     r->trainer_timeout_ms);
   o->failover_ms = REPLICA_DEFAULT_FAILOVER_MS;
   if (r->failover_ms && *r->failover_ms &&
       (o->failover_ms = parse_long(r->failover_ms, 100, 600000)) < 0)
@@ -787,6 +807,7 @@ static int shard_start(const options *o, shard *s) {
       .num_shards = (uint32_t)o->shards,
       .threads = (int)o->threads,
       .apply_hist = metrics_apply_histogram(s->mx),
+      .trainer_timeout_ms = (uint32_t)o->trainer_timeout_ms,
   };
   rc = core_create(&cc, &s->c);
   if (rc) {

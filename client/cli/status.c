@@ -61,6 +61,9 @@ typedef struct shard_row {
   int has_stats;
   uint64_t pushes, pulls, bytes_in, bytes_out, rss_bytes;
   uint32_t waiting_pulls, waiting_stats;
+  /* The membership (Stats): members of world_size, when trainer_timeout_ms. */
+  uint32_t members, world_size, trainer_timeout_ms;
+  uint64_t membership_epoch, member_leaves, trainer_timeouts;
   uint64_t sampled_ns; /* clock_now_ns() when the Stats answer arrived */
   /* Per second since the previous sample of the same shard, when
    * has_rates. */
@@ -140,6 +143,12 @@ static void *ask_shard(void *arg) {
       r->rss_bytes = stats->rss_bytes;
       r->waiting_pulls = stats->waiting_pulls;
       r->waiting_stats = stats->waiting_stats;
+      r->members = stats->members;
+      r->world_size = stats->world_size;
+      r->trainer_timeout_ms = stats->trainer_timeout_ms;
+      r->membership_epoch = stats->membership_epoch;
+      r->member_leaves = stats->member_leaves;
+      r->trainer_timeouts = stats->trainer_timeouts;
       protobuf_c_message_free_unpacked(&stats->base, NULL);
     }
   }
@@ -317,6 +326,12 @@ static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
                ",\"waiting_stats\":%" PRIu32,
                r->pushes, r->pulls, r->bytes_in, r->bytes_out, r->rss_bytes, r->waiting_pulls,
                r->waiting_stats);
+      if (r->has_stats)
+        printf(",\"members\":%" PRIu32 ",\"world_size\":%" PRIu32 ",\"trainer_timeout_ms\":%" PRIu32
+               ",\"membership_epoch\":%" PRIu64 ",\"member_leaves\":%" PRIu64
+               ",\"trainer_timeouts\":%" PRIu64,
+               r->members, r->world_size, r->trainer_timeout_ms, r->membership_epoch,
+               r->member_leaves, r->trainer_timeouts);
       if (r->has_rates)
         printf(",\"pushes_per_s\":%.9g,\"bytes_in_per_s\":%.9g,\"bytes_out_per_s\":%.9g",
                r->push_rate, r->in_rate, r->out_rate);
@@ -330,9 +345,11 @@ static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
 }
 
 static void print_table(const shard_row *rows, uint32_t n) {
-  int replicated = 0;
-  for (uint32_t i = 0; i < n; i++)
+  int replicated = 0, elastic = 0;
+  for (uint32_t i = 0; i < n; i++) {
     replicated |= rows[i].nmembers > 1;
+    elastic |= rows[i].has_stats && rows[i].trainer_timeout_ms > 0;
+  }
   printf("%-5s %-24s %-12s ", "ID", "ADDRESS", "HEALTH");
   if (replicated)
     printf("%-9s %5s ", "ROLE", "TERM");
@@ -363,6 +380,9 @@ static void print_table(const shard_row *rows, uint32_t n) {
     }
     printf("%-16.16s %8s %8s %11s %11s %10s %10s %8s", r->has_info && r->job[0] ? r->job : "-", ver,
            pushes, in, out, state, rss, up);
+    if (elastic && r->has_stats && r->world_size > 0)
+      printf("  members %" PRIu32 "/%" PRIu32 " epoch %" PRIu64 " left %" PRIu64, r->members,
+             r->world_size, r->membership_epoch, r->member_leaves);
     if (!r->has_info)
       printf("  (%s)", r->info_err[0] ? r->info_err : r->health_err);
     else if (r->shard_id != r->shard)

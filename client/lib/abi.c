@@ -23,7 +23,7 @@ ZC_ENDS_AT(zs_client_options, failover_ms);
 ZC_ENDS_AT(zs_step_options, group_dampening);
 ZC_ENDS_AT(zs_group_options, pull_dtype);
 ZC_ENDS_AT(zs_timing, retries);
-ZC_ENDS_AT(zs_step_result, next_loss_scale);
+ZC_ENDS_AT(zs_step_result, member_rank);
 ZC_ENDS_AT(zs_estimate_input, optimizer_bytes);
 ZC_ENDS_AT(zs_estimate_row, gated_seconds);
 

@@ -154,8 +154,60 @@ static void free_responses(zs_request *op) {
   }
 }
 
-/* GradStats on every shard: sum of squares and overflow. */
-static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *nonfinite) {
+/* A set of ranks of the job (a step's membership, docs/DESIGN.md
+ * "Membership"): n of them, one bit each in bits (words of 64 over W). */
+typedef struct step_members {
+  uint32_t n;
+  uint32_t words;
+  uint64_t *bits;
+} step_members;
+
+static int members_has(const step_members *m, uint32_t r) {
+  return (int)((m->bits[r / 64] >> (r % 64)) & 1u);
+}
+
+/* A shard's answered set into *m (words already sized): num_members 0 (a
+ * server before elastic trainers) or the world size without a list is every
+ * rank. A list that names a rank twice, one out of range or disagrees with
+ * its count is EPROTO. */
+static int members_from(const zs_client *c, uint32_t shard, uint32_t num, const uint32_t *ranks,
+                        size_t nranks, step_members *m) {
+  const uint32_t W = c->sp.world_size;
+  memset(m->bits, 0, m->words * sizeof *m->bits);
+  m->n = 0;
+  if (num == 0 || (num == W && nranks == 0)) {
+    for (uint32_t r = 0; r < W; r++)
+      m->bits[r / 64] |= UINT64_C(1) << (r % 64);
+    m->n = W;
+    return ZS_OK;
+  }
+  for (size_t i = 0; i < nranks; i++) {
+    if (ranks[i] >= W || members_has(m, ranks[i]))
+      return zc_fail(ZS_EPROTO,
+                     "zs_step: shard %" PRIu32 " (%s) answered a membership with rank %" PRIu32
+                     " %s",
+                     shard, c->addr[shard], ranks[i], ranks[i] >= W ? "out of range" : "twice");
+    m->bits[ranks[i] / 64] |= UINT64_C(1) << (ranks[i] % 64);
+    m->n++;
+  }
+  if (m->n != num || num > W)
+    return zc_fail(ZS_EPROTO,
+                   "zs_step: shard %" PRIu32 " (%s) answered %" PRIu32 " members but listed %zu",
+                   shard, c->addr[shard], num, nranks);
+  return ZS_OK;
+}
+
+/* How many rounds of GradStats a step may take to agree on its membership:
+ * the first, and one asking every shard for the intersection (a shard that
+ * was still summing may need another). */
+#define STEP_MEMBER_ROUNDS 4
+
+/* One round of GradStats on every shard, over `want` (NULL: each shard's
+ * own set): the sum of squares and overflow, in shard order, and the
+ * intersection of the shards' member sets in *agreed; *same is 1 when every
+ * shard summed exactly that set. */
+static int stats_round(zs_client *c, uint64_t step, const step_members *want, step_members *agreed,
+                       int *same, double *sum_squares, int *nonfinite) {
   Zshard__V1__GradStatsRequest req = ZSHARD__V1__GRAD_STATS_REQUEST__INIT;
   req.spec_hash = c->hash;
   req.step = step;
@@ -163,7 +215,27 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
   /* The drain saw every push of this rank acknowledged: a shard that lacks
    * one lost it (a restart at the step's version) and says so at once. */
   req.acked_rank = c->opt.rank + 1;
-  zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
+  uint32_t *list = NULL;
+  if (want) {
+    req.num_members = want->n;
+    if (want->n < c->sp.world_size) {
+      list = malloc((want->n + 1) * sizeof *list);
+      if (!list)
+        return zc_fail(ZS_ENOMEM, "zs_step: out of memory");
+      for (uint32_t r = 0; r < c->sp.world_size; r++)
+        if (members_has(want, r))
+          list[req.n_members++] = r;
+      req.members = list;
+    }
+  }
+  step_members got = {.words = agreed->words};
+  got.bits = calloc(got.words, sizeof *got.bits);
+  zs_request *op = got.bits ? zc_op_new(c, ZC_OP_CALL, c->nshards) : NULL;
+  if (!op) {
+    free(list);
+    free(got.bits);
+    return ZS_ENOMEM;
+  }
   if (!op)
     return ZS_ENOMEM;
   for (uint32_t i = 0; i < c->nshards; i++) {
@@ -179,6 +251,8 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
   int incomplete = 0;
   double sum = 0.0;
   int nf = 0;
+  uint32_t max_n = 0;
+  int have = 0;
   for (uint32_t i = 0; rc == ZS_OK && i < c->nshards; i++) {
     const Zshard__V1__GradStatsResponse *r =
         (const Zshard__V1__GradStatsResponse *)op->tasks[i].resp;
@@ -186,6 +260,16 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
       incomplete = 1;
       continue;
     }
+    rc = members_from(c, i, r->num_members, r->members, r->n_members, &got);
+    if (rc != ZS_OK)
+      break;
+    /* The intersection is a subset of every shard's set, so a shard summed
+     * exactly it when the counts are equal. */
+    if (got.n > max_n)
+      max_n = got.n;
+    for (uint32_t w = 0; w < agreed->words; w++)
+      agreed->bits[w] = have ? agreed->bits[w] & got.bits[w] : got.bits[w];
+    have = 1;
     if (r->step != step) {
       rc = zc_fail(ZS_EPROTO,
                    "zs_step: shard %" PRIu32 " (%s) answered GradStats for step %" PRIu64
@@ -203,10 +287,59 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
     describe_missing(c, step, op, msg, sizeof msg);
     rc = zc_fail_msg(ZS_ETIMEDOUT, msg);
   }
+  agreed->n = 0;
+  for (uint32_t r = 0; have && r < c->sp.world_size; r++)
+    agreed->n += (uint32_t)members_has(agreed, r);
+  *same = have && max_n == agreed->n;
   free_responses(op);
   zc_op_release(op);
+  free(list);
+  free(got.bits);
   *sum_squares = sum;
   *nonfinite = nf;
+  return rc;
+}
+
+/* GradStats on every shard: sum of squares and overflow over the step's
+ * membership, agreed as docs/DESIGN.md "Membership" says: each shard
+ * answers the set it summed (every member, or those complete when the
+ * trainer timeout left the others out); the intersection is the step's
+ * set, and shards that summed more are asked for it. Every trainer gets
+ * the same answers, so all agree. *members gets the set; a set without
+ * this rank is ZS_ELEFT. */
+static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *nonfinite,
+                         step_members *members) {
+  int same = 0, rc = ZS_OK;
+  step_members want = {.words = members->words};
+  want.bits = calloc(want.words, sizeof *want.bits);
+  if (!want.bits)
+    return zc_fail(ZS_ENOMEM, "zs_step: out of memory");
+  for (int round = 0; round < STEP_MEMBER_ROUNDS && !same; round++) {
+    rc = stats_round(c, step, round ? &want : NULL, members, &same, sum_squares, nonfinite);
+    if (rc != ZS_OK)
+      break;
+    if (members->n == 0) {
+      rc = zc_fail(ZS_ETIMEDOUT,
+                   "zs_step: no rank gave every contribution of step %" PRIu64
+                   " to every shard before the trainer timeout; the step cannot complete",
+                   step);
+      break;
+    }
+    want.n = members->n;
+    memcpy(want.bits, members->bits, want.words * sizeof *want.bits);
+  }
+  free(want.bits);
+  if (rc == ZS_OK && !same)
+    rc = zc_fail(ZS_EPROTO,
+                 "zs_step: the shards did not agree on the membership of step %" PRIu64
+                 " after %d rounds of GradStats",
+                 step, STEP_MEMBER_ROUNDS);
+  if (rc == ZS_OK && !members_has(members, c->opt.rank))
+    rc = zc_fail(ZS_ELEFT,
+                 "zs_step: rank %" PRIu32 " was left out of step %" PRIu64
+                 " (it missed the shards' trainer timeout); the step went on with %" PRIu32
+                 " other rank(s): open the job again to rejoin",
+                 c->opt.rank, step, members->n);
   return rc;
 }
 
@@ -214,9 +347,22 @@ static int collect_stats(zs_client *c, uint64_t step, double *sum_squares, int *
  * A pipelined job's shards accept the Apply before the step is applied
  * (version step - 1) or repeat its outcome (version step). */
 static int apply_all(zs_client *c, uint64_t step, const zs_step_options *o, float coef, int skip,
-                     const uint8_t *cs, size_t cs_len) {
+                     const uint8_t *cs, size_t cs_len, const step_members *members) {
   const int ahead = c->sp.pipelined;
   Zshard__V1__ApplyRequest req = ZSHARD__V1__APPLY_REQUEST__INIT;
+  uint32_t *list = NULL;
+  if (members) {
+    req.num_members = members->n;
+    if (members->n < c->sp.world_size) {
+      list = malloc((members->n + 1) * sizeof *list);
+      if (!list)
+        return zc_fail(ZS_ENOMEM, "zs_step: out of memory");
+      for (uint32_t r = 0; r < c->sp.world_size; r++)
+        if (members_has(members, r))
+          list[req.n_members++] = r;
+      req.members = list;
+    }
+  }
   req.spec_hash = c->hash;
   req.step = step;
   req.lr = o->lr;
@@ -238,8 +384,10 @@ static int apply_all(zs_client *c, uint64_t step, const zs_step_options *o, floa
   req.client_state.data = (uint8_t *)(uintptr_t)cs; /* packing only reads it */
   req.client_state.len = cs_len;
   zs_request *op = zc_op_new(c, ZC_OP_CALL, c->nshards);
-  if (!op)
+  if (!op) {
+    free(list);
     return ZS_ENOMEM;
+  }
   for (uint32_t i = 0; i < c->nshards; i++) {
     zc_task *t = &op->tasks[i];
     t->shard = i;
@@ -260,6 +408,7 @@ static int apply_all(zs_client *c, uint64_t step, const zs_step_options *o, floa
   }
   free_responses(op);
   zc_op_release(op);
+  free(list);
   return rc;
 }
 
@@ -402,7 +551,7 @@ static int step_pipelined_unlock(zs_client *c, const zs_step_options *o, uint64_
     return zc_fail_msg(rc, msg);
   const uint64_t t_begin = clock_now_ns();
   const float coef = (float)(1.0 / loss_scale);
-  rc = apply_all(c, step, o, coef, 0, NULL, 0);
+  rc = apply_all(c, step, o, coef, 0, NULL, 0, NULL);
   if (rc != ZS_OK)
     return rc;
   complete_step(c, step, NULL, loss_scale, t_begin, 0);
@@ -414,7 +563,9 @@ static int step_pipelined_unlock(zs_client *c, const zs_step_options *o, uint64_
     res.step = step;
     res.version = step;
     res.applied = 1;
-    res.grad_norm = NAN; /* never computed: no statistics */
+    res.grad_norm = NAN;                /* never computed: no statistics */
+    res.num_members = c->sp.world_size; /* a pipelined job's membership is fixed */
+    res.member_rank = c->opt.rank;
     res.clip_coef = 1.0;
     res.coef = coef;
     res.loss_scale = loss_scale;
@@ -462,6 +613,7 @@ static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out)
   }
   c->stepping = 1;
   const uint64_t step = c->step;
+  step_members members = {0};
   const int own_scaler = loss_scale == 0;
   const int dynamic = own_scaler && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC;
   /* The scaler as it will be after this step; `stepping` keeps every other
@@ -487,13 +639,20 @@ static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out)
   if ((rc = drain_pushes_unlock(c, step, t_begin, &drain_ns)) != ZS_OK)
     goto done;
 
-  /* 2. and 3. Statistics, norm, clipping. */
+  /* 2. and 3. Statistics over the step's members, norm, clipping. */
   double sum_squares = 0.0;
   int nonfinite = 0;
-  rc = collect_stats(c, step, &sum_squares, &nonfinite);
+  members.words = (c->sp.world_size + 63) / 64;
+  members.bits = calloc(members.words, sizeof *members.bits);
+  if (!members.bits) {
+    rc = zc_fail(ZS_ENOMEM, "zs_step: out of memory");
+    goto done;
+  }
+  rc = collect_stats(c, step, &sum_squares, &nonfinite, &members);
   if (rc != ZS_OK)
     goto done;
-  const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)c->sp.world_size : 1.0;
+  /* The mean is over the ranks that contributed: W unless some left. */
+  const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)members.n : 1.0;
   const int overflow = nonfinite || !isfinite(sum_squares);
   const double grad_norm = overflow ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);
   double clip_coef = 1.0;
@@ -518,7 +677,7 @@ static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out)
     zc_scaler_encode(&next_scaler, cs);
     cs_len = sizeof cs;
   }
-  rc = apply_all(c, step, o, coef, overflow, cs, cs_len);
+  rc = apply_all(c, step, o, coef, overflow, cs, cs_len, &members);
   if (rc != ZS_OK)
     goto done;
 
@@ -539,10 +698,14 @@ static int step_run(zs_client *c, const zs_step_options *o, zs_step_result *out)
     res.coef = coef;
     res.loss_scale = loss_scale;
     res.next_loss_scale = next_scale;
+    res.num_members = members.n;
+    for (uint32_t r = 0; r < c->opt.rank; r++)
+      res.member_rank += (uint32_t)members_has(&members, r);
     zc_struct_write(out, out->struct_size, &res, sizeof res);
   }
   zc_checkpoint_after_step(c, step);
 done:
+  free(members.bits);
   pthread_mutex_lock(&c->mu);
   c->stepping = 0;
   pthread_mutex_unlock(&c->mu);
@@ -601,10 +764,14 @@ int zs_grad_norm(zs_client *c, double loss_scale, double *grad_norm, int *overfl
   }
   double sum_squares = 0.0;
   int nonfinite = 0;
-  rc = collect_stats(c, step, &sum_squares, &nonfinite);
+  step_members members = {.words = (c->sp.world_size + 63) / 64};
+  members.bits = calloc(members.words, sizeof *members.bits);
+  rc = members.bits ? collect_stats(c, step, &sum_squares, &nonfinite, &members)
+                    : zc_fail(ZS_ENOMEM, "zs_grad_norm: out of memory");
+  free(members.bits);
   if (rc == ZS_OK) {
     /* zs_step's formula, so that its result reports the same bits. */
-    const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)c->sp.world_size : 1.0;
+    const double reduce_div = c->sp.reduce == SPEC_REDUCE_MEAN ? (double)members.n : 1.0;
     const int of = nonfinite || !isfinite(sum_squares);
     if (grad_norm)
       *grad_norm = of ? INFINITY : sqrt(sum_squares) / (loss_scale * reduce_div);

@@ -62,7 +62,8 @@ extern "C" {
   XX(EPERM, -24, 7, "the token's role may not do this")                           \
   XX(ELIMIT, -25, 8, "a server limit was reached")                                 \
   XX(ENOTPRIMARY, -26, 9, "this replica is not its shard's primary")               \
-  XX(ESTALE, -27, 10, "a newer term of the shard's replica set exists")
+  XX(ESTALE, -27, 10, "a newer term of the shard's replica set exists")           \
+  XX(ELEFT, -28, 9, "this rank is not a member of the step: it left or timed out")
 /* clang-format on */
 
 typedef enum zs_status {

@@ -581,6 +581,12 @@ typedef struct zs_step_result {
   float coef;             /* sent to the shards: clip_coef / loss_scale */
   double loss_scale;      /* used for this step */
   double next_loss_scale; /* to use for the next step */
+  /* The step's membership (docs/CLIENT.md "Elastic trainers"): how many
+   * ranks contributed to it (the world size unless the shards' trainer
+   * timeout left some out), and this rank's place among them, from 0 (a
+   * data loader re-shards by these). */
+  uint32_t num_members;
+  uint32_t member_rank;
 } zs_step_result;
 
 /* Fills `r`, the caller's struct of `size` bytes, with zeros and

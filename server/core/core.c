@@ -167,6 +167,12 @@ static int core_job_build(core *c) {
   c->npieces = l->shard_pieces[c->shard_id];
   c->nelems = l->shard_elems[c->shard_id];
   c->bitmap_words = (c->WM + 63) / 64;
+  /* A pipelined step applies each piece as it completes, before anyone
+   * could decide to leave a rank out, so its membership stays fixed. */
+  c->elastic =
+      c->trainer_timeout_ms > 0 && !c->spec.pipelined && c->W <= CORE_ELASTIC_MAX_W ? 1 : 0;
+  core__members_reset(c);
+  c->member_epoch = c->member_leaves = c->member_timeouts = 0;
 
   c->local_of = malloc(((size_t)l->num_pieces + 1) * sizeof *c->local_of);
   c->pieces = calloc((size_t)c->npieces + 1, sizeof *c->pieces);
@@ -292,6 +298,7 @@ void core__begin_step(core *c) {
   c->complete_pieces = 0;
   memset(&c->stats, 0, sizeof c->stats);
   c->stats.step = c->version + 1;
+  c->stats.members = c->stat_members; /* a shard without pieces answers at once */
   c->stats_phase = c->npieces == 0 ? STATS_READY : STATS_WAITING;
 }
 
@@ -342,6 +349,7 @@ int core_create(const core_config *cfg, core **out) {
   c->num_shards = cfg->num_shards;
   c->nthreads = cfg->threads;
   c->apply_hist = cfg->apply_hist;
+  c->trainer_timeout_ms = cfg->trainer_timeout_ms;
   if (c->nthreads <= 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     c->nthreads = n > 0 ? (int)(n < 256 ? n : 256) : 1;

@@ -44,6 +44,11 @@ typedef struct core_config {
   /* Each apply's duration is recorded here (server/core/histogram.h) when not
    * NULL. Borrowed: it must outlive the core. */
   struct histogram *apply_hist;
+  /* A member rank that has not given every contribution of the pending step
+   * this long after the first GradStats of the step reached this shard is
+   * left out of the step (DESIGN.md "Membership"); 0: a fixed membership,
+   * the job's W ranks, as before elastic trainers. */
+  uint32_t trainer_timeout_ms;
 } core_config;
 
 /* Creates an empty shard (no job). Returns 0 or ZS_ENOMEM / ZS_EINVAL. */
@@ -277,15 +282,58 @@ int64_t core_piece_bytes_err(core *c, uint64_t hash, uint32_t tensor, uint32_t s
  * contributions of every piece are in and the statistics are computed. On
  * timeout the callback gets ZS_ETIMEDOUT and core_missing() says what is
  * missing. A pipelined job has none: ZS_EINVAL with a sentence. */
+/* A set of trainer ranks: the members of a step (DESIGN.md "Membership").
+ * An elastic job (core_config.trainer_timeout_ms > 0, not pipelined) has at
+ * most CORE_ELASTIC_MAX_W ranks; one with more keeps a fixed membership. n
+ * is the count of bits set; a job with a fixed membership reports all W
+ * ranks (n = W, bits set when W <= CORE_ELASTIC_MAX_W). */
+#define CORE_ELASTIC_MAX_W 1024u
+#define CORE_MEMBER_WORDS (CORE_ELASTIC_MAX_W / 64u)
+typedef struct core_members {
+  uint32_t n;
+  uint64_t bits[CORE_MEMBER_WORDS];
+} core_members;
+static inline int core_members_has(const core_members *m, uint32_t rank) {
+  return rank < CORE_ELASTIC_MAX_W && ((m->bits[rank / 64] >> (rank % 64)) & 1u);
+}
+/* Sets rank in m (rank < CORE_ELASTIC_MAX_W), counting it once. */
+void core_members_add(core_members *m, uint32_t rank);
+/* 1 when a and b hold the same ranks. */
+int core_members_equal(const core_members *a, const core_members *b);
+/* A membership from the network (GradStatsRequest, ApplyRequest): num ranks
+ * listed in ranks (nranks of them), or num = W with none listed for every
+ * rank. Checked against the open job: every rank below W, none twice, the
+ * count matching (ZS_EINVAL with a sentence; ZS_ENOTOPEN without a job). */
+int core_members_decode(core *c, uint32_t num, const uint32_t *ranks, size_t nranks,
+                        core_members *out, char *err, size_t errlen);
+/* The ranks of m in ascending order into ranks (cap of them) for an answer;
+ * 0 when m holds every rank of the job, which an answer does not list. */
+size_t core_members_list(core *c, const core_members *m, uint32_t *ranks, size_t cap);
+
 typedef struct core_stats_result {
   uint64_t step;
   double sum_squares;
   int nonfinite;
+  /* The ranks whose contributions the statistics (and the apply they lead
+   * to) sum: the step's members, or fewer once the trainer timeout left
+   * some out or a caller narrowed it (core_grad_stats_members). */
+  core_members members;
 } core_stats_result;
 typedef void (*core_stats_cb)(void *arg, int status, const core_stats_result *r);
 int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
                     void *arg, core_stats_result *out, char *err, size_t errlen);
 
+/* core_grad_stats asking for the statistics over the ranks `want` (NULL:
+ * whatever set the shard decided), the second round of the membership
+ * agreement (DESIGN.md "Membership"): every rank of `want` must have all its
+ * contributions on this shard, else the answer is ZS_EINVAL with a sentence;
+ * a set the shard's statistics already cover is answered as it is, a
+ * smaller one makes the shard sum the step again over `want` only, and
+ * pushes of ranks outside it are refused from then on (ZS_ELEFT). For an
+ * applied step, `want` must be the set it was applied with (ZS_EEXIST). */
+int core_grad_stats_members(core *c, uint64_t hash, uint64_t step, const core_members *want,
+                            uint64_t deadline_ms, core_stats_cb cb, void *arg,
+                            core_stats_result *out, char *err, size_t errlen);
 /* For a trainer that had every contribution of `rank` to this shard for
  * `step` acknowledged: 0 when the shard holds them all (or the step's
  * statistics are done, or step is not the pending one: core_grad_stats
@@ -375,6 +423,28 @@ int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const doub
                     uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
                     core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen);
 
+/* core_apply_step naming the step's membership, the set the trainers agreed
+ * on (DESIGN.md "Membership"): it must be the set the shard's statistics
+ * cover (else ZS_EINVAL, nothing changes), and under GRAD_REDUCE_MEAN the
+ * gradient is the sum over those ranks divided by their count. NULL is the
+ * set of every rank the step expected (an older client's Apply): refused
+ * when the shard's set is smaller. */
+int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                       uint32_t ngroup_lr, const core_step_hparams *hp, const core_members *members,
+                       float coef, int skip, core_apply_cb cb, void *arg, core_apply_result *out,
+                       char *err, size_t errlen);
+
+/* The membership of the shard's job (DESIGN.md "Membership"), for status
+ * pages and /metrics: the pending step's members, the epoch (how many times
+ * the membership changed), ranks left out by the trainer timeout, steps
+ * decided by a timeout, and the timeout itself. Non-blocking. */
+typedef struct core_membership {
+  int elastic;
+  uint32_t trainer_timeout_ms, world_size;
+  uint64_t epoch, leaves, timeouts;
+  core_members members;
+} core_membership;
+void core_get_membership(core *c, core_membership *out);
 /* Installs the one hook told of every applied step (a skipped one included),
  * whoever asked for it: fn(arg, r) runs once per step on the core's worker
  * thread, after the apply released every core lock and before the apply's

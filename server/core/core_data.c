@@ -493,6 +493,8 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
                      : dtype_check((int)a->dtype, err, errlen);
   if (rc != 0)
     return rc;
+  if (a->step <= c->version && (rc = core__push_left(c, a->rank, a->step, err, errlen)) != 0)
+    return rc;
   if (a->step <= c->version) {
     /* A step is applied only after every contribution arrived, so a push for
      * an applied step is a retry whose first copy got through (its answer was
@@ -524,6 +526,17 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
     if (duplicate)
       *duplicate = 1;
     return 0;
+  }
+  if (c->elastic) {
+    /* Kept, not added: the worker sums the step once its members are
+     * decided (core_members.c). */
+    rc = core__push_keep(c, ps, k, a->rank, a->dtype, a->data, a->nbytes, err, errlen);
+    pthread_mutex_unlock(&ps->mu);
+    if (rc == 0) {
+      atomic_fetch_add_explicit(&c->pushes, 1, memory_order_relaxed);
+      atomic_fetch_add_explicit(&c->bytes_in, a->nbytes, memory_order_relaxed);
+    }
+    return rc;
   }
   if (k == 1 && ps->next_k == 0) {
     /* Before 0, which it commutes with: added now, next_k stays. */
@@ -769,7 +782,8 @@ uint32_t core_missing(core *c, uint64_t step, core_missing_entry *out, uint32_t 
     /* Every k below next_k has been received; the rest is read off the
      * bitmap. k ascending is (micro, rank) ascending. */
     for (uint32_t k = ps->next_k; k < c->WM; k++) {
-      if (bit_test(ps->received, k))
+      /* A rank left out of the job contributes nothing: not missing. */
+      if (bit_test(ps->received, k) || (c->elastic && !core_members_has(&c->members, k % c->W)))
         continue;
       if (out && total < max)
         out[total] = (core_missing_entry){

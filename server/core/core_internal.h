@@ -69,6 +69,10 @@ typedef struct piece_state {
    * whose .grad is None. Written under mu by the push, read by the worker
    * once the piece is complete; 0 again when the step completes. */
   int has_grad;
+  /* Elastic jobs: contributions received for the pending step (each kept in
+   * held[k] until the step is applied, so that the sum can be taken again
+   * over fewer ranks). Under mu. */
+  uint32_t nrecv;
 } piece_state;
 
 typedef enum stats_phase {
@@ -114,6 +118,10 @@ typedef struct waiter {
   uint64_t version;
   core_stats_result stats;
   core_apply_result apply;
+  /* A statistics waiter asking for the statistics over `want`
+   * (core_grad_stats_members); has_want 0: over whatever set is decided. */
+  int has_want;
+  core_members want;
   /* A version waiter for some pieces (core_wait_pieces): their local
    * indices; nwait 0 waits for the whole shard's version. */
   uint32_t nwait;
@@ -295,6 +303,23 @@ struct core {
    * a clear bit means the spec's values). Under mu, like apply_glr. */
   double *apply_hp, *last_hp;
   unsigned apply_hp_mask, last_hp_mask;
+  /* Elastic membership (DESIGN.md "Membership"). elastic: the timeout is
+   * set, the job not pipelined and W <= CORE_ELASTIC_MAX_W; every
+   * contribution is then kept (held) until its step is applied, and the
+   * worker sums them in (micro, rank) order over stat_members. members: the
+   * pending step's ranks, written under state_rw exclusive and mu (either
+   * lock reads it). stat_members: the set core.stats is (being) computed
+   * over; frozen: the step's set was decided on this shard (timeout or a
+   * narrowing), so pushes of other ranks are refused; stall_since: when the
+   * first GradStats of the pending step came (0: none yet). All under mu. */
+  int elastic;
+  uint32_t trainer_timeout_ms;
+  core_members members, stat_members, last_members;
+  int frozen;
+  uint64_t stall_since;
+  uint64_t member_epoch, member_leaves, member_timeouts;
+  /* The members the queued Apply named, checked against stat_members. */
+  core_members apply_members;
   /* The core_close call the worker is to run (under mu), and whether spec
    * and layout still hold a closed job's, kept so that a pointer core_spec
    * handed out before the close stays readable until the next core_open. */
@@ -407,6 +432,53 @@ int core__add_timed(core *c, waiter **list, waiter *w);
 void core__unlink(core *c, waiter *w);
 void core__collect_versions(core *c, waiter **fire);
 void *core__worker(void *arg);
+
+/* core_members.c: the elastic membership's helpers. */
+/* The members of a fresh job: all W ranks. Called with mu held. */
+void core__members_reset(core *c);
+/* A push of an applied step (step <= version) by a rank that is no longer
+ * a member: ZS_ELEFT with a sentence (it would otherwise be acknowledged as
+ * a duplicate, though it was never summed); 0 otherwise. state_rw held. */
+int core__push_left(core *c, uint32_t rank, uint64_t step, char *err, size_t errlen);
+/* Elastic push of contribution k of piece ps (mu of ps held, k not yet
+ * received): keeps a copy in held[k], marks it received and completes the
+ * piece (and the step) when it holds every member's; or refuses a rank that
+ * is not a member (ZS_ELEFT), changing nothing. */
+int core__push_keep(core *c, piece_state *ps, uint32_t k, uint32_t rank, zs_dtype dtype,
+                    const void *data, size_t nbytes, char *err, size_t errlen);
+/* Sums every piece's kept contributions of stat_members into acc, in
+ * (micro, rank) order (the bits of the streaming sum of a fixed
+ * membership), and sets each piece's has_grad. On the worker, state_rw
+ * held shared, stat_members stable (phase COMPUTING). */
+void core__members_sum(core *c);
+/* The ranks with every contribution on every piece of this shard. On the
+ * worker, no lock held. */
+void core__members_complete(core *c, core_members *out);
+/* At the trainer timeout: decides the step's set on this shard (the ranks
+ * complete here) and starts the statistics over it. On the worker, no
+ * lock held. */
+void core__members_timeout(core *c);
+/* The deadline (clock_now_ms) of the pending step's trainer timeout, or
+ * UINT64_MAX. Called with mu held. */
+uint64_t core__members_deadline(const core *c);
+/* Frees the kept contributions of every piece (after an apply or a
+ * restore); state_rw held exclusively. */
+void core__members_release(core *c);
+/* 1 when c is elastic, still waits for the pending step's contributions
+ * (nothing decided, no apply queued), want holds fewer ranks than the
+ * step's members and each of them gave every contribution to this shard.
+ * Takes mu, then (only in that case) state_rw shared and the pieces' locks:
+ * call it with no lock held. */
+int core__members_complete_for(core *c, const core_members *want);
+/* 1 when a is a non-empty subset of b. */
+int core__members_subset(const core_members *a, const core_members *b);
+/* Sums the pending step again over `want` (a subset of stat_members) and
+ * refuses other ranks' pushes from now on. Called with mu held. */
+void core__members_narrow(core *c, const core_members *want);
+/* After an elastic step is applied: frees its kept contributions and makes
+ * the ranks it was applied with the next step's members. state_rw
+ * exclusive and mu held. */
+void core__members_next_step(core *c);
 
 /* core_snapshot.c: the worker's halves of core_snapshot and core_restore. */
 waiter *core__take_snapshot(core *c, waiter **fire);

@@ -139,6 +139,7 @@ void core__run_restore(core *c, ckpt_call *call) {
       ps->held = NULL;
     }
     ps->nheld = 0;
+    ps->nrecv = 0;
     ps->next_k = 0;
     ps->one_before_zero = 0;
     ps->ahead = 0;
@@ -176,6 +177,12 @@ void core__run_restore(core *c, ckpt_call *call) {
   c->ckpt_step = call->ckpt_step;
   c->ckpt_untouched = 1;
   c->ckpt_taken_over = 0;
+  /* A checkpoint does not record who was a member: every rank of the job
+   * is one again, and the trainers rejoin by resuming (DESIGN.md
+   * "Membership"). */
+  if (c->elastic && c->members.n != c->W)
+    c->member_epoch++;
+  core__members_reset(c);
   core__begin_step(c);
   /* Statistics and applies in progress belong to a step that no longer
    * exists here, and so do waits for a version beyond the restored one:

@@ -204,6 +204,9 @@ static void core_stats_block(void *arg, size_t b) {
  * does not depend on the thread count. Called on the worker, no lock held. */
 static void core_compute_stats(core *c) {
   pthread_rwlock_rdlock(&c->state_rw);
+  /* stat_members does not change while the phase is COMPUTING. */
+  if (c->elastic)
+    core__members_sum(c);
   pool_run(c->pool, c->nblocks, core_stats_block, c);
   double sum = 0.0;
   int nonfinite = 0;
@@ -218,14 +221,36 @@ static void core_compute_stats(core *c) {
   c->stats.step = c->version + 1;
   c->stats.sum_squares = sum;
   c->stats.nonfinite = nonfinite;
+  c->stats.members = c->stat_members;
   c->stats_phase = STATS_READY;
-  while (c->stats_waiters) {
-    waiter *w = c->stats_waiters;
+  core_members narrow;
+  int narrowing = 0;
+  for (waiter **pw = &c->stats_waiters; *pw;) {
+    waiter *w = *pw;
+    if (w->has_want && !core_members_equal(&w->want, &c->stat_members)) {
+      /* The second round of the agreement asks for fewer ranks: the first
+       * such set is summed next (every honest trainer asks for the same);
+       * a set with a rank this shard lacks is refused. */
+      if (core__members_subset(&w->want, &c->stat_members)) {
+        if (!narrowing)
+          narrow = w->want;
+        narrowing = 1;
+        pw = &w->next;
+        continue;
+      }
+      core__unlink(c, w);
+      w->status = ZS_EINVAL;
+      w->stats = c->stats;
+      waiter_push(&fire, w);
+      continue;
+    }
     core__unlink(c, w);
     w->status = ZS_OK;
     w->stats = c->stats;
     waiter_push(&fire, w);
   }
+  if (narrowing)
+    core__members_narrow(c, &narrow);
   pthread_mutex_unlock(&c->mu);
   core__fire(fire);
 }
@@ -346,7 +371,10 @@ static void core_apply_chunk(void *arg, size_t i) {
 /* gradient = acc * this: coef, or coef / W rounded once under
  * GRAD_REDUCE_MEAN. */
 static float core_grad_scale(const core *c, float coef) {
-  return c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+  /* The mean is over the ranks whose contributions were summed: W for a
+   * fixed membership, so its bits are the same as before elastic jobs. */
+  return c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->stat_members.n)
+                                            : coef;
 }
 
 /* The optimizer parameters of group g for this step: the step's
@@ -416,8 +444,13 @@ typedef struct step_done {
  * and mu held. */
 static void core_finish_step(core *c, uint64_t step, int skip, uint64_t opt_steps, double seconds,
                              waiter **fire, step_done *done) {
-  /* Every piece completed the step, so nothing is held: only the bitmaps and
-   * next_k need resetting. No push runs while state_rw is held exclusively. */
+  /* An elastic job kept every contribution and goes on with the ranks the
+   * step was applied with. */
+  if (c->elastic)
+    core__members_next_step(c);
+  /* Every piece completed the step, so nothing else is held: only the
+   * bitmaps and next_k need resetting. No push runs while state_rw is held
+   * exclusively. */
   for (uint32_t i = 0; i < c->npieces; i++) {
     c->pieces[i].next_k = 0;
     c->pieces[i].one_before_zero = 0;
@@ -665,7 +698,18 @@ void *core__worker(void *arg) {
   pthread_mutex_lock(&c->mu);
   while (!c->stop) {
     waiter *fire = NULL;
-    uint64_t next = core_collect_expired(c, clock_now_ms(), &fire);
+    uint64_t now = clock_now_ms();
+    uint64_t next = core_collect_expired(c, now, &fire);
+    uint64_t member_deadline = core__members_deadline(c);
+    if (member_deadline <= now) {
+      pthread_mutex_unlock(&c->mu);
+      core__fire(fire);
+      core__members_timeout(c);
+      pthread_mutex_lock(&c->mu);
+      continue;
+    }
+    if (member_deadline < next)
+      next = member_deadline;
     if (c->version_event) {
       c->version_event = 0;
       core__collect_versions(c, &fire);
@@ -840,6 +884,49 @@ void core_cancel_waits(core *c, void *arg) {
 
 int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms, core_stats_cb cb,
                     void *arg, core_stats_result *out, char *err, size_t errlen) {
+  return core_grad_stats_members(c, hash, step, NULL, deadline_ms, cb, arg, out, err, errlen);
+}
+
+/* A sentence naming the first rank of want that `have` lacks. */
+static int core_members_refuse(const core *c, const core_members *want, const core_members *have,
+                               uint64_t step, char *err, size_t errlen) {
+  uint32_t r = 0;
+  while (r < c->W && !(core_members_has(want, r) && !core_members_has(have, r)))
+    r++;
+  return status_fail(err, errlen, ZS_EINVAL,
+                     "statistics of step %" PRIu64 " asked over %u ranks, but shard %u does not "
+                     "hold every contribution of rank %u (it sums %u ranks)",
+                     step, want->n, c->shard_id, r, have->n);
+}
+
+/* core_grad_stats_members' answers that need no wait: 0 with *out filled,
+ * CORE_PENDING to park, or a refusal. Called with mu held, the job open,
+ * step the pending one and the job gated. */
+static int core_stats_now(core *c, const core_members *want, core_stats_result *out, char *err,
+                          size_t errlen) {
+  if (want && (!c->elastic || want->n == 0) && !core_members_equal(want, &c->stat_members))
+    return core_members_refuse(c, want, &c->stat_members, c->version + 1, err, errlen);
+  if (c->stats_phase != STATS_READY)
+    return CORE_PENDING;
+  if (!want || core_members_equal(want, &c->stat_members)) {
+    if (out)
+      *out = c->stats;
+    return 0;
+  }
+  if (!core__members_subset(want, &c->stat_members))
+    return core_members_refuse(c, want, &c->stat_members, c->version + 1, err, errlen);
+  if (c->apply_state != APPLY_NONE)
+    return status_fail(err, errlen, ZS_EEXIST,
+                       "step %" PRIu64 " is being applied over %u ranks; statistics over %u "
+                       "ranks cannot be taken any more",
+                       c->version + 1, c->stat_members.n, want->n);
+  core__members_narrow(c, want);
+  return CORE_PENDING;
+}
+
+int core_grad_stats_members(core *c, uint64_t hash, uint64_t step, const core_members *want,
+                            uint64_t deadline_ms, core_stats_cb cb, void *arg,
+                            core_stats_result *out, char *err, size_t errlen) {
   pthread_mutex_lock(&c->mu);
   int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core__check_job(c, hash, err, errlen);
@@ -854,7 +941,11 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
     goto done;
   }
   if (c->last_stats_valid && step == c->version) {
-    if (out)
+    if (want && !core_members_equal(want, &c->last_members))
+      rc = status_fail(err, errlen, ZS_EEXIST,
+                       "step %" PRIu64 " was applied over %u ranks, not the %u asked for", step,
+                       c->last_members.n, want->n);
+    else if (out)
       *out = c->last_stats;
     goto done;
   }
@@ -869,11 +960,9 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
                      step, c->shard_id, c->version, c->version + 1);
     goto done;
   }
-  if (c->stats_phase == STATS_READY) {
-    if (out)
-      *out = c->stats;
+  if ((rc = core_stats_now(c, want, out, err, errlen)) != CORE_PENDING)
     goto done;
-  }
+  rc = 0;
   uint64_t deadline = core__deadline(deadline_ms);
   if (deadline <= clock_now_ms()) {
     rc = status_fail(err, errlen, ZS_ETIMEDOUT,
@@ -890,10 +979,19 @@ int core_grad_stats(core *c, uint64_t hash, uint64_t step, uint64_t deadline_ms,
   w->deadline = deadline;
   w->cb.stats = cb;
   w->arg = arg;
+  w->has_want = want != NULL;
+  if (want)
+    w->want = *want;
   if (core__add_timed(c, &c->stats_waiters, w) != 0) {
     free(w);
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory registering a wait");
     goto done;
+  }
+  /* A trainer is done with the step and waits: the trainer timeout of the
+   * members still pushing starts now. */
+  if (c->elastic && c->stall_since == 0 && c->stats_phase == STATS_WAITING) {
+    c->stall_since = clock_now_ms();
+    pthread_cond_signal(&c->worker_cv);
   }
   rc = CORE_PENDING;
 done:
@@ -924,8 +1022,7 @@ static int core_same_glr(const double *a, uint32_t na, const double *b, uint32_t
 static int core_apply_check_plans(core *c, double lr, const double *group_lr, uint32_t ngroup_lr,
                                   const core_step_hparams *hp, float coef, char *err,
                                   size_t errlen) {
-  float grad_scale =
-      c->spec.reduce == SPEC_REDUCE_MEAN ? (float)((double)coef / (double)c->W) : coef;
+  float grad_scale = core_grad_scale(c, coef);
   for (uint32_t g = 0; g < c->spec.num_groups; g++) {
     optim_params p = core_group_params(c, g);
     core_step_override(&p, hp, g);
@@ -974,7 +1071,52 @@ int core_apply_groups(core *c, uint64_t hash, uint64_t step, double lr, const do
 int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
                     uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
                     core_apply_cb cb, void *arg, core_apply_result *out, char *err, size_t errlen) {
+  return core_apply_members(c, hash, step, lr, group_lr, ngroup_lr, hp, NULL, coef, skip, cb, arg,
+                            out, err, errlen);
+}
+
+/* Refuses an Apply whose membership is not `have` (NULL stands for every
+ * rank the step expected, as an older client's Apply). Called with mu held. */
+static int core_apply_check_members(const core *c, uint64_t step, const core_members *members,
+                                    const core_members *have, char *err, size_t errlen) {
+  if (members ? core_members_equal(members, have) : have->n == c->members.n)
+    return 0;
+  return status_fail(err, errlen, ZS_EINVAL,
+                     "Apply of step %" PRIu64 " names %u member rank(s) but shard %u sums %u "
+                     "(the trainers must agree on the membership through GradStats first); "
+                     "nothing was applied",
+                     step, members ? members->n : c->members.n, c->shard_id, have->n);
+}
+
+/* The membership side of an Apply of the pending step (gated job, mu
+ * held): a backup of a replica set is never asked for statistics, so the
+ * Apply makes it sum the agreed set (a subset of what it summed, or of the
+ * ranks complete here while it still waits for others: `decided`), setting
+ * *narrowed; otherwise, once the set cannot change any more, `members` must
+ * be it. Before the statistics are ready the set may still change: the
+ * Apply then waits (ENOTREADY, in the caller) rather than be compared. */
+static int core_apply_narrow(core *c, uint64_t step, const core_members *members, int decided,
+                             int *narrowed, char *err, size_t errlen) {
+  if (c->elastic && members && c->apply_state == APPLY_NONE &&
+      ((c->stats_phase == STATS_READY && !core_members_equal(members, &c->stat_members) &&
+        core__members_subset(members, &c->stat_members)) ||
+       (c->stats_phase == STATS_WAITING && !c->frozen && decided))) {
+    core__members_narrow(c, members);
+    *narrowed = 1;
+    return 0;
+  }
+  if (c->apply_state != APPLY_NONE || c->stats_phase == STATS_READY)
+    return core_apply_check_members(c, step, members, &c->stat_members, err, errlen);
+  return 0;
+}
+
+int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const double *group_lr,
+                       uint32_t ngroup_lr, const core_step_hparams *hp, const core_members *members,
+                       float coef, int skip, core_apply_cb cb, void *arg, core_apply_result *out,
+                       char *err, size_t errlen) {
   waiter *w = NULL;
+  /* Every named rank complete here (core_apply_narrow), read before mu. */
+  int decided = members && core__members_complete_for(c, members);
   pthread_mutex_lock(&c->mu);
   int rc = c->stop ? status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down")
                    : core__check_job(c, hash, err, errlen);
@@ -1011,6 +1153,8 @@ int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const doub
       (rc = core_apply_check_plans(c, lr, group_lr, ngroup_lr, hp, coef, err, errlen)) != 0)
     goto done;
   if (c->last_apply_valid && step == c->version) {
+    if ((rc = core_apply_check_members(c, step, members, &c->last_members, err, errlen)) != 0)
+      goto done;
     if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip) &&
         core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr) &&
         core_same_hparams(c, hp, c->last_hp, c->last_hp_mask)) {
@@ -1040,6 +1184,10 @@ int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const doub
                      c->shard_id, c->version + 1);
     goto done;
   }
+  int narrowed = 0;
+  if (!c->pipelined &&
+      (rc = core_apply_narrow(c, step, members, decided, &narrowed, err, errlen)) != 0)
+    goto done;
   if (c->apply_state != APPLY_NONE) {
     if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip) ||
         !core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr) ||
@@ -1057,7 +1205,9 @@ int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const doub
       goto done;
     }
   } else if (!c->pipelined) {
-    if (c->stats_phase != STATS_READY) {
+    /* Narrowed: the statistics over `members` run first, then this apply
+     * (the worker's order); the trainers checked their overflow already. */
+    if (!narrowed && c->stats_phase != STATS_READY) {
       uint64_t want = (uint64_t)c->npieces * c->WM;
       uint64_t have = atomic_load_explicit(&c->contributions, memory_order_relaxed);
       rc = status_fail(err, errlen, ZS_ENOTREADY,
@@ -1066,7 +1216,7 @@ int core_apply_step(core *c, uint64_t hash, uint64_t step, double lr, const doub
                        step, want - (have < want ? have : want), want, c->shard_id);
       goto done;
     }
-    if (c->stats.nonfinite && !skip) {
+    if (!narrowed && c->stats.nonfinite && !skip) {
       rc = status_fail(err, errlen, ZS_ENONFINITE,
                        "step %" PRIu64 " has non-finite gradients on shard %u: it must be skipped",
                        step, c->shard_id);

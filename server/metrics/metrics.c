@@ -267,6 +267,22 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
          "summation order.");
   sample_u64(&b, m, "zshard_held_bytes", k.held_bytes);
 
+  core_membership mb;
+  core_get_membership(c, &mb);
+  family(&b, "zshard_members", "gauge",
+         "Trainer ranks that are members of the pending step (the job's world size unless "
+         "the trainer timeout left some out; docs/OPERATIONS.md, \"Elastic trainers\").");
+  sample_u64(&b, m, "zshard_members", mb.members.n);
+  family(&b, "zshard_membership_epoch", "gauge",
+         "How many times the job's membership changed on this shard.");
+  sample_u64(&b, m, "zshard_membership_epoch", mb.epoch);
+  family(&b, "zshard_member_leaves_total", "counter",
+         "Ranks left out of the job because they missed the trainer timeout.");
+  sample_u64(&b, m, "zshard_member_leaves_total", mb.leaves);
+  family(&b, "zshard_trainer_timeouts_total", "counter",
+         "Steps whose membership this shard decided at the trainer timeout.");
+  sample_u64(&b, m, "zshard_trainer_timeouts_total", mb.timeouts);
+
   family(&b, "zshard_pushes_total", "counter",
          "Gradient contributions accepted (Push), duplicates included.");
   sample_u64(&b, m, "zshard_pushes_total", k.pushes);

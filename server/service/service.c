@@ -420,6 +420,17 @@ int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_
   return core_grad_stats(s->core, hash, step, deadline_ms, cb, arg, out, err, errlen);
 }
 
+int service_grad_stats_members(service *s, uint64_t hash, uint64_t step, uint32_t acked_rank,
+                               const core_members *want, uint64_t deadline_ms, core_stats_cb cb,
+                               void *arg, core_stats_result *out, char *err, size_t errlen) {
+  if (acked_rank > 0) {
+    int lost = core_check_acked(s->core, hash, step, acked_rank - 1, err, errlen);
+    if (lost != 0)
+      return lost;
+  }
+  return core_grad_stats_members(s->core, hash, step, want, deadline_ms, cb, arg, out, err, errlen);
+}
+
 int service_apply(service *s, uint64_t hash, uint64_t step, double lr, float coef, int skip,
                   const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                   core_apply_result *out, char *err, size_t errlen) {
@@ -472,6 +483,15 @@ int service_apply_step(service *s, uint64_t hash, uint64_t step, double lr, cons
                        uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
                        const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                        core_apply_result *out, char *err, size_t errlen) {
+  return service_apply_members(s, hash, step, lr, group_lr, ngroup_lr, hp, NULL, coef, skip, cs,
+                               cs_len, cb, arg, out, err, errlen);
+}
+
+int service_apply_members(service *s, uint64_t hash, uint64_t step, double lr,
+                          const double *group_lr, uint32_t ngroup_lr, const core_step_hparams *hp,
+                          const core_members *members, float coef, int skip, const void *cs,
+                          size_t cs_len, core_apply_cb cb, void *arg, core_apply_result *out,
+                          char *err, size_t errlen) {
   /* The core refuses these too; checked first so that the client state of a
    * refused apply is never recorded. */
   /* The kernels see lr as a float: a finite double beyond FLT_MAX (1e300)
@@ -497,8 +517,8 @@ int service_apply_step(service *s, uint64_t hash, uint64_t step, double lr, cons
   rc = core_set_apply_client_state(s->core, hash, step, cs, cs_len, err, errlen);
   if (rc != 0)
     return rc;
-  return core_apply_step(s->core, hash, step, lr, group_lr, ngroup_lr, hp, coef, skip, cb, arg, out,
-                         err, errlen);
+  return core_apply_members(s->core, hash, step, lr, group_lr, ngroup_lr, hp, members, coef, skip,
+                            cb, arg, out, err, errlen);
 }
 
 /* ------------------------------------------------------------ optimizer state */

@@ -224,6 +224,11 @@ int64_t service_batch_piece_bytes(service *s, uint64_t hash, uint32_t index, uin
 int service_grad_stats(service *s, uint64_t hash, uint64_t step, uint32_t acked_rank,
                        uint64_t deadline_ms, core_stats_cb cb, void *arg, core_stats_result *out,
                        char *err, size_t errlen);
+/* service_grad_stats over the ranks `want` (NULL: the shard's set), the
+ * second round of the membership agreement (core_grad_stats_members). */
+int service_grad_stats_members(service *s, uint64_t hash, uint64_t step, uint32_t acked_rank,
+                               const core_members *want, uint64_t deadline_ms, core_stats_cb cb,
+                               void *arg, core_stats_result *out, char *err, size_t errlen);
 
 /* The apply of `step`: lr must be finite and >= 0 and coef finite
  * (ZS_EINVAL), the client state (cs_len bytes at cs, copied) is recorded for
@@ -250,6 +255,13 @@ int service_apply_step(service *s, uint64_t hash, uint64_t step, double lr, cons
                        uint32_t ngroup_lr, const core_step_hparams *hp, float coef, int skip,
                        const void *cs, size_t cs_len, core_apply_cb cb, void *arg,
                        core_apply_result *out, char *err, size_t errlen);
+/* service_apply_step naming the step's membership (core_apply_members;
+ * NULL: not said). */
+int service_apply_members(service *s, uint64_t hash, uint64_t step, double lr,
+                          const double *group_lr, uint32_t ngroup_lr, const core_step_hparams *hp,
+                          const core_members *members, float coef, int skip, const void *cs,
+                          size_t cs_len, core_apply_cb cb, void *arg, core_apply_result *out,
+                          char *err, size_t errlen);
 
 /* ReadState: `count` elements of array `which` of piece (tensor, slice) from
  * element `offset` into dst (count * 4 bytes, the caller's). `which` must be

@@ -2688,6 +2688,140 @@ static void test_a_pipelined_piece_nobody_gave_a_gradient_is_skipped_too(void **
   run_without_some_gradients(1);
 }
 
+/* ------------------------------------------------------------ elastic membership */
+
+static core *open_elastic(job *j, uint32_t shard, uint32_t timeout_ms) {
+  core_config cfg = {
+      .shard_id = shard, .num_shards = j->N, .threads = 2, .trainer_timeout_ms = timeout_ms};
+  core *c = NULL;
+  assert_int_equal(core_create(&cfg, &c), 0);
+  core_open_result r;
+  char err[256] = "";
+  assert_int_equal(core_open(c, &j->spec, &r, err, sizeof err), 0);
+  init_all(c, j, shard);
+  return c;
+}
+
+/* Pushes every contribution of `rank` to the pieces of `shard` (the first
+ * `limit` of them). */
+static void push_rank(core *c, job *j, uint32_t shard, uint64_t step, uint32_t rank,
+                      uint32_t limit) {
+  for (uint32_t i = 0, n = 0; i < j->layout.num_pieces && n < limit; i++) {
+    const layout_piece *p = &j->layout.pieces[i];
+    if (p->shard != shard)
+      continue;
+    n++;
+    int dup = -1;
+    assert_int_equal(push_one(c, j, step, p->tensor, p->slice, rank, &dup), 0);
+    assert_int_equal(dup, 0);
+  }
+}
+
+static int apply_members_sync(core *c, job *j, uint64_t step, const core_members *m, char *err,
+                              size_t errlen) {
+  event e;
+  event_init(&e);
+  core_apply_result out;
+  int rc = core_apply_members(c, j->hash, step, 0.01, NULL, 0, NULL, m, 1.0f, 0, on_apply, &e, &out,
+                              err, errlen);
+  if (rc == CORE_PENDING) {
+    event_wait(&e, 1);
+    rc = e.status;
+  }
+  event_destroy(&e);
+  return rc;
+}
+
+/* Issue 26: rank 2 of 3 dies halfway through its pushes of step 1: some of
+ * shard 0's pieces, all of shard 1's. Shard 0 decides {0, 1} at the trainer
+ * timeout; shard 1, complete, is asked for {0, 1} (the agreement's second
+ * round); a backup of shard 1 that only sees the Apply sums {0, 1} too. Each
+ * ends with the bits of a step rank 2 never pushed to, and refuses rank 2
+ * from then on (ZS_ELEFT). */
+static void test_elastic_a_rank_left_out_halfway_is_discarded_alike_on_every_shard(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 3, 1, 2, ZS_DTYPE_BF16, SPEC_REDUCE_SUM, ZS_DTYPE_BF16);
+  job_finish(&j, 7);
+  job_make_grads(&j, 8);
+  core *c0 = open_elastic(&j, 0, 100), *c1 = open_elastic(&j, 1, 100);
+  core *b0 = open_elastic(&j, 0, 100), *b1 = open_elastic(&j, 1, 100);
+  for (uint32_t r = 0; r < 2; r++) {
+    push_rank(b0, &j, 0, 1, r, UINT32_MAX);
+    push_rank(c0, &j, 0, 1, r, UINT32_MAX);
+    push_rank(c1, &j, 1, 1, r, UINT32_MAX);
+    push_rank(b1, &j, 1, 1, r, UINT32_MAX);
+  }
+  push_rank(c0, &j, 0, 1, 2, 2);
+  push_rank(b0, &j, 0, 1, 2, 2);
+  push_rank(c1, &j, 1, 1, 2, UINT32_MAX);
+  push_rank(b1, &j, 1, 1, 2, UINT32_MAX);
+
+  core_stats_result s0, s1;
+  assert_int_equal(stats_sync(c0, &j, 1, &s0), 0); /* after the timeout */
+  assert_int_equal(s0.members.n, 2);
+  assert_false(core_members_has(&s0.members, 2));
+  assert_int_equal(stats_sync(c1, &j, 1, &s1), 0);
+  assert_int_equal(s1.members.n, 3);
+  char err[256] = "";
+  /* Late: rank 2's push to shard 0 is refused, and changes nothing. */
+  int dup = -1;
+  const layout_piece *last = NULL;
+  for (uint32_t i = 0; i < j.layout.num_pieces; i++)
+    if (j.layout.pieces[i].shard == 0)
+      last = &j.layout.pieces[i];
+  core_push_args late = push_args(&j, 1, last, 2);
+  assert_int_equal(core_push(c0, &late, &dup, err, sizeof err), ZS_ELEFT);
+  assert_non_null(strstr(err, "rank 2"));
+  /* The second round on shard 1. */
+  event e;
+  event_init(&e);
+  int rc = core_grad_stats_members(c1, j.hash, 1, &s0.members, clock_now_ms() + TEST_WAIT_MS,
+                                   on_stats, &e, &s1, err, sizeof err);
+  if (rc == CORE_PENDING) {
+    event_wait(&e, 1);
+    rc = e.status;
+    s1 = e.stats;
+  }
+  event_destroy(&e);
+  assert_int_equal(rc, 0);
+  assert_true(core_members_equal(&s1.members, &s0.members));
+  /* Another set than the one summed is refused. */
+  core_members all = s0.members;
+  core_members_add(&all, 2);
+  assert_int_equal(apply_members_sync(c0, &j, 1, &all, err, sizeof err), ZS_EINVAL);
+  assert_int_equal(apply_members_sync(c0, &j, 1, &s0.members, err, sizeof err), 0);
+  assert_int_equal(apply_members_sync(c1, &j, 1, &s0.members, err, sizeof err), 0);
+  /* Backups (never asked for statistics): b1 summed all three ranks, b0
+   * still waits for rank 2; the Apply decides both. */
+  assert_int_equal(apply_members_sync(b1, &j, 1, &s0.members, err, sizeof err), 0);
+  assert_int_equal(apply_members_sync(b0, &j, 1, &s0.members, err, sizeof err), 0);
+
+  /* The reference: rank 2 contributed nothing (x + 0 is x). */
+  for (uint32_t t = 0; t < j.nt; t++)
+    memset(j.grad[t * j.WM + 2], 0, (size_t)j.spec.tensors[t].numel * 2);
+  j.ref_opt_steps = 0;
+  job_ref_step(&j, 0.01, 1.0f, 0);
+  check_shard_matches_reference(c0, &j, 0, 1);
+  check_shard_matches_reference(c1, &j, 1, 1);
+  check_shard_matches_reference(b1, &j, 1, 1);
+  check_shard_matches_reference(b0, &j, 0, 1);
+
+  /* Step 2 goes on with ranks 0 and 1; rank 2 is refused everywhere. */
+  late = push_args(&j, 2, last, 2);
+  assert_int_equal(core_push(c0, &late, &dup, err, sizeof err), ZS_ELEFT);
+  core_membership mb;
+  core_get_membership(c1, &mb);
+  assert_int_equal(mb.members.n, 2);
+  assert_int_equal(mb.epoch, 1);
+  assert_int_equal(mb.leaves, 1);
+  core_destroy(c0);
+  core_destroy(c1);
+  core_destroy(b0);
+  core_destroy(b1);
+  job_free(&j);
+}
+
 int main(void) {
   /* One "apply" line per step on stderr would drown the test output. */
   log_set_level(LOG_LEVEL_WARN);
@@ -2728,6 +2862,7 @@ int main(void) {
       cmocka_unit_test(test_state_writes_refresh_the_low_copy_and_wait_for_idle),
       cmocka_unit_test(test_a_piece_nobody_gave_a_gradient_keeps_its_state_and_step_count),
       cmocka_unit_test(test_a_pipelined_piece_nobody_gave_a_gradient_is_skipped_too),
+      cmocka_unit_test(test_elastic_a_rank_left_out_halfway_is_discarded_alike_on_every_shard),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

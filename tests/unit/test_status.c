@@ -51,6 +51,7 @@ static const struct {
     {ZS_ELIMIT, "ZS_ELIMIT", GRPC_STATUS_RESOURCE_EXHAUSTED},
     {ZS_ENOTPRIMARY, "ZS_ENOTPRIMARY", GRPC_STATUS_FAILED_PRECONDITION},
     {ZS_ESTALE, "ZS_ESTALE", GRPC_STATUS_ABORTED},
+    {ZS_ELEFT, "ZS_ELEFT", GRPC_STATUS_FAILED_PRECONDITION},
 };
 #define NCODES (sizeof k_codes / sizeof k_codes[0])
 
@@ -83,7 +84,7 @@ static void every_code_has_its_sentence_and_name(void **state) {
 
 static void unknown_codes_get_generic_text(void **state) {
   (void)state;
-  const int unknown[] = {1, 42, -28, -1000, INT32_MIN, INT32_MAX};
+  const int unknown[] = {1, 42, -29, -1000, INT32_MIN, INT32_MAX};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
     assert_string_equal(zs_strerror(unknown[i]), "unknown error");
     assert_string_equal(zs_err_name(unknown[i]), "ZS_UNKNOWN");

@@ -44,6 +44,7 @@ EPERM: int  # -24
 ELIMIT: int  # -25
 ENOTPRIMARY: int  # -26
 ESTALE: int  # -27
+ELEFT: int  # -28
 # Dtypes (zs_dtype).
 FP32: int
 FP16: int
@@ -133,6 +134,10 @@ class StepResult(structseq[Any], Tuple[int, int, bool, bool, float, float, float
     def next_loss_scale(self) -> float: ...
     @property
     def timing(self) -> Timing: ...
+    @property
+    def num_members(self) -> int: ...
+    @property
+    def member_rank(self) -> int: ...
 
 @final
 class Request:

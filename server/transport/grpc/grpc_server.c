@@ -249,6 +249,9 @@ struct gcall {
   int async_status;
   core_stats_result stats;
   core_apply_result apply;
+  /* GradStats: the membership asked for (has_want), second round. */
+  int has_want;
+  core_members want;
   ckpt_svc_result *ckpt; /* owned; checkpoint methods only */
 
   /* Watch state, under gsrv.lock. */
@@ -1260,11 +1263,15 @@ static void stats_finish(gcall *c, int claimed) {
   core_missing_entry ent[CORE_MAX_MISSING];
   spec sp; /* a copy, for the missing tensors' names: see h_get_info */
   int have = 0;
+  uint32_t ranks[CORE_ELASTIC_MAX_W];
   if (c->async_status == ZS_OK) {
     resp.step = c->stats.step;
     resp.complete = 1;
     resp.sum_squares = c->stats.sum_squares;
     resp.nonfinite = c->stats.nonfinite != 0;
+    resp.num_members = c->stats.members.n;
+    resp.n_members = core_members_list(s->core, &c->stats.members, ranks, CORE_ELASTIC_MAX_W);
+    resp.members = ranks;
   } else if (c->async_status == ZS_ETIMEDOUT) {
     /* A timeout is an answer, not an error: the caller learns who is late. */
     resp.step = c->step;
@@ -1309,16 +1316,27 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   c->step = r->step;
   uint32_t timeout_ms = r->timeout_ms;
   uint32_t acked_rank = r->acked_rank;
+  /* The membership asked for (second round of the agreement), checked
+   * against the job before anything waits. */
+  c->has_want = r->num_members > 0;
+  int rc = c->has_want ? core_members_decode(s->core, r->num_members, r->members, r->n_members,
+                                             &c->want, err, sizeof err)
+                       : 0;
   protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (rc != 0) {
+    finish_err(c, 0, rc, err);
+    return;
+  }
+  const core_members *want = c->has_want ? &c->want : NULL;
 
-  int rc = park_begin(s, c, c->step, err, sizeof err);
+  rc = park_begin(s, c, c->step, err, sizeof err);
   if (rc == ZS_ELIMIT) {
     /* No room to wait, but statistics that are ready need none: asked with
      * a deadline already passed, the core answers them or says
      * ZS_ETIMEDOUT at once, never parking the call. */
     char now_err[GSRV_ERRLEN] = "";
-    int now = service_grad_stats(s->svc, c->hash, c->step, acked_rank, clock_now_ms(),
-                                 on_core_stats, c, &c->stats, now_err, sizeof now_err);
+    int now = service_grad_stats_members(s->svc, c->hash, c->step, acked_rank, want, clock_now_ms(),
+                                         on_core_stats, c, &c->stats, now_err, sizeof now_err);
     if (now == ZS_OK) {
       c->async_status = ZS_OK;
       stats_finish(c, 0);
@@ -1334,8 +1352,9 @@ static void h_grad_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     return;
   }
   gcall_ref(c);
-  rc = service_grad_stats(s->svc, c->hash, c->step, acked_rank, wait_deadline(c, timeout_ms),
-                          on_core_stats, c, &c->stats, err, sizeof err);
+  rc = service_grad_stats_members(s->svc, c->hash, c->step, acked_rank, want,
+                                  wait_deadline(c, timeout_ms), on_core_stats, c, &c->stats, err,
+                                  sizeof err);
   if (rc == CORE_PENDING)
     return;
   gcall_unref(c);
@@ -1387,9 +1406,15 @@ static void h_apply(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   hp.n[CORE_HP_##up] = r->n_group_##name > UINT32_MAX ? UINT32_MAX : (uint32_t)r->n_group_##name;
   CORE_STEP_HPARAMS(HP_FROM_REQUEST)
 #undef HP_FROM_REQUEST
-  int rc = service_apply_step(s->svc, r->spec_hash, r->step, r->lr, r->group_lr, nglr, &hp, r->coef,
-                              r->skip, r->client_state.data, r->client_state.len, on_core_apply, c,
-                              &c->apply, err, sizeof err);
+  core_members members;
+  int rc = r->num_members > 0 ? core_members_decode(s->core, r->num_members, r->members,
+                                                    r->n_members, &members, err, sizeof err)
+                              : 0;
+  if (rc == 0)
+    rc = service_apply_members(s->svc, r->spec_hash, r->step, r->lr, r->group_lr, nglr, &hp,
+                               r->num_members > 0 ? &members : NULL, r->coef, r->skip,
+                               r->client_state.data, r->client_state.len, on_core_apply, c,
+                               &c->apply, err, sizeof err);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   if (rc == CORE_PENDING)
     return;
@@ -1694,6 +1719,14 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.waiting_pulls = k.waiting_pulls;
   resp.waiting_stats = k.waiting_stats;
   resp.rss_bytes = metrics_process_rss();
+  core_membership mb;
+  core_get_membership(s->core, &mb);
+  resp.members = mb.members.n;
+  resp.world_size = mb.world_size;
+  resp.membership_epoch = mb.epoch;
+  resp.member_leaves = mb.leaves;
+  resp.trainer_timeouts = mb.timeouts;
+  resp.trainer_timeout_ms = mb.trainer_timeout_ms;
   finish_msg(c, 0, &resp.base);
 }
 

@@ -279,10 +279,14 @@ static PyStructSequence_Field step_result_fields[] = {
     {"loss_scale", "used for this step"},
     {"next_loss_scale", "to use for the next step"},
     {"timing", "a zshard.Timing"},
+    /* By name only (the tuple keeps its 10 items): the step's membership. */
+    {"num_members", "ranks that contributed to the step (docs/CLIENT.md, elastic trainers)"},
+    {"member_rank", "this rank's place among them, from 0"},
     {NULL, NULL},
 };
 static PyStructSequence_Desc step_result_desc = {
     "zshard.StepResult", "What zs_step did (zs_step_result).", step_result_fields, 10};
+#define STEP_RESULT_FIELDS 12
 
 static PyObject *timing_new(const zs_timing *t) {
   PyObject *o = PyStructSequence_New(&timing_type);
@@ -318,7 +322,9 @@ static PyObject *step_result_new(const zs_step_result *r, const zs_timing *t) {
   PyStructSequence_SET_ITEM(o, 7, PyFloat_FromDouble(r->loss_scale));
   PyStructSequence_SET_ITEM(o, 8, PyFloat_FromDouble(r->next_loss_scale));
   PyStructSequence_SET_ITEM(o, 9, timing_new(t));
-  for (Py_ssize_t i = 0; i < 10; i++)
+  PyStructSequence_SET_ITEM(o, 10, PyLong_FromUnsignedLong(r->num_members));
+  PyStructSequence_SET_ITEM(o, 11, PyLong_FromUnsignedLong(r->member_rank));
+  for (Py_ssize_t i = 0; i < STEP_RESULT_FIELDS; i++)
     if (!PyStructSequence_GET_ITEM(o, i)) {
       Py_DECREF(o);
       return NULL;

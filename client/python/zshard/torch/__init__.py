@@ -578,6 +578,22 @@ class ShardedOptimizer(_Transfers, _StateDict, torch.optim.Optimizer):
         if self._bufs is not None:
             self._bufs.push(self.client, self.grad_accum, self._version)
 
+    @property
+    def num_members(self) -> int:
+        """How many ranks contributed to the last step (the world size until
+        the shards' trainer timeout leaves a rank out; docs/PYTORCH.md,
+        "Elastic trainers"): a data loader re-shards the next step's batch
+        over this many."""
+        r = self.last_result
+        return self.world_size if r is None else int(r.num_members)
+
+    @property
+    def member_rank(self) -> int:
+        """This rank's place among the last step's members, from 0: its
+        share of a re-sharded batch."""
+        r = self.last_result
+        return self.rank if r is None else int(r.member_rank)
+
     def grad_norm(self) -> Tuple[float, bool]:
         """The global norm of this step's gradient (over every trainer's
         contributions, divided by the loss scale, before clipping) and

@@ -1,0 +1,313 @@
+/*
+ * core_members — the elastic membership of a job on one shard (DESIGN.md
+ * "Membership"): which ranks contribute to the pending step, the trainer
+ * timeout that leaves a silent rank out, and the sum over the members.
+ *
+ * Why every contribution is kept: a step's membership is decided after its
+ * contributions arrived (a rank that dies half-way through its pushes is
+ * left out on every shard alike, including those that hold all of its
+ * contributions), and floating-point addition cannot take a term back out
+ * of a sum. So an elastic job keeps each contribution as it came (the wire
+ * dtype's bytes, W * M of them per piece at most: 2 * W * M bytes per
+ * parameter for bf16) until its step is applied, and the worker sums them
+ * once the set is known, in the fixed (micro, rank) order, skipping the
+ * ranks left out: with every rank a member that is the streaming sum of a
+ * fixed membership, bit for bit.
+ *
+ * Locks: as in core.c. The push side runs with state_rw shared and the
+ * piece's mu (taking mu inside it); the worker's side takes state_rw shared
+ * and each piece's mu to read the kept contributions.
+ */
+#include "common/base/status.h"
+#include "server/core/core_internal.h"
+
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/base/clock.h"
+#include "common/base/dtype.h"
+#include "common/base/log.h"
+
+void core_members_add(core_members *m, uint32_t rank) {
+  if (rank >= CORE_ELASTIC_MAX_W || core_members_has(m, rank))
+    return;
+  m->bits[rank / 64] |= UINT64_C(1) << (rank % 64);
+  m->n++;
+}
+
+int core_members_equal(const core_members *a, const core_members *b) {
+  return a->n == b->n && memcmp(a->bits, b->bits, sizeof a->bits) == 0;
+}
+
+static void members_remove(core_members *m, uint32_t rank) {
+  if (!core_members_has(m, rank))
+    return;
+  m->bits[rank / 64] &= ~(UINT64_C(1) << (rank % 64));
+  m->n--;
+}
+
+void core__members_reset(core *c) {
+  memset(&c->members, 0, sizeof c->members);
+  if (c->W <= CORE_ELASTIC_MAX_W)
+    for (uint32_t r = 0; r < c->W; r++)
+      core_members_add(&c->members, r);
+  else
+    c->members.n = c->W; /* a fixed membership: the bits are never read */
+  c->stat_members = c->members;
+  c->last_members = c->members;
+  c->apply_members = c->members;
+  c->frozen = 0;
+  c->stall_since = 0;
+}
+
+void core_get_membership(core *c, core_membership *out) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&c->mu);
+  out->trainer_timeout_ms = c->trainer_timeout_ms;
+  if (c->open) {
+    out->elastic = c->elastic;
+    out->world_size = c->W;
+    out->epoch = c->member_epoch;
+    out->leaves = c->member_leaves;
+    out->timeouts = c->member_timeouts;
+    out->members = c->members;
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+int core__push_left(core *c, uint32_t rank, uint64_t step, char *err, size_t errlen) {
+  if (!c->elastic || core_members_has(&c->members, rank))
+    return 0;
+  return status_fail(err, errlen, ZS_ELEFT,
+                     "rank %u was left out of job '%s' after the trainer timeout (%u ms): its "
+                     "push for step %" PRIu64 " is refused (the shard is at version %" PRIu64
+                     "); open the job again to rejoin",
+                     rank, c->spec.job, c->trainer_timeout_ms, step, c->version);
+}
+
+int core__push_keep(core *c, piece_state *ps, uint32_t k, uint32_t rank, zs_dtype dtype,
+                    const void *data, size_t nbytes, char *err, size_t errlen) {
+  if (!core_members_has(&c->members, rank))
+    return status_fail(err, errlen, ZS_ELEFT,
+                       "rank %u is not a member of step %" PRIu64 " of job '%s' (it was left out "
+                       "at a trainer timeout); nothing of this push was kept: open the job again "
+                       "to rejoin",
+                       rank, c->version + 1, c->spec.job);
+  pthread_mutex_lock(&c->mu);
+  int out = c->frozen && !core_members_has(&c->stat_members, rank);
+  pthread_mutex_unlock(&c->mu);
+  if (out)
+    return status_fail(err, errlen, ZS_ELEFT,
+                       "rank %u was left out of step %" PRIu64 " of job '%s' after the trainer "
+                       "timeout (%u ms): its contributions to the step are discarded on every "
+                       "shard; open the job again to rejoin",
+                       rank, c->version + 1, c->spec.job, c->trainer_timeout_ms);
+  if (!ps->held && !(ps->held = calloc(c->WM, sizeof *ps->held)))
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory keeping a contribution");
+  held_contrib *h = core__held_get(c, nbytes);
+  if (!h)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory keeping a contribution");
+  h->dtype = dtype;
+  h->nbytes = nbytes;
+  if (nbytes > 0)
+    memcpy(h->data, data, nbytes);
+  ps->held[k] = h;
+  ps->nheld++;
+  atomic_fetch_add_explicit(&c->held_bytes, nbytes, memory_order_relaxed);
+  ps->received[k / 64] |= UINT64_C(1) << (k % 64);
+  atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
+  pthread_mutex_lock(&c->mu);
+  /* Only members' contributions are kept, so the piece is complete once it
+   * holds M of each; the step once every piece is, unless it was decided. */
+  if (++ps->nrecv == c->members.n * c->M && ++c->complete_pieces == c->npieces && !c->frozen &&
+      c->stats_phase == STATS_WAITING) {
+    c->stat_members = c->members;
+    c->stats_phase = STATS_COMPUTING;
+    pthread_cond_signal(&c->worker_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+/* Sums piece i's kept contributions of stat_members into its range of acc. */
+static void members_sum_piece(void *arg, size_t i) {
+  core *c = arg;
+  piece_state *ps = &c->pieces[i];
+  float *acc = c->acc + ps->lp->arena_off;
+  size_t n = (size_t)ps->lp->numel;
+  pthread_mutex_lock(&ps->mu);
+  memset(acc, 0, n * sizeof *acc);
+  ps->has_grad = 0;
+  for (uint32_t k = 0; ps->held && k < c->WM; k++) {
+    const held_contrib *h = ps->held[k];
+    if (!h || !core_members_has(&c->stat_members, k % c->W))
+      continue;
+    if (h->nbytes > 0) {
+      dtype_accumulate(h->dtype, h->data, acc, n);
+      ps->has_grad = 1;
+    }
+  }
+  pthread_mutex_unlock(&ps->mu);
+}
+
+void core__members_sum(core *c) {
+  pool_run(c->pool, c->npieces, members_sum_piece, c);
+}
+
+void core__members_complete(core *c, core_members *out) {
+  pthread_rwlock_rdlock(&c->state_rw);
+  *out = c->members;
+  for (uint32_t i = 0; i < c->npieces && out->n > 0; i++) {
+    piece_state *ps = &c->pieces[i];
+    pthread_mutex_lock(&ps->mu);
+    for (uint32_t r = 0; r < c->W; r++) {
+      for (uint32_t m = 0; core_members_has(out, r) && m < c->M; m++) {
+        uint32_t k = m * c->W + r;
+        if (!((ps->received[k / 64] >> (k % 64)) & 1u))
+          members_remove(out, r);
+      }
+    }
+    pthread_mutex_unlock(&ps->mu);
+  }
+  pthread_rwlock_unlock(&c->state_rw);
+}
+
+uint64_t core__members_deadline(const core *c) {
+  if (!c->elastic || c->frozen || c->stats_phase != STATS_WAITING || c->stall_since == 0)
+    return UINT64_MAX;
+  return c->stall_since + c->trainer_timeout_ms;
+}
+
+void core__members_timeout(core *c) {
+  core_members done;
+  core__members_complete(c, &done);
+  pthread_mutex_lock(&c->mu);
+  uint64_t now = clock_now_ms();
+  if (core__members_deadline(c) > now) {
+    /* The step completed (or was decided) meanwhile. */
+  } else if (done.n == 0) {
+    /* Nobody gave the whole step here: there is no one to go on with, so
+     * the job waits (for the missing ranks, or for a restore). */
+    c->stall_since = now;
+  } else {
+    char left[128] = "";
+    size_t len = 0;
+    for (uint32_t r = 0; r < c->W && len < sizeof left - 12; r++)
+      if (core_members_has(&c->members, r) && !core_members_has(&done, r))
+        len += (size_t)snprintf(left + len, sizeof left - len, "%s%u", len ? "," : "", r);
+    LOG_WARN("trainer_timeout",
+             "shard=%u step=%" PRIu64 " timeout_ms=%u members=%u complete=%u left_out=%s",
+             c->shard_id, c->version + 1, c->trainer_timeout_ms, c->members.n, done.n, left);
+    c->frozen = 1;
+    c->stat_members = done;
+    c->member_timeouts++;
+    c->stats_phase = STATS_COMPUTING;
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+void core__members_release(core *c) {
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    piece_state *ps = &c->pieces[i];
+    if (ps->held) {
+      for (uint32_t k = 0; k < c->WM; k++)
+        core__held_put(c, ps->held[k]);
+      free(ps->held);
+      ps->held = NULL;
+    }
+    ps->nheld = 0;
+    ps->nrecv = 0;
+  }
+  atomic_store_explicit(&c->held_bytes, 0, memory_order_relaxed);
+}
+
+int core__members_complete_for(core *c, const core_members *want) {
+  /* Only a shard still waiting for the step's contributions needs the walk
+   * over its pieces; checked under mu first so that no other Apply (which
+   * may come while an apply holds state_rw) waits on state_rw here. */
+  pthread_mutex_lock(&c->mu);
+  int waiting = c->open && c->elastic && want->n < c->members.n &&
+                c->stats_phase == STATS_WAITING && !c->frozen && c->apply_state == APPLY_NONE;
+  pthread_mutex_unlock(&c->mu);
+  if (!waiting)
+    return 0;
+  core_members done;
+  core__members_complete(c, &done);
+  return core__members_subset(want, &done);
+}
+
+int core__members_subset(const core_members *a, const core_members *b) {
+  for (uint32_t i = 0; i < CORE_MEMBER_WORDS; i++)
+    if (a->bits[i] & ~b->bits[i])
+      return 0;
+  return a->n > 0;
+}
+
+void core__members_narrow(core *c, const core_members *want) {
+  c->stat_members = *want;
+  c->frozen = 1;
+  c->stats_phase = STATS_COMPUTING;
+  pthread_cond_signal(&c->worker_cv);
+}
+
+void core__members_next_step(core *c) {
+  core__members_release(c);
+  if (!core_members_equal(&c->members, &c->stat_members)) {
+    c->member_leaves += c->members.n - c->stat_members.n;
+    c->member_epoch++;
+    LOG_INFO("membership", "shard=%u step=%" PRIu64 " members=%u epoch=%" PRIu64, c->shard_id,
+             c->version + 1, c->stat_members.n, c->member_epoch);
+  }
+  c->last_members = c->stat_members;
+  c->members = c->stat_members;
+  c->apply_members = c->stat_members;
+  c->frozen = 0;
+  c->stall_since = 0;
+}
+
+int core_members_decode(core *c, uint32_t num, const uint32_t *ranks, size_t nranks,
+                        core_members *out, char *err, size_t errlen) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&c->mu);
+  uint32_t W = c->open ? c->W : 0;
+  pthread_mutex_unlock(&c->mu);
+  if (W == 0)
+    return status_fail(err, errlen, ZS_ENOTOPEN, "no job is open on this shard");
+  if (num == W && nranks == 0) {
+    if (W > CORE_ELASTIC_MAX_W) {
+      out->n = W;
+      return 0;
+    }
+    for (uint32_t r = 0; r < W; r++)
+      core_members_add(out, r);
+    return 0;
+  }
+  if (num > W || num > CORE_ELASTIC_MAX_W || nranks != num)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "a membership of %u rank(s) must list them (%zu listed), and a job of "
+                       "world size %u has at most %u",
+                       num, nranks, W, W < CORE_ELASTIC_MAX_W ? W : CORE_ELASTIC_MAX_W);
+  for (size_t i = 0; i < nranks; i++) {
+    if (ranks[i] >= W || core_members_has(out, ranks[i]))
+      return status_fail(err, errlen, ZS_EINVAL, "membership rank %u is %s (world size %u)",
+                         ranks[i], ranks[i] >= W ? "out of range" : "listed twice", W);
+    core_members_add(out, ranks[i]);
+  }
+  return 0;
+}
+
+size_t core_members_list(core *c, const core_members *m, uint32_t *ranks, size_t cap) {
+  pthread_mutex_lock(&c->mu);
+  uint32_t W = c->open ? c->W : 0;
+  pthread_mutex_unlock(&c->mu);
+  if (m->n >= W || W > CORE_ELASTIC_MAX_W)
+    return 0;
+  size_t n = 0;
+  for (uint32_t r = 0; r < W && n < cap; r++)
+    if (core_members_has(m, r))
+      ranks[n++] = r;
+  return n;
+}
