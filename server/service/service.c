@@ -80,6 +80,10 @@ void service_counters(service *s, core_counters *out) {
   core_get_counters(s->core, out);
 }
 
+void service_membership(service *s, core_membership *out) {
+  core_get_membership(s->core, out);
+}
+
 size_t service_client_state(service *s, void *buf, size_t cap, uint64_t *version) {
   return core_get_client_state(s->core, buf, cap, version);
 }

@@ -143,6 +143,9 @@ void service_info(service *s, core_info *out);
 /* The shard's counters (core_get_counters). */
 void service_counters(service *s, core_counters *out);
 
+/* The job's trainer membership: members, epoch, leaves (core_get_membership). */
+void service_membership(service *s, core_membership *out);
+
 /* The client state of the current version into buf (cap bytes), its length
  * returned and *version (may be NULL) that version (core_get_client_state). */
 size_t service_client_state(service *s, void *buf, size_t cap, uint64_t *version);

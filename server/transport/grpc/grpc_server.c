@@ -1720,7 +1720,7 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.waiting_stats = k.waiting_stats;
   resp.rss_bytes = metrics_process_rss();
   core_membership mb;
-  core_get_membership(s->core, &mb);
+  service_membership(s->svc, &mb);
   resp.members = mb.members.n;
   resp.world_size = mb.world_size;
   resp.membership_epoch = mb.epoch;
