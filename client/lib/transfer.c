@@ -107,7 +107,7 @@ void zc_op_register_locked(struct zs_request *op) {
 /* The fast path of a transfer (zc_dp_submit_inline): an op of one task that
  * is the client's only transfer in flight, while the pool is not held, is
  * submitted to its data client on the calling thread. The pool's hand-off
- * costs an isolated round trip a wake-up of a worker (docs/PERFORMANCE.md,
+ * costs an isolated round trip a wake-up of a worker (docs/PERFORMANCE.md, "Small
  * "Where a 4 KiB round trip's time goes"); a burst of transfers, each with
  * others in flight, goes through the pool, whose workers coalesce their
  * small pieces into batches. Returns 1 when the op was taken. */
@@ -728,9 +728,9 @@ static int ef_wanted(const zs_client *c, zs_dtype buf, zs_dtype wire) {
 
 /* defer: an entry of a batch (run_batch), whose arguments check_batch has
  * checked, which wakes the pool once and accounts the batch's time once;
- * each entry doing both cost a third of a batched submission's instructions
- * and two more lock round trips per tensor (docs/PERFORMANCE.md,
- * "Submission cost"). */
+ * each entry doing both cost about 15 % of a batched submission's instructions
+ * and two more lock round trips per tensor (docs/PERFORMANCE.md, "Small
+ * calls"). */
 static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg, zs_request **out,
                       int defer) {

@@ -511,8 +511,8 @@ static void core_run_apply(core *c) {
 
 /* One chunk: the optimizer, then the CRC32C of the low copy it just wrote
  * (2 bytes per element, still in this core's cache: a separate pass over
- * the pieces read them back from memory, about 10 % of the pass's time on
- * the benchmark VM, docs/PERFORMANCE.md "Apply through the core"). */
+ * the pieces read them back from memory, 13 % of the kernel's CPU time on
+ * the benchmark VM, docs/PERFORMANCE.md "Small calls"). */
 static void core_apply_piece_chunk(void *arg, size_t i) {
   core *c = arg;
   apply_task *t = &c->ptasks[i];
