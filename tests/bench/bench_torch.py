@@ -27,7 +27,9 @@ Figures (bench "torch"; JSON lines as the other benchmarks print them):
       divided by its tensors). Goal <= 5 us. preempted_calls of the
       submit_ncalls calls saw the thread preempted (an involuntary context
       switch, getrusage RUSAGE_THREAD), preempted_share is their part of the
-      submission time, and p50_unpreempted_us the median over the other
+      submission time, blocked_calls how many slept in the call (a
+      voluntary switch: a lock or condition waited for), and
+      p50_unpreempted_us the median over the unpreempted
       calls (what a submission costs while the trainer keeps its core: on
       the shared 2-vCPU machine the plain median moves with the load).
 Every mode runs --rounds times (2), the modes in turn, and each figure pools
@@ -132,18 +134,25 @@ def worker(a):
 
         import resource
 
-        def preemptions():
-            return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+        def switches():
+            """(involuntary, voluntary) context switches of this thread."""
+            r = resource.getrusage(resource.RUSAGE_THREAD)
+            return r.ru_nivcsw, r.ru_nvcsw
 
         def timed(fn, batched):
             def call(*args, **kw):
-                pre = preemptions()
+                pre = switches()
                 t0 = time.perf_counter()
                 try:
                     return fn(*args, **kw)
                 finally:
                     dt = time.perf_counter() - t0
-                    preempted = preemptions() != pre
+                    post = switches()
+                    preempted = post[0] != pre[0]
+                    if sub.get("on") and post[1] != pre[1]:
+                        # The thread slept during the call (a lock or a
+                        # condition it waited for): a voluntary switch.
+                        sub["blocked_n"] = sub.get("blocked_n", 0) + 1
                     if sub.get("on") and preempted:
                         # The thread was preempted during the call (an
                         # involuntary context switch): how much of the
@@ -194,6 +203,7 @@ def worker(a):
                           if k.endswith(("_n", "_s")) and not k.startswith("preempted")}
         out["preempted_calls"] = sub.get("preempted_n", 0)
         out["preempted_s"] = sub.get("preempted_s", 0.0)
+        out["blocked_calls"] = sub.get("blocked_n", 0)
         out["submit_ncalls"] = len(sub["each"])
         opt.close()
     else:
@@ -311,7 +321,8 @@ def driver(a):
                                 x["submit_each_quiet"] += y["submit_each_quiet"]
                                 x["submit_calls"] += y["submit_calls"]
                                 x["submit_s"] += y["submit_s"]
-                                for k in ("preempted_calls", "preempted_s", "submit_ncalls"):
+                                for k in ("preempted_calls", "preempted_s", "submit_ncalls",
+                                          "blocked_calls"):
                                     x[k] += y[k]
                                 for k, v in y["by_call"].items():
                                     x["by_call"][k] = x["by_call"].get(k, 0) + v
@@ -350,6 +361,7 @@ def driver(a):
                    max_us=1e6 * max(o[0]["submit_each"]),
                    submit_ncalls=o[0]["submit_ncalls"],
                    preempted_calls=o[0]["preempted_calls"],
+                   blocked_calls=o[0]["blocked_calls"],
                    preempted_share=o[0]["preempted_s"] / max(1e-12, o[0]["submit_s"]),
                    **{k[:-2] + "_us": 1e6 * v / max(1, o[0]["by_call"][k[:-2] + "_n"])
                       for k, v in o[0]["by_call"].items() if k.endswith("_s")},
