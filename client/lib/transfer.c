@@ -107,7 +107,7 @@ void zc_op_register_locked(struct zs_request *op) {
 /* The fast path of a transfer (zc_dp_submit_inline): an op of one task that
  * is the client's only transfer in flight, while the pool is not held, is
  * submitted to its data client on the calling thread. The pool's hand-off
- * costs an isolated round trip a wake-up of a worker (docs/PERFORMANCE.md,
+ * costs an isolated round trip a wake-up of a worker (docs/PERFORMANCE.md, "Small
  * "Where a 4 KiB round trip's time goes"); a burst of transfers, each with
  * others in flight, goes through the pool, whose workers coalesce their
  * small pieces into batches. Returns 1 when the op was taken. */
@@ -726,18 +726,24 @@ static int ef_wanted(const zs_client *c, zs_dtype buf, zs_dtype wire) {
   return c->opt.error_feedback && buf == ZS_DTYPE_FP32 && wire != ZS_DTYPE_FP32;
 }
 
+/* defer: an entry of a batch (run_batch), whose arguments check_batch has
+ * checked, which wakes the pool once and accounts the batch's time once;
+ * each entry doing both cost about 15 % of a batched submission's instructions
+ * and two more lock round trips per tensor (docs/PERFORMANCE.md, "Small
+ * calls"). */
 static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
                       zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg, zs_request **out,
                       int defer) {
   const int nograd = is_nograd(grad, nbytes);
-  int rc = nograd ? check_tensor(c, "zs_push", tensor)
-                  : check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
+  int rc = defer    ? ZS_OK
+           : nograd ? check_tensor(c, "zs_push", tensor)
+                    : check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
   if (rc != ZS_OK)
     return rc;
   if (micro >= c->sp.grad_accum)
     return zc_fail(ZS_ERANGE, "zs_push: micro %" PRIu32 " out of range (grad_accum is %" PRIu32 ")",
                    micro, c->sp.grad_accum);
-  uint64_t t0 = clock_now_ns();
+  uint64_t t0 = defer ? 0 : clock_now_ns();
   uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
   zs_request *op = zc_op_new(c, ZC_OP_PUSH, npieces);
   if (!op)
@@ -796,7 +802,8 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   if (!cb)
     atomic_fetch_add(&op->refs, 1); /* the handle, or our own wait */
   op_queue(op, defer);
-  zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
+  if (!defer)
+    zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
   if (cb)
     return ZS_OK;
   if (out) {
@@ -806,12 +813,13 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   return wait_own(op, ZC_OP_PUSH);
 }
 
+/* defer: as for push_start. */
 static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
                       zs_request_cb cb, void *arg, zs_request **out, int defer) {
-  int rc = check_buffer(c, "zs_pull", tensor, dst, dtype, nbytes);
+  int rc = defer ? ZS_OK : check_buffer(c, "zs_pull", tensor, dst, dtype, nbytes);
   if (rc != ZS_OK)
     return rc;
-  uint64_t t0 = clock_now_ns();
+  uint64_t t0 = defer ? 0 : clock_now_ns();
   uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
   zs_dtype wire = pull_wire(c, tensor, dtype);
   zs_request *op = zc_op_new(c, ZC_OP_PULL, npieces);
@@ -873,7 +881,8 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
   }
   for (uint32_t i = 0; i < nprefetch; i++)
     op_queue(prefetch[i], defer);
-  zc_account_wait(c, ZC_OP_PULL, clock_now_ns() - t0);
+  if (!defer)
+    zc_account_wait(c, ZC_OP_PULL, clock_now_ns() - t0);
   if (cb)
     return ZS_OK;
   if (out) {
@@ -1022,6 +1031,7 @@ static int run_batch(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t
     return zc_fail(ZS_ENOMEM, "out of memory for a batch of %" PRIu32 " requests", n);
   int rc = ZS_OK;
   uint32_t started = 0;
+  uint64_t t0 = clock_now_ns();
   for (; started < n && rc == ZS_OK; started++) {
     if (push)
       rc = push_start(c, tensors[started], micro, bufs[started], dtype, nbytes[started], NULL, NULL,
@@ -1033,6 +1043,7 @@ static int run_batch(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t
   /* Also after a failure: what was queued runs, and the caller's requests
    * for it are valid. */
   zc_pool_wake(&c->pool);
+  zc_account_wait(c, push ? ZC_OP_PUSH : ZC_OP_PULL, clock_now_ns() - t0);
   if (rc != ZS_OK)
     started--; /* the failed entry has no request */
   if (!reqs) {

@@ -102,14 +102,12 @@ static void core_job_free(core *c) {
   free(c->q8_crc);
   c->q8 = NULL;
   c->q8_crc = NULL;
-  free(c->plans);
   free(c->pplans);
   free(c->tensor_steps);
   c->pplans = NULL;
   c->tensor_steps = NULL;
   free(c->range_m);
   free(c->range_v);
-  free(c->tasks);
   free(c->block_sums);
   free(c->block_nonfinite);
   free(c->ready);
@@ -137,16 +135,13 @@ static void core_job_free(core *c) {
   c->local_of = NULL;
   c->bitmaps = NULL;
   c->master = c->acc = c->m = c->v = NULL;
-  c->plans = NULL;
   c->range_m = c->range_v = NULL;
-  c->tasks = NULL;
   c->block_sums = NULL;
   c->block_nonfinite = NULL;
   c->pieces_inited = 0;
   c->npieces = 0;
   c->nelems = 0;
   c->nranges = 0;
-  c->ntasks = 0;
   c->nblocks = 0;
 }
 
@@ -234,35 +229,21 @@ static int core_job_build(core *c) {
     c->m = core__arena_alloc(b32);
   if (need_v)
     c->v = core__arena_alloc(b32);
-  /* Not zeroed: read only where written (core_data.c, piece_low_crc). */
+  /* Not zeroed: read only where written (core_data.c, core__low_crc_set). */
   c->q8 = malloc((size_t)q8_bytes + 1);
   if (low_rc != 0 || !c->q8 ||
       (c->nelems > 0 && (!c->master || !c->acc || (need_m && !c->m) || (need_v && !c->v))))
     return ZS_ENOMEM;
   c->state_bytes = b32 * (2u + (uint64_t)need_m + (uint64_t)need_v) + c->nelems * 2u;
 
-  c->plans = calloc((size_t)c->nranges + 1, sizeof *c->plans);
   c->range_m = calloc((size_t)c->nranges + 1, sizeof *c->range_m);
   c->range_v = calloc((size_t)c->nranges + 1, sizeof *c->range_v);
-  if (!c->plans || !c->range_m || !c->range_v)
+  if (!c->range_m || !c->range_v)
     return ZS_ENOMEM;
-  size_t ntasks = 0;
   for (uint32_t r = 0; r < c->nranges; r++) {
     unsigned uses = optim_state_needs(&c->spec.groups[c->ranges[r].group]);
     c->range_m[r] = (uses & OPTIM_STATE_M) ? c->m : NULL;
     c->range_v[r] = (uses & OPTIM_STATE_V) ? c->v : NULL;
-    uint64_t len = c->ranges[r].end - c->ranges[r].begin;
-    ntasks += (size_t)((len + CORE_APPLY_CHUNK - 1) / CORE_APPLY_CHUNK);
-  }
-  c->tasks = calloc(ntasks + 1, sizeof *c->tasks);
-  if (!c->tasks)
-    return ZS_ENOMEM;
-  for (uint32_t r = 0; r < c->nranges; r++) {
-    for (uint64_t b = c->ranges[r].begin; b < c->ranges[r].end; b += CORE_APPLY_CHUNK) {
-      uint64_t e =
-          c->ranges[r].end - b < CORE_APPLY_CHUNK ? c->ranges[r].end : b + CORE_APPLY_CHUNK;
-      c->tasks[c->ntasks++] = (apply_task){.range = r, .begin = b, .n = e - b};
-    }
   }
 
   c->nblocks = (size_t)((c->nelems + CORE_STATS_BLOCK - 1) / CORE_STATS_BLOCK);
@@ -270,8 +251,9 @@ static int core_job_build(core *c) {
   c->block_nonfinite = calloc(c->nblocks + 1, sizeof *c->block_nonfinite);
   if (!c->block_sums || !c->block_nonfinite)
     return ZS_ENOMEM;
-  /* The pipelined step's lists; its passes chunk each piece on its own: at
-   * most one chunk more per piece than the ranges' chunks. */
+  /* The apply's lists (every pass, gated or pipelined, chunks each piece on
+   * its own): at most one chunk more per piece than whole ranges would
+   * take. */
   c->pipelined = c->spec.pipelined;
   c->ready = calloc((size_t)c->npieces + 1, sizeof *c->ready);
   c->batch = calloc((size_t)c->npieces + 1, sizeof *c->batch);

@@ -88,11 +88,12 @@ static int core_find_readable(core *c, uint64_t hash, uint32_t tensor, uint32_t 
  * (initial weights, every apply, restore, a state write), with state_rw held
  * exclusively: its CRC, and the INT8_BLOCK copy with its CRC once a trainer
  * pulls int8, so that a version's int8 pulls are quantized once here and
- * never per request. */
-static void piece_low_crc(core *c, uint32_t i) {
+ * never per request. The optimizer pass computes the CRC itself, chunk by
+ * chunk (core_wait.c); the other writers pass core__low_crc_task's. */
+void core__low_crc_set(core *c, uint32_t i, uint32_t crc) {
   piece_state *ps = &c->pieces[i];
   const layout_piece *lp = ps->lp;
-  c->low_crc[i] = crc32c(0, c->low + lp->arena_off, (size_t)lp->numel * sizeof(uint16_t));
+  c->low_crc[i] = crc;
   ps->q8_fresh = 0;
   if (atomic_load_explicit(&c->q8_wanted, memory_order_relaxed)) {
     unsigned char *q = c->q8 + ps->q8_off;
@@ -103,12 +104,10 @@ static void piece_low_crc(core *c, uint32_t i) {
 }
 
 void core__low_crc_task(void *arg, size_t i) {
-  piece_low_crc(arg, (uint32_t)i);
-}
-
-void core__low_crc_batch_task(void *arg, size_t i) {
   core *c = arg;
-  piece_low_crc(c, c->batch[i]);
+  const layout_piece *lp = c->pieces[i].lp;
+  core__low_crc_set(c, (uint32_t)i,
+                    crc32c(0, c->low + lp->arena_off, (size_t)lp->numel * sizeof(uint16_t)));
 }
 
 /* zeroed: the first buffer of a job (its padding stays 0); else the caller
@@ -378,7 +377,7 @@ int core_init_params_range(core *c, uint64_t hash, uint32_t tensor, uint32_t sli
   if (ps->init_have == total) {
     free(ps->init_chunks);
     ps->init_chunks = NULL;
-    piece_low_crc(c, (uint32_t)(ps - c->pieces));
+    core__low_crc_task(c, (size_t)(ps - c->pieces));
     ps->initialized = 1;
     pthread_mutex_lock(&c->mu);
     if (++c->initialized_pieces == c->npieces) {
@@ -915,7 +914,7 @@ int core_state_write(core *c, uint64_t hash, uint32_t tensor, uint32_t slice, zs
       core__low_writable(c, "state write");
       memcpy(to, src, nbytes);
       dtype_from_f32(c->spec.param_dtype, to, c->low + ps->lp->arena_off + offset, n);
-      piece_low_crc(c, (uint32_t)(ps - c->pieces));
+      core__low_crc_task(c, (size_t)(ps - c->pieces));
     } else {
       memcpy(to, src, nbytes);
     }

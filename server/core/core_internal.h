@@ -180,13 +180,15 @@ typedef struct ckpt_call {
  * chunk costs nothing next to running it. */
 #define CORE_APPLY_CHUNK 65536u
 
-/* One chunk of the optimizer pass: n elements from `begin` within range.
- * A pass over whole ranges runs plans[range]; a pass over pieces (a
- * pipelined one, or a gated one whose pieces differ in step count or
- * gradient) runs pplans[plan], the plan of the plan-th piece of batch. */
+/* One chunk of the optimizer pass: n elements from `begin` within range, all
+ * of one piece: the plan-th piece of batch, whose plan is pplans[plan]. The
+ * task that runs the chunk leaves the CRC32C of the chunk's low copy in crc,
+ * computed while those bytes are still in the core's cache; the pieces'
+ * CRCs are joined from them (core_wait.c, core_join_crcs). */
 typedef struct apply_task {
   uint32_t range, plan;
   uint64_t begin, n;
+  uint32_t crc;
 } apply_task;
 
 struct core {
@@ -235,8 +237,7 @@ struct core {
   uint64_t state_bytes;
   const layout_range *ranges; /* this shard's ranges, into layout */
   uint32_t nranges;
-  optim_plan *plans;  /* per range, rebuilt by every apply */
-  optim_plan *pplans; /* per piece of batch, for a pass over pieces */
+  optim_plan *pplans; /* per piece of batch, rebuilt by every pass */
   /* Per tensor of the spec (num_tensors): the applied steps that gave the
    * tensor a gradient, torch's per-parameter state['step']; Adam's bias
    * corrections and SGD's first momentum step use it. Every slice of a
@@ -245,8 +246,6 @@ struct core {
   uint64_t *tensor_steps;
   float **range_m; /* per range: m arena base or NULL when the group has no use */
   float **range_v;
-  apply_task *tasks;
-  size_t ntasks;
   /* Pipelined jobs (spec.pipelined, DESIGN.md "A step"): the pieces whose
    * W*M contributions are in but which are not yet applied (ready, nready,
    * under mu), how many are applied for the pending step (nahead, under
@@ -269,6 +268,7 @@ struct core {
   uint32_t *batch, nbatch;
   uint32_t nwork; /* the first nwork of batch have a gradient; the rest are skipped */
   apply_task *ptasks;
+  size_t npass_tasks; /* the tasks of the current pass, in ptasks */
   double pipe_seconds;
   double *block_sums; /* per statistics block, written by the pool */
   int *block_nonfinite;
@@ -398,8 +398,10 @@ int core__behind(const core *c, const char *what, uint64_t step, char *err, size
 
 /* core_data.c: the low copy's CRCs and pins, for the writers of the arena. */
 void core__low_crc_task(void *arg, size_t i);
-/* core__low_crc_task for the i-th piece of c->batch (a pipelined pass). */
-void core__low_crc_batch_task(void *arg, size_t i);
+/* Piece i's low copy was rewritten and crc is its CRC32C: records it, and
+ * remakes the piece's INT8_BLOCK copy once int8 pulls are wanted, as
+ * core__low_crc_task does. With state_rw exclusive. */
+void core__low_crc_set(core *c, uint32_t i, uint32_t crc);
 /* The local index of piece (tensor, slice), or a status with a sentence
  * (ZS_ENOTFOUND when this shard does not own it). Called with state_rw or
  * mu held and the job open. */

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "common/base/clock.h"
+#include "common/base/crc32c.h"
 #include "common/base/log.h"
 #include "common/model/spec_optim.h"
 
@@ -359,15 +360,6 @@ static int core_check_hparams(const core *c, const core_step_hparams *hp, char *
   return 0;
 }
 
-static void core_apply_chunk(void *arg, size_t i) {
-  core *c = arg;
-  const apply_task *t = &c->tasks[i];
-  float *m = c->range_m[t->range] ? c->range_m[t->range] + t->begin : NULL;
-  float *v = c->range_v[t->range] ? c->range_v[t->range] + t->begin : NULL;
-  optim_apply(&c->plans[t->range], c->master + t->begin, m, v, c->acc + t->begin, c->low + t->begin,
-              (size_t)t->n);
-}
-
 /* gradient = acc * this: coef, or coef / W rounded once under
  * GRAD_REDUCE_MEAN. */
 static float core_grad_scale(const core *c, float coef) {
@@ -391,28 +383,6 @@ static optim_params core_step_params(const core *c, uint32_t g, double lr, const
   p.step = step;
   p.grad_scale = grad_scale;
   return p;
-}
-
-/* The plans of every range for the queued apply, every tensor at step
- * `step`. Called on the worker with state_rw exclusive; lr, coef and glr as
- * read under mu. */
-static void core_build_plans(core *c, double lr, float coef, const double *glr, uint64_t step) {
-  float grad_scale = core_grad_scale(c, coef);
-  for (uint32_t r = 0; r < c->nranges; r++) {
-    optim_params p = core_step_params(c, c->ranges[r].group, lr, glr, step, grad_scale);
-    optim_plan_init(&c->plans[r], &p);
-  }
-}
-
-/* 1 when the pass may run over whole ranges with one plan each: every piece
- * has a gradient and every tensor of the shard the same step count (put in
- * *steps), as in every step of a job whose parameters all get gradients. */
-static int core_uniform(const core *c, uint64_t *steps) {
-  *steps = c->npieces > 0 ? c->tensor_steps[c->pieces[0].lp->tensor] : 0;
-  for (uint32_t i = 0; i < c->npieces; i++)
-    if (!c->pieces[i].has_grad || c->tensor_steps[c->pieces[i].lp->tensor] != *steps)
-      return 0;
-  return 1;
 }
 
 /* Reorders c->batch so that its pieces with a gradient come first and sets
@@ -538,7 +508,7 @@ static void core_run_apply(core *c) {
   int skip = c->apply_skip;
   /* apply_glr does not change while the apply is queued or running. */
   const double *glr = c->apply_nglr ? c->apply_glr : NULL;
-  uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u), tsteps = 0;
+  uint64_t opt_steps = c->optimizer_steps + (skip ? 0u : 1u);
   c->apply_state = APPLY_RUNNING;
   pthread_mutex_unlock(&c->mu);
 
@@ -549,14 +519,9 @@ static void core_run_apply(core *c) {
      * gradient is dropped. */
     if (c->nelems > 0)
       memset(c->acc, 0, (size_t)c->nelems * sizeof(float));
-  } else if (core_uniform(c, &tsteps)) {
-    core_build_plans(c, lr, coef, glr, tsteps + 1);
-    core__low_writable(c, "apply");
-    pool_run(c->pool, c->ntasks, core_apply_chunk, c);
-    pool_run(c->pool, c->npieces, core__low_crc_task, c);
   } else {
-    /* Pieces without a gradient, or tensors at different step counts: the
-     * pass over pieces, each with its tensor's plan, skipping the former. */
+    /* The pass over pieces, each with its tensor's plan (its group's, at
+     * its step count), skipping the pieces without a gradient. */
     for (uint32_t i = 0; i < c->npieces; i++)
       c->batch[i] = i;
     c->nbatch = c->npieces;
@@ -577,13 +542,39 @@ static void core_run_apply(core *c) {
 
 /* ------------------------------------------------------- the pipelined step */
 
+/* One chunk: the optimizer, then the CRC32C of the low copy it just wrote
+ * (2 bytes per element, still in this core's cache: a separate pass over
+ * the pieces read them back from memory, 13 % of the kernel's CPU time on
+ * the benchmark VM, docs/PERFORMANCE.md "Small calls"). */
 static void core_apply_piece_chunk(void *arg, size_t i) {
   core *c = arg;
-  const apply_task *t = &c->ptasks[i];
+  apply_task *t = &c->ptasks[i];
   float *m = c->range_m[t->range] ? c->range_m[t->range] + t->begin : NULL;
   float *v = c->range_v[t->range] ? c->range_v[t->range] + t->begin : NULL;
   optim_apply(&c->pplans[t->plan], c->master + t->begin, m, v, c->acc + t->begin, c->low + t->begin,
               (size_t)t->n);
+  t->crc = crc32c(0, c->low + t->begin, (size_t)t->n * sizeof(uint16_t));
+}
+
+/* The CRC of the b-th piece of the batch from its chunks' (core_batch_tasks
+ * lists them in batch order, each piece's from its start), then its int8
+ * copy if wanted (core__low_crc_set). Called by the pool, one piece each. */
+static void core_join_crcs(void *arg, size_t b) {
+  core *c = arg;
+  size_t lo = 0, hi = c->npass_tasks; /* the first task of plan >= b */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (c->ptasks[mid].plan < b)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  uint32_t crc = crc32c(0, NULL, 0); /* a piece of no element has no task */
+  for (size_t k = lo; k < c->npass_tasks && c->ptasks[k].plan == b; k++)
+    crc = k == lo
+              ? c->ptasks[k].crc
+              : crc32c_combine(crc, c->ptasks[k].crc, (size_t)c->ptasks[k].n * sizeof(uint16_t));
+  core__low_crc_set(c, c->batch[b], crc);
 }
 
 /* The range (of this shard's, one per param group) that holds piece i. */
@@ -643,8 +634,9 @@ static void core_pass_pieces(core *c, double lr, float coef, const double *glr) 
   c->nbatch = c->nwork;
   core_build_piece_plans(c, lr, coef, glr);
   core__low_batch_writable(c);
-  pool_run(c->pool, core_batch_tasks(c), core_apply_piece_chunk, c);
-  pool_run(c->pool, c->nbatch, core__low_crc_batch_task, c);
+  c->npass_tasks = core_batch_tasks(c);
+  pool_run(c->pool, c->npass_tasks, core_apply_piece_chunk, c);
+  pool_run(c->pool, c->nbatch, core_join_crcs, c);
   c->nbatch = all;
 }
 

@@ -19,7 +19,9 @@
  *     the plain-loop baseline), and split over all threads;
  *   - the shard core's apply (core_apply, its thread pool and chunking
  *     included), 1 thread and all threads, timed from the call to the
- *     callback, and as the core itself times the pass;
+ *     callback, and as the core itself times the pass; and its process CPU
+ *     time against the bare kernel's (apply_core_cpu_over_direct, the
+ *     medians' ratio), which the machine's other tenants move far less;
  *   - torch.optim.AdamW (Debian's python3-torch) on a tensor of the same
  *     size, stepped by /usr/bin/python3 as a co-process (torch_adamw.py) with
  *     torch.set_num_threads matching.
@@ -38,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "bench.h"
@@ -124,6 +127,20 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
+/* CPU seconds of the whole process so far: every thread's running time,
+ * without the time a thread waited for a CPU. On a shared machine the wall
+ * clock of a pass moves with the other tenants' load; its CPU time moves far
+ * less, so the core's pass is also compared with the bare kernel in CPU
+ * time (apply_core_cpu_over_direct). */
+static double process_cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The process CPU seconds of the last timed_pass. */
+static double g_pass_cpu_s;
+
 /* One timed pass over all elements with `threads` threads. */
 static double timed_pass(kernel_kind kind, cpu_isa isa, const optim_plan *plan, arrays *a,
                          int threads) {
@@ -137,11 +154,13 @@ static double timed_pass(kernel_kind kind, cpu_isa isa, const optim_plan *plan, 
       bench_die("pthread_create failed");
   }
   pthread_barrier_wait(&j.start);
+  double c0 = process_cpu_s();
   double t0 = bench_now();
   run_share(&j, 0);
   for (int i = 1; i < threads; i++)
     pthread_join(w[i].th, NULL);
   double t = bench_now() - t0;
+  g_pass_cpu_s = process_cpu_s() - c0;
   pthread_barrier_destroy(&j.start);
   return t;
 }
@@ -262,7 +281,7 @@ static void core_bench_close(core_bench *cb) {
  * the call to its callback (what a transport waits). *pass_s gets the core's
  * own timing of the pass (apply_seconds_total), which leaves out the hand-off
  * to its worker thread. */
-static double core_bench_step(core_bench *cb, double *pass_s) {
+static double core_bench_step(core_bench *cb, double *pass_s, double *cpu_s) {
   char err[256] = "";
   uint64_t step = ++cb->step;
   int dup = 0;
@@ -282,11 +301,13 @@ static double core_bench_step(core_bench *cb, double *pass_s) {
   core_counters before, after;
   core_get_counters(cb->c, &before);
   core_apply_result ar;
+  double c0 = process_cpu_s();
   double t0 = bench_now();
   rc = core_apply(cb->c, cb->hash, step, 1e-3, 1.0f, 0, on_apply, &cb->wb, &ar, err, sizeof err);
   if (rc == CORE_PENDING)
     rc = waitbox_wait(&cb->wb);
   double dt = bench_now() - t0;
+  *cpu_s = process_cpu_s() - c0;
   if (rc != 0)
     bench_die("core_apply: %s %s", zs_err_name(rc), err);
   core_get_counters(cb->c, &after);
@@ -442,6 +463,7 @@ int main(int argc, char **argv) {
   bench_fill_f32(a.master, a.n, 0.1f, 1);
 
   static double t[C_COUNT][MAX_REPS], st[C_COUNT][MAX_REPS];
+  static double cpu_direct[MAX_REPS], cpu_core[MAX_REPS];
   static double all_stream[C_COUNT * MAX_REPS];
   size_t nstream = 0;
   double core_rate[2] = {0, 0}, torch_rate[2] = {0, 0};
@@ -462,6 +484,7 @@ int main(int argc, char **argv) {
       double v[C_COUNT] = {0}, sv[C_COUNT] = {0};
       sv[C_DIRECT] = pass(K_STREAM, CPU_ISA_SCALAR, &a, T, ++step);
       v[C_DIRECT] = pass(K_OPTIM, best, &a, T, ++step);
+      double direct_cpu = g_pass_cpu_s, core_cpu = 0;
       if (single) {
         sv[C_SCALAR] = pass(K_STREAM, CPU_ISA_SCALAR, &a, T, ++step);
         v[C_SCALAR] = pass(K_OPTIM, CPU_ISA_SCALAR, &a, 1, ++step);
@@ -471,10 +494,14 @@ int main(int argc, char **argv) {
         v[C_AVX2] = pass(K_OPTIM, CPU_ISA_AVX2, &a, 1, ++step);
       }
       sv[C_CORE] = sv[C_CORE_PASS] = pass(K_STREAM, CPU_ISA_SCALAR, &a, T, ++step);
-      v[C_CORE] = core_bench_step(&cb, &v[C_CORE_PASS]);
+      v[C_CORE] = core_bench_step(&cb, &v[C_CORE_PASS], &core_cpu);
       if (have_torch) {
         sv[C_TORCH] = pass(K_STREAM, CPU_ISA_SCALAR, &a, T, ++step);
         v[C_TORCH] = torch_step(&tp);
+      }
+      if (r > 0) {
+        cpu_direct[r - 1] = direct_cpu;
+        cpu_core[r - 1] = core_cpu;
       }
       if (r > 0)
         for (int c = 0; c < C_COUNT; c++) {
@@ -518,6 +545,14 @@ int main(int argc, char **argv) {
     report_rate(&o, metric, T, cpu_isa_name(best), n, t[C_CORE], st[C_CORE], reps);
     snprintf(metric, sizeof metric, "apply_core_pass_%dt", T);
     report_rate(&o, metric, T, cpu_isa_name(best), n, t[C_CORE_PASS], st[C_CORE_PASS], reps);
+    /* The core's overhead over the bare kernel in CPU time (no limit: the
+     * bare kernel is the floor the core's pass adds to). */
+    double cpu_c = bench_quantile(cpu_core, (size_t)reps, 0.5);
+    double cpu_d = bench_quantile(cpu_direct, (size_t)reps, 0.5);
+    bench_kv ckv[] = {BENCH_N("threads", T), BENCH_N("params", n), BENCH_N("core_cpu_s", cpu_c),
+                      BENCH_N("direct_cpu_s", cpu_d)};
+    snprintf(metric, sizeof metric, "apply_core_cpu_over_direct_%dt", T);
+    bench_report(&o, "optim", metric, cpu_c / cpu_d, "x", 0, ckv, 4);
     if (have_torch) {
       torch_rate[k] = (double)n / med[C_TORCH];
       snprintf(metric, sizeof metric, "torch_adamw_%dt", T);

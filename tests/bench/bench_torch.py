@@ -27,7 +27,11 @@ Figures (bench "torch"; JSON lines as the other benchmarks print them):
       divided by its tensors). Goal <= 5 us. preempted_calls of the
       submit_ncalls calls saw the thread preempted (an involuntary context
       switch, getrusage RUSAGE_THREAD), preempted_share is their part of the
-      submission time.
+      submission time, blocked_calls how many slept in the call (a
+      voluntary switch: a lock or condition waited for), and
+      p50_unpreempted_us the median over the unpreempted
+      calls (what a submission costs while the trainer keeps its core: on
+      the shared 2-vCPU machine the plain median moves with the load).
 Every mode runs --rounds times (2), the modes in turn, and each figure pools
 the rounds (the median of all timed steps, the highest peak). Each trainer
 is a process of its own (this file with --worker); the shards
@@ -106,7 +110,7 @@ def worker(a):
         model = GPT(vocab, a.block, a.d_model, a.layers, a.heads, "manual")
     nparams = sum(p.numel() for p in model.parameters())
     base = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
-    sub = {"n": 0, "s": 0.0, "each": []}
+    sub = {"n": 0, "s": 0.0, "each": [], "each_quiet": []}
     if a.worker == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -130,18 +134,26 @@ def worker(a):
 
         import resource
 
-        def preemptions():
-            return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+        def switches():
+            """(involuntary, voluntary) context switches of this thread."""
+            r = resource.getrusage(resource.RUSAGE_THREAD)
+            return r.ru_nivcsw, r.ru_nvcsw
 
         def timed(fn, batched):
             def call(*args, **kw):
-                pre = preemptions()
+                pre = switches()
                 t0 = time.perf_counter()
                 try:
                     return fn(*args, **kw)
                 finally:
                     dt = time.perf_counter() - t0
-                    if sub.get("on") and preemptions() != pre:
+                    post = switches()
+                    preempted = post[0] != pre[0]
+                    if sub.get("on") and post[1] != pre[1]:
+                        # The thread slept during the call (a lock or a
+                        # condition it waited for): a voluntary switch.
+                        sub["blocked_n"] = sub.get("blocked_n", 0) + 1
+                    if sub.get("on") and preempted:
                         # The thread was preempted during the call (an
                         # involuntary context switch): how much of the
                         # submission time such calls account for.
@@ -152,6 +164,8 @@ def worker(a):
                         sub["n"] += n
                         sub["s"] += dt
                         sub["each"].append(dt / max(1, n))
+                        if not preempted:
+                            sub["each_quiet"].append(dt / max(1, n))
                         k = fn.__name__
                         sub[k + "_n"] = sub.get(k + "_n", 0) + n
                         sub[k + "_s"] = sub.get(k + "_s", 0.0) + dt
@@ -184,10 +198,12 @@ def worker(a):
         out["submit_calls"] = sub["n"]
         out["submit_s"] = sub["s"]
         out["submit_each"] = sub["each"]
+        out["submit_each_quiet"] = sub["each_quiet"]
         out["by_call"] = {k: v for k, v in sub.items()
                           if k.endswith(("_n", "_s")) and not k.startswith("preempted")}
         out["preempted_calls"] = sub.get("preempted_n", 0)
         out["preempted_s"] = sub.get("preempted_s", 0.0)
+        out["blocked_calls"] = sub.get("blocked_n", 0)
         out["submit_ncalls"] = len(sub["each"])
         opt.close()
     else:
@@ -302,9 +318,11 @@ def driver(a):
                             x["built"] = max(x["built"], y["built"])
                             if "submit_each" in x:
                                 x["submit_each"] += y["submit_each"]
+                                x["submit_each_quiet"] += y["submit_each_quiet"]
                                 x["submit_calls"] += y["submit_calls"]
                                 x["submit_s"] += y["submit_s"]
-                                for k in ("preempted_calls", "preempted_s", "submit_ncalls"):
+                                for k in ("preempted_calls", "preempted_s", "submit_ncalls",
+                                          "blocked_calls"):
                                     x[k] += y[k]
                                 for k, v in y["by_call"].items():
                                     x["by_call"][k] = x["by_call"].get(k, 0) + v
@@ -338,9 +356,12 @@ def driver(a):
             report(a, "submit_us_per_tensor_" + m, 1e6 * o[0]["submit_s"] / o[0]["submit_calls"],
                    "us", None, calls=o[0]["submit_calls"],
                    p50_us=1e6 * statistics.median(o[0]["submit_each"]),
+                   p50_unpreempted_us=1e6 * statistics.median(o[0]["submit_each_quiet"])
+                   if o[0]["submit_each_quiet"] else None,
                    max_us=1e6 * max(o[0]["submit_each"]),
                    submit_ncalls=o[0]["submit_ncalls"],
                    preempted_calls=o[0]["preempted_calls"],
+                   blocked_calls=o[0]["blocked_calls"],
                    preempted_share=o[0]["preempted_s"] / max(1e-12, o[0]["submit_s"]),
                    **{k[:-2] + "_us": 1e6 * v / max(1, o[0]["by_call"][k[:-2] + "_n"])
                       for k, v in o[0]["by_call"].items() if k.endswith("_s")},

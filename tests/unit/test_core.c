@@ -1305,6 +1305,36 @@ static void test_pinned_answers_keep_their_bytes_while_the_apply_goes_ahead(void
   job_free(&j);
 }
 
+/* The optimizer pass computes each piece's CRC from its chunks' (every
+ * CORE_APPLY_CHUNK elements, joined with crc32c_combine): pieces of one
+ * chunk, of several with a short last one, and of exactly two, stepped
+ * twice with two pool threads, keep the reference bits and the CRC of their
+ * bytes. */
+static void test_crcs_of_pieces_longer_than_a_chunk_join_their_chunks(void **state) {
+  (void)state;
+  static const tensor_def defs[] = {
+      {"long", 3 * CORE_APPLY_CHUNK + 80, 0}, {"b", 48, 1}, {"two", 2 * CORE_APPLY_CHUNK, 0}};
+  job j;
+  job_start(&j, defs, 3, 1, 1, 1, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&j, 71);
+  core *c = open_core_pins(&j);
+  init_all(c, &j, 0);
+  check_pins_match_reads(c, &j, 0);
+  for (uint64_t step = 1; step <= 2; step++) {
+    job_make_grads(&j, 71 + step);
+    push_all_in_order(c, &j, step);
+    core_stats_result st;
+    assert_int_equal(stats_sync(c, &j, step, &st), 0);
+    core_apply_result ar;
+    assert_int_equal(apply_sync(c, &j, step, 1e-2, 1.0f, 0, &ar), 0);
+    job_ref_step(&j, 1e-2, 1.0f, 0);
+    check_shard_matches_reference(c, &j, 0, step);
+    check_pins_match_reads(c, &j, step);
+  }
+  core_destroy(c);
+  job_free(&j);
+}
+
 /* A reader that never finishes costs one copy of the 16-bit weights, not
  * one per step: the second pinned version in a row is overwritten under its
  * reader, whose CRC then refuses it, while the first stays intact. */
@@ -2840,6 +2870,7 @@ int main(void) {
           test_an_early_contribution_is_held_until_its_turn_but_one_before_zero_is_not),
       cmocka_unit_test(test_reads_validate_and_convert_to_every_dtype),
       cmocka_unit_test(test_pinned_answers_keep_their_bytes_while_the_apply_goes_ahead),
+      cmocka_unit_test(test_crcs_of_pieces_longer_than_a_chunk_join_their_chunks),
       cmocka_unit_test(test_an_answer_never_released_costs_one_copy_then_is_overtaken),
       cmocka_unit_test(test_int8_reads_come_from_a_copy_made_once_per_version),
       cmocka_unit_test(test_stats_sum_squares_in_block_order_and_match_the_reference),

@@ -135,23 +135,29 @@ class Client(_zshard.Client):
         """Pushes `buffer` as the tensor's gradient of micro-batch `micro`
         (zs_push); None pushes "no gradient": the shards skip the tensor
         when no trainer has one, and count it as zeros when one does."""
-        return super().push(tensor, buffer, micro, _enum("dtype", dtype))
+        # The transfer calls skip _enum and super() for an int dtype: they run
+        # once per module and step (docs/PERFORMANCE.md, "Submission cost").
+        d = dtype if isinstance(dtype, int) else _enum("dtype", dtype)
+        return _zshard.Client.push(self, tensor, buffer, micro, d)
 
     def pull(self, tensor: int, buffer: _Buffer, dtype: Union[int, str] = 0) -> Request:
-        return super().pull(tensor, buffer, _enum("dtype", dtype))
+        d = dtype if isinstance(dtype, int) else _enum("dtype", dtype)
+        return _zshard.Client.pull(self, tensor, buffer, d)
 
     def push_many(self, tensors: Sequence[int], buffers: Sequence[Optional[_Buffer]], micro: int = 0,
                   dtype: Union[int, str] = 0) -> List[Request]:
         """Pushes buffers[i] as tensors[i]'s gradient, all in one submission
         (zs_push_many; None: no gradient, as in push); returns one Request
         per entry."""
-        return super().push_many(tensors, buffers, micro, _enum("dtype", dtype))
+        d = dtype if isinstance(dtype, int) else _enum("dtype", dtype)
+        return _zshard.Client.push_many(self, tensors, buffers, micro, d)
 
     def pull_many(self, tensors: Sequence[int], buffers: Sequence[_Buffer],
                   dtype: Union[int, str] = 0) -> List[Request]:
         """Pulls tensors[i] into buffers[i], all in one submission
         (zs_pull_many); returns one Request per entry."""
-        return super().pull_many(tensors, buffers, _enum("dtype", dtype))
+        d = dtype if isinstance(dtype, int) else _enum("dtype", dtype)
+        return _zshard.Client.pull_many(self, tensors, buffers, d)
 
     def __repr__(self) -> str:
         if self.closed:

@@ -20,6 +20,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stddef.h>
 #include <string.h>
 #include <structmember.h>
@@ -702,6 +703,37 @@ static request_object *request_new(client_object *self, int push, uint32_t tenso
   return r;
 }
 
+/* The positional arguments of push / push_many (tensor(s), buffer(s)[,
+ * micro[, dtype]]) or pull / pull_many (tensor(s), buffer(s)[, dtype]) when
+ * micro and dtype are plain ints, as zshard.torch passes them: what
+ * PyArg_ParseTupleAndKeywords would give ("I" keeps the low bits, "i" must
+ * fit an int), without parsing the format string on every call (a tenth of
+ * a batch call's instructions). The first two are returned as they are.
+ * Returns 0 when the call must take the general path (keywords, other
+ * types, an int out of range), which then reports any error. */
+static int transfer_args_fast(PyObject *args, PyObject *kw, int push, PyObject **tensors,
+                              PyObject **buffers, unsigned int *micro, int *dtype) {
+  Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+  if ((kw && PyDict_GET_SIZE(kw) > 0) || nargs < 2 || nargs > (push ? 4 : 3))
+    return 0;
+  for (Py_ssize_t k = 2; k < nargs; k++)
+    if (!PyLong_CheckExact(PyTuple_GET_ITEM(args, k)))
+      return 0;
+  Py_ssize_t at = 2;
+  if (push && nargs > at)
+    *micro = (unsigned int)PyLong_AsUnsignedLongMask(PyTuple_GET_ITEM(args, at++));
+  if (nargs > at) {
+    int overflow = 0;
+    long d = PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(args, at), &overflow);
+    if (overflow || d < INT_MIN || d > INT_MAX)
+      return 0;
+    *dtype = (int)d;
+  }
+  *tensors = PyTuple_GET_ITEM(args, 0);
+  *buffers = PyTuple_GET_ITEM(args, 1);
+  return 1;
+}
+
 static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int push) {
   static char *push_kw[] = {"tensor", "buffer", "micro", "dtype", NULL};
   static char *pull_kw[] = {"tensor", "buffer", "dtype", NULL};
@@ -711,9 +743,13 @@ static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int
   zs_client *c = client_get(self);
   if (!c)
     return NULL;
-  if (push ? !PyArg_ParseTupleAndKeywords(args, kw, "IO|Ii:push", push_kw, &tensor, &buf, &micro,
-                                          &dtype)
-           : !PyArg_ParseTupleAndKeywords(args, kw, "IO|i:pull", pull_kw, &tensor, &buf, &dtype))
+  PyObject *tobj;
+  if (transfer_args_fast(args, kw, push, &tobj, &buf, &micro, &dtype) && PyLong_CheckExact(tobj))
+    tensor = (unsigned int)PyLong_AsUnsignedLongMask(tobj);
+  else if (push ? !PyArg_ParseTupleAndKeywords(args, kw, "IO|Ii:push", push_kw, &tensor, &buf,
+                                               &micro, &dtype)
+                : !PyArg_ParseTupleAndKeywords(args, kw, "IO|i:pull", pull_kw, &tensor, &buf,
+                                               &dtype))
     return NULL;
   request_object *r = request_new(self, push, tensor);
   if (!r)
@@ -770,6 +806,22 @@ static PyObject *client_pull(client_object *self, PyObject *args, PyObject *kw) 
  * call fails, the entries the library did submit (the half-way case of
  * zs_push_many) are waited here before the error is raised, so no buffer is
  * released under a transfer. */
+/* Frees transfer_many's arrays unless they are its stack arrays (ids is
+ * ids_s then; the four are allocated together). */
+static void many_free(uint32_t *ids, const uint32_t *ids_s, void **ptrs, size_t *nbytes,
+                      zs_request **reqs) {
+  if (ids == ids_s)
+    return;
+  PyMem_Free(ids);
+  PyMem_Free(ptrs);
+  PyMem_Free(nbytes);
+  PyMem_Free(reqs);
+}
+
+/* Entries of a batch whose arrays live on the stack: a module's tensors
+ * (zshard.torch submits one module at a time); larger batches allocate. */
+#define MANY_ON_STACK 16
+
 static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw, int push) {
   static char *push_kw[] = {"tensors", "buffers", "micro", "dtype", NULL};
   static char *pull_kw[] = {"tensors", "buffers", "dtype", NULL};
@@ -780,16 +832,17 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
   zs_client *c = client_get(self);
   if (!c)
     return NULL;
-  if (push ? !PyArg_ParseTupleAndKeywords(args, kw, "OO|Ii:push_many", push_kw, &tensors, &buffers,
-                                          &micro, &dtype)
-           : !PyArg_ParseTupleAndKeywords(args, kw, "OO|i:pull_many", pull_kw, &tensors, &buffers,
-                                          &dtype))
+  if (!transfer_args_fast(args, kw, push, &tensors, &buffers, &micro, &dtype) &&
+      (push ? !PyArg_ParseTupleAndKeywords(args, kw, "OO|Ii:push_many", push_kw, &tensors, &buffers,
+                                           &micro, &dtype)
+            : !PyArg_ParseTupleAndKeywords(args, kw, "OO|i:pull_many", pull_kw, &tensors, &buffers,
+                                           &dtype)))
     return NULL;
   PyObject *tseq = NULL, *bseq = NULL, *list = NULL;
-  uint32_t *ids = NULL;
-  void **ptrs = NULL;
-  size_t *nbytes = NULL;
-  zs_request **reqs = NULL;
+  uint32_t ids_s[MANY_ON_STACK], *ids = NULL;
+  void *ptrs_s[MANY_ON_STACK], **ptrs = NULL;
+  size_t nbytes_s[MANY_ON_STACK], *nbytes = NULL;
+  zs_request *reqs_s[MANY_ON_STACK], **reqs = NULL;
   Py_ssize_t n = 0, i;
   const int given = dtype;
   if (!(tseq = PySequence_Fast(tensors, "tensors must be a sequence of tensor ids")) ||
@@ -812,14 +865,22 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     Py_DECREF(bseq);
     return list;
   }
-  /* One allocation per batch, not per entry. */
-  ids = PyMem_Malloc((size_t)n * sizeof *ids);
-  ptrs = PyMem_Malloc((size_t)n * sizeof *ptrs);
-  nbytes = PyMem_Malloc((size_t)n * sizeof *nbytes);
-  reqs = PyMem_Calloc((size_t)n, sizeof *reqs);
-  if (!ids || !ptrs || !nbytes || !reqs) {
-    PyErr_NoMemory();
-    goto fail;
+  if (n <= MANY_ON_STACK) {
+    ids = ids_s;
+    ptrs = ptrs_s;
+    nbytes = nbytes_s;
+    reqs = reqs_s;
+    memset(reqs_s, 0, sizeof reqs_s);
+  } else {
+    /* One allocation per array and batch, not per entry. */
+    ids = PyMem_Malloc((size_t)n * sizeof *ids);
+    ptrs = PyMem_Malloc((size_t)n * sizeof *ptrs);
+    nbytes = PyMem_Malloc((size_t)n * sizeof *nbytes);
+    reqs = PyMem_Calloc((size_t)n, sizeof *reqs);
+    if (!ids || !ptrs || !nbytes || !reqs) {
+      PyErr_NoMemory();
+      goto fail;
+    }
   }
   for (i = 0; i < n; i++) {
     unsigned long t = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(tseq, i));
@@ -895,20 +956,14 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
     Py_INCREF(self);
     r->client = self;
   }
-  PyMem_Free(ids);
-  PyMem_Free(ptrs);
-  PyMem_Free(nbytes);
-  PyMem_Free(reqs);
+  many_free(ids, ids_s, ptrs, nbytes, reqs);
   Py_DECREF(tseq);
   Py_DECREF(bseq);
   return list;
 fail:
   /* Requests without a zs_request release their buffer when freed. */
   Py_XDECREF(list);
-  PyMem_Free(ids);
-  PyMem_Free(ptrs);
-  PyMem_Free(nbytes);
-  PyMem_Free(reqs);
+  many_free(ids, ids_s, ptrs, nbytes, reqs);
   Py_XDECREF(tseq);
   Py_XDECREF(bseq);
   return NULL;
