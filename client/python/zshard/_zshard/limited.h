@@ -18,6 +18,7 @@
 #define PyTuple_GET_SIZE(o) PyTuple_Size(o)
 #define PyTuple_GET_ITEM(o, i) PyTuple_GetItem((o), (i))
 #define PyList_GET_SIZE(o) PyList_Size(o)
+#define PyDict_GET_SIZE(o) PyDict_Size(o)
 #define PyList_GET_ITEM(o, i) PyList_GetItem((o), (i))
 /* Only ever used on a new list's empty slot: PyList_SetItem steals as the
  * macro does, and there is no old item to release. */
