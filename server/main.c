@@ -30,6 +30,7 @@
 #include "common/net/auth.h"
 #include "common/net/hostport.h"
 #include "common/net/rpc_client.h"
+#include "common/net/stream.h"
 #include "common/net/tls.h"
 #include "server/ckpt/ckpt_svc.h"
 #include "server/core/core.h"
@@ -75,6 +76,7 @@ typedef struct options {
   long failover_ms;
   long trainer_timeout_ms; /* 0: a fixed membership */
   const char *peer_ca;
+  const char *tcp_congestion; /* NULL: the host's default */
 } options;
 
 static void usage(FILE *f) {
@@ -158,6 +160,10 @@ static void usage(FILE *f) {
           "                     every trainer is awaited; docs/OPERATIONS.md)\n"
           "  --peer-ca PATH     PEM CA bundle the other members' certificates chain to\n"
           "                     (ZSHARD_PEER_CA; default --tls-client-ca)\n"
+          "  --tcp-congestion NAME\n"
+          "                     TCP congestion control of every data-plane connection\n"
+          "                     (TCP_CONGESTION per socket, e.g. cubic; ZSHARD_TCP_CONGESTION;\n"
+          "                     default: the host's, which is left unchanged)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
@@ -239,6 +245,7 @@ enum {
   OPT_FAILOVER_MS,
   OPT_TRAINER_TIMEOUT_MS,
   OPT_PEER_CA,
+  OPT_TCP_CONGESTION,
   OPT_HELP,
   OPT_VERSION
 };
@@ -268,6 +275,7 @@ typedef struct raw_options {
   const char *max_params, *max_tensors;
   const char *replicas, *replica_index, *failover_ms, *peer_ca;
   const char *trainer_timeout_ms;
+  const char *tcp_congestion;
 } raw_options;
 
 static void read_environment(raw_options *r) {
@@ -296,6 +304,7 @@ static void read_environment(raw_options *r) {
   r->failover_ms = getenv("ZSHARD_FAILOVER_MS");
   r->trainer_timeout_ms = getenv("ZSHARD_TRAINER_TIMEOUT_MS");
   r->peer_ca = getenv("ZSHARD_PEER_CA");
+  r->tcp_congestion = getenv("ZSHARD_TCP_CONGESTION");
 }
 
 /* Lets the flags override what read_environment found. Returns -1 to go on,
@@ -329,6 +338,7 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"failover-ms", required_argument, NULL, OPT_FAILOVER_MS},
       {"trainer-timeout-ms", required_argument, NULL, OPT_TRAINER_TIMEOUT_MS},
       {"peer-ca", required_argument, NULL, OPT_PEER_CA},
+      {"tcp-congestion", required_argument, NULL, OPT_TCP_CONGESTION},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
@@ -414,6 +424,9 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       break;
     case OPT_PEER_CA:
       r->peer_ca = optarg;
+      break;
+    case OPT_TCP_CONGESTION:
+      r->tcp_congestion = optarg;
       break;
     case OPT_HELP:
       usage(stdout);
@@ -613,6 +626,17 @@ static int set_replicas(const raw_options *r, options *o) {
   return -1;
 }
 
+/* The data plane's TCP congestion control, checked against what this
+ * kernel offers and this process may use (a usage error otherwise). Returns
+ * -1 to go on or EXIT_USAGE. */
+static int set_congestion(const raw_options *r, options *o) {
+  o->tcp_congestion = r->tcp_congestion && *r->tcp_congestion ? r->tcp_congestion : NULL;
+  char why[400];
+  if (o->tcp_congestion && stream_cc_check(o->tcp_congestion, why, sizeof why) != 0)
+    return bad_usage("--tcp-congestion (ZSHARD_TCP_CONGESTION): %s", why);
+  return -1;
+}
+
 /* Fills `o` from the flags and the environment. Returns -1 to go on, or the
  * exit status (0 after --help/--version, EXIT_USAGE on a bad flag). The
  * checks run in a fixed order, so a command line with several mistakes is
@@ -629,6 +653,8 @@ static int parse_options(int argc, char **argv, options *o) {
     rc = set_shard_id(&r, o);
   if (rc < 0)
     rc = set_replicas(&r, o);
+  if (rc < 0)
+    rc = set_congestion(&r, o);
   return rc;
 }
 
@@ -705,6 +731,7 @@ static int start_transports(const options *o, shard *s) {
     dc.auth = s->auth;
     dc.tls = s->dp_tls;
     dc.replica = s->rep;
+    dc.congestion = o->tcp_congestion;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
     if (rc == 0)
       rc = metrics_add_extra(s->mx, dp_server_metrics, s->dp);

@@ -364,6 +364,7 @@ static void client_free(zs_client *c) {
     return;
   zc_pool_stop(&c->pool);
   zc_dp_close(c);
+  zc_pool_free(&c->pool);
   zc_slots_free(c);
   zc_ef_free(c);
   layout_free(&c->lay);
@@ -434,9 +435,14 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     c->opt.checkpoint_timeout_ms = 600000;
   c->scaler = scaler;
   atomic_init(&c->retries, 0);
+  c->opt.tcp_congestion = NULL;
   rc = zc_transport_resolve(opt.transport, &c->opt.transport);
   if (rc == ZS_OK)
     rc = resolve_failover_ms(opt.failover_ms, &c->opt.failover_ms);
+  if (rc == ZS_OK)
+    rc = zc_schedule_resolve(opt.schedule, &c->opt.schedule, &c->opt.schedule_window);
+  if (rc == ZS_OK)
+    rc = zc_congestion_resolve(opt.tcp_congestion, c->tcp_congestion, sizeof c->tcp_congestion);
   if (rc != ZS_OK)
     goto fail;
   c->job = strdup(opt.job);
@@ -478,6 +484,11 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
   if (rc != ZS_OK) {
     rc = zc_fail(rc, "zs_client_open: cannot start %" PRIu32 " worker threads", threads);
     goto fail;
+  }
+  if (c->opt.schedule == ZS_SCHEDULE_ROTATED) {
+    /* Two of each direction in flight: the next piece is written while the
+     * last one's answer comes back (pool.c). */
+    zc_pool_set_schedule(&c->pool, opt.rank, c->opt.schedule_window);
   }
   rc = registry_add(c);
   if (rc != ZS_OK) {

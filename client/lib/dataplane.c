@@ -65,6 +65,7 @@
 #include "common/base/status.h"
 #include "common/net/dp_client.h"
 #include "common/net/hostport.h"
+#include "common/net/stream.h"
 #include "common/net/wire.h"
 #include "internal.h"
 
@@ -134,6 +135,63 @@ int zc_transport_resolve(zs_transport requested, zs_transport *out) {
                  env);
 }
 
+/* The rotated schedule's window: the option, else $ZSHARD_SCHEDULE_WINDOW,
+ * else 2 (pool.c says why). */
+static int window_resolve(uint32_t *window) {
+  if (*window > 64)
+    return zc_fail(ZS_EINVAL, "zs_client_open: schedule_window must be at most 64");
+  const char *env = getenv("ZSHARD_SCHEDULE_WINDOW");
+  if (*window == 0 && env && *env) {
+    char *end;
+    unsigned long v = strtoul(env, &end, 10);
+    if (*end || v == 0 || v > 64 || env[0] == '-' || env[0] == ' ')
+      return zc_fail(ZS_EINVAL,
+                     "zs_client_open: ZSHARD_SCHEDULE_WINDOW is '%.64s'; it must be 1 to 64", env);
+    *window = (uint32_t)v;
+  }
+  if (*window == 0)
+    *window = 2;
+  return ZS_OK;
+}
+
+int zc_schedule_resolve(zs_schedule requested, zs_schedule *out, uint32_t *window) {
+  int rc = window_resolve(window);
+  if (rc != ZS_OK)
+    return rc;
+  if (requested == ZS_SCHEDULE_FIFO || requested == ZS_SCHEDULE_ROTATED) {
+    *out = requested;
+    return ZS_OK;
+  }
+  if (requested != ZS_SCHEDULE_DEFAULT)
+    return zc_fail(ZS_EINVAL, "zs_client_open: schedule %d is not a zs_schedule value",
+                   (int)requested);
+  const char *env = getenv("ZSHARD_SCHEDULE");
+  if (!env || !*env || strcmp(env, "fifo") == 0) {
+    *out = ZS_SCHEDULE_FIFO;
+    return ZS_OK;
+  }
+  if (strcmp(env, "rotated") == 0) {
+    *out = ZS_SCHEDULE_ROTATED;
+    return ZS_OK;
+  }
+  return zc_fail(ZS_EINVAL,
+                 "zs_client_open: ZSHARD_SCHEDULE is '%.64s'; it must be fifo or rotated", env);
+}
+
+int zc_congestion_resolve(const char *requested, char *out, size_t len) {
+  const char *name = requested && *requested ? requested : getenv("ZSHARD_TCP_CONGESTION");
+  out[0] = '\0';
+  if (!name || !*name)
+    return ZS_OK;
+  char why[400];
+  int rc = stream_cc_check(name, why, sizeof why);
+  if (rc != ZS_OK)
+    return zc_fail(rc, "zs_client_open: %s%s",
+                   requested && *requested ? "" : "ZSHARD_TCP_CONGESTION: ", why);
+  snprintf(out, len, "%s", name);
+  return ZS_OK;
+}
+
 zs_transport zc_shard_transport(const struct zs_client *c, uint32_t shard) {
   zc_dp *dp = c->dp;
   if (!dp || shard >= dp->n)
@@ -177,6 +235,7 @@ static int open_client(const zs_client *c, const char *host, uint32_t port, zc_d
           c->opt.rpc_timeout_ms < DP_CONNECT_MS ? c->opt.rpc_timeout_ms : DP_CONNECT_MS,
       .token = c->sec.token,
       .tls = c->sec.dp_tls,
+      .congestion = c->tcp_congestion,
   };
   rc = dp_client_open(&cfg, &k->cli, err, errlen);
   if (rc != ZS_OK) {
@@ -419,6 +478,7 @@ static void task_finish(zc_task *t, int status, const char *msg, uint64_t bytes)
   free(t->dp_buf);
   t->dp_buf = NULL;
   t->status = status;
+  zc_pool_release(&t->op->c->pool, t);
   zc_op_part_done(t->op, status, msg, bytes);
 }
 

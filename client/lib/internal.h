@@ -110,15 +110,25 @@ typedef void (*zc_task_run_fn)(void *ctx, zc_task *t);
 /* Finishes a task that will never run (the pool is stopping). */
 typedef void (*zc_task_cancel_fn)(void *ctx, zc_task *t);
 
+/* The queues of a pool: one FIFO per shard in each class. Everything goes
+ * to ZC_Q_ANY, except under the rotated schedule the pushes and the pulls
+ * not yet admitted, which wait in their own class (see pool.c). */
+enum { ZC_Q_ANY = 0, ZC_Q_PUSH = 1, ZC_Q_PULL = 2, ZC_Q_CLASSES = 3 };
+
 struct zc_pool {
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  uint32_t nqueues; /* one FIFO per shard */
-  zc_task **head;   /* (mu) */
-  zc_task **tail;   /* (mu) */
-  uint32_t cursor;  /* (mu) the next queue a worker looks at: round robin */
-  size_t queued;    /* (mu) */
-  int stop;         /* (mu) */
+  uint32_t nqueues;              /* one FIFO per shard and class */
+  zc_task **head;                /* (mu) [class * nqueues + shard] */
+  zc_task **tail;                /* (mu) */
+  uint32_t cursor[ZC_Q_CLASSES]; /* (mu) the next queue of each class: round robin */
+  /* The rotated schedule (zc_pool_set_schedule): 0 off; else the most
+   * pushes, and the most pulls, admitted and not yet released. */
+  uint32_t window;
+  uint32_t admitted[ZC_Q_CLASSES]; /* (mu) */
+  int stopped;                     /* zc_pool_stop ran; zc_pool_free frees */
+  size_t queued;                   /* (mu) */
+  int stop;                        /* (mu) */
   pthread_t *threads;
   uint32_t nthreads;
   size_t push_bucket; /* bytes; 0: no coalescing */
@@ -155,9 +165,30 @@ void zc_pool_hold(zc_pool *p, int hold);
  * it (the transfer fast path, zc_dp_submit_inline, is not taken). */
 int zc_pool_held(zc_pool *p);
 
+/* The rotated schedule (zs_client_options.schedule, ZS_SCHEDULE_ROTATED):
+ * pushes and pulls (not prefetches, nor control calls) are admitted in
+ * round-robin order over the shards starting at shard `start` (the rank),
+ * at most `window` of each direction at a time, so that W trainers starting
+ * at W different shards each send to one shard at a time (pairwise
+ * exchange). A task admitted holds its place until zc_pool_release. Called
+ * once, before anything is submitted; window 0 leaves the FIFO schedule. */
+void zc_pool_set_schedule(zc_pool *p, uint32_t start, uint32_t window);
+
+/* The task has finished (or is about to): its place in the rotated
+ * schedule's window goes to the next. Safe from any thread, and for a task
+ * that never held one; must precede the op's completion (t may be freed
+ * then). */
+void zc_pool_release(zc_pool *p, zc_task *t);
+
 /* Cancels every queued task (with the cancel function), waits for the running
- * ones, joins the workers. Idempotent; tolerates a pool that never started. */
+ * ones, joins the workers. Idempotent; tolerates a pool that never started.
+ * Tasks admitted by the rotated schedule may still be in flight on the data
+ * plane: then the lock and the queues stay until zc_pool_free. */
 void zc_pool_stop(zc_pool *p);
+
+/* After zc_pool_stop and once no task can be in flight (the data plane
+ * closed): frees what zc_pool_stop left. Idempotent. */
+void zc_pool_free(zc_pool *p);
 
 /* ---- transfer.c ------------------------------------------------------------ */
 
@@ -197,6 +228,9 @@ struct zc_task {
   uint64_t dp_rgen;
   int dp_failed;
   int dp_looked; /* a missing job or version made it search once */
+  /* (pool.mu) The rotated schedule's class whose window this task holds a
+   * place in (ZC_Q_PUSH, ZC_Q_PULL), 0 for none. */
+  int sched;
 };
 
 struct zs_request {
@@ -459,6 +493,9 @@ struct zs_client {
   pthread_cond_t cv;     /* inflight reaches 0, a push op finishes, closing */
   zs_client_options opt; /* a copy; its string pointers are not used */
   char *job;             /* owned */
+  /* The data plane's TCP congestion control (stream.h's
+   * STREAM_CC_NAME_MAX), "" for the host's default. */
+  char tcp_congestion[16];
   uint32_t nshards;
   char **addr;     /* owned, nshards strings: a shard's text ("h:p|h:p") */
   zc_rset *rs;     /* owned, nshards replica sets (n = 1: not replicated) */
@@ -605,5 +642,17 @@ int zc_dp_in_callback(void);
 /* ZS_TRANSPORT_DATA if pushes and pulls to `shard` go over the data plane
  * right now, else ZS_TRANSPORT_GRPC. For tests. */
 zs_transport zc_shard_transport(const struct zs_client *c, uint32_t shard);
+
+/* The schedule zs_client_open uses: `requested`, or for ZS_SCHEDULE_DEFAULT
+ * $ZSHARD_SCHEDULE ("fifo", "rotated"; unset: fifo); and its window (*window:
+ * the option in, 0 meaning $ZSHARD_SCHEDULE_WINDOW or 2; the value out).
+ * Returns ZS_OK or ZS_EINVAL (zc_fail'ed). */
+int zc_schedule_resolve(zs_schedule requested, zs_schedule *out, uint32_t *window);
+
+/* The data plane's TCP congestion control: `requested`, else
+ * $ZSHARD_TCP_CONGESTION, else "" (the host's default), checked with
+ * stream_cc_check into out (len bytes). Returns ZS_OK or ZS_EINVAL
+ * (zc_fail'ed with the kernel's lists). */
+int zc_congestion_resolve(const char *requested, char *out, size_t len);
 
 #endif

@@ -13,9 +13,27 @@
  * list: over the data plane they travel as one batch request
  * (dataplane.c); over gRPC they are issued back to back, one call each.
  *
+ * The rotated schedule (zc_pool_set_schedule; issue 25). Over the data
+ * plane a worker only submits a piece and moves on, so by default every
+ * piece of a burst is on the wire at once: each trainer sends to every shard
+ * at the same moment, and each shard link carries W flows in each
+ * direction. TCP in that pattern keeps 0.65 of the link where one flow per
+ * link and direction keeps 0.93 (docs/PERFORMANCE.md, netsim). Under the
+ * rotated schedule pushes and pulls wait in classes of their own and are
+ * admitted in round-robin order over the shards, starting at the trainer's
+ * rank, with at most `window` of each direction in flight: trainer r sends
+ * its k-th piece for shard r, then for r + 1, ..., as in MPI's pairwise
+ * all-to-all, so that at any moment the W trainers send to W different
+ * shards. A window of 2 keeps the next piece written while the last one's
+ * answer comes back. The order changes when bytes travel, never what is
+ * summed: the shards reduce in rank order whatever the arrival order.
+ * Prefetches and control calls are not held back (a prefetch waits on the
+ * shard for a version, which may need pushes queued behind it).
+ *
  * Threads: the workers are created by zc_pool_start and joined by
  * zc_pool_stop; everything in zc_pool marked (mu) is guarded by pool.mu,
- * which is never held while a task runs.
+ * which is never held while a task runs. zc_pool_release runs on any thread
+ * (a data client's loop thread, mostly).
  *
  * Wake-ups: a submission wakes one idle worker, whatever the number of
  * tasks, and a worker that takes a task while more are queued wakes the
@@ -53,6 +71,40 @@ static size_t bucket_of(const zc_pool *p, const zc_task *t) {
   return 0;
 }
 
+/* The class a task waits in when it is queued. */
+static int class_of(const zc_pool *p, const zc_task *t) {
+  if (!p->window || t->sched)
+    return ZC_Q_ANY; /* FIFO, or a task back for its next phase */
+  if (t->op->kind == ZC_OP_PUSH)
+    return ZC_Q_PUSH;
+  if (t->op->kind == ZC_OP_PULL)
+    return ZC_Q_PULL;
+  return ZC_Q_ANY;
+}
+
+/* The first non-empty queue of class k at or after its cursor, or -1; none
+ * for a class whose window is full. */
+static int next_queue_locked(const zc_pool *p, int k) {
+  if (k != ZC_Q_ANY && p->admitted[k] >= p->window)
+    return -1;
+  for (uint32_t i = 0; i < p->nqueues; i++) {
+    uint32_t q = (p->cursor[k] + i) % p->nqueues;
+    if (p->head[k * p->nqueues + q])
+      return (int)q;
+  }
+  return -1;
+}
+
+/* 1 when a worker could take a task now. */
+static int runnable_locked(const zc_pool *p) {
+  if (p->queued == 0 || p->held)
+    return 0;
+  for (int k = 0; k < ZC_Q_CLASSES; k++)
+    if (next_queue_locked(p, k) >= 0)
+      return 1;
+  return 0;
+}
+
 static zc_task *pop_locked(zc_pool *p, uint32_t q) {
   zc_task *t = p->head[q];
   p->head[q] = t->next;
@@ -64,25 +116,31 @@ static zc_task *pop_locked(zc_pool *p, uint32_t q) {
 }
 
 /* Takes the next task, and the small ones that coalesce with it, as a list
- * linked through next. Called with mu held and queued > 0. */
+ * linked through next; each task of a rotated class takes a place in its
+ * window. Called with mu held and runnable_locked(p). */
 static zc_task *take_locked(zc_pool *p) {
-  uint32_t q = p->cursor;
-  for (uint32_t k = 0; k < p->nqueues; k++) {
-    q = (p->cursor + k) % p->nqueues;
-    if (p->head[q])
-      break;
-  }
-  p->cursor = (q + 1) % p->nqueues;
+  int k = ZC_Q_ANY, found = -1;
+  for (; k < ZC_Q_CLASSES && found < 0; k++)
+    found = next_queue_locked(p, k);
+  k--;
+  uint32_t q = (uint32_t)found + (uint32_t)k * p->nqueues;
+  p->cursor[k] = ((uint32_t)found + 1) % p->nqueues;
   zc_task *first = pop_locked(p, q), *last = first;
   size_t bucket = bucket_of(p, first);
-  if (bucket == 0 || first->bytes >= bucket)
-    return first;
-  size_t total = first->bytes;
-  while (p->head[q] && bucket_of(p, p->head[q]) == bucket &&
-         task_is_push(p->head[q]) == task_is_push(first) && total + p->head[q]->bytes <= bucket) {
-    total += p->head[q]->bytes;
-    last->next = pop_locked(p, q);
-    last = last->next;
+  if (bucket != 0 && first->bytes < bucket) {
+    size_t total = first->bytes;
+    while (p->head[q] && bucket_of(p, p->head[q]) == bucket &&
+           task_is_push(p->head[q]) == task_is_push(first) && total + p->head[q]->bytes <= bucket) {
+      total += p->head[q]->bytes;
+      last->next = pop_locked(p, q);
+      last = last->next;
+    }
+  }
+  if (k != ZC_Q_ANY) {
+    for (zc_task *t = first; t; t = t->next) {
+      t->sched = k;
+      p->admitted[k]++;
+    }
   }
   return first;
 }
@@ -98,15 +156,15 @@ static void *worker_main(void *arg) {
 #endif
   pthread_mutex_lock(&p->mu);
   for (;;) {
-    while (!p->stop && (p->queued == 0 || p->held)) {
+    while (!p->stop && !runnable_locked(p)) {
       p->idle++;
       pthread_cond_wait(&p->cv, &p->mu);
       p->idle--;
     }
-    if (p->queued == 0)
-      break; /* stopping and nothing left */
+    if (p->stop)
+      break; /* zc_pool_stop cancels what is left */
     zc_task *list = take_locked(p);
-    int more = p->queued > 0 && p->idle > 0 && !p->held;
+    int more = runnable_locked(p) && p->idle > 0;
     pthread_mutex_unlock(&p->mu);
     if (more)
       pthread_cond_signal(&p->cv); /* the next link of the chain */
@@ -131,8 +189,8 @@ int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_b
   p->run = run;
   p->cancel = cancel;
   p->ctx = ctx;
-  p->head = calloc(nqueues, sizeof *p->head);
-  p->tail = calloc(nqueues, sizeof *p->tail);
+  p->head = calloc((size_t)nqueues * ZC_Q_CLASSES, sizeof *p->head);
+  p->tail = calloc((size_t)nqueues * ZC_Q_CLASSES, sizeof *p->tail);
   p->threads = calloc(nthreads, sizeof *p->threads);
   if (!p->head || !p->tail || !p->threads)
     return ZS_ENOMEM;
@@ -165,7 +223,7 @@ static int queue_locked(zc_pool *p, zc_task *tasks, uint32_t n) {
     return 0;
   for (uint32_t i = 0; i < n; i++) {
     zc_task *t = &tasks[i];
-    uint32_t q = t->shard % p->nqueues;
+    uint32_t q = (uint32_t)class_of(p, t) * p->nqueues + t->shard % p->nqueues;
     t->next = NULL;
     if (p->tail[q])
       p->tail[q]->next = t;
@@ -209,7 +267,45 @@ void zc_pool_wake(zc_pool *p) {
     pthread_cond_signal(&p->cv);
 }
 
+void zc_pool_set_schedule(zc_pool *p, uint32_t start, uint32_t window) {
+  pthread_mutex_lock(&p->mu);
+  p->window = window;
+  p->cursor[ZC_Q_PUSH] = p->cursor[ZC_Q_PULL] = p->nqueues ? start % p->nqueues : 0;
+  pthread_mutex_unlock(&p->mu);
+}
+
+void zc_pool_release(zc_pool *p, zc_task *t) {
+  /* Read without the lock: only the worker that admitted the task set it,
+   * before the task ran, and nothing else writes it until here. */
+  if (!t->sched)
+    return;
+  pthread_mutex_lock(&p->mu);
+  p->admitted[t->sched]--;
+  t->sched = 0;
+  int wake = p->idle > 0 && runnable_locked(p);
+  pthread_mutex_unlock(&p->mu);
+  if (wake)
+    pthread_cond_signal(&p->cv);
+}
+
+/* Frees everything the pool holds but the struct. */
+static void pool_free_all(zc_pool *p) {
+  pthread_mutex_destroy(&p->mu);
+  pthread_cond_destroy(&p->cv);
+  free(p->head);
+  free(p->tail);
+  free(p->threads);
+  memset(p, 0, sizeof *p);
+}
+
+void zc_pool_free(zc_pool *p) {
+  if (p->stopped)
+    pool_free_all(p);
+}
+
 void zc_pool_stop(zc_pool *p) {
+  if (p->stopped)
+    return;
   if (!p->head) {
     free(p->tail);
     free(p->threads);
@@ -221,7 +317,7 @@ void zc_pool_stop(zc_pool *p) {
   /* Unhook everything still queued, then cancel it outside the lock: cancel
    * finishes ops, which may run user callbacks. */
   zc_task *cancelled = NULL;
-  for (uint32_t q = 0; q < p->nqueues; q++) {
+  for (uint32_t q = 0; q < p->nqueues * ZC_Q_CLASSES; q++) {
     while (p->head[q]) {
       zc_task *t = pop_locked(p, q);
       t->next = cancelled;
@@ -238,10 +334,15 @@ void zc_pool_stop(zc_pool *p) {
   }
   for (uint32_t i = 0; i < p->nthreads; i++)
     pthread_join(p->threads[i], NULL);
-  pthread_mutex_destroy(&p->mu);
-  pthread_cond_destroy(&p->cv);
-  free(p->head);
-  free(p->tail);
-  free(p->threads);
-  memset(p, 0, sizeof *p);
+  /* Tasks the rotated schedule admitted may still be on the data plane,
+   * whose loop threads release them: the lock stays until zc_pool_free. */
+  pthread_mutex_lock(&p->mu);
+  int held = p->admitted[ZC_Q_PUSH] + p->admitted[ZC_Q_PULL] > 0;
+  pthread_mutex_unlock(&p->mu);
+  if (!held) {
+    pool_free_all(p);
+    return;
+  }
+  p->nthreads = 0;
+  p->stopped = 1;
 }

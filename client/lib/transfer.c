@@ -460,15 +460,17 @@ static void task_run_one(zs_client *c, zc_task *t) {
     break;
   }
   t->status = rc;
+  zc_pool_release(&c->pool, t);
   zc_op_part_done(t->op, rc, err, bytes);
 }
 
 void zc_task_cancel(void *ctx, zc_task *t) {
-  (void)ctx;
+  zs_client *c = ctx;
   /* A data-plane task waiting for its retry or its conversion. */
   free(t->dp_buf);
   t->dp_buf = NULL;
   t->status = ZS_ECANCELED;
+  zc_pool_release(&c->pool, t);
   zc_op_part_done(t->op, ZS_ECANCELED, "cancelled: the client is closing", 0);
 }
 

@@ -201,7 +201,8 @@ struct dp_client {
   uint64_t max_payload;
   uint8_t token[WIRE_MAX_TOKEN]; /* sent in every HELLO */
   uint32_t token_len;
-  uint64_t replica_term; /* sent in every HELLO */
+  uint64_t replica_term;               /* sent in every HELLO */
+  char congestion[STREAM_CC_NAME_MAX]; /* "" : the host's default */
   /* Loop thread: the server refused the token (auth_status, auth_err): no
    * connection is tried again, every request fails with that status. */
   int auth_status;
@@ -392,8 +393,13 @@ static void on_connect(stream *st, void *data, int status) {
   size_t len = 0;
   if (status == 0) {
     stream_set_option(st, STREAM_OPT_NODELAY, 1);
-    status = stream_read_start(st, on_alloc, on_read);
+    /* Checked at open: a refusal now (the allowed list changed since) is
+     * the connection's failure, not a silent fall back to the default. */
+    if (c->congestion[0])
+      status = stream_set_congestion(st, c->congestion);
   }
+  if (status == 0)
+    status = stream_read_start(st, on_alloc, on_read);
   if (status == 0) {
     wire_msg m = {.type = WIRE_HELLO};
     m.u.hello.token = c->token;
@@ -1003,6 +1009,16 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
     memcpy(c->token, cfg->token, tlen);
   c->token_len = (uint32_t)tlen;
   c->replica_term = cfg->replica_term;
+  if (cfg->congestion && cfg->congestion[0]) {
+    rc = stream_cc_check(cfg->congestion, err, errlen);
+    if (rc) {
+      pthread_cond_destroy(&c->cv);
+      pthread_mutex_destroy(&c->mu);
+      free(c);
+      return rc;
+    }
+    memcpy(c->congestion, cfg->congestion, strlen(cfg->congestion) + 1);
+  }
   c->nconns = cfg->connections ? cfg->connections : 1;
   c->connect_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DPC_DEFAULT_CONNECT_MS;
   c->max_inflight = cfg->max_inflight ? cfg->max_inflight : DPC_DEFAULT_MAX_INFLIGHT;

@@ -70,6 +70,11 @@ typedef struct dp_client_config {
   /* Sent in every HELLO: nonzero only on a replica set primary's connections
    * to a backup (its term; docs/PROTOCOL.md, "Authentication"). */
   uint64_t replica_term;
+  /* TCP congestion control of every connection (TCP_CONGESTION, e.g.
+   * "cubic"), set on its socket once connected; NULL or "": the host's
+   * default. Checked (stream_cc_check) and copied during dp_client_open,
+   * which fails with ZS_EINVAL for a name this process cannot use. */
+  const char *congestion;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

@@ -15,8 +15,14 @@
  */
 #include "common/net/stream.h"
 
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "common/base/list.h"
 #include "common/net/stream_impl.h"
@@ -189,6 +195,129 @@ const char *stream_detail(const stream *s) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* TCP congestion control                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* A name the kernel could hold: 1..15 characters of [A-Za-z0-9_]. Checked
+ * before anything reaches setsockopt or an error message. */
+static int cc_name_ok(const char *name) {
+  size_t n = name ? strlen(name) : 0;
+  if (n == 0 || n >= STREAM_CC_NAME_MAX)
+    return 0;
+  for (size_t i = 0; i < n; i++) {
+    char ch = name[i];
+    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+          ch == '_'))
+      return 0;
+  }
+  return 1;
+}
+
+/* The first line of a /proc file into buf ("" when it cannot be read). */
+static void cc_read_list(const char *path, char *buf, size_t len) {
+  buf[0] = 0;
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return;
+  if (!fgets(buf, (int)len, f))
+    buf[0] = 0;
+  fclose(f);
+  buf[strcspn(buf, "\n")] = 0;
+}
+
+int stream_cc_check(const char *name, char *err, size_t errlen) {
+  char avail[256], allowed[256];
+  if (!cc_name_ok(name)) {
+    if (err && errlen)
+      snprintf(err, errlen,
+               "TCP congestion control: '%.32s' is not a congestion control's name (1 to %d "
+               "letters, digits or '_', e.g. cubic, reno, bbr)",
+               name ? name : "", STREAM_CC_NAME_MAX - 1);
+    return ZS_EINVAL;
+  }
+#ifdef TCP_CONGESTION
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0)
+    fd = socket(AF_INET6, SOCK_STREAM, 0);
+  if (fd < 0) {
+    if (err && errlen)
+      snprintf(err, errlen, "TCP congestion control: no socket to try '%s' on (%s)", name,
+               strerror(errno));
+    return ZS_EIO;
+  }
+  int rc = setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, (socklen_t)strlen(name));
+  int e = errno;
+  close(fd);
+  if (rc == 0)
+    return ZS_OK;
+  cc_read_list("/proc/sys/net/ipv4/tcp_available_congestion_control", avail, sizeof avail);
+  cc_read_list("/proc/sys/net/ipv4/tcp_allowed_congestion_control", allowed, sizeof allowed);
+  if (err && errlen) {
+    if (e == EPERM)
+      snprintf(err, errlen,
+               "TCP congestion control '%s' is available but not allowed to this process "
+               "(net.ipv4.tcp_allowed_congestion_control: %s); add it there, or run with "
+               "CAP_NET_ADMIN",
+               name, allowed);
+    else
+      snprintf(err, errlen,
+               "TCP congestion control '%s' is not available in this kernel (%s; "
+               "/proc/sys/net/ipv4/tcp_available_congestion_control: %s; a module such as "
+               "tcp_%s may need loading)",
+               name, strerror(e), avail, name);
+  }
+  return ZS_EINVAL;
+#else
+  (void)avail;
+  (void)allowed;
+  if (err && errlen)
+    snprintf(err, errlen, "TCP congestion control: this system has no TCP_CONGESTION");
+  return ZS_EUNIMPL;
+#endif
+}
+
+int stream_set_congestion(stream *s, const char *name) {
+  if (s->closing)
+    return ZS_ECLOSED;
+  if (!cc_name_ok(name))
+    return ZS_EINVAL;
+#ifdef TCP_CONGESTION
+  int fd = s->ops->fd(s);
+  if (fd < 0)
+    return fd;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, (socklen_t)strlen(name)) != 0) {
+    s->detail = strerror(errno);
+    return errno == ENOENT || errno == EPERM ? ZS_EINVAL : ZS_EIO;
+  }
+  return ZS_OK;
+#else
+  return ZS_EUNIMPL;
+#endif
+}
+
+int stream_congestion(const stream *s, char *buf, size_t len) {
+  if (!buf || len == 0)
+    return ZS_EINVAL;
+  buf[0] = 0;
+  if (s->closing)
+    return ZS_ECLOSED;
+#ifdef TCP_CONGESTION
+  int fd = s->ops->fd(s);
+  if (fd < 0)
+    return fd;
+  char name[STREAM_CC_NAME_MAX] = {0};
+  socklen_t n = sizeof name - 1;
+  if (getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &n) != 0)
+    return ZS_EIO;
+  name[n < sizeof name ? n : sizeof name - 1] = 0;
+  snprintf(buf, len, "%s", name);
+  return ZS_OK;
+#else
+  return ZS_EUNIMPL;
+#endif
+}
+
+/* ------------------------------------------------------------------------ */
 /* Plain TCP                                                                */
 /* ------------------------------------------------------------------------ */
 
@@ -321,6 +450,12 @@ static int tcp_set_option(stream *s, stream_option opt, int value) {
   return ZS_EUNIMPL;
 }
 
+static int tcp_fd(const stream *s) {
+  uv_os_fd_t fd;
+  int rc = uv_fileno((const uv_handle_t *)&s->u.tcp.handle, &fd);
+  return rc < 0 ? stream_status_from_uv(rc) : (int)fd;
+}
+
 static void tcp_on_connect(uv_connect_t *r, int status) {
   stream *s = r->data;
   s->connect_cb(s, s->data, tcp_fail(s, status));
@@ -427,4 +562,5 @@ const stream_ops stream_tcp_ops = {
     .local_addr = tcp_local_addr,
     .set_option = tcp_set_option,
     .write_queue_size = tcp_write_queue_size,
+    .fd = tcp_fd,
 };

@@ -138,6 +138,7 @@ struct stream_ops {
   int (*local_addr)(stream *s, struct sockaddr_storage *out);
   int (*set_option)(stream *s, stream_option opt, int value);
   size_t (*write_queue_size)(const stream *s);
+  int (*fd)(const stream *s); /* the TCP socket's descriptor, or a zs_status */
 };
 
 /* Plain TCP over libuv. */
@@ -263,6 +264,33 @@ int stream_set_option(stream *s, stream_option opt, int value);
 
 /* The system's wording of the stream's last failure (for log lines), or "". */
 const char *stream_detail(const stream *s);
+
+/* ---- TCP congestion control --------------------------------------------- */
+
+/* The longest congestion control name Linux takes (TCP_CA_NAME_MAX), with
+ * its terminating NUL. */
+#define STREAM_CC_NAME_MAX 16
+
+/* Checks that this process can set `name` as a socket's TCP congestion
+ * control (TCP_CONGESTION): a short name of letters, digits and '_' that the
+ * kernel offers (/proc/sys/net/ipv4/tcp_available_congestion_control) and
+ * lets this process use (net.ipv4.tcp_allowed_congestion_control, or
+ * CAP_NET_ADMIN for the others). It tries the name on a scratch socket, so
+ * the answer is the kernel's. Returns 0, or ZS_EINVAL with a sentence that
+ * names the lists in err (may be NULL), or ZS_EUNIMPL on a system without
+ * TCP_CONGESTION. Changes nothing on the host: the host's default
+ * (net.ipv4.tcp_congestion_control) stays what it is. `name` is only read. */
+int stream_cc_check(const char *name, char *err, size_t errlen);
+
+/* Sets the stream's own TCP congestion control (setsockopt TCP_CONGESTION
+ * on its socket; for TLS, the TCP stream's). Returns 0, ZS_EINVAL when the
+ * kernel refuses the name (stream_detail says why), ZS_ECLOSED, or
+ * ZS_EUNIMPL. `name` is only read. */
+int stream_set_congestion(stream *s, const char *name);
+
+/* The stream's TCP congestion control into buf (getsockopt TCP_CONGESTION;
+ * at most len - 1 characters and a NUL). Returns 0 or a zs_status. */
+int stream_congestion(const stream *s, char *buf, size_t len);
 
 /* The zs_status for a libuv error code (UV_EOF is STREAM_EOF); implementations
  * report through it. */

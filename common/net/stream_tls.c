@@ -826,6 +826,13 @@ static int tls_set_option(stream *s, stream_option opt, int value) {
   return t->tcp ? stream_set_option(t->tcp, opt, value) : ZS_ECLOSED;
 }
 
+/* The TCP stream's socket: a congestion control set on it applies to the
+ * TLS stream's bytes. */
+static int tls_fd(const stream *s) {
+  const tls_stream *t = s->u.tls;
+  return t->tcp ? t->tcp->ops->fd(t->tcp) : ZS_ECLOSED;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Dialer                                                                   */
 /* ------------------------------------------------------------------------ */
@@ -1007,4 +1014,5 @@ const stream_ops stream_tls_ops = {
     .local_addr = tls_local_addr,
     .set_option = tls_set_option,
     .write_queue_size = tls_write_queue_size,
+    .fd = tls_fd,
 };

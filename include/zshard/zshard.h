@@ -143,6 +143,22 @@ typedef enum zs_loss_scaling {
   ZS_LOSS_SCALE_DYNAMIC = 2, /* the client's zs_loss_scaler */
 } zs_loss_scaling;
 
+/* The order pushes and pulls go on the wire (zs_client_options.schedule). */
+typedef enum zs_schedule {
+  /* The ZSHARD_SCHEDULE environment variable ("fifo" or "rotated") if it is
+   * set, else ZS_SCHEDULE_FIFO. */
+  ZS_SCHEDULE_DEFAULT = 0,
+  /* Every piece is submitted as soon as a worker takes it: a trainer sends
+   * to all shards at once. */
+  ZS_SCHEDULE_FIFO = 1,
+  /* Pairwise exchange: trainer r sends its pieces round robin over the
+   * shards starting at shard r, a few pushes and pulls in flight
+   * (schedule_window),
+   * so that at any moment each trainer sends to one shard and each shard
+   * answers one trainer (with W <= N). */
+  ZS_SCHEDULE_ROTATED = 2,
+} zs_schedule;
+
 /* How pushes and pulls travel (every other call uses gRPC). */
 typedef enum zs_transport {
   /* The ZSHARD_TRANSPORT environment variable ("data" or "grpc") if it is
@@ -303,6 +319,19 @@ typedef struct zs_client_options {
    * round of GetInfo (500 ms) and one Promote. 0: $ZSHARD_FAILOVER_MS,
    * unset 3000. Shards listed without '|' never fail over. */
   uint32_t failover_ms;
+  /* The order pushes and pulls go on the wire (docs/CLIENT.md, "Traffic
+   * schedules"); default ZS_SCHEDULE_DEFAULT. Only when bytes travel
+   * changes: every schedule gives the same results, bit for bit. */
+  zs_schedule schedule;
+  /* ZS_SCHEDULE_ROTATED: pushes, and pulls, in flight at a time; 0 means 2
+   * ($ZSHARD_SCHEDULE_WINDOW when set), at most 64. */
+  uint32_t schedule_window;
+  /* TCP congestion control of this client's data-plane connections
+   * (TCP_CONGESTION on each socket, e.g. "cubic"; the host's default is left
+   * as it is). NULL or "": $ZSHARD_TCP_CONGESTION, unset the host's default.
+   * zs_client_open fails with ZS_EINVAL when the kernel lacks the algorithm
+   * or does not let this process use it. Only read during the call. */
+  const char *tcp_congestion;
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above

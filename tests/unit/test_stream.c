@@ -302,6 +302,43 @@ static void socket_options_are_set_or_refused_with_a_status(void **state) {
   assert_int_equal(stream_set_option(s, (stream_option)99, 1), ZS_EUNIMPL);
 }
 
+/* TCP_CONGESTION on one stream's socket: getsockopt reads back what was
+ * set, on that socket only (the peer and the host's default keep theirs);
+ * names the kernel lacks, or that are no names, are refused. reno is built
+ * into every Linux kernel. */
+static void congestion_control_is_set_per_socket_and_read_back(void **state) {
+  fx *f = *state;
+  char def[32] = "", before[32], got[32];
+  FILE *fp = fopen("/proc/sys/net/ipv4/tcp_congestion_control", "r");
+  assert_non_null(fp);
+  assert_non_null(fgets(def, sizeof def, fp));
+  fclose(fp);
+  def[strcspn(def, "\n")] = '\0';
+  assert_int_equal(stream_congestion(f->server.st, before, sizeof before), 0);
+  assert_string_equal(before, def); /* a new socket starts with the default */
+  char err[512];
+  assert_int_equal(stream_cc_check("reno", err, sizeof err), 0);
+  assert_int_equal(stream_set_congestion(f->client.st, "reno"), 0);
+  assert_int_equal(stream_congestion(f->client.st, got, sizeof got), 0);
+  assert_string_equal(got, "reno");
+  assert_int_equal(stream_congestion(f->server.st, got, sizeof got), 0);
+  assert_string_equal(got, def);
+
+  assert_int_equal(stream_cc_check("nosuchcc", err, sizeof err), ZS_EINVAL);
+  assert_non_null(strstr(err, "not available in this kernel"));
+  assert_non_null(strstr(err, "reno")); /* the kernel's list */
+  assert_int_equal(stream_set_congestion(f->client.st, "nosuchcc"), ZS_EINVAL);
+  assert_int_equal(stream_congestion(f->client.st, got, sizeof got), 0);
+  assert_string_equal(got, "reno"); /* unchanged by the refusal */
+  const char *bad[] = {"", "a b", "x;rm", "sixteen_chars_ab", NULL};
+  for (int i = 0; bad[i]; i++) {
+    assert_int_equal(stream_cc_check(bad[i], err, sizeof err), ZS_EINVAL);
+    assert_non_null(strstr(err, "not a congestion control's name"));
+    assert_int_equal(stream_set_congestion(f->client.st, bad[i]), ZS_EINVAL);
+  }
+  assert_int_equal(stream_cc_check(NULL, err, sizeof err), ZS_EINVAL);
+}
+
 /* Three buffers of odd sizes in one write; the reader hands out at most
  * 100003 bytes at a time, always the next place in its own destination. */
 static void large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers(void **state) {
@@ -915,6 +952,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         CASE(listener_on_port_0_reports_its_port_and_both_ends_agree_on_addresses, t),
         CASE(socket_options_are_set_or_refused_with_a_status, t),
+        CASE(congestion_control_is_set_per_socket_and_read_back, t),
         CASE(large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers, t),
         CASE(writes_complete_once_each_in_the_order_they_were_queued, t),
         CASE(shutdown_delivers_the_bytes_then_the_end_of_the_stream_once, t),

@@ -340,6 +340,7 @@ struct dp_server {
   uint32_t hello_ms, max_per_peer, max_unauth, max_unauth_peer, max_wait_conn, max_wait,
       pin_hold_ms;
   uint64_t max_answer, max_answer_total, max_answer_peer;
+  char congestion[STREAM_CC_NAME_MAX]; /* "": the host's default */
   uv_timer_t pin_timer;
   int pin_timer_on;
   atomic_int stop;
@@ -2009,6 +2010,10 @@ static void on_connection(stream_listener *l, void *data, int status, stream *st
   c->accepted_ms = c->last_progress_ms = clock_now_ms();
   /* Small answers (acks, errors, latency probes) must not wait for Nagle. */
   stream_set_option(c->st, STREAM_OPT_NODELAY, 1);
+  /* Checked at start; should the kernel refuse it now (the allowed list
+   * changed), the connection keeps the host's default and a line says so. */
+  if (s->congestion[0] && stream_set_congestion(c->st, s->congestion) != 0)
+    LOG_WARN("dp_congestion_failed", "cc=%s detail=\"%s\"", s->congestion, stream_detail(c->st));
   char why[160];
   if (s->nconns > s->max_conns)
     status_say(why, sizeof why, "the server's limit of %u data-plane connections is reached",
@@ -2255,6 +2260,9 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   int rc = dp_resolve(cfg->listen, 1, &addr, err, errlen);
   if (rc)
     return rc;
+  if (cfg->congestion && cfg->congestion[0] &&
+      (rc = stream_cc_check(cfg->congestion, err, errlen)) != 0)
+    return rc;
   dp_server *s = calloc(1, sizeof *s);
   if (!s)
     return ZS_ENOMEM;
@@ -2301,6 +2309,8 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
                            ? cfg->max_answer_bytes_per_peer
                            : env_knob("ZSHARD_DP_MAX_ANSWER_BYTES_PEER", quarter);
   s->pin_hold_ms = cfg->pin_hold_ms ? cfg->pin_hold_ms : DP_DEFAULT_PIN_HOLD_MS;
+  if (cfg->congestion && cfg->congestion[0])
+    memcpy(s->congestion, cfg->congestion, strlen(cfg->congestion) + 1); /* checked above */
   if (cfg->metrics) {
     s->m_push = metrics_rpc_register(cfg->metrics, "data", "Push");
     s->m_pull = metrics_rpc_register(cfg->metrics, "data", "Pull");

@@ -145,6 +145,11 @@ typedef struct dp_server_config {
    * (common/net/tls.h: tls_server_new; with a client CA, clients must present a
    * certificate); NULL: plain TCP. Borrowed: it must outlive the server. */
   struct tls_ctx *tls;
+  /* TCP congestion control of every accepted connection (TCP_CONGESTION,
+   * e.g. "cubic"), set on its socket; NULL or "": the host's default, which
+   * is never changed. dp_server_start fails with ZS_EINVAL for a name this
+   * process cannot use (stream_cc_check's sentence in err). Copied. */
+  const char *congestion;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the

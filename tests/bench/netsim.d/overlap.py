@@ -3,6 +3,7 @@ namespace): the step of step_overlap_W<W>_N<N>.
 
     overlap.py --addresses A,B,.. --rank R --world W --params P --tensors T
                --steps S --forward F --backward B [--depth D] [--clip C]
+               [--pipelined]
 
 The model is T layers of P/T parameters. Each step runs, as a trainer on a
 GPU would, with the compute taking no CPU (time.sleep):
@@ -15,7 +16,14 @@ GPU would, with the compute taking no CPU (time.sleep):
   drain     wait for every push
   gate      zs_step (the gated step: clipping to C when C > 0)
 
-so the pulls overlap the forward and the pushes the backward. S + 1 steps,
+so the pulls overlap the forward and the pushes the backward. With
+--pipelined the job is pipelined and the client prefetches (prefetch_depth
+D; issue 25, "overlap"): the backward ends in zs_step, which sends the
+step's lr and at once starts the pulls of layers 0 .. D-1 of the next step,
+each answered as soon as its last piece is applied, while the last pushes
+drain; the forward then pulls in order (from the prefetch slots, the client
+starting layer i + D after layer i). The phases are then forward,
+backward, gate (zs_step, no wait) and drain. S + 1 steps,
 the first a warm-up. Prints one JSON object like trainer.py's: per measured
 step the forward, backward, drain and gate times and the whole cycle, the
 bytes each way, and the CPU seconds this process, the shards
@@ -52,6 +60,14 @@ def backward(c, ids, grads, per_layer):
     return reqs
 
 
+def forward_prefetched(c, ids, params, per_layer):
+    """The forward pass of a client that prefetches: each pull in order,
+    served from the slot the client filled ahead."""
+    for i in range(len(ids)):
+        c.pull(ids[i], params[i], dtype="bf16").wait()
+        time.sleep(per_layer)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--addresses", required=True)
@@ -65,6 +81,7 @@ def main():
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--job", default="netsim-overlap")
+    ap.add_argument("--pipelined", action="store_true")
     a = ap.parse_args()
 
     sys.path.insert(0, os.environ["ZSHARD_PYTHONPATH"])
@@ -72,8 +89,10 @@ def main():
     import zshard
 
     numel = a.params // a.tensors
-    c = zshard.Client(a.addresses, rank=a.rank, world_size=a.world, job=a.job, push_dtype="bf16",
-                      pull_dtype="bf16", prefetch_depth=0, open_mode="either")
+    c = zshard.Client(a.addresses, rank=a.rank, world_size=a.world,
+                      job=a.job + ("-pipelined" if a.pipelined else ""), push_dtype="bf16",
+                      pull_dtype="bf16", prefetch_depth=a.depth if a.pipelined else 0,
+                      open_mode="either", pipelined=1 if a.pipelined else 0)
     c.add_group("sgd")
     ids = [c.add_tensor("w%d" % k, numel) for k in range(a.tensors)]
     if a.rank == 0:
@@ -89,20 +108,34 @@ def main():
     start = time.monotonic()
     for s in range(a.steps + 1):
         t0 = time.monotonic()
-        forward(c, ids, params, a.depth, a.forward / a.tensors)
+        if a.pipelined:
+            forward_prefetched(c, ids, params, a.forward / a.tensors)
+        else:
+            forward(c, ids, params, a.depth, a.forward / a.tensors)
         t1 = time.monotonic()
         reqs = backward(c, ids, grads, a.backward / a.tensors)
         t2 = time.monotonic()
-        for r in reqs:
-            r.wait()
-        t3 = time.monotonic()
-        c.step(lr=1e-3, max_grad_norm=a.clip)
-        t4 = time.monotonic()
+        if a.pipelined:
+            # The lr goes out and the next step's first layers are asked
+            # for at once; the pushes drain behind them.
+            c.step(lr=1e-3, max_grad_norm=0.0)
+            t3 = time.monotonic()
+            for r in reqs:
+                r.wait()
+            t4 = time.monotonic()
+            gate, drain = t3 - t2, t4 - t3
+        else:
+            for r in reqs:
+                r.wait()
+            t3 = time.monotonic()
+            c.step(lr=1e-3, max_grad_norm=a.clip)
+            t4 = time.monotonic()
+            drain, gate = t3 - t2, t4 - t3
         if s == 0:
             window.start()
             start = time.monotonic()
             continue
-        steps.append({"forward": t1 - t0, "backward": t2 - t1, "drain": t3 - t2, "gate": t4 - t3,
+        steps.append({"forward": t1 - t0, "backward": t2 - t1, "drain": drain, "gate": gate,
                       "cycle": t4 - t0})
     used = window.stop(time.monotonic() - start)
     c.close()

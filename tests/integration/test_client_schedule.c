@@ -1,0 +1,539 @@
+/*
+ * test_client_schedule — the order pushes and pulls go on the wire
+ * (zs_client_options.schedule, client/lib/pool.c) and the data plane's TCP
+ * congestion control (zs_client_options.tcp_congestion, zshard-server
+ * --tcp-congestion).
+ *
+ * The rotated schedule, on the pool itself: pushes and pulls are admitted
+ * round robin over the shards starting at the given one (the rank), at most
+ * `window` of each direction until one is released, prefetches and control
+ * calls never held back; the FIFO schedule admits everything at once.
+ *
+ * The bits: the same training (W = 3 trainer threads, N = 3 shards, split
+ * tensors and whole ones, gradients that depend on the pulled parameters)
+ * run with the FIFO schedule and with the rotated one (windows 1 and 2),
+ * gated and pipelined, ends in bit-identical parameters on every rank. CTest
+ * runs it on the data plane and again with ZSHARD_TRANSPORT=grpc.
+ *
+ * The congestion control: a name this kernel lacks, or one that is no name,
+ * is refused by zs_client_open (ZS_EINVAL, the kernel's list in the
+ * sentence) and by zshard-server (exit 2); a client and a server given an
+ * algorithm other than the host's default carry it on their data-plane
+ * sockets (ss -tin shows it per connection), and the host's default is
+ * unchanged.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "harness.h"
+#include "internal.h"
+#include "zshard/zshard.h"
+
+/* ---- the pool's admission order ---------------------------------------------------- */
+
+typedef struct ran_log {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  zc_task *ran[64];
+  int n;
+} ran_log;
+
+static void log_run(void *ctx, zc_task *list) {
+  ran_log *r = ctx;
+  pthread_mutex_lock(&r->mu);
+  while (list) {
+    zc_task *next = list->next;
+    list->next = NULL;
+    r->ran[r->n++] = list;
+    list = next;
+  }
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+static void log_cancel(void *ctx, zc_task *t) {
+  (void)ctx;
+  (void)t;
+}
+
+/* Waits (at most 10 s) until `n` tasks ran; returns how many did. */
+static int wait_ran(ran_log *r, int n) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += 10;
+  pthread_mutex_lock(&r->mu);
+  while (r->n < n && pthread_cond_timedwait(&r->cv, &r->mu, &dl) == 0)
+    ;
+  int got = r->n;
+  pthread_mutex_unlock(&r->mu);
+  return got;
+}
+
+/* An op of `n` tasks of `kind`, task i for shard i % 4 (freed with free). */
+static zs_request *fake_op(zc_op_kind kind, uint32_t n) {
+  zs_request *op = calloc(1, sizeof *op + n * sizeof(zc_task));
+  assert_non_null(op);
+  op->kind = kind;
+  op->ntasks = n;
+  for (uint32_t i = 0; i < n; i++) {
+    op->tasks[i].op = op;
+    op->tasks[i].shard = i % 4;
+  }
+  return op;
+}
+
+static void rotated_schedule_admits_round_robin_from_the_rank_within_its_window(void **state) {
+  (void)state;
+  ran_log r = {.n = 0};
+  pthread_mutex_init(&r.mu, NULL);
+  pthread_cond_init(&r.cv, NULL);
+  zc_pool p;
+  assert_int_equal(zc_pool_start(&p, 4, 3, 0, 0, log_run, log_cancel, &r), ZS_OK);
+  zc_pool_set_schedule(&p, 2, 2);
+  zs_request *push = fake_op(ZC_OP_PUSH, 8), *pull = fake_op(ZC_OP_PULL, 4);
+  zs_request *pre = fake_op(ZC_OP_PREFETCH, 4), *call = fake_op(ZC_OP_CALL, 4);
+  zc_pool_hold(&p, 1);
+  zc_pool_submit(&p, push->tasks, 8);
+  zc_pool_submit(&p, pull->tasks, 4);
+  zc_pool_submit(&p, pre->tasks, 4);
+  zc_pool_submit(&p, call->tasks, 4);
+  zc_pool_hold(&p, 0);
+  /* Prefetches and calls all run; two pushes and two pulls are admitted. */
+  assert_int_equal(wait_ran(&r, 12), 12);
+  usleep(200 * 1000); /* nothing more may start without a release */
+  assert_int_equal(wait_ran(&r, 12), 12);
+  int npush = 0, npull = 0;
+  uint32_t push_order[8], pull_order[4];
+  for (int done = 0; done < 12; done++) {
+    /* The oldest admitted push or pull still held gives its place back. */
+    zc_task *t = NULL;
+    pthread_mutex_lock(&r.mu);
+    for (int i = 0; i < r.n && !t; i++)
+      if (r.ran[i]->sched)
+        t = r.ran[i];
+    int held_push = 0, held_pull = 0;
+    for (int i = 0; i < r.n; i++) {
+      held_push += r.ran[i]->sched == ZC_Q_PUSH;
+      held_pull += r.ran[i]->sched == ZC_Q_PULL;
+    }
+    pthread_mutex_unlock(&r.mu);
+    assert_non_null(t);
+    assert_true(held_push <= 2 && held_pull <= 2);
+    if (t->op->kind == ZC_OP_PUSH)
+      push_order[npush++] = t->shard;
+    else
+      pull_order[npull++] = t->shard;
+    /* A queued one of the same direction, if any is left, takes the place. */
+    int before = wait_ran(&r, 0), same = 0;
+    for (int i = 0; i < before; i++)
+      same += r.ran[i]->op->kind == t->op->kind;
+    zc_pool_release(&p, t);
+    if (same < (int)t->op->ntasks)
+      assert_int_equal(wait_ran(&r, before + 1), before + 1);
+  }
+  assert_int_equal(npush, 8);
+  assert_int_equal(npull, 4);
+  const uint32_t want_push[8] = {2, 3, 0, 1, 2, 3, 0, 1}, want_pull[4] = {2, 3, 0, 1};
+  assert_memory_equal(push_order, want_push, sizeof want_push);
+  assert_memory_equal(pull_order, want_pull, sizeof want_pull);
+  zc_pool_stop(&p);
+  zc_pool_free(&p);
+  free(push);
+  free(pull);
+  free(pre);
+  free(call);
+}
+
+static void fifo_schedule_admits_everything_at_once(void **state) {
+  (void)state;
+  ran_log r = {.n = 0};
+  pthread_mutex_init(&r.mu, NULL);
+  pthread_cond_init(&r.cv, NULL);
+  zc_pool p;
+  assert_int_equal(zc_pool_start(&p, 4, 3, 0, 0, log_run, log_cancel, &r), ZS_OK);
+  zs_request *push = fake_op(ZC_OP_PUSH, 8), *pull = fake_op(ZC_OP_PULL, 8);
+  zc_pool_submit(&p, push->tasks, 8);
+  zc_pool_submit(&p, pull->tasks, 8);
+  assert_int_equal(wait_ran(&r, 16), 16);
+  for (int i = 0; i < 16; i++)
+    assert_int_equal(r.ran[i]->sched, 0);
+  zc_pool_stop(&p);
+  zc_pool_free(&p);
+  free(push);
+  free(pull);
+}
+
+/* ---- the bits of every schedule ----------------------------------------------------- */
+
+#define NT 4
+#define W 3
+#define N 3
+#define K 4
+#define SPLIT 64
+
+static const uint64_t NUMEL[NT] = {300, 37, 130, 64};
+
+typedef struct run_cfg {
+  char addrs[256];
+  int pipelined;
+  zs_schedule schedule;
+  uint32_t window;
+  char job[32];
+} run_cfg;
+
+typedef struct rank_out {
+  int rc;
+  char err[600];
+  float *final[NT];
+} rank_out;
+
+typedef struct trainer_arg {
+  const run_cfg *cfg;
+  uint32_t rank;
+  rank_out *out;
+} trainer_arg;
+
+static float noise(uint64_t s, uint32_t r, uint32_t t, uint64_t i) {
+  uint64_t z = s * 0x9e3779b97f4a7c15ull ^ ((uint64_t)r << 48) ^ ((uint64_t)t << 32) ^ i;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+static int trainer_open(const run_cfg *cfg, uint32_t rank, zs_client **out) {
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = cfg->addrs;
+  o.rank = rank;
+  o.world_size = W;
+  o.job = cfg->job;
+  o.split_threshold = SPLIT;
+  o.push_dtype = ZS_DTYPE_BF16;
+  o.pipelined = (uint32_t)cfg->pipelined;
+  o.schedule = cfg->schedule;
+  o.schedule_window = cfg->window;
+  int rc = zs_client_open(&o, out);
+  zs_group_options go;
+  zs_group_options_init(&go, ZS_OPTIM_ADAMW);
+  if (rc == ZS_OK)
+    rc = zs_add_group(*out, &go, NULL);
+  for (uint32_t t = 0; rc == ZS_OK && t < NT; t++) {
+    char name[16];
+    snprintf(name, sizeof name, "t%" PRIu32, t);
+    rc = zs_add_tensor(*out, name, NUMEL[t], 0, NULL, 0, NULL);
+  }
+  return rc;
+}
+
+static int pull_all(zs_client *c, float **dst) {
+  uint32_t ids[NT];
+  size_t nbytes[NT];
+  for (uint32_t t = 0; t < NT; t++) {
+    ids[t] = t;
+    nbytes[t] = NUMEL[t] * sizeof(float);
+  }
+  return zs_pull_many(c, NT, ids, (void *const *)dst, ZS_DTYPE_FP32, nbytes, NULL);
+}
+
+/* Gradients from the pulled parameters, pushed without waiting, the step,
+ * then the pushes' outcomes. */
+static int trainer_step(zs_client *c, uint32_t rank, uint64_t s, float **param, float **grad) {
+  uint32_t ids[NT];
+  size_t nbytes[NT];
+  zs_request *reqs[NT];
+  for (uint32_t t = 0; t < NT; t++) {
+    ids[t] = t;
+    nbytes[t] = NUMEL[t] * sizeof(float);
+    for (uint64_t i = 0; i < NUMEL[t]; i++)
+      grad[t][i] = 0.5f * param[t][i] + 0.01f * noise(s, rank, t, i) + 0.001f;
+  }
+  int rc = zs_push_many(c, NT, ids, 0, (const void *const *)grad, ZS_DTYPE_FP32, nbytes, reqs);
+  if (rc != ZS_OK)
+    return rc;
+  rc = zs_step(c, 1e-2 * (1.0 + 0.25 * (double)s), 0, 0, NULL);
+  for (uint32_t t = 0; t < NT; t++) {
+    int r = zs_wait(reqs[t]);
+    if (rc == ZS_OK)
+      rc = r;
+  }
+  return rc;
+}
+
+static void *trainer_main(void *p) {
+  trainer_arg *a = p;
+  rank_out *out = a->out;
+  float *param[NT], *grad[NT], *init[NT];
+  for (uint32_t t = 0; t < NT; t++) {
+    param[t] = calloc(NUMEL[t], sizeof(float));
+    grad[t] = calloc(NUMEL[t], sizeof(float));
+    init[t] = calloc(NUMEL[t], sizeof(float));
+    out->final[t] = calloc(NUMEL[t], sizeof(float));
+    for (uint64_t i = 0; i < NUMEL[t]; i++)
+      init[t][i] = (float)sin(0.37 * (double)(i + 1) + 1.3 * t) * 0.5f;
+  }
+  zs_client *c = NULL;
+  int rc = trainer_open(a->cfg, a->rank, &c);
+  if (rc == ZS_OK)
+    rc = zs_open_job(c, (const float *const *)init);
+  const char *what = "open";
+  for (uint64_t s = 1; rc == ZS_OK && s <= K; s++) {
+    what = "pull";
+    if ((rc = pull_all(c, param)) == ZS_OK) {
+      what = "step";
+      rc = trainer_step(c, a->rank, s, param, grad);
+    }
+  }
+  if (rc == ZS_OK) {
+    what = "final pull";
+    rc = pull_all(c, out->final);
+  }
+  if (rc != ZS_OK) {
+    out->rc = rc;
+    snprintf(out->err, sizeof out->err, "%s: %s (%s)", what, zs_strerror(rc), zs_last_error());
+  }
+  zs_client_close(c);
+  for (uint32_t t = 0; t < NT; t++) {
+    free(param[t]);
+    free(grad[t]);
+    free(init[t]);
+  }
+  return NULL;
+}
+
+/* Trains job `job` on a fresh cluster (a shard holds one job); outs[r].final
+ * gets rank r's parameters. */
+static void train(const char *job, int pipelined, zs_schedule schedule, uint32_t window,
+                  rank_out *outs) {
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, N, NULL), 0);
+  run_cfg cfg = {.pipelined = pipelined, .schedule = schedule, .window = window};
+  snprintf(cfg.job, sizeof cfg.job, "%s", job);
+  snprintf(cfg.addrs, sizeof cfg.addrs, "%s,%s,%s", cl.srv[0]->addr, cl.srv[1]->addr,
+           cl.srv[2]->addr);
+  pthread_t th[W];
+  trainer_arg args[W];
+  for (uint32_t r = 0; r < W; r++) {
+    memset(&outs[r], 0, sizeof outs[r]);
+    args[r] = (trainer_arg){.cfg = &cfg, .rank = r, .out = &outs[r]};
+    assert_int_equal(pthread_create(&th[r], NULL, trainer_main, &args[r]), 0);
+  }
+  for (uint32_t r = 0; r < W; r++)
+    pthread_join(th[r], NULL);
+  for (uint32_t r = 0; r < W; r++)
+    if (outs[r].rc != ZS_OK)
+      fail_msg("job %s, rank %u: %s", job, r, outs[r].err);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+static void free_outs(rank_out *outs) {
+  for (uint32_t r = 0; r < W; r++)
+    for (uint32_t t = 0; t < NT; t++)
+      free(outs[r].final[t]);
+}
+
+static void every_schedule_trains_to_the_same_bits(void **state) {
+  (void)state;
+  for (int pipelined = 0; pipelined <= 1; pipelined++) {
+    rank_out fifo[W], rot1[W], rot2[W];
+    train("sched", pipelined, ZS_SCHEDULE_FIFO, 0, fifo);
+    train("sched", pipelined, ZS_SCHEDULE_ROTATED, 1, rot1);
+    train("sched", pipelined, ZS_SCHEDULE_ROTATED, 2, rot2);
+    for (uint32_t r = 0; r < W; r++) {
+      for (uint32_t t = 0; t < NT; t++) {
+        size_t n = NUMEL[t] * sizeof(float);
+        if (memcmp(fifo[r].final[t], fifo[0].final[t], n) != 0 ||
+            memcmp(rot1[r].final[t], fifo[r].final[t], n) != 0 ||
+            memcmp(rot2[r].final[t], fifo[r].final[t], n) != 0)
+          fail_msg("%s: tensor %u differs (rank %u) between the schedules",
+                   pipelined ? "pipelined" : "gated", t, r);
+        /* And training moved them. */
+        assert_true(fifo[r].final[t][1] != (float)sin(0.37 * 2 + 1.3 * t) * 0.5f);
+      }
+    }
+    free_outs(fifo);
+    free_outs(rot1);
+    free_outs(rot2);
+  }
+}
+
+static void a_bad_schedule_is_refused(void **state) {
+  (void)state;
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = "127.0.0.1:1";
+  o.schedule = (zs_schedule)7;
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_null(c);
+  o.schedule = ZS_SCHEDULE_ROTATED;
+  o.schedule_window = 65;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "schedule_window"));
+  o.schedule = ZS_SCHEDULE_DEFAULT;
+  o.schedule_window = 0;
+  setenv("ZSHARD_SCHEDULE", "zigzag", 1);
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "ZSHARD_SCHEDULE"));
+  unsetenv("ZSHARD_SCHEDULE");
+}
+
+/* ---- TCP congestion control ------------------------------------------------------------ */
+
+static void read_line(const char *path, char *buf, size_t len) {
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  assert_non_null(fgets(buf, (int)len, f));
+  fclose(f);
+  buf[strcspn(buf, "\n")] = '\0';
+}
+
+/* An algorithm this kernel offers other than the host's default, into buf
+ * (reno is built into every Linux; the default may be it). */
+static void other_algorithm(char *buf, size_t len) {
+  char def[64], avail[256];
+  read_line("/proc/sys/net/ipv4/tcp_congestion_control", def, sizeof def);
+  read_line("/proc/sys/net/ipv4/tcp_available_congestion_control", avail, sizeof avail);
+  buf[0] = '\0';
+  for (char *save = NULL, *tok = strtok_r(avail, " ", &save); tok; tok = strtok_r(NULL, " ", &save))
+    if (strcmp(tok, def) != 0 && !buf[0])
+      snprintf(buf, len, "%s", tok);
+  if (!buf[0])
+    fail_msg("the kernel offers only '%s': no other congestion control to tell apart", def);
+}
+
+/* How many established TCP sockets of process `pid` use congestion control
+ * `cc`, and how many it has in all (ss -tinp: one line per socket, then its
+ * info line, which starts with the algorithm's name). */
+static void count_sockets(pid_t pid, const char *cc, int *with, int *all) {
+  char line[4096], want[32];
+  const char *cmd = "ss -Htinp state established 2>/dev/null";
+  snprintf(want, sizeof want, "pid=%d,", (int)pid);
+  FILE *f = popen(cmd, "r");
+  assert_non_null(f);
+  *with = *all = 0;
+  int mine = 0;
+  while (fgets(line, sizeof line, f)) {
+    if (line[0] != ' ' && line[0] != '\t') {
+      mine = strstr(line, want) != NULL;
+      continue;
+    }
+    if (!mine)
+      continue;
+    /* The algorithm is a word of its own ("reno", not "bbr:(...)"),
+     * after the options (ts, sack, ecn) when there are any. */
+    int found = 0;
+    for (char *save = NULL, *tok = strtok_r(line, " \t\n", &save); tok && !found;
+         tok = strtok_r(NULL, " \t\n", &save))
+      found = strcmp(tok, cc) == 0;
+    (*all)++;
+    *with += found;
+    mine = 0;
+  }
+  pclose(f);
+}
+
+static void tcp_congestion_reaches_the_data_plane_sockets(void **state) {
+  (void)state;
+  char cc[32], def_before[64], def_after[64];
+  other_algorithm(cc, sizeof cc);
+  read_line("/proc/sys/net/ipv4/tcp_congestion_control", def_before, sizeof def_before);
+  const char *extra[] = {"--tcp-congestion", cc, NULL};
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 1, extra), 0);
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = cl.srv[0]->addr;
+  o.transport = ZS_TRANSPORT_DATA;
+  o.tcp_congestion = cc;
+  o.data_connections = 2;
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  assert_int_equal(zs_add_tensor(c, "w", 1000, 0, NULL, 0, NULL), ZS_OK);
+  float w[1000] = {0};
+  const float *init[1] = {w};
+  assert_int_equal(zs_open_job(c, init), ZS_OK);
+  assert_int_equal(zs_pull(c, 0, w, ZS_DTYPE_FP32, sizeof w, NULL), ZS_OK);
+  int with = 0, all = 0;
+  /* The client's data connections (2) carry it; its gRPC channel does not. */
+  count_sockets(getpid(), cc, &with, &all);
+  if (with != 2)
+    fail_msg("client: %d of %d sockets use %s, want the 2 data-plane ones", with, all, cc);
+  assert_true(all > with);
+  count_sockets(cl.srv[0]->pid, cc, &with, &all);
+  if (with != 2)
+    fail_msg("server: %d of %d sockets use %s, want the 2 data-plane ones", with, all, cc);
+  zs_client_close(c);
+  read_line("/proc/sys/net/ipv4/tcp_congestion_control", def_after, sizeof def_after);
+  assert_string_equal(def_before, def_after);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+static void an_unknown_congestion_control_is_refused(void **state) {
+  (void)state;
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = "127.0.0.1:1";
+  o.tcp_congestion = "nosuchcc";
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_null(c);
+  assert_non_null(strstr(zs_last_error(), "not available in this kernel"));
+  assert_non_null(strstr(zs_last_error(), "reno")); /* the kernel's list */
+  o.tcp_congestion = "cu bic;";
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "not a congestion control's name"));
+  o.tcp_congestion = NULL;
+  setenv("ZSHARD_TCP_CONGESTION", "nosuchcc", 1);
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "ZSHARD_TCP_CONGESTION"));
+  unsetenv("ZSHARD_TCP_CONGESTION");
+
+  /* The server: a usage error naming the flag, before it listens. */
+  const char *bin = getenv("ZSHARD_SERVER_BIN");
+  assert_non_null(bin);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "'%s' --listen 127.0.0.1:0 --tcp-congestion nosuchcc 2>&1", bin);
+  FILE *f = popen(cmd, "r");
+  assert_non_null(f);
+  char out[2048];
+  size_t n = fread(out, 1, sizeof out - 1, f);
+  out[n] = '\0';
+  int status = pclose(f);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 2);
+  assert_non_null(strstr(out, "--tcp-congestion"));
+  assert_non_null(strstr(out, "not available in this kernel"));
+}
+
+static int group_setup(void **state) {
+  (void)state;
+  return hs_init();
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(rotated_schedule_admits_round_robin_from_the_rank_within_its_window),
+      cmocka_unit_test(fifo_schedule_admits_everything_at_once),
+      cmocka_unit_test(a_bad_schedule_is_refused),
+      cmocka_unit_test(an_unknown_congestion_control_is_refused),
+      cmocka_unit_test(tcp_congestion_reaches_the_data_plane_sockets),
+      cmocka_unit_test(every_schedule_trains_to_the_same_bits),
+  };
+  int failures = cmocka_run_group_tests(tests, group_setup, NULL);
+  hs_finish(failures);
+  return failures;
+}
