@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Build the Kubernetes control plane, kubelet, kubectl and the CNI plugins that
+# tests/deploy/run-k8s-cluster-test runs, out of tree: this module pins
+# k8s.io/kubernetes and replaces every k8s.io/* staging module with its
+# matching v0.x release (k8s.io/kubernetes' own go.mod points them at
+# ./staging, which only works inside its repository).
+#
+# Idempotent: binaries land in $ZS_K8S_CACHE/<version>/bin (default
+# /var/cache/zshard-k8s) and a binary already there is not rebuilt.  The build
+# is slow (tens of minutes of CPU); it runs at low priority, one package at a
+# time, with the lowest-memory link flags, so it spares a shared machine.
+#
+#   tests/deploy/k8s-build/build.sh            build what is missing
+#   tests/deploy/k8s-build/build.sh --print    print the bin directory only
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+k8s_version=$(awk '$1 == "k8s.io/kubernetes" { print $2; exit }' "$here/go.mod")
+cni_version=$(awk '$1 == "github.com/containernetworking/plugins" { print $2; exit }' "$here/go.mod")
+cache=${ZS_K8S_CACHE:-/var/cache/zshard-k8s}
+bin="$cache/k8s-$k8s_version-cni-$cni_version/bin"
+if [ "${1:-}" = --print ]; then
+	echo "$bin"
+	exit 0
+fi
+export PATH=/usr/local/go/bin:$PATH
+export CGO_ENABLED=0 GOFLAGS="-p=1 -mod=mod -buildvcs=false" GOMAXPROCS=${GOMAXPROCS:-1}
+mkdir -p "$bin"
+cd "$here"
+# What `kubectl version` and the node status report (the upstream build sets
+# the same variables from git).
+minor=${k8s_version#v1.}
+minor=${minor%%.*}
+vpkg=k8s.io/component-base/version
+version_flags="-X $vpkg.gitVersion=$k8s_version -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor"
+version_flags+=" -X $vpkg.gitTreeState=clean -X $vpkg.buildDate=1970-01-01T00:00:00Z"
+# Most useful first: the API server and kubectl alone give server-side
+# validation (dry run); the controllers and scheduler then the workload
+# controllers; the kubelet and the CNI plugins last.
+targets=(
+	kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver
+	kubectl=k8s.io/kubernetes/cmd/kubectl
+	kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager
+	kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler
+	kubelet=k8s.io/kubernetes/cmd/kubelet
+	bridge=github.com/containernetworking/plugins/plugins/main/bridge
+	host-local=github.com/containernetworking/plugins/plugins/ipam/host-local
+	loopback=github.com/containernetworking/plugins/plugins/main/loopback
+	portmap=github.com/containernetworking/plugins/plugins/meta/portmap
+)
+for t in "${targets[@]}"; do
+	name=${t%%=*}
+	pkg=${t#*=}
+	if [ -x "$bin/$name" ]; then
+		echo "k8s-build: $name present ($bin/$name)"
+		continue
+	fi
+	echo "k8s-build: building $name ($pkg) $(date +%T)"
+	start=$(date +%s)
+	nice -n 15 go build -trimpath -ldflags="-s -w $version_flags" -o "$bin/$name.tmp" "$pkg"
+	mv "$bin/$name.tmp" "$bin/$name"
+	echo "k8s-build: $name built in $(($(date +%s) - start)) s"
+done
+echo "k8s-build: all in $bin"
