@@ -35,12 +35,14 @@ version_flags="-X $vpkg.gitVersion=$k8s_version -X $vpkg.gitMajor=1 -X $vpkg.git
 version_flags+=" -X $vpkg.gitTreeState=clean -X $vpkg.buildDate=1970-01-01T00:00:00Z"
 # Most useful first: the API server and kubectl alone give server-side
 # validation (dry run); the controllers and scheduler then the workload
-# controllers; the kubelet and the CNI plugins last.
+# controllers; the cluster DNS (zsdns, ours), the kubelet and the CNI
+# plugins last.
 targets=(
 	kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver
 	kubectl=k8s.io/kubernetes/cmd/kubectl
 	kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager
 	kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler
+	zsdns=zshard/tests/deploy/k8s-build/zsdns
 	kubelet=k8s.io/kubernetes/cmd/kubelet
 	bridge=github.com/containernetworking/plugins/plugins/main/bridge
 	host-local=github.com/containernetworking/plugins/plugins/ipam/host-local
