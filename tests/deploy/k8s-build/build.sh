@@ -33,21 +33,21 @@ minor=${minor%%.*}
 vpkg=k8s.io/component-base/version
 version_flags="-X $vpkg.gitVersion=$k8s_version -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor"
 version_flags+=" -X $vpkg.gitTreeState=clean -X $vpkg.buildDate=1970-01-01T00:00:00Z"
-# Most useful first: the API server and kubectl alone give server-side
-# validation (dry run); the controllers and scheduler then the workload
-# controllers; the cluster DNS (zsdns, ours), the kubelet and the CNI
-# plugins last.
+# Most useful first: the API server alone gives server-side validation (dry
+# run, with any kubectl); then the controllers and the scheduler, the
+# kubelet, the cluster DNS (zsdns, ours) and the CNI plugins; kubectl last
+# (run-k8s-cluster-test uses a kubectl on PATH of 1.31 or later until then).
 targets=(
 	kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver
-	kubectl=k8s.io/kubernetes/cmd/kubectl
 	kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager
 	kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler
-	zsdns=zshard/tests/deploy/k8s-build/zsdns
 	kubelet=k8s.io/kubernetes/cmd/kubelet
+	zsdns=zshard/tests/deploy/k8s-build/zsdns
 	bridge=github.com/containernetworking/plugins/plugins/main/bridge
 	host-local=github.com/containernetworking/plugins/plugins/ipam/host-local
 	loopback=github.com/containernetworking/plugins/plugins/main/loopback
 	portmap=github.com/containernetworking/plugins/plugins/meta/portmap
+	kubectl=k8s.io/kubernetes/cmd/kubectl
 )
 for t in "${targets[@]}"; do
 	name=${t%%=*}
