@@ -82,11 +82,7 @@ static void core_job_free(core *c) {
   for (uint32_t i = 0; i < c->pieces_inited; i++) {
     piece_state *ps = &c->pieces[i];
     free(ps->init_chunks);
-    if (ps->held) {
-      for (uint32_t k = 0; k < c->WM; k++)
-        core__held_put(c, ps->held[k]);
-      free(ps->held);
-    }
+    core__piece_drop_held(c, ps);
     pthread_mutex_destroy(&ps->mu);
   }
   free(c->pieces);
@@ -164,10 +160,14 @@ static int core_job_build(core *c) {
   c->bitmap_words = (c->WM + 63) / 64;
   /* A pipelined step applies each piece as it completes, before anyone
    * could decide to leave a rank out, so its membership stays fixed. */
+  /* Under mu: the worker reads the membership state (core__members_deadline)
+   * without state_rw. */
+  pthread_mutex_lock(&c->mu);
   c->elastic =
       c->trainer_timeout_ms > 0 && !c->spec.pipelined && c->W <= CORE_ELASTIC_MAX_W ? 1 : 0;
   core__members_reset(c);
   c->member_epoch = c->member_leaves = c->member_timeouts = 0;
+  pthread_mutex_unlock(&c->mu);
 
   c->local_of = malloc(((size_t)l->num_pieces + 1) * sizeof *c->local_of);
   c->pieces = calloc((size_t)c->npieces + 1, sizeof *c->pieces);

@@ -438,6 +438,15 @@ held_contrib *core__held_get(core *c, size_t nbytes) {
   return h;
 }
 
+void core__piece_drop_held(core *c, piece_state *ps) {
+  if (!ps->held)
+    return;
+  for (uint32_t k = 0; k < c->WM; k++)
+    core__held_put(c, ps->held[k]);
+  free(ps->held);
+  ps->held = NULL;
+}
+
 void core__held_put(core *c, held_contrib *h) {
   if (!h)
     return;

@@ -147,6 +147,9 @@ held_contrib *core__held_get(core *c, size_t nbytes);
 /* Gives h (may be NULL) back: kept in the cache while it has room, else
  * freed. */
 void core__held_put(core *c, held_contrib *h);
+/* Gives every early contribution ps holds back (core__held_put) and frees
+ * its table; ps->held is NULL after. */
+void core__piece_drop_held(core *c, piece_state *ps);
 /* Frees every cached buffer (core_destroy). */
 void core__held_drain(core *c);
 

@@ -212,12 +212,7 @@ void core__members_timeout(core *c) {
 void core__members_release(core *c) {
   for (uint32_t i = 0; i < c->npieces; i++) {
     piece_state *ps = &c->pieces[i];
-    if (ps->held) {
-      for (uint32_t k = 0; k < c->WM; k++)
-        core__held_put(c, ps->held[k]);
-      free(ps->held);
-      ps->held = NULL;
-    }
+    core__piece_drop_held(c, ps);
     ps->nheld = 0;
     ps->nrecv = 0;
   }

@@ -132,12 +132,7 @@ void core__run_restore(core *c, ckpt_call *call) {
    * locks are not needed. */
   for (uint32_t i = 0; i < c->npieces; i++) {
     piece_state *ps = &c->pieces[i];
-    if (ps->held) {
-      for (uint32_t k = 0; k < c->WM; k++)
-        core__held_put(c, ps->held[k]);
-      free(ps->held);
-      ps->held = NULL;
-    }
+    core__piece_drop_held(c, ps);
     ps->nheld = 0;
     ps->nrecv = 0;
     ps->next_k = 0;
