@@ -11,6 +11,9 @@
 # time, with the lowest-memory link flags, so it spares a shared machine.
 #
 #   tests/deploy/k8s-build/build.sh            build what is missing
+#   tests/deploy/k8s-build/build.sh NAME...    only these (e.g. zscri bridge
+#                                              host-local loopback portmap: what
+#                                              run-k8s-cri-check needs, minutes)
 #   tests/deploy/k8s-build/build.sh --print    print the bin directory only
 # Environment: ZS_K8S_CACHE  where the binaries go (default /var/cache/zshard-k8s)
 #              ZS_K8S_JOBS   packages compiled at once (default 1)
@@ -48,6 +51,7 @@ targets=(
 	kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler
 	kubelet=k8s.io/kubernetes/cmd/kubelet
 	zsdns=zshard/tests/deploy/k8s-build/zsdns
+	zscri=zshard/tests/deploy/k8s-build/zscri
 	bridge=github.com/containernetworking/plugins/plugins/main/bridge
 	host-local=github.com/containernetworking/plugins/plugins/ipam/host-local
 	loopback=github.com/containernetworking/plugins/plugins/main/loopback
@@ -57,6 +61,9 @@ targets=(
 for t in "${targets[@]}"; do
 	name=${t%%=*}
 	pkg=${t#*=}
+	if [ $# -gt 0 ] && ! printf '%s\n' "$@" | grep -qxF "$name"; then
+		continue
+	fi
 	if [ -x "$bin/$name" ]; then
 		echo "k8s-build: $name present ($bin/$name)"
 		continue
