@@ -1,0 +1,49 @@
+/*
+ * trainers — the training tests' shared fixture (see trainers.h).
+ */
+#include "trainers.h"
+
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+void tr_cluster_up(hs_cluster *cl, uint32_t n, const char *const *extra, char *addrs, size_t len) {
+  assert_int_equal(hs_cluster_start(cl, n, extra), 0);
+  addrs[0] = '\0';
+  for (uint32_t i = 0; i < cl->n; i++) {
+    size_t used = strlen(addrs);
+    snprintf(addrs + used, len - used, "%s%s", i ? "," : "", cl->srv[i]->addr);
+  }
+}
+
+float tr_noise(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i) {
+  uint64_t z = s * 0x9e3779b97f4a7c15ull ^ ((uint64_t)r << 48) ^ ((uint64_t)m << 40) ^
+               ((uint64_t)t << 32) ^ i;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+void tr_run_threads(uint32_t n, void *(*fn)(void *), void *args, size_t stride) {
+  pthread_t th[64];
+  assert_true(n <= 64);
+  for (uint32_t k = 0; k < n; k++)
+    assert_int_equal(pthread_create(&th[k], NULL, fn, (char *)args + k * stride), 0);
+  for (uint32_t k = 0; k < n; k++)
+    pthread_join(th[k], NULL);
+}
+
+int tr_group_setup(void **state) {
+  (void)state;
+  return hs_init();
+}
+
+int tr_finish(int failures) {
+  hs_finish(failures);
+  return failures;
+}
