@@ -66,15 +66,9 @@ extern char **environ;
 #define M_MAX 2
 #define SPLIT 64
 
-typedef struct tdesc {
-  const char *name;
-  uint64_t numel;
-  uint32_t group;
-} tdesc;
-
 /* Both sides of the split threshold: split tensors with short last slices,
  * one exactly at the threshold, whole ones of odd sizes. */
-static const tdesc TENSORS[NT] = {
+static const tr_tensor TENSORS[NT] = {
     {"embed.weight", 200, 0}, {"embed.bias", 37, 1},  {"proj.weight", 130, 0},
     {"proj.bias", 5, 2},      {"head.weight", 64, 0}, {"norm.weight", 1, 1},
 };
@@ -175,12 +169,6 @@ typedef struct rank_out {
   double scale_used[K_MAX];
   float *final[NT]; /* the last version, pulled through the wire dtype */
 } rank_out;
-
-typedef struct trainer_arg {
-  const run_cfg *cfg;
-  uint32_t rank;
-  rank_out *out;
-} trainer_arg;
 
 static int injected(const run_cfg *cfg, uint64_t s, uint32_t r, uint32_t m, uint32_t t,
                     uint64_t i) {
@@ -333,13 +321,14 @@ done:
 }
 
 static void *trainer_main(void *arg) {
-  trainer_arg *a = arg;
+  const tr_trainer *a = arg;
+  const run_cfg *cfg = a->cfg;
   zs_client *c = NULL;
-  int rc = client_for(a->cfg, a->rank, a->cfg->wire, &c);
+  int rc = client_for(cfg, a->rank, cfg->wire, &c);
   if (rc != ZS_OK)
     trainer_fail(a->out, rc, "client setup");
   else
-    trainer_body(a->cfg, a->rank, a->out, c);
+    trainer_body(cfg, a->rank, a->out, c);
   zs_client_close(c);
   return NULL;
 }
@@ -468,11 +457,8 @@ static void run_and_check(run_cfg *cfg, rank_out *outs) {
   tr_cluster_up(&cl, cfg->N, NULL, cfg->addrs, sizeof cfg->addrs);
   snprintf(cfg->job, sizeof cfg->job, "e2e-%d", job_counter++);
 
-  trainer_arg args[W_MAX];
   memset(outs, 0, W_MAX * sizeof *outs);
-  for (uint32_t r = 0; r < cfg->W; r++)
-    args[r] = (trainer_arg){.cfg = cfg, .rank = r, .out = &outs[r]};
-  tr_run_threads(cfg->W, trainer_main, args, sizeof args[0]);
+  tr_run_trainers(cfg->W, trainer_main, cfg, outs, sizeof *outs);
   for (uint32_t r = 0; r < cfg->W; r++) {
     if (outs[r].rc != ZS_OK)
       fprintf(stderr, "rank %" PRIu32 " failed: %s\n", r, outs[r].err);

@@ -201,12 +201,6 @@ typedef struct rank_out {
   float *final[NT];
 } rank_out;
 
-typedef struct trainer_arg {
-  const run_cfg *cfg;
-  uint32_t rank;
-  rank_out *out;
-} trainer_arg;
-
 static int trainer_open(const run_cfg *cfg, uint32_t rank, zs_client **out) {
   zs_client_options o;
   zs_client_options_init(&o);
@@ -267,7 +261,8 @@ static int trainer_step(zs_client *c, uint32_t rank, uint64_t s, float **param, 
 }
 
 static void *trainer_main(void *p) {
-  trainer_arg *a = p;
+  const tr_trainer *a = p;
+  const run_cfg *cfg = a->cfg;
   rank_out *out = a->out;
   float *param[NT], *grad[NT], *init[NT];
   for (uint32_t t = 0; t < NT; t++) {
@@ -279,7 +274,7 @@ static void *trainer_main(void *p) {
       init[t][i] = (float)sin(0.37 * (double)(i + 1) + 1.3 * t) * 0.5f;
   }
   zs_client *c = NULL;
-  int rc = trainer_open(a->cfg, a->rank, &c);
+  int rc = trainer_open(cfg, a->rank, &c);
   if (rc == ZS_OK)
     rc = zs_open_job(c, (const float *const *)init);
   const char *what = "open";
@@ -315,12 +310,7 @@ static void train(const char *job, int pipelined, zs_schedule schedule, uint32_t
   run_cfg cfg = {.pipelined = pipelined, .schedule = schedule, .window = window};
   snprintf(cfg.job, sizeof cfg.job, "%s", job);
   tr_cluster_up(&cl, N, NULL, cfg.addrs, sizeof cfg.addrs);
-  trainer_arg args[W];
-  for (uint32_t r = 0; r < W; r++) {
-    memset(&outs[r], 0, sizeof outs[r]);
-    args[r] = (trainer_arg){.cfg = &cfg, .rank = r, .out = &outs[r]};
-  }
-  tr_run_threads(W, trainer_main, args, sizeof args[0]);
+  tr_run_trainers(W, trainer_main, &cfg, outs, sizeof *outs);
   for (uint32_t r = 0; r < W; r++)
     if (outs[r].rc != ZS_OK)
       fail_msg("job %s, rank %u: %s", job, r, outs[r].err);

@@ -55,14 +55,8 @@
 #define K 5
 #define SPLIT 64
 
-typedef struct tdesc {
-  const char *name;
-  uint64_t numel;
-  uint32_t group;
-} tdesc;
-
 /* Split tensors with short last slices and whole ones of odd sizes. */
-static const tdesc TENSORS[NT] = {
+static const tr_tensor TENSORS[NT] = {
     {"embed.weight", 300, 0}, {"embed.bias", 37, 1},  {"proj.weight", 130, 0},
     {"proj.bias", 5, 2},      {"head.weight", 64, 2},
 };
@@ -98,12 +92,6 @@ typedef struct rank_out {
   char err[600];
   float *final[NT];
 } rank_out;
-
-typedef struct trainer_arg {
-  const run_cfg *cfg;
-  uint32_t rank;
-  rank_out *out;
-} trainer_arg;
 
 static void trainer_fail(rank_out *out, int rc, const char *what) {
   out->rc = rc;
@@ -200,7 +188,8 @@ static int pull_all(zs_client *c, float **dst) {
 }
 
 static void *trainer_main(void *p) {
-  trainer_arg *a = p;
+  const tr_trainer *a = p;
+  const run_cfg *cfg = a->cfg;
   rank_out *out = a->out;
   float *param[NT], *grad[M][NT], *init[NT];
   for (uint32_t t = 0; t < NT; t++) {
@@ -213,7 +202,7 @@ static void *trainer_main(void *p) {
       init[t][i] = (float)sin(0.37 * (double)(i + 1) + 1.3 * t) * 0.5f;
   }
   zs_client *c = NULL;
-  int rc = trainer_open(a->cfg, a->rank, &c);
+  int rc = trainer_open(cfg, a->rank, &c);
   if (rc == ZS_OK)
     rc = zs_open_job(c, (const float *const *)init);
   if (rc != ZS_OK)
@@ -241,12 +230,7 @@ static void train(int pipelined, rank_out *outs) {
   hs_cluster cl;
   run_cfg cfg = {.pipelined = pipelined};
   tr_cluster_up(&cl, N, NULL, cfg.addrs, sizeof cfg.addrs);
-  trainer_arg args[W];
-  for (uint32_t r = 0; r < W; r++) {
-    memset(&outs[r], 0, sizeof outs[r]);
-    args[r] = (trainer_arg){.cfg = &cfg, .rank = r, .out = &outs[r]};
-  }
-  tr_run_threads(W, trainer_main, args, sizeof args[0]);
+  tr_run_trainers(W, trainer_main, &cfg, outs, sizeof *outs);
   for (uint32_t r = 0; r < W; r++)
     if (outs[r].rc != ZS_OK)
       fail_msg("%s run, rank %u: %s", pipelined ? "pipelined" : "gated", r, outs[r].err);

@@ -29,13 +29,18 @@ float tr_noise(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i) {
   return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
 }
 
-void tr_run_threads(uint32_t n, void *(*fn)(void *), void *args, size_t stride) {
-  pthread_t th[64];
-  assert_true(n <= 64);
-  for (uint32_t k = 0; k < n; k++)
-    assert_int_equal(pthread_create(&th[k], NULL, fn, (char *)args + k * stride), 0);
-  for (uint32_t k = 0; k < n; k++)
-    pthread_join(th[k], NULL);
+void tr_run_trainers(uint32_t W, void *(*fn)(void *), const void *cfg, void *outs,
+                     size_t out_size) {
+  pthread_t th[TR_MAX_TRAINERS];
+  tr_trainer args[TR_MAX_TRAINERS];
+  assert_true(W <= TR_MAX_TRAINERS);
+  memset(outs, 0, W * out_size);
+  for (uint32_t r = 0; r < W; r++) {
+    args[r] = (tr_trainer){.cfg = cfg, .rank = r, .out = (char *)outs + r * out_size};
+    assert_int_equal(pthread_create(&th[r], NULL, fn, &args[r]), 0);
+  }
+  for (uint32_t r = 0; r < W; r++)
+    pthread_join(th[r], NULL);
 }
 
 int tr_group_setup(void **state) {

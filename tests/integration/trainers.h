@@ -27,10 +27,30 @@ void tr_cluster_up(hs_cluster *cl, uint32_t n, const char *const *extra, char *a
  * rank r, micro-batch m, tensor t, element i (a SplitMix64 finalizer). */
 float tr_noise(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i);
 
-/* Runs fn on n threads, thread k with args + k * stride (the caller's array
- * of n arguments, borrowed until this returns), and joins them all. Fails
- * the test if a thread cannot be created. */
-void tr_run_threads(uint32_t n, void *(*fn)(void *), void *args, size_t stride);
+/* A tensor of a test's model: its name, its element count and its param
+ * group. */
+typedef struct tr_tensor {
+  const char *name;
+  uint64_t numel;
+  uint32_t group;
+} tr_tensor;
+
+/* One trainer thread's argument (tr_run_trainers): the run's configuration
+ * and the rank's report, both of the test's own types. */
+typedef struct tr_trainer {
+  const void *cfg; /* shared by the ranks, borrowed */
+  uint32_t rank;
+  void *out; /* the rank's own report */
+} tr_trainer;
+
+#define TR_MAX_TRAINERS 16
+
+/* Runs fn on W threads (at most TR_MAX_TRAINERS), thread r with the
+ * tr_trainer of rank r whose out is outs + r * out_size (the caller's array
+ * of W reports, zeroed here first), and joins them all. `cfg` and `outs`
+ * are borrowed until this returns. Fails the test if a thread cannot be
+ * created. */
+void tr_run_trainers(uint32_t W, void *(*fn)(void *), const void *cfg, void *outs, size_t out_size);
 
 /* The setup of a test program's group: hs_init. */
 int tr_group_setup(void **state);
