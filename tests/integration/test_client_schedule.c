@@ -195,11 +195,9 @@ typedef struct run_cfg {
   char job[32];
 } run_cfg;
 
-typedef struct rank_out {
-  int rc;
-  char err[600];
-  float *final[NT];
-} rank_out;
+/* A rank's status and final parameters. */
+typedef tr_report rank_out;
+_Static_assert(NT <= TR_MAX_TENSORS, "the report holds every tensor");
 
 static int trainer_open(const run_cfg *cfg, uint32_t rank, zs_client **out) {
   zs_client_options o;
@@ -311,16 +309,10 @@ static void train(const char *job, int pipelined, zs_schedule schedule, uint32_t
   snprintf(cfg.job, sizeof cfg.job, "%s", job);
   tr_cluster_up(&cl, N, NULL, cfg.addrs, sizeof cfg.addrs);
   tr_run_trainers(W, trainer_main, &cfg, outs, sizeof *outs);
-  for (uint32_t r = 0; r < W; r++)
-    if (outs[r].rc != ZS_OK)
-      fail_msg("job %s, rank %u: %s", job, r, outs[r].err);
+  char what[64];
+  snprintf(what, sizeof what, "job %s", job);
+  tr_reports_check(outs, W, what);
   assert_int_equal(hs_cluster_stop(&cl), 0);
-}
-
-static void free_outs(rank_out *outs) {
-  for (uint32_t r = 0; r < W; r++)
-    for (uint32_t t = 0; t < NT; t++)
-      free(outs[r].final[t]);
 }
 
 static void every_schedule_trains_to_the_same_bits(void **state) {
@@ -342,9 +334,9 @@ static void every_schedule_trains_to_the_same_bits(void **state) {
         assert_true(fifo[r].final[t][1] != (float)sin(0.37 * 2 + 1.3 * t) * 0.5f);
       }
     }
-    free_outs(fifo);
-    free_outs(rot1);
-    free_outs(rot2);
+    tr_reports_free(fifo, W, NT);
+    tr_reports_free(rot1, W, NT);
+    tr_reports_free(rot2, W, NT);
   }
 }
 

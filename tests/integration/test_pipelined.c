@@ -87,11 +87,9 @@ typedef struct run_cfg {
   int pipelined;
 } run_cfg;
 
-typedef struct rank_out {
-  int rc;
-  char err[600];
-  float *final[NT];
-} rank_out;
+/* A rank's status and final parameters. */
+typedef tr_report rank_out;
+_Static_assert(NT <= TR_MAX_TENSORS, "the report holds every tensor");
 
 static void trainer_fail(rank_out *out, int rc, const char *what) {
   out->rc = rc;
@@ -231,16 +229,8 @@ static void train(int pipelined, rank_out *outs) {
   run_cfg cfg = {.pipelined = pipelined};
   tr_cluster_up(&cl, N, NULL, cfg.addrs, sizeof cfg.addrs);
   tr_run_trainers(W, trainer_main, &cfg, outs, sizeof *outs);
-  for (uint32_t r = 0; r < W; r++)
-    if (outs[r].rc != ZS_OK)
-      fail_msg("%s run, rank %u: %s", pipelined ? "pipelined" : "gated", r, outs[r].err);
+  tr_reports_check(outs, W, pipelined ? "pipelined run" : "gated run");
   assert_int_equal(hs_cluster_stop(&cl), 0);
-}
-
-static void free_outs(rank_out *outs) {
-  for (uint32_t r = 0; r < W; r++)
-    for (uint32_t t = 0; t < NT; t++)
-      free(outs[r].final[t]);
 }
 
 static void pipelined_training_has_the_bits_of_the_gated_one(void **state) {
@@ -261,8 +251,8 @@ static void pipelined_training_has_the_bits_of_the_gated_one(void **state) {
       assert_true(gated[r].final[t][0] != (float)sin(0.37 + 1.3 * t) * 0.5f);
     }
   }
-  free_outs(gated);
-  free_outs(piped);
+  tr_reports_free(gated, W, NT);
+  tr_reports_free(piped, W, NT);
 }
 
 /* ---- the shard's side, call by call --------------------------------------------- */

@@ -7,6 +7,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -41,6 +42,18 @@ void tr_run_trainers(uint32_t W, void *(*fn)(void *), const void *cfg, void *out
   }
   for (uint32_t r = 0; r < W; r++)
     pthread_join(th[r], NULL);
+}
+
+void tr_reports_check(const tr_report *outs, uint32_t W, const char *what) {
+  for (uint32_t r = 0; r < W; r++)
+    if (outs[r].rc != 0)
+      fail_msg("%s, rank %u: %s", what, r, outs[r].err);
+}
+
+void tr_reports_free(tr_report *outs, uint32_t W, uint32_t nt) {
+  for (uint32_t r = 0; r < W; r++)
+    for (uint32_t t = 0; t < nt; t++)
+      free(outs[r].final[t]);
 }
 
 int tr_group_setup(void **state) {

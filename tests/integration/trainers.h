@@ -44,6 +44,23 @@ typedef struct tr_trainer {
 } tr_trainer;
 
 #define TR_MAX_TRAINERS 16
+#define TR_MAX_TENSORS 8
+
+/* What a trainer thread reports when all it returns is its final
+ * parameters: its status, the sentence of its first failure and the
+ * tensors (calloc'd by the trainer, freed with tr_reports_free). */
+typedef struct tr_report {
+  int rc;
+  char err[600];
+  float *final[TR_MAX_TENSORS];
+} tr_report;
+
+/* Fails the test, naming `what`, the rank and its sentence, if one of the W
+ * reports is not ZS_OK. */
+void tr_reports_check(const tr_report *outs, uint32_t W, const char *what);
+
+/* Frees the first nt tensors of each of the W reports. */
+void tr_reports_free(tr_report *outs, uint32_t W, uint32_t nt);
 
 /* Runs fn on W threads (at most TR_MAX_TRAINERS), thread r with the
  * tr_trainer of rank r whose out is outs + r * out_size (the caller's array
