@@ -4,7 +4,10 @@
  * the shared library exports only zs_* (client/lib/zshard.map).
  *
  * The pieces:
- *   client.c    the client handle: options, registry, model description, open
+ *   client.c    the client handle: options, registry, open and close
+ *   addresses.c the shard addresses: patterns, lists, host and port
+ *   model.c     the model description (groups, tensors) and its accessors
+ *   job.c       zs_open_job (initial weights, deferred ones) and zs_close_job
  *   pool.c      worker threads and per-shard task queues
  *   transfer.c  requests: push, pull, prefetch, the generic "call every shard"
  *   step.c      zs_step: gradient statistics, norm, clipping, apply, timing
@@ -569,7 +572,13 @@ void zc_client_leave(const zs_client *c);
  * request may outlive its client). */
 void zc_account_wait(zs_client *c, zc_op_kind kind, uint64_t ns);
 
-/* zc_parse_addresses, zc_free_addresses: cli_support.h. */
+/* model.c: adds param group g (copied) to the model and its index to *id
+ * (may be NULL). Called with c->mu held, before the job is opened. Returns
+ * 0, or ZS_ERANGE (past SPEC_MAX_GROUPS) or ZS_ENOMEM with the last error
+ * set. */
+int zc_add_group_locked(zs_client *c, const spec_group *g, uint32_t *id);
+
+/* addresses.c: zc_parse_addresses, zc_free_addresses: cli_support.h. */
 
 /* The host and port of one shard address: hostport_parse after an optional
  * gRPC scheme ("dns:", "ipv4:", "ipv6:") and a dns authority

@@ -2,8 +2,9 @@
  * core — one job's state on one shard (see core.h for the contract). This
  * file holds the lifecycle and the job (its layout and arenas), the checks
  * every request starts with, client state and counters; core_data.c the
- * weights, pushes and reads, core_wait.c the worker, waits and apply,
- * core_snapshot.c checkpoints, core_internal.h the private types.
+ * weights, pushes and reads, core_wait.c the waits, core_worker.c the
+ * worker thread, core_apply.c the apply, core_snapshot.c checkpoints,
+ * core_internal.h the private types.
  *
  * Threads and what they own:
  *  - Caller threads (the transports' threads) run core_push, core_read,

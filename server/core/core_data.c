@@ -89,7 +89,7 @@ static int core_find_readable(core *c, uint64_t hash, uint32_t tensor, uint32_t 
  * exclusively: its CRC, and the INT8_BLOCK copy with its CRC once a trainer
  * pulls int8, so that a version's int8 pulls are quantized once here and
  * never per request. The optimizer pass computes the CRC itself, chunk by
- * chunk (core_wait.c); the other writers pass core__low_crc_task's. */
+ * chunk (core_worker.c); the other writers pass core__low_crc_task's. */
 void core__low_crc_set(core *c, uint32_t i, uint32_t crc) {
   piece_state *ps = &c->pieces[i];
   const layout_piece *lp = ps->lp;
@@ -604,7 +604,7 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
   atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
   completed = ps->next_k == c->WM;
   if (completed && c->pipelined) {
-    /* The worker applies it once the step's Apply is in (core_wait.c). */
+    /* The worker applies it once the step's Apply is in (core_worker.c). */
     pthread_mutex_lock(&c->mu);
     c->complete_pieces++;
     c->ready[c->nready++] = (uint32_t)(ps - c->pieces);

@@ -187,7 +187,7 @@ typedef struct ckpt_call {
  * of one piece: the plan-th piece of batch, whose plan is pplans[plan]. The
  * task that runs the chunk leaves the CRC32C of the chunk's low copy in crc,
  * computed while those bytes are still in the core's cache; the pieces'
- * CRCs are joined from them (core_wait.c, core_join_crcs). */
+ * CRCs are joined from them (core_worker.c, core_join_crcs). */
 typedef struct apply_task {
   uint32_t range, plan;
   uint64_t begin, n;
@@ -428,7 +428,7 @@ void core__low_batch_writable(core *c);
  * pins, else retired until its last answer is sent. */
 void core__low_release(core *c);
 
-/* core_wait.c: waiters and the worker thread. */
+/* core_wait.c: waiters. */
 uint64_t core__deadline(uint64_t deadline_ms);
 void core__fire(waiter *w);
 int core__add_timed(core *c, waiter **list, waiter *w);
@@ -436,7 +436,18 @@ int core__add_timed(core *c, waiter **list, waiter *w);
  * caller then pushes it on a fire list or keeps it. Called with mu held. */
 void core__unlink(core *c, waiter *w);
 void core__collect_versions(core *c, waiter **fire);
+
+/* core_worker.c: the worker thread. */
 void *core__worker(void *arg);
+
+/* core_apply.c: what the worker takes from the queued Apply. */
+/* gradient = acc * this: coef, or coef / W rounded once under
+ * GRAD_REDUCE_MEAN. */
+float core__grad_scale(const core *c, float coef);
+/* The optimizer parameters of group g for a step of the queued apply (see
+ * core_apply.c). */
+optim_params core__step_params(const core *c, uint32_t g, double lr, const double *glr,
+                               uint64_t step, float grad_scale);
 
 /* core_members.c: the elastic membership's helpers. */
 /* The members of a fresh job: all W ranks. Called with mu held. */

@@ -19,6 +19,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,16 +178,8 @@ void metrics_text_printf(metrics_text *b, const char *fmt, ...) {
   }
 }
 
-static void family(metrics_text *b, const char *name, const char *type, const char *help) {
-  metrics_text_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
-}
-
-static void sample_u64(metrics_text *b, const metrics *m, const char *name, uint64_t v) {
-  metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\"} %" PRIu64 "\n", name, m->shard_id, v);
-}
-
-static void sample_f(metrics_text *b, const metrics *m, const char *name, double v) {
-  metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\"} %.15g\n", name, m->shard_id, v);
+static void family(metrics_text *b, const metrics_family *f) {
+  metrics_text_printf(b, "# HELP %s %s\n# TYPE %s %s\n", f->name, f->help, f->name, f->type);
 }
 
 /* One histogram's _bucket, _sum and _count lines. `labels` are the labels
@@ -210,6 +203,210 @@ static void histogram_lines(metrics_text *b, const metrics *m, const char *name,
                       labels, s.count);
 }
 
+/* ------------------------------------------------------------------------ */
+/* The families                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Everything one render reads, taken once before the first line is written:
+ * the core's snapshots and the registry's own numbers. The table below says
+ * which field each family shows. */
+typedef struct reading {
+  uint64_t shards, job_open, initialized, version, parameters, state_bytes, held_bytes;
+  uint64_t members, membership_epoch, member_leaves, trainer_timeouts;
+  uint64_t pushes, duplicate_pushes, rejected_pushes, pulls, received_bytes, sent_bytes;
+  uint64_t applies, skipped_steps, rss;
+  uint32_t waiting_pulls, waiting_stats;
+  double uptime, start_time;
+  size_t nrpc; /* registered (transport, method) pairs */
+} reading;
+
+/* How a family's samples are read and written. */
+typedef enum how {
+  HOW_U64,        /* one sample, the uint64_t at `field` */
+  HOW_F64,        /* one sample, the double at `field` */
+  HOW_BUILD_INFO, /* 1 with the release as a label */
+  HOW_WAITING,    /* one sample per method that parks (Pull, GradStats) */
+  HOW_APPLY,      /* the registry's apply histogram */
+  HOW_RPC_TIME,   /* one histogram per (transport, method); absent with none */
+  HOW_RPC_ERRORS, /* one counter per (transport, method); absent with none */
+} how;
+
+typedef struct family_desc {
+  metrics_family f; /* first, so metrics_family_at can hand out &FAMILIES[i].f */
+  how how;
+  size_t field; /* offsetof(reading, ...) for HOW_U64 and HOW_F64 */
+} family_desc;
+
+#define U64(name, type, help, fld)                                                                 \
+  { {name, type, help}, HOW_U64, offsetof(reading, fld) }
+#define F64(name, help, fld)                                                                       \
+  { {name, "gauge", help}, HOW_F64, offsetof(reading, fld) }
+
+/* Every family this file writes, in the order of the page. The names, units
+ * and what to alert on are documented in docs/OPERATIONS.md. */
+static const family_desc FAMILIES[] = {
+    {{"zshard_build_info", "gauge", "The zshard release this server runs; always 1."},
+     HOW_BUILD_INFO,
+     0},
+    U64("zshard_shards", "gauge", "Number of shard servers in the job (--shards).", shards),
+    F64("zshard_uptime_seconds", "Seconds since the server started.", uptime),
+    F64("process_start_time_seconds", "Start time of the process since the Unix epoch in seconds.",
+        start_time),
+    U64("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", rss),
+    U64("zshard_job_open", "gauge", "1 when a job is open on this shard, else 0.", job_open),
+    U64("zshard_initialized", "gauge",
+        "1 when every piece this shard owns has its initial weights, else 0.", initialized),
+    U64("zshard_version", "gauge",
+        "Parameter version: the number of steps applied or skipped since the initial weights.",
+        version),
+    U64("zshard_parameters", "gauge", "Parameters (elements) this shard owns.", parameters),
+    U64("zshard_state_bytes", "gauge",
+        "Bytes of training state this shard holds: master weights, optimizer moments, gradient "
+        "accumulator and low-precision copy.",
+        state_bytes),
+    U64("zshard_held_bytes", "gauge",
+        "Bytes of early gradient contributions held until their turn in the fixed summation "
+        "order.",
+        held_bytes),
+    U64("zshard_members", "gauge",
+        "Trainer ranks that are members of the pending step (the job's world size unless the "
+        "trainer timeout left some out; docs/OPERATIONS.md, \"Elastic trainers\").",
+        members),
+    U64("zshard_membership_epoch", "gauge",
+        "How many times the job's membership changed on this shard.", membership_epoch),
+    U64("zshard_member_leaves_total", "counter",
+        "Ranks left out of the job because they missed the trainer timeout.", member_leaves),
+    U64("zshard_trainer_timeouts_total", "counter",
+        "Steps whose membership this shard decided at the trainer timeout.", trainer_timeouts),
+    U64("zshard_pushes_total", "counter",
+        "Gradient contributions accepted (Push), duplicates included.", pushes),
+    U64("zshard_duplicate_pushes_total", "counter",
+        "Pushes acknowledged as repeats of a contribution already received (retries).",
+        duplicate_pushes),
+    U64("zshard_rejected_pushes_total", "counter",
+        "Pushes refused (wrong hash, step, piece, size or dtype); they changed nothing.",
+        rejected_pushes),
+    U64("zshard_pulls_total", "counter", "Parameter reads answered (Pull).", pulls),
+    U64("zshard_received_bytes_total", "counter", "Gradient payload bytes received in pushes.",
+        received_bytes),
+    U64("zshard_sent_bytes_total", "counter", "Bytes sent in answers to pulls.", sent_bytes),
+    U64("zshard_applies_total", "counter", "Optimizer steps run or skipped (Apply).", applies),
+    U64("zshard_skipped_steps_total", "counter",
+        "Steps skipped for a gradient overflow (dynamic loss scaling).", skipped_steps),
+    {{"zshard_waiting_requests", "gauge",
+      "Requests parked in the shard, waiting: Pull for a version, GradStats for the "
+      "contributions of the ranks still missing."},
+     HOW_WAITING,
+     0},
+    {{"zshard_apply_duration_seconds", "histogram",
+      "Duration of one step's optimizer pass (or skip) on this shard."},
+     HOW_APPLY,
+     0},
+    {{"zshard_request_duration_seconds", "histogram",
+      "Time from a request's arrival to its answer, per transport and method; Pull and "
+      "GradStats include their wait."},
+     HOW_RPC_TIME,
+     0},
+    {{"zshard_request_errors_total", "counter",
+      "Requests answered with an error status, per transport and method."},
+     HOW_RPC_ERRORS,
+     0},
+};
+
+#undef U64
+#undef F64
+
+const metrics_family *metrics_family_at(size_t i) {
+  return i < sizeof FAMILIES / sizeof FAMILIES[0] ? &FAMILIES[i].f : NULL;
+}
+
+/* Takes every number of one render. */
+static void read_all(metrics *m, core *c, reading *r) {
+  core_info info;
+  core_counters k;
+  core_membership mb;
+  core_get_info(c, &info);
+  core_get_counters(c, &k);
+  core_get_membership(c, &mb);
+  *r = (reading){
+      .shards = info.num_shards,
+      .job_open = info.has_job ? 1 : 0,
+      .initialized = info.has_job && info.initialized ? 1 : 0,
+      .version = k.version,
+      .parameters = info.has_job ? info.elements : 0,
+      .state_bytes = info.has_job ? info.state_bytes : 0,
+      .held_bytes = k.held_bytes,
+      .members = mb.members.n,
+      .membership_epoch = mb.epoch,
+      .member_leaves = mb.leaves,
+      .trainer_timeouts = mb.timeouts,
+      .pushes = k.pushes,
+      .duplicate_pushes = k.duplicate_pushes,
+      .rejected_pushes = k.rejected,
+      .pulls = k.pulls,
+      .received_bytes = k.bytes_in,
+      .sent_bytes = k.bytes_out,
+      .applies = k.applies,
+      .skipped_steps = k.skipped_steps,
+      .rss = metrics_process_rss(),
+      .waiting_pulls = k.waiting_pulls,
+      .waiting_stats = k.waiting_stats,
+      .uptime = (double)(clock_now_ns() - m->start_ns) / 1e9,
+      .start_time = m->start_unix_s,
+  };
+  pthread_mutex_lock(&m->lock);
+  r->nrpc = m->nrpc;
+  pthread_mutex_unlock(&m->lock);
+}
+
+/* Writes one family: its HELP and TYPE lines, then its samples. Entries of
+ * the registry below r->nrpc are never changed again, so they are read
+ * unlocked. */
+static void emit(metrics_text *b, const metrics *m, const reading *r, const family_desc *d) {
+  const char *name = d->f.name;
+  const uint32_t id = m->shard_id;
+  if ((d->how == HOW_RPC_TIME || d->how == HOW_RPC_ERRORS) && r->nrpc == 0)
+    return;
+  family(b, &d->f);
+  switch (d->how) {
+  case HOW_U64:
+    metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\"} %" PRIu64 "\n", name, id,
+                        *(const uint64_t *)((const char *)r + d->field));
+    break;
+  case HOW_F64:
+    metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\"} %.15g\n", name, id,
+                        *(const double *)((const char *)r + d->field));
+    break;
+  case HOW_BUILD_INFO:
+    metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\",version=\"%s\"} 1\n", name, id, zs_version());
+    break;
+  case HOW_WAITING:
+    metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\",method=\"Pull\"} %" PRIu32 "\n", name, id,
+                        r->waiting_pulls);
+    metrics_text_printf(b, "%s{shard=\"%" PRIu32 "\",method=\"GradStats\"} %" PRIu32 "\n", name, id,
+                        r->waiting_stats);
+    break;
+  case HOW_APPLY:
+    histogram_lines(b, m, name, "", &m->apply);
+    break;
+  case HOW_RPC_TIME:
+    for (size_t i = 0; i < r->nrpc; i++) {
+      char labels[2 * METRICS_MAX_NAME + 32];
+      snprintf(labels, sizeof labels, ",transport=\"%s\",method=\"%s\"", m->rpcs[i].transport,
+               m->rpcs[i].method);
+      histogram_lines(b, m, name, labels, &m->rpcs[i].duration);
+    }
+    break;
+  case HOW_RPC_ERRORS:
+    for (size_t i = 0; i < r->nrpc; i++)
+      metrics_text_printf(b,
+                          "%s{shard=\"%" PRIu32 "\",transport=\"%s\",method=\"%s\"} %" PRIu64 "\n",
+                          name, id, m->rpcs[i].transport, m->rpcs[i].method,
+                          (uint64_t)atomic_load_explicit(&m->rpcs[i].failed, memory_order_relaxed));
+    break;
+  }
+}
+
 int metrics_add_extra(metrics *m, metrics_extra_fn fn, void *arg) {
   if (m->nextra == METRICS_MAX_EXTRA)
     return ZS_ENOMEM;
@@ -227,122 +424,10 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
     return ZS_ENOMEM;
   b.p[0] = '\0';
 
-  core_info info;
-  core_counters k;
-  core_get_info(c, &info);
-  core_get_counters(c, &k);
-  uint64_t now = clock_now_ns();
-  const uint32_t id = m->shard_id;
-
-  family(&b, "zshard_build_info", "gauge", "The zshard release this server runs; always 1.");
-  metrics_text_printf(&b, "zshard_build_info{shard=\"%" PRIu32 "\",version=\"%s\"} 1\n", id,
-                      zs_version());
-  family(&b, "zshard_shards", "gauge", "Number of shard servers in the job (--shards).");
-  sample_u64(&b, m, "zshard_shards", info.num_shards);
-  family(&b, "zshard_uptime_seconds", "gauge", "Seconds since the server started.");
-  sample_f(&b, m, "zshard_uptime_seconds", (double)(now - m->start_ns) / 1e9);
-  family(&b, "process_start_time_seconds", "gauge",
-         "Start time of the process since the Unix epoch in seconds.");
-  sample_f(&b, m, "process_start_time_seconds", m->start_unix_s);
-  family(&b, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.");
-  sample_u64(&b, m, "process_resident_memory_bytes", metrics_process_rss());
-
-  family(&b, "zshard_job_open", "gauge", "1 when a job is open on this shard, else 0.");
-  sample_u64(&b, m, "zshard_job_open", info.has_job ? 1 : 0);
-  family(&b, "zshard_initialized", "gauge",
-         "1 when every piece this shard owns has its initial weights, else 0.");
-  sample_u64(&b, m, "zshard_initialized", info.has_job && info.initialized ? 1 : 0);
-  family(&b, "zshard_version", "gauge",
-         "Parameter version: the number of steps applied or skipped since the initial "
-         "weights.");
-  sample_u64(&b, m, "zshard_version", k.version);
-  family(&b, "zshard_parameters", "gauge", "Parameters (elements) this shard owns.");
-  sample_u64(&b, m, "zshard_parameters", info.has_job ? info.elements : 0);
-  family(&b, "zshard_state_bytes", "gauge",
-         "Bytes of training state this shard holds: master weights, optimizer moments, "
-         "gradient accumulator and low-precision copy.");
-  sample_u64(&b, m, "zshard_state_bytes", info.has_job ? info.state_bytes : 0);
-  family(&b, "zshard_held_bytes", "gauge",
-         "Bytes of early gradient contributions held until their turn in the fixed "
-         "summation order.");
-  sample_u64(&b, m, "zshard_held_bytes", k.held_bytes);
-
-  core_membership mb;
-  core_get_membership(c, &mb);
-  family(&b, "zshard_members", "gauge",
-         "Trainer ranks that are members of the pending step (the job's world size unless "
-         "the trainer timeout left some out; docs/OPERATIONS.md, \"Elastic trainers\").");
-  sample_u64(&b, m, "zshard_members", mb.members.n);
-  family(&b, "zshard_membership_epoch", "gauge",
-         "How many times the job's membership changed on this shard.");
-  sample_u64(&b, m, "zshard_membership_epoch", mb.epoch);
-  family(&b, "zshard_member_leaves_total", "counter",
-         "Ranks left out of the job because they missed the trainer timeout.");
-  sample_u64(&b, m, "zshard_member_leaves_total", mb.leaves);
-  family(&b, "zshard_trainer_timeouts_total", "counter",
-         "Steps whose membership this shard decided at the trainer timeout.");
-  sample_u64(&b, m, "zshard_trainer_timeouts_total", mb.timeouts);
-
-  family(&b, "zshard_pushes_total", "counter",
-         "Gradient contributions accepted (Push), duplicates included.");
-  sample_u64(&b, m, "zshard_pushes_total", k.pushes);
-  family(&b, "zshard_duplicate_pushes_total", "counter",
-         "Pushes acknowledged as repeats of a contribution already received (retries).");
-  sample_u64(&b, m, "zshard_duplicate_pushes_total", k.duplicate_pushes);
-  family(&b, "zshard_rejected_pushes_total", "counter",
-         "Pushes refused (wrong hash, step, piece, size or dtype); they changed nothing.");
-  sample_u64(&b, m, "zshard_rejected_pushes_total", k.rejected);
-  family(&b, "zshard_pulls_total", "counter", "Parameter reads answered (Pull).");
-  sample_u64(&b, m, "zshard_pulls_total", k.pulls);
-  family(&b, "zshard_received_bytes_total", "counter",
-         "Gradient payload bytes received in pushes.");
-  sample_u64(&b, m, "zshard_received_bytes_total", k.bytes_in);
-  family(&b, "zshard_sent_bytes_total", "counter", "Bytes sent in answers to pulls.");
-  sample_u64(&b, m, "zshard_sent_bytes_total", k.bytes_out);
-  family(&b, "zshard_applies_total", "counter", "Optimizer steps run or skipped (Apply).");
-  sample_u64(&b, m, "zshard_applies_total", k.applies);
-  family(&b, "zshard_skipped_steps_total", "counter",
-         "Steps skipped for a gradient overflow (dynamic loss scaling).");
-  sample_u64(&b, m, "zshard_skipped_steps_total", k.skipped_steps);
-
-  family(&b, "zshard_waiting_requests", "gauge",
-         "Requests parked in the shard, waiting: Pull for a version, GradStats for the "
-         "contributions of the ranks still missing.");
-  metrics_text_printf(
-      &b, "zshard_waiting_requests{shard=\"%" PRIu32 "\",method=\"Pull\"} %" PRIu32 "\n", id,
-      k.waiting_pulls);
-  metrics_text_printf(
-      &b, "zshard_waiting_requests{shard=\"%" PRIu32 "\",method=\"GradStats\"} %" PRIu32 "\n", id,
-      k.waiting_stats);
-
-  family(&b, "zshard_apply_duration_seconds", "histogram",
-         "Duration of one step's optimizer pass (or skip) on this shard.");
-  histogram_lines(&b, m, "zshard_apply_duration_seconds", "", &m->apply);
-
-  pthread_mutex_lock(&m->lock);
-  size_t nrpc = m->nrpc;
-  pthread_mutex_unlock(&m->lock);
-  /* Entries below nrpc are never changed again, so they are read unlocked. */
-  if (nrpc > 0) {
-    family(&b, "zshard_request_duration_seconds", "histogram",
-           "Time from a request's arrival to its answer, per transport and method; Pull and "
-           "GradStats include their wait.");
-    for (size_t i = 0; i < nrpc; i++) {
-      char labels[2 * METRICS_MAX_NAME + 32];
-      snprintf(labels, sizeof labels, ",transport=\"%s\",method=\"%s\"", m->rpcs[i].transport,
-               m->rpcs[i].method);
-      histogram_lines(&b, m, "zshard_request_duration_seconds", labels, &m->rpcs[i].duration);
-    }
-    family(&b, "zshard_request_errors_total", "counter",
-           "Requests answered with an error status, per transport and method.");
-    for (size_t i = 0; i < nrpc; i++)
-      metrics_text_printf(&b,
-                          "zshard_request_errors_total{shard=\"%" PRIu32
-                          "\",transport=\"%s\",method=\"%s\"} %" PRIu64 "\n",
-                          id, m->rpcs[i].transport, m->rpcs[i].method,
-                          (uint64_t)atomic_load_explicit(&m->rpcs[i].failed, memory_order_relaxed));
-  }
-
+  reading r;
+  read_all(m, c, &r);
+  for (size_t i = 0; i < sizeof FAMILIES / sizeof FAMILIES[0]; i++)
+    emit(&b, m, &r, &FAMILIES[i]);
   for (size_t i = 0; i < m->nextra; i++)
     m->extra[i].fn(m->extra[i].arg, &b);
   if (b.oom) {

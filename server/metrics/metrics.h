@@ -73,6 +73,22 @@ uint64_t metrics_process_rss(void);
  * *out (the caller frees it) and its length in *len, or ZS_ENOMEM. */
 int metrics_render(metrics *m, core *c, char **out, size_t *len);
 
+/* One family of the page metrics_render writes: its name, its Prometheus
+ * type ("gauge", "counter" or "histogram") and its help sentence. The
+ * strings are static. */
+typedef struct metrics_family {
+  const char *name;
+  const char *type;
+  const char *help;
+} metrics_family;
+
+/* The i-th family metrics_render writes itself, in the order of the page
+ * (the extras added with metrics_add_extra are not among them), or NULL past
+ * the last. The two request families are written only once a (transport,
+ * method) pair is registered. The table is static; tests compare the page
+ * with it. */
+const metrics_family *metrics_family_at(size_t i);
+
 /* The text a render grows: p holds len bytes and a NUL in cap. After a
  * failed allocation it stays failed (oom) and takes nothing more, so the
  * render checks once at the end. */

@@ -52,6 +52,7 @@
 #include "harness.h"
 #include "internal.h"
 #include "server/optim/optim.h"
+#include "trainers.h"
 #include "zshard/zshard.h"
 
 extern char **environ;
@@ -65,15 +66,9 @@ extern char **environ;
 #define M_MAX 2
 #define SPLIT 64
 
-typedef struct tdesc {
-  const char *name;
-  uint64_t numel;
-  uint32_t group;
-} tdesc;
-
 /* Both sides of the split threshold: split tensors with short last slices,
  * one exactly at the threshold, whole ones of odd sizes. */
-static const tdesc TENSORS[NT] = {
+static const tr_tensor TENSORS[NT] = {
     {"embed.weight", 200, 0}, {"embed.bias", 37, 1},  {"proj.weight", 130, 0},
     {"proj.bias", 5, 2},      {"head.weight", 64, 0}, {"norm.weight", 1, 1},
 };
@@ -101,19 +96,9 @@ static float init_value(uint32_t t, uint64_t i) {
   return (float)sin(0.37 * (double)(i + 1) + 1.3 * t) * 0.5f;
 }
 
-/* A deterministic value in [-1, 1) from the contribution's identity. */
-static float noise(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i) {
-  uint64_t z = s * 0x9e3779b97f4a7c15ull ^ ((uint64_t)r << 48) ^ ((uint64_t)m << 40) ^
-               ((uint64_t)t << 32) ^ i;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-
 /* The "backward": depends on the parameter the trainer pulled. */
 static float grad_value(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i, float pulled) {
-  return 0.5f * pulled + 0.01f * noise(s, r, m, t, i) + 0.001f;
+  return 0.5f * pulled + 0.01f * tr_noise(s, r, m, t, i) + 0.001f;
 }
 
 /* The pieces of tensor t on N shards, by the layout's documented rule: a
@@ -184,12 +169,6 @@ typedef struct rank_out {
   double scale_used[K_MAX];
   float *final[NT]; /* the last version, pulled through the wire dtype */
 } rank_out;
-
-typedef struct trainer_arg {
-  const run_cfg *cfg;
-  uint32_t rank;
-  rank_out *out;
-} trainer_arg;
 
 static int injected(const run_cfg *cfg, uint64_t s, uint32_t r, uint32_t m, uint32_t t,
                     uint64_t i) {
@@ -342,13 +321,14 @@ done:
 }
 
 static void *trainer_main(void *arg) {
-  trainer_arg *a = arg;
+  const tr_trainer *a = arg;
+  const run_cfg *cfg = a->cfg;
   zs_client *c = NULL;
-  int rc = client_for(a->cfg, a->rank, a->cfg->wire, &c);
+  int rc = client_for(cfg, a->rank, cfg->wire, &c);
   if (rc != ZS_OK)
     trainer_fail(a->out, rc, "client setup");
   else
-    trainer_body(a->cfg, a->rank, a->out, c);
+    trainer_body(cfg, a->rank, a->out, c);
   zs_client_close(c);
   return NULL;
 }
@@ -468,33 +448,17 @@ static void reference(const run_cfg *cfg, const rank_out *r0, float **master) {
   }
 }
 
-static void join_addresses(const hs_cluster *cl, char *buf, size_t len) {
-  buf[0] = '\0';
-  for (uint32_t i = 0; i < cl->n; i++) {
-    size_t used = strlen(buf);
-    snprintf(buf + used, len - used, "%s%s", i ? "," : "", cl->srv[i]->addr);
-  }
-}
-
 static int job_counter;
 
 /* Starts a cluster, trains with W trainer threads, checks everything against
  * the reference, and returns the ranks' results through `outs` (freed here). */
 static void run_and_check(run_cfg *cfg, rank_out *outs) {
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, cfg->N, NULL), 0);
-  join_addresses(&cl, cfg->addrs, sizeof cfg->addrs);
+  tr_cluster_up(&cl, cfg->N, NULL, cfg->addrs, sizeof cfg->addrs);
   snprintf(cfg->job, sizeof cfg->job, "e2e-%d", job_counter++);
 
-  pthread_t th[W_MAX];
-  trainer_arg args[W_MAX];
   memset(outs, 0, W_MAX * sizeof *outs);
-  for (uint32_t r = 0; r < cfg->W; r++) {
-    args[r] = (trainer_arg){.cfg = cfg, .rank = r, .out = &outs[r]};
-    assert_int_equal(pthread_create(&th[r], NULL, trainer_main, &args[r]), 0);
-  }
-  for (uint32_t r = 0; r < cfg->W; r++)
-    pthread_join(th[r], NULL);
+  tr_run_trainers(cfg->W, trainer_main, cfg, outs, sizeof *outs);
   for (uint32_t r = 0; r < cfg->W; r++) {
     if (outs[r].rc != ZS_OK)
       fprintf(stderr, "rank %" PRIu32 " failed: %s\n", r, outs[r].err);
@@ -750,9 +714,8 @@ static void *survivor_main(void *arg) {
 static void killed_trainer_is_named_in_the_others_timeout_error(void **state) {
   (void)state;
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   run_cfg cfg = {.N = 2, .W = 3, .M = 1, .K = 1, .wire = ZS_DTYPE_BF16, .lr = 0.01};
-  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  tr_cluster_up(&cl, 2, NULL, cfg.addrs, sizeof cfg.addrs);
   snprintf(cfg.job, sizeof cfg.job, "killed-%d", job_counter++);
 
   int out_pipe[2], in_pipe[2];
@@ -844,9 +807,8 @@ static void *shared_thread(void *arg) {
 static void one_client_serves_several_trainer_threads(void **state) {
   (void)state;
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   run_cfg cfg = {.N = 2, .W = 1, .M = 2, .K = 1, .wire = ZS_DTYPE_FP32, .lr = 0.01};
-  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  tr_cluster_up(&cl, 2, NULL, cfg.addrs, sizeof cfg.addrs);
   snprintf(cfg.job, sizeof cfg.job, "shared-%d", job_counter++);
   zs_client *c = NULL;
   assert_int_equal(client_for(&cfg, 0, 0, &c), ZS_OK);
@@ -926,9 +888,8 @@ static int small_release_and_wait(zs_client *c, zs_request **reqs, uint32_t n) {
  * the batches sent. */
 static uint64_t small_run(size_t bucket, float **final) {
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   char addrs[512], job[64];
-  join_addresses(&cl, addrs, sizeof addrs);
+  tr_cluster_up(&cl, 2, NULL, addrs, sizeof addrs);
   snprintf(job, sizeof job, "small-%d", job_counter++);
   zs_client_options o;
   zs_client_options_init(&o);
@@ -1047,9 +1008,8 @@ static void initial_weights_larger_than_a_chunk_arrive_whole(void **state) {
     init[i] = init_value(0, i) + (float)(i % 977) * 1e-3f;
   for (uint32_t n = 1; n <= 3; n++) {
     hs_cluster cl;
-    assert_int_equal(hs_cluster_start(&cl, n, NULL), 0);
     run_cfg cfg = {.N = n, .W = 1, .M = 1, .K = 1, .wire = ZS_DTYPE_BF16, .lr = 0.01};
-    join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+    tr_cluster_up(&cl, n, NULL, cfg.addrs, sizeof cfg.addrs);
     snprintf(cfg.job, sizeof cfg.job, "wide-%d", job_counter++);
     for (int attempt = 0; attempt < 2; attempt++) {
       zs_client_options o;
@@ -1081,9 +1041,8 @@ static void initial_weights_larger_than_a_chunk_arrive_whole(void **state) {
 static void misuse_on_an_open_job_returns_errors(void **state) {
   (void)state;
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   run_cfg cfg = {.N = 2, .W = 1, .M = 2, .K = 1, .wire = ZS_DTYPE_BF16, .lr = 0.01};
-  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  tr_cluster_up(&cl, 2, NULL, cfg.addrs, sizeof cfg.addrs);
   snprintf(cfg.job, sizeof cfg.job, "misuse-%d", job_counter++);
   zs_client *c = NULL;
   assert_int_equal(client_for(&cfg, 0, cfg.wire, &c), ZS_OK);
@@ -1168,9 +1127,8 @@ static void on_done(void *arg, int status) {
 static void callbacks_run_once_per_transfer(void **state) {
   (void)state;
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 3, NULL), 0);
   run_cfg cfg = {.N = 3, .W = 1, .M = 1, .K = 1, .wire = ZS_DTYPE_FP32, .lr = 0.01};
-  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  tr_cluster_up(&cl, 3, NULL, cfg.addrs, sizeof cfg.addrs);
   snprintf(cfg.job, sizeof cfg.job, "cb-%d", job_counter++);
   zs_client *c = NULL;
   assert_int_equal(client_for(&cfg, 0, 0, &c), ZS_OK);
@@ -1248,9 +1206,8 @@ static void on_first(void *arg, int status) {
 static void a_callback_may_start_a_transfer_but_not_close_its_client(void **state) {
   (void)state;
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, NULL), 0);
   run_cfg cfg = {.N = 2, .W = 1, .M = 1, .K = 1, .wire = ZS_DTYPE_FP32, .lr = 0.01};
-  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  tr_cluster_up(&cl, 2, NULL, cfg.addrs, sizeof cfg.addrs);
   snprintf(cfg.job, sizeof cfg.job, "chain-%d", job_counter++);
   zs_client *c = NULL;
   assert_int_equal(client_for(&cfg, 0, 0, &c), ZS_OK);
@@ -1289,11 +1246,6 @@ static void a_callback_may_start_a_transfer_but_not_close_its_client(void **stat
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
-static int group_setup(void **state) {
-  (void)state;
-  return hs_init();
-}
-
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--trainer-child") == 0)
     return trainer_child(argv[2], argv[3]);
@@ -1318,7 +1270,5 @@ int main(int argc, char **argv) {
       cmocka_unit_test(callbacks_run_once_per_transfer),
       cmocka_unit_test(a_callback_may_start_a_transfer_but_not_close_its_client),
   };
-  int failures = cmocka_run_group_tests(tests, group_setup, NULL);
-  hs_finish(failures);
-  return failures;
+  return TR_RUN_TESTS(tests);
 }

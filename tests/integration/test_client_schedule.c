@@ -40,6 +40,7 @@
 
 #include "harness.h"
 #include "internal.h"
+#include "trainers.h"
 #include "zshard/zshard.h"
 
 /* ---- the pool's admission order ---------------------------------------------------- */
@@ -194,25 +195,9 @@ typedef struct run_cfg {
   char job[32];
 } run_cfg;
 
-typedef struct rank_out {
-  int rc;
-  char err[600];
-  float *final[NT];
-} rank_out;
-
-typedef struct trainer_arg {
-  const run_cfg *cfg;
-  uint32_t rank;
-  rank_out *out;
-} trainer_arg;
-
-static float noise(uint64_t s, uint32_t r, uint32_t t, uint64_t i) {
-  uint64_t z = s * 0x9e3779b97f4a7c15ull ^ ((uint64_t)r << 48) ^ ((uint64_t)t << 32) ^ i;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
+/* A rank's status and final parameters. */
+typedef tr_report rank_out;
+_Static_assert(NT <= TR_MAX_TENSORS, "the report holds every tensor");
 
 static int trainer_open(const run_cfg *cfg, uint32_t rank, zs_client **out) {
   zs_client_options o;
@@ -259,7 +244,7 @@ static int trainer_step(zs_client *c, uint32_t rank, uint64_t s, float **param, 
     ids[t] = t;
     nbytes[t] = NUMEL[t] * sizeof(float);
     for (uint64_t i = 0; i < NUMEL[t]; i++)
-      grad[t][i] = 0.5f * param[t][i] + 0.01f * noise(s, rank, t, i) + 0.001f;
+      grad[t][i] = 0.5f * param[t][i] + 0.01f * tr_noise(s, rank, 0, t, i) + 0.001f;
   }
   int rc = zs_push_many(c, NT, ids, 0, (const void *const *)grad, ZS_DTYPE_FP32, nbytes, reqs);
   if (rc != ZS_OK)
@@ -274,7 +259,8 @@ static int trainer_step(zs_client *c, uint32_t rank, uint64_t s, float **param, 
 }
 
 static void *trainer_main(void *p) {
-  trainer_arg *a = p;
+  const tr_trainer *a = p;
+  const run_cfg *cfg = a->cfg;
   rank_out *out = a->out;
   float *param[NT], *grad[NT], *init[NT];
   for (uint32_t t = 0; t < NT; t++) {
@@ -286,7 +272,7 @@ static void *trainer_main(void *p) {
       init[t][i] = (float)sin(0.37 * (double)(i + 1) + 1.3 * t) * 0.5f;
   }
   zs_client *c = NULL;
-  int rc = trainer_open(a->cfg, a->rank, &c);
+  int rc = trainer_open(cfg, a->rank, &c);
   if (rc == ZS_OK)
     rc = zs_open_job(c, (const float *const *)init);
   const char *what = "open";
@@ -319,30 +305,14 @@ static void *trainer_main(void *p) {
 static void train(const char *job, int pipelined, zs_schedule schedule, uint32_t window,
                   rank_out *outs) {
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, N, NULL), 0);
   run_cfg cfg = {.pipelined = pipelined, .schedule = schedule, .window = window};
   snprintf(cfg.job, sizeof cfg.job, "%s", job);
-  snprintf(cfg.addrs, sizeof cfg.addrs, "%s,%s,%s", cl.srv[0]->addr, cl.srv[1]->addr,
-           cl.srv[2]->addr);
-  pthread_t th[W];
-  trainer_arg args[W];
-  for (uint32_t r = 0; r < W; r++) {
-    memset(&outs[r], 0, sizeof outs[r]);
-    args[r] = (trainer_arg){.cfg = &cfg, .rank = r, .out = &outs[r]};
-    assert_int_equal(pthread_create(&th[r], NULL, trainer_main, &args[r]), 0);
-  }
-  for (uint32_t r = 0; r < W; r++)
-    pthread_join(th[r], NULL);
-  for (uint32_t r = 0; r < W; r++)
-    if (outs[r].rc != ZS_OK)
-      fail_msg("job %s, rank %u: %s", job, r, outs[r].err);
+  tr_cluster_up(&cl, N, NULL, cfg.addrs, sizeof cfg.addrs);
+  tr_run_trainers(W, trainer_main, &cfg, outs, sizeof *outs);
+  char what[64];
+  snprintf(what, sizeof what, "job %s", job);
+  tr_reports_check(outs, W, what);
   assert_int_equal(hs_cluster_stop(&cl), 0);
-}
-
-static void free_outs(rank_out *outs) {
-  for (uint32_t r = 0; r < W; r++)
-    for (uint32_t t = 0; t < NT; t++)
-      free(outs[r].final[t]);
 }
 
 static void every_schedule_trains_to_the_same_bits(void **state) {
@@ -364,9 +334,9 @@ static void every_schedule_trains_to_the_same_bits(void **state) {
         assert_true(fifo[r].final[t][1] != (float)sin(0.37 * 2 + 1.3 * t) * 0.5f);
       }
     }
-    free_outs(fifo);
-    free_outs(rot1);
-    free_outs(rot2);
+    tr_reports_free(fifo, W, NT);
+    tr_reports_free(rot1, W, NT);
+    tr_reports_free(rot2, W, NT);
   }
 }
 
@@ -519,11 +489,6 @@ static void an_unknown_congestion_control_is_refused(void **state) {
   assert_non_null(strstr(out, "not available in this kernel"));
 }
 
-static int group_setup(void **state) {
-  (void)state;
-  return hs_init();
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(rotated_schedule_admits_round_robin_from_the_rank_within_its_window),
@@ -533,7 +498,5 @@ int main(void) {
       cmocka_unit_test(tcp_congestion_reaches_the_data_plane_sockets),
       cmocka_unit_test(every_schedule_trains_to_the_same_bits),
   };
-  int failures = cmocka_run_group_tests(tests, group_setup, NULL);
-  hs_finish(failures);
-  return failures;
+  return TR_RUN_TESTS(tests);
 }

@@ -41,6 +41,7 @@
 #include "common/base/clock.h"
 #include "common/base/status.h"
 #include "internal.h"
+#include "server/metrics/metrics.h"
 #include "tests/integration/harness.h"
 #include "zshard/zshard.h"
 
@@ -1175,8 +1176,93 @@ static int group_setup(void **state) {
   return hs_init();
 }
 
+/* The families metrics.c writes, in the order of the page: the golden list
+ * the table in metrics.c must match (a family renamed, dropped or moved is a
+ * change users see, in docs/OPERATIONS.md and their dashboards). */
+static const char *const GOLDEN_FAMILIES[] = {
+    "zshard_build_info",
+    "zshard_shards",
+    "zshard_uptime_seconds",
+    "process_start_time_seconds",
+    "process_resident_memory_bytes",
+    "zshard_job_open",
+    "zshard_initialized",
+    "zshard_version",
+    "zshard_parameters",
+    "zshard_state_bytes",
+    "zshard_held_bytes",
+    "zshard_members",
+    "zshard_membership_epoch",
+    "zshard_member_leaves_total",
+    "zshard_trainer_timeouts_total",
+    "zshard_pushes_total",
+    "zshard_duplicate_pushes_total",
+    "zshard_rejected_pushes_total",
+    "zshard_pulls_total",
+    "zshard_received_bytes_total",
+    "zshard_sent_bytes_total",
+    "zshard_applies_total",
+    "zshard_skipped_steps_total",
+    "zshard_waiting_requests",
+    "zshard_apply_duration_seconds",
+    "zshard_request_duration_seconds",
+    "zshard_request_errors_total",
+};
+
+/* The page writes each family of metrics.c's table once, in the table's
+ * order, with the table's HELP and TYPE, and samples under its name; the
+ * table holds exactly the golden names. */
+static void the_page_writes_every_family_of_the_table_with_its_help_and_type(void **state) {
+  (void)state;
+  const size_t ngolden = sizeof GOLDEN_FAMILIES / sizeof GOLDEN_FAMILIES[0];
+  size_t n = 0;
+  while (metrics_family_at(n))
+    n++;
+  assert_int_equal(n, ngolden);
+  for (size_t i = 0; i < n; i++) {
+    const metrics_family *f = metrics_family_at(i);
+    assert_string_equal(f->name, GOLDEN_FAMILIES[i]);
+    assert_true(strcmp(f->type, "gauge") == 0 || strcmp(f->type, "counter") == 0 ||
+                strcmp(f->type, "histogram") == 0);
+    assert_true(f->help[0] != '\0' && !strchr(f->help, '\n'));
+  }
+
+  mserver m;
+  mserver_start(&m);
+  /* One answered request, so that the request families have a series. */
+  rpc_channel *ch = NULL;
+  assert_int_equal(rpc_channel_open(m.srv->addr, &ch), 0);
+  Zshard__V1__GetInfoResponse *info = NULL;
+  rpc_status st;
+  assert_int_equal(hs_get_info(ch, &info, &st), 0);
+  protobuf_c_message_free_unpacked(&info->base, NULL);
+  rpc_channel_close(ch);
+
+  char *page = scrape(m.metrics_port);
+  const char *prev = page;
+  for (size_t i = 0; i < n; i++) {
+    const metrics_family *f = metrics_family_at(i);
+    char head[1024], help_line[256], sample[128];
+    snprintf(head, sizeof head, "# HELP %s %s\n# TYPE %s %s\n", f->name, f->help, f->name, f->type);
+    const char *at = strstr(page, head);
+    if (!at || at < prev)
+      fail_msg("family %s: its HELP and TYPE lines are missing or out of order", f->name);
+    assert_null(strstr(at + 1, head));
+    /* No other HELP line for the name, and the next line is a sample of it. */
+    snprintf(help_line, sizeof help_line, "# HELP %s ", f->name);
+    assert_true(strstr(page, help_line) == at && !strstr(at + 1, help_line));
+    snprintf(sample, sizeof sample, "%s%s{shard=\"0\"", f->name,
+             strcmp(f->type, "histogram") == 0 ? "_bucket" : "");
+    assert_int_equal(strncmp(at + strlen(head), sample, strlen(sample)), 0);
+    prev = at;
+  }
+  free(page);
+  mserver_stop(&m);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(the_page_writes_every_family_of_the_table_with_its_help_and_type),
       cmocka_unit_test(metrics_count_exactly_what_the_shard_did_and_pass_promtool),
       cmocka_unit_test(data_plane_requests_are_timed_per_method),
       cmocka_unit_test(bad_http_requests_get_their_4xx_and_the_shard_serves_on),

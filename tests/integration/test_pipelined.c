@@ -44,6 +44,7 @@
 
 #include "harness.h"
 #include "server/ckpt/ckpt_format.h"
+#include "trainers.h"
 #include "zshard/zshard.h"
 
 #define NT 5
@@ -54,14 +55,8 @@
 #define K 5
 #define SPLIT 64
 
-typedef struct tdesc {
-  const char *name;
-  uint64_t numel;
-  uint32_t group;
-} tdesc;
-
 /* Split tensors with short last slices and whole ones of odd sizes. */
-static const tdesc TENSORS[NT] = {
+static const tr_tensor TENSORS[NT] = {
     {"embed.weight", 300, 0}, {"embed.bias", 37, 1},  {"proj.weight", 130, 0},
     {"proj.bias", 5, 2},      {"head.weight", 64, 2},
 };
@@ -81,16 +76,6 @@ static void group_options(uint32_t g, zs_group_options *o) {
   }
 }
 
-/* A deterministic value in [-1, 1) from the contribution's identity. */
-static float noise(uint64_t s, uint32_t r, uint32_t m, uint32_t t, uint64_t i) {
-  uint64_t z = s * 0x9e3779b97f4a7c15ull ^ ((uint64_t)r << 48) ^ ((uint64_t)m << 40) ^
-               ((uint64_t)t << 32) ^ i;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-
 static double lr_of(uint64_t s) {
   return 1e-2 * (1.0 + 0.25 * (double)s);
 }
@@ -102,17 +87,9 @@ typedef struct run_cfg {
   int pipelined;
 } run_cfg;
 
-typedef struct rank_out {
-  int rc;
-  char err[600];
-  float *final[NT];
-} rank_out;
-
-typedef struct trainer_arg {
-  const run_cfg *cfg;
-  uint32_t rank;
-  rank_out *out;
-} trainer_arg;
+/* A rank's status and final parameters. */
+typedef tr_report rank_out;
+_Static_assert(NT <= TR_MAX_TENSORS, "the report holds every tensor");
 
 static void trainer_fail(rank_out *out, int rc, const char *what) {
   out->rc = rc;
@@ -164,7 +141,7 @@ static int trainer_step(zs_client *c, uint32_t rank, uint64_t s, float **param,
   for (uint32_t m = 0; m < M && rc == ZS_OK; m++) {
     for (uint32_t t = 0; t < NT; t++)
       for (uint64_t i = 0; i < TENSORS[t].numel; i++)
-        grad[m][t][i] = 0.5f * param[t][i] + 0.01f * noise(s, rank, m, t, i) + 0.001f;
+        grad[m][t][i] = 0.5f * param[t][i] + 0.01f * tr_noise(s, rank, m, t, i) + 0.001f;
     rc = zs_push_many(c, NT, ids, m, (const void *const *)grad[m], ZS_DTYPE_FP32, nbytes, reqs[m]);
   }
   if (rc != ZS_OK)
@@ -209,7 +186,8 @@ static int pull_all(zs_client *c, float **dst) {
 }
 
 static void *trainer_main(void *p) {
-  trainer_arg *a = p;
+  const tr_trainer *a = p;
+  const run_cfg *cfg = a->cfg;
   rank_out *out = a->out;
   float *param[NT], *grad[M][NT], *init[NT];
   for (uint32_t t = 0; t < NT; t++) {
@@ -222,7 +200,7 @@ static void *trainer_main(void *p) {
       init[t][i] = (float)sin(0.37 * (double)(i + 1) + 1.3 * t) * 0.5f;
   }
   zs_client *c = NULL;
-  int rc = trainer_open(a->cfg, a->rank, &c);
+  int rc = trainer_open(cfg, a->rank, &c);
   if (rc == ZS_OK)
     rc = zs_open_job(c, (const float *const *)init);
   if (rc != ZS_OK)
@@ -245,39 +223,14 @@ static void *trainer_main(void *p) {
   return NULL;
 }
 
-static void join_addresses(const hs_cluster *cl, char *buf, size_t len) {
-  buf[0] = '\0';
-  for (uint32_t i = 0; i < cl->n; i++) {
-    size_t used = strlen(buf);
-    snprintf(buf + used, len - used, "%s%s", i ? "," : "", cl->srv[i]->addr);
-  }
-}
-
 /* Trains on a fresh cluster; outs[r].final gets rank r's final parameters. */
 static void train(int pipelined, rank_out *outs) {
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, N, NULL), 0);
   run_cfg cfg = {.pipelined = pipelined};
-  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
-  pthread_t th[W];
-  trainer_arg args[W];
-  for (uint32_t r = 0; r < W; r++) {
-    memset(&outs[r], 0, sizeof outs[r]);
-    args[r] = (trainer_arg){.cfg = &cfg, .rank = r, .out = &outs[r]};
-    assert_int_equal(pthread_create(&th[r], NULL, trainer_main, &args[r]), 0);
-  }
-  for (uint32_t r = 0; r < W; r++)
-    pthread_join(th[r], NULL);
-  for (uint32_t r = 0; r < W; r++)
-    if (outs[r].rc != ZS_OK)
-      fail_msg("%s run, rank %u: %s", pipelined ? "pipelined" : "gated", r, outs[r].err);
+  tr_cluster_up(&cl, N, NULL, cfg.addrs, sizeof cfg.addrs);
+  tr_run_trainers(W, trainer_main, &cfg, outs, sizeof *outs);
+  tr_reports_check(outs, W, pipelined ? "pipelined run" : "gated run");
   assert_int_equal(hs_cluster_stop(&cl), 0);
-}
-
-static void free_outs(rank_out *outs) {
-  for (uint32_t r = 0; r < W; r++)
-    for (uint32_t t = 0; t < NT; t++)
-      free(outs[r].final[t]);
 }
 
 static void pipelined_training_has_the_bits_of_the_gated_one(void **state) {
@@ -298,8 +251,8 @@ static void pipelined_training_has_the_bits_of_the_gated_one(void **state) {
       assert_true(gated[r].final[t][0] != (float)sin(0.37 + 1.3 * t) * 0.5f);
     }
   }
-  free_outs(gated);
-  free_outs(piped);
+  tr_reports_free(gated, W, NT);
+  tr_reports_free(piped, W, NT);
 }
 
 /* ---- the shard's side, call by call --------------------------------------------- */
@@ -401,9 +354,8 @@ static void a_piece_is_pulled_at_the_new_version_before_the_shard_moves(void **s
 static void clipping_and_statistics_are_refused_in_a_pipelined_job(void **state) {
   (void)state;
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 1, NULL), 0);
   run_cfg cfg = {.pipelined = 1};
-  join_addresses(&cl, cfg.addrs, sizeof cfg.addrs);
+  tr_cluster_up(&cl, 1, NULL, cfg.addrs, sizeof cfg.addrs);
 
   /* Dynamic loss scaling needs the overflow check. */
   zs_client_options o;
@@ -489,9 +441,8 @@ static void a_checkpoint_of_a_pipelined_job_is_one_whole_version(void **state) {
   snprintf(dir, sizeof dir, "%s/pipe-ckpt", hs_tmpdir());
   const char *extra[] = {"--state-dir", dir, NULL};
   hs_cluster cl;
-  assert_int_equal(hs_cluster_start(&cl, 2, extra), 0);
   char addrs[128];
-  join_addresses(&cl, addrs, sizeof addrs);
+  tr_cluster_up(&cl, 2, extra, addrs, sizeof addrs);
   zs_client_options o;
   zs_client_options_init(&o);
   o.addresses = addrs;
@@ -564,11 +515,6 @@ static void pipelined_is_hashed_and_kept_by_checkpoints(void **state) {
   spec_free(&piped);
 }
 
-static int group_setup(void **state) {
-  (void)state;
-  return hs_init();
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(pipelined_training_has_the_bits_of_the_gated_one),
@@ -577,7 +523,5 @@ int main(void) {
       cmocka_unit_test(pipelined_is_hashed_and_kept_by_checkpoints),
       cmocka_unit_test(a_checkpoint_of_a_pipelined_job_is_one_whole_version),
   };
-  int failures = cmocka_run_group_tests(tests, group_setup, NULL);
-  hs_finish(failures);
-  return failures;
+  return TR_RUN_TESTS(tests);
 }
