@@ -32,7 +32,9 @@
  *     held across an rpc_call or a user callback. zc_dp.mu (dataplane.c) is a
  *     leaf: nothing is locked, and nothing blocks, while it is held.
  *     zc_rset.mu (replica.c, one per shard) is a leaf too: a failover search
- *     marks itself under it and runs its calls without it.
+ *     marks itself under it and runs its calls without it. So is op_cache_mu
+ *     (transfer.c, the process's cache of released requests), taken under
+ *     zs_client.mu when a pull starts prefetches.
  *   - After zs_open_job succeeds the spec, the layout and the channels are
  *     immutable and read without locks.
  */
@@ -153,13 +155,21 @@ int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_b
  * critical section; after stop they are cancelled at once instead. */
 void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n);
 
-/* As zc_pool_submit, but wakes no worker: a batch (zs_push_many,
- * zs_pull_many) queues each request's tasks with this and calls zc_pool_wake
- * once at the end. On two cores a wake-up per request costs a context switch
- * each (the woken worker preempts the submitting thread); one wake-up for the
- * whole batch also lets the pool coalesce the batch's pieces into buckets. */
-void zc_pool_enqueue(zc_pool *p, zc_task *tasks, uint32_t n);
-void zc_pool_wake(zc_pool *p);
+/* The tasks of one request, for zc_pool_enqueue_spans. */
+typedef struct zc_task_span {
+  zc_task *tasks;
+  uint32_t n;
+} zc_task_span;
+
+/* Queues the tasks of n requests in one critical section (a batch's,
+ * zs_push_many and zs_pull_many: one pool lock round trip for all of them,
+ * not one per request) and, with wake, wakes one idle worker if anything is
+ * queued; after stop the tasks are cancelled at once instead. A batch wakes
+ * once, at its end: on two cores a wake-up per request costs a context
+ * switch each (the woken worker preempts the submitting thread), and one
+ * wake-up for the whole batch also lets the pool coalesce the batch's pieces
+ * into buckets. */
+void zc_pool_enqueue_spans(zc_pool *p, const zc_task_span *spans, uint32_t n, int wake);
 
 /* For tests: while held, workers take no task, so that everything submitted
  * meanwhile is queued (and coalesced) as if it had all arrived at once. */
@@ -237,18 +247,24 @@ struct zc_task {
 };
 
 struct zs_request {
-  /* The client, valid until the op is finished: zs_client_close waits for
-   * every op (inflight count) before freeing it. */
-  struct zs_client *c;
-  zc_op_kind kind;
+  /* Kept as they are while a released request waits in transfer.c's cache
+   * for its next use: the lock and condition variable (initialised once),
+   * the tasks it has room for, and the sentence (only err[0] is reset). */
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  atomic_int refs;      /* the caller's handle (if any) + the in-flight op */
-  uint32_t pending;     /* (mu) tasks not finished */
-  int done;             /* (mu) */
-  int status;           /* (mu) first failure */
-  char err[ZC_ERR_LEN]; /* (mu) its sentence */
-  uint64_t bytes;       /* (mu) wire bytes moved */
+  uint32_t cap;         /* tasks allocated, >= ntasks */
+  char err[ZC_ERR_LEN]; /* (mu) the first failure's sentence */
+  /* Zeroed for every use from here on (ZC_OP_RESET_FROM). The client,
+   * valid until the op is finished: zs_client_close waits for every op
+   * (inflight count) before freeing it. */
+  struct zs_client *c;
+  struct zs_request *cache_next; /* in the cache: the next cached request */
+  zc_op_kind kind;
+  atomic_int refs;  /* the caller's handle (if any) + the in-flight op */
+  uint32_t pending; /* (mu) tasks not finished */
+  int done;         /* (mu) */
+  int status;       /* (mu) first failure */
+  uint64_t bytes;   /* (mu) wire bytes moved */
   zs_request_cb cb;
   void *cb_arg;
   uint32_t tensor, micro;
@@ -302,7 +318,9 @@ void zc_task_run(void *ctx, zc_task *t);
 void zc_task_cancel(void *ctx, zc_task *t);
 
 /* Allocates an op with ntasks zeroed tasks (pending = ntasks) and refs = 1
- * (the in-flight op). Returns NULL on ENOMEM (with the last error set). */
+ * (the in-flight op), or takes a released one of the same size from the
+ * process's cache of requests (transfer.c). Returns NULL on ENOMEM (with
+ * the last error set). */
 struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntasks);
 
 /* Counts the op as in flight on its client (so that close waits for it).
@@ -325,7 +343,8 @@ void zc_op_part_done(struct zs_request *op, int status, const char *msg, uint64_
  * the last error on failure. Does not drop a reference. */
 int zc_op_wait_done(struct zs_request *op);
 
-/* Drops one reference; the last one frees the op. */
+/* Drops one reference; the last one frees the op or keeps it in the
+ * cache for the next zc_op_new. */
 void zc_op_release(struct zs_request *op);
 
 /* Registers and submits a ZC_OP_CALL op (whose tasks the caller filled) and

@@ -235,7 +235,7 @@ static int queue_locked(zc_pool *p, zc_task *tasks, uint32_t n) {
   return 1;
 }
 
-static void queue(zc_pool *p, zc_task *tasks, uint32_t n, int wake) {
+void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n) {
   pthread_mutex_lock(&p->mu);
   if (!queue_locked(p, tasks, n)) {
     pthread_mutex_unlock(&p->mu);
@@ -245,24 +245,25 @@ static void queue(zc_pool *p, zc_task *tasks, uint32_t n, int wake) {
     return;
   }
   /* One worker, whatever n: it wakes the next (see the top of the file). */
-  wake = wake && n > 0 && p->idle > 0;
+  int wake = n > 0 && p->idle > 0;
   pthread_mutex_unlock(&p->mu);
   if (wake)
     pthread_cond_signal(&p->cv);
 }
 
-void zc_pool_submit(zc_pool *p, zc_task *tasks, uint32_t n) {
-  queue(p, tasks, n, 1);
-}
-
-void zc_pool_enqueue(zc_pool *p, zc_task *tasks, uint32_t n) {
-  queue(p, tasks, n, 0);
-}
-
-void zc_pool_wake(zc_pool *p) {
+void zc_pool_enqueue_spans(zc_pool *p, const zc_task_span *spans, uint32_t n, int wake) {
   pthread_mutex_lock(&p->mu);
-  int wake = p->queued > 0 && p->idle > 0;
+  int queued = !p->stop;
+  for (uint32_t i = 0; queued && i < n; i++)
+    queued = queue_locked(p, spans[i].tasks, spans[i].n);
+  wake = queued && wake && p->queued > 0 && p->idle > 0;
   pthread_mutex_unlock(&p->mu);
+  if (!queued) {
+    for (uint32_t i = 0; i < n; i++)
+      for (uint32_t k = 0; k < spans[i].n; k++)
+        p->cancel(p->ctx, &spans[i].tasks[k]);
+    return;
+  }
   if (wake)
     pthread_cond_signal(&p->cv);
 }

@@ -20,6 +20,7 @@
  */
 #include <inttypes.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,14 +67,92 @@ void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n) 
 
 /* ---- ops -------------------------------------------------------------------- */
 
-struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntasks) {
-  zs_request *op = calloc(1, sizeof *op + (size_t)ntasks * sizeof(zc_task));
-  if (!op) {
-    zc_fail(ZS_ENOMEM, "out of memory allocating a request of %" PRIu32 " tasks", ntasks);
-    return NULL;
+/* The cache of requests. A push or pull of a tensor over up to
+ * OP_CACHED_TASKS shards is not freed when its last reference goes but kept
+ * for the next one: its allocation (1.2 KiB, zeroed, too large for glibc's
+ * per-thread cache, and freed on another thread, a worker) and the set-up of
+ * its lock and condition variable were 14 % of a batched submission's
+ * instructions (docs/PERFORMANCE.md, "Small calls"). The cache is the
+ * process's, not a client's: a caller may zs_wait a request after
+ * zs_client_close freed its client. A batch takes the cached requests it
+ * needs in one lock round trip (op_cache_take). Bounded: a burst larger than
+ * OP_CACHE_MAX requests frees the rest as before. */
+#define OP_CACHED_TASKS 4
+#define OP_CACHE_MAX 256
+#define ZC_OP_RESET_FROM offsetof(zs_request, c)
+
+static pthread_mutex_t op_cache_mu = PTHREAD_MUTEX_INITIALIZER;
+/* (op_cache_mu) The cached requests, linked through cache_next, and how
+ * many. */
+static zs_request *op_cache;
+static uint32_t op_cache_len;
+
+/* Moves up to n cached requests onto the list *spare (the caller's). */
+static void op_cache_take(uint32_t n, zs_request **spare) {
+  pthread_mutex_lock(&op_cache_mu);
+  for (; n > 0 && op_cache; n--) {
+    zs_request *op = op_cache;
+    op_cache = op->cache_next;
+    op_cache_len--;
+    op->cache_next = *spare;
+    *spare = op;
   }
-  pthread_mutex_init(&op->mu, NULL);
-  pthread_cond_init(&op->cv, NULL);
+  pthread_mutex_unlock(&op_cache_mu);
+}
+
+/* Puts a list of requests (none in use) back into the cache, freeing what
+ * does not fit. */
+static void op_cache_put(zs_request *list) {
+  zs_request *excess = NULL;
+  pthread_mutex_lock(&op_cache_mu);
+  while (list) {
+    zs_request *op = list;
+    list = op->cache_next;
+    if (op_cache_len < OP_CACHE_MAX) {
+      op->cache_next = op_cache;
+      op_cache = op;
+      op_cache_len++;
+    } else {
+      op->cache_next = excess;
+      excess = op;
+    }
+  }
+  pthread_mutex_unlock(&op_cache_mu);
+  while (excess) {
+    zs_request *op = excess;
+    excess = op->cache_next;
+    pthread_mutex_destroy(&op->mu);
+    pthread_cond_destroy(&op->cv);
+    free(op);
+  }
+}
+
+/* zc_op_new, taking a cached request from *spare (a batch's) first when
+ * spare is not NULL, else from the cache. */
+static zs_request *op_new_from(zs_request **spare, struct zs_client *c, zc_op_kind kind,
+                               uint32_t ntasks) {
+  zs_request *op = NULL;
+  if (ntasks <= OP_CACHED_TASKS) {
+    zs_request *own = NULL, **from = spare ? spare : &own;
+    if (!*from)
+      op_cache_take(1, from);
+    if ((op = *from) != NULL)
+      *from = op->cache_next;
+  }
+  const uint32_t cap = ntasks <= OP_CACHED_TASKS ? OP_CACHED_TASKS : ntasks;
+  if (!op) {
+    op = malloc(offsetof(zs_request, tasks) + (size_t)cap * sizeof(zc_task));
+    if (!op) {
+      zc_fail(ZS_ENOMEM, "out of memory allocating a request of %" PRIu32 " tasks", ntasks);
+      return NULL;
+    }
+    pthread_mutex_init(&op->mu, NULL);
+    pthread_cond_init(&op->cv, NULL);
+    op->cap = cap;
+  }
+  memset((char *)op + ZC_OP_RESET_FROM, 0,
+         offsetof(zs_request, tasks) - ZC_OP_RESET_FROM + (size_t)ntasks * sizeof(zc_task));
+  op->err[0] = '\0';
   atomic_init(&op->refs, 1);
   op->c = c;
   op->kind = kind;
@@ -82,6 +161,10 @@ struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntas
   for (uint32_t i = 0; i < ntasks; i++)
     op->tasks[i].op = op;
   return op;
+}
+
+struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntasks) {
+  return op_new_from(NULL, c, kind, ntasks);
 }
 
 struct zs_request *zc_op_get_info(struct zs_client *c, const Zshard__V1__GetInfoRequest *req) {
@@ -127,9 +210,15 @@ void zc_op_submit(struct zs_request *op) {
 void zc_op_release(struct zs_request *op) {
   if (atomic_fetch_sub(&op->refs, 1) != 1)
     return;
+  free(op->owned_src); /* a push refused before it was queued */
+  op->owned_src = NULL;
+  if (op->cap == OP_CACHED_TASKS) {
+    op->cache_next = NULL;
+    op_cache_put(op);
+    return;
+  }
   pthread_mutex_destroy(&op->mu);
   pthread_cond_destroy(&op->cv);
-  free(op->owned_src); /* a push refused before it was queued */
   free(op);
 }
 
@@ -586,14 +675,19 @@ static zs_dtype pull_wire(const zs_client *c, uint32_t t, zs_dtype buf) {
   return zc_wire_dtype(g ? g : c->opt.pull_dtype, buf);
 }
 
-/* Checks that the job is open and has the tensor. */
-static int check_tensor(zs_client *c, const char *fn, uint32_t tensor) {
+/* Checks that the job is open. */
+static int check_opened(zs_client *c, const char *fn) {
   pthread_mutex_lock(&c->mu);
   int opened = c->opened;
   pthread_mutex_unlock(&c->mu);
-  /* Once opened, the spec and the layout never change: read without lock. */
   if (!opened)
     return zc_fail(ZS_ENOTOPEN, "%s: the job is not open (call zs_open_job first)", fn);
+  return ZS_OK;
+}
+
+/* Checks that the open job has the tensor. Once opened, the spec and the
+ * layout never change: read without lock. */
+static int check_tensor_id(zs_client *c, const char *fn, uint32_t tensor) {
   if (tensor >= c->sp.num_tensors)
     return zc_fail(ZS_ENOTFOUND, "%s: no tensor %" PRIu32 " (the model has %" PRIu32 ")", fn,
                    tensor, c->sp.num_tensors);
@@ -605,10 +699,16 @@ static int is_nograd(const void *grad, size_t nbytes) {
   return !grad && nbytes == 0;
 }
 
-/* Checks the arguments shared by push and pull. */
-static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const void *buf,
-                        zs_dtype dtype, size_t nbytes) {
-  int rc = check_tensor(c, fn, tensor);
+/* Checks that the job is open and has the tensor. */
+static int check_tensor(zs_client *c, const char *fn, uint32_t tensor) {
+  int rc = check_opened(c, fn);
+  return rc != ZS_OK ? rc : check_tensor_id(c, fn, tensor);
+}
+
+/* Checks the arguments shared by push and pull, the job being open. */
+static int check_entry(zs_client *c, const char *fn, uint32_t tensor, const void *buf,
+                       zs_dtype dtype, size_t nbytes) {
+  int rc = check_tensor_id(c, fn, tensor);
   if (rc != ZS_OK)
     return rc;
   if (!dtype_valid((int)dtype))
@@ -635,6 +735,13 @@ static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const voi
   return ZS_OK;
 }
 
+/* Checks the arguments shared by push and pull. */
+static int check_buffer(zs_client *c, const char *fn, uint32_t tensor, const void *buf,
+                        zs_dtype dtype, size_t nbytes) {
+  int rc = check_opened(c, fn);
+  return rc != ZS_OK ? rc : check_entry(c, fn, tensor, buf, dtype, nbytes);
+}
+
 /* Waits for a request the call itself made (req == NULL: synchronous). */
 static int wait_own(zs_request *op, zc_op_kind kind) {
   uint64_t t0 = clock_now_ns();
@@ -642,14 +749,6 @@ static int wait_own(zs_request *op, zc_op_kind kind) {
   zc_account_wait(op->c, kind, clock_now_ns() - t0);
   zc_op_release(op);
   return rc;
-}
-
-/* Queues op's tasks; a batch (defer) wakes the pool once at its end. */
-static void op_queue(zs_request *op, int defer) {
-  if (defer)
-    zc_pool_enqueue(&op->c->pool, op->tasks, op->ntasks);
-  else
-    zc_op_submit(op);
 }
 
 /* ---- error feedback ------------------------------------------------------------ */
@@ -728,26 +827,14 @@ static int ef_wanted(const zs_client *c, zs_dtype buf, zs_dtype wire) {
   return c->opt.error_feedback && buf == ZS_DTYPE_FP32 && wire != ZS_DTYPE_FP32;
 }
 
-/* defer: an entry of a batch (run_batch), whose arguments check_batch has
- * checked, which wakes the pool once and accounts the batch's time once;
- * each entry doing both cost about 15 % of a batched submission's instructions
- * and two more lock round trips per tensor (docs/PERFORMANCE.md, "Small
- * calls"). */
-static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
-                      zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg, zs_request **out,
-                      int defer) {
-  const int nograd = is_nograd(grad, nbytes);
-  int rc = defer    ? ZS_OK
-           : nograd ? check_tensor(c, "zs_push", tensor)
-                    : check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
-  if (rc != ZS_OK)
-    return rc;
-  if (micro >= c->sp.grad_accum)
-    return zc_fail(ZS_ERANGE, "zs_push: micro %" PRIu32 " out of range (grad_accum is %" PRIu32 ")",
-                   micro, c->sp.grad_accum);
-  uint64_t t0 = defer ? 0 : clock_now_ns();
+/* A push's request, filled but not yet published (push_commit_locked): the
+ * client is not changed, but for the residual of error feedback. `spare`:
+ * a batch's cached requests (NULL: the cache's). */
+static int push_prepare(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
+                        zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg,
+                        zs_request **spare, zs_request **out) {
   uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
-  zs_request *op = zc_op_new(c, ZC_OP_PUSH, npieces);
+  zs_request *op = op_new_from(spare, c, ZC_OP_PUSH, npieces);
   if (!op)
     return ZS_ENOMEM;
   op->tensor = tensor;
@@ -755,17 +842,18 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   op->src = grad;
   op->buf_dtype = dtype;
   op->wire_dtype = push_wire(c, tensor, dtype);
-  if (nograd) {
+  if (is_nograd(grad, nbytes)) {
     /* The residual of error feedback stays for the tensor's next gradient. */
     op->nograd = 1;
     op->src = NULL;
     op->buf_dtype = op->wire_dtype = ZS_DTYPE_FP32;
   } else if (ef_wanted(c, dtype, op->wire_dtype)) {
-    /* Before the duplicate check below: a push refused there has then
-     * changed the residual, but it is a caller's bug that zs_step reports
-     * anyway, and the check needs mu, which ef_mu is never held with. */
+    /* Before the duplicate check (push_commit_locked): a push refused there
+     * has then changed the residual, but it is a caller's bug that zs_step
+     * reports anyway, and the check needs mu, which ef_mu is never held
+     * with. */
     pthread_mutex_lock(&c->ef_mu);
-    rc = ef_apply_locked(c, tensor, grad, op->wire_dtype, &op->owned_src);
+    int rc = ef_apply_locked(c, tensor, grad, op->wire_dtype, &op->owned_src);
     pthread_mutex_unlock(&c->ef_mu);
     if (rc != ZS_OK) {
       zc_op_release(op);
@@ -782,30 +870,55 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
     op->tasks[i].piece = first + i;
     op->tasks[i].bytes = zc_op_piece_bytes(op, pc);
   }
-  size_t bit = (size_t)tensor * c->sp.grad_accum + micro;
-  pthread_mutex_lock(&c->mu);
-  if (c->stepping) {
-    pthread_mutex_unlock(&c->mu);
-    zc_op_release(op);
+  *out = op;
+  return ZS_OK;
+}
+
+/* Publishes a prepared push, with c->mu held: refused while zs_step runs
+ * and for a (tensor, micro) already pushed in the step; otherwise marked
+ * pushed, counted in flight and, without a callback, given the caller's
+ * reference. The caller then queues its tasks. */
+static int push_commit_locked(zs_client *c, zs_request *op) {
+  if (c->stepping)
     return zc_fail(ZS_EINVAL, "zs_push: called while zs_step runs on this client");
-  }
-  if (c->pushed[bit / 8] & (1u << (bit % 8))) {
-    uint64_t step = c->step;
-    pthread_mutex_unlock(&c->mu);
-    zc_op_release(op);
+  size_t bit = (size_t)op->tensor * c->sp.grad_accum + op->micro;
+  if (c->pushed[bit / 8] & (1u << (bit % 8)))
     return zc_fail(ZS_EEXIST,
                    "zs_push: tensor '%s' micro %" PRIu32 " was already pushed in step %" PRIu64,
-                   tensor_name(c, tensor), micro, step);
-  }
+                   tensor_name(c, op->tensor), op->micro, c->step);
   c->pushed[bit / 8] |= (uint8_t)(1u << (bit % 8));
   op->step = c->step;
   zc_op_register_locked(op);
-  pthread_mutex_unlock(&c->mu);
-  if (!cb)
+  if (!op->cb)
     atomic_fetch_add(&op->refs, 1); /* the handle, or our own wait */
-  op_queue(op, defer);
-  if (!defer)
-    zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
+  return ZS_OK;
+}
+
+/* zs_push, zs_push_cb: one request, submitted at once. */
+static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad,
+                      zs_dtype dtype, size_t nbytes, zs_request_cb cb, void *arg,
+                      zs_request **out) {
+  int rc = is_nograd(grad, nbytes) ? check_tensor(c, "zs_push", tensor)
+                                   : check_buffer(c, "zs_push", tensor, grad, dtype, nbytes);
+  if (rc != ZS_OK)
+    return rc;
+  if (micro >= c->sp.grad_accum)
+    return zc_fail(ZS_ERANGE, "zs_push: micro %" PRIu32 " out of range (grad_accum is %" PRIu32 ")",
+                   micro, c->sp.grad_accum);
+  uint64_t t0 = clock_now_ns();
+  zs_request *op;
+  rc = push_prepare(c, tensor, micro, grad, dtype, nbytes, cb, arg, NULL, &op);
+  if (rc != ZS_OK)
+    return rc;
+  pthread_mutex_lock(&c->mu);
+  rc = push_commit_locked(c, op);
+  pthread_mutex_unlock(&c->mu);
+  if (rc != ZS_OK) {
+    zc_op_release(op);
+    return rc;
+  }
+  zc_op_submit(op);
+  zc_account_wait(c, ZC_OP_PUSH, clock_now_ns() - t0);
   if (cb)
     return ZS_OK;
   if (out) {
@@ -815,18 +928,14 @@ static int push_start(zs_client *c, uint32_t tensor, uint32_t micro, const void 
   return wait_own(op, ZC_OP_PUSH);
 }
 
-/* defer: as for push_start. */
-static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
-                      zs_request_cb cb, void *arg, zs_request **out, int defer) {
-  int rc = defer ? ZS_OK : check_buffer(c, "zs_pull", tensor, dst, dtype, nbytes);
-  if (rc != ZS_OK)
-    return rc;
-  uint64_t t0 = defer ? 0 : clock_now_ns();
+/* A pull's request, filled but not yet published (pull_commit_locked). */
+static zs_request *pull_prepare(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype,
+                                zs_request_cb cb, void *arg, zs_request **spare) {
   uint32_t first = c->lay.tensor_first[tensor], npieces = layout_tensor_pieces(&c->lay, tensor);
   zs_dtype wire = pull_wire(c, tensor, dtype);
-  zs_request *op = zc_op_new(c, ZC_OP_PULL, npieces);
+  zs_request *op = op_new_from(spare, c, ZC_OP_PULL, npieces);
   if (!op)
-    return ZS_ENOMEM;
+    return NULL;
   op->tensor = tensor;
   op->dst = dst;
   op->buf_dtype = dtype;
@@ -839,52 +948,82 @@ static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, 
     op->tasks[i].piece = first + i;
     op->tasks[i].bytes = dtype_bytes(wire, pc->numel);
   }
-  if (!cb)
-    atomic_fetch_add(&op->refs, 1);
+  return op;
+}
 
-  /* from_slot: 1 = the data is ready in the prefetch slot, 2 = the slot's
-   * prefetch is in flight and this pull waits for it. */
-  int from_slot = 0;
-  zs_request *prefetch[64];
-  uint32_t nprefetch = 0;
-  zc_slot *slot = NULL;
-  pthread_mutex_lock(&c->mu);
+/* How a published pull is served (pull_commit_locked). */
+enum { PULL_QUEUE = 0, PULL_SLOT_READY = 1, PULL_SLOT_WAIT = 2 };
+
+/* Publishes a prepared pull, with c->mu held: counts it in flight, gives the
+ * caller's reference (without a callback) and says how it is served:
+ * PULL_QUEUE, its own tasks (the caller queues them); PULL_SLOT_READY, the
+ * tensor's prefetch slot holds the version (the caller copies it out,
+ * pull_from_slot); PULL_SLOT_WAIT, the slot's prefetch in flight finishes
+ * it. Starts the prefetches of the next tensors into prefetch[64] (the
+ * caller queues them). */
+static int pull_commit_locked(zs_client *c, zs_request *op, zs_request **prefetch,
+                              uint32_t *nprefetch) {
+  int how = PULL_QUEUE;
+  *nprefetch = 0;
+  if (!op->cb)
+    atomic_fetch_add(&op->refs, 1);
   op->step = c->step - 1;
   zc_op_register_locked(op);
-  if (c->slots) {
-    slot = &c->slots[tensor];
-    if (slot->version == op->step && slot->wire == wire) {
-      /* The op's own tasks are then not used: one part, the slot, finishes
-       * it. pending is set before the op is published to prefetch_finish. */
-      if (slot->state == ZC_SLOT_READY) {
-        slot->state = ZC_SLOT_BUSY;
-        op->pending = 1;
-        from_slot = 1;
-      } else if (slot->state == ZC_SLOT_INFLIGHT && !slot->waiter) {
-        op->pending = 1;
-        slot->waiter = op;
-        from_slot = 2;
-      }
+  if (!c->slots)
+    return how;
+  zc_slot *slot = &c->slots[op->tensor];
+  if (slot->version == op->step && slot->wire == op->wire_dtype) {
+    /* The op's own tasks are then not used: one part, the slot, finishes
+     * it. pending is set before the op is published to prefetch_finish. */
+    if (slot->state == ZC_SLOT_READY) {
+      slot->state = ZC_SLOT_BUSY;
+      op->pending = 1;
+      how = PULL_SLOT_READY;
+    } else if (slot->state == ZC_SLOT_INFLIGHT && !slot->waiter) {
+      op->pending = 1;
+      slot->waiter = op;
+      how = PULL_SLOT_WAIT;
     }
-    c->last_pull_wire = wire;
-    uint32_t depth = c->opt.prefetch_depth < 64 ? c->opt.prefetch_depth : 64;
-    nprefetch = zc_prefetch_locked(c, tensor + 1, depth, op->step, wire, prefetch);
   }
-  pthread_mutex_unlock(&c->mu);
+  c->last_pull_wire = op->wire_dtype;
+  uint32_t depth = c->opt.prefetch_depth < 64 ? c->opt.prefetch_depth : 64;
+  *nprefetch = zc_prefetch_locked(c, op->tensor + 1, depth, op->step, op->wire_dtype, prefetch);
+  return how;
+}
 
-  if (from_slot == 0) {
-    op_queue(op, defer);
-  } else if (from_slot == 1) {
-    zc_convert(dst, dtype, slot->buf, slot_dtype(wire), c->sp.tensors[tensor].numel);
-    pthread_mutex_lock(&c->mu);
-    slot->state = ZC_SLOT_EMPTY;
-    pthread_mutex_unlock(&c->mu);
-    zc_op_part_done(op, ZS_OK, NULL, 0);
-  }
+/* PULL_SLOT_READY: copies the slot (marked busy) out and finishes op. */
+static void pull_from_slot(zs_client *c, zs_request *op) {
+  zc_slot *slot = &c->slots[op->tensor];
+  zc_convert(op->dst, op->buf_dtype, slot->buf, slot_dtype(op->wire_dtype),
+             c->sp.tensors[op->tensor].numel);
+  pthread_mutex_lock(&c->mu);
+  slot->state = ZC_SLOT_EMPTY;
+  pthread_mutex_unlock(&c->mu);
+  zc_op_part_done(op, ZS_OK, NULL, 0);
+}
+
+/* zs_pull, zs_pull_cb: one request, submitted at once. */
+static int pull_start(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nbytes,
+                      zs_request_cb cb, void *arg, zs_request **out) {
+  int rc = check_buffer(c, "zs_pull", tensor, dst, dtype, nbytes);
+  if (rc != ZS_OK)
+    return rc;
+  uint64_t t0 = clock_now_ns();
+  zs_request *op = pull_prepare(c, tensor, dst, dtype, cb, arg, NULL);
+  if (!op)
+    return ZS_ENOMEM;
+  zs_request *prefetch[64];
+  uint32_t nprefetch;
+  pthread_mutex_lock(&c->mu);
+  int how = pull_commit_locked(c, op, prefetch, &nprefetch);
+  pthread_mutex_unlock(&c->mu);
+  if (how == PULL_QUEUE)
+    zc_op_submit(op);
+  else if (how == PULL_SLOT_READY)
+    pull_from_slot(c, op);
   for (uint32_t i = 0; i < nprefetch; i++)
-    op_queue(prefetch[i], defer);
-  if (!defer)
-    zc_account_wait(c, ZC_OP_PULL, clock_now_ns() - t0);
+    zc_op_submit(prefetch[i]);
+  zc_account_wait(c, ZC_OP_PULL, clock_now_ns() - t0);
   if (cb)
     return ZS_OK;
   if (out) {
@@ -901,7 +1040,7 @@ int zs_push(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad, zs_
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = push_start(c, tensor, micro, grad, dtype, nbytes, NULL, NULL, req, 0);
+  rc = push_start(c, tensor, micro, grad, dtype, nbytes, NULL, NULL, req);
   zc_client_leave(c);
   return rc;
 }
@@ -913,7 +1052,7 @@ int zs_pull(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t nby
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = pull_start(c, tensor, dst, dtype, nbytes, NULL, NULL, req, 0);
+  rc = pull_start(c, tensor, dst, dtype, nbytes, NULL, NULL, req);
   zc_client_leave(c);
   return rc;
 }
@@ -925,7 +1064,7 @@ int zs_push_cb(zs_client *c, uint32_t tensor, uint32_t micro, const void *grad, 
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = push_start(c, tensor, micro, grad, dtype, nbytes, cb, arg, NULL, 0);
+  rc = push_start(c, tensor, micro, grad, dtype, nbytes, cb, arg, NULL);
   zc_client_leave(c);
   return rc;
 }
@@ -937,7 +1076,7 @@ int zs_pull_cb(zs_client *c, uint32_t tensor, void *dst, zs_dtype dtype, size_t 
   int rc = zc_client_enter(c);
   if (rc != ZS_OK)
     return rc;
-  rc = pull_start(c, tensor, dst, dtype, nbytes, cb, arg, NULL, 0);
+  rc = pull_start(c, tensor, dst, dtype, nbytes, cb, arg, NULL);
   zc_client_leave(c);
   return rc;
 }
@@ -979,7 +1118,8 @@ int zs_wait_pushes(zs_client *c) {
 
 /* Checks a batch's arrays before anything is submitted, so that a refused
  * batch submits nothing: each entry as zs_push/zs_pull would, and no tensor
- * twice (pushes). */
+ * twice (pushes). The job's being open is checked once, and the pushed
+ * bits under one lock. */
 static int check_batch(zs_client *c, const char *fn, uint32_t n, const uint32_t *tensors,
                        const void *const *bufs, zs_dtype dtype, const size_t *nbytes, int push,
                        uint32_t micro) {
@@ -987,10 +1127,13 @@ static int check_batch(zs_client *c, const char *fn, uint32_t n, const uint32_t 
     return ZS_OK;
   if (!tensors || !bufs || !nbytes)
     return zc_fail(ZS_EINVAL, "%s: tensors, buffers and sizes must not be NULL", fn);
+  int rc = check_opened(c, fn);
+  if (rc != ZS_OK)
+    return rc;
   for (uint32_t i = 0; i < n; i++) {
-    int rc = push && is_nograd(bufs[i], nbytes[i])
-                 ? check_tensor(c, fn, tensors[i])
-                 : check_buffer(c, fn, tensors[i], bufs[i], dtype, nbytes[i]);
+    rc = push && is_nograd(bufs[i], nbytes[i])
+             ? check_tensor_id(c, fn, tensors[i])
+             : check_entry(c, fn, tensors[i], bufs[i], dtype, nbytes[i]);
     if (rc != ZS_OK) {
       /* zs_last_error() is the buffer zc_fail writes: copy it out first. */
       char why[400];
@@ -1003,7 +1146,6 @@ static int check_batch(zs_client *c, const char *fn, uint32_t n, const uint32_t 
   if (micro >= c->sp.grad_accum)
     return zc_fail(ZS_ERANGE, "%s: micro %" PRIu32 " out of range (grad_accum is %" PRIu32 ")", fn,
                    micro, c->sp.grad_accum);
-  int rc = ZS_OK;
   pthread_mutex_lock(&c->mu);
   for (uint32_t i = 0; i < n && rc == ZS_OK; i++) {
     size_t bit = (size_t)tensors[i] * c->sp.grad_accum + micro;
@@ -1022,9 +1164,77 @@ static int check_batch(zs_client *c, const char *fn, uint32_t n, const uint32_t 
   return rc;
 }
 
-/* Submits a checked batch: every request's tasks are queued without a
- * wake-up, and the pool is woken once. Without reqs the call waits for all
- * and returns the first failure. */
+/* Requests whose tasks a batch queues under one pool lock (zc_pool_enqueue_spans). */
+#define BATCH_SPANS 32
+
+/* Queues the tasks of the requests on `list` (linked through cache_next, in
+ * submission order) in pool lock round trips of BATCH_SPANS requests, and
+ * wakes one worker at the end (also when nothing is left to queue: what a
+ * round before queued runs). A request's link is read before it is queued:
+ * a queued prefetch may finish and go back to the cache at once. */
+static void batch_queue(zs_client *c, zs_request *list) {
+  zc_task_span spans[BATCH_SPANS];
+  uint32_t n = 0;
+  while (list) {
+    zs_request *op = list;
+    list = op->cache_next;
+    spans[n++] = (zc_task_span){op->tasks, op->ntasks};
+    if (n == BATCH_SPANS && list) {
+      zc_pool_enqueue_spans(&c->pool, spans, n, 0);
+      n = 0;
+    }
+  }
+  zc_pool_enqueue_spans(&c->pool, spans, n, 1);
+}
+
+/* Publishes the prepared requests ops[0, n) under one lock of c->mu, in
+ * order, and queues them (batch_queue), pulls served by their prefetch slot
+ * aside. Stops at the first push refused (push_commit_locked: a concurrent
+ * push of the same tensor, or zs_step begun); returns how many were
+ * published in *started. */
+static int batch_publish(zs_client *c, zs_request **ops, uint32_t n, int push, uint32_t *started) {
+  zs_request *queue = NULL, **tail = &queue, *from_slot = NULL;
+  int rc = ZS_OK;
+  uint32_t i = 0;
+  pthread_mutex_lock(&c->mu);
+  for (; i < n; i++) {
+    zs_request *op = ops[i], *prefetch[64];
+    uint32_t nprefetch = 0;
+    int how = PULL_QUEUE;
+    if (push && (rc = push_commit_locked(c, op)) != ZS_OK)
+      break;
+    if (!push)
+      how = pull_commit_locked(c, op, prefetch, &nprefetch);
+    op->cache_next = NULL;
+    if (how == PULL_QUEUE) {
+      *tail = op;
+      tail = &op->cache_next;
+    } else if (how == PULL_SLOT_READY) {
+      op->cache_next = from_slot;
+      from_slot = op;
+    }
+    for (uint32_t k = 0; k < nprefetch; k++) {
+      prefetch[k]->cache_next = NULL;
+      *tail = prefetch[k];
+      tail = &prefetch[k]->cache_next;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  *started = i;
+  batch_queue(c, queue);
+  while (from_slot) {
+    zs_request *op = from_slot;
+    from_slot = op->cache_next;
+    pull_from_slot(c, op);
+  }
+  return rc;
+}
+
+/* Submits a checked batch in three passes: every request is prepared
+ * (cached ones taken in one lock round trip), then published under one lock
+ * of c->mu, then queued under one pool lock with one wake-up. A request that
+ * cannot be prepared (out of memory) leaves the batch unsubmitted. Without
+ * reqs the call waits for all and returns the first failure. */
 static int run_batch(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t micro,
                      const void *const *bufs, zs_dtype dtype, const size_t *nbytes,
                      zs_request **reqs, int push) {
@@ -1032,22 +1242,29 @@ static int run_batch(zs_client *c, uint32_t n, const uint32_t *tensors, uint32_t
   if (!reqs && !(own = calloc(n ? n : 1, sizeof *own)))
     return zc_fail(ZS_ENOMEM, "out of memory for a batch of %" PRIu32 " requests", n);
   int rc = ZS_OK;
-  uint32_t started = 0;
+  uint32_t prepared = 0, started = 0;
   uint64_t t0 = clock_now_ns();
-  for (; started < n && rc == ZS_OK; started++) {
+  zs_request *spare = NULL;
+  op_cache_take(n, &spare);
+  for (; prepared < n && rc == ZS_OK; prepared++) {
     if (push)
-      rc = push_start(c, tensors[started], micro, bufs[started], dtype, nbytes[started], NULL, NULL,
-                      &own[started], 1);
-    else
-      rc = pull_start(c, tensors[started], (void *)(uintptr_t)bufs[started], dtype, nbytes[started],
-                      NULL, NULL, &own[started], 1);
+      rc = push_prepare(c, tensors[prepared], micro, bufs[prepared], dtype, nbytes[prepared], NULL,
+                        NULL, &spare, &own[prepared]);
+    else if (!(own[prepared] = pull_prepare(c, tensors[prepared], (void *)(uintptr_t)bufs[prepared],
+                                            dtype, NULL, NULL, &spare)))
+      rc = ZS_ENOMEM;
+    if (rc != ZS_OK)
+      break;
   }
-  /* Also after a failure: what was queued runs, and the caller's requests
-   * for it are valid. */
-  zc_pool_wake(&c->pool);
+  if (rc == ZS_OK)
+    rc = batch_publish(c, own, n, push, &started);
+  /* What was not published is nobody's: back to the cache. */
+  for (uint32_t i = started; i < prepared; i++) {
+    zc_op_release(own[i]);
+    own[i] = NULL;
+  }
+  op_cache_put(spare);
   zc_account_wait(c, push ? ZC_OP_PUSH : ZC_OP_PULL, clock_now_ns() - t0);
-  if (rc != ZS_OK)
-    started--; /* the failed entry has no request */
   if (!reqs) {
     int first = rc;
     char msg[ZC_ERR_LEN] = "";

@@ -25,6 +25,11 @@ over the timed steps (after --warmup steps):
                          shared; the wall figure moves with its load).
 The 1-minute load average is recorded beside each figure.
 
+--evict-kib N: before every timed call, write N KiB of other memory (what
+a layer's forward or backward does between two submissions of the
+trainer), so that the call runs with the caches cold, as in zshard.torch;
+the writing is not timed. 0 (default): back to back, the caches warm.
+
 --calls-only: no timing and no waits between calls beyond what the pattern
 needs, for instruction counts: run under `valgrind --tool=callgrind
 --toggle-collect=<the extension's entry points>` (see docs/PERFORMANCE.md,
@@ -68,7 +73,9 @@ def main():
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--calls-only", action="store_true")
+    ap.add_argument("--evict-kib", type=int, default=0)
     a = ap.parse_args()
+    evict = (ctypes.c_char * (a.evict_kib << 10))() if a.evict_kib > 0 else None
     sys.path.insert(0, os.path.join(a.build_dir, "python"))
     sys.path.insert(0, os.path.join(SRC, "tests", "python"))
     os.environ.setdefault("ZSHARD_SERVER_BIN", os.path.join(a.build_dir, "server",
@@ -105,6 +112,8 @@ def main():
                     if not timed:
                         r = fn(*args)
                     else:
+                        if evict is not None:
+                            ctypes.memset(evict, step & 0xFF, len(evict))
                         c0, t0 = tclock(), clock()
                         r = fn(*args)
                         t1, c1 = clock(), tclock()
@@ -125,7 +134,7 @@ def main():
              "unit": "us", "limit": 5.0, "ratio": 1e6 * statistics.median(allv) / 5.0,
              "mean_us": 1e6 * statistics.mean(allv),
              "p90_us": 1e6 * statistics.quantiles(allv, n=10)[-1], "calls": len(allv),
-             "load_average_1m": load, "shards": a.shards,
+             "load_average_1m": load, "shards": a.shards, "evict_kib": a.evict_kib,
              "tensors": sum(len(t) for t in ids)}
         for k, v in d.items():
             if v:

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 from . import _zshard
 from ._zshard import (  # noqa: F401
     ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, INT8_BLOCK, LION, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
-    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD,
-    TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error, Request, StepResult, Timing, dtype_size,
+    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM,
+    SCHEDULE_DEFAULT, SCHEDULE_FIFO, SCHEDULE_ROTATED, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT,
+    TRANSPORT_GRPC, Error, Request, StepResult, Timing, dtype_size,
     err_name, strerror, version)
 # The status codes, named so that a type checker sees them (module.c adds
 # them from ZS_STATUS_MAP; STATUS below collects the same names at run time).
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Client", "STATUS", "ADAM", "ADAMW", "BF16", "EXP_AVG", "EXP_AVG_SQ", "FP16", "FP32", "INT8_BLOCK",
     "LION", "LOSS_SCALE_DYNAMIC", "LOSS_SCALE_NONE", "LOSS_SCALE_STATIC", "MASTER", "OPEN_CREATE",
-    "OPEN_EITHER", "OPEN_RESUME", "REDUCE_MEAN", "REDUCE_SUM", "SGD", "TRANSPORT_DATA", "TRANSPORT_DEFAULT",
+    "OPEN_EITHER", "OPEN_RESUME", "REDUCE_MEAN", "REDUCE_SUM", "SCHEDULE_DEFAULT", "SCHEDULE_FIFO",
+    "SCHEDULE_ROTATED", "SGD", "TRANSPORT_DATA", "TRANSPORT_DEFAULT",
     "TRANSPORT_GRPC", "Error", "Request", "StepResult", "Timing", "dtype_size", "err_name", "strerror",
     "version", "OK", "EINVAL", "ENOMEM", "ENOTFOUND", "EHASH", "ESTEP", "ESIZE", "EDTYPE", "ETIMEDOUT",
     "ECONN", "EPROTO", "ECRC", "ECLOSED", "EEXIST", "ENOTOPEN", "ENOTREADY", "ENONFINITE", "EIO", "EINTERNAL",
@@ -65,6 +67,7 @@ _ENUMS: Dict[str, Dict[str, int]] = {
     "loss_scaling": {"none": LOSS_SCALE_NONE, "static": LOSS_SCALE_STATIC,
                      "dynamic": LOSS_SCALE_DYNAMIC},
     "transport": {"default": TRANSPORT_DEFAULT, "data": TRANSPORT_DATA, "grpc": TRANSPORT_GRPC},
+    "schedule": {"default": SCHEDULE_DEFAULT, "fifo": SCHEDULE_FIFO, "rotated": SCHEDULE_ROTATED},
     "open_mode": {"either": OPEN_EITHER, "create": OPEN_CREATE, "resume": OPEN_RESUME},
     "optimizer": {"adamw": ADAMW, "adam": ADAM, "sgd": SGD, "lion": LION},
     "dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
@@ -89,8 +92,8 @@ class Client(_zshard.Client):
     prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
     data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode,
-    error_feedback, pipelined, failover_ms, and token, tls_ca, tls_cert, tls_key,
-    tls_server_name for
+    error_feedback, pipelined, failover_ms, schedule, schedule_window,
+    tcp_congestion, and token, tls_ca, tls_cert, tls_key, tls_server_name for
     the C fields token, tls_ca_file, tls_cert_file, tls_key_file,
     tls_server_name) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
@@ -102,6 +105,16 @@ class Client(_zshard.Client):
     environment's ZSHARD_FAILOVER_MS, else 3000) is how long its primary may
     fail to answer before the client promotes another member
     (docs/CLIENT.md, "Replica sets and failover").
+
+    Traffic (docs/CLIENT.md, "Traffic schedules"): schedule= "fifo" or
+    "rotated" (default the environment's ZSHARD_SCHEDULE, else "fifo"),
+    schedule_window= the rotated schedule's pushes and pulls in flight, 1 to
+    64 (default ZSHARD_SCHEDULE_WINDOW, else 2), tcp_congestion= the TCP
+    congestion control of the data-plane sockets, e.g. "cubic" (default
+    ZSHARD_TCP_CONGESTION, else the host's). A keyword wins over its
+    variable; a bad value raises ValueError (an unknown schedule name),
+    OverflowError (a negative window) or zshard.Error EINVAL (a window over
+    64, a congestion control the kernel lacks or refuses).
 
     open_mode says what open_job() may find on the shards: "either" (default:
     create the job, or resume the same model where the shards left it,

@@ -66,6 +66,10 @@ LOSS_SCALE_DYNAMIC: int
 TRANSPORT_DEFAULT: int
 TRANSPORT_DATA: int
 TRANSPORT_GRPC: int
+# Traffic schedules (zs_schedule).
+SCHEDULE_DEFAULT: int
+SCHEDULE_FIFO: int
+SCHEDULE_ROTATED: int
 # open_job modes (zs_open_mode).
 OPEN_EITHER: int
 OPEN_CREATE: int

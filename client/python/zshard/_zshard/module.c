@@ -89,6 +89,7 @@ _Static_assert(sizeof(zs_grad_reduce) == sizeof(int), "zs_grad_reduce is int-siz
 _Static_assert(sizeof(zs_loss_scaling) == sizeof(int), "zs_loss_scaling is int-sized");
 _Static_assert(sizeof(zs_transport) == sizeof(int), "zs_transport is int-sized");
 _Static_assert(sizeof(zs_open_mode) == sizeof(int), "zs_open_mode is int-sized");
+_Static_assert(sizeof(zs_schedule) == sizeof(int), "zs_schedule is int-sized");
 
 #define CO(field, kind)                                                                            \
   { #field, kind, offsetof(zs_client_options, field) }
@@ -121,6 +122,9 @@ static const kw_field client_fields[] = {
     CO(error_feedback, KW_U32),
     CO(pipelined, KW_U32),
     CO(failover_ms, KW_U32),
+    CO(schedule, KW_ENUM),
+    CO(schedule_window, KW_U32),
+    CO(tcp_congestion, KW_STR),
     /* Security: the Python names drop the C names' "_file". */
     {"token", KW_STR, offsetof(zs_client_options, token)},
     {"tls_ca", KW_STR, offsetof(zs_client_options, tls_ca_file)},
@@ -1731,6 +1735,9 @@ PyMODINIT_FUNC PyInit__zshard(void) {
       PyModule_AddIntConstant(m, "TRANSPORT_DEFAULT", ZS_TRANSPORT_DEFAULT) < 0 ||
       PyModule_AddIntConstant(m, "TRANSPORT_DATA", ZS_TRANSPORT_DATA) < 0 ||
       PyModule_AddIntConstant(m, "TRANSPORT_GRPC", ZS_TRANSPORT_GRPC) < 0 ||
+      PyModule_AddIntConstant(m, "SCHEDULE_DEFAULT", ZS_SCHEDULE_DEFAULT) < 0 ||
+      PyModule_AddIntConstant(m, "SCHEDULE_FIFO", ZS_SCHEDULE_FIFO) < 0 ||
+      PyModule_AddIntConstant(m, "SCHEDULE_ROTATED", ZS_SCHEDULE_ROTATED) < 0 ||
       PyModule_AddIntConstant(m, "OPEN_EITHER", ZS_OPEN_EITHER) < 0 ||
       PyModule_AddIntConstant(m, "OPEN_CREATE", ZS_OPEN_CREATE) < 0 ||
       PyModule_AddIntConstant(m, "OPEN_RESUME", ZS_OPEN_RESUME) < 0 ||

@@ -838,7 +838,12 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, addresses: s
     pipelined: 1 for the pipelined step (docs/CLIENT.md): each piece is
       applied on its shard as soon as every trainer's gradient of it is in and
       its pulls overlap the other pushes; no max_grad_norm, no dynamic loss
-      scaling. Not tested through this module yet.
+      scaling. step() returns with the first `prefetch` modules of the next
+      forward already being pulled (tests/python/test_torch_traffic.py, W=1).
+    schedule, schedule_window, tcp_congestion: when pushes and pulls go on the
+      wire ("fifo" or "rotated", 1 to 64 in flight) and the data-plane sockets'
+      TCP congestion control (zshard.Client; default the ZSHARD_SCHEDULE,
+      ZSHARD_SCHEDULE_WINDOW and ZSHARD_TCP_CONGESTION environment variables).
     param_init_fn: for parameters on the meta device (deferred
       initialisation: rank 0 initialises one module at a time and writes it
       to the shards; docs/PYTORCH.md, "A model bigger than a trainer"):

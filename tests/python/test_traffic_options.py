@@ -1,0 +1,147 @@
+"""zshard.Client takes the traffic options as keywords (schedule,
+schedule_window, tcp_congestion; docs/CLIENT.md, "Traffic schedules"):
+each reaches libzshard (a bad value is refused there or here with a clear
+error, before anything is sent), a keyword wins over its environment
+variable, the congestion control reaches the data-plane sockets, and every
+schedule trains to the bits of the FIFO one. Real zshard-server processes on
+loopback."""
+import array
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zshard_servers  # noqa: E402
+
+zshard_servers.use_build_tree_package()
+import zshard  # noqa: E402
+
+NUMEL = (4096, 700, 33)  # with split_threshold 512: two tensors split over both shards
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read().strip()
+
+
+def other_congestion_control():
+    """An algorithm this kernel offers other than the host's default (reno is
+    built into every Linux; the default may be it)."""
+    default = _read("/proc/sys/net/ipv4/tcp_congestion_control")
+    allowed = _read("/proc/sys/net/ipv4/tcp_allowed_congestion_control").split()
+    others = [a for a in allowed if a != default]
+    if not others:
+        pytest.fail("the kernel lets this process use only '%s': nothing to tell apart" % default)
+    return others[0]
+
+
+def sockets_of_this_process(cc):
+    """(sockets using `cc`, all established TCP sockets) of this process
+    (ss -tinp: a socket's line, then its info line, which names the
+    algorithm as a word of its own)."""
+    out = subprocess.run(["ss", "-Htinp", "state", "established"], check=True,
+                         capture_output=True, text=True).stdout
+    want = "pid=%d," % os.getpid()
+    mine = with_cc = total = 0
+    for line in out.splitlines():
+        if not line[:1].isspace():
+            mine = want in line
+            continue
+        if mine:
+            total += 1
+            with_cc += cc in line.split()
+            mine = False
+    return with_cc, total
+
+
+def train(addresses, steps=4, **options):
+    """A few AdamW steps of one trainer on fresh shards; the final weights."""
+    c = zshard.Client(addresses, push_dtype="fp32", pull_dtype="fp32", split_threshold=512,
+                      job="traffic", **options)
+    try:
+        c.add_group("adamw", weight_decay=0.01)
+        ids = [c.add_tensor("t%d" % i, n) for i, n in enumerate(NUMEL)]
+        w = [array.array("f", (math.sin(0.37 * j + i) for j in range(n)))
+             for i, n in enumerate(NUMEL)]
+        c.open_job(w)
+        for s in range(steps):
+            for r in c.pull_many(ids, w):
+                r.wait()
+            g = [array.array("f", (x * 0.5 + 0.01 * (s + 1) for x in b)) for b in w]
+            for r in c.push_many(ids, g):
+                r.wait()
+            c.step(lr=1e-2)
+        for r in c.pull_many(ids, w):
+            r.wait()
+        return [b.tobytes() for b in w]
+    finally:
+        c.close()
+
+
+def test_every_schedule_given_as_a_keyword_trains_to_the_fifo_bits():
+    results = {}
+    for name, opts in (("fifo", dict(schedule="fifo")),
+                       ("rotated, window 1", dict(schedule="rotated", schedule_window=1)),
+                       ("rotated, window 3", dict(schedule=zshard.SCHEDULE_ROTATED,
+                                                  schedule_window=3))):
+        with zshard_servers.Shards(2) as shards:
+            results[name] = train(shards.addresses, **opts)
+    assert results["rotated, window 1"] == results["fifo"]
+    assert results["rotated, window 3"] == results["fifo"]
+
+
+def test_bad_traffic_options_are_refused_with_a_clear_error():
+    with zshard_servers.Shards(1) as shards:
+        a = shards.addresses
+        with pytest.raises(ValueError, match="schedule: 'pairwise' is not one of"):
+            zshard.Client(a, schedule="pairwise")
+        with pytest.raises(zshard.Error, match="schedule 7 is not a zs_schedule value") as e:
+            zshard.Client(a, schedule=7)
+        assert e.value.status == zshard.EINVAL
+        with pytest.raises(zshard.Error, match="schedule_window must be at most 64") as e:
+            zshard.Client(a, schedule="rotated", schedule_window=65)
+        assert e.value.status == zshard.EINVAL
+        with pytest.raises(OverflowError):
+            zshard.Client(a, schedule_window=-1)
+        with pytest.raises(zshard.Error, match="nosuchcc") as e:
+            zshard.Client(a, tcp_congestion="nosuchcc")
+        assert e.value.status == zshard.EINVAL
+        with pytest.raises(TypeError, match="tcp_congestion must be a str"):
+            zshard.Client(a, tcp_congestion=1)
+        with pytest.raises(TypeError, match="unknown option 'schedule_windows'"):
+            zshard.Client(a, schedule_windows=2)
+
+
+def test_a_keyword_wins_over_its_environment_variable(monkeypatch):
+    with zshard_servers.Shards(1) as shards:
+        a = shards.addresses
+        monkeypatch.setenv("ZSHARD_SCHEDULE", "bogus")
+        monkeypatch.setenv("ZSHARD_SCHEDULE_WINDOW", "999")
+        monkeypatch.setenv("ZSHARD_TCP_CONGESTION", "nosuchcc")
+        with pytest.raises(zshard.Error, match="ZSHARD_SCHEDULE"):
+            zshard.Client(a, tcp_congestion=other_congestion_control())
+        zshard.Client(a, schedule="rotated", schedule_window=4,
+                      tcp_congestion=other_congestion_control()).close()
+
+
+def test_tcp_congestion_reaches_the_data_plane_sockets():
+    cc = other_congestion_control()
+    with zshard_servers.Shards(2) as shards:
+        c = zshard.Client(shards.addresses, tcp_congestion=cc, data_connections=2,
+                          push_dtype="fp32", pull_dtype="fp32")
+        try:
+            c.add_group("sgd")
+            t = c.add_tensor("w", 256)
+            w = array.array("f", [1.0] * 256)
+            c.open_job([w])
+            c.pull(t, w).wait()  # the data plane's connections are open now
+            with_cc, total = sockets_of_this_process(cc)
+        finally:
+            c.close()
+    # The gRPC channels keep the host's default; the data plane's two
+    # connections to each of the two shards use cc.
+    assert with_cc == 4, (with_cc, total)
+    assert total > with_cc, (with_cc, total)
