@@ -277,8 +277,11 @@ int metrics_render(metrics *m, core *c, char **out, size_t *len) {
          "How many times the job's membership changed on this shard.");
   sample_u64(&b, m, "zshard_membership_epoch", mb.epoch);
   family(&b, "zshard_member_leaves_total", "counter",
-         "Ranks left out of the job because they missed the trainer timeout.");
+         "Ranks that left the job: left out at the trainer timeout, or closed.");
   sample_u64(&b, m, "zshard_member_leaves_total", mb.leaves);
+  family(&b, "zshard_member_joins_total", "counter",
+         "Ranks admitted to the job by a join (a new or restarted trainer).");
+  sample_u64(&b, m, "zshard_member_joins_total", mb.joins);
   family(&b, "zshard_trainer_timeouts_total", "counter",
          "Steps whose membership this shard decided at the trainer timeout.");
   sample_u64(&b, m, "zshard_trainer_timeouts_total", mb.timeouts);

@@ -653,9 +653,19 @@ static void test_open_creates_once_accepts_identical_and_rejects_other_specs(voi
   assert_int_equal(r.spec_hash, j.hash);
   assert_int_equal(r.initialized, 0);
 
-  /* Another spec (different world size) on the open job. */
+  /* Another world size is the same job (issue 26: W is its initial
+   * membership, not its identity), which keeps its own W. */
+  job wider;
+  job_start(&wider, k_tensors, K_NT, 3, 2, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&wider, 1);
+  assert_true(wider.hash == j.hash);
+  assert_int_equal(core_open(c, &wider.spec, &r, err, sizeof err), 0);
+  assert_int_equal(r.created, 0);
+  assert_int_equal(r.world_size, 2);
+
+  /* Another spec (different accumulation count) on the open job. */
   job other;
-  job_start(&other, k_tensors, K_NT, 3, 2, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_start(&other, k_tensors, K_NT, 2, 3, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
   job_finish(&other, 1);
   assert_true(other.hash != j.hash);
   assert_int_equal(core_open(c, &other.spec, &r, err, sizeof err), ZS_EHASH);
@@ -689,6 +699,7 @@ static void test_open_creates_once_accepts_identical_and_rejects_other_specs(voi
   core_destroy(c);
   job_free(&three);
   job_free(&other);
+  job_free(&wider);
   job_free(&j);
 }
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 from . import _zshard
 from ._zshard import (  # noqa: F401
     ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, INT8_BLOCK, LION, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
-    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD,
+    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_JOIN, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM, SGD,
     TRANSPORT_DATA, TRANSPORT_DEFAULT, TRANSPORT_GRPC, Error, Request, StepResult, Timing, dtype_size,
     err_name, strerror, version)
 # The status codes, named so that a type checker sees them (module.c adds
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Client", "STATUS", "ADAM", "ADAMW", "BF16", "EXP_AVG", "EXP_AVG_SQ", "FP16", "FP32", "INT8_BLOCK",
     "LION", "LOSS_SCALE_DYNAMIC", "LOSS_SCALE_NONE", "LOSS_SCALE_STATIC", "MASTER", "OPEN_CREATE",
-    "OPEN_EITHER", "OPEN_RESUME", "REDUCE_MEAN", "REDUCE_SUM", "SGD", "TRANSPORT_DATA", "TRANSPORT_DEFAULT",
+    "OPEN_EITHER", "OPEN_JOIN", "OPEN_RESUME", "REDUCE_MEAN", "REDUCE_SUM", "SGD", "TRANSPORT_DATA", "TRANSPORT_DEFAULT",
     "TRANSPORT_GRPC", "Error", "Request", "StepResult", "Timing", "dtype_size", "err_name", "strerror",
     "version", "OK", "EINVAL", "ENOMEM", "ENOTFOUND", "EHASH", "ESTEP", "ESIZE", "EDTYPE", "ETIMEDOUT",
     "ECONN", "EPROTO", "ECRC", "ECLOSED", "EEXIST", "ENOTOPEN", "ENOTREADY", "ENONFINITE", "EIO", "EINTERNAL",
@@ -65,7 +65,8 @@ _ENUMS: Dict[str, Dict[str, int]] = {
     "loss_scaling": {"none": LOSS_SCALE_NONE, "static": LOSS_SCALE_STATIC,
                      "dynamic": LOSS_SCALE_DYNAMIC},
     "transport": {"default": TRANSPORT_DEFAULT, "data": TRANSPORT_DATA, "grpc": TRANSPORT_GRPC},
-    "open_mode": {"either": OPEN_EITHER, "create": OPEN_CREATE, "resume": OPEN_RESUME},
+    "open_mode": {"either": OPEN_EITHER, "create": OPEN_CREATE, "resume": OPEN_RESUME,
+                  "join": OPEN_JOIN},
     "optimizer": {"adamw": ADAMW, "adam": ADAM, "sgd": SGD, "lion": LION},
     "dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
 }
@@ -89,7 +90,7 @@ class Client(_zshard.Client):
     prefetch_depth, rpc_timeout_ms, step_timeout_ms, max_retries,
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
     data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode,
-    error_feedback, pipelined, failover_ms, and token, tls_ca, tls_cert, tls_key,
+    error_feedback, pipelined, failover_ms, trainer_timeout_ms, and token, tls_ca, tls_cert, tls_key,
     tls_server_name for
     the C fields token, tls_ca_file, tls_cert_file, tls_key_file,
     tls_server_name) plus the dynamic
@@ -107,7 +108,10 @@ class Client(_zshard.Client):
     create the job, or resume the same model where the shards left it,
     ignoring the initial weights), "create" (a new run: zshard.Error EEXIST
     if the shards hold another job or this one already trained) or "resume"
-    (zshard.Error ENOTOPEN if a shard holds no job).
+    (zshard.Error ENOTOPEN if a shard holds no job), or "join" (a new or
+    restarted trainer of an elastic job, docs/CLIENT.md "Elastic trainers":
+    the job must be on the shards, rank 0 passes no initial weights, and the
+    rank is admitted at the next step boundary; close() leaves it cleanly).
 
 
     Security (docs/CLIENT.md): token= is the shards' token (default the

@@ -70,6 +70,7 @@ TRANSPORT_GRPC: int
 OPEN_EITHER: int
 OPEN_CREATE: int
 OPEN_RESUME: int
+OPEN_JOIN: int
 # Optimizer state arrays (zs_state_array).
 MASTER: int
 EXP_AVG: int
