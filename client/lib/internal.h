@@ -374,7 +374,8 @@ int zc_adopt_world_size(struct zs_client *c, const struct zs_request *op);
 /* After the Open (issue 26): asks every shard to count this rank from step
  * *step on (ChangeMembership JOIN), and from the next step when a shard
  * decided that one's members already, until every shard agrees; *step gets
- * the step it contributes from. A job with a fixed membership, or a server
+ * the step it contributes from, once every shard applied the one before (at
+ * most step_timeout_ms, else ZS_ETIMEDOUT). A job with a fixed membership, or a server
  * without the call, leaves *step as it was and returns ZS_OK, unless the
  * client opened in ZS_OPEN_JOIN mode (then the error). No lock held. */
 int zc_member_join(struct zs_client *c, uint64_t *step);

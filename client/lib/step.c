@@ -836,6 +836,39 @@ static int member_call(zs_client *c, uint32_t i, Zshard__V1__MemberChange change
   return rc;
 }
 
+/* Waits until every shard applied step - 1, the version a joiner admitted at
+ * `step` starts from (a push of `step` before would be refused ZS_ESTEP), at
+ * most step_timeout_ms. A join is rare: GetInfo is polled with backoff. */
+static int member_wait_version(zs_client *c, uint64_t step) {
+  uint64_t deadline = clock_now_ms() + c->opt.step_timeout_ms, backoff = 5;
+  for (uint32_t i = 0; i < c->nshards;) {
+    Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
+    Zshard__V1__GetInfoResponse *r = NULL;
+    rpc_status st;
+    memset(&st, 0, sizeof st);
+    int rc =
+        zc_call(c, i, ZC_METHOD("GetInfo"), &req.base, &zshard__v1__get_info_response__descriptor,
+                (ProtobufCMessage **)&r, c->opt.rpc_timeout_ms, &st);
+    uint64_t version = rc == ZS_OK ? r->version : 0;
+    if (r)
+      protobuf_c_message_free_unpacked(&r->base, NULL);
+    if (rc != ZS_OK)
+      return zc_fail(rc, "zs_open_job: GetInfo on shard %" PRIu32 " (%s): %.400s", i, c->addr[i],
+                     st.message[0] ? st.message : zs_strerror(rc));
+    if (version + 1 >= step) {
+      i++;
+      continue;
+    }
+    if (clock_now_ms() >= deadline || zc_backoff_wait(c, backoff))
+      return zc_fail(ZS_ETIMEDOUT,
+                     "zs_open_job: rank %" PRIu32 " joined at step %" PRIu64 " but shard %" PRIu32
+                     " is still at version %" PRIu64 " after %" PRIu32 " ms",
+                     c->opt.rank, step, i, version, c->opt.step_timeout_ms);
+    backoff = backoff < 200 ? 2 * backoff : 200;
+  }
+  return ZS_OK;
+}
+
 int zc_member_join(zs_client *c, uint64_t *step) {
   int join = c->opt.open_mode == ZS_OPEN_JOIN;
   uint64_t s = *step;
@@ -859,8 +892,10 @@ int zc_member_join(zs_client *c, uint64_t *step) {
       }
     }
     if (!late) {
-      *step = s;
-      return ZS_OK;
+      int rc = s > *step ? member_wait_version(c, s) : ZS_OK;
+      if (rc == ZS_OK)
+        *step = s;
+      return rc;
     }
   }
   return zc_fail(ZS_ETIMEDOUT,
