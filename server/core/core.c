@@ -457,6 +457,7 @@ void core_destroy(core *c) {
     free(b);
   }
   free(c->by_arg);
+  free(c->mlog);
   core__held_drain(c);
   if (c->held_mu_inited)
     pthread_mutex_destroy(&c->held_mu);

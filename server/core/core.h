@@ -456,6 +456,21 @@ typedef struct core_membership {
 } core_membership;
 void core_get_membership(core *c, core_membership *out);
 
+/* The membership log of an elastic job (issue 26): which ranks contributed
+ * to which applied step, one entry per change of the set, the steps from
+ * from_step on up to the next entry's. Kept on the shard for the job's
+ * life (not in checkpoints yet), at most CORE_MEMBER_LOG_MAX entries. */
+#define CORE_MEMBER_LOG_MAX 4096u
+typedef struct core_member_log_entry {
+  uint64_t from_step;
+  core_members members;
+} core_member_log_entry;
+/* Writes the last entries of the log into buf as text, oldest first:
+ * "from_step:rank,rank,...;from_step:..." (e.g. "1:0,1,2;3:0,1;5:0,1,2"),
+ * as many whole entries as fit in cap bytes (NUL included); "" for a job
+ * with a fixed membership or no step applied. Returns the entries written. */
+size_t core_member_log_format(core *c, char *buf, size_t cap);
+
 /* A trainer's change of membership in an elastic job (issue 26; DESIGN.md
  * "Membership"), keyed by step so that every shard makes it at the same step
  * boundary whatever order the requests and the applies come in:

@@ -331,6 +331,12 @@ struct core {
    * exclusive and mu, like members. */
   uint64_t join_at[CORE_ELASTIC_MAX_W], leave_at[CORE_ELASTIC_MAX_W];
   uint64_t member_joins;
+  /* The membership log: mlog[k] says that the steps from mlog[k].from_step
+   * on were applied with mlog[k].members, until the next entry's; one entry
+   * per change (the oldest dropped beyond CORE_MEMBER_LOG_MAX). Under mu;
+   * written by core__members_next_step, freed with the job. */
+  core_member_log_entry *mlog;
+  uint32_t mlog_n, mlog_cap;
   /* The core_close call the worker is to run (under mu), and whether spec
    * and layout still hold a closed job's, kept so that a pointer core_spec
    * handed out before the close stays readable until the next core_open. */

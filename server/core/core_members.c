@@ -61,6 +61,7 @@ void core__members_reset(core *c) {
   c->apply_members = c->members;
   c->frozen = 0;
   c->stall_since = 0;
+  c->mlog_n = 0; /* the buffer is kept for the next job, freed by core_destroy */
   memset(c->join_at, 0, sizeof c->join_at);
   memset(c->leave_at, 0, sizeof c->leave_at);
 }
@@ -281,7 +282,63 @@ static void members_plan(core *c, uint64_t step) {
            c->shard_id, step, c->members.n, joins, leaves, c->member_epoch);
 }
 
+/* Appends (step, the set it was applied with) to the log when the set
+ * differs from the last entry's. mu held. */
+static void members_log(core *c, uint64_t step, const core_members *set) {
+  if (c->mlog_n > 0 && core_members_equal(&c->mlog[c->mlog_n - 1].members, set))
+    return;
+  if (c->mlog_n == CORE_MEMBER_LOG_MAX) {
+    memmove(c->mlog, c->mlog + 1, (c->mlog_n - 1) * sizeof *c->mlog);
+    c->mlog_n--;
+  }
+  if (c->mlog_n == c->mlog_cap) {
+    uint32_t cap = c->mlog_cap ? 2 * c->mlog_cap : 16;
+    core_member_log_entry *p = realloc(c->mlog, cap * sizeof *p);
+    if (!p) {
+      LOG_WARN("membership_log", "shard=%u step=%" PRIu64 " detail=\"out of memory\"", c->shard_id,
+               step);
+      return;
+    }
+    c->mlog = p;
+    c->mlog_cap = cap;
+  }
+  c->mlog[c->mlog_n++] = (core_member_log_entry){.from_step = step, .members = *set};
+}
+
+size_t core_member_log_format(core *c, char *buf, size_t cap) {
+  if (cap == 0)
+    return 0;
+  buf[0] = '\0';
+  pthread_mutex_lock(&c->mu);
+  /* The newest entries that fit, found from the end, then written in order. */
+  uint32_t first = c->open && c->elastic ? c->mlog_n : 0, last = first;
+  size_t need = 0;
+  char one[16 + 6 * CORE_ELASTIC_MAX_W];
+  while (first > 0) {
+    const core_member_log_entry *e = &c->mlog[first - 1];
+    size_t len = (size_t)snprintf(one, sizeof one, "%s%" PRIu64 ":", need ? ";" : "", e->from_step);
+    for (uint32_t r = 0, k = 0; r < c->W && r < CORE_ELASTIC_MAX_W; r++)
+      if (core_members_has(&e->members, r))
+        len += (size_t)snprintf(one + len, sizeof one - len, "%s%u", k++ ? "," : "", r);
+    if (need + len + 1 > cap)
+      break;
+    need += len;
+    first--;
+  }
+  size_t at = 0, n = 0;
+  for (uint32_t i = first; i < last; i++, n++) {
+    const core_member_log_entry *e = &c->mlog[i];
+    at += (size_t)snprintf(buf + at, cap - at, "%s%" PRIu64 ":", at ? ";" : "", e->from_step);
+    for (uint32_t r = 0, k = 0; r < c->W && r < CORE_ELASTIC_MAX_W; r++)
+      if (core_members_has(&e->members, r))
+        at += (size_t)snprintf(buf + at, cap - at, "%s%u", k++ ? "," : "", r);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
 void core__members_next_step(core *c) {
+  members_log(c, c->version + 1, &c->stat_members);
   core__members_release(c);
   if (!core_members_equal(&c->members, &c->stat_members)) {
     c->member_leaves += c->members.n - c->stat_members.n;

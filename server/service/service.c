@@ -365,6 +365,10 @@ int service_open_job(service *s, const spec *sp, uint32_t rank, int mode,
   return 0;
 }
 
+void service_member_log(service *s, char *buf, size_t cap) {
+  core_member_log_format(s->core, buf, cap);
+}
+
 int service_member_change(service *s, uint64_t hash, uint32_t rank, int change, uint64_t step,
                           uint64_t *version, char *err, size_t errlen) {
   return core_member_change(s->core, hash, rank, change, step, version, err, errlen);

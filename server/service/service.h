@@ -180,6 +180,9 @@ int service_open_job(service *s, const spec *sp, uint32_t rank, int mode,
 int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_open_result *out,
                       char *err, size_t errlen);
 
+/* The job's membership log as text (core_member_log_format), for Stats. */
+void service_member_log(service *s, char *buf, size_t cap);
+
 /* A trainer joins or leaves an elastic job at a step boundary
  * (ChangeMembership; core_member_change's rules). */
 int service_member_change(service *s, uint64_t hash, uint32_t rank, int change, uint64_t step,

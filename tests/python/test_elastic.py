@@ -265,6 +265,10 @@ def check_survivors(logs, expected, leave=K, join=None, timeouts=True):
             for r in rows] == [(0, W, changes, W + (1 if join else 0))] * 2, rows
     assert all(r["trainer_timeout_ms"] == TIMEOUT_MS for r in rows), rows
     assert all(r["member_joins"] == (1 if join else 0) for r in rows), rows
+    # The membership log: which ranks contributed to which step, the same on
+    # every shard, and the same for a run and its replay.
+    log = "1:0,1,2;%d:0,1" % leave + (";%d:0,1,2" % join if join else "")
+    assert [r["member_log"] for r in rows] == [log] * 2, rows
     assert (sum(r["trainer_timeouts"] for r in rows) >= 1) == timeouts, rows
 
 
@@ -346,8 +350,8 @@ def test_the_timeout_as_a_job_option_a_clean_close_and_a_join_in_process():
         r = b.step(LR)
         assert (r.step, r.num_members) == (2, 1)
         rows = status(s.addresses)
-        assert [(x["members"], x["member_joins"], x["membership_epoch"]) for x in rows] == \
-            [(1, 1, 2)] * 2, rows
+        assert [(x["members"], x["member_joins"], x["membership_epoch"], x["member_log"])
+                for x in rows] == [(1, 1, 2, "1:0")] * 2, rows
         b.close()
 
 

@@ -1756,6 +1756,9 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.member_leaves = mb.leaves;
   resp.trainer_timeouts = mb.timeouts;
   resp.member_joins = mb.joins;
+  char mlog[4096];
+  service_member_log(s->svc, mlog, sizeof mlog);
+  resp.member_log = mlog;
   resp.trainer_timeout_ms = mb.trainer_timeout_ms;
   finish_msg(c, 0, &resp.base);
 }
