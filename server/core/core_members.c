@@ -475,7 +475,12 @@ static int member_join(core *c, uint32_t rank, uint64_t step, char *err, size_t 
     c->member_epoch++;
   }
   c->stat_members = c->members;
-  c->stall_since = 0; /* a newcomer gets the whole timeout for its pushes */
+  /* A newcomer gets the whole timeout for its pushes: the clock restarts
+   * now if trainers already wait (their GradStats will not come again). */
+  if (c->stall_since != 0) {
+    c->stall_since = clock_now_ms();
+    pthread_cond_signal(&c->worker_cv);
+  }
   members_recount(c);
   LOG_INFO("membership", "shard=%u step=%" PRIu64 " members=%u joined=%u epoch=%" PRIu64,
            c->shard_id, step, c->members.n, rank, c->member_epoch);
