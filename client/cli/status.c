@@ -63,8 +63,9 @@ typedef struct shard_row {
   uint32_t waiting_pulls, waiting_stats;
   /* The membership (Stats): members of world_size, when trainer_timeout_ms. */
   uint32_t members, world_size, trainer_timeout_ms;
-  uint64_t membership_epoch, member_leaves, trainer_timeouts;
-  uint64_t sampled_ns; /* clock_now_ns() when the Stats answer arrived */
+  uint64_t membership_epoch, member_leaves, trainer_timeouts, member_joins;
+  char member_log[4096]; /* "from_step:ranks;..." (Stats.member_log) */
+  uint64_t sampled_ns;   /* clock_now_ns() when the Stats answer arrived */
   /* Per second since the previous sample of the same shard, when
    * has_rates. */
   int has_rates;
@@ -149,6 +150,9 @@ static void *ask_shard(void *arg) {
       r->membership_epoch = stats->membership_epoch;
       r->member_leaves = stats->member_leaves;
       r->trainer_timeouts = stats->trainer_timeouts;
+      r->member_joins = stats->member_joins;
+      snprintf(r->member_log, sizeof r->member_log, "%s",
+               stats->member_log ? stats->member_log : "");
       protobuf_c_message_free_unpacked(&stats->base, NULL);
     }
   }
@@ -329,9 +333,11 @@ static void print_json(const shard_row *rows, uint32_t n, int all_serving) {
       if (r->has_stats)
         printf(",\"members\":%" PRIu32 ",\"world_size\":%" PRIu32 ",\"trainer_timeout_ms\":%" PRIu32
                ",\"membership_epoch\":%" PRIu64 ",\"member_leaves\":%" PRIu64
-               ",\"trainer_timeouts\":%" PRIu64,
+               ",\"trainer_timeouts\":%" PRIu64 ",\"member_joins\":%" PRIu64 ",\"member_log\":",
                r->members, r->world_size, r->trainer_timeout_ms, r->membership_epoch,
-               r->member_leaves, r->trainer_timeouts);
+               r->member_leaves, r->trainer_timeouts, r->member_joins);
+      if (r->has_stats)
+        json_str(stdout, r->member_log); /* the shard's text: escaped */
       if (r->has_rates)
         printf(",\"pushes_per_s\":%.9g,\"bytes_in_per_s\":%.9g,\"bytes_out_per_s\":%.9g",
                r->push_rate, r->in_rate, r->out_rate);
@@ -381,8 +387,8 @@ static void print_table(const shard_row *rows, uint32_t n) {
     printf("%-16.16s %8s %8s %11s %11s %10s %10s %8s", r->has_info && r->job[0] ? r->job : "-", ver,
            pushes, in, out, state, rss, up);
     if (elastic && r->has_stats && r->world_size > 0)
-      printf("  members %" PRIu32 "/%" PRIu32 " epoch %" PRIu64 " left %" PRIu64, r->members,
-             r->world_size, r->membership_epoch, r->member_leaves);
+      printf("  members %" PRIu32 "/%" PRIu32 " epoch %" PRIu64 " left %" PRIu64 " joined %" PRIu64,
+             r->members, r->world_size, r->membership_epoch, r->member_leaves, r->member_joins);
     if (!r->has_info)
       printf("  (%s)", r->info_err[0] ? r->info_err : r->health_err);
     else if (r->shard_id != r->shard)

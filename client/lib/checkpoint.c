@@ -244,6 +244,9 @@ static int common_steps(zs_client *c, uint64_t hash, const char *dir, uint64_t *
     if (!v) {
       rc = zc_fail(ZS_ENOMEM, "out of memory");
     } else {
+      /* A checkpoint written before issue 26 carries the hash with the world
+       * size in it (spec_hash_legacy); the job's own spec tells it apart. */
+      uint64_t legacy = hash && hash == c->hash ? spec_hash_legacy(&c->sp) : 0;
       /* Shard 0's list, newest first, kept where every shard agrees. */
       for (size_t k = r0->n_checkpoints; k-- > 0;) {
         const Zshard__V1__CheckpointInfo *a = r0->checkpoints[k];
@@ -251,7 +254,8 @@ static int common_steps(zs_client *c, uint64_t hash, const char *dir, uint64_t *
           continue;
         /* A checkpoint for this shard count must be of this job; one for
          * another count is checked by the shards when restoring it. */
-        if (hash && a->num_shards == c->nshards && a->spec_hash != hash)
+        if (hash && a->num_shards == c->nshards && a->spec_hash != hash &&
+            (legacy == 0 || a->spec_hash != legacy))
           continue;
         int everywhere = 1;
         for (uint32_t i = 1; i < c->nshards && everywhere; i++) {

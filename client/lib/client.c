@@ -190,8 +190,10 @@ static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
   if (o->data_connections > DP_MAX_CONNECTIONS)
     return zc_fail(ZS_EINVAL, "zs_client_open: data_connections must be at most %u",
                    DP_MAX_CONNECTIONS);
+  if (o->reserved1 != 0)
+    return zc_fail(ZS_EINVAL, "zs_client_open: reserved1 must be 0");
   if (o->open_mode != ZS_OPEN_EITHER && o->open_mode != ZS_OPEN_CREATE &&
-      o->open_mode != ZS_OPEN_RESUME)
+      o->open_mode != ZS_OPEN_RESUME && o->open_mode != ZS_OPEN_JOIN)
     return zc_fail(ZS_EINVAL, "zs_client_open: open_mode %d is not a zs_open_mode value",
                    (int)o->open_mode);
   if (o->error_feedback > 1)
@@ -394,6 +396,7 @@ int zs_client_close(zs_client *c) {
   pthread_mutex_unlock(&zc_registry_mu);
   if (already)
     return zc_fail(ZS_ECLOSED, "zs_client_close: the client is already closing");
+  zc_member_leave(c); /* issue 26: before the pool stops; no retries once closing */
 
   /* Queued tasks are cancelled, running ones finish by their deadlines, and
    * data-plane transfers in flight are cancelled (no worker is left to submit

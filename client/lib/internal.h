@@ -384,6 +384,31 @@ int zc_backoff_wait(struct zs_client *c, uint64_t ms);
 
 /* zc_call, the retried call: cli_support.h. */
 
+/* ---- step.c: the job's membership ------------------------------------------ */
+
+/* After every shard answered Open (op's tasks hold OpenResponses): takes the
+ * job's world size, which is not part of the spec hash (issue 26) and so may
+ * differ from the one this trainer named; the shards must agree on it and
+ * the rank must be below it (ZS_EINVAL otherwise, nothing changed). A shard
+ * that does not say (0, an older server) leaves the trainer's own. */
+int zc_adopt_world_size(struct zs_client *c, const struct zs_request *op);
+
+/* After the Open (issue 26): asks every shard to count this rank from step
+ * *step on (ChangeMembership JOIN), and from the next step when a shard
+ * decided that one's members already, until every shard agrees; *step gets
+ * the step it contributes from, once every shard applied the one before (at
+ * most step_timeout_ms, else ZS_ETIMEDOUT). A job with a fixed membership, or a server
+ * without the call, leaves *step as it was and returns ZS_OK, unless the
+ * client opened in ZS_OPEN_JOIN mode (then the error). No lock held. */
+int zc_member_join(struct zs_client *c, uint64_t *step);
+
+/* At zs_client_close (issue 26): tells every shard that this rank
+ * contributes nothing from its current step on (ChangeMembership LEAVE), so
+ * that the others go on at once instead of after the trainer timeout. One
+ * attempt per shard; errors are ignored (a fixed membership, an older
+ * server, a shard down: the timeout still covers it). */
+void zc_member_leave(struct zs_client *c);
+
 /* ---- scaler.c: the loss scaler's state, carried by the shards ---------------- */
 
 /* The largest client state a shard keeps (ApplyRequest.client_state); the

@@ -40,6 +40,7 @@ static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *
     reqs[i].rank = c->opt.rank;
     /* zs_open_mode's values are the proto's OpenMode. */
     reqs[i].mode = (Zshard__V1__OpenMode)c->opt.open_mode;
+    reqs[i].trainer_timeout_ms = c->opt.trainer_timeout_ms;
     zc_task *t = &op->tasks[i];
     t->shard = i;
     t->method = ZC_METHOD("Open");
@@ -58,7 +59,10 @@ static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *
     char why[ZC_ERR_LEN];
     snprintf(why, sizeof why, "%s", zs_last_error());
     rc = zc_fail(rc, "zs_open_job (open mode %s): %.400s",
-                 c->opt.open_mode == ZS_OPEN_CREATE ? "create" : "resume", why);
+                 c->opt.open_mode == ZS_OPEN_CREATE ? "create"
+                 : c->opt.open_mode == ZS_OPEN_JOIN ? "join"
+                                                    : "resume",
+                 why);
   }
   if (rc != ZS_OK)
     goto done;
@@ -80,6 +84,8 @@ static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *
     if (r->version > vmax)
       vmax = r->version;
   }
+  if (rc == ZS_OK)
+    rc = zc_adopt_world_size(c, op);
   *cs_len = 0;
   for (uint32_t i = 0; rc == ZS_OK && i < c->nshards && *cs_len == 0; i++) {
     const Zshard__V1__OpenResponse *r = (const Zshard__V1__OpenResponse *)op->tasks[i].resp;
@@ -88,7 +94,10 @@ static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *
       *cs_len = r->client_state.len;
     }
   }
-  if (rc == ZS_OK && vmin != vmax) {
+  /* A trainer joining a running job may open while an Apply is on its way
+   * to some shards; it joins after the newest version (zc_member_join). */
+  int joining = c->opt.open_mode == ZS_OPEN_JOIN && vmax - vmin <= 1;
+  if (rc == ZS_OK && vmin != vmax && !joining) {
     char hint[ZC_ERR_LEN / 2];
     zc_resume_hint(c, c->hash, hint, sizeof hint);
     rc = zc_fail(ZS_EBEHIND,
@@ -97,7 +106,7 @@ static int open_on_shards(zs_client *c, uint64_t *version, uint8_t *cs, size_t *
                  "resumes; %s",
                  vmin, vmax, hint);
   }
-  *version = vmin;
+  *version = joining ? vmax : vmin;
 done:
   if (op) {
     for (uint32_t i = 0; i < op->ntasks; i++)
@@ -203,7 +212,7 @@ static int open_job(zs_client *c, const float *const *init_weights, int deferred
     rc = zc_fail(ZS_EINVAL, "zs_open_job: the model has no tensors (zs_add_tensor)");
     goto fail;
   }
-  if (c->opt.rank == 0 && !deferred) {
+  if (c->opt.rank == 0 && !deferred && c->opt.open_mode != ZS_OPEN_JOIN) {
     if (!init_weights) {
       rc = zc_fail(ZS_EINVAL, "zs_open_job: rank 0 must pass the initial weights");
       goto fail;
@@ -276,7 +285,7 @@ static int open_job(zs_client *c, const float *const *init_weights, int deferred
   rc = open_on_shards(c, &version, cs, &cs_len);
   if (rc != ZS_OK)
     goto fail;
-  if (c->opt.rank == 0 && version == 0 && !deferred) {
+  if (c->opt.rank == 0 && version == 0 && !deferred && c->opt.open_mode != ZS_OPEN_JOIN) {
     rc = init_params(c, init_weights, UINT32_MAX, NULL);
     if (rc != ZS_OK)
       goto fail;
@@ -286,8 +295,11 @@ static int open_job(zs_client *c, const float *const *init_weights, int deferred
     if (rc != ZS_OK)
       goto fail;
   }
+  uint64_t first = version + 1;
+  if ((rc = zc_member_join(c, &first)) != ZS_OK)
+    goto fail;
   pthread_mutex_lock(&c->mu);
-  c->step = version + 1;
+  c->step = first;
   /* Resuming a trained job: the scaler continues where the job's version
    * left it (an absent or foreign state leaves it as configured). */
   if (version > 0 && c->opt.loss_scaling == ZS_LOSS_SCALE_DYNAMIC)

@@ -785,3 +785,135 @@ done:
   zc_client_leave(c);
   return rc;
 }
+
+/* ---- the job's world size ---------------------------------------------------- */
+
+int zc_adopt_world_size(zs_client *c, const zs_request *op) {
+  uint32_t W = 0;
+  for (uint32_t i = 0; i < c->nshards; i++) {
+    const Zshard__V1__OpenResponse *r = (const Zshard__V1__OpenResponse *)op->tasks[i].resp;
+    if (r->world_size == 0)
+      continue;
+    if (W != 0 && r->world_size != W)
+      return zc_fail(ZS_EINVAL,
+                     "zs_open_job: the shards disagree on the job's world size (%" PRIu32
+                     " and %" PRIu32 " on shard %" PRIu32 ")",
+                     W, r->world_size, i);
+    W = r->world_size;
+  }
+  if (W == 0 || W == c->sp.world_size)
+    return ZS_OK;
+  if (c->opt.rank >= W)
+    return zc_fail(ZS_EINVAL,
+                   "zs_open_job: rank %" PRIu32 " is not a rank of job '%s', whose world size "
+                   "is %" PRIu32,
+                   c->opt.rank, c->sp.job, W);
+  /* Only the membership's rank space follows the job: the spec hash does
+   * not cover it, and the contributions a step waits for are the shards'
+   * business (their members). */
+  c->sp.world_size = W;
+  return ZS_OK;
+}
+
+/* ---- joining and leaving (issue 26) ------------------------------------------ */
+
+#define ZC_JOIN_TRIES 64 /* steps a join may chase before it gives up */
+
+/* ChangeMembership on shard i; ZS_OK or the shard's status, with st. */
+static int member_call(zs_client *c, uint32_t i, Zshard__V1__MemberChange change, uint64_t step,
+                       rpc_status *st) {
+  Zshard__V1__ChangeMembershipRequest req = ZSHARD__V1__CHANGE_MEMBERSHIP_REQUEST__INIT;
+  req.spec_hash = c->hash;
+  req.rank = c->opt.rank;
+  req.change = change;
+  req.step = step;
+  Zshard__V1__ChangeMembershipResponse *r = NULL;
+  int rc = zc_call(c, i, ZC_METHOD("ChangeMembership"), &req.base,
+                   &zshard__v1__change_membership_response__descriptor, (ProtobufCMessage **)&r,
+                   c->opt.rpc_timeout_ms, st);
+  if (r)
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+  return rc;
+}
+
+/* Waits until every shard applied step - 1, the version a joiner admitted at
+ * `step` starts from (a push of `step` before would be refused ZS_ESTEP), at
+ * most step_timeout_ms. A join is rare: GetInfo is polled with backoff. */
+static int member_wait_version(zs_client *c, uint64_t step) {
+  uint64_t deadline = clock_now_ms() + c->opt.step_timeout_ms, backoff = 5;
+  for (uint32_t i = 0; i < c->nshards;) {
+    Zshard__V1__GetInfoRequest req = ZSHARD__V1__GET_INFO_REQUEST__INIT;
+    Zshard__V1__GetInfoResponse *r = NULL;
+    rpc_status st;
+    memset(&st, 0, sizeof st);
+    int rc =
+        zc_call(c, i, ZC_METHOD("GetInfo"), &req.base, &zshard__v1__get_info_response__descriptor,
+                (ProtobufCMessage **)&r, c->opt.rpc_timeout_ms, &st);
+    uint64_t version = rc == ZS_OK ? r->version : 0;
+    if (r)
+      protobuf_c_message_free_unpacked(&r->base, NULL);
+    if (rc != ZS_OK)
+      return zc_fail(rc, "zs_open_job: GetInfo on shard %" PRIu32 " (%s): %.400s", i, c->addr[i],
+                     st.message[0] ? st.message : zs_strerror(rc));
+    if (version + 1 >= step) {
+      i++;
+      continue;
+    }
+    if (clock_now_ms() >= deadline || zc_backoff_wait(c, backoff))
+      return zc_fail(ZS_ETIMEDOUT,
+                     "zs_open_job: rank %" PRIu32 " joined at step %" PRIu64 " but shard %" PRIu32
+                     " is still at version %" PRIu64 " after %" PRIu32 " ms",
+                     c->opt.rank, step, i, version, c->opt.step_timeout_ms);
+    backoff = backoff < 200 ? 2 * backoff : 200;
+  }
+  return ZS_OK;
+}
+
+int zc_member_join(zs_client *c, uint64_t *step) {
+  int join = c->opt.open_mode == ZS_OPEN_JOIN;
+  uint64_t s = *step;
+  for (int tries = 0; tries < ZC_JOIN_TRIES; tries++, s++) {
+    int late = 0;
+    for (uint32_t i = 0; i < c->nshards && !late; i++) {
+      rpc_status st;
+      memset(&st, 0, sizeof st);
+      int rc = member_call(c, i, ZSHARD__V1__MEMBER_CHANGE__MEMBER_CHANGE_JOIN, s, &st);
+      if (rc == ZS_ESTEP) {
+        /* This shard decided step s already: every shard is asked for the
+         * next one (a shard that admitted the rank at s drops it again). */
+        late = 1;
+      } else if (rc != ZS_OK && !join && (rc == ZS_EINVAL || rc == ZS_EUNIMPL) && i == 0) {
+        return ZS_OK; /* a fixed membership, or an older server */
+      } else if (rc != ZS_OK) {
+        return zc_fail(rc,
+                       "zs_open_job: rank %" PRIu32 " could not join at step %" PRIu64
+                       " on shard %" PRIu32 " (%s): %.400s",
+                       c->opt.rank, s, i, c->addr[i], st.message[0] ? st.message : zs_strerror(rc));
+      }
+    }
+    if (!late) {
+      int rc = s > *step ? member_wait_version(c, s) : ZS_OK;
+      if (rc == ZS_OK)
+        *step = s;
+      return rc;
+    }
+  }
+  return zc_fail(ZS_ETIMEDOUT,
+                 "zs_open_job: rank %" PRIu32 " could not join: the shards decided %d steps "
+                 "(to %" PRIu64 ") before every one of them admitted it",
+                 c->opt.rank, ZC_JOIN_TRIES, s);
+}
+
+void zc_member_leave(zs_client *c) {
+  pthread_mutex_lock(&c->mu);
+  int go = c->opened && !c->stepping && !c->sp.pipelined;
+  uint64_t step = c->step;
+  pthread_mutex_unlock(&c->mu);
+  for (uint32_t i = 0; go && i < c->nshards; i++) {
+    rpc_status st;
+    memset(&st, 0, sizeof st);
+    int rc = member_call(c, i, ZSHARD__V1__MEMBER_CHANGE__MEMBER_CHANGE_LEAVE, step, &st);
+    if (i == 0 && rc != ZS_OK)
+      return; /* a fixed membership (or no such call, or no shard): nothing to leave */
+  }
+}

@@ -332,9 +332,12 @@ int spec_validate(spec *s, char *err, size_t errlen) {
 /* ------------------------------------------------------------------------ */
 
 /*
- * spec_hash is FNV-1a 64 (offset basis 0xcbf29ce484222325, prime
- * 0x100000001b3) over this byte string, every integer little-endian whatever
- * the host's byte order:
+ * spec_encode writes this byte string (checkpoints store it), every integer
+ * little-endian whatever the host's byte order, and spec_hash is FNV-1a 64
+ * (offset basis 0xcbf29ce484222325, prime 0x100000001b3) over it without the
+ * world_size field (issue 26: trainers that name another world size open the
+ * same job; spec_hash_legacy, the hash of checkpoints written before, keeps
+ * the field):
  *
  *   "zshard.spec.v1"                      14 bytes, a version tag
  *   u32 len(job), job bytes
@@ -413,11 +416,13 @@ static void put_str(sink *k, const char *s) {
   k->put(k, (const unsigned char *)s, n);
 }
 
-/* The canonical encoding (above), the one place it is written. */
-static void spec_emit(const spec *s, sink *k) {
+/* The canonical encoding (above), the one place it is written; with_world 0
+ * leaves world_size out (what spec_hash hashes). */
+static void spec_emit(const spec *s, sink *k, int with_world) {
   k->put(k, (const unsigned char *)"zshard.spec.v1", 14);
   put_str(k, s->job);
-  put_u32(k, s->world_size);
+  if (with_world)
+    put_u32(k, s->world_size);
   put_u32(k, s->grad_accum);
   put_u32(k, s->num_shards);
   put_u64(k, s->split_threshold ? s->split_threshold : SPEC_DEFAULT_SPLIT_THRESHOLD);
@@ -465,9 +470,9 @@ static void copy_put(sink *k, const unsigned char *p, size_t n) {
   k->at += n;
 }
 
-uint64_t spec_hash(const spec *s) {
+static uint64_t hash_emit(const spec *s, int with_world) {
   sink k = {.put = hash_put, .h = 0xcbf29ce484222325ull};
-  spec_emit(s, &k);
+  spec_emit(s, &k, with_world);
   uint64_t h = k.h;
   h ^= h >> 33;
   h *= 0xff51afd7ed558ccdull;
@@ -477,14 +482,22 @@ uint64_t spec_hash(const spec *s) {
   return h;
 }
 
+uint64_t spec_hash(const spec *s) {
+  return hash_emit(s, 0);
+}
+
+uint64_t spec_hash_legacy(const spec *s) {
+  return hash_emit(s, 1);
+}
+
 int spec_encode(const spec *s, unsigned char **out, size_t *len) {
   sink k = {.put = count_put};
-  spec_emit(s, &k);
+  spec_emit(s, &k, 1);
   unsigned char *buf = malloc(k.at ? k.at : 1);
   if (!buf)
     return ZS_ENOMEM;
   k = (sink){.put = copy_put, .buf = buf};
-  spec_emit(s, &k);
+  spec_emit(s, &k, 1);
   *out = buf;
   *len = k.at;
   return 0;

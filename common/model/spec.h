@@ -152,9 +152,16 @@ void spec_group_get_fields(spec_group *g, const unsigned char *in);
  * or ZS_EINVAL with a sentence in err (which may be NULL), or ZS_ENOMEM. */
 int spec_validate(spec *s, char *err, size_t errlen);
 
-/* The 64-bit hash of the canonical encoding of a validated spec. Equal specs
- * give equal hashes on every machine. */
+/* The 64-bit hash of the canonical encoding of a validated spec, without its
+ * world_size (issue 26: the world size at open is the job's initial
+ * membership, not part of its identity, so trainers that name another one
+ * still open the same job). Equal specs give equal hashes on every machine. */
 uint64_t spec_hash(const spec *s);
+
+/* The hash before issue 26, over the whole encoding (world_size included):
+ * what checkpoints written before then carry in their headers and manifests.
+ * Only for recognising those; nothing new is written with it. */
+uint64_t spec_hash_legacy(const spec *s);
 
 /* That canonical encoding itself (what checkpoints store), in *out (malloc'd,
  * the caller frees it) of *len bytes. Returns 0 or ZS_ENOMEM. */

@@ -187,6 +187,14 @@ typedef enum zs_open_mode {
   /* Resume the job on the shards: ZS_ENOTOPEN when a shard has none (nothing
    * is created), ZS_EHASH when it holds another. */
   ZS_OPEN_RESUME = 2,
+  /* Join an elastic job as a new or restarted trainer (issue 26;
+   * docs/CLIENT.md "Elastic trainers"): the job must be on the shards, as
+   * for ZS_OPEN_RESUME, rank 0 passes no initial weights (NULL), and the
+   * rank is admitted at the next step boundary every shard agrees on; its
+   * first zs_step is that step's, and its pulls wait for the version before
+   * it. A job with a fixed membership fails ZS_EINVAL. Every other mode
+   * joins too when the job is elastic, but ignores a fixed membership. */
+  ZS_OPEN_JOIN = 3,
 } zs_open_mode;
 
 typedef struct zs_client_options {
@@ -332,6 +340,14 @@ typedef struct zs_client_options {
    * zs_client_open fails with ZS_EINVAL when the kernel lacks the algorithm
    * or does not let this process use it. Only read during the call. */
   const char *tcp_congestion;
+  /* The job's trainer timeout, ms (docs/CLIENT.md, "Elastic trainers"):
+   * when this client's zs_open_job creates the job, > 0 makes it elastic
+   * with that timeout whatever the shards' --trainer-timeout-ms; 0 (the
+   * default) takes the shards'. At most 3600000 (zs_open_job fails ZS_ERANGE,
+   * from the shards, beyond). Ignored when the job is
+   * already on the shards (its creator's value holds). */
+  uint32_t trainer_timeout_ms;
+  uint32_t reserved1; /* must be 0 (no tail padding: rule 3) */
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above

@@ -340,7 +340,12 @@ static int reader_load_spec(ckpt_reader *r, const reader_scan *s, uint8_t **smal
   char why[320];
   if ((rc = ckpt__dec_spec(*small, (size_t)s->spec->len, &r->spec, why, sizeof why)) != 0)
     return status_fail(err, errlen, rc, "%s: %s", path, why);
-  if (spec_hash(&r->spec) != r->h.spec_hash || r->spec.num_shards != r->h.num_shards)
+  /* A checkpoint written before issue 26 carries the hash with world_size
+   * in it (spec_hash_legacy); it loads as it did, and the job it restores
+   * has today's hash (computed from the spec, not taken from the header). */
+  uint64_t want = r->h.spec_hash;
+  if ((spec_hash(&r->spec) != want && spec_hash_legacy(&r->spec) != want) ||
+      r->spec.num_shards != r->h.num_shards)
     return status_fail(err, errlen, ZS_EHASH,
                        "%s: the spec section hashes to %016" PRIx64 " (for %" PRIu32
                        " shards), the header says %016" PRIx64 " (for %" PRIu32 ")",

@@ -164,10 +164,12 @@ static int core_job_build(core *c) {
   /* Under mu: the worker reads the membership state (core__members_deadline)
    * without state_rw. */
   pthread_mutex_lock(&c->mu);
+  /* The job's own timeout (its creating Open's), else the server's flag. */
+  c->trainer_timeout_ms = c->open_timeout_ms ? c->open_timeout_ms : c->default_timeout_ms;
   c->elastic =
       c->trainer_timeout_ms > 0 && !c->spec.pipelined && c->W <= CORE_ELASTIC_MAX_W ? 1 : 0;
   core__members_reset(c);
-  c->member_epoch = c->member_leaves = c->member_timeouts = 0;
+  c->member_epoch = c->member_leaves = c->member_timeouts = c->member_joins = 0;
   pthread_mutex_unlock(&c->mu);
 
   c->local_of = malloc(((size_t)l->num_pieces + 1) * sizeof *c->local_of);
@@ -332,7 +334,7 @@ int core_create(const core_config *cfg, core **out) {
   c->num_shards = cfg->num_shards;
   c->nthreads = cfg->threads;
   c->apply_hist = cfg->apply_hist;
-  c->trainer_timeout_ms = cfg->trainer_timeout_ms;
+  c->trainer_timeout_ms = c->default_timeout_ms = cfg->trainer_timeout_ms;
   if (c->nthreads <= 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     c->nthreads = n > 0 ? (int)(n < 256 ? n : 256) : 1;
@@ -456,6 +458,7 @@ void core_destroy(core *c) {
     free(b);
   }
   free(c->by_arg);
+  free(c->mlog);
   core__held_drain(c);
   if (c->held_mu_inited)
     pthread_mutex_destroy(&c->held_mu);
@@ -476,6 +479,11 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
 
 int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err,
                  size_t errlen) {
+  return core_open_job(c, s, mode, 0, out, err, errlen);
+}
+
+int core_open_job(core *c, const spec *s, int mode, uint32_t trainer_timeout_ms,
+                  core_open_result *out, char *err, size_t errlen) {
   if (!s)
     return status_fail(err, errlen, ZS_EINVAL, "no spec given");
   if (s->num_shards != c->num_shards)
@@ -525,6 +533,7 @@ int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *
     rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory copying the spec");
     goto done;
   }
+  c->open_timeout_ms = trainer_timeout_ms;
   if ((rc = core_job_build(c)) != 0) {
     core_job_free(c);
     rc = status_fail(err, errlen, rc, "cannot build the job's state on shard %u: %s", c->shard_id,
@@ -554,6 +563,7 @@ done:
     out->version = c->version;
     out->created = created;
     out->initialized = c->initialized_pieces == c->npieces;
+    out->world_size = c->W;
     pthread_mutex_unlock(&c->mu);
   }
   pthread_rwlock_unlock(&c->state_rw);

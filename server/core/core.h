@@ -66,6 +66,7 @@ typedef struct core_open_result {
   uint64_t version;
   int created;
   int initialized;
+  uint32_t world_size; /* the job's, whatever the opening spec said (issue 26) */
 } core_open_result;
 int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t errlen);
 
@@ -82,8 +83,17 @@ int core_open(core *c, const spec *s, core_open_result *out, char *err, size_t e
  *  - CORE_OPEN_RESUME: joins the job on the shard (another spec: ZS_EHASH);
  *    no job is ZS_ENOTOPEN, and nothing is created.
  * Any other mode is treated as CORE_OPEN_EITHER (the service refuses it). */
-enum { CORE_OPEN_EITHER = 0, CORE_OPEN_CREATE = 1, CORE_OPEN_RESUME = 2 };
+/* CORE_OPEN_JOIN (issue 26): service_open_mode opens as CORE_OPEN_RESUME; the
+ * trainer is admitted to the membership afterwards (core_member_change). */
+enum { CORE_OPEN_EITHER = 0, CORE_OPEN_CREATE = 1, CORE_OPEN_RESUME = 2, CORE_OPEN_JOIN = 3 };
 int core_open_ex(core *c, const spec *s, int mode, core_open_result *out, char *err, size_t errlen);
+/* core_open_ex with the job's trainer timeout (issue 26): when this call
+ * creates the job, trainer_timeout_ms > 0 is its timeout, and makes it
+ * elastic (DESIGN.md "Membership"); 0 takes core_config.trainer_timeout_ms.
+ * Opening an existing job leaves its timeout as it is. A job restored from
+ * a checkpoint takes the core's. */
+int core_open_job(core *c, const spec *s, int mode, uint32_t trainer_timeout_ms,
+                  core_open_result *out, char *err, size_t errlen);
 
 /* Closes the shard's job: fails every wait of it (version, statistics,
  * apply) with ZS_ENOTOPEN (their callbacks run on the worker before this
@@ -441,10 +451,46 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
 typedef struct core_membership {
   int elastic;
   uint32_t trainer_timeout_ms, world_size;
-  uint64_t epoch, leaves, timeouts;
+  uint64_t epoch, leaves, timeouts, joins;
   core_members members;
 } core_membership;
 void core_get_membership(core *c, core_membership *out);
+
+/* The membership log of an elastic job (issue 26): which ranks contributed
+ * to which applied step, one entry per change of the set, the steps from
+ * from_step on up to the next entry's. Kept on the shard for the job's
+ * life (not in checkpoints yet), at most CORE_MEMBER_LOG_MAX entries. */
+#define CORE_MEMBER_LOG_MAX 4096u
+typedef struct core_member_log_entry {
+  uint64_t from_step;
+  core_members members;
+} core_member_log_entry;
+/* Writes the last entries of the log into buf as text, oldest first:
+ * "from_step:rank,rank,...;from_step:..." (e.g. "1:0,1,2;3:0,1;5:0,1,2"),
+ * as many whole entries as fit in cap bytes (NUL included); "" for a job
+ * with a fixed membership or no step applied. Returns the entries written. */
+size_t core_member_log_format(core *c, char *buf, size_t cap);
+
+/* A trainer's change of membership in an elastic job (issue 26; DESIGN.md
+ * "Membership"), keyed by step so that every shard makes it at the same step
+ * boundary whatever order the requests and the applies come in:
+ *  - CORE_MEMBER_JOIN: rank contributes from step `step` on. Refused
+ *    ZS_ESTEP (nothing changed) when this shard applied step or decided its
+ *    members already: the trainer asks again for a later step. A rank that
+ *    is still a member (a restarted trainer) loses what it pushed to the
+ *    pending step, if that step is not decided, and starts afresh at `step`.
+ *  - CORE_MEMBER_LEAVE: rank contributes nothing from step `step` on (a
+ *    clean close): if the pending step is not decided, its pushes to it are
+ *    discarded and the step goes on without it at once; else it leaves at
+ *    the next step. Leaving twice, a rank that is not a member, or a step
+ *    already applied (a stale client's: a newer life of the rank may have
+ *    joined since) is a no-op.
+ * A job that is not elastic, a rank at or beyond W, or another kind:
+ * ZS_EINVAL. *version gets the shard's version. Takes state_rw exclusive:
+ * call it with no lock held. */
+enum { CORE_MEMBER_JOIN = 1, CORE_MEMBER_LEAVE = 2 };
+int core_member_change(core *c, uint64_t hash, uint32_t rank, int kind, uint64_t step,
+                       uint64_t *version, char *err, size_t errlen);
 /* Installs the one hook told of every applied step (a skipped one included),
  * whoever asked for it: fn(arg, r) runs once per step on the core's worker
  * thread, after the apply released every core lock and before the apply's

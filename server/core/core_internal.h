@@ -316,13 +316,27 @@ struct core {
    * narrowing), so pushes of other ranks are refused; stall_since: when the
    * first GradStats of the pending step came (0: none yet). All under mu. */
   int elastic;
-  uint32_t trainer_timeout_ms;
+  /* The job's timeout: its creating Open's (open_timeout_ms) if any, else
+   * the server's (default_timeout_ms, core_config). */
+  uint32_t trainer_timeout_ms, default_timeout_ms, open_timeout_ms;
   core_members members, stat_members, last_members;
   int frozen;
   uint64_t stall_since;
   uint64_t member_epoch, member_leaves, member_timeouts;
   /* The members the queued Apply named, checked against stat_members. */
   core_members apply_members;
+  /* Planned changes (core_member_change): rank r joins at step join_at[r]
+   * and leaves from step leave_at[r] (0: none), applied when that step
+   * becomes the pending one (core__members_next_step). Under state_rw
+   * exclusive and mu, like members. */
+  uint64_t join_at[CORE_ELASTIC_MAX_W], leave_at[CORE_ELASTIC_MAX_W];
+  uint64_t member_joins;
+  /* The membership log: mlog[k] says that the steps from mlog[k].from_step
+   * on were applied with mlog[k].members, until the next entry's; one entry
+   * per change (the oldest dropped beyond CORE_MEMBER_LOG_MAX). Under mu;
+   * written by core__members_next_step, freed with the job. */
+  core_member_log_entry *mlog;
+  uint32_t mlog_n, mlog_cap;
   /* The core_close call the worker is to run (under mu), and whether spec
    * and layout still hold a closed job's, kept so that a pointer core_spec
    * handed out before the close stays readable until the next core_open. */

@@ -61,6 +61,9 @@ void core__members_reset(core *c) {
   c->apply_members = c->members;
   c->frozen = 0;
   c->stall_since = 0;
+  c->mlog_n = 0; /* the buffer is kept for the next job, freed by core_destroy */
+  memset(c->join_at, 0, sizeof c->join_at);
+  memset(c->leave_at, 0, sizeof c->leave_at);
 }
 
 void core_get_membership(core *c, core_membership *out) {
@@ -73,6 +76,7 @@ void core_get_membership(core *c, core_membership *out) {
     out->epoch = c->member_epoch;
     out->leaves = c->member_leaves;
     out->timeouts = c->member_timeouts;
+    out->joins = c->member_joins;
     out->members = c->members;
   }
   pthread_mutex_unlock(&c->mu);
@@ -84,7 +88,7 @@ int core__push_left(core *c, uint32_t rank, uint64_t step, char *err, size_t err
   return status_fail(err, errlen, ZS_ELEFT,
                      "rank %u was left out of job '%s' after the trainer timeout (%u ms): its "
                      "push for step %" PRIu64 " is refused (the shard is at version %" PRIu64
-                     "); open the job again to rejoin",
+                     "); open the job again in join mode to rejoin",
                      rank, c->spec.job, c->trainer_timeout_ms, step, c->version);
 }
 
@@ -92,9 +96,9 @@ int core__push_keep(core *c, piece_state *ps, uint32_t k, uint32_t rank, zs_dtyp
                     const void *data, size_t nbytes, char *err, size_t errlen) {
   if (!core_members_has(&c->members, rank))
     return status_fail(err, errlen, ZS_ELEFT,
-                       "rank %u is not a member of step %" PRIu64 " of job '%s' (it was left out "
-                       "at a trainer timeout); nothing of this push was kept: open the job again "
-                       "to rejoin",
+                       "rank %u is not a member of step %" PRIu64 " of job '%s' (it left, or was "
+                       "left out at a trainer timeout); nothing of this push was kept: open the "
+                       "job again in join mode to rejoin",
                        rank, c->version + 1, c->spec.job);
   pthread_mutex_lock(&c->mu);
   int out = c->frozen && !core_members_has(&c->stat_members, rank);
@@ -103,7 +107,7 @@ int core__push_keep(core *c, piece_state *ps, uint32_t k, uint32_t rank, zs_dtyp
     return status_fail(err, errlen, ZS_ELEFT,
                        "rank %u was left out of step %" PRIu64 " of job '%s' after the trainer "
                        "timeout (%u ms): its contributions to the step are discarded on every "
-                       "shard; open the job again to rejoin",
+                       "shard; open the job again in join mode to rejoin",
                        rank, c->version + 1, c->spec.job, c->trainer_timeout_ms);
   if (!ps->held && !(ps->held = calloc(c->WM, sizeof *ps->held)))
     return status_fail(err, errlen, ZS_ENOMEM, "out of memory keeping a contribution");
@@ -248,7 +252,93 @@ void core__members_narrow(core *c, const core_members *want) {
   pthread_cond_signal(&c->worker_cv);
 }
 
+/* Makes the changes planned for `step`, about to become the pending one
+ * (nothing of it was pushed yet: a push for a step beyond version + 1 is
+ * refused). state_rw exclusive and mu held. */
+static void members_plan(core *c, uint64_t step) {
+  uint32_t joins = 0, leaves = 0;
+  for (uint32_t r = 0; r < c->W && r < CORE_ELASTIC_MAX_W; r++) {
+    if (c->leave_at[r] != 0 && c->leave_at[r] <= step) {
+      c->leave_at[r] = 0;
+      if (core_members_has(&c->members, r)) {
+        members_remove(&c->members, r);
+        leaves++;
+      }
+    }
+    if (c->join_at[r] == step) {
+      c->join_at[r] = 0;
+      if (!core_members_has(&c->members, r)) {
+        core_members_add(&c->members, r);
+        joins++;
+      }
+    }
+  }
+  if (joins + leaves == 0)
+    return;
+  c->member_joins += joins;
+  c->member_leaves += leaves;
+  c->member_epoch++;
+  LOG_INFO("membership", "shard=%u step=%" PRIu64 " members=%u joined=%u left=%u epoch=%" PRIu64,
+           c->shard_id, step, c->members.n, joins, leaves, c->member_epoch);
+}
+
+/* Appends (step, the set it was applied with) to the log when the set
+ * differs from the last entry's. mu held. */
+static void members_log(core *c, uint64_t step, const core_members *set) {
+  if (c->mlog_n > 0 && core_members_equal(&c->mlog[c->mlog_n - 1].members, set))
+    return;
+  if (c->mlog_n == CORE_MEMBER_LOG_MAX) {
+    memmove(c->mlog, c->mlog + 1, (c->mlog_n - 1) * sizeof *c->mlog);
+    c->mlog_n--;
+  }
+  if (c->mlog_n == c->mlog_cap) {
+    uint32_t cap = c->mlog_cap ? 2 * c->mlog_cap : 16;
+    core_member_log_entry *p = realloc(c->mlog, cap * sizeof *p);
+    if (!p) {
+      LOG_WARN("membership_log", "shard=%u step=%" PRIu64 " detail=\"out of memory\"", c->shard_id,
+               step);
+      return;
+    }
+    c->mlog = p;
+    c->mlog_cap = cap;
+  }
+  c->mlog[c->mlog_n++] = (core_member_log_entry){.from_step = step, .members = *set};
+}
+
+size_t core_member_log_format(core *c, char *buf, size_t cap) {
+  if (cap == 0)
+    return 0;
+  buf[0] = '\0';
+  pthread_mutex_lock(&c->mu);
+  /* The newest entries that fit, found from the end, then written in order. */
+  uint32_t first = c->open && c->elastic ? c->mlog_n : 0, last = first;
+  size_t need = 0;
+  char one[16 + 6 * CORE_ELASTIC_MAX_W];
+  while (first > 0) {
+    const core_member_log_entry *e = &c->mlog[first - 1];
+    size_t len = (size_t)snprintf(one, sizeof one, "%s%" PRIu64 ":", need ? ";" : "", e->from_step);
+    for (uint32_t r = 0, k = 0; r < c->W && r < CORE_ELASTIC_MAX_W; r++)
+      if (core_members_has(&e->members, r))
+        len += (size_t)snprintf(one + len, sizeof one - len, "%s%u", k++ ? "," : "", r);
+    if (need + len + 1 > cap)
+      break;
+    need += len;
+    first--;
+  }
+  size_t at = 0, n = 0;
+  for (uint32_t i = first; i < last; i++, n++) {
+    const core_member_log_entry *e = &c->mlog[i];
+    at += (size_t)snprintf(buf + at, cap - at, "%s%" PRIu64 ":", at ? ";" : "", e->from_step);
+    for (uint32_t r = 0, k = 0; r < c->W && r < CORE_ELASTIC_MAX_W; r++)
+      if (core_members_has(&e->members, r))
+        at += (size_t)snprintf(buf + at, cap - at, "%s%u", k++ ? "," : "", r);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
 void core__members_next_step(core *c) {
+  members_log(c, c->version + 1, &c->stat_members);
   core__members_release(c);
   if (!core_members_equal(&c->members, &c->stat_members)) {
     c->member_leaves += c->members.n - c->stat_members.n;
@@ -258,7 +348,9 @@ void core__members_next_step(core *c) {
   }
   c->last_members = c->stat_members;
   c->members = c->stat_members;
-  c->apply_members = c->stat_members;
+  members_plan(c, c->version + 2);
+  c->stat_members = c->members;
+  c->apply_members = c->members;
   c->frozen = 0;
   c->stall_since = 0;
 }
@@ -305,4 +397,147 @@ size_t core_members_list(core *c, const core_members *m, uint32_t *ranks, size_t
     if (core_members_has(m, r))
       ranks[n++] = r;
   return n;
+}
+
+/* ------------------------------------------------------------------ joins and clean leaves */
+
+/* Discards what rank pushed to the pending step on every piece, so that it
+ * neither counts nor blocks a retry's pushes as duplicates. state_rw
+ * exclusive held (no push or sum runs). */
+static void members_drop_rank(core *c, uint32_t rank) {
+  for (uint32_t i = 0; i < c->npieces; i++) {
+    piece_state *ps = &c->pieces[i];
+    for (uint32_t m = 0; m < c->M; m++) {
+      uint32_t k = m * c->W + rank;
+      if (!((ps->received[k / 64] >> (k % 64)) & 1u))
+        continue;
+      ps->received[k / 64] &= ~(UINT64_C(1) << (k % 64));
+      ps->nrecv--;
+      atomic_fetch_sub_explicit(&c->contributions, 1, memory_order_relaxed);
+      if (ps->held && ps->held[k]) {
+        atomic_fetch_sub_explicit(&c->held_bytes, ps->held[k]->nbytes, memory_order_relaxed);
+        core__held_put(c, ps->held[k]);
+        ps->held[k] = NULL;
+        ps->nheld--;
+      }
+    }
+  }
+}
+
+/* After the pending step's members changed (not decided yet): counts the
+ * pieces that hold every member's contributions again, and starts the
+ * statistics when all do. state_rw exclusive and mu held. */
+static void members_recount(core *c) {
+  c->complete_pieces = 0;
+  for (uint32_t i = 0; i < c->npieces; i++)
+    if (c->members.n > 0 && c->pieces[i].nrecv == c->members.n * c->M)
+      c->complete_pieces++;
+  if (c->members.n > 0 && c->npieces > 0 && c->complete_pieces == c->npieces) {
+    c->stat_members = c->members;
+    c->stats_phase = STATS_COMPUTING;
+    pthread_cond_signal(&c->worker_cv);
+  }
+}
+
+/* 1 while the pending step's members are still open to a change here. */
+static int members_undecided(const core *c) {
+  return !c->frozen && c->stats_phase == STATS_WAITING && c->apply_state == APPLY_NONE;
+}
+
+static int member_join(core *c, uint32_t rank, uint64_t step, char *err, size_t errlen) {
+  uint64_t pending = c->version + 1;
+  if (step < pending || (step == pending && !members_undecided(c)))
+    return status_fail(err, errlen, ZS_ESTEP,
+                       "rank %u cannot join job '%s' at step %" PRIu64
+                       ": shard %u %s (version %" PRIu64 "); join at a later step",
+                       rank, c->spec.job, step, c->shard_id,
+                       step < pending ? "applied it already" : "decided its members already",
+                       c->version);
+  c->leave_at[rank] = 0;
+  c->join_at[rank] = 0;
+  if (step > pending) {
+    /* A member still (a restarted trainer, before its timeout): what its
+     * previous life pushed to the pending step is dropped and the step goes
+     * on without it; it comes back at `step`. */
+    if (core_members_has(&c->members, rank) && members_undecided(c)) {
+      members_drop_rank(c, rank);
+      members_remove(&c->members, rank);
+      c->member_leaves++;
+      members_recount(c);
+    }
+    c->join_at[rank] = step;
+    return 0;
+  }
+  members_drop_rank(c, rank);
+  if (!core_members_has(&c->members, rank)) {
+    core_members_add(&c->members, rank);
+    c->member_joins++;
+    c->member_epoch++;
+  }
+  c->stat_members = c->members;
+  /* A newcomer gets the whole timeout for its pushes: the clock restarts
+   * now if trainers already wait (their GradStats will not come again). */
+  if (c->stall_since != 0) {
+    c->stall_since = clock_now_ms();
+    pthread_cond_signal(&c->worker_cv);
+  }
+  members_recount(c);
+  LOG_INFO("membership", "shard=%u step=%" PRIu64 " members=%u joined=%u epoch=%" PRIu64,
+           c->shard_id, step, c->members.n, rank, c->member_epoch);
+  return 0;
+}
+
+static void member_leave(core *c, uint32_t rank, uint64_t step) {
+  uint64_t pending = c->version + 1;
+  /* A leave for a step already applied comes from a client that missed
+   * steps since (a stalled trainer's stale handle): whatever rank is now (a
+   * newer life of the trainer may have joined), that client is not it. */
+  if (step < pending)
+    return;
+  c->join_at[rank] = 0;
+  if (step > pending || (step == pending && !members_undecided(c))) {
+    /* The pending step is decided (it counts the rank or not, alike on
+     * every shard): the rank leaves at the next boundary. */
+    c->leave_at[rank] = step > pending ? step : pending + 1;
+    return;
+  }
+  if (!core_members_has(&c->members, rank))
+    return;
+  members_drop_rank(c, rank);
+  members_remove(&c->members, rank);
+  c->member_leaves++;
+  c->member_epoch++;
+  LOG_INFO("membership", "shard=%u step=%" PRIu64 " members=%u left=%u epoch=%" PRIu64, c->shard_id,
+           pending, c->members.n, rank, c->member_epoch);
+  members_recount(c);
+}
+
+int core_member_change(core *c, uint64_t hash, uint32_t rank, int kind, uint64_t step,
+                       uint64_t *version, char *err, size_t errlen) {
+  if (kind != CORE_MEMBER_JOIN && kind != CORE_MEMBER_LEAVE)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "membership change %d is neither join (1) nor leave (2)", kind);
+  pthread_rwlock_wrlock(&c->state_rw);
+  pthread_mutex_lock(&c->mu);
+  int rc = core__check_job(c, hash, err, errlen);
+  if (rc == 0 && !c->elastic)
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "job '%s' has a fixed membership: joins and leaves need the trainer timeout "
+                     "(zshard-server --trainer-timeout-ms, or the job's trainer_timeout_ms) and a "
+                     "gated job",
+                     c->spec.job);
+  else if (rc == 0 && rank >= c->W)
+    rc = status_fail(err, errlen, ZS_EINVAL, "rank %u is not below the job's world size %u", rank,
+                     c->W);
+  else if (rc == 0 && step == 0)
+    rc = status_fail(err, errlen, ZS_EINVAL, "a membership change names a step from 1 on");
+  if (rc == 0 && kind == CORE_MEMBER_JOIN)
+    rc = member_join(c, rank, step, err, errlen);
+  else if (rc == 0)
+    member_leave(c, rank, step);
+  if (version)
+    *version = c->version;
+  pthread_mutex_unlock(&c->mu);
+  pthread_rwlock_unlock(&c->state_rw);
+  return rc;
 }

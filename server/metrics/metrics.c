@@ -212,7 +212,7 @@ static void histogram_lines(metrics_text *b, const metrics *m, const char *name,
  * which field each family shows. */
 typedef struct reading {
   uint64_t shards, job_open, initialized, version, parameters, state_bytes, held_bytes;
-  uint64_t members, membership_epoch, member_leaves, trainer_timeouts;
+  uint64_t members, membership_epoch, member_leaves, member_joins, trainer_timeouts;
   uint64_t pushes, duplicate_pushes, rejected_pushes, pulls, received_bytes, sent_bytes;
   uint64_t applies, skipped_steps, rss;
   uint32_t waiting_pulls, waiting_stats;
@@ -275,7 +275,9 @@ static const family_desc FAMILIES[] = {
     U64("zshard_membership_epoch", "gauge",
         "How many times the job's membership changed on this shard.", membership_epoch),
     U64("zshard_member_leaves_total", "counter",
-        "Ranks left out of the job because they missed the trainer timeout.", member_leaves),
+        "Ranks that left the job: left out at the trainer timeout, or closed.", member_leaves),
+    U64("zshard_member_joins_total", "counter",
+        "Ranks admitted to the job by a join (a new or restarted trainer).", member_joins),
     U64("zshard_trainer_timeouts_total", "counter",
         "Steps whose membership this shard decided at the trainer timeout.", trainer_timeouts),
     U64("zshard_pushes_total", "counter",
@@ -339,6 +341,7 @@ static void read_all(metrics *m, core *c, reading *r) {
       .members = mb.members.n,
       .membership_epoch = mb.epoch,
       .member_leaves = mb.leaves,
+      .member_joins = mb.joins,
       .trainer_timeouts = mb.timeouts,
       .pushes = k.pushes,
       .duplicate_pushes = k.duplicate_pushes,

@@ -318,9 +318,23 @@ int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *ou
 
 int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_open_result *out,
                       char *err, size_t errlen) {
+  return service_open_job(s, sp, rank, mode, 0, out, err, errlen);
+}
+
+int service_open_job(service *s, const spec *sp, uint32_t rank, int mode,
+                     uint32_t trainer_timeout_ms, core_open_result *out, char *err, size_t errlen) {
+  if (trainer_timeout_ms > SERVICE_MAX_TRAINER_TIMEOUT_MS)
+    return status_fail(err, errlen, ZS_ERANGE,
+                       "trainer_timeout_ms %" PRIu32 " is above %u (an hour)", trainer_timeout_ms,
+                       SERVICE_MAX_TRAINER_TIMEOUT_MS);
+  /* A trainer joining an elastic job (issue 26) opens it as a resume does;
+   * it is admitted afterwards, by ChangeMembership. */
+  if (mode == CORE_OPEN_JOIN)
+    mode = CORE_OPEN_RESUME;
   if (mode != CORE_OPEN_EITHER && mode != CORE_OPEN_CREATE && mode != CORE_OPEN_RESUME)
     return status_fail(err, errlen, ZS_EINVAL,
-                       "open mode %d is none of either (0), create (1) and resume (2)", mode);
+                       "open mode %d is none of either (0), create (1), resume (2) and join (3)",
+                       mode);
   if (!sp)
     return status_fail(err, errlen, ZS_EINVAL, "no spec given");
   /* The spec says how many trainers there are; a rank beyond them would push
@@ -334,7 +348,30 @@ int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_
     rc = check_limits(s, sp, err, errlen);
   if (rc != 0)
     return rc;
-  return core_open_ex(s->core, sp, mode, out, err, errlen);
+  core_open_result own;
+  if (!out)
+    out = &own;
+  if ((rc = core_open_job(s->core, sp, mode, trainer_timeout_ms, out, err, errlen)) != 0)
+    return rc;
+  /* The world size is not part of the spec hash (issue 26): the job's, set
+   * when it was created, is the rank space, whatever this trainer named.
+   * Opening an existing job changes nothing, so the refusal leaves it as it
+   * was. */
+  if (rank >= out->world_size)
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "rank %" PRIu32 " is not a rank of job '%s': its world size is %" PRIu32
+                       " (set when it was created)",
+                       rank, sp->job, out->world_size);
+  return 0;
+}
+
+void service_member_log(service *s, char *buf, size_t cap) {
+  core_member_log_format(s->core, buf, cap);
+}
+
+int service_member_change(service *s, uint64_t hash, uint32_t rank, int change, uint64_t step,
+                          uint64_t *version, char *err, size_t errlen) {
+  return core_member_change(s->core, hash, rank, change, step, version, err, errlen);
 }
 
 int service_close(service *s, uint64_t hash, const char *job, core_close_result *out, char *err,

@@ -169,9 +169,24 @@ int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *ou
                  size_t errlen);
 
 /* service_open with an open mode (CORE_OPEN_*, the proto's OpenMode): a mode
- * that is none of them is ZS_EINVAL; then core_open_ex's rules. */
+ * that is none of them is ZS_EINVAL; then core_open_ex's rules. The world
+ * size is not part of the spec hash (issue 26): rank must also be below the
+ * job's (out->world_size), else ZS_EINVAL (the open changed nothing). */
+#define SERVICE_MAX_TRAINER_TIMEOUT_MS 3600000u
+/* service_open_mode with the job's trainer timeout (OpenRequest
+ * .trainer_timeout_ms; core_open_job's rules): above an hour is ZS_ERANGE. */
+int service_open_job(service *s, const spec *sp, uint32_t rank, int mode,
+                     uint32_t trainer_timeout_ms, core_open_result *out, char *err, size_t errlen);
 int service_open_mode(service *s, const spec *sp, uint32_t rank, int mode, core_open_result *out,
                       char *err, size_t errlen);
+
+/* The job's membership log as text (core_member_log_format), for Stats. */
+void service_member_log(service *s, char *buf, size_t cap);
+
+/* A trainer joins or leaves an elastic job at a step boundary
+ * (ChangeMembership; core_member_change's rules). */
+int service_member_change(service *s, uint64_t hash, uint32_t rank, int change, uint64_t step,
+                          uint64_t *version, char *err, size_t errlen);
 
 /* Closes the shard's job (CloseJob): a job name longer than SPEC_MAX_NAME
  * bytes is ZS_EINVAL, then core_close's rules (hash 0 and job NULL or ""

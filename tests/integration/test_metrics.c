@@ -1194,6 +1194,7 @@ static const char *const GOLDEN_FAMILIES[] = {
     "zshard_members",
     "zshard_membership_epoch",
     "zshard_member_leaves_total",
+    "zshard_member_joins_total",
     "zshard_trainer_timeouts_total",
     "zshard_pushes_total",
     "zshard_duplicate_pushes_total",

@@ -7,8 +7,12 @@ tensors spread over two shards; rank 2 goes away at step K:
 - the final weights of every kill are bit-identical to the replay of the same
   membership log (rank 2 scripted to stop before step K), and to torch's SGD
   fed, each step, the sum over that step's members in rank order;
-- a stalled trainer is refused politely (ZS_ELEFT) when it wakes up, and the
-  step it was part of is not corrupted.
+- a stalled trainer is refused politely (ZS_ELEFT) when it wakes up, the
+  step it was part of is not corrupted, and it rejoins in join mode;
+- a trainer that closes leaves at once (the replay: no timeout is waited);
+- determinism: rank 2 killed at step K and a new rank-2 trainer joining at
+  step M ends bit-identical to the replay where rank 2 closes at K and joins
+  at M, and to torch's SGD over that membership log.
 
 Both transports (the data plane and gRPC). Each trainer is a process of its
 own (this file, run as `python3 test_elastic.py trainer CONFIG`), so that a
@@ -32,6 +36,7 @@ import zshard_servers  # noqa: E402
 W = 3
 STEPS = 6
 K = 3  # the step rank 2 goes away at
+M = 5  # the step a new rank 2 joins at (the join tests)
 VICTIM = 2
 LR = 0.05
 MOMENTUM = 0.9
@@ -53,19 +58,32 @@ def grad(step, rank, t):
 
 # ------------------------------------------------------------------ trainer
 
+def client(cfg, rank, open_mode="either"):
+    import zshard
+    c = zshard.Client(cfg["addresses"], rank=rank, world_size=W, job="elastic",
+                      grad_reduce="sum", push_dtype="fp32", split_threshold=256, transport=cfg["transport"],
+                      step_timeout_ms=60000, open_mode=open_mode)
+    c.add_group("sgd", momentum=MOMENTUM)
+    for t, n in enumerate(NUMELS):
+        c.add_tensor("t%d" % t, n)
+    c.open_job([init_weights(t) for t in range(len(NUMELS))] if open_mode != "join" else None)
+    return c
+
+
 def trainer(cfg):
     zshard_servers.use_build_tree_package()
     import zshard
     rank, mode = cfg["rank"], cfg["mode"]
-    c = zshard.Client(cfg["addresses"], rank=rank, world_size=W, job="elastic",
-                      grad_reduce="sum", push_dtype="fp32", split_threshold=256, transport=cfg["transport"],
-                      step_timeout_ms=60000)
-    c.add_group("sgd", momentum=MOMENTUM)
-    for t, n in enumerate(NUMELS):
-        c.add_tensor("t%d" % t, n)
-    c.open_job([init_weights(t) for t in range(len(NUMELS))])
+    if mode == "joiner":
+        return joiner(cfg)
+    c = client(cfg, rank)
     log = {"rank": rank, "steps": []}
     for step in range(1, STEPS + 1):
+        if cfg.get("hold_at") == step and rank != VICTIM:
+            # The test lets a joiner in while the survivors wait here, before
+            # any push of the step: it is admitted at this very step.
+            print("holding", flush=True)
+            sys.stdin.readline()
         going = rank == VICTIM and step == K
         if going and mode == "leave":
             c.close()  # the replay: this rank simply stops before step K
@@ -84,6 +102,15 @@ def trainer(cfg):
                 c.step(LR)
             except zshard.Error as e:
                 log["refused"] = [e.status, str(e)]
+            # It comes back in join mode (the others closed meanwhile: the
+            # job waited for a member), and trains a step alone.
+            c2 = client(cfg, rank, open_mode="join")
+            step = c2.current_step
+            for t in range(len(NUMELS)):
+                c2.push(t, grad(step, rank, t)).wait()
+            r = c2.step(LR)
+            log["rejoined"] = [r.step, r.num_members, r.member_rank]
+            c2.close()
             print(json.dumps(log), flush=True)
             return
         c.push(1, grad(step, rank, 1)).wait()
@@ -104,19 +131,53 @@ def trainer(cfg):
     print(json.dumps(log), flush=True)
 
 
+def joiner(cfg):
+    """A new trainer of rank VICTIM: opens in join mode while the others hold
+    before step M, and trains to the end."""
+    c = client(cfg, VICTIM, open_mode="join")
+    log = {"rank": VICTIM, "joined_at": c.current_step, "steps": []}
+    print("joined", flush=True)
+    for step in range(c.current_step, STEPS + 1):
+        for t in range(len(NUMELS)):
+            c.push(t, grad(step, VICTIM, t)).wait()
+        r = c.step(LR)
+        log["steps"].append([r.step, r.num_members, r.member_rank, 0])
+    c.close()
+    print(json.dumps(log), flush=True)
+
+
 # ------------------------------------------------------------------ the test's side
 
-def run(transport, mode):
+def spawn(cfg):
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "trainer", json.dumps(cfg)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run(transport, mode, join=None):
     """Starts 2 shards and W trainers, rank VICTIM going away at step K as
-    `mode` says; returns the survivors' logs (and the victim's, if any)."""
+    `mode` says, and with join = M a new rank-VICTIM trainer joining at step
+    M (the survivors hold before it); returns the survivors' logs (and the
+    victim's or the joiner's, if any)."""
     with zshard_servers.Shards(2, extra_args=["--trainer-timeout-ms", str(TIMEOUT_MS)]) as s:
         procs = []
         for rank in range(W):
-            cfg = {"addresses": s.addresses, "rank": rank, "mode": mode, "transport": transport}
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "trainer", json.dumps(cfg)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True))
+            cfg = {"addresses": s.addresses, "rank": rank, "mode": mode, "transport": transport,
+                   "hold_at": join}
+            procs.append(spawn(cfg))
+        joiner_proc = None
+        if join:
+            held = [procs[r] for r in range(W) if r != VICTIM]
+            for p in held:
+                line = p.stdout.readline().strip()
+                assert line == "holding", line + p.stderr.read()[-3000:]
+            joiner_proc = spawn({"addresses": s.addresses, "rank": VICTIM, "mode": "joiner",
+                                 "transport": transport})
+            line = joiner_proc.stdout.readline().strip()
+            assert line == "joined", line + joiner_proc.stderr.read()[-3000:]
+            for p in held:
+                p.stdin.write("go\n")
+                p.stdin.flush()
         if mode == "stall":
             victim = procs[VICTIM]
             assert victim.stdout.readline().strip() == "stalled"
@@ -132,6 +193,10 @@ def run(transport, mode):
             if mode == "stall":
                 # The others finished every step while it slept; it wakes up.
                 os.kill(procs[VICTIM].pid, signal.SIGCONT)
+            if joiner_proc:
+                out, err = joiner_proc.communicate(timeout=120)
+                assert joiner_proc.returncode == 0, err[-3000:]
+                logs["joiner"] = json.loads(out.strip().splitlines()[-1])
             logs["status"] = status(s.addresses)
             out, err = procs[VICTIM].communicate(input="go\n", timeout=120)
             if mode in ("before", "during", "after"):
@@ -140,7 +205,7 @@ def run(transport, mode):
                 assert procs[VICTIM].returncode == 0, err[-3000:]
                 logs[VICTIM] = json.loads(out.strip().splitlines()[-1])
         finally:
-            for p in procs:
+            for p in procs + ([joiner_proc] if joiner_proc else []):
                 if p.poll() is None:
                     p.kill()
                     p.wait()
@@ -157,15 +222,16 @@ def status(addresses):
     return json.loads(out.stdout)["shards"]
 
 
-def reference(leave=K):
+def reference(leave=K, join=None):
     """torch's SGD fed the sum over each step's members, in rank order, rank
-    VICTIM a member of the steps before `leave`."""
+    VICTIM a member of the steps before `leave` and from `join` on."""
     import torch
     params = [torch.tensor(list(init_weights(t)), dtype=torch.float32)
               for t in range(len(NUMELS))]
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
     for step in range(1, STEPS + 1):
-        members = range(W) if step < leave else [r for r in range(W) if r != VICTIM]
+        members = (range(W) if step < leave or (join and step >= join)
+                   else [r for r in range(W) if r != VICTIM])
         for t, p in enumerate(params):
             acc = torch.zeros(NUMELS[t], dtype=torch.float32)
             for r in members:
@@ -175,29 +241,41 @@ def reference(leave=K):
     return [p.detach().numpy().tobytes().hex() for p in params]
 
 
-def check_survivors(logs, expected, leave=K):
+def check_survivors(logs, expected, leave=K, join=None, timeouts=True):
     for rank in range(W):
         if rank == VICTIM:
             continue
         log = logs[rank]
         assert [s[0] for s in log["steps"]] == list(range(1, STEPS + 1)), log["steps"]
         for step, num_members, member_rank, _ in log["steps"]:
-            assert num_members == (W if step < leave else W - 1), log["steps"]
+            member = step < leave or (join and step >= join)
+            assert num_members == (W if member else W - 1), log["steps"]
             assert member_rank == rank, log["steps"]
         assert log["weights"] == expected, "rank %d's weights differ" % rank
-    # What an operator sees: every shard goes on with W - 1 members, one rank
-    # left out, and at least one shard decided a step at the timeout.
+    if join:
+        log = logs["joiner"]
+        assert log["joined_at"] == join, log
+        assert [s[:3] for s in log["steps"]] == [[s, W, VICTIM] for s in range(join, STEPS + 1)], log
+    # What an operator sees once every trainer closed: no member left (each
+    # left at its close, rank VICTIM earlier), each change an epoch, and at
+    # least one shard decided a step at the timeout when a trainer died.
     rows = logs["status"]
+    changes = W + (2 if join else 0)  # every leave, and a join and its leave
     assert [(r["members"], r["world_size"], r["membership_epoch"], r["member_leaves"])
-            for r in rows] == [(W - 1, W, 1, 1)] * 2, rows
+            for r in rows] == [(0, W, changes, W + (1 if join else 0))] * 2, rows
     assert all(r["trainer_timeout_ms"] == TIMEOUT_MS for r in rows), rows
-    assert sum(r["trainer_timeouts"] for r in rows) >= 1, rows
+    assert all(r["member_joins"] == (1 if join else 0) for r in rows), rows
+    # The membership log: which ranks contributed to which step, the same on
+    # every shard, and the same for a run and its replay.
+    log = "1:0,1,2;%d:0,1" % leave + (";%d:0,1,2" % join if join else "")
+    assert [r["member_log"] for r in rows] == [log] * 2, rows
+    assert (sum(r["trainer_timeouts"] for r in rows) >= 1) == timeouts, rows
 
 
 def test_a_killed_trainer_leaves_and_the_run_matches_its_replay_on_the_data_plane():
     expected = reference()
     replay = run("data", "leave")
-    check_survivors(replay, expected)
+    check_survivors(replay, expected, timeouts=False)  # a close leaves at once
     # Killed before or during its pushes of step K: left out of step K, its
     # partial pushes discarded on both shards.
     for mode in ("before", "during"):
@@ -218,7 +296,63 @@ def test_a_stalled_trainer_is_refused_politely_and_corrupts_nothing():
     check_survivors(logs, expected)
     status, message = logs[VICTIM]["refused"]
     assert status == ZS_ELEFT, (status, message)
-    assert "rank 2" in message and "rejoin" in message, message
+    assert "rank 2" in message and "join mode" in message, message
+    # Rejoined in join mode after everyone else closed: the job waited, then
+    # went on with it alone.
+    assert logs[VICTIM]["rejoined"] == [STEPS + 1, 1, 0], logs[VICTIM]
+
+
+def test_a_kill_and_a_join_end_bit_identical_to_their_replay_on_both_transports():
+    """Rank 2 killed at step K, a new rank 2 joining at step M: the same bits
+    as rank 2 closing at K and joining at M, and as torch over that log."""
+    expected = reference(leave=K, join=M)
+    replay = run("data", "leave", join=M)
+    check_survivors(replay, expected, join=M, timeouts=False)
+    check_survivors(run("data", "during", join=M), expected, join=M)
+    check_survivors(run("grpc", "before", join=M), expected, join=M)
+
+
+def test_the_timeout_as_a_job_option_a_clean_close_and_a_join_in_process():
+    """Shards without --trainer-timeout-ms: the job's trainer_timeout_ms makes
+    it elastic; a close leaves at once (W = 1: the job then has no member and
+    waits), and a trainer opening in join mode is admitted at the next step
+    and pulls the current weights."""
+    zshard_servers.use_build_tree_package()
+    import zshard
+    with zshard_servers.Shards(2) as s:
+
+        def one(open_mode, **kw):
+            c = zshard.Client(s.addresses, rank=0, world_size=1, job="option", grad_reduce="sum",
+                              push_dtype="fp32", split_threshold=256, transport="grpc",
+                              open_mode=open_mode, **kw)
+            c.add_group("sgd")
+            c.add_tensor("t", NUMELS[0])
+            c.open_job([init_weights(0)] if open_mode != "join" else None)
+            return c
+
+        a = one("either", trainer_timeout_ms=4321)
+        a.push(0, grad(1, 0, 0)).wait()
+        r = a.step(LR)
+        assert (r.step, r.num_members, r.member_rank) == (1, 1, 0)
+        rows = status(s.addresses)
+        assert [(x["members"], x["trainer_timeout_ms"]) for x in rows] == [(1, 4321)] * 2, rows
+        after_one = array.array("f", [0.0] * NUMELS[0])
+        a.pull(0, after_one).wait()
+        a.close()
+        rows = status(s.addresses)
+        assert [(x["members"], x["member_leaves"]) for x in rows] == [(0, 1)] * 2, rows
+        b = one("join")
+        assert b.current_step == 2
+        pulled = array.array("f", [0.0] * NUMELS[0])
+        b.pull(0, pulled).wait()
+        assert pulled.tobytes() == after_one.tobytes()
+        b.push(0, grad(2, 0, 0)).wait()
+        r = b.step(LR)
+        assert (r.step, r.num_members) == (2, 1)
+        rows = status(s.addresses)
+        assert [(x["members"], x["member_joins"], x["membership_epoch"], x["member_log"])
+                for x in rows] == [(1, 1, 2, "1:0")] * 2, rows
+        b.close()
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "trainer":

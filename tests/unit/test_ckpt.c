@@ -32,6 +32,7 @@
 #include "tests/common/privileged.h"
 
 #include "common/base/clock.h"
+#include "common/base/crc32c.h"
 #include "common/base/dtype.h"
 #include "common/base/le.h"
 #include "common/model/layout.h"
@@ -320,6 +321,56 @@ static void written_checkpoint_loads_back_bit_for_bit(void **state) {
   assert_states_hold(sts, &s, &md);
   for (uint32_t i = 0; i < 2; i++)
     core_state_free(&sts[i]);
+  model_free(&md);
+  spec_free(&s);
+}
+
+/* A checkpoint written before issue 26 carries the spec hash with the world
+ * size in it (spec_hash_legacy) in its headers and manifest: made here by
+ * rewriting a new one's hash fields (and their CRCs), it still loads, and
+ * the state it gives has today's hash. */
+static void a_checkpoint_with_the_hash_before_issue_26_still_loads(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "legacy");
+  spec s;
+  build_spec(&s, "legacy", 2);
+  model md;
+  model_random(&md, 3);
+  const uint64_t legacy = spec_hash_legacy(&s);
+  assert_true(legacy != spec_hash(&s));
+  ckpt_manifest m = {
+      .step = 4, .version = 4, .optimizer_steps = 3, .spec_hash = legacy, .num_shards = 2};
+  m.files = calloc(2, sizeof *m.files);
+  for (uint32_t i = 0; i < 2; i++) {
+    core_state st;
+    state_from_model(&st, &s, i, &md, 4, 3);
+    assert_int_equal(ckpt_write_shard(root, &st, NULL, &m.files[i], err, sizeof err), 0);
+    core_state_free(&st);
+    char path[600];
+    shard_path(path, sizeof path, root, 4, i, 2);
+    uint64_t n = file_size(path);
+    unsigned char *buf = malloc(n);
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    assert_int_equal(fread(buf, 1, n, f), n);
+    le_store64(buf + 24, legacy);
+    le_store32(buf + 124, crc32c(0, buf, 124));
+    rewind(f);
+    assert_int_equal(fwrite(buf, 1, n, f), n);
+    fclose(f);
+    m.files[i].crc32c = crc32c(0, buf, n);
+    free(buf);
+  }
+  assert_int_equal(ckpt_manifest_write(root, &m, 0, err, sizeof err), 0);
+  ckpt_manifest_free(&m);
+  core_state sts[2];
+  load_all(root, 4, 2, sts);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(sts[i].version, 4);
+    assert_true(spec_hash(&sts[i].spec) == spec_hash(&s));
+    core_state_free(&sts[i]);
+  }
   model_free(&md);
   spec_free(&s);
 }
@@ -1719,6 +1770,7 @@ int main(void) {
       cmocka_unit_test(checkpoints_far_ahead_are_refused_and_near_ones_hold_no_thread),
       cmocka_unit_test(uncommitted_checkpoints_are_bounded_and_count_toward_keep),
       cmocka_unit_test(written_checkpoint_loads_back_bit_for_bit),
+      cmocka_unit_test(a_checkpoint_with_the_hash_before_issue_26_still_loads),
       cmocka_unit_test(file_bytes_of_a_fixed_state_are_pinned),
       cmocka_unit_test(checkpoint_without_manifest_is_never_loaded),
       cmocka_unit_test(fifos_named_like_state_files_are_refused_without_blocking),

@@ -653,9 +653,19 @@ static void test_open_creates_once_accepts_identical_and_rejects_other_specs(voi
   assert_int_equal(r.spec_hash, j.hash);
   assert_int_equal(r.initialized, 0);
 
-  /* Another spec (different world size) on the open job. */
+  /* Another world size is the same job (issue 26: W is its initial
+   * membership, not its identity), which keeps its own W. */
+  job wider;
+  job_start(&wider, k_tensors, K_NT, 3, 2, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_finish(&wider, 1);
+  assert_true(wider.hash == j.hash);
+  assert_int_equal(core_open(c, &wider.spec, &r, err, sizeof err), 0);
+  assert_int_equal(r.created, 0);
+  assert_int_equal(r.world_size, 2);
+
+  /* Another spec (different accumulation count) on the open job. */
   job other;
-  job_start(&other, k_tensors, K_NT, 3, 2, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
+  job_start(&other, k_tensors, K_NT, 2, 3, 2, ZS_DTYPE_BF16, SPEC_REDUCE_MEAN, ZS_DTYPE_FP32);
   job_finish(&other, 1);
   assert_true(other.hash != j.hash);
   assert_int_equal(core_open(c, &other.spec, &r, err, sizeof err), ZS_EHASH);
@@ -689,6 +699,7 @@ static void test_open_creates_once_accepts_identical_and_rejects_other_specs(voi
   core_destroy(c);
   job_free(&three);
   job_free(&other);
+  job_free(&wider);
   job_free(&j);
 }
 
@@ -2852,6 +2863,89 @@ static void test_elastic_a_rank_left_out_halfway_is_discarded_alike_on_every_sha
   job_free(&j);
 }
 
+static core_members ranks_of(uint32_t a, uint32_t b, uint32_t c) {
+  core_members m;
+  memset(&m, 0, sizeof m);
+  core_members_add(&m, a);
+  core_members_add(&m, b);
+  if (c != UINT32_MAX)
+    core_members_add(&m, c);
+  return m;
+}
+
+/* Joins and clean leaves (core_member_change), keyed by step: a join or a
+ * leave at the pending step, decided or not, planned for a later one, a
+ * stale leave, and the membership log they leave behind. No timeout fires
+ * (600 s): every set below is decided by the members' pushes and the
+ * changes alone. */
+static void test_elastic_joins_and_leaves_take_effect_at_their_step(void **state) {
+  (void)state;
+  job j;
+  job_start(&j, k_tensors, K_NT, 3, 1, 2, ZS_DTYPE_BF16, SPEC_REDUCE_SUM, ZS_DTYPE_BF16);
+  job_finish(&j, 7);
+  job_make_grads(&j, 9);
+  core *c = open_elastic(&j, 0, 600000);
+  char err[256] = "";
+  uint64_t v = 0;
+  assert_int_equal(core_member_change(c, j.hash, 3, CORE_MEMBER_JOIN, 1, &v, err, sizeof err),
+                   ZS_EINVAL);
+  assert_int_equal(core_member_change(c, j.hash, 0, 9, 1, &v, err, sizeof err), ZS_EINVAL);
+
+  /* Step 1, every rank in: its set is decided, so a join at 1 is late and
+   * a leave at 1 takes effect at 2. */
+  for (uint32_t r = 0; r < 3; r++)
+    push_rank(c, &j, 0, 1, r, UINT32_MAX);
+  core_stats_result s;
+  assert_int_equal(stats_sync(c, &j, 1, &s), 0);
+  assert_int_equal(s.members.n, 3);
+  assert_int_equal(core_member_change(c, j.hash, 2, CORE_MEMBER_JOIN, 1, &v, err, sizeof err),
+                   ZS_ESTEP);
+  assert_non_null(strstr(err, "decided its members already"));
+  assert_int_equal(core_member_change(c, j.hash, 2, CORE_MEMBER_LEAVE, 1, &v, err, sizeof err), 0);
+  assert_int_equal(apply_members_sync(c, &j, 1, &s.members, err, sizeof err), 0);
+  core_membership mb;
+  core_get_membership(c, &mb);
+  assert_int_equal(mb.members.n, 2);
+  /* A leave for an applied step is a stale client's: ignored. */
+  assert_int_equal(core_member_change(c, j.hash, 1, CORE_MEMBER_LEAVE, 1, &v, err, sizeof err), 0);
+  assert_int_equal(v, 1);
+  core_get_membership(c, &mb);
+  assert_int_equal(mb.members.n, 2);
+
+  /* Rank 2 asks to join at 3 while 2 is pending: planned. Step 2 needs
+   * ranks 0 and 1 only. */
+  assert_int_equal(core_member_change(c, j.hash, 2, CORE_MEMBER_JOIN, 3, &v, err, sizeof err), 0);
+  push_rank(c, &j, 0, 2, 0, UINT32_MAX);
+  push_rank(c, &j, 0, 2, 1, UINT32_MAX);
+  assert_int_equal(stats_sync(c, &j, 2, &s), 0);
+  core_members two = ranks_of(0, 1, UINT32_MAX);
+  assert_true(core_members_equal(&s.members, &two));
+  assert_int_equal(apply_members_sync(c, &j, 2, &two, err, sizeof err), 0);
+
+  /* Step 3 has all three; rank 1 pushes, then leaves at 3 (undecided):
+   * its pushes are dropped and the step completes with ranks 0 and 2. */
+  push_rank(c, &j, 0, 3, 1, UINT32_MAX);
+  assert_int_equal(core_member_change(c, j.hash, 1, CORE_MEMBER_LEAVE, 3, &v, err, sizeof err), 0);
+  push_rank(c, &j, 0, 3, 0, UINT32_MAX);
+  push_rank(c, &j, 0, 3, 2, UINT32_MAX);
+  assert_int_equal(stats_sync(c, &j, 3, &s), 0);
+  core_members zero_two = ranks_of(0, 2, UINT32_MAX);
+  assert_true(core_members_equal(&s.members, &zero_two));
+  assert_int_equal(apply_members_sync(c, &j, 3, &zero_two, err, sizeof err), 0);
+
+  core_get_membership(c, &mb);
+  assert_int_equal(mb.joins, 1);
+  assert_int_equal(mb.leaves, 2);
+  char log[256];
+  assert_int_equal(core_member_log_format(c, log, sizeof log), 3);
+  assert_string_equal(log, "1:0,1,2;2:0,1;3:0,2");
+  /* Too small for all: the newest entries that fit. */
+  assert_int_equal(core_member_log_format(c, log, 12), 2);
+  assert_string_equal(log, "2:0,1;3:0,2");
+  core_destroy(c);
+  job_free(&j);
+}
+
 int main(void) {
   /* One "apply" line per step on stderr would drown the test output. */
   log_set_level(LOG_LEVEL_WARN);
@@ -2894,6 +2988,7 @@ int main(void) {
       cmocka_unit_test(test_a_piece_nobody_gave_a_gradient_keeps_its_state_and_step_count),
       cmocka_unit_test(test_a_pipelined_piece_nobody_gave_a_gradient_is_skipped_too),
       cmocka_unit_test(test_elastic_a_rank_left_out_halfway_is_discarded_alike_on_every_shard),
+      cmocka_unit_test(test_elastic_joins_and_leaves_take_effect_at_their_step),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

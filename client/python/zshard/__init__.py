@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 from . import _zshard
 from ._zshard import (  # noqa: F401
     ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, INT8_BLOCK, LION, LOSS_SCALE_DYNAMIC, LOSS_SCALE_NONE,
-    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM,
+    LOSS_SCALE_STATIC, MASTER, OPEN_CREATE, OPEN_EITHER, OPEN_JOIN, OPEN_RESUME, REDUCE_MEAN, REDUCE_SUM,
     SCHEDULE_DEFAULT, SCHEDULE_FIFO, SCHEDULE_ROTATED, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT,
     TRANSPORT_GRPC, Error, Request, StepResult, Timing, dtype_size,
     err_name, strerror, version)
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Client", "STATUS", "ADAM", "ADAMW", "BF16", "EXP_AVG", "EXP_AVG_SQ", "FP16", "FP32", "INT8_BLOCK",
     "LION", "LOSS_SCALE_DYNAMIC", "LOSS_SCALE_NONE", "LOSS_SCALE_STATIC", "MASTER", "OPEN_CREATE",
-    "OPEN_EITHER", "OPEN_RESUME", "REDUCE_MEAN", "REDUCE_SUM", "SCHEDULE_DEFAULT", "SCHEDULE_FIFO",
+    "OPEN_EITHER", "OPEN_JOIN", "OPEN_RESUME", "REDUCE_MEAN", "REDUCE_SUM", "SCHEDULE_DEFAULT", "SCHEDULE_FIFO",
     "SCHEDULE_ROTATED", "SGD", "TRANSPORT_DATA", "TRANSPORT_DEFAULT",
     "TRANSPORT_GRPC", "Error", "Request", "StepResult", "Timing", "dtype_size", "err_name", "strerror",
     "version", "OK", "EINVAL", "ENOMEM", "ENOTFOUND", "EHASH", "ESTEP", "ESIZE", "EDTYPE", "ETIMEDOUT",
@@ -68,7 +68,8 @@ _ENUMS: Dict[str, Dict[str, int]] = {
                      "dynamic": LOSS_SCALE_DYNAMIC},
     "transport": {"default": TRANSPORT_DEFAULT, "data": TRANSPORT_DATA, "grpc": TRANSPORT_GRPC},
     "schedule": {"default": SCHEDULE_DEFAULT, "fifo": SCHEDULE_FIFO, "rotated": SCHEDULE_ROTATED},
-    "open_mode": {"either": OPEN_EITHER, "create": OPEN_CREATE, "resume": OPEN_RESUME},
+    "open_mode": {"either": OPEN_EITHER, "create": OPEN_CREATE, "resume": OPEN_RESUME,
+                  "join": OPEN_JOIN},
     "optimizer": {"adamw": ADAMW, "adam": ADAM, "sgd": SGD, "lion": LION},
     "dtype": {"fp32": FP32, "fp16": FP16, "bf16": BF16},
 }
@@ -93,7 +94,7 @@ class Client(_zshard.Client):
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
     data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode,
     error_feedback, pipelined, failover_ms, schedule, schedule_window,
-    tcp_congestion, and token, tls_ca, tls_cert, tls_key, tls_server_name for
+    tcp_congestion, trainer_timeout_ms, and token, tls_ca, tls_cert, tls_key, tls_server_name for
     the C fields token, tls_ca_file, tls_cert_file, tls_key_file,
     tls_server_name) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
@@ -120,7 +121,10 @@ class Client(_zshard.Client):
     create the job, or resume the same model where the shards left it,
     ignoring the initial weights), "create" (a new run: zshard.Error EEXIST
     if the shards hold another job or this one already trained) or "resume"
-    (zshard.Error ENOTOPEN if a shard holds no job).
+    (zshard.Error ENOTOPEN if a shard holds no job), or "join" (a new or
+    restarted trainer of an elastic job, docs/CLIENT.md "Elastic trainers":
+    the job must be on the shards, rank 0 passes no initial weights, and the
+    rank is admitted at the next step boundary; close() leaves it cleanly).
 
 
     Security (docs/CLIENT.md): token= is the shards' token (default the

@@ -74,6 +74,7 @@ SCHEDULE_ROTATED: int
 OPEN_EITHER: int
 OPEN_CREATE: int
 OPEN_RESUME: int
+OPEN_JOIN: int
 # Optimizer state arrays (zs_state_array).
 MASTER: int
 EXP_AVG: int

@@ -131,6 +131,7 @@ enum {
   M_PROMOTE,
   M_REPLICA_JOIN,
   M_REPLICA_FETCH,
+  M_CHANGE_MEMBERSHIP,
   M_HEALTH_CHECK,
   M_HEALTH_WATCH,
   M_COUNT,
@@ -283,6 +284,7 @@ static void h_write_state(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_promote(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_replica_join(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_replica_fetch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
+static void h_change_membership(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_check(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 static void h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len);
 
@@ -317,6 +319,8 @@ static const struct {
     [M_REPLICA_JOIN] = {"/zshard.v1.ZShard/ReplicaJoin", h_replica_join, GSRV_SMALL_REQUEST_BYTES},
     [M_REPLICA_FETCH] = {"/zshard.v1.ZShard/ReplicaFetch", h_replica_fetch,
                          GSRV_SMALL_REQUEST_BYTES},
+    [M_CHANGE_MEMBERSHIP] = {"/zshard.v1.ZShard/ChangeMembership", h_change_membership,
+                             GSRV_SMALL_REQUEST_BYTES},
     [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", h_health_check, GSRV_SMALL_REQUEST_BYTES},
     [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", h_health_watch, GSRV_SMALL_REQUEST_BYTES},
 };
@@ -1014,7 +1018,8 @@ static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   if (rc)
     goto fail;
   core_open_result res;
-  rc = service_open_mode(s->svc, &sp, r->rank, (int)r->mode, &res, err, sizeof err);
+  rc = service_open_job(s->svc, &sp, r->rank, (int)r->mode, r->trainer_timeout_ms, &res, err,
+                        sizeof err);
   if (rc)
     goto fail;
   if (res.created) {
@@ -1043,6 +1048,7 @@ static void h_open(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.num_shards = info.num_shards;
   resp.created = res.created != 0;
   resp.initialized = res.initialized != 0;
+  resp.world_size = res.world_size;
   finish_msg(c, 0, &resp.base);
   spec_free(&sp);
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -1694,6 +1700,29 @@ static void h_close_job(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   finish_msg(c, 0, &resp.base);
 }
 
+static void h_change_membership(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
+  char err[GSRV_ERRLEN] = "";
+  Zshard__V1__ChangeMembershipRequest *r =
+      UNPACK(Zshard__V1__ChangeMembershipRequest, zshard__v1__change_membership_request__descriptor,
+             msg, len);
+  if (!r) {
+    bad_message(c, "zshard.v1.ChangeMembershipRequest");
+    return;
+  }
+  Zshard__V1__ChangeMembershipResponse resp = ZSHARD__V1__CHANGE_MEMBERSHIP_RESPONSE__INIT;
+  /* A rank token changes only its own rank's membership, as it pushes. */
+  int job_ok = !c->bind.bound || core_job_named(service_core(s->svc), r->spec_hash, c->bind.job);
+  int rc = auth_push_admit(s->auth, c->role, &c->bind, job_ok, r->rank, err, sizeof err);
+  if (rc == 0)
+    rc = service_member_change(s->svc, r->spec_hash, r->rank, (int)r->change, r->step,
+                               &resp.version, err, sizeof err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (rc != 0)
+    finish_err(c, 0, rc, err);
+  else
+    finish_msg(c, 0, &resp.base);
+}
+
 static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   Zshard__V1__StatsRequest *r =
       UNPACK(Zshard__V1__StatsRequest, zshard__v1__stats_request__descriptor, msg, len);
@@ -1726,6 +1755,10 @@ static void h_stats(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
   resp.membership_epoch = mb.epoch;
   resp.member_leaves = mb.leaves;
   resp.trainer_timeouts = mb.timeouts;
+  resp.member_joins = mb.joins;
+  char mlog[4096];
+  service_member_log(s->svc, mlog, sizeof mlog);
+  resp.member_log = mlog;
   resp.trainer_timeout_ms = mb.trainer_timeout_ms;
   finish_msg(c, 0, &resp.base);
 }
@@ -2206,6 +2239,8 @@ static const auth_role method_role[M_COUNT + 1] = {
     /* Between members, which call each other with the admin token. */
     [M_REPLICA_JOIN] = AUTH_ADMIN,
     [M_REPLICA_FETCH] = AUTH_ADMIN,
+    /* A trainer joins or leaves an elastic job between steps (issue 26). */
+    [M_CHANGE_MEMBERSHIP] = AUTH_TRAINER,
     [M_HEALTH_CHECK] = AUTH_NONE,
     [M_HEALTH_WATCH] = AUTH_NONE,
     /* An unknown method is answered UNIMPLEMENTED only to a caller with a
@@ -2295,6 +2330,9 @@ static const replica_kind method_kind[M_COUNT] = {
     [M_PROMOTE] = REPLICA_ANY,
     [M_REPLICA_JOIN] = REPLICA_ANY,
     [M_REPLICA_FETCH] = REPLICA_ANY,
+    /* Not forwarded: a backup learns a step's set from its Apply (DESIGN.md
+     * "Membership", replica sets). */
+    [M_CHANGE_MEMBERSHIP] = REPLICA_PRIMARY_ONLY,
     [M_HEALTH_CHECK] = REPLICA_ANY,
     [M_HEALTH_WATCH] = REPLICA_ANY,
 };

@@ -125,6 +125,7 @@ static const kw_field client_fields[] = {
     CO(schedule, KW_ENUM),
     CO(schedule_window, KW_U32),
     CO(tcp_congestion, KW_STR),
+    CO(trainer_timeout_ms, KW_U32),
     /* Security: the Python names drop the C names' "_file". */
     {"token", KW_STR, offsetof(zs_client_options, token)},
     {"tls_ca", KW_STR, offsetof(zs_client_options, tls_ca_file)},
@@ -1741,6 +1742,7 @@ PyMODINIT_FUNC PyInit__zshard(void) {
       PyModule_AddIntConstant(m, "OPEN_EITHER", ZS_OPEN_EITHER) < 0 ||
       PyModule_AddIntConstant(m, "OPEN_CREATE", ZS_OPEN_CREATE) < 0 ||
       PyModule_AddIntConstant(m, "OPEN_RESUME", ZS_OPEN_RESUME) < 0 ||
+      PyModule_AddIntConstant(m, "OPEN_JOIN", ZS_OPEN_JOIN) < 0 ||
       PyModule_AddIntConstant(m, "MASTER", ZS_STATE_MASTER) < 0 ||
       PyModule_AddIntConstant(m, "EXP_AVG", ZS_STATE_EXP_AVG) < 0 ||
       PyModule_AddIntConstant(m, "EXP_AVG_SQ", ZS_STATE_EXP_AVG_SQ) < 0)

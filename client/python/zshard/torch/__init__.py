@@ -824,8 +824,10 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, addresses: s
     max_grad_norm: global gradient clipping on the shards (None: none).
     grad_accum: backward passes (micro-batches) per step.
     open_mode: "either" (default), "create" (a new run: refuses shards holding
-      another job or this one already trained) or "resume" (refuses shards
-      without the job); close(close_job=True) ends the job on the shards.
+      another job or this one already trained), "resume" (refuses shards
+      without the job) or "join" (a new or restarted trainer of an elastic
+      job, admitted at the next step boundary: docs/PYTORCH.md "Elastic
+      trainers"); close(close_job=True) ends the job on the shards.
     mmap_threshold: with release_after_forward, set glibc's mmap threshold to
       this many bytes (e.g. 1 << 20) so that released parameters leave the
       resident set at once, at the price of page faults on every pull (the
