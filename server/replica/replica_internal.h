@@ -82,6 +82,12 @@ typedef struct member {
   uint64_t behind_since_ms;
   char seen_config[REPLICA_CONFIG_LEN]; /* why its member list differs; "": it agrees */
   uint64_t heard_term;                  /* the highest term its probes of this replica carried */
+  /* replica.mu: push forwards under way that count it a target. An Apply it
+   * refuses ZS_ENOTREADY meanwhile misses pushes that are on their way to
+   * it (the trainers' first Apply runs once the primary holds every
+   * contribution, which may be before another thread's forward of them got
+   * past a dead backup listed before this one). */
+  uint32_t pushing;
 } member;
 
 struct replica {

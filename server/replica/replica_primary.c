@@ -103,8 +103,8 @@ void replica__drop_locked(replica *r, uint32_t i, int rc, const char *why) {
 /* After one attempt on member t with status rc: FWD_DONE (move on),
  * FWD_RETRY (again after a pause), or the member dropped / this replica
  * deposed (both: move on; deposed returns ZS_ENOTPRIMARY). */
-static int settle(replica *r, const fwd_target *t, int rc, const char *msg, uint64_t first_fail_ms,
-                  uint64_t term, int *deposed) {
+static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int is_push,
+                  uint64_t *first_fail_ms, uint64_t term, int *deposed) {
   int k = classify(rc);
   pthread_mutex_lock(&r->mu);
   member *m = &r->m[t->idx];
@@ -131,7 +131,12 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, uint
     uint64_t now = clock_now_ms();
     if (!m->in_sync && !m->joining) {
       k = FWD_DONE; /* dropped meanwhile */
-    } else if (m->joining && rc == ZS_ENOTREADY && now - first_fail_ms >= r->failover_ms) {
+    } else if (!is_push && !m->joining && rc == ZS_ENOTREADY && m->pushing) {
+      /* A backup that answers misses contributions that pushes still under
+       * way bring it (each bounded by the failover time, or it is
+       * dropped): the failover time counts from when they are through. */
+      *first_fail_ms = now;
+    } else if (m->joining && rc == ZS_ENOTREADY && now - *first_fail_ms >= r->failover_ms) {
       /* Alive but still reading or loading its copy: a write waits for a
        * joiner as long as for any backup, then the joiner is dropped and
        * asks again (a copy made at a later step). */
@@ -142,7 +147,7 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, uint
       k = FWD_DONE;
     } else if (m->joining && rc == ZS_ENOTREADY) {
       /* retried until the failover time */
-    } else if (now - first_fail_ms >= r->failover_ms) {
+    } else if (now - *first_fail_ms >= r->failover_ms) {
       /* The member's last answer says why (a refusal is not a silence). */
       char why[REPLICA_ERRLEN + 64];
       snprintf(why, sizeof why, "no answer within the failover time; the last: %s",
@@ -157,6 +162,22 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, uint
 
 typedef int (*send_fn)(replica *r, member *m, uint64_t term, const void *arg, char *msg,
                        size_t len);
+
+static int send_push(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len);
+
+/* Marks the n targets t as receiving pushes from this thread (up: 1) or no
+ * longer (up: 0); see member.pushing. */
+static void count_pushing(replica *r, const fwd_target *t, uint32_t n, int up) {
+  pthread_mutex_lock(&r->mu);
+  for (uint32_t i = 0; i < n; i++) {
+    member *m = &r->m[t[i].idx];
+    if (up)
+      m->pushing++;
+    else
+      m->pushing--;
+  }
+  pthread_mutex_unlock(&r->mu);
+}
 
 /* Sends one write to every target, each until it answered or was dropped. */
 /* The failover time of a forward counts from `since` (when the write began
@@ -174,6 +195,9 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint6
   pthread_mutex_unlock(&r->mu);
   if (!primary)
     return status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
+  int is_push = fn == send_push;
+  if (is_push)
+    count_pushing(r, t, n, 1);
   int deposed = 0;
   for (uint32_t i = 0; i < n && !deposed; i++) {
     uint64_t first_fail = 0;
@@ -182,12 +206,14 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint6
       int rc = fn(r, &r->m[t[i].idx], term, arg, msg, sizeof msg);
       if (rc != 0 && !first_fail)
         first_fail = since;
-      if (settle(r, &t[i], rc, msg, first_fail, term, &deposed) != FWD_RETRY)
+      if (settle(r, &t[i], rc, msg, is_push, &first_fail, term, &deposed) != FWD_RETRY)
         break;
       struct timespec ts = {.tv_sec = 0, .tv_nsec = REPLICA_RETRY_MS * 1000000L};
       nanosleep(&ts, NULL);
     }
   }
+  if (is_push)
+    count_pushing(r, t, n, 0);
   if (deposed)
     return status_fail(err, errlen, ZS_ENOTPRIMARY,
                        "this replica is no longer its shard's primary (a newer term exists)");
@@ -287,6 +313,9 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
   uint64_t term = r->term;
   uint32_t nt = r->role == REPLICA_PRIMARY ? replica__targets_locked(r, 0, t) : 0;
   pthread_mutex_unlock(&r->mu);
+  /* The targets count as receiving these pushes until every one went
+   * through (also between the one-by-one forwards below). */
+  count_pushing(r, t, nt, 1);
   /* The common case at once; any failure takes the one-by-one path, which
    * retries, drops or steps down (a repeat is acknowledged as a duplicate). */
   int all = n > 1 && nt > 0;
@@ -307,15 +336,12 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
       r->forwarded_bytes += bytes * nt;
     }
     pthread_mutex_unlock(&r->mu);
-    if (all)
-      return 0;
   }
-  for (uint32_t k = 0; k < n; k++) {
-    int rc = forward(r, send_push, &a[k], a[k].step, a[k].nbytes, since, err, errlen);
-    if (rc)
-      return rc;
-  }
-  return 0;
+  int rc = 0;
+  for (uint32_t k = 0; !all && k < n && rc == 0; k++)
+    rc = forward(r, send_push, &a[k], a[k].step, a[k].nbytes, since, err, errlen);
+  count_pushing(r, t, nt, 0);
+  return rc;
 }
 
 typedef struct raw_req {
