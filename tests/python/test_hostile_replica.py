@@ -597,6 +597,43 @@ def test_a_stale_backup_that_takes_over_answers_ebehind():
         assert st == ZS_EBEHIND, (st, msg)
 
 
+def test_a_joined_backup_that_takes_over_answers_ebehind_for_the_step_of_its_copy():
+    """A member joins with the primary's copy of version V (its state is
+    loaded, not applied: it keeps no record of step V's statistics or
+    apply), the primary dies, it is promoted. A trainer that missed step V's
+    answers (a delayed rank) and asks for them again is told ZS_EBEHIND and
+    to restore, the error the docs name for a set that cannot finish a
+    step; it used to get ZS_ESTEP "statistics asked for step V but shard 0
+    is at version V"."""
+    with ReplicaSet() as rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        h = hostile.open_job(p, NUMELS)
+        hostile.init_params(p, h, NUMELS)
+        hostile.step(p, h, 1, NUMELS)
+        rs.kill(1)
+        hostile.step(p, h, 2, NUMELS)  # dropped after --failover-ms
+        rs.start(1)
+        assert hostile.wait_for(lambda: "event=replica_join_asked member=1 term=1 copy=at the next"
+                                in rs.log(0), seconds=30), rs.log(0)[-2000:]
+        hostile.step(p, h, 3, NUMELS)  # the copy is made at version 3
+        assert hostile.wait_for(lambda: rs.role(1) == "backup", seconds=30), rs.info(1)
+        assert rs.info(1).version == 3
+        rs.kill(0)
+        r = promote(rs, 1, 2)
+        assert ROLE[r.role] == "primary" and r.version == 3, r
+        b = rs.client(1)
+        pb = stubs().pb
+        st, msg = refused(b.call, "GradStats", pb.GradStatsRequest(spec_hash=h, step=3,
+                                                                  timeout_ms=1000))
+        assert st == ZS_EBEHIND and "restore" in msg and "no record" in msg, (st, msg)
+        st, msg = refused(b.call, "Apply", pb.ApplyRequest(spec_hash=h, step=3, lr=1e-3, coef=1.0))
+        assert st == ZS_EBEHIND and "restore" in msg, (st, msg)
+        # The next step is trained as usual.
+        assert hostile.step(b, h, 4, NUMELS).version == 4
+
+
 # ------------------------------------------------------------ issue 23, item 6: lists that disagree
 
 
