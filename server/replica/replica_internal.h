@@ -71,6 +71,10 @@ typedef struct member {
    * restarted: the channel's reconnect backoff). */
   uint64_t heard_ms;
   uint64_t join_id; /* its ReplicaFetch calls name it; 0: none */
+  /* A joiner's last step forward on its copy: its ReplicaJoin, the copy
+   * made, a ReplicaFetch served. A joiner still loading is dropped only
+   * after the failover time without one, however long the whole copy takes. */
+  uint64_t progress_ms;
 
   /* replica.mu: the monitor's view. */
   int seen_role;

@@ -136,14 +136,17 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
        * way bring it (each bounded by the failover time, or it is
        * dropped): the failover time counts from when they are through. */
       *first_fail_ms = now;
-    } else if (m->joining && rc == ZS_ENOTREADY && now - *first_fail_ms >= r->failover_ms) {
+    } else if (m->joining && rc == ZS_ENOTREADY &&
+               now - (m->progress_ms > *first_fail_ms ? m->progress_ms : *first_fail_ms) >=
+                   r->failover_ms) {
       /* Alive but still reading or loading its copy: a write waits for a
-       * joiner as long as for any backup, then the joiner is dropped and
+       * joiner while it makes progress on the copy (a large shard's copy
+       * may take longer than the failover time), and at most the failover
+       * time since its last step forward; then the joiner is dropped and
        * asks again (a copy made at a later step). */
-      replica__drop_locked(
-          r, t->idx, rc,
-          "it was still loading its copy when a write had waited the failover time for "
-          "it: it joins again");
+      replica__drop_locked(r, t->idx, rc,
+                           "it was still loading its copy and made no progress on it for the "
+                           "failover time while a write waited for it: it joins again");
       k = FWD_DONE;
     } else if (m->joining && rc == ZS_ENOTREADY) {
       /* retried until the failover time */
@@ -418,9 +421,12 @@ static void snap_done(void *arg, int status, double fn_seconds) {
   pthread_mutex_lock(&r->mu);
   r->snap_ready = 1;
   r->snap_status = status;
-  for (uint32_t i = 0; i < r->n && status != 0; i++)
-    if (r->m[i].joining)
+  for (uint32_t i = 0; i < r->n; i++) {
+    if (r->m[i].joining && status != 0)
       replica__drop_locked(r, i, status, "the copy of the state failed");
+    else if (r->m[i].joining)
+      r->m[i].progress_ms = clock_now_ms(); /* its copy is made: it reads it now */
+  }
   snap_release_locked(r); /* all dropped while the copy was made */
   pthread_cond_broadcast(&r->cv);
   pthread_mutex_unlock(&r->mu);
@@ -450,6 +456,7 @@ void replica_on_applied(void *arg, const core_apply_result *res) {
     m->join_pending = 0;
     m->joining = 1; /* every write from now on goes to it too */
     m->covered = res->version;
+    m->progress_ms = clock_now_ms(); /* its copy is being made */
     r->joins++;
     start++;
   }
@@ -520,7 +527,7 @@ int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, c
     m->covered = 0;
     m->join_pending = 1;
     m->join_id = ++r->join_seq;
-    m->heard_ms = clock_now_ms();
+    m->heard_ms = m->progress_ms = clock_now_ms();
     snap_release_locked(r);
     *join_id = m->join_id; /* its ReplicaFetch calls carry it */
   }
@@ -596,8 +603,10 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
   /* The copy is only replaced by the next join, which waits for its
    * joiners to end (snap_busy), and is freed only with no answer pointing
    * into it (snap_packing): the pointers stay valid while it is packed. */
-  if (rc == 0)
+  if (rc == 0) {
     r->snap_packing++;
+    m->progress_ms = clock_now_ms(); /* a part of the copy served */
+  }
   pthread_mutex_unlock(&r->mu);
   return rc;
 }
