@@ -304,8 +304,19 @@ int core__check_job(const core *c, uint64_t hash, char *err, size_t errlen) {
 /* The answer to a request for `step` when the shard's state came from a
  * checkpoint and step is beyond version + 1: the requester trained past the
  * checkpoint this shard was restored to, and must restore the job to a common
- * checkpoint before going on. Called with state_rw or mu held. */
+ * checkpoint before going on. Also when step is the version itself and the
+ * shard keeps no record of its statistics or apply (they are not part of a
+ * loaded state): the requester missed that step's answers, which no member
+ * can give it now. Called with state_rw or mu held. */
 int core__behind(const core *c, const char *what, uint64_t step, char *err, size_t errlen) {
+  if (step == c->version)
+    return status_fail(err, errlen, ZS_EBEHIND,
+                       "%s for step %" PRIu64 ", which shard %u holds applied but has no record of "
+                       "(its state was loaded at that version: a replica's copy, a checkpoint, or "
+                       "a backup that took over): a trainer that missed the step's answers cannot "
+                       "finish it here; restore the job to a checkpoint (zs_restore, zshard "
+                       "restore) to resume",
+                       what, step, c->shard_id);
   if (c->ckpt_taken_over)
     return status_fail(err, errlen, ZS_EBEHIND,
                        "%s for step %" PRIu64 " but shard %u is at version %" PRIu64

@@ -342,7 +342,7 @@ int core_grad_stats_members(core *c, uint64_t hash, uint64_t step, const core_me
       *out = c->last_stats;
     goto done;
   }
-  if (c->ckpt_loaded && step > c->version + 1) {
+  if (c->ckpt_loaded && (step > c->version + 1 || step == c->version)) {
     rc = core__behind(c, "statistics", step, err, errlen);
     goto done;
   }

@@ -252,3 +252,50 @@ def test_a_restarted_member_holding_its_checkpoint_joins_and_is_not_counted_in_s
             assert_bit_identical(tr.final_state(), want)
         finally:
             tr.close()
+
+
+def test_a_backup_killed_before_a_steps_pushes_leaves_the_other_backup_every_contribution():
+    """Three members, two trainers. The backup listed before the other is
+    SIGKILLed before a step's pushes: every forward of them waits on it for
+    the failover time before it reaches the other backup, while the
+    trainers' first Apply (run once the primary holds every contribution)
+    may be forwarded meanwhile. The other backup answers that Apply
+    ZS_ENOTREADY (the contributions are still on their way to it); it used
+    to be dropped once the failover time had passed since the Apply began,
+    which the wait on the dead backup had mostly used up (the soak's drops
+    of a backup "missing 1 or 4 of 8 contributions"). It must be given the
+    time the pushes under way take: no member that answers is dropped.
+    Several rounds, since which of the two forwards reaches the survivor
+    first is up to the primary's threads."""
+    rounds, steps = 4, 40
+    want = reference(2, steps)
+    with ReplicaCluster(SHARDS, 3, failover_ms=replica_soak.SERVER_FAILOVER_MS) as rc:
+        tr = open_team(rc, 2)
+        try:
+            tr.step()
+            wait_whole(rc, tr, 0)
+            for round_ in range(rounds):
+                p = rc.primary(0)
+                victim, survivor = sorted(k for k in range(3) if k != p)
+                sizes = log_sizes(rc)
+                seen = []
+
+                def hook(point):
+                    if point == "before_push" and not seen:
+                        rc.kill(0, victim)
+                        seen.append(point)
+                tr.step(hook)
+                rc.restart(0, victim)
+                wait_whole(rc, tr, 0)
+                tr.step()
+                assert_whole(rc, 0)
+                drops = [d for d in drops_since(rc, sizes)
+                         if not re.search(r"\bmember=%d\b" % victim, d)]
+                assert not drops, "round %d: s0r%d dropped: %s" % (round_, survivor, drops)
+            assert tr.step_no <= steps
+            while tr.step_no <= steps:
+                tr.step()
+            assert_members_identical(rc, tr, 0)
+            assert_bit_identical(tr.final_state(), want)
+        finally:
+            tr.close()

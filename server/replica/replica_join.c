@@ -1,0 +1,195 @@
+/*
+ * replica_join — joining, from the joiner's side: a member with no state of
+ * the set (started empty, dropped, deposed) asks the primary (ReplicaJoin),
+ * reads its copy (ReplicaFetch, REPLICA_FETCH_ELEMS at a time) and loads it
+ * (core_restore); the primary's side is in replica_primary.c.
+ */
+#include "server/replica/replica_internal.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/base/clock.h"
+#include "common/base/log.h"
+#include "common/base/status.h"
+#include "common/model/spec.h"
+
+/* ------------------------------------------------------------ joining (joiner) */
+
+/* One ReplicaFetch from member p, retried while the copy is not made yet. */
+static int fetch_part(replica *r, member *p, uint64_t join_id, int part, uint64_t offset,
+                      uint64_t count, Zshard__V1__ReplicaFetchResponse **out, char *err,
+                      size_t errlen) {
+  uint64_t start = clock_now_ms();
+  for (;;) {
+    rpc_channel *ch = replica__channel(r, p);
+    if (!ch)
+      return status_fail(err, errlen, ZS_ECONN, "no channel to %s", p->addr);
+    Zshard__V1__ReplicaFetchRequest q = ZSHARD__V1__REPLICA_FETCH_REQUEST__INIT;
+    q.join_id = join_id;
+    q.part = (Zshard__V1__ReplicaPart)part;
+    q.offset = offset;
+    q.count = count;
+    rpc_status st;
+    int rc = rpc_call(ch, REPLICA_METHOD("ReplicaFetch"), &q.base,
+                      &zshard__v1__replica_fetch_response__descriptor, (ProtobufCMessage **)out,
+                      REPLICA_RPC_MS, &st);
+    if (rc != ZS_ENOTREADY || clock_now_ms() - start > REPLICA_JOIN_MS) {
+      if (rc)
+        status_fail(err, errlen, rc, "ReplicaFetch from %s: %s", p->addr, st.message);
+      return rc;
+    }
+    pthread_mutex_lock(&r->mu);
+    int stop = r->stopping;
+    pthread_mutex_unlock(&r->mu);
+    if (stop)
+      return status_fail(err, errlen, ZS_ECANCELED, "stopping");
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = 50 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+}
+
+static int fetch_array_into(replica *r, member *p, uint64_t join_id, int part, float *dst,
+                            uint64_t n, char *err, size_t errlen) {
+  for (uint64_t off = 0; off < n;) {
+    uint64_t k = n - off < REPLICA_FETCH_ELEMS ? n - off : REPLICA_FETCH_ELEMS;
+    Zshard__V1__ReplicaFetchResponse *a = NULL;
+    int rc = fetch_part(r, p, join_id, part, off, k, &a, err, errlen);
+    if (rc)
+      return rc;
+    if (a->data.len != k * sizeof(float)) {
+      protobuf_c_message_free_unpacked(&a->base, NULL);
+      return status_fail(err, errlen, ZS_EPROTO, "ReplicaFetch answered %zu bytes, not %" PRIu64,
+                         a->data.len, k * sizeof(float));
+    }
+    memcpy(dst + off, a->data.data, a->data.len);
+    protobuf_c_message_free_unpacked(&a->base, NULL);
+    off += k;
+  }
+  return 0;
+}
+
+/* Reads the primary's copy into st (initialised from its META). */
+static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, char *err,
+                       size_t errlen) {
+  Zshard__V1__ReplicaFetchResponse *meta = NULL;
+  int rc = fetch_part(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_META, 0, 0, &meta, err,
+                      errlen);
+  if (rc)
+    return rc;
+  spec sp;
+  memset(&sp, 0, sizeof sp);
+  rc = meta->spec ? spec_from_proto(&sp, meta->spec, err, errlen)
+                  : status_fail(err, errlen, ZS_EPROTO, "the copy's META has no spec");
+  if (rc == 0)
+    rc = core_state_init(st, &sp, meta->shard_id, err, errlen);
+  if (rc == 0 && st->nelems != meta->elements)
+    rc = status_fail(err, errlen, ZS_EPROTO, "the copy has %" PRIu64 " elements, the spec %" PRIu64,
+                     meta->elements, st->nelems);
+  if (rc == 0 && meta->client_state.len) {
+    st->client_state = malloc(meta->client_state.len);
+    if (!st->client_state)
+      rc = ZS_ENOMEM;
+    else
+      memcpy(st->client_state, meta->client_state.data, meta->client_state.len);
+    st->client_state_len = meta->client_state.len;
+  }
+  if (rc == 0 && meta->n_tensor_steps) {
+    if (meta->n_tensor_steps != st->spec.num_tensors)
+      rc = status_fail(err, errlen, ZS_EPROTO,
+                       "the copy has %zu tensor step counts, the spec %u tensors",
+                       meta->n_tensor_steps, st->spec.num_tensors);
+    else if (!(st->tensor_steps = malloc(meta->n_tensor_steps * sizeof *st->tensor_steps)))
+      rc = ZS_ENOMEM;
+    else
+      memcpy(st->tensor_steps, meta->tensor_steps, meta->n_tensor_steps * sizeof *st->tensor_steps);
+  }
+  if (rc == 0) {
+    st->version = meta->version;
+    st->optimizer_steps = meta->optimizer_steps;
+    rc = fetch_array_into(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_MASTER, st->master,
+                          st->nelems, err, errlen);
+  }
+  if (rc == 0 && st->m)
+    rc = fetch_array_into(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_EXP_AVG, st->m,
+                          st->nelems, err, errlen);
+  if (rc == 0 && st->v)
+    rc = fetch_array_into(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_EXP_AVG_SQ, st->v,
+                          st->nelems, err, errlen);
+  spec_free(&sp);
+  protobuf_c_message_free_unpacked(&meta->base, NULL);
+  return rc;
+}
+
+/* Replaces this replica's state by the copy, closing a job of another spec
+ * first. */
+static int load_state(replica *r, core_state *st, char *err, size_t errlen) {
+  core_info info;
+  core_get_info(r->core, &info);
+  if (info.has_job && info.spec_hash != spec_hash(&st->spec)) {
+    core_close_result cr;
+    int rc = service_close(r->svc, 0, NULL, &cr, err, errlen);
+    if (rc)
+      return rc;
+  }
+  return core_restore(r->core, st, st->version, err, errlen);
+}
+
+/* Asks member p (primary of `term`) to join and loads its copy. Returns 0
+ * or the failure's status (logged). */
+int replica__join_primary(replica *r, uint32_t p, uint64_t term) {
+  pthread_mutex_lock(&r->mu);
+  r->role = REPLICA_JOINING;
+  r->term = term;
+  r->primary = (int)p;
+  pthread_mutex_unlock(&r->mu);
+  char err[REPLICA_ERRLEN] = "";
+  member *pm = &r->m[p];
+  uint64_t t0 = clock_now_ms();
+  Zshard__V1__ReplicaJoinRequest q = ZSHARD__V1__REPLICA_JOIN_REQUEST__INIT;
+  q.term = term;
+  q.index = r->index;
+  Zshard__V1__ReplicaJoinResponse *resp = NULL;
+  rpc_status st;
+  rpc_channel *ch = replica__channel(r, pm);
+  int rc = ch ? rpc_call(ch, REPLICA_METHOD("ReplicaJoin"), &q.base,
+                         &zshard__v1__replica_join_response__descriptor, (ProtobufCMessage **)&resp,
+                         REPLICA_RPC_MS, &st)
+              : ZS_ECONN;
+  if (rc)
+    snprintf(err, sizeof err, "%.200s", ch ? st.message : "no channel");
+  uint64_t join_id = resp ? resp->join_id : 0;
+  if (resp)
+    protobuf_c_message_free_unpacked(&resp->base, NULL);
+  core_state cs;
+  memset(&cs, 0, sizeof cs);
+  if (rc == 0 && join_id == 0) {
+    core_info info;
+    core_get_info(r->core, &info);
+    core_close_result cr;
+    if (info.has_job)
+      rc = service_close(r->svc, 0, NULL, &cr, err, sizeof err);
+  } else if (rc == 0) {
+    rc = fetch_state(r, pm, join_id, &cs, err, sizeof err);
+    if (rc == 0)
+      rc = load_state(r, &cs, err, sizeof err);
+  }
+  core_state_free(&cs);
+  pthread_mutex_lock(&r->mu);
+  if (r->role == REPLICA_JOINING && r->term == term)
+    r->role = rc == 0 ? REPLICA_BACKUP : REPLICA_STALE;
+  if (rc == 0)
+    r->joins++;
+  pthread_mutex_unlock(&r->mu);
+  if (rc == 0)
+    LOG_INFO("replica_loaded", "primary=%u term=%" PRIu64 " copy=%s took_ms=%" PRIu64, p, term,
+             join_id ? "yes" : "none", clock_now_ms() - t0);
+  else
+    LOG_WARN("replica_join_failed", "primary=%u term=%" PRIu64 " error=%s detail=\"%s\"", p, term,
+             zs_err_name(rc), err);
+  return rc;
+}
