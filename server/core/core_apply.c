@@ -324,7 +324,7 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
     }
     goto done;
   }
-  if (c->ckpt_loaded && step > c->version + 1) {
+  if (c->ckpt_loaded && (step > c->version + 1 || step == c->version)) {
     rc = core__behind(c, "apply", step, err, errlen);
     goto done;
   }
