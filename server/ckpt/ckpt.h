@@ -33,7 +33,10 @@
 #include "server/core/core.h"
 
 #define CKPT_MAGIC "ZSHDCKPT" /* 8 bytes, no terminator in the file */
-#define CKPT_FORMAT_VERSION 1u
+/* Format 2 adds the members section; a file without one is written as
+ * format 1 (the same bytes as before), and both are read. */
+#define CKPT_FORMAT_VERSION 2u
+#define CKPT_FORMAT_VERSION_MIN 1u
 #define CKPT_HEADER_BYTES 128u
 #define CKPT_ENTRY_BYTES 32u /* one section table entry */
 #define CKPT_ALIGN 64u       /* sections start at multiples of this */
@@ -60,6 +63,11 @@ typedef enum ckpt_section {
    * tensors with a piece in the file, the others hold the job's count).
    * Files without it load with every tensor at the job's count. */
   CKPT_SEC_TENSOR_STEPS = 8,
+  /* Format 2, written for an elastic job (core_view.members): its own
+   * trainer timeout, the membership counters, the members of the step after
+   * the checkpointed version and the membership log. Files without it load
+   * with every rank of W a member and the server's timeout. */
+  CKPT_SEC_MEMBERS = 9,
 } ckpt_section;
 
 /* The three state arrays a reader can read from. */
@@ -198,6 +206,9 @@ const unsigned char *ckpt_reader_client_state(const ckpt_reader *r, size_t *len)
  * ckpt_reader_close), or NULL when it has none: every tensor is then at the
  * header's optimizer_steps. */
 const uint64_t *ckpt_reader_tensor_steps(const ckpt_reader *r);
+/* The file's membership (its members section, decoded and checked), or NULL
+ * when it has none; valid until ckpt_reader_close. */
+const core_member_state *ckpt_reader_members(const ckpt_reader *r);
 
 /* Reads n elements of array `a` from arena element `first` into dst. */
 int ckpt_reader_read(ckpt_reader *r, ckpt_array a, uint64_t first, uint64_t n, float *dst,

@@ -6,6 +6,7 @@
 #include "server/ckpt/ckpt_format.h"
 #include "common/base/status.h"
 
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -265,6 +266,132 @@ void ckpt__shard_uses(const spec *s, const layout *l, uint32_t shard, int *m, in
   *v = (needs & OPTIM_STATE_V) != 0;
 }
 
+/* One set: its count, then its ranks in ascending order. */
+static void enc_set(bytes *b, const core_members *m, uint32_t world_size) {
+  uint32_t n = 0;
+  for (uint32_t r = 0; r < world_size && r < CORE_ELASTIC_MAX_W; r++)
+    n += core_members_has(m, r) ? 1u : 0u;
+  bytes_u32(b, n);
+  for (uint32_t r = 0; r < world_size && r < CORE_ELASTIC_MAX_W; r++)
+    if (core_members_has(m, r))
+      bytes_u32(b, r);
+}
+
+void ckpt__enc_members(bytes *b, const core_member_state *ms, uint32_t world_size) {
+  bytes_u32(b, ms->trainer_timeout_ms);
+  bytes_u32(b, world_size);
+  bytes_u64(b, ms->epoch);
+  bytes_u64(b, ms->leaves);
+  bytes_u64(b, ms->timeouts);
+  bytes_u64(b, ms->joins);
+  enc_set(b, &ms->members, world_size);
+  bytes_u32(b, ms->log_n);
+  for (uint32_t k = 0; k < ms->log_n; k++) {
+    bytes_u64(b, ms->log[k].from_step);
+    enc_set(b, &ms->log[k].members, world_size);
+  }
+}
+
+/* Decodes one set: a count of at most world_size, then that many ranks,
+ * strictly ascending and below world_size. */
+static int dec_set(cursor *c, uint32_t world_size, core_members *out, const char *what, char *why,
+                   size_t whylen) {
+  memset(out, 0, sizeof *out);
+  uint32_t n = cur_u32(c);
+  if (c->bad || n > world_size || (size_t)n * 4 > c->left)
+    return status_fail(why, whylen, ZS_EPROTO,
+                       "the members section's %s has a count of %u ranks (world size %u, %zu "
+                       "bytes left)",
+                       what, n, world_size, c->left);
+  for (uint32_t k = 0, prev = 0; k < n; k++) {
+    uint32_t r = cur_u32(c);
+    if (r >= world_size || (k > 0 && r <= prev))
+      return status_fail(why, whylen, ZS_EPROTO,
+                         "the members section's %s names rank %u out of order or beyond the "
+                         "world size %u",
+                         what, r, world_size);
+    core_members_add(out, r);
+    prev = r;
+  }
+  return 0;
+}
+
+int ckpt__dec_members(const uint8_t *p, size_t n, uint32_t world_size, uint64_t version,
+                      core_member_state **out, char *why, size_t whylen) {
+  *out = NULL;
+  cursor c = {p, n, 0};
+  core_member_state *ms = calloc(1, sizeof *ms);
+  if (!ms)
+    return status_fail(why, whylen, ZS_ENOMEM, "out of memory");
+  core_member_log_entry *log = NULL;
+  int rc = 0;
+  ms->trainer_timeout_ms = cur_u32(&c);
+  uint32_t w = cur_u32(&c);
+  ms->epoch = cur_u64(&c);
+  ms->leaves = cur_u64(&c);
+  ms->timeouts = cur_u64(&c);
+  ms->joins = cur_u64(&c);
+  if (c.bad) {
+    rc = status_fail(why, whylen, ZS_EPROTO, "the members section is truncated (%zu bytes)", n);
+    goto fail;
+  }
+  if (w != world_size || w == 0 || w > CORE_ELASTIC_MAX_W) {
+    rc = status_fail(why, whylen, ZS_EPROTO,
+                     "the members section is for a world size of %u, the spec's is %u (at most "
+                     "%u)",
+                     w, world_size, CORE_ELASTIC_MAX_W);
+    goto fail;
+  }
+  if ((rc = dec_set(&c, w, &ms->members, "members", why, whylen)) != 0)
+    goto fail;
+  uint32_t log_n = cur_u32(&c);
+  /* Each entry takes at least 12 bytes (its step and count). */
+  if (c.bad || log_n > CORE_MEMBER_LOG_MAX || (size_t)log_n * 12 > c.left) {
+    rc = status_fail(why, whylen, ZS_EPROTO,
+                     "the members section's log has %u entries (at most %u, %zu bytes left)", log_n,
+                     CORE_MEMBER_LOG_MAX, c.left);
+    goto fail;
+  }
+  log = malloc((size_t)log_n * sizeof *log + 1);
+  if (!log) {
+    rc = status_fail(why, whylen, ZS_ENOMEM, "out of memory");
+    goto fail;
+  }
+  for (uint32_t k = 0; k < log_n; k++) {
+    log[k].from_step = cur_u64(&c);
+    /* Steps strictly ascending, from 1, none past the checkpoint's version. */
+    if (c.bad || log[k].from_step == 0 || log[k].from_step > version ||
+        (k > 0 && log[k].from_step <= log[k - 1].from_step)) {
+      rc = status_fail(why, whylen, ZS_EPROTO,
+                       "the members section's log entry %u has step %" PRIu64
+                       " (out of order, or past version %" PRIu64 ")",
+                       k, log[k].from_step, version);
+      goto fail;
+    }
+    if ((rc = dec_set(&c, w, &log[k].members, "log", why, whylen)) != 0)
+      goto fail;
+    if (log[k].members.n == 0) {
+      rc = status_fail(why, whylen, ZS_EPROTO,
+                       "the members section's log entry %u (step %" PRIu64 ") has no rank", k,
+                       log[k].from_step);
+      goto fail;
+    }
+  }
+  if (c.left != 0) {
+    rc = status_fail(why, whylen, ZS_EPROTO, "the members section has %zu bytes after its log",
+                     c.left);
+    goto fail;
+  }
+  ms->log = log;
+  ms->log_n = log_n;
+  *out = ms;
+  return 0;
+fail:
+  free(log);
+  free(ms);
+  return rc;
+}
+
 const char *ckpt__section_name(uint32_t kind) {
   switch (kind) {
   case CKPT_SEC_SPEC:
@@ -283,6 +410,8 @@ const char *ckpt__section_name(uint32_t kind) {
     return "client_state";
   case CKPT_SEC_TENSOR_STEPS:
     return "tensor_steps";
+  case CKPT_SEC_MEMBERS:
+    return "members";
   default:
     return "unknown";
   }

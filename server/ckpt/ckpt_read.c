@@ -43,7 +43,8 @@ struct ckpt_reader {
   int has[3];
   unsigned char client_state[CORE_MAX_CLIENT_STATE];
   size_t client_state_len;
-  uint64_t *tensor_steps; /* spec.num_tensors, or NULL without the section */
+  uint64_t *tensor_steps;     /* spec.num_tensors, or NULL without the section */
+  core_member_state *members; /* owned, or NULL without the section */
 };
 
 const ckpt_header *ckpt_reader_header(const ckpt_reader *r) {
@@ -64,12 +65,19 @@ const uint64_t *ckpt_reader_tensor_steps(const ckpt_reader *r) {
   return r->tensor_steps;
 }
 
+const core_member_state *ckpt_reader_members(const ckpt_reader *r) {
+  return r->members;
+}
+
 void ckpt_reader_close(ckpt_reader *r) {
   if (!r)
     return;
   if (r->fd >= 0)
     close(r->fd);
   free(r->tensor_steps);
+  if (r->members)
+    free((void *)r->members->log);
+  free(r->members);
   layout_free(&r->lay);
   spec_free(&r->spec);
   free(r);
@@ -135,8 +143,9 @@ typedef struct reader_scan {
   uint64_t size;      /* the file's size */
   uint64_t table_end; /* first byte after the section table */
   uint32_t nsec, table_crc;
+  uint32_t max_kind;                 /* the last section kind the file's format has */
   in_section sec[CKPT_MAX_SECTIONS]; /* sorted by offset once verified */
-  const in_section *spec, *optimizer, *pieces, *client_state, *tensor_steps;
+  const in_section *spec, *optimizer, *pieces, *client_state, *tensor_steps, *members;
 } reader_scan;
 
 /* Opens the file and checks that it is a regular file of the size the
@@ -174,10 +183,12 @@ static int reader_read_header(ckpt_reader *r, reader_scan *s, char *err, size_t 
                        path);
   uint32_t fmt = le_load32(hdr + 8), hbytes = le_load32(hdr + 12), nsec = le_load32(hdr + 56);
   uint64_t table_off = le_load64(hdr + 64);
-  if (fmt != CKPT_FORMAT_VERSION)
+  if (fmt < CKPT_FORMAT_VERSION_MIN || fmt > CKPT_FORMAT_VERSION)
     return status_fail(err, errlen, ZS_EPROTO,
-                       "%s: format version %" PRIu32 ", this build reads %u", path, fmt,
-                       CKPT_FORMAT_VERSION);
+                       "%s: format version %" PRIu32 ", this build reads %u to %u", path, fmt,
+                       CKPT_FORMAT_VERSION_MIN, CKPT_FORMAT_VERSION);
+  /* Format 1 has no members section. */
+  s->max_kind = fmt >= 2 ? CKPT_SEC_MEMBERS : CKPT_SEC_TENSOR_STEPS;
   r->h.shard_id = le_load32(hdr + 16);
   r->h.num_shards = le_load32(hdr + 20);
   r->h.spec_hash = le_load64(hdr + 24);
@@ -211,7 +222,7 @@ static int reader_read_table(ckpt_reader *r, reader_scan *s, char *err, size_t e
   if (crc32c(0, table, tlen) != s->table_crc)
     return status_fail(err, errlen, ZS_ECRC,
                        "%s: section table CRC32C mismatch (the file is damaged)", path);
-  int seen[CKPT_SEC_TENSOR_STEPS + 1] = {0};
+  int seen[CKPT_SEC_MEMBERS + 1] = {0};
   for (uint32_t i = 0; i < s->nsec; i++) {
     const uint8_t *e = table + (size_t)i * CKPT_ENTRY_BYTES;
     in_section *sec = &s->sec[i];
@@ -220,7 +231,7 @@ static int reader_read_table(ckpt_reader *r, reader_scan *s, char *err, size_t e
                         .len = le_load64(e + 16),
                         .crc = le_load32(e + 24),
                         .got = 0};
-    if (sec->kind < CKPT_SEC_SPEC || sec->kind > CKPT_SEC_TENSOR_STEPS || seen[sec->kind]++ ||
+    if (sec->kind < CKPT_SEC_SPEC || sec->kind > s->max_kind || seen[sec->kind]++ ||
         le_load32(e + 4) != 0 || le_load32(e + 28) != 0)
       return status_fail(err, errlen, ZS_EPROTO,
                          "%s: section %" PRIu32 " has an unknown or repeated kind %" PRIu32, path,
@@ -305,6 +316,9 @@ static int reader_index_sections(ckpt_reader *r, reader_scan *s, char *err, size
       break;
     case CKPT_SEC_TENSOR_STEPS:
       s->tensor_steps = sec;
+      break;
+    case CKPT_SEC_MEMBERS:
+      s->members = sec;
       break;
     }
     if (sec->kind >= CKPT_SEC_MASTER && sec->kind <= CKPT_SEC_EXP_AVG_SQ &&
@@ -395,6 +409,34 @@ static int reader_check_regenerated(ckpt_reader *r, const reader_scan *s, uint8_
   return rc;
 }
 
+/* Decodes the members section, when there is one, every count and rank
+ * checked (ckpt__dec_members). */
+static int reader_load_members(ckpt_reader *r, const reader_scan *s, char *err, size_t errlen) {
+  const in_section *ms = s->members;
+  if (!ms)
+    return 0;
+  /* The largest a valid one can be: its fixed part, the members and a full
+   * log of full sets. */
+  uint64_t most = 44 + 4 * (uint64_t)CORE_ELASTIC_MAX_W +
+                  (uint64_t)CORE_MEMBER_LOG_MAX * (12 + 4 * (uint64_t)CORE_ELASTIC_MAX_W);
+  if (ms->len > most)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "%s: the members section has %" PRIu64 " bytes, more than %" PRIu64, r->path,
+                       ms->len, most);
+  uint8_t *raw = malloc((size_t)ms->len + 1);
+  if (!raw)
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory reading %s", r->path);
+  int rc = 0;
+  char why[256];
+  if (ckpt__pread_full(r->fd, raw, (size_t)ms->len, ms->off) != 0)
+    rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", r->path, strerror(errno));
+  else if ((rc = ckpt__dec_members(raw, (size_t)ms->len, r->spec.world_size, r->h.version,
+                                   &r->members, why, sizeof why)) != 0)
+    rc = status_fail(err, errlen, rc, "%s: %s", r->path, why);
+  free(raw);
+  return rc;
+}
+
 /* The moment sections present must be exactly those the shard's optimizers
  * use; the client state, opaque to the shard, is read when present. */
 static int reader_load_rest(ckpt_reader *r, const reader_scan *s, char *err, size_t errlen) {
@@ -442,7 +484,7 @@ static int reader_load_rest(ckpt_reader *r, const reader_scan *s, char *err, siz
       r->tensor_steps[t] = le_load64(raw + t * 8);
     free(raw);
   }
-  return 0;
+  return reader_load_members(r, s, err, errlen);
 }
 
 int ckpt_reader_open(const char *path, const ckpt_file_info *expect, ckpt_reader **out, char *err,
@@ -576,6 +618,27 @@ static void take_tensor_steps(const ckpt_reader *r, const layout *old, uint32_t 
       st->tensor_steps[old->pieces[i].tensor] = ts[old->pieces[i].tensor];
 }
 
+/* Copies the reader's membership into st (every shard's file holds the
+ * same one). */
+static int take_members(const ckpt_reader *r, core_state *st, char *err, size_t errlen) {
+  const core_member_state *ms = ckpt_reader_members(r);
+  if (!ms)
+    return 0;
+  core_member_state *c = malloc(sizeof *c);
+  core_member_log_entry *log = malloc((size_t)ms->log_n * sizeof *log + 1);
+  if (!c || !log) {
+    free(c);
+    free(log);
+    return status_fail(err, errlen, ZS_ENOMEM, "out of memory");
+  }
+  *c = *ms;
+  if (ms->log_n > 0)
+    memcpy(log, ms->log, (size_t)ms->log_n * sizeof *log);
+  c->log = log;
+  st->members = c;
+  return 0;
+}
+
 static int take_client_state(const ckpt_reader *r, core_state *st, char *err, size_t errlen) {
   size_t len = 0;
   const unsigned char *cs = ckpt_reader_client_state(r, &len);
@@ -624,6 +687,7 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
       goto done;
     if ((rc = core_state_init(out, ckpt_reader_spec(r), shard_id, err, errlen)) != 0 ||
         (rc = take_client_state(r, out, err, errlen)) != 0 ||
+        (rc = take_members(r, out, err, errlen)) != 0 ||
         (rc = init_tensor_steps(out, m.optimizer_steps, err, errlen)) != 0)
       goto done;
     take_tensor_steps(r, ckpt_reader_layout(r), shard_id, out);
@@ -655,6 +719,7 @@ int ckpt_load(const char *root, uint64_t step, uint32_t shard_id, uint32_t num_s
     ns.num_shards = num_shards;
     if ((rc = core_state_init(out, &ns, shard_id, err, errlen)) != 0 ||
         (rc = take_client_state(r, out, err, errlen)) != 0 ||
+        (rc = take_members(r, out, err, errlen)) != 0 ||
         (rc = init_tensor_steps(out, m.optimizer_steps, err, errlen)) != 0)
       goto done;
     if (layout_build(ckpt_reader_spec(r), &old) != 0) {

@@ -329,6 +329,25 @@ static int copy_view(void *arg, const core_view *v) {
   if (v->client_state_len > 0)
     memcpy(st->client_state, v->client_state, v->client_state_len);
   st->client_state_len = v->client_state_len;
+  if (v->members) {
+    /* The log is copied here, inside the snapshot: at most
+     * CORE_MEMBER_LOG_MAX entries. */
+    core_member_state *ms = malloc(sizeof *ms);
+    core_member_log_entry *log = malloc((size_t)v->members->log_n * sizeof *log + 1);
+    if (!ms || !log) {
+      free(ms);
+      free(log);
+      return ZS_ENOMEM;
+    }
+    *ms = *v->members;
+    if (ms->log_n > 0)
+      memcpy(log, v->members->log, (size_t)ms->log_n * sizeof *log);
+    ms->log = log;
+    if (st->members)
+      free((void *)st->members->log);
+    free(st->members);
+    st->members = ms;
+  }
   st->version = v->version;
   st->optimizer_steps = v->optimizer_steps;
   for (uint32_t t = 0; t < st->spec.num_tensors; t++)

@@ -100,7 +100,7 @@ static int w_zeros(writer *w, uint64_t n, char *err, size_t errlen) {
  * the table can precede the data and the file is written in one pass. */
 static uint64_t plan_sections(const core_state *st, int need_m, int need_v, const bytes *bspec,
                               const bytes *bopt, const bytes *bpieces, const bytes *bsteps,
-                              out_section *sec, uint32_t *nsec_out) {
+                              const bytes *bmembers, out_section *sec, uint32_t *nsec_out) {
   uint32_t nsec = 0;
   uint64_t arena_bytes = st->nelems * sizeof(float);
   sec[nsec++] = (out_section){CKPT_SEC_SPEC, bspec->p, bspec->len, 0, 0};
@@ -119,6 +119,9 @@ static uint64_t plan_sections(const core_state *st, int need_m, int need_v, cons
   /* The same rule: only when a tensor's count is not the job's. */
   if (bsteps->len > 0)
     sec[nsec++] = (out_section){CKPT_SEC_TENSOR_STEPS, bsteps->p, bsteps->len, 0, 0};
+  /* An elastic job's membership (format 2). */
+  if (bmembers->len > 0)
+    sec[nsec++] = (out_section){CKPT_SEC_MEMBERS, bmembers->p, bmembers->len, 0, 0};
   uint64_t off = align_up(CKPT_HEADER_BYTES + (uint64_t)nsec * CKPT_ENTRY_BYTES);
   for (uint32_t i = 0; i < nsec; i++) {
     sec[i].off = off;
@@ -170,7 +173,13 @@ static void encode_table_header(const core_state *st, const out_section *sec, ui
   }
   memset(hdr, 0, CKPT_HEADER_BYTES);
   memcpy(hdr, CKPT_MAGIC, 8);
-  le_store32(hdr + 8, CKPT_FORMAT_VERSION);
+  /* Format 1 unless the file has a members section: older builds still
+   * read every checkpoint of a job with a fixed membership. */
+  uint32_t fmt = CKPT_FORMAT_VERSION_MIN;
+  for (uint32_t i = 0; i < nsec; i++)
+    if (sec[i].kind == CKPT_SEC_MEMBERS)
+      fmt = CKPT_FORMAT_VERSION;
+  le_store32(hdr + 8, fmt);
   le_store32(hdr + 12, CKPT_HEADER_BYTES);
   le_store32(hdr + 16, st->shard_id);
   le_store32(hdr + 20, s->num_shards);
@@ -268,7 +277,7 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   const spec *s = &st->spec;
   layout l;
   memset(&l, 0, sizeof l);
-  bytes bspec = {0}, bopt = {0}, bpieces = {0}, bsteps = {0};
+  bytes bspec = {0}, bopt = {0}, bpieces = {0}, bsteps = {0}, bmembers = {0};
   shard_paths p;
   int rc;
   memset(info, 0, sizeof *info);
@@ -303,14 +312,17 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   ckpt__enc_optimizer(&bopt, s, st->optimizer_steps);
   ckpt__enc_pieces(&bpieces, &l, st->shard_id);
   enc_tensor_steps(&bsteps, st, &l);
-  if (bspec.oom || bopt.oom || bpieces.oom || bsteps.oom) {
+  if (st->members)
+    ckpt__enc_members(&bmembers, st->members, s->world_size);
+  if (bspec.oom || bopt.oom || bpieces.oom || bsteps.oom || bmembers.oom) {
     rc =
         status_fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", p.final);
     goto done;
   }
-  out_section sec[8];
+  out_section sec[CKPT_MAX_SECTIONS];
   uint32_t nsec;
-  uint64_t total = plan_sections(st, need_m, need_v, &bspec, &bopt, &bpieces, &bsteps, sec, &nsec);
+  uint64_t total =
+      plan_sections(st, need_m, need_v, &bspec, &bopt, &bpieces, &bsteps, &bmembers, sec, &nsec);
   uint8_t table[CKPT_MAX_SECTIONS * CKPT_ENTRY_BYTES], hdr[CKPT_HEADER_BYTES];
   encode_table_header(st, sec, nsec, table, hdr);
   if ((rc = prepare_step_dir(root, p.dir, err, errlen)) == 0)
@@ -320,6 +332,7 @@ done:
   free(bopt.p);
   free(bpieces.p);
   free(bsteps.p);
+  free(bmembers.p);
   layout_free(&l);
   return rc;
 }

@@ -459,7 +459,8 @@ void core_get_membership(core *c, core_membership *out);
 /* The membership log of an elastic job (issue 26): which ranks contributed
  * to which applied step, one entry per change of the set, the steps from
  * from_step on up to the next entry's. Kept on the shard for the job's
- * life (not in checkpoints yet), at most CORE_MEMBER_LOG_MAX entries. */
+ * life and in its checkpoints (core_member_state), at most
+ * CORE_MEMBER_LOG_MAX entries. */
 #define CORE_MEMBER_LOG_MAX 4096u
 typedef struct core_member_log_entry {
   uint64_t from_step;
@@ -470,6 +471,18 @@ typedef struct core_member_log_entry {
  * as many whole entries as fit in cap bytes (NUL included); "" for a job
  * with a fixed membership or no step applied. Returns the entries written. */
 size_t core_member_log_format(core *c, char *buf, size_t cap);
+
+/* An elastic job's membership as a checkpoint records it (DESIGN.md
+ * "Membership", CHECKPOINTS.md's members section): the job's own trainer
+ * timeout (0: it had none, the server's flag applies), the counters, the
+ * members of the step after the checkpointed version, and the log. */
+typedef struct core_member_state {
+  uint32_t trainer_timeout_ms;
+  uint64_t epoch, leaves, timeouts, joins;
+  core_members members;
+  const core_member_log_entry *log; /* log_n entries, oldest first */
+  uint32_t log_n;
+} core_member_state;
 
 /* A trainer's change of membership in an elastic job (issue 26; DESIGN.md
  * "Membership"), keyed by step so that every shard makes it at the same step
@@ -602,6 +615,9 @@ typedef struct core_view {
   /* The client state of `version` (NULL with length 0 when there is none). */
   const unsigned char *client_state;
   size_t client_state_len;
+  /* The membership of an elastic job (its log borrowed like the rest);
+   * NULL for a job with a fixed membership. */
+  const core_member_state *members;
 } core_view;
 
 typedef int (*core_view_fn)(void *arg, const core_view *view);
@@ -652,6 +668,11 @@ typedef struct core_state {
    * CORE_MAX_CLIENT_STATE bytes (core_set_apply_client_state). */
   unsigned char *client_state;
   size_t client_state_len;
+  /* Owned (malloc, its log too), NULL for a checkpoint without a members
+   * section (a fixed membership, or a file from before format 2): the
+   * restore then makes every rank of W a member, with the server's
+   * timeout. */
+  core_member_state *members;
 } core_state;
 
 /* Copies and validates `s` into st and allocates its arenas for shard
@@ -663,7 +684,9 @@ int core_state_init(core_state *st, const spec *s, uint32_t shard_id, char *err,
 void core_state_free(core_state *st);
 
 /* Replaces the shard's state by st: version, optimizer step counts, master, m,
- * v and the client state (copied; an empty one clears the shard's); the
+ * v, the client state (copied; an empty one clears the shard's) and, with
+ * st->members, the elastic membership (the job's timeout, members, counters
+ * and log; a rank at or beyond the job's W is ZS_EINVAL); the
  * low-precision copy is recomputed from the master, the
  * accumulator and every contribution of the pending step are dropped. With no
  * job open, st->spec's job is opened first; otherwise st->spec must have the

@@ -465,6 +465,11 @@ optim_params core__step_params(const core *c, uint32_t g, double lr, const doubl
 
 /* core_members.c: the elastic membership's helpers. */
 /* The members of a fresh job: all W ranks. Called with mu held. */
+/* A restore's membership (core__run_restore, state_rw exclusive and mu
+ * held): with ms, the job's own timeout, members, counters and log become
+ * ms's (the job elastic again when the timeout makes it so); without, every
+ * rank of W is a member, as at the job's creation. */
+void core__members_restore(core *c, const core_member_state *ms);
 void core__members_reset(core *c);
 /* A push of an applied step (step <= version) by a rank that is no longer
  * a member: ZS_ELEFT with a sentence (it would otherwise be acknowledged as

@@ -66,6 +66,44 @@ void core__members_reset(core *c) {
   memset(c->leave_at, 0, sizeof c->leave_at);
 }
 
+void core__members_restore(core *c, const core_member_state *ms) {
+  int changed = c->elastic && c->members.n != c->W;
+  if (ms)
+    c->open_timeout_ms = ms->trainer_timeout_ms;
+  c->trainer_timeout_ms = c->open_timeout_ms ? c->open_timeout_ms : c->default_timeout_ms;
+  c->elastic =
+      c->trainer_timeout_ms > 0 && !c->spec.pipelined && c->W <= CORE_ELASTIC_MAX_W ? 1 : 0;
+  core__members_reset(c);
+  if (!ms || !c->elastic) {
+    if (changed)
+      c->member_epoch++;
+    return;
+  }
+  c->members = ms->members;
+  c->stat_members = c->last_members = c->apply_members = c->members;
+  c->member_epoch = ms->epoch;
+  c->member_leaves = ms->leaves;
+  c->member_timeouts = ms->timeouts;
+  c->member_joins = ms->joins;
+  uint32_t n = ms->log_n < CORE_MEMBER_LOG_MAX ? ms->log_n : CORE_MEMBER_LOG_MAX;
+  const core_member_log_entry *from = ms->log + (ms->log_n - n);
+  if (n > c->mlog_cap) {
+    core_member_log_entry *p = realloc(c->mlog, n * sizeof *p);
+    if (!p) {
+      LOG_WARN("membership_log",
+               "shard=%u detail=\"out of memory restoring the membership log; it starts "
+               "afresh\"",
+               c->shard_id);
+      return;
+    }
+    c->mlog = p;
+    c->mlog_cap = n;
+  }
+  if (n > 0)
+    memcpy(c->mlog, from, n * sizeof *c->mlog);
+  c->mlog_n = n;
+}
+
 void core_get_membership(core *c, core_membership *out) {
   memset(out, 0, sizeof *out);
   pthread_mutex_lock(&c->mu);

@@ -77,6 +77,17 @@ waiter *core__take_snapshot(core *c, waiter **fire) {
 void core__run_snapshot(core *c, waiter *w) {
   ckpt_call *call = w->arg;
   pthread_rwlock_rdlock(&c->state_rw);
+  /* The members and the log change only under state_rw exclusive; the
+   * counters and the timeout are read under mu. */
+  core_member_state ms = {.members = c->members, .log = c->mlog, .log_n = c->mlog_n};
+  pthread_mutex_lock(&c->mu);
+  int elastic = c->elastic;
+  ms.trainer_timeout_ms = c->open_timeout_ms;
+  ms.epoch = c->member_epoch;
+  ms.leaves = c->member_leaves;
+  ms.timeouts = c->member_timeouts;
+  ms.joins = c->member_joins;
+  pthread_mutex_unlock(&c->mu);
   core_view view = {
       .spec = &c->spec,
       .shard_id = c->shard_id,
@@ -91,6 +102,7 @@ void core__run_snapshot(core *c, waiter *w) {
       .v = c->v,
       .client_state = c->client_state_len ? c->client_state : NULL,
       .client_state_len = c->client_state_len,
+      .members = elastic ? &ms : NULL,
   };
   uint64_t t0 = clock_now_ns();
   int rc = call->fn(call->fn_arg, &view);
@@ -172,12 +184,9 @@ void core__run_restore(core *c, ckpt_call *call) {
   c->ckpt_step = call->ckpt_step;
   c->ckpt_untouched = 1;
   c->ckpt_taken_over = 0;
-  /* A checkpoint does not record who was a member: every rank of the job
-   * is one again, and the trainers rejoin by resuming (DESIGN.md
-   * "Membership"). */
-  if (c->elastic && c->members.n != c->W)
-    c->member_epoch++;
-  core__members_reset(c);
+  /* The checkpoint's membership (format 2), or every rank of the job for
+   * a checkpoint without one (DESIGN.md "Membership"). */
+  core__members_restore(c, st->members);
   core__begin_step(c);
   /* Statistics and applies in progress belong to a step that no longer
    * exists here, and so do waits for a version beyond the restored one:
@@ -372,6 +381,9 @@ void core_state_free(core_state *st) {
   free(st->v);
   free(st->tensor_steps);
   free(st->client_state);
+  if (st->members)
+    free((void *)st->members->log);
+  free(st->members);
   memset(st, 0, sizeof *st);
 }
 
@@ -386,8 +398,24 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
     return status_fail(err, errlen, ZS_EINVAL,
                        "the state's client state of %zu bytes is not one of at most %u",
                        st->client_state_len, CORE_MAX_CLIENT_STATE);
-  /* Creates the job when there is none, and refuses another job's state. */
-  int rc = core_open(c, &st->spec, NULL, err, errlen);
+  if (st->members) {
+    const core_member_state *ms = st->members;
+    if (ms->log_n > 0 && !ms->log)
+      return status_fail(err, errlen, ZS_EINVAL, "the state's membership log is missing");
+    for (uint32_t k = 0; k <= ms->log_n; k++) {
+      const core_members *m = k < ms->log_n ? &ms->log[k].members : &ms->members;
+      for (uint32_t r = st->spec.world_size; r < CORE_ELASTIC_MAX_W; r++)
+        if (core_members_has(m, r))
+          return status_fail(err, errlen, ZS_EINVAL,
+                             "the state's membership names rank %u, beyond the job's world "
+                             "size %u",
+                             r, st->spec.world_size);
+    }
+  }
+  /* Creates the job when there is none (with the checkpoint's own trainer
+   * timeout), and refuses another job's state. */
+  int rc = core_open_job(c, &st->spec, CORE_OPEN_EITHER,
+                         st->members ? st->members->trainer_timeout_ms : 0, NULL, err, errlen);
   if (rc != 0)
     return rc;
   ckpt_call call;
@@ -397,6 +425,11 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
   pthread_mutex_lock(&c->mu);
   if (c->stop)
     rc = status_fail(err, errlen, ZS_ECLOSED, "shard is shutting down");
+  else if (st->members && c->W != st->spec.world_size)
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "the state's membership is for a world size of %u, job '%s' on shard %u has "
+                     "%u",
+                     st->spec.world_size, c->spec.job, c->shard_id, c->W);
   else if (c->nelems != st->nelems || !c->m != !st->m || !c->v != !st->v)
     rc = status_fail(err, errlen, ZS_EINTERNAL,
                      "the state's arenas do not match the job's layout on shard %u", c->shard_id);

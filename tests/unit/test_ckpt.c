@@ -1765,6 +1765,328 @@ static int group_teardown(void **state) {
   return 0;
 }
 
+/* ------------------------------------------------- membership (issue 26) */
+
+/* An elastic job's membership as test_ckpt writes it: W = 3, rank 1 left
+ * at step 4, a timeout of the job's own. */
+static core_member_state *sample_members(void) {
+  core_member_state *ms = calloc(1, sizeof *ms);
+  core_member_log_entry *log = calloc(2, sizeof *log);
+  assert_non_null(ms);
+  assert_non_null(log);
+  ms->trainer_timeout_ms = 750;
+  ms->epoch = 3;
+  ms->leaves = 1;
+  ms->timeouts = 1;
+  ms->joins = 2;
+  core_members_add(&ms->members, 0);
+  core_members_add(&ms->members, 2);
+  log[0].from_step = 1;
+  for (uint32_t r = 0; r < 3; r++)
+    core_members_add(&log[0].members, r);
+  log[1].from_step = 4;
+  log[1].members = ms->members;
+  ms->log = log;
+  ms->log_n = 2;
+  return ms;
+}
+
+static void assert_members_equal(const core_member_state *a, const core_member_state *b) {
+  assert_non_null(a);
+  assert_non_null(b);
+  assert_int_equal(a->trainer_timeout_ms, b->trainer_timeout_ms);
+  assert_int_equal(a->epoch, b->epoch);
+  assert_int_equal(a->leaves, b->leaves);
+  assert_int_equal(a->timeouts, b->timeouts);
+  assert_int_equal(a->joins, b->joins);
+  assert_true(core_members_equal(&a->members, &b->members));
+  assert_int_equal(a->log_n, b->log_n);
+  for (uint32_t k = 0; k < a->log_n; k++) {
+    assert_int_equal(a->log[k].from_step, b->log[k].from_step);
+    assert_true(core_members_equal(&a->log[k].members, &b->log[k].members));
+  }
+}
+
+static void free_members(core_member_state *ms) {
+  if (ms)
+    free((void *)ms->log);
+  free(ms);
+}
+
+static uint32_t file_format(const char *path) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  uint8_t h[12];
+  assert_int_equal(fread(h, 1, sizeof h, f), sizeof h);
+  fclose(f);
+  return le_load32(h + 8);
+}
+
+/* Writes step 6 of md for 2 shards under root, with `ms` (may be NULL) as
+ * every file's membership. */
+static void write_with_members(const char *root, const spec *s2, const model *md,
+                               const core_member_state *ms) {
+  char err[512];
+  ckpt_manifest m = {
+      .step = 6, .version = 6, .optimizer_steps = 6, .spec_hash = spec_hash(s2), .num_shards = 2};
+  m.files = calloc(2, sizeof *m.files);
+  for (uint32_t i = 0; i < 2; i++) {
+    core_state st;
+    state_from_model(&st, s2, i, md, 6, 6);
+    if (ms) {
+      st.members = malloc(sizeof *st.members);
+      core_member_log_entry *log = malloc(ms->log_n * sizeof *log + 1);
+      *st.members = *ms;
+      memcpy(log, ms->log, ms->log_n * sizeof *log);
+      st.members->log = log;
+    }
+    assert_int_equal(ckpt_write_shard(root, &st, NULL, &m.files[i], err, sizeof err), 0);
+    core_state_free(&st);
+  }
+  assert_int_equal(ckpt_manifest_write(root, &m, 0, err, sizeof err), 0);
+  ckpt_manifest_free(&m);
+}
+
+static void membership_travels_with_the_files_and_old_files_give_every_rank(void **state) {
+  (void)state;
+  char with[512], without[512];
+  fresh_dir(with, sizeof with, "mb-with");
+  fresh_dir(without, sizeof without, "mb-without");
+  spec s2;
+  build_spec(&s2, "members", 2);
+  s2.world_size = 3;
+  model md;
+  model_random(&md, 7);
+  core_member_state *ms = sample_members();
+  write_with_members(with, &s2, &md, ms);
+  write_with_members(without, &s2, &md, NULL);
+  char pw[600], po[600];
+  shard_path(pw, sizeof pw, with, 6, 0, 2);
+  shard_path(po, sizeof po, without, 6, 0, 2);
+  /* Format 2 only for a file with the section; one without is format 1,
+   * byte for byte what older builds write and read. */
+  assert_int_equal(file_format(pw), 2);
+  assert_int_equal(file_format(po), 1);
+  assert_int_equal(file_sections(pw), file_sections(po) + 1);
+
+  core_state st2[2], st3[3];
+  load_all(with, 6, 2, st2);
+  load_all(with, 6, 3, st3);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_members_equal(st2[i].members, ms);
+    core_state_free(&st2[i]);
+  }
+  for (uint32_t i = 0; i < 3; i++) {
+    assert_members_equal(st3[i].members, ms);
+    core_state_free(&st3[i]);
+  }
+  load_all(without, 6, 2, st2);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_null(st2[i].members);
+    core_state_free(&st2[i]);
+  }
+  free_members(ms);
+  model_free(&md);
+  spec_free(&s2);
+}
+
+/* Recomputes every section's CRC, the table's and the header's of the file
+ * at path, so that a change to a section's bytes reaches its decoder. */
+static void reseal(const char *path) {
+  FILE *f = fopen(path, "r+b");
+  assert_non_null(f);
+  assert_int_equal(fseek(f, 0, SEEK_END), 0);
+  long size = ftell(f);
+  uint8_t *b = malloc((size_t)size);
+  rewind(f);
+  assert_int_equal(fread(b, 1, (size_t)size, f), (size_t)size);
+  uint32_t nsec = le_load32(b + 56);
+  for (uint32_t i = 0; i < nsec; i++) {
+    uint8_t *e = b + 128 + 32 * i;
+    le_store32(e + 24, crc32c(0, b + le_load64(e + 8), (size_t)le_load64(e + 16)));
+  }
+  le_store32(b + 72, crc32c(0, b + 128, 32 * (size_t)nsec));
+  le_store32(b + 124, crc32c(0, b, 124));
+  rewind(f);
+  assert_int_equal(fwrite(b, 1, (size_t)size, f), (size_t)size);
+  fclose(f);
+  free(b);
+}
+
+/* The members section's offset and length in the file at path. */
+static void members_section(const char *path, uint64_t *off, uint64_t *len) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  uint8_t h[128 + 32 * CKPT_MAX_SECTIONS];
+  size_t got = fread(h, 1, sizeof h, f);
+  fclose(f);
+  assert_true(got >= 128);
+  *off = *len = 0;
+  for (uint32_t i = 0; i < le_load32(h + 56); i++)
+    if (le_load32(h + 128 + 32 * i) == CKPT_SEC_MEMBERS) {
+      *off = le_load64(h + 128 + 32 * i + 8);
+      *len = le_load64(h + 128 + 32 * i + 16);
+    }
+  assert_true(*len > 0);
+}
+
+static void damaged_membership_is_refused_with_a_clear_error(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "mb-damaged");
+  spec s2;
+  build_spec(&s2, "members", 2);
+  s2.world_size = 3;
+  model md;
+  model_random(&md, 8);
+  core_member_state *ms = sample_members();
+  bytes good = {0};
+  ckpt__enc_members(&good, ms, 3);
+  assert_false(good.oom);
+  core_member_state *out = NULL;
+  assert_int_equal(ckpt__dec_members(good.p, good.len, 3, 6, &out, err, sizeof err), 0);
+  assert_members_equal(out, ms);
+  free_members(out);
+  /* Cut anywhere, or one byte more: refused. */
+  for (size_t n = 0; n < good.len; n++) {
+    assert_int_equal(ckpt__dec_members(good.p, n, 3, 6, &out, err, sizeof err), ZS_EPROTO);
+    assert_null(out);
+  }
+  uint8_t *longer = calloc(good.len + 1, 1);
+  memcpy(longer, good.p, good.len);
+  assert_int_equal(ckpt__dec_members(longer, good.len + 1, 3, 6, &out, err, sizeof err), ZS_EPROTO);
+  assert_non_null(strstr(err, "after its log"));
+  free(longer);
+  /* Another world size, a log past the checkpoint's version. */
+  assert_int_equal(ckpt__dec_members(good.p, good.len, 4, 6, &out, err, sizeof err), ZS_EPROTO);
+  assert_int_equal(ckpt__dec_members(good.p, good.len, 3, 3, &out, err, sizeof err), ZS_EPROTO);
+  /* Bytes 4.. world size; 40.. the members' count, then ranks 0 and 2;
+   * 52.. the log's count, 56.. its first step, 64.. its first count. */
+  const struct {
+    size_t at;
+    uint32_t value;
+    const char *why;
+  } bad[] = {
+      {40, 4, "count"}, {40, 0xffffffffu, "count"}, {44, 3, "rank"},
+      {48, 0, "rank"},  {52, 4097, "entries"},      {52, 0xffffffffu, "entries"},
+      {56, 0, "step"},  {64, 0, "count"},           {64, 0x40000000u, "count"},
+  };
+  char path[600];
+  shard_path(path, sizeof path, root, 6, 0, 2);
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    uint8_t *p = malloc(good.len);
+    memcpy(p, good.p, good.len);
+    le_store32(p + bad[k].at, bad[k].value);
+    int rc = ckpt__dec_members(p, good.len, 3, 6, &out, err, sizeof err);
+    if (rc != ZS_EPROTO)
+      fprintf(stderr, "case %zu: rc %d\n", k, rc);
+    assert_int_equal(rc, ZS_EPROTO);
+    assert_null(out);
+    /* In a file whose CRCs all match: the reader refuses it naming the
+     * file, and ckpt_load (the manifest's CRC no longer matches) too. */
+    write_with_members(root, &s2, &md, ms);
+    uint64_t off, len;
+    members_section(path, &off, &len);
+    assert_int_equal(len, good.len);
+    FILE *f = fopen(path, "r+b");
+    assert_int_equal(fseek(f, (long)off, SEEK_SET), 0);
+    assert_int_equal(fwrite(p, 1, good.len, f), good.len);
+    fclose(f);
+    reseal(path);
+    ckpt_reader *r = NULL;
+    err[0] = '\0';
+    assert_int_equal(ckpt_reader_open(path, NULL, &r, err, sizeof err), ZS_EPROTO);
+    assert_null(r);
+    assert_non_null(strstr(err, path));
+    assert_non_null(strstr(err, "members section"));
+    core_state st;
+    assert_int_not_equal(ckpt_load(root, 6, 0, 2, &st, err, sizeof err), 0);
+    free(p);
+  }
+  free(good.p);
+  free_members(ms);
+  model_free(&md);
+  spec_free(&s2);
+}
+
+typedef struct members_seen {
+  int has;
+  core_member_state ms;
+  core_member_log_entry log[4];
+} members_seen;
+
+static int see_members(void *arg, const core_view *v) {
+  members_seen *x = arg;
+  x->has = v->members != NULL;
+  if (v->members && v->members->log_n <= 4) {
+    x->ms = *v->members;
+    memcpy(x->log, v->members->log, v->members->log_n * sizeof *x->log);
+    x->ms.log = x->log;
+  }
+  return 0;
+}
+
+static void restore_brings_the_membership_back(void **state) {
+  (void)state;
+  spec s;
+  build_spec(&s, "members-core", 1);
+  s.world_size = 3;
+  model md;
+  model_random(&md, 9);
+  char err[256];
+  core_state st;
+  state_from_model(&st, &s, 0, &md, 6, 6);
+  core_member_state *ms = sample_members();
+  st.members = ms;
+  /* A server without a timeout of its own: the checkpoint's makes the job
+   * elastic again, with its members, counters and log. */
+  core_config cfg = {.shard_id = 0, .num_shards = 1, .threads = 1};
+  core *c = NULL;
+  assert_int_equal(core_create(&cfg, &c), 0);
+  /* A rank beyond W is refused and nothing changes. */
+  core_members_add(&ms->members, 5);
+  assert_int_equal(core_restore(c, &st, 6, err, sizeof err), ZS_EINVAL);
+  assert_non_null(strstr(err, "rank 5"));
+  assert_int_equal(core_checkpoint_origin(c, NULL, NULL), 0);
+  ms->members.bits[0] &= ~(UINT64_C(1) << 5);
+  ms->members.n--;
+  assert_int_equal(core_restore(c, &st, 6, err, sizeof err), 0);
+  core_membership mb;
+  core_get_membership(c, &mb);
+  assert_int_equal(mb.elastic, 1);
+  assert_int_equal(mb.trainer_timeout_ms, 750);
+  assert_int_equal(mb.world_size, 3);
+  assert_int_equal(mb.epoch, 3);
+  assert_int_equal(mb.leaves, 1);
+  assert_int_equal(mb.timeouts, 1);
+  assert_int_equal(mb.joins, 2);
+  assert_true(core_members_equal(&mb.members, &ms->members));
+  char log[128];
+  assert_int_equal(core_member_log_format(c, log, sizeof log), 2);
+  assert_string_equal(log, "1:0,1,2;4:0,2");
+  /* A snapshot of the restored shard shows the same membership. */
+  members_seen seen = {0};
+  uint64_t h = spec_hash(&s);
+  assert_int_equal(core_snapshot(c, h, 6, 0, see_members, &seen, NULL, err, sizeof err), 0);
+  assert_true(seen.has);
+  assert_members_equal(&seen.ms, ms);
+  core_state_free(&st); /* the shard's previous arenas, and ms */
+
+  /* A checkpoint without the section (format 1): every rank is a member
+   * again and the log starts afresh; the job keeps its own timeout. */
+  state_from_model(&st, &s, 0, &md, 6, 6);
+  assert_int_equal(core_restore(c, &st, 6, err, sizeof err), 0);
+  core_state_free(&st);
+  core_get_membership(c, &mb);
+  assert_int_equal(mb.elastic, 1); /* the job's own timeout stays */
+  assert_int_equal(mb.members.n, 3);
+  assert_int_equal(core_member_log_format(c, log, sizeof log), 0);
+  assert_string_equal(log, "");
+  core_destroy(c);
+  model_free(&md);
+  spec_free(&s);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(checkpoints_far_ahead_are_refused_and_near_ones_hold_no_thread),
@@ -1779,6 +2101,9 @@ int main(void) {
       cmocka_unit_test(reshard_two_to_three_and_back_keeps_every_element),
       cmocka_unit_test(client_state_travels_with_the_files_and_files_without_it_still_load),
       cmocka_unit_test(tensor_step_counts_travel_with_the_files_and_old_files_give_the_jobs),
+      cmocka_unit_test(membership_travels_with_the_files_and_old_files_give_every_rank),
+      cmocka_unit_test(damaged_membership_is_refused_with_a_clear_error),
+      cmocka_unit_test(restore_brings_the_membership_back),
       cmocka_unit_test(one_flipped_byte_anywhere_is_refused_naming_the_file),
       cmocka_unit_test(truncated_file_is_refused_at_any_length),
       cmocka_unit_test(file_of_another_job_or_step_is_refused),
