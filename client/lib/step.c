@@ -817,7 +817,7 @@ int zc_adopt_world_size(zs_client *c, const zs_request *op) {
 
 /* ---- joining and leaving (issue 26) ------------------------------------------ */
 
-#define ZC_JOIN_TRIES 64 /* steps a join may chase before it gives up */
+#define ZC_JOIN_TRIES 64 /* rounds a join may chase the shards before it gives up */
 
 /* ChangeMembership on shard i; ZS_OK or the shard's status, with st. */
 static int member_call(zs_client *c, uint32_t i, Zshard__V1__MemberChange change, uint64_t step,
@@ -871,8 +871,11 @@ static int member_wait_version(zs_client *c, uint64_t step) {
 
 int zc_member_join(zs_client *c, uint64_t *step) {
   int join = c->opt.open_mode == ZS_OPEN_JOIN;
-  uint64_t s = *step;
-  for (int tries = 0; tries < ZC_JOIN_TRIES; tries++, s++) {
+  uint64_t s = *step, lead = 1;
+  /* A late try aims further ahead each time (1, 2, 4, ... up to 16 steps):
+   * the others keep training while a round of calls goes over the shards, so
+   * aiming only one step further could lose the race for as long as they run. */
+  for (int tries = 0; tries < ZC_JOIN_TRIES; tries++, s += lead, lead = lead < 16 ? 2 * lead : 16) {
     int late = 0;
     for (uint32_t i = 0; i < c->nshards && !late; i++) {
       rpc_status st;
@@ -899,8 +902,8 @@ int zc_member_join(zs_client *c, uint64_t *step) {
     }
   }
   return zc_fail(ZS_ETIMEDOUT,
-                 "zs_open_job: rank %" PRIu32 " could not join: the shards decided %d steps "
-                 "(to %" PRIu64 ") before every one of them admitted it",
+                 "zs_open_job: rank %" PRIu32 " could not join: in %d rounds (up to step %" PRIu64
+                 ") some shard had always decided the step before every one admitted it",
                  c->opt.rank, ZC_JOIN_TRIES, s);
 }
 
