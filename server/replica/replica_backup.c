@@ -136,3 +136,23 @@ int replica__starting_counted_locked(const replica *r, uint32_t p, int has_job) 
   return r->role == REPLICA_STARTING && !has_job && m->seen_counts_me && !m->seen_has_job &&
          !replica__config_error_locked(r, why, sizeof why);
 }
+
+/* A new set whose primary p opened the job after it counted this STARTING
+ * replica in sync (neither held one then): the job's Open is forwarded to
+ * this replica, or is on its way (retried while this replica has not seen
+ * the primary's term), and makes it a backup. It waits for that forward
+ * rather than join: a ReplicaJoin would make it JOINING, which refuses the
+ * Open forward ("still loading") while the primary, which counts it in
+ * sync, retries that forward for the failover time on a polling thread
+ * that its ReplicaJoin may need (issue 23: the drops at a set's start).
+ * Only at version 0 (no step applied yet: the job was just opened): a
+ * member restarted empty later finds the primary still counting the
+ * process that died, and no Open will come; it joins at once. The wait is
+ * bounded: a primary that drops it (or finds it holding no job for the
+ * failover time) stops counting it, and it joins at the next round. */
+int replica__starting_awaits_open_locked(const replica *r, uint32_t p, int has_job) {
+  char why[REPLICA_CONFIG_LEN + 64];
+  const member *m = &r->m[p];
+  return r->role == REPLICA_STARTING && !has_job && m->seen_counts_me && m->seen_has_job &&
+         m->seen_version == 0 && !replica__config_error_locked(r, why, sizeof why);
+}

@@ -170,6 +170,9 @@ int replica__starting_may_follow_locked(replica *r, uint64_t term, int has_job, 
 void replica__backup_round_locked(replica *r);
 /* Whether the primary p counts this STARTING member in sync already. */
 int replica__starting_counted_locked(const replica *r, uint32_t p, int has_job);
+/* Whether this STARTING member, counted in sync by the primary p that holds
+ * a job, waits for the job's Open forward rather than join. */
+int replica__starting_awaits_open_locked(const replica *r, uint32_t p, int has_job);
 
 /* ------------------------------------------------------------ replica_monitor.c */
 

@@ -235,6 +235,8 @@ void *replica__monitor_main(void *arg) {
       r->term = term;
       r->primary = join;
       join = -1;
+    } else if (join >= 0 && replica__starting_awaits_open_locked(r, (uint32_t)join, info.has_job)) {
+      join = -1; /* the job's Open forward makes it a backup */
     }
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
