@@ -224,7 +224,8 @@ static void answer_count_locked(gsrv *s, peer_count *e, gcall *c, uint64_t n) {
  * s->lock held; a call still in s->inflight has its grpc_call. */
 static void answer_cancel_stalled_locked(gsrv *s) {
   uint64_t now = clock_now_ms();
-  for (gcall *i = s->inflight; i; i = i->next) {
+  for (list_node *n = s->inflight.next; n != &s->inflight; n = n->next) {
+    gcall *i = container_of(n, gcall, node);
     if (!i->answer_held || i->stall_cancelled || !i->call ||
         now - i->answer_since_ms < s->lim.answer_stall_ms)
       continue;

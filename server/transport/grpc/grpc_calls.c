@@ -81,32 +81,11 @@ void gcall_unref(gcall *c) {
   free(c);
 }
 
-void gsrv__list_add_locked(gcall **head, gcall *c) {
-  c->prev = NULL;
-  c->next = *head;
-  if (*head)
-    (*head)->prev = c;
-  *head = c;
-  c->listed = 1;
-}
-
-static void list_remove_locked(gcall **head, gcall *c) {
-  if (!c->listed)
-    return;
-  if (c->prev)
-    c->prev->next = c->next;
-  else
-    *head = c->next;
-  if (c->next)
-    c->next->prev = c->prev;
-  c->prev = c->next = NULL;
-  c->listed = 0;
-}
-
+/* Takes a Watch stream off gsrv.watchers (once; later calls do nothing). */
 void gsrv__watch_remove_locked(gsrv *s, gcall *c) {
-  if (c->listed)
+  if (c->node.next)
     s->nwatchers--;
-  list_remove_locked(&s->watchers, c);
+  list_remove(&c->node);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -123,7 +102,7 @@ static void final_done(gcall *c) {
   if (c->method == M_HEALTH_WATCH)
     gsrv__watch_remove_locked(s, c);
   else
-    list_remove_locked(&s->inflight, c);
+    list_remove(&c->node);
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   release_grpc(c);

@@ -159,7 +159,7 @@ static void on_request(gtag *t, int ok) {
     gsrv__post_slot_locked(s, c->method);
   int closing = s->closing;
   if (c->method != M_HEALTH_WATCH)
-    gsrv__list_add_locked(&s->inflight, c);
+    list_push(&s->inflight, &c->node);
   pthread_mutex_unlock(&s->lock);
   if (closing)
     gsrv__answer(c, NULL, ZS_ECLOSED, "the server is shutting down");

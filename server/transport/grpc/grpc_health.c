@@ -184,7 +184,7 @@ void gsrv__h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
     LOG_ERROR("grpc_batch_failed", "method=Watch error=%s", grpc_call_error_to_string(e));
     return;
   }
-  gsrv__list_add_locked(&s->watchers, c);
+  list_push(&s->watchers, &c->node);
   s->nwatchers++;
   gsrv__watch_kick_locked(s, c);
   pthread_mutex_unlock(&s->lock);
@@ -193,7 +193,9 @@ void gsrv__h_health_watch(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
 void gsrv__set_serving(gsrv *s, int serving) {
   pthread_mutex_lock(&s->lock);
   s->serving = serving;
-  for (gcall *w = s->watchers; w; w = w->next)
-    gsrv__watch_kick_locked(s, w);
+  for (list_node *n = s->watchers.next, *next; n != &s->watchers; n = next) {
+    next = n->next; /* a kick that fails takes the stream off the list */
+    gsrv__watch_kick_locked(s, container_of(n, gcall, node));
+  }
   pthread_mutex_unlock(&s->lock);
 }

@@ -119,8 +119,8 @@ struct gsrv {
   pthread_mutex_t lock;
   pthread_cond_t cond;   /* CLOCK_MONOTONIC; signalled when a call leaves the
                             in-flight list and when shutdown completes */
-  gcall *inflight;       /* calls not yet answered and sent, except Watch */
-  gcall *watchers;       /* Watch streams */
+  list_node inflight;    /* calls not yet answered and sent, except Watch */
+  list_node watchers;    /* Watch streams */
   gsrv_limits lim;       /* fixed at start (docs/OPERATIONS.md, "Limits") */
   uint32_t nparked;      /* calls parked in the core, counted in peers[] */
   uint32_t nwatchers;    /* entries of watchers */
@@ -162,8 +162,7 @@ struct gcall {
   grpc_byte_buffer *payload;
   grpc_call_details details; /* M_GENERIC only */
 
-  gcall *prev, *next; /* in gsrv.inflight or gsrv.watchers, under gsrv.lock */
-  int listed;
+  list_node node;           /* in gsrv.inflight or gsrv.watchers, under gsrv.lock */
   int grpc_released;        /* release_grpc() ran */
   int waiting;              /* parked in the core waiting for data (not counted as work) */
   int parked;               /* counted in gsrv.nparked and its peer's count, under gsrv.lock */
@@ -241,7 +240,6 @@ void gcall_ref(gcall *c);
 /* grpc_call_start_batch, ordered for ThreadSanitizer (common/base/tsan.h). */
 grpc_call_error gsrv__start_batch(grpc_call *call, const grpc_op *ops, size_t n, gtag *tag);
 void gcall_unref(gcall *c);
-void gsrv__list_add_locked(gcall **head, gcall *c);
 /* gsrv.lock held. */
 void gsrv__watch_remove_locked(gsrv *s, gcall *c);
 /* Answering (once per call; grpc_server.c says who may): `reply` is owned by

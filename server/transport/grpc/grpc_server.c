@@ -310,6 +310,8 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
   gsrv *s = calloc(1, sizeof *s);
   if (!s)
     return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
+  list_init(&s->inflight);
+  list_init(&s->watchers);
   s->core = cfg->core;
   s->ckpt = cfg->ckpt;
   s->svc = cfg->service;
@@ -429,8 +431,8 @@ int gsrv_port(const gsrv *s) {
 /* 1 while a call is being worked on (parsed, computed, answered), as opposed
  * to parked in the core waiting for data that may never come. */
 static int has_work_locked(const gsrv *s) {
-  for (const gcall *c = s->inflight; c; c = c->next)
-    if (!c->waiting)
+  for (const list_node *n = s->inflight.next; n != &s->inflight; n = n->next)
+    if (!container_of(n, gcall, node)->waiting)
       return 1;
   return 0;
 }
@@ -458,7 +460,9 @@ void gsrv_destroy(gsrv *s) {
     if (pthread_cond_timedwait(&s->cond, &s->lock, &until) != 0)
       break;
   s->closing = 1;
-  for (gcall *w = s->watchers; w; w = w->next) {
+  for (list_node *n = s->watchers.next, *next; n != &s->watchers; n = next) {
+    next = n->next; /* a kick that fails takes the stream off the list */
+    gcall *w = container_of(n, gcall, node);
     w->w_ending = 1;
     gsrv__watch_kick_locked(s, w);
   }
@@ -479,7 +483,8 @@ void gsrv_destroy(gsrv *s) {
   for (;;) {
     gcall *c = NULL;
     pthread_mutex_lock(&s->lock);
-    for (gcall *i = s->inflight; i; i = i->next) {
+    for (list_node *n = s->inflight.next; n != &s->inflight; n = n->next) {
+      gcall *i = container_of(n, gcall, node);
       if (atomic_exchange(&i->claimed, 1) == 0) {
         c = i;
         gcall_ref(c);
