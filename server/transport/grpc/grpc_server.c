@@ -15,14 +15,15 @@
  *    callback blocks, and none calls into the core.
  *  - The thread calling gsrv_destroy runs the shutdown sequence.
  *
- * Lock order: gsrv.lock is the only lock here and a leaf: it is never held
- * while calling into the core (so a core lock is never taken inside it), and
- * a core callback takes it only on an error path, holding no lock of ours. It
- * guards the list of calls in flight, the Watch streams, the serving status,
- * the shutdown flags and the limits' counts (parked calls and answer bytes per
- * connection, the queue of answers waiting for room). gRPC functions called
- * with it held never call back into this file (completions go through the
- * queue). push_asm has a leaf lock of its own, never taken with gsrv.lock.
+ * Lock order: gsrv.lock, the one lock of the files sharing grpc_internal.h, is
+ * a leaf: it is never held while calling into the core (so a core lock is
+ * never taken inside it), and a core callback takes it only on an error path,
+ * holding no lock of ours. It guards the list of calls in flight, the Watch
+ * streams, the serving status, the shutdown flags and the limits' counts
+ * (parked calls and answer bytes per connection, the queue of answers waiting
+ * for room). gRPC functions called with it held never call back into the
+ * transport (completions go through the queue). push_asm has a leaf lock of
+ * its own, never taken with gsrv.lock.
  *
  * Limits (docs/OPERATIONS.md, "Limits"; gsrv_limits in the header): the
  * channel arguments bound request sizes, gRPC's memory, streams, idle and
@@ -37,7 +38,6 @@
  * one reference. The grpc_call itself is released as soon as the final batch
  * completes, so that server shutdown never waits for a core callback; a gcall
  * kept alive only by the core afterwards touches nothing but itself.
- *
  *
  * The transport's files, one job each (grpc_internal.h holds what they share):
  *  - grpc_server.c: start, the polling threads and the shutdown sequence;
@@ -66,6 +66,10 @@
 #include "common/base/status.h"
 #include "common/base/tsan.h"
 #include "common/net/rpc_client.h"
+
+/* ------------------------------------------------------------------------ */
+/* The polling loop                                                         */
+/* ------------------------------------------------------------------------ */
 
 static void on_shutdown(gtag *t, int ok) {
   (void)ok;
