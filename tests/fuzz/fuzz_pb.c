@@ -59,7 +59,7 @@ static void check_same_push(const pb_push *r, const Zshard__V1__PushRequest *m, 
     CHECK(memcmp(r->data, m->data.data, r->len) == 0);
 }
 
-/* The Pull answer to r, built as pull_build builds it. */
+/* The Pull answer to r, built as gsrv__pull_build (grpc_step.c) builds it. */
 static void check_pull_answer(const pb_push *r) {
   size_t cap = pb_pull_cap(r->dtype, r->len);
   uint8_t *buf = malloc(cap);

@@ -258,7 +258,7 @@ static void no_or_wrong_token_is_unauthenticated_and_changes_nothing(void **stat
   assert_int_equal(hs_stop(s), 0);
 }
 
-/* Every admin method (grpc_server.c, method_role), called with `sec`. */
+/* Every admin method (grpc_methods.c, the role column), called with `sec`. */
 static void call_admin_methods(const hs_server *s, const rpc_security *sec, uint64_t hash,
                                int expect) {
   rpc_channel *ch = channel(s, sec);

@@ -92,7 +92,7 @@ def test_a_transport_calling_the_core_directly_is_reported(tmp_path):
     copy_tree(tmp_path)
     # GetInfo's reader, sent back around the service: a call the table does
     # not list for the gRPC transport.
-    replace_in(tmp_path / "server" / "transport" / "grpc" / "grpc_server.c",
+    replace_in(tmp_path / "server" / "transport" / "grpc" / "grpc_job.c",
                "service_counters(s->svc, &k)", "core_get_counters(s->core, &k)")
     # A call named only in a comment or a string is not a call.
     prepend(tmp_path / "server" / "transport" / "dp" / "dp_server.c",
@@ -101,7 +101,7 @@ def test_a_transport_calling_the_core_directly_is_reported(tmp_path):
     assert r.returncode == 1, r.stdout
     lines = [l for l in r.stdout.splitlines() if "violation" not in l]
     assert len(lines) == 1, r.stdout
-    assert "server/transport/grpc/grpc_server.c:" in lines[0]
+    assert "server/transport/grpc/grpc_job.c:" in lines[0]
     assert "calls core_get_counters, which docs/DESIGN.md" in lines[0]
     assert "does not list for transport/grpc" in lines[0]
 

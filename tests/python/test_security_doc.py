@@ -1,6 +1,6 @@
 """docs/SECURITY.md says what the code does, where that can be checked by reading both.
 
-- Its roles table is the gRPC transport's method_role table, method for method.
+- Its roles table is the role column of the gRPC transport's method table, method for method.
 - Every test it names as the proof of a claim exists and is run: a pytest
   function, or a cmocka test registered in its program's list.
 - The sections it took over are not pointed to in their old place.
@@ -10,7 +10,7 @@ import re
 
 SRC = os.environ.get("ZS_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 DOC = os.path.join(SRC, "docs", "SECURITY.md")
-GRPC = os.path.join(SRC, "server", "transport", "grpc", "grpc_server.c")
+GRPC = os.path.join(SRC, "server", "transport", "grpc", "grpc_methods.c")
 ROLE_NAMES = {"AUTH_NONE": "none", "AUTH_TRAINER": "trainer", "AUTH_ADMIN": "admin"}
 
 
@@ -20,21 +20,21 @@ def read(path):
 
 
 def server_roles():
-    """{method name as in the doc: role} from grpc_server.c."""
+    """{method name as in the doc: role} from grpc_methods.c's table."""
     text = read(GRPC)
-    paths = dict(re.findall(r'\[(M_\w+)\]\s*=\s*\{\s*"/([\w.]+/\w+)"', text))
-    table = re.search(r"method_role\[[^\]]*\]\s*=\s*\{(.*?)\n\};", text, re.S)
-    assert table, "method_role not found in grpc_server.c"
+    table = re.search(r"gsrv__methods\[[^\]]*\]\s*=\s*\{(.*?)\n\};", text, re.S)
+    assert table, "gsrv__methods not found in grpc_methods.c"
     roles = {}
-    for m, role in re.findall(r"\[(M_\w+)\]\s*=\s*(AUTH_\w+)", table.group(1)):
+    for m, row in re.findall(r"\[(M_\w+)\]\s*=\s*\{(.*?)\}", table.group(1), re.S):
+        role = re.search(r"\b(AUTH_\w+)\b", row)
+        assert role, f"{m} has no role"
         if m == "M_GENERIC":  # no path: any method the server does not know
             continue
-        assert m in paths, f"{m} has a role but no path in methods[]"
-        path = paths[m]
+        path = re.search(r'"/([\w.]+/\w+)"', row)
+        assert path, f"{m} has a role but no path"
+        path = path.group(1)
         name = path.split("/")[1] if path.startswith("zshard.v1.ZShard/") else path
-        roles[name] = ROLE_NAMES[role]
-    assert set(paths) - {"M_GENERIC"} <= {m for m, _ in re.findall(
-        r"\[(M_\w+)\]\s*=\s*(AUTH_\w+)", table.group(1))}, "a method without a role"
+        roles[name] = ROLE_NAMES[role.group(1)]
     return roles
 
 

@@ -13,7 +13,7 @@
  * service's carries "authorization: Bearer <token>" in its metadata; a call
  * without a valid token is answered UNAUTHENTICATED, a trainer's token on an
  * admin method PERMISSION_DENIED, before its request is parsed (the table
- * of roles is in grpc_server.c and docs/SECURITY.md, "Roles"). With a
+ * of roles is in grpc_methods.c and docs/SECURITY.md, "Roles"). With a
  * certificate and key the port speaks TLS only.
  */
 #ifndef ZSHARD_SERVER_GRPC_SERVER_H
