@@ -167,6 +167,8 @@ typedef int (*send_fn)(replica *r, member *m, uint64_t term, const void *arg, ch
                        size_t len);
 
 static int send_push(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len);
+static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len);
+static int raw_is_push(const void *arg);
 
 /* Marks the n targets t as receiving pushes from this thread (up: 1) or no
  * longer (up: 0); see member.pushing. */
@@ -198,7 +200,8 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint6
   pthread_mutex_unlock(&r->mu);
   if (!primary)
     return status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
-  int is_push = fn == send_push;
+  /* A gRPC Push is forwarded as its raw bytes: it counts as a push too. */
+  int is_push = fn == send_push || (fn == send_raw && raw_is_push(arg));
   if (is_push)
     count_pushing(r, t, n, 1);
   int deposed = 0;
@@ -375,6 +378,11 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
   if (rc)
     snprintf(msg, len, "%s", st.message);
   return rc;
+}
+
+static int raw_is_push(const void *arg) {
+  const raw_req *q = arg;
+  return strcmp(q->method, "/zshard.v1.ZShard/Push") == 0;
 }
 
 int replica_forward_raw(replica *r, const char *method, uint64_t step, const void *msg, size_t len,
