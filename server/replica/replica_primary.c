@@ -576,6 +576,9 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
     rc = status_fail(err, errlen, ZS_ENOTREADY, "the copy is made at the next applied step");
   } else if (r->snap_status != 0) {
     rc = status_fail(err, errlen, r->snap_status, "the copy of the state failed");
+  } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_LOADING) {
+    /* No data: the joiner read the copy and is loading it (a large shard's
+     * load may outlast the failover time); counted as progress below. */
   } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_META) {
     resp->spec = malloc(sizeof *resp->spec);
     if (resp->spec)
@@ -613,7 +616,7 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
    * into it (snap_packing): the pointers stay valid while it is packed. */
   if (rc == 0) {
     r->snap_packing++;
-    m->progress_ms = clock_now_ms(); /* a part of the copy served */
+    m->progress_ms = clock_now_ms(); /* a part of the copy served, or a load under way */
   }
   pthread_mutex_unlock(&r->mu);
   return rc;
