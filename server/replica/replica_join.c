@@ -2,7 +2,8 @@
  * replica_join — joining, from the joiner's side: a member with no state of
  * the set (started empty, dropped, deposed) asks the primary (ReplicaJoin),
  * reads its copy (ReplicaFetch, REPLICA_FETCH_ELEMS at a time) and loads it
- * (core_restore); the primary's side is in replica_primary.c.
+ * (core_restore), telling the primary meanwhile that it does (ReplicaFetch
+ * of REPLICA_PART_LOADING); the primary's side is in replica_primary.c.
  */
 #include "server/replica/replica_internal.h"
 
@@ -125,9 +126,109 @@ static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, 
   return rc;
 }
 
+/* While the joiner loads its copy into its core, a thread of its own tells
+ * the primary so (a ReplicaFetch of REPLICA_PART_LOADING) every failover
+ * time / REPLICA_LOADING_TICK: the primary drops a joiner after the failover
+ * time without progress, and a large shard's load may take longer. */
+typedef struct loading_ticker {
+  replica *r;
+  member *p;
+  uint64_t join_id;
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* CLOCK_MONOTONIC; done */
+  int done;
+  pthread_t thread;
+  int started;
+} loading_ticker;
+
+static void tell_loading(loading_ticker *t, uint32_t ms) {
+  rpc_channel *ch = replica__channel(t->r, t->p);
+  if (!ch)
+    return;
+  Zshard__V1__ReplicaFetchRequest q = ZSHARD__V1__REPLICA_FETCH_REQUEST__INIT;
+  q.join_id = t->join_id;
+  q.part = ZSHARD__V1__REPLICA_PART__REPLICA_PART_LOADING;
+  Zshard__V1__ReplicaFetchResponse *a = NULL;
+  rpc_status st;
+  /* A word that comes late or not at all (a primary of an older version,
+   * one whose threads are busy) only leaves the bound as it was. */
+  if (rpc_call(ch, REPLICA_METHOD("ReplicaFetch"), &q.base,
+               &zshard__v1__replica_fetch_response__descriptor, (ProtobufCMessage **)&a, ms,
+               &st) == 0)
+    protobuf_c_message_free_unpacked(&a->base, NULL);
+}
+
+static void *ticker_main(void *arg) {
+  loading_ticker *t = arg;
+  uint32_t ms = t->r->failover_ms / REPLICA_LOADING_TICK;
+  if (ms < 10)
+    ms = 10;
+  pthread_mutex_lock(&t->mu);
+  while (!t->done) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    while (!t->done && pthread_cond_timedwait(&t->cv, &t->mu, &ts) == 0) {
+    }
+    if (t->done)
+      break;
+    pthread_mutex_unlock(&t->mu);
+    tell_loading(t, ms);
+    pthread_mutex_lock(&t->mu);
+  }
+  pthread_mutex_unlock(&t->mu);
+  return NULL;
+}
+
+/* Starts t's thread (without one the load goes on untold: the bound stays). */
+static void ticker_start(loading_ticker *t, replica *r, member *p, uint64_t join_id) {
+  memset(t, 0, sizeof *t);
+  t->r = r;
+  t->p = p;
+  t->join_id = join_id;
+  pthread_mutex_init(&t->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&t->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  t->started = pthread_create(&t->thread, NULL, ticker_main, t) == 0;
+}
+
+static void ticker_stop(loading_ticker *t) {
+  pthread_mutex_lock(&t->mu);
+  t->done = 1;
+  pthread_cond_signal(&t->cv);
+  pthread_mutex_unlock(&t->mu);
+  if (t->started)
+    pthread_join(t->thread, NULL);
+  pthread_cond_destroy(&t->cv);
+  pthread_mutex_destroy(&t->mu);
+}
+
+/* ZSHARD_TEST_LOAD_STALL_MS (tests only): a load that takes that much longer,
+ * as a large shard's would. */
+static void test_load_stall(void) {
+  const char *v = getenv("ZSHARD_TEST_LOAD_STALL_MS");
+  char *end;
+  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
+  if (!ms || *end != '\0')
+    return;
+  LOG_WARN("test_hook",
+           "name=ZSHARD_TEST_LOAD_STALL_MS ms=%lu effect=the_copy_loads_that_much_slower", ms);
+  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
 /* Replaces this replica's state by the copy, closing a job of another spec
  * first. */
 static int load_state(replica *r, core_state *st, char *err, size_t errlen) {
+  test_load_stall();
   core_info info;
   core_get_info(r->core, &info);
   if (info.has_job && info.spec_hash != spec_hash(&st->spec)) {
@@ -175,8 +276,12 @@ int replica__join_primary(replica *r, uint32_t p, uint64_t term) {
       rc = service_close(r->svc, 0, NULL, &cr, err, sizeof err);
   } else if (rc == 0) {
     rc = fetch_state(r, pm, join_id, &cs, err, sizeof err);
-    if (rc == 0)
+    if (rc == 0) {
+      loading_ticker t;
+      ticker_start(&t, r, pm, join_id);
       rc = load_state(r, &cs, err, sizeof err);
+      ticker_stop(&t);
+    }
   }
   core_state_free(&cs);
   pthread_mutex_lock(&r->mu);

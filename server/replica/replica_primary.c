@@ -136,6 +136,10 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
        * way bring it (each bounded by the failover time, or it is
        * dropped): the failover time counts from when they are through. */
       *first_fail_ms = now;
+    } else if (m->joining && rc == ZS_ENOTREADY && r->snap_busy && !r->snap_ready) {
+      /* The copy is still being made here: the wait is this primary's, not
+       * the joiner's (a large shard's copy, a loaded machine); the bound
+       * counts from the copy made (snap_done). */
     } else if (m->joining && rc == ZS_ENOTREADY &&
                now - (m->progress_ms > *first_fail_ms ? m->progress_ms : *first_fail_ms) >=
                    r->failover_ms) {
@@ -393,8 +397,23 @@ int replica_forward_raw(replica *r, const char *method, uint64_t step, const voi
 
 /* ------------------------------------------------------------ joins (primary) */
 
+/* ZSHARD_TEST_COPY_STALL_MS (tests only): a copy that takes that much longer
+ * to make, as a large shard's would. */
+static void test_copy_stall(void) {
+  const char *v = getenv("ZSHARD_TEST_COPY_STALL_MS");
+  char *end;
+  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
+  if (!ms || *end != '\0')
+    return;
+  LOG_WARN("test_hook",
+           "name=ZSHARD_TEST_COPY_STALL_MS ms=%lu effect=the_copy_is_made_that_much_slower", ms);
+  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
 static int snap_view(void *arg, const core_view *v) {
   replica *r = arg;
+  test_copy_stall();
   core_state *st = &r->snap;
   char err[REPLICA_ERRLEN];
   core_state_free(st);
@@ -576,6 +595,9 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
     rc = status_fail(err, errlen, ZS_ENOTREADY, "the copy is made at the next applied step");
   } else if (r->snap_status != 0) {
     rc = status_fail(err, errlen, r->snap_status, "the copy of the state failed");
+  } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_LOADING) {
+    /* No data: the joiner read the copy and is loading it (a large shard's
+     * load may outlast the failover time); counted as progress below. */
   } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_META) {
     resp->spec = malloc(sizeof *resp->spec);
     if (resp->spec)
@@ -613,7 +635,7 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
    * into it (snap_packing): the pointers stay valid while it is packed. */
   if (rc == 0) {
     r->snap_packing++;
-    m->progress_ms = clock_now_ms(); /* a part of the copy served */
+    m->progress_ms = clock_now_ms(); /* a part of the copy served, or a load under way */
   }
   pthread_mutex_unlock(&r->mu);
   return rc;
