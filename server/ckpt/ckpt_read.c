@@ -635,6 +635,8 @@ static int take_members(const ckpt_reader *r, core_state *st, char *err, size_t 
   if (ms->log_n > 0)
     memcpy(log, ms->log, (size_t)ms->log_n * sizeof *log);
   c->log = log;
+  c->join_at = c->leave_at = NULL; /* a checkpoint has no plans */
+  c->nplan = 0;
   st->members = c;
   return 0;
 }

@@ -343,6 +343,9 @@ static int copy_view(void *arg, const core_view *v) {
     if (ms->log_n > 0)
       memcpy(log, v->members->log, (size_t)ms->log_n * sizeof *log);
     ms->log = log;
+    /* The view's plans are the core's; a checkpoint does not record them. */
+    ms->join_at = ms->leave_at = NULL;
+    ms->nplan = 0;
     if (st->members)
       free((void *)st->members->log);
     free(st->members);

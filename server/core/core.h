@@ -482,6 +482,12 @@ typedef struct core_member_state {
   core_members members;
   const core_member_log_entry *log; /* log_n entries, oldest first */
   uint32_t log_n;
+  /* The joins and leaves planned for later steps, per rank below nplan
+   * (0: none): a replica set's state copy carries them (a joiner must make
+   * the changes the primary made before the copy); a checkpoint does not
+   * (NULL, nplan 0). */
+  const uint64_t *join_at, *leave_at;
+  uint32_t nplan;
 } core_member_state;
 
 /* A trainer's change of membership in an elastic job (issue 26; DESIGN.md

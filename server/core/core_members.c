@@ -85,6 +85,10 @@ void core__members_restore(core *c, const core_member_state *ms) {
   c->member_leaves = ms->leaves;
   c->member_timeouts = ms->timeouts;
   c->member_joins = ms->joins;
+  for (uint32_t r = 0; r < ms->nplan && r < c->W && r < CORE_ELASTIC_MAX_W; r++) {
+    c->join_at[r] = ms->join_at ? ms->join_at[r] : 0;
+    c->leave_at[r] = ms->leave_at ? ms->leave_at[r] : 0;
+  }
   uint32_t n = ms->log_n < CORE_MEMBER_LOG_MAX ? ms->log_n : CORE_MEMBER_LOG_MAX;
   const core_member_log_entry *from = ms->log + (ms->log_n - n);
   if (n > c->mlog_cap) {
@@ -565,8 +569,10 @@ int core_member_change(core *c, uint64_t hash, uint32_t rank, int kind, uint64_t
                      "gated job",
                      c->spec.job);
   else if (rc == 0 && rank >= c->W)
-    rc = status_fail(err, errlen, ZS_EINVAL, "rank %u is not below the job's world size %u", rank,
-                     c->W);
+    rc = status_fail(err, errlen, ZS_EINVAL,
+                     "rank %u is not below the job's world size %u (a job cannot grow past the "
+                     "world size it was created with)",
+                     rank, c->W);
   else if (rc == 0 && step == 0)
     rc = status_fail(err, errlen, ZS_EINVAL, "a membership change names a step from 1 on");
   if (rc == 0 && kind == CORE_MEMBER_JOIN)

@@ -79,7 +79,12 @@ void core__run_snapshot(core *c, waiter *w) {
   pthread_rwlock_rdlock(&c->state_rw);
   /* The members and the log change only under state_rw exclusive; the
    * counters and the timeout are read under mu. */
-  core_member_state ms = {.members = c->members, .log = c->mlog, .log_n = c->mlog_n};
+  core_member_state ms = {.members = c->members,
+                          .log = c->mlog,
+                          .log_n = c->mlog_n,
+                          .join_at = c->join_at,
+                          .leave_at = c->leave_at,
+                          .nplan = c->W < CORE_ELASTIC_MAX_W ? c->W : CORE_ELASTIC_MAX_W};
   pthread_mutex_lock(&c->mu);
   int elastic = c->elastic;
   ms.trainer_timeout_ms = c->open_timeout_ms;
@@ -381,8 +386,11 @@ void core_state_free(core_state *st) {
   free(st->v);
   free(st->tensor_steps);
   free(st->client_state);
-  if (st->members)
+  if (st->members) {
     free((void *)st->members->log);
+    free((void *)st->members->join_at);
+    free((void *)st->members->leave_at);
+  }
   free(st->members);
   memset(st, 0, sizeof *st);
 }

@@ -98,7 +98,8 @@ typedef enum replica_role {
 typedef enum replica_kind {
   REPLICA_ANY,          /* GetInfo, health, Promote: any role */
   REPLICA_READ,         /* Pull, GradStats, Stats, ReadState, ListCheckpoints */
-  REPLICA_WRITE,        /* Open, InitParams, Push, Apply, WriteState, CloseJob, Restore */
+  REPLICA_WRITE,        /* Open, InitParams, Push, Apply, WriteState, CloseJob, Restore,
+                         * ChangeMembership */
   REPLICA_PRIMARY_ONLY, /* Checkpoint, CommitCheckpoint: the primary's files */
 } replica_kind;
 

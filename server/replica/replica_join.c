@@ -74,6 +74,67 @@ static int fetch_array_into(replica *r, member *p, uint64_t join_id, int part, f
   return 0;
 }
 
+/* Sets m to the n ranks at `ranks`, each below W and none twice. */
+static int unpack_ranks(const uint32_t *ranks, size_t n, uint32_t W, core_members *m) {
+  memset(m, 0, sizeof *m);
+  for (size_t i = 0; i < n; i++) {
+    if (ranks[i] >= W || ranks[i] >= CORE_ELASTIC_MAX_W || core_members_has(m, ranks[i]))
+      return -1;
+    core_members_add(m, ranks[i]);
+  }
+  return 0;
+}
+
+/* The copy's membership (META) into st->members, every count, rank and step
+ * checked as a checkpoint's members section is (ckpt__dec_members): the
+ * primary is a peer, but a damaged copy must not become a backup's state. */
+static int unpack_membership(const Zshard__V1__ReplicaMembership *pm, core_state *st, char *err,
+                             size_t errlen) {
+  uint32_t W = st->spec.world_size;
+  uint32_t w = W < CORE_ELASTIC_MAX_W ? W : CORE_ELASTIC_MAX_W;
+  size_t nlog = pm->n_log_steps;
+  core_member_state *ms = calloc(1, sizeof *ms);
+  if (!ms)
+    return ZS_ENOMEM;
+  st->members = ms;
+  core_member_log_entry *log = malloc(nlog * sizeof *log + 1);
+  uint64_t *join_at = calloc(w + 1, sizeof *join_at);
+  uint64_t *leave_at = calloc(w + 1, sizeof *leave_at);
+  ms->log = log;
+  ms->join_at = join_at;
+  ms->leave_at = leave_at;
+  if (!log || !join_at || !leave_at)
+    return ZS_ENOMEM;
+  ms->trainer_timeout_ms = pm->trainer_timeout_ms;
+  ms->epoch = pm->epoch;
+  ms->leaves = pm->leaves;
+  ms->timeouts = pm->timeouts;
+  ms->joins = pm->joins;
+  ms->nplan = w;
+  int bad = W > CORE_ELASTIC_MAX_W || nlog > CORE_MEMBER_LOG_MAX || pm->n_log_counts != nlog ||
+            (pm->n_join_at != 0 && pm->n_join_at != w) || pm->n_leave_at != pm->n_join_at ||
+            unpack_ranks(pm->members, pm->n_members, W, &ms->members) != 0;
+  size_t at = 0;
+  for (size_t k = 0; k < nlog && !bad; k++) {
+    bad = pm->log_counts[k] > pm->n_log_ranks - at || pm->log_steps[k] == 0 ||
+          pm->log_steps[k] > st->version || (k > 0 && pm->log_steps[k] <= pm->log_steps[k - 1]) ||
+          unpack_ranks(pm->log_ranks + at, pm->log_counts[k], W, &log[k].members) != 0;
+    log[k].from_step = pm->log_steps[k];
+    at += bad ? 0 : pm->log_counts[k];
+  }
+  if (bad || at != pm->n_log_ranks)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "the copy's membership does not hold together (world size %u, %zu "
+                       "member(s), %zu log entries, %zu plan(s))",
+                       W, pm->n_members, nlog, pm->n_join_at);
+  ms->log_n = (uint32_t)nlog;
+  for (uint32_t r = 0; r < pm->n_join_at; r++) {
+    join_at[r] = pm->join_at[r];
+    leave_at[r] = pm->leave_at[r];
+  }
+  return 0;
+}
+
 /* Reads the primary's copy into st (initialised from its META). */
 static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, char *err,
                        size_t errlen) {
@@ -112,6 +173,10 @@ static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, 
   if (rc == 0) {
     st->version = meta->version;
     st->optimizer_steps = meta->optimizer_steps;
+    if (meta->membership)
+      rc = unpack_membership(meta->membership, st, err, errlen);
+  }
+  if (rc == 0) {
     rc = fetch_array_into(r, p, join_id, ZSHARD__V1__REPLICA_PART__REPLICA_PART_MASTER, st->master,
                           st->nelems, err, errlen);
   }

@@ -411,6 +411,33 @@ static void test_copy_stall(void) {
   nanosleep(&ts, NULL);
 }
 
+/* A copy of an elastic job's membership (its log and plans too) into st,
+ * owned by st (core_state_free frees it). */
+static int snap_members(core_state *st, const core_member_state *from) {
+  core_member_state *ms = calloc(1, sizeof *ms);
+  if (!ms)
+    return ZS_ENOMEM;
+  *ms = *from;
+  ms->log = NULL;
+  ms->join_at = ms->leave_at = NULL;
+  st->members = ms;
+  core_member_log_entry *log = malloc((size_t)from->log_n * sizeof *log + 1);
+  uint64_t *join_at = malloc((size_t)from->nplan * sizeof *join_at + 1);
+  uint64_t *leave_at = malloc((size_t)from->nplan * sizeof *leave_at + 1);
+  ms->log = log;
+  ms->join_at = join_at;
+  ms->leave_at = leave_at;
+  if (!log || !join_at || !leave_at)
+    return ZS_ENOMEM;
+  if (from->log_n)
+    memcpy(log, from->log, (size_t)from->log_n * sizeof *log);
+  if (from->nplan) {
+    memcpy(join_at, from->join_at, (size_t)from->nplan * sizeof *join_at);
+    memcpy(leave_at, from->leave_at, (size_t)from->nplan * sizeof *leave_at);
+  }
+  return 0;
+}
+
 static int snap_view(void *arg, const core_view *v) {
   replica *r = arg;
   test_copy_stall();
@@ -440,7 +467,7 @@ static int snap_view(void *arg, const core_view *v) {
     memcpy(st->client_state, v->client_state, v->client_state_len);
     st->client_state_len = v->client_state_len;
   }
-  return 0;
+  return v->members ? snap_members(st, v->members) : 0;
 }
 
 static void snap_done(void *arg, int status, double fn_seconds) {
@@ -565,6 +592,65 @@ int replica_join(replica *r, uint64_t term, uint32_t index, uint64_t *join_id, c
   return rc;
 }
 
+/* The ranks of m below W into out (W entries of room); their count. */
+static size_t pack_ranks(const core_members *m, uint32_t W, uint32_t *out) {
+  size_t n = 0;
+  for (uint32_t r = 0; r < W && r < CORE_ELASTIC_MAX_W; r++)
+    if (core_members_has(m, r))
+      out[n++] = r;
+  return n;
+}
+
+static void membership_free(Zshard__V1__ReplicaMembership *pm) {
+  if (!pm)
+    return;
+  free(pm->members);
+  free(pm->log_steps);
+  free(pm->log_counts);
+  free(pm->log_ranks);
+  free(pm);
+}
+
+/* The copy's membership as META carries it (the plans borrowed from ms);
+ * NULL when out of memory. */
+static Zshard__V1__ReplicaMembership *membership_pack(const core_member_state *ms, uint32_t W) {
+  Zshard__V1__ReplicaMembership *pm = calloc(1, sizeof *pm);
+  if (!pm)
+    return NULL;
+  zshard__v1__replica_membership__init(pm);
+  uint32_t w = W < CORE_ELASTIC_MAX_W ? W : CORE_ELASTIC_MAX_W;
+  pm->trainer_timeout_ms = ms->trainer_timeout_ms;
+  pm->epoch = ms->epoch;
+  pm->leaves = ms->leaves;
+  pm->timeouts = ms->timeouts;
+  pm->joins = ms->joins;
+  pm->members = malloc((size_t)w * sizeof *pm->members + 1);
+  pm->log_steps = malloc((size_t)ms->log_n * sizeof *pm->log_steps + 1);
+  pm->log_counts = malloc((size_t)ms->log_n * sizeof *pm->log_counts + 1);
+  size_t nranks = 0;
+  for (uint32_t k = 0; k < ms->log_n; k++)
+    nranks += ms->log[k].members.n;
+  pm->log_ranks = malloc(nranks * sizeof *pm->log_ranks + 1);
+  if (!pm->members || !pm->log_steps || !pm->log_counts || !pm->log_ranks) {
+    membership_free(pm);
+    return NULL;
+  }
+  pm->n_members = pack_ranks(&ms->members, w, pm->members);
+  for (uint32_t k = 0; k < ms->log_n; k++) {
+    pm->log_steps[k] = ms->log[k].from_step;
+    pm->log_counts[k] =
+        (uint32_t)pack_ranks(&ms->log[k].members, w, pm->log_ranks + pm->n_log_ranks);
+    pm->n_log_ranks += pm->log_counts[k];
+  }
+  pm->n_log_steps = pm->n_log_counts = ms->log_n;
+  if (ms->nplan == w && ms->join_at && ms->leave_at) {
+    pm->n_join_at = pm->n_leave_at = w;
+    pm->join_at = (uint64_t *)(uintptr_t)ms->join_at;
+    pm->leave_at = (uint64_t *)(uintptr_t)ms->leave_at;
+  }
+  return pm;
+}
+
 static int fetch_array(const core_state *st, int part, const float **src) {
   *src = part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_MASTER       ? st->master
          : part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_EXP_AVG    ? st->m
@@ -617,6 +703,9 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
     resp->has_exp_avg = st->m != NULL;
     resp->has_exp_avg_sq = st->v != NULL;
     resp->shard_id = st->shard_id;
+    if (rc == 0 && st->members &&
+        !(resp->membership = membership_pack(st->members, st->spec.world_size)))
+      rc = status_fail(err, errlen, ZS_ENOMEM, "out of memory");
   } else {
     const float *src = NULL;
     if (fetch_array(st, q->part, &src) != 0 || q->count > REPLICA_FETCH_ELEMS ||
@@ -652,6 +741,8 @@ void replica_fetch_release(replica *r, Zshard__V1__ReplicaFetchResponse *resp, i
     free(resp->spec);
     resp->spec = NULL;
   }
+  membership_free(resp->membership);
+  resp->membership = NULL;
 }
 
 /* A member asked to join (or joining) that neither answered GetInfo nor

@@ -360,7 +360,8 @@ int service_open_job(service *s, const spec *sp, uint32_t rank, int mode,
   if (rank >= out->world_size)
     return status_fail(err, errlen, ZS_EINVAL,
                        "rank %" PRIu32 " is not a rank of job '%s': its world size is %" PRIu32
-                       " (set when it was created)",
+                       " (set when it was created; a job cannot grow past it: create it with "
+                       "the largest number of trainers it may have)",
                        rank, sp->job, out->world_size);
   return 0;
 }

@@ -156,6 +156,12 @@ static void world_size_is_not_part_of_the_job(void **state) {
   assert_int_equal(open_job(x, 2, ZS_OPEN_EITHER), ZS_EINVAL);
   fprintf(stderr, "rank 2 of a job of W = 2: %s\n", zs_last_error());
   assert_non_null(strstr(zs_last_error(), "world size is 2"));
+  assert_non_null(strstr(zs_last_error(), "cannot grow past it"));
+  assert_int_equal(zs_client_close(x), ZS_OK);
+  /* So is a join of such a rank: the rank space is fixed at creation. */
+  x = trainer(&cl, "ws", 2, 3, ZS_OPEN_JOIN);
+  assert_int_equal(open_job(x, 2, ZS_OPEN_JOIN), ZS_EINVAL);
+  assert_non_null(strstr(zs_last_error(), "cannot grow past it"));
   assert_int_equal(zs_client_close(x), ZS_OK);
   assert_int_equal(zs_client_close(b), ZS_OK);
   assert_int_equal(zs_client_close(a), ZS_OK);

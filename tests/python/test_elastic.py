@@ -137,6 +137,8 @@ def joiner(cfg):
     c = client(cfg, VICTIM, open_mode="join")
     log = {"rank": VICTIM, "joined_at": c.current_step, "steps": []}
     print("joined", flush=True)
+    if cfg.get("hold_after_join"):
+        sys.stdin.readline()  # test_elastic_replica.py kills a primary first
     for step in range(c.current_step, STEPS + 1):
         for t in range(len(NUMELS)):
             c.push(t, grad(step, VICTIM, t)).wait()

@@ -302,6 +302,9 @@ void gsrv__h_change_membership(gsrv *s, gcall *c, const uint8_t *msg, size_t len
     return;
   }
   Zshard__V1__ChangeMembershipResponse resp = ZSHARD__V1__CHANGE_MEMBERSHIP_RESPONSE__INIT;
+  /* A joiner's copy made at a version >= the step holds the change already
+   * (replica.h, `covered`). */
+  c->fwd_step = r->step;
   /* A rank token changes only its own rank's membership, as it pushes. */
   int job_ok = !c->bind.bound || core_job_named(service_core(s->svc), r->spec_hash, c->bind.job);
   int rc = auth_push_admit(s->auth, c->role, &c->bind, job_ok, r->rank, err, sizeof err);

@@ -62,11 +62,11 @@ const gsrv_method gsrv__methods[M_COUNT + 1] = {
                         GSRV_SMALL_REQUEST_BYTES, AUTH_ADMIN, REPLICA_ANY},
     [M_REPLICA_FETCH] = {"/zshard.v1.ZShard/ReplicaFetch", gsrv__h_replica_fetch,
                          GSRV_SMALL_REQUEST_BYTES, AUTH_ADMIN, REPLICA_ANY},
-    /* A trainer joins or leaves an elastic job between steps (issue 26). Not
-     * forwarded: a backup learns a step's set from its Apply (DESIGN.md
-     * "Membership", replica sets). */
+    /* A trainer joins or leaves an elastic job between steps (issue 26):
+     * forwarded like every write, so that a backup has the primary's
+     * membership when it takes over (DESIGN.md "Membership", replica sets). */
     [M_CHANGE_MEMBERSHIP] = {"/zshard.v1.ZShard/ChangeMembership", gsrv__h_change_membership,
-                             GSRV_SMALL_REQUEST_BYTES, AUTH_TRAINER, REPLICA_PRIMARY_ONLY},
+                             GSRV_SMALL_REQUEST_BYTES, AUTH_TRAINER, REPLICA_WRITE},
     [M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", gsrv__h_health_check,
                         GSRV_SMALL_REQUEST_BYTES, AUTH_NONE, REPLICA_ANY},
     [M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", gsrv__h_health_watch,
