@@ -71,12 +71,6 @@ static int client_init(client_object *self, PyObject *args, PyObject *kw) {
   return 0;
 }
 
-zs_client *zspy__client_get(client_object *self) {
-  if (!self->c)
-    PyErr_SetString(zspy__error_type, "the client is closed");
-  return self->c;
-}
-
 static void client_close_now(client_object *self) {
   zs_client *c = self->c;
   self->c = NULL;

@@ -78,11 +78,6 @@ static inline void zspy__free_instance(PyObject *o) {
 #endif
 }
 
-/* A new Request of `self` for `tensor` (new reference, or NULL with an
- * exception set) with no transfer yet: the caller fills view, then req and
- * client, whose reference the Request then owns. */
-request_object *zspy__request_new(client_object *self, int push, uint32_t tensor);
-
 /* New references to a zshard.Timing / zshard.StepResult built from the
  * library's structs (read, not kept), or NULL with an exception set. */
 PyObject *zspy__timing_new(const zs_timing *t);
@@ -136,8 +131,13 @@ int zspy__tensor_id_of(PyObject *o, const char *fn, uint32_t *out);
 
 /* ---- the Client's methods (client.c and the files of its calls) ---------------- */
 
-/* The client's zs_client, or NULL with zshard.Error set once it is closed. */
-zs_client *zspy__client_get(client_object *self);
+/* The client's zs_client, or NULL with zshard.Error set once it is closed.
+ * Inline: every call of the Client starts with it, submissions included. */
+static inline zs_client *zspy__client_get(client_object *self) {
+  if (!self->c)
+    PyErr_SetString(zspy__error_type, "the client is closed");
+  return self->c;
+}
 
 /* A blocking call that takes only the client: the GIL released around it,
  * None or the raised zshard.Error. */

@@ -90,21 +90,6 @@ static PyObject *request_repr(request_object *self) {
                               self->req ? "pending" : (self->status ? "failed" : "done"));
 }
 
-request_object *zspy__request_new(client_object *self, int push, uint32_t tensor) {
-  (void)self;
-  request_object *r = PyObject_New(request_object, &zspy__request_type);
-  if (!r)
-    return NULL;
-  r->client = NULL;
-  r->req = NULL;
-  r->view.obj = NULL;
-  r->waiting = 0;
-  r->status = 0;
-  r->push = push;
-  r->tensor = tensor;
-  return r;
-}
-
 static PyMethodDef request_methods[] = {
     {"wait", (PyCFunction)request_wait, METH_NOARGS,
      "wait for the transfer (GIL released), release the buffer; raises zshard.Error on failure"},

@@ -26,6 +26,22 @@ static int buffer_dtype(const Py_buffer *v, int dtype, const char *what) {
   return 0;
 }
 
+/* A Request with no transfer yet: the caller fills view, then req and client. */
+static request_object *request_new(client_object *self, int push, uint32_t tensor) {
+  (void)self;
+  request_object *r = PyObject_New(request_object, &zspy__request_type);
+  if (!r)
+    return NULL;
+  r->client = NULL;
+  r->req = NULL;
+  r->view.obj = NULL;
+  r->waiting = 0;
+  r->status = 0;
+  r->push = push;
+  r->tensor = tensor;
+  return r;
+}
+
 /* The positional arguments of push / push_many (tensor(s), buffer(s)[,
  * micro[, dtype]]) or pull / pull_many (tensor(s), buffer(s)[, dtype]) when
  * micro and dtype are plain ints, as zshard.torch passes them: what
@@ -74,7 +90,7 @@ static PyObject *transfer(client_object *self, PyObject *args, PyObject *kw, int
                 : !PyArg_ParseTupleAndKeywords(args, kw, "IO|i:pull", pull_kw, &tensor, &buf,
                                                &dtype))
     return NULL;
-  request_object *r = zspy__request_new(self, push, tensor);
+  request_object *r = request_new(self, push, tensor);
   if (!r)
     return NULL;
   int rc = 0;
@@ -213,7 +229,7 @@ static PyObject *transfer_many(client_object *self, PyObject *args, PyObject *kw
       PyErr_Format(PyExc_OverflowError, "%s: tensor id %lu out of range", what, t);
       goto fail;
     }
-    request_object *r = zspy__request_new(self, push, (uint32_t)t);
+    request_object *r = request_new(self, push, (uint32_t)t);
     if (!r)
       goto fail;
     PyList_SET_ITEM(list, i, (PyObject *)r); /* the list owns it from here */
