@@ -29,8 +29,8 @@ from ._zshard import (  # noqa: F401
     SCHEDULE_DEFAULT, SCHEDULE_FIFO, SCHEDULE_ROTATED, SGD, TRANSPORT_DATA, TRANSPORT_DEFAULT,
     TRANSPORT_GRPC, Error, Request, StepResult, Timing, dtype_size,
     err_name, strerror, version)
-# The status codes, named so that a type checker sees them (module.c adds
-# them from ZS_STATUS_MAP; STATUS below collects the same names at run time).
+# The status codes, named so that a type checker sees them (_zshard/status.c
+# adds them from ZS_STATUS_MAP; STATUS below collects the same names at run time).
 from ._zshard import (  # noqa: F401
     OK, EINVAL, ENOMEM, ENOTFOUND, EHASH, ESTEP, ESIZE, EDTYPE, ETIMEDOUT, ECONN, EPROTO, ECRC, ECLOSED,
     EEXIST, ENOTOPEN, ENOTREADY, ENONFINITE, EIO, EINTERNAL, EUNIMPL, EBEHIND, ECANCELED, ERANGE,

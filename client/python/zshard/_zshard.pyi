@@ -1,7 +1,7 @@
-"""Types of zshard._zshard, the C extension (module.c): its classes, functions
-and constants as module.c's method tables and PyArg format strings define
-them. Keep this file in step with module.c; scripts/test's mypy step checks
-the Python package against it."""
+"""Types of zshard._zshard, the C extension (_zshard/*.c): its classes,
+functions and constants as its method tables (module.c, client.c, request.c)
+and PyArg format strings define them. Keep this file in step with them;
+scripts/test's mypy step checks the Python package against it."""
 
 from typing import Any, Final, Optional, Sequence, Tuple, TypeAlias, TypeVar, final
 

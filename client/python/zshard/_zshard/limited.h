@@ -1,14 +1,15 @@
 /*
  * zshard._zshard built for CPython's stable ABI (Py_LIMITED_API = 3.11, the
  * "abi3" module tests/gpu/bundle ships): one binary that loads on 3.11, 3.12
- * and later. Included by module.c only when Py_LIMITED_API is defined; the
- * ordinary build (Debian's interpreter) never sees this file.
+ * and later. Included by internal.h (so by every file of the extension) only
+ * when Py_LIMITED_API is defined; the ordinary build (Debian's interpreter)
+ * never sees this file.
  *
  * The limited API lacks the unchecked accessor macros and the PyTypeObject
- * layout. The macros below map the accessors module.c uses onto their
+ * layout. The macros below map the accessors the extension uses onto their
  * checked functions (same borrowed/stolen reference rules), and turn each
- * static type object into a pointer filled at import by PyType_FromSpec /
- * PyStructSequence_NewType (module.c's PyInit__zshard), so that `&client_type`
+ * type object into a pointer filled at import by PyType_FromSpec /
+ * PyStructSequence_NewType (module.c's PyInit__zshard), so that `&zspy__client_type`
  * still names the type.
  */
 #ifndef ZSHARD_PY_LIMITED_H
@@ -26,7 +27,7 @@
 #define PyStructSequence_SET_ITEM(o, i, v) PyStructSequence_SetItem((o), (i), (v))
 #define PyStructSequence_GET_ITEM(o, i) PyStructSequence_GetItem((o), (i))
 
-/* The limited API's reference counting takes PyObject * only; module.c
+/* The limited API's reference counting takes PyObject * only; the extension
  * passes its own object structs, whose first member is the PyObject head. */
 #undef Py_INCREF
 #undef Py_DECREF
@@ -38,9 +39,9 @@
 #define Py_XDECREF(o) Py_DecRef((PyObject *)(o))
 
 /* The type objects, created at import. */
-#define timing_type (*zs_timing_type)
-#define step_result_type (*zs_step_result_type)
-#define client_type (*zs_client_type)
-#define request_type (*zs_request_type)
+#define zspy__timing_type (*zspy__timing_type_p)
+#define zspy__step_result_type (*zspy__step_result_type_p)
+#define zspy__client_type (*zspy__client_type_p)
+#define zspy__request_type (*zspy__request_type_p)
 
 #endif
