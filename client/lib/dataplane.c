@@ -6,7 +6,7 @@
  * Discovery: zs_open_job asks every shard for GetInfo.data_port and connects
  * to that port at the host of the shard's gRPC address. A shard that
  * advertises no data port is served over gRPC (its tasks run the blocking
- * path of transfer.c).
+ * path of task.c).
  *
  * A task in three phases. A push or pull task does not hold its worker while
  * the bytes travel:
@@ -15,7 +15,7 @@
  *           to the shard's data client (which computes the payload CRC on
  *           this thread) and returns; for an isolated one-piece transfer
  *           without conversion the caller's thread does this instead
- *           (zc_dp_submit_inline, from transfer.c's zc_op_submit);
+ *           (zc_dp_submit_inline, from request.c's zc_op_submit);
  *   FINISH  the answer arrives on the data client's loop thread, which must
  *           not block: a plain push or pull finishes there; a pull that needs
  *           a conversion, and any prefetch (whose last piece copies the whole
@@ -482,7 +482,7 @@ static void task_finish(zc_task *t, int status, const char *msg, uint64_t bytes)
   zc_op_part_done(t->op, status, msg, bytes);
 }
 
-/* Formats the failure of a push or pull task as transfer.c does for gRPC. */
+/* Formats the failure of a push or pull task as task.c does for gRPC. */
 static void describe_failure(const zs_client *c, const zc_task *t, const char *why, char *err,
                              size_t errlen) {
   const zs_request *op = t->op;

@@ -9,7 +9,17 @@
  *   model.c     the model description (groups, tensors) and its accessors
  *   job.c       zs_open_job (initial weights, deferred ones) and zs_close_job
  *   pool.c      worker threads and per-shard task queues
- *   transfer.c  requests: push, pull, prefetch, the generic "call every shard"
+ *   request.c   a request's life: the cache, submission, finishing, waiting,
+ *               the generic "call every shard"
+ *   call.c      a gRPC call to a shard, retried with backoff
+ *   task.c      one task of a request, run on a pool worker
+ *   transfer.c  one tensor's push or pull: zs_push, zs_pull, their _cb forms
+ *   batch.c     zs_push_many, zs_pull_many
+ *   check.c     the arguments of a push or pull
+ *   prefetch.c  the prefetch slots
+ *   ef.c        error feedback
+ *   convert.c   dtype conversion
+ *               (transfer.h: what these share among themselves)
  *   step.c      zs_step: gradient statistics, norm, clipping, apply, timing
  *   state.c     optimizer state: zs_state_read/write, the optimizer step count
  *   dataplane.c pushes and pulls over the data plane (data port discovery,
@@ -33,7 +43,7 @@
  *     leaf: nothing is locked, and nothing blocks, while it is held.
  *     zc_rset.mu (replica.c, one per shard) is a leaf too: a failover search
  *     marks itself under it and runs its calls without it. So is op_cache_mu
- *     (transfer.c, the process's cache of released requests), taken under
+ *     (request.c, the process's cache of released requests), taken under
  *     zs_client.mu when a pull starts prefetches.
  *   - After zs_open_job succeeds the spec, the layout and the channels are
  *     immutable and read without locks.
@@ -203,7 +213,7 @@ void zc_pool_stop(zc_pool *p);
  * closed): frees what zc_pool_stop left. Idempotent. */
 void zc_pool_free(zc_pool *p);
 
-/* ---- transfer.c ------------------------------------------------------------ */
+/* ---- requests and tasks: request.c, task.c ---------------------------------- */
 
 typedef enum zc_op_kind {
   ZC_OP_PUSH = 1,
@@ -247,7 +257,7 @@ struct zc_task {
 };
 
 struct zs_request {
-  /* Kept as they are while a released request waits in transfer.c's cache
+  /* Kept as they are while a released request waits in request.c's cache
    * for its next use: the lock and condition variable (initialised once),
    * the tasks it has room for, and the sentence (only err[0] is reset). */
   pthread_mutex_t mu;
@@ -319,17 +329,13 @@ void zc_task_cancel(void *ctx, zc_task *t);
 
 /* Allocates an op with ntasks zeroed tasks (pending = ntasks) and refs = 1
  * (the in-flight op), or takes a released one of the same size from the
- * process's cache of requests (transfer.c). Returns NULL on ENOMEM (with
+ * process's cache of requests (request.c). Returns NULL on ENOMEM (with
  * the last error set). */
 struct zs_request *zc_op_new(struct zs_client *c, zc_op_kind kind, uint32_t ntasks);
 
-/* Counts the op as in flight on its client (so that close waits for it).
- * Called with c->mu held, once per op, before it is submitted. */
-void zc_op_register_locked(struct zs_request *op);
-
 /* Submits the op's tasks to the pool, or, for an isolated one-task push or
  * pull in its wire dtype, straight to its data client on the calling thread
- * (transfer.c, submit_inline). Either way no task finishes inside the call,
+ * (request.c, submit_inline). Either way no task finishes inside the call,
  * unless the pool is stopping (the tasks are then cancelled). Called without
  * c->mu. */
 void zc_op_submit(struct zs_request *op);
@@ -358,11 +364,11 @@ int zc_call_all(struct zs_request *op);
  * on ENOMEM, with the last error set. */
 struct zs_request *zc_op_get_info(struct zs_client *c, const Zshard__V1__GetInfoRequest *req);
 
-/* Converts n elements from src (dtype sd) to dst (dtype dd); src may be
+/* convert.c: converts n elements from src (dtype sd) to dst (dtype dd); src may be
  * unaligned, dst must be aligned to its element size. */
 void zc_convert(void *dst, zs_dtype dd, const void *src, zs_dtype sd, size_t n);
 
-/* Starts prefetches of tensors [first, first + count) for min_version in wire
+/* prefetch.c: starts prefetches of tensors [first, first + count) for min_version in wire
  * dtype `wire`, skipping those already in a slot. Called with c->mu held;
  * the ops are returned in *ops (up to count) for the caller to submit after
  * unlocking. Returns how many. */
@@ -371,15 +377,15 @@ uint32_t zc_prefetch_locked(struct zs_client *c, uint32_t first, uint32_t count,
 
 /* Frees the prefetch slots (client teardown). */
 void zc_slots_free(struct zs_client *c);
-/* Frees the error-feedback residuals (transfer.c). */
+/* Frees the error-feedback residuals (ef.c). */
 void zc_ef_free(struct zs_client *c);
 /* After a step: a skipped step's residuals are dropped with its gradient
  * (skipped 1); otherwise they are multiplied by `rescale`, the next loss
  * scale over this step's, since pushes carry loss-scaled gradients. */
 void zc_ef_after_step(struct zs_client *c, int skipped, double rescale);
 
-/* Waits ms milliseconds, or less if the client starts closing; returns 1 if
- * it is closing. The retries' backoff. */
+/* call.c: waits ms milliseconds, or less if the client starts closing;
+ * returns 1 if it is closing. The retries' backoff. */
 int zc_backoff_wait(struct zs_client *c, uint64_t ms);
 
 /* zc_call, the retried call: cli_support.h. */
@@ -512,7 +518,7 @@ void zc_rsets_free(struct zs_client *c);
  * the sentence. */
 int zc_shard_text_check(uint32_t shard, const char *text, char **norm);
 
-/* The replicated zc_call (transfer.c calls it for a shard with n > 1). */
+/* The replicated zc_call (call.c calls it for a shard with n > 1). */
 int zc_replica_call(struct zs_client *c, uint32_t shard, const char *method,
                     const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
                     ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
@@ -564,7 +570,7 @@ struct zs_client {
   uint32_t inflight; /* ops not yet finished (all kinds) */
   /* Ops not yet finished, counted down as their last part is done, before
    * their callback and waiters (inflight is counted down after them): what
-   * the transfer fast path reads to tell an isolated transfer (transfer.c,
+   * the transfer fast path reads to tell an isolated transfer (request.c,
    * submit_inline). No lock. */
   atomic_uint_least32_t unfinished;
   uint32_t inflight_push;
@@ -580,7 +586,7 @@ struct zs_client {
   zs_timing last_timing;
 
   zc_slot *slots; /* (mu) num_tensors slots once opened with prefetch */
-  /* Error feedback (transfer.c): per tensor, the residual of its last push,
+  /* Error feedback (ef.c): per tensor, the residual of its last push,
    * numel floats, allocated at the tensor's first lossy push. ef_mu guards
    * both; it is taken alone, never with mu. */
   pthread_mutex_t ef_mu;

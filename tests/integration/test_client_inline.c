@@ -1,5 +1,5 @@
 /*
- * test_client_inline — the transfer fast path (client/lib/transfer.c,
+ * test_client_inline — the transfer fast path (client/lib/request.c,
  * submit_inline): an isolated push or pull of one piece in its wire dtype is
  * submitted to its data client on the caller's thread, sparing the pool's
  * hand-off; conversions, split tensors, batch calls and a held pool keep the
