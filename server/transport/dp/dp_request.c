@@ -196,8 +196,18 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
   dp__pull_ready(c, p);
 }
 
-/* The core's arguments for a push, without its bytes: a PUSH's own, or the
- * header of a PUSH_BATCH (each piece filling in its own: push_piece_args). */
+/* The core's arguments `a` for the piece pc of a push. */
+static core_push_args push_piece(core_push_args a, const wire_piece *pc) {
+  a.tensor = pc->tensor;
+  a.slice = pc->slice;
+  a.dtype = (zs_dtype)pc->dtype;
+  a.nbytes = (size_t)pc->length;
+  return a;
+}
+
+/* The core's arguments for a push, without its bytes: a PUSH's own (one
+ * piece, the whole payload), or the header of a PUSH_BATCH (each piece
+ * filling in its own: push_piece). */
 static core_push_args push_args(const wire_msg *m) {
   if (m->type == WIRE_PUSH_BATCH) {
     const wire_push_batch *q = &m->u.push_batch;
@@ -205,14 +215,8 @@ static core_push_args push_args(const wire_msg *m) {
         .hash = q->spec_hash, .step = q->step, .rank = q->rank, .micro = q->micro};
   }
   const wire_push *q = &m->u.push;
-  return (core_push_args){.hash = q->spec_hash,
-                          .step = q->step,
-                          .rank = q->rank,
-                          .micro = q->micro,
-                          .tensor = q->tensor,
-                          .slice = q->slice,
-                          .dtype = (zs_dtype)q->dtype,
-                          .nbytes = (size_t)m->payload_len};
+  core_push_args a = {.hash = q->spec_hash, .step = q->step, .rank = q->rank, .micro = q->micro};
+  return push_piece(a, &(wire_piece){q->tensor, q->slice, q->dtype, m->payload_len});
 }
 
 /* PUSH_BATCH: every piece is checked as a single PUSH is before anything is
@@ -227,11 +231,7 @@ static int push_batch_refused(dp_conn *c, const wire_msg *m) {
   wire_msg ack = {.type = WIRE_PUSH_BATCH_ACK, .request_id = m->request_id};
   for (uint32_t i = 0; i < q->npieces; i++) {
     const wire_piece *pc = &q->pieces[i];
-    core_push_args a = push_args(m);
-    a.tensor = pc->tensor;
-    a.slice = pc->slice;
-    a.dtype = (zs_dtype)pc->dtype;
-    a.nbytes = (size_t)pc->length;
+    core_push_args a = push_piece(push_args(m), pc);
     char err[DP_ERRLEN] = "";
     st[i] = service_push_check(s->svc, &a, err, sizeof err);
     if (st[i] == 0)
