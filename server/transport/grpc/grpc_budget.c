@@ -311,9 +311,7 @@ void gsrv__answer_release(gcall *c) {
   }
   pthread_mutex_unlock(&s->lock);
   /* `run` is this thread's alone now: no other thread sees its calls. */
-  while (!list_empty(&run)) {
-    list_node *n = run.next;
-    list_remove(n);
+  for (list_node *n; (n = list_pop(&run)) != NULL;) {
     gcall *w = container_of(n, gcall, aw_node);
     gsrv__pull_build(w, w->aw_claimed);
     gcall_unref(w);

@@ -173,11 +173,8 @@ static void teardown(gsrv *s) {
   free(s->threads);
   push_asm_free(s->chunks);
   for (int i = 0; i < GSRV_PEER_BUCKETS; i++) {
-    while (!list_empty(&s->peers[i])) {
-      peer_count *e = container_of(s->peers[i].next, peer_count, node);
-      list_remove(&e->node);
-      free(e);
-    }
+    for (list_node *n; (n = list_pop(&s->peers[i])) != NULL;)
+      free(container_of(n, peer_count, node));
   }
   if (s->own_svc)
     service_destroy(s->svc);
@@ -473,18 +470,13 @@ void gsrv_destroy(gsrv *s) {
     w->w_ending = 1;
     gsrv__watch_kick_locked(s, w);
   }
-  list_node queued;
+  list_node queued, *n;
   list_init(&queued);
-  while (!list_empty(&s->answer_wait)) {
-    list_node *n = s->answer_wait.next;
-    list_remove(n);
+  while ((n = list_pop(&s->answer_wait)) != NULL)
     list_push(&queued, n);
-  }
   pthread_mutex_unlock(&s->lock);
   /* Answers still waiting for room are not built any more. */
-  while (!list_empty(&queued)) {
-    list_node *n = queued.next;
-    list_remove(n);
+  while ((n = list_pop(&queued)) != NULL) {
     gcall *w = container_of(n, gcall, aw_node);
     gsrv__finish_err(w, w->aw_claimed, ZS_ECLOSED, "the server is shutting down");
     gcall_unref(w);
