@@ -41,4 +41,13 @@ static inline void list_remove(list_node *n) {
   n->prev = n->next = NULL;
 }
 
+/* Unlinks the first node of `list` and returns it; NULL when it is empty. */
+static inline list_node *list_pop(list_node *list) {
+  list_node *n = list->next;
+  if (n == list)
+    return NULL;
+  list_remove(n);
+  return n;
+}
+
 #endif

@@ -164,6 +164,33 @@ static int core_same_glr(const double *a, uint32_t na, const double *b, uint32_t
   return 1;
 }
 
+/* An Apply of a step that is already applied (`last`: compare with the
+ * arguments it was applied with) or queued (with the queued apply's) is
+ * answered again only when it repeats those arguments exactly: a retried
+ * Apply must not turn into a second, different update. 0 if it does,
+ * ZS_EEXIST naming both otherwise. Called with mu held. */
+static int core_apply_same(const core *c, int last, uint64_t step, double lr, float coef, int skip,
+                           const double *group_lr, uint32_t ngroup_lr, const core_step_hparams *hp,
+                           char *err, size_t errlen) {
+  double had_lr = last ? c->last_lr : c->apply_lr;
+  float had_coef = last ? c->last_coef : c->apply_coef;
+  int had_skip = last ? c->last_skip : c->apply_skip;
+  int same_glr = last ? core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)
+                      : core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr);
+  int same_hp = last ? core_same_hparams(c, hp, c->last_hp, c->last_hp_mask)
+                     : core_same_hparams(c, hp, c->apply_hp, c->apply_hp_mask);
+  if (core_same_apply(lr, coef, skip, had_lr, had_coef, had_skip) && same_glr && same_hp)
+    return 0;
+  return status_fail(err, errlen, ZS_EEXIST,
+                     "step %" PRIu64 " %s with lr=%g coef=%g skip=%d%s, not lr=%g coef=%g skip=%d",
+                     step, last ? "was applied" : "is being applied", had_lr, (double)had_coef,
+                     had_skip,
+                     !same_glr  ? " and other group learning rates"
+                     : !same_hp ? " and other group hyper-parameters"
+                                : "",
+                     lr, (double)coef, !!skip);
+}
+
 /* Builds the plan every param group would run with these arguments and
  * refuses them when a scalar the kernels see is not a finite float: a lr of
  * 1e300 is a finite double, but (float)-lr is -inf and so would every weight
@@ -305,23 +332,9 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
   if (c->last_apply_valid && step == c->version) {
     if ((rc = core_apply_check_members(c, step, members, &c->last_members, err, errlen)) != 0)
       goto done;
-    if (core_same_apply(lr, coef, skip, c->last_lr, c->last_coef, c->last_skip) &&
-        core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr) &&
-        core_same_hparams(c, hp, c->last_hp, c->last_hp_mask)) {
-      if (out)
-        *out = c->last_apply;
-    } else {
-      rc = status_fail(err, errlen, ZS_EEXIST,
-                       "step %" PRIu64 " was applied with lr=%g coef=%g skip=%d%s, not lr=%g "
-                       "coef=%g skip=%d",
-                       step, c->last_lr, (double)c->last_coef, c->last_skip,
-                       core_same_glr(group_lr, ngroup_lr, c->last_glr, c->last_nglr)
-                           ? (core_same_hparams(c, hp, c->last_hp, c->last_hp_mask)
-                                  ? ""
-                                  : " and other group hyper-parameters")
-                           : " and other group learning rates",
-                       lr, (double)coef, !!skip);
-    }
+    rc = core_apply_same(c, 1, step, lr, coef, skip, group_lr, ngroup_lr, hp, err, errlen);
+    if (rc == 0 && out)
+      *out = c->last_apply;
     goto done;
   }
   if (c->ckpt_loaded && (step > c->version + 1 || step == c->version)) {
@@ -339,21 +352,9 @@ int core_apply_members(core *c, uint64_t hash, uint64_t step, double lr, const d
       (rc = core_apply_narrow(c, step, members, decided, &narrowed, err, errlen)) != 0)
     goto done;
   if (c->apply_state != APPLY_NONE) {
-    if (!core_same_apply(lr, coef, skip, c->apply_lr, c->apply_coef, c->apply_skip) ||
-        !core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr) ||
-        !core_same_hparams(c, hp, c->apply_hp, c->apply_hp_mask)) {
-      rc = status_fail(err, errlen, ZS_EEXIST,
-                       "step %" PRIu64 " is being applied with lr=%g coef=%g skip=%d%s, not "
-                       "lr=%g coef=%g skip=%d",
-                       step, c->apply_lr, (double)c->apply_coef, c->apply_skip,
-                       core_same_glr(group_lr, ngroup_lr, c->apply_glr, c->apply_nglr)
-                           ? (core_same_hparams(c, hp, c->apply_hp, c->apply_hp_mask)
-                                  ? ""
-                                  : " and other group hyper-parameters")
-                           : " and other group learning rates",
-                       lr, (double)coef, !!skip);
+    rc = core_apply_same(c, 0, step, lr, coef, skip, group_lr, ngroup_lr, hp, err, errlen);
+    if (rc != 0)
       goto done;
-    }
   } else if (!c->pipelined) {
     /* Narrowed: the statistics over `members` run first, then this apply
      * (the worker's order); the trainers checked their overflow already. */

@@ -103,6 +103,14 @@ typedef enum replica_kind {
   REPLICA_PRIMARY_ONLY, /* Checkpoint, CommitCheckpoint: the primary's files */
 } replica_kind;
 
+/* What a forwarded write is. A push (a contribution) counts while it is on
+ * its way to a backup: an Apply that backup refuses ZS_ENOTREADY meanwhile
+ * waits for it rather than count the failover time. */
+typedef enum replica_write {
+  REPLICA_FWD_WRITE, /* Open, InitParams, Apply, WriteState, CloseJob, Restore */
+  REPLICA_FWD_PUSH,  /* a contribution: a data-plane push or a gRPC Push */
+} replica_write;
+
 typedef struct replica replica;
 
 typedef struct replica_config {
@@ -161,11 +169,12 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
                            size_t errlen);
 
 /* Forwards a gRPC request as it came (`method` the full path, len bytes at
- * msg) to every backup; as replica_forward_push. `step`: the step the write
+ * msg) to every backup; as replica_forward_push. `kind`: what the write is
+ * (a Push is a contribution, REPLICA_FWD_PUSH). `step`: the step the write
  * belongs to (an Apply's), so that a joiner whose copy holds that step
  * already is not sent it; 0: a write of no step, sent to every backup. */
-int replica_forward_raw(replica *r, const char *method, uint64_t step, const void *msg, size_t len,
-                        char *err, size_t errlen);
+int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
+                        const void *msg, size_t len, char *err, size_t errlen);
 
 /* The service's applied hook: starts a pending join at this version. */
 void replica_on_applied(void *arg, const core_apply_result *res);

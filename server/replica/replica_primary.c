@@ -172,7 +172,6 @@ typedef int (*send_fn)(replica *r, member *m, uint64_t term, const void *arg, ch
 
 static int send_push(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len);
 static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len);
-static int raw_is_push(const void *arg);
 
 /* Marks the n targets t as receiving pushes from this thread (up: 1) or no
  * longer (up: 0); see member.pushing. */
@@ -188,26 +187,25 @@ static void count_pushing(replica *r, const fwd_target *t, uint32_t n, int up) {
   pthread_mutex_unlock(&r->mu);
 }
 
-/* Sends one write to every target, each until it answered or was dropped. */
-/* The failover time of a forward counts from `since` (when the write began
- * to wait for its backups; 0: now), so that a dead backup holds a write for
- * --failover-ms however many attempts it took. */
-static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint64_t bytes,
-                   uint64_t since, char *err, size_t errlen) {
-  if (!since)
-    since = clock_now_ms();
-  fwd_target t[REPLICA_MAX_MEMBERS];
+/* The backups a write of `step` goes to now (replica__targets_locked) and
+ * the term they were chosen under; none when this replica is not the primary
+ * (*primary: 0). */
+static uint32_t targets(replica *r, uint64_t step, fwd_target *t, uint64_t *term, int *primary) {
   pthread_mutex_lock(&r->mu);
-  uint64_t term = r->term;
-  int primary = r->role == REPLICA_PRIMARY;
-  uint32_t n = primary ? replica__targets_locked(r, step, t) : 0;
+  *term = r->term;
+  *primary = r->role == REPLICA_PRIMARY;
+  uint32_t n = *primary ? replica__targets_locked(r, step, t) : 0;
   pthread_mutex_unlock(&r->mu);
-  if (!primary)
-    return status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
-  /* A gRPC Push is forwarded as its raw bytes: it counts as a push too. */
-  int is_push = fn == send_push || (fn == send_raw && raw_is_push(arg));
-  if (is_push)
-    count_pushing(r, t, n, 1);
+  return n;
+}
+
+/* Sends one write to the n targets t, chosen under `term`, each until it
+ * answered or was dropped. The failover time of a forward counts from
+ * `since` (when the write began to wait for its backups), so that a dead
+ * backup holds a write for --failover-ms however many attempts it took. */
+static int send_each(replica *r, const fwd_target *t, uint32_t n, uint64_t term, send_fn fn,
+                     const void *arg, int is_push, uint64_t bytes, uint64_t since, char *err,
+                     size_t errlen) {
   int deposed = 0;
   for (uint32_t i = 0; i < n && !deposed; i++) {
     uint64_t first_fail = 0;
@@ -222,8 +220,6 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint6
       nanosleep(&ts, NULL);
     }
   }
-  if (is_push)
-    count_pushing(r, t, n, 0);
   if (deposed)
     return status_fail(err, errlen, ZS_ENOTPRIMARY,
                        "this replica is no longer its shard's primary (a newer term exists)");
@@ -232,6 +228,34 @@ static int forward(replica *r, send_fn fn, const void *arg, uint64_t step, uint6
   r->forwarded_bytes += bytes * n;
   pthread_mutex_unlock(&r->mu);
   return 0;
+}
+
+static int forward_batch(replica *r, const fwd_target *t, uint32_t nt, uint64_t term,
+                         const core_push_args *a, uint32_t n, uint64_t since, char *err,
+                         size_t errlen);
+
+/* Forwards nw writes of one kind (nw > 1: contributions, `arg` an array of
+ * core_push_args sent with send_push) to the backups; `step` (0 for a
+ * batch) and `bytes` those of a single write. The one place that counts the
+ * targets of a push as receiving it (member.pushing), from before the first
+ * attempt until every write of the batch went through. */
+static int forward(replica *r, replica_write kind, send_fn fn, const void *arg, uint32_t nw,
+                   uint64_t step, uint64_t bytes, char *err, size_t errlen) {
+  uint64_t since = clock_now_ms();
+  fwd_target t[REPLICA_MAX_MEMBERS];
+  uint64_t term;
+  int primary;
+  uint32_t nt = targets(r, step, t, &term, &primary);
+  if (!primary)
+    return status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
+  int is_push = kind == REPLICA_FWD_PUSH;
+  if (is_push)
+    count_pushing(r, t, nt, 1);
+  int rc = nw == 1 ? send_each(r, t, nt, term, fn, arg, is_push, bytes, since, err, errlen)
+                   : forward_batch(r, t, nt, term, arg, nw, since, err, errlen);
+  if (is_push)
+    count_pushing(r, t, nt, 0);
+  return rc;
 }
 
 /* A contribution as a forward: the data plane's push of the same bytes,
@@ -263,7 +287,7 @@ static int send_push(replica *r, member *m, uint64_t term, const void *arg, char
 }
 
 int replica_forward_push(replica *r, const core_push_args *a, char *err, size_t errlen) {
-  return forward(r, send_push, a, a->step, a->nbytes, 0, err, errlen);
+  return forward(r, REPLICA_FWD_PUSH, send_push, a, 1, a->step, a->nbytes, err, errlen);
 }
 
 /* The answers to pushes sent at once. */
@@ -317,17 +341,18 @@ static int send_pushes(replica *r, member *m, uint64_t term, const core_push_arg
 
 int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char *err,
                            size_t errlen) {
-  fwd_target t[REPLICA_MAX_MEMBERS];
-  uint64_t since = clock_now_ms();
-  pthread_mutex_lock(&r->mu);
-  uint64_t term = r->term;
-  uint32_t nt = r->role == REPLICA_PRIMARY ? replica__targets_locked(r, 0, t) : 0;
-  pthread_mutex_unlock(&r->mu);
-  /* The targets count as receiving these pushes until every one went
-   * through (also between the one-by-one forwards below). */
-  count_pushing(r, t, nt, 1);
-  /* The common case at once; any failure takes the one-by-one path, which
-   * retries, drops or steps down (a repeat is acknowledged as a duplicate). */
+  if (n <= 1) /* a single push goes to the backups of its own step */
+    return n ? replica_forward_push(r, a, err, errlen) : 0;
+  return forward(r, REPLICA_FWD_PUSH, send_push, a, n, 0, 0, err, errlen);
+}
+
+/* The n > 1 contributions a to the nt targets t chosen under `term`
+ * (forward). The common case at once; any failure takes the one-by-one
+ * path, which retries, drops or steps down (a repeat is acknowledged as a
+ * duplicate), each push to the targets of its own step then. */
+static int forward_batch(replica *r, const fwd_target *t, uint32_t nt, uint64_t term,
+                         const core_push_args *a, uint32_t n, uint64_t since, char *err,
+                         size_t errlen) {
   int all = n > 1 && nt > 0;
   for (uint32_t i = 0; all && i < nt; i++)
     all = send_pushes(r, &r->m[t[i].idx], term, a, n) == 0;
@@ -348,9 +373,15 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
     pthread_mutex_unlock(&r->mu);
   }
   int rc = 0;
-  for (uint32_t k = 0; !all && k < n && rc == 0; k++)
-    rc = forward(r, send_push, &a[k], a[k].step, a[k].nbytes, since, err, errlen);
-  count_pushing(r, t, nt, 0);
+  for (uint32_t k = 0; !all && k < n && rc == 0; k++) {
+    fwd_target tk[REPLICA_MAX_MEMBERS];
+    uint64_t term_k;
+    int primary;
+    uint32_t ntk = targets(r, a[k].step, tk, &term_k, &primary);
+    rc = primary
+             ? send_each(r, tk, ntk, term_k, send_push, &a[k], 1, a[k].nbytes, since, err, errlen)
+             : status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
+  }
   return rc;
 }
 
@@ -384,15 +415,10 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
   return rc;
 }
 
-static int raw_is_push(const void *arg) {
-  const raw_req *q = arg;
-  return strcmp(q->method, "/zshard.v1.ZShard/Push") == 0;
-}
-
-int replica_forward_raw(replica *r, const char *method, uint64_t step, const void *msg, size_t len,
-                        char *err, size_t errlen) {
+int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
+                        const void *msg, size_t len, char *err, size_t errlen) {
   raw_req q = {.method = method, .msg = msg, .len = len};
-  return forward(r, send_raw, &q, step, len, 0, err, errlen);
+  return forward(r, kind, send_raw, &q, 1, step, len, err, errlen);
 }
 
 /* ------------------------------------------------------------ joins (primary) */

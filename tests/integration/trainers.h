@@ -1,6 +1,6 @@
 /*
  * trainers — the fixture the training tests share (test_client_e2e,
- * test_pipelined, test_client_schedule): a cluster started with its address
+ * test_pipelined, test_client_schedule, test_client_elastic): a cluster started with its address
  * list for zs_client_options.addresses, trainer threads started and joined,
  * the deterministic gradient noise, and the test program's main. Built into
  * the harness library (tests/CMakeLists.txt), beside harness.h, whose servers

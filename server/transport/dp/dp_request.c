@@ -196,6 +196,29 @@ static void pull_wait(dp_conn *c, dp_pull *p, uint32_t timeout_ms) {
   dp__pull_ready(c, p);
 }
 
+/* The core's arguments `a` for the piece pc of a push. */
+static core_push_args push_piece(core_push_args a, const wire_piece *pc) {
+  a.tensor = pc->tensor;
+  a.slice = pc->slice;
+  a.dtype = (zs_dtype)pc->dtype;
+  a.nbytes = (size_t)pc->length;
+  return a;
+}
+
+/* The core's arguments for a push, without its bytes: a PUSH's own (one
+ * piece, the whole payload), or the header of a PUSH_BATCH (each piece
+ * filling in its own: push_piece). */
+static core_push_args push_args(const wire_msg *m) {
+  if (m->type == WIRE_PUSH_BATCH) {
+    const wire_push_batch *q = &m->u.push_batch;
+    return (core_push_args){
+        .hash = q->spec_hash, .step = q->step, .rank = q->rank, .micro = q->micro};
+  }
+  const wire_push *q = &m->u.push;
+  core_push_args a = {.hash = q->spec_hash, .step = q->step, .rank = q->rank, .micro = q->micro};
+  return push_piece(a, &(wire_piece){q->tensor, q->slice, q->dtype, m->payload_len});
+}
+
 /* PUSH_BATCH: every piece is checked as a single PUSH is before anything is
  * allocated for the payload. When none could be added whatever its bytes
  * say, the batch is answered at once (each piece's status) and its payload
@@ -208,14 +231,7 @@ static int push_batch_refused(dp_conn *c, const wire_msg *m) {
   wire_msg ack = {.type = WIRE_PUSH_BATCH_ACK, .request_id = m->request_id};
   for (uint32_t i = 0; i < q->npieces; i++) {
     const wire_piece *pc = &q->pieces[i];
-    core_push_args a = {.hash = q->spec_hash,
-                        .step = q->step,
-                        .rank = q->rank,
-                        .micro = q->micro,
-                        .tensor = pc->tensor,
-                        .slice = pc->slice,
-                        .dtype = (zs_dtype)pc->dtype,
-                        .nbytes = (size_t)pc->length};
+    core_push_args a = push_piece(push_args(m), pc);
     char err[DP_ERRLEN] = "";
     st[i] = service_push_check(s->svc, &a, err, sizeof err);
     if (st[i] == 0)
@@ -230,6 +246,34 @@ static int push_batch_refused(dp_conn *c, const wire_msg *m) {
   ack.u.push_batch_ack.duplicate = dup;
   dp__conn_send(c, &ack, NULL, 1, 0);
   return 1;
+}
+
+/* A PUSH or PUSH_BATCH that its checks admit: where its payload goes, a
+ * buffer from the pool. NULL when it was answered instead (refused whatever
+ * its bytes say, or no memory for them): the payload is then skipped unread
+ * into memory. */
+static void *push_admit(dp_conn *c, const wire_msg *m) {
+  int batch = m->type == WIRE_PUSH_BATCH;
+  if (batch) {
+    if (push_batch_refused(c, m))
+      return NULL;
+  } else {
+    core_push_args a = push_args(m);
+    char err[DP_ERRLEN] = "";
+    int rc = service_push_check(c->s->svc, &a, err, sizeof err);
+    if (rc != 0) {
+      dp__answer_error(c, m->request_id, rc, err);
+      return NULL;
+    }
+  }
+  c->rx = dp__pool_get(c->s, (size_t)m->payload_len);
+  if (!c->rx) {
+    dp__answer_error(c, m->request_id, ZS_ENOMEM,
+                     batch ? "out of memory for the push batch payload"
+                           : "out of memory for the push payload");
+    return NULL;
+  }
+  return c->rx->data;
 }
 
 /* A replicated shard's verdict on a push or pull (replica_admit): 1 when
@@ -251,7 +295,6 @@ static int replica_refused(dp_conn *c, const wire_msg *m) {
 
 /* Header and meta of a frame are in: decide where its payload goes. */
 void dp__on_meta(dp_conn *c) {
-  dp_server *s = c->s;
   wire_reader *rd = &c->rd;
   const wire_msg *m = &rd->msg;
   void *dst = NULL;
@@ -282,44 +325,12 @@ void dp__on_meta(dp_conn *c) {
     handle_pull(c, m);
   } else if (m->type == WIRE_PULL_BATCH) {
     handle_pull_batch(c, m);
-  } else if (m->type == WIRE_PUSH_BATCH) {
-    /* The decoder checked that the pieces tile the payload exactly; the core
-     * judges each piece once the bytes are in (dp__on_done). */
-    /* An empty payload is a batch of pieces without a gradient (each piece
-     * empty, as the decoder checked). */
-    if (push_batch_refused(c, m)) {
-      /* Answered; the payload is skipped. */
-    } else {
-      c->rx = dp__pool_get(s, (size_t)m->payload_len);
-      if (!c->rx)
-        dp__answer_error(c, m->request_id, ZS_ENOMEM, "out of memory for the push batch payload");
-      else
-        dst = c->rx->data;
-    }
   } else {
-    const wire_push *q = &m->u.push;
-    core_push_args a = {.hash = q->spec_hash,
-                        .step = q->step,
-                        .rank = q->rank,
-                        .micro = q->micro,
-                        .tensor = q->tensor,
-                        .slice = q->slice,
-                        .dtype = (zs_dtype)q->dtype,
-                        .data = NULL,
-                        .nbytes = (size_t)m->payload_len};
-    char err[DP_ERRLEN] = "";
-    int rc = service_push_check(s->svc, &a, err, sizeof err);
-    if (rc != 0) {
-      /* Refused whatever the payload says: it is skipped unread into
-       * memory. */
-      dp__answer_error(c, m->request_id, rc, err);
-    } else {
-      c->rx = dp__pool_get(s, (size_t)m->payload_len);
-      if (!c->rx)
-        dp__answer_error(c, m->request_id, ZS_ENOMEM, "out of memory for the push payload");
-      else
-        dst = c->rx->data;
-    }
+    /* A PUSH or PUSH_BATCH. For a batch the decoder checked that the pieces
+     * tile the payload exactly (an empty payload is a batch of pieces
+     * without a gradient, each piece empty); the core judges each piece
+     * once the bytes are in (dp__on_done). */
+    dst = push_admit(c, m);
   }
   if (c->closing || c->fatal)
     return;
@@ -360,33 +371,14 @@ void dp__on_done(dp_conn *c) {
     }
     memcpy(w->pieces, q->pieces, q->npieces * sizeof *w->pieces);
     w->npieces = q->npieces;
-    w->conn = c;
-    w->type = WIRE_PUSH_BATCH;
-    w->request_id = rd->msg.request_id;
-    w->start_ns = c->frame_ns;
-    w->buf = b;
-    w->nbytes = (size_t)rd->msg.payload_len;
-    w->push =
-        (core_push_args){.hash = q->spec_hash, .step = q->step, .rank = q->rank, .micro = q->micro};
-    w->forward = c->forward_next ? s->rep : NULL;
-    dp__work_start(w);
-    return;
   }
-  const wire_push *q = &rd->msg.u.push;
   w->conn = c;
-  w->type = WIRE_PUSH;
+  w->type = rd->msg.type;
   w->request_id = rd->msg.request_id;
   w->start_ns = c->frame_ns;
   w->buf = b;
   w->nbytes = (size_t)rd->msg.payload_len;
-  w->push = (core_push_args){.hash = q->spec_hash,
-                             .step = q->step,
-                             .rank = q->rank,
-                             .micro = q->micro,
-                             .tensor = q->tensor,
-                             .slice = q->slice,
-                             .dtype = (zs_dtype)q->dtype,
-                             .nbytes = w->nbytes};
+  w->push = push_args(&rd->msg);
   w->forward = c->forward_next ? s->rep : NULL;
   dp__work_start(w);
 }

@@ -32,33 +32,35 @@ static uint32_t peer_bucket(const char *peer) {
   return h % GSRV_PEER_BUCKETS;
 }
 
-static peer_count **peer_find_locked(gsrv *s, const char *peer) {
-  peer_count **pp = &s->peers[peer_bucket(peer)];
-  while (*pp && strcmp((*pp)->peer, peer) != 0)
-    pp = &(*pp)->next;
-  return pp;
+/* The entry of `peer`; NULL when there is none. */
+static peer_count *peer_find_locked(gsrv *s, const char *peer) {
+  const list_node *bucket = &s->peers[peer_bucket(peer)];
+  for (list_node *n = bucket->next; n != bucket; n = n->next) {
+    peer_count *e = container_of(n, peer_count, node);
+    if (strcmp(e->peer, peer) == 0)
+      return e;
+  }
+  return NULL;
 }
 
 /* The entry of `peer`, made if there is none; NULL when out of memory. */
 static peer_count *peer_get_locked(gsrv *s, const char *peer) {
-  peer_count **pp = peer_find_locked(s, peer);
-  if (*pp)
-    return *pp;
+  peer_count *e = peer_find_locked(s, peer);
+  if (e)
+    return e;
   size_t n = strlen(peer) + 1;
-  peer_count *e = calloc(1, sizeof *e + n);
-  if (!e)
+  if (!(e = calloc(1, sizeof *e + n)))
     return NULL;
   memcpy(e->peer, peer, n);
-  *pp = e;
+  list_push(&s->peers[peer_bucket(peer)], &e->node);
   return e;
 }
 
 /* Frees the entry of `peer` once nothing is counted in it. */
 static void peer_put_locked(gsrv *s, const char *peer) {
-  peer_count **pp = peer_find_locked(s, peer);
-  if (*pp && (*pp)->n == 0 && (*pp)->answer_bytes == 0) {
-    peer_count *e = *pp;
-    *pp = e->next;
+  peer_count *e = peer_find_locked(s, peer);
+  if (e && e->n == 0 && e->answer_bytes == 0) {
+    list_remove(&e->node);
     free(e);
   }
 }
@@ -97,14 +99,14 @@ static int park_count_locked(gsrv *s, gcall *c, int now, char *err, size_t errle
                        "the server already holds %" PRIu32
                        " waiting calls (Pull, GradStats), its limit; retry later",
                        s->lim.max_parked);
-  peer_count **pp = peer_find_locked(s, peer);
-  if (*pp && (*pp)->n >= s->lim.max_parked_per_conn)
+  const peer_count *f = peer_find_locked(s, peer);
+  if (f && f->n >= s->lim.max_parked_per_conn)
     return status_fail(err, errlen, ZS_ELIMIT,
                        "this connection already has %" PRIu32
                        " waiting calls (Pull, GradStats), the server's limit per connection",
                        s->lim.max_parked_per_conn);
-  pp = peer_find_locked(s, addr);
-  if (*pp && (*pp)->n >= park_addr_cap(s))
+  f = peer_find_locked(s, addr);
+  if (f && f->n >= park_addr_cap(s))
     return status_fail(err, errlen, ZS_ELIMIT,
                        "this address already has %" PRIu32
                        " waiting calls (Pull, GradStats), the server's limit per address",
@@ -132,13 +134,12 @@ void gsrv__park_uncount(gcall *c) {
     const char *peer = c->peer ? c->peer : "unknown";
     char addr[160];
     peer_addr_key(peer, addr, sizeof addr);
-    peer_count **pp = peer_find_locked(s, peer);
-    if (*pp)
-      (*pp)->n--;
+    peer_count *e = peer_find_locked(s, peer);
+    if (e)
+      e->n--;
     peer_put_locked(s, peer);
-    pp = peer_find_locked(s, addr);
-    if (*pp)
-      (*pp)->n--;
+    if ((e = peer_find_locked(s, addr)) != NULL)
+      e->n--;
     peer_put_locked(s, addr);
   }
   pthread_mutex_unlock(&s->lock);
@@ -248,12 +249,8 @@ int gsrv__answer_reserve(gsrv *s, gcall *c, int claimed) {
     rc = 1;
   } else if (e) {
     c->aw_claimed = claimed;
-    c->aw_next = NULL;
     gcall_ref(c);
-    if (!s->answer_wait)
-      s->answer_wait_tail = &s->answer_wait;
-    *s->answer_wait_tail = c;
-    s->answer_wait_tail = &c->aw_next;
+    list_push(&s->answer_wait, &c->aw_node);
     answer_cancel_stalled_locked(s);
     rc = 0;
   }
@@ -288,38 +285,34 @@ int gsrv__answer_try_reserve(gsrv *s, gcall *c, uint64_t n, char *err, size_t er
  * answers that fit now (once each, in queue order per connection). */
 void gsrv__answer_release(gcall *c) {
   gsrv *s = c->s;
-  gcall *run = NULL, **run_tail = &run;
+  list_node run; /* the answers built below, in queue order */
+  list_init(&run);
   pthread_mutex_lock(&s->lock);
   if (!c->answer_held) {
     pthread_mutex_unlock(&s->lock);
     return;
   }
   const char *peer = c->peer ? c->peer : "unknown";
-  peer_count *e = *peer_find_locked(s, peer);
+  peer_count *e = peer_find_locked(s, peer);
   s->answer_bytes -= c->answer_held;
   if (e)
     e->answer_bytes -= c->answer_held;
   c->answer_held = 0;
   peer_put_locked(s, peer);
-  gcall **pp = &s->answer_wait;
-  while (*pp) {
-    gcall *w = *pp;
+  for (list_node *n = s->answer_wait.next, *next; n != &s->answer_wait; n = next) {
+    next = n->next; /* a call that fits moves to `run` */
+    gcall *w = container_of(n, gcall, aw_node);
     peer_count *we = peer_get_locked(s, w->peer ? w->peer : "unknown");
     if (we && answer_fits_locked(s, we, w->nbytes)) {
-      *pp = w->aw_next;
       answer_count_locked(s, we, w, w->nbytes);
-      w->aw_next = NULL;
-      *run_tail = w;
-      run_tail = &w->aw_next;
-    } else {
-      pp = &w->aw_next;
+      list_remove(n);
+      list_push(&run, n);
     }
   }
-  s->answer_wait_tail = pp;
   pthread_mutex_unlock(&s->lock);
-  while (run) {
-    gcall *w = run;
-    run = w->aw_next;
+  /* `run` is this thread's alone now: no other thread sees its calls. */
+  for (list_node *n; (n = list_pop(&run)) != NULL;) {
+    gcall *w = container_of(n, gcall, aw_node);
     gsrv__pull_build(w, w->aw_claimed);
     gcall_unref(w);
   }

@@ -191,8 +191,9 @@ void gsrv__finish(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const 
   if (c->fwd && zs == ZS_OK) {
     /* The write succeeded here: the backups get it before the trainer hears
      * of it (server/replica/replica.h). This blocks the polling thread. */
-    int rc = replica_forward_raw(c->s->rep, gsrv__methods[c->method].path, c->fwd_step, c->fwd,
-                                 c->fwd_len, ferr, sizeof ferr);
+    replica_write kind = c->method == M_PUSH ? REPLICA_FWD_PUSH : REPLICA_FWD_WRITE;
+    int rc = replica_forward_raw(c->s->rep, gsrv__methods[c->method].path, kind, c->fwd_step,
+                                 c->fwd, c->fwd_len, ferr, sizeof ferr);
     if (rc) {
       if (reply)
         grpc_byte_buffer_destroy(reply);

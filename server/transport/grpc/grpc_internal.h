@@ -86,7 +86,7 @@ typedef struct gcall gcall;
  * port), under gsrv.lock; freed when its count drops to 0. */
 typedef struct peer_count peer_count;
 struct peer_count {
-  peer_count *next;
+  list_node node;        /* in its bucket of gsrv.peers */
   uint32_t n;            /* parked calls */
   uint64_t answer_bytes; /* Pull answers built and not yet taken */
   char peer[];           /* NUL-terminated */
@@ -125,9 +125,8 @@ struct gsrv {
   uint32_t nparked;      /* calls parked in the core, counted in peers[] */
   uint32_t nwatchers;    /* entries of watchers */
   uint64_t answer_bytes; /* Pull answers built and not yet taken, all peers */
-  gcall *answer_wait;    /* Pulls waiting for room for their answer (aw_next) */
-  gcall **answer_wait_tail;
-  peer_count *peers[GSRV_PEER_BUCKETS];
+  list_node answer_wait; /* Pulls waiting for room for their answer (aw_node), in order */
+  list_node peers[GSRV_PEER_BUCKETS]; /* peer_count.node, by peer_bucket() */
   int serving;
   int stopping;      /* no more request slots are posted */
   int closing;       /* every call not yet answered is answered ECLOSED */
@@ -170,7 +169,7 @@ struct gcall {
   char *peer;               /* grpc_call_get_peer's, for a parked call; gpr_free */
   uint64_t answer_held;     /* bytes counted in the answer budgets, under gsrv.lock */
   uint64_t answer_since_ms; /* clock_now_ms() when they were counted */
-  gcall *aw_next;           /* in gsrv.answer_wait */
+  list_node aw_node;        /* in gsrv.answer_wait, under gsrv.lock */
   int aw_claimed;           /* the claim pull_finish had when the call queued */
   int stall_cancelled;      /* cancelled for an answer its peer did not take */
 

@@ -173,11 +173,8 @@ static void teardown(gsrv *s) {
   free(s->threads);
   push_asm_free(s->chunks);
   for (int i = 0; i < GSRV_PEER_BUCKETS; i++) {
-    while (s->peers[i]) {
-      peer_count *e = s->peers[i];
-      s->peers[i] = e->next;
-      free(e);
-    }
+    for (list_node *n; (n = list_pop(&s->peers[i])) != NULL;)
+      free(container_of(n, peer_count, node));
   }
   if (s->own_svc)
     service_destroy(s->svc);
@@ -316,6 +313,9 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     return status_fail(err, errlen, ZS_ENOMEM, "%s", "out of memory");
   list_init(&s->inflight);
   list_init(&s->watchers);
+  list_init(&s->answer_wait);
+  for (int i = 0; i < GSRV_PEER_BUCKETS; i++)
+    list_init(&s->peers[i]);
   s->core = cfg->core;
   s->ckpt = cfg->ckpt;
   s->svc = cfg->service;
@@ -470,13 +470,14 @@ void gsrv_destroy(gsrv *s) {
     w->w_ending = 1;
     gsrv__watch_kick_locked(s, w);
   }
-  gcall *queued = s->answer_wait;
-  s->answer_wait = NULL;
+  list_node queued, *n;
+  list_init(&queued);
+  while ((n = list_pop(&s->answer_wait)) != NULL)
+    list_push(&queued, n);
   pthread_mutex_unlock(&s->lock);
   /* Answers still waiting for room are not built any more. */
-  while (queued) {
-    gcall *w = queued;
-    queued = w->aw_next;
+  while ((n = list_pop(&queued)) != NULL) {
+    gcall *w = container_of(n, gcall, aw_node);
     gsrv__finish_err(w, w->aw_claimed, ZS_ECLOSED, "the server is shutting down");
     gcall_unref(w);
   }

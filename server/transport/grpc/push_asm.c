@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "common/base/clock.h"
+#include "common/base/list.h"
 #include "common/base/log.h"
 #include "common/base/status.h"
 
@@ -22,7 +23,7 @@
 
 typedef struct asm_entry asm_entry;
 struct asm_entry {
-  asm_entry *next;
+  list_node node; /* in push_asm.entries */
   push_asm_key key;
   uint64_t total;
   uint64_t expires_ms;
@@ -32,7 +33,7 @@ struct asm_entry {
 
 struct push_asm {
   pthread_mutex_t mu;
-  asm_entry *entries;
+  list_node entries;
   uint64_t held; /* sum of the entries' totals */
   uint64_t budget;
   uint64_t chunk;
@@ -45,6 +46,7 @@ int push_asm_new(uint64_t budget_bytes, uint32_t ttl_ms, uint64_t chunk_bytes, p
   if (!a)
     return ZS_ENOMEM;
   pthread_mutex_init(&a->mu, NULL);
+  list_init(&a->entries);
   a->budget = budget_bytes;
   a->ttl_ms = ttl_ms;
   a->chunk = chunk_bytes ? chunk_bytes : 1;
@@ -52,19 +54,22 @@ int push_asm_new(uint64_t budget_bytes, uint32_t ttl_ms, uint64_t chunk_bytes, p
   return 0;
 }
 
+/* Unlinks e and frees it (not its buffer). */
+static void entry_drop(asm_entry *e) {
+  list_remove(&e->node);
+  free(e);
+}
+
 static void entry_free(asm_entry *e) {
   free(e->buf);
-  free(e);
+  entry_drop(e);
 }
 
 void push_asm_free(push_asm *a) {
   if (!a)
     return;
-  while (a->entries) {
-    asm_entry *e = a->entries;
-    a->entries = e->next;
-    entry_free(e);
-  }
+  while (!list_empty(&a->entries))
+    entry_free(container_of(a->entries.next, asm_entry, node));
   pthread_mutex_destroy(&a->mu);
   free(a);
 }
@@ -77,17 +82,15 @@ static int key_eq(const push_asm_key *x, const push_asm_key *y) {
 /* Drops the payloads whose time is up; their pushes are lost, and the clients
  * that sent them have long given up waiting. a->mu held. */
 static void expire_locked(push_asm *a, uint64_t now) {
-  for (asm_entry **pp = &a->entries; *pp;) {
-    asm_entry *e = *pp;
-    if (e->expires_ms > now) {
-      pp = &e->next;
+  for (list_node *n = a->entries.next, *next; n != &a->entries; n = next) {
+    next = n->next; /* an expired entry is unlinked */
+    asm_entry *e = container_of(n, asm_entry, node);
+    if (e->expires_ms > now)
       continue;
-    }
     LOG_WARN("push_chunks_expired",
              "tensor=%" PRIu32 " slice=%" PRIu32 " step=%" PRIu64 " rank=%" PRIu32
              " bytes=%" PRIu64,
              e->key.tensor, e->key.slice, e->key.step, e->key.rank, e->total);
-    *pp = e->next;
     a->held -= e->total;
     entry_free(e);
   }
@@ -96,7 +99,8 @@ static void expire_locked(push_asm *a, uint64_t now) {
 /* The entry of `k`, made (within the budget) if there is none. a->mu held. */
 static int find_or_make_locked(push_asm *a, const push_asm_key *k, uint64_t total, asm_entry **out,
                                char *err, size_t errlen) {
-  for (asm_entry *e = a->entries; e; e = e->next) {
+  for (list_node *n = a->entries.next; n != &a->entries; n = n->next) {
+    asm_entry *e = container_of(n, asm_entry, node);
     if (key_eq(&e->key, k)) {
       if (e->total != total)
         return status_fail(err, errlen, ZS_EINVAL,
@@ -124,8 +128,7 @@ static int find_or_make_locked(push_asm *a, const push_asm_key *k, uint64_t tota
   e->key = *k;
   e->total = total;
   e->expires_ms = now + a->ttl_ms;
-  e->next = a->entries;
-  a->entries = e;
+  list_push(&a->entries, &e->node);
   a->held += total;
   *out = e;
   return 0;
@@ -156,15 +159,9 @@ int push_asm_add(push_asm *a, const push_asm_key *k, uint64_t total, uint64_t of
     e->have |= UINT64_C(1) << (offset / a->chunk);
     uint64_t all = nchunks == 64 ? UINT64_MAX : (UINT64_C(1) << nchunks) - 1;
     if (e->have == all) {
-      for (asm_entry **pp = &a->entries; *pp; pp = &(*pp)->next) {
-        if (*pp == e) {
-          *pp = e->next;
-          break;
-        }
-      }
       a->held -= e->total;
       *done = e->buf;
-      free(e);
+      entry_drop(e);
     }
   }
   pthread_mutex_unlock(&a->mu);
