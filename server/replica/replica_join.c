@@ -191,7 +191,7 @@ static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, 
   return rc;
 }
 
-/* While the joiner loads its copy into its core, a thread of its own tells
+/* While the joiner reads its copy and loads it into its core, a thread of its own tells
  * the primary so (a ReplicaFetch of REPLICA_PART_LOADING) every failover
  * time / REPLICA_LOADING_TICK: the primary drops a joiner after the failover
  * time without progress, and a large shard's load may take longer. */
@@ -340,13 +340,14 @@ int replica__join_primary(replica *r, uint32_t p, uint64_t term) {
     if (info.has_job)
       rc = service_close(r->svc, 0, NULL, &cr, err, sizeof err);
   } else if (rc == 0) {
+    /* Told from the first read on: a read of the copy that waits (a loaded
+     * machine, a throttled joiner) is progress the primary cannot see. */
+    loading_ticker t;
+    ticker_start(&t, r, pm, join_id);
     rc = fetch_state(r, pm, join_id, &cs, err, sizeof err);
-    if (rc == 0) {
-      loading_ticker t;
-      ticker_start(&t, r, pm, join_id);
+    if (rc == 0)
       rc = load_state(r, &cs, err, sizeof err);
-      ticker_stop(&t);
-    }
+    ticker_stop(&t);
   }
   core_state_free(&cs);
   pthread_mutex_lock(&r->mu);
