@@ -142,6 +142,12 @@ typedef struct fwd_target {
 
 /* ------------------------------------------------------------ replica.c */
 
+/* A test hook (tests only; docs/OPERATIONS.md lists them): when the
+ * environment variable `name` (a string constant) holds a whole number of
+ * milliseconds above 0, the calling thread sleeps that long, as a large
+ * shard's slow step would take; logged as test_hook each time. Otherwise
+ * nothing. */
+void replica__test_stall(const char *name);
 /* "the primary of term 3 is member 1 (h:p)" or why none is known, into buf. */
 void replica__say_primary_locked(const replica *r, char *buf, size_t len);
 /* The gRPC channel to member m (opened at first use, owned by m, closed at

@@ -276,24 +276,11 @@ static void ticker_stop(loading_ticker *t) {
   pthread_mutex_destroy(&t->mu);
 }
 
-/* ZSHARD_TEST_LOAD_STALL_MS (tests only): a load that takes that much longer,
- * as a large shard's would. */
-static void test_load_stall(void) {
-  const char *v = getenv("ZSHARD_TEST_LOAD_STALL_MS");
-  char *end;
-  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
-  if (!ms || *end != '\0')
-    return;
-  LOG_WARN("test_hook",
-           "name=ZSHARD_TEST_LOAD_STALL_MS ms=%lu effect=the_copy_loads_that_much_slower", ms);
-  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* Replaces this replica's state by the copy, closing a job of another spec
  * first. */
 static int load_state(replica *r, core_state *st, char *err, size_t errlen) {
-  test_load_stall();
+  /* Tests only: a load that takes that much longer, as a large shard's would. */
+  replica__test_stall("ZSHARD_TEST_LOAD_STALL_MS");
   core_info info;
   core_get_info(r->core, &info);
   if (info.has_job && info.spec_hash != spec_hash(&st->spec)) {

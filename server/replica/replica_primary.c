@@ -423,20 +423,6 @@ int replica_forward_raw(replica *r, const char *method, replica_write kind, uint
 
 /* ------------------------------------------------------------ joins (primary) */
 
-/* ZSHARD_TEST_COPY_STALL_MS (tests only): a copy that takes that much longer
- * to make, as a large shard's would. */
-static void test_copy_stall(void) {
-  const char *v = getenv("ZSHARD_TEST_COPY_STALL_MS");
-  char *end;
-  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
-  if (!ms || *end != '\0')
-    return;
-  LOG_WARN("test_hook",
-           "name=ZSHARD_TEST_COPY_STALL_MS ms=%lu effect=the_copy_is_made_that_much_slower", ms);
-  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* A copy of an elastic job's membership (its log and plans too) into st,
  * owned by st (core_state_free frees it). */
 static int snap_members(core_state *st, const core_member_state *from) {
@@ -466,7 +452,9 @@ static int snap_members(core_state *st, const core_member_state *from) {
 
 static int snap_view(void *arg, const core_view *v) {
   replica *r = arg;
-  test_copy_stall();
+  /* Tests only: a copy that takes that much longer to make, as a large
+   * shard's would. */
+  replica__test_stall("ZSHARD_TEST_COPY_STALL_MS");
   core_state *st = &r->snap;
   char err[REPLICA_ERRLEN];
   core_state_free(st);
