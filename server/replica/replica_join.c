@@ -2,8 +2,9 @@
  * replica_join — joining, from the joiner's side: a member with no state of
  * the set (started empty, dropped, deposed) asks the primary (ReplicaJoin),
  * reads its copy (ReplicaFetch, REPLICA_FETCH_ELEMS at a time) and loads it
- * (core_restore), telling the primary meanwhile that it does (ReplicaFetch
- * of REPLICA_PART_LOADING); the primary's side is in replica_primary.c.
+ * (core_restore), telling the primary meanwhile that it works on its copy
+ * (ReplicaFetch of REPLICA_PART_LOADING, from the copy_ticker's thread); the
+ * primary's side is in replica_primary.c.
  */
 #include "server/replica/replica_internal.h"
 
@@ -191,11 +192,13 @@ static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, 
   return rc;
 }
 
-/* While the joiner reads its copy and loads it into its core, a thread of its own tells
- * the primary so (a ReplicaFetch of REPLICA_PART_LOADING) every failover
- * time / REPLICA_LOADING_TICK: the primary drops a joiner after the failover
- * time without progress, and a large shard's load may take longer. */
-typedef struct loading_ticker {
+/* While the joiner works on its copy, from its first read until the copy is
+ * loaded into its core, a thread of its own tells the primary so (a
+ * ReplicaFetch of REPLICA_PART_LOADING, the wire's name for that word) every
+ * failover time / REPLICA_COPY_TICK: the primary drops a joiner after the
+ * failover time without progress, and a read that waits (a loaded machine, a
+ * throttled joiner) or a large shard's load may take longer. */
+typedef struct copy_ticker {
   replica *r;
   member *p;
   uint64_t join_id;
@@ -204,9 +207,9 @@ typedef struct loading_ticker {
   int done;
   pthread_t thread;
   int started;
-} loading_ticker;
+} copy_ticker;
 
-static void tell_loading(loading_ticker *t, uint32_t ms) {
+static void tell_working_on_copy(copy_ticker *t, uint32_t ms) {
   rpc_channel *ch = replica__channel(t->r, t->p);
   if (!ch)
     return;
@@ -224,8 +227,8 @@ static void tell_loading(loading_ticker *t, uint32_t ms) {
 }
 
 static void *ticker_main(void *arg) {
-  loading_ticker *t = arg;
-  uint32_t ms = t->r->failover_ms / REPLICA_LOADING_TICK;
+  copy_ticker *t = arg;
+  uint32_t ms = t->r->failover_ms / REPLICA_COPY_TICK;
   if (ms < 10)
     ms = 10;
   pthread_mutex_lock(&t->mu);
@@ -243,15 +246,16 @@ static void *ticker_main(void *arg) {
     if (t->done)
       break;
     pthread_mutex_unlock(&t->mu);
-    tell_loading(t, ms);
+    tell_working_on_copy(t, ms);
     pthread_mutex_lock(&t->mu);
   }
   pthread_mutex_unlock(&t->mu);
   return NULL;
 }
 
-/* Starts t's thread (without one the load goes on untold: the bound stays). */
-static void ticker_start(loading_ticker *t, replica *r, member *p, uint64_t join_id) {
+/* Starts t's thread (without one the work on the copy goes on untold: the
+ * bound stays). */
+static void ticker_start(copy_ticker *t, replica *r, member *p, uint64_t join_id) {
   memset(t, 0, sizeof *t);
   t->r = r;
   t->p = p;
@@ -265,7 +269,7 @@ static void ticker_start(loading_ticker *t, replica *r, member *p, uint64_t join
   t->started = pthread_create(&t->thread, NULL, ticker_main, t) == 0;
 }
 
-static void ticker_stop(loading_ticker *t) {
+static void ticker_stop(copy_ticker *t) {
   pthread_mutex_lock(&t->mu);
   t->done = 1;
   pthread_cond_signal(&t->cv);
@@ -329,7 +333,7 @@ int replica__join_primary(replica *r, uint32_t p, uint64_t term) {
   } else if (rc == 0) {
     /* Told from the first read on: a read of the copy that waits (a loaded
      * machine, a throttled joiner) is progress the primary cannot see. */
-    loading_ticker t;
+    copy_ticker t;
     ticker_start(&t, r, pm, join_id);
     rc = fetch_state(r, pm, join_id, &cs, err, sizeof err);
     if (rc == 0)

@@ -696,8 +696,9 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
   } else if (r->snap_status != 0) {
     rc = status_fail(err, errlen, r->snap_status, "the copy of the state failed");
   } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_LOADING) {
-    /* No data: the joiner read the copy and is loading it (a large shard's
-     * load may outlast the failover time); counted as progress below. */
+    /* No data: the joiner's word that it works on its copy, reading or
+     * loading it (a read that waits, a large shard's load, may outlast the
+     * failover time); counted as progress below. */
   } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_META) {
     resp->spec = malloc(sizeof *resp->spec);
     if (resp->spec)
