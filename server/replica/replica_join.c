@@ -88,33 +88,30 @@ static int unpack_ranks(const uint32_t *ranks, size_t n, uint32_t W, core_member
 
 /* The copy's membership (META) into st->members, every count, rank and step
  * checked as a checkpoint's members section is (ckpt__dec_members): the
- * primary is a peer, but a damaged copy must not become a backup's state. */
+ * primary is a peer, but a damaged copy must not become a backup's state.
+ * The log is unpacked into an array of its own, then copied with the rest
+ * (core_member_state_copy): one copy more than needed, of at most
+ * CORE_MEMBER_LOG_MAX entries, once a join. */
 static int unpack_membership(const Zshard__V1__ReplicaMembership *pm, core_state *st, char *err,
                              size_t errlen) {
   uint32_t W = st->spec.world_size;
   uint32_t w = W < CORE_ELASTIC_MAX_W ? W : CORE_ELASTIC_MAX_W;
   size_t nlog = pm->n_log_steps;
-  core_member_state *ms = calloc(1, sizeof *ms);
-  if (!ms)
-    return ZS_ENOMEM;
-  st->members = ms;
-  core_member_log_entry *log = malloc(nlog * sizeof *log + 1);
-  uint64_t *join_at = calloc(w + 1, sizeof *join_at);
-  uint64_t *leave_at = calloc(w + 1, sizeof *leave_at);
-  ms->log = log;
-  ms->join_at = join_at;
-  ms->leave_at = leave_at;
-  if (!log || !join_at || !leave_at)
-    return ZS_ENOMEM;
-  ms->trainer_timeout_ms = pm->trainer_timeout_ms;
-  ms->epoch = pm->epoch;
-  ms->leaves = pm->leaves;
-  ms->timeouts = pm->timeouts;
-  ms->joins = pm->joins;
-  ms->nplan = w;
+  core_member_state ms = {.trainer_timeout_ms = pm->trainer_timeout_ms,
+                          .epoch = pm->epoch,
+                          .leaves = pm->leaves,
+                          .timeouts = pm->timeouts,
+                          .joins = pm->joins,
+                          .log_n = (uint32_t)nlog,
+                          .join_at = pm->join_at,
+                          .leave_at = pm->leave_at,
+                          .nplan = (uint32_t)pm->n_join_at};
   int bad = W > CORE_ELASTIC_MAX_W || nlog > CORE_MEMBER_LOG_MAX || pm->n_log_counts != nlog ||
             (pm->n_join_at != 0 && pm->n_join_at != w) || pm->n_leave_at != pm->n_join_at ||
-            unpack_ranks(pm->members, pm->n_members, W, &ms->members) != 0;
+            unpack_ranks(pm->members, pm->n_members, W, &ms.members) != 0;
+  core_member_log_entry *log = bad ? NULL : malloc(nlog * sizeof *log + 1);
+  if (!bad && !log)
+    return ZS_ENOMEM;
   size_t at = 0;
   for (size_t k = 0; k < nlog && !bad; k++) {
     bad = pm->log_counts[k] > pm->n_log_ranks - at || pm->log_steps[k] == 0 ||
@@ -123,17 +120,17 @@ static int unpack_membership(const Zshard__V1__ReplicaMembership *pm, core_state
     log[k].from_step = pm->log_steps[k];
     at += bad ? 0 : pm->log_counts[k];
   }
+  int rc = 0;
   if (bad || at != pm->n_log_ranks)
-    return status_fail(err, errlen, ZS_EPROTO,
-                       "the copy's membership does not hold together (world size %u, %zu "
-                       "member(s), %zu log entries, %zu plan(s))",
-                       W, pm->n_members, nlog, pm->n_join_at);
-  ms->log_n = (uint32_t)nlog;
-  for (uint32_t r = 0; r < pm->n_join_at; r++) {
-    join_at[r] = pm->join_at[r];
-    leave_at[r] = pm->leave_at[r];
-  }
-  return 0;
+    rc = status_fail(err, errlen, ZS_EPROTO,
+                     "the copy's membership does not hold together (world size %u, %zu "
+                     "member(s), %zu log entries, %zu plan(s))",
+                     W, pm->n_members, nlog, pm->n_join_at);
+  ms.log = log;
+  if (rc == 0)
+    rc = core_member_state_copy(&st->members, &ms);
+  free(log);
+  return rc;
 }
 
 /* Reads the primary's copy into st (initialised from its META). */

@@ -423,33 +423,6 @@ int replica_forward_raw(replica *r, const char *method, replica_write kind, uint
 
 /* ------------------------------------------------------------ joins (primary) */
 
-/* A copy of an elastic job's membership (its log and plans too) into st,
- * owned by st (core_state_free frees it). */
-static int snap_members(core_state *st, const core_member_state *from) {
-  core_member_state *ms = calloc(1, sizeof *ms);
-  if (!ms)
-    return ZS_ENOMEM;
-  *ms = *from;
-  ms->log = NULL;
-  ms->join_at = ms->leave_at = NULL;
-  st->members = ms;
-  core_member_log_entry *log = malloc((size_t)from->log_n * sizeof *log + 1);
-  uint64_t *join_at = malloc((size_t)from->nplan * sizeof *join_at + 1);
-  uint64_t *leave_at = malloc((size_t)from->nplan * sizeof *leave_at + 1);
-  ms->log = log;
-  ms->join_at = join_at;
-  ms->leave_at = leave_at;
-  if (!log || !join_at || !leave_at)
-    return ZS_ENOMEM;
-  if (from->log_n)
-    memcpy(log, from->log, (size_t)from->log_n * sizeof *log);
-  if (from->nplan) {
-    memcpy(join_at, from->join_at, (size_t)from->nplan * sizeof *join_at);
-    memcpy(leave_at, from->leave_at, (size_t)from->nplan * sizeof *leave_at);
-  }
-  return 0;
-}
-
 static int snap_view(void *arg, const core_view *v) {
   replica *r = arg;
   /* Tests only: a copy that takes that much longer to make, as a large
@@ -481,7 +454,9 @@ static int snap_view(void *arg, const core_view *v) {
     memcpy(st->client_state, v->client_state, v->client_state_len);
     st->client_state_len = v->client_state_len;
   }
-  return v->members ? snap_members(st, v->members) : 0;
+  /* An elastic job's membership, its log and plans too (core_state_free
+   * frees them). */
+  return v->members ? core_member_state_copy(&st->members, v->members) : 0;
 }
 
 static void snap_done(void *arg, int status, double fn_seconds) {
