@@ -490,6 +490,18 @@ typedef struct core_member_state {
   uint32_t nplan;
 } core_member_state;
 
+/* A deep copy of `from` (borrowed for the call) into *out: the counters, the
+ * members, and log_n log entries and nplan plans copied into arrays of the
+ * copy's own (a NULL log or plan stays NULL). The copy is malloc'd and owned
+ * by the caller, who frees it with core_member_state_free, or hands it to a
+ * core_state as its members (core_state_free then frees it). Returns 0, or
+ * ZS_ENOMEM with *out NULL. */
+int core_member_state_copy(core_member_state **out, const core_member_state *from);
+
+/* Frees ms (from core_member_state_copy) and its log and plans; NULL is a
+ * no-op. */
+void core_member_state_free(core_member_state *ms);
+
 /* A trainer's change of membership in an elastic job (issue 26; DESIGN.md
  * "Membership"), keyed by step so that every shard makes it at the same step
  * boundary whatever order the requests and the applies come in:

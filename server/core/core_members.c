@@ -42,6 +42,42 @@ int core_members_equal(const core_members *a, const core_members *b) {
   return a->n == b->n && memcmp(a->bits, b->bits, sizeof a->bits) == 0;
 }
 
+/* A malloc'd copy of the n elements of `size` bytes at `from`; NULL when
+ * from is NULL or out of memory. */
+static void *copy_array(const void *from, size_t n, size_t size) {
+  void *p = from ? malloc(n * size + 1) : NULL;
+  if (p && n)
+    memcpy(p, from, n * size);
+  return p;
+}
+
+int core_member_state_copy(core_member_state **out, const core_member_state *from) {
+  *out = NULL;
+  core_member_state *ms = malloc(sizeof *ms);
+  if (!ms)
+    return ZS_ENOMEM;
+  *ms = *from;
+  ms->log = copy_array(from->log, from->log_n, sizeof *from->log);
+  ms->join_at = copy_array(from->join_at, from->nplan, sizeof *from->join_at);
+  ms->leave_at = copy_array(from->leave_at, from->nplan, sizeof *from->leave_at);
+  if ((from->log && !ms->log) || (from->join_at && !ms->join_at) ||
+      (from->leave_at && !ms->leave_at)) {
+    core_member_state_free(ms);
+    return ZS_ENOMEM;
+  }
+  *out = ms;
+  return 0;
+}
+
+void core_member_state_free(core_member_state *ms) {
+  if (!ms)
+    return;
+  free((void *)ms->log);
+  free((void *)ms->join_at);
+  free((void *)ms->leave_at);
+  free(ms);
+}
+
 static void members_remove(core_members *m, uint32_t rank) {
   if (!core_members_has(m, rank))
     return;

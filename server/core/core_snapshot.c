@@ -386,12 +386,7 @@ void core_state_free(core_state *st) {
   free(st->v);
   free(st->tensor_steps);
   free(st->client_state);
-  if (st->members) {
-    free((void *)st->members->log);
-    free((void *)st->members->join_at);
-    free((void *)st->members->leave_at);
-  }
-  free(st->members);
+  core_member_state_free(st->members);
   memset(st, 0, sizeof *st);
 }
 

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/base/clock.h"
 #include "common/base/log.h"
@@ -31,6 +32,19 @@
 const char *replica_role_name(int role) {
   static const char *const names[] = {"none", "starting", "primary", "backup", "joining", "stale"};
   return role >= 0 && role <= REPLICA_STALE ? names[role] : "unknown";
+}
+
+/* The environment variable `name` holds a whole number of milliseconds: the
+ * calling thread sleeps that long, logged each time as a test hook acts. */
+void replica__test_stall(const char *name) {
+  const char *v = getenv(name);
+  char *end;
+  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
+  if (!ms || *end != '\0')
+    return;
+  LOG_WARN("test_hook", "name=%s ms=%lu effect=the_step_takes_that_much_longer", name, ms);
+  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
 }
 
 /* "the primary of term 3 is member 1 (h:p)" or why none is known. */

@@ -40,9 +40,10 @@
  * next applied step: trainers may be between steps for long). */
 #define REPLICA_JOIN_MS 120000u
 #define REPLICA_RETRY_MS 20u
-/* A joiner loading its copy tells the primary so every failover time / this
- * (ReplicaFetch of REPLICA_PART_LOADING). */
-#define REPLICA_LOADING_TICK 4u
+/* A joiner working on its copy (from its first read until the copy is loaded)
+ * tells the primary so every failover time / this (ReplicaFetch of
+ * REPLICA_PART_LOADING; replica_join.c's copy_ticker). */
+#define REPLICA_COPY_TICK 4u
 #define REPLICA_METHOD(m) "/zshard.v1.ZShard/" m
 #define REPLICA_ERRLEN 256
 /* How long a peer's probe with a member list unlike this one's keeps the
@@ -76,8 +77,8 @@ typedef struct member {
   uint64_t join_id; /* its ReplicaFetch calls name it; 0: none */
   /* A joiner's last step forward on its copy: its ReplicaJoin, the copy
    * made, a ReplicaFetch served (a part of the copy, or the joiner's word,
-   * every REPLICA_LOADING_TICK of the failover time, that it is loading the
-   * copy into its core). A joiner still loading is dropped only
+   * every REPLICA_COPY_TICK of the failover time, that it works on its
+   * copy: reads or loads it). A joiner still loading is dropped only
    * after the failover time without one, however long the whole copy takes. */
   uint64_t progress_ms;
 
@@ -142,6 +143,12 @@ typedef struct fwd_target {
 
 /* ------------------------------------------------------------ replica.c */
 
+/* A test hook (tests only; docs/OPERATIONS.md lists them): when the
+ * environment variable `name` (a string constant) holds a whole number of
+ * milliseconds above 0, the calling thread sleeps that long, as a large
+ * shard's slow step would take; logged as test_hook each time. Otherwise
+ * nothing. */
+void replica__test_stall(const char *name);
 /* "the primary of term 3 is member 1 (h:p)" or why none is known, into buf. */
 void replica__say_primary_locked(const replica *r, char *buf, size_t len);
 /* The gRPC channel to member m (opened at first use, owned by m, closed at

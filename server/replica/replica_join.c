@@ -2,8 +2,9 @@
  * replica_join — joining, from the joiner's side: a member with no state of
  * the set (started empty, dropped, deposed) asks the primary (ReplicaJoin),
  * reads its copy (ReplicaFetch, REPLICA_FETCH_ELEMS at a time) and loads it
- * (core_restore), telling the primary meanwhile that it does (ReplicaFetch
- * of REPLICA_PART_LOADING); the primary's side is in replica_primary.c.
+ * (core_restore), telling the primary meanwhile that it works on its copy
+ * (ReplicaFetch of REPLICA_PART_LOADING, from the copy_ticker's thread); the
+ * primary's side is in replica_primary.c.
  */
 #include "server/replica/replica_internal.h"
 
@@ -87,33 +88,30 @@ static int unpack_ranks(const uint32_t *ranks, size_t n, uint32_t W, core_member
 
 /* The copy's membership (META) into st->members, every count, rank and step
  * checked as a checkpoint's members section is (ckpt__dec_members): the
- * primary is a peer, but a damaged copy must not become a backup's state. */
+ * primary is a peer, but a damaged copy must not become a backup's state.
+ * The log is unpacked into an array of its own, then copied with the rest
+ * (core_member_state_copy): one copy more than needed, of at most
+ * CORE_MEMBER_LOG_MAX entries, once a join. */
 static int unpack_membership(const Zshard__V1__ReplicaMembership *pm, core_state *st, char *err,
                              size_t errlen) {
   uint32_t W = st->spec.world_size;
   uint32_t w = W < CORE_ELASTIC_MAX_W ? W : CORE_ELASTIC_MAX_W;
   size_t nlog = pm->n_log_steps;
-  core_member_state *ms = calloc(1, sizeof *ms);
-  if (!ms)
-    return ZS_ENOMEM;
-  st->members = ms;
-  core_member_log_entry *log = malloc(nlog * sizeof *log + 1);
-  uint64_t *join_at = calloc(w + 1, sizeof *join_at);
-  uint64_t *leave_at = calloc(w + 1, sizeof *leave_at);
-  ms->log = log;
-  ms->join_at = join_at;
-  ms->leave_at = leave_at;
-  if (!log || !join_at || !leave_at)
-    return ZS_ENOMEM;
-  ms->trainer_timeout_ms = pm->trainer_timeout_ms;
-  ms->epoch = pm->epoch;
-  ms->leaves = pm->leaves;
-  ms->timeouts = pm->timeouts;
-  ms->joins = pm->joins;
-  ms->nplan = w;
+  core_member_state ms = {.trainer_timeout_ms = pm->trainer_timeout_ms,
+                          .epoch = pm->epoch,
+                          .leaves = pm->leaves,
+                          .timeouts = pm->timeouts,
+                          .joins = pm->joins,
+                          .log_n = (uint32_t)nlog,
+                          .join_at = pm->join_at,
+                          .leave_at = pm->leave_at,
+                          .nplan = (uint32_t)pm->n_join_at};
   int bad = W > CORE_ELASTIC_MAX_W || nlog > CORE_MEMBER_LOG_MAX || pm->n_log_counts != nlog ||
             (pm->n_join_at != 0 && pm->n_join_at != w) || pm->n_leave_at != pm->n_join_at ||
-            unpack_ranks(pm->members, pm->n_members, W, &ms->members) != 0;
+            unpack_ranks(pm->members, pm->n_members, W, &ms.members) != 0;
+  core_member_log_entry *log = bad ? NULL : malloc(nlog * sizeof *log + 1);
+  if (!bad && !log)
+    return ZS_ENOMEM;
   size_t at = 0;
   for (size_t k = 0; k < nlog && !bad; k++) {
     bad = pm->log_counts[k] > pm->n_log_ranks - at || pm->log_steps[k] == 0 ||
@@ -122,17 +120,17 @@ static int unpack_membership(const Zshard__V1__ReplicaMembership *pm, core_state
     log[k].from_step = pm->log_steps[k];
     at += bad ? 0 : pm->log_counts[k];
   }
+  int rc = 0;
   if (bad || at != pm->n_log_ranks)
-    return status_fail(err, errlen, ZS_EPROTO,
-                       "the copy's membership does not hold together (world size %u, %zu "
-                       "member(s), %zu log entries, %zu plan(s))",
-                       W, pm->n_members, nlog, pm->n_join_at);
-  ms->log_n = (uint32_t)nlog;
-  for (uint32_t r = 0; r < pm->n_join_at; r++) {
-    join_at[r] = pm->join_at[r];
-    leave_at[r] = pm->leave_at[r];
-  }
-  return 0;
+    rc = status_fail(err, errlen, ZS_EPROTO,
+                     "the copy's membership does not hold together (world size %u, %zu "
+                     "member(s), %zu log entries, %zu plan(s))",
+                     W, pm->n_members, nlog, pm->n_join_at);
+  ms.log = log;
+  if (rc == 0)
+    rc = core_member_state_copy(&st->members, &ms);
+  free(log);
+  return rc;
 }
 
 /* Reads the primary's copy into st (initialised from its META). */
@@ -191,11 +189,13 @@ static int fetch_state(replica *r, member *p, uint64_t join_id, core_state *st, 
   return rc;
 }
 
-/* While the joiner reads its copy and loads it into its core, a thread of its own tells
- * the primary so (a ReplicaFetch of REPLICA_PART_LOADING) every failover
- * time / REPLICA_LOADING_TICK: the primary drops a joiner after the failover
- * time without progress, and a large shard's load may take longer. */
-typedef struct loading_ticker {
+/* While the joiner works on its copy, from its first read until the copy is
+ * loaded into its core, a thread of its own tells the primary so (a
+ * ReplicaFetch of REPLICA_PART_LOADING, the wire's name for that word) every
+ * failover time / REPLICA_COPY_TICK: the primary drops a joiner after the
+ * failover time without progress, and a read that waits (a loaded machine, a
+ * throttled joiner) or a large shard's load may take longer. */
+typedef struct copy_ticker {
   replica *r;
   member *p;
   uint64_t join_id;
@@ -204,9 +204,9 @@ typedef struct loading_ticker {
   int done;
   pthread_t thread;
   int started;
-} loading_ticker;
+} copy_ticker;
 
-static void tell_loading(loading_ticker *t, uint32_t ms) {
+static void tell_working_on_copy(copy_ticker *t, uint32_t ms) {
   rpc_channel *ch = replica__channel(t->r, t->p);
   if (!ch)
     return;
@@ -224,8 +224,8 @@ static void tell_loading(loading_ticker *t, uint32_t ms) {
 }
 
 static void *ticker_main(void *arg) {
-  loading_ticker *t = arg;
-  uint32_t ms = t->r->failover_ms / REPLICA_LOADING_TICK;
+  copy_ticker *t = arg;
+  uint32_t ms = t->r->failover_ms / REPLICA_COPY_TICK;
   if (ms < 10)
     ms = 10;
   pthread_mutex_lock(&t->mu);
@@ -243,15 +243,16 @@ static void *ticker_main(void *arg) {
     if (t->done)
       break;
     pthread_mutex_unlock(&t->mu);
-    tell_loading(t, ms);
+    tell_working_on_copy(t, ms);
     pthread_mutex_lock(&t->mu);
   }
   pthread_mutex_unlock(&t->mu);
   return NULL;
 }
 
-/* Starts t's thread (without one the load goes on untold: the bound stays). */
-static void ticker_start(loading_ticker *t, replica *r, member *p, uint64_t join_id) {
+/* Starts t's thread (without one the work on the copy goes on untold: the
+ * bound stays). */
+static void ticker_start(copy_ticker *t, replica *r, member *p, uint64_t join_id) {
   memset(t, 0, sizeof *t);
   t->r = r;
   t->p = p;
@@ -265,7 +266,7 @@ static void ticker_start(loading_ticker *t, replica *r, member *p, uint64_t join
   t->started = pthread_create(&t->thread, NULL, ticker_main, t) == 0;
 }
 
-static void ticker_stop(loading_ticker *t) {
+static void ticker_stop(copy_ticker *t) {
   pthread_mutex_lock(&t->mu);
   t->done = 1;
   pthread_cond_signal(&t->cv);
@@ -276,24 +277,11 @@ static void ticker_stop(loading_ticker *t) {
   pthread_mutex_destroy(&t->mu);
 }
 
-/* ZSHARD_TEST_LOAD_STALL_MS (tests only): a load that takes that much longer,
- * as a large shard's would. */
-static void test_load_stall(void) {
-  const char *v = getenv("ZSHARD_TEST_LOAD_STALL_MS");
-  char *end;
-  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
-  if (!ms || *end != '\0')
-    return;
-  LOG_WARN("test_hook",
-           "name=ZSHARD_TEST_LOAD_STALL_MS ms=%lu effect=the_copy_loads_that_much_slower", ms);
-  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* Replaces this replica's state by the copy, closing a job of another spec
  * first. */
 static int load_state(replica *r, core_state *st, char *err, size_t errlen) {
-  test_load_stall();
+  /* Tests only: a load that takes that much longer, as a large shard's would. */
+  replica__test_stall("ZSHARD_TEST_LOAD_STALL_MS");
   core_info info;
   core_get_info(r->core, &info);
   if (info.has_job && info.spec_hash != spec_hash(&st->spec)) {
@@ -342,7 +330,7 @@ int replica__join_primary(replica *r, uint32_t p, uint64_t term) {
   } else if (rc == 0) {
     /* Told from the first read on: a read of the copy that waits (a loaded
      * machine, a throttled joiner) is progress the primary cannot see. */
-    loading_ticker t;
+    copy_ticker t;
     ticker_start(&t, r, pm, join_id);
     rc = fetch_state(r, pm, join_id, &cs, err, sizeof err);
     if (rc == 0)

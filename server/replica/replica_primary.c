@@ -423,50 +423,11 @@ int replica_forward_raw(replica *r, const char *method, replica_write kind, uint
 
 /* ------------------------------------------------------------ joins (primary) */
 
-/* ZSHARD_TEST_COPY_STALL_MS (tests only): a copy that takes that much longer
- * to make, as a large shard's would. */
-static void test_copy_stall(void) {
-  const char *v = getenv("ZSHARD_TEST_COPY_STALL_MS");
-  char *end;
-  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
-  if (!ms || *end != '\0')
-    return;
-  LOG_WARN("test_hook",
-           "name=ZSHARD_TEST_COPY_STALL_MS ms=%lu effect=the_copy_is_made_that_much_slower", ms);
-  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
-/* A copy of an elastic job's membership (its log and plans too) into st,
- * owned by st (core_state_free frees it). */
-static int snap_members(core_state *st, const core_member_state *from) {
-  core_member_state *ms = calloc(1, sizeof *ms);
-  if (!ms)
-    return ZS_ENOMEM;
-  *ms = *from;
-  ms->log = NULL;
-  ms->join_at = ms->leave_at = NULL;
-  st->members = ms;
-  core_member_log_entry *log = malloc((size_t)from->log_n * sizeof *log + 1);
-  uint64_t *join_at = malloc((size_t)from->nplan * sizeof *join_at + 1);
-  uint64_t *leave_at = malloc((size_t)from->nplan * sizeof *leave_at + 1);
-  ms->log = log;
-  ms->join_at = join_at;
-  ms->leave_at = leave_at;
-  if (!log || !join_at || !leave_at)
-    return ZS_ENOMEM;
-  if (from->log_n)
-    memcpy(log, from->log, (size_t)from->log_n * sizeof *log);
-  if (from->nplan) {
-    memcpy(join_at, from->join_at, (size_t)from->nplan * sizeof *join_at);
-    memcpy(leave_at, from->leave_at, (size_t)from->nplan * sizeof *leave_at);
-  }
-  return 0;
-}
-
 static int snap_view(void *arg, const core_view *v) {
   replica *r = arg;
-  test_copy_stall();
+  /* Tests only: a copy that takes that much longer to make, as a large
+   * shard's would. */
+  replica__test_stall("ZSHARD_TEST_COPY_STALL_MS");
   core_state *st = &r->snap;
   char err[REPLICA_ERRLEN];
   core_state_free(st);
@@ -493,7 +454,9 @@ static int snap_view(void *arg, const core_view *v) {
     memcpy(st->client_state, v->client_state, v->client_state_len);
     st->client_state_len = v->client_state_len;
   }
-  return v->members ? snap_members(st, v->members) : 0;
+  /* An elastic job's membership, its log and plans too (core_state_free
+   * frees them). */
+  return v->members ? core_member_state_copy(&st->members, v->members) : 0;
 }
 
 static void snap_done(void *arg, int status, double fn_seconds) {
@@ -708,8 +671,9 @@ int replica_fetch(replica *r, const Zshard__V1__ReplicaFetchRequest *q,
   } else if (r->snap_status != 0) {
     rc = status_fail(err, errlen, r->snap_status, "the copy of the state failed");
   } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_LOADING) {
-    /* No data: the joiner read the copy and is loading it (a large shard's
-     * load may outlast the failover time); counted as progress below. */
+    /* No data: the joiner's word that it works on its copy, reading or
+     * loading it (a read that waits, a large shard's load, may outlast the
+     * failover time); counted as progress below. */
   } else if (q->part == ZSHARD__V1__REPLICA_PART__REPLICA_PART_META) {
     resp->spec = malloc(sizeof *resp->spec);
     if (resp->spec)

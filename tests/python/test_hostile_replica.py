@@ -14,6 +14,7 @@ test_replica_*.py.
 Run with Debian's interpreter: /usr/bin/python3 -m pytest tests/python/test_hostile_replica.py
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -387,6 +388,52 @@ class Throttle:
 BIG = [1024] + [1 << 21] * 4
 
 
+ASKED = "event=replica_join_asked member=1 term=1 copy=at the next"
+
+
+def a_backup_misses_a_step_and_asks_to_join(rs, numels, joiner_env=None):
+    """The joiner cases' set-up: member 1, a backup of primary 0 (term 1),
+    is killed after step 1, misses step 2 (the primary drops it), starts
+    again with joiner_env (its test hooks) and asks to join; its copy is
+    made at the primary's next step. Returns (the primary's client, the
+    job's hash, how many join requests the primary had logged before)."""
+    promote(rs, 0, 1)
+    assert hostile.wait_for(lambda: rs.role(1) == "backup")
+    p = rs.client(0)
+    h = hostile.open_job(p, numels)
+    hostile.init_params(p, h, numels)
+    hostile.step(p, h, 1, numels)
+    rs.kill(1)
+    hostile.step(p, h, 2, numels)  # dropped after --failover-ms
+    before = rs.log(0).count(ASKED)
+    rs.env[1].update(joiner_env or {})
+    rs.start(1)
+    assert hostile.wait_for(lambda: rs.log(0).count(ASKED) > before, seconds=30), \
+        rs.log(0)[-2000:]
+    return p, h, before
+
+
+def the_joiner_joins_while_the_writes_go_on(rs, p, h, numels, before, slowly=None):
+    """The joiner cases' story after the set-up: the copy is made at step 3
+    and step 4's pushes, forwarded to the joiner, wait while it reads and
+    loads the copy (both inside slowly(), a context that slows it, when
+    given). The joiner must join at its first request without being dropped
+    ("still loading its copy"), be in sync after step 5 and hold the
+    primary's bits."""
+    with slowly() if slowly else contextlib.nullcontext():
+        hostile.step(p, h, 3, numels)  # the copy is made at this step: the joiner loads it
+        hostile.push_all(p, h, 4, numels)  # forwarded to the joiner: waits while it loads
+    hostile.grad_stats(p, h, 4)
+    p.call("Apply", stubs().pb.ApplyRequest(spec_hash=h, step=4, lr=1e-3, coef=1.0))
+    assert hostile.wait_for(lambda: rs.role(1) == "backup", seconds=30), rs.info(1)
+    hostile.step(p, h, 5, numels)
+    assert rs.info(0).replica.members[1].in_sync
+    log = rs.log(0)
+    assert log.count(ASKED) == before + 1, log[-3000:]
+    assert "still loading its copy" not in log, log[-3000:]
+    assert all_state(rs.client(1), h, numels) == all_state(p, h, numels)
+
+
 def test_a_joiner_slower_than_the_failover_time_joins_while_the_writes_go_on():
     """Issue 23: a joiner that answers "still loading" (ENOTREADY) was
     dropped once a write had waited --failover-ms for it, so a member whose
@@ -399,36 +446,14 @@ def test_a_joiner_slower_than_the_failover_time_joins_while_the_writes_go_on():
     joins at its first request while the trainer writes, and ends with the
     primary's bits."""
     with ReplicaSet() as rs:
-        promote(rs, 0, 1)
-        assert hostile.wait_for(lambda: rs.role(1) == "backup")
-        p = rs.client(0)
-        h = hostile.open_job(p, BIG)
-        hostile.init_params(p, h, BIG)
-        hostile.step(p, h, 1, BIG)
-        rs.kill(1)
-        hostile.step(p, h, 2, BIG)
-        asked = "event=replica_join_asked member=1 term=1 copy=at the next"
-        before = rs.log(0).count(asked)
-        rs.start(1)
-        assert hostile.wait_for(lambda: rs.log(0).count(asked) > before, seconds=30), \
-            rs.log(0)[-2000:]
+        p, h, before = a_backup_misses_a_step_and_asks_to_join(rs, BIG)
         # Half speed: slower than --failover-ms over the whole copy, yet a
         # step forward well within it even on a loaded machine.
-        with Throttle(rs.procs[1], stopped=0.05, running=0.05):
-            hostile.step(p, h, 3, BIG)  # the copy is made at this step: the joiner loads it
-            hostile.push_all(p, h, 4, BIG)  # forwarded to the joiner: waits while it loads
-        hostile.grad_stats(p, h, 4)
-        p.call("Apply", stubs().pb.ApplyRequest(spec_hash=h, step=4, lr=1e-3, coef=1.0))
-        assert hostile.wait_for(lambda: rs.role(1) == "backup", seconds=30), rs.info(1)
-        hostile.step(p, h, 5, BIG)
-        assert rs.info(0).replica.members[1].in_sync
-        log = rs.log(0)
-        assert log.count(asked) == before + 1, log[-3000:]
-        assert "still loading its copy" not in log, log[-3000:]
+        the_joiner_joins_while_the_writes_go_on(
+            rs, p, h, BIG, before, slowly=lambda: Throttle(rs.procs[1], stopped=0.05, running=0.05))
         loaded = re.findall(r"event=replica_loaded primary=0 term=1 copy=yes took_ms=(\d+)", rs.log(1))
         assert len(loaded) == 1, rs.log(1)[-2000:]
         print("the throttled joiner's copy took %s ms (--failover-ms 1000)" % loaded[0])
-        assert all_state(rs.client(1), h, BIG) == all_state(p, h, BIG)
 
 
 def test_a_joiner_whose_load_outlasts_the_failover_time_joins_while_the_writes_go_on():
@@ -443,35 +468,13 @@ def test_a_joiner_whose_load_outlasts_the_failover_time_joins_while_the_writes_g
     trainer's next step's pushes wait for it: it joins at its first request
     and ends with the primary's bits."""
     with ReplicaSet() as rs:
-        promote(rs, 0, 1)
-        assert hostile.wait_for(lambda: rs.role(1) == "backup")
-        p = rs.client(0)
-        h = hostile.open_job(p, NUMELS)
-        hostile.init_params(p, h, NUMELS)
-        hostile.step(p, h, 1, NUMELS)
-        rs.kill(1)
-        hostile.step(p, h, 2, NUMELS)
-        asked = "event=replica_join_asked member=1 term=1 copy=at the next"
-        before = rs.log(0).count(asked)
-        rs.env[1]["ZSHARD_TEST_LOAD_STALL_MS"] = "2500"
-        rs.start(1)
-        assert hostile.wait_for(lambda: rs.log(0).count(asked) > before, seconds=30), \
-            rs.log(0)[-2000:]
-        hostile.step(p, h, 3, NUMELS)  # the copy is made at this step: the joiner loads it
-        hostile.push_all(p, h, 4, NUMELS)  # forwarded to the joiner: waits while it loads
-        hostile.grad_stats(p, h, 4)
-        p.call("Apply", stubs().pb.ApplyRequest(spec_hash=h, step=4, lr=1e-3, coef=1.0))
-        assert hostile.wait_for(lambda: rs.role(1) == "backup", seconds=30), rs.info(1)
-        hostile.step(p, h, 5, NUMELS)
-        assert rs.info(0).replica.members[1].in_sync
-        log = rs.log(0)
-        assert "still loading its copy" not in log, log[-3000:]
-        assert log.count(asked) == before + 1, log[-3000:]
+        p, h, before = a_backup_misses_a_step_and_asks_to_join(
+            rs, NUMELS, joiner_env={"ZSHARD_TEST_LOAD_STALL_MS": "2500"})
+        the_joiner_joins_while_the_writes_go_on(rs, p, h, NUMELS, before)
         assert "ZSHARD_TEST_LOAD_STALL_MS" in rs.log(1)
         loaded = re.findall(r"event=replica_loaded primary=0 term=1 copy=yes took_ms=(\d+)",
                             rs.log(1))
         assert len(loaded) == 1 and int(loaded[0]) >= 2500, rs.log(1)[-2000:]
-        assert all_state(rs.client(1), h) == all_state(p, h)
 
 
 def test_a_copy_slower_to_make_than_the_failover_time_does_not_drop_its_joiner():
@@ -487,31 +490,10 @@ def test_a_copy_slower_to_make_than_the_failover_time_does_not_drop_its_joiner()
     rs = ReplicaSet()
     rs.env[0]["ZSHARD_TEST_COPY_STALL_MS"] = "2500"
     with rs:
-        promote(rs, 0, 1)
-        assert hostile.wait_for(lambda: rs.role(1) == "backup")
-        p = rs.client(0)
-        h = hostile.open_job(p, NUMELS)
-        hostile.init_params(p, h, NUMELS)
-        hostile.step(p, h, 1, NUMELS)
-        rs.kill(1)
-        hostile.step(p, h, 2, NUMELS)
-        asked = "event=replica_join_asked member=1 term=1 copy=at the next"
-        before = rs.log(0).count(asked)
-        rs.start(1)
-        assert hostile.wait_for(lambda: rs.log(0).count(asked) > before, seconds=30), \
-            rs.log(0)[-2000:]
-        hostile.step(p, h, 3, NUMELS)  # the copy is made at this step, 2.5 s late
-        hostile.push_all(p, h, 4, NUMELS)  # forwarded to the joiner: waits for the copy
-        hostile.grad_stats(p, h, 4)
-        p.call("Apply", stubs().pb.ApplyRequest(spec_hash=h, step=4, lr=1e-3, coef=1.0))
-        assert hostile.wait_for(lambda: rs.role(1) == "backup", seconds=30), rs.info(1)
-        hostile.step(p, h, 5, NUMELS)
-        assert rs.info(0).replica.members[1].in_sync
-        log = rs.log(0)
-        assert "ZSHARD_TEST_COPY_STALL_MS" in log
-        assert "still loading its copy" not in log, log[-3000:]
-        assert log.count(asked) == before + 1, log[-3000:]
-        assert all_state(rs.client(1), h) == all_state(p, h)
+        p, h, before = a_backup_misses_a_step_and_asks_to_join(rs, NUMELS)
+        # The copy is made at step 3, 2.5 s late; step 4's pushes wait for it.
+        the_joiner_joins_while_the_writes_go_on(rs, p, h, NUMELS, before)
+        assert "ZSHARD_TEST_COPY_STALL_MS" in rs.log(0)
 
 
 # ------------------------------------------------------------ issue 23, item 8: terms
@@ -720,17 +702,7 @@ def test_a_joined_backup_that_takes_over_answers_ebehind_for_the_step_of_its_cop
     step; it used to get ZS_ESTEP "statistics asked for step V but shard 0
     is at version V"."""
     with ReplicaSet() as rs:
-        promote(rs, 0, 1)
-        assert hostile.wait_for(lambda: rs.role(1) == "backup")
-        p = rs.client(0)
-        h = hostile.open_job(p, NUMELS)
-        hostile.init_params(p, h, NUMELS)
-        hostile.step(p, h, 1, NUMELS)
-        rs.kill(1)
-        hostile.step(p, h, 2, NUMELS)  # dropped after --failover-ms
-        rs.start(1)
-        assert hostile.wait_for(lambda: "event=replica_join_asked member=1 term=1 copy=at the next"
-                                in rs.log(0), seconds=30), rs.log(0)[-2000:]
+        p, h, _ = a_backup_misses_a_step_and_asks_to_join(rs, NUMELS)
         hostile.step(p, h, 3, NUMELS)  # the copy is made at version 3
         assert hostile.wait_for(lambda: rs.role(1) == "backup", seconds=30), rs.info(1)
         assert rs.info(1).version == 3

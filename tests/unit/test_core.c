@@ -2946,6 +2946,55 @@ static void test_elastic_joins_and_leaves_take_effect_at_their_step(void **state
   job_free(&j);
 }
 
+/* core_member_state_copy owns what it copies: the copy keeps every field
+ * and entry after the source's arrays are overwritten, and a state without
+ * a log or plans (a checkpoint's) stays without them. */
+static void test_member_state_copy_is_deep_and_keeps_absent_arrays_absent(void **state) {
+  (void)state;
+  core_member_log_entry log[2];
+  memset(log, 0, sizeof log);
+  log[0].from_step = 1;
+  core_members_add(&log[0].members, 0);
+  core_members_add(&log[0].members, 2);
+  log[1].from_step = 4;
+  core_members_add(&log[1].members, 1);
+  uint64_t join_at[3] = {0, 7, 0}, leave_at[3] = {9, 0, 0};
+  core_member_state from = {.trainer_timeout_ms = 250,
+                            .epoch = 3,
+                            .leaves = 1,
+                            .timeouts = 2,
+                            .joins = 4,
+                            .log = log,
+                            .log_n = 2,
+                            .join_at = join_at,
+                            .leave_at = leave_at,
+                            .nplan = 3};
+  core_members_add(&from.members, 1);
+  core_members_add(&from.members, 2);
+  core_member_state *c = NULL;
+  assert_int_equal(core_member_state_copy(&c, &from), 0);
+  assert_non_null(c);
+  memset(log, 0xff, sizeof log);
+  join_at[1] = leave_at[0] = 0;
+  assert_int_equal(c->trainer_timeout_ms, 250);
+  assert_true(c->epoch == 3 && c->leaves == 1 && c->timeouts == 2 && c->joins == 4);
+  assert_true(c->members.n == 2 && core_members_has(&c->members, 1) &&
+              core_members_has(&c->members, 2));
+  assert_int_equal(c->log_n, 2);
+  assert_true(c->log != log && c->log[0].from_step == 1 && c->log[1].from_step == 4);
+  assert_true(c->log[0].members.n == 2 && core_members_has(&c->log[0].members, 2));
+  assert_true(c->log[1].members.n == 1 && core_members_has(&c->log[1].members, 1));
+  assert_int_equal(c->nplan, 3);
+  assert_true(c->join_at[1] == 7 && c->leave_at[0] == 9 && c->join_at[0] == 0);
+  core_member_state_free(c);
+
+  core_member_state bare = {.epoch = 5};
+  assert_int_equal(core_member_state_copy(&c, &bare), 0);
+  assert_true(c->epoch == 5 && c->log == NULL && c->join_at == NULL && c->leave_at == NULL);
+  core_member_state_free(c);
+  core_member_state_free(NULL);
+}
+
 int main(void) {
   /* One "apply" line per step on stderr would drown the test output. */
   log_set_level(LOG_LEVEL_WARN);
@@ -2989,6 +3038,7 @@ int main(void) {
       cmocka_unit_test(test_a_pipelined_piece_nobody_gave_a_gradient_is_skipped_too),
       cmocka_unit_test(test_elastic_a_rank_left_out_halfway_is_discarded_alike_on_every_shard),
       cmocka_unit_test(test_elastic_joins_and_leaves_take_effect_at_their_step),
+      cmocka_unit_test(test_member_state_copy_is_deep_and_keeps_absent_arrays_absent),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
