@@ -29,7 +29,8 @@ static dp_peer *peer_get(dp_server *s, const struct sockaddr_storage *ss) {
     memcpy(ip, &((const struct sockaddr_in *)ss)->sin_addr, 4);
   else if (fam == AF_INET6)
     memcpy(ip, &((const struct sockaddr_in6 *)ss)->sin6_addr, 16);
-  for (dp_peer *p = s->peers; p; p = p->next) {
+  for (list_node *n = s->peers.next; n != &s->peers; n = n->next) {
+    dp_peer *p = container_of(n, dp_peer, node);
     if (p->family == fam && memcmp(p->ip, ip, sizeof ip) == 0) {
       p->refs++;
       return p;
@@ -41,20 +42,14 @@ static dp_peer *peer_get(dp_server *s, const struct sockaddr_storage *ss) {
   p->family = fam;
   memcpy(p->ip, ip, sizeof ip);
   p->refs = 1;
-  p->next = s->peers;
-  s->peers = p;
+  list_push(&s->peers, &p->node);
   return p;
 }
 
-static void peer_unref(dp_server *s, dp_peer *p) {
+static void peer_unref(dp_peer *p) {
   if (!p || --p->refs > 0)
     return;
-  for (dp_peer **pp = &s->peers; *pp; pp = &(*pp)->next) {
-    if (*pp == p) {
-      *pp = p->next;
-      break;
-    }
-  }
+  list_remove(&p->node);
   free(p);
 }
 
@@ -66,7 +61,7 @@ void dp__conn_free(dp_conn *c) {
   list_remove(&c->node);
   wire_reader_free(&c->rd);
   dp__buf_free(c->rx);
-  peer_unref(c->s, c->pe);
+  peer_unref(c->pe);
   free(c);
 }
 

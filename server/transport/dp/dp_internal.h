@@ -105,7 +105,10 @@ typedef struct dp_seg {
 
 /* A payload buffer: capacity is a power of two (its pool class). */
 typedef struct dp_buf {
-  struct dp_buf *next; /* in the pool */
+  /* In the pool: each size class is a stack, pushed and popped at its head
+   * only and never unlinked from the middle, so one pointer is the whole
+   * list; the buffer released last, the warmest in cache, goes out first. */
+  struct dp_buf *next;
   size_t cap;
   int cls;             /* size class; -1: not the pool's (freed, never pooled) */
   unsigned char *data; /* 64-byte aligned, cap bytes */
@@ -124,7 +127,7 @@ typedef struct dp_server dp_server;
 /* One peer address (its port left out): what the per-address caps count.
  * Kept while a connection from it, open or closing, refers to it. */
 typedef struct dp_peer {
-  struct dp_peer *next;
+  list_node node; /* in s->peers */
   int family;
   uint8_t ip[16];
   uint32_t refs;         /* dp_conn records (open or zombie) pointing here */
@@ -194,11 +197,17 @@ typedef struct dp_mailbox {
   pthread_mutex_t mu;
   int closed;
   uint64_t refs;
-  struct dp_pull *done; /* LIFO */
-  uv_async_t *async;    /* valid while !closed */
+  /* Finished waits, newest first: a core thread pushes at the head under mu
+   * and the loop takes the whole list at once and reverses it, so a singly
+   * linked stack is all it needs. */
+  struct dp_pull *done;
+  uv_async_t *async; /* valid while !closed */
 } dp_mailbox;
 
 typedef struct dp_pull {
+  /* In the mailbox's `done` or its connection's ready queue, never in both:
+   * each is only added to at one end and taken from the other (or whole), so
+   * neither needs a doubly linked list.h node. */
   struct dp_pull *next;
   dp_mailbox *mb;
   dp_conn *conn;
@@ -288,7 +297,7 @@ struct dp_server {
   list_node live, zombies, fair, starved;
   list_node unauth_q;          /* connections not yet authenticated, oldest first */
   unsigned long long auth_gen; /* auth_keys_generation last seen by the sweep */
-  dp_peer *peers;
+  list_node peers;             /* dp_peer.node: one per address a connection record refers to */
   uint64_t nconns, nunauth, nwaiting, answer_bytes, npinned;
   int releasing;                        /* budget_release is walking s->starved */
   uint64_t refuse_log_ms, refuse_quiet; /* conn_refuse's log lines */

@@ -245,6 +245,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   list_init(&s->zombies);
   list_init(&s->fair);
   list_init(&s->starved);
+  list_init(&s->peers);
   rc = ZS_ENOMEM;
   s->staging = malloc(DP_STAGING);
   s->mb = calloc(1, sizeof *s->mb);
