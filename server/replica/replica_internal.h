@@ -36,6 +36,10 @@
 
 #define REPLICA_PROBE_MS 500u
 #define REPLICA_RPC_MS 10000u
+/* A backup runs the apply its primary ran, on a machine alike: its Apply
+ * forward gets the failover time and this many times the primary's own
+ * apply time of the step (a loaded backup, a cold cache). */
+#define REPLICA_APPLY_WAIT_FACTOR 4u
 /* How long a joiner waits for the primary's copy (made at the primary's
  * next applied step: trainers may be between steps for long). */
 #define REPLICA_JOIN_MS 120000u
@@ -128,8 +132,10 @@ struct replica {
   int snap_busy, snap_ready, snap_status;
   uint32_t snap_packing; /* ReplicaFetch answers pointing into snap, not yet sent */
   uint64_t join_seq;
-  /* The version the applied hook saw last (replica_wait_applied). */
+  /* The version the applied hook saw last (replica_wait_applied), and how
+   * long its apply took here (the bound of an Apply's forward). */
   uint64_t hooked_version;
+  uint64_t hooked_apply_ns;
   pthread_cond_t hooked_cv;
 
   pthread_t monitor;

@@ -389,6 +389,7 @@ typedef struct raw_req {
   const char *method;
   const void *msg;
   size_t len;
+  uint32_t timeout_ms; /* of each attempt */
 } raw_req;
 
 static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len) {
@@ -402,22 +403,31 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
   rpc_md md[2] = {{"zshard-replica-term", tbuf}, {"zshard-replica-from", ibuf}};
   rpc_status st;
   ProtobufCMessage *resp = NULL;
-  /* An Apply may wait for a backup's running apply: a backup's deadline is
-   * the time an apply may take. A joiner runs no apply before it loaded its
-   * copy (it answers ZS_ENOTREADY at once): one that is silent for the
-   * failover time is gone. */
-  pthread_mutex_lock(&r->mu);
-  uint32_t ms = m->joining ? r->failover_ms : REPLICA_RPC_MS;
-  pthread_mutex_unlock(&r->mu);
-  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, ms, &st);
+  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, q->timeout_ms, &st);
   if (rc)
     snprintf(msg, len, "%s", st.message);
   return rc;
 }
 
+/* How long one attempt of a forward waits for a member's answer: the
+ * failover time, after which a silent member is dropped (settle), so that
+ * it holds the trainers' write that long once, as the data plane's pushes
+ * (dp_push_of). An Apply runs on the backup as it ran here and may wait
+ * for the backup's apply of the step before it: it gets
+ * REPLICA_APPLY_WAIT_FACTOR times this primary's apply of the step (the one
+ * just applied, which a forwarded Apply follows) on top. */
+static uint32_t attempt_ms(replica *r, replica_write kind) {
+  pthread_mutex_lock(&r->mu);
+  uint64_t ms = r->failover_ms;
+  if (kind == REPLICA_FWD_APPLY)
+    ms += REPLICA_APPLY_WAIT_FACTOR * ((r->hooked_apply_ns + 999999) / 1000000);
+  pthread_mutex_unlock(&r->mu);
+  return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
+}
+
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen) {
-  raw_req q = {.method = method, .msg = msg, .len = len};
+  raw_req q = {.method = method, .msg = msg, .len = len, .timeout_ms = attempt_ms(r, kind)};
   return forward(r, kind, send_raw, &q, 1, step, len, err, errlen);
 }
 
@@ -480,6 +490,7 @@ void replica_on_applied(void *arg, const core_apply_result *res) {
   replica *r = arg;
   pthread_mutex_lock(&r->mu);
   r->hooked_version = res->version;
+  r->hooked_apply_ns = res->apply_ns;
   pthread_cond_broadcast(&r->hooked_cv);
   /* Only the Apply of the copy's own step can still be forwarded after it
    * (the trainers' Applies of a step are answered before the next one is
