@@ -102,6 +102,9 @@ typedef struct member {
    * contribution, which may be before another thread's forward of them got
    * past a dead backup listed before this one). */
   uint32_t pushing;
+  /* replica.mu: clock_now_ms() when the last of them ended. An Apply sent
+   * before that may have been answered before the push landed. */
+  uint64_t pushed_ms;
 } member;
 
 struct replica {

@@ -104,7 +104,7 @@ void replica__drop_locked(replica *r, uint32_t i, int rc, const char *why) {
  * FWD_RETRY (again after a pause), or the member dropped / this replica
  * deposed (both: move on; deposed returns ZS_ENOTPRIMARY). */
 static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int is_push,
-                  uint64_t *first_fail_ms, uint64_t term, int *deposed) {
+                  uint64_t sent_ms, uint64_t *first_fail_ms, uint64_t term, int *deposed) {
   int k = classify(rc);
   pthread_mutex_lock(&r->mu);
   member *m = &r->m[t->idx];
@@ -131,10 +131,13 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
     uint64_t now = clock_now_ms();
     if (!m->in_sync && !m->joining) {
       k = FWD_DONE; /* dropped meanwhile */
-    } else if (!is_push && !m->joining && rc == ZS_ENOTREADY && m->pushing) {
+    } else if (!is_push && !m->joining && rc == ZS_ENOTREADY &&
+               (m->pushing || m->pushed_ms >= sent_ms)) {
       /* A backup that answers misses contributions that pushes still under
        * way bring it (each bounded by the failover time, or it is
-       * dropped): the failover time counts from when they are through. */
+       * dropped): the failover time counts from when they are through.
+       * A push that ended after this attempt was sent may have landed
+       * after the backup answered it: the attempt is retried as well. */
       *first_fail_ms = now;
     } else if (m->joining && rc == ZS_ENOTREADY && r->snap_busy && !r->snap_ready) {
       /* The copy is still being made here: the wait is this primary's, not
@@ -179,10 +182,12 @@ static void count_pushing(replica *r, const fwd_target *t, uint32_t n, int up) {
   pthread_mutex_lock(&r->mu);
   for (uint32_t i = 0; i < n; i++) {
     member *m = &r->m[t[i].idx];
-    if (up)
+    if (up) {
       m->pushing++;
-    else
+    } else {
       m->pushing--;
+      m->pushed_ms = clock_now_ms();
+    }
   }
   pthread_mutex_unlock(&r->mu);
 }
@@ -211,10 +216,11 @@ static int send_each(replica *r, const fwd_target *t, uint32_t n, uint64_t term,
     uint64_t first_fail = 0;
     for (;;) {
       char msg[REPLICA_ERRLEN] = "";
+      uint64_t sent = clock_now_ms();
       int rc = fn(r, &r->m[t[i].idx], term, arg, msg, sizeof msg);
       if (rc != 0 && !first_fail)
         first_fail = since;
-      if (settle(r, &t[i], rc, msg, is_push, &first_fail, term, &deposed) != FWD_RETRY)
+      if (settle(r, &t[i], rc, msg, is_push, sent, &first_fail, term, &deposed) != FWD_RETRY)
         break;
       struct timespec ts = {.tv_sec = 0, .tv_nsec = REPLICA_RETRY_MS * 1000000L};
       nanosleep(&ts, NULL);
