@@ -383,6 +383,10 @@ typedef struct core_apply_result {
   uint64_t step, version;
   int skipped;
   uint64_t optimizer_steps;
+  /* How long the worker ran the step's apply, once applied (0 before, and
+   * for a step not applied here). A replicated primary bounds the wait for a
+   * backup's apply of the same step with it (replica_forward_raw). */
+  uint64_t apply_ns;
 } core_apply_result;
 typedef void (*core_apply_cb)(void *arg, int status, const core_apply_result *r);
 int core_apply(core *c, uint64_t hash, uint64_t step, double lr, float coef, int skip,

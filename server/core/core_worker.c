@@ -189,8 +189,11 @@ static void core_finish_step(core *c, uint64_t step, int skip, uint64_t opt_step
     memcpy(c->last_glr, c->apply_glr, c->apply_nglr * sizeof *c->last_glr);
   c->last_hp_mask = c->apply_hp_mask;
   memcpy(c->last_hp, c->apply_hp, (size_t)CORE_NHP * c->spec.num_groups * sizeof *c->last_hp);
-  c->last_apply = (core_apply_result){
-      .step = step, .version = step, .skipped = skip, .optimizer_steps = opt_steps};
+  c->last_apply = (core_apply_result){.step = step,
+                                      .version = step,
+                                      .skipped = skip,
+                                      .optimizer_steps = opt_steps,
+                                      .apply_ns = (uint64_t)(seconds * 1e9)};
   c->apply_state = APPLY_NONE;
   core__begin_step(c);
   while (c->apply_waiters) {

@@ -107,8 +107,9 @@ typedef enum replica_kind {
  * its way to a backup: an Apply that backup refuses ZS_ENOTREADY meanwhile
  * waits for it rather than count the failover time. */
 typedef enum replica_write {
-  REPLICA_FWD_WRITE, /* Open, InitParams, Apply, WriteState, CloseJob, Restore */
+  REPLICA_FWD_WRITE, /* Open, InitParams, WriteState, CloseJob, Restore, ChangeMembership */
   REPLICA_FWD_PUSH,  /* a contribution: a data-plane push or a gRPC Push */
+  REPLICA_FWD_APPLY, /* an Apply: the backup runs the apply the primary ran */
 } replica_write;
 
 typedef struct replica replica;
@@ -170,9 +171,13 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
 
 /* Forwards a gRPC request as it came (`method` the full path, len bytes at
  * msg) to every backup; as replica_forward_push. `kind`: what the write is
- * (a Push is a contribution, REPLICA_FWD_PUSH). `step`: the step the write
- * belongs to (an Apply's), so that a joiner whose copy holds that step
- * already is not sent it; 0: a write of no step, sent to every backup. */
+ * (a Push is a contribution, REPLICA_FWD_PUSH; an Apply REPLICA_FWD_APPLY).
+ * `step`: the step the write belongs to (a Push's, an Apply's), so that a
+ * joiner whose copy holds that step already is not sent it; 0: a write of no
+ * step, sent to every backup. A backup that does not answer an attempt
+ * within the failover time (an Apply: the failover time and
+ * REPLICA_APPLY_WAIT_FACTOR times this primary's own apply of the step) is
+ * dropped, so that a silent backup holds a write that long once. */
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen);
 

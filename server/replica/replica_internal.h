@@ -36,6 +36,10 @@
 
 #define REPLICA_PROBE_MS 500u
 #define REPLICA_RPC_MS 10000u
+/* A backup runs the apply its primary ran, on a machine alike: its Apply
+ * forward gets the failover time and this many times the primary's own
+ * apply time of the step (a loaded backup, a cold cache). */
+#define REPLICA_APPLY_WAIT_FACTOR 4u
 /* How long a joiner waits for the primary's copy (made at the primary's
  * next applied step: trainers may be between steps for long). */
 #define REPLICA_JOIN_MS 120000u
@@ -98,6 +102,9 @@ typedef struct member {
    * contribution, which may be before another thread's forward of them got
    * past a dead backup listed before this one). */
   uint32_t pushing;
+  /* replica.mu: clock_now_ms() when the last of them ended. An Apply sent
+   * before that may have been answered before the push landed. */
+  uint64_t pushed_ms;
 } member;
 
 struct replica {
@@ -128,8 +135,10 @@ struct replica {
   int snap_busy, snap_ready, snap_status;
   uint32_t snap_packing; /* ReplicaFetch answers pointing into snap, not yet sent */
   uint64_t join_seq;
-  /* The version the applied hook saw last (replica_wait_applied). */
+  /* The version the applied hook saw last (replica_wait_applied), and how
+   * long its apply took here (the bound of an Apply's forward). */
   uint64_t hooked_version;
+  uint64_t hooked_apply_ns;
   pthread_cond_t hooked_cv;
 
   pthread_t monitor;

@@ -104,7 +104,7 @@ void replica__drop_locked(replica *r, uint32_t i, int rc, const char *why) {
  * FWD_RETRY (again after a pause), or the member dropped / this replica
  * deposed (both: move on; deposed returns ZS_ENOTPRIMARY). */
 static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int is_push,
-                  uint64_t *first_fail_ms, uint64_t term, int *deposed) {
+                  uint64_t sent_ms, uint64_t *first_fail_ms, uint64_t term, int *deposed) {
   int k = classify(rc);
   pthread_mutex_lock(&r->mu);
   member *m = &r->m[t->idx];
@@ -131,10 +131,13 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
     uint64_t now = clock_now_ms();
     if (!m->in_sync && !m->joining) {
       k = FWD_DONE; /* dropped meanwhile */
-    } else if (!is_push && !m->joining && rc == ZS_ENOTREADY && m->pushing) {
+    } else if (!is_push && !m->joining && rc == ZS_ENOTREADY &&
+               (m->pushing || m->pushed_ms >= sent_ms)) {
       /* A backup that answers misses contributions that pushes still under
        * way bring it (each bounded by the failover time, or it is
-       * dropped): the failover time counts from when they are through. */
+       * dropped): the failover time counts from when they are through.
+       * A push that ended after this attempt was sent may have landed
+       * after the backup answered it: the attempt is retried as well. */
       *first_fail_ms = now;
     } else if (m->joining && rc == ZS_ENOTREADY && r->snap_busy && !r->snap_ready) {
       /* The copy is still being made here: the wait is this primary's, not
@@ -179,10 +182,12 @@ static void count_pushing(replica *r, const fwd_target *t, uint32_t n, int up) {
   pthread_mutex_lock(&r->mu);
   for (uint32_t i = 0; i < n; i++) {
     member *m = &r->m[t[i].idx];
-    if (up)
+    if (up) {
       m->pushing++;
-    else
+    } else {
       m->pushing--;
+      m->pushed_ms = clock_now_ms();
+    }
   }
   pthread_mutex_unlock(&r->mu);
 }
@@ -211,10 +216,11 @@ static int send_each(replica *r, const fwd_target *t, uint32_t n, uint64_t term,
     uint64_t first_fail = 0;
     for (;;) {
       char msg[REPLICA_ERRLEN] = "";
+      uint64_t sent = clock_now_ms();
       int rc = fn(r, &r->m[t[i].idx], term, arg, msg, sizeof msg);
       if (rc != 0 && !first_fail)
         first_fail = since;
-      if (settle(r, &t[i], rc, msg, is_push, &first_fail, term, &deposed) != FWD_RETRY)
+      if (settle(r, &t[i], rc, msg, is_push, sent, &first_fail, term, &deposed) != FWD_RETRY)
         break;
       struct timespec ts = {.tv_sec = 0, .tv_nsec = REPLICA_RETRY_MS * 1000000L};
       nanosleep(&ts, NULL);
@@ -389,6 +395,7 @@ typedef struct raw_req {
   const char *method;
   const void *msg;
   size_t len;
+  uint32_t timeout_ms; /* of each attempt */
 } raw_req;
 
 static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len) {
@@ -402,22 +409,31 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
   rpc_md md[2] = {{"zshard-replica-term", tbuf}, {"zshard-replica-from", ibuf}};
   rpc_status st;
   ProtobufCMessage *resp = NULL;
-  /* An Apply may wait for a backup's running apply: a backup's deadline is
-   * the time an apply may take. A joiner runs no apply before it loaded its
-   * copy (it answers ZS_ENOTREADY at once): one that is silent for the
-   * failover time is gone. */
-  pthread_mutex_lock(&r->mu);
-  uint32_t ms = m->joining ? r->failover_ms : REPLICA_RPC_MS;
-  pthread_mutex_unlock(&r->mu);
-  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, ms, &st);
+  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, q->timeout_ms, &st);
   if (rc)
     snprintf(msg, len, "%s", st.message);
   return rc;
 }
 
+/* How long one attempt of a forward waits for a member's answer: the
+ * failover time, after which a silent member is dropped (settle), so that
+ * it holds the trainers' write that long once, as the data plane's pushes
+ * (dp_push_of). An Apply runs on the backup as it ran here and may wait
+ * for the backup's apply of the step before it: it gets
+ * REPLICA_APPLY_WAIT_FACTOR times this primary's apply of the step (the one
+ * just applied, which a forwarded Apply follows) on top. */
+static uint32_t attempt_ms(replica *r, replica_write kind) {
+  pthread_mutex_lock(&r->mu);
+  uint64_t ms = r->failover_ms;
+  if (kind == REPLICA_FWD_APPLY)
+    ms += REPLICA_APPLY_WAIT_FACTOR * ((r->hooked_apply_ns + 999999) / 1000000);
+  pthread_mutex_unlock(&r->mu);
+  return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
+}
+
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen) {
-  raw_req q = {.method = method, .msg = msg, .len = len};
+  raw_req q = {.method = method, .msg = msg, .len = len, .timeout_ms = attempt_ms(r, kind)};
   return forward(r, kind, send_raw, &q, 1, step, len, err, errlen);
 }
 
@@ -480,6 +496,7 @@ void replica_on_applied(void *arg, const core_apply_result *res) {
   replica *r = arg;
   pthread_mutex_lock(&r->mu);
   r->hooked_version = res->version;
+  r->hooked_apply_ns = res->apply_ns;
   pthread_cond_broadcast(&r->hooked_cv);
   /* Only the Apply of the copy's own step can still be forwarded after it
    * (the trainers' Applies of a step are answered before the next one is

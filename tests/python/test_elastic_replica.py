@@ -11,10 +11,11 @@ others hold before it. Then:
 - shard 0: its primary is SIGKILLed right after the join, before any push
   of step M (every trainer holds until then); the trainers fail over to the backup, which must have the join
   (the forwarded ChangeMembership) and the leave (the Apply's set);
-- shard 1 (data plane): its backup was SIGKILLed before the run and is
-  restarted after the join; it joins the set at the next applied step, and
-  its copy must carry the membership (members, counters, log, timeout). Over
-  gRPC the backup stays up and gets every change forwarded.
+- shard 1: its backup was SIGKILLed before the run and is restarted after
+  the join; it joins the set at the next applied step while the trainers
+  push (over gRPC, their pushes' forwards wait for it on the primary's
+  forwarding pool), and its copy must carry the membership (members,
+  counters, log, timeout).
 
 The weights must be bit-identical to torch's replay of the membership log
 (test_elastic.reference: rank 2 out from K, back from M), which is also the
@@ -54,16 +55,14 @@ def membership(rc, shard, index):
 
 def run(transport):
     args = ["--trainer-timeout-ms", str(TIMEOUT_MS)]
-    # The restarted member only with the data plane's pushes: over gRPC a
-    # push's forward holds a polling thread while the member, loading its
-    # copy, answers ZS_ENOTREADY, and its ReplicaFetch calls then go
-    # unanswered until it is dropped for making no progress (seen with 2 and
-    # 4 threads; it asks again, but no step is left to copy at).
-    restart = transport == "data"
+    # Both transports restart the member: over gRPC, a push's forward to it
+    # (answered ZS_ENOTREADY while it loads its copy) runs on the primary's
+    # forwarding pool, so that its polling threads serve the member's
+    # ReplicaFetch calls meanwhile (it used to be dropped for making no
+    # progress, and found no step left to copy at).
     with ReplicaCluster(2, 2, failover_ms=FAILOVER_MS, extra_args=args) as rc:
         backup1 = 1
-        if restart:
-            rc.kill(1, backup1)  # restarted after the membership changed
+        rc.kill(1, backup1)  # restarted after the membership changed
         procs = [te.spawn({"addresses": rc.addresses, "rank": r, "mode": "before",
                            "transport": transport, "hold_at": te.M}) for r in range(te.W)]
         held = [procs[r] for r in range(te.W) if r != te.VICTIM]
@@ -79,8 +78,7 @@ def run(transport):
             # Every shard admitted the new rank 2 at step M. Shard 0's primary
             # dies before any push of M; shard 1's backup comes back.
             rc.kill(0, rc.primary(0))
-            if restart:
-                rc.restart(1, backup1)
+            rc.restart(1, backup1)
             for p in held + [joiner]:
                 p.stdin.write("go\n")
                 p.stdin.flush()

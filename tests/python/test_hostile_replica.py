@@ -28,6 +28,7 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 
 import hostile
 from hostile import stubs
@@ -718,6 +719,60 @@ def test_a_joined_backup_that_takes_over_answers_ebehind_for_the_step_of_its_cop
         assert st == ZS_EBEHIND and "restore" in msg, (st, msg)
         # The next step is trained as usual.
         assert hostile.step(b, h, 4, NUMELS).version == 4
+
+
+# A trainer's deadline for each write below: more than the failover time
+# (1 s) and the apply, less than the 10 s a silent backup held a gRPC write
+# before (REPLICA_RPC_MS), so that the old server failed it ZS_ETIMEDOUT.
+WRITE_TIMEOUT = 6
+
+
+@pytest.mark.parametrize("stopped_before", ["push", "apply"])
+def test_a_silent_backup_holds_a_grpc_write_at_most_the_failover_time(stopped_before):
+    """Issue 23, "no hang at any point": a primary waited for a backup's
+    answer to a gRPC write's forward for 10 s (REPLICA_RPC_MS) before it
+    dropped the backup, while docs/OPERATIONS.md says a dead backup holds the
+    trainers' writes --failover-ms once (the data plane's forwards did). A
+    Push forward now waits the failover time, an Apply forward the failover
+    time and REPLICA_APPLY_WAIT_FACTOR times the primary's own apply. The
+    backup is SIGSTOPped (silent, its sockets open) before a step's pushes,
+    or before its Apply once it took the pushes; the trainer's write, with a
+    deadline below 10 s, is answered OK, and the primary dropped the backup
+    and goes on alone."""
+    pb = stubs().pb
+    with ReplicaSet() as rs:  # --failover-ms 1000
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        h = hostile.open_job(p, NUMELS)
+        hostile.init_params(p, h, NUMELS)
+        hostile.step(p, h, 1, NUMELS)
+        assert rs.info(0).replica.members[1].in_sync
+
+        def stop():
+            rs.procs[1].send_signal(signal.SIGSTOP)
+            assert hostile.wait_for(lambda: all_stopped(rs.procs[1].pid), seconds=10)
+        try:
+            if stopped_before == "push":
+                stop()
+            for t, n in enumerate(NUMELS):
+                p.call("Push", pb.PushRequest(spec_hash=h, step=2, rank=0, micro=0, tensor=t,
+                                              slice=0, dtype=pb.DTYPE_FP32,
+                                              data=struct.pack("<f", 0.25) * n),
+                       timeout=WRITE_TIMEOUT)
+            hostile.grad_stats(p, h, 2)
+            if stopped_before == "apply":
+                stop()
+            r = p.call("Apply", pb.ApplyRequest(spec_hash=h, step=2, lr=1e-3, coef=1.0),
+                       timeout=WRITE_TIMEOUT)
+            assert r.version == 2, r
+            assert not rs.info(0).replica.members[1].in_sync
+            log = rs.log(0)
+            assert "event=replica_dropped member=1" in log, log[-3000:]
+            # The primary goes on alone: the next step waits for nobody.
+            assert hostile.step(p, h, 3, NUMELS).version == 3
+        finally:
+            rs.procs[1].send_signal(signal.SIGCONT)
 
 
 # ------------------------------------------------------------ issue 23, item 6: lists that disagree

@@ -26,6 +26,7 @@ Run with Debian's interpreter (CTest does, through pytest):
 
 import os
 import re
+import struct
 import sys
 
 import pytest
@@ -334,3 +335,110 @@ def test_a_new_set_drops_no_member_while_two_trainers_open_the_job(replicas):
                     assert_members_identical(rc, tr, shard)
             finally:
                 tr.close()
+
+
+
+PARALLEL_PUSHES = 8  # more than the primary's polling threads (2 to 4)
+NUMEL = 1000
+
+
+class GrpcTrainer:
+    """One rank of a job of PARALLEL_PUSHES tensors of NUMEL elements, world
+    size 1, over gRPC alone (the generated stubs, no libzshard): its pushes
+    are the primary's gRPC Pushes, forwarded as they are."""
+
+    def __init__(self, address):
+        self.pb, pbg, grpc = replica_cluster.stubs()
+        self.ch = grpc.insecure_channel(address)
+        self.stub = pbg.ZShardStub(self.ch)
+        pb = self.pb
+        spec = pb.ModelSpec(
+            job="grpc-join", world_size=1, grad_accum=1, num_shards=1,
+            grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
+            groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=0.9,
+                                  beta2=0.999, eps=1e-8, weight_decay=0.01)],
+            tensors=[pb.TensorSpec(name="t%d" % t, numel=NUMEL, group=0)
+                     for t in range(PARALLEL_PUSHES)])
+        self.h = self.stub.Open(pb.OpenRequest(spec=spec, rank=0), timeout=30).spec_hash
+        for t in range(PARALLEL_PUSHES):
+            self.stub.InitParams(pb.InitParamsRequest(
+                spec_hash=self.h, tensor=t, slice=0, offset=0,
+                data=struct.pack("<f", 0.5) * NUMEL), timeout=30)
+
+    def step(self, step_no):
+        """Pushes every tensor of the step at once, then applies it."""
+        pb = self.pb
+        pushes = [self.stub.Push.future(pb.PushRequest(
+            spec_hash=self.h, step=step_no, rank=0, micro=0, tensor=t, slice=0,
+            dtype=pb.DTYPE_FP32, data=struct.pack("<f", 0.25 + step_no) * NUMEL), timeout=60)
+            for t in range(PARALLEL_PUSHES)]
+        for f in pushes:
+            f.result()
+        r = self.stub.GradStats(pb.GradStatsRequest(spec_hash=self.h, step=step_no,
+                                                    timeout_ms=20000), timeout=30)
+        assert r.complete, r
+        return self.stub.Apply(pb.ApplyRequest(spec_hash=self.h, step=step_no, lr=1e-3, coef=1.0),
+                               timeout=60)
+
+    def close(self):
+        self.ch.close()
+
+
+def primary_log(rc, p):
+    with open(rc.member(0, p).log_path, errors="replace") as f:
+        return f.read()
+
+
+def test_a_joiner_loading_while_grpc_pushes_are_forwarded_to_it_is_not_dropped():
+    """Issue 23, "no hang at any point": a primary forwarded a trainer's gRPC
+    write to its backups on the polling thread that served the write. A
+    joiner answers the forwards ZS_ENOTREADY while it loads its copy, and
+    the primary retries them while the joiner makes progress, which it shows
+    by ReplicaFetch calls served by the same polling threads. With as many
+    pushes under way as there are polling threads, none was left to serve
+    them: the joiner was dropped for making no progress ("still loading its
+    copy"), asked again, and a set whose trainers kept pushing never became
+    whole. The forwards now run on a pool of their own.
+
+    A backup misses a step, restarts and asks to join; its load takes 2.5 s
+    (ZSHARD_TEST_LOAD_STALL_MS, against --failover-ms 1000) while the next
+    step's PARALLEL_PUSHES pushes, sent over gRPC at once, are forwarded to
+    it. It joins at its first request and is never dropped: in sync after
+    the next step (GetInfo), no replica_dropped line, and the primary's bits."""
+    pb = replica_cluster.stubs()[0]
+    with ReplicaCluster(1, 2, failover_ms=1000) as rc:
+        p, b = 0, 1
+        pb_, pbg, grpc = replica_cluster.stubs()
+        with grpc.insecure_channel(rc.member(0, p).address) as ch:
+            pbg.ZShardStub(ch).Promote(pb.PromoteRequest(term=1, index=p), timeout=10)
+        assert rc.wait_primary(0) == p, rc.roles(0)
+        tr = GrpcTrainer(rc.member(0, p).address)
+        try:
+            tr.step(1)
+            assert rc.wait_joined(0), rc.roles(0)
+            rc.kill(0, b)
+            tr.step(2)  # the primary drops it after --failover-ms
+            asked = "event=replica_join_asked member=%d" % b
+            before = primary_log(rc, p).count(asked)
+            dropped = primary_log(rc, p).count("event=replica_dropped")
+            rc.env["ZSHARD_TEST_LOAD_STALL_MS"] = "2500"  # only a joiner's load stalls
+            rc.restart(0, b)
+            assert replica_cluster.wait_for(
+                lambda: primary_log(rc, p).count(asked) > before, 30), primary_log(rc, p)[-2000:]
+            tr.step(3)  # the copy is made at this step: the joiner loads it
+            tr.step(4)  # its pushes are forwarded to the joiner while it loads
+            wait_role(rc, 0, b, replica_cluster.ROLE_BACKUP, seconds=30)
+            tr.step(5)
+            info = rc.info(0, p)
+            assert info.replica.members[b].in_sync, info
+            log = primary_log(rc, p)
+            assert log.count("event=replica_dropped") == dropped, log[-3000:]
+            assert log.count(asked) == before + 1, log[-3000:]
+            with open(rc.member(0, b).log_path, errors="replace") as f:
+                assert "ZSHARD_TEST_LOAD_STALL_MS" in f.read()
+            for t in range(PARALLEL_PUSHES):
+                for a in (pb.STATE_ARRAY_MASTER, pb.STATE_ARRAY_EXP_AVG, pb.STATE_ARRAY_EXP_AVG_SQ):
+                    assert rc.read_state(0, b, tr.h, t, 0, a, NUMEL) == \
+                        rc.read_state(0, p, tr.h, t, 0, a, NUMEL), (t, a)
+        finally:
+            tr.close()

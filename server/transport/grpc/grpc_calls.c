@@ -184,30 +184,26 @@ void gsrv__answer(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail)
   gsrv__send_final(c, reply, zs, detail);
 }
 
-/* Answers through gsrv__answer() or, when the caller already holds the claim (after
- * a hop), through gsrv__send_final(). */
-void gsrv__finish(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const char *detail) {
-  char ferr[GSRV_ERRLEN];
-  if (c->fwd && zs == ZS_OK) {
-    /* The write succeeded here: the backups get it before the trainer hears
-     * of it (server/replica/replica.h). This blocks the polling thread. */
-    replica_write kind = c->method == M_PUSH ? REPLICA_FWD_PUSH : REPLICA_FWD_WRITE;
-    int rc = replica_forward_raw(c->s->rep, gsrv__methods[c->method].path, kind, c->fwd_step,
-                                 c->fwd, c->fwd_len, ferr, sizeof ferr);
-    if (rc) {
-      if (reply)
-        grpc_byte_buffer_destroy(reply);
-      reply = NULL;
-      zs = rc;
-      detail = ferr;
-    }
-  }
-  free(c->fwd);
-  c->fwd = NULL;
+void gsrv__answer_as(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const char *detail) {
   if (claimed)
     gsrv__send_final(c, reply, zs, detail);
   else
     gsrv__answer(c, reply, zs, detail);
+}
+
+/* Answers through gsrv__answer() or, when the caller already holds the claim (after
+ * a hop), through gsrv__send_final(). */
+void gsrv__finish(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const char *detail) {
+  if (c->fwd && zs == ZS_OK) {
+    /* The write succeeded here: the backups get it before the trainer hears
+     * of it (server/replica/replica.h), on a thread of the forwarding pool,
+     * which then answers (grpc_forward.c says why not here). */
+    gsrv__fwd_submit(c, claimed, reply);
+    return;
+  }
+  free(c->fwd);
+  c->fwd = NULL;
+  gsrv__answer_as(c, claimed, reply, zs, detail);
 }
 
 grpc_byte_buffer *gsrv__pack_message(const ProtobufCMessage *m) {

@@ -82,6 +82,17 @@ enum {
 
 typedef struct gcall gcall;
 
+/* The forwarding pool of a replicated primary (grpc_forward.c). */
+typedef struct gfwd {
+  pthread_t *threads;
+  int nthreads;
+  int inited;           /* lock, cond and queue are initialised */
+  pthread_mutex_t lock; /* a leaf; guards queue and stopping */
+  pthread_cond_t cond;  /* signalled when a call is queued and at the stop */
+  list_node queue;      /* gcall.fwd_node, calls waiting for a pool thread, in order */
+  int stopping;         /* no more calls are queued; the threads end */
+} gfwd;
+
 /* Parked calls of one connection (grpc_call_get_peer names it: address and
  * port), under gsrv.lock; freed when its count drops to 0. */
 typedef struct peer_count peer_count;
@@ -115,6 +126,7 @@ struct gsrv {
 
   pthread_t *threads;
   int nthreads;
+  gfwd fwd; /* only when rep is set */
 
   pthread_mutex_t lock;
   pthread_cond_t cond;   /* CLOCK_MONOTONIC; signalled when a call leaves the
@@ -150,7 +162,12 @@ struct gcall {
    * backups once it succeeded here, before the answer (finish). */
   uint8_t *fwd;
   size_t fwd_len;
-  uint64_t fwd_step; /* the write's step (an Apply's), 0: none */
+  uint64_t fwd_step; /* the write's step (a Push's, an Apply's), 0: none */
+  /* While queued for the forwarding pool (grpc_forward.c): the answer to
+   * send once forwarded, and whether the call was claimed already. */
+  list_node fwd_node;
+  grpc_byte_buffer *fwd_reply;
+  int fwd_claimed;
   atomic_int refs;
   atomic_int claimed;
   uint64_t start_ns; /* clock_now_ns() when the request arrived */
@@ -249,6 +266,8 @@ void gsrv__status_op(gcall *c, grpc_op *op, int zs, const char *detail);
 void gsrv__send_final(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail);
 void gsrv__answer(gcall *c, grpc_byte_buffer *reply, int zs, const char *detail);
 void gsrv__finish(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const char *detail);
+/* gsrv__send_final when `claimed`, else gsrv__answer; forwards nothing. */
+void gsrv__answer_as(gcall *c, int claimed, grpc_byte_buffer *reply, int zs, const char *detail);
 /* A new byte buffer of m packed, owned by the caller. */
 grpc_byte_buffer *gsrv__pack_message(const ProtobufCMessage *m);
 void gsrv__finish_msg(gcall *c, int claimed, const ProtobufCMessage *m);
@@ -263,6 +282,20 @@ void gsrv__on_core_apply(void *arg, int status, const core_apply_result *r);
 /* Parked in the core or not (for the shutdown grace); the deadline of a wait. */
 void gsrv__set_waiting(gcall *c, int waiting);
 uint64_t gsrv__wait_deadline(const gcall *c, uint32_t timeout_ms);
+
+/* grpc_forward.c: the forwarding pool of a replicated primary. fwd_start
+ * starts it (0, or a status with the sentence in err; what started is
+ * stopped by fwd_free). fwd_submit takes a call whose write succeeded here
+ * (its answer `reply`, owned from the call on; `claimed` as for
+ * gsrv__finish): a pool thread forwards the write to the backups, then
+ * answers; once the pool stopped, the call is answered ZS_ECLOSED at once.
+ * fwd_stop answers the calls still queued ZS_ECLOSED and waits for the
+ * forwards in flight; fwd_free stops and frees the pool (both tolerate a
+ * pool never started). */
+int gsrv__fwd_start(gsrv *s, char *err, size_t errlen);
+void gsrv__fwd_submit(gcall *c, int claimed, grpc_byte_buffer *reply);
+void gsrv__fwd_stop(gsrv *s);
+void gsrv__fwd_free(gsrv *s);
 
 /* grpc_budget.c: the budgets of parked calls and of Pull answers held. */
 /* A call about to wait in the core is counted by park_begin (0, or a status

@@ -13,6 +13,9 @@
  *    completion (on_hop) carries the rest of the work (core_read into the
  *    response, core_missing, packing) back onto a polling thread. So no core
  *    callback blocks, and none calls into the core.
+ *  - On a replicated primary, the forwarding pool's threads (grpc_forward.c)
+ *    send a trainer's write that succeeded here to the backups and then
+ *    answer the call, so that no polling thread waits for a backup.
  *  - The thread calling gsrv_destroy runs the shutdown sequence.
  *
  * Lock order: gsrv.lock, the one lock of the files sharing grpc_internal.h, is
@@ -34,15 +37,17 @@
  * A call is answered exactly once: whoever flips gcall.claimed from 0 to 1 (a
  * handler, a core callback, or the shutdown sweep) sends the final batch; the
  * others drop what they prepared. A gcall is reference counted: the handler
- * running it, each batch started on it and each core callback outstanding hold
- * one reference. The grpc_call itself is released as soon as the final batch
- * completes, so that server shutdown never waits for a core callback; a gcall
- * kept alive only by the core afterwards touches nothing but itself.
+ * running it, each batch started on it, each core callback outstanding and
+ * the forwarding pool while it holds the call hold one reference. The
+ * grpc_call itself is released as soon as the final batch completes, so that
+ * server shutdown never waits for a core callback; a gcall kept alive only by
+ * the core afterwards touches nothing but itself.
  *
  * The transport's files, one job each (grpc_internal.h holds what they share):
  *  - grpc_server.c: start, the polling threads and the shutdown sequence;
  *  - grpc_calls.c: a call's references, lists, one answer and the hop back
  *    from a core thread;
+ *  - grpc_forward.c: the forwarding pool of a replicated primary;
  *  - grpc_budget.c: the parked-call and Pull-answer budgets;
  *  - grpc_dispatch.c: request slots, authentication and the way to a handler;
  *  - grpc_methods.c: the one table of the methods (path, handler, request
@@ -124,6 +129,7 @@ static void wait_flag_locked(gsrv *s, const int *flag, const struct timespec *un
 /* Shuts the grpc_server down and releases everything; works on a server that
  * never started (a failed gsrv_start) and with no polling thread. */
 static void teardown(gsrv *s) {
+  gsrv__fwd_free(s);
   if (s->server) {
     if (!s->started)
       grpc_server_start(s->server);
@@ -404,6 +410,8 @@ int gsrv_start(const gsrv_config *cfg, gsrv **out, char *err, size_t errlen) {
     status_fail(err, errlen, ZS_EINTERNAL, "%s", "cannot start the polling threads");
     goto fail;
   }
+  if (s->rep && (rc = gsrv__fwd_start(s, err, errlen)) != 0)
+    goto fail;
 
   grpc_server_start(s->server);
   s->started = 1;
@@ -481,6 +489,10 @@ void gsrv_destroy(gsrv *s) {
     gsrv__finish_err(w, w->aw_claimed, ZS_ECLOSED, "the server is shutting down");
     gcall_unref(w);
   }
+  /* Forwards not started are answered ECLOSED; those in flight (given the
+   * grace above) end within their deadline and answer. From here on a write
+   * that succeeds is answered ECLOSED, not forwarded. */
+  gsrv__fwd_stop(s);
 
   /* 4. Every call still open is answered ECLOSED; a core callback that comes
    * later finds it claimed. The list is walked afresh after each answer since

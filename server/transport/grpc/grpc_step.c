@@ -72,6 +72,9 @@ void gsrv__h_push(gsrv *s, gcall *c, const uint8_t *msg, size_t len) {
       .data = r.data,
       .nbytes = r.len,
   };
+  /* A joiner's copy made at a version >= the step holds the push already
+   * (replica.h, `covered`). */
+  c->fwd_step = r.step;
   void *whole = NULL;
   int job_ok = !c->bind.bound || core_job_named(service_core(s->svc), r.hash, c->bind.job);
   /* Before any chunk is kept: a refused push changes nothing. */
