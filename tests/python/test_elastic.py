@@ -456,12 +456,13 @@ def test_the_membership_survives_a_checkpoint_and_a_restart_of_every_shard():
     assert run(restart=True) == expected
 
 
-def flag_job_client(addresses, rank, open_mode="either", step_timeout_ms=60000):
+def flag_job_client(addresses, rank, open_mode="either", step_timeout_ms=60000,
+                    transport="grpc"):
     """W = 2, no trainer timeout of the job's own: elastic only through the
     server's --trainer-timeout-ms."""
     import zshard
     c = zshard.Client(addresses, rank=rank, world_size=2, job="flag-only", grad_reduce="sum",
-                      push_dtype="fp32", split_threshold=256, transport="grpc",
+                      push_dtype="fp32", split_threshold=256, transport=transport,
                       open_mode=open_mode, step_timeout_ms=step_timeout_ms)
     c.add_group("sgd", momentum=MOMENTUM)
     for t, n in enumerate(NUMELS):
