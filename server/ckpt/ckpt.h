@@ -33,9 +33,11 @@
 #include "server/core/core.h"
 
 #define CKPT_MAGIC "ZSHDCKPT" /* 8 bytes, no terminator in the file */
-/* Format 2 adds the members section; a file without one is written as
- * format 1 (the same bytes as before), and both are read. */
-#define CKPT_FORMAT_VERSION 2u
+/* Format 2 adds the members section, format 3 the flag timeout at its end
+ * (the server-flag timeout in effect for the job); a file with the section
+ * is written as format 3, one without as format 1 (the same bytes as
+ * before), and 1, 2 and 3 are read. */
+#define CKPT_FORMAT_VERSION 3u
 #define CKPT_FORMAT_VERSION_MIN 1u
 #define CKPT_HEADER_BYTES 128u
 #define CKPT_ENTRY_BYTES 32u /* one section table entry */

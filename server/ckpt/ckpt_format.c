@@ -277,7 +277,7 @@ static void enc_set(bytes *b, const core_members *m, uint32_t world_size) {
       bytes_u32(b, r);
 }
 
-void ckpt__enc_members(bytes *b, const core_member_state *ms, uint32_t world_size) {
+void ckpt__enc_members(bytes *b, const core_member_state *ms, uint32_t world_size, uint32_t fmt) {
   bytes_u32(b, ms->trainer_timeout_ms);
   bytes_u32(b, world_size);
   bytes_u64(b, ms->epoch);
@@ -290,6 +290,8 @@ void ckpt__enc_members(bytes *b, const core_member_state *ms, uint32_t world_siz
     bytes_u64(b, ms->log[k].from_step);
     enc_set(b, &ms->log[k].members, world_size);
   }
+  if (fmt >= 3)
+    bytes_u32(b, ms->flag_timeout_ms);
 }
 
 /* Decodes one set: a count of at most world_size, then that many ranks,
@@ -317,7 +319,7 @@ static int dec_set(cursor *c, uint32_t world_size, core_members *out, const char
 }
 
 int ckpt__dec_members(const uint8_t *p, size_t n, uint32_t world_size, uint64_t version,
-                      core_member_state **out, char *why, size_t whylen) {
+                      uint32_t fmt, core_member_state **out, char *why, size_t whylen) {
   *out = NULL;
   cursor c = {p, n, 0};
   core_member_state *ms = calloc(1, sizeof *ms);
@@ -333,6 +335,12 @@ int ckpt__dec_members(const uint8_t *p, size_t n, uint32_t world_size, uint64_t 
   ms->joins = cur_u64(&c);
   if (c.bad) {
     rc = status_fail(why, whylen, ZS_EPROTO, "the members section is truncated (%zu bytes)", n);
+    goto fail;
+  }
+  if (ms->trainer_timeout_ms > CORE_MAX_TRAINER_TIMEOUT_MS) {
+    rc = status_fail(why, whylen, ZS_EPROTO,
+                     "the members section's trainer timeout is %u ms (at most %u)",
+                     ms->trainer_timeout_ms, CORE_MAX_TRAINER_TIMEOUT_MS);
     goto fail;
   }
   if (w != world_size || w == 0 || w > CORE_ELASTIC_MAX_W) {
@@ -377,9 +385,20 @@ int ckpt__dec_members(const uint8_t *p, size_t n, uint32_t world_size, uint64_t 
       goto fail;
     }
   }
+  /* Format 3: the server-flag timeout in effect for the job follows the
+   * log (formats 2 and older: none, 0). */
+  if (fmt >= 3) {
+    ms->flag_timeout_ms = cur_u32(&c);
+    if (c.bad || ms->flag_timeout_ms > CORE_MAX_TRAINER_TIMEOUT_MS) {
+      rc = status_fail(why, whylen, ZS_EPROTO,
+                       "the members section's flag timeout is %s (at most %u ms)",
+                       c.bad ? "missing" : "out of range", CORE_MAX_TRAINER_TIMEOUT_MS);
+      goto fail;
+    }
+  }
   if (c.left != 0) {
-    rc = status_fail(why, whylen, ZS_EPROTO, "the members section has %zu bytes after its log",
-                     c.left);
+    rc = status_fail(why, whylen, ZS_EPROTO, "the members section has %zu bytes after its log%s",
+                     c.left, fmt >= 3 ? " and flag timeout" : "");
     goto fail;
   }
   ms->log = log;

@@ -58,18 +58,20 @@ void ckpt__enc_optimizer(bytes *b, const spec *s, uint64_t optimizer_steps);
 void ckpt__enc_pieces(bytes *b, const layout *l, uint32_t shard);
 
 /* Appends the members section of an elastic job of world_size ranks
- * (CKPT_SEC_MEMBERS; the encoding is in docs/CHECKPOINTS.md). */
-void ckpt__enc_members(bytes *b, const core_member_state *ms, uint32_t world_size);
+ * (CKPT_SEC_MEMBERS; the encoding is in docs/CHECKPOINTS.md) as file format
+ * fmt has it: 3 adds the flag timeout after the log; 2 (tests only) not. */
+void ckpt__enc_members(bytes *b, const core_member_state *ms, uint32_t world_size, uint32_t fmt);
 
 /* Decodes an untrusted members section of n bytes at p for a spec of
- * world_size ranks and a checkpoint of `version`: every count is checked
- * against the bytes left and its bound, every rank against world_size
- * (ascending, no repeat), the log's steps ascending from 1 to version, and
- * nothing may follow. On success *out is the caller's (free its log, then
- * it); on failure *out is NULL and why says what is wrong (ZS_EPROTO, or
- * ZS_ENOMEM). */
+ * world_size ranks and a checkpoint of `version` in file format fmt (2 or
+ * 3): every count is checked against the bytes left and its bound, every
+ * rank against world_size (ascending, no repeat), the log's steps ascending
+ * from 1 to version, the timeouts against CORE_MAX_TRAINER_TIMEOUT_MS (a
+ * format 2 section has no flag timeout: 0), and nothing may follow. On
+ * success *out is the caller's (free its log, then it); on failure *out is
+ * NULL and why says what is wrong (ZS_EPROTO, or ZS_ENOMEM). */
 int ckpt__dec_members(const uint8_t *p, size_t n, uint32_t world_size, uint64_t version,
-                      core_member_state **out, char *why, size_t whylen);
+                      uint32_t fmt, core_member_state **out, char *why, size_t whylen);
 
 /* Sets *m and *v to whether shard `shard` keeps m and v arenas. */
 void ckpt__shard_uses(const spec *s, const layout *l, uint32_t shard, int *m, int *v);

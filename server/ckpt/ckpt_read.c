@@ -143,6 +143,7 @@ typedef struct reader_scan {
   uint64_t size;      /* the file's size */
   uint64_t table_end; /* first byte after the section table */
   uint32_t nsec, table_crc;
+  uint32_t fmt;                      /* the file's format version */
   uint32_t max_kind;                 /* the last section kind the file's format has */
   in_section sec[CKPT_MAX_SECTIONS]; /* sorted by offset once verified */
   const in_section *spec, *optimizer, *pieces, *client_state, *tensor_steps, *members;
@@ -188,6 +189,7 @@ static int reader_read_header(ckpt_reader *r, reader_scan *s, char *err, size_t 
                        "%s: format version %" PRIu32 ", this build reads %u to %u", path, fmt,
                        CKPT_FORMAT_VERSION_MIN, CKPT_FORMAT_VERSION);
   /* Format 1 has no members section. */
+  s->fmt = fmt;
   s->max_kind = fmt >= 2 ? CKPT_SEC_MEMBERS : CKPT_SEC_TENSOR_STEPS;
   r->h.shard_id = le_load32(hdr + 16);
   r->h.num_shards = le_load32(hdr + 20);
@@ -415,9 +417,9 @@ static int reader_load_members(ckpt_reader *r, const reader_scan *s, char *err, 
   const in_section *ms = s->members;
   if (!ms)
     return 0;
-  /* The largest a valid one can be: its fixed part, the members and a full
-   * log of full sets. */
-  uint64_t most = 44 + 4 * (uint64_t)CORE_ELASTIC_MAX_W +
+  /* The largest a valid one can be: its fixed part (the flag timeout of
+   * format 3 included), the members and a full log of full sets. */
+  uint64_t most = 48 + 4 * (uint64_t)CORE_ELASTIC_MAX_W +
                   (uint64_t)CORE_MEMBER_LOG_MAX * (12 + 4 * (uint64_t)CORE_ELASTIC_MAX_W);
   if (ms->len > most)
     return status_fail(err, errlen, ZS_EPROTO,
@@ -430,7 +432,7 @@ static int reader_load_members(ckpt_reader *r, const reader_scan *s, char *err, 
   char why[256];
   if (ckpt__pread_full(r->fd, raw, (size_t)ms->len, ms->off) != 0)
     rc = status_fail(err, errlen, ZS_EIO, "%s: read error: %s", r->path, strerror(errno));
-  else if ((rc = ckpt__dec_members(raw, (size_t)ms->len, r->spec.world_size, r->h.version,
+  else if ((rc = ckpt__dec_members(raw, (size_t)ms->len, r->spec.world_size, r->h.version, s->fmt,
                                    &r->members, why, sizeof why)) != 0)
     rc = status_fail(err, errlen, rc, "%s: %s", r->path, why);
   free(raw);

@@ -313,7 +313,7 @@ int ckpt_write_shard(const char *root, const core_state *st, const ckpt_write_op
   ckpt__enc_pieces(&bpieces, &l, st->shard_id);
   enc_tensor_steps(&bsteps, st, &l);
   if (st->members)
-    ckpt__enc_members(&bmembers, st->members, s->world_size);
+    ckpt__enc_members(&bmembers, st->members, s->world_size, CKPT_FORMAT_VERSION);
   if (bspec.oom || bopt.oom || bpieces.oom || bsteps.oom || bmembers.oom) {
     rc =
         status_fail(err, errlen, ZS_ENOMEM, "out of memory encoding the checkpoint of %s", p.final);

@@ -164,8 +164,10 @@ static int core_job_build(core *c) {
   /* Under mu: the worker reads the membership state (core__members_deadline)
    * without state_rw. */
   pthread_mutex_lock(&c->mu);
-  /* The job's own timeout (its creating Open's), else the server's flag. */
-  c->trainer_timeout_ms = c->open_timeout_ms ? c->open_timeout_ms : c->default_timeout_ms;
+  /* The job's own timeout (its creating Open's), else the server's flag;
+   * a restore may then bring a recorded flag timeout (core__members_restore). */
+  c->flag_timeout_ms = c->default_timeout_ms;
+  c->trainer_timeout_ms = core_timeout_in_effect(c->open_timeout_ms, c->default_timeout_ms, 0);
   c->elastic =
       c->trainer_timeout_ms > 0 && !c->spec.pipelined && c->W <= CORE_ELASTIC_MAX_W ? 1 : 0;
   core__members_reset(c);

@@ -476,12 +476,20 @@ typedef struct core_member_log_entry {
  * with a fixed membership or no step applied. Returns the entries written. */
 size_t core_member_log_format(core *c, char *buf, size_t cap);
 
+/* The largest trainer timeout (an hour): the server's flag, a job's option
+ * and a checkpoint's or a replica copy's recorded ones alike. */
+#define CORE_MAX_TRAINER_TIMEOUT_MS 3600000u
+
 /* An elastic job's membership as a checkpoint records it (DESIGN.md
  * "Membership", CHECKPOINTS.md's members section): the job's own trainer
- * timeout (0: it had none, the server's flag applies), the counters, the
- * members of the step after the checkpointed version, and the log. */
+ * timeout (0: it had none, the server's flag applies), the server-flag
+ * timeout that was in effect for the job (flag_timeout_ms, 0: none; what a
+ * job elastic only through the flag keeps when it is restored where the
+ * flag is not set, core_timeout_in_effect), the counters, the members of the
+ * step after the checkpointed version, and the log. */
 typedef struct core_member_state {
   uint32_t trainer_timeout_ms;
+  uint32_t flag_timeout_ms;
   uint64_t epoch, leaves, timeouts, joins;
   core_members members;
   const core_member_log_entry *log; /* log_n entries, oldest first */
@@ -493,6 +501,15 @@ typedef struct core_member_state {
   const uint64_t *join_at, *leave_at;
   uint32_t nplan;
 } core_member_state;
+
+/* The trainer timeout a job gets (0: a fixed membership), the one rule for
+ * a job created by Open and for one restored from a checkpoint or a replica
+ * copy: the job's own option (open_ms) first, then the server's flag on
+ * this server (server_flag_ms), then the flag timeout recorded with the job
+ * (recorded_flag_ms: the flag of the server it ran on before; 0 for a job
+ * created here). */
+uint32_t core_timeout_in_effect(uint32_t open_ms, uint32_t server_flag_ms,
+                                uint32_t recorded_flag_ms);
 
 /* A deep copy of `from` (borrowed for the call) into *out: the counters, the
  * members, and log_n log entries and nplan plans copied into arrays of the

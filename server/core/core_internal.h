@@ -316,9 +316,13 @@ struct core {
    * narrowing), so pushes of other ranks are refused; stall_since: when the
    * first GradStats of the pending step came (0: none yet). All under mu. */
   int elastic;
-  /* The job's timeout: its creating Open's (open_timeout_ms) if any, else
-   * the server's (default_timeout_ms, core_config). */
-  uint32_t trainer_timeout_ms, default_timeout_ms, open_timeout_ms;
+  /* The job's timeout (core_timeout_in_effect): its creating Open's
+   * (open_timeout_ms) if any, else the server's (default_timeout_ms,
+   * core_config), else the flag timeout recorded with a restored job.
+   * flag_timeout_ms: the server-flag timeout in effect for the job (this
+   * server's flag, or the recorded one where it has none), which its
+   * checkpoints and replica copies record. */
+  uint32_t trainer_timeout_ms, default_timeout_ms, open_timeout_ms, flag_timeout_ms;
   core_members members, stat_members, last_members;
   int frozen;
   uint64_t stall_since;

@@ -102,11 +102,24 @@ void core__members_reset(core *c) {
   memset(c->leave_at, 0, sizeof c->leave_at);
 }
 
+uint32_t core_timeout_in_effect(uint32_t open_ms, uint32_t server_flag_ms,
+                                uint32_t recorded_flag_ms) {
+  if (open_ms)
+    return open_ms;
+  return server_flag_ms ? server_flag_ms : recorded_flag_ms;
+}
+
 void core__members_restore(core *c, const core_member_state *ms) {
   int changed = c->elastic && c->members.n != c->W;
   if (ms)
     c->open_timeout_ms = ms->trainer_timeout_ms;
-  c->trainer_timeout_ms = c->open_timeout_ms ? c->open_timeout_ms : c->default_timeout_ms;
+  /* The flag timeout the job ran under before, kept where this server has
+   * no flag of its own (a job elastic only through the flag stays elastic
+   * after a restart without it). */
+  uint32_t recorded = ms ? ms->flag_timeout_ms : 0;
+  c->flag_timeout_ms = c->default_timeout_ms ? c->default_timeout_ms : recorded;
+  c->trainer_timeout_ms =
+      core_timeout_in_effect(c->open_timeout_ms, c->default_timeout_ms, recorded);
   c->elastic =
       c->trainer_timeout_ms > 0 && !c->spec.pipelined && c->W <= CORE_ELASTIC_MAX_W ? 1 : 0;
   core__members_reset(c);

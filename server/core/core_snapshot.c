@@ -88,6 +88,7 @@ void core__run_snapshot(core *c, waiter *w) {
   pthread_mutex_lock(&c->mu);
   int elastic = c->elastic;
   ms.trainer_timeout_ms = c->open_timeout_ms;
+  ms.flag_timeout_ms = c->flag_timeout_ms;
   ms.epoch = c->member_epoch;
   ms.leaves = c->member_leaves;
   ms.timeouts = c->member_timeouts;
@@ -405,6 +406,12 @@ int core_restore(core *c, core_state *st, uint64_t ckpt_step, char *err, size_t 
     const core_member_state *ms = st->members;
     if (ms->log_n > 0 && !ms->log)
       return status_fail(err, errlen, ZS_EINVAL, "the state's membership log is missing");
+    if (ms->trainer_timeout_ms > CORE_MAX_TRAINER_TIMEOUT_MS ||
+        ms->flag_timeout_ms > CORE_MAX_TRAINER_TIMEOUT_MS)
+      return status_fail(err, errlen, ZS_EINVAL,
+                         "the state's trainer timeout (%u ms) or flag timeout (%u ms) is above "
+                         "%u",
+                         ms->trainer_timeout_ms, ms->flag_timeout_ms, CORE_MAX_TRAINER_TIMEOUT_MS);
     for (uint32_t k = 0; k <= ms->log_n; k++) {
       const core_members *m = k < ms->log_n ? &ms->log[k].members : &ms->members;
       for (uint32_t r = st->spec.world_size; r < CORE_ELASTIC_MAX_W; r++)

@@ -98,6 +98,7 @@ static int unpack_membership(const Zshard__V1__ReplicaMembership *pm, core_state
   uint32_t w = W < CORE_ELASTIC_MAX_W ? W : CORE_ELASTIC_MAX_W;
   size_t nlog = pm->n_log_steps;
   core_member_state ms = {.trainer_timeout_ms = pm->trainer_timeout_ms,
+                          .flag_timeout_ms = pm->flag_timeout_ms,
                           .epoch = pm->epoch,
                           .leaves = pm->leaves,
                           .timeouts = pm->timeouts,
@@ -106,6 +107,12 @@ static int unpack_membership(const Zshard__V1__ReplicaMembership *pm, core_state
                           .join_at = pm->join_at,
                           .leave_at = pm->leave_at,
                           .nplan = (uint32_t)pm->n_join_at};
+  if (pm->trainer_timeout_ms > CORE_MAX_TRAINER_TIMEOUT_MS ||
+      pm->flag_timeout_ms > CORE_MAX_TRAINER_TIMEOUT_MS)
+    return status_fail(err, errlen, ZS_EPROTO,
+                       "the copy's membership has a trainer timeout of %u ms and a flag timeout "
+                       "of %u ms (at most %u each)",
+                       pm->trainer_timeout_ms, pm->flag_timeout_ms, CORE_MAX_TRAINER_TIMEOUT_MS);
   int bad = W > CORE_ELASTIC_MAX_W || nlog > CORE_MEMBER_LOG_MAX || pm->n_log_counts != nlog ||
             (pm->n_join_at != 0 && pm->n_join_at != w) || pm->n_leave_at != pm->n_join_at ||
             unpack_ranks(pm->members, pm->n_members, W, &ms.members) != 0;

@@ -626,6 +626,7 @@ static Zshard__V1__ReplicaMembership *membership_pack(const core_member_state *m
   zshard__v1__replica_membership__init(pm);
   uint32_t w = W < CORE_ELASTIC_MAX_W ? W : CORE_ELASTIC_MAX_W;
   pm->trainer_timeout_ms = ms->trainer_timeout_ms;
+  pm->flag_timeout_ms = ms->flag_timeout_ms;
   pm->epoch = ms->epoch;
   pm->leaves = ms->leaves;
   pm->timeouts = ms->timeouts;

@@ -172,7 +172,7 @@ int service_open(service *s, const spec *sp, uint32_t rank, core_open_result *ou
  * that is none of them is ZS_EINVAL; then core_open_ex's rules. The world
  * size is not part of the spec hash (issue 26): rank must also be below the
  * job's (out->world_size), else ZS_EINVAL (the open changed nothing). */
-#define SERVICE_MAX_TRAINER_TIMEOUT_MS 3600000u
+#define SERVICE_MAX_TRAINER_TIMEOUT_MS CORE_MAX_TRAINER_TIMEOUT_MS
 /* service_open_mode with the job's trainer timeout (OpenRequest
  * .trainer_timeout_ms; core_open_job's rules): above an hour is ZS_ERANGE. */
 int service_open_job(service *s, const spec *sp, uint32_t rank, int mode,

@@ -111,6 +111,7 @@ class Member:
         self.stopped = False  # SIGSTOPped
         self.killed = False   # its current process was SIGKILLed
         self.starts = 0
+        self.without = ()  # flags of extra_args (each with its value) left out
 
 
 class ReplicaCluster:
@@ -170,7 +171,11 @@ class ReplicaCluster:
                      "--failover-ms", str(self.failover_ms)]
         if self.state_dirs:
             args += ["--state-dir", m.state_dir]
-        return args + self.extra_args
+        extra = list(self.extra_args)
+        for flag in m.without:
+            at = extra.index(flag)
+            del extra[at:at + 2]
+        return args + extra
 
     def _spawn(self, m):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ZSHARD_")}
@@ -212,10 +217,13 @@ class ReplicaCluster:
         m.proc.wait(KILL_SECONDS)
         m.killed, m.stopped = True, False
 
-    def restart(self, shard, index):
+    def restart(self, shard, index, without=()):
         """Starts a killed member again with the same flags (same port, same
-        state directory) and waits until it serves."""
+        state directory) and waits until it serves. without: flags of
+        extra_args (each followed by its value) this member goes on without,
+        from this start on."""
         m = self.member(shard, index)
+        m.without = tuple(without) or m.without
         if m.proc is not None and m.proc.poll() is None:
             raise RuntimeError("restart: s%dr%d is still running" % (shard, index))
         self._spawn(m)

@@ -456,6 +456,111 @@ def test_the_membership_survives_a_checkpoint_and_a_restart_of_every_shard():
     assert run(restart=True) == expected
 
 
+def flag_job_client(addresses, rank, open_mode="either", step_timeout_ms=60000,
+                    transport="grpc"):
+    """W = 2, no trainer timeout of the job's own: elastic only through the
+    server's --trainer-timeout-ms."""
+    import zshard
+    c = zshard.Client(addresses, rank=rank, world_size=2, job="flag-only", grad_reduce="sum",
+                      push_dtype="fp32", split_threshold=256, transport=transport,
+                      open_mode=open_mode, step_timeout_ms=step_timeout_ms)
+    c.add_group("sgd", momentum=MOMENTUM)
+    for t, n in enumerate(NUMELS):
+        c.add_tensor("t%d" % t, n)
+    c.open_job([init_weights(t) for t in range(len(NUMELS))] if open_mode != "join" else None)
+    return c
+
+
+def flag_job_victim(cfg):
+    """Rank 1 of the flag-only job in a process of its own: resumes, pushes
+    tensor 0 of its step, says so and waits to be SIGKILLed."""
+    zshard_servers.use_build_tree_package()
+    c = flag_job_client(cfg["addresses"], 1)
+    step = c.current_step
+    c.push(0, grad(step, 1, 0)).wait()
+    print(json.dumps({"step": step}), flush=True)
+    sys.stdin.readline()
+
+
+def test_a_job_elastic_only_through_the_flag_stays_elastic_after_a_restart_without_it():
+    """Issue 26's follow-up: W = 2 on shards started with --trainer-timeout-ms
+    (the job has no timeout of its own), checkpointed at version 2; every
+    shard is SIGKILLed and restarted from its --state-dir WITHOUT the flag.
+    The checkpoint (format 3) recorded the flag's timeout, so the job is
+    still elastic: rank 1, in a process of its own, pushes part of step 3
+    and is SIGKILLed; rank 0 trains step 3 on alone once the recorded
+    timeout left rank 1 out (its partial pushes discarded), then step 4, and
+    the weights are torch's SGD over that membership log, bit for bit.
+    Before the fix the restored job had a fixed membership and rank 0's
+    step 3 waited for rank 1 until its step timeout."""
+    zshard_servers.use_build_tree_package()
+    import threading
+    import zshard
+
+    with zshard_servers.Shards(2, state_dirs=True,
+                               extra_args=["--trainer-timeout-ms", str(TIMEOUT_MS)]) as s:
+        a, b = flag_job_client(s.addresses, 0), flag_job_client(s.addresses, 1)
+
+        def train(c, rank):
+            step = c.current_step
+            for t in range(len(NUMELS)):
+                c.push(t, grad(step, rank, t)).wait()
+            r = c.step(LR)
+            return (r.step, r.num_members, r.member_rank)
+
+        for step in (1, 2):
+            out = [None, None]
+            threads = [threading.Thread(target=lambda i=i, c=c: out.__setitem__(i, train(c, i)))
+                       for i, c in enumerate((a, b))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert out == [(step, 2, 0), (step, 2, 1)], out
+        assert [r["trainer_timeout_ms"] for r in status(s.addresses)] == [TIMEOUT_MS] * 2
+        assert a.checkpoint() == 3
+        for i in range(2):
+            s.kill(i)
+        for i in range(2):
+            s.restart(i, without=["--trainer-timeout-ms"])
+        assert all("--trainer-timeout-ms" not in args for args in s.args)
+        rows = status(s.addresses)
+        assert [(r["members"], r["trainer_timeout_ms"]) for r in rows] == \
+            [(2, TIMEOUT_MS)] * 2, rows
+
+        victim = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "flag-victim",
+             json.dumps({"addresses": s.addresses})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = victim.stdout.readline()
+            assert line, victim.stderr.read()[-3000:]
+            assert json.loads(line) == {"step": 3}
+            victim.kill()
+            victim.wait()
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait()
+        a2 = flag_job_client(s.addresses, 0, step_timeout_ms=20000)
+        assert a2.current_step == 3
+        assert [train(a2, 0) for _ in (3, 4)] == [(3, 1, 0), (4, 1, 0)]
+        rows = status(s.addresses)
+        # Rank 1 left on every shard; at least one decided it at the timeout
+        # (the others may follow that shard's decision).
+        assert [(r["members"], r["member_leaves"], r["trainer_timeout_ms"], r["member_log"])
+                for r in rows] == [(1, 1, TIMEOUT_MS, "1:0,1;3:0")] * 2, rows
+        assert sum(r["trainer_timeouts"] for r in rows) >= 1, rows
+        weights = []
+        for t, n in enumerate(NUMELS):
+            buf = array.array("f", [0.0] * n)
+            a2.state_read(t, zshard.MASTER, buf)
+            weights.append(buf.tobytes())
+        a2.close()
+    expected = [bytes.fromhex(h) for h in reference_members([[0, 1], [0, 1], [0], [0]])]
+    assert weights == expected
+
+
 def reference_members(members):
     """torch's SGD fed, at step k + 1, the sum over members[k] in rank order."""
     import torch
@@ -474,3 +579,5 @@ def reference_members(members):
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "trainer":
     trainer(json.loads(sys.argv[2]))
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "flag-victim":
+    flag_job_victim(json.loads(sys.argv[2]))

@@ -121,3 +121,79 @@ def test_a_kill_a_join_and_a_failover_keep_the_membership_and_the_bits(transport
     log = "1:0,1,2;%d:0,1;%d:0,1,2" % (te.K, te.M)
     want = (log, 0, te.W, te.W + 2, 1, TIMEOUT_MS)
     assert list(members.values()) == [want] * 3, members
+
+
+def test_a_backup_restarted_without_the_flag_keeps_a_flag_only_job_elastic():
+    """A job elastic only through --trainer-timeout-ms (no timeout of its
+    own; test_elastic.flag_job_client, W = 2) on one shard of two replicas.
+    The backup is SIGKILLed and restarted WITHOUT the flag: it joins from the
+    primary's copy, whose membership carries the flag's timeout
+    (ReplicaMembership.flag_timeout_ms), so the job stays elastic on it. The
+    primary is then SIGKILLed at a step boundary and rank 1 goes silent:
+    the promoted backup leaves rank 1 out at the timeout and rank 0 trains
+    on, bit-identical to torch's SGD over that membership log. Before the
+    fix the joined backup had a fixed membership (timeout 0) and rank 0's
+    step waited for rank 1 until its step timeout."""
+    te.zshard_servers.use_build_tree_package()
+    import array
+    import zshard
+    timeout_ms = 1000  # the kill is at a step boundary: no push waits on the failover
+    args = ["--trainer-timeout-ms", str(timeout_ms)]
+    with ReplicaCluster(1, 2, failover_ms=FAILOVER_MS, extra_args=args) as rc:
+        # The data plane: over gRPC a joiner loading its copy can be dropped
+        # (run()'s comment).
+        a = te.flag_job_client(rc.addresses, 0, transport="data")
+        b = te.flag_job_client(rc.addresses, 1, transport="data")
+
+        def train(c, rank):
+            step = c.current_step
+            for t in range(len(te.NUMELS)):
+                c.push(t, te.grad(step, rank, t)).wait()
+            r = c.step(te.LR)
+            return (r.step, r.num_members, r.member_rank)
+
+        def both():
+            import threading
+            out = [None, None]
+            threads = [threading.Thread(target=lambda i=i, c=c: out.__setitem__(i, train(c, i)))
+                       for i, c in enumerate((a, b))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            return out
+
+        assert both() == [(1, 2, 0), (1, 2, 1)]
+        primary = rc.wait_primary(0)
+        assert primary is not None, rc.roles(0)
+        backup = 1 - primary
+        rc.kill(0, backup)
+        rc.restart(0, backup, without=["--trainer-timeout-ms"])
+        assert "--trainer-timeout-ms" not in rc._args(rc.member(0, backup))
+        # The backup joins at the primary's next applied step and is in sync
+        # after the write after that: both ranks train until the set is
+        # whole (at most 10 steps).
+        step = 1
+        while step < 11:
+            step += 1
+            assert both() == [(step, 2, 0), (step, 2, 1)]
+            if step >= 3 and wait_for(lambda: rc.whole(0)[0], 5):
+                break
+        assert rc.whole(0)[0], rc.roles(0)
+        assert membership(rc, 0, backup) == ("1:0,1", 2, 2, 0, 0, timeout_ms)
+        # The primary dies between steps; rank 1 goes silent (never pushes
+        # again); the promoted backup leaves it out at the copy's timeout.
+        rc.kill(0, primary)
+        assert [train(a, 0) for _ in (1, 2)] == [(step + 1, 1, 0), (step + 2, 1, 0)]
+        assert rc.primary(0) == backup, rc.roles(0)
+        s = member_stats(rc, 0, backup)
+        assert (s.member_log, s.members, s.member_leaves, s.trainer_timeout_ms) == \
+            ("1:0,1;%d:0" % (step + 1), 1, 1, timeout_ms), s
+        weights = []
+        for t, n in enumerate(te.NUMELS):
+            buf = array.array("f", [0.0] * n)
+            a.state_read(t, zshard.MASTER, buf)
+            weights.append(buf.tobytes())
+        a.close()
+    expected = te.reference_members([[0, 1]] * step + [[0], [0]])
+    assert weights == [bytes.fromhex(h) for h in expected]

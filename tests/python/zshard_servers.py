@@ -103,10 +103,16 @@ class Shards:
         self.procs[i].kill()
         self.procs[i].wait()
 
-    def restart(self, i):
+    def restart(self, i, without=()):
         """Starts killed shard i again on the same gRPC address (and state
-        directory); its data port is a new one. Returns once it listens."""
+        directory); its data port is a new one. Returns once it listens.
+        without: flags of the first start (each followed by its value) to
+        leave out, from this start on."""
         args = list(self.args[i])
+        for flag in without:
+            at = args.index(flag)
+            del args[at:at + 2]
+        self.args[i] = list(args)
         args[args.index("--listen") + 1] = "127.0.0.1:%d" % self.ports[i]
         port_file = os.path.join(self.tmp, "port%d" % i)
         os.unlink(port_file)

@@ -1768,13 +1768,14 @@ static int group_teardown(void **state) {
 /* ------------------------------------------------- membership (issue 26) */
 
 /* An elastic job's membership as test_ckpt writes it: W = 3, rank 1 left
- * at step 4, a timeout of the job's own. */
+ * at step 4, a timeout of the job's own, and the server's flag (500 ms). */
 static core_member_state *sample_members(void) {
   core_member_state *ms = calloc(1, sizeof *ms);
   core_member_log_entry *log = calloc(2, sizeof *log);
   assert_non_null(ms);
   assert_non_null(log);
   ms->trainer_timeout_ms = 750;
+  ms->flag_timeout_ms = 500;
   ms->epoch = 3;
   ms->leaves = 1;
   ms->timeouts = 1;
@@ -1795,6 +1796,7 @@ static void assert_members_equal(const core_member_state *a, const core_member_s
   assert_non_null(a);
   assert_non_null(b);
   assert_int_equal(a->trainer_timeout_ms, b->trainer_timeout_ms);
+  assert_int_equal(a->flag_timeout_ms, b->flag_timeout_ms);
   assert_int_equal(a->epoch, b->epoch);
   assert_int_equal(a->leaves, b->leaves);
   assert_int_equal(a->timeouts, b->timeouts);
@@ -1863,9 +1865,9 @@ static void membership_travels_with_the_files_and_old_files_give_every_rank(void
   char pw[600], po[600];
   shard_path(pw, sizeof pw, with, 6, 0, 2);
   shard_path(po, sizeof po, without, 6, 0, 2);
-  /* Format 2 only for a file with the section; one without is format 1,
+  /* Format 3 only for a file with the section; one without is format 1,
    * byte for byte what older builds write and read. */
-  assert_int_equal(file_format(pw), 2);
+  assert_int_equal(file_format(pw), 3);
   assert_int_equal(file_format(po), 1);
   assert_int_equal(file_sections(pw), file_sections(po) + 1);
 
@@ -1941,35 +1943,47 @@ static void damaged_membership_is_refused_with_a_clear_error(void **state) {
   model_random(&md, 8);
   core_member_state *ms = sample_members();
   bytes good = {0};
-  ckpt__enc_members(&good, ms, 3);
+  ckpt__enc_members(&good, ms, 3, 3);
   assert_false(good.oom);
   core_member_state *out = NULL;
-  assert_int_equal(ckpt__dec_members(good.p, good.len, 3, 6, &out, err, sizeof err), 0);
+  assert_int_equal(ckpt__dec_members(good.p, good.len, 3, 6, 3, &out, err, sizeof err), 0);
   assert_members_equal(out, ms);
   free_members(out);
   /* Cut anywhere, or one byte more: refused. */
   for (size_t n = 0; n < good.len; n++) {
-    assert_int_equal(ckpt__dec_members(good.p, n, 3, 6, &out, err, sizeof err), ZS_EPROTO);
+    assert_int_equal(ckpt__dec_members(good.p, n, 3, 6, 3, &out, err, sizeof err), ZS_EPROTO);
     assert_null(out);
   }
   uint8_t *longer = calloc(good.len + 1, 1);
   memcpy(longer, good.p, good.len);
-  assert_int_equal(ckpt__dec_members(longer, good.len + 1, 3, 6, &out, err, sizeof err), ZS_EPROTO);
+  assert_int_equal(ckpt__dec_members(longer, good.len + 1, 3, 6, 3, &out, err, sizeof err),
+                   ZS_EPROTO);
   assert_non_null(strstr(err, "after its log"));
   free(longer);
   /* Another world size, a log past the checkpoint's version. */
-  assert_int_equal(ckpt__dec_members(good.p, good.len, 4, 6, &out, err, sizeof err), ZS_EPROTO);
-  assert_int_equal(ckpt__dec_members(good.p, good.len, 3, 3, &out, err, sizeof err), ZS_EPROTO);
-  /* Bytes 4.. world size; 40.. the members' count, then ranks 0 and 2;
-   * 52.. the log's count, 56.. its first step, 64.. its first count. */
+  assert_int_equal(ckpt__dec_members(good.p, good.len, 4, 6, 3, &out, err, sizeof err), ZS_EPROTO);
+  assert_int_equal(ckpt__dec_members(good.p, good.len, 3, 3, 3, &out, err, sizeof err), ZS_EPROTO);
+  /* Bytes 0.. the job's timeout, 4.. world size; 40.. the members' count,
+   * then ranks 0 and 2; 52.. the log's count, 56.. its first step, 64.. its
+   * first count; the last 4 the flag timeout (format 3). */
   const struct {
     size_t at;
     uint32_t value;
     const char *why;
   } bad[] = {
-      {40, 4, "count"}, {40, 0xffffffffu, "count"}, {44, 3, "rank"},
-      {48, 0, "rank"},  {52, 4097, "entries"},      {52, 0xffffffffu, "entries"},
-      {56, 0, "step"},  {64, 0, "count"},           {64, 0x40000000u, "count"},
+      {40, 4, "count"},
+      {40, 0xffffffffu, "count"},
+      {44, 3, "rank"},
+      {48, 0, "rank"},
+      {52, 4097, "entries"},
+      {52, 0xffffffffu, "entries"},
+      {56, 0, "step"},
+      {64, 0, "count"},
+      {64, 0x40000000u, "count"},
+      {0, CORE_MAX_TRAINER_TIMEOUT_MS + 1, "trainer timeout"},
+      {0, 0xffffffffu, "trainer timeout"},
+      {good.len - 4, CORE_MAX_TRAINER_TIMEOUT_MS + 1, "flag timeout"},
+      {good.len - 4, 0xffffffffu, "flag timeout"},
   };
   char path[600];
   shard_path(path, sizeof path, root, 6, 0, 2);
@@ -1977,11 +1991,13 @@ static void damaged_membership_is_refused_with_a_clear_error(void **state) {
     uint8_t *p = malloc(good.len);
     memcpy(p, good.p, good.len);
     le_store32(p + bad[k].at, bad[k].value);
-    int rc = ckpt__dec_members(p, good.len, 3, 6, &out, err, sizeof err);
+    int rc = ckpt__dec_members(p, good.len, 3, 6, 3, &out, err, sizeof err);
     if (rc != ZS_EPROTO)
       fprintf(stderr, "case %zu: rc %d\n", k, rc);
     assert_int_equal(rc, ZS_EPROTO);
     assert_null(out);
+    if (strstr(bad[k].why, "timeout"))
+      assert_non_null(strstr(err, bad[k].why));
     /* In a file whose CRCs all match: the reader refuses it naming the
      * file, and ckpt_load (the manifest's CRC no longer matches) too. */
     write_with_members(root, &s2, &md, ms);
@@ -2004,6 +2020,79 @@ static void damaged_membership_is_refused_with_a_clear_error(void **state) {
     free(p);
   }
   free(good.p);
+  free_members(ms);
+  model_free(&md);
+  spec_free(&s2);
+}
+
+/* A format 2 file (before the flag timeout): the same section without its
+ * last 4 bytes, the header's format 2. It still loads, with no flag
+ * timeout; a format 2 section decoded as format 3 is short (refused), and a
+ * format 3 one decoded as format 2 has 4 bytes too many (refused). */
+static void a_format_2_membership_still_loads_without_a_flag_timeout(void **state) {
+  (void)state;
+  char root[512], err[512];
+  fresh_dir(root, sizeof root, "mb-format2");
+  spec s2;
+  build_spec(&s2, "members", 2);
+  s2.world_size = 3;
+  model md;
+  model_random(&md, 10);
+  core_member_state *ms = sample_members();
+  bytes f2 = {0}, f3 = {0};
+  ckpt__enc_members(&f2, ms, 3, 2);
+  ckpt__enc_members(&f3, ms, 3, 3);
+  assert_int_equal(f3.len, f2.len + 4);
+  assert_memory_equal(f2.p, f3.p, f2.len);
+  core_member_state *out = NULL;
+  assert_int_equal(ckpt__dec_members(f2.p, f2.len, 3, 6, 2, &out, err, sizeof err), 0);
+  assert_int_equal(out->flag_timeout_ms, 0);
+  assert_int_equal(out->trainer_timeout_ms, 750);
+  free_members(out);
+  assert_int_equal(ckpt__dec_members(f2.p, f2.len, 3, 6, 3, &out, err, sizeof err), ZS_EPROTO);
+  assert_non_null(strstr(err, "flag timeout is missing"));
+  assert_int_equal(ckpt__dec_members(f3.p, f3.len, 3, 6, 2, &out, err, sizeof err), ZS_EPROTO);
+  assert_non_null(strstr(err, "after its log"));
+  assert_null(out);
+
+  write_with_members(root, &s2, &md, ms);
+  char path[600];
+  shard_path(path, sizeof path, root, 6, 0, 2);
+  assert_int_equal(file_format(path), 3);
+  uint64_t off, len;
+  members_section(path, &off, &len);
+  assert_int_equal(len, f3.len);
+  /* Rewrite as format 2: the header's format, the section's bytes and its
+   * length in the table, the file 4 bytes shorter (the section is the
+   * last). */
+  assert_int_equal(file_size(path), off + len);
+  FILE *f = fopen(path, "r+b");
+  assert_non_null(f);
+  uint8_t h[128 + 32 * CKPT_MAX_SECTIONS];
+  size_t got = fread(h, 1, sizeof h, f);
+  assert_true(got >= 128);
+  le_store32(h + 8, 2);
+  for (uint32_t i = 0; i < le_load32(h + 56); i++)
+    if (le_load32(h + 128 + 32 * i) == CKPT_SEC_MEMBERS)
+      le_store64(h + 128 + 32 * i + 16, f2.len);
+  rewind(f);
+  assert_int_equal(fwrite(h, 1, got, f), got);
+  assert_int_equal(fseek(f, (long)off, SEEK_SET), 0);
+  assert_int_equal(fwrite(f2.p, 1, f2.len, f), f2.len);
+  fclose(f);
+  assert_int_equal(truncate(path, (off_t)(off + f2.len)), 0);
+  reseal(path);
+  ckpt_reader *r = NULL;
+  assert_int_equal(ckpt_reader_open(path, NULL, &r, err, sizeof err), 0);
+  const core_member_state *got_ms = ckpt_reader_members(r);
+  assert_non_null(got_ms);
+  assert_int_equal(got_ms->flag_timeout_ms, 0);
+  core_member_state want = *ms;
+  want.flag_timeout_ms = 0;
+  assert_members_equal(got_ms, &want);
+  ckpt_reader_close(r);
+  free(f2.p);
+  free(f3.p);
   free_members(ms);
   model_free(&md);
   spec_free(&s2);
@@ -2087,6 +2176,65 @@ static void restore_brings_the_membership_back(void **state) {
   spec_free(&s);
 }
 
+/* A job elastic only through the server's flag (no timeout of its own, the
+ * flag's 500 ms recorded): restored on a server without the flag it keeps
+ * the recorded timeout and stays elastic, and its next snapshot records it
+ * again; a server with a flag of its own uses its flag; the job's own
+ * timeout comes before both (core_timeout_in_effect). A recorded timeout
+ * out of range is refused and changes nothing. */
+static void a_job_elastic_only_through_the_flag_stays_elastic_after_a_restore(void **state) {
+  (void)state;
+  assert_int_equal(core_timeout_in_effect(750, 900, 500), 750);
+  assert_int_equal(core_timeout_in_effect(0, 900, 500), 900);
+  assert_int_equal(core_timeout_in_effect(0, 0, 500), 500);
+  assert_int_equal(core_timeout_in_effect(0, 0, 0), 0);
+  spec s;
+  build_spec(&s, "members-flag", 1);
+  s.world_size = 3;
+  model md;
+  model_random(&md, 11);
+  char err[256];
+  uint64_t h = spec_hash(&s);
+  for (int with_flag = 0; with_flag < 2; with_flag++) {
+    core_config cfg = {
+        .shard_id = 0, .num_shards = 1, .threads = 1, .trainer_timeout_ms = with_flag ? 900u : 0u};
+    core *c = NULL;
+    assert_int_equal(core_create(&cfg, &c), 0);
+    core_state st;
+    state_from_model(&st, &s, 0, &md, 6, 6);
+    core_member_state *ms = sample_members();
+    ms->trainer_timeout_ms = 0;
+    st.members = ms;
+    if (!with_flag) {
+      ms->flag_timeout_ms = CORE_MAX_TRAINER_TIMEOUT_MS + 1;
+      assert_int_equal(core_restore(c, &st, 6, err, sizeof err), ZS_EINVAL);
+      assert_non_null(strstr(err, "flag timeout"));
+      assert_int_equal(core_checkpoint_origin(c, NULL, NULL), 0);
+      ms->flag_timeout_ms = 500;
+    }
+    assert_int_equal(core_restore(c, &st, 6, err, sizeof err), 0);
+    core_membership mb;
+    core_get_membership(c, &mb);
+    assert_int_equal(mb.elastic, 1);
+    assert_int_equal(mb.trainer_timeout_ms, with_flag ? 900 : 500);
+    assert_true(core_members_equal(&mb.members, &ms->members));
+    members_seen seen = {0};
+    assert_int_equal(core_snapshot(c, h, 6, 0, see_members, &seen, NULL, err, sizeof err), 0);
+    assert_true(seen.has);
+    assert_int_equal(seen.ms.trainer_timeout_ms, 0);
+    assert_int_equal(seen.ms.flag_timeout_ms, with_flag ? 900 : 500);
+    /* The copy a replica set's joiner gets keeps it too. */
+    core_member_state *copy = NULL;
+    assert_int_equal(core_member_state_copy(&copy, &seen.ms), 0);
+    assert_int_equal(copy->flag_timeout_ms, seen.ms.flag_timeout_ms);
+    core_member_state_free(copy);
+    core_state_free(&st);
+    core_destroy(c);
+  }
+  model_free(&md);
+  spec_free(&s);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(checkpoints_far_ahead_are_refused_and_near_ones_hold_no_thread),
@@ -2103,6 +2251,8 @@ int main(void) {
       cmocka_unit_test(tensor_step_counts_travel_with_the_files_and_old_files_give_the_jobs),
       cmocka_unit_test(membership_travels_with_the_files_and_old_files_give_every_rank),
       cmocka_unit_test(damaged_membership_is_refused_with_a_clear_error),
+      cmocka_unit_test(a_format_2_membership_still_loads_without_a_flag_timeout),
+      cmocka_unit_test(a_job_elastic_only_through_the_flag_stays_elastic_after_a_restore),
       cmocka_unit_test(restore_brings_the_membership_back),
       cmocka_unit_test(one_flipped_byte_anywhere_is_refused_naming_the_file),
       cmocka_unit_test(truncated_file_is_refused_at_any_length),
