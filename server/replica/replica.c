@@ -182,6 +182,13 @@ void replica_set_service(replica *r, service *svc) {
   r->svc = svc;
 }
 
+static void link_close(data_link *l) {
+  if (l) {
+    dp_client_close(l->d);
+    free(l);
+  }
+}
+
 void replica_destroy(replica *r) {
   if (!r)
     return;
@@ -260,13 +267,6 @@ static data_link *retire_locked(member *m) {
   l->next = m->retired;
   m->retired = l;
   return NULL;
-}
-
-static void link_close(data_link *l) {
-  if (l) {
-    dp_client_close(l->d);
-    free(l);
-  }
 }
 
 /* The member's data client for forwards of `term` (opened, or reopened when
