@@ -182,6 +182,13 @@ void replica_set_service(replica *r, service *svc) {
   r->svc = svc;
 }
 
+static void link_close(data_link *l) {
+  if (l) {
+    dp_client_close(l->d);
+    free(l);
+  }
+}
+
 void replica_destroy(replica *r) {
   if (!r)
     return;
@@ -197,9 +204,13 @@ void replica_destroy(replica *r) {
     pthread_join(r->monitor, NULL);
   for (uint32_t i = 0; i < r->n; i++) {
     member *m = &r->m[i];
-    dp_client_close(m->dp);
-    for (uint32_t k = 0; k < m->nretired; k++)
-      dp_client_close(m->retired[k]);
+    /* Every forward has ended: no link has a user left. */
+    link_close(m->dp);
+    while (m->retired) {
+      data_link *l = m->retired;
+      m->retired = l->next;
+      link_close(l);
+    }
     rpc_channel_close(m->ch);
     pthread_mutex_destroy(&m->conn_mu);
     free(m->addr);
@@ -245,14 +256,28 @@ int replica__peer_info(replica *r, member *m, uint32_t ms, Zshard__V1__GetInfoRe
                   &zshard__v1__get_info_response__descriptor, (ProtobufCMessage **)out, ms, &st);
 }
 
+/* Retires the current link of m (conn_mu held): it leaves m->dp and, when
+ * forwards still use it, waits in m->retired for the last of them. Returns
+ * the link to close now (the caller closes it after unlocking), or NULL. */
+static data_link *retire_locked(member *m) {
+  data_link *l = m->dp;
+  m->dp = NULL;
+  if (!l || l->users == 0)
+    return l;
+  l->next = m->retired;
+  m->retired = l;
+  return NULL;
+}
+
 /* The member's data client for forwards of `term` (opened, or reopened when
- * the term changed: the term travels in its HELLO). NULL: none now. */
-dp_client *replica__data_client(replica *r, member *m, uint64_t term) {
+ * the term changed: the term travels in its HELLO), held for the caller. */
+data_link *replica__data_client(replica *r, member *m, uint64_t term) {
   pthread_mutex_lock(&m->conn_mu);
-  if (m->dp && m->dp_term == term) {
-    dp_client *d = m->dp;
+  if (m->dp && m->dp->term == term) {
+    data_link *l = m->dp;
+    l->users++;
     pthread_mutex_unlock(&m->conn_mu);
-    return d;
+    return l;
   }
   pthread_mutex_unlock(&m->conn_mu);
   Zshard__V1__GetInfoResponse *info = NULL;
@@ -270,39 +295,45 @@ dp_client *replica__data_client(replica *r, member *m, uint64_t term) {
                          .token = r->token,
                          .tls = r->dp_tls,
                          .replica_term = term};
-  dp_client *d = NULL;
+  data_link *l = calloc(1, sizeof *l);
   char err[REPLICA_ERRLEN];
-  if (dp_client_open(&dc, &d, err, sizeof err) != 0) {
-    LOG_WARN("replica_data_client", "member=%s addr=%s error=\"%s\"", m->addr, hp, err);
+  if (!l || dp_client_open(&dc, &l->d, err, sizeof err) != 0) {
+    LOG_WARN("replica_data_client", "member=%s addr=%s error=\"%s\"", m->addr, hp,
+             l ? err : "out of memory");
+    free(l);
     return NULL;
   }
+  l->term = term;
   pthread_mutex_lock(&m->conn_mu);
-  if (m->dp && m->dp_term == term) { /* another forwarder won */
+  if (m->dp && m->dp->term == term) { /* another forwarder won */
     pthread_mutex_unlock(&m->conn_mu);
-    dp_client_close(d);
+    link_close(l);
     return replica__data_client(r, m, term);
   }
-  if (m->dp && m->nretired < sizeof m->retired / sizeof m->retired[0])
-    m->retired[m->nretired++] = m->dp;
-  else if (m->dp)
-    dp_client_close(m->dp); /* only after 64 replacements: no forward still uses it */
-  m->dp = d;
-  m->dp_term = term;
+  data_link *old = retire_locked(m);
+  l->users = 1;
+  m->dp = l;
   pthread_mutex_unlock(&m->conn_mu);
-  return d;
+  link_close(old);
+  return l;
 }
 
-/* Stops using data client d of m (if it is still m's): the next forward
- * asks the member for its data port again. */
-void replica__retire_data_client(member *m, dp_client *d) {
+void replica__put_data_client(member *m, data_link *l, int broken) {
+  data_link *done = NULL;
   pthread_mutex_lock(&m->conn_mu);
-  if (m->dp == d) {
-    if (m->nretired < sizeof m->retired / sizeof m->retired[0]) {
-      m->retired[m->nretired++] = d;
-      m->dp = NULL;
-    }
+  if (broken && m->dp == l)
+    retire_locked(m); /* l has a user (this caller): never closed here */
+  l->users--;
+  if (l->users == 0 && m->dp != l) { /* replaced and now unused */
+    for (data_link **p = &m->retired; *p; p = &(*p)->next)
+      if (*p == l) {
+        *p = l->next;
+        done = l;
+        break;
+      }
   }
   pthread_mutex_unlock(&m->conn_mu);
+  link_close(done);
 }
 
 /* ------------------------------------------------------------ observability */

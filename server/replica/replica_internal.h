@@ -55,16 +55,25 @@
 #define REPLICA_CONFIG_HOLD_MS 5000u
 #define REPLICA_CONFIG_LEN 200
 
+/* A data client to a member and the forwards using it (member.conn_mu). A
+ * replaced one (a new term, a restarted member) stays open while forwards
+ * still use it and is closed by the last one to put it back: a forward never
+ * finds its client closed under it, and replacements never pile up. */
+typedef struct data_link {
+  dp_client *d;
+  uint64_t term;          /* the term in its HELLO */
+  uint32_t users;         /* forwards holding it */
+  struct data_link *next; /* in member.retired */
+} data_link;
+
 typedef struct member {
   char *addr; /* gRPC host:port, owned */
   char host[HOSTPORT_HOST_MAX];
 
-  pthread_mutex_t conn_mu; /* ch, dp, dp_term, retired */
+  pthread_mutex_t conn_mu; /* ch, dp, retired, every data_link's users */
   rpc_channel *ch;
-  dp_client *dp;
-  uint64_t dp_term;
-  dp_client *retired[64]; /* replaced data clients, closed at destroy */
-  uint32_t nretired;
+  data_link *dp;      /* the current data client, NULL: none yet */
+  data_link *retired; /* replaced ones still in use */
 
   /* replica.mu: the primary's view. */
   int in_sync;      /* receives every write */
@@ -166,11 +175,15 @@ rpc_channel *replica__channel(replica *r, member *m);
 /* GetInfo of member m with deadline ms: 0 and *out (the caller frees it with
  * protobuf_c_message_free_unpacked), or an error and *out NULL. */
 int replica__peer_info(replica *r, member *m, uint32_t ms, Zshard__V1__GetInfoResponse **out);
-/* Member m's data client for forwards of `term` (owned by m: the caller
- * never closes it); NULL: none now. */
-dp_client *replica__data_client(replica *r, member *m, uint64_t term);
-/* Stops using data client d of m: the next forward asks for the port again. */
-void replica__retire_data_client(member *m, dp_client *d);
+/* Member m's data client for forwards of `term`, held for the caller until
+ * it hands it back with replica__put_data_client (the link and its client
+ * stay owned by m); NULL: none now. */
+data_link *replica__data_client(replica *r, member *m, uint64_t term);
+/* Hands back link l taken from replica__data_client. broken: l's connection
+ * failed (the member may have restarted elsewhere), so the next forward asks
+ * the member for its data port again. Closes l when it was replaced and this
+ * was its last user. */
+void replica__put_data_client(member *m, data_link *l, int broken);
 
 /* ------------------------------------------------------------ replica_primary.c */
 

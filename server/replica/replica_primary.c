@@ -281,14 +281,14 @@ static dp_push_args dp_push_of(const replica *r, const core_push_args *a) {
 
 static int send_push(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len) {
   const core_push_args *a = arg;
-  dp_client *d = replica__data_client(r, m, term);
-  if (!d)
+  data_link *l = replica__data_client(r, m, term);
+  if (!l)
     return status_fail(msg, len, ZS_ECONN, "no data-plane connection to %s", m->addr);
   dp_push_args p = dp_push_of(r, a);
   int dup = 0;
-  int rc = dp_client_push_sync(d, &p, &dup, msg, len);
-  if (rc == ZS_ECONN || rc == ZS_ECLOSED || rc == ZS_EUNAUTHENTICATED)
-    replica__retire_data_client(m, d); /* a restarted member listens elsewhere: ask again */
+  int rc = dp_client_push_sync(l->d, &p, &dup, msg, len);
+  /* A restarted member listens elsewhere: the next forward asks again. */
+  replica__put_data_client(m, l, rc == ZS_ECONN || rc == ZS_ECLOSED || rc == ZS_EUNAUTHENTICATED);
   return rc;
 }
 
@@ -317,8 +317,8 @@ static void on_push_done(void *arg, const dp_result *res) {
 /* Sends n pushes to member m at once (pipelined on its connections) and
  * waits for every answer: 0 when all were taken. */
 static int send_pushes(replica *r, member *m, uint64_t term, const core_push_args *a, uint32_t n) {
-  dp_client *d = replica__data_client(r, m, term);
-  if (!d)
+  data_link *l = replica__data_client(r, m, term);
+  if (!l)
     return ZS_ECONN;
   push_wait w = {.pending = n};
   pthread_mutex_init(&w.mu, NULL);
@@ -328,7 +328,7 @@ static int send_pushes(replica *r, member *m, uint64_t term, const core_push_arg
     /* Half the failover time: a failure here still leaves the one-by-one
      * path time to retry before the member is dropped. */
     p.timeout_ms = r->failover_ms / 2;
-    if (dp_client_push(d, &p, on_push_done, &w) != 0) {
+    if (dp_client_push(l->d, &p, on_push_done, &w) != 0) {
       pthread_mutex_lock(&w.mu);
       w.failed = 1;
       w.pending--;
@@ -342,6 +342,9 @@ static int send_pushes(replica *r, member *m, uint64_t term, const core_push_arg
   pthread_mutex_unlock(&w.mu);
   pthread_mutex_destroy(&w.mu);
   pthread_cond_destroy(&w.cv);
+  /* Not retired on a failure: the one-by-one retry tells a dead connection
+   * (and retires it) from a refused push. */
+  replica__put_data_client(m, l, 0);
   return failed ? ZS_ECONN : 0;
 }
 
