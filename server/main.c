@@ -114,6 +114,7 @@ static int start_transports(const options *o, shard *s) {
     dc.tls = s->dp_tls;
     dc.replica = s->rep;
     dc.congestion = o->tcp_congestion;
+    dc.pacing_mbit = o->tcp_pacing_mbit;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
     if (rc == 0)
       rc = metrics_add_extra(s->mx, dp_server_metrics, s->dp);

@@ -2,7 +2,8 @@
  * options — zshard-server's flags and environment variables, read and
  * checked (see options.h): the usage text, the raw settings as given
  * (read_environment, read_flags) and their checks into an `options`
- * (set_endpoints, set_numbers, set_shard_id, set_replicas, set_congestion).
+ * (set_endpoints, set_numbers, set_shard_id, set_replicas, set_congestion,
+ * set_pacing).
  */
 #include "server/options.h"
 
@@ -108,6 +109,10 @@ static void usage(FILE *f) {
           "                     TCP congestion control of every data-plane connection\n"
           "                     (TCP_CONGESTION per socket, e.g. cubic; ZSHARD_TCP_CONGESTION;\n"
           "                     default: the host's, which is left unchanged)\n"
+          "  --tcp-pacing-mbit N\n"
+          "                     cap every data-plane socket's send rate at N Mbit/s\n"
+          "                     (SO_MAX_PACING_RATE; ZSHARD_TCP_PACING_MBIT; 0, the\n"
+          "                     default: no pacing; at most 100000)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
@@ -190,6 +195,7 @@ enum {
   OPT_TRAINER_TIMEOUT_MS,
   OPT_PEER_CA,
   OPT_TCP_CONGESTION,
+  OPT_TCP_PACING_MBIT,
   OPT_HELP,
   OPT_VERSION
 };
@@ -220,6 +226,7 @@ typedef struct raw_options {
   const char *replicas, *replica_index, *failover_ms, *peer_ca;
   const char *trainer_timeout_ms;
   const char *tcp_congestion;
+  const char *tcp_pacing_mbit;
 } raw_options;
 
 static void read_environment(raw_options *r) {
@@ -249,6 +256,7 @@ static void read_environment(raw_options *r) {
   r->trainer_timeout_ms = getenv("ZSHARD_TRAINER_TIMEOUT_MS");
   r->peer_ca = getenv("ZSHARD_PEER_CA");
   r->tcp_congestion = getenv("ZSHARD_TCP_CONGESTION");
+  r->tcp_pacing_mbit = getenv("ZSHARD_TCP_PACING_MBIT");
 }
 
 /* Lets the flags override what read_environment found. Returns -1 to go on,
@@ -283,6 +291,7 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"trainer-timeout-ms", required_argument, NULL, OPT_TRAINER_TIMEOUT_MS},
       {"peer-ca", required_argument, NULL, OPT_PEER_CA},
       {"tcp-congestion", required_argument, NULL, OPT_TCP_CONGESTION},
+      {"tcp-pacing-mbit", required_argument, NULL, OPT_TCP_PACING_MBIT},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
@@ -371,6 +380,9 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       break;
     case OPT_TCP_CONGESTION:
       r->tcp_congestion = optarg;
+      break;
+    case OPT_TCP_PACING_MBIT:
+      r->tcp_pacing_mbit = optarg;
       break;
     case OPT_HELP:
       usage(stdout);
@@ -587,6 +599,18 @@ static int set_congestion(const raw_options *r, options *o) {
   return -1;
 }
 
+/* The data plane's per-socket pacing rate, Mbit/s (0: none). Returns -1 to
+ * go on or EXIT_USAGE. */
+static int set_pacing(const raw_options *r, options *o) {
+  o->tcp_pacing_mbit = 0;
+  char why[200];
+  if (r->tcp_pacing_mbit && *r->tcp_pacing_mbit &&
+      stream_pacing_parse(r->tcp_pacing_mbit, "--tcp-pacing-mbit (ZSHARD_TCP_PACING_MBIT)",
+                          &o->tcp_pacing_mbit, why, sizeof why) != 0)
+    return options_bad_usage("%s", why);
+  return -1;
+}
+
 /* Fills `o` from the flags and the environment. Returns -1 to go on, or the
  * exit status (0 after --help/--version, EXIT_USAGE on a bad flag). The
  * checks run in a fixed order, so a command line with several mistakes is
@@ -605,5 +629,7 @@ int options_parse(int argc, char **argv, options *o) {
     rc = set_replicas(&r, o);
   if (rc < 0)
     rc = set_congestion(&r, o);
+  if (rc < 0)
+    rc = set_pacing(&r, o);
   return rc;
 }

@@ -6,6 +6,8 @@
 #ifndef ZSHARD_SERVER_OPTIONS_H
 #define ZSHARD_SERVER_OPTIONS_H
 
+#include <stdint.h>
+
 #include "common/base/log.h"
 
 #define EXIT_USAGE 2
@@ -41,6 +43,7 @@ typedef struct options {
   long trainer_timeout_ms; /* 0: a fixed membership */
   const char *peer_ca;
   const char *tcp_congestion; /* NULL: the host's default */
+  uint32_t tcp_pacing_mbit;   /* per data-plane socket; 0: no pacing */
 } options;
 
 /* Fills `o` from the flags and the environment. Returns -1 to go on, or the

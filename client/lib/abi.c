@@ -19,7 +19,7 @@
                  #type " must end with " #last " and have no tail padding (zshard.h, rule 3)");    \
   _Static_assert(sizeof(type) % sizeof(size_t) == 0, #type)
 ZC_ENDS_AT(zs_loss_scaler, last_overflow_iter);
-ZC_ENDS_AT(zs_client_options, reserved1);
+ZC_ENDS_AT(zs_client_options, tcp_pacing_mbit);
 ZC_ENDS_AT(zs_step_options, group_dampening);
 ZC_ENDS_AT(zs_group_options, pull_dtype);
 ZC_ENDS_AT(zs_timing, retries);

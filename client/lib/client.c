@@ -190,8 +190,6 @@ static int check_options(const zs_client_options *o, const zs_loss_scaler *s) {
   if (o->data_connections > DP_MAX_CONNECTIONS)
     return zc_fail(ZS_EINVAL, "zs_client_open: data_connections must be at most %u",
                    DP_MAX_CONNECTIONS);
-  if (o->reserved1 != 0)
-    return zc_fail(ZS_EINVAL, "zs_client_open: reserved1 must be 0");
   if (o->open_mode != ZS_OPEN_EITHER && o->open_mode != ZS_OPEN_CREATE &&
       o->open_mode != ZS_OPEN_RESUME && o->open_mode != ZS_OPEN_JOIN)
     return zc_fail(ZS_EINVAL, "zs_client_open: open_mode %d is not a zs_open_mode value",
@@ -309,6 +307,8 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     rc = zc_schedule_resolve(opt.schedule, &c->opt.schedule, &c->opt.schedule_window);
   if (rc == ZS_OK)
     rc = zc_congestion_resolve(opt.tcp_congestion, c->tcp_congestion, sizeof c->tcp_congestion);
+  if (rc == ZS_OK)
+    rc = zc_pacing_resolve(opt.tcp_pacing_mbit, &c->opt.tcp_pacing_mbit);
   if (rc != ZS_OK)
     goto fail;
   c->job = strdup(opt.job);

@@ -192,6 +192,21 @@ int zc_congestion_resolve(const char *requested, char *out, size_t len) {
   return ZS_OK;
 }
 
+int zc_pacing_resolve(uint32_t requested, uint32_t *out) {
+  const char *env = getenv("ZSHARD_TCP_PACING_MBIT");
+  *out = requested;
+  if (requested > STREAM_PACING_MBIT_MAX)
+    return zc_fail(ZS_EINVAL,
+                   "zs_client_open: tcp_pacing_mbit is %" PRIu32 "; it must be at most %u Mbit/s",
+                   requested, STREAM_PACING_MBIT_MAX);
+  if (requested || !env || !*env)
+    return ZS_OK;
+  char why[200];
+  if (stream_pacing_parse(env, "ZSHARD_TCP_PACING_MBIT", out, why, sizeof why) != 0)
+    return zc_fail(ZS_EINVAL, "zs_client_open: %s", why);
+  return ZS_OK;
+}
+
 zs_transport zc_shard_transport(const struct zs_client *c, uint32_t shard) {
   zc_dp *dp = c->dp;
   if (!dp || shard >= dp->n)
@@ -236,6 +251,7 @@ static int open_client(const zs_client *c, const char *host, uint32_t port, zc_d
       .token = c->sec.token,
       .tls = c->sec.dp_tls,
       .congestion = c->tcp_congestion,
+      .pacing_mbit = c->opt.tcp_pacing_mbit,
   };
   rc = dp_client_open(&cfg, &k->cli, err, errlen);
   if (rc != ZS_OK) {

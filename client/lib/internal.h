@@ -714,4 +714,10 @@ int zc_schedule_resolve(zs_schedule requested, zs_schedule *out, uint32_t *windo
  * (zc_fail'ed with the kernel's lists). */
 int zc_congestion_resolve(const char *requested, char *out, size_t len);
 
+/* The data plane's per-socket pacing, Mbit/s: `requested`, else (0)
+ * $ZSHARD_TCP_PACING_MBIT, else 0 (none), into *out. Returns ZS_OK or
+ * ZS_EINVAL (zc_fail'ed) above STREAM_PACING_MBIT_MAX or for a variable that
+ * is no such number. */
+int zc_pacing_resolve(uint32_t requested, uint32_t *out);
+
 #endif

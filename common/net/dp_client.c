@@ -221,6 +221,14 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
     memcpy(c->token, cfg->token, tlen);
   c->token_len = (uint32_t)tlen;
   c->replica_term = cfg->replica_term;
+  if (cfg->pacing_mbit > STREAM_PACING_MBIT_MAX) {
+    pthread_cond_destroy(&c->cv);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+    return status_fail(err, errlen, ZS_EINVAL, "pacing of %u Mbit/s: at most %u", cfg->pacing_mbit,
+                       STREAM_PACING_MBIT_MAX);
+  }
+  c->pacing_mbit = cfg->pacing_mbit;
   if (cfg->congestion && cfg->congestion[0]) {
     rc = stream_cc_check(cfg->congestion, err, errlen);
     if (rc) {

@@ -75,6 +75,10 @@ typedef struct dp_client_config {
    * default. Checked (stream_cc_check) and copied during dp_client_open,
    * which fails with ZS_EINVAL for a name this process cannot use. */
   const char *congestion;
+  /* Per-socket pacing of every connection, Mbit/s (SO_MAX_PACING_RATE,
+   * stream_set_pacing), set once connected; 0: none. dp_client_open fails
+   * with ZS_EINVAL above STREAM_PACING_MBIT_MAX. */
+  uint32_t pacing_mbit;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

@@ -103,6 +103,8 @@ static void on_connect(stream *st, void *data, int status) {
      * the connection's failure, not a silent fall back to the default. */
     if (c->congestion[0])
       status = stream_set_congestion(st, c->congestion);
+    if (status == 0 && c->pacing_mbit)
+      status = stream_set_pacing(st, c->pacing_mbit);
   }
   if (status == 0)
     status = stream_read_start(st, dpc__on_alloc, dpc__on_read);

@@ -53,6 +53,7 @@
 #define ZSHARD_COMMON_STREAM_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <uv.h>
@@ -291,6 +292,32 @@ int stream_set_congestion(stream *s, const char *name);
 /* The stream's TCP congestion control into buf (getsockopt TCP_CONGESTION;
  * at most len - 1 characters and a NUL). Returns 0 or a zs_status. */
 int stream_congestion(const stream *s, char *buf, size_t len);
+
+/* ---- TCP pacing ----------------------------------------------------------- */
+
+/* The highest per-socket pacing rate zshard takes, Mbit/s (100 Gbit/s). */
+#define STREAM_PACING_MBIT_MAX 100000u
+
+/* Parses a pacing rate in Mbit/s: a whole number from 0 (off) to
+ * STREAM_PACING_MBIT_MAX, no sign, no spaces. Returns 0 with the rate in
+ * *mbit, or ZS_EINVAL with a sentence in err (may be NULL) that names
+ * `what` (the flag or variable the text came from). Only reads its
+ * strings. */
+int stream_pacing_parse(const char *text, const char *what, uint32_t *mbit, char *err,
+                        size_t errlen);
+
+/* Caps the rate at which the kernel sends on the stream's socket (for TLS,
+ * the TCP stream's) at `mbit` Mbit/s (setsockopt SO_MAX_PACING_RATE, in
+ * bytes per second; Linux's TCP paces by itself once it is set, no fq qdisc
+ * needed since 4.20). 0 leaves the socket unpaced. Returns 0, ZS_EINVAL
+ * above STREAM_PACING_MBIT_MAX or when the kernel refuses it (stream_detail
+ * says why), ZS_ECLOSED, or ZS_EUNIMPL without SO_MAX_PACING_RATE. */
+int stream_set_pacing(stream *s, uint32_t mbit);
+
+/* The socket's pacing cap in bytes per second (getsockopt
+ * SO_MAX_PACING_RATE) into *bytes_per_s; UINT64_MAX or UINT32_MAX mean
+ * none. Returns 0 or a zs_status. */
+int stream_pacing(const stream *s, uint64_t *bytes_per_s);
 
 /* The zs_status for a libuv error code (UV_EOF is STREAM_EOF); implementations
  * report through it. */

@@ -347,7 +347,13 @@ typedef struct zs_client_options {
    * from the shards, beyond). Ignored when the job is
    * already on the shards (its creator's value holds). */
   uint32_t trainer_timeout_ms;
-  uint32_t reserved1; /* must be 0 (no tail padding: rule 3) */
+  /* Per-socket pacing of this client's data-plane connections, Mbit/s:
+   * the kernel sends on each socket at most this fast (SO_MAX_PACING_RATE;
+   * Linux's TCP paces by itself, no fq qdisc needed). 0 (the default):
+   * $ZSHARD_TCP_PACING_MBIT, unset no pacing. At most 100000; zs_client_open
+   * fails with ZS_EINVAL above, or for a variable that is no such number.
+   * Was `reserved1`, which had to be 0: the layout is unchanged. */
+  uint32_t tcp_pacing_mbit;
 } zs_client_options;
 
 /* Fills `o`, the caller's struct of `size` bytes, with the defaults above

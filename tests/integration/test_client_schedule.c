@@ -21,6 +21,12 @@
  * algorithm other than the host's default carry it on their data-plane
  * sockets (ss -tin shows it per connection), and the host's default is
  * unchanged.
+ *
+ * The pacing (zs_client_options.tcp_pacing_mbit, zshard-server
+ * --tcp-pacing-mbit): a client and a server given a rate carry it as their
+ * data-plane sockets' SO_MAX_PACING_RATE (ss -tin shows it after the
+ * socket's own pacing rate), the server logs it, and a rate over 100000
+ * Mbit/s or one that is no number is refused by both.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -467,6 +473,121 @@ static void tcp_congestion_reaches_the_data_plane_sockets(void **state) {
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
+/* How many established TCP sockets of process `pid` have their pacing capped
+ * at `bps` bits per second, and how many it has in all (ss -tin writes
+ * "pacing_rate <now>bps/<cap>bps" for a socket with a cap). */
+static void count_paced(pid_t pid, uint64_t bps, int *with, int *all) {
+  char line[4096], want[32], cap[48];
+  snprintf(want, sizeof want, "pid=%d,", (int)pid);
+  snprintf(cap, sizeof cap, "/%" PRIu64 "bps ", bps);
+  FILE *f = popen("ss -Htinp state established 2>/dev/null", "r");
+  assert_non_null(f);
+  *with = *all = 0;
+  int mine = 0;
+  while (fgets(line, sizeof line, f)) {
+    if (line[0] != ' ' && line[0] != '\t') {
+      mine = strstr(line, want) != NULL;
+      continue;
+    }
+    if (!mine)
+      continue;
+    const char *p = strstr(line, "pacing_rate ");
+    const char *sp = p ? strchr(p + strlen("pacing_rate "), ' ') : NULL;
+    const char *c = p ? strstr(p, cap) : NULL;
+    (*all)++;
+    *with += c && sp && c + strlen(cap) - 1 == sp; /* the cap of this very rate */
+    mine = 0;
+  }
+  pclose(f);
+}
+
+static int file_has(const char *path, const char *needle) {
+  char buf[16384];
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  return strstr(buf, needle) != NULL;
+}
+
+static void tcp_pacing_reaches_the_data_plane_sockets(void **state) {
+  (void)state;
+  const char *extra[] = {"--tcp-pacing-mbit", "60", NULL};
+  hs_cluster cl;
+  assert_int_equal(hs_cluster_start(&cl, 1, extra), 0);
+  assert_true(file_has(cl.srv[0]->log_path, "pacing_mbit=60"));
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = cl.srv[0]->addr;
+  o.transport = ZS_TRANSPORT_DATA;
+  o.tcp_pacing_mbit = 40;
+  o.data_connections = 2;
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_OK);
+  assert_int_equal(zs_add_tensor(c, "w", 1000, 0, NULL, 0, NULL), ZS_OK);
+  float w[1000] = {0};
+  const float *init[1] = {w};
+  assert_int_equal(zs_open_job(c, init), ZS_OK);
+  assert_int_equal(zs_pull(c, 0, w, ZS_DTYPE_FP32, sizeof w, NULL), ZS_OK);
+  int with = 0, all = 0;
+  /* The client's data connections (2) carry 40 Mbit/s; its gRPC channel is
+   * not paced. */
+  count_paced(getpid(), 40000000u, &with, &all);
+  if (with != 2)
+    fail_msg("client: %d of %d sockets paced at 40 Mbit/s, want the 2 data-plane ones", with, all);
+  assert_true(all > with);
+  count_paced(cl.srv[0]->pid, 60000000u, &with, &all);
+  if (with != 2)
+    fail_msg("server: %d of %d sockets paced at 60 Mbit/s, want the 2 data-plane ones", with, all);
+  zs_client_close(c);
+  assert_int_equal(hs_cluster_stop(&cl), 0);
+}
+
+/* zshard-server with `flag value`: its exit status, its output in out. */
+static int run_server(const char *flag, const char *value, char *out, size_t cap) {
+  const char *bin = getenv("ZSHARD_SERVER_BIN");
+  assert_non_null(bin);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "'%s' --listen 127.0.0.1:0 %s '%s' 2>&1", bin, flag, value);
+  FILE *f = popen(cmd, "r");
+  assert_non_null(f);
+  size_t n = fread(out, 1, cap - 1, f);
+  out[n] = '\0';
+  int status = pclose(f);
+  assert_true(WIFEXITED(status));
+  return WEXITSTATUS(status);
+}
+
+static void a_bad_pacing_rate_is_refused(void **state) {
+  (void)state;
+  zs_client_options o;
+  zs_client_options_init(&o);
+  o.addresses = "127.0.0.1:1";
+  o.tcp_pacing_mbit = 100001;
+  zs_client *c = NULL;
+  assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+  assert_null(c);
+  assert_non_null(strstr(zs_last_error(), "tcp_pacing_mbit is 100001"));
+  o.tcp_pacing_mbit = 0;
+  const char *bad[] = {"fast", "-5", "100001", " 60", "1e3"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    setenv("ZSHARD_TCP_PACING_MBIT", bad[i], 1);
+    assert_int_equal(zs_client_open(&o, &c), ZS_EINVAL);
+    assert_null(c);
+    assert_non_null(strstr(zs_last_error(), "ZSHARD_TCP_PACING_MBIT must be a whole number"));
+  }
+  unsetenv("ZSHARD_TCP_PACING_MBIT");
+
+  /* The server: a usage error naming the flag, before it listens. */
+  char out[2048];
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    assert_int_equal(run_server("--tcp-pacing-mbit", bad[i], out, sizeof out), 2);
+    if (!strstr(out, "--tcp-pacing-mbit (ZSHARD_TCP_PACING_MBIT) must be a whole number"))
+      fail_msg("'%s': %s", bad[i], out);
+  }
+}
+
 static void an_unknown_congestion_control_is_refused(void **state) {
   (void)state;
   zs_client_options o;
@@ -511,6 +632,8 @@ int main(void) {
       cmocka_unit_test(a_bad_schedule_is_refused),
       cmocka_unit_test(an_unknown_congestion_control_is_refused),
       cmocka_unit_test(tcp_congestion_reaches_the_data_plane_sockets),
+      cmocka_unit_test(a_bad_pacing_rate_is_refused),
+      cmocka_unit_test(tcp_pacing_reaches_the_data_plane_sockets),
       cmocka_unit_test(every_schedule_trains_to_the_same_bits),
   };
   return TR_RUN_TESTS(tests);

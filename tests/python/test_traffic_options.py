@@ -1,8 +1,9 @@
 """zshard.Client takes the traffic options as keywords (schedule,
-schedule_window, tcp_congestion; docs/CLIENT.md, "Traffic schedules"):
+schedule_window, tcp_congestion, tcp_pacing_mbit; docs/CLIENT.md, "Traffic schedules"):
 each reaches libzshard (a bad value is refused there or here with a clear
 error, before anything is sent), a keyword wins over its environment
-variable, the congestion control reaches the data-plane sockets, and every
+variable, the congestion control and the pacing reach the data-plane
+sockets, and every
 schedule trains to the bits of the FIFO one. Real zshard-server processes on
 loopback."""
 import array
@@ -145,3 +146,50 @@ def test_tcp_congestion_reaches_the_data_plane_sockets():
     # connections to each of the two shards use cc.
     assert with_cc == 4, (with_cc, total)
     assert total > with_cc, (with_cc, total)
+
+
+def paced_sockets_of_this_process(bps):
+    """(sockets whose pacing is capped at `bps` bits/s, all established TCP
+    sockets) of this process (ss -tin: "pacing_rate <now>bps/<cap>bps")."""
+    out = subprocess.run(["ss", "-Htinp", "state", "established"], check=True,
+                         capture_output=True, text=True).stdout
+    want = "pid=%d," % os.getpid()
+    mine = paced = total = 0
+    for line in out.splitlines():
+        if not line[:1].isspace():
+            mine = want in line
+            continue
+        if mine:
+            words = line.split()
+            rate = words[words.index("pacing_rate") + 1] if "pacing_rate" in words else ""
+            total += 1
+            paced += rate.endswith("/%dbps" % bps)
+            mine = False
+    return paced, total
+
+
+def test_tcp_pacing_reaches_the_data_plane_sockets_and_bad_rates_are_refused(monkeypatch):
+    with zshard_servers.Shards(1) as shards:
+        a = shards.addresses
+        with pytest.raises(zshard.Error, match="tcp_pacing_mbit is 100001") as e:
+            zshard.Client(a, tcp_pacing_mbit=100001)
+        assert e.value.status == zshard.EINVAL
+        with pytest.raises(OverflowError):
+            zshard.Client(a, tcp_pacing_mbit=-1)
+        monkeypatch.setenv("ZSHARD_TCP_PACING_MBIT", "fast")
+        with pytest.raises(zshard.Error, match="ZSHARD_TCP_PACING_MBIT must be a whole number"):
+            zshard.Client(a)
+        # The keyword wins over the variable.
+        c = zshard.Client(a, tcp_pacing_mbit=80, data_connections=2,
+                          push_dtype="fp32", pull_dtype="fp32")
+        try:
+            c.add_group("sgd")
+            t = c.add_tensor("w", 256)
+            w = array.array("f", [1.0] * 256)
+            c.open_job([w])
+            c.pull(t, w).wait()
+            paced, total = paced_sockets_of_this_process(80 * 1000 * 1000)
+        finally:
+            c.close()
+    assert paced == 2, (paced, total)
+    assert total > paced, (paced, total)

@@ -339,6 +339,44 @@ static void congestion_control_is_set_per_socket_and_read_back(void **state) {
   assert_int_equal(stream_cc_check(NULL, err, sizeof err), ZS_EINVAL);
 }
 
+/* SO_MAX_PACING_RATE on one stream's socket, in bytes per second: read back
+ * as set (60 Mbit/s is 7.5 MB/s; 40 Gbit/s needs the 64-bit form), on that
+ * socket only; 0 leaves it as it is; the parser takes 0..100000 and refuses
+ * anything else with a sentence naming its source. */
+static void pacing_is_set_per_socket_and_read_back(void **state) {
+  fx *f = *state;
+  uint64_t before = 0, got = 0;
+  assert_int_equal(stream_pacing(f->server.st, &before), 0);
+  assert_true(before == UINT64_MAX || before == UINT32_MAX); /* none */
+  assert_int_equal(stream_set_pacing(f->client.st, 60), 0);
+  assert_int_equal(stream_pacing(f->client.st, &got), 0);
+  assert_int_equal(got, 7500000u);
+  assert_int_equal(stream_pacing(f->server.st, &got), 0);
+  assert_int_equal(got, before);
+  assert_int_equal(stream_set_pacing(f->client.st, 0), 0);
+  assert_int_equal(stream_pacing(f->client.st, &got), 0);
+  assert_int_equal(got, 7500000u);
+  assert_int_equal(stream_set_pacing(f->client.st, 40000), 0);
+  assert_int_equal(stream_pacing(f->client.st, &got), 0);
+  assert_int_equal(got, 5000000000u);
+  assert_int_equal(stream_set_pacing(f->client.st, STREAM_PACING_MBIT_MAX + 1), ZS_EINVAL);
+
+  char err[256];
+  uint32_t mbit = 7;
+  assert_int_equal(stream_pacing_parse("0", "X", &mbit, err, sizeof err), 0);
+  assert_int_equal(mbit, 0);
+  assert_int_equal(stream_pacing_parse("100000", "X", &mbit, err, sizeof err), 0);
+  assert_int_equal(mbit, 100000);
+  const char *bad[] = {"", "100001", "-1", "+5", " 5", "5 ", "1e3", "60M", "9999999999", NULL};
+  for (int i = 0; bad[i]; i++) {
+    mbit = 7;
+    assert_int_equal(stream_pacing_parse(bad[i], "--flag", &mbit, err, sizeof err), ZS_EINVAL);
+    assert_non_null(strstr(err, "--flag must be a whole number of Mbit/s from 0"));
+    assert_int_equal(mbit, 7);
+  }
+  assert_int_equal(stream_pacing_parse(NULL, "X", &mbit, NULL, 0), ZS_EINVAL);
+}
+
 /* Three buffers of odd sizes in one write; the reader hands out at most
  * 100003 bytes at a time, always the next place in its own destination. */
 static void large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers(void **state) {
@@ -953,6 +991,7 @@ int main(void) {
         CASE(listener_on_port_0_reports_its_port_and_both_ends_agree_on_addresses, t),
         CASE(socket_options_are_set_or_refused_with_a_status, t),
         CASE(congestion_control_is_set_per_socket_and_read_back, t),
+        CASE(pacing_is_set_per_socket_and_read_back, t),
         CASE(large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers, t),
         CASE(writes_complete_once_each_in_the_order_they_were_queued, t),
         CASE(shutdown_delivers_the_bytes_then_the_end_of_the_stream_once, t),

@@ -94,7 +94,7 @@ class Client(_zshard.Client):
     retry_initial_ms, retry_max_ms, loss_scaling, static_loss_scale, transport,
     data_connections, checkpoint_every, checkpoint_timeout_ms, open_mode,
     error_feedback, pipelined, failover_ms, schedule, schedule_window,
-    tcp_congestion, trainer_timeout_ms, and token, tls_ca, tls_cert, tls_key, tls_server_name for
+    tcp_congestion, trainer_timeout_ms, tcp_pacing_mbit, and token, tls_ca, tls_cert, tls_key, tls_server_name for
     the C fields token, tls_ca_file, tls_cert_file, tls_key_file,
     tls_server_name) plus the dynamic
     loss scaler's initial_loss_scale, min_loss_scale, loss_scale_factor,
@@ -112,10 +112,13 @@ class Client(_zshard.Client):
     schedule_window= the rotated schedule's pushes and pulls in flight, 1 to
     64 (default ZSHARD_SCHEDULE_WINDOW, else 2), tcp_congestion= the TCP
     congestion control of the data-plane sockets, e.g. "cubic" (default
-    ZSHARD_TCP_CONGESTION, else the host's). A keyword wins over its
+    ZSHARD_TCP_CONGESTION, else the host's), tcp_pacing_mbit= a cap on each
+    data-plane socket's send rate in Mbit/s, 1 to 100000 (SO_MAX_PACING_RATE;
+    default ZSHARD_TCP_PACING_MBIT, else no pacing). A keyword wins over its
     variable; a bad value raises ValueError (an unknown schedule name),
-    OverflowError (a negative window) or zshard.Error EINVAL (a window over
-    64, a congestion control the kernel lacks or refuses).
+    OverflowError (a negative window or rate) or zshard.Error EINVAL (a window
+    over 64, a congestion control the kernel lacks or refuses, a rate over
+    100000).
 
     open_mode says what open_job() may find on the shards: "either" (default:
     create the job, or resume the same model where the shards left it,

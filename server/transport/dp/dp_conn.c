@@ -307,6 +307,10 @@ void dp__on_connection(stream_listener *l, void *data, int status, stream *st) {
    * changed), the connection keeps the host's default and a line says so. */
   if (s->congestion[0] && stream_set_congestion(c->st, s->congestion) != 0)
     LOG_WARN("dp_congestion_failed", "cc=%s detail=\"%s\"", s->congestion, stream_detail(c->st));
+  /* Likewise: an unpaced connection still works, and a line says so. */
+  if (s->pacing_mbit && stream_set_pacing(c->st, s->pacing_mbit) != 0)
+    LOG_WARN("dp_pacing_failed", "pacing_mbit=%u detail=\"%s\"", s->pacing_mbit,
+             stream_detail(c->st));
   char why[160];
   if (s->nconns > s->max_conns)
     status_say(why, sizeof why, "the server's limit of %u data-plane connections is reached",

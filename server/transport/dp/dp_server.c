@@ -185,6 +185,9 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (cfg->congestion && cfg->congestion[0] &&
       (rc = stream_cc_check(cfg->congestion, err, errlen)) != 0)
     return rc;
+  if (cfg->pacing_mbit > STREAM_PACING_MBIT_MAX)
+    return status_fail(err, errlen, ZS_EINVAL, "pacing of %u Mbit/s: at most %u", cfg->pacing_mbit,
+                       STREAM_PACING_MBIT_MAX);
   dp_server *s = calloc(1, sizeof *s);
   if (!s)
     return ZS_ENOMEM;
@@ -233,6 +236,7 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   s->pin_hold_ms = cfg->pin_hold_ms ? cfg->pin_hold_ms : DP_DEFAULT_PIN_HOLD_MS;
   if (cfg->congestion && cfg->congestion[0])
     memcpy(s->congestion, cfg->congestion, strlen(cfg->congestion) + 1); /* checked above */
+  s->pacing_mbit = cfg->pacing_mbit;
   if (cfg->metrics) {
     s->m_push = metrics_rpc_register(cfg->metrics, "data", "Push");
     s->m_pull = metrics_rpc_register(cfg->metrics, "data", "Pull");
@@ -292,7 +296,8 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (pthread_create(&s->thread, NULL, loop_main, s) != 0)
     goto fail;
   s->thread_started = 1;
-  LOG_INFO("dp_listening", "addr=%s port=%d", cfg->listen, s->port);
+  LOG_INFO("dp_listening", "addr=%s port=%d cc=%s pacing_mbit=%u", cfg->listen, s->port,
+           s->congestion[0] ? s->congestion : "default", s->pacing_mbit);
   *out = s;
   return 0;
 

@@ -150,6 +150,10 @@ typedef struct dp_server_config {
    * is never changed. dp_server_start fails with ZS_EINVAL for a name this
    * process cannot use (stream_cc_check's sentence in err). Copied. */
   const char *congestion;
+  /* Per-socket pacing of every accepted connection, Mbit/s
+   * (SO_MAX_PACING_RATE on its socket; stream_set_pacing); 0: none. Above
+   * STREAM_PACING_MBIT_MAX dp_server_start fails with ZS_EINVAL. */
+  uint32_t pacing_mbit;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the

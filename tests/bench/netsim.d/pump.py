@@ -3,9 +3,18 @@
     pump.py recv HOST PORT SECONDS [CONNS]  accepts CONNS connections (default
                                             1), drains them all at once, prints
                                             {"bytes", "first", "last"} as JSON
-    pump.py send PORT BYTES SECONDS HOST [HOST...]
+    pump.py send [--pacing MBIT] [--sequential] PORT BYTES SECONDS HOST [HOST...]
                                             sends BYTES to each HOST at once,
-                                            one connection each, and closes
+                                            one connection each, and closes;
+                                            --pacing caps each connection at
+                                            MBIT Mbit/s (SO_MAX_PACING_RATE, as
+                                            zshard's --tcp-pacing-mbit does);
+                                            --sequential sends to the HOSTs one
+                                            after another, in the order given,
+                                            each stream closed before the next
+                                            connection opens, once the receiver
+                                            has read all of it (a rotated
+                                            schedule's pattern)
 
 The receiver's times (time.time(), one clock for every namespace on the
 machine) run from its first byte to the end of its last stream, so that
@@ -18,6 +27,8 @@ import threading
 import time
 
 CHUNK = 1 << 20
+# socket.SO_MAX_PACING_RATE is missing from some Pythons; Linux's number.
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 
 
 def drain(conn, seconds, out):
@@ -56,7 +67,7 @@ def recv(host, port, seconds, conns):
                       "last": max(g[2] for g in got)}), flush=True)
 
 
-def send_one(host, port, nbytes, seconds, errors):
+def send_one(host, port, nbytes, seconds, errors, pacing=0, wait_end=False):
     try:
         deadline = time.monotonic() + seconds
         while True:
@@ -68,20 +79,42 @@ def send_one(host, port, nbytes, seconds, errors):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+        if pacing:
+            # Bytes per second; Linux's TCP paces by itself once it is set.
+            s.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, pacing * 125000)
         buf = memoryview(bytes(CHUNK))
         left = nbytes
         while left > 0:
             left -= s.send(buf[:min(left, CHUNK)])
         s.shutdown(socket.SHUT_WR)
+        if wait_end:
+            # The receiver closes once it has read everything: the stream
+            # is over on the wire, not only in this socket's buffer.
+            s.recv(1)
         s.close()
     except OSError as e:
         errors.append("%s: %s" % (host, e))
 
 
-def send(port, nbytes, seconds, hosts):
+def send_all(port, nbytes, seconds, hosts, errors, pacing):
+    """One stream after another, each to its end, in the order of hosts."""
+    deadline = time.monotonic() + seconds
+    for h in hosts:
+        send_one(h, port, nbytes, max(1.0, deadline - time.monotonic()), errors, pacing, True)
+        if errors:
+            return
+
+
+def send(port, nbytes, seconds, hosts, pacing=0, sequential=False):
     errors = []
-    threads = [threading.Thread(target=send_one, args=(h, port, nbytes, seconds, errors), daemon=True)
-               for h in hosts]
+    if sequential:
+        threads = [threading.Thread(target=send_all,
+                                    args=(port, nbytes, seconds, hosts, errors, pacing),
+                                    daemon=True)]
+    else:
+        threads = [threading.Thread(target=send_one,
+                                    args=(h, port, nbytes, seconds, errors, pacing), daemon=True)
+                   for h in hosts]
     for t in threads:
         t.start()
     for t in threads:
@@ -95,4 +128,13 @@ if __name__ == "__main__":
         recv(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
              int(sys.argv[5]) if len(sys.argv) > 5 else 1)
     else:
-        send(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5:])
+        argv, pacing, sequential = sys.argv[2:], 0, False
+        while argv[0].startswith("--"):
+            opt = argv.pop(0)
+            if opt == "--pacing":
+                pacing = int(argv.pop(0))
+            elif opt == "--sequential":
+                sequential = True
+            else:
+                sys.exit("pump: unknown option %s" % opt)
+        send(int(argv[0]), int(argv[1]), float(argv[2]), argv[3:], pacing, sequential)

@@ -51,6 +51,7 @@ const kw_field zspy__client_fields[] = {
     CO(schedule_window, KW_U32),
     CO(tcp_congestion, KW_STR),
     CO(trainer_timeout_ms, KW_U32),
+    CO(tcp_pacing_mbit, KW_U32),
     /* Security: the Python names drop the C names' "_file". */
     {"token", KW_STR, offsetof(zs_client_options, token)},
     {"tls_ca", KW_STR, offsetof(zs_client_options, tls_ca_file)},

@@ -842,10 +842,12 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, addresses: s
       its pulls overlap the other pushes; no max_grad_norm, no dynamic loss
       scaling. step() returns with the first `prefetch` modules of the next
       forward already being pulled (tests/python/test_torch_traffic.py, W=1).
-    schedule, schedule_window, tcp_congestion: when pushes and pulls go on the
-      wire ("fifo" or "rotated", 1 to 64 in flight) and the data-plane sockets'
-      TCP congestion control (zshard.Client; default the ZSHARD_SCHEDULE,
-      ZSHARD_SCHEDULE_WINDOW and ZSHARD_TCP_CONGESTION environment variables).
+    schedule, schedule_window, tcp_congestion, tcp_pacing_mbit: when pushes
+      and pulls go on the wire ("fifo" or "rotated", 1 to 64 in flight), the
+      data-plane sockets' TCP congestion control and their pacing in Mbit/s
+      (zshard.Client; default the ZSHARD_SCHEDULE, ZSHARD_SCHEDULE_WINDOW,
+      ZSHARD_TCP_CONGESTION and ZSHARD_TCP_PACING_MBIT environment
+      variables).
     param_init_fn: for parameters on the meta device (deferred
       initialisation: rank 0 initialises one module at a time and writes it
       to the shards; docs/PYTORCH.md, "A model bigger than a trainer"):
