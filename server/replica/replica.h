@@ -174,9 +174,10 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
  * (a Push is a contribution, REPLICA_FWD_PUSH; an Apply REPLICA_FWD_APPLY).
  * `step`: the step the write belongs to (a Push's, an Apply's), so that a
  * joiner whose copy holds that step already is not sent it; 0: a write of no
- * step, sent to every backup. A backup that does not answer an attempt
- * within the failover time (an Apply: the failover time and
- * REPLICA_APPLY_WAIT_FACTOR times this primary's own apply of the step) is
+ * step, sent to every backup. A backup's attempts together wait at most
+ * the failover time (an Apply: the failover time and
+ * REPLICA_APPLY_WAIT_FACTOR times this primary's own apply of the step),
+ * counted from the first attempt; one that did not answer by then is
  * dropped, so that a silent backup holds a write that long once. */
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen);

@@ -1,0 +1,60 @@
+"""Replicated shards: how long a forward may hold a trainer's write.
+
+A primary forwards every write it accepted to its backups and answers the
+trainer once each acknowledged it or was dropped. The bound is the
+forward's, all its attempts together (DESIGN.md "Replica sets", forwards):
+a backup that refuses fast and then goes silent holds the write the bound
+once, not once per attempt. The members are real zshard-server processes on
+loopback (test_hostile_replica.ReplicaSet), the trainer a raw gRPC client.
+
+Run with Debian's interpreter (CTest does, through pytest):
+/usr/bin/python3 -m pytest -q tests/python/test_replica_bounds.py
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostile  # noqa: E402
+from test_hostile_replica import NUMELS, ReplicaSet, promote  # noqa: E402
+
+FAILOVER_MS = 3000
+# How long the backup refuses the write at once before it goes silent.
+REFUSE_SECONDS = 1.5
+# What the write may take beyond the failover time: the retries' pauses and
+# the loopback round trips, far below the REFUSE_SECONDS that a fresh
+# failover time per attempt added.
+MARGIN_SECONDS = 0.8
+
+
+def test_a_backup_that_refuses_then_goes_silent_holds_a_write_the_failover_time_once():
+    """The backup refuses the job's Open at once (ZS_ELIMIT: its
+    --max-tensors is below the job's; a refusal that may pass, so the
+    primary retries), and 1.5 s into the write it is SIGSTOPped: the next
+    attempt waits only what is left of the forward's failover time, so the
+    Open is answered about --failover-ms after it began (not 1.5 s +
+    --failover-ms) and the backup is dropped."""
+    rs = ReplicaSet(failover_ms=FAILOVER_MS)
+    rs.env[1] = {"ZSHARD_MAX_TENSORS": "1"}
+    with rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        backup = rs.procs[1].pid
+        timer = threading.Timer(REFUSE_SECONDS, os.kill, (backup, signal.SIGSTOP))
+        try:
+            t0 = time.monotonic()
+            timer.start()
+            hostile.open_job(p, NUMELS)  # two tensors: refused by the backup
+            took = time.monotonic() - t0
+        finally:
+            timer.cancel()
+            timer.join()
+            os.kill(backup, signal.SIGCONT)
+        log = rs.log(0)
+        assert "replica_dropped" in log, log[-3000:]
+        assert took > REFUSE_SECONDS, "the Open ended before the backup went silent"
+        assert took < FAILOVER_MS / 1000.0 + MARGIN_SECONDS, took
