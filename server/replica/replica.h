@@ -107,9 +107,10 @@ typedef enum replica_kind {
  * its way to a backup: an Apply that backup refuses ZS_ENOTREADY meanwhile
  * waits for it rather than count the failover time. */
 typedef enum replica_write {
-  REPLICA_FWD_WRITE, /* Open, InitParams, WriteState, CloseJob, Restore, ChangeMembership */
-  REPLICA_FWD_PUSH,  /* a contribution: a data-plane push or a gRPC Push */
-  REPLICA_FWD_APPLY, /* an Apply: the backup runs the apply the primary ran */
+  REPLICA_FWD_WRITE,   /* Open, InitParams, WriteState, CloseJob, ChangeMembership */
+  REPLICA_FWD_PUSH,    /* a contribution: a data-plane push or a gRPC Push */
+  REPLICA_FWD_APPLY,   /* an Apply: the backup runs the apply the primary ran */
+  REPLICA_FWD_RESTORE, /* a Restore: the backup reads the checkpoint the primary read */
 } replica_write;
 
 typedef struct replica replica;
@@ -175,12 +176,18 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
  * `step`: the step the write belongs to (a Push's, an Apply's), so that a
  * joiner whose copy holds that step already is not sent it; 0: a write of no
  * step, sent to every backup. A backup's attempts together wait at most
- * the failover time (an Apply: the failover time and
- * REPLICA_APPLY_WAIT_FACTOR times this primary's own apply of the step),
- * counted from the first attempt; one that did not answer by then is
- * dropped, so that a silent backup holds a write that long once. */
+ * the failover time, plus len bytes at REPLICA_MIN_RATE, plus (an Apply, a
+ * Restore) REPLICA_APPLY_WAIT_FACTOR times this primary's own apply of the
+ * step or its last restore (replica_on_restored); a backup that did not
+ * answer by then is dropped, so that a silent backup holds a write that
+ * long once. */
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen);
+
+/* A Restore succeeded here in restore_ns (reading, verifying and swapping
+ * the checkpoint): its forward's bound follows it (replica_forward_raw).
+ * Call it before the Restore is forwarded. NULL r does nothing. */
+void replica_on_restored(replica *r, uint64_t restore_ns);
 
 /* The service's applied hook: starts a pending join at this version. */
 void replica_on_applied(void *arg, const core_apply_result *res);

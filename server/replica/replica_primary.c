@@ -451,19 +451,26 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, uint3
   return rc;
 }
 
-/* How long a forward may wait for a member's answer, all its attempts
- * together (fwd_clock): the failover time, after which a silent member is
- * dropped (settle), so that it holds the trainers' write that long once.
- * An Apply runs on the backup as it ran here and may wait for the backup's
- * apply of the step before it: it gets REPLICA_APPLY_WAIT_FACTOR times this
- * primary's apply of the step (the one just applied, which a forwarded
- * Apply follows) on top. */
+static uint64_t ns_to_ms_up(uint64_t ns) {
+  return (ns + 999999) / 1000000;
+}
+
+/* How long a forward of `bytes` bytes may wait for a member's answer, all
+ * its attempts together (fwd_clock): the failover time, after which a
+ * silent member is dropped (settle), so that it holds the trainers' write
+ * that long once; plus the time its bytes take at REPLICA_MIN_RATE (a large
+ * InitParams, WriteState or contribution on a slow link); plus, for work
+ * that runs on the backup as it ran here, REPLICA_APPLY_WAIT_FACTOR times
+ * this primary's own time of it: an Apply's (the step just applied, which
+ * a forwarded Apply follows; it may also wait for the backup's apply of the
+ * step before it) or a Restore's (reading and verifying the checkpoint). */
 static uint32_t attempt_ms(replica *r, replica_write kind, uint64_t bytes) {
-  (void)bytes;
   pthread_mutex_lock(&r->mu);
-  uint64_t ms = r->failover_ms;
+  uint64_t ms = r->failover_ms + (bytes * 1000 + REPLICA_MIN_RATE - 1) / REPLICA_MIN_RATE;
   if (kind == REPLICA_FWD_APPLY)
-    ms += REPLICA_APPLY_WAIT_FACTOR * ((r->hooked_apply_ns + 999999) / 1000000);
+    ms += REPLICA_APPLY_WAIT_FACTOR * ns_to_ms_up(r->hooked_apply_ns);
+  else if (kind == REPLICA_FWD_RESTORE)
+    ms += REPLICA_APPLY_WAIT_FACTOR * ns_to_ms_up(r->restore_ns);
   pthread_mutex_unlock(&r->mu);
   return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
 }
@@ -472,6 +479,14 @@ int replica_forward_raw(replica *r, const char *method, replica_write kind, uint
                         const void *msg, size_t len, char *err, size_t errlen) {
   raw_req q = {.method = method, .msg = msg, .len = len};
   return forward(r, kind, send_raw, &q, 1, step, len, err, errlen);
+}
+
+void replica_on_restored(replica *r, uint64_t restore_ns) {
+  if (!r)
+    return;
+  pthread_mutex_lock(&r->mu);
+  r->restore_ns = restore_ns;
+  pthread_mutex_unlock(&r->mu);
 }
 
 /* ------------------------------------------------------------ joins (primary) */

@@ -4,7 +4,8 @@ A primary forwards every write it accepted to its backups and answers the
 trainer once each acknowledged it or was dropped. The bound is the
 forward's, all its attempts together (DESIGN.md "Replica sets", forwards):
 a backup that refuses fast and then goes silent holds the write the bound
-once, not once per attempt. The members are real zshard-server processes on
+once, not once per attempt; a large write is given its bytes' time at
+REPLICA_MIN_RATE on top, so a slow backup is not dropped for its size. The members are real zshard-server processes on
 loopback (test_hostile_replica.ReplicaSet), the trainer a raw gRPC client.
 
 Run with Debian's interpreter (CTest does, through pytest):
@@ -13,13 +14,14 @@ Run with Debian's interpreter (CTest does, through pytest):
 
 import os
 import signal
+import struct
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hostile  # noqa: E402
-from test_hostile_replica import NUMELS, ReplicaSet, promote  # noqa: E402
+from test_hostile_replica import NUMELS, ReplicaSet, promote, read_state  # noqa: E402
 
 FAILOVER_MS = 3000
 # How long the backup refuses the write at once before it goes silent.
@@ -58,3 +60,46 @@ def test_a_backup_that_refuses_then_goes_silent_holds_a_write_the_failover_time_
         assert "replica_dropped" in log, log[-3000:]
         assert took > REFUSE_SECONDS, "the Open ended before the backup went silent"
         assert took < FAILOVER_MS / 1000.0 + MARGIN_SECONDS, took
+
+
+# One InitParams of 8M float32 elements (32 MiB, 32 of the protocol's chunks
+# in one message): its forward gets 2 s at REPLICA_MIN_RATE (16 MiB/s) on top
+# of the failover time (1 s here).
+BIG = 8 << 20
+# Longer than the failover time, shorter than the failover time and the
+# bytes' time together.
+STOP_SECONDS = 1.8
+
+
+def test_a_large_write_to_a_backup_slower_than_the_failover_time_does_not_drop_it():
+    """The backup is SIGSTOPped (a slow link, a loaded machine) while the
+    primary forwards a 32 MiB InitParams, and continued 1.8 s later: the
+    forward waits the failover time plus the bytes at REPLICA_MIN_RATE, so
+    the backup takes the write and stays in the set with the same weights
+    (before, each attempt waited the failover time alone and the backup was
+    dropped, to rejoin by a copy)."""
+    pb = hostile.stubs().pb
+    with ReplicaSet() as rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        h = hostile.open_job(p, [BIG])
+        data = struct.pack("<f", 0.5) * BIG
+        backup = rs.procs[1].pid
+        os.kill(backup, signal.SIGSTOP)
+        timer = threading.Timer(STOP_SECONDS, os.kill, (backup, signal.SIGCONT))
+        try:
+            timer.start()
+            t0 = time.monotonic()
+            p.call("InitParams", pb.InitParamsRequest(spec_hash=h, tensor=0, slice=0, offset=0,
+                                                      data=data))
+            took = time.monotonic() - t0
+        finally:
+            timer.cancel()
+            timer.join()
+            os.kill(backup, signal.SIGCONT)
+        assert took > STOP_SECONDS, "the write did not wait for the stopped backup"
+        assert "replica_dropped" not in rs.log(0), rs.log(0)[-3000:]
+        assert rs.role(1) == "backup"
+        b = rs.client(1)
+        assert read_state(b, h, 0, 1000) == read_state(p, h, 0, 1000)

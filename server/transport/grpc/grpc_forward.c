@@ -54,9 +54,10 @@ static void forward_and_answer(gcall *c) {
   char ferr[GSRV_ERRLEN] = "";
   grpc_byte_buffer *reply = c->fwd_reply;
   c->fwd_reply = NULL;
-  replica_write kind = c->method == M_PUSH    ? REPLICA_FWD_PUSH
-                       : c->method == M_APPLY ? REPLICA_FWD_APPLY
-                                              : REPLICA_FWD_WRITE;
+  replica_write kind = c->method == M_PUSH      ? REPLICA_FWD_PUSH
+                       : c->method == M_APPLY   ? REPLICA_FWD_APPLY
+                       : c->method == M_RESTORE ? REPLICA_FWD_RESTORE
+                                                : REPLICA_FWD_WRITE;
   int rc = replica_forward_raw(c->s->rep, gsrv__methods[c->method].path, kind, c->fwd_step, c->fwd,
                                c->fwd_len, ferr, sizeof ferr);
   free(c->fwd);
