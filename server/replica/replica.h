@@ -184,6 +184,14 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen);
 
+/* The server is shutting down and the grace for calls in flight is over: a
+ * forward makes no further attempt (its attempt in flight still ends within
+ * what is left of its bound) and returns ZS_ECLOSED, so that a backup that
+ * keeps refusing, or a wait the rules extend (pushes under way, a joiner's
+ * copy), does not hold the shutdown. Call it before waiting for the
+ * forwards to end; NULL r does nothing. */
+void replica_stop_forwards(replica *r);
+
 /* A Restore succeeded here in restore_ns (reading, verifying and swapping
  * the checkpoint): its forward's bound follows it (replica_forward_raw).
  * Call it before the Restore is forwarded. NULL r does nothing. */

@@ -160,6 +160,8 @@ struct replica {
 
   pthread_t monitor;
   int monitor_started, stopping;
+  /* Set by replica_stop_forwards: no forward makes another attempt. */
+  int fwd_stopping;
 };
 
 typedef struct fwd_target {

@@ -232,6 +232,22 @@ static uint32_t targets(replica *r, uint64_t step, fwd_target *t, uint64_t *term
   return n;
 }
 
+/* Whether the server stopped its forwards (replica_stop_forwards). */
+static int forwards_stopped(replica *r) {
+  pthread_mutex_lock(&r->mu);
+  int stop = r->fwd_stopping;
+  pthread_mutex_unlock(&r->mu);
+  return stop;
+}
+
+void replica_stop_forwards(replica *r) {
+  if (!r)
+    return;
+  pthread_mutex_lock(&r->mu);
+  r->fwd_stopping = 1;
+  pthread_mutex_unlock(&r->mu);
+}
+
 /* Sends one write to the n targets t, chosen under `term`, each until it
  * answered or was dropped. The failover time of a forward counts from
  * `since` (when the write began to wait for its backups), so that a dead
@@ -245,6 +261,10 @@ static int send_each(replica *r, const fwd_target *t, uint32_t n, uint64_t term,
   for (uint32_t i = 0; i < n && !deposed; i++) {
     fwd_clock ck = {.first_fail = 0, .start = clock_now_ms(), .bound = bound};
     for (;;) {
+      if (forwards_stopped(r))
+        return status_fail(err, errlen, ZS_ECLOSED,
+                           "the server is shutting down; the write was not forwarded to every "
+                           "backup");
       char msg[REPLICA_ERRLEN] = "";
       uint64_t sent = clock_now_ms();
       int rc = fn(r, &r->m[t[i].idx], term, arg, attempt_left(&ck, sent), msg, sizeof msg);

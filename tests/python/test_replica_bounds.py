@@ -19,9 +19,12 @@ import sys
 import threading
 import time
 
+import grpc
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hostile  # noqa: E402
-from test_hostile_replica import NUMELS, ReplicaSet, promote, read_state  # noqa: E402
+from test_hostile_replica import (  # noqa: E402
+    NUMELS, ReplicaSet, promote, read_state, zs_status)
 
 FAILOVER_MS = 3000
 # How long the backup refuses the write at once before it goes silent.
@@ -103,3 +106,49 @@ def test_a_large_write_to_a_backup_slower_than_the_failover_time_does_not_drop_i
         assert rs.role(1) == "backup"
         b = rs.client(1)
         assert read_state(b, h, 0, 1000) == read_state(p, h, 0, 1000)
+
+
+ZS_ECLOSED = -12
+# gsrv's grace for calls in flight at shutdown (GSRV_DEFAULT_GRACE_MS).
+GRACE_SECONDS = 10.0
+# A failover time far beyond the grace: a forward that retried until it
+# dropped the backup would hold the shutdown that long.
+LONG_FAILOVER_MS = 30000
+
+
+def test_a_primary_shut_down_during_a_forward_stops_retrying_and_answers_closed():
+    """The backup refuses the job's Open at once, again and again (ZS_ELIMIT,
+    a refusal that may pass), and the primary is sent SIGTERM while it
+    retries: after the grace for calls in flight the forward makes no
+    further attempt, the trainer's Open is answered ZS_ECLOSED, and the
+    primary exits within the grace and a margin, not after the forward's
+    failover time (30 s here)."""
+    pb = hostile.stubs().pb
+    rs = ReplicaSet(failover_ms=LONG_FAILOVER_MS)
+    rs.env[1] = {"ZSHARD_MAX_TENSORS": "1"}
+    with rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        spec = pb.ModelSpec(
+            job="closing", world_size=1, grad_accum=1, num_shards=1,
+            grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
+            groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=0.9,
+                                  beta2=0.999, eps=1e-8, weight_decay=0.01)],
+            tensors=[pb.TensorSpec(name="t%d" % i, numel=n, group=0)
+                     for i, n in enumerate(NUMELS)])
+        fut = p.future("Open", pb.OpenRequest(spec=spec, rank=0), timeout=LONG_FAILOVER_MS / 1e3 + 30)
+        assert hostile.wait_for(lambda: "job_opened" in rs.log(0), seconds=10)
+        time.sleep(0.5)  # the forward retries meanwhile
+        assert not fut.done()
+        t0 = time.monotonic()
+        rs.procs[0].send_signal(signal.SIGTERM)
+        rs.procs[0].wait(timeout=LONG_FAILOVER_MS / 1e3 + 30)
+        took = time.monotonic() - t0
+        try:
+            fut.result()
+            raise AssertionError("the Open succeeded")
+        except grpc.RpcError as e:
+            assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
+        assert took < GRACE_SECONDS + 4.0, took
+        assert "replica_dropped" not in rs.log(0)

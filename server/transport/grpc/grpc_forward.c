@@ -149,7 +149,11 @@ void gsrv__fwd_stop(gsrv *s) {
     answer_closed(c, c->fwd_claimed, reply);
     gcall_unref(c);
   }
-  /* Forwards in flight end within their deadlines (replica_primary.c). */
+  /* Forwards in flight got the grace (gsrv_destroy); now they make no
+   * further attempt and answer ZS_ECLOSED, each within its attempt in
+   * flight: without this a backup that kept refusing, or a wait the forward
+   * rules extend, held the shutdown the whole bound and more. */
+  replica_stop_forwards(s->rep);
   for (int i = 0; i < p->nthreads; i++)
     pthread_join(p->threads[i], NULL);
   p->nthreads = 0;
