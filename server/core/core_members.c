@@ -117,7 +117,8 @@ void core__members_restore(core *c, const core_member_state *ms) {
    * no flag of its own (a job elastic only through the flag stays elastic
    * after a restart without it). */
   uint32_t recorded = ms ? ms->flag_timeout_ms : 0;
-  c->flag_timeout_ms = c->default_timeout_ms ? c->default_timeout_ms : recorded;
+  /* The same rule with no job option: the flag part of it. */
+  c->flag_timeout_ms = core_timeout_in_effect(0, c->default_timeout_ms, recorded);
   c->trainer_timeout_ms =
       core_timeout_in_effect(c->open_timeout_ms, c->default_timeout_ms, recorded);
   c->elastic =

@@ -107,9 +107,10 @@ typedef enum replica_kind {
  * its way to a backup: an Apply that backup refuses ZS_ENOTREADY meanwhile
  * waits for it rather than count the failover time. */
 typedef enum replica_write {
-  REPLICA_FWD_WRITE, /* Open, InitParams, WriteState, CloseJob, Restore, ChangeMembership */
-  REPLICA_FWD_PUSH,  /* a contribution: a data-plane push or a gRPC Push */
-  REPLICA_FWD_APPLY, /* an Apply: the backup runs the apply the primary ran */
+  REPLICA_FWD_WRITE,   /* Open, InitParams, WriteState, CloseJob, ChangeMembership */
+  REPLICA_FWD_PUSH,    /* a contribution: a data-plane push or a gRPC Push */
+  REPLICA_FWD_APPLY,   /* an Apply: the backup runs the apply the primary ran */
+  REPLICA_FWD_RESTORE, /* a Restore: the backup reads the checkpoint the primary read */
 } replica_write;
 
 typedef struct replica replica;
@@ -174,12 +175,27 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
  * (a Push is a contribution, REPLICA_FWD_PUSH; an Apply REPLICA_FWD_APPLY).
  * `step`: the step the write belongs to (a Push's, an Apply's), so that a
  * joiner whose copy holds that step already is not sent it; 0: a write of no
- * step, sent to every backup. A backup that does not answer an attempt
- * within the failover time (an Apply: the failover time and
- * REPLICA_APPLY_WAIT_FACTOR times this primary's own apply of the step) is
- * dropped, so that a silent backup holds a write that long once. */
+ * step, sent to every backup. A backup's attempts together wait at most
+ * the failover time, plus len bytes at REPLICA_MIN_RATE, plus (an Apply, a
+ * Restore) REPLICA_APPLY_WAIT_FACTOR times this primary's own apply of the
+ * step or its last restore (replica_on_restored); a backup that did not
+ * answer by then is dropped, so that a silent backup holds a write that
+ * long once. */
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen);
+
+/* The server is shutting down and the grace for calls in flight is over: a
+ * forward makes no further attempt (its attempt in flight still ends within
+ * what is left of its bound) and returns ZS_ECLOSED, so that a backup that
+ * keeps refusing, or a wait the rules extend (pushes under way, a joiner's
+ * copy), does not hold the shutdown. Call it before waiting for the
+ * forwards to end; NULL r does nothing. */
+void replica_stop_forwards(replica *r);
+
+/* A Restore succeeded here in restore_ns (reading, verifying and swapping
+ * the checkpoint): its forward's bound follows it (replica_forward_raw).
+ * Call it before the Restore is forwarded. NULL r does nothing. */
+void replica_on_restored(replica *r, uint64_t restore_ns);
 
 /* The service's applied hook: starts a pending join at this version. */
 void replica_on_applied(void *arg, const core_apply_result *res);

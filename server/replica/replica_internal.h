@@ -40,6 +40,11 @@
  * forward gets the failover time and this many times the primary's own
  * apply time of the step (a loaded backup, a cold cache). */
 #define REPLICA_APPLY_WAIT_FACTOR 4u
+/* The slowest link a forward's bytes are given time for, in bytes per
+ * second: a forward waits the failover time and its bytes at this rate (a
+ * 64 MiB InitParams or contribution: 4 s more), so that a large write on a
+ * slow link does not drop a backup that is only receiving it. */
+#define REPLICA_MIN_RATE (16ull * 1024 * 1024)
 /* How long a joiner waits for the primary's copy (made at the primary's
  * next applied step: trainers may be between steps for long). */
 #define REPLICA_JOIN_MS 120000u
@@ -149,9 +154,14 @@ struct replica {
   uint64_t hooked_version;
   uint64_t hooked_apply_ns;
   pthread_cond_t hooked_cv;
+  /* How long this primary's last Restore took (replica_on_restored): the
+   * bound of a Restore's forward. */
+  uint64_t restore_ns;
 
   pthread_t monitor;
   int monitor_started, stopping;
+  /* Set by replica_stop_forwards: no forward makes another attempt. */
+  int fwd_stopping;
 };
 
 typedef struct fwd_target {

@@ -100,11 +100,30 @@ void replica__drop_locked(replica *r, uint32_t i, int rc, const char *why) {
            m->addr, r->term, zs_err_name(rc), why);
 }
 
+/* The clocks of one forward to one member (send_each). A member is
+ * dropped once it failed for the failover time counted from first_fail (the
+ * write's start once an attempt failed, 0 before). The attempts share one
+ * deadline, start + bound (bound: attempt_ms), so that a member that fails
+ * fast and then goes silent holds the write about the bound once, not once
+ * per attempt; settle moves start (and first_fail) forward only where a
+ * rule extends the wait on purpose, each said where it does. */
+typedef struct fwd_clock {
+  uint64_t first_fail, start;
+  uint32_t bound;
+} fwd_clock;
+
+/* What the next attempt may wait: what is left of the shared deadline, at
+ * least 1 ms (a call given 0 would wait without a deadline). */
+static uint32_t attempt_left(const fwd_clock *ck, uint64_t now) {
+  uint64_t end = ck->start + ck->bound;
+  return end > now + 1 ? (uint32_t)(end - now) : 1u;
+}
+
 /* After one attempt on member t with status rc: FWD_DONE (move on),
  * FWD_RETRY (again after a pause), or the member dropped / this replica
  * deposed (both: move on; deposed returns ZS_ENOTPRIMARY). */
 static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int is_push,
-                  uint64_t sent_ms, uint64_t *first_fail_ms, uint64_t term, int *deposed) {
+                  uint64_t sent_ms, fwd_clock *ck, uint64_t term, int *deposed) {
   int k = classify(rc);
   pthread_mutex_lock(&r->mu);
   member *m = &r->m[t->idx];
@@ -137,14 +156,17 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
        * way bring it (each bounded by the failover time, or it is
        * dropped): the failover time counts from when they are through.
        * A push that ended after this attempt was sent may have landed
-       * after the backup answered it: the attempt is retried as well. */
-      *first_fail_ms = now;
+       * after the backup answered it: the attempt is retried as well.
+       * Both clocks restart: the next attempt waits the whole bound. */
+      ck->first_fail = ck->start = now;
     } else if (m->joining && rc == ZS_ENOTREADY && r->snap_busy && !r->snap_ready) {
       /* The copy is still being made here: the wait is this primary's, not
        * the joiner's (a large shard's copy, a loaded machine); the bound
-       * counts from the copy made (snap_done). */
+       * counts from the copy made (snap_done), and the next attempt may
+       * wait the whole bound. */
+      ck->start = now;
     } else if (m->joining && rc == ZS_ENOTREADY &&
-               now - (m->progress_ms > *first_fail_ms ? m->progress_ms : *first_fail_ms) >=
+               now - (m->progress_ms > ck->first_fail ? m->progress_ms : ck->first_fail) >=
                    r->failover_ms) {
       /* Alive but still reading or loading its copy: a write waits for a
        * joiner while it makes progress on the copy (a large shard's copy
@@ -156,8 +178,11 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
                            "failover time while a write waited for it: it joins again");
       k = FWD_DONE;
     } else if (m->joining && rc == ZS_ENOTREADY) {
-      /* retried until the failover time */
-    } else if (now - *first_fail_ms >= r->failover_ms) {
+      /* Retried until the failover time since its last progress, which
+       * moves the attempts' deadline too. */
+      if (m->progress_ms > ck->start)
+        ck->start = m->progress_ms;
+    } else if (now - ck->first_fail >= r->failover_ms) {
       /* The member's last answer says why (a refusal is not a silence). */
       char why[REPLICA_ERRLEN + 64];
       snprintf(why, sizeof why, "no answer within the failover time; the last: %s",
@@ -170,11 +195,14 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
   return k == FWD_RETRY ? FWD_RETRY : FWD_DONE;
 }
 
-typedef int (*send_fn)(replica *r, member *m, uint64_t term, const void *arg, char *msg,
-                       size_t len);
+/* One attempt of a write on member m, waiting at most wait_ms. */
+typedef int (*send_fn)(replica *r, member *m, uint64_t term, const void *arg, uint32_t wait_ms,
+                       char *msg, size_t len);
 
-static int send_push(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len);
-static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len);
+static int send_push(replica *r, member *m, uint64_t term, const void *arg, uint32_t wait_ms,
+                     char *msg, size_t len);
+static int send_raw(replica *r, member *m, uint64_t term, const void *arg, uint32_t wait_ms,
+                    char *msg, size_t len);
 
 /* Marks the n targets t as receiving pushes from this thread (up: 1) or no
  * longer (up: 0); see member.pushing. */
@@ -204,23 +232,45 @@ static uint32_t targets(replica *r, uint64_t step, fwd_target *t, uint64_t *term
   return n;
 }
 
+/* Whether the server stopped its forwards (replica_stop_forwards). */
+static int forwards_stopped(replica *r) {
+  pthread_mutex_lock(&r->mu);
+  int stop = r->fwd_stopping;
+  pthread_mutex_unlock(&r->mu);
+  return stop;
+}
+
+void replica_stop_forwards(replica *r) {
+  if (!r)
+    return;
+  pthread_mutex_lock(&r->mu);
+  r->fwd_stopping = 1;
+  pthread_mutex_unlock(&r->mu);
+}
+
 /* Sends one write to the n targets t, chosen under `term`, each until it
  * answered or was dropped. The failover time of a forward counts from
  * `since` (when the write began to wait for its backups), so that a dead
- * backup holds a write for --failover-ms however many attempts it took. */
+ * backup holds a write for --failover-ms however many attempts it took;
+ * the attempts on one member share the deadline of its first attempt's
+ * start plus `bound` (fwd_clock). */
 static int send_each(replica *r, const fwd_target *t, uint32_t n, uint64_t term, send_fn fn,
-                     const void *arg, int is_push, uint64_t bytes, uint64_t since, char *err,
-                     size_t errlen) {
+                     const void *arg, int is_push, uint64_t bytes, uint32_t bound, uint64_t since,
+                     char *err, size_t errlen) {
   int deposed = 0;
   for (uint32_t i = 0; i < n && !deposed; i++) {
-    uint64_t first_fail = 0;
+    fwd_clock ck = {.first_fail = 0, .start = clock_now_ms(), .bound = bound};
     for (;;) {
+      if (forwards_stopped(r))
+        return status_fail(err, errlen, ZS_ECLOSED,
+                           "the server is shutting down; the write was not forwarded to every "
+                           "backup");
       char msg[REPLICA_ERRLEN] = "";
       uint64_t sent = clock_now_ms();
-      int rc = fn(r, &r->m[t[i].idx], term, arg, msg, sizeof msg);
-      if (rc != 0 && !first_fail)
-        first_fail = since;
-      if (settle(r, &t[i], rc, msg, is_push, sent, &first_fail, term, &deposed) != FWD_RETRY)
+      int rc = fn(r, &r->m[t[i].idx], term, arg, attempt_left(&ck, sent), msg, sizeof msg);
+      if (rc != 0 && !ck.first_fail)
+        ck.first_fail = since;
+      if (settle(r, &t[i], rc, msg, is_push, sent, &ck, term, &deposed) != FWD_RETRY)
         break;
       struct timespec ts = {.tv_sec = 0, .tv_nsec = REPLICA_RETRY_MS * 1000000L};
       nanosleep(&ts, NULL);
@@ -239,6 +289,7 @@ static int send_each(replica *r, const fwd_target *t, uint32_t n, uint64_t term,
 static int forward_batch(replica *r, const fwd_target *t, uint32_t nt, uint64_t term,
                          const core_push_args *a, uint32_t n, uint64_t since, char *err,
                          size_t errlen);
+static uint32_t attempt_ms(replica *r, replica_write kind, uint64_t bytes);
 
 /* Forwards nw writes of one kind (nw > 1: contributions, `arg` an array of
  * core_push_args sent with send_push) to the backups; `step` (0 for a
@@ -257,7 +308,8 @@ static int forward(replica *r, replica_write kind, send_fn fn, const void *arg, 
   int is_push = kind == REPLICA_FWD_PUSH;
   if (is_push)
     count_pushing(r, t, nt, 1);
-  int rc = nw == 1 ? send_each(r, t, nt, term, fn, arg, is_push, bytes, since, err, errlen)
+  int rc = nw == 1 ? send_each(r, t, nt, term, fn, arg, is_push, bytes, attempt_ms(r, kind, bytes),
+                               since, err, errlen)
                    : forward_batch(r, t, nt, term, arg, nw, since, err, errlen);
   if (is_push)
     count_pushing(r, t, nt, 0);
@@ -265,8 +317,8 @@ static int forward(replica *r, replica_write kind, send_fn fn, const void *arg, 
 }
 
 /* A contribution as a forward: the data plane's push of the same bytes,
- * given the failover time to be answered. */
-static dp_push_args dp_push_of(const replica *r, const core_push_args *a) {
+ * given wait_ms to be answered. */
+static dp_push_args dp_push_of(const core_push_args *a, uint32_t wait_ms) {
   return (dp_push_args){.spec_hash = a->hash,
                         .step = a->step,
                         .rank = a->rank,
@@ -276,15 +328,16 @@ static dp_push_args dp_push_of(const replica *r, const core_push_args *a) {
                         .dtype = a->dtype,
                         .data = a->data,
                         .nbytes = a->nbytes,
-                        .timeout_ms = r->failover_ms};
+                        .timeout_ms = wait_ms};
 }
 
-static int send_push(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len) {
+static int send_push(replica *r, member *m, uint64_t term, const void *arg, uint32_t wait_ms,
+                     char *msg, size_t len) {
   const core_push_args *a = arg;
   data_link *l = replica__data_client(r, m, term);
   if (!l)
     return status_fail(msg, len, ZS_ECONN, "no data-plane connection to %s", m->addr);
-  dp_push_args p = dp_push_of(r, a);
+  dp_push_args p = dp_push_of(a, wait_ms);
   int dup = 0;
   int rc = dp_client_push_sync(l->d, &p, &dup, msg, len);
   /* A restarted member listens elsewhere: the next forward asks again. */
@@ -324,10 +377,9 @@ static int send_pushes(replica *r, member *m, uint64_t term, const core_push_arg
   pthread_mutex_init(&w.mu, NULL);
   pthread_cond_init(&w.cv, NULL);
   for (uint32_t i = 0; i < n; i++) {
-    dp_push_args p = dp_push_of(r, &a[i]);
     /* Half the failover time: a failure here still leaves the one-by-one
      * path time to retry before the member is dropped. */
-    p.timeout_ms = r->failover_ms / 2;
+    dp_push_args p = dp_push_of(&a[i], r->failover_ms / 2);
     if (dp_client_push(l->d, &p, on_push_done, &w) != 0) {
       pthread_mutex_lock(&w.mu);
       w.failed = 1;
@@ -388,7 +440,8 @@ static int forward_batch(replica *r, const fwd_target *t, uint32_t nt, uint64_t 
     int primary;
     uint32_t ntk = targets(r, a[k].step, tk, &term_k, &primary);
     rc = primary
-             ? send_each(r, tk, ntk, term_k, send_push, &a[k], 1, a[k].nbytes, since, err, errlen)
+             ? send_each(r, tk, ntk, term_k, send_push, &a[k], 1, a[k].nbytes,
+                         attempt_ms(r, REPLICA_FWD_PUSH, a[k].nbytes), since, err, errlen)
              : status_fail(err, errlen, ZS_ENOTPRIMARY, "this replica stopped being the primary");
   }
   return rc;
@@ -398,10 +451,10 @@ typedef struct raw_req {
   const char *method;
   const void *msg;
   size_t len;
-  uint32_t timeout_ms; /* of each attempt */
 } raw_req;
 
-static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char *msg, size_t len) {
+static int send_raw(replica *r, member *m, uint64_t term, const void *arg, uint32_t wait_ms,
+                    char *msg, size_t len) {
   const raw_req *q = arg;
   rpc_channel *ch = replica__channel(r, m);
   if (!ch)
@@ -412,32 +465,48 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, char 
   rpc_md md[2] = {{"zshard-replica-term", tbuf}, {"zshard-replica-from", ibuf}};
   rpc_status st;
   ProtobufCMessage *resp = NULL;
-  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, q->timeout_ms, &st);
+  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, wait_ms, &st);
   if (rc)
     snprintf(msg, len, "%s", st.message);
   return rc;
 }
 
-/* How long one attempt of a forward waits for a member's answer: the
- * failover time, after which a silent member is dropped (settle), so that
- * it holds the trainers' write that long once, as the data plane's pushes
- * (dp_push_of). An Apply runs on the backup as it ran here and may wait
- * for the backup's apply of the step before it: it gets
- * REPLICA_APPLY_WAIT_FACTOR times this primary's apply of the step (the one
- * just applied, which a forwarded Apply follows) on top. */
-static uint32_t attempt_ms(replica *r, replica_write kind) {
+static uint64_t ns_to_ms_up(uint64_t ns) {
+  return (ns + 999999) / 1000000;
+}
+
+/* How long a forward of `bytes` bytes may wait for a member's answer, all
+ * its attempts together (fwd_clock): the failover time, after which a
+ * silent member is dropped (settle), so that it holds the trainers' write
+ * that long once; plus the time its bytes take at REPLICA_MIN_RATE (a large
+ * InitParams, WriteState or contribution on a slow link); plus, for work
+ * that runs on the backup as it ran here, REPLICA_APPLY_WAIT_FACTOR times
+ * this primary's own time of it: an Apply's (the step just applied, which
+ * a forwarded Apply follows; it may also wait for the backup's apply of the
+ * step before it) or a Restore's (reading and verifying the checkpoint). */
+static uint32_t attempt_ms(replica *r, replica_write kind, uint64_t bytes) {
   pthread_mutex_lock(&r->mu);
-  uint64_t ms = r->failover_ms;
+  uint64_t ms = r->failover_ms + (bytes * 1000 + REPLICA_MIN_RATE - 1) / REPLICA_MIN_RATE;
   if (kind == REPLICA_FWD_APPLY)
-    ms += REPLICA_APPLY_WAIT_FACTOR * ((r->hooked_apply_ns + 999999) / 1000000);
+    ms += REPLICA_APPLY_WAIT_FACTOR * ns_to_ms_up(r->hooked_apply_ns);
+  else if (kind == REPLICA_FWD_RESTORE)
+    ms += REPLICA_APPLY_WAIT_FACTOR * ns_to_ms_up(r->restore_ns);
   pthread_mutex_unlock(&r->mu);
   return ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
 }
 
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen) {
-  raw_req q = {.method = method, .msg = msg, .len = len, .timeout_ms = attempt_ms(r, kind)};
+  raw_req q = {.method = method, .msg = msg, .len = len};
   return forward(r, kind, send_raw, &q, 1, step, len, err, errlen);
+}
+
+void replica_on_restored(replica *r, uint64_t restore_ns) {
+  if (!r)
+    return;
+  pthread_mutex_lock(&r->mu);
+  r->restore_ns = restore_ns;
+  pthread_mutex_unlock(&r->mu);
 }
 
 /* ------------------------------------------------------------ joins (primary) */

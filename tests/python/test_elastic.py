@@ -418,10 +418,7 @@ def test_the_membership_survives_a_checkpoint_and_a_restart_of_every_shard():
             before = status(s.addresses)
             if restart:
                 assert a.checkpoint() == 5
-                for i in range(2):
-                    s.kill(i)
-                for i in range(2):
-                    s.restart(i)
+                s.restart_all()
             rows = status(s.addresses)
             # What the checkpoint brought back (or what the shards kept).
             keys = ("members", "world_size", "trainer_timeout_ms", "membership_epoch",
@@ -519,10 +516,7 @@ def test_a_job_elastic_only_through_the_flag_stays_elastic_after_a_restart_witho
             assert out == [(step, 2, 0), (step, 2, 1)], out
         assert [r["trainer_timeout_ms"] for r in status(s.addresses)] == [TIMEOUT_MS] * 2
         assert a.checkpoint() == 3
-        for i in range(2):
-            s.kill(i)
-        for i in range(2):
-            s.restart(i, without=["--trainer-timeout-ms"])
+        s.restart_all(without=["--trainer-timeout-ms"])
         assert all("--trainer-timeout-ms" not in args for args in s.args)
         rows = status(s.addresses)
         assert [(r["members"], r["trainer_timeout_ms"]) for r in rows] == \

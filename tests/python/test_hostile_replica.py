@@ -45,7 +45,7 @@ ROLE = {0: "none", 1: "starting", 2: "primary", 3: "backup", 4: "joining", 5: "s
 class ReplicaSet:
     """n members of one shard's replica set; member i is self.procs[i]."""
 
-    def __init__(self, n=2, tokens=False, metrics=False, lists=None):
+    def __init__(self, n=2, tokens=False, metrics=False, lists=None, failover_ms=1000):
         """lists(addrs, spare): each member's (--replicas, --replica-index),
         to start members that disagree; spare: an address nobody listens
         on. Default: every member gets the same list, its own place in it."""
@@ -67,6 +67,7 @@ class ReplicaSet:
                 os.chmod(path, 0o600)  # others may not read a token file
                 self.extra += [flag, path]
         self.metrics = metrics
+        self.failover_ms = failover_ms
         self.procs = [None] * n
         self.env = [{} for _ in range(n)]  # member i's own ZSHARD_ variables (test hooks)
         self.clients = []
@@ -75,7 +76,7 @@ class ReplicaSet:
         binary = os.environ["ZSHARD_SERVER_BIN"]
         members, index = self.lists[i]
         args = [binary, "--listen", self.addrs[i], "--replicas", members, "--replica-index",
-                str(index), "--threads", "1", "--failover-ms", "1000"] + self.extra
+                str(index), "--threads", "1", "--failover-ms", str(self.failover_ms)] + self.extra
         mport = os.path.join(self.tmp, "metrics%d" % i)
         if self.metrics:
             args += ["--metrics-listen", "127.0.0.1:0", "--metrics-port-file", mport]

@@ -121,6 +121,15 @@ class Shards:
         self.killed.discard(i)
         self._wait_port(self.procs[i], port_file)
 
+    def restart_all(self, without=()):
+        """SIGKILLs every shard, then starts each again (restart, with
+        `without`): a whole job's servers lost at once and brought back from
+        their state directories."""
+        for i in range(len(self.procs)):
+            self.kill(i)
+        for i in range(len(self.procs)):
+            self.restart(i, without)
+
     def _stop(self):
         codes = []
         for proc in self.procs:

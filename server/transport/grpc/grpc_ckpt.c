@@ -73,6 +73,8 @@ void gsrv__ckpt_finish(gcall *c, int claimed) {
     resp.step = r->step;
     gsrv__finish_msg(c, claimed, &resp.base);
   } else {
+    /* Before the answer, which forwards the Restore to the backups. */
+    replica_on_restored(c->s->rep, (uint64_t)(r->restore_seconds * 1e9));
     uint8_t cs[CORE_MAX_CLIENT_STATE];
     uint64_t cs_version = 0;
     size_t cs_len = service_client_state(c->s->svc, cs, sizeof cs, &cs_version);

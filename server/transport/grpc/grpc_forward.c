@@ -54,9 +54,10 @@ static void forward_and_answer(gcall *c) {
   char ferr[GSRV_ERRLEN] = "";
   grpc_byte_buffer *reply = c->fwd_reply;
   c->fwd_reply = NULL;
-  replica_write kind = c->method == M_PUSH    ? REPLICA_FWD_PUSH
-                       : c->method == M_APPLY ? REPLICA_FWD_APPLY
-                                              : REPLICA_FWD_WRITE;
+  replica_write kind = c->method == M_PUSH      ? REPLICA_FWD_PUSH
+                       : c->method == M_APPLY   ? REPLICA_FWD_APPLY
+                       : c->method == M_RESTORE ? REPLICA_FWD_RESTORE
+                                                : REPLICA_FWD_WRITE;
   int rc = replica_forward_raw(c->s->rep, gsrv__methods[c->method].path, kind, c->fwd_step, c->fwd,
                                c->fwd_len, ferr, sizeof ferr);
   free(c->fwd);
@@ -148,7 +149,11 @@ void gsrv__fwd_stop(gsrv *s) {
     answer_closed(c, c->fwd_claimed, reply);
     gcall_unref(c);
   }
-  /* Forwards in flight end within their deadlines (replica_primary.c). */
+  /* Forwards in flight got the grace (gsrv_destroy); now they make no
+   * further attempt and answer ZS_ECLOSED, each within its attempt in
+   * flight: without this a backup that kept refusing, or a wait the forward
+   * rules extend, held the shutdown the whole bound and more. */
+  replica_stop_forwards(s->rep);
   for (int i = 0; i < p->nthreads; i++)
     pthread_join(p->threads[i], NULL);
   p->nthreads = 0;

@@ -1,0 +1,154 @@
+"""Replicated shards: how long a forward may hold a trainer's write.
+
+A primary forwards every write it accepted to its backups and answers the
+trainer once each acknowledged it or was dropped. The bound is the
+forward's, all its attempts together (DESIGN.md "Replica sets", forwards):
+a backup that refuses fast and then goes silent holds the write the bound
+once, not once per attempt; a large write is given its bytes' time at
+REPLICA_MIN_RATE on top, so a slow backup is not dropped for its size. The members are real zshard-server processes on
+loopback (test_hostile_replica.ReplicaSet), the trainer a raw gRPC client.
+
+Run with Debian's interpreter (CTest does, through pytest):
+/usr/bin/python3 -m pytest -q tests/python/test_replica_bounds.py
+"""
+
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostile  # noqa: E402
+from test_hostile_replica import (  # noqa: E402
+    NUMELS, ReplicaSet, promote, read_state, zs_status)
+
+FAILOVER_MS = 3000
+# How long the backup refuses the write at once before it goes silent.
+REFUSE_SECONDS = 1.5
+# What the write may take beyond the failover time: the retries' pauses and
+# the loopback round trips, far below the REFUSE_SECONDS that a fresh
+# failover time per attempt added.
+MARGIN_SECONDS = 0.8
+
+
+def test_a_backup_that_refuses_then_goes_silent_holds_a_write_the_failover_time_once():
+    """The backup refuses the job's Open at once (ZS_ELIMIT: its
+    --max-tensors is below the job's; a refusal that may pass, so the
+    primary retries), and 1.5 s into the write it is SIGSTOPped: the next
+    attempt waits only what is left of the forward's failover time, so the
+    Open is answered about --failover-ms after it began (not 1.5 s +
+    --failover-ms) and the backup is dropped."""
+    rs = ReplicaSet(failover_ms=FAILOVER_MS)
+    rs.env[1] = {"ZSHARD_MAX_TENSORS": "1"}
+    with rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        backup = rs.procs[1].pid
+        timer = threading.Timer(REFUSE_SECONDS, os.kill, (backup, signal.SIGSTOP))
+        try:
+            t0 = time.monotonic()
+            timer.start()
+            hostile.open_job(p, NUMELS)  # two tensors: refused by the backup
+            took = time.monotonic() - t0
+        finally:
+            timer.cancel()
+            timer.join()
+            os.kill(backup, signal.SIGCONT)
+        log = rs.log(0)
+        assert "replica_dropped" in log, log[-3000:]
+        assert took > REFUSE_SECONDS, "the Open ended before the backup went silent"
+        assert took < FAILOVER_MS / 1000.0 + MARGIN_SECONDS, took
+
+
+# One InitParams of 8M float32 elements (32 MiB, 32 of the protocol's chunks
+# in one message): its forward gets 2 s at REPLICA_MIN_RATE (16 MiB/s) on top
+# of the failover time (1 s here).
+BIG = 8 << 20
+# Longer than the failover time, shorter than the failover time and the
+# bytes' time together.
+STOP_SECONDS = 1.8
+
+
+def test_a_large_write_to_a_backup_slower_than_the_failover_time_does_not_drop_it():
+    """The backup is SIGSTOPped (a slow link, a loaded machine) while the
+    primary forwards a 32 MiB InitParams, and continued 1.8 s later: the
+    forward waits the failover time plus the bytes at REPLICA_MIN_RATE, so
+    the backup takes the write and stays in the set with the same weights
+    (before, each attempt waited the failover time alone and the backup was
+    dropped, to rejoin by a copy)."""
+    pb = hostile.stubs().pb
+    with ReplicaSet() as rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        h = hostile.open_job(p, [BIG])
+        data = struct.pack("<f", 0.5) * BIG
+        backup = rs.procs[1].pid
+        os.kill(backup, signal.SIGSTOP)
+        timer = threading.Timer(STOP_SECONDS, os.kill, (backup, signal.SIGCONT))
+        try:
+            timer.start()
+            t0 = time.monotonic()
+            p.call("InitParams", pb.InitParamsRequest(spec_hash=h, tensor=0, slice=0, offset=0,
+                                                      data=data))
+            took = time.monotonic() - t0
+        finally:
+            timer.cancel()
+            timer.join()
+            os.kill(backup, signal.SIGCONT)
+        assert took > STOP_SECONDS, "the write did not wait for the stopped backup"
+        assert "replica_dropped" not in rs.log(0), rs.log(0)[-3000:]
+        assert rs.role(1) == "backup"
+        b = rs.client(1)
+        assert read_state(b, h, 0, 1000) == read_state(p, h, 0, 1000)
+
+
+ZS_ECLOSED = -12
+# gsrv's grace for calls in flight at shutdown (GSRV_DEFAULT_GRACE_MS).
+GRACE_SECONDS = 10.0
+# A failover time far beyond the grace: a forward that retried until it
+# dropped the backup would hold the shutdown that long.
+LONG_FAILOVER_MS = 30000
+
+
+def test_a_primary_shut_down_during_a_forward_stops_retrying_and_answers_closed():
+    """The backup refuses the job's Open at once, again and again (ZS_ELIMIT,
+    a refusal that may pass), and the primary is sent SIGTERM while it
+    retries: after the grace for calls in flight the forward makes no
+    further attempt, the trainer's Open is answered ZS_ECLOSED, and the
+    primary exits within the grace and a margin, not after the forward's
+    failover time (30 s here)."""
+    pb = hostile.stubs().pb
+    rs = ReplicaSet(failover_ms=LONG_FAILOVER_MS)
+    rs.env[1] = {"ZSHARD_MAX_TENSORS": "1"}
+    with rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        spec = pb.ModelSpec(
+            job="closing", world_size=1, grad_accum=1, num_shards=1,
+            grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
+            groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=0.9,
+                                  beta2=0.999, eps=1e-8, weight_decay=0.01)],
+            tensors=[pb.TensorSpec(name="t%d" % i, numel=n, group=0)
+                     for i, n in enumerate(NUMELS)])
+        fut = p.future("Open", pb.OpenRequest(spec=spec, rank=0), timeout=LONG_FAILOVER_MS / 1e3 + 30)
+        assert hostile.wait_for(lambda: "job_opened" in rs.log(0), seconds=10)
+        time.sleep(0.5)  # the forward retries meanwhile
+        assert not fut.done()
+        t0 = time.monotonic()
+        rs.procs[0].send_signal(signal.SIGTERM)
+        rs.procs[0].wait(timeout=LONG_FAILOVER_MS / 1e3 + 30)
+        took = time.monotonic() - t0
+        try:
+            fut.result()
+            raise AssertionError("the Open succeeded")
+        except grpc.RpcError as e:
+            assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
+        assert took < GRACE_SECONDS + 4.0, took
+        assert "replica_dropped" not in rs.log(0)
