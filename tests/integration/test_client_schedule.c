@@ -406,14 +406,14 @@ static void other_algorithm(char *buf, size_t len) {
     fail_msg("the kernel offers only '%s': no other congestion control to tell apart", def);
 }
 
-/* How many established TCP sockets of process `pid` use congestion control
- * `cc`, and how many it has in all (ss -tinp: one line per socket, then its
- * info line, which starts with the algorithm's name). */
-static void count_sockets(pid_t pid, const char *cc, int *with, int *all) {
+/* How many established TCP sockets of process `pid` have an info line
+ * (ss -tinp: one line per socket, then its info line) that `match`es, and
+ * how many it has in all. */
+static void count_sockets_where(pid_t pid, int (*match)(char *info, const void *arg),
+                                const void *arg, int *with, int *all) {
   char line[4096], want[32];
-  const char *cmd = "ss -Htinp state established 2>/dev/null";
   snprintf(want, sizeof want, "pid=%d,", (int)pid);
-  FILE *f = popen(cmd, "r");
+  FILE *f = popen("ss -Htinp state established 2>/dev/null", "r");
   assert_non_null(f);
   *with = *all = 0;
   int mine = 0;
@@ -424,17 +424,28 @@ static void count_sockets(pid_t pid, const char *cc, int *with, int *all) {
     }
     if (!mine)
       continue;
-    /* The algorithm is a word of its own ("reno", not "bbr:(...)"),
-     * after the options (ts, sack, ecn) when there are any. */
-    int found = 0;
-    for (char *save = NULL, *tok = strtok_r(line, " \t\n", &save); tok && !found;
-         tok = strtok_r(NULL, " \t\n", &save))
-      found = strcmp(tok, cc) == 0;
     (*all)++;
-    *with += found;
+    *with += match(line, arg) != 0;
     mine = 0;
   }
   pclose(f);
+}
+
+/* The info line starts with the congestion control's name: a word of its
+ * own ("reno", not "bbr:(...)"), after the options (ts, sack, ecn) when
+ * there are any. */
+static int uses_cc(char *info, const void *arg) {
+  int found = 0;
+  for (char *save = NULL, *tok = strtok_r(info, " \t\n", &save); tok && !found;
+       tok = strtok_r(NULL, " \t\n", &save))
+    found = strcmp(tok, (const char *)arg) == 0;
+  return found;
+}
+
+/* How many established TCP sockets of process `pid` use congestion control
+ * `cc`, and how many it has in all. */
+static void count_sockets(pid_t pid, const char *cc, int *with, int *all) {
+  count_sockets_where(pid, uses_cc, cc, with, all);
 }
 
 static void tcp_congestion_reaches_the_data_plane_sockets(void **state) {
@@ -473,32 +484,21 @@ static void tcp_congestion_reaches_the_data_plane_sockets(void **state) {
   assert_int_equal(hs_cluster_stop(&cl), 0);
 }
 
+/* ss -tin writes "pacing_rate <now>bps/<cap>bps" for a socket with a cap:
+ * whether the cap of that very rate is *arg bits per second. */
+static int capped_at(char *info, const void *arg) {
+  char cap[48];
+  snprintf(cap, sizeof cap, "/%" PRIu64 "bps ", *(const uint64_t *)arg);
+  const char *p = strstr(info, "pacing_rate ");
+  const char *sp = p ? strchr(p + strlen("pacing_rate "), ' ') : NULL;
+  const char *c = p ? strstr(p, cap) : NULL;
+  return c && sp && c + strlen(cap) - 1 == sp;
+}
+
 /* How many established TCP sockets of process `pid` have their pacing capped
- * at `bps` bits per second, and how many it has in all (ss -tin writes
- * "pacing_rate <now>bps/<cap>bps" for a socket with a cap). */
+ * at `bps` bits per second, and how many it has in all. */
 static void count_paced(pid_t pid, uint64_t bps, int *with, int *all) {
-  char line[4096], want[32], cap[48];
-  snprintf(want, sizeof want, "pid=%d,", (int)pid);
-  snprintf(cap, sizeof cap, "/%" PRIu64 "bps ", bps);
-  FILE *f = popen("ss -Htinp state established 2>/dev/null", "r");
-  assert_non_null(f);
-  *with = *all = 0;
-  int mine = 0;
-  while (fgets(line, sizeof line, f)) {
-    if (line[0] != ' ' && line[0] != '\t') {
-      mine = strstr(line, want) != NULL;
-      continue;
-    }
-    if (!mine)
-      continue;
-    const char *p = strstr(line, "pacing_rate ");
-    const char *sp = p ? strchr(p + strlen("pacing_rate "), ' ') : NULL;
-    const char *c = p ? strstr(p, cap) : NULL;
-    (*all)++;
-    *with += c && sp && c + strlen(cap) - 1 == sp; /* the cap of this very rate */
-    mine = 0;
-  }
-  pclose(f);
+  count_sockets_where(pid, capped_at, &bps, with, all);
 }
 
 static int file_has(const char *path, const char *needle) {

@@ -39,23 +39,29 @@ def other_congestion_control():
     return others[0]
 
 
-def sockets_of_this_process(cc):
-    """(sockets using `cc`, all established TCP sockets) of this process
-    (ss -tinp: a socket's line, then its info line, which names the
-    algorithm as a word of its own)."""
+def sockets_of_this_process_where(match):
+    """(sockets whose info line's words `match`, all established TCP
+    sockets) of this process (ss -tinp: a socket's line, then its info
+    line)."""
     out = subprocess.run(["ss", "-Htinp", "state", "established"], check=True,
                          capture_output=True, text=True).stdout
     want = "pid=%d," % os.getpid()
-    mine = with_cc = total = 0
+    mine = matched = total = 0
     for line in out.splitlines():
         if not line[:1].isspace():
             mine = want in line
             continue
         if mine:
             total += 1
-            with_cc += cc in line.split()
+            matched += bool(match(line.split()))
             mine = False
-    return with_cc, total
+    return matched, total
+
+
+def sockets_of_this_process(cc):
+    """(sockets using `cc`, all established TCP sockets) of this process:
+    the info line names the algorithm as a word of its own."""
+    return sockets_of_this_process_where(lambda words: cc in words)
 
 
 def train(addresses, steps=4, **options):
@@ -151,21 +157,10 @@ def test_tcp_congestion_reaches_the_data_plane_sockets():
 def paced_sockets_of_this_process(bps):
     """(sockets whose pacing is capped at `bps` bits/s, all established TCP
     sockets) of this process (ss -tin: "pacing_rate <now>bps/<cap>bps")."""
-    out = subprocess.run(["ss", "-Htinp", "state", "established"], check=True,
-                         capture_output=True, text=True).stdout
-    want = "pid=%d," % os.getpid()
-    mine = paced = total = 0
-    for line in out.splitlines():
-        if not line[:1].isspace():
-            mine = want in line
-            continue
-        if mine:
-            words = line.split()
-            rate = words[words.index("pacing_rate") + 1] if "pacing_rate" in words else ""
-            total += 1
-            paced += rate.endswith("/%dbps" % bps)
-            mine = False
-    return paced, total
+    def capped(words):
+        rate = words[words.index("pacing_rate") + 1] if "pacing_rate" in words else ""
+        return rate.endswith("/%dbps" % bps)
+    return sockets_of_this_process_where(capped)
 
 
 def test_tcp_pacing_reaches_the_data_plane_sockets_and_bad_rates_are_refused(monkeypatch):
