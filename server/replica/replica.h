@@ -184,6 +184,19 @@ int replica_forward_pushes(replica *r, const core_push_args *a, uint32_t n, char
 int replica_forward_raw(replica *r, const char *method, replica_write kind, uint64_t step,
                         const void *msg, size_t len, char *err, size_t errlen);
 
+/* A trainer's Push this primary accepted is on its way to the backups
+ * (up: 1), before it waits for a thread of the transport's forwarding pool,
+ * or its forward ended, forwarded or not (up: 0; exactly once per up). While
+ * one is pending, a backup's ZS_ENOTREADY to an Apply's forward may be the
+ * contribution still on its way, and the Apply waits for it as for a push
+ * forward under way (see replica_forward_raw) instead of dropping the
+ * backup after the failover time. NULL r does nothing. */
+void replica_push_pending(replica *r, int up);
+
+/* Test hook: replica__test_stall(name) for the transports (tests only; the
+ * names are listed in docs/OPERATIONS.md). */
+void replica_test_stall(const char *name);
+
 /* The server is shutting down and the grace for calls in flight is over: a
  * forward makes no further attempt (its attempt in flight still ends within
  * what is left of its bound) and returns ZS_ECLOSED, so that a backup that

@@ -162,6 +162,13 @@ struct replica {
   int monitor_started, stopping;
   /* Set by replica_stop_forwards: no forward makes another attempt. */
   int fwd_stopping;
+  /* mu: gRPC Pushes this primary accepted whose forward has not ended, from
+   * before they wait in the transport's forwarding pool (replica_push_pending):
+   * such a push is on its way to every backup though no forward counts it
+   * in member.pushing yet. */
+  uint32_t pushes_pending;
+  /* mu: clock_now_ms() when the last of them ended. */
+  uint64_t pending_done_ms;
 };
 
 typedef struct fwd_target {

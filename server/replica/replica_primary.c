@@ -151,12 +151,16 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
     if (!m->in_sync && !m->joining) {
       k = FWD_DONE; /* dropped meanwhile */
     } else if (!is_push && !m->joining && rc == ZS_ENOTREADY &&
-               (m->pushing || m->pushed_ms >= sent_ms)) {
+               (m->pushing || m->pushed_ms >= sent_ms || r->pushes_pending ||
+                r->pending_done_ms >= sent_ms)) {
       /* A backup that answers misses contributions that pushes still under
        * way bring it (each bounded by the failover time, or it is
        * dropped): the failover time counts from when they are through.
        * A push that ended after this attempt was sent may have landed
        * after the backup answered it: the attempt is retried as well.
+       * Pushes accepted here but still waiting for a forwarding thread
+       * (replica_push_pending) count too: their forward has not begun, so
+       * no member.pushing says so yet.
        * Both clocks restart: the next attempt waits the whole bound. */
       ck->first_fail = ck->start = now;
     } else if (m->joining && rc == ZS_ENOTREADY && r->snap_busy && !r->snap_ready) {
@@ -216,6 +220,19 @@ static void count_pushing(replica *r, const fwd_target *t, uint32_t n, int up) {
       m->pushing--;
       m->pushed_ms = clock_now_ms();
     }
+  }
+  pthread_mutex_unlock(&r->mu);
+}
+
+void replica_push_pending(replica *r, int up) {
+  if (!r)
+    return;
+  pthread_mutex_lock(&r->mu);
+  if (up) {
+    r->pushes_pending++;
+  } else if (r->pushes_pending > 0) {
+    r->pushes_pending--;
+    r->pending_done_ms = clock_now_ms();
   }
   pthread_mutex_unlock(&r->mu);
 }

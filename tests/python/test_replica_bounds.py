@@ -152,3 +152,53 @@ def test_a_primary_shut_down_during_a_forward_stops_retrying_and_answers_closed(
             assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
         assert took < GRACE_SECONDS + 4.0, took
         assert "replica_dropped" not in rs.log(0)
+
+
+# Each Push's forward waits this long in the primary's forwarding pool before
+# it begins (ZSHARD_TEST_PUSH_FWD_STALL_MS), longer than the failover time
+# (1 s): a pool busy with other forwards, a loaded machine.
+PUSH_STALL_MS = 2000
+
+
+def test_an_apply_waits_for_a_push_still_queued_for_its_forward():
+    """World 2. Rank 1's last Push is accepted by the primary, which then
+    holds every contribution: rank 0's GradStats completes and its Apply
+    is applied and forwarded while that Push still waits for a forwarding
+    thread (2 s here, against --failover-ms 1000). The backup answers the
+    Apply ZS_ENOTREADY (it misses the push); the primary must wait for the
+    push on its way rather than drop the backup after the failover time
+    (the soak's "Apply: step N still misses 1 of 4 contributions" drop).
+    The backup stays in the set with the primary's weights."""
+    pb = hostile.stubs().pb
+    rs = ReplicaSet(failover_ms=1000)
+    rs.env[0] = {"ZSHARD_TEST_PUSH_FWD_STALL_MS": str(PUSH_STALL_MS)}
+    with rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        h = hostile.open_job(p, NUMELS, world_size=2)
+        hostile.init_params(p, h, NUMELS)
+        hostile.push_all(p, h, 1, NUMELS, rank=0)
+        failed = []
+
+        def rank1():
+            try:
+                hostile.push_all(rs.client(0), h, 1, NUMELS, rank=1, value=0.5)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                failed.append(e)
+
+        t = threading.Thread(target=rank1)
+        t.start()
+        try:
+            hostile.grad_stats(p, h, 1)
+            p.call("Apply", pb.ApplyRequest(spec_hash=h, step=1, lr=1e-3, coef=1.0))
+        finally:
+            t.join()
+        assert not failed, failed
+        log = rs.log(0)
+        assert "ZSHARD_TEST_PUSH_FWD_STALL_MS" in log, log[-3000:]
+        assert "replica_dropped" not in log, log[-3000:]
+        assert rs.role(1) == "backup"
+        b = rs.client(1)
+        for t_idx, n in enumerate(NUMELS):
+            assert read_state(b, h, t_idx, n) == read_state(p, h, t_idx, n)
