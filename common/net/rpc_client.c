@@ -292,6 +292,37 @@ int rpc_call_md(rpc_channel *ch, const char *method, const ProtobufCMessage *req
 int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t req_len,
                  const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
                  ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st) {
+  return rpc_call_raw_stop(ch, method, req, req_len, md, nmd, resp_desc, resp, timeout_ms, NULL,
+                           st);
+}
+
+/* Waits for the batch `tag` of `call` on its private queue. RECV_STATUS_ON_CLIENT
+ * always completes (at the latest at the call's deadline, or soon after a
+ * cancel), so the wait is bounded. With `stop`, the wait wakes every
+ * RPC_STOP_POLL_MS to ask it, and cancels the call once it says so; returns
+ * whether it did. */
+static int wait_batch(grpc_completion_queue *cq, grpc_call *call, void *tag, const rpc_stop *stop) {
+  int cancelled = 0;
+  grpc_event ev;
+  for (;;) {
+    gpr_timespec until = stop && !cancelled
+                             ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                            gpr_time_from_millis(RPC_STOP_POLL_MS, GPR_TIMESPAN))
+                             : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    ev = grpc_completion_queue_next(cq, until, NULL);
+    if (ev.type == GRPC_OP_COMPLETE && ev.tag == tag)
+      return cancelled;
+    if (ev.type == GRPC_QUEUE_TIMEOUT && stop && !cancelled && stop->fn(stop->arg)) {
+      grpc_call_cancel_with_status(call, GRPC_STATUS_CANCELLED, "stopped by the caller", NULL);
+      cancelled = 1;
+    }
+  }
+}
+
+int rpc_call_raw_stop(rpc_channel *ch, const char *method, const void *req, size_t req_len,
+                      const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
+                      ProtobufCMessage **resp, uint64_t timeout_ms, const rpc_stop *stop,
+                      rpc_status *st) {
   *resp = NULL;
   if (st) {
     st->grpc_code = GRPC_STATUS_OK;
@@ -367,12 +398,10 @@ int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t re
                     grpc_call_error_to_string(err));
     goto done;
   }
-  /* RECV_STATUS_ON_CLIENT always completes (at the latest at the deadline), so
-   * waiting without a bound here cannot hang. */
-  grpc_event ev;
-  do {
-    ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-  } while (ev.type != GRPC_OP_COMPLETE || ev.tag != tag);
+  if (wait_batch(cq, call, tag, stop) && code != GRPC_STATUS_OK) {
+    rc = set_status(st, GRPC_STATUS_CANCELLED, ZS_ECANCELED, "%s: stopped by the caller", method);
+    goto done;
+  }
 
   if (code != GRPC_STATUS_OK) {
     int zs = trailer_status(&trailing_md);

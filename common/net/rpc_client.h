@@ -121,4 +121,20 @@ int rpc_call_raw(rpc_channel *ch, const char *method, const void *req, size_t re
                  const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
                  ProtobufCMessage **resp, uint64_t timeout_ms, rpc_status *st);
 
+/* How a caller ends a call of its own early: while the call waits, fn(arg)
+ * is asked every RPC_STOP_POLL_MS; once it returns nonzero the call is
+ * cancelled and ends ZS_ECANCELED ("...: stopped by the caller"). fn runs
+ * on the calling thread and must not block. */
+typedef struct rpc_stop {
+  int (*fn)(void *arg);
+  void *arg;
+} rpc_stop;
+#define RPC_STOP_POLL_MS 50
+
+/* rpc_call_raw that `stop` (NULL: none) may end early. */
+int rpc_call_raw_stop(rpc_channel *ch, const char *method, const void *req, size_t req_len,
+                      const rpc_md *md, size_t nmd, const ProtobufCMessageDescriptor *resp_desc,
+                      ProtobufCMessage **resp, uint64_t timeout_ms, const rpc_stop *stop,
+                      rpc_status *st);
+
 #endif

@@ -47,7 +47,9 @@ void replica__test_stall(const char *name) {
   nanosleep(&ts, NULL);
 }
 
-void replica_test_stall(const char *name) { replica__test_stall(name); }
+void replica_test_stall(const char *name) {
+  replica__test_stall(name);
+}
 
 /* "the primary of term 3 is member 1 (h:p)" or why none is known. */
 void replica__say_primary_locked(const replica *r, char *buf, size_t len) {

@@ -198,10 +198,12 @@ void replica_push_pending(replica *r, int up);
 void replica_test_stall(const char *name);
 
 /* The server is shutting down and the grace for calls in flight is over: a
- * forward makes no further attempt (its attempt in flight still ends within
- * what is left of its bound) and returns ZS_ECLOSED, so that a backup that
- * keeps refusing, or a wait the rules extend (pushes under way, a joiner's
- * copy), does not hold the shutdown. Call it before waiting for the
+ * forward makes no further attempt and returns ZS_ECLOSED, so that a backup
+ * that keeps refusing, or a wait the rules extend (pushes under way, a
+ * joiner's copy), does not hold the shutdown; a gRPC attempt in flight is
+ * cancelled within RPC_STOP_POLL_MS (a silent backup does not hold it
+ * either), a data-plane push's attempt still ends within what is left of
+ * its bound. No member is dropped for it. Call it before waiting for the
  * forwards to end; NULL r does nothing. */
 void replica_stop_forwards(replica *r);
 

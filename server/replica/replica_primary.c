@@ -148,7 +148,10 @@ static int settle(replica *r, const fwd_target *t, int rc, const char *msg, int 
     replica__drop_locked(r, t->idx, rc, msg);
   } else if (k == FWD_RETRY) {
     uint64_t now = clock_now_ms();
-    if (!m->in_sync && !m->joining) {
+    if (r->fwd_stopping) {
+      /* Shutting down (the attempt may have been cancelled by it): nobody
+       * is dropped for it; the forward answers ZS_ECLOSED. */
+    } else if (!m->in_sync && !m->joining) {
       k = FWD_DONE; /* dropped meanwhile */
     } else if (!is_push && !m->joining && rc == ZS_ENOTREADY &&
                (m->pushing || m->pushed_ms >= sent_ms || r->pushes_pending ||
@@ -470,6 +473,10 @@ typedef struct raw_req {
   size_t len;
 } raw_req;
 
+static int stop_asked(void *r) {
+  return forwards_stopped(r);
+}
+
 static int send_raw(replica *r, member *m, uint64_t term, const void *arg, uint32_t wait_ms,
                     char *msg, size_t len) {
   const raw_req *q = arg;
@@ -482,7 +489,10 @@ static int send_raw(replica *r, member *m, uint64_t term, const void *arg, uint3
   rpc_md md[2] = {{"zshard-replica-term", tbuf}, {"zshard-replica-from", ibuf}};
   rpc_status st;
   ProtobufCMessage *resp = NULL;
-  int rc = rpc_call_raw(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, wait_ms, &st);
+  /* At shutdown an attempt in flight ends at once (replica_stop_forwards). */
+  rpc_stop stop = {stop_asked, r};
+  int rc =
+      rpc_call_raw_stop(ch, q->method, q->msg, q->len, md, 2, NULL, &resp, wait_ms, &stop, &st);
   if (rc)
     snprintf(msg, len, "%s", st.message);
   return rc;

@@ -202,3 +202,49 @@ def test_an_apply_waits_for_a_push_still_queued_for_its_forward():
         b = rs.client(1)
         for t_idx, n in enumerate(NUMELS):
             assert read_state(b, h, t_idx, n) == read_state(p, h, t_idx, n)
+
+
+def test_a_primary_shut_down_while_a_forward_waits_on_a_silent_backup_exits_within_the_grace():
+    """The backup is SIGSTOPped, so the forward of the job's Open waits in
+    one attempt that the backup never answers (the failover time is 30 s),
+    and the primary is sent SIGTERM: after the grace for calls in flight the
+    attempt in flight is cancelled, the trainer's Open is answered
+    ZS_ECLOSED and the primary exits well before the forward's bound; the
+    backup is not dropped for it. Measured: 20.4 s after the SIGTERM,
+    where the stopped backup's own gRPC connection to the primary, which
+    never acknowledges the close, holds the server's shutdown; before the
+    cancel the attempt held it to the forward's bound (30 s)."""
+    pb = hostile.stubs().pb
+    rs = ReplicaSet(failover_ms=LONG_FAILOVER_MS)
+    with rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        backup = rs.procs[1].pid
+        os.kill(backup, signal.SIGSTOP)
+        try:
+            spec = pb.ModelSpec(
+                job="silent", world_size=1, grad_accum=1, num_shards=1,
+                grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
+                groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=0.9,
+                                      beta2=0.999, eps=1e-8, weight_decay=0.01)],
+                tensors=[pb.TensorSpec(name="t%d" % i, numel=n, group=0)
+                         for i, n in enumerate(NUMELS)])
+            fut = p.future("Open", pb.OpenRequest(spec=spec, rank=0),
+                           timeout=LONG_FAILOVER_MS / 1e3 + 30)
+            assert hostile.wait_for(lambda: "job_opened" in rs.log(0), seconds=10)
+            time.sleep(0.5)  # the forward's attempt waits on the stopped backup
+            assert not fut.done()
+            t0 = time.monotonic()
+            rs.procs[0].send_signal(signal.SIGTERM)
+            rs.procs[0].wait(timeout=LONG_FAILOVER_MS / 1e3 + 30)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(backup, signal.SIGCONT)
+        try:
+            fut.result()
+            raise AssertionError("the Open succeeded")
+        except grpc.RpcError as e:
+            assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
+        assert took < LONG_FAILOVER_MS / 1e3 - 5.0, took
+        assert "replica_dropped" not in rs.log(0)
