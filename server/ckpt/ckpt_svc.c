@@ -678,6 +678,7 @@ static int restore_from(ckpt_svc *s, const char *root, uint64_t step, uint64_t h
   ckpt_manifest m;
   r->source_shards = ckpt_manifest_read(root, step, &m, NULL, 0) == 0 ? m.num_shards : 0;
   ckpt_manifest_free(&m);
+  clock_test_stall("ZSHARD_TEST_RESTORE_STALL_MS");
   rc = core_restore(s->core, &st, step, r->err, sizeof r->err);
   core_state_free(&st); /* on success, the shard's previous arenas */
   if (rc != 0)

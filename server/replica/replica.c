@@ -37,14 +37,7 @@ const char *replica_role_name(int role) {
 /* The environment variable `name` holds a whole number of milliseconds: the
  * calling thread sleeps that long, logged each time as a test hook acts. */
 void replica__test_stall(const char *name) {
-  const char *v = getenv(name);
-  char *end;
-  unsigned long ms = v && *v ? strtoul(v, &end, 10) : 0;
-  if (!ms || *end != '\0')
-    return;
-  LOG_WARN("test_hook", "name=%s ms=%lu effect=the_step_takes_that_much_longer", name, ms);
-  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
+  clock_test_stall(name);
 }
 
 void replica_test_stall(const char *name) {

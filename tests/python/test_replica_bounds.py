@@ -5,8 +5,12 @@ trainer once each acknowledged it or was dropped. The bound is the
 forward's, all its attempts together (DESIGN.md "Replica sets", forwards):
 a backup that refuses fast and then goes silent holds the write the bound
 once, not once per attempt; a large write is given its bytes' time at
-REPLICA_MIN_RATE on top, so a slow backup is not dropped for its size. The members are real zshard-server processes on
-loopback (test_hostile_replica.ReplicaSet), the trainer a raw gRPC client.
+REPLICA_MIN_RATE on top, so a slow backup is not dropped for its size,
+and a Restore 4 times the primary's own restore. An Apply waits for pushes
+still on their way to a backup, queued ones too; at shutdown a forward
+stops, its attempt in flight too. The members are real zshard-server
+processes on loopback (test_hostile_replica.ReplicaSet), the trainer a raw
+gRPC client.
 
 Run with Debian's interpreter (CTest does, through pytest):
 /usr/bin/python3 -m pytest -q tests/python/test_replica_bounds.py
@@ -248,3 +252,47 @@ def test_a_primary_shut_down_while_a_forward_waits_on_a_silent_backup_exits_with
             assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
         assert took < LONG_FAILOVER_MS / 1e3 - 5.0, took
         assert "replica_dropped" not in rs.log(0)
+
+
+# How long each member's Restore takes beyond its reading and verifying
+# (ZSHARD_TEST_RESTORE_STALL_MS on both), longer than the failover time (1 s).
+RESTORE_STALL_MS = 1500
+
+
+def test_a_restore_slower_than_the_failover_time_does_not_drop_the_backup():
+    """Both members share a state directory (the shared volume a replicated
+    shard restores from) and each takes 1.5 s to restore, longer than
+    --failover-ms 1000: the Restore's forward is given 4 times the
+    primary's own restore on top (REPLICA_FWD_RESTORE), so the backup,
+    which restores as slowly, is not dropped, and both members hold the
+    checkpoint's weights afterwards."""
+    pb = hostile.stubs().pb
+    rs = ReplicaSet()
+    state = os.path.join(rs.tmp, "state")
+    for i in range(2):
+        rs.env[i] = {"ZSHARD_STATE_DIR": state,
+                     "ZSHARD_TEST_RESTORE_STALL_MS": str(RESTORE_STALL_MS)}
+    with rs:
+        promote(rs, 0, 1)
+        assert hostile.wait_for(lambda: rs.role(1) == "backup")
+        p = rs.client(0)
+        h = hostile.open_job(p, NUMELS)
+        hostile.init_params(p, h, NUMELS)
+        hostile.step(p, h, 1, NUMELS)
+        r = p.call("Checkpoint", pb.CheckpointRequest(spec_hash=h, step=1, dir="ck"))
+        p.call("CommitCheckpoint", pb.CommitCheckpointRequest(
+            spec_hash=h, step=1, optimizer_steps=1, files=[r.file], dir="ck"))
+        at_checkpoint = read_state(p, h, 0, NUMELS[0])
+        hostile.step(p, h, 2, NUMELS)
+        assert read_state(p, h, 0, NUMELS[0]) != at_checkpoint
+        t0 = time.monotonic()
+        p.call("Restore", pb.RestoreRequest(spec_hash=h, step=1, dir="ck"), timeout=60)
+        took = time.monotonic() - t0
+        log = rs.log(0)
+        assert "ZSHARD_TEST_RESTORE_STALL_MS" in rs.log(1), rs.log(1)[-3000:]
+        assert "replica_dropped" not in log, log[-3000:]
+        assert took > 2 * RESTORE_STALL_MS / 1e3, "the members did not restore one after the other"
+        assert rs.role(1) == "backup"
+        b = rs.client(1)
+        assert read_state(p, h, 0, NUMELS[0]) == at_checkpoint
+        assert read_state(b, h, 0, NUMELS[0]) == at_checkpoint
