@@ -39,6 +39,30 @@ REFUSE_SECONDS = 1.5
 MARGIN_SECONDS = 0.8
 
 
+def _open_request(job):
+    """The OpenRequest of hostile.open_job's job (NUMELS, rank 0), to send
+    as a future."""
+    pb = hostile.stubs().pb
+    spec = pb.ModelSpec(
+        job=job, world_size=1, grad_accum=1, num_shards=1, grad_reduce=pb.GRAD_REDUCE_MEAN,
+        param_dtype=pb.DTYPE_BF16,
+        groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.01)],
+        tensors=[pb.TensorSpec(name="t%d" % i, numel=n, group=0) for i, n in enumerate(NUMELS)])
+    return pb.OpenRequest(spec=spec, rank=0)
+
+
+def _primary_with_job(rs, world_size=1):
+    """Member 0 promoted, member 1 its backup, a job of NUMELS opened and
+    initialised on the primary; returns (the primary's client, the hash)."""
+    promote(rs, 0, 1)
+    assert hostile.wait_for(lambda: rs.role(1) == "backup")
+    p = rs.client(0)
+    h = hostile.open_job(p, NUMELS, world_size=world_size)
+    hostile.init_params(p, h, NUMELS)
+    return p, h
+
+
 def test_a_backup_that_refuses_then_goes_silent_holds_a_write_the_failover_time_once():
     """The backup refuses the job's Open at once (ZS_ELIMIT: its
     --max-tensors is below the job's; a refusal that may pass, so the
@@ -120,6 +144,27 @@ GRACE_SECONDS = 10.0
 LONG_FAILOVER_MS = 30000
 
 
+def _terminate_during_open(rs, p, job):
+    """Sends the job's Open to the primary (client p) and, once the primary
+    opened it and its forward has waited 0.5 s, SIGTERM; checks that the
+    Open was answered ZS_ECLOSED and returns how long the primary took to
+    exit."""
+    fut = p.future("Open", _open_request(job), timeout=LONG_FAILOVER_MS / 1e3 + 30)
+    assert hostile.wait_for(lambda: "job_opened" in rs.log(0), seconds=10)
+    time.sleep(0.5)  # the forward waits meanwhile
+    assert not fut.done()
+    t0 = time.monotonic()
+    rs.procs[0].send_signal(signal.SIGTERM)
+    rs.procs[0].wait(timeout=LONG_FAILOVER_MS / 1e3 + 30)
+    took = time.monotonic() - t0
+    try:
+        fut.result()
+        raise AssertionError("the Open succeeded")
+    except grpc.RpcError as e:
+        assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
+    return took
+
+
 def test_a_primary_shut_down_during_a_forward_stops_retrying_and_answers_closed():
     """The backup refuses the job's Open at once, again and again (ZS_ELIMIT,
     a refusal that may pass), and the primary is sent SIGTERM while it
@@ -127,33 +172,13 @@ def test_a_primary_shut_down_during_a_forward_stops_retrying_and_answers_closed(
     further attempt, the trainer's Open is answered ZS_ECLOSED, and the
     primary exits within the grace and a margin, not after the forward's
     failover time (30 s here)."""
-    pb = hostile.stubs().pb
     rs = ReplicaSet(failover_ms=LONG_FAILOVER_MS)
     rs.env[1] = {"ZSHARD_MAX_TENSORS": "1"}
     with rs:
         promote(rs, 0, 1)
         assert hostile.wait_for(lambda: rs.role(1) == "backup")
         p = rs.client(0)
-        spec = pb.ModelSpec(
-            job="closing", world_size=1, grad_accum=1, num_shards=1,
-            grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
-            groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=0.9,
-                                  beta2=0.999, eps=1e-8, weight_decay=0.01)],
-            tensors=[pb.TensorSpec(name="t%d" % i, numel=n, group=0)
-                     for i, n in enumerate(NUMELS)])
-        fut = p.future("Open", pb.OpenRequest(spec=spec, rank=0), timeout=LONG_FAILOVER_MS / 1e3 + 30)
-        assert hostile.wait_for(lambda: "job_opened" in rs.log(0), seconds=10)
-        time.sleep(0.5)  # the forward retries meanwhile
-        assert not fut.done()
-        t0 = time.monotonic()
-        rs.procs[0].send_signal(signal.SIGTERM)
-        rs.procs[0].wait(timeout=LONG_FAILOVER_MS / 1e3 + 30)
-        took = time.monotonic() - t0
-        try:
-            fut.result()
-            raise AssertionError("the Open succeeded")
-        except grpc.RpcError as e:
-            assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
+        took = _terminate_during_open(rs, p, "closing")
         assert took < GRACE_SECONDS + 4.0, took
         assert "replica_dropped" not in rs.log(0)
 
@@ -177,11 +202,7 @@ def test_an_apply_waits_for_a_push_still_queued_for_its_forward():
     rs = ReplicaSet(failover_ms=1000)
     rs.env[0] = {"ZSHARD_TEST_PUSH_FWD_STALL_MS": str(PUSH_STALL_MS)}
     with rs:
-        promote(rs, 0, 1)
-        assert hostile.wait_for(lambda: rs.role(1) == "backup")
-        p = rs.client(0)
-        h = hostile.open_job(p, NUMELS, world_size=2)
-        hostile.init_params(p, h, NUMELS)
+        p, h = _primary_with_job(rs, world_size=2)
         hostile.push_all(p, h, 1, NUMELS, rank=0)
         failed = []
 
@@ -218,7 +239,6 @@ def test_a_primary_shut_down_while_a_forward_waits_on_a_silent_backup_exits_with
     where the stopped backup's own gRPC connection to the primary, which
     never acknowledges the close, holds the server's shutdown; before the
     cancel the attempt held it to the forward's bound (30 s)."""
-    pb = hostile.stubs().pb
     rs = ReplicaSet(failover_ms=LONG_FAILOVER_MS)
     with rs:
         promote(rs, 0, 1)
@@ -227,29 +247,9 @@ def test_a_primary_shut_down_while_a_forward_waits_on_a_silent_backup_exits_with
         backup = rs.procs[1].pid
         os.kill(backup, signal.SIGSTOP)
         try:
-            spec = pb.ModelSpec(
-                job="silent", world_size=1, grad_accum=1, num_shards=1,
-                grad_reduce=pb.GRAD_REDUCE_MEAN, param_dtype=pb.DTYPE_BF16,
-                groups=[pb.ParamGroup(optimizer=pb.OPTIMIZER_ADAMW, lr_scale=1.0, beta1=0.9,
-                                      beta2=0.999, eps=1e-8, weight_decay=0.01)],
-                tensors=[pb.TensorSpec(name="t%d" % i, numel=n, group=0)
-                         for i, n in enumerate(NUMELS)])
-            fut = p.future("Open", pb.OpenRequest(spec=spec, rank=0),
-                           timeout=LONG_FAILOVER_MS / 1e3 + 30)
-            assert hostile.wait_for(lambda: "job_opened" in rs.log(0), seconds=10)
-            time.sleep(0.5)  # the forward's attempt waits on the stopped backup
-            assert not fut.done()
-            t0 = time.monotonic()
-            rs.procs[0].send_signal(signal.SIGTERM)
-            rs.procs[0].wait(timeout=LONG_FAILOVER_MS / 1e3 + 30)
-            took = time.monotonic() - t0
+            took = _terminate_during_open(rs, p, "silent")
         finally:
             os.kill(backup, signal.SIGCONT)
-        try:
-            fut.result()
-            raise AssertionError("the Open succeeded")
-        except grpc.RpcError as e:
-            assert zs_status(e) == ZS_ECLOSED, (e.code(), e.details())
         assert took < LONG_FAILOVER_MS / 1e3 - 5.0, took
         assert "replica_dropped" not in rs.log(0)
 
@@ -273,11 +273,7 @@ def test_a_restore_slower_than_the_failover_time_does_not_drop_the_backup():
         rs.env[i] = {"ZSHARD_STATE_DIR": state,
                      "ZSHARD_TEST_RESTORE_STALL_MS": str(RESTORE_STALL_MS)}
     with rs:
-        promote(rs, 0, 1)
-        assert hostile.wait_for(lambda: rs.role(1) == "backup")
-        p = rs.client(0)
-        h = hostile.open_job(p, NUMELS)
-        hostile.init_params(p, h, NUMELS)
+        p, h = _primary_with_job(rs)
         hostile.step(p, h, 1, NUMELS)
         r = p.call("Checkpoint", pb.CheckpointRequest(spec_hash=h, step=1, dir="ck"))
         p.call("CommitCheckpoint", pb.CommitCheckpointRequest(
