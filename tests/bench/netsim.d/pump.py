@@ -3,7 +3,7 @@
     pump.py recv HOST PORT SECONDS [CONNS]  accepts CONNS connections (default
                                             1), drains them all at once, prints
                                             {"bytes", "first", "last"} as JSON
-    pump.py send [--pacing MBIT | --link MBIT] [--sequential] PORT BYTES SECONDS HOST [HOST...]
+    pump.py send [--pacing MBIT | --link MBIT [--lowat BYTES]] [--sequential] PORT BYTES SECONDS HOST [HOST...]
                                             sends BYTES to each HOST at once,
                                             one connection each, and closes;
                                             --pacing caps each connection at
@@ -12,7 +12,10 @@
                                             --link paces each connection that
                                             is sending at MBIT / n, n the
                                             connections sending now, as
-                                            zshard's --tcp-link-mbit does;
+                                            zshard's --tcp-link-mbit does
+                                            (each socket's TCP_NOTSENT_LOWAT
+                                            --lowat, default 131072, 0: the
+                                            kernel's);
                                             --sequential sends to the HOSTs one
                                             after another, in the order given,
                                             each stream closed before the next
@@ -43,8 +46,9 @@ class Link:
     holds at most 128 KiB unsent per socket (TCP_NOTSENT_LOWAT), so that a
     stream stops when its bytes have (nearly) left."""
 
-    def __init__(self, mbit):
+    def __init__(self, mbit, lowat=128 << 10):
         self.rate, self.lock, self.rates = mbit * 125000, threading.Lock(), {}
+        self.lowat = lowat
 
     def _repace(self):
         if self.rates:
@@ -55,7 +59,8 @@ class Link:
                     self.rates[s] = rate
 
     def start(self, s):
-        s.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, 128 << 10)
+        if self.lowat:
+            s.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, self.lowat)
         with self.lock:
             self.rates[s] = 0
             self._repace()
@@ -145,9 +150,10 @@ def send_all(port, nbytes, seconds, hosts, errors, pacing, link=None):
             return
 
 
-def send(port, nbytes, seconds, hosts, pacing=0, sequential=False, link_mbit=0):
+def send(port, nbytes, seconds, hosts, pacing=0, sequential=False, link_mbit=0,
+         lowat=128 << 10):
     errors = []
-    link = Link(link_mbit) if link_mbit else None
+    link = Link(link_mbit, lowat) if link_mbit else None
     if sequential:
         threads = [threading.Thread(target=send_all,
                                     args=(port, nbytes, seconds, hosts, errors, pacing, link),
@@ -170,15 +176,18 @@ if __name__ == "__main__":
         recv(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
              int(sys.argv[5]) if len(sys.argv) > 5 else 1)
     else:
-        argv, pacing, sequential, link = sys.argv[2:], 0, False, 0
+        argv, pacing, sequential, link, lowat = sys.argv[2:], 0, False, 0, 128 << 10
         while argv[0].startswith("--"):
             opt = argv.pop(0)
             if opt == "--pacing":
                 pacing = int(argv.pop(0))
             elif opt == "--link":
                 link = int(argv.pop(0))
+            elif opt == "--lowat":
+                lowat = int(argv.pop(0))
             elif opt == "--sequential":
                 sequential = True
             else:
                 sys.exit("pump: unknown option %s" % opt)
-        send(int(argv[0]), int(argv[1]), float(argv[2]), argv[3:], pacing, sequential, link)
+        send(int(argv[0]), int(argv[1]), float(argv[2]), argv[3:], pacing, sequential, link,
+             lowat)
