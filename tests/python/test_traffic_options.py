@@ -3,7 +3,8 @@ schedule_window, tcp_congestion, tcp_pacing_mbit; docs/CLIENT.md, "Traffic sched
 each reaches libzshard (a bad value is refused there or here with a clear
 error, before anything is sent), a keyword wins over its environment
 variable, the congestion control and the pacing reach the data-plane
-sockets, and every
+sockets, link pacing (ZSHARD_TCP_LINK_MBIT, --tcp-link-mbit) sets each
+sending socket's cap to the link's share and keeps the bits, and every
 schedule trains to the bits of the FIFO one. Real zshard-server processes on
 loopback."""
 import array
