@@ -115,6 +115,8 @@ static int start_transports(const options *o, shard *s) {
     dc.replica = s->rep;
     dc.congestion = o->tcp_congestion;
     dc.pacing_mbit = o->tcp_pacing_mbit;
+    dc.link_mbit = o->tcp_link_mbit;
+    dc.link_notsent_lowat = o->tcp_link_lowat;
     rc = dp_server_start(&dc, &s->dp, err, sizeof err);
     if (rc == 0)
       rc = metrics_add_extra(s->mx, dp_server_metrics, s->dp);

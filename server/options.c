@@ -113,6 +113,10 @@ static void usage(FILE *f) {
           "                     cap every data-plane socket's send rate at N Mbit/s\n"
           "                     (SO_MAX_PACING_RATE; ZSHARD_TCP_PACING_MBIT; 0, the\n"
           "                     default: no pacing; at most 100000)\n"
+          "  --tcp-link-mbit L  pace the data-plane sockets that are sending at L/n\n"
+          "                     Mbit/s each, n the number sending now: L is this host's\n"
+          "                     link (ZSHARD_TCP_LINK_MBIT; 0, the default: off; not\n"
+          "                     with --tcp-pacing-mbit; docs/OPERATIONS.md)\n"
           "  --help             print this help and exit\n"
           "  --version          print the version and exit\n"
           "\n"
@@ -196,6 +200,7 @@ enum {
   OPT_PEER_CA,
   OPT_TCP_CONGESTION,
   OPT_TCP_PACING_MBIT,
+  OPT_TCP_LINK_MBIT,
   OPT_HELP,
   OPT_VERSION
 };
@@ -227,6 +232,8 @@ typedef struct raw_options {
   const char *trainer_timeout_ms;
   const char *tcp_congestion;
   const char *tcp_pacing_mbit;
+  const char *tcp_link_mbit;
+  const char *tcp_link_lowat;
 } raw_options;
 
 static void read_environment(raw_options *r) {
@@ -257,6 +264,8 @@ static void read_environment(raw_options *r) {
   r->peer_ca = getenv("ZSHARD_PEER_CA");
   r->tcp_congestion = getenv("ZSHARD_TCP_CONGESTION");
   r->tcp_pacing_mbit = getenv("ZSHARD_TCP_PACING_MBIT");
+  r->tcp_link_mbit = getenv("ZSHARD_TCP_LINK_MBIT");
+  r->tcp_link_lowat = getenv("ZSHARD_TCP_LINK_NOTSENT_LOWAT");
 }
 
 /* Lets the flags override what read_environment found. Returns -1 to go on,
@@ -292,6 +301,7 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       {"peer-ca", required_argument, NULL, OPT_PEER_CA},
       {"tcp-congestion", required_argument, NULL, OPT_TCP_CONGESTION},
       {"tcp-pacing-mbit", required_argument, NULL, OPT_TCP_PACING_MBIT},
+      {"tcp-link-mbit", required_argument, NULL, OPT_TCP_LINK_MBIT},
       {"help", no_argument, NULL, OPT_HELP},
       {"version", no_argument, NULL, OPT_VERSION},
       {NULL, 0, NULL, 0},
@@ -383,6 +393,9 @@ static int read_flags(int argc, char **argv, raw_options *r) {
       break;
     case OPT_TCP_PACING_MBIT:
       r->tcp_pacing_mbit = optarg;
+      break;
+    case OPT_TCP_LINK_MBIT:
+      r->tcp_link_mbit = optarg;
       break;
     case OPT_HELP:
       usage(stdout);
@@ -608,6 +621,30 @@ static int set_pacing(const raw_options *r, options *o) {
       stream_pacing_parse(r->tcp_pacing_mbit, "--tcp-pacing-mbit (ZSHARD_TCP_PACING_MBIT)",
                           &o->tcp_pacing_mbit, why, sizeof why) != 0)
     return options_bad_usage("%s", why);
+  o->tcp_link_mbit = 0;
+  if (r->tcp_link_mbit && *r->tcp_link_mbit &&
+      stream_pacing_parse(r->tcp_link_mbit, "--tcp-link-mbit (ZSHARD_TCP_LINK_MBIT)",
+                          &o->tcp_link_mbit, why, sizeof why) != 0)
+    return options_bad_usage("%s", why);
+  if (o->tcp_link_mbit && o->tcp_pacing_mbit)
+    return options_bad_usage("%s", "--tcp-link-mbit (pacing that follows the sockets sending) "
+                                   "and --tcp-pacing-mbit (a fixed rate) exclude each other");
+  /* The kernel's unsent bytes per paced socket (stream.h, "Link pacing"):
+   * a knob for measurements, documented in docs/OPERATIONS.md. */
+  o->tcp_link_lowat = STREAM_PACER_NOTSENT_LOWAT;
+  const char *lw = r->tcp_link_lowat;
+  if (lw && *lw) {
+    size_t n = strlen(lw);
+    unsigned long long v = 0;
+    int ok = n <= 10 && strspn(lw, "0123456789") == n;
+    for (size_t i = 0; ok && i < n; i++)
+      v = v * 10 + (unsigned)(lw[i] - '0');
+    if (!ok || v > (1u << 30))
+      return options_bad_usage("ZSHARD_TCP_LINK_NOTSENT_LOWAT must be a number of bytes from 0 "
+                               "to 1073741824, not '%s'",
+                               lw);
+    o->tcp_link_lowat = (uint32_t)v;
+  }
   return -1;
 }
 

@@ -44,6 +44,8 @@ typedef struct options {
   const char *peer_ca;
   const char *tcp_congestion; /* NULL: the host's default */
   uint32_t tcp_pacing_mbit;   /* per data-plane socket; 0: no pacing */
+  uint32_t tcp_link_mbit;     /* link pacing (stream.h); 0: off */
+  uint32_t tcp_link_lowat;    /* TCP_NOTSENT_LOWAT of link-paced sockets; 0: the kernel's */
 } options;
 
 /* Fills `o` from the flags and the environment. Returns -1 to go on, or the

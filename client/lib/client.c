@@ -20,6 +20,7 @@
 #include "common/base/dtype.h"
 #include "common/base/status.h"
 #include "common/net/dp_client.h"
+#include "common/net/stream.h"
 #include "internal.h"
 
 /* ---- registry ------------------------------------------------------------- */
@@ -228,6 +229,7 @@ static void client_free(zs_client *c) {
     return;
   zc_pool_stop(&c->pool);
   zc_dp_close(c);
+  stream_pacer_free(c->pacer); /* after the data clients, its members */
   zc_pool_free(&c->pool);
   zc_slots_free(c);
   zc_ef_free(c);
@@ -309,6 +311,8 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     rc = zc_congestion_resolve(opt.tcp_congestion, c->tcp_congestion, sizeof c->tcp_congestion);
   if (rc == ZS_OK)
     rc = zc_pacing_resolve(opt.tcp_pacing_mbit, &c->opt.tcp_pacing_mbit);
+  if (rc == ZS_OK)
+    rc = zc_link_resolve(c->opt.tcp_pacing_mbit, &c->pacer);
   if (rc != ZS_OK)
     goto fail;
   c->job = strdup(opt.job);

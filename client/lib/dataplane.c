@@ -55,6 +55,7 @@
  * fails the requests still on it with ZS_ECANCELED, which are retried when
  * the client was replaced (the task's generation is then not the shard's).
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -207,6 +208,38 @@ int zc_pacing_resolve(uint32_t requested, uint32_t *out) {
   return ZS_OK;
 }
 
+int zc_link_resolve(uint32_t pacing_mbit, struct stream_pacer **out) {
+  const char *env = getenv("ZSHARD_TCP_LINK_MBIT");
+  *out = NULL;
+  uint32_t link = 0;
+  char why[200];
+  if (env && *env && stream_pacing_parse(env, "ZSHARD_TCP_LINK_MBIT", &link, why, sizeof why) != 0)
+    return zc_fail(ZS_EINVAL, "zs_client_open: %s", why);
+  if (link == 0)
+    return ZS_OK;
+  if (pacing_mbit)
+    return zc_fail(ZS_EINVAL,
+                   "zs_client_open: ZSHARD_TCP_LINK_MBIT (pacing that follows the sockets "
+                   "sending) and a fixed tcp_pacing_mbit (%" PRIu32 ") exclude each other",
+                   pacing_mbit);
+  uint32_t lowat = STREAM_PACER_NOTSENT_LOWAT;
+  const char *lw = getenv("ZSHARD_TCP_LINK_NOTSENT_LOWAT");
+  if (lw && *lw) {
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(lw, &end, 10);
+    if (*end || errno || v > (1u << 30) || lw[0] == '-' || lw[0] == ' ')
+      return zc_fail(ZS_EINVAL,
+                     "zs_client_open: ZSHARD_TCP_LINK_NOTSENT_LOWAT is '%.32s'; it must be a "
+                     "number of bytes from 0 (the kernel's default) to 1073741824",
+                     lw);
+    lowat = (uint32_t)v;
+  }
+  if (stream_pacer_new(link, STREAM_PACER_MIN_WRITE, lowat, out) != 0)
+    return zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
+  return ZS_OK;
+}
+
 zs_transport zc_shard_transport(const struct zs_client *c, uint32_t shard) {
   zc_dp *dp = c->dp;
   if (!dp || shard >= dp->n)
@@ -252,6 +285,7 @@ static int open_client(const zs_client *c, const char *host, uint32_t port, zc_d
       .tls = c->sec.dp_tls,
       .congestion = c->tcp_congestion,
       .pacing_mbit = c->opt.tcp_pacing_mbit,
+      .pacer = c->pacer,
   };
   rc = dp_client_open(&cfg, &k->cli, err, errlen);
   if (rc != ZS_OK) {

@@ -549,6 +549,10 @@ struct zs_client {
   /* The data plane's TCP congestion control (stream.h's
    * STREAM_CC_NAME_MAX), "" for the host's default. */
   char tcp_congestion[16];
+  /* Link pacing of the data plane ($ZSHARD_TCP_LINK_MBIT; stream.h, "Link
+   * pacing"): owned, shared by every shard's data client, freed after
+   * them; NULL: none. */
+  struct stream_pacer *pacer;
   uint32_t nshards;
   char **addr;     /* owned, nshards strings: a shard's text ("h:p|h:p") */
   zc_rset *rs;     /* owned, nshards replica sets (n = 1: not replicated) */
@@ -719,5 +723,13 @@ int zc_congestion_resolve(const char *requested, char *out, size_t len);
  * ZS_EINVAL (zc_fail'ed) above STREAM_PACING_MBIT_MAX or for a variable that
  * is no such number. */
 int zc_pacing_resolve(uint32_t requested, uint32_t *out);
+
+/* The data plane's link pacing: with $ZSHARD_TCP_LINK_MBIT set (the host's
+ * link, Mbit/s), a pacer in *out (the caller's, stream_pacer_free) that
+ * every data-plane socket joins; else NULL. $ZSHARD_TCP_LINK_NOTSENT_LOWAT
+ * (bytes, default STREAM_PACER_NOTSENT_LOWAT, 0 the kernel's) bounds what the
+ * kernel holds unsent. `pacing_mbit` is the fixed per-socket pacing: both
+ * at once are refused. Returns ZS_OK, ZS_EINVAL (zc_fail'ed) or ZS_ENOMEM. */
+int zc_link_resolve(uint32_t pacing_mbit, struct stream_pacer **out);
 
 #endif

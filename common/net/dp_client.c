@@ -229,6 +229,7 @@ int dp_client_open(const dp_client_config *cfg, dp_client **out, char *err, size
                        STREAM_PACING_MBIT_MAX);
   }
   c->pacing_mbit = cfg->pacing_mbit;
+  c->pacer = cfg->pacer;
   if (cfg->congestion && cfg->congestion[0]) {
     rc = stream_cc_check(cfg->congestion, err, errlen);
     if (rc) {

@@ -79,6 +79,10 @@ typedef struct dp_client_config {
    * stream_set_pacing), set once connected; 0: none. dp_client_open fails
    * with ZS_EINVAL above STREAM_PACING_MBIT_MAX. */
   uint32_t pacing_mbit;
+  /* Link pacing (stream.h, "Link pacing"): every connection joins this
+   * pacer once connected; NULL: none. Borrowed: it must outlive the client,
+   * and may be shared with other clients (other loops). */
+  struct stream_pacer *pacer;
 } dp_client_config;
 
 /* Resolves "host:port" or "[v6]:port" (a numeric address or a name; with

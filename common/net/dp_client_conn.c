@@ -105,6 +105,8 @@ static void on_connect(stream *st, void *data, int status) {
       status = stream_set_congestion(st, c->congestion);
     if (status == 0 && c->pacing_mbit)
       status = stream_set_pacing(st, c->pacing_mbit);
+    if (status == 0 && c->pacer)
+      status = stream_pacer_join(st, c->pacer);
   }
   if (status == 0)
     status = stream_read_start(st, dpc__on_alloc, dpc__on_read);

@@ -120,6 +120,7 @@ struct dp_client {
   uint64_t replica_term;               /* sent in every HELLO */
   char congestion[STREAM_CC_NAME_MAX]; /* "" : the host's default */
   uint32_t pacing_mbit;                /* 0: no pacing */
+  stream_pacer *pacer;                 /* borrowed; NULL: no link pacing */
   /* Loop thread: the server refused the token (auth_status, auth_err): no
    * connection is tried again, every request fails with that status. */
   int auth_status;

@@ -151,7 +151,17 @@ int stream_write(stream *s, stream_write_req *req, const uv_buf_t *bufs, unsigne
     return ZS_EINVAL;
   req->s = s;
   req->cb = cb;
-  return s->ops->write(s, req, bufs, nbufs);
+  req->paced = 0;
+  if (s->pacer) {
+    size_t n = 0;
+    for (unsigned i = 0; i < nbufs; i++)
+      n += bufs[i].len;
+    stream__pace_write_start(s, req, n);
+  }
+  int rc = s->ops->write(s, req, bufs, nbufs);
+  if (rc != 0)
+    stream__pace_write_undo(req); /* no callback will come */
+  return rc;
 }
 
 size_t stream_write_queue_size(const stream *s) {
@@ -169,6 +179,7 @@ void stream_close(stream *s, stream_close_cb cb) {
     return;
   s->closing = 1;
   s->close_cb = cb;
+  stream__pace_leave(s); /* before the socket goes */
   s->ops->close(s);
 }
 
@@ -467,6 +478,7 @@ static void tcp_read_stop(stream *s) {
 
 static void tcp_on_write(uv_write_t *w, int status) {
   stream_write_req *req = container_of(w, stream_write_req, u.uv);
+  stream__pace_write_done(req);
   req->cb(req, tcp_fail(req->s, status));
 }
 

@@ -105,6 +105,7 @@ typedef void (*stream_accept_cb)(stream_listener *l, void *data, int status, str
 struct stream_write_req {
   stream *s;
   stream_write_cb cb;
+  int paced; /* counted as a bulk write of s's pacer (stream_pace.c) */
   union {
     uv_write_t uv; /* TCP: the libuv request itself */
     void *impl[4]; /* other implementations: their bookkeeping */
@@ -318,6 +319,63 @@ int stream_set_pacing(stream *s, uint32_t mbit);
  * SO_MAX_PACING_RATE) into *bytes_per_s; UINT64_MAX or UINT32_MAX mean
  * none. Returns 0 or a zs_status. */
 int stream_pacing(const stream *s, uint64_t *bytes_per_s);
+
+/* ---- Link pacing --------------------------------------------------------- */
+
+/* A pacer shares one host link of `link_mbit` Mbit/s between the streams
+ * that joined it and are sending: each such stream's socket is paced at
+ * link / n (SO_MAX_PACING_RATE), n the number of them sending now, and the
+ * rates are set again whenever n changes, and only on the sockets whose
+ * rate changes. A stream is sending while it holds at least one write of
+ * `min_write` bytes or more that is not done; smaller writes (requests,
+ * acknowledgements) neither count nor wait. A write is done once the
+ * kernel took its bytes; so that this is close to their leaving the host,
+ * joining sets TCP_NOTSENT_LOWAT to `notsent_lowat` bytes on the socket
+ * (0 leaves the kernel's default, which lets it hold megabytes unsent).
+ *
+ * Threads: the streams may live on different loops (a client's shards);
+ * the pacer's mutex guards its list and the members' rates, and a thread
+ * that starts or stops a stream's sending sets the other members' rates
+ * under it. A stream leaves its pacer in stream_close, before its socket
+ * is closed, so no thread touches a closed descriptor. */
+typedef struct stream_pacer stream_pacer;
+
+/* The data plane's min_write: its pushes and pull answers of tensor pieces
+ * count, its requests and acknowledgements do not. */
+#define STREAM_PACER_MIN_WRITE (16u << 10)
+
+/* The notsent_lowat zshard's data plane uses unless told otherwise
+ * (ZSHARD_TCP_LINK_NOTSENT_LOWAT): 128 KiB, 4 ms at 250 Mbit/s. */
+#define STREAM_PACER_NOTSENT_LOWAT (128u << 10)
+
+/* What a pacer did, for tests and logs. */
+typedef struct stream_pacer_stats {
+  uint32_t members;     /* streams joined now */
+  uint32_t sending;     /* streams sending now */
+  uint64_t rate_sets;   /* setsockopt calls made */
+  uint64_t rate_fails;  /* of which the kernel refused */
+  uint64_t starts;      /* a stream began sending */
+  uint64_t stops;       /* a stream stopped sending */
+  uint64_t stop_unsent; /* bytes still unsent in the kernel at those stops (SIOCOUTQNSD) */
+  uint64_t stop_unsent_max;
+} stream_pacer_stats;
+
+/* A pacer for a link of link_mbit (1 to STREAM_PACING_MBIT_MAX) into *out,
+ * the caller's, freed with stream_pacer_free once every member is closed.
+ * Returns 0, ZS_EINVAL or ZS_ENOMEM. */
+int stream_pacer_new(uint32_t link_mbit, size_t min_write, uint32_t notsent_lowat,
+                     stream_pacer **out);
+
+/* Frees p (NULL: nothing); no stream may still be a member. */
+void stream_pacer_free(stream_pacer *p);
+
+/* The stream's loop thread: s joins p (once; p must outlive s's close).
+ * Its socket stays unpaced until it sends. Returns 0, ZS_EINVAL (already a
+ * member of a pacer), ZS_ECLOSED, or the failure to set TCP_NOTSENT_LOWAT. */
+int stream_pacer_join(stream *s, stream_pacer *p);
+
+/* p's counters into *out (any thread). */
+void stream_pacer_get_stats(stream_pacer *p, stream_pacer_stats *out);
 
 /* The zs_status for a libuv error code (UV_EOF is STREAM_EOF); implementations
  * report through it. */

@@ -11,6 +11,7 @@
 #ifndef ZSHARD_COMMON_STREAM_IMPL_H
 #define ZSHARD_COMMON_STREAM_IMPL_H
 
+#include "common/base/list.h"
 #include "common/net/stream.h"
 
 struct stream {
@@ -25,6 +26,17 @@ struct stream {
   stream_connect_cb connect_cb;
   stream_shutdown_cb shutdown_cb;
   stream_close_cb close_cb;
+  /* Link pacing (stream_pace.c). `pacer` and `pace_bulk` are the loop
+   * thread's: the pacer this stream joined (NULL: none) and its bulk writes
+   * not yet done. `pace_node` (on the pacer's list of sending streams while
+   * pace_bulk > 0), `pace_fd` and `pace_rate` (the cap last set, bytes per
+   * second; 0: none yet) are guarded by the pacer's mutex, since any thread
+   * that joins the pacer sets the other members' rates. */
+  struct stream_pacer *pacer;
+  uint32_t pace_bulk;
+  list_node pace_node;
+  int pace_fd;
+  uint64_t pace_rate;
   union {
     struct {
       uv_tcp_t handle;
@@ -56,5 +68,14 @@ struct stream_dialer {
   char *server_name;
   stream_dialer *tcp;
 };
+
+/* stream_pace.c, called by the dispatchers and the implementations: a write
+ * of `nbytes` is being handed to the stream (it counts as bulk when the
+ * stream joined a pacer and it is large enough); the write `req` is done,
+ * just before its callback; the stream is closing (it leaves its pacer). */
+void stream__pace_write_start(stream *s, stream_write_req *req, size_t nbytes);
+void stream__pace_write_undo(stream_write_req *req);
+void stream__pace_write_done(stream_write_req *req);
+void stream__pace_leave(stream *s);
 
 #endif

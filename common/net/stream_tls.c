@@ -279,6 +279,7 @@ static void complete_writes(tls_stream *t) {
     }
     stream_write_req *req = w->req;
     free(w);
+    stream__pace_write_done(req);
     req->cb(req, status);
   }
 }

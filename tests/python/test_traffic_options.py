@@ -3,7 +3,8 @@ schedule_window, tcp_congestion, tcp_pacing_mbit; docs/CLIENT.md, "Traffic sched
 each reaches libzshard (a bad value is refused there or here with a clear
 error, before anything is sent), a keyword wins over its environment
 variable, the congestion control and the pacing reach the data-plane
-sockets, and every
+sockets, link pacing (ZSHARD_TCP_LINK_MBIT, --tcp-link-mbit) sets each
+sending socket's cap to the link's share and keeps the bits, and every
 schedule trains to the bits of the FIFO one. Real zshard-server processes on
 loopback."""
 import array
@@ -39,13 +40,13 @@ def other_congestion_control():
     return others[0]
 
 
-def sockets_of_this_process_where(match):
+def sockets_of_this_process_where(match, pid=None):
     """(sockets whose info line's words `match`, all established TCP
-    sockets) of this process (ss -tinp: a socket's line, then its info
-    line)."""
+    sockets) of this process, or of process `pid` (ss -tinp: a socket's
+    line, then its info line)."""
     out = subprocess.run(["ss", "-Htinp", "state", "established"], check=True,
                          capture_output=True, text=True).stdout
-    want = "pid=%d," % os.getpid()
+    want = "pid=%d," % (pid or os.getpid())
     mine = matched = total = 0
     for line in out.splitlines():
         if not line[:1].isspace():
@@ -154,13 +155,14 @@ def test_tcp_congestion_reaches_the_data_plane_sockets():
     assert total > with_cc, (with_cc, total)
 
 
-def paced_sockets_of_this_process(bps):
+def paced_sockets_of_this_process(bps, pid=None):
     """(sockets whose pacing is capped at `bps` bits/s, all established TCP
-    sockets) of this process (ss -tin: "pacing_rate <now>bps/<cap>bps")."""
+    sockets) of this process or of `pid` (ss -tin: "pacing_rate
+    <now>bps/<cap>bps")."""
     def capped(words):
         rate = words[words.index("pacing_rate") + 1] if "pacing_rate" in words else ""
         return rate.endswith("/%dbps" % bps)
-    return sockets_of_this_process_where(capped)
+    return sockets_of_this_process_where(capped, pid)
 
 
 def test_tcp_pacing_reaches_the_data_plane_sockets_and_bad_rates_are_refused(monkeypatch):
@@ -188,3 +190,59 @@ def test_tcp_pacing_reaches_the_data_plane_sockets_and_bad_rates_are_refused(mon
             c.close()
     assert paced == 2, (paced, total)
     assert total > paced, (paced, total)
+
+
+def test_link_pacing_shares_the_link_between_the_data_sockets_sending_and_keeps_the_bits(
+        monkeypatch):
+    """ZSHARD_TCP_LINK_MBIT on the client and --tcp-link-mbit on the servers
+    (docs/CLIENT.md, docs/OPERATIONS.md): a data socket that sent a tensor
+    piece is capped at L / n, n the sockets of its process sending at that
+    moment: the client's two (one per shard) at L or L / 2, each server's
+    one, answering the only trainer, at L. gRPC stays unpaced, bad values
+    and fixed pacing with it are refused, and training keeps the unpaced
+    bits."""
+    L = 80
+    with zshard_servers.Shards(1) as shards:
+        monkeypatch.setenv("ZSHARD_TCP_LINK_MBIT", "fast")
+        with pytest.raises(zshard.Error, match="ZSHARD_TCP_LINK_MBIT must be a whole number"):
+            zshard.Client(shards.addresses)
+        monkeypatch.setenv("ZSHARD_TCP_LINK_MBIT", str(L))
+        with pytest.raises(zshard.Error, match="exclude each other") as e:
+            zshard.Client(shards.addresses, tcp_pacing_mbit=20)
+        assert e.value.status == zshard.EINVAL
+        monkeypatch.setenv("ZSHARD_TCP_LINK_NOTSENT_LOWAT", "-1")
+        with pytest.raises(zshard.Error, match="ZSHARD_TCP_LINK_NOTSENT_LOWAT"):
+            zshard.Client(shards.addresses)
+        monkeypatch.delenv("ZSHARD_TCP_LINK_NOTSENT_LOWAT")
+    both = subprocess.run([os.environ["ZSHARD_SERVER_BIN"], "--tcp-link-mbit", "80",
+                           "--tcp-pacing-mbit", "20"], capture_output=True, text=True)
+    assert both.returncode != 0 and "exclude each other" in both.stderr, both
+
+    n = 1 << 18  # 1 MiB of fp32, split over both shards: 512 KiB pieces
+    with zshard_servers.Shards(2, extra_args=["--tcp-link-mbit", str(L)]) as shards:
+        c = zshard.Client(shards.addresses, data_connections=1, split_threshold=4096,
+                          push_dtype="fp32", pull_dtype="fp32")
+        try:
+            c.add_group("sgd")
+            t = c.add_tensor("w", n)
+            w = array.array("f", [1.0] * n)
+            c.open_job([w])
+            c.push(t, array.array("f", [0.5] * n)).wait()
+            c.pull(t, w).wait()
+            mine = [paced_sockets_of_this_process(L * 1000 * 1000 // k) for k in (1, 2)]
+            theirs = [paced_sockets_of_this_process(L * 1000 * 1000, pid=p.pid)
+                      for p in shards.procs]
+        finally:
+            c.close()
+    assert mine[0][0] + mine[1][0] == 2, mine  # both data sockets, gRPC not
+    assert mine[0][1] > 2, mine
+    for paced, total in theirs:
+        assert paced == 1 and total > 1, theirs
+
+    monkeypatch.delenv("ZSHARD_TCP_LINK_MBIT")
+    with zshard_servers.Shards(2) as shards:
+        unpaced = train(shards.addresses)
+    monkeypatch.setenv("ZSHARD_TCP_LINK_MBIT", "200")
+    with zshard_servers.Shards(2, extra_args=["--tcp-link-mbit", "200"]) as shards:
+        paced = train(shards.addresses)
+    assert paced == unpaced

@@ -377,6 +377,90 @@ static void pacing_is_set_per_socket_and_read_back(void **state) {
   assert_int_equal(stream_pacing_parse(NULL, "X", &mbit, NULL, 0), ZS_EINVAL);
 }
 
+/* Link pacing: two streams of one pacer (here the two ends of one
+ * connection, each sending to the other) share the link. From the moment
+ * both have a large write handed over, each is capped at link / 2; once the
+ * first is done the other gets the whole link and the first keeps its cap.
+ * A write below min_write neither counts nor sets a cap, the bytes arrive
+ * exact, and a stream leaves its pacer when it is closed. */
+static void a_link_pacer_shares_the_link_between_the_streams_sending(void **state) {
+  fx *f = *state;
+  stream_pacer *p = NULL;
+  assert_int_equal(stream_pacer_new(0, STREAM_PACER_MIN_WRITE, 0, &p), ZS_EINVAL);
+  assert_int_equal(stream_pacer_new(STREAM_PACING_MBIT_MAX + 1, 1, 0, &p), ZS_EINVAL);
+  assert_int_equal(stream_pacer_new(800, STREAM_PACER_MIN_WRITE, 64u << 10, &p), 0);
+  assert_int_equal(stream_pacer_join(f->client.st, p), 0);
+  assert_int_equal(stream_pacer_join(f->client.st, p), ZS_EINVAL);
+  assert_int_equal(stream_pacer_join(f->server.st, p), 0);
+  stream_pacer_stats ps;
+  stream_pacer_get_stats(p, &ps);
+  assert_int_equal(ps.members, 2);
+  uint64_t none = 0, up_cap = 0, down_cap = 0;
+  assert_int_equal(stream_pacing(f->client.st, &none), 0);
+  assert_true(none == UINT64_MAX || none == UINT32_MAX);
+
+  size_t len = (8u << 20) + 5;
+  unsigned char *src = malloc(len);
+  assert_non_null(src);
+  fill(src, len, 23);
+  reads_into(&f->server, 100 + len, (1u << 20) + 1);
+  reads_into(&f->client, len - 1, (1u << 20) + 1);
+  uv_buf_t small = {.base = (char *)src, .len = 100};
+  wr w0 = {0};
+  assert_int_equal(stream_write(f->client.st, &w0.req, &small, 1, on_written), 0);
+  stream_pacer_get_stats(p, &ps);
+  assert_int_equal(ps.sending, 0);
+  RUN_UNTIL(f, f->server.got == 100 && w0.calls == 1);
+  assert_int_equal(stream_pacing(f->client.st, &up_cap), 0);
+  assert_int_equal(up_cap, none);
+
+  uv_buf_t up = {.base = (char *)src, .len = len};
+  uv_buf_t down = {.base = (char *)src + 1, .len = len - 1};
+  wr w1 = {0}, w2 = {0};
+  assert_int_equal(stream_write(f->client.st, &w1.req, &up, 1, on_written), 0);
+  assert_int_equal(stream_write(f->server.st, &w2.req, &down, 1, on_written), 0);
+  /* No callback can have run: both are sending. */
+  stream_pacer_get_stats(p, &ps);
+  assert_int_equal(ps.sending, 2);
+  assert_int_equal(stream_pacing(f->client.st, &up_cap), 0);
+  assert_int_equal(stream_pacing(f->server.st, &down_cap), 0);
+  assert_int_equal(up_cap, 50000000u); /* 400 Mbit/s */
+  assert_int_equal(down_cap, 50000000u);
+
+  RUN_UNTIL(f, f->server.got == 100 + len && f->client.got == len - 1 && w1.calls && w2.calls);
+  assert_int_equal(w1.status, 0);
+  assert_int_equal(w2.status, 0);
+  assert_memory_equal(f->server.dst, src, 100);
+  assert_memory_equal(f->server.dst + 100, src, len);
+  assert_memory_equal(f->client.dst, src + 1, len - 1);
+  assert_int_equal(stream_pacing(f->client.st, &up_cap), 0);
+  assert_int_equal(stream_pacing(f->server.st, &down_cap), 0);
+  uint64_t first = w1.seq < w2.seq ? up_cap : down_cap;
+  uint64_t last = w1.seq < w2.seq ? down_cap : up_cap;
+  assert_int_equal(first, 50000000u);
+  assert_int_equal(last, 100000000u);
+  stream_pacer_get_stats(p, &ps);
+  assert_int_equal(ps.sending, 0);
+  assert_int_equal(ps.starts, 2);
+  assert_int_equal(ps.stops, 2);
+  /* 1 for the first start, 2 for the second, 1 when the first stopped:
+   * nothing is set twice to the same rate. */
+  assert_int_equal(ps.rate_sets, 4);
+  assert_int_equal(ps.rate_fails, 0);
+  /* TCP_NOTSENT_LOWAT keeps what the kernel holds unsent at a write's end
+   * near 64 KiB (at most one more segment train on top). */
+  assert_true(ps.stop_unsent_max <= (64u << 10) + (128u << 10));
+
+  stream_close(f->client.st, on_closed);
+  stream_close(f->server.st, on_closed);
+  RUN_UNTIL(f, f->client.closed && f->server.closed);
+  stream_pacer_get_stats(p, &ps);
+  assert_int_equal(ps.members, 0);
+  stream_pacer_free(p);
+  free(f->client.dst);
+  free(src);
+}
+
 /* Three buffers of odd sizes in one write; the reader hands out at most
  * 100003 bytes at a time, always the next place in its own destination. */
 static void large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers(void **state) {
@@ -992,6 +1076,7 @@ int main(void) {
         CASE(socket_options_are_set_or_refused_with_a_status, t),
         CASE(congestion_control_is_set_per_socket_and_read_back, t),
         CASE(pacing_is_set_per_socket_and_read_back, t),
+        CASE(a_link_pacer_shares_the_link_between_the_streams_sending, t),
         CASE(large_vectored_write_arrives_whole_in_order_straight_into_caller_buffers, t),
         CASE(writes_complete_once_each_in_the_order_they_were_queued, t),
         CASE(shutdown_delivers_the_bytes_then_the_end_of_the_stream_once, t),

@@ -311,6 +311,8 @@ void dp__on_connection(stream_listener *l, void *data, int status, stream *st) {
   if (s->pacing_mbit && stream_set_pacing(c->st, s->pacing_mbit) != 0)
     LOG_WARN("dp_pacing_failed", "pacing_mbit=%u detail=\"%s\"", s->pacing_mbit,
              stream_detail(c->st));
+  if (s->pacer && stream_pacer_join(c->st, s->pacer) != 0)
+    LOG_WARN("dp_link_pacing_failed", "detail=\"%s\"", stream_detail(c->st));
   char why[160];
   if (s->nconns > s->max_conns)
     status_say(why, sizeof why, "the server's limit of %u data-plane connections is reached",

@@ -291,6 +291,7 @@ struct dp_server {
   uint64_t max_answer, max_answer_total, max_answer_peer;
   char congestion[STREAM_CC_NAME_MAX]; /* "": the host's default */
   uint32_t pacing_mbit;                /* 0: no pacing */
+  stream_pacer *pacer;                 /* owned; NULL: no link pacing */
   uv_timer_t pin_timer;
   int pin_timer_on;
   atomic_int stop;

@@ -170,6 +170,19 @@ static void server_free(dp_server *s) {
   }
   if (s->own_svc)
     service_destroy(s->svc);
+  if (s->pacer) {
+    /* Every connection is closed: what the pacer did, for the operator. */
+    stream_pacer_stats ps;
+    stream_pacer_get_stats(s->pacer, &ps);
+    LOG_INFO("dp_link_pacing",
+             "rate_sets=%llu rate_fails=%llu starts=%llu stops=%llu stop_unsent_avg=%llu "
+             "stop_unsent_max=%llu",
+             (unsigned long long)ps.rate_sets, (unsigned long long)ps.rate_fails,
+             (unsigned long long)ps.starts, (unsigned long long)ps.stops,
+             (unsigned long long)(ps.stops ? ps.stop_unsent / ps.stops : 0),
+             (unsigned long long)ps.stop_unsent_max);
+    stream_pacer_free(s->pacer);
+  }
   free(s);
 }
 
@@ -188,6 +201,10 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (cfg->pacing_mbit > STREAM_PACING_MBIT_MAX)
     return status_fail(err, errlen, ZS_EINVAL, "pacing of %u Mbit/s: at most %u", cfg->pacing_mbit,
                        STREAM_PACING_MBIT_MAX);
+  if (cfg->link_mbit > STREAM_PACING_MBIT_MAX || (cfg->link_mbit && cfg->pacing_mbit))
+    return status_fail(err, errlen, ZS_EINVAL,
+                       "link pacing of %u Mbit/s: at most %u, and not with a fixed pacing",
+                       cfg->link_mbit, STREAM_PACING_MBIT_MAX);
   dp_server *s = calloc(1, sizeof *s);
   if (!s)
     return ZS_ENOMEM;
@@ -237,6 +254,13 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (cfg->congestion && cfg->congestion[0])
     memcpy(s->congestion, cfg->congestion, strlen(cfg->congestion) + 1); /* checked above */
   s->pacing_mbit = cfg->pacing_mbit;
+  if (cfg->link_mbit && stream_pacer_new(cfg->link_mbit, STREAM_PACER_MIN_WRITE,
+                                         cfg->link_notsent_lowat, &s->pacer) != 0) {
+    if (s->own_svc)
+      service_destroy(s->svc);
+    free(s);
+    return ZS_ENOMEM;
+  }
   if (cfg->metrics) {
     s->m_push = metrics_rpc_register(cfg->metrics, "data", "Push");
     s->m_pull = metrics_rpc_register(cfg->metrics, "data", "Pull");
@@ -296,8 +320,8 @@ int dp_server_start(const dp_server_config *cfg, dp_server **out, char *err, siz
   if (pthread_create(&s->thread, NULL, loop_main, s) != 0)
     goto fail;
   s->thread_started = 1;
-  LOG_INFO("dp_listening", "addr=%s port=%d cc=%s pacing_mbit=%u", cfg->listen, s->port,
-           s->congestion[0] ? s->congestion : "default", s->pacing_mbit);
+  LOG_INFO("dp_listening", "addr=%s port=%d cc=%s pacing_mbit=%u link_mbit=%u", cfg->listen,
+           s->port, s->congestion[0] ? s->congestion : "default", s->pacing_mbit, cfg->link_mbit);
   *out = s;
   return 0;
 

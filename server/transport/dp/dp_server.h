@@ -154,6 +154,13 @@ typedef struct dp_server_config {
    * (SO_MAX_PACING_RATE on its socket; stream_set_pacing); 0: none. Above
    * STREAM_PACING_MBIT_MAX dp_server_start fails with ZS_EINVAL. */
   uint32_t pacing_mbit;
+  /* Link pacing (common/net/stream.h, "Link pacing"): the accepted
+   * connections that are sending answers share link_mbit Mbit/s, each paced
+   * at link_mbit / n; 0: off. Not with pacing_mbit (ZS_EINVAL). Each
+   * socket's TCP_NOTSENT_LOWAT is link_notsent_lowat bytes (0: the
+   * kernel's default). */
+  uint32_t link_mbit;
+  uint32_t link_notsent_lowat;
 } dp_server_config;
 
 /* Fills `cfg` with the defaults (every field 0 / NULL, which means the

@@ -3,12 +3,19 @@
     pump.py recv HOST PORT SECONDS [CONNS]  accepts CONNS connections (default
                                             1), drains them all at once, prints
                                             {"bytes", "first", "last"} as JSON
-    pump.py send [--pacing MBIT] [--sequential] PORT BYTES SECONDS HOST [HOST...]
+    pump.py send [--pacing MBIT | --link MBIT [--lowat BYTES]] [--sequential] PORT BYTES SECONDS HOST [HOST...]
                                             sends BYTES to each HOST at once,
                                             one connection each, and closes;
                                             --pacing caps each connection at
                                             MBIT Mbit/s (SO_MAX_PACING_RATE, as
                                             zshard's --tcp-pacing-mbit does);
+                                            --link paces each connection that
+                                            is sending at MBIT / n, n the
+                                            connections sending now, as
+                                            zshard's --tcp-link-mbit does
+                                            (each socket's TCP_NOTSENT_LOWAT
+                                            --lowat, default 131072, 0: the
+                                            kernel's);
                                             --sequential sends to the HOSTs one
                                             after another, in the order given,
                                             each stream closed before the next
@@ -29,6 +36,39 @@ import time
 CHUNK = 1 << 20
 # socket.SO_MAX_PACING_RATE is missing from some Pythons; Linux's number.
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
+class Link:
+    """zshard's link pacing (common/net/stream_pace.c) for this process's
+    streams: each one sending is paced at link / n, set again on every
+    socket whose rate changes when a stream starts or stops; the kernel
+    holds at most 128 KiB unsent per socket (TCP_NOTSENT_LOWAT), so that a
+    stream stops when its bytes have (nearly) left."""
+
+    def __init__(self, mbit, lowat=128 << 10):
+        self.rate, self.lock, self.rates = mbit * 125000, threading.Lock(), {}
+        self.lowat = lowat
+
+    def _repace(self):
+        if self.rates:
+            rate = self.rate // len(self.rates)
+            for s, r in list(self.rates.items()):
+                if r != rate:
+                    s.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, rate)
+                    self.rates[s] = rate
+
+    def start(self, s):
+        if self.lowat:
+            s.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, self.lowat)
+        with self.lock:
+            self.rates[s] = 0
+            self._repace()
+
+    def stop(self, s):
+        with self.lock:
+            self.rates.pop(s, None)
+            self._repace()
 
 
 def drain(conn, seconds, out):
@@ -67,7 +107,7 @@ def recv(host, port, seconds, conns):
                       "last": max(g[2] for g in got)}), flush=True)
 
 
-def send_one(host, port, nbytes, seconds, errors, pacing=0, wait_end=False):
+def send_one(host, port, nbytes, seconds, errors, pacing=0, wait_end=False, link=None):
     try:
         deadline = time.monotonic() + seconds
         while True:
@@ -82,10 +122,14 @@ def send_one(host, port, nbytes, seconds, errors, pacing=0, wait_end=False):
         if pacing:
             # Bytes per second; Linux's TCP paces by itself once it is set.
             s.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, pacing * 125000)
+        if link:
+            link.start(s)
         buf = memoryview(bytes(CHUNK))
         left = nbytes
         while left > 0:
             left -= s.send(buf[:min(left, CHUNK)])
+        if link:
+            link.stop(s)
         s.shutdown(socket.SHUT_WR)
         if wait_end:
             # The receiver closes once it has read everything: the stream
@@ -96,24 +140,28 @@ def send_one(host, port, nbytes, seconds, errors, pacing=0, wait_end=False):
         errors.append("%s: %s" % (host, e))
 
 
-def send_all(port, nbytes, seconds, hosts, errors, pacing):
+def send_all(port, nbytes, seconds, hosts, errors, pacing, link=None):
     """One stream after another, each to its end, in the order of hosts."""
     deadline = time.monotonic() + seconds
     for h in hosts:
-        send_one(h, port, nbytes, max(1.0, deadline - time.monotonic()), errors, pacing, True)
+        send_one(h, port, nbytes, max(1.0, deadline - time.monotonic()), errors, pacing, True,
+                 link)
         if errors:
             return
 
 
-def send(port, nbytes, seconds, hosts, pacing=0, sequential=False):
+def send(port, nbytes, seconds, hosts, pacing=0, sequential=False, link_mbit=0,
+         lowat=128 << 10):
     errors = []
+    link = Link(link_mbit, lowat) if link_mbit else None
     if sequential:
         threads = [threading.Thread(target=send_all,
-                                    args=(port, nbytes, seconds, hosts, errors, pacing),
+                                    args=(port, nbytes, seconds, hosts, errors, pacing, link),
                                     daemon=True)]
     else:
         threads = [threading.Thread(target=send_one,
-                                    args=(h, port, nbytes, seconds, errors, pacing), daemon=True)
+                                    args=(h, port, nbytes, seconds, errors, pacing, False,
+                                          link), daemon=True)
                    for h in hosts]
     for t in threads:
         t.start()
@@ -128,13 +176,18 @@ if __name__ == "__main__":
         recv(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
              int(sys.argv[5]) if len(sys.argv) > 5 else 1)
     else:
-        argv, pacing, sequential = sys.argv[2:], 0, False
+        argv, pacing, sequential, link, lowat = sys.argv[2:], 0, False, 0, 128 << 10
         while argv[0].startswith("--"):
             opt = argv.pop(0)
             if opt == "--pacing":
                 pacing = int(argv.pop(0))
+            elif opt == "--link":
+                link = int(argv.pop(0))
+            elif opt == "--lowat":
+                lowat = int(argv.pop(0))
             elif opt == "--sequential":
                 sequential = True
             else:
                 sys.exit("pump: unknown option %s" % opt)
-        send(int(argv[0]), int(argv[1]), float(argv[2]), argv[3:], pacing, sequential)
+        send(int(argv[0]), int(argv[1]), float(argv[2]), argv[3:], pacing, sequential, link,
+             lowat)
