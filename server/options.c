@@ -632,19 +632,10 @@ static int set_pacing(const raw_options *r, options *o) {
   /* The kernel's unsent bytes per paced socket (stream.h, "Link pacing"):
    * a knob for measurements, documented in docs/OPERATIONS.md. */
   o->tcp_link_lowat = STREAM_PACER_NOTSENT_LOWAT;
-  const char *lw = r->tcp_link_lowat;
-  if (lw && *lw) {
-    size_t n = strlen(lw);
-    unsigned long long v = 0;
-    int ok = n <= 10 && strspn(lw, "0123456789") == n;
-    for (size_t i = 0; ok && i < n; i++)
-      v = v * 10 + (unsigned)(lw[i] - '0');
-    if (!ok || v > (1u << 30))
-      return options_bad_usage("ZSHARD_TCP_LINK_NOTSENT_LOWAT must be a number of bytes from 0 "
-                               "to 1073741824, not '%s'",
-                               lw);
-    o->tcp_link_lowat = (uint32_t)v;
-  }
+  if (r->tcp_link_lowat && *r->tcp_link_lowat &&
+      stream_pacer_lowat_parse(r->tcp_link_lowat, "ZSHARD_TCP_LINK_NOTSENT_LOWAT",
+                               &o->tcp_link_lowat, why, sizeof why) != 0)
+    return options_bad_usage("%s", why);
   return -1;
 }
 

@@ -55,7 +55,6 @@
  * fails the requests still on it with ZS_ECANCELED, which are retried when
  * the client was replaced (the task's generation is then not the shard's).
  */
-#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -224,17 +223,9 @@ int zc_link_resolve(uint32_t pacing_mbit, struct stream_pacer **out) {
                    pacing_mbit);
   uint32_t lowat = STREAM_PACER_NOTSENT_LOWAT;
   const char *lw = getenv("ZSHARD_TCP_LINK_NOTSENT_LOWAT");
-  if (lw && *lw) {
-    char *end = NULL;
-    errno = 0;
-    unsigned long long v = strtoull(lw, &end, 10);
-    if (*end || errno || v > (1u << 30) || lw[0] == '-' || lw[0] == ' ')
-      return zc_fail(ZS_EINVAL,
-                     "zs_client_open: ZSHARD_TCP_LINK_NOTSENT_LOWAT is '%.32s'; it must be a "
-                     "number of bytes from 0 (the kernel's default) to 1073741824",
-                     lw);
-    lowat = (uint32_t)v;
-  }
+  if (lw && *lw &&
+      stream_pacer_lowat_parse(lw, "ZSHARD_TCP_LINK_NOTSENT_LOWAT", &lowat, why, sizeof why) != 0)
+    return zc_fail(ZS_EINVAL, "zs_client_open: %s", why);
   if (stream_pacer_new(link, STREAM_PACER_MIN_WRITE, lowat, out) != 0)
     return zc_fail(ZS_ENOMEM, "zs_client_open: out of memory");
   return ZS_OK;

@@ -337,22 +337,46 @@ int stream_congestion(const stream *s, char *buf, size_t len) {
 #define SO_MAX_PACING_RATE 47
 #endif
 
-int stream_pacing_parse(const char *text, const char *what, uint32_t *mbit, char *err,
-                        size_t errlen) {
+/* A whole number of at most `digits` decimal digits and at most max (no
+ * sign, no spaces) into *out: 0, or ZS_EINVAL. */
+static int parse_whole(const char *text, size_t digits, uint64_t max, uint64_t *out) {
   const char *t = text ? text : "";
   size_t n = strlen(t);
-  unsigned long long v = 0;
-  int ok = n > 0 && n <= 6 && strspn(t, "0123456789") == n;
+  uint64_t v = 0;
+  int ok = n > 0 && n <= digits && strspn(t, "0123456789") == n;
   for (size_t i = 0; ok && i < n; i++)
     v = v * 10 + (unsigned)(t[i] - '0');
-  if (!ok || v > STREAM_PACING_MBIT_MAX) {
+  if (!ok || v > max)
+    return ZS_EINVAL;
+  *out = v;
+  return ZS_OK;
+}
+
+int stream_pacing_parse(const char *text, const char *what, uint32_t *mbit, char *err,
+                        size_t errlen) {
+  uint64_t v;
+  if (parse_whole(text, 6, STREAM_PACING_MBIT_MAX, &v) != ZS_OK) {
     if (err && errlen)
       snprintf(err, errlen,
                "%s must be a whole number of Mbit/s from 0 (no pacing) to %u, not '%.32s'", what,
-               STREAM_PACING_MBIT_MAX, t);
+               STREAM_PACING_MBIT_MAX, text ? text : "");
     return ZS_EINVAL;
   }
   *mbit = (uint32_t)v;
+  return ZS_OK;
+}
+
+int stream_pacer_lowat_parse(const char *text, const char *what, uint32_t *bytes, char *err,
+                             size_t errlen) {
+  uint64_t v;
+  if (parse_whole(text, 10, STREAM_PACER_LOWAT_MAX, &v) != ZS_OK) {
+    if (err && errlen)
+      snprintf(err, errlen,
+               "%s must be a number of bytes from 0 (the kernel's default) to %u, not '%.32s'",
+               what, STREAM_PACER_LOWAT_MAX, text ? text : "");
+    return ZS_EINVAL;
+  }
+  *bytes = (uint32_t)v;
   return ZS_OK;
 }
 

@@ -348,6 +348,15 @@ typedef struct stream_pacer stream_pacer;
  * (ZSHARD_TCP_LINK_NOTSENT_LOWAT): 128 KiB, 4 ms at 250 Mbit/s. */
 #define STREAM_PACER_NOTSENT_LOWAT (128u << 10)
 
+/* The highest notsent_lowat zshard takes: 1 GiB. */
+#define STREAM_PACER_LOWAT_MAX (1u << 30)
+
+/* Parses a notsent_lowat in bytes: a whole number from 0 (the kernel's
+ * default) to STREAM_PACER_LOWAT_MAX, no sign, no spaces; as
+ * stream_pacing_parse (0, or ZS_EINVAL with a sentence naming `what`). */
+int stream_pacer_lowat_parse(const char *text, const char *what, uint32_t *bytes, char *err,
+                             size_t errlen);
+
 /* What a pacer did, for tests and logs. */
 typedef struct stream_pacer_stats {
   uint32_t members;     /* streams joined now */

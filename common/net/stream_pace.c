@@ -164,44 +164,46 @@ void stream__pace_write_start(stream *s, stream_write_req *req, size_t nbytes) {
   pthread_mutex_unlock(&p->mu);
 }
 
-/* The last bulk write of s is done (or undone): s stops sending. */
-static void stop(stream *s, int count_unsent) {
-  stream_pacer *p = s->pacer;
-  pthread_mutex_lock(&p->mu);
-  if (s->pace_node.next) {
-    list_remove(&s->pace_node);
-    p->st.sending--;
-    p->st.stops++;
-    if (count_unsent) {
-      uint64_t u = unsent_in_kernel(s);
-      p->st.stop_unsent += u;
-      if (u > p->st.stop_unsent_max)
-        p->st.stop_unsent_max = u;
-    }
-    /* Its own cap stays as it was: what it still holds in the kernel (at
-     * most notsent_lowat) leaves at the rate it was given, and the others
-     * take the freed share. */
-    repace(p);
+/* Under p->mu: s stops sending, if it was (count_unsent: record what the
+ * kernel still holds for it). */
+static void stop_locked(stream_pacer *p, stream *s, int count_unsent) {
+  if (!s->pace_node.next)
+    return;
+  list_remove(&s->pace_node);
+  p->st.sending--;
+  p->st.stops++;
+  if (count_unsent) {
+    uint64_t u = unsent_in_kernel(s);
+    p->st.stop_unsent += u;
+    if (u > p->st.stop_unsent_max)
+      p->st.stop_unsent_max = u;
   }
-  pthread_mutex_unlock(&p->mu);
+  /* Its own cap stays as it was: what it still holds in the kernel (at
+   * most notsent_lowat) leaves at the rate it was given, and the others
+   * take the freed share. */
+  repace(p);
+}
+
+/* A paced write of req's stream is done (count_unsent) or undone: at the
+ * last one the stream stops sending. */
+static void write_end(stream_write_req *req, int count_unsent) {
+  stream *s = req->s;
+  if (!req->paced)
+    return;
+  req->paced = 0;
+  if (--s->pace_bulk == 0 && s->pacer) {
+    pthread_mutex_lock(&s->pacer->mu);
+    stop_locked(s->pacer, s, count_unsent);
+    pthread_mutex_unlock(&s->pacer->mu);
+  }
 }
 
 void stream__pace_write_undo(stream_write_req *req) {
-  stream *s = req->s;
-  if (!req->paced)
-    return;
-  req->paced = 0;
-  if (--s->pace_bulk == 0 && s->pacer)
-    stop(s, 0);
+  write_end(req, 0);
 }
 
 void stream__pace_write_done(stream_write_req *req) {
-  stream *s = req->s;
-  if (!req->paced)
-    return;
-  req->paced = 0;
-  if (--s->pace_bulk == 0 && s->pacer)
-    stop(s, 1);
+  write_end(req, 1);
 }
 
 void stream__pace_leave(stream *s) {
@@ -209,12 +211,7 @@ void stream__pace_leave(stream *s) {
   if (!p)
     return;
   pthread_mutex_lock(&p->mu);
-  if (s->pace_node.next) {
-    list_remove(&s->pace_node);
-    p->st.sending--;
-    p->st.stops++;
-    repace(p);
-  }
+  stop_locked(p, s, 0);
   p->st.members--;
   pthread_mutex_unlock(&p->mu);
   /* Writes still queued complete (cancelled) later and count down
