@@ -63,6 +63,7 @@
 
 #include "common/base/dtype.h"
 #include "common/base/status.h"
+#include "common/base/trace.h"
 #include "common/net/dp_client.h"
 #include "common/net/hostport.h"
 #include "common/net/stream.h"
@@ -561,6 +562,13 @@ static int requeue(zs_client *c, zc_task *t, int phase) {
   return ok;
 }
 
+/* A trace record of task t's piece (common/base/trace.h; off unless
+ * ZSHARD_TRACE is set). */
+static void trace_task(const zs_client *c, const zc_task *t, trace_kind kind) {
+  const layout_piece *pc = &c->lay.pieces[t->piece];
+  trace_ev(kind, t->op->step, pc->tensor, pc->slice, c->opt.rank);
+}
+
 /* The FINISH phase of a pull: the piece is in, in the wire dtype. */
 static void pull_finish(zs_client *c, zc_task *t) {
   zs_request *op = t->op;
@@ -597,6 +605,7 @@ static int hand_to_client(zs_client *c, zc_task *t, int *rc) {
     t->dp_buf = NULL;
     return 0;
   }
+  trace_task(c, t, op->kind == ZC_OP_PUSH ? TRACE_C_PUSH : TRACE_C_PULL);
   if (op->kind == ZC_OP_PUSH) {
     dp_push_args a = {
         .spec_hash = c->hash,
@@ -735,6 +744,7 @@ static void attempt_failed(zs_client *c, zc_task *t, int status, const char *msg
  * (whose last piece copies the whole tensor into a waiting pull), on a
  * worker. On a loop thread. */
 static void pull_answered(zs_client *c, zc_task *t, uint64_t version) {
+  trace_task(c, t, TRACE_C_PULL_DONE);
   if (version < t->op->step) {
     char why[160];
     snprintf(why, sizeof why, "the shard answered with version %" PRIu64, version);
@@ -751,14 +761,16 @@ static void on_answer(void *arg, const dp_result *r) {
   zs_request *op = t->op;
   zs_client *c = op->c;
   tls_in_callback = 1;
-  if (r->status != ZS_OK)
+  if (r->status != ZS_OK) {
     attempt_failed(c, t, r->status, r->message);
-  else if (op->kind == ZC_OP_PUSH)
+  } else if (op->kind == ZC_OP_PUSH) {
+    trace_task(c, t, TRACE_C_PUSH_ACK);
     /* A duplicate means an earlier attempt of this very contribution
      * arrived: the shard has it, which is what the push wanted. */
     task_finish(t, ZS_OK, NULL, dtype_bytes(op->wire_dtype, c->lay.pieces[t->piece].numel));
-  else
+  } else {
     pull_answered(c, t, r->version);
+  }
   tls_in_callback = 0;
 }
 
@@ -862,6 +874,8 @@ static int batch_submit(zc_dpbatch *b) {
   }
   const zs_request *op0 = b->t[0]->op;
   uint32_t n = b->n;
+  for (uint32_t i = 0; i < n; i++)
+    trace_task(c, b->t[i], b->push ? TRACE_C_PUSH : TRACE_C_PULL);
   zc_task *tasks[WIRE_MAX_BATCH];
   memcpy(tasks, b->t, n * sizeof tasks[0]);
   if (b->push) {
@@ -904,6 +918,7 @@ static void push_piece_answered(zs_client *c, zc_task *t, const dp_result *r, ui
                                 int *first_refusal) {
   int st = i < r->npieces ? r->piece_status[i] : ZS_EPROTO;
   if (st == ZS_OK) {
+    trace_task(c, t, TRACE_C_PUSH_ACK);
     task_finish(t, ZS_OK, NULL, dtype_bytes(t->op->wire_dtype, c->lay.pieces[t->piece].numel));
     return;
   }

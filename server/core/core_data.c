@@ -16,6 +16,7 @@
 #include "common/base/crc32c.h"
 #include "common/base/dtype.h"
 #include "common/base/log.h"
+#include "common/base/trace.h"
 #include "common/model/spec_optim.h"
 
 /* ---------------------------------------------------------------- lookups */
@@ -599,12 +600,14 @@ static int core_push_locked(core *c, const core_push_args *a, int *duplicate, ch
     atomic_fetch_add_explicit(&c->held_bytes, a->nbytes, memory_order_relaxed);
   }
   bit_set(ps->received, k);
+  trace_ev(TRACE_PUSH_IN, a->step, a->tensor, a->slice, a->rank);
   if (a->nbytes > 0)
     ps->has_grad = 1;
   atomic_fetch_add_explicit(&c->contributions, 1, memory_order_relaxed);
   completed = ps->next_k == c->WM;
   if (completed && c->pipelined) {
     /* The worker applies it once the step's Apply is in (core_worker.c). */
+    trace_ev(TRACE_READY, a->step, a->tensor, a->slice, 0);
     pthread_mutex_lock(&c->mu);
     c->complete_pieces++;
     c->ready[c->nready++] = (uint32_t)(ps - c->pieces);

@@ -18,6 +18,7 @@
 #include "common/base/clock.h"
 #include "common/base/crc32c.h"
 #include "common/base/log.h"
+#include "common/base/trace.h"
 
 /* ---------------------------------------------------------------- worker */
 
@@ -391,8 +392,11 @@ static void core_run_pieces(core *c) {
   waiter *fire = NULL;
   step_done done = {0};
   pthread_mutex_lock(&c->mu);
-  for (uint32_t b = 0; b < c->nbatch; b++)
-    c->pieces[c->batch[b]].ahead = 1;
+  for (uint32_t b = 0; b < c->nbatch; b++) {
+    piece_state *ps = &c->pieces[c->batch[b]];
+    ps->ahead = 1;
+    trace_ev(TRACE_APPLIED, step, ps->lp->tensor, ps->lp->slice, 0);
+  }
   c->nahead += c->nbatch;
   int finished = c->nahead == c->npieces;
   if (finished) {

@@ -14,6 +14,7 @@
 #include "common/base/list.h"
 #include "common/base/log.h"
 #include "common/base/status.h"
+#include "common/base/trace.h"
 #include "common/net/stream.h"
 #include "common/net/wire.h"
 
@@ -307,6 +308,7 @@ void dp__conn_produce(dp_conn *c) {
 /* A Pull whose version is there joins its connection's queue of answers to
  * make; the record keeps its reference to the connection. */
 void dp__pull_ready(dp_conn *c, dp_pull *p) {
+  trace_ev(TRACE_PULL_GO, p->min_version, p->tensor, p->slice, p->pieces ? p->npieces : 1);
   p->next = NULL;
   if (c->ready_tail)
     c->ready_tail->next = p;

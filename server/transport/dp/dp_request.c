@@ -13,6 +13,7 @@
 
 #include "common/base/clock.h"
 #include "common/base/status.h"
+#include "common/base/trace.h"
 #include "common/net/wire.h"
 #include "server/replica/replica.h"
 #include "server/service/service.h"
@@ -107,6 +108,7 @@ static void handle_pull(dp_conn *c, const wire_msg *m) {
   p->slice = q->slice;
   p->dtype = dtype;
   p->nbytes = (size_t)nb;
+  trace_ev(TRACE_PULL_IN, q->min_version, q->tensor, q->slice, 1);
   pull_wait(c, p, q->timeout_ms);
 }
 
@@ -148,6 +150,8 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
   p->nbytes = (size_t)total;
   p->pieces = pcs;
   p->npieces = q->npieces;
+  for (uint32_t i = 0; i < q->npieces; i++)
+    trace_ev(TRACE_PULL_IN, q->min_version, pcs[i].tensor, pcs[i].slice, q->npieces);
   pull_wait(c, p, q->timeout_ms);
 }
 

@@ -16,6 +16,7 @@
 #include "common/base/crc32c.h"
 #include "common/base/list.h"
 #include "common/base/status.h"
+#include "common/base/trace.h"
 #include "common/net/wire.h"
 #include "server/metrics/metrics.h"
 #include "server/replica/replica.h"
@@ -212,6 +213,13 @@ static void work_finish(dp_work *w) {
   dp_server *s = c->s;
   dp__observe(s, w->type, w->start_ns, w->status != 0);
   int pull = w->type == WIRE_PULL || w->type == WIRE_PULL_BATCH;
+  if (pull && w->status == 0) {
+    if (w->pieces)
+      for (uint32_t i = 0; i < w->npieces; i++)
+        trace_ev(TRACE_PULL_OUT, w->version, w->pieces[i].tensor, w->pieces[i].slice, w->npieces);
+    else
+      trace_ev(TRACE_PULL_OUT, w->version, w->tensor, w->slice, 1);
+  }
   if (pull)
     c->producing -= w->nbytes;
   else

@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--job", default="netsim")
     ap.add_argument("--pipelined", action="store_true")
     ap.add_argument("--wire", choices=("bf16", "int8"), default="bf16")
+    ap.add_argument("--buckets", default=None,
+                    help="PUSH,PULL: reduce_bucket_size and allgather_bucket_size in bytes")
     a = ap.parse_args()
 
     sys.path.insert(0, os.environ["ZSHARD_PYTHONPATH"])
@@ -49,9 +51,13 @@ def main():
     import zshard
 
     numel = a.params // a.tensors
+    buckets = {}
+    if a.buckets:
+        push_b, pull_b = (int(x) for x in a.buckets.split(","))
+        buckets = dict(reduce_bucket_size=push_b, allgather_bucket_size=pull_b)
     c = zshard.Client(a.addresses, rank=a.rank, world_size=a.world, job=a.job, push_dtype=a.wire,
                       pull_dtype=a.wire, prefetch_depth=0, open_mode="either",
-                      pipelined=1 if a.pipelined else 0)
+                      pipelined=1 if a.pipelined else 0, **buckets)
     c.add_group("sgd")
     ids = [c.add_tensor("w%d" % k, numel) for k in range(a.tensors)]
     if a.rank == 0:
