@@ -355,6 +355,9 @@ int zs_client_open(const zs_client_options *o, zs_client **out) {
     rc = zc_fail(rc, "zs_client_open: cannot start %" PRIu32 " worker threads", threads);
     goto fail;
   }
+  /* Over the data plane a run only hands pieces on: one at a time per
+   * shard keeps them in the order they were pushed (pool.c). */
+  zc_pool_order_pushes(&c->pool, batches);
   if (c->opt.schedule == ZS_SCHEDULE_ROTATED) {
     /* Two of each direction in flight: the next piece is written while the
      * last one's answer comes back (pool.c). */

@@ -148,12 +148,25 @@ struct zc_pool {
   uint32_t nthreads;
   size_t push_bucket; /* bytes; 0: no coalescing */
   size_t pull_bucket;
-  int held;      /* (mu) zc_pool_hold: workers take nothing */
+  int held; /* (mu) zc_pool_hold: workers take nothing */
+  /* zc_pool_order_pushes: a shard's first-attempt pushes run one list at a
+   * time, in their queue's order; busy[shard] is set while a worker runs one. */
+  int ordered;
+  uint8_t *busy; /* (mu) [shard] */
   uint32_t idle; /* (mu) workers waiting for a task */
   zc_task_run_fn run;
   zc_task_cancel_fn cancel;
   void *ctx;
 };
+
+/* Keeps each shard's pushes in the order they were queued until they are
+ * handed on (on): a worker takes a shard's next first-attempt push only
+ * after the run of the shard's last one returned. For the data plane, whose
+ * runs only hand pieces to a shard's connection: without it, the workers
+ * race between taking a piece and handing it on, and a preempted one puts
+ * its piece behind later ones, which a pipelined step then waits for on
+ * every trainer (docs/PERFORMANCE.md). Call before any submission. */
+void zc_pool_order_pushes(zc_pool *p, int on);
 
 /* Starts nthreads workers over nqueues queues. Returns 0, ZS_ENOMEM or
  * ZS_EINTERNAL (thread creation failed); on error the caller still calls

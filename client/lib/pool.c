@@ -30,6 +30,17 @@
  * Prefetches and control calls are not held back (a prefetch waits on the
  * shard for a version, which may need pushes queued behind it).
  *
+ * Order (zc_pool_order_pushes; issue 25). A data-plane run only hands its
+ * pieces to the shard's connection, but between taking a piece and handing
+ * it on a worker may be preempted (the pool has 2N + 2 workers, often on
+ * fewer cores), and the pieces queued behind it then reach the connection
+ * first. A pipelined step applies a piece once every trainer's copy is in,
+ * so one trainer's late piece holds that piece for all of them: traces of
+ * emulated 0.25 Gbit/s runs showed a quarter of a shard's pieces completing
+ * only at the end of the push phase that way. So a shard's first-attempt
+ * pushes run one list at a time (busy[shard]), in queue order; the shards
+ * still run in parallel, and a list's conversion still runs on its worker.
+ *
  * Threads: the workers are created by zc_pool_start and joined by
  * zc_pool_stop; everything in zc_pool marked (mu) is guarded by pool.mu,
  * which is never held while a task runs. zc_pool_release runs on any thread
@@ -82,14 +93,22 @@ static int class_of(const zc_pool *p, const zc_task *t) {
   return ZC_Q_ANY;
 }
 
-/* The first non-empty queue of class k at or after its cursor, or -1; none
- * for a class whose window is full. */
+/* 1 when t is a push whose run must wait for the run of its shard's last
+ * one (zc_pool_order_pushes): a retry backs off in its run, so it is not
+ * held to the order, nor does it hold others. */
+static int ordered_push(const zc_pool *p, const zc_task *t) {
+  return p->ordered && task_is_push(t) && t->dp_phase == ZC_DP_SEND;
+}
+
+/* The first queue of class k at or after its cursor with a task that may be
+ * taken now, or -1; none for a class whose window is full. */
 static int next_queue_locked(const zc_pool *p, int k) {
   if (k != ZC_Q_ANY && p->admitted[k] >= p->window)
     return -1;
   for (uint32_t i = 0; i < p->nqueues; i++) {
     uint32_t q = (p->cursor[k] + i) % p->nqueues;
-    if (p->head[k * p->nqueues + q])
+    const zc_task *t = p->head[k * p->nqueues + q];
+    if (t && !(p->busy && p->busy[q] && ordered_push(p, t)))
       return (int)q;
   }
   return -1;
@@ -117,8 +136,10 @@ static zc_task *pop_locked(zc_pool *p, uint32_t q) {
 
 /* Takes the next task, and the small ones that coalesce with it, as a list
  * linked through next; each task of a rotated class takes a place in its
- * window. Called with mu held and runnable_locked(p). */
-static zc_task *take_locked(zc_pool *p) {
+ * window. *ordered_q is the shard whose pushes wait for this run to return
+ * (zc_pool_order_pushes), or -1. Called with mu held and
+ * runnable_locked(p). */
+static zc_task *take_locked(zc_pool *p, int *ordered_q) {
   int k = ZC_Q_ANY, found = -1;
   for (; k < ZC_Q_CLASSES && found < 0; k++)
     found = next_queue_locked(p, k);
@@ -126,6 +147,11 @@ static zc_task *take_locked(zc_pool *p) {
   uint32_t q = (uint32_t)found + (uint32_t)k * p->nqueues;
   p->cursor[k] = ((uint32_t)found + 1) % p->nqueues;
   zc_task *first = pop_locked(p, q), *last = first;
+  *ordered_q = -1;
+  if (p->busy && ordered_push(p, first)) {
+    p->busy[found] = 1;
+    *ordered_q = found;
+  }
   size_t bucket = bucket_of(p, first);
   if (bucket != 0 && first->bytes < bucket) {
     size_t total = first->bytes;
@@ -163,7 +189,8 @@ static void *worker_main(void *arg) {
     }
     if (p->stop)
       break; /* zc_pool_stop cancels what is left */
-    zc_task *list = take_locked(p);
+    int ordered_q;
+    zc_task *list = take_locked(p, &ordered_q);
     int more = runnable_locked(p) && p->idle > 0;
     pthread_mutex_unlock(&p->mu);
     if (more)
@@ -171,6 +198,13 @@ static void *worker_main(void *arg) {
     /* The whole list at once, so that its pieces can travel as one batch. */
     p->run(p->ctx, list);
     pthread_mutex_lock(&p->mu);
+    if (ordered_q >= 0) {
+      /* The shard's next push may go: this worker takes it below unless
+       * another idle one is woken first. */
+      p->busy[ordered_q] = 0;
+      if (p->idle > 0 && runnable_locked(p))
+        pthread_cond_signal(&p->cv);
+    }
   }
   pthread_mutex_unlock(&p->mu);
   return NULL;
@@ -192,7 +226,8 @@ int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_b
   p->head = calloc((size_t)nqueues * ZC_Q_CLASSES, sizeof *p->head);
   p->tail = calloc((size_t)nqueues * ZC_Q_CLASSES, sizeof *p->tail);
   p->threads = calloc(nthreads, sizeof *p->threads);
-  if (!p->head || !p->tail || !p->threads)
+  p->busy = calloc(nqueues, sizeof *p->busy);
+  if (!p->head || !p->tail || !p->threads || !p->busy)
     return ZS_ENOMEM;
   for (uint32_t i = 0; i < nthreads; i++) {
     if (pthread_create(&p->threads[i], NULL, worker_main, p) != 0)
@@ -200,6 +235,12 @@ int zc_pool_start(zc_pool *p, uint32_t nqueues, uint32_t nthreads, size_t push_b
     p->nthreads++;
   }
   return ZS_OK;
+}
+
+void zc_pool_order_pushes(zc_pool *p, int on) {
+  pthread_mutex_lock(&p->mu);
+  p->ordered = on && p->busy != NULL;
+  pthread_mutex_unlock(&p->mu);
 }
 
 void zc_pool_hold(zc_pool *p, int hold) {
@@ -296,6 +337,7 @@ static void pool_free_all(zc_pool *p) {
   free(p->head);
   free(p->tail);
   free(p->threads);
+  free(p->busy);
   memset(p, 0, sizeof *p);
 }
 
@@ -310,6 +352,7 @@ void zc_pool_stop(zc_pool *p) {
   if (!p->head) {
     free(p->tail);
     free(p->threads);
+    free(p->busy);
     memset(p, 0, sizeof *p);
     return;
   }

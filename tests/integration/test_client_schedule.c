@@ -198,6 +198,53 @@ static void fifo_schedule_admits_everything_at_once(void **state) {
   free(pull);
 }
 
+/* A pool whose run of shard 0's first push stalls until nine other runs
+ * were logged, as a worker preempted between taking a piece and handing it
+ * on would; `others` is how many it saw. */
+typedef struct stall_log {
+  ran_log log;
+  int others;
+} stall_log;
+
+static void stall_run(void *ctx, zc_task *list) {
+  stall_log *s = ctx;
+  if (list->shard == 0 && list == &list->op->tasks[0])
+    s->others = wait_ran(&s->log, 9);
+  log_run(&s->log, list);
+}
+
+/* The index in the log of task i of op, or -1. */
+static int logged_at(ran_log *r, const zs_request *op, uint32_t i) {
+  for (int k = 0; k < r->n; k++)
+    if (r->ran[k] == &op->tasks[i])
+      return k;
+  return -1;
+}
+
+static void a_shards_pushes_are_handed_on_in_their_order_while_other_shards_go_on(void **state) {
+  (void)state;
+  stall_log s = {.log = {.n = 0}};
+  pthread_mutex_init(&s.log.mu, NULL);
+  pthread_cond_init(&s.log.cv, NULL);
+  zc_pool p;
+  assert_int_equal(zc_pool_start(&p, 4, 3, 0, 0, stall_run, log_cancel, &s), ZS_OK);
+  zc_pool_order_pushes(&p, 1);
+  /* Shard 0 gets tasks 0, 4 and 8; shards 1 to 3 the nine others. */
+  zs_request *push = fake_op(ZC_OP_PUSH, 12);
+  zc_pool_submit(&p, push->tasks, 12);
+  assert_int_equal(wait_ran(&s.log, 12), 12);
+  /* Every other shard's push ran while shard 0's first was held up ... */
+  assert_int_equal(s.others, 9);
+  /* ... and shard 0's came after it, in their order, although two workers
+   * were free to take them meanwhile. */
+  int at0 = logged_at(&s.log, push, 0), at4 = logged_at(&s.log, push, 4),
+      at8 = logged_at(&s.log, push, 8);
+  assert_true(at0 >= 0 && at0 < at4 && at4 < at8);
+  zc_pool_stop(&p);
+  zc_pool_free(&p);
+  free(push);
+}
+
 /* ---- the bits of every schedule ----------------------------------------------------- */
 
 #define NT 4
@@ -629,6 +676,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(rotated_schedule_admits_round_robin_from_the_rank_within_its_window),
       cmocka_unit_test(fifo_schedule_admits_everything_at_once),
+      cmocka_unit_test(a_shards_pushes_are_handed_on_in_their_order_while_other_shards_go_on),
       cmocka_unit_test(a_bad_schedule_is_refused),
       cmocka_unit_test(an_unknown_congestion_control_is_refused),
       cmocka_unit_test(tcp_congestion_reaches_the_data_plane_sockets),
