@@ -35,8 +35,12 @@
  * held back this way: a pipelined step's pulls go out while its pushes are
  * still being sent, rather than behind all of them (a trainer's 8 MiB of
  * pushes to one shard is 67 ms at 1 Gbit/s). The kernel's socket buffer
- * still sits ahead of any request; this bounds what libuv queues on top. */
-#define DPC_UNSENT_MAX (UINT64_C(1) << 20)
+ * still sits ahead of any request; this bounds what libuv queues on top.
+ * 1 MiB held a pull request 0.15 s behind the first pushes on emulated
+ * 0.25 Gbit/s links, and the pipelined step's answers never made up that
+ * start; 256 KiB halved it (docs/PERFORMANCE.md, "The pieces' order"). A
+ * larger push is still written whole: the bound only stops the next. */
+#define DPC_UNSENT_MAX (UINT64_C(256) << 10)
 
 /* C_HELLO: connected, HELLO sent, its answer awaited (still "connecting"
  * for the connect timeout and for dp_client_open). */
