@@ -565,6 +565,8 @@ static int requeue(zs_client *c, zc_task *t, int phase) {
 /* A trace record of task t's piece (common/base/trace.h; off unless
  * ZSHARD_TRACE is set). */
 static void trace_task(const zs_client *c, const zc_task *t, trace_kind kind) {
+  if (!trace_enabled())
+    return;
   const layout_piece *pc = &c->lay.pieces[t->piece];
   trace_ev(kind, t->op->step, pc->tensor, pc->slice, c->opt.rank);
 }
@@ -874,7 +876,7 @@ static int batch_submit(zc_dpbatch *b) {
   }
   const zs_request *op0 = b->t[0]->op;
   uint32_t n = b->n;
-  for (uint32_t i = 0; i < n; i++)
+  for (uint32_t i = 0; trace_enabled() && i < n; i++)
     trace_task(c, b->t[i], b->push ? TRACE_C_PUSH : TRACE_C_PULL);
   zc_task *tasks[WIRE_MAX_BATCH];
   memcpy(tasks, b->t, n * sizeof tasks[0]);

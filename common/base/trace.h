@@ -39,9 +39,15 @@ extern int trace__on; /* set once, before any thread starts, by a constructor */
 
 void trace__add(trace_kind kind, uint64_t step, uint32_t tensor, uint32_t slice, uint32_t who);
 
+/* 1 when tracing is on: callers test it before a loop of records or before
+ * computing a record's fields, so that tracing off costs one branch. */
+static inline int trace_enabled(void) {
+  return __builtin_expect(trace__on, 0);
+}
+
 static inline void trace_ev(trace_kind kind, uint64_t step, uint32_t tensor, uint32_t slice,
                             uint32_t who) {
-  if (__builtin_expect(trace__on, 0))
+  if (trace_enabled())
     trace__add(kind, step, tensor, slice, who);
 }
 

@@ -352,32 +352,30 @@ static int parse_whole(const char *text, size_t digits, uint64_t max, uint64_t *
   return ZS_OK;
 }
 
-int stream_pacing_parse(const char *text, const char *what, uint32_t *mbit, char *err,
-                        size_t errlen) {
+/* parse_whole into a uint32_t, or ZS_EINVAL with "<what> must be <range>
+ * <max>, not '<text>'" at err. */
+static int parse_setting(const char *text, size_t digits, uint32_t max, const char *what,
+                         const char *range, uint32_t *out, char *err, size_t errlen) {
   uint64_t v;
-  if (parse_whole(text, 6, STREAM_PACING_MBIT_MAX, &v) != ZS_OK) {
+  if (parse_whole(text, digits, max, &v) != ZS_OK) {
     if (err && errlen)
-      snprintf(err, errlen,
-               "%s must be a whole number of Mbit/s from 0 (no pacing) to %u, not '%.32s'", what,
-               STREAM_PACING_MBIT_MAX, text ? text : "");
+      snprintf(err, errlen, "%s must be %s %u, not '%.32s'", what, range, max, text ? text : "");
     return ZS_EINVAL;
   }
-  *mbit = (uint32_t)v;
+  *out = (uint32_t)v;
   return ZS_OK;
+}
+
+int stream_pacing_parse(const char *text, const char *what, uint32_t *mbit, char *err,
+                        size_t errlen) {
+  return parse_setting(text, 6, STREAM_PACING_MBIT_MAX, what,
+                       "a whole number of Mbit/s from 0 (no pacing) to", mbit, err, errlen);
 }
 
 int stream_pacer_lowat_parse(const char *text, const char *what, uint32_t *bytes, char *err,
                              size_t errlen) {
-  uint64_t v;
-  if (parse_whole(text, 10, STREAM_PACER_LOWAT_MAX, &v) != ZS_OK) {
-    if (err && errlen)
-      snprintf(err, errlen,
-               "%s must be a number of bytes from 0 (the kernel's default) to %u, not '%.32s'",
-               what, STREAM_PACER_LOWAT_MAX, text ? text : "");
-    return ZS_EINVAL;
-  }
-  *bytes = (uint32_t)v;
-  return ZS_OK;
+  return parse_setting(text, 10, STREAM_PACER_LOWAT_MAX, what,
+                       "a number of bytes from 0 (the kernel's default) to", bytes, err, errlen);
 }
 
 int stream_set_pacing(stream *s, uint32_t mbit) {

@@ -150,7 +150,7 @@ static void handle_pull_batch(dp_conn *c, const wire_msg *m) {
   p->nbytes = (size_t)total;
   p->pieces = pcs;
   p->npieces = q->npieces;
-  for (uint32_t i = 0; i < q->npieces; i++)
+  for (uint32_t i = 0; trace_enabled() && i < q->npieces; i++)
     trace_ev(TRACE_PULL_IN, q->min_version, pcs[i].tensor, pcs[i].slice, q->npieces);
   pull_wait(c, p, q->timeout_ms);
 }

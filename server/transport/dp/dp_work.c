@@ -213,7 +213,7 @@ static void work_finish(dp_work *w) {
   dp_server *s = c->s;
   dp__observe(s, w->type, w->start_ns, w->status != 0);
   int pull = w->type == WIRE_PULL || w->type == WIRE_PULL_BATCH;
-  if (pull && w->status == 0) {
+  if (pull && w->status == 0 && trace_enabled()) {
     if (w->pieces)
       for (uint32_t i = 0; i < w->npieces; i++)
         trace_ev(TRACE_PULL_OUT, w->version, w->pieces[i].tensor, w->pieces[i].slice, w->npieces);
